@@ -1,0 +1,26 @@
+"""moeblaze: memory-lean, fast Mixture-of-Experts training (MoEBlaze, arXiv 2601.05296).
+
+Public API: :class:`MoE` (router + experts module), :func:`moe_experts` (the routed experts),
+:func:`build_dispatch` / :class:`DispatchIndex` (zero-buffer dispatch), :class:`Router`,
+:func:`aux_loss` and :func:`moe_experts_reference` (float64 reference for tests).
+"""
+
+from .dispatch import DispatchIndex, build_dispatch
+from .experts import moe_experts
+from .layer import MoE, aux_loss
+from .reference import moe_experts_reference
+from .routing import Router, RouterOutput, load_balancing_loss, router_z_loss
+
+__all__ = [
+    "DispatchIndex",
+    "MoE",
+    "Router",
+    "RouterOutput",
+    "aux_loss",
+    "build_dispatch",
+    "load_balancing_loss",
+    "moe_experts",
+    "moe_experts_reference",
+    "router_z_loss",
+]
+__version__ = "0.1.0"

@@ -1,0 +1,202 @@
+"""Zero-buffer token dispatch: the light index that replaces the permuted routing buffer.
+
+MoEBlaze §4.1-4.2 (arXiv 2601.05296), DESIGN.md §3.
+
+The index contract (every builder and every kernel relies on exactly this)
+---------------------------------------------------------------------------
+Routing: ``topk_ids [T, K]``, K distinct experts per token, ids in ``[0, E)``.
+A *pair* is ``p = t*K + k``; there are ``N = T*K`` pairs and as many *slots*.
+
+``expert_token_offsets  [E+1] int32``  exclusive prefix sum of per-expert pair counts;
+                                        ``offsets[0] == 0``, ``offsets[E] == N``.
+``expert_token_indices  [N]   int32``  slot s -> token id. The slots of expert e are
+                                        ``offsets[e]:offsets[e+1]``; tokens ascend inside each range
+                                        (stable, hence deterministic).
+``token_expert_indices  [T, K] int32`` the routing itself (``topk_ids`` as int32).
+``token_index_map       [T, K] int32`` pair (t, k) -> its slot s.
+
+Invariants: ``expert_token_indices[token_index_map[t, k]] == t``; ``token_index_map`` is a
+permutation of ``0..N-1``; ``offsets`` is non-decreasing with ``diff(offsets) == bincount(ids)``.
+Experts read rows of the *unpermuted* input through ``expert_token_indices``; the combine reads expert
+outputs through ``token_index_map``. No ``[N, d]`` copy of the input is ever made.
+
+The PyTorch build here is the CPU path and the reference for the Triton build (``kernels.dispatch``):
+per-expert counts, an exclusive prefix sum, per-expert ranks from a running one-hot count — no
+``sort``/``argsort`` and no atomics.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["DispatchIndex", "build_dispatch", "build_dispatch_torch", "check_topk_ids"]
+
+# One-hot rank chunks are kept at <= 2**24 int32 elements (64 MiB) so the PyTorch build stays
+# O(N) in memory at any T*E instead of materialising the paper's full [N, E] map.
+_ONEHOT_CHUNK_ELEMS = 1 << 24
+
+
+@dataclass(frozen=True)
+class DispatchIndex:
+    """The dispatch index of DESIGN.md §3 (see the contract at the top of this module).
+
+    Attributes:
+        expert_token_offsets: ``[E+1]`` int32, exclusive prefix sum of per-expert counts.
+        expert_token_indices: ``[N]`` int32, slot -> token id, tokens ascending per expert.
+        token_expert_indices: ``[T, K]`` int32, the routing (top-k expert ids).
+        token_index_map: ``[T, K]`` int32, pair (t, k) -> slot.
+        num_experts: E.
+    """
+
+    expert_token_offsets: torch.Tensor
+    expert_token_indices: torch.Tensor
+    token_expert_indices: torch.Tensor
+    token_index_map: torch.Tensor
+    num_experts: int
+
+    @property
+    def num_tokens(self) -> int:
+        """T, the number of tokens."""
+        return self.token_index_map.shape[0]
+
+    @property
+    def top_k(self) -> int:
+        """K, experts per token."""
+        return self.token_index_map.shape[1]
+
+    @property
+    def num_pairs(self) -> int:
+        """N = T*K, the number of routed pairs (slots)."""
+        return self.token_index_map.numel()
+
+    def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The four arrays, in the order of DESIGN.md §3."""
+        return (self.expert_token_offsets, self.expert_token_indices,
+                self.token_expert_indices, self.token_index_map)
+
+    def nbytes(self) -> int:
+        """Bytes held by the index: 4*(E+1) + 12*N."""
+        return sum(t.numel() * t.element_size() for t in self.tensors())
+
+
+def check_topk_ids(topk_ids: torch.Tensor, num_experts: int, check_range: bool = True) -> None:
+    """Validate a routing before any kernel sees it.
+
+    Args:
+        topk_ids: ``[T, K]`` integer tensor of expert ids.
+        num_experts: E >= 1.
+        check_range: also check ``0 <= id < E`` and that ids are distinct within each row. This reads
+            the ids back to the host once (one synchronisation); set ``MOEBLAZE_CHECK_IDS=0`` to skip
+            it globally when the ids come from a trusted router.
+
+    Raises:
+        TypeError: ``topk_ids`` is not an integer tensor.
+        ValueError: wrong rank, ``num_experts < 1``, K > E, an id out of range or a repeated id in a row.
+    """
+    if not isinstance(topk_ids, torch.Tensor):
+        raise TypeError(f"topk_ids must be a torch.Tensor, got {type(topk_ids).__name__}")
+    if topk_ids.dtype not in (torch.int32, torch.int64, torch.int16, torch.uint8):
+        raise TypeError(f"topk_ids must be an integer tensor (int32 or int64), got dtype {topk_ids.dtype}")
+    if topk_ids.dim() != 2:
+        raise ValueError(f"topk_ids must have shape [T, K] (rank 2), got shape {tuple(topk_ids.shape)}")
+    if not isinstance(num_experts, int) or num_experts < 1:
+        raise ValueError(f"num_experts must be a positive int, got {num_experts!r}")
+    T, K = topk_ids.shape
+    if K < 1 or num_experts < K:
+        raise ValueError(f"topk_ids has K={K} columns; expected 1 <= K <= num_experts={num_experts}")
+    if not check_range or T == 0 or os.environ.get("MOEBLAZE_CHECK_IDS", "1") == "0":
+        return
+    lo, hi = torch.aminmax(topk_ids)
+    lo, hi = int(lo), int(hi)
+    if lo < 0 or hi >= num_experts:
+        raise ValueError(f"topk_ids holds expert ids in [{lo}, {hi}]; expected ids in [0, {num_experts})")
+    if K > 1:
+        s = topk_ids.sort(dim=1).values  # validation only; the build itself never sorts
+        if bool((s[:, 1:] == s[:, :-1]).any()):
+            raise ValueError("topk_ids repeats an expert within a token's row; top-k ids must be distinct")
+
+
+def _ranks_within_expert(flat_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per pair, its rank among the pairs of the same expert (pair order), and per-expert counts.
+
+    Tile-scan of MoEBlaze §4.2 in PyTorch: each chunk of pairs forms its one-hot [chunk, E] map,
+    an inclusive cumsum gives in-chunk ranks, and a running per-expert base carries across chunks.
+    """
+    N = flat_ids.numel()
+    device = flat_ids.device
+    ranks = torch.empty(N, dtype=torch.int32, device=device)
+    base = torch.zeros(num_experts, dtype=torch.int32, device=device)
+    chunk = max(1, _ONEHOT_CHUNK_ELEMS // num_experts)
+    cols = torch.arange(num_experts, device=device, dtype=flat_ids.dtype)
+    for start in range(0, N, chunk):
+        ids = flat_ids[start:start + chunk]
+        onehot = (ids[:, None] == cols[None, :]).to(torch.int32)  # [chunk, E]
+        running = onehot.cumsum(0, dtype=torch.int32)  # inclusive count per expert
+        ranks[start:start + chunk] = (running.gather(1, ids[:, None].long()).squeeze(1) - 1
+                                      + base[ids.long()])
+        base += running[-1]
+    return ranks, base
+
+
+def build_dispatch_torch(topk_ids: torch.Tensor, num_experts: int) -> DispatchIndex:
+    """Build the dispatch index in plain PyTorch (no sort, no atomics). Works on any device.
+
+    Args:
+        topk_ids: ``[T, K]`` integer expert ids, validated by the caller.
+        num_experts: E.
+
+    Returns:
+        The :class:`DispatchIndex` (all int32).
+    """
+    T, K = topk_ids.shape
+    device = topk_ids.device
+    flat = topk_ids.reshape(-1).to(torch.int32)
+    ranks, counts = _ranks_within_expert(flat, num_experts)
+    offsets = torch.zeros(num_experts + 1, dtype=torch.int32, device=device)
+    torch.cumsum(counts, 0, dtype=torch.int32, out=offsets[1:])
+    slot = offsets[flat.long()] + ranks  # [N] final slot of each pair
+    token_of_pair = torch.arange(T, dtype=torch.int32, device=device).repeat_interleave(K)
+    indices = torch.empty(T * K, dtype=torch.int32, device=device)
+    indices[slot.long()] = token_of_pair  # a permutation: every slot written exactly once
+    return DispatchIndex(offsets, indices, flat.view(T, K), slot.view(T, K), num_experts)
+
+
+def build_dispatch(topk_ids: torch.Tensor, num_experts: int, validate: bool = True) -> DispatchIndex:
+    """Build the zero-buffer dispatch index of a top-k routing (MoEBlaze §4.1-4.2, DESIGN.md §3).
+
+    On CUDA tensors the atomic-free Triton build runs (when Triton is importable); elsewhere the
+    PyTorch build. Both give bitwise the same arrays.
+
+    Args:
+        topk_ids: ``[T, K]`` int32 or int64 expert ids, distinct within each row, in ``[0, E)``.
+        num_experts: E.
+        validate: check dtype/shape always and, unless ``MOEBLAZE_CHECK_IDS=0``, the id range
+            (one host synchronisation). Ids from :class:`moeblaze.Router` are in range by
+            construction, so the layer passes ``validate=False``.
+
+    Returns:
+        :class:`DispatchIndex` with ``expert_token_offsets [E+1]``, ``expert_token_indices [N]``,
+        ``token_expert_indices [T, K]`` and ``token_index_map [T, K]``, all int32.
+
+    Raises:
+        TypeError, ValueError: see :func:`check_topk_ids`.
+    """
+    check_topk_ids(topk_ids, num_experts, check_range=validate)
+    if topk_ids.is_cuda and _triton_dispatch_available():
+        from .kernels.dispatch import build_dispatch_triton
+
+        return build_dispatch_triton(topk_ids, num_experts)
+    return build_dispatch_torch(topk_ids, num_experts)
+
+
+def _triton_dispatch_available() -> bool:
+    if os.environ.get("MOEBLAZE_DISPATCH", "auto") == "torch":
+        return False
+    try:
+        from .kernels import dispatch  # noqa: F401
+    except ImportError:
+        return False
+    return True

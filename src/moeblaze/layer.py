@@ -1,0 +1,106 @@
+"""``moeblaze.MoE``: router + routed experts as one ``nn.Module`` (DESIGN.md §2)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+
+from .activations import check_activation, is_gated
+from .dispatch import build_dispatch
+from .experts import BACKENDS, SAVE_MODES, moe_experts
+from .routing import Router
+
+__all__ = ["MoE", "aux_loss"]
+
+
+class MoE(nn.Module):
+    """A dropless token-choice top-k Mixture-of-Experts feed-forward layer (MoEBlaze, arXiv 2601.05296).
+
+    Args:
+        d_model: d, the model dimension.
+        d_ff: h, each expert's intermediate dimension (gated activations project to 2h).
+        num_experts: E.
+        top_k: K, experts per token.
+        activation: ``swiglu`` (default), ``geglu``, ``silu``, ``gelu`` or ``relu``.
+        score_func: router scores, ``softmax`` or ``sigmoid``.
+        renormalize: renormalise the top-k weights (default: False for softmax, True for sigmoid).
+        save: ``"preact"`` or ``"input"`` — what the experts keep for backward (see :func:`moe_experts`).
+        aux_loss_coef: load-balancing loss coefficient; z_loss_coef: router z-loss coefficient.
+        backend: ``"auto"``, ``"torch"`` or ``"triton"``.
+
+    Parameters (layout of DESIGN.md §2, HF transformers v5 fused experts): ``router.weight [E, d]``,
+    ``w_gate_up [E, 2h, d]`` (gated; ``w_up [E, h, d]`` otherwise) and ``w_down [E, d, h]``, all
+    initialised ``U(-1/sqrt(fan_in), 1/sqrt(fan_in))`` as ``nn.Linear``.
+
+    Forward: ``x [..., d]`` -> ``[..., d]`` in ``x.dtype``. After each training-mode forward,
+    ``self.aux_loss`` holds the router's coefficient-weighted auxiliary loss (load balancing + z-loss,
+    a 0-dim fp32 tensor in the graph); add it to the training loss, or use :func:`aux_loss` to sum it
+    over a model. ``self.last_topk_ids [T, K]`` keeps the last routing (detached) for load statistics.
+
+    Raises:
+        ValueError: bad configuration, or an input whose last dimension is not d.
+    """
+
+    def __init__(self, d_model: int, d_ff: int, num_experts: int, top_k: int, activation: str = "swiglu",
+                 score_func: str = "softmax", renormalize: bool | None = None, save: str = "preact",
+                 aux_loss_coef: float = 0.01, z_loss_coef: float = 0.0, backend: str = "auto",
+                 device=None, dtype=None) -> None:
+        super().__init__()
+        check_activation(activation)
+        if save not in SAVE_MODES:
+            raise ValueError(f"save must be one of {SAVE_MODES}, got {save!r}")
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        for name, v in (("d_model", d_model), ("d_ff", d_ff), ("num_experts", num_experts)):
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be a positive int, got {v!r}")
+        self.d_model, self.d_ff, self.num_experts, self.top_k = d_model, d_ff, num_experts, top_k
+        self.activation, self.save, self.backend = activation, save, backend
+        self.router = Router(d_model, num_experts, top_k, score_func, renormalize, aux_loss_coef,
+                             z_loss_coef, device=device, dtype=dtype)
+        rows = 2 * d_ff if is_gated(activation) else d_ff
+        self._w1_name = "w_gate_up" if is_gated(activation) else "w_up"
+        kw = {"device": device, "dtype": dtype}
+        self.register_parameter(self._w1_name, nn.Parameter(torch.empty(num_experts, rows, d_model, **kw)))
+        self.w_down = nn.Parameter(torch.empty(num_experts, d_model, d_ff, **kw))
+        self.reset_parameters()
+        self.aux_loss: torch.Tensor = torch.zeros(())
+        self.last_topk_ids: torch.Tensor | None = None
+
+    @property
+    def w1(self) -> nn.Parameter:
+        """The up-projection weight: ``w_gate_up [E, 2h, d]`` or ``w_up [E, h, d]``."""
+        return getattr(self, self._w1_name)
+
+    def reset_parameters(self) -> None:
+        self.router.reset_parameters()
+        nn.init.uniform_(self.w1, -1 / math.sqrt(self.d_model), 1 / math.sqrt(self.d_model))
+        nn.init.uniform_(self.w_down, -1 / math.sqrt(self.d_ff), 1 / math.sqrt(self.d_ff))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] != self.d_model:
+            raise ValueError(f"MoE input must have last dimension d_model={self.d_model}, got {tuple(x.shape)}")
+        shape = x.shape
+        x2 = x.reshape(-1, self.d_model)
+        routing = self.router(x2)
+        topk_weights = routing.topk_weights.to(x.dtype) if x.dtype == torch.float64 else routing.topk_weights
+        # Ids come from torch.topk over E scores: in range and distinct by construction, so the
+        # host-synchronising range check is skipped.
+        index = build_dispatch(routing.topk_ids, self.num_experts, validate=False)
+        out = moe_experts(x2, routing.topk_ids, topk_weights, self.w1, self.w_down,
+                          activation=self.activation, save=self.save, backend=self.backend, index=index)
+        self.aux_loss = routing.loss
+        self.last_topk_ids = routing.topk_ids.detach()
+        return out.reshape(shape)
+
+    def extra_repr(self) -> str:
+        return (f"d_model={self.d_model}, d_ff={self.d_ff}, num_experts={self.num_experts}, "
+                f"top_k={self.top_k}, activation={self.activation}, save={self.save}, backend={self.backend}")
+
+
+def aux_loss(model: nn.Module) -> torch.Tensor:
+    """Sum of ``aux_loss`` over every :class:`MoE` in ``model`` (from their last forward)."""
+    losses = [m.aux_loss for m in model.modules() if isinstance(m, MoE)]
+    return torch.stack([loss.float().to(losses[0].device) for loss in losses]).sum() if losses else torch.zeros(())

@@ -1,0 +1,145 @@
+"""Top-k token-choice router with fp32 math and the usual auxiliary losses (DESIGN.md §2).
+
+Score functions: ``softmax`` (softmax over E, then top-k, optional renormalisation — Switch/Mixtral/
+Qwen3 style) and ``sigmoid`` (DeepSeek-V3: sigmoid scores, top-k, renormalised to sum 1).
+Losses: the Switch Transformer load-balancing loss (Fedus et al. 2021, eq. 4)
+``E * sum_e f_e * P_e`` and the router z-loss (ST-MoE, Zoph et al. 2022, eq. 5)
+``mean_t logsumexp(logits_t)^2``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+SCORE_FUNCS = ("softmax", "sigmoid")
+
+
+class _RouterLogits(torch.autograd.Function):
+    """``logits = x Wr^T`` in fp32 while saving ``x`` in its own dtype (no fp32 copy kept: 4Td bytes
+    less than ``F.linear(x.float(), ...)``, and ``x`` is shared with the experts' saved input)."""
+
+    @staticmethod
+    def forward(ctx, x, weight):
+        ctx.save_for_backward(x, weight)
+        return x.float() @ weight.float().t()
+
+    @staticmethod
+    def backward(ctx, dlogits):
+        x, weight = ctx.saved_tensors
+        dx = dw = None
+        if ctx.needs_input_grad[0]:
+            dx = (dlogits @ weight.float()).to(x.dtype)
+        if ctx.needs_input_grad[1]:
+            dw = (dlogits.t() @ x.float()).to(weight.dtype)
+        return dx, dw
+
+
+def load_balancing_loss(probs: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+    """Switch load-balancing loss ``E * sum_e f_e * P_e`` (1.0 at perfect balance).
+
+    Args:
+        probs: ``[T, E]`` fp32 routing probabilities (rows sum to 1).
+        topk_ids: ``[T, K]`` chosen experts; ``f_e`` is the fraction of the T*K pairs sent to e.
+    """
+    T, E = probs.shape
+    counts = torch.zeros(E, dtype=torch.float32, device=probs.device)
+    counts.index_add_(0, topk_ids.reshape(-1).long(),
+                      torch.ones(topk_ids.numel(), dtype=torch.float32, device=probs.device))
+    f = counts / max(topk_ids.numel(), 1)
+    return E * (f * probs.mean(0)).sum()
+
+
+def router_z_loss(logits: torch.Tensor) -> torch.Tensor:
+    """ST-MoE z-loss ``mean_t logsumexp(logits_t)^2`` on ``[T, E]`` fp32 logits."""
+    return torch.logsumexp(logits, dim=-1).square().mean()
+
+
+@dataclass
+class RouterOutput:
+    """What :class:`Router` returns.
+
+    Attributes:
+        topk_ids: ``[T, K]`` int32 expert ids (distinct per row).
+        topk_weights: ``[T, K]`` fp32 combine weights (differentiable).
+        logits: ``[T, E]`` fp32 router logits.
+        aux_loss: load-balancing loss times its coefficient (a 0-dim fp32 tensor).
+        z_loss: z-loss times its coefficient.
+    """
+
+    topk_ids: torch.Tensor
+    topk_weights: torch.Tensor
+    logits: torch.Tensor
+    aux_loss: torch.Tensor
+    z_loss: torch.Tensor
+
+    @property
+    def loss(self) -> torch.Tensor:
+        """The router's total auxiliary loss, to add to the training loss."""
+        return self.aux_loss + self.z_loss
+
+
+class Router(nn.Module):
+    """Top-k router: ``logits = x Wr^T`` (fp32), scores, top-k, weights and auxiliary losses.
+
+    Args:
+        d_model: d.
+        num_experts: E.
+        top_k: K, 1 <= K <= E.
+        score_func: ``"softmax"`` or ``"sigmoid"``.
+        renormalize: rescale the K chosen weights to sum to 1. ``None``: False for softmax, True for
+            sigmoid (DeepSeek-V3).
+        aux_loss_coef: coefficient of the load-balancing loss (0 disables it).
+        z_loss_coef: coefficient of the z-loss (0 disables it).
+
+    Shapes: input ``[T, d]`` (any float dtype), weight ``[E, d]``.
+
+    Raises:
+        ValueError: bad ``top_k``, ``score_func`` or a wrong input shape.
+    """
+
+    def __init__(self, d_model: int, num_experts: int, top_k: int, score_func: str = "softmax",
+                 renormalize: bool | None = None, aux_loss_coef: float = 0.01, z_loss_coef: float = 0.0,
+                 device=None, dtype=None) -> None:
+        super().__init__()
+        if score_func not in SCORE_FUNCS:
+            raise ValueError(f"score_func must be one of {SCORE_FUNCS}, got {score_func!r}")
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(f"top_k must be in [1, num_experts={num_experts}], got {top_k}")
+        self.d_model, self.num_experts, self.top_k = d_model, num_experts, top_k
+        self.score_func = score_func
+        self.renormalize = (score_func == "sigmoid") if renormalize is None else renormalize
+        self.aux_loss_coef, self.z_loss_coef = aux_loss_coef, z_loss_coef
+        self.weight = nn.Parameter(torch.empty(num_experts, d_model, device=device, dtype=dtype))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """``U(-1/sqrt(d), 1/sqrt(d))``, as ``nn.Linear``."""
+        bound = 1.0 / math.sqrt(self.d_model)
+        nn.init.uniform_(self.weight, -bound, bound)
+
+    def forward(self, x: torch.Tensor) -> RouterOutput:
+        if x.dim() != 2 or x.shape[1] != self.d_model:
+            raise ValueError(f"router input must have shape [T, d={self.d_model}], got {tuple(x.shape)}")
+        logits = _RouterLogits.apply(x, self.weight)
+        if self.score_func == "softmax":
+            scores = torch.softmax(logits, dim=-1)
+            probs = scores
+        else:
+            scores = torch.sigmoid(logits)
+            probs = scores / scores.sum(-1, keepdim=True)
+        topk_weights, topk_ids = torch.topk(scores, self.top_k, dim=-1)
+        if self.renormalize:
+            topk_weights = topk_weights / topk_weights.sum(-1, keepdim=True).clamp_min(1e-20)
+        zero = logits.new_zeros(())
+        aux = (self.aux_loss_coef * load_balancing_loss(probs, topk_ids)
+               if self.aux_loss_coef and self.training else zero)
+        z = self.z_loss_coef * router_z_loss(logits) if self.z_loss_coef and self.training else zero
+        return RouterOutput(topk_ids.to(torch.int32), topk_weights, logits, aux, z)
+
+    def extra_repr(self) -> str:
+        return (f"d_model={self.d_model}, num_experts={self.num_experts}, top_k={self.top_k}, "
+                f"score_func={self.score_func}, renormalize={self.renormalize}")
