@@ -1,0 +1,117 @@
+"""Test utilities: routings for the named edge cases and the DESIGN.md §7 tolerance rule.
+
+The rule (after flash-attention's tests): a kernel's error against the float64 reference may be at
+most ``factor`` (2) times the error of plain PyTorch computing the same thing in the same dtype, plus a
+rounding floor of one machine epsilon of that dtype. Errors are relative Frobenius norms.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+from .activations import is_gated
+from .reference import moe_experts_reference
+
+ROUTINGS = ("uniform", "zipf", "one_expert", "empty_experts")
+
+
+def make_routing(T: int, E: int, K: int, kind: str = "uniform", generator: torch.Generator | None = None,
+                 device: str | torch.device = "cpu") -> torch.Tensor:
+    """Random top-k routing ``[T, K]`` int32 with distinct ids per row.
+
+    Kinds: ``uniform``; ``zipf`` (expert e drawn with weight 1/(e+1)^1.5, highly skewed);
+    ``one_expert`` (every token's first choice is expert 0, i.e. all tokens on one expert when K=1);
+    ``empty_experts`` (only the first ``max(K, E//2)`` experts are used).
+    """
+    if kind not in ROUTINGS:
+        raise ValueError(f"kind must be one of {ROUTINGS}, got {kind!r}")
+    weights = torch.ones(E)
+    if kind == "zipf":
+        weights = 1.0 / torch.arange(1, E + 1, dtype=torch.float64) ** 1.5
+    elif kind == "empty_experts":
+        weights = torch.zeros(E)
+        weights[: max(K, E // 2)] = 1.0
+    if T == 0:
+        return torch.empty(0, K, dtype=torch.int32, device=device)
+    # Gumbel top-k = sampling K distinct experts without replacement, proportional to weights.
+    g = -torch.log(-torch.log(torch.rand(T, E, generator=generator, dtype=torch.float64).clamp_min(1e-12)))
+    keys = torch.log(weights.double().clamp_min(1e-30))[None, :] + g
+    if kind == "one_expert":
+        keys[:, 0] = float("inf")
+    ids = keys.topk(K, dim=1).indices
+    return ids.to(torch.int32).to(device)
+
+
+def make_expert_inputs(T: int, d: int, h: int, E: int, K: int, activation: str = "swiglu",
+                       dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                       routing: str = "uniform", seed: int | None = None) -> dict[str, torch.Tensor]:
+    """Fresh random inputs of :func:`moeblaze.moe_experts` (never zeros), scaled so outputs are O(1).
+
+    Returns a dict with ``x [T, d]``, ``topk_ids [T, K]``, ``topk_weights [T, K]`` (fp32, rows sum to 1),
+    ``w_gate_up [E, 2h|h, d]`` and ``w_down [E, d, h]`` in ``dtype`` on ``device``.
+    """
+    gen = torch.Generator().manual_seed(seed if seed is not None else int(torch.randint(1 << 30, ())))
+    rows = 2 * h if is_gated(activation) else h
+
+    def randn(*shape: int, scale: float = 1.0) -> torch.Tensor:
+        return (torch.randn(*shape, generator=gen) * scale).to(device=device, dtype=dtype)
+
+    tw = torch.rand(T, K, generator=gen) + 0.1
+    return {
+        "x": randn(T, d),
+        "topk_ids": make_routing(T, E, K, routing, gen, device),
+        "topk_weights": (tw / tw.sum(1, keepdim=True)).to(device),
+        "w_gate_up": randn(E, rows, d, scale=d**-0.5),
+        "w_down": randn(E, d, h, scale=h**-0.5),
+    }
+
+
+def rel_error(actual: torch.Tensor, ref: torch.Tensor) -> float:
+    """``||actual - ref|| / ||ref||`` in float64 (NaN or Inf in ``actual`` gives ``inf``)."""
+    a, r = actual.double().cpu(), ref.double().cpu()
+    if not torch.isfinite(a).all():
+        return float("inf")
+    return float((a - r).norm() / r.norm().clamp_min(1e-300))
+
+
+def assert_close_to_reference(name: str, actual: torch.Tensor, ref64: torch.Tensor, baseline: torch.Tensor,
+                              factor: float = 2.0) -> None:
+    """DESIGN.md §7: ``err(actual) <= factor * err(baseline) + eps(dtype)`` against the float64 ``ref64``.
+
+    ``baseline`` is plain PyTorch's result in ``actual``'s dtype. Raises ``AssertionError`` with both errors.
+    """
+    if actual.shape != ref64.shape:
+        raise AssertionError(f"{name}: shape {tuple(actual.shape)} != reference {tuple(ref64.shape)}")
+    floor = torch.finfo(actual.dtype).eps if actual.is_floating_point() else 0.0
+    err, base = rel_error(actual, ref64), rel_error(baseline, ref64)
+    if not err <= factor * base + floor:
+        raise AssertionError(f"{name}: relative error {err:.3e} > {factor} x torch's {base:.3e} + {floor:.1e}")
+
+
+def reference_outputs(inputs: dict[str, torch.Tensor], activation: str, dout: torch.Tensor,
+                      dtype: torch.dtype | None = None) -> tuple[torch.Tensor, ...]:
+    """``(out, dx, dw_gate_up, dw_down, dtopk_weights)`` of :func:`moe_experts_reference`.
+
+    Computed on the CPU in ``dtype`` (float64 by default: the reference; the inputs' dtype: the
+    plain-PyTorch baseline of the tolerance rule).
+    """
+    names = ("x", "w_gate_up", "w_down", "topk_weights")
+    dt = dtype or torch.float64
+    leaves = {k: inputs[k].detach().cpu().to(dt if k != "topk_weights" or dtype is None else
+                                             inputs[k].dtype).requires_grad_() for k in names}
+    out = moe_experts_reference(leaves["x"], inputs["topk_ids"].cpu(), leaves["topk_weights"],
+                                leaves["w_gate_up"], leaves["w_down"], activation)
+    grads = torch.autograd.grad(out, [leaves[k] for k in names], dout.detach().cpu().to(out.dtype))
+    return (out.detach(), *grads)
+
+
+def run_and_grad(fn: Callable[..., torch.Tensor], inputs: dict[str, torch.Tensor],
+                 dout: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Run ``fn(**inputs)`` and return ``(out, dx, dw_gate_up, dw_down, dtopk_weights)``."""
+    names: Sequence[str] = ("x", "w_gate_up", "w_down", "topk_weights")
+    leaves = {k: (v.detach().clone().requires_grad_() if k in names else v) for k, v in inputs.items()}
+    out = fn(**leaves)
+    grads = torch.autograd.grad(out, [leaves[k] for k in names], dout)
+    return (out.detach(), *grads)
