@@ -1,0 +1,197 @@
+"""A small decoder-only MoE transformer over bytes: the model ``moeblaze train`` trains.
+
+Pre-norm blocks ``x += attn(norm(x)); x += moe(norm(x))`` with RMSNorm, causal multi-head attention
+through ``scaled_dot_product_attention`` with rotary positions (RoPE, Su et al. 2021), and a
+:class:`moeblaze.MoE` feed-forward layer in every block. Token embedding over 256 byte values; the
+output head is tied to the embedding by default.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .activations import is_gated
+from .layer import MoE
+
+__all__ = ["ModelConfig", "MoETransformer"]
+
+
+@dataclass
+class ModelConfig:
+    """Sizes and options of :class:`MoETransformer` (notation of DESIGN.md §1).
+
+    Attributes:
+        vocab_size: 256 for bytes.
+        seq_len: the longest context (rotary tables are built for it).
+        d_model: d. n_layers: blocks. n_heads: attention heads (must divide d).
+        d_ff: h, each expert's intermediate size. num_experts: E. top_k: K.
+        activation, score_func, save, backend: passed to :class:`moeblaze.MoE`.
+        aux_loss_coef, z_loss_coef: router loss coefficients (per layer).
+        tie_embeddings: share the embedding matrix with the output head.
+        rope_base: rotary frequency base.
+    """
+
+    vocab_size: int = 256
+    seq_len: int = 256
+    d_model: int = 128
+    n_layers: int = 3
+    n_heads: int = 4
+    d_ff: int = 256
+    num_experts: int = 4
+    top_k: int = 2
+    activation: str = "swiglu"
+    score_func: str = "softmax"
+    save: str = "preact"
+    backend: str = "auto"
+    aux_loss_coef: float = 0.01
+    z_loss_coef: float = 0.001
+    tie_embeddings: bool = True
+    rope_base: float = 10000.0
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "seq_len", "d_model", "n_layers", "n_heads", "d_ff", "num_experts", "top_k"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"{name} must be a positive int, got {getattr(self, name)!r}")
+        if self.d_model % self.n_heads or (self.d_model // self.n_heads) % 2:
+            raise ValueError(f"d_model={self.d_model} must be n_heads={self.n_heads} times an even head size")
+        if self.top_k > self.num_experts:
+            raise ValueError(f"top_k={self.top_k} must be <= num_experts={self.num_experts}")
+
+    def active_params_per_token(self) -> int:
+        """Weights one token multiplies through (embedding lookup excluded, head included)."""
+        d, h = self.d_model, self.d_ff
+        expert = (3 if is_gated(self.activation) else 2) * d * h
+        per_layer = 4 * d * d + d * self.num_experts + self.top_k * expert
+        return self.n_layers * per_layer + self.vocab_size * d
+
+    def train_flops_per_token(self, seq_len: int | None = None) -> int:
+        """Training FLOPs per token: ``6 * active_params + 12 * n_layers * d * seq_len``.
+
+        The first term is forward (2 FLOPs per multiply-add) plus backward (twice forward) through
+        the weights (Kaplan et al. 2020; PaLM App. B); the second is attention's ``QK^T`` and ``AV``,
+        counted without the causal discount, as PaLM does.
+        """
+        s = self.seq_len if seq_len is None else seq_len
+        return 6 * self.active_params_per_token() + 12 * self.n_layers * self.d_model * s
+
+
+class Rotary(nn.Module):
+    """Rotary position tables ``cos, sin [seq_len, head_dim/2]`` (fp32, not saved in checkpoints)."""
+
+    def __init__(self, head_dim: int, seq_len: int, base: float) -> None:
+        super().__init__()
+        inv_freq = 1.0 / base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+        angles = torch.outer(torch.arange(seq_len, dtype=torch.float32), inv_freq)
+        self.register_buffer("cos", angles.cos(), persistent=False)
+        self.register_buffer("sin", angles.sin(), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Rotate ``x [B, heads, S, head_dim]`` by position (pairs: first half with second half)."""
+        S = x.shape[-2]
+        cos, sin = self.cos[:S].to(x.dtype), self.sin[:S].to(x.dtype)
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
+
+
+class Attention(nn.Module):
+    """Causal multi-head self-attention: ``[B, S, d] -> [B, S, d]``."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.n_heads = cfg.n_heads
+        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=False)
+        self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
+        self.rotary = Rotary(cfg.d_model // cfg.n_heads, cfg.seq_len, cfg.rope_base)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, S, d = x.shape
+        q, k, v = self.qkv(x).view(B, S, 3, self.n_heads, d // self.n_heads).permute(2, 0, 3, 1, 4)
+        q, k = self.rotary(q), self.rotary(k)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(B, S, d))
+
+
+class Block(nn.Module):
+    """``x + attn(norm(x))``, then ``x + moe(norm(x))``."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.norm1 = nn.RMSNorm(cfg.d_model)
+        self.attn = Attention(cfg)
+        self.norm2 = nn.RMSNorm(cfg.d_model)
+        self.moe = MoE(cfg.d_model, cfg.d_ff, cfg.num_experts, cfg.top_k, activation=cfg.activation,
+                       score_func=cfg.score_func, save=cfg.save, aux_loss_coef=cfg.aux_loss_coef,
+                       z_loss_coef=cfg.z_loss_coef, backend=cfg.backend)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x))
+        return x + self.moe(self.norm2(x))
+
+
+class MoETransformer(nn.Module):
+    """Decoder-only byte-level MoE transformer.
+
+    Forward: ``idx [B, S]`` int64 byte values (``S <= seq_len``) -> logits ``[B, S, vocab_size]`` in
+    the parameters' dtype. After a training-mode forward, :func:`moeblaze.aux_loss` of the model is
+    the sum of the layers' router losses.
+
+    Raises:
+        ValueError: ``S > seq_len`` or a non-2-D input.
+    """
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.norm = nn.RMSNorm(cfg.d_model)
+        self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self._init_weights()
+        if cfg.tie_embeddings:
+            self.head.weight = self.embed.weight
+
+    def _init_weights(self) -> None:
+        # GPT-2 / nanoGPT: N(0, 0.02), residual projections scaled by 1/sqrt(2 * n_layers).
+        # The MoE layers keep their own (nn.Linear-like) initialisation.
+        for name, p in self.named_parameters():
+            if name.endswith(("qkv.weight", "embed.weight", "head.weight")):
+                nn.init.normal_(p, std=0.02)
+            elif name.endswith("proj.weight"):
+                nn.init.normal_(p, std=0.02 / (2 * self.cfg.n_layers) ** 0.5)
+
+    def moe_layers(self) -> list[MoE]:
+        """The :class:`moeblaze.MoE` module of every block."""
+        return [b.moe for b in self.blocks]
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        if idx.dim() != 2 or idx.shape[1] > self.cfg.seq_len:
+            raise ValueError(f"idx must be [B, S] with S <= seq_len={self.cfg.seq_len}, got {tuple(idx.shape)}")
+        x = self.embed(idx)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))
+
+    @torch.no_grad()
+    def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
+                 top_k: int | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
+        """Sample ``max_new_tokens`` bytes after ``idx [B, S0]``; returns ``[B, S0 + max_new_tokens]`` int64.
+
+        The context is cropped to the last ``seq_len`` bytes. ``temperature <= 0`` means greedy.
+        """
+        for _ in range(max_new_tokens):
+            logits = self(idx[:, -self.cfg.seq_len:])[:, -1, :].float()
+            if temperature <= 0:
+                nxt = logits.argmax(-1, keepdim=True)
+            else:
+                logits = logits / temperature
+                if top_k is not None and top_k < logits.shape[-1]:
+                    kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
+                    logits = logits.masked_fill(logits < kth, float("-inf"))
+                probs = torch.softmax(logits, dim=-1)
+                nxt = torch.multinomial(probs, 1, generator=generator)
+            idx = torch.cat((idx, nxt), dim=1)
+        return idx

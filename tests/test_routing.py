@@ -1,0 +1,72 @@
+import math
+
+import pytest
+import torch
+
+from moeblaze import Router, load_balancing_loss, router_z_loss
+
+
+@pytest.mark.parametrize("score_func", ["softmax", "sigmoid"])
+@pytest.mark.parametrize("renormalize", [None, True, False])
+def test_router_matches_plain_topk(score_func, renormalize):
+    T, d, E, K = 29, 16, 7, 3
+    r = Router(d, E, K, score_func=score_func, renormalize=renormalize)
+    x = torch.randn(T, d, dtype=torch.bfloat16)
+    out = r(x)
+    logits = x.double() @ r.weight.double().t()
+    torch.testing.assert_close(out.logits.double(), logits, rtol=1e-5, atol=1e-5)
+    scores = torch.softmax(logits, -1) if score_func == "softmax" else torch.sigmoid(logits)
+    w, ids = scores.topk(K, dim=-1)
+    if r.renormalize:
+        w = w / w.sum(-1, keepdim=True)
+    assert out.topk_ids.dtype == torch.int32 and out.topk_ids.shape == (T, K)
+    assert torch.equal(out.topk_ids.long(), ids)
+    assert out.topk_weights.dtype == torch.float32
+    torch.testing.assert_close(out.topk_weights.double(), w, rtol=1e-5, atol=1e-6)
+    assert r.renormalize == (score_func == "sigmoid" if renormalize is None else renormalize)
+
+
+def test_router_gradients_flow_in_fp32_and_keep_input_dtype():
+    r = Router(8, 4, 2, aux_loss_coef=0.1, z_loss_coef=0.01)
+    x = torch.randn(10, 8, dtype=torch.bfloat16, requires_grad=True)
+    out = r(x)
+    (out.topk_weights.sum() + out.loss).backward()
+    assert x.grad.dtype == torch.bfloat16 and r.weight.grad.dtype == torch.float32
+    assert torch.isfinite(r.weight.grad).all() and r.weight.grad.abs().sum() > 0
+
+
+def test_load_balancing_loss_values():
+    E = 4
+    probs = torch.full((8, E), 1.0 / E)
+    ids = torch.arange(8).remainder(E)[:, None]
+    assert load_balancing_loss(probs, ids).item() == pytest.approx(1.0)  # perfect balance -> 1
+    skew = torch.zeros(8, E)
+    skew[:, 0] = 1.0
+    assert load_balancing_loss(skew, torch.zeros(8, 1, dtype=torch.long)).item() == pytest.approx(E)
+
+
+def test_z_loss_value():
+    logits = torch.tensor([[0.0, 0.0], [1.0, -1.0]])
+    expect = (math.log(2) ** 2 + math.log(math.e + 1 / math.e) ** 2) / 2
+    assert router_z_loss(logits).item() == pytest.approx(expect, rel=1e-6)
+
+
+def test_losses_scaled_by_coefficients_and_off_in_eval():
+    torch.manual_seed(0)
+    r = Router(8, 4, 2, aux_loss_coef=0.5, z_loss_coef=0.25)
+    x = torch.randn(16, 8)
+    out = r(x)
+    probs = torch.softmax(out.logits, -1)
+    assert out.aux_loss.item() == pytest.approx(0.5 * load_balancing_loss(probs, out.topk_ids).item(), rel=1e-6)
+    assert out.z_loss.item() == pytest.approx(0.25 * router_z_loss(out.logits).item(), rel=1e-6)
+    r.eval()
+    assert r(x).loss.item() == 0.0
+
+
+def test_router_bad_arguments():
+    with pytest.raises(ValueError, match="score_func"):
+        Router(8, 4, 2, score_func="tanh")
+    with pytest.raises(ValueError, match="top_k"):
+        Router(8, 4, 5)
+    with pytest.raises(ValueError, match=r"\[T, d=8\]"):
+        Router(8, 4, 2)(torch.randn(3, 7))
