@@ -2,9 +2,11 @@
 
 Public API: :class:`MoE` (router + experts module), :func:`moe_experts` (the routed experts),
 :func:`build_dispatch` / :class:`DispatchIndex` (zero-buffer dispatch), :class:`Router`,
-:func:`aux_loss` and :func:`moe_experts_reference` (float64 reference for tests).
+:func:`aux_loss`, :func:`memory_report` (where activation memory goes) and
+:func:`moe_experts_reference` (float64 reference for tests).
 """
 
+from .bench.memory_report import MemoryReport, memory_report
 from .dispatch import DispatchIndex, build_dispatch
 from .experts import moe_experts
 from .layer import MoE, aux_loss
@@ -13,12 +15,14 @@ from .routing import Router, RouterOutput, load_balancing_loss, router_z_loss
 
 __all__ = [
     "DispatchIndex",
+    "MemoryReport",
     "MoE",
     "Router",
     "RouterOutput",
     "aux_loss",
     "build_dispatch",
     "load_balancing_loss",
+    "memory_report",
     "moe_experts",
     "moe_experts_reference",
     "router_z_loss",

@@ -151,7 +151,8 @@ def _windows(data: np.ndarray, starts: np.ndarray, seq_len: int) -> tuple[torch.
     return chunk[:, :-1], chunk[:, 1:]
 
 
-def get_batch(data: np.ndarray, step: int, batch_size: int, seq_len: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+def get_batch(data: np.ndarray, step: int, batch_size: int, seq_len: int,
+              seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The batch of training step ``step``: random windows drawn from a generator seeded by ``(seed, step)``.
 
     Returns:

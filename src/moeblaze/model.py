@@ -80,21 +80,23 @@ class ModelConfig:
 
 
 class Rotary(nn.Module):
-    """Rotary position tables ``cos, sin [seq_len, head_dim/2]`` (fp32, not saved in checkpoints)."""
+    """Rotary positions: rotates pairs ``(x[..., i], x[..., i + head_dim/2])`` by ``pos * base^(-2i/head_dim)``.
 
-    def __init__(self, head_dim: int, seq_len: int, base: float) -> None:
+    The angle tables are built in fp32 on the input's device at each call (``S x head_dim/2`` values,
+    negligible), so casting the model to bf16 never rounds them; the rotation itself runs in fp32.
+    """
+
+    def __init__(self, head_dim: int, base: float) -> None:
         super().__init__()
-        inv_freq = 1.0 / base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
-        angles = torch.outer(torch.arange(seq_len, dtype=torch.float32), inv_freq)
-        self.register_buffer("cos", angles.cos(), persistent=False)
-        self.register_buffer("sin", angles.sin(), persistent=False)
+        self.inv_freq = 1.0 / base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Rotate ``x [B, heads, S, head_dim]`` by position (pairs: first half with second half)."""
+        """Rotate ``x [B, heads, S, head_dim]`` by position; returns the same shape and dtype."""
         S = x.shape[-2]
-        cos, sin = self.cos[:S].to(x.dtype), self.sin[:S].to(x.dtype)
-        x1, x2 = x.chunk(2, dim=-1)
-        return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
+        angles = torch.outer(torch.arange(S, device=x.device, dtype=torch.float32), self.inv_freq.to(x.device))
+        cos, sin = angles.cos(), angles.sin()
+        x1, x2 = x.float().chunk(2, dim=-1)
+        return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).to(x.dtype)
 
 
 class Attention(nn.Module):
@@ -105,7 +107,7 @@ class Attention(nn.Module):
         self.n_heads = cfg.n_heads
         self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=False)
         self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
-        self.rotary = Rotary(cfg.d_model // cfg.n_heads, cfg.seq_len, cfg.rope_base)
+        self.rotary = Rotary(cfg.d_model // cfg.n_heads, cfg.rope_base)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, S, d = x.shape

@@ -49,7 +49,7 @@ def grouped_weight_grad(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor)
     """Per expert e: ``a[rows_e].T @ b[rows_e]``. ``a [N, p]``, ``b [N, q]`` -> ``[E, p, q]`` (fp32 accumulate)."""
     E = offsets.numel() - 1
     if _use_grouped_mm(a, b) and a.shape[0] % 8 == 0:
-        return F.grouped_mm(a.t().contiguous(), b.contiguous(), offs=offsets[1:], out_dtype=torch.float32)
+        return F.grouped_mm(a.t().contiguous(), b.contiguous(), offs=offsets[1:])  # fp32 accumulate inside
     out = torch.zeros(E, a.shape[1], b.shape[1], dtype=torch.promote_types(a.dtype, torch.float32),
                       device=a.device)
     bounds = offsets.tolist()

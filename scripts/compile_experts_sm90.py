@@ -1,0 +1,83 @@
+"""Compile every expert-kernel variant for sm_90 (H100/H200) on a machine without a GPU.
+
+Catches what the Triton interpreter does not (e.g. non-constexpr globals, type errors in loops) and
+reports, per variant, shared memory, whether ``wgmma`` and ``cp.async`` pipelining are used, and
+register spills. Pointers and most integers are marked 16-divisible, as Triton specialises them at
+launch when d and h are multiples of 16. Run without TRITON_INTERPRET:
+
+    env -u TRITON_INTERPRET python scripts/compile_experts_sm90.py [bf16|fp16|fp32] [--tuned]
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from moeblaze.kernels.combine import gather_sum_kernel
+from moeblaze.kernels.grouped_gemm import grouped_gemm_kernel
+from moeblaze.kernels.tuning import gemm_configs, prune_gemm_configs, wgrad_configs
+from moeblaze.kernels.wgrad import grouped_wgrad_kernel
+
+TARGET = GPUTarget("cuda", 90, 32)
+NOT_DIVISIBLE = {"max_tiles", "NUM_EXPERTS", "T", "K"}
+
+
+def compile_one(fn, ptr_types, consts, num_warps, num_stages, label):
+    sig = {n: "constexpr" if n in consts else ptr_types.get(n, "i32") for n in fn.arg_names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
+             if sig[n] != "constexpr" and n not in NOT_DIVISIBLE}
+    t = time.time()
+    k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs), target=TARGET,
+                       options={"num_warps": num_warps, "num_stages": num_stages})
+    ptx = k.asm["ptx"]
+    print(f"{label:<70} {time.time() - t:4.1f}s shared={k.metadata.shared:>6} wgmma={'wgmma' in ptx} "
+          f"cp.async={'cp.async' in ptx} spills={'.local' in ptx}", flush=True)
+
+
+def main() -> None:
+    dt = next((a for a in sys.argv[1:] if not a.startswith("--")), "bf16")
+    tuned = "--tuned" in sys.argv
+    T = f"*{dt}"
+    kind = "fixed32" if dt == "fp32" else ("tuned16" if tuned else "fixed16")
+    prec = "ieee" if dt == "fp32" else "tf32"
+    gemm_ptrs = {n: T for n in ("a_ptr", "b_ptr", "c_ptr", "aux_ptr", "wact_ptr", "pre_ptr")}
+    gemm_ptrs.update(scale_ptr="*fp32", offsets_ptr="*i32", indices_ptr="*i32", tile_expert_ptr="*i32",
+                     tile_row_ptr="*i32", num_tiles_ptr="*i32")
+    base = dict(GATHER_A=False, SCATTER_C=False, SCALE_C=False, EPILOGUE=0, ACTIVATION=0, DUAL=False,
+                STORE_PRE=False, STORE_AUX=False, STORE_WACT=False, DOT_PREC=prec, EVEN_K=True, EVEN_N=True,
+                BLOCK_M=128, stride_a_k=1, stride_b_k=1)
+    k_contig_b = dict(stride_b_k=None, stride_b_n=1)
+    variants = {
+        "F1 swiglu": dict(GATHER_A=True, EPILOGUE=1, DUAL=True, STORE_PRE=True, STORE_AUX=True),
+        "F1 gelu, act only, odd": dict(GATHER_A=True, EPILOGUE=1, ACTIVATION=3, STORE_AUX=True, EVEN_K=False,
+                                       EVEN_N=False),
+        "F2 y": dict(),
+        "F2 K=1 scatter": dict(SCATTER_C=True, SCALE_C=True, EVEN_N=False),
+        "B1 swiglu": dict(GATHER_A=True, EPILOGUE=2, STORE_AUX=True, STORE_WACT=True, **k_contig_b),
+        "B1 relu odd": dict(GATHER_A=True, EPILOGUE=2, ACTIVATION=4, STORE_AUX=True, EVEN_K=False, EVEN_N=False,
+                            **k_contig_b),
+        "B3": dict(**k_contig_b),
+    }
+    for name, v in variants.items():
+        c0 = {k: val for k, val in {**base, **v}.items() if val is not None}
+        for cfg in prune_gemm_configs(gemm_configs(kind), {}, DUAL=c0["DUAL"]):
+            compile_one(grouped_gemm_kernel, gemm_ptrs, {**c0, **cfg.kwargs}, cfg.num_warps, cfg.num_stages,
+                        f"gemm {name} {cfg.kwargs} w{cfg.num_warps} s{cfg.num_stages}")
+    wg_ptrs = dict(a_ptr=T, b_ptr=T, c_ptr=T, scale_ptr="*fp32", offsets_ptr="*i32", indices_ptr="*i32")
+    wbase = dict(GATHER_A=False, GATHER_B=False, B_ACT=False, ACTIVATION=0, DOT_PREC=prec, stride_a_p=1,
+                 stride_b_q=1, stride_c_q=1)
+    for name, v in {"B4": dict(GATHER_B=True), "B2": dict(GATHER_A=True),
+                    "B2 recompute": dict(GATHER_A=True, B_ACT=True)}.items():
+        for cfg in wgrad_configs(kind):
+            compile_one(grouped_wgrad_kernel, wg_ptrs, {**wbase, **v, **cfg.kwargs}, cfg.num_warps,
+                        cfg.num_stages, f"wgrad {name} {cfg.kwargs} w{cfg.num_warps} s{cfg.num_stages}")
+    compile_one(gather_sum_kernel, dict(src_ptr=T, w_ptr="*fp32", map_ptr="*i32", out_ptr=T),
+                dict(HAS_W=True, BLOCK_T=16, BLOCK_D=256, stride_w_k=1, stride_map_k=1), 4, 3, "combine")
+
+
+if __name__ == "__main__":
+    main()

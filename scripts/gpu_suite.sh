@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# The GPU suite, in one device call: environment, GPU tests (bf16), dispatch and layer benchmarks.
+# Usage (repo root, on the GPU machine): scripts/gpu_suite.sh STAGE...   with STAGE in
+#   tests      pytest -m gpu (all gpu-marked tests)
+#   dispatch   benchmarks/bench_dispatch.py
+#   experts    benchmarks/bench_experts.py
+#   bench      moeblaze bench --suite all (peers installed from .peers/ when present)
+#   train      moeblaze train on the GPU, torch vs triton backend loss curves
+# Logs, CSVs and plots go to /tmp/gpu_out, packed at the end into $OUT/gpu_results.tgz (the device
+# tool brings back at most 8 files).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+FINAL="${OUT:-./gpu_out}"
+OUT=/tmp/gpu_out
+mkdir -p "$OUT" "$FINAL"
+trap 'tar -czf "$FINAL/gpu_results.tgz" -C "$OUT" .' EXIT
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+  python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; date -u
+} 2>&1 | tee "$OUT/env.txt"
+status=0
+run() {  # run NAME CMD...: tee the output to $OUT/NAME.txt, remember a failure
+  local name=$1; shift
+  echo "=== $name: $*"
+  "$@" 2>&1 | tee "$OUT/$name.txt"
+  local rc=${PIPESTATUS[0]}
+  echo "=== $name exit $rc"
+  status=$(( status | rc ))
+}
+for stage in "$@"; do
+  case "$stage" in
+    tests) run gpu_tests timeout "${TESTS_TIMEOUT:-420}" python3 -m pytest -m gpu -q -rfEs -p no:cacheprovider --durations=15 ;;
+    dispatch) run bench_dispatch python3 benchmarks/bench_dispatch.py --out "$OUT/dispatch.csv" ;;
+    experts) run bench_experts python3 benchmarks/bench_experts.py --out "$OUT/experts.csv" ;;
+    bench)
+      if [[ -f .peers/install.sh ]]; then source .peers/install.sh /tmp/peers >/dev/null; fi
+      run bench python3 -m moeblaze.cli bench --suite all --out "$OUT/bench" ;;
+    train)
+      for b in torch triton; do
+        MOEBLAZE_BACKEND=$b run "train_$b" python3 -m moeblaze.cli train --device cuda --out-dir "/tmp/run_$b"
+      done ;;
+    *) echo "unknown stage $stage"; status=2 ;;
+  esac
+done
+exit "$status"

@@ -1,0 +1,14 @@
+"""``moeblaze bench``: the MoEBlaze paper's evaluation against conventional and peer MoE layers.
+
+Modules: :mod:`.configs` (named configs, suites, FLOP and byte formulas), :mod:`.baselines`
+(the implementations compared), :mod:`.runner` (CUDA-event timing, saved-for-backward bytes, peak
+memory), :mod:`.micro` (dispatch micro-benchmark, training throughput), :mod:`.report` (CSV, markdown,
+terminal), :mod:`.plots` (PNG), :mod:`.memory_report` (``moeblaze.memory_report``) and :mod:`.cli`
+(the ``bench`` and ``memory`` subcommands).
+"""
+
+from .configs import CONFIGS, SUITES, BenchConfig, expected_saved_bytes, get_configs, layer_flops
+from .memory_report import MemoryReport, ModuleMemory, memory_report
+
+__all__ = ["BenchConfig", "CONFIGS", "SUITES", "MemoryReport", "ModuleMemory", "expected_saved_bytes",
+           "get_configs", "layer_flops", "memory_report"]

@@ -1,0 +1,301 @@
+"""Timing and memory of one MoE layer's forward+backward, per (config, implementation) (DESIGN.md §7).
+
+For each config the weights ``router, w1, w2``, the input ``x [T, d]`` and the output gradient are made
+once and shared by every implementation. Per implementation:
+
+1. one step timed on the wall clock (includes Triton autotuning / CuTe compilation: ``warmup_s``);
+2. one step timed with CUDA events: the estimate that sets the repetitions (``target_s`` of timed
+   steps, between ``min_reps`` and ``max_reps``, and never past the per-implementation cap ``cap_s``);
+3. bytes saved for backward (saved-tensor hooks, unique storages, ``x`` and the weights not counted);
+4. peak memory of one step (``torch.cuda.max_memory_allocated``), absolute and above what was allocated
+   before the step (weights, input, output gradient);
+5. the timed steps, each after an L2 flush: the median, in ms.
+
+A step is ``out = fn(x); out.backward(dout)`` with all gradients reset to ``None`` first. Out-of-memory is
+caught and reported as ``OOM``; other failures as ``error``; a global ``budget_s`` skips what is left.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import statistics
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass, field, fields
+
+import torch
+
+from ..memory import SavedTensorCounter
+from .baselines import IMPLS, Impl, ImplOptions, LayerWeights, make_weights
+from .configs import BenchConfig
+
+__all__ = ["Row", "RunOptions", "DTYPES", "run_layers", "measure_impl", "cuda_time_ms", "require_cuda",
+           "NoCudaError"]
+
+MIB = 1 << 20
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+class NoCudaError(RuntimeError):
+    """Raised when a benchmark that needs a CUDA GPU runs without one."""
+
+
+def require_cuda(what: str = "moeblaze bench") -> None:
+    """Raise :class:`NoCudaError` with a clear message unless a CUDA GPU is visible."""
+    if not torch.cuda.is_available():
+        raise NoCudaError(f"{what} needs a CUDA GPU for timing and peak memory, and torch.cuda.is_available() "
+                          f"is False here (torch {torch.__version__}). Run it on a GPU machine; "
+                          "`moeblaze bench --list` and `moeblaze bench --plot results.csv` work anywhere.")
+
+
+@dataclass
+class Row:
+    """One result row (one config x one implementation). Times in ms, memory in MiB (2^20 bytes).
+
+    ``status`` is ``ok``, ``OOM``, ``skipped``, ``unsupported``, ``unavailable`` or ``error``; ``note`` says why.
+    ``step_mib`` is the peak above the memory allocated before the step (weights, x, dout).
+    """
+
+    group: str
+    config: str
+    impl: str
+    T: int
+    d: int
+    h: int
+    E: int
+    K: int
+    activation: str
+    dtype: str
+    status: str = "ok"
+    time_ms: float | None = None
+    tflops: float | None = None
+    saved_mib: float | None = None
+    peak_mib: float | None = None
+    step_mib: float | None = None
+    reps: int = 0
+    warmup_s: float | None = None
+    note: str = ""
+
+    @classmethod
+    def for_config(cls, cfg: BenchConfig, impl: str, dtype: str, **kw) -> Row:
+        return cls(cfg.group, cfg.name, impl, cfg.T, cfg.d, cfg.h, cfg.E, cfg.K, cfg.activation, dtype, **kw)
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in fields(cls)]
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class RunOptions:
+    """Knobs of :func:`run_layers`.
+
+    Attributes:
+        dtype: ``bf16``, ``fp16`` or ``fp32``.
+        min_reps, max_reps: bounds on timed steps; target_s: seconds of timed steps per implementation.
+        cap_s: per-implementation cap (seconds): a first step slower than this is skipped, and the
+            repetitions are cut to fit. budget_s: the whole run; what is left after it is skipped.
+        flush_l2: zero a 256 MiB buffer before every timed step.
+        seed: for weights and inputs. impl: :class:`ImplOptions`.
+        device: ``cuda``; ``cpu`` exists for tests of the runner (wall-clock times, no peak memory).
+    """
+
+    dtype: str = "bf16"
+    min_reps: int = 5
+    max_reps: int = 50
+    target_s: float = 0.5
+    cap_s: float = 90.0
+    budget_s: float | None = None
+    flush_l2: bool = True
+    seed: int = 0
+    impl: ImplOptions = field(default_factory=ImplOptions)
+    device: str = "cuda"
+
+
+def cuda_time_ms(step: Callable[[], None], reps: int, flush: torch.Tensor | None = None) -> list[float]:
+    """Run ``step`` ``reps`` times, each bracketed by CUDA events (after an optional L2 flush); ms per step.
+
+    Without CUDA (tests of the runner only) the wall clock is used.
+    """
+    if not torch.cuda.is_available():
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            step()
+            times.append((time.perf_counter() - t0) * 1e3)
+        return times
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    for s, e in zip(starts, ends):
+        if flush is not None:
+            flush.zero_()
+        s.record()
+        step()
+        e.record()
+    torch.cuda.synchronize()
+    return [s.elapsed_time(e) for s, e in zip(starts, ends)]
+
+
+def _make_step(fn: Callable, x: torch.Tensor, dout: torch.Tensor,
+               params: list[torch.Tensor]) -> tuple[Callable[[], None], Callable[[], None]]:
+    """``(step, zero)``: one forward+backward with fresh gradients, and the gradient reset alone."""
+    def zero() -> None:
+        for p in (*params, x):
+            p.grad = None
+
+    def step() -> None:
+        zero()
+        fn(x).backward(dout)
+
+    return step, zero
+
+
+def _free() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        with contextlib.suppress(RuntimeError):  # a sticky CUDA error surfaces here too; rows report it
+            torch.cuda.empty_cache()
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def measure_impl(cfg: BenchConfig, impl: Impl, w: LayerWeights, x: torch.Tensor, dout: torch.Tensor,
+                 opts: RunOptions, flush: torch.Tensor | None = None) -> Row:
+    """Measure one implementation on one config (steps 1-5 of the module docstring); never raises for
+    OOM or a failing implementation (the row says what happened)."""
+    row = Row.for_config(cfg, impl.name, opts.dtype)
+    try:
+        _measure(row, cfg, impl, w, x, dout, opts, flush)
+    except torch.OutOfMemoryError as exc:
+        row.status, row.note = "OOM", str(exc).split("\n")[0][:120]
+    except Exception as exc:  # a peer failing on a shape must not stop the run
+        first = str(exc).splitlines()[0][:160] if str(exc) else ""
+        oom = "out of memory" in str(exc).lower()  # Triton / CuTe raise their own OOM errors
+        row.status, row.note = ("OOM" if oom else "error"), f"{type(exc).__name__}: {first}"
+    for p in (*w.params(), x):
+        p.grad = None
+    _free()
+    return row
+
+
+def _measure(row: Row, cfg: BenchConfig, impl: Impl, w: LayerWeights, x: torch.Tensor, dout: torch.Tensor,
+             opts: RunOptions, flush: torch.Tensor | None) -> None:
+    t0 = time.perf_counter()
+    fn = impl.build(cfg, w, opts.impl)
+    step, zero = _make_step(fn, x, dout, w.params())
+    step()
+    _sync()
+    row.warmup_s = round(time.perf_counter() - t0, 3)
+    if row.warmup_s > opts.cap_s:
+        row.status, row.note = "skipped", f"first step took {row.warmup_s:.0f} s > cap {opts.cap_s:.0f} s"
+        return
+    est_ms = cuda_time_ms(step, 1, flush)[0]
+    with SavedTensorCounter(exclude=[*w.params(), x]) as counter:
+        out = fn(x)
+    del out
+    row.saved_mib = counter.bytes / MIB
+    zero()
+    if x.is_cuda:
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        step()
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated()
+        flushed = flush.numel() * flush.element_size() if flush is not None else 0  # not the layer's
+        row.peak_mib, row.step_mib = (peak - flushed) / MIB, (peak - base) / MIB
+    left_s = opts.cap_s - (time.perf_counter() - t0)
+    reps = int(min(opts.max_reps, max(opts.min_reps, opts.target_s * 1e3 / max(est_ms, 1e-3))))
+    reps = max(1, min(reps, int(left_s * 1e3 / max(est_ms, 1e-3))))
+    if reps < opts.min_reps:
+        row.note = f"{reps} timed steps (cap {opts.cap_s:.0f} s)"
+    times = cuda_time_ms(step, reps, flush)
+    row.reps = reps
+    row.time_ms = statistics.median(times)
+    row.tflops = cfg.flops / (row.time_ms * 1e-3) / 1e12
+
+
+def _inputs(cfg: BenchConfig, dtype: torch.dtype, seed: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator(device=device).manual_seed(seed + 1)
+    x = torch.randn(cfg.T, cfg.d, device=device, dtype=dtype, generator=gen).requires_grad_()
+    dout = torch.randn(cfg.T, cfg.d, device=device, dtype=dtype, generator=gen)
+    return x, dout
+
+
+def run_layers(configs: Iterable[BenchConfig], impl_names: list[str], opts: RunOptions,
+               on_row: Callable[[Row], None] | None = None, start: float | None = None) -> list[Row]:
+    """Benchmark every implementation in ``impl_names`` on every config; one :class:`Row` each.
+
+    Args:
+        configs: the layer shapes. impl_names: keys of :data:`moeblaze.bench.baselines.IMPLS`.
+        opts: :class:`RunOptions`. on_row: called with each row as soon as it is measured.
+        start: ``time.perf_counter()`` origin of ``opts.budget_s`` (default: now).
+
+    Raises:
+        NoCudaError: no CUDA GPU (``opts.device="cuda"``). KeyError: an unknown implementation name.
+    """
+    if opts.device != "cpu":
+        require_cuda()
+    impls = [IMPLS[n] for n in impl_names]
+    dtype = DTYPES[opts.dtype]
+    start = time.perf_counter() if start is None else start
+    flush = torch.empty(256 * MIB, dtype=torch.int8, device=opts.device) if opts.flush_l2 else None
+    rows: list[Row] = []
+
+    def emit(row: Row) -> None:
+        rows.append(row)
+        if on_row is not None:
+            on_row(row)
+
+    broken: list[str] = []  # set once a sticky CUDA error poisons the context; the rest is skipped
+    for cfg in configs:
+        _run_config(cfg, impls, opts, dtype, flush, emit, start, broken)
+    return rows
+
+
+_STICKY = ("illegal memory access", "device-side assert", "unspecified launch failure", "misaligned address")
+
+
+def _skip_reason(cfg: BenchConfig, impl: Impl, opts: RunOptions, start: float,
+                 broken: list[str]) -> tuple[str, str] | None:
+    """``(status, note)`` when ``impl`` is not run on ``cfg``, else ``None``."""
+    if broken:
+        return "skipped", f"CUDA context unusable after {broken[0]}; rerun without it (--impls)"
+    if opts.budget_s is not None and time.perf_counter() - start > opts.budget_s:
+        return "skipped", f"time budget of {opts.budget_s:.0f} s spent (--budget-s)"
+    why = impl.unavailable()
+    if why:
+        return "unavailable", why
+    why = impl.unsupported(cfg, opts.impl)
+    return ("unsupported", why) if why else None
+
+
+def _run_config(cfg: BenchConfig, impls: list[Impl], opts: RunOptions, dtype: torch.dtype,
+                flush: torch.Tensor | None, emit: Callable[[Row], None], start: float, broken: list[str]) -> None:
+    todo = [(impl, _skip_reason(cfg, impl, opts, start, broken)) for impl in impls]
+    w = x = dout = None
+    if any(skip is None for _, skip in todo):
+        try:
+            w = make_weights(cfg, opts.device, dtype, opts.seed)
+            x, dout = _inputs(cfg, dtype, opts.seed, opts.device)
+        except torch.OutOfMemoryError:
+            w = None
+    for impl, skip in todo:
+        skip = skip or _skip_reason(cfg, impl, opts, start, broken)  # the budget may run out meanwhile
+        if skip is not None:
+            emit(Row.for_config(cfg, impl.name, opts.dtype, status=skip[0], note=skip[1]))
+        elif w is None:
+            emit(Row.for_config(cfg, impl.name, opts.dtype, status="OOM", note="weights and inputs do not fit"))
+        else:
+            row = measure_impl(cfg, impl, w, x, dout, opts, flush)
+            if row.status == "error" and any(s in row.note.lower() for s in _STICKY):
+                broken.append(f"{impl.name} on {cfg.name} ({row.note[:80]})")
+            emit(row)
+    del w, x, dout
+    _free()

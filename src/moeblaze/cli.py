@@ -1,0 +1,132 @@
+"""The ``moeblaze`` command: ``moeblaze train`` and ``moeblaze sample`` (and ``bench``/``memory`` when present).
+
+Every field of :class:`moeblaze.train.TrainConfig` and :class:`moeblaze.model.ModelConfig` is a flag
+(``steps`` -> ``--steps``, ``d_model`` -> ``--d-model``); a flag given on the command line overrides
+the default — or, with ``--resume``, the configuration stored in the checkpoint.
+Errors in the input (a missing ``--data`` path, an unknown device, nothing to resume) print one line
+to stderr and exit with status 2, without a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import MISSING, fields, replace
+
+from .data import DataError
+from .model import ModelConfig
+from .train import ConfigError, TrainConfig, load_run_config, sample, train
+
+__all__ = ["main"]
+
+_MODEL_HELP = {
+    "vocab_size": "vocabulary size (256: bytes)", "seq_len": "context length in bytes",
+    "d_model": "model dimension d", "n_layers": "transformer blocks", "n_heads": "attention heads",
+    "d_ff": "expert intermediate size h", "num_experts": "experts per layer E", "top_k": "experts per token K",
+    "activation": "expert activation (swiglu, geglu, silu, gelu, relu)",
+    "score_func": "router scores (softmax, sigmoid)",
+    "save": "what the experts keep for backward (preact, input)", "backend": "expert backend (auto, torch, triton)",
+    "aux_loss_coef": "load-balancing loss coefficient", "z_loss_coef": "router z-loss coefficient",
+    "tie_embeddings": "share the embedding with the output head", "rope_base": "rotary frequency base",
+}
+
+
+def _add_dataclass_flags(parser: argparse.ArgumentParser, cls, helps: dict[str, str] | None = None) -> None:
+    """One flag per dataclass field; defaults are SUPPRESSed so only flags actually given appear."""
+    group = parser.add_argument_group(f"{cls.__name__} (defaults shown)")
+    for f in fields(cls):
+        default = f.default if f.default is not MISSING else None
+        help_text = (helps or {}).get(f.name) or f.metadata.get("help", "")
+        kw = {"default": argparse.SUPPRESS, "help": f"{help_text} [default: {default}]"}
+        if f.metadata.get("choices"):
+            kw["choices"] = f.metadata["choices"]
+        flag = "--" + f.name.replace("_", "-")
+        if isinstance(default, bool):
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, **kw)
+        else:
+            group.add_argument(flag, type=type(default) if default is not None else str, metavar=f.name.upper(), **kw)
+
+
+def _split(args: argparse.Namespace, cls) -> dict:
+    return {f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)}
+
+
+def _configs(args: argparse.Namespace) -> tuple[TrainConfig, ModelConfig]:
+    given_t, given_m = _split(args, TrainConfig), _split(args, ModelConfig)
+    try:
+        if given_t.get("resume"):
+            out_dir = given_t.get("out_dir", TrainConfig.out_dir)
+            saved_t, saved_m, _ = load_run_config(out_dir)
+            # Continue the stored run; per-invocation options start from their defaults.
+            base = replace(saved_t, stop_after=0, progress=TrainConfig.progress, out_dir=out_dir)
+            return replace(base, **given_t), replace(saved_m, **given_m)
+        return TrainConfig(**given_t), ModelConfig(**given_m)
+    except ConfigError:
+        raise
+    except (TypeError, ValueError) as err:
+        raise ConfigError(str(err)) from None
+
+
+def _cmd_train(args: argparse.Namespace) -> int:
+    cfg, mcfg = _configs(args)
+    result = train(cfg, mcfg)
+    return 0 if result.val_bpb == result.val_bpb else 1  # NaN validation loss: report failure
+
+
+def _cmd_sample(args: argparse.Namespace) -> int:
+    top_k = args.top_k if args.top_k > 0 else None
+    text = sample(args.checkpoint, args.prompt, args.max_new_tokens, args.temperature, top_k, args.seed, args.device)
+    sys.stdout.write(text + "\n")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``moeblaze`` argument parser; each subcommand sets ``func(args) -> int`` as its default."""
+    parser = argparse.ArgumentParser(prog="moeblaze", description="Memory-lean Mixture-of-Experts training.")
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p_train = subparsers.add_parser(
+        "train", help="train a byte-level MoE transformer (default data: the Python standard library)",
+        description="Train a small MoE transformer on bytes; prints loss, validation bits/byte, "
+                    "tokens/s and the MoE layers' bytes saved for backward; checkpoints to --out-dir.")
+    _add_dataclass_flags(p_train, TrainConfig)
+    _add_dataclass_flags(p_train, ModelConfig, _MODEL_HELP)
+    p_train.set_defaults(func=_cmd_train)
+
+    p_sample = subparsers.add_parser("sample", help="generate text from a checkpoint")
+    p_sample.add_argument("--checkpoint", default=TrainConfig.out_dir, help="checkpoint directory [%(default)s]")
+    p_sample.add_argument("--prompt", default="def ", help="text to continue [%(default)r]")
+    p_sample.add_argument("--max-new-tokens", type=int, default=256, help="bytes to generate [%(default)s]")
+    p_sample.add_argument("--temperature", type=float, default=0.8, help="<= 0 for greedy [%(default)s]")
+    p_sample.add_argument("--top-k", type=int, default=0, help="sample from the k likeliest bytes; 0 = all")
+    p_sample.add_argument("--seed", type=int, default=0, help="sampler seed [%(default)s]")
+    p_sample.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N [%(default)s]")
+    p_sample.set_defaults(func=_cmd_sample)
+
+    # ---- HOOK: more subcommands (`moeblaze bench`, `moeblaze memory`) live in moeblaze.bench.cli.
+    # register(subparsers) adds parsers there; each must set_defaults(func=callable(args) -> int | None).
+    try:
+        from moeblaze.bench.cli import register
+    except ImportError:
+        pass
+    else:
+        register(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point of the ``moeblaze`` console script; exits with the command's status."""
+    args = build_parser().parse_args(argv)
+    try:
+        status = args.func(args)
+    except (ConfigError, DataError) as err:
+        print(f"moeblaze {args.command}: error: {err}", file=sys.stderr)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        print(f"moeblaze {args.command}: interrupted", file=sys.stderr)
+        sys.exit(130)
+    sys.exit(status or 0)
+
+
+if __name__ == "__main__":
+    main()

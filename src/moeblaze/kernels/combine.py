@@ -1,0 +1,67 @@
+"""Deterministic gather-sum combine (DESIGN.md §5: F3 and B5), fp32 accumulation, no atomics.
+
+``out[t, :] = sum_{k < K} (w[t, k] *) src[token_index_map[t, k], :]`` with ``k`` in ascending order:
+F3 combines the expert outputs ``y [N, d]`` with the router weights; B5 sums ``dx_slots [N, d]``
+(``HAS_W`` off). Each program owns a ``[BLOCK_T, BLOCK_D]`` tile of ``out``; no two programs write the
+same element, so the result is bitwise reproducible.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def gather_sum_kernel(
+    src_ptr,  # [N, D] slot rows (y or dx_slots)
+    w_ptr,  # [T, K] router weights (HAS_W), any float dtype
+    map_ptr,  # [T, K] int32 token_index_map (pair -> slot)
+    out_ptr,  # [T, D] result
+    T, D, K,
+    stride_src_m, stride_w_t, stride_w_k, stride_map_t, stride_map_k, stride_out_t,
+    HAS_W: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    t_mask = offs_t < T
+    mask = t_mask[:, None] & (offs_d < D)[None, :]
+    rows_t = offs_t.to(tl.int64)
+    acc = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
+    for k in range(K):
+        slot = tl.load(map_ptr + rows_t * stride_map_t + k * stride_map_k, mask=t_mask, other=0).to(tl.int64)
+        v = tl.load(src_ptr + slot[:, None] * stride_src_m + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
+        if HAS_W:
+            w = tl.load(w_ptr + rows_t * stride_w_t + k * stride_w_k, mask=t_mask, other=0.0).to(tl.float32)
+            v = v * w[:, None]
+        acc += v
+    tl.store(out_ptr + rows_t[:, None] * stride_out_t + offs_d[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=mask)
+
+
+def gather_sum(src: torch.Tensor, token_index_map: torch.Tensor, weights: torch.Tensor | None,
+               out_dtype: torch.dtype) -> torch.Tensor:
+    """``out[t] = sum_k (weights[t, k] *) src[token_index_map[t, k]]`` in fp32, returned in ``out_dtype``.
+
+    Args:
+        src: ``[N, D]`` slot rows, unit stride along D.
+        token_index_map: ``[T, K]`` int32 pair -> slot.
+        weights: ``[T, K]`` float router weights, or ``None`` for a plain sum.
+        out_dtype: dtype of the ``[T, D]`` result.
+    """
+    T, K = token_index_map.shape
+    D = src.shape[1]
+    out = torch.empty(T, D, dtype=out_dtype, device=src.device)
+    if T == 0 or D == 0:
+        return out
+    block_d = min(triton.next_power_of_2(D), 256)
+    block_t = max(1, min(64, 4096 // block_d, triton.next_power_of_2(T)))
+    w = weights if weights is not None else token_index_map  # dummy pointer when HAS_W is off
+    grid = (triton.cdiv(T, block_t), triton.cdiv(D, block_d))
+    gather_sum_kernel[grid](
+        src, w, token_index_map, out, T, D, K,
+        src.stride(0), w.stride(0), w.stride(1), token_index_map.stride(0), token_index_map.stride(1),
+        out.stride(0), HAS_W=weights is not None, BLOCK_T=block_t, BLOCK_D=block_d, num_warps=4,
+    )
+    return out

@@ -1,0 +1,381 @@
+"""Atomic-free Triton build of the dispatch index, and the grouped-GEMM tile schedule.
+
+MoEBlaze §4.2 (arXiv 2601.05296), DESIGN.md §3. The arrays and their invariants are the contract at the
+top of :mod:`moeblaze.dispatch`; this build is bitwise equal to ``build_dispatch_torch``.
+
+How (three launches, no sort, no atomics, no host synchronisation)
+------------------------------------------------------------------
+Pairs ``p = t*K + k`` are cut into *tiles* of ``P`` consecutive pairs; ``G`` tiles form a *chunk*, one
+program (``G`` warps, one tile per warp). A tile is walked in *steps* of ``S = 32`` pairs. Inside a step
+the rank of each pair among the step's pairs of the same expert comes from an ``[S, S]`` equality map in
+registers (the paper's dense token-expert map, made independent of E: its cost per pair is S, not E); a
+per-tile running count per expert lives in the tile's own row of a small ``[tiles, E]`` table (L2).
+Only the *last* pair of each expert in a step writes that row (distinct addresses), between two CTA
+barriers (``tl.debug_barrier`` = ``__syncthreads``, which makes global writes visible inside the CTA;
+launched with ``num_stages=1`` so no load is pipelined across them): no races, no atomics, deterministic.
+Pair order equals token order inside an expert because a row's ids are distinct.
+
+1. ``_count_kernel``   per tile: counts per expert -> ``[tiles, E]``; per chunk: in-chunk exclusive
+   prefix of its tiles and the chunk sum -> ``[chunks, E]``. Also writes int32 ids when the input is not.
+2. ``_scan_kernel``    per block of experts: exclusive scan of the chunk table over chunks; totals.
+3. ``_write_kernel``   per chunk: offsets = exclusive scan of totals; tile base = offset + chunk base +
+   in-chunk prefix; then the tiles are walked again and every pair writes ``token_index_map[p]`` and
+   ``expert_token_indices[slot]`` at its final place.
+
+``tile_schedule`` is one more small launch, from ``expert_token_offsets`` alone.
+Interpreter: with ``TRITON_INTERPRET=1`` everything also runs on CPU tensors (tests).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from ..dispatch import DispatchIndex
+
+__all__ = ["build_dispatch_triton", "tile_schedule", "dispatch_plan", "MAX_EXPERTS", "MAX_TOP_K"]
+
+MAX_EXPERTS = 1024
+MAX_TOP_K = 16
+_STEP = 32  # S, pairs per step (one warp)
+_WARPS = 4  # G, tiles per chunk = warps per program
+_BLOCK_E = 64  # experts per block in dense row work
+_SCAN_BE = 8  # experts per scan program
+_SCAN_ELEMS = 4096  # elements per scan block
+_BLOCK_I = 128  # schedule entries per program
+_MAX_TILE = 1 << 20  # P bound: pair indices stay below N + G*P < 2^31
+_ONEHOT_MAX_E = 16  # count pass: per-lane one-hot counters up to this E (cheaper than the equality map)
+_ID_DTYPES = (torch.int32, torch.int64, torch.int16, torch.uint8)
+
+
+# ----------------------------------------------------------------------------------------------------
+# kernels. They produce the arrays of the index contract at the top of moeblaze/dispatch.py:
+# expert_token_offsets [E+1], expert_token_indices [N], token_index_map [T, K] (pair p = t*K + k), all
+# int32, slots of an expert in ascending token order. Tables: tile [tiles, E], chunk [chunks + 1, E].
+# ----------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _step_ranks(ids, S: tl.constexpr):
+    """ids [G, S] int32 (-1 for padding) -> (rank among equal ids before p in the step, p is the last)."""
+    q = tl.arange(0, S)[:, None, None]
+    p = tl.arange(0, S)[None, None, :]
+    w = tl.where(q < p, 1, 0) + tl.where(q > p, 1 << 16, 0)  # [S(q), 1, S(p)]: before -> 1, after -> 2^16
+    eq = tl.trans(ids)[:, :, None] == ids[None, :, :]  # [S(q), G, S(p)]
+    acc = tl.sum(tl.where(eq, w, 0), axis=0)  # [G, S]
+    return acc & 0xFFFF, (acc >> 16) == 0
+
+
+@triton.jit
+def _load_ids(ids_ptr, p, n, stride_ids_t, stride_ids_k, K: tl.constexpr):
+    """Ids of pairs p [G, S] (p < n) from a strided [T, K] tensor; 64-bit addressing."""
+    t = p // K
+    off = t.to(tl.int64) * stride_ids_t + (p - t * K).to(tl.int64) * stride_ids_k
+    return tl.load(ids_ptr + off, mask=p < n, other=0)
+
+
+@triton.jit(do_not_specialize=["N", "E", "P"])
+def _count_kernel(
+    ids_ptr,  # [T, K] integer expert ids (any of int32/int64/int16/uint8, any strides)
+    ids32_ptr,  # [N] int32 contiguous copy of the ids (written only when WRITE_IDS)
+    tile_ptr,  # [chunks * G, E] int32 out: per tile, exclusive prefix of counts inside its chunk
+    chunk_ptr,  # [chunks + 1, E] int32 out: per chunk, counts summed over its tiles
+    N, E, P,  # pairs, experts, pairs per tile (a multiple of S)
+    stride_ids_t, stride_ids_k,
+    K: tl.constexpr, S: tl.constexpr, G: tl.constexpr,
+    BLOCK_E: tl.constexpr, WRITE_IDS: tl.constexpr, ONEHOT_E: tl.constexpr,
+):
+    # ONEHOT_E > 0 (a power of two >= E, small E only): count with a per-lane one-hot accumulator in
+    # registers (2*ONEHOT_E ops per pair, no table traffic) instead of the equality map + running row.
+    c = tl.program_id(0)
+    g = tl.arange(0, G)[:, None]  # tile (warp) in chunk
+    lane = tl.arange(0, S)[None, :]
+    rows = tile_ptr + (c * G + g).to(tl.int64) * E  # [G, 1] running-count row of each tile
+    p = (c * G + g) * P + lane  # [G, S] pairs of the current step
+    raw = _load_ids(ids_ptr, p, N, stride_ids_t, stride_ids_k, K)
+    cols = tl.arange(0, BLOCK_E)[None, :]
+    if ONEHOT_E > 0:
+        hot = tl.zeros([ONEHOT_E, G, S], tl.int32)  # expert-major: each lane keeps all its counters
+        experts = tl.arange(0, ONEHOT_E)[:, None, None]
+    else:
+        for e0 in range(0, E, BLOCK_E):  # zero the rows
+            tl.store(rows + e0 + cols, tl.zeros([G, BLOCK_E], tl.int32), mask=e0 + cols < E)
+        tl.debug_barrier()
+    for j in range(0, P // S):
+        valid = p < N
+        ids = tl.where(valid, raw.to(tl.int32), -1)
+        lim = N * (j + 1 < P // S).to(tl.int32)  # no next step after the last
+        raw = _load_ids(ids_ptr, p + S, lim, stride_ids_t, stride_ids_k, K)  # next step
+        if WRITE_IDS:
+            tl.store(ids32_ptr + p, ids, mask=valid)
+        if ONEHOT_E > 0:
+            hot += (ids[None, :, :] == experts).to(tl.int32)
+        else:
+            rank, last = _step_ranks(ids, S)
+            run = tl.load(rows + ids, mask=valid, other=0)
+            tl.debug_barrier()
+            tl.store(rows + ids, run + rank + 1, mask=valid & last)
+            tl.debug_barrier()
+        p += S
+    if ONEHOT_E > 0:  # counts [G, ONEHOT_E] straight from registers
+        cnt = tl.trans(tl.sum(hot, axis=2))  # [G, ONEHOT_E]
+        e = tl.arange(0, ONEHOT_E)
+        tl.store(rows + e[None, :], tl.cumsum(cnt, axis=0) - cnt, mask=e[None, :] < E)
+        tl.store(chunk_ptr + c.to(tl.int64) * E + e, tl.sum(cnt, axis=0), mask=e < E)
+    else:
+        for e0 in range(0, E, BLOCK_E):  # rows now hold counts: in-chunk prefix and chunk sum
+            m = e0 + cols < E
+            cnt = tl.load(rows + e0 + cols, mask=m, other=0)  # [G, BLOCK_E]
+            tl.store(rows + e0 + cols, tl.cumsum(cnt, axis=0) - cnt, mask=m)
+            e = e0 + tl.arange(0, BLOCK_E)
+            tl.store(chunk_ptr + c.to(tl.int64) * E + e, tl.sum(cnt, axis=0), mask=e < E)
+
+
+@triton.jit(do_not_specialize=["C", "E"])
+def _scan_kernel(
+    chunk_ptr,  # [chunks + 1, E] int32 in: chunk sums; out: exclusive scan over chunks, row `chunks` = totals
+    C, E,
+    BR: tl.constexpr, BE: tl.constexpr,
+):
+    e = tl.program_id(0) * BE + tl.arange(0, BE)
+    em = e < E
+    carry = tl.zeros([BE], tl.int32)
+    r = tl.arange(0, BR)
+    first = chunk_ptr + r.to(tl.int64)[:, None] * E + e[None, :]
+    nxt = tl.load(first, mask=(r[:, None] < C) & em[None, :], other=0)
+    for r0 in range(0, C, BR):
+        blk = nxt
+        ptrs = chunk_ptr + (r0 + r).to(tl.int64)[:, None] * E + e[None, :]
+        m = (r0 + r[:, None] < C) & em[None, :]
+        nxt = tl.load(ptrs + BR * E, mask=(r0 + BR + r[:, None] < C) & em[None, :], other=0)  # prefetch
+        tl.store(ptrs, tl.cumsum(blk, axis=0) - blk + carry[None, :], mask=m)
+        carry += tl.sum(blk, axis=0)
+    tl.store(chunk_ptr + C.to(tl.int64) * E + e, carry, mask=em)
+
+
+@triton.jit(do_not_specialize=["N", "E", "C", "P"])
+def _write_kernel(
+    ids32_ptr,  # [N] int32 expert id of each pair
+    tile_ptr,  # [chunks * G, E] int32 in: in-chunk prefix; becomes the running slot of each tile
+    chunk_ptr,  # [chunks + 1, E] int32 in: exclusive scan over chunks, last row = totals
+    offsets_ptr,  # [E + 1] int32 out: expert_token_offsets
+    indices_ptr,  # [N] int32 out: expert_token_indices (slot -> token)
+    map_ptr,  # [N] int32 out: token_index_map (pair -> slot)
+    N, E, C, P,  # pairs, experts, chunks, pairs per tile
+    K: tl.constexpr, S: tl.constexpr, G: tl.constexpr, BLOCK_E: tl.constexpr,
+):
+    c = tl.program_id(0)
+    g = tl.arange(0, G)[:, None]
+    lane = tl.arange(0, S)[None, :]
+    rows = tile_ptr + (c * G + g).to(tl.int64) * E  # [G, 1]
+    p = (c * G + g) * P + lane  # [G, S] pairs of the current step
+    nxt = tl.load(ids32_ptr + p, mask=p < N, other=-1)
+    carry = tl.sum(tl.zeros([BLOCK_E], tl.int32), axis=0)  # int32 scalar 0
+    for e0 in range(0, E, BLOCK_E):  # tile base = offset + chunk base + in-chunk prefix
+        e = e0 + tl.arange(0, BLOCK_E)
+        em = e < E
+        tot = tl.load(chunk_ptr + C.to(tl.int64) * E + e, mask=em, other=0)
+        off = tl.cumsum(tot, axis=0) - tot + carry
+        tl.store(offsets_ptr + e, off, mask=em & (e * 0 + c == 0))
+        carry += tl.sum(tot, axis=0)
+        base = off + tl.load(chunk_ptr + c.to(tl.int64) * E + e, mask=em, other=0)
+        pre = tl.load(rows + e[None, :], mask=em[None, :], other=0)
+        tl.store(rows + e[None, :], pre + base[None, :], mask=em[None, :])
+    one = tl.arange(0, 1)
+    tl.store(offsets_ptr + E + one, carry + one * 0, mask=one * 0 + c == 0)
+    tl.debug_barrier()
+    for j in range(0, P // S):
+        valid = p < N
+        ids = nxt
+        lim = N * (j + 1 < P // S).to(tl.int32)  # no next step after the last
+        nxt = tl.load(ids32_ptr + p + S, mask=p + S < lim, other=-1)  # next step
+        rank, last = _step_ranks(ids, S)
+        slot = tl.load(rows + ids, mask=valid, other=0) + rank
+        tl.store(map_ptr + p, slot, mask=valid)
+        tl.store(indices_ptr + slot, p // K, mask=valid)
+        tl.debug_barrier()
+        tl.store(rows + ids, slot + 1, mask=valid & last)
+        tl.debug_barrier()
+        p += S
+
+
+@triton.jit(do_not_specialize=["E", "max_tiles"])
+def _schedule_kernel(
+    offsets_ptr,  # [E + 1] int32 expert_token_offsets
+    tile_expert_ptr,  # [max_tiles] int32 out: expert of each M-tile, -1 past num_tiles
+    tile_row_ptr,  # [max_tiles] int32 out: first slot of each M-tile, N past num_tiles
+    num_tiles_ptr,  # [1] int32 out
+    E, max_tiles,
+    BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_E: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    i = pid * BLOCK_I + tl.arange(0, BLOCK_I)
+    n_before = tl.zeros([BLOCK_I], tl.int32)  # experts whose tiles all end at or before tile i
+    tiles_before = tl.zeros([BLOCK_I], tl.int32)
+    rows_before = tl.zeros([BLOCK_I], tl.int32)
+    carry = tl.sum(tl.zeros([BLOCK_E], tl.int32), axis=0)
+    for e0 in range(0, E, BLOCK_E):
+        e = e0 + tl.arange(0, BLOCK_E)
+        em = e < E
+        cnt = tl.load(offsets_ptr + e + 1, mask=em, other=0) - tl.load(offsets_ptr + e, mask=em, other=0)
+        ntl = (cnt + BLOCK_M - 1) // BLOCK_M
+        end = tl.cumsum(ntl, axis=0) + carry
+        before = (end[None, :] <= i[:, None]) & em[None, :]  # [BLOCK_I, BLOCK_E]
+        n_before += tl.sum(before.to(tl.int32), axis=1)
+        tiles_before += tl.sum(tl.where(before, ntl[None, :], 0), axis=1)
+        rows_before += tl.sum(tl.where(before, cnt[None, :], 0), axis=1)
+        carry += tl.sum(ntl, axis=0)
+    n_pairs = tl.load(offsets_ptr + E)
+    live = i < carry
+    im = i < max_tiles
+    tl.store(tile_expert_ptr + i, tl.where(live, n_before, -1), mask=im)
+    tl.store(tile_row_ptr + i, tl.where(live, rows_before + (i - tiles_before) * BLOCK_M, n_pairs), mask=im)
+    one = tl.arange(0, 1)
+    tl.store(num_tiles_ptr + one, carry + one * 0, mask=one * 0 + pid == 0)
+
+
+# ----------------------------------------------------------------------------------------------------
+# launchers
+# ----------------------------------------------------------------------------------------------------
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _check_device(t: torch.Tensor, name: str) -> None:
+    if not (t.is_cuda or _interpreting()):
+        raise ValueError(f"{name} must be a CUDA tensor (or set TRITON_INTERPRET=1 to run on CPU), got {t.device}")
+
+
+def dispatch_plan(
+    num_pairs: int, num_experts: int, tile_pairs: int | None = None, num_sms: int = 132
+) -> tuple[int, int, int]:
+    """Tile sizes of the build: ``(P, tiles, chunks)`` — pairs per tile, tiles, chunks of ``G`` tiles.
+
+    ``P`` is the smallest multiple of 32 that keeps the ``[tiles, E]`` table within about
+    ``max(N/8, min(N, 2^20), 2^18)`` entries (half a byte per pair at large N; at small N a table that
+    stays in L2, and short tiles) and at most ``4 * num_sms`` chunks (one wave of programs: more would
+    only add per-program overhead). ``tile_pairs`` forces P.
+    """
+    if tile_pairs is not None:
+        P = int(tile_pairs)
+        if P < _STEP or P > _MAX_TILE or P % _STEP:
+            raise ValueError(f"tile_pairs must be a multiple of {_STEP} in [{_STEP}, {_MAX_TILE}], got {tile_pairs}")
+    else:
+        budget = max(num_pairs // 8, min(num_pairs, 1 << 20), 1 << 18)
+        max_tiles = 4 * max(1, num_sms) * _WARPS
+        P = max(triton.cdiv(num_pairs * num_experts, budget), triton.cdiv(num_pairs, max_tiles), 1)
+        P = min(triton.cdiv(P, _STEP) * _STEP, _MAX_TILE)
+    chunks = max(1, triton.cdiv(triton.cdiv(num_pairs, P), _WARPS))
+    return P, chunks * _WARPS, chunks
+
+
+def build_dispatch_triton(topk_ids: torch.Tensor, num_experts: int, *, tile_pairs: int | None = None) -> DispatchIndex:
+    """Build the dispatch index on the GPU without sort, atomics or host sync (MoEBlaze §4.2).
+
+    Three launches (count, scan, write); bitwise equal to :func:`moeblaze.dispatch.build_dispatch_torch`.
+    Ids are not range-checked here (see :func:`moeblaze.dispatch.check_topk_ids`): an id outside
+    ``[0, E)`` or a repeated id in a row gives an undefined index.
+
+    Args:
+        topk_ids: ``[T, K]`` int32/int64/int16/uint8 expert ids on CUDA (any strides); CPU tensors are
+            accepted when ``TRITON_INTERPRET=1``.
+        num_experts: E, ``1 <= E <= 1024``; ``1 <= K <= min(16, E)``.
+        tile_pairs: pairs per tile P (a multiple of 32); None picks :func:`dispatch_plan`'s. For tests
+            and tuning; the result does not depend on it.
+
+    Returns:
+        :class:`~moeblaze.dispatch.DispatchIndex`, all int32: ``expert_token_offsets [E+1]``,
+        ``expert_token_indices [N]``, ``token_expert_indices [T, K]`` (the input itself when it is
+        int32 and contiguous) and ``token_index_map [T, K]``.
+
+    Raises:
+        TypeError: non-integer ids.  ValueError: wrong rank, device, E, K or N >= 2^31 - 2^24.
+    """
+    if not isinstance(topk_ids, torch.Tensor) or topk_ids.dtype not in _ID_DTYPES:
+        got = getattr(topk_ids, "dtype", type(topk_ids).__name__)
+        raise TypeError(f"topk_ids must be an int32/int64/int16/uint8 tensor, got {got}")
+    if topk_ids.dim() != 2:
+        raise ValueError(f"topk_ids must have shape [T, K], got {tuple(topk_ids.shape)}")
+    _check_device(topk_ids, "topk_ids")
+    T, K = topk_ids.shape
+    E = int(num_experts)
+    if not 1 <= E <= MAX_EXPERTS:
+        raise ValueError(f"num_experts must be in [1, {MAX_EXPERTS}], got {E}")
+    if not 1 <= K <= min(MAX_TOP_K, E):
+        raise ValueError(f"top-k K={K} must be in [1, min({MAX_TOP_K}, num_experts={E})]")
+    N = T * K
+    if N >= 2**31 - 2**24:
+        raise ValueError(f"N = T*K = {N} pairs does not fit the int32 index")
+    dev = topk_ids.device
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count if topk_ids.is_cuda else 132
+    P, tiles, chunks = dispatch_plan(N, E, tile_pairs, sms)
+    offsets = torch.empty(E + 1, dtype=torch.int32, device=dev)
+    indices = torch.empty(N, dtype=torch.int32, device=dev)
+    index_map = torch.empty((T, K), dtype=torch.int32, device=dev)
+    as_is = topk_ids.dtype == torch.int32 and topk_ids.is_contiguous()
+    ids32 = topk_ids if as_is else torch.empty((T, K), dtype=torch.int32, device=dev)
+    if N == 0:
+        offsets.zero_()
+        return DispatchIndex(offsets, indices, ids32, index_map, E)
+    work = torch.empty((tiles + chunks + 1) * E, dtype=torch.int32, device=dev)
+    tile_tab, chunk_tab = work[: tiles * E], work[tiles * E:]
+    common = dict(K=K, S=_STEP, G=_WARPS, BLOCK_E=_BLOCK_E, num_warps=_WARPS, num_stages=1)
+    onehot = triton.next_power_of_2(E) if E <= _ONEHOT_MAX_E else 0
+    _count_kernel[(chunks,)](
+        topk_ids, ids32, tile_tab, chunk_tab, N, E, P, topk_ids.stride(0), topk_ids.stride(1),
+        WRITE_IDS=not as_is, ONEHOT_E=onehot, **common)
+    be = min(_SCAN_BE, triton.next_power_of_2(E))
+    _scan_kernel[(triton.cdiv(E, be),)](chunk_tab, chunks, E, BR=_SCAN_ELEMS // be, BE=be, num_warps=4)
+    _write_kernel[(chunks,)](ids32, tile_tab, chunk_tab, offsets, indices, index_map, N, E, chunks, P, **common)
+    return DispatchIndex(offsets, indices, ids32, index_map, E)
+
+
+def tile_schedule(
+    expert_token_offsets: torch.Tensor, block_m: int, num_pairs: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Grouped-GEMM schedule over the slots: M-tiles of ``block_m`` slots that never straddle experts.
+
+    Expert e owns ``cdiv(count_e, block_m)`` consecutive tiles (none when empty), in expert order; a
+    tile covers slots ``[tile_row_start, min(tile_row_start + block_m, offsets[e+1]))``. One launch,
+    no host sync when ``num_pairs`` is given (MoEBlaze §4.2, DESIGN.md §3).
+
+    Args:
+        expert_token_offsets: ``[E+1]`` int32 (CUDA, or CPU under ``TRITON_INTERPRET=1``).
+        block_m: rows per M-tile, >= 1.
+        num_pairs: N (``= offsets[E]``, e.g. ``DispatchIndex.num_pairs``); it only sizes the output.
+            When None it is read from the device (one host synchronisation).
+
+    Returns:
+        ``(tile_expert [max_tiles] int32, tile_row_start [max_tiles] int32, num_tiles [1] int32)`` with
+        ``max_tiles = cdiv(N, block_m) + E``, a static upper bound; entries at and past ``num_tiles``
+        hold ``tile_expert = -1`` and ``tile_row_start = N``.
+
+    Raises:
+        TypeError: offsets not int32.  ValueError: wrong rank/device, ``block_m < 1``, ``num_pairs < 0``.
+    """
+    off = expert_token_offsets
+    if not isinstance(off, torch.Tensor) or off.dtype != torch.int32:
+        raise TypeError(f"expert_token_offsets must be an int32 tensor, got {getattr(off, 'dtype', off)}")
+    if off.dim() != 1 or off.numel() < 2:
+        raise ValueError(f"expert_token_offsets must have shape [E+1] with E >= 1, got {tuple(off.shape)}")
+    _check_device(off, "expert_token_offsets")
+    if int(block_m) < 1:
+        raise ValueError(f"block_m must be >= 1, got {block_m}")
+    N = int(off[-1]) if num_pairs is None else int(num_pairs)
+    if N < 0:
+        raise ValueError(f"num_pairs must be >= 0, got {N}")
+    E = off.numel() - 1
+    max_tiles = triton.cdiv(N, int(block_m)) + E
+    off = off.contiguous()
+    tile_expert = torch.empty(max_tiles, dtype=torch.int32, device=off.device)
+    tile_row = torch.empty(max_tiles, dtype=torch.int32, device=off.device)
+    num_tiles = torch.empty(1, dtype=torch.int32, device=off.device)
+    _schedule_kernel[(triton.cdiv(max_tiles, _BLOCK_I),)](
+        off, tile_expert, tile_row, num_tiles, E, max_tiles,
+        BLOCK_M=int(block_m), BLOCK_I=_BLOCK_I, BLOCK_E=_BLOCK_E, num_warps=4)
+    return tile_expert, tile_row, num_tiles

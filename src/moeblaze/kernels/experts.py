@@ -1,0 +1,254 @@
+"""The Triton backend of :func:`moeblaze.moe_experts` (DESIGN.md §5, MoEBlaze §4).
+
+Implements the four ops of the backend contract documented in :mod:`moeblaze.ops_torch`, with the
+same signatures, semantics and result dtypes:
+
+``up_forward``     F1     ``pre = x[token(s)] W1[e]^T`` (gather fused in the loads), ``act = f(pre)``
+``down_forward``   F2-F3  ``y = act W2[e]^T``; ``out[t] = sum_k w[t,k] y[map[t,k]]`` (fp32 gather-sum;
+                          K = 1: ``out[token(s)] = w * y`` straight from the GEMM epilogue)
+``down_backward``  B1-B2  ``dact' = dout[token(s)] W2[e]``, act recomputed from ``pre``,
+                          ``dtopk_weights = <dact', act>``, ``dpre``; ``dW2[e] = sum_s dout[token]^T (w act)``
+``up_backward``    B3-B5  ``dx_slots = dpre W1[e]``, ``dx[t] = sum_k dx_slots[map[t,k]]`` (K = 1: direct);
+                          ``dW1[e] = sum_s dpre[s]^T x[token(s)]``
+
+Each op is a ``torch.library.custom_op`` (``moeblaze::experts_*``) with a fake (meta) implementation,
+so ``torch.compile(fullgraph=True)`` treats it as one opaque node. No op reads device data on the host,
+none uses atomics (bitwise reproducible), and row offsets are 64-bit inside the kernels.
+Dtypes: fp16, bf16 (fast paths) and fp32 (tests), all with fp32 accumulation.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..activations import GATED, check_activation
+from ..dispatch import DispatchIndex
+from .act_math import ACTIVATION_CODES
+from .combine import gather_sum
+from .launch import grouped_gemm, grouped_wgrad, tile_schedule
+from .tuning import MIN_BLOCK_N, b2_recompute, block_m
+
+__all__ = ["up_forward", "up_backward", "down_forward", "down_backward"]
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _check(op: str, **tensors: torch.Tensor) -> None:
+    """Dtype/device checks shared by the four ops (shapes are checked by ``moe_experts``)."""
+    first = next(iter(tensors.values()))
+    for name, t in tensors.items():
+        if t.dtype not in _DTYPES:
+            raise TypeError(f"triton {op}: {name} has dtype {t.dtype}; expected one of fp16, bf16, fp32")
+        if t.dtype != first.dtype:
+            raise TypeError(f"triton {op}: {name} has dtype {t.dtype}; expected {first.dtype}")
+        if t.device != first.device:
+            raise ValueError(f"triton {op}: {name} is on {t.device}; expected {first.device}")
+
+
+def _rows_contig(t: torch.Tensor) -> torch.Tensor:
+    """Row-major rows with unit column stride (row stride free) — what the kernels' loads want."""
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _slot_weights(topk_weights: torch.Tensor, token_index_map: torch.Tensor) -> torch.Tensor:
+    """``w_slot [N]`` fp32: the router weight of each slot (scatter through the permutation)."""
+    w = torch.empty(token_index_map.numel(), dtype=torch.float32, device=topk_weights.device)
+    w[token_index_map.reshape(-1).long()] = topk_weights.reshape(-1).float()
+    return w
+
+
+def _empty(like: torch.Tensor) -> torch.Tensor:
+    return like.new_empty(0)
+
+
+# ---------------------------------------------------------------- F1: up-projection forward
+
+@torch.library.custom_op("moeblaze::experts_up_forward", mutates_args=(),
+                         schema="(Tensor x, Tensor w1, Tensor offsets, Tensor indices, str activation, "
+                                "bool store_pre, bool store_act) -> (Tensor, Tensor)")
+def _up_forward_op(x, w1, offsets, indices, activation, store_pre, store_act):
+    x = _rows_contig(x)
+    N, rows = indices.numel(), w1.shape[1]
+    gated = activation in GATED
+    h = rows // 2 if gated else rows
+    pre = x.new_empty(N, rows) if store_pre else _empty(x)
+    act = x.new_empty(N, h) if store_act else _empty(x)
+    grouped_gemm(x, w1, (w1.stride(0), w1.stride(2), w1.stride(1)), pre if store_pre else act,
+                 offsets, indices, n_cols=h, k_dim=x.shape[1], gather_a=True, up_off=h, epilogue=1,
+                 activation=ACTIVATION_CODES[activation], dual=gated, store_pre=store_pre,
+                 aux=act if store_act else None, store_aux=store_act)
+    return pre, act
+
+
+@_up_forward_op.register_fake
+def _(x, w1, offsets, indices, activation, store_pre, store_act):
+    N, rows = indices.shape[0], w1.shape[1]
+    h = rows // 2 if activation in GATED else rows
+    return (x.new_empty(N, rows) if store_pre else _empty(x)), (x.new_empty(N, h) if store_act else _empty(x))
+
+
+def up_forward(x, w1, index: DispatchIndex, activation: str, store_pre: bool, store_act: bool):
+    """F1: ``pre [N, 2h|h] = x[token(s)] @ w1[e].T`` and ``act [N, h] = f(pre)``, both in ``x.dtype``.
+
+    Args:
+        x: ``[T, d]`` fp16/bf16/fp32; w1: ``[E, 2h|h, d]`` same dtype; index: the dispatch index.
+        activation: one of :data:`moeblaze.activations.ACTIVATIONS`.
+        store_pre, store_act: which results to produce (the other is returned as ``None``).
+
+    Returns:
+        ``(pre | None, act | None)``.
+
+    Raises:
+        TypeError: a dtype other than fp16/bf16/fp32, or ``x`` and ``w1`` of different dtypes.
+        ValueError: unknown activation, or tensors on different devices.
+    """
+    check_activation(activation)
+    _check("up_forward", x=x, w1=w1)
+    pre, act = torch.ops.moeblaze.experts_up_forward(x, w1, index.expert_token_offsets,
+                                                     index.expert_token_indices, activation,
+                                                     store_pre, store_act)
+    return (pre if store_pre else None), (act if store_act else None)
+
+
+# ---------------------------------------------------------------- F2-F3: down-projection forward
+
+@torch.library.custom_op("moeblaze::experts_down_forward", mutates_args=(),
+                         schema="(Tensor act, Tensor w2, Tensor topk_weights, Tensor offsets, Tensor indices, "
+                                "Tensor token_index_map) -> Tensor")
+def _down_forward_op(act, w2, topk_weights, offsets, indices, token_index_map):
+    act = _rows_contig(act)
+    (T, K), d, h = token_index_map.shape, w2.shape[1], w2.shape[2]
+    strides = (w2.stride(0), w2.stride(2), w2.stride(1))
+    if K == 1:  # F2 writes w * y straight into out[token]: no [N, d] buffer, no combine
+        out = act.new_empty(T, d)
+        grouped_gemm(act, w2, strides, out, offsets, indices, n_cols=d, k_dim=h, gather_a=False,
+                     scatter_c=True, scale=_slot_weights(topk_weights, token_index_map))
+        return out
+    y = act.new_empty(act.shape[0], d)
+    grouped_gemm(act, w2, strides, y, offsets, indices, n_cols=d, k_dim=h, gather_a=False)
+    return gather_sum(y, token_index_map, topk_weights, act.dtype)
+
+
+@_down_forward_op.register_fake
+def _(act, w2, topk_weights, offsets, indices, token_index_map):
+    return act.new_empty(token_index_map.shape[0], w2.shape[1])
+
+
+def down_forward(act, w2, topk_weights, index: DispatchIndex):
+    """F2-F3: ``out [T, d] = sum_k topk_weights[t,k] * (act @ w2[e].T)[map[t,k]]`` in ``act.dtype``.
+
+    Args:
+        act: ``[N, h]``; w2: ``[E, d, h]`` (same dtype); topk_weights: ``[T, K]`` any float dtype.
+
+    Raises:
+        TypeError, ValueError: as :func:`up_forward`.
+    """
+    _check("down_forward", act=act, w2=w2)
+    return torch.ops.moeblaze.experts_down_forward(act, w2, topk_weights, index.expert_token_offsets,
+                                                   index.expert_token_indices, index.token_index_map)
+
+
+# ---------------------------------------------------------------- B1-B2: down-projection backward
+
+@torch.library.custom_op("moeblaze::experts_down_backward", mutates_args=(),
+                         schema="(Tensor dout, Tensor pre, Tensor w2, Tensor topk_weights, Tensor offsets, "
+                                "Tensor indices, Tensor token_index_map, str activation, bool need_dw, "
+                                "bool need_dtw) -> (Tensor, Tensor, Tensor)")
+def _down_backward_op(dout, pre, w2, topk_weights, offsets, indices, token_index_map, activation, need_dw,
+                      need_dtw):
+    dout, pre = _rows_contig(dout), _rows_contig(pre)
+    (T, K), d, h = token_index_map.shape, w2.shape[1], w2.shape[2]
+    N, code = indices.numel(), ACTIVATION_CODES[activation]
+    w_slot = _slot_weights(topk_weights, token_index_map)
+    sched = tile_schedule(offsets, N, block_m())
+    dpre = pre.new_empty(pre.shape)
+    part = (torch.zeros(N, -(-h // MIN_BLOCK_N), dtype=torch.float32, device=pre.device) if need_dtw
+            else None)
+    recompute = need_dw and b2_recompute()  # else B1 hands w*act [N, h] to B2 (a backward temporary)
+    wact = pre.new_empty(N, h) if need_dw and not recompute else None
+    grouped_gemm(dout, w2, (w2.stride(0), w2.stride(1), w2.stride(2)), dpre, offsets, indices,
+                 n_cols=h, k_dim=d, gather_a=True, up_off=h, epilogue=2, activation=code, scale=w_slot,
+                 aux=part, store_aux=need_dtw, wact=wact, pre=pre, sched=sched)
+    dtw = _empty(topk_weights)
+    if need_dtw:  # second, deterministic pass over the per-N-tile partials
+        dtw = part.sum(1).index_select(0, token_index_map.reshape(-1).long()).view(T, K).to(topk_weights.dtype)
+    dw2 = _empty(w2)
+    if recompute:
+        dw2 = grouped_wgrad(dout, pre, offsets, indices, p=d, q=h, out_dtype=w2.dtype, gather_a=True,
+                            b_act=True, activation=code, up_off=h, scale=w_slot)
+    elif need_dw:
+        dw2 = grouped_wgrad(dout, wact, offsets, indices, p=d, q=h, out_dtype=w2.dtype, gather_a=True)
+    return dpre, dw2, dtw
+
+
+@_down_backward_op.register_fake
+def _(dout, pre, w2, topk_weights, offsets, indices, token_index_map, activation, need_dw, need_dtw):
+    return (pre.new_empty(pre.shape), w2.new_empty(w2.shape) if need_dw else _empty(w2),
+            topk_weights.new_empty(token_index_map.shape) if need_dtw else _empty(topk_weights))
+
+
+def down_backward(dout, pre, w2, topk_weights, index: DispatchIndex, activation: str, need_dw: bool,
+                  need_dtw: bool):
+    """B1-B2 with the activation recomputed from ``pre``; ``dtopk_weights = <dout[t] w2[e], act>``.
+
+    Args:
+        dout: ``[T, d]``; pre: ``[N, 2h|h]``; w2: ``[E, d, h]`` (one dtype); topk_weights: ``[T, K]``.
+
+    Returns:
+        ``(dpre [N, 2h|h] in pre.dtype, dw2 [E, d, h] in w2.dtype | None,
+        dtopk_weights [T, K] in topk_weights.dtype | None)``.
+
+    Raises:
+        TypeError, ValueError: as :func:`up_forward`.
+    """
+    check_activation(activation)
+    _check("down_backward", dout=dout, pre=pre, w2=w2)
+    dpre, dw2, dtw = torch.ops.moeblaze.experts_down_backward(
+        dout, pre, w2, topk_weights, index.expert_token_offsets, index.expert_token_indices,
+        index.token_index_map, activation, need_dw, need_dtw)
+    return dpre, (dw2 if need_dw else None), (dtw if need_dtw else None)
+
+
+# ---------------------------------------------------------------- B3-B5: up-projection backward
+
+@torch.library.custom_op("moeblaze::experts_up_backward", mutates_args=(),
+                         schema="(Tensor dpre, Tensor x, Tensor w1, Tensor offsets, Tensor indices, "
+                                "Tensor token_index_map, bool need_dx, bool need_dw) -> (Tensor, Tensor)")
+def _up_backward_op(dpre, x, w1, offsets, indices, token_index_map, need_dx, need_dw):
+    dpre, x = _rows_contig(dpre), _rows_contig(x)
+    (T, K), rows, d = token_index_map.shape, w1.shape[1], w1.shape[2]
+    dx, dw1 = _empty(x), _empty(w1)
+    if need_dx:
+        strides = (w1.stride(0), w1.stride(1), w1.stride(2))
+        if K == 1:  # B3 writes dx[token] directly: no [N, d] buffer, no gather-sum
+            dx = x.new_empty(T, d)
+            grouped_gemm(dpre, w1, strides, dx, offsets, indices, n_cols=d, k_dim=rows, gather_a=False,
+                         scatter_c=True)
+        else:
+            dx_slots = x.new_empty(indices.numel(), d)
+            grouped_gemm(dpre, w1, strides, dx_slots, offsets, indices, n_cols=d, k_dim=rows, gather_a=False)
+            dx = gather_sum(dx_slots, token_index_map, None, x.dtype)
+    if need_dw:
+        dw1 = grouped_wgrad(dpre, x, offsets, indices, p=rows, q=d, out_dtype=w1.dtype, gather_b=True)
+    return dx, dw1
+
+
+@_up_backward_op.register_fake
+def _(dpre, x, w1, offsets, indices, token_index_map, need_dx, need_dw):
+    return (x.new_empty(x.shape) if need_dx else _empty(x)), (w1.new_empty(w1.shape) if need_dw else _empty(w1))
+
+
+def up_backward(dpre, x, w1, index: DispatchIndex, need_dx: bool, need_dw: bool):
+    """B3-B5: ``dx [T, d]`` (x.dtype) and ``dw1 [E, 2h|h, d]`` (w1.dtype); ``None`` where not needed.
+
+    Args:
+        dpre: ``[N, 2h|h]``; x: ``[T, d]``; w1: ``[E, 2h|h, d]`` (one dtype).
+
+    Raises:
+        TypeError, ValueError: as :func:`up_forward`.
+    """
+    _check("up_backward", dpre=dpre, x=x, w1=w1)
+    dx, dw1 = torch.ops.moeblaze.experts_up_backward(dpre, x, w1, index.expert_token_offsets,
+                                                     index.expert_token_indices, index.token_index_map,
+                                                     need_dx, need_dw)
+    return (dx if need_dx else None), (dw1 if need_dw else None)

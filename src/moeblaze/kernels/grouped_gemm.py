@@ -1,0 +1,196 @@
+"""Gather-fused grouped GEMM over expert slot tiles, with constexpr epilogues (DESIGN.md §5: F1, F2, B1, B3).
+
+One launch covers every expert. Program ``pid`` maps (grouped ordering, ``GROUP_M`` M-tiles per group
+for L2 reuse of the weight tile) to an M-tile ``pid_m`` of the schedule of
+:func:`moeblaze.kernels.experts.tile_schedule` — up to ``BLOCK_M`` consecutive slots of ONE expert
+``e`` — and an N-tile ``pid_n``. It computes ``C[s, n] = sum_k A[row(s), k] * B[e][k, n]`` with
+``row(s) = expert_token_indices[s]`` when ``GATHER_A`` (rows of the unpermuted input are read in the
+loads: no gathered copy exists) and ``row(s) = s`` otherwise. ``B[e][k, n]`` is read through strides,
+so the same kernel reads ``w_gate_up [E, 2h, d]`` and ``w_down [E, d, h]`` in either orientation.
+
+Epilogues (constexpr ``EPILOGUE``):
+  0  plain: store ``C`` (times the slot's router weight if ``SCALE_C``) at row ``s`` or, if
+     ``SCATTER_C``, at row ``token(s)`` (K = 1: out / dx written directly, no ``[N, d]`` buffer).
+     F2 ``y = act W_down[e]^T`` and B3 ``dx_slots = dpre W_gate_up[e]``.
+  1  activation forward (F1): ``DUAL`` keeps two accumulators (gate columns ``n`` and up columns
+     ``UP_OFF + n``) so ``act = f(gate) * up`` is formed in registers; stores ``pre`` if
+     ``STORE_PRE`` and ``act`` if ``STORE_ACT`` (act is computed from the rounded ``pre``, exactly as
+     the backward recomputes it).
+  2  activation backward (B1): ``C = dact' = dout[token(s)] W_down[e]``; loads ``pre``, recomputes
+     ``act``, stores the per-tile partial ``<dact', act>`` of the router-weight gradient (if
+     ``STORE_AUX``), ``dpre = act_backward(w_slot * dact', pre)`` and, if ``STORE_WACT``,
+     ``w_slot * act`` (the B operand of the ``dW_down`` GEMM, a backward-only temporary).
+Accumulation is fp32 (``tl.dot``); nothing is atomic, so results are bitwise reproducible.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .act_math import act_backward, act_forward
+
+
+@triton.jit
+def tile_of(pid, max_tiles, num_n, GROUP_M: tl.constexpr):
+    """Grouped ordering: ``GROUP_M`` M-tiles share a sweep over the N-tiles (L2 reuse)."""
+    num_in_group = GROUP_M * num_n
+    first_m = (pid // num_in_group) * GROUP_M
+    group_size = tl.minimum(max_tiles - first_m, GROUP_M)
+    pid_m = first_m + (pid % num_in_group) % group_size
+    pid_n = (pid % num_in_group) // group_size
+    return pid_m, pid_n
+
+
+@triton.jit
+def _mainloop(a_ptr, b_ptr, a_rows, e, offs_n, n_mask, K_DIM, up_shift,
+              stride_a_m, stride_a_k, stride_b_e, stride_b_k, stride_b_n,
+              DUAL: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, DOT_PREC: tl.constexpr,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """``acc[m, n] = sum_k A[a_rows[m], k] B[e][k, n]`` (and ``acc2`` with B shifted by ``up_shift``)."""
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + a_rows[:, None] * stride_a_m + offs_k[None, :] * stride_a_k
+    b_ptrs = (b_ptr + e.to(tl.int64) * stride_b_e + offs_k[:, None] * stride_b_k
+              + offs_n[None, :] * stride_b_n)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K_DIM, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(a_ptrs)
+            if EVEN_N:
+                b = tl.load(b_ptrs)
+                if DUAL:
+                    b2 = tl.load(b_ptrs + up_shift)
+            else:
+                b = tl.load(b_ptrs, mask=n_mask[None, :], other=0.0)
+                if DUAL:
+                    b2 = tl.load(b_ptrs + up_shift, mask=n_mask[None, :], other=0.0)
+        else:
+            k_ok = offs_k < K_DIM - k0
+            a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
+            b_mask = k_ok[:, None] & n_mask[None, :]
+            b = tl.load(b_ptrs, mask=b_mask, other=0.0)
+            if DUAL:
+                b2 = tl.load(b_ptrs + up_shift, mask=b_mask, other=0.0)
+        acc = tl.dot(a, b, acc, input_precision=DOT_PREC)
+        if DUAL:
+            acc2 = tl.dot(a, b2, acc2, input_precision=DOT_PREC)
+        a_ptrs += BLOCK_K * stride_a_k
+        b_ptrs += BLOCK_K * stride_b_k
+    return acc, acc2
+
+
+@triton.jit
+def _epilogue_plain(c_ptr, scale_ptr, acc, rows, tokens, mask, offs_n, stride_c_m,
+                    SCATTER_C: tl.constexpr, SCALE_C: tl.constexpr):
+    """EPILOGUE 0: ``C[row] = acc`` (``* w_slot``), row = token(s) if ``SCATTER_C`` else s."""
+    if SCALE_C:
+        acc = acc * tl.load(scale_ptr + rows)[:, None]
+    if SCATTER_C:
+        c_rows = tokens
+    else:
+        c_rows = rows
+    tl.store(c_ptr + c_rows[:, None] * stride_c_m + offs_n[None, :], acc.to(c_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _epilogue_act_fwd(pre_ptr, act_ptr, acc, acc2, rows, mask, offs_n, UP_OFF, stride_pre_m, stride_act_m,
+                      ACTIVATION: tl.constexpr, DUAL: tl.constexpr, STORE_PRE: tl.constexpr,
+                      STORE_ACT: tl.constexpr):
+    """EPILOGUE 1 (F1): store ``pre`` (gate at ``n``, up at ``UP_OFF + n``) and ``act = f(pre)``."""
+    gate = acc.to(pre_ptr.dtype.element_ty)
+    up = acc2.to(pre_ptr.dtype.element_ty)
+    pre_ptrs = pre_ptr + rows[:, None] * stride_pre_m + offs_n[None, :]
+    if STORE_PRE:
+        tl.store(pre_ptrs, gate, mask=mask)
+        if DUAL:
+            tl.store(pre_ptrs + UP_OFF, up, mask=mask)
+    if STORE_ACT:
+        act = act_forward(gate.to(tl.float32), up.to(tl.float32), ACTIVATION)
+        tl.store(act_ptr + rows[:, None] * stride_act_m + offs_n[None, :], act.to(act_ptr.dtype.element_ty),
+                 mask=mask)
+
+
+@triton.jit
+def _epilogue_act_bwd(dpre_ptr, part_ptr, wact_ptr, pre_ptr, scale_ptr, acc, rows, row_mask, mask, offs_n, pid_n,
+                      UP_OFF, stride_dpre_m, stride_part_m, stride_wact_m, stride_pre_m,
+                      ACTIVATION: tl.constexpr, STORE_PART: tl.constexpr, STORE_WACT: tl.constexpr):
+    """EPILOGUE 2 (B1): recompute act from ``pre``; ``<dact', act>`` partials; ``dpre``; ``w * act``."""
+    pre_ptrs = pre_ptr + rows[:, None] * stride_pre_m + offs_n[None, :]
+    gate = tl.load(pre_ptrs, mask=mask, other=0.0).to(tl.float32)
+    if ACTIVATION < 2:
+        up = tl.load(pre_ptrs + UP_OFF, mask=mask, other=0.0).to(tl.float32)
+    else:
+        up = gate
+    w = tl.load(scale_ptr + rows)
+    if STORE_PART or STORE_WACT:
+        act = act_forward(gate, up, ACTIVATION)
+    if STORE_PART:
+        part = tl.sum(tl.where(mask, acc * act, 0.0), axis=1)
+        tl.store(part_ptr + rows * stride_part_m + pid_n, part, mask=row_mask)
+    if STORE_WACT:  # rounded like the torch backend: (w * act.to(dtype)).to(dtype)
+        wact = act.to(wact_ptr.dtype.element_ty).to(tl.float32) * w[:, None]
+        tl.store(wact_ptr + rows[:, None] * stride_wact_m + offs_n[None, :], wact.to(wact_ptr.dtype.element_ty),
+                 mask=mask)
+    dgate, dup = act_backward(acc * w[:, None], gate, up, ACTIVATION)
+    dpre_ptrs = dpre_ptr + rows[:, None] * stride_dpre_m + offs_n[None, :]
+    tl.store(dpre_ptrs, dgate.to(dpre_ptr.dtype.element_ty), mask=mask)
+    if ACTIVATION < 2:
+        tl.store(dpre_ptrs + UP_OFF, dup.to(dpre_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def grouped_gemm_kernel(
+    a_ptr,  # [T, K_DIM] (GATHER_A: x, dout) or [N, K_DIM] (act, dpre); fp16/bf16/fp32
+    b_ptr,  # [E, *, *] weight; B[e][k, n] at e*stride_b_e + k*stride_b_k + n*stride_b_n
+    c_ptr,  # EPILOGUE 0: [N, N_COLS] or [T, N_COLS] (SCATTER_C); 1: pre [N, 2h|h]; 2: dpre [N, 2h|h]
+    aux_ptr,  # EPILOGUE 1: act [N, h]; 2: dtw partials [N, cdiv(h, BLOCK_N)] fp32; else unused
+    wact_ptr,  # EPILOGUE 2: w_slot * act [N, h] (STORE_WACT); else unused
+    pre_ptr,  # EPILOGUE 2: pre [N, 2h|h]; else unused
+    scale_ptr,  # [N] fp32 router weight of each slot (SCALE_C, EPILOGUE 2)
+    offsets_ptr,  # [E+1] int32 expert_token_offsets
+    indices_ptr,  # [N] int32 expert_token_indices (slot -> token)
+    tile_expert_ptr,  # [max_tiles] int32 expert of each M-tile (-1 past num_tiles)
+    tile_row_ptr,  # [max_tiles] int32 first slot of each M-tile
+    num_tiles_ptr,  # [1] int32 number of valid M-tiles
+    max_tiles, N_COLS, K_DIM,
+    UP_OFF,  # column of the first up entry in pre / dpre (h; gated only)
+    UP_SHIFT_B,  # UP_OFF * stride_b_n: element offset of the up rows of w_gate_up (DUAL only)
+    stride_a_m, stride_a_k, stride_b_e, stride_b_k, stride_b_n, stride_c_m, stride_aux_m, stride_wact_m,
+    stride_pre_m,
+    NUM_EXPERTS,  # autotune key only
+    GATHER_A: tl.constexpr, SCATTER_C: tl.constexpr, SCALE_C: tl.constexpr, EPILOGUE: tl.constexpr,
+    ACTIVATION: tl.constexpr, DUAL: tl.constexpr, STORE_PRE: tl.constexpr, STORE_AUX: tl.constexpr,
+    STORE_WACT: tl.constexpr, DOT_PREC: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    pid_m, pid_n = tile_of(tl.program_id(0), max_tiles, tl.cdiv(N_COLS, BLOCK_N), GROUP_M)
+    if pid_m >= tl.load(num_tiles_ptr):
+        return
+    e = tl.load(tile_expert_ptr + pid_m)
+    row_end = tl.load(offsets_ptr + e + 1)
+    slots = tl.load(tile_row_ptr + pid_m) + tl.arange(0, BLOCK_M)
+    row_mask = slots < row_end
+    rows = tl.minimum(slots, row_end - 1).to(tl.int64)  # clamped: main-loop loads need no row mask
+    tokens = rows
+    if GATHER_A or SCATTER_C:
+        tokens = tl.load(indices_ptr + rows).to(tl.int64)
+    if GATHER_A:
+        a_rows = tokens
+    else:
+        a_rows = rows
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N_COLS
+    acc, acc2 = _mainloop(a_ptr, b_ptr, a_rows, e, offs_n, n_mask, K_DIM, UP_SHIFT_B,
+                          stride_a_m, stride_a_k, stride_b_e, stride_b_k, stride_b_n,
+                          DUAL, EVEN_K, EVEN_N, DOT_PREC, BLOCK_M, BLOCK_N, BLOCK_K)
+    mask = row_mask[:, None] & n_mask[None, :]
+    if EPILOGUE == 0:
+        _epilogue_plain(c_ptr, scale_ptr, acc, rows, tokens, mask, offs_n, stride_c_m, SCATTER_C, SCALE_C)
+    elif EPILOGUE == 1:
+        _epilogue_act_fwd(c_ptr, aux_ptr, acc, acc2, rows, mask, offs_n, UP_OFF, stride_c_m, stride_aux_m,
+                          ACTIVATION, DUAL, STORE_PRE, STORE_AUX)
+    else:
+        _epilogue_act_bwd(c_ptr, aux_ptr, wact_ptr, pre_ptr, scale_ptr, acc, rows, row_mask, mask, offs_n, pid_n,
+                          UP_OFF, stride_c_m, stride_aux_m, stride_wact_m, stride_pre_m, ACTIVATION, STORE_AUX,
+                          STORE_WACT)

@@ -1,0 +1,122 @@
+"""Launch configurations of the expert kernels: autotuned on the GPU, fixed when asked or interpreted.
+
+Autotuning is keyed on the problem's (d, h, E) and the tensor dtypes — never on T (or N), so a new
+batch size never re-tunes. Environment:
+
+``MOEBLAZE_AUTOTUNE=0``  use one fixed default configuration per kernel (no benchmarking at first call).
+``TRITON_INTERPRET=1``   (CPU interpreter) small fixed configurations; autotuning is always off.
+``MOEBLAZE_B2_RECOMPUTE=1``  ``dW_down`` recomputes ``w * act`` from ``pre`` inside its loads instead of
+                         reading the ``[N, h]`` temporary written by B1 (saves that temporary; costs
+                         ``cdiv(d, BLOCK_P)`` recomputations of the activation).
+
+Because the tuned block sizes change the fp32 summation order, results are bitwise reproducible run to
+run within a process (and across processes with ``MOEBLAZE_AUTOTUNE=0``), not across different tunings.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+
+# BLOCK_M is chosen by the launcher (the tile schedule depends on it), not by the autotuner.
+BLOCK_M_GPU = 128
+BLOCK_M_INTERPRET = 32
+# Smallest BLOCK_N any grouped-GEMM config uses: sizes the router-gradient partials buffer.
+MIN_BLOCK_N = 64
+
+
+def interpreting() -> bool:
+    """True under the Triton CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def autotune_enabled() -> bool:
+    """Autotuning is on unless ``MOEBLAZE_AUTOTUNE=0`` or the interpreter runs."""
+    return os.environ.get("MOEBLAZE_AUTOTUNE", "1") != "0" and not interpreting()
+
+
+def b2_recompute() -> bool:
+    """``MOEBLAZE_B2_RECOMPUTE=1``: B2 recomputes ``w * act`` from ``pre`` in its loads (default off)."""
+    return os.environ.get("MOEBLAZE_B2_RECOMPUTE", "0") == "1"
+
+
+def block_m() -> int:
+    """M-tile height (slots of one expert per program)."""
+    return BLOCK_M_INTERPRET if interpreting() else BLOCK_M_GPU
+
+
+def _cfg(num_warps: int, num_stages: int, **kw) -> triton.Config:
+    return triton.Config(kw, num_warps=num_warps, num_stages=num_stages)
+
+
+def gemm_configs(kind: str) -> list[triton.Config]:
+    """Grouped-GEMM configs; ``kind`` is ``tuned16``, ``fixed16``, ``fixed32`` or ``interpret``."""
+    if kind == "interpret":
+        return [_cfg(1, 1, BLOCK_N=64, BLOCK_K=64, GROUP_M=4)]
+    if kind == "fixed32":
+        return [_cfg(4, 2, BLOCK_N=64, BLOCK_K=32, GROUP_M=8)]
+    if kind == "fixed16":
+        return [_cfg(8, 3, BLOCK_N=128, BLOCK_K=64, GROUP_M=8)]
+    return [
+        _cfg(w, s, BLOCK_N=bn, BLOCK_K=64, GROUP_M=8)
+        for bn, w, s in ((64, 4, 4), (128, 4, 3), (128, 8, 3), (128, 8, 4), (256, 8, 3))
+    ]
+
+
+def prune_gemm_configs(configs, named_args, **kwargs):
+    """Drop ``BLOCK_N = 256`` for the dual-accumulator (gated F1) launch: two 128x256 fp32
+    accumulators spill and its pipeline buffers exceed shared memory."""
+    dual = kwargs.get("DUAL", named_args.get("DUAL", False))
+    kept = [c for c in configs if not (dual and c.kwargs.get("BLOCK_N", 0) > 128)]
+    return kept or configs
+
+
+def wgrad_configs(kind: str) -> list[triton.Config]:
+    """Weight-gradient configs (``BLOCK_P x BLOCK_Q`` output tile, ``BLOCK_K`` slots per step)."""
+    if kind == "interpret":
+        return [_cfg(1, 1, BLOCK_P=64, BLOCK_Q=64, BLOCK_K=32, GROUP_M=4)]
+    if kind == "fixed32":
+        return [_cfg(4, 2, BLOCK_P=64, BLOCK_Q=64, BLOCK_K=32, GROUP_M=8)]
+    if kind == "fixed16":
+        return [_cfg(8, 3, BLOCK_P=128, BLOCK_Q=128, BLOCK_K=64, GROUP_M=8)]
+    return [
+        _cfg(w, s, BLOCK_P=bp, BLOCK_Q=bq, BLOCK_K=64, GROUP_M=8)
+        for bp, bq, w, s in ((128, 128, 8, 3), (128, 128, 8, 4), (128, 256, 8, 3), (64, 128, 4, 4),
+                             (128, 64, 4, 4))
+    ]
+
+
+class Launchable:
+    """A jitted kernel wrapped (lazily, once per kind) in ``triton.autotune`` + ``triton.heuristics``.
+
+    Args:
+        fn: the ``@triton.jit`` kernel.
+        configs: ``kind -> list[triton.Config]`` (see :func:`gemm_configs`).
+        key: autotune key (kernel argument names; tensor dtypes are added by Triton).
+        heuristics: constexpr name -> function of the launch arguments (e.g. ``EVEN_K``).
+        prune: ``early_config_prune(configs, named_args, **kwargs) -> configs`` of ``triton.autotune``.
+    """
+
+    def __init__(self, fn, configs, key: list[str], heuristics: dict | None = None, prune=None) -> None:
+        self.fn, self.configs, self.key, self.heuristics = fn, configs, key, heuristics or {}
+        self.prune = prune
+        self._cache: dict[str, object] = {}
+
+    def kind(self, dtype: torch.dtype) -> str:
+        if interpreting():
+            return "interpret"
+        if dtype == torch.float32:
+            return "fixed32"
+        return "tuned16" if autotune_enabled() else "fixed16"
+
+    def __getitem__(self, spec):
+        """``launchable[dtype][grid](*args)``."""
+        kind = self.kind(spec)
+        if kind not in self._cache:
+            fn = triton.heuristics(self.heuristics)(self.fn) if self.heuristics else self.fn
+            prune = {"early_config_prune": self.prune} if self.prune else None
+            self._cache[kind] = triton.autotune(configs=self.configs(kind), key=self.key,
+                                                prune_configs_by=prune)(fn)
+        return self._cache[kind]

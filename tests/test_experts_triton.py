@@ -1,0 +1,309 @@
+"""The Triton expert backend (``moeblaze.kernels.experts``) against the float64 reference (DESIGN.md §7).
+
+CPU: kernels run in the Triton interpreter (``TRITON_INTERPRET=1``, set by conftest when there is no
+CUDA) in fp32/fp16 on small shapes (``tl.dot`` on bf16 is wrong in the interpreter). GPU (``-m gpu``):
+the same checks in bf16 plus bigger shapes, saved bytes and ``torch.compile``.
+"""
+
+import os
+
+import pytest
+import torch
+
+import moeblaze
+from moeblaze import build_dispatch, moe_experts, ops_torch
+from moeblaze.activations import ACTIVATIONS
+from moeblaze.testing import (
+    assert_close_to_reference,
+    make_expert_inputs,
+    reference_outputs,
+    rel_error,
+    run_and_grad,
+)
+
+HAS_CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if HAS_CUDA else "cpu"
+NAMES = ("out", "dx", "dw_gate_up", "dw_down", "dtopk_weights")
+
+kernels_runnable = pytest.mark.skipif(
+    not HAS_CUDA and os.environ.get("TRITON_INTERPRET") != "1",
+    reason="Triton kernels need CUDA or TRITON_INTERPRET=1")
+pytestmark = kernels_runnable
+
+
+def triton_experts(activation, save):
+    return lambda **kw: moe_experts(**kw, activation=activation, save=save, backend="triton")
+
+
+def check_against_reference(inputs, activation, save):
+    """Forward and the four gradients within 2x plain PyTorch's error (same dtype) of float64.
+
+    "Plain PyTorch computing the same thing" is the worse of two baselines: the reference run in the
+    test dtype, and the ``torch`` backend (same formulas as the kernels, e.g. ``dtopk_weights =
+    <dout W_down, act>``). With T = 1 the two-element ``dtopk_weights`` suffers cancellation, and the
+    reference's ``<dout, y>`` alone is an unfairly lucky baseline (the torch backend fails it on ~7%
+    of fp32 draws too).
+    """
+    dt = inputs["x"].dtype
+    dout = torch.randn(inputs["x"].shape, dtype=dt, device=inputs["x"].device)
+    got = run_and_grad(triton_experts(activation, save), inputs, dout)
+    ref = reference_outputs(inputs, activation, dout)
+    base = reference_outputs(inputs, activation, dout, dtype=dt)
+    torch_backend = run_and_grad(
+        lambda **kw: moe_experts(**kw, activation=activation, save=save, backend="torch"), inputs, dout)
+    for name, a, r, b, b2 in zip(NAMES, got, ref, base, torch_backend):
+        assert a.dtype == (inputs["topk_weights"].dtype if name == "dtopk_weights" else dt), name
+        assert a.device == inputs["x"].device, name
+        worse = b if rel_error(b, r) >= rel_error(b2, r) else b2
+        assert_close_to_reference(name, a, r, worse)
+    return got
+
+
+def inputs(T, d, h, E, K, activation="swiglu", dtype=torch.float32, routing="uniform", device=DEVICE):
+    return make_expert_inputs(T, d, h, E, K, activation, dtype, device=device, routing=routing)
+
+
+# ------------------------------------------------------------------------------------------ CPU + GPU
+
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+@pytest.mark.parametrize("save", ["preact", "input"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_every_activation_and_save_mode(activation, save, dtype):
+    check_against_reference(inputs(40, 24, 20, 6, 2, activation, dtype), activation, save)
+
+
+EDGE_CASES = {  # T, d, h, E, K, routing
+    "T=1": (1, 16, 8, 4, 2, "uniform"),
+    "T<tile": (5, 32, 16, 3, 2, "uniform"),
+    "odd d and h": (19, 17, 13, 4, 2, "uniform"),
+    "prime E": (64, 16, 8, 13, 3, "uniform"),
+    "K=1": (50, 16, 24, 6, 1, "uniform"),
+    "K=E": (20, 16, 8, 5, 5, "uniform"),
+    "empty experts": (48, 16, 8, 8, 2, "empty_experts"),
+    "one expert": (48, 16, 8, 8, 1, "one_expert"),
+    "zipf": (128, 16, 8, 16, 4, "zipf"),
+    "multi-tile": (96, 80, 72, 3, 2, "uniform"),  # several M, N and K tiles; router partials per N-tile
+}
+
+
+@pytest.mark.parametrize("save", ["preact", "input"])
+@pytest.mark.parametrize("case", EDGE_CASES)
+def test_edge_cases(case, save):
+    T, d, h, E, K, routing = EDGE_CASES[case]
+    check_against_reference(inputs(T, d, h, E, K, routing=routing), "swiglu", save)
+
+
+@pytest.mark.parametrize("activation", ["geglu", "relu"])
+def test_odd_shapes_other_activations(activation):
+    check_against_reference(inputs(21, 17, 13, 5, 1, activation, torch.float16), activation, "preact")
+
+
+@pytest.mark.parametrize("activation", ["swiglu", "gelu"])
+def test_dw_down_recomputing_act_in_loads(activation, monkeypatch):
+    """``MOEBLAZE_B2_RECOMPUTE=1``: dW_down recomputes w * act from pre instead of B1's temporary."""
+    monkeypatch.setenv("MOEBLAZE_B2_RECOMPUTE", "1")
+    check_against_reference(inputs(45, 40, 36, 4, 2, activation, torch.float16, "zipf"), activation, "preact")
+
+
+def non_contiguous(inp, dtype=torch.float32):
+    T, d = inp["x"].shape
+    E, d2, h = inp["w_down"].shape
+    dev = inp["x"].device
+    inp["x"] = torch.randn(d, T, dtype=dtype, device=dev).t()  # column-major view
+    inp["w_gate_up"] = inp["w_gate_up"].transpose(1, 2).contiguous().transpose(1, 2)
+    inp["w_down"] = (torch.randn(E, h, d, dtype=dtype, device=dev) * h**-0.5).transpose(1, 2)
+    inp["topk_weights"] = inp["topk_weights"].t().contiguous().t()
+    assert not inp["x"].is_contiguous() and not inp["w_down"].is_contiguous()
+    assert not inp["w_gate_up"].is_contiguous()
+    return inp
+
+
+@pytest.mark.parametrize("save", ["preact", "input"])
+def test_non_contiguous_inputs(save):
+    check_against_reference(non_contiguous(inputs(30, 16, 12, 5, 2)), "swiglu", save)
+
+
+def test_two_runs_bitwise_equal():
+    inp = inputs(70, 48, 40, 5, 3, routing="zipf")
+    dout = torch.randn(70, 48, device=DEVICE)
+    first = run_and_grad(triton_experts("swiglu", "preact"), inp, dout)
+    second = run_and_grad(triton_experts("swiglu", "preact"), inp, dout)
+    for name, a, b in zip(NAMES, first, second):
+        assert torch.equal(a, b), name
+
+
+def test_ops_match_torch_backend_and_honour_need_flags():
+    """The four ops of the backend contract, one by one, against ``ops_torch`` (fp32)."""
+    from moeblaze.kernels import experts as ops_triton
+
+    inp = inputs(33, 24, 16, 5, 2, "swiglu")
+    index = build_dispatch(inp["topk_ids"], 5)
+    x, w1, w2, tw = inp["x"], inp["w_gate_up"], inp["w_down"], inp["topk_weights"]
+    for store_pre, store_act in ((True, True), (True, False), (False, True)):
+        got = ops_triton.up_forward(x, w1, index, "swiglu", store_pre, store_act)
+        want = ops_torch.up_forward(x, w1, index, "swiglu", store_pre, store_act)
+        for g, w in zip(got, want):
+            assert (g is None) == (w is None)
+            if g is not None:
+                torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+    pre, act = ops_torch.up_forward(x, w1, index, "swiglu", True, True)
+    torch.testing.assert_close(ops_triton.down_forward(act, w2, tw, index),
+                               ops_torch.down_forward(act, w2, tw, index), rtol=1e-5, atol=1e-5)
+    dout = torch.randn_like(x)
+    for flags in ((True, True), (False, True), (True, False), (False, False)):
+        got = ops_triton.down_backward(dout, pre, w2, tw, index, "swiglu", *flags)
+        want = ops_torch.down_backward(dout, pre, w2, tw, index, "swiglu", *flags)
+        for g, w in zip(got, want):
+            assert (g is None) == (w is None)
+            if g is not None:
+                torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5)
+    dpre = got[0]
+    for flags in ((True, True), (False, True), (True, False)):
+        got = ops_triton.up_backward(dpre, x, w1, index, *flags)
+        want = ops_torch.up_backward(dpre, x, w1, index, *flags)
+        for g, w in zip(got, want):
+            assert (g is None) == (w is None)
+            if g is not None:
+                torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("block", [1, 4, 16])
+def test_tile_schedule_never_straddles_experts(block):
+    from moeblaze.kernels.launch import tile_schedule, tile_schedule_torch
+
+    ids = moeblaze.testing.make_routing(37, 7, 2, "empty_experts")
+    index = build_dispatch(ids, 7)
+    offs = index.expert_token_offsets.tolist()
+    te, tr, nt = tile_schedule_torch(index.expert_token_offsets, 74, block)
+    assert te.numel() == -(-74 // block) + 7
+    n = int(nt)
+    want = [(e, r) for e in range(7) for r in range(offs[e], offs[e + 1], block)]
+    assert list(zip(te[:n].tolist(), tr[:n].tolist())) == want
+    assert (te[n:] == -1).all() and (tr[n:] == 74).all()
+    used = tile_schedule(index.expert_token_offsets.to(DEVICE), 74, block)  # the shared build when present
+    for a, b in zip(used, (te, tr, nt)):
+        assert torch.equal(a.cpu(), b.cpu())
+
+
+def test_configs_respect_partials_sizing():
+    """The router-gradient partials buffer has cdiv(h, MIN_BLOCK_N) columns: no config may use less."""
+    from moeblaze.kernels import tuning
+
+    for kind in ("tuned16", "fixed16", "fixed32", "interpret"):
+        assert all(c.kwargs["BLOCK_N"] >= tuning.MIN_BLOCK_N for c in tuning.gemm_configs(kind)), kind
+    dual = tuning.prune_gemm_configs(tuning.gemm_configs("tuned16"), {}, DUAL=True)
+    assert dual and all(c.kwargs["BLOCK_N"] <= 128 for c in dual)
+
+
+def test_bad_dtype_is_a_clear_error():
+    inp = {k: (v.double() if v.is_floating_point() else v) for k, v in inputs(8, 16, 8, 4, 2).items()}
+    with pytest.raises(TypeError, match="dtype"):
+        moe_experts(**inp, backend="triton")
+
+
+def check_compiled_module(dtype, shape=(2, 9, 32), d_ff=16, experts=4, top_k=2):
+    torch.manual_seed(0)
+    m = moeblaze.MoE(shape[-1], d_ff, experts, top_k, backend="triton", device=DEVICE, dtype=dtype)
+    x = torch.randn(*shape, device=DEVICE, dtype=dtype, requires_grad=True)
+    ref = m(x)
+    (gx_ref,) = torch.autograd.grad(ref.float().square().sum(), x)
+    compiled = torch.compile(m, fullgraph=True, backend="inductor" if HAS_CUDA else "aot_eager")
+    out = compiled(x)
+    (gx,) = torch.autograd.grad(out.float().square().sum(), x)
+    torch.testing.assert_close(out, ref)
+    torch.testing.assert_close(gx, gx_ref)
+
+
+def test_torch_compile_fullgraph_module():
+    """``torch.compile(fullgraph=True)`` over ``moeblaze.MoE`` on the Triton backend (custom ops)."""
+    check_compiled_module(torch.float32)
+
+
+# ------------------------------------------------------------------------------------------ GPU (bf16)
+
+gpu = pytest.mark.gpu
+needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+@pytest.mark.parametrize("save", ["preact", "input"])
+def test_gpu_bf16_every_activation(activation, save):
+    check_against_reference(inputs(256, 128, 96, 8, 2, activation, torch.bfloat16), activation, save)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("save", ["preact", "input"])
+@pytest.mark.parametrize("case", EDGE_CASES)
+def test_gpu_bf16_edge_cases(case, save):
+    T, d, h, E, K, routing = EDGE_CASES[case]
+    check_against_reference(inputs(T, d, h, E, K, dtype=torch.bfloat16, routing=routing), "swiglu", save)
+
+
+GPU_SHAPES = {  # T, d, h, E, K, routing
+    "olmoe-like": (2048, 512, 256, 16, 4, "uniform"),
+    "odd": (1000, 200, 136, 7, 2, "zipf"),
+    "K=1 big": (4096, 256, 512, 4, 1, "uniform"),
+    "one expert": (1500, 256, 128, 8, 2, "one_expert"),
+    "many experts": (3000, 256, 64, 64, 8, "uniform"),
+}
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("case", GPU_SHAPES)
+def test_gpu_bf16_bigger_shapes(case):
+    T, d, h, E, K, routing = GPU_SHAPES[case]
+    check_against_reference(inputs(T, d, h, E, K, dtype=torch.bfloat16, routing=routing), "swiglu", "preact")
+
+
+@gpu
+@needs_cuda
+def test_gpu_non_contiguous_and_bitwise():
+    inp = non_contiguous(inputs(300, 64, 48, 6, 2, dtype=torch.bfloat16), torch.bfloat16)
+    got = check_against_reference(inp, "swiglu", "preact")
+    dout = torch.randn(300, 64, device="cuda", dtype=torch.bfloat16)
+    a = run_and_grad(triton_experts("swiglu", "preact"), inp, dout)
+    b = run_and_grad(triton_experts("swiglu", "preact"), inp, dout)
+    assert all(torch.equal(u, v) for u, v in zip(a, b)) and len(got) == 5
+
+
+@gpu
+@needs_cuda
+def test_gpu_torch_compile_fullgraph_bf16():
+    check_compiled_module(torch.bfloat16, shape=(4, 256, 128), d_ff=96, experts=8, top_k=2)
+
+
+def saved_tensor_bytes(fn):
+    """Bytes of the unique storages autograd saves while ``fn()`` runs (parameters excluded)."""
+    seen = {}
+
+    def pack(t):
+        if not isinstance(t, torch.nn.Parameter):
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return out, sum(seen.values())
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("save", ["preact", "input"])
+def test_gpu_saved_bytes(save):
+    """DESIGN.md §4: <= 2Td + 4Nh + 64N bytes ("preact"), <= 2Td + 64N ("input"), bf16."""
+    T, d, h, E, K = 4096, 256, 128, 16, 4
+    inp = inputs(T, d, h, E, K, dtype=torch.bfloat16)
+    x = inp["x"].requires_grad_()
+    w1, w2 = torch.nn.Parameter(inp["w_gate_up"]), torch.nn.Parameter(inp["w_down"])
+    tw = inp["topk_weights"].requires_grad_()
+    out, saved = saved_tensor_bytes(lambda: moe_experts(x, inp["topk_ids"], tw, w1, w2, "swiglu", save,
+                                                        backend="triton"))
+    N = T * K
+    bound = 2 * T * d + 64 * N + (4 * N * h if save == "preact" else 0)
+    assert saved <= bound, (saved, bound)
+    out.float().sum().backward()
+    assert x.grad is not None and w1.grad is not None and tw.grad is not None

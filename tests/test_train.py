@@ -1,0 +1,191 @@
+"""The main job: data, model, `moeblaze train` / `moeblaze sample`, checkpoint-resume, saved-bytes helper."""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from moeblaze.cli import main
+from moeblaze.data import DataError, eval_windows, get_batch, load_corpus, unigram_entropy
+from moeblaze.memory import SavedTensorCounter, saved_bytes
+from moeblaze.model import ModelConfig, MoETransformer
+from moeblaze.train import TrainConfig, sample, train
+
+TINY = ["--seq-len", "32", "--d-model", "32", "--n-layers", "1", "--n-heads", "2", "--d-ff", "32",
+        "--num-experts", "4", "--top-k", "2", "--batch-size", "8", "--eval-tokens", "512",
+        "--warmup-steps", "2", "--no-progress", "--threads", "2"]
+
+
+@pytest.fixture(scope="module")
+def text_file(tmp_path_factory) -> Path:
+    """~200 kB of real Python source (a few standard-library modules), as one file."""
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    names = ["textwrap.py", "string.py", "bisect.py", "heapq.py", "fnmatch.py", "glob.py", "shlex.py",
+             "difflib.py"]
+    data = b"".join((stdlib / n).read_bytes() for n in names if (stdlib / n).exists())
+    path = tmp_path_factory.mktemp("data") / "corpus.py"
+    path.write_bytes(data)
+    return path
+
+
+def run_cli(*args: str) -> int:
+    with pytest.raises(SystemExit) as exc:
+        main(list(args))
+    return exc.value.code
+
+
+# ----------------------------------------------------------------------------- memory helper
+
+def test_saved_bytes_counts_unique_storages():
+    a = torch.randn(100, requires_grad=True)
+    b = torch.randn(100, requires_grad=True)
+    assert saved_bytes(lambda: (a * b).sum()) == 2 * 100 * 4  # mul saves both operands
+    assert saved_bytes(lambda: (a * b).sum(), exclude=[a]) == 100 * 4
+    assert saved_bytes(lambda: (a * a).sum()) == 100 * 4  # same storage saved twice counts once
+    assert saved_bytes(lambda: (a[:10] * b[:10]).sum()) == 2 * 100 * 4  # a view keeps its whole storage
+    assert saved_bytes(lambda: torch.exp(a.double()).sum(), exclude=[a]) == 100 * 8  # exp saves its output
+    with torch.no_grad():
+        assert saved_bytes(lambda: (a * b).sum()) == 0
+
+
+def test_saved_tensor_counter_tracks_only_chosen_modules():
+    lin1, lin2 = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+    x = torch.randn(4, 8)
+    params = [*lin1.parameters(), *lin2.parameters()]
+    with SavedTensorCounter(params).track([lin2]) as c:
+        y = lin2(torch.tanh(lin1(x)))  # lin2 saves its input (the tanh output): 4*8 floats
+    del y
+    assert c.bytes == 4 * 8 * 4 and c.count == 1
+
+
+# ----------------------------------------------------------------------------- data
+
+def test_unigram_entropy():
+    assert unigram_entropy(np.arange(256, dtype=np.uint8)) == pytest.approx(8.0)
+    assert unigram_entropy(np.zeros(10, dtype=np.uint8)) == 0.0
+    assert unigram_entropy(np.frombuffer(b"abab", dtype=np.uint8)) == pytest.approx(1.0)
+
+
+def test_load_corpus_file_dir_and_missing(tmp_path, text_file):
+    c = load_corpus(str(text_file), val_fraction=0.1)
+    assert len(c.train) + len(c.val) == text_file.stat().st_size
+    assert c.val.tobytes() == text_file.read_bytes()[len(c.train):]  # split by position
+    for i in range(30):
+        (tmp_path / f"f{i:02d}.txt").write_bytes(b"hello world %d\n" % i * 200)
+    (tmp_path / "blob.bin").write_bytes(b"\0\1\2" * 100)  # not text: skipped
+    c = load_corpus(str(tmp_path), val_fraction=0.2)
+    assert c.num_files == 30 and len(c.train) > 0 and len(c.val) > 0
+    assert load_corpus(str(tmp_path), val_fraction=0.2).val.tobytes() == c.val.tobytes()  # deterministic
+    with pytest.raises(DataError, match="does-not-exist"):
+        load_corpus(str(tmp_path / "does-not-exist"))
+
+
+def test_default_corpus_is_stdlib_split_by_file():
+    c = load_corpus(None)
+    assert c.num_files > 100 and len(c.val) > 100_000 and len(c.train) > 5 * len(c.val)
+    assert 4.0 < unigram_entropy(c.val) < 5.5
+
+
+def test_batches_are_step_indexed_and_shifted(text_file):
+    data = load_corpus(str(text_file)).train
+    x, y = get_batch(data, 7, 4, 16, seed=3)
+    x2, y2 = get_batch(data, 7, 4, 16, seed=3)
+    assert x.shape == y.shape == (4, 16) and x.dtype == torch.int64
+    assert torch.equal(x, x2) and torch.equal(y, y2) and torch.equal(x[:, 1:], y[:, :-1])
+    assert not torch.equal(x, get_batch(data, 8, 4, 16, seed=3)[0])
+    windows = list(eval_windows(data, 100, 16, 3))
+    assert sum(w[0].shape[0] for w in windows) == math.ceil(100 / 16)
+
+
+# ----------------------------------------------------------------------------- model
+
+def test_model_is_causal_and_generates():
+    torch.manual_seed(0)
+    cfg = ModelConfig(seq_len=16, d_model=32, n_layers=2, n_heads=2, d_ff=32, num_experts=4, top_k=2)
+    model = MoETransformer(cfg).eval()
+    idx = torch.randint(0, 256, (2, 16))
+    logits = model(idx)
+    assert logits.shape == (2, 16, 256) and logits.dtype == torch.float32
+    idx2 = idx.clone()
+    idx2[:, 10:] = (idx2[:, 10:] + 1) % 256
+    torch.testing.assert_close(model(idx2)[:, :10], logits[:, :10])
+    out = model.generate(idx[:, :3], 20, temperature=1.0, top_k=5)  # runs past seq_len: context is cropped
+    assert out.shape == (2, 23) and torch.equal(out[:, :3], idx[:, :3])
+    with pytest.raises(ValueError, match="seq_len"):
+        model(torch.zeros(1, 17, dtype=torch.long))
+
+
+# ----------------------------------------------------------------------------- training
+
+def test_training_loss_falls(text_file, tmp_path):
+    cfg = TrainConfig(data=str(text_file), out_dir=str(tmp_path), steps=60, batch_size=8, lr=3e-3,
+                      warmup_steps=5, eval_interval=1000, eval_tokens=2048, progress=False, threads=2)
+    mcfg = ModelConfig(seq_len=64, d_model=48, n_layers=1, n_heads=2, d_ff=64, num_experts=4, top_k=2)
+    result = train(cfg, mcfg, log=lambda *_: None)
+    first, last = np.mean(result.losses[:5]), np.mean(result.losses[-5:])
+    assert last < first - 1.0, (first, last)
+    assert result.val_bpb < result.unigram_bpb + 0.5 and math.isfinite(result.val_bpb)
+    assert result.moe_saved_bytes > 0 and result.tokens_per_s > 0
+    assert (tmp_path / "model.safetensors").is_file() and (tmp_path / "state.json").is_file()
+
+
+def test_resume_is_bitwise_identical(text_file, tmp_path):
+    full, split = tmp_path / "full", tmp_path / "split"
+    common = ["train", "--data", str(text_file), "--steps", "8", "--eval-interval", "3", *TINY]
+    assert run_cli(*common, "--out-dir", str(full)) == 0
+    assert run_cli(*common, "--out-dir", str(split), "--stop-after", "4") == 0
+    assert '"step": 4' in (split / "state.json").read_text()
+    assert run_cli("train", "--resume", "--out-dir", str(split), "--no-progress") == 0
+    a, b = load_file(full / "model.safetensors"), load_file(split / "model.safetensors")
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    oa = torch.load(full / "optimizer.pt", weights_only=True)["state"]
+    ob = torch.load(split / "optimizer.pt", weights_only=True)["state"]
+    for i in oa:
+        for k in oa[i]:
+            assert torch.equal(oa[i][k], ob[i][k]), (i, k)
+
+
+def test_sample_from_checkpoint(text_file, tmp_path, capsys):
+    assert run_cli("train", "--data", str(text_file), "--steps", "3", "--out-dir", str(tmp_path), *TINY) == 0
+    capsys.readouterr()
+    assert run_cli("sample", "--checkpoint", str(tmp_path), "--prompt", "def ", "--max-new-tokens", "40") == 0
+    assert capsys.readouterr().out.startswith("def ")
+    text = sample(str(tmp_path), "import ", max_new_tokens=10, temperature=0)
+    assert text.startswith("import ") and text == sample(str(tmp_path), "import ", max_new_tokens=10, temperature=0)
+
+
+# ----------------------------------------------------------------------------- errors
+
+def _cli_subprocess(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "moeblaze.cli", *args], capture_output=True, text=True, timeout=120)
+
+
+def test_missing_data_path_is_a_clear_error(tmp_path):
+    missing = str(tmp_path / "no-such-corpus.txt")
+    proc = _cli_subprocess("train", "--data", missing, "--out-dir", str(tmp_path / "out"))
+    assert proc.returncode != 0
+    assert missing in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_bad_device_and_nothing_to_resume_are_clear_errors(tmp_path, capsys):
+    assert run_cli("train", "--device", "tpu", "--out-dir", str(tmp_path)) != 0
+    assert "tpu" in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        assert run_cli("train", "--device", "cuda", "--out-dir", str(tmp_path)) != 0
+        assert "CUDA is not available" in capsys.readouterr().err
+    assert run_cli("train", "--resume", "--out-dir", str(tmp_path / "empty")) != 0
+    assert "no checkpoint" in capsys.readouterr().err
+    assert run_cli("sample", "--checkpoint", str(tmp_path / "empty")) != 0
+    assert "no checkpoint" in capsys.readouterr().err
+    assert run_cli("train", "--n-heads", "3", "--out-dir", str(tmp_path)) != 0  # d_model=128 not divisible
+    assert "n_heads" in capsys.readouterr().err
