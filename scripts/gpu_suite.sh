@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU suite, in one device call: environment, GPU tests (bf16), dispatch and layer benchmarks.
 # Usage (repo root, on the GPU machine): scripts/gpu_suite.sh STAGE...   with STAGE in
-#   tests      pytest -m gpu (all gpu-marked tests)
+#   tests      pytest -m gpu (all gpu-marked tests; fixed kernel configs, MOEBLAZE_AUTOTUNE=0)
 #   dispatch   benchmarks/bench_dispatch.py
 #   experts    benchmarks/bench_experts.py
 #   bench      moeblaze bench --suite all (peers installed from .peers/ when present)
@@ -29,15 +29,15 @@ run() {  # run NAME CMD...: tee the output to $OUT/NAME.txt, remember a failure
 }
 for stage in "$@"; do
   case "$stage" in
-    tests) run gpu_tests timeout "${TESTS_TIMEOUT:-420}" python3 -m pytest -m gpu -q -rfEs -p no:cacheprovider --durations=15 ;;
-    dispatch) run bench_dispatch python3 benchmarks/bench_dispatch.py --out "$OUT/dispatch.csv" ;;
+    tests) MOEBLAZE_AUTOTUNE=0 run gpu_tests timeout "${TESTS_TIMEOUT:-420}" python3 -m pytest -m gpu -q -rfEs -p no:cacheprovider --durations=15 ;;
+    dispatch) run bench_dispatch python3 benchmarks/bench_dispatch.py --no-torch --out "$OUT/dispatch.csv" ;;
     experts) run bench_experts python3 benchmarks/bench_experts.py --out "$OUT/experts.csv" ;;
     bench)
       if [[ -f .peers/install.sh ]]; then source .peers/install.sh /tmp/peers >/dev/null; fi
       run bench python3 -m moeblaze.cli bench --suite all --out "$OUT/bench" ;;
     train)
       for b in torch triton; do
-        MOEBLAZE_BACKEND=$b run "train_$b" python3 -m moeblaze.cli train --device cuda --out-dir "/tmp/run_$b"
+        run "train_$b" python3 -m moeblaze.cli train --device cuda --backend "$b" --no-progress --out-dir "/tmp/run_$b"
       done ;;
     *) echo "unknown stage $stage"; status=2 ;;
   esac

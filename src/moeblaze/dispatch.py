@@ -167,8 +167,8 @@ def build_dispatch_torch(topk_ids: torch.Tensor, num_experts: int) -> DispatchIn
 def build_dispatch(topk_ids: torch.Tensor, num_experts: int, validate: bool = True) -> DispatchIndex:
     """Build the zero-buffer dispatch index of a top-k routing (MoEBlaze §4.1-4.2, DESIGN.md §3).
 
-    On CUDA tensors the atomic-free Triton build runs (when Triton is importable); elsewhere the
-    PyTorch build. Both give bitwise the same arrays.
+    On CUDA tensors the atomic-free Triton build runs (when Triton is importable, E <= 1024 and
+    K <= 16); elsewhere the PyTorch build. Both give bitwise the same arrays.
 
     Args:
         topk_ids: ``[T, K]`` int32 or int64 expert ids, distinct within each row, in ``[0, E)``.
@@ -186,7 +186,10 @@ def build_dispatch(topk_ids: torch.Tensor, num_experts: int, validate: bool = Tr
     """
     check_topk_ids(topk_ids, num_experts, check_range=validate)
     if topk_ids.is_cuda and _triton_dispatch_available():
-        from .kernels.dispatch import build_dispatch_triton
+        from .kernels.dispatch import MAX_EXPERTS, MAX_TOP_K, build_dispatch_triton
+
+        if num_experts > MAX_EXPERTS or topk_ids.shape[1] > MAX_TOP_K:  # beyond the kernels' register tiles
+            return build_dispatch_torch(topk_ids, num_experts)
 
         return build_dispatch_triton(topk_ids, num_experts)
     return build_dispatch_torch(topk_ids, num_experts)

@@ -11,9 +11,9 @@ Four ops, the contract every backend implements (the Triton backend in ``kernels
 Shapes: ``x [T, d]``, ``w1 [E, 2h | h, d]``, ``pre [N, 2h | h]``, ``act [N, h]``, ``w2 [E, d, h]``,
 ``topk_weights [T, K]``, ``out [T, d]``; all rows of ``[N, ...]`` tensors are *slots* (DESIGN.md §3).
 Here the gathered rows are temporaries of one op (freed before it returns); the Triton backend
-fuses the gather into its GEMM loads. On CUDA with bf16/fp16 the grouped GEMMs go through
-``torch.nn.functional.grouped_mm`` (no host sync); otherwise a per-expert loop over the offsets
-(one host read of ``E+1`` ints).
+fuses the gather into its GEMM loads. On CUDA with bf16/fp16 the data-gradient grouped GEMMs go
+through ``torch.nn.functional.grouped_mm`` (no host sync); weight gradients and everything else use a
+per-expert loop over the offsets (one host read of ``E+1`` ints).
 """
 
 from __future__ import annotations
@@ -46,10 +46,12 @@ def grouped_linear(a: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> t
 
 
 def grouped_weight_grad(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """Per expert e: ``a[rows_e].T @ b[rows_e]``. ``a [N, p]``, ``b [N, q]`` -> ``[E, p, q]`` (fp32 accumulate)."""
+    """Per expert e: ``a[rows_e].T @ b[rows_e]``. ``a [N, p]``, ``b [N, q]`` -> ``[E, p, q]`` (fp32 accumulate).
+
+    Always the per-expert loop: ``grouped_mm`` would reduce over the slot dimension, which it only
+    accepts when every expert's slot count is a multiple of 8 (a device-side assert otherwise).
+    """
     E = offsets.numel() - 1
-    if _use_grouped_mm(a, b) and a.shape[0] % 8 == 0:
-        return F.grouped_mm(a.t().contiguous(), b.contiguous(), offs=offsets[1:])  # fp32 accumulate inside
     out = torch.zeros(E, a.shape[1], b.shape[1], dtype=torch.promote_types(a.dtype, torch.float32),
                       device=a.device)
     bounds = offsets.tolist()

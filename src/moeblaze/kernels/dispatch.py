@@ -291,7 +291,7 @@ def build_dispatch_triton(topk_ids: torch.Tensor, num_experts: int, *, tile_pair
     Returns:
         :class:`~moeblaze.dispatch.DispatchIndex`, all int32: ``expert_token_offsets [E+1]``,
         ``expert_token_indices [N]``, ``token_expert_indices [T, K]`` (the input itself when it is
-        int32 and contiguous) and ``token_index_map [T, K]``.
+        int32) and ``token_index_map [T, K]``.
 
     Raises:
         TypeError: non-integer ids.  ValueError: wrong rank, device, E, K or N >= 2^31 - 2^24.
@@ -311,17 +311,27 @@ def build_dispatch_triton(topk_ids: torch.Tensor, num_experts: int, *, tile_pair
     N = T * K
     if N >= 2**31 - 2**24:
         raise ValueError(f"N = T*K = {N} pairs does not fit the int32 index")
-    dev = topk_ids.device
+    offsets, indices, index_map = _build_dispatch_op(topk_ids, E, int(tile_pairs or 0))
+    ids32 = topk_ids if topk_ids.dtype == torch.int32 else topk_ids.to(torch.int32)
+    return DispatchIndex(offsets, indices, ids32, index_map, E)
+
+
+# A custom op, so torch.compile(fullgraph=True) sees one opaque node instead of tracing the launcher's
+# host-side planning (device properties, tile sizes).
+@torch.library.custom_op("moeblaze::build_dispatch", mutates_args=(),
+                         schema="(Tensor topk_ids, int num_experts, int tile_pairs) -> (Tensor, Tensor, Tensor)")
+def _build_dispatch_op(topk_ids, num_experts, tile_pairs):
+    T, K = topk_ids.shape
+    N, E, dev = T * K, num_experts, topk_ids.device
     sms = torch.cuda.get_device_properties(dev).multi_processor_count if topk_ids.is_cuda else 132
-    P, tiles, chunks = dispatch_plan(N, E, tile_pairs, sms)
+    P, tiles, chunks = dispatch_plan(N, E, tile_pairs or None, sms)
     offsets = torch.empty(E + 1, dtype=torch.int32, device=dev)
     indices = torch.empty(N, dtype=torch.int32, device=dev)
     index_map = torch.empty((T, K), dtype=torch.int32, device=dev)
+    if N == 0:
+        return offsets.zero_(), indices, index_map
     as_is = topk_ids.dtype == torch.int32 and topk_ids.is_contiguous()
     ids32 = topk_ids if as_is else torch.empty((T, K), dtype=torch.int32, device=dev)
-    if N == 0:
-        offsets.zero_()
-        return DispatchIndex(offsets, indices, ids32, index_map, E)
     work = torch.empty((tiles + chunks + 1) * E, dtype=torch.int32, device=dev)
     tile_tab, chunk_tab = work[: tiles * E], work[tiles * E:]
     common = dict(K=K, S=_STEP, G=_WARPS, BLOCK_E=_BLOCK_E, num_warps=_WARPS, num_stages=1)
@@ -332,7 +342,14 @@ def build_dispatch_triton(topk_ids: torch.Tensor, num_experts: int, *, tile_pair
     be = min(_SCAN_BE, triton.next_power_of_2(E))
     _scan_kernel[(triton.cdiv(E, be),)](chunk_tab, chunks, E, BR=_SCAN_ELEMS // be, BE=be, num_warps=4)
     _write_kernel[(chunks,)](ids32, tile_tab, chunk_tab, offsets, indices, index_map, N, E, chunks, P, **common)
-    return DispatchIndex(offsets, indices, ids32, index_map, E)
+    return offsets, indices, index_map
+
+
+@_build_dispatch_op.register_fake
+def _(topk_ids, num_experts, tile_pairs):
+    T, K = topk_ids.shape
+    new = lambda *shape: topk_ids.new_empty(shape, dtype=torch.int32)
+    return new(num_experts + 1), new(T * K), new(T, K)
 
 
 def tile_schedule(
