@@ -211,7 +211,9 @@ def check_compiled_module(dtype, shape=(2, 9, 32), d_ff=16, experts=4, top_k=2):
     out = compiled(x)
     (gx,) = torch.autograd.grad(out.float().square().sum(), x)
     torch.testing.assert_close(out, ref)
-    torch.testing.assert_close(gx, gx_ref)
+    # Inductor fuses the router's fp32 softmax/top-k backward differently from eager, so dx agrees to
+    # rounding, not bitwise (seen on an H200 in bf16: 0.6% of elements off by <= 1.2e-4).
+    assert rel_error(gx, gx_ref) <= torch.finfo(dtype).eps, rel_error(gx, gx_ref)
 
 
 def test_torch_compile_fullgraph_module():
