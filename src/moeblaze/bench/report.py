@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 
+import moeblaze
+
 from .baselines import BASELINE_IMPL, IMPLS
 from .runner import Row
 
@@ -60,7 +62,7 @@ def environment(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "cuda": torch.version.cuda,
         "triton": triton_version,
         "python": platform.python_version(),
-        "moeblaze": _version("moeblaze"),
+        "moeblaze": _version("moeblaze") or moeblaze.__version__,
         "peers": peers,
         "env": {k: v for k, v in os.environ.items()
                 if k.startswith(("MOEBLAZE_", "LIGER_FUSED_MOE_")) or k in ("TRITON_INTERPRET",)},
