@@ -5,6 +5,7 @@ import torch
 
 from moeblaze import build_dispatch, moe_experts
 from moeblaze.activations import ACTIVATIONS
+from moeblaze.memory import SavedTensorCounter
 from moeblaze.testing import (
     assert_close_to_reference,
     make_expert_inputs,
@@ -71,20 +72,6 @@ def test_prebuilt_index_and_int64_ids():
     assert torch.equal(out, moe_experts(**inp, activation="geglu"))
 
 
-def saved_tensor_bytes(fn):
-    """Bytes of the unique storages that autograd saves while ``fn()`` runs (parameters excluded)."""
-    seen = {}
-
-    def pack(t):
-        if not isinstance(t, torch.nn.Parameter):
-            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = fn()
-    return out, sum(seen.values())
-
-
 @pytest.mark.parametrize("save", ["preact", "input"])
 @pytest.mark.parametrize("activation", ["swiglu", "relu"])
 def test_saved_bytes_match_design_formula(save, activation):
@@ -95,8 +82,10 @@ def test_saved_bytes_match_design_formula(save, activation):
     w1 = torch.nn.Parameter(inp.pop("w_gate_up"))
     w2 = torch.nn.Parameter(inp.pop("w_down"))
     tw = inp["topk_weights"].requires_grad_()
-    out, saved = saved_tensor_bytes(lambda: moe_experts(x, inp["topk_ids"], tw, w1, w2, activation, save,
-                                                        backend="torch"))
+    with SavedTensorCounter(exclude=[w1, w2]) as counter:
+        out = moe_experts(x, inp["topk_ids"], tw, w1, w2, activation, save,
+                          backend="torch")
+    saved = counter.bytes
     N, elt = T * K, x.element_size()
     index_bytes = 4 * (E + 1) + 12 * N  # offsets, slot->token, routing, pair->slot (int32)
     pre_bytes = N * w1.shape[1] * elt if save == "preact" else 0

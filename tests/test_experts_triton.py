@@ -13,6 +13,7 @@ import torch
 import moeblaze
 from moeblaze import build_dispatch, moe_experts, ops_torch
 from moeblaze.activations import ACTIVATIONS
+from moeblaze.memory import SavedTensorCounter
 from moeblaze.testing import (
     assert_close_to_reference,
     make_expert_inputs,
@@ -278,20 +279,6 @@ def test_gpu_torch_compile_fullgraph_bf16():
     check_compiled_module(torch.bfloat16, shape=(4, 256, 128), d_ff=96, experts=8, top_k=2)
 
 
-def saved_tensor_bytes(fn):
-    """Bytes of the unique storages autograd saves while ``fn()`` runs (parameters excluded)."""
-    seen = {}
-
-    def pack(t):
-        if not isinstance(t, torch.nn.Parameter):
-            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = fn()
-    return out, sum(seen.values())
-
-
 @gpu
 @needs_cuda
 @pytest.mark.parametrize("save", ["preact", "input"])
@@ -302,8 +289,10 @@ def test_gpu_saved_bytes(save):
     x = inp["x"].requires_grad_()
     w1, w2 = torch.nn.Parameter(inp["w_gate_up"]), torch.nn.Parameter(inp["w_down"])
     tw = inp["topk_weights"].requires_grad_()
-    out, saved = saved_tensor_bytes(lambda: moe_experts(x, inp["topk_ids"], tw, w1, w2, "swiglu", save,
-                                                        backend="triton"))
+    with SavedTensorCounter(exclude=[w1, w2]) as counter:
+        out = moe_experts(x, inp["topk_ids"], tw, w1, w2, "swiglu", save,
+                          backend="triton")
+    saved = counter.bytes
     N = T * K
     bound = 2 * T * d + 64 * N + (4 * N * h if save == "preact" else 0)
     assert saved <= bound, (saved, bound)
