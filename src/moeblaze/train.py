@@ -13,6 +13,7 @@ Reproducibility: the batch of step ``s`` comes from a generator seeded by ``(see
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import math
 import os
@@ -230,6 +231,27 @@ def _describe(model: MoETransformer, mcfg: ModelConfig, cfg: TrainConfig, device
             f"device {device}, dtype {str(dtype).removeprefix('torch.')}, {threads} threads")
 
 
+def train_step(model: MoETransformer, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor, lr: float,
+               grad_clip: float, counter: SavedTensorCounter | None = None) -> float:
+    """One optimizer step on a batch ``x, y [B, seq]`` (int64 bytes); returns the cross-entropy (nats).
+
+    The loss is cross-entropy plus the MoE layers' auxiliary losses; gradients are clipped to
+    ``grad_clip`` (0: off). With ``counter``, the forward runs under it (bytes saved for backward).
+    Reading the loss synchronises, so step timings are honest on CUDA too.
+    """
+    for group in opt.param_groups:
+        group["lr"] = lr
+    with counter if counter is not None else contextlib.nullcontext():
+        logits = model(x)
+    ce = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+    (ce + aux_loss(model).to(x.device)).backward()
+    if grad_clip > 0:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return ce.item()
+
+
 def train(cfg: TrainConfig, model_cfg: ModelConfig | None = None, log=tqdm.write) -> TrainResult:
     """Train a :class:`MoETransformer` as configured; checkpoint to ``cfg.out_dir``.
 
@@ -275,23 +297,11 @@ def train(cfg: TrainConfig, model_cfg: ModelConfig | None = None, log=tqdm.write
                dynamic_ncols=True, desc="train")
     for step in bar:
         t0 = time.perf_counter()
-        for group in opt.param_groups:
-            group["lr"] = lr_at(step, cfg)
         x, y = (t.to(device) for t in get_batch(corpus.train, step, cfg.batch_size, mcfg.seq_len, cfg.seed))
-        if step == start:  # measure once; the hooks pass tensors through, so results do not change
-            with SavedTensorCounter(list(model.parameters())).track(model.moe_layers()) as counter:
-                logits = model(x)
-            saved = counter.bytes
-        else:
-            logits = model(x)
-        ce = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
-        loss = ce + aux_loss(model).to(device)
-        loss.backward()
-        if cfg.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(ce.item())  # syncs, so the timing below is honest on CUDA too
+        # measure once; the hooks pass tensors through, so results do not change
+        counter = SavedTensorCounter(list(model.parameters())).track(model.moe_layers()) if step == start else None
+        losses.append(train_step(model, opt, x, y, lr_at(step, cfg), cfg.grad_clip, counter))
+        saved = counter.bytes if counter is not None else saved
         train_time += time.perf_counter() - t0
         tok_s = (step + 1 - start) * tokens_per_step / train_time
         mfu = flops_per_token * tok_s / peak if peak else None
