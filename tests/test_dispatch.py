@@ -90,3 +90,9 @@ def test_bad_input_errors():
         build_dispatch(torch.tensor([[1, 1]]), 4)
     with pytest.raises(ValueError, match="num_experts"):
         build_dispatch(torch.tensor([[0]]), 0)
+
+
+def test_pair_count_must_fit_int32():
+    huge = torch.zeros(1, 1, dtype=torch.int32).expand(2**31, 1)  # no memory behind the expansion
+    with pytest.raises(ValueError, match="2\\^31"):
+        build_dispatch(huge, 4)

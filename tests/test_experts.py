@@ -124,3 +124,19 @@ def test_bad_inputs_give_clear_errors():
         call(topk_ids=inp["topk_ids"] + 3)
     with pytest.raises(ValueError, match="device"):
         call(w_down=inp["w_down"].to("meta"))
+
+
+def test_backend_selection_errors(monkeypatch):
+    inp = make_expert_inputs(6, 16, 8, 4, 2, "swiglu", torch.float32)
+    monkeypatch.setenv("MOEBLAZE_BACKEND", "cuda")
+    with pytest.raises(ValueError, match="MOEBLAZE_BACKEND"):
+        moe_experts(**inp)
+    monkeypatch.delenv("MOEBLAZE_BACKEND")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match="needs CUDA tensors"):
+        moe_experts(**inp, backend="triton")
+
+
+def test_auto_backend_keeps_float64_on_torch():
+    inp = make_expert_inputs(6, 16, 8, 4, 2, "swiglu", torch.float64)
+    assert moe_experts(**inp).dtype == torch.float64

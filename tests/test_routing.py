@@ -70,3 +70,16 @@ def test_router_bad_arguments():
         Router(8, 4, 5)
     with pytest.raises(ValueError, match=r"\[T, d=8\]"):
         Router(8, 4, 2)(torch.randn(3, 7))
+
+
+def test_empty_batch_gives_zero_losses_not_nan():
+    r = Router(8, 4, 2, aux_loss_coef=0.1, z_loss_coef=0.1)
+    out = r(torch.randn(0, 8))
+    assert out.topk_ids.shape == (0, 2) and out.loss.item() == 0.0
+
+
+def test_router_sizes_must_be_positive_ints():
+    with pytest.raises(ValueError, match="d_model"):
+        Router(0, 4, 2)
+    with pytest.raises(ValueError, match="top_k"):
+        Router(8, 4, 2.0)

@@ -189,3 +189,14 @@ def test_bad_device_and_nothing_to_resume_are_clear_errors(tmp_path, capsys):
     assert "no checkpoint" in capsys.readouterr().err
     assert run_cli("train", "--n-heads", "3", "--out-dir", str(tmp_path)) != 0  # d_model=128 not divisible
     assert "n_heads" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--eval-interval", "0"], "eval-interval"),
+    (["--activation", "tanh"], "activation"),
+    (["--lr", "-1"], "lr"),
+])
+def test_bad_options_exit_with_a_message(flags, message, tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "moeblaze.cli", "train", *flags, "--out-dir", str(tmp_path)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr

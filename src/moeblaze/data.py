@@ -169,7 +169,12 @@ def eval_windows(data: np.ndarray, num_tokens: int, seq_len: int, batch_size: in
     """Fixed validation batches: ``ceil(num_tokens / seq_len)`` windows evenly spaced over ``data``.
 
     Yields ``(x, y)`` pairs of ``[<= batch_size, seq_len]`` int64 tensors; the same ones on every call.
+
+    Raises:
+        DataError: ``data`` is shorter than ``seq_len + 2`` bytes.
     """
+    if len(data) < seq_len + 2:
+        raise DataError(f"validation data has {len(data)} bytes, fewer than seq_len + 2 = {seq_len + 2}")
     n = max(1, min(math.ceil(num_tokens / seq_len), (len(data) - 1) // seq_len))
     starts = np.linspace(0, len(data) - seq_len - 1, n).astype(np.int64)
     for i in range(0, n, batch_size):

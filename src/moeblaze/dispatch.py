@@ -99,7 +99,8 @@ def check_topk_ids(topk_ids: torch.Tensor, num_experts: int, check_range: bool =
     if not isinstance(topk_ids, torch.Tensor):
         raise TypeError(f"topk_ids must be a torch.Tensor, got {type(topk_ids).__name__}")
     if topk_ids.dtype not in (torch.int32, torch.int64, torch.int16, torch.uint8):
-        raise TypeError(f"topk_ids must be an integer tensor (int32 or int64), got dtype {topk_ids.dtype}")
+        raise TypeError("topk_ids must be an integer tensor (int32, int64, int16 or uint8), "
+                        f"got dtype {topk_ids.dtype}")
     if topk_ids.dim() != 2:
         raise ValueError(f"topk_ids must have shape [T, K] (rank 2), got shape {tuple(topk_ids.shape)}")
     if not isinstance(num_experts, int) or num_experts < 1:
@@ -107,6 +108,8 @@ def check_topk_ids(topk_ids: torch.Tensor, num_experts: int, check_range: bool =
     T, K = topk_ids.shape
     if K < 1 or num_experts < K:
         raise ValueError(f"topk_ids has K={K} columns; expected 1 <= K <= num_experts={num_experts}")
+    if T * K >= 2**31:
+        raise ValueError(f"topk_ids has N = T*K = {T * K} pairs; the int32 index holds fewer than 2^31")
     if not check_range or T == 0 or os.environ.get("MOEBLAZE_CHECK_IDS", "1") == "0":
         return
     lo, hi = torch.aminmax(topk_ids)
@@ -171,7 +174,7 @@ def build_dispatch(topk_ids: torch.Tensor, num_experts: int, validate: bool = Tr
     K <= 16); elsewhere the PyTorch build. Both give bitwise the same arrays.
 
     Args:
-        topk_ids: ``[T, K]`` int32 or int64 expert ids, distinct within each row, in ``[0, E)``.
+        topk_ids: ``[T, K]`` int32/int64/int16/uint8 expert ids, distinct within each row, in ``[0, E)``.
         num_experts: E.
         validate: check dtype/shape always and, unless ``MOEBLAZE_CHECK_IDS=0``, the id range
             (one host synchronisation). Ids from :class:`moeblaze.Router` are in range by

@@ -21,6 +21,7 @@ __all__ = ["moe_experts", "SAVE_MODES", "BACKENDS"]
 
 SAVE_MODES = ("preact", "input")
 BACKENDS = ("auto", "torch", "triton")
+_TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # the kernels' operand dtypes
 
 
 def _index_args(index: DispatchIndex) -> tuple[torch.Tensor, ...]:
@@ -115,11 +116,16 @@ def _select_ops(backend: str, x: torch.Tensor) -> ModuleType:
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "auto":
-        backend = os.environ.get("MOEBLAZE_BACKEND", "triton" if x.is_cuda else "torch")
-        if backend == "triton" and not _triton_experts_available():
-            backend = "torch"
+        env = os.environ.get("MOEBLAZE_BACKEND")
+        if env is not None and env not in ("torch", "triton"):
+            raise ValueError(f"MOEBLAZE_BACKEND must be 'torch' or 'triton', got {env!r}")
+        kernels_fit = x.is_cuda and x.dtype in _TRITON_DTYPES and _triton_experts_available()
+        backend = env or ("triton" if kernels_fit else "torch")
     if backend == "torch":
         return ops_torch
+    if not x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(f"backend='triton' needs CUDA tensors (x is on {x.device}); use backend='torch' "
+                         "or set TRITON_INTERPRET=1 to run the kernels in Triton's CPU interpreter")
     from .kernels import experts as ops_triton
 
     return ops_triton
@@ -192,8 +198,8 @@ def moe_experts(
         save: ``"preact"`` keeps ``x``, the pre-activation ``[N, 2h]`` and the index (2Td + 4Nh + O(N)
             bytes in bf16); ``"input"`` keeps ``x`` and the index only (2Td + O(N)) and recomputes the
             up-projection in backward (+4Ndh FLOPs).
-        backend: ``"auto"`` (Triton on CUDA, else PyTorch; env ``MOEBLAZE_BACKEND`` overrides),
-            ``"torch"`` or ``"triton"``.
+        backend: ``"auto"`` (Triton on CUDA for fp16/bf16/fp32, else PyTorch; env
+            ``MOEBLAZE_BACKEND=torch|triton`` overrides), ``"torch"`` or ``"triton"``.
         index: a prebuilt :class:`DispatchIndex` of ``topk_ids`` (built here when ``None``).
 
     Returns:

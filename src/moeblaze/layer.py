@@ -53,8 +53,8 @@ class MoE(nn.Module):
             raise ValueError(f"save must be one of {SAVE_MODES}, got {save!r}")
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-        for name, v in (("d_model", d_model), ("d_ff", d_ff), ("num_experts", num_experts)):
-            if not isinstance(v, int) or v < 1:
+        for name, v in (("d_model", d_model), ("d_ff", d_ff), ("num_experts", num_experts), ("top_k", top_k)):
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
         self.d_model, self.d_ff, self.num_experts, self.top_k = d_model, d_ff, num_experts, top_k
         self.activation, self.save, self.backend = activation, save, backend
@@ -85,6 +85,8 @@ class MoE(nn.Module):
         shape = x.shape
         x2 = x.reshape(-1, self.d_model)
         routing = self.router(x2)
+        # fp32 router weights feed the kernels as they are; only a float64 run (the reference check)
+        # upcasts them so that nothing in the layer rounds to fp32.
         topk_weights = routing.topk_weights.to(x.dtype) if x.dtype == torch.float64 else routing.topk_weights
         # Ids come from torch.topk over E scores: in range and distinct by construction, so the
         # host-synchronising range check is skipped.

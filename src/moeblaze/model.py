@@ -14,8 +14,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .activations import is_gated
+from .activations import ACTIVATIONS, is_gated
+from .experts import BACKENDS, SAVE_MODES
 from .layer import MoE
+from .routing import SCORE_FUNCS
 
 __all__ = ["ModelConfig", "MoETransformer"]
 
@@ -60,6 +62,10 @@ class ModelConfig:
             raise ValueError(f"d_model={self.d_model} must be n_heads={self.n_heads} times an even head size")
         if self.top_k > self.num_experts:
             raise ValueError(f"top_k={self.top_k} must be <= num_experts={self.num_experts}")
+        for name, allowed in (("activation", ACTIVATIONS), ("score_func", SCORE_FUNCS), ("save", SAVE_MODES),
+                              ("backend", BACKENDS)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
 
     def active_params_per_token(self) -> int:
         """Weights one token multiplies through (embedding lookup excluded, head included)."""
@@ -88,12 +94,14 @@ class Rotary(nn.Module):
 
     def __init__(self, head_dim: int, base: float) -> None:
         super().__init__()
-        self.inv_freq = 1.0 / base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+        self.head_dim, self.base = head_dim, base
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Rotate ``x [B, heads, S, head_dim]`` by position; returns the same shape and dtype."""
         S = x.shape[-2]
-        angles = torch.outer(torch.arange(S, device=x.device, dtype=torch.float32), self.inv_freq.to(x.device))
+        dims = torch.arange(0, self.head_dim, 2, device=x.device, dtype=torch.float32)
+        inv_freq = 1.0 / self.base ** (dims / self.head_dim)
+        angles = torch.outer(torch.arange(S, device=x.device, dtype=torch.float32), inv_freq)
         cos, sin = angles.cos(), angles.sin()
         x1, x2 = x.float().chunk(2, dim=-1)
         return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).to(x.dtype)

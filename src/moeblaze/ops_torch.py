@@ -11,9 +11,9 @@ Four ops, the contract every backend implements (the Triton backend in ``kernels
 Shapes: ``x [T, d]``, ``w1 [E, 2h | h, d]``, ``pre [N, 2h | h]``, ``act [N, h]``, ``w2 [E, d, h]``,
 ``topk_weights [T, K]``, ``out [T, d]``; all rows of ``[N, ...]`` tensors are *slots* (DESIGN.md §3).
 Here the gathered rows are temporaries of one op (freed before it returns); the Triton backend
-fuses the gather into its GEMM loads. On CUDA with bf16/fp16 the data-gradient grouped GEMMs go
-through ``torch.nn.functional.grouped_mm`` (no host sync); weight gradients and everything else use a
-per-expert loop over the offsets (one host read of ``E+1`` ints).
+fuses the gather into its GEMM loads. On CUDA in bf16 with 8-aligned d and h, the forward and
+data-gradient grouped GEMMs go through ``torch.nn.functional.grouped_mm`` (no host sync); weight
+gradients and everything else use a per-expert loop over the offsets (one host read of ``E+1`` ints).
 """
 
 from __future__ import annotations
@@ -25,11 +25,11 @@ from .activations import acc, activation_backward, activation_forward
 from .dispatch import DispatchIndex
 
 
-def _use_grouped_mm(*tensors: torch.Tensor) -> bool:
-    # grouped_mm needs CUDA, 16-bit operands and 16-byte aligned strides (8 elements).
-    return (hasattr(F, "grouped_mm") and all(t.is_cuda for t in tensors)
-            and tensors[0].dtype in (torch.bfloat16, torch.float16)
-            and all(s % 8 == 0 for t in tensors for s in t.shape[-1:]))
+def _use_grouped_mm(a: torch.Tensor, w: torch.Tensor) -> bool:
+    # grouped_mm needs CUDA, bf16 operands and 16-byte aligned strides (8 elements) in both inner
+    # dimensions of a [N, in] and w [E, out, in] (w may arrive transposed).
+    return (hasattr(F, "grouped_mm") and a.is_cuda and w.is_cuda and a.dtype == w.dtype == torch.bfloat16
+            and a.shape[-1] % 8 == 0 and w.shape[-1] % 8 == 0 and w.shape[-2] % 8 == 0)
 
 
 def grouped_linear(a: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
@@ -105,14 +105,15 @@ def down_backward(dout, pre, w2, topk_weights, index: DispatchIndex, activation:
     dact_unscaled = grouped_linear(g, w2.transpose(-2, -1), index.expert_token_offsets)  # [N, h]
     act = activation_forward(pre, activation)  # recomputed, never stored
     w_slot = acc(slot_weights(topk_weights, index))
+    dact_unscaled, act_acc = acc(dact_unscaled), acc(act)
     dtw = None
     if need_dtw:
-        dw_slot = (acc(dact_unscaled) * acc(act)).sum(-1)  # [N]
+        dw_slot = (dact_unscaled * act_acc).sum(-1)  # [N]
         dtw = dw_slot[index.token_index_map.long()].to(topk_weights.dtype)
-    dact = (acc(dact_unscaled) * w_slot[:, None]).to(pre.dtype)
+    dact = (dact_unscaled * w_slot[:, None]).to(pre.dtype)
     dpre = activation_backward(dact, pre, activation)
     dw2 = None
     if need_dw:
-        w_act = (acc(act) * w_slot[:, None]).to(act.dtype)
+        w_act = (act_acc * w_slot[:, None]).to(act.dtype)
         dw2 = grouped_weight_grad(g, w_act, index.expert_token_offsets).to(w2.dtype)
     return dpre, dw2, dtw

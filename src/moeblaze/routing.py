@@ -105,6 +105,9 @@ class Router(nn.Module):
                  renormalize: bool | None = None, aux_loss_coef: float = 0.01, z_loss_coef: float = 0.0,
                  device=None, dtype=None) -> None:
         super().__init__()
+        for name, v in (("d_model", d_model), ("num_experts", num_experts), ("top_k", top_k)):
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{name} must be a positive int, got {v!r}")
         if score_func not in SCORE_FUNCS:
             raise ValueError(f"score_func must be one of {SCORE_FUNCS}, got {score_func!r}")
         if not 1 <= top_k <= num_experts:
@@ -135,9 +138,10 @@ class Router(nn.Module):
         if self.renormalize:
             topk_weights = topk_weights / topk_weights.sum(-1, keepdim=True).clamp_min(1e-20)
         zero = logits.new_zeros(())
+        losses_on = self.training and x.shape[0] > 0  # means over zero tokens would be NaN
         aux = (self.aux_loss_coef * load_balancing_loss(probs, topk_ids)
-               if self.aux_loss_coef and self.training else zero)
-        z = self.z_loss_coef * router_z_loss(logits) if self.z_loss_coef and self.training else zero
+               if self.aux_loss_coef and losses_on else zero)
+        z = self.z_loss_coef * router_z_loss(logits) if self.z_loss_coef and losses_on else zero
         return RouterOutput(topk_ids.to(torch.int32), topk_weights, logits, aux, z)
 
     def extra_repr(self) -> str:

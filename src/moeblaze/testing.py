@@ -86,6 +86,8 @@ def assert_close_to_reference(name: str, actual: torch.Tensor, ref64: torch.Tens
         raise AssertionError(f"{name}: shape {tuple(actual.shape)} != reference {tuple(ref64.shape)}")
     floor = torch.finfo(actual.dtype).eps if actual.is_floating_point() else 0.0
     err, base = rel_error(actual, ref64), rel_error(baseline, ref64)
+    if base == float("inf"):
+        raise AssertionError(f"{name}: the PyTorch baseline is not finite; the comparison would prove nothing")
     if not err <= factor * base + floor:
         raise AssertionError(f"{name}: relative error {err:.3e} > {factor} x torch's {base:.3e} + {floor:.1e}")
 

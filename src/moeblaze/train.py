@@ -34,9 +34,19 @@ from .model import ModelConfig, MoETransformer
 __all__ = ["ConfigError", "TrainConfig", "TrainResult", "load_run_config", "sample", "train"]
 
 # Dense bf16 tensor-core peak (FLOP/s, no sparsity) from the vendors' data sheets, for MFU.
-GPU_PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "H800": 989e12, "B200": 2250e12, "A100": 312e12,
-                  "A800": 312e12, "L40S": 362e12, "L4": 121e12, "A10G": 70e12, "A10": 125e12,
-                  "RTX 4090": 165e12, "RTX 3090": 71e12}
+
+
+DENSE_BF16_PEAK_TFLOPS = [("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("H100", 989.0), ("H200", 989.0), ("H800", 989.0),
+          ("H20", 148.0), ("GH200", 989.0), ("B200", 2250.0), ("B300", 2250.0), ("A100", 312.0),
+          ("A800", 312.0), ("L40S", 362.0), ("L4", 121.0), ("A10", 125.0)]
+
+
+def peak_tflops(device_name: str) -> float | None:
+    """Data-sheet dense bf16 peak of a device (by name), or ``None`` when unknown."""
+    for key, tf in DENSE_BF16_PEAK_TFLOPS:
+        if key in device_name:
+            return tf
+    return None
 
 
 class ConfigError(ValueError):
@@ -75,6 +85,19 @@ class TrainConfig:
     resume: bool = _f(False, "continue the run checkpointed in --out-dir")
     progress: bool = _f(True, "show a progress bar")
     peak_tflops: float = _f(0.0, "GPU peak TFLOP/s for MFU (0 = look up the GPU's dense bf16 peak)")
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "batch_size", "eval_interval", "eval_tokens"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        for name in ("stop_after", "warmup_steps", "checkpoint_interval", "threads", "grad_clip",
+                     "weight_decay", "peak_tflops"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
+        if not (self.lr > 0 and 0 <= self.min_lr <= self.lr):
+            raise ConfigError(f"need lr > 0 and 0 <= min-lr <= lr, got lr={self.lr}, min-lr={self.min_lr}")
+        if not (0 < self.val_fraction < 1):
+            raise ConfigError(f"val-fraction must be in (0, 1), got {self.val_fraction}")
 
 
 @dataclass
@@ -151,7 +174,8 @@ def gpu_peak_flops(device: torch.device, cfg: TrainConfig) -> float | None:
     if cfg.peak_tflops > 0:
         return cfg.peak_tflops * 1e12
     name = torch.cuda.get_device_name(device)
-    return next((v for k, v in GPU_PEAK_FLOPS.items() if k in name), None)
+    tflops = peak_tflops(name)
+    return tflops * 1e12 if tflops else None
 
 
 # ----------------------------------------------------------------------------- evaluation
@@ -276,7 +300,7 @@ def train(cfg: TrainConfig, model_cfg: ModelConfig | None = None, log=tqdm.write
     mcfg = model_cfg or ModelConfig()
 
     t_load = time.perf_counter()
-    corpus = load_corpus(cfg.data, cfg.val_fraction)
+    corpus = load_corpus(cfg.data, cfg.val_fraction, min_bytes=max(1024, mcfg.seq_len + 2))
     entropy = unigram_entropy(corpus.val)
     log(f"data: {corpus.source}; {len(corpus.train):,} train / {len(corpus.val):,} validation bytes "
         f"(loaded in {time.perf_counter() - t_load:.1f} s)")

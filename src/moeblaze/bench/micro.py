@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from ..dispatch import build_dispatch, build_dispatch_torch
+from ..train import peak_tflops
 from .baselines import sort_dispatch
 from .runner import MIB, cuda_time_ms, require_cuda
 
@@ -36,19 +37,6 @@ TRAIN_COLUMNS = ["backend", "d_model", "n_layers", "d_ff", "num_experts", "top_k
 
 # Dense bf16 tensor-core peak (TFLOP/s, no sparsity) from the vendor data sheets, by device-name substring;
 # first match wins.
-_PEAKS = [("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("H100", 989.0), ("H200", 989.0), ("H800", 989.0),
-          ("H20", 148.0), ("GH200", 989.0), ("B200", 2250.0), ("B300", 2250.0), ("A100", 312.0),
-          ("A800", 312.0), ("L40S", 362.0), ("L4", 121.0), ("A10", 125.0)]
-
-
-def peak_tflops(device_name: str) -> float | None:
-    """Data-sheet dense bf16 peak of a device (by name), or ``None`` when unknown."""
-    for key, tf in _PEAKS:
-        if key in device_name:
-            return tf
-    return None
-
-
 def _routing(T: int, E: int, K: int, device: str = "cuda") -> torch.Tensor:
     return torch.rand(T, E, device=device).topk(K, dim=1).indices.to(torch.int32)
 
