@@ -24,11 +24,6 @@ BACKENDS = ("auto", "torch", "triton")
 _TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # the kernels' operand dtypes
 
 
-def _index_args(index: DispatchIndex) -> tuple[torch.Tensor, ...]:
-    return (index.expert_token_offsets, index.expert_token_indices,
-            index.token_expert_indices, index.token_index_map)
-
-
 def _index_from(tensors, num_experts: int) -> DispatchIndex:
     return DispatchIndex(*tensors, num_experts=num_experts)
 
@@ -217,7 +212,7 @@ def moe_experts(
         raise ValueError(f"index was built for E={index.num_experts}, [T, K]={tuple(index.token_index_map.shape)}; "
                          f"expected E={E}, [T, K]={tuple(topk_ids.shape)}")
     ops = _select_ops(backend, x)
-    idx = _index_args(index)
+    idx = index.tensors()
     if save == "input":
         return _ExpertsRecompute.apply(x, w_gate_up, w_down, topk_weights, ops, activation, E, *idx)
     pre, act = _UpProjection.apply(x, w_gate_up, ops, activation, E, *idx)

@@ -12,7 +12,7 @@ import math
 import torch
 
 
-def _act(name: str, pre: torch.Tensor) -> torch.Tensor:
+def act_reference(name: str, pre: torch.Tensor) -> torch.Tensor:
     f = {
         "silu": lambda z: z * torch.sigmoid(z),
         "gelu": lambda z: 0.5 * z * (1.0 + torch.erf(z / math.sqrt(2.0))),
@@ -42,6 +42,6 @@ def moe_experts_reference(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights:
         tok, slot = torch.nonzero(topk_ids == e, as_tuple=True)
         if tok.numel() == 0:
             continue
-        y = _act(activation, x[tok] @ w_gate_up[e].t()) @ w_down[e].t()
+        y = act_reference(activation, x[tok] @ w_gate_up[e].t()) @ w_down[e].t()
         out = out.index_add(0, tok, y * topk_weights[tok, slot].to(x.dtype)[:, None])
     return out

@@ -280,9 +280,10 @@ def _train_target(args: argparse.Namespace, device: str, dtype):
 
     from ..layer import aux_loss
     from ..model import ModelConfig, MoETransformer
+    from ..train import TrainConfig
 
     cfg = ModelConfig() if args.seq_len is None else ModelConfig(seq_len=args.seq_len)
-    B = args.batch_size or _train_batch_size()
+    B = args.batch_size or TrainConfig.batch_size
     model = MoETransformer(cfg).to(device=device, dtype=dtype).train()
     batch = torch.randint(0, cfg.vocab_size, (B, cfg.seq_len + 1), device=device)
 
@@ -290,15 +291,6 @@ def _train_target(args: argparse.Namespace, device: str, dtype):
         return F.cross_entropy(logits.float().view(-1, cfg.vocab_size), batch[:, 1:].reshape(-1)) + aux_loss(model)
 
     return model, batch[:, :-1], loss_fn, f"train model (ModelConfig defaults), batch {B}x{cfg.seq_len}"
-
-
-def _train_batch_size() -> int:
-    try:
-        from ..train import TrainConfig
-
-        return int(TrainConfig().batch_size)
-    except (ImportError, AttributeError, TypeError):
-        return 16
 
 
 def _layer_target(args: argparse.Namespace, device: str, dtype):

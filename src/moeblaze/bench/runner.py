@@ -107,7 +107,7 @@ class RunOptions:
     min_reps: int = 5
     max_reps: int = 50
     target_s: float = 0.5
-    cap_s: float = 90.0
+    cap_s: float = 60.0
     budget_s: float | None = None
     flush_l2: bool = True
     seed: int = 0
