@@ -75,11 +75,17 @@ class MoE(nn.Module):
         return getattr(self, self._w1_name)
 
     def reset_parameters(self) -> None:
+        """Re-initialise the router and the experts (``U(-1/sqrt(fan_in), 1/sqrt(fan_in))``)."""
         self.router.reset_parameters()
         nn.init.uniform_(self.w1, -1 / math.sqrt(self.d_model), 1 / math.sqrt(self.d_model))
         nn.init.uniform_(self.w_down, -1 / math.sqrt(self.d_ff), 1 / math.sqrt(self.d_ff))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Route and run the experts: ``x [..., d]`` -> ``[..., d]`` in ``x.dtype``; sets ``self.aux_loss``.
+
+        Raises:
+            ValueError: the last dimension of ``x`` is not d.
+        """
         if x.shape[-1] != self.d_model:
             raise ValueError(f"MoE input must have last dimension d_model={self.d_model}, got {tuple(x.shape)}")
         shape = x.shape

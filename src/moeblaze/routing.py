@@ -125,6 +125,12 @@ class Router(nn.Module):
         nn.init.uniform_(self.weight, -bound, bound)
 
     def forward(self, x: torch.Tensor) -> RouterOutput:
+        """Route ``x [T, d]``: fp32 logits, scores, top-k ids and weights, and the scaled losses
+        (zero in eval mode or for an empty batch).
+
+        Raises:
+            ValueError: ``x`` is not ``[T, d]``.
+        """
         if x.dim() != 2 or x.shape[1] != self.d_model:
             raise ValueError(f"router input must have shape [T, d={self.d_model}], got {tuple(x.shape)}")
         logits = _RouterLogits.apply(x, self.weight)
