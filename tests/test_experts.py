@@ -7,6 +7,7 @@ from moeblaze import build_dispatch, moe_experts
 from moeblaze.activations import ACTIVATIONS
 from moeblaze.memory import SavedTensorCounter
 from moeblaze.testing import (
+    EDGE_CASES,
     assert_close_to_reference,
     make_expert_inputs,
     reference_outputs,
@@ -35,18 +36,6 @@ def check_against_reference(inputs, activation, save, backend="torch"):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_every_activation_and_save_mode(activation, save, dtype):
     check_against_reference(make_expert_inputs(40, 24, 20, 6, 2, activation, dtype), activation, save)
-
-
-EDGE_CASES = {
-    "T=1": (1, 16, 8, 4, 2, "uniform"),
-    "odd d and h": (19, 17, 13, 4, 2, "uniform"),
-    "prime E": (64, 16, 8, 13, 3, "uniform"),
-    "K=1": (50, 16, 8, 6, 1, "uniform"),
-    "K=E": (20, 16, 8, 5, 5, "uniform"),
-    "empty experts": (48, 16, 8, 8, 2, "empty_experts"),
-    "one expert": (48, 16, 8, 8, 1, "one_expert"),
-    "zipf": (128, 16, 8, 16, 4, "zipf"),
-}
 
 
 @pytest.mark.parametrize("case", EDGE_CASES)

@@ -16,6 +16,20 @@ from .reference import act_reference, moe_experts_reference
 
 ROUTINGS = ("uniform", "zipf", "one_expert", "empty_experts")
 
+# The named edge cases of DESIGN.md §7, as (T, d, h, E, K, routing); small enough for the interpreter.
+EDGE_CASES = {
+    "T=1": (1, 16, 8, 4, 2, "uniform"),
+    "T<tile": (5, 32, 16, 3, 2, "uniform"),
+    "odd d and h": (19, 17, 13, 4, 2, "uniform"),
+    "prime E": (64, 16, 8, 13, 3, "uniform"),
+    "K=1": (50, 16, 24, 6, 1, "uniform"),
+    "K=E": (20, 16, 8, 5, 5, "uniform"),
+    "empty experts": (48, 16, 8, 8, 2, "empty_experts"),
+    "one expert": (48, 16, 8, 8, 1, "one_expert"),
+    "zipf": (128, 16, 8, 16, 4, "zipf"),
+    "multi-tile": (96, 80, 72, 3, 2, "uniform"),  # several M, N and K tiles; router partials per N-tile
+}
+
 
 def make_routing(T: int, E: int, K: int, kind: str = "uniform", generator: torch.Generator | None = None,
                  device: str | torch.device = "cpu") -> torch.Tensor:
