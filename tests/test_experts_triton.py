@@ -119,6 +119,25 @@ def test_two_runs_bitwise_equal():
         assert torch.equal(a, b), name
 
 
+def test_second_backward_through_overwritten_pre_is_a_clear_error():
+    """B1 writes dpre over the saved pre; retain_graph + a second backward must fail loudly, not give
+    garbage gradients (the "input" mode recomputes pre, so it allows it)."""
+    inp = inputs(20, 16, 12, 4, 2)
+    x = inp["x"].requires_grad_()
+    out = moe_experts(x, inp["topk_ids"], inp["topk_weights"], inp["w_gate_up"], inp["w_down"], backend="triton")
+    out.sum().backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.sum().backward()
+    x.grad = None
+    out = moe_experts(x, inp["topk_ids"], inp["topk_weights"], inp["w_gate_up"], inp["w_down"], save="input",
+                      backend="triton")
+    out.sum().backward(retain_graph=True)
+    first = x.grad.clone()
+    x.grad = None
+    out.sum().backward()
+    torch.testing.assert_close(x.grad, first, rtol=0, atol=0)
+
+
 def test_ops_match_torch_backend_and_honour_need_flags():
     """The four ops of the backend contract, one by one, against ``ops_torch`` (fp32)."""
     from moeblaze.kernels import experts as ops_triton
@@ -138,8 +157,10 @@ def test_ops_match_torch_backend_and_honour_need_flags():
                                ops_torch.down_forward(act, w2, tw, index), rtol=1e-5, atol=1e-5)
     dout = torch.randn_like(x)
     for flags in ((True, True), (False, True), (True, False), (False, False)):
-        got = ops_triton.down_backward(dout, pre, w2, tw, index, "swiglu", *flags)
         want = ops_torch.down_backward(dout, pre, w2, tw, index, "swiglu", *flags)
+        pre_t = pre.clone()
+        got = ops_triton.down_backward(dout, pre_t, w2, tw, index, "swiglu", *flags)
+        assert got[0] is pre_t  # dpre is written over pre
         for g, w in zip(got, want):
             assert (g is None) == (w is None)
             if g is not None:

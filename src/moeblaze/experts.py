@@ -41,11 +41,14 @@ class _UpProjection(torch.autograd.Function):
         ctx.save_for_backward(x, w1, *index_tensors)
         ctx.ops, ctx.num_experts = ops, num_experts
         ctx.mark_non_differentiable(act)
+        ctx.set_materialize_grads(False)  # else autograd fills a zero [N, h] gradient for act every step
         return pre, act
 
     @staticmethod
     def backward(ctx, dpre, _dact):
         x, w1, *index_tensors = ctx.saved_tensors
+        if dpre is None:  # the output does not depend on pre (grads are not materialised)
+            return (None,) * (5 + len(index_tensors))
         index = _index_from(index_tensors, ctx.num_experts)
         dx, dw1 = ctx.ops.up_backward(dpre.contiguous(), x, w1, index,
                                       ctx.needs_input_grad[0], ctx.needs_input_grad[1])

@@ -8,6 +8,9 @@ Four ops, the contract every backend implements (the Triton backend in ``kernels
 ``down_backward(dout, pre, w2, topk_weights, index, activation, need_dw, need_dtw)
     -> (dpre, dw2 | None, dtopk_weights | None)``                                           B1-B2
 
+``down_backward`` may return ``dpre`` in the storage of ``pre`` (the Triton op writes it in place, as
+``pre`` is dead after B1; this one returns a new tensor): callers must not use ``pre`` afterwards.
+
 Shapes: ``x [T, d]``, ``w1 [E, 2h | h, d]``, ``pre [N, 2h | h]``, ``act [N, h]``, ``w2 [E, d, h]``,
 ``topk_weights [T, K]``, ``out [T, d]``; all rows of ``[N, ...]`` tensors are *slots* (DESIGN.md §3).
 Here the gathered rows are temporaries of one op (freed before it returns); the Triton backend

@@ -12,11 +12,14 @@
   configured as top-k over softmax without renormalisation (the maths of every other row).
 
 All share the weights of :class:`LayerWeights` (layout of DESIGN.md §2; SonicMoE gets permuted views,
-zero-copy). Peers are optional: when not importable the row is skipped with a note.
+zero-copy). Peers are optional: when not importable the row is skipped with a note. An implementation
+whose first call may compile for minutes (``sonicmoe``) sets :attr:`Impl.isolate`: the runner measures it
+in a child process that it can kill (:mod:`moeblaze.bench.worker`).
 """
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import os
 from collections.abc import Callable
@@ -30,7 +33,7 @@ from ..dispatch import DispatchIndex
 from .configs import BenchConfig
 
 __all__ = ["LayerWeights", "ImplOptions", "Impl", "IMPLS", "DEFAULT_IMPLS", "BASELINE_IMPL", "make_weights",
-           "torch_router", "conventional_experts", "hf_loop_experts", "sort_dispatch", "grouped_linear"]
+           "resolve_impl", "torch_router", "conventional_experts", "hf_loop_experts", "sort_dispatch", "grouped_linear"]
 
 BASELINE_IMPL = "conventional"
 PEERS_HINT = "install the peers: source .peers/install.sh /tmp/peers"
@@ -189,6 +192,8 @@ class Impl:
         module: a module that must be importable (``None``: always available).
         activations: activations it supports (``None``: all).
         needs_cuda: True when it cannot run on the CPU.
+        isolate: measure it in a child process killed after ``RunOptions.isolate_timeout_s`` (a first call
+            that compiles for minutes cannot be interrupted in-process); see :mod:`moeblaze.bench.worker`.
     """
 
     name: str
@@ -197,6 +202,7 @@ class Impl:
     module: str | None = None
     activations: tuple[str, ...] | None = None
     needs_cuda: bool = False
+    isolate: bool = False
 
     def unavailable(self) -> str | None:
         """Why it cannot run in this process at all (missing package), or ``None``."""
@@ -291,6 +297,34 @@ IMPLS: dict[str, Impl] = {i.name: i for i in [
     Impl("liger", "Liger-Kernel LigerFusedMoEFunction (Triton)", _liger, module="liger_kernel",
          activations=("swiglu",), needs_cuda=True),
     Impl("sonicmoe", "SonicMoE moe_TC_softmax_topk_layer (CuTe DSL)", _sonic, module="sonicmoe",
-         activations=("swiglu", "geglu"), needs_cuda=True),
+         activations=("swiglu", "geglu"), needs_cuda=True, isolate=True),
 ]}
 DEFAULT_IMPLS = ["moeblaze", "moeblaze-torch", "conventional", "hf-loop", "liger", "sonicmoe"]
+
+
+def resolve_impl(spec: str) -> Impl:
+    """The implementation named ``spec``: a key of :data:`IMPLS`, or ``"module:attribute"`` naming an
+    importable :class:`Impl` (or a callable returning one) outside the registry, e.g. a test's or a user's
+    own layer. The same string finds it again in the child process of an isolated run.
+
+    Args:
+        spec: ``"conventional"``, ``"mypkg.moe_impls:MY_IMPL"``, ...
+
+    Raises:
+        KeyError: not a registered name, or a ``module:attribute`` that cannot be imported or is no Impl.
+    """
+    if spec in IMPLS:
+        return IMPLS[spec]
+    module, sep, attr = spec.partition(":")
+    if not sep:
+        raise KeyError(f"unknown implementation {spec!r}; choose from {list(IMPLS)} or give module:attribute")
+    try:
+        obj = importlib.import_module(module)
+        for part in attr.split("."):
+            obj = getattr(obj, part)
+    except (ImportError, AttributeError) as exc:
+        raise KeyError(f"cannot load implementation {spec!r}: {type(exc).__name__}: {exc}") from exc
+    impl = obj if isinstance(obj, Impl) else obj() if callable(obj) else None
+    if not isinstance(impl, Impl):
+        raise KeyError(f"{spec!r} is not an Impl nor a factory of one (got {type(impl).__name__})")
+    return impl

@@ -69,6 +69,13 @@ def _add_bench(subparsers: Any) -> None:
                    help="per-implementation cap in seconds (first step slower: skipped; default: %(default)s)")
     p.add_argument("--budget-s", type=float, default=None,
                    help="total seconds for the run; what is left is skipped (default: 420 for all/layers)")
+    p.add_argument("--isolate", choices=["auto", "all", "none"], default="auto",
+                   help="measure implementations in a child process killed after --isolate-timeout-s: auto = "
+                   "those whose first call may compile for minutes (sonicmoe); default: %(default)s")
+    p.add_argument("--isolate-timeout-s", type=float, default=600.0,
+                   help="wall-clock limit of an isolated measurement, compile included (also bounded by what "
+                   "is left of --budget-s; bounds its first step instead of --cap-s); past it the child is "
+                   "killed and the row skipped (default: %(default)s)")
     p.add_argument("--no-flush", action="store_true", help="do not flush L2 before each timed step")
     p.add_argument("--liger-autotune", action="store_true",
                    help="let Liger autotune (> 2 min per shape); default: LIGER_FUSED_MOE_AUTOTUNE=0")
@@ -156,7 +163,7 @@ def _options(args: argparse.Namespace, suite: str | None):
     return RunOptions(dtype=args.dtype, device=args.device, min_reps=pick(args.min_reps, min_r),
                       max_reps=pick(args.max_reps, max_r),
                       target_s=pick(args.target_s, target), cap_s=args.cap_s, budget_s=pick(args.budget_s, budget),
-                      flush_l2=not args.no_flush,
+                      flush_l2=not args.no_flush, isolate=args.isolate, isolate_timeout_s=args.isolate_timeout_s,
                       impl=ImplOptions(liger_autotune=args.liger_autotune, hf_max_tokens=args.hf_max_tokens))
 
 
@@ -212,7 +219,8 @@ def _run(args: argparse.Namespace, suite: str | None, spec: dict, configs: list,
     meta.update(dtype=args.dtype, suite=suite,
                 settings=f"suite {suite or '(configs)'}; {opts.min_reps}-{opts.max_reps} timed steps "
                 f"(~{opts.target_s} s) per implementation; cap {opts.cap_s:.0f} s per implementation; "
-                f"budget {budget}; HF loop up to T={opts.impl.hf_max_tokens}")
+                f"budget {budget}; HF loop up to T={opts.impl.hf_max_tokens}; child processes: {opts.isolate} "
+                f"(killed after {opts.isolate_timeout_s:.0f} s)")
     report.write_meta(meta, out_dir)
     print(f"# {meta['command']}\n# {meta['device']}, torch {meta['torch']}, triton {meta['triton']}, "
           f"{meta['date']}")

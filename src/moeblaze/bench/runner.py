@@ -13,6 +13,9 @@ once and shared by every implementation. Per implementation:
 
 A step is ``out = fn(x); out.backward(dout)`` with all gradients reset to ``None`` first. Out-of-memory is
 caught and reported as ``OOM``; other failures as ``error``; a global ``budget_s`` skips what is left.
+
+Implementations with :attr:`Impl.isolate` (or all, or none: ``RunOptions.isolate``) are measured the same
+way in a child process (:mod:`moeblaze.bench.worker`), killed after ``isolate_timeout_s`` or the budget left.
 """
 
 from __future__ import annotations
@@ -27,13 +30,14 @@ from dataclasses import asdict, dataclass, field, fields
 import torch
 
 from ..memory import SavedTensorCounter
-from .baselines import IMPLS, Impl, ImplOptions, LayerWeights, make_weights
+from .baselines import Impl, ImplOptions, LayerWeights, make_weights, resolve_impl
 from .configs import BenchConfig
 
-__all__ = ["Row", "RunOptions", "DTYPES", "run_layers", "measure_impl", "cuda_time_ms", "require_cuda",
-           "NoCudaError"]
+__all__ = ["Row", "RunOptions", "DTYPES", "ISOLATE_MODES", "run_layers", "measure_impl", "isolate_timeout",
+           "cuda_time_ms", "require_cuda", "NoCudaError"]
 
 MIB = 1 << 20
+ISOLATE_MODES = ("auto", "all", "none")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
@@ -101,6 +105,12 @@ class RunOptions:
         flush_l2: zero a 256 MiB buffer before every timed step.
         seed: for weights and inputs. impl: :class:`ImplOptions`.
         device: ``cuda``; ``cpu`` exists for tests of the runner (wall-clock times, no peak memory).
+        isolate: which implementations run in a child process: ``auto`` (those with ``Impl.isolate``),
+            ``all`` or ``none``. isolate_timeout_s: wall-clock limit of such a child (also bounded by
+            what is left of ``budget_s``); one that runs past it is killed and reported ``skipped``.
+
+    Raises:
+        ValueError: an unknown ``isolate`` mode.
     """
 
     dtype: str = "bf16"
@@ -113,6 +123,25 @@ class RunOptions:
     seed: int = 0
     impl: ImplOptions = field(default_factory=ImplOptions)
     device: str = "cuda"
+    isolate: str = "auto"
+    isolate_timeout_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        if self.isolate not in ISOLATE_MODES:
+            raise ValueError(f"isolate must be one of {ISOLATE_MODES}, got {self.isolate!r}")
+
+    def as_dict(self) -> dict:
+        """JSON-ready fields (``impl`` as a nested dict); :meth:`from_dict` reads them back."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> RunOptions:
+        """The options :meth:`as_dict` wrote."""
+        return cls(**{**d, "impl": ImplOptions(**d.get("impl", {}))})
+
+    def isolates(self, impl: Impl) -> bool:
+        """Whether ``impl`` is measured in a child process."""
+        return self.isolate == "all" or (self.isolate == "auto" and impl.isolate)
 
 
 def cuda_time_ms(step: Callable[[], None], reps: int, flush: torch.Tensor | None = None) -> list[float]:
@@ -233,7 +262,8 @@ def run_layers(configs: Iterable[BenchConfig], impl_names: list[str], opts: RunO
     """Benchmark every implementation in ``impl_names`` on every config; one :class:`Row` each.
 
     Args:
-        configs: the layer shapes. impl_names: keys of :data:`moeblaze.bench.baselines.IMPLS`.
+        configs: the layer shapes. impl_names: keys of :data:`moeblaze.bench.baselines.IMPLS`, or
+            ``module:attribute`` of an :class:`Impl` elsewhere (:func:`~moeblaze.bench.baselines.resolve_impl`).
         opts: :class:`RunOptions`. on_row: called with each row as soon as it is measured.
         start: ``time.perf_counter()`` origin of ``opts.budget_s`` (default: now).
 
@@ -242,7 +272,7 @@ def run_layers(configs: Iterable[BenchConfig], impl_names: list[str], opts: RunO
     """
     if opts.device != "cpu":
         require_cuda()
-    impls = [IMPLS[n] for n in impl_names]
+    impls = [(n, resolve_impl(n)) for n in impl_names]
     dtype = DTYPES[opts.dtype]
     start = time.perf_counter() if start is None else start
     flush = torch.empty(256 * MIB, dtype=torch.int8, device=opts.device) if opts.flush_l2 else None
@@ -264,8 +294,9 @@ _STICKY = ("illegal memory access", "device-side assert", "unspecified launch fa
 
 def _skip_reason(cfg: BenchConfig, impl: Impl, opts: RunOptions, start: float,
                  broken: list[str]) -> tuple[str, str] | None:
-    """``(status, note)`` when ``impl`` is not run on ``cfg``, else ``None``."""
-    if broken:
+    """``(status, note)`` when ``impl`` is not run on ``cfg``, else ``None`` (a child process does not
+    share this process's broken CUDA context)."""
+    if broken and not opts.isolates(impl):
         return "skipped", f"CUDA context unusable after {broken[0]}; rerun without it (--impls)"
     if opts.budget_s is not None and time.perf_counter() - start > opts.budget_s:
         return "skipped", f"time budget of {opts.budget_s:.0f} s spent (--budget-s)"
@@ -276,20 +307,41 @@ def _skip_reason(cfg: BenchConfig, impl: Impl, opts: RunOptions, start: float,
     return ("unsupported", why) if why else None
 
 
-def _run_config(cfg: BenchConfig, impls: list[Impl], opts: RunOptions, dtype: torch.dtype,
+def isolate_timeout(opts: RunOptions, start: float) -> tuple[float, str]:
+    """The wall-clock limit of an isolated run started now.
+
+    Args:
+        opts: ``isolate_timeout_s`` and ``budget_s``. start: ``time.perf_counter()`` origin of the budget.
+
+    Returns:
+        ``(seconds, flag)``: ``opts.isolate_timeout_s``, or what is left of ``opts.budget_s`` (>= 0) if less,
+        and the command-line option that set it (for the row's note).
+    """
+    if opts.budget_s is not None:
+        left = opts.budget_s - (time.perf_counter() - start)
+        if left < opts.isolate_timeout_s:
+            return max(left, 0.0), "--budget-s"
+    return opts.isolate_timeout_s, "--isolate-timeout-s"
+
+
+def _run_config(cfg: BenchConfig, impls: list[tuple[str, Impl]], opts: RunOptions, dtype: torch.dtype,
                 flush: torch.Tensor | None, emit: Callable[[Row], None], start: float, broken: list[str]) -> None:
-    todo = [(impl, _skip_reason(cfg, impl, opts, start, broken)) for impl in impls]
+    todo = [(spec, impl, _skip_reason(cfg, impl, opts, start, broken)) for spec, impl in impls]
     w = x = dout = None
-    if any(skip is None for _, skip in todo):
+    if any(skip is None and not opts.isolates(impl) for _, impl, skip in todo):  # children make their own
         try:
             w = make_weights(cfg, opts.device, dtype, opts.seed)
             x, dout = _inputs(cfg, dtype, opts.seed, opts.device)
         except torch.OutOfMemoryError:
             w = None
-    for impl, skip in todo:
+    for spec, impl, skip in todo:
         skip = skip or _skip_reason(cfg, impl, opts, start, broken)  # the budget may run out meanwhile
         if skip is not None:
             emit(Row.for_config(cfg, impl.name, opts.dtype, status=skip[0], note=skip[1]))
+        elif opts.isolates(impl):
+            from .worker import measure_isolated  # imports this module
+
+            emit(measure_isolated(cfg, spec, opts, *isolate_timeout(opts, start), impl_name=impl.name))
         elif w is None:
             emit(Row.for_config(cfg, impl.name, opts.dtype, status="OOM", note="weights and inputs do not fit"))
         else:

@@ -12,7 +12,8 @@ same signatures, semantics and result dtypes:
                           ``dW1[e] = sum_s dpre[s]^T x[token(s)]``
 
 Each op is a ``torch.library.custom_op`` (``moeblaze::experts_*``) with a fake (meta) implementation,
-so ``torch.compile(fullgraph=True)`` treats it as one opaque node. No op reads device data on the host,
+so ``torch.compile(fullgraph=True)`` treats it as one opaque node (eager calls skip the dispatcher).
+``down_backward`` writes ``dpre`` over ``pre`` (declared as a mutation). No op reads device data on the host,
 none uses atomics (bitwise reproducible), and row offsets are 64-bit inside the kernels.
 Dtypes: fp16, bf16 (fast paths) and fp32 (tests), all with fp32 accumulation.
 """
@@ -61,12 +62,15 @@ def _empty(like: torch.Tensor) -> torch.Tensor:
     return like.new_empty(0)
 
 
+def _call(op, impl, *args):
+    """The custom op while torch.compile traces (one opaque node), the plain launcher in eager mode:
+    the op dispatch costs ~14 µs of host time per call (2-core CPU, torch 2.13), 4 calls per layer step."""
+    return op(*args) if torch.compiler.is_compiling() else impl(*args)
+
+
 # ---------------------------------------------------------------- F1: up-projection forward
 
-@torch.library.custom_op("moeblaze::experts_up_forward", mutates_args=(),
-                         schema="(Tensor x, Tensor w1, Tensor offsets, Tensor indices, str activation, "
-                                "bool store_pre, bool store_act) -> (Tensor, Tensor)")
-def _up_forward_op(x, w1, offsets, indices, activation, store_pre, store_act):
+def _up_forward_impl(x, w1, offsets, indices, activation, store_pre, store_act):
     x = _rows_contig(x)
     N, rows = indices.numel(), w1.shape[1]
     gated = activation in GATED
@@ -78,6 +82,12 @@ def _up_forward_op(x, w1, offsets, indices, activation, store_pre, store_act):
                  activation=ACTIVATION_CODES[activation], dual=gated, store_pre=store_pre,
                  aux=act if store_act else None, store_aux=store_act)
     return pre, act
+
+
+_up_forward_op = torch.library.custom_op(
+    "moeblaze::experts_up_forward", _up_forward_impl, mutates_args=(),
+    schema="(Tensor x, Tensor w1, Tensor offsets, Tensor indices, str activation, bool store_pre, "
+           "bool store_act) -> (Tensor, Tensor)")
 
 
 @_up_forward_op.register_fake
@@ -104,18 +114,14 @@ def up_forward(x, w1, index: DispatchIndex, activation: str, store_pre: bool, st
     """
     check_activation(activation)
     _check("up_forward", x=x, w1=w1)
-    pre, act = torch.ops.moeblaze.experts_up_forward(x, w1, index.expert_token_offsets,
-                                                     index.expert_token_indices, activation,
-                                                     store_pre, store_act)
+    pre, act = _call(_up_forward_op, _up_forward_impl, x, w1, index.expert_token_offsets,
+                     index.expert_token_indices, activation, store_pre, store_act)
     return (pre if store_pre else None), (act if store_act else None)
 
 
 # ---------------------------------------------------------------- F2-F3: down-projection forward
 
-@torch.library.custom_op("moeblaze::experts_down_forward", mutates_args=(),
-                         schema="(Tensor act, Tensor w2, Tensor topk_weights, Tensor offsets, Tensor indices, "
-                                "Tensor token_index_map) -> Tensor")
-def _down_forward_op(act, w2, topk_weights, offsets, indices, token_index_map):
+def _down_forward_impl(act, w2, topk_weights, offsets, indices, token_index_map):
     act = _rows_contig(act)
     (T, K), d, h = token_index_map.shape, w2.shape[1], w2.shape[2]
     strides = (w2.stride(0), w2.stride(2), w2.stride(1))
@@ -127,6 +133,12 @@ def _down_forward_op(act, w2, topk_weights, offsets, indices, token_index_map):
     y = act.new_empty(act.shape[0], d)
     grouped_gemm(act, w2, strides, y, offsets, indices, n_cols=d, k_dim=h, gather_a=False)
     return gather_sum(y, token_index_map, topk_weights, act.dtype)
+
+
+_down_forward_op = torch.library.custom_op(
+    "moeblaze::experts_down_forward", _down_forward_impl, mutates_args=(),
+    schema="(Tensor act, Tensor w2, Tensor topk_weights, Tensor offsets, Tensor indices, "
+           "Tensor token_index_map) -> Tensor")
 
 
 @_down_forward_op.register_fake
@@ -144,46 +156,49 @@ def down_forward(act, w2, topk_weights, index: DispatchIndex):
         TypeError, ValueError: as :func:`up_forward`.
     """
     _check("down_forward", act=act, w2=w2)
-    return torch.ops.moeblaze.experts_down_forward(act, w2, topk_weights, index.expert_token_offsets,
-                                                   index.expert_token_indices, index.token_index_map)
+    return _call(_down_forward_op, _down_forward_impl, act, w2, topk_weights, index.expert_token_offsets,
+                 index.expert_token_indices, index.token_index_map)
 
 
 # ---------------------------------------------------------------- B1-B2: down-projection backward
 
-@torch.library.custom_op("moeblaze::experts_down_backward", mutates_args=(),
-                         schema="(Tensor dout, Tensor pre, Tensor w2, Tensor topk_weights, Tensor offsets, "
-                                "Tensor indices, Tensor token_index_map, str activation, bool need_dw, "
-                                "bool need_dtw) -> (Tensor, Tensor, Tensor)")
-def _down_backward_op(dout, pre, w2, topk_weights, offsets, indices, token_index_map, activation, need_dw,
-                      need_dtw):
-    dout, pre = _rows_contig(dout), _rows_contig(pre)
+def _down_backward_impl(dout, pre, w2, topk_weights, offsets, indices, token_index_map, activation, need_dw,
+                        need_dtw):
+    # pre [N, 2h|h] (unit column stride, checked by down_backward) is overwritten with dpre: B1 reads
+    # each pre tile once, in the program that writes the dpre tile at the same place.
+    dout = _rows_contig(dout)
     (T, K), d, h = token_index_map.shape, w2.shape[1], w2.shape[2]
     N, code = indices.numel(), ACTIVATION_CODES[activation]
     w_slot = _slot_weights(topk_weights, token_index_map)
     sched = tile_schedule(offsets, N, block_m())
-    dpre = pre.new_empty(pre.shape)
     part = (torch.zeros(N, -(-h // MIN_BLOCK_N), dtype=torch.float32, device=pre.device) if need_dtw
             else None)
     recompute = need_dw and b2_recompute()  # else B1 hands w*act [N, h] to B2 (a backward temporary)
+    dw2 = _empty(w2)
+    if recompute:  # B2 first: it reads pre, which B1 overwrites
+        dw2 = grouped_wgrad(dout, pre, offsets, indices, p=d, q=h, out_dtype=w2.dtype, gather_a=True,
+                            b_act=True, activation=code, up_off=h, scale=w_slot)
     wact = pre.new_empty(N, h) if need_dw and not recompute else None
-    grouped_gemm(dout, w2, (w2.stride(0), w2.stride(1), w2.stride(2)), dpre, offsets, indices,
+    grouped_gemm(dout, w2, (w2.stride(0), w2.stride(1), w2.stride(2)), pre, offsets, indices,
                  n_cols=h, k_dim=d, gather_a=True, up_off=h, epilogue=2, activation=code, scale=w_slot,
                  aux=part, store_aux=need_dtw, wact=wact, pre=pre, sched=sched)
     dtw = _empty(topk_weights)
     if need_dtw:  # second, deterministic pass over the per-N-tile partials
         dtw = part.sum(1).index_select(0, token_index_map.reshape(-1).long()).view(T, K).to(topk_weights.dtype)
-    dw2 = _empty(w2)
-    if recompute:
-        dw2 = grouped_wgrad(dout, pre, offsets, indices, p=d, q=h, out_dtype=w2.dtype, gather_a=True,
-                            b_act=True, activation=code, up_off=h, scale=w_slot)
-    elif need_dw:
+    if wact is not None:
         dw2 = grouped_wgrad(dout, wact, offsets, indices, p=d, q=h, out_dtype=w2.dtype, gather_a=True)
-    return dpre, dw2, dtw
+    return dw2, dtw
+
+
+_down_backward_op = torch.library.custom_op(
+    "moeblaze::experts_down_backward", _down_backward_impl, mutates_args=("pre",),
+    schema="(Tensor dout, Tensor(a!) pre, Tensor w2, Tensor topk_weights, Tensor offsets, Tensor indices, "
+           "Tensor token_index_map, str activation, bool need_dw, bool need_dtw) -> (Tensor, Tensor)")
 
 
 @_down_backward_op.register_fake
 def _(dout, pre, w2, topk_weights, offsets, indices, token_index_map, activation, need_dw, need_dtw):
-    return (pre.new_empty(pre.shape), w2.new_empty(w2.shape) if need_dw else _empty(w2),
+    return (w2.new_empty(w2.shape) if need_dw else _empty(w2),
             topk_weights.new_empty(token_index_map.shape) if need_dtw else _empty(topk_weights))
 
 
@@ -191,30 +206,37 @@ def down_backward(dout, pre, w2, topk_weights, index: DispatchIndex, activation:
                   need_dtw: bool):
     """B1-B2 with the activation recomputed from ``pre``; ``dtopk_weights = <dout[t] w2[e], act>``.
 
+    ``dpre`` is written over ``pre`` in place (``pre`` is dead after B1; this saves an ``[N, 2h]``
+    buffer, 4Nh bytes in bf16, at the backward's peak). Autograd sees the change: a second backward
+    through the same graph (``retain_graph=True``) raises PyTorch's in-place modification error.
+
     Args:
-        dout: ``[T, d]``; pre: ``[N, 2h|h]``; w2: ``[E, d, h]`` (one dtype); topk_weights: ``[T, K]``.
+        dout: ``[T, d]``; pre: ``[N, 2h|h]`` with unit column stride (overwritten); w2: ``[E, d, h]``
+            (one dtype); topk_weights: ``[T, K]``.
 
     Returns:
-        ``(dpre [N, 2h|h] in pre.dtype, dw2 [E, d, h] in w2.dtype | None,
+        ``(dpre [N, 2h|h] = pre itself, dw2 [E, d, h] in w2.dtype | None,
         dtopk_weights [T, K] in topk_weights.dtype | None)``.
 
     Raises:
-        TypeError, ValueError: as :func:`up_forward`.
+        TypeError, ValueError: as :func:`up_forward`; ValueError: ``pre`` without unit column stride.
     """
     check_activation(activation)
     _check("down_backward", dout=dout, pre=pre, w2=w2)
-    dpre, dw2, dtw = torch.ops.moeblaze.experts_down_backward(
-        dout, pre, w2, topk_weights, index.expert_token_offsets, index.expert_token_indices,
-        index.token_index_map, activation, need_dw, need_dtw)
-    return dpre, (dw2 if need_dw else None), (dtw if need_dtw else None)
+    if pre.dim() != 2 or pre.stride(-1) != 1:
+        raise ValueError(f"triton down_backward: pre must be [N, 2h|h] with unit column stride (it is "
+                         f"overwritten with dpre), got shape {tuple(pre.shape)} strides {pre.stride()}")
+    dw2, dtw = _call(_down_backward_op, _down_backward_impl,
+                     dout, pre, w2, topk_weights, index.expert_token_offsets, index.expert_token_indices,
+                     index.token_index_map, activation, need_dw, need_dtw)
+    if not torch.compiler.is_compiling():  # the op bumps it itself; a kernel write does not
+        torch.autograd.graph.increment_version(pre)
+    return pre, (dw2 if need_dw else None), (dtw if need_dtw else None)
 
 
 # ---------------------------------------------------------------- B3-B5: up-projection backward
 
-@torch.library.custom_op("moeblaze::experts_up_backward", mutates_args=(),
-                         schema="(Tensor dpre, Tensor x, Tensor w1, Tensor offsets, Tensor indices, "
-                                "Tensor token_index_map, bool need_dx, bool need_dw) -> (Tensor, Tensor)")
-def _up_backward_op(dpre, x, w1, offsets, indices, token_index_map, need_dx, need_dw):
+def _up_backward_impl(dpre, x, w1, offsets, indices, token_index_map, need_dx, need_dw):
     dpre, x = _rows_contig(dpre), _rows_contig(x)
     (T, K), rows, d = token_index_map.shape, w1.shape[1], w1.shape[2]
     dx, dw1 = _empty(x), _empty(w1)
@@ -233,6 +255,12 @@ def _up_backward_op(dpre, x, w1, offsets, indices, token_index_map, need_dx, nee
     return dx, dw1
 
 
+_up_backward_op = torch.library.custom_op(
+    "moeblaze::experts_up_backward", _up_backward_impl, mutates_args=(),
+    schema="(Tensor dpre, Tensor x, Tensor w1, Tensor offsets, Tensor indices, Tensor token_index_map, "
+           "bool need_dx, bool need_dw) -> (Tensor, Tensor)")
+
+
 @_up_backward_op.register_fake
 def _(dpre, x, w1, offsets, indices, token_index_map, need_dx, need_dw):
     return (x.new_empty(x.shape) if need_dx else _empty(x)), (w1.new_empty(w1.shape) if need_dw else _empty(w1))
@@ -248,7 +276,6 @@ def up_backward(dpre, x, w1, index: DispatchIndex, need_dx: bool, need_dw: bool)
         TypeError, ValueError: as :func:`up_forward`.
     """
     _check("up_backward", dpre=dpre, x=x, w1=w1)
-    dx, dw1 = torch.ops.moeblaze.experts_up_backward(dpre, x, w1, index.expert_token_offsets,
-                                                     index.expert_token_indices, index.token_index_map,
-                                                     need_dx, need_dw)
+    dx, dw1 = _call(_up_backward_op, _up_backward_impl, dpre, x, w1, index.expert_token_offsets,
+                    index.expert_token_indices, index.token_index_map, need_dx, need_dw)
     return (dx if need_dx else None), (dw1 if need_dw else None)

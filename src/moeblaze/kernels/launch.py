@@ -19,13 +19,12 @@ try:  # the schedule emitted by the Triton dispatch build (another module's cont
 except ImportError:  # pragma: no cover - depends on the dispatch kernels being present
     _shared_tile_schedule = None
 
-_GEMM = Launchable(
-    grouped_gemm_kernel, gemm_configs,
-    key=["N_COLS", "K_DIM", "NUM_EXPERTS", "EPILOGUE", "GATHER_A", "SCATTER_C", "DUAL"],
-    heuristics={"EVEN_K": lambda a: a["K_DIM"] % a["BLOCK_K"] == 0,
-                "EVEN_N": lambda a: a["N_COLS"] % a["BLOCK_N"] == 0},
-    prune=prune_gemm_configs,
-)
+_GEMM_KEY = ["N_COLS", "K_DIM", "NUM_EXPERTS", "EPILOGUE", "GATHER_A", "SCATTER_C", "DUAL"]
+_EVEN = {"EVEN_K": lambda a: a["K_DIM"] % a["BLOCK_K"] == 0, "EVEN_N": lambda a: a["N_COLS"] % a["BLOCK_N"] == 0}
+_GEMM = Launchable(grouped_gemm_kernel, gemm_configs, key=_GEMM_KEY, heuristics=_EVEN, prune=prune_gemm_configs)
+# B1 writes dpre over pre: autotuning trials must each start from the saved pre
+_GEMM_INPLACE = Launchable(grouped_gemm_kernel, gemm_configs, key=_GEMM_KEY, heuristics=_EVEN,
+                           prune=prune_gemm_configs, restore=["pre_ptr"])
 _WGRAD = Launchable(grouped_wgrad_kernel, wgrad_configs,
                     key=["P", "Q", "NUM_EXPERTS", "GATHER_A", "GATHER_B", "B_ACT"])
 
@@ -89,9 +88,10 @@ def grouped_gemm(a, b, b_strides, c, offsets, indices, *, n_cols, k_dim, gather_
     aux = aux if aux is not None else c
     store_wact = wact is not None
     wact = wact if store_wact else c
+    inplace = pre is c  # B1 writes dpre over pre
     pre = pre if pre is not None else c
     scale = scale if scale is not None else offsets
-    kern = _GEMM[a.dtype]
+    kern = (_GEMM_INPLACE if inplace else _GEMM)[a.dtype]
     kern[lambda meta: (max_tiles * triton.cdiv(n_cols, meta["BLOCK_N"]),)](
         a, b, c, aux, wact, pre, scale, offsets, indices, *sched,
         max_tiles, n_cols, k_dim, up_off, up_off * b_strides[2],

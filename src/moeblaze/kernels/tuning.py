@@ -61,7 +61,9 @@ def gemm_configs(kind: str) -> list[triton.Config]:
         return [_cfg(8, 3, BLOCK_N=128, BLOCK_K=64, GROUP_M=8)]
     return [
         _cfg(w, s, BLOCK_N=bn, BLOCK_K=64, GROUP_M=8)
-        for bn, w, s in ((64, 4, 4), (128, 4, 3), (128, 8, 3), (128, 8, 4), (256, 8, 3))
+        # (64, 8, *): half the registers per thread of (128, 8, *), for the B1 epilogue (pre, act, dpre
+        # and the accumulator live at once; it ran 2.3-6x slower than F2 per FLOP with (128, 8, 4), H200)
+        for bn, w, s in ((64, 4, 4), (64, 8, 3), (64, 8, 4), (128, 4, 3), (128, 8, 3), (128, 8, 4), (256, 8, 3))
     ]
 
 
@@ -97,11 +99,13 @@ class Launchable:
         key: autotune key (kernel argument names; tensor dtypes are added by Triton).
         heuristics: constexpr name -> function of the launch arguments (e.g. ``EVEN_K``).
         prune: ``early_config_prune(configs, named_args, **kwargs) -> configs`` of ``triton.autotune``.
+        restore: arguments the kernel overwrites in place; autotuning restores them after each trial.
     """
 
-    def __init__(self, fn, configs, key: list[str], heuristics: dict | None = None, prune=None) -> None:
+    def __init__(self, fn, configs, key: list[str], heuristics: dict | None = None, prune=None,
+                 restore: list[str] | None = None) -> None:
         self.fn, self.configs, self.key, self.heuristics = fn, configs, key, heuristics or {}
-        self.prune = prune
+        self.prune, self.restore = prune, restore
         self._cache: dict[str, object] = {}
 
     def kind(self, dtype: torch.dtype) -> str:
@@ -118,5 +122,5 @@ class Launchable:
             fn = triton.heuristics(self.heuristics)(self.fn) if self.heuristics else self.fn
             prune = {"early_config_prune": self.prune} if self.prune else None
             self._cache[kind] = triton.autotune(configs=self.configs(kind), key=self.key,
-                                                prune_configs_by=prune)(fn)
+                                                prune_configs_by=prune, restore_value=self.restore)(fn)
         return self._cache[kind]
