@@ -34,7 +34,7 @@ from .baselines import Impl, ImplOptions, LayerWeights, make_weights, resolve_im
 from .configs import BenchConfig
 
 __all__ = ["Row", "RunOptions", "DTYPES", "ISOLATE_MODES", "run_layers", "measure_impl", "isolate_timeout",
-           "cuda_time_ms", "require_cuda", "NoCudaError"]
+           "layer_inputs", "flush_buffer", "oom_row", "cuda_time_ms", "require_cuda", "NoCudaError"]
 
 MIB = 1 << 20
 ISOLATE_MODES = ("auto", "all", "none")
@@ -257,6 +257,25 @@ def _inputs(cfg: BenchConfig, dtype: torch.dtype, seed: int, device: str) -> tup
     return x, dout
 
 
+def flush_buffer(opts: RunOptions) -> torch.Tensor | None:
+    """The 256 MiB buffer zeroed before each timed step to flush L2 (``None`` with ``flush_l2=False``)."""
+    return torch.empty(256 * MIB, dtype=torch.int8, device=opts.device) if opts.flush_l2 else None
+
+
+def layer_inputs(cfg: BenchConfig, opts: RunOptions) -> tuple[LayerWeights, torch.Tensor, torch.Tensor] | None:
+    """The seeded weights, input ``x`` and output gradient of ``cfg`` (``None`` when they do not fit)."""
+    dtype = DTYPES[opts.dtype]
+    try:
+        return make_weights(cfg, opts.device, dtype, opts.seed), *_inputs(cfg, dtype, opts.seed, opts.device)
+    except torch.OutOfMemoryError:
+        return None
+
+
+def oom_row(cfg: BenchConfig, impl: Impl, opts: RunOptions) -> Row:
+    """The row of an implementation that could not run because :func:`layer_inputs` did not fit."""
+    return Row.for_config(cfg, impl.name, opts.dtype, status="OOM", note="weights and inputs do not fit")
+
+
 def run_layers(configs: Iterable[BenchConfig], impl_names: list[str], opts: RunOptions,
                on_row: Callable[[Row], None] | None = None, start: float | None = None) -> list[Row]:
     """Benchmark every implementation in ``impl_names`` on every config; one :class:`Row` each.
@@ -273,9 +292,8 @@ def run_layers(configs: Iterable[BenchConfig], impl_names: list[str], opts: RunO
     if opts.device != "cpu":
         require_cuda()
     impls = [(n, resolve_impl(n)) for n in impl_names]
-    dtype = DTYPES[opts.dtype]
     start = time.perf_counter() if start is None else start
-    flush = torch.empty(256 * MIB, dtype=torch.int8, device=opts.device) if opts.flush_l2 else None
+    flush = flush_buffer(opts)
     rows: list[Row] = []
 
     def emit(row: Row) -> None:
@@ -285,7 +303,7 @@ def run_layers(configs: Iterable[BenchConfig], impl_names: list[str], opts: RunO
 
     broken: list[str] = []  # set once a sticky CUDA error poisons the context; the rest is skipped
     for cfg in configs:
-        _run_config(cfg, impls, opts, dtype, flush, emit, start, broken)
+        _run_config(cfg, impls, opts, flush, emit, start, broken)
     return rows
 
 
@@ -324,16 +342,12 @@ def isolate_timeout(opts: RunOptions, start: float) -> tuple[float, str]:
     return opts.isolate_timeout_s, "--isolate-timeout-s"
 
 
-def _run_config(cfg: BenchConfig, impls: list[tuple[str, Impl]], opts: RunOptions, dtype: torch.dtype,
-                flush: torch.Tensor | None, emit: Callable[[Row], None], start: float, broken: list[str]) -> None:
+def _run_config(cfg: BenchConfig, impls: list[tuple[str, Impl]], opts: RunOptions, flush: torch.Tensor | None,
+                emit: Callable[[Row], None], start: float, broken: list[str]) -> None:
     todo = [(spec, impl, _skip_reason(cfg, impl, opts, start, broken)) for spec, impl in impls]
-    w = x = dout = None
+    inputs = None
     if any(skip is None and not opts.isolates(impl) for _, impl, skip in todo):  # children make their own
-        try:
-            w = make_weights(cfg, opts.device, dtype, opts.seed)
-            x, dout = _inputs(cfg, dtype, opts.seed, opts.device)
-        except torch.OutOfMemoryError:
-            w = None
+        inputs = layer_inputs(cfg, opts)
     for spec, impl, skip in todo:
         skip = skip or _skip_reason(cfg, impl, opts, start, broken)  # the budget may run out meanwhile
         if skip is not None:
@@ -342,12 +356,12 @@ def _run_config(cfg: BenchConfig, impls: list[tuple[str, Impl]], opts: RunOption
             from .worker import measure_isolated  # imports this module
 
             emit(measure_isolated(cfg, spec, opts, *isolate_timeout(opts, start), impl_name=impl.name))
-        elif w is None:
-            emit(Row.for_config(cfg, impl.name, opts.dtype, status="OOM", note="weights and inputs do not fit"))
+        elif inputs is None:
+            emit(oom_row(cfg, impl, opts))
         else:
-            row = measure_impl(cfg, impl, w, x, dout, opts, flush)
+            row = measure_impl(cfg, impl, *inputs, opts, flush)
             if row.status == "error" and any(s in row.note.lower() for s in _STICKY):
                 broken.append(f"{impl.name} on {cfg.name} ({row.note[:80]})")
             emit(row)
-    del w, x, dout
+    del inputs
     _free()

@@ -35,9 +35,9 @@ from pathlib import Path
 
 import moeblaze
 
-from .baselines import make_weights, resolve_impl
+from .baselines import resolve_impl
 from .configs import BenchConfig
-from .runner import DTYPES, MIB, Row, RunOptions, _inputs, measure_impl, require_cuda
+from .runner import Row, RunOptions, flush_buffer, layer_inputs, measure_impl, oom_row, require_cuda
 
 __all__ = ["measure_isolated", "run_job", "main"]
 
@@ -127,21 +127,15 @@ def run_job(job: dict) -> Row:
     Raises:
         KeyError: unknown implementation. NoCudaError: ``device="cuda"`` without a GPU.
     """
-    import torch
-
     cfg = BenchConfig(**job["config"])
     impl = resolve_impl(job["impl"])
     opts = RunOptions.from_dict(job["options"])
     if opts.device != "cpu":
         require_cuda()
-    dtype = DTYPES[opts.dtype]
-    try:
-        w = make_weights(cfg, opts.device, dtype, opts.seed)
-        x, dout = _inputs(cfg, dtype, opts.seed, opts.device)
-        flush = torch.empty(256 * MIB, dtype=torch.int8, device=opts.device) if opts.flush_l2 else None
-    except torch.OutOfMemoryError:
-        return Row.for_config(cfg, impl.name, opts.dtype, status="OOM", note="weights and inputs do not fit")
-    return measure_impl(cfg, impl, w, x, dout, opts, flush)
+    inputs = layer_inputs(cfg, opts)
+    if inputs is None:
+        return oom_row(cfg, impl, opts)
+    return measure_impl(cfg, impl, *inputs, opts, flush_buffer(opts))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -36,6 +36,7 @@ import triton
 import triton.language as tl
 
 from ..dispatch import DispatchIndex
+from .custom_ops import call_op
 
 __all__ = ["build_dispatch_triton", "tile_schedule", "dispatch_plan", "MAX_EXPERTS", "MAX_TOP_K"]
 
@@ -332,10 +333,10 @@ def build_dispatch_triton(topk_ids: torch.Tensor, num_experts: int, *, tile_pair
     N = T * K
     if N >= 2**31 - 2**24:
         raise ValueError(f"N = T*K = {N} pairs does not fit the int32 index")
-    build = _build_dispatch_op if torch.compiler.is_compiling() else _build_dispatch_impl
-    offsets, indices, index_map, ids32 = build(topk_ids, E, int(tile_pairs or 0))
-    if ids32.numel() != N:  # the input was already contiguous int32: it is the id table itself
-        ids32 = topk_ids if topk_ids.dtype == torch.int32 else topk_ids.to(torch.int32)
+    offsets, indices, index_map, ids32 = call_op(_build_dispatch_op, _build_dispatch_impl, topk_ids, E,
+                                                 int(tile_pairs or 0))
+    if ids32.numel() != N:  # not written: the input is contiguous int32, the id table itself
+        ids32 = topk_ids
     return DispatchIndex(offsets, indices, ids32.view(T, K), index_map, E)
 
 
@@ -356,23 +357,22 @@ def _build_dispatch_impl(topk_ids: torch.Tensor, num_experts: int, tile_pairs: i
     offsets, indices, index_map, ids32 = new(E + 1), new(N), new(T, K), new(0 if as_is else N)
     if N == 0:
         return offsets.zero_(), indices, index_map, ids32
+    ids_in = topk_ids if as_is else ids32  # [N] int32 ids the write pass reads (the count pass writes ids32)
     work = torch.empty((tiles + chunks + 1) * E, dtype=torch.int32, device=dev)
     tile_tab, chunk_tab = work[: tiles * E], work[tiles * E:]
     onehot = triton.next_power_of_2(E) if E <= _ONEHOT_MAX_E else 0
     common = dict(K=K, S=_STEP, G=_WARPS, BLOCK_E=_BLOCK_E, ONEHOT_E=onehot, num_warps=_WARPS, num_stages=1)
     _count_kernel[(chunks,)](
-        topk_ids, topk_ids if as_is else ids32, tile_tab, chunk_tab, N, E, P, topk_ids.stride(0), topk_ids.stride(1),
+        topk_ids, ids_in, tile_tab, chunk_tab, N, E, P, topk_ids.stride(0), topk_ids.stride(1),
         WRITE_IDS=not as_is, **common)
     be = min(_SCAN_BE, triton.next_power_of_2(E))
     _scan_kernel[(triton.cdiv(E, be),)](chunk_tab, chunks, E, BR=_SCAN_ELEMS // be, BE=be, num_warps=4)
-    _write_kernel[(chunks,)](topk_ids if as_is else ids32, tile_tab, chunk_tab, offsets, indices, index_map,
-                             N, E, chunks, P, **common)
+    _write_kernel[(chunks,)](ids_in, tile_tab, chunk_tab, offsets, indices, index_map, N, E, chunks, P, **common)
     return offsets, indices, index_map, ids32
 
 
 # A custom op, so torch.compile(fullgraph=True) sees one opaque node instead of tracing the launcher's
-# host-side planning (device properties, tile sizes). Eager calls skip it: the op dispatch costs
-# ~14 µs of host time per call (2-core CPU, torch 2.13), comparable to a whole small build.
+# host-side planning (device properties, tile sizes); eager calls skip it (see custom_ops.call_op).
 _build_dispatch_op = torch.library.custom_op(
     "moeblaze::build_dispatch", _build_dispatch_impl, mutates_args=(),
     schema="(Tensor topk_ids, int num_experts, int tile_pairs) -> (Tensor, Tensor, Tensor, Tensor)")

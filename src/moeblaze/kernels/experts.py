@@ -12,7 +12,8 @@ same signatures, semantics and result dtypes:
                           ``dW1[e] = sum_s dpre[s]^T x[token(s)]``
 
 Each op is a ``torch.library.custom_op`` (``moeblaze::experts_*``) with a fake (meta) implementation,
-so ``torch.compile(fullgraph=True)`` treats it as one opaque node (eager calls skip the dispatcher).
+so ``torch.compile(fullgraph=True)`` treats it as one opaque node (eager calls skip the dispatcher:
+:func:`~moeblaze.kernels.custom_ops.call_op`).
 ``down_backward`` writes ``dpre`` over ``pre`` (declared as a mutation). No op reads device data on the host,
 none uses atomics (bitwise reproducible), and row offsets are 64-bit inside the kernels.
 Dtypes: fp16, bf16 (fast paths) and fp32 (tests), all with fp32 accumulation.
@@ -26,6 +27,7 @@ from ..activations import GATED, check_activation
 from ..dispatch import DispatchIndex
 from .act_math import ACTIVATION_CODES
 from .combine import gather_sum
+from .custom_ops import call_op
 from .launch import grouped_gemm, grouped_wgrad, tile_schedule
 from .tuning import MIN_BLOCK_N, b2_recompute, block_m
 
@@ -60,12 +62,6 @@ def _slot_weights(topk_weights: torch.Tensor, token_index_map: torch.Tensor) -> 
 
 def _empty(like: torch.Tensor) -> torch.Tensor:
     return like.new_empty(0)
-
-
-def _call(op, impl, *args):
-    """The custom op while torch.compile traces (one opaque node), the plain launcher in eager mode:
-    the op dispatch costs ~14 µs of host time per call (2-core CPU, torch 2.13), 4 calls per layer step."""
-    return op(*args) if torch.compiler.is_compiling() else impl(*args)
 
 
 # ---------------------------------------------------------------- F1: up-projection forward
@@ -114,8 +110,8 @@ def up_forward(x, w1, index: DispatchIndex, activation: str, store_pre: bool, st
     """
     check_activation(activation)
     _check("up_forward", x=x, w1=w1)
-    pre, act = _call(_up_forward_op, _up_forward_impl, x, w1, index.expert_token_offsets,
-                     index.expert_token_indices, activation, store_pre, store_act)
+    pre, act = call_op(_up_forward_op, _up_forward_impl, x, w1, index.expert_token_offsets,
+                       index.expert_token_indices, activation, store_pre, store_act)
     return (pre if store_pre else None), (act if store_act else None)
 
 
@@ -156,8 +152,8 @@ def down_forward(act, w2, topk_weights, index: DispatchIndex):
         TypeError, ValueError: as :func:`up_forward`.
     """
     _check("down_forward", act=act, w2=w2)
-    return _call(_down_forward_op, _down_forward_impl, act, w2, topk_weights, index.expert_token_offsets,
-                 index.expert_token_indices, index.token_index_map)
+    return call_op(_down_forward_op, _down_forward_impl, act, w2, topk_weights, index.expert_token_offsets,
+                   index.expert_token_indices, index.token_index_map)
 
 
 # ---------------------------------------------------------------- B1-B2: down-projection backward
@@ -226,11 +222,9 @@ def down_backward(dout, pre, w2, topk_weights, index: DispatchIndex, activation:
     if pre.dim() != 2 or pre.stride(-1) != 1:
         raise ValueError(f"triton down_backward: pre must be [N, 2h|h] with unit column stride (it is "
                          f"overwritten with dpre), got shape {tuple(pre.shape)} strides {pre.stride()}")
-    dw2, dtw = _call(_down_backward_op, _down_backward_impl,
-                     dout, pre, w2, topk_weights, index.expert_token_offsets, index.expert_token_indices,
-                     index.token_index_map, activation, need_dw, need_dtw)
-    if not torch.compiler.is_compiling():  # the op bumps it itself; a kernel write does not
-        torch.autograd.graph.increment_version(pre)
+    dw2, dtw = call_op(_down_backward_op, _down_backward_impl,
+                       dout, pre, w2, topk_weights, index.expert_token_offsets, index.expert_token_indices,
+                       index.token_index_map, activation, need_dw, need_dtw, mutated=(pre,))
     return pre, (dw2 if need_dw else None), (dtw if need_dtw else None)
 
 
@@ -276,6 +270,6 @@ def up_backward(dpre, x, w1, index: DispatchIndex, need_dx: bool, need_dw: bool)
         TypeError, ValueError: as :func:`up_forward`.
     """
     _check("up_backward", dpre=dpre, x=x, w1=w1)
-    dx, dw1 = _call(_up_backward_op, _up_backward_impl, dpre, x, w1, index.expert_token_offsets,
-                    index.expert_token_indices, index.token_index_map, need_dx, need_dw)
+    dx, dw1 = call_op(_up_backward_op, _up_backward_impl, dpre, x, w1, index.expert_token_offsets,
+                      index.expert_token_indices, index.token_index_map, need_dx, need_dw)
     return (dx if need_dx else None), (dw1 if need_dw else None)
