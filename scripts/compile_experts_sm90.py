@@ -17,9 +17,10 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from moeblaze.kernels.act_bwd import act_bwd_rows_kernel
 from moeblaze.kernels.combine import gather_sum_kernel
 from moeblaze.kernels.grouped_gemm import grouped_gemm_kernel
-from moeblaze.kernels.tuning import gemm_configs, prune_gemm_configs, wgrad_configs
+from moeblaze.kernels.tuning import act_bwd_configs, gemm_configs, prune_gemm_configs, wgrad_configs
 from moeblaze.kernels.wgrad import grouped_wgrad_kernel
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -44,11 +45,11 @@ def main() -> None:
     T = f"*{dt}"
     kind = "fixed32" if dt == "fp32" else ("tuned16" if tuned else "fixed16")
     prec = "ieee" if dt == "fp32" else "tf32"
-    gemm_ptrs = {n: T for n in ("a_ptr", "b_ptr", "c_ptr", "aux_ptr", "wact_ptr", "pre_ptr")}
+    gemm_ptrs = {n: T for n in ("a_ptr", "b_ptr", "c_ptr", "aux_ptr")}
     gemm_ptrs.update(scale_ptr="*fp32", offsets_ptr="*i32", indices_ptr="*i32", tile_expert_ptr="*i32",
                      tile_row_ptr="*i32", num_tiles_ptr="*i32")
     base = dict(GATHER_A=False, SCATTER_C=False, SCALE_C=False, EPILOGUE=0, ACTIVATION=0, DUAL=False,
-                STORE_PRE=False, STORE_AUX=False, STORE_WACT=False, DOT_PREC=prec, EVEN_K=True, EVEN_N=True,
+                STORE_PRE=False, STORE_AUX=False, DOT_PREC=prec, EVEN_K=True, EVEN_N=True,
                 BLOCK_M=128, stride_a_k=1, stride_b_k=1)
     k_contig_b = dict(stride_b_k=None, stride_b_n=1)
     variants = {
@@ -57,9 +58,8 @@ def main() -> None:
                                        EVEN_N=False),
         "F2 y": dict(),
         "F2 K=1 scatter": dict(SCATTER_C=True, SCALE_C=True, EVEN_N=False),
-        "B1 swiglu": dict(GATHER_A=True, EPILOGUE=2, STORE_AUX=True, STORE_WACT=True, **k_contig_b),
-        "B1 relu odd": dict(GATHER_A=True, EPILOGUE=2, ACTIVATION=4, STORE_AUX=True, EVEN_K=False, EVEN_N=False,
-                            **k_contig_b),
+        "B1 dact'": dict(GATHER_A=True, **k_contig_b),
+        "B1 dact' odd": dict(GATHER_A=True, EVEN_K=False, EVEN_N=False, **k_contig_b),
         "B3": dict(**k_contig_b),
     }
     for name, v in variants.items():
@@ -67,14 +67,18 @@ def main() -> None:
         for cfg in prune_gemm_configs(gemm_configs(kind), {}, DUAL=c0["DUAL"]):
             compile_one(grouped_gemm_kernel, gemm_ptrs, {**c0, **cfg.kwargs}, cfg.num_warps, cfg.num_stages,
                         f"gemm {name} {cfg.kwargs} w{cfg.num_warps} s{cfg.num_stages}")
-    wg_ptrs = dict(a_ptr=T, b_ptr=T, c_ptr=T, scale_ptr="*fp32", offsets_ptr="*i32", indices_ptr="*i32")
-    wbase = dict(GATHER_A=False, GATHER_B=False, B_ACT=False, ACTIVATION=0, DOT_PREC=prec, stride_a_p=1,
-                 stride_b_q=1, stride_c_q=1)
-    for name, v in {"B4": dict(GATHER_B=True), "B2": dict(GATHER_A=True),
-                    "B2 recompute": dict(GATHER_A=True, B_ACT=True)}.items():
+    wg_ptrs = dict(a_ptr=T, b_ptr=T, c_ptr=T, offsets_ptr="*i32", indices_ptr="*i32")
+    wbase = dict(GATHER_A=False, GATHER_B=False, DOT_PREC=prec, stride_a_p=1, stride_b_q=1, stride_c_q=1)
+    for name, v in {"B4": dict(GATHER_B=True), "B2": dict(GATHER_A=True)}.items():
         for cfg in wgrad_configs(kind):
             compile_one(grouped_wgrad_kernel, wg_ptrs, {**wbase, **v, **cfg.kwargs}, cfg.num_warps,
                         cfg.num_stages, f"wgrad {name} {cfg.kwargs} w{cfg.num_warps} s{cfg.num_stages}")
+    rows_ptrs = dict(dact_ptr=T, pre_ptr=T, dpre_ptr=T, scale_ptr="*fp32", dtw_ptr="*fp32")
+    for act in (0, 2):
+        for cfg in act_bwd_configs(kind):
+            compile_one(act_bwd_rows_kernel, rows_ptrs,
+                        dict(ACTIVATION=act, STORE_PART=True, STORE_WACT=True, **cfg.kwargs), cfg.num_warps,
+                        cfg.num_stages, f"act_bwd act={act} {cfg.kwargs} w{cfg.num_warps}")
     compile_one(gather_sum_kernel, dict(src_ptr=T, w_ptr="*fp32", map_ptr="*i32", out_ptr=T),
                 dict(HAS_W=True, BLOCK_T=16, BLOCK_D=256, stride_w_k=1, stride_map_k=1), 4, 3, "combine")
 

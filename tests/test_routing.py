@@ -83,3 +83,25 @@ def test_router_sizes_must_be_positive_ints():
         Router(0, 4, 2)
     with pytest.raises(ValueError, match="top_k"):
         Router(8, 4, 2.0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_router_16bit_tensor_core_path_keeps_fp32_math(dtype):
+    """CUDA + 16-bit x and weight: logits from one tensor-core GEMM with fp32 output, gradients from a
+    two-term split of dlogits — both as close to float64 as fp32 math (logits) or one final rounding
+    to ``dtype`` (gradients)."""
+    from moeblaze.testing import rel_error
+
+    T, d, E, K = 1000, 256, 64, 8
+    r = Router(d, E, K, device="cuda", dtype=dtype)
+    x = torch.randn(T, d, device="cuda", dtype=dtype, requires_grad=True)
+    out = r(x)
+    assert out.logits.dtype == torch.float32
+    assert rel_error(out.logits, x.double() @ r.weight.double().t()) < 1e-5
+    g = torch.randn(T, E, device="cuda")
+    out.logits.backward(g)
+    eps = torch.finfo(dtype).eps
+    assert x.grad.dtype == dtype and r.weight.grad.dtype == dtype
+    assert rel_error(x.grad, g.double() @ r.weight.double()) < eps
+    assert rel_error(r.weight.grad, g.double().t() @ x.double()) < eps

@@ -18,19 +18,47 @@ import torch.nn as nn
 SCORE_FUNCS = ("softmax", "sigmoid")
 
 
+def _mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` of two 16-bit CUDA matrices on the tensor cores, fp32 products and sum, fp32 result."""
+    return torch.mm(a, b, out_dtype=torch.float32)
+
+
+def _split16(t: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 ``t`` as ``hi + lo`` in ``dtype`` (bf16: 16 of fp32's 24 mantissa bits, relative error ~2^-16)."""
+    hi = t.to(dtype)
+    return hi, (t - hi.float()).to(dtype)
+
+
 class _RouterLogits(torch.autograd.Function):
     """``logits = x Wr^T`` in fp32 while saving ``x`` in its own dtype (no fp32 copy kept: 4Td bytes
-    less than ``F.linear(x.float(), ...)``, and ``x`` is shared with the experts' saved input)."""
+    less than ``F.linear(x.float(), ...)``, and ``x`` is shared with the experts' saved input).
+
+    Fast path (CUDA, ``x`` and ``Wr`` both bf16 or fp16): the products of 16-bit values are exact in
+    fp32, so one tensor-core GEMM with fp32 accumulation and output gives the fp32-math logits without
+    converting x (on an H200, olmoe shape T 32768, d 2048, E 64: 0.22 ms fp32 SIMT GEMM + 0.19 ms x.float()
+    forward, 0.7 ms backward, before). Backward splits the fp32 ``dlogits`` into two 16-bit terms and
+    runs two GEMMs each, so the gradients keep ~16 mantissa bits of ``dlogits`` before their own rounding.
+    """
 
     @staticmethod
     def forward(ctx, x, weight):
         ctx.save_for_backward(x, weight)
+        if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype:
+            return _mm_fp32(x, weight.t())
         return x.float() @ weight.float().t()
 
     @staticmethod
     def backward(ctx, dlogits):
         x, weight = ctx.saved_tensors
+        fast = x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype
         dx = dw = None
+        if fast:
+            hi, lo = _split16(dlogits, x.dtype)
+            if ctx.needs_input_grad[0]:
+                dx = (_mm_fp32(hi, weight) + _mm_fp32(lo, weight)).to(x.dtype)
+            if ctx.needs_input_grad[1]:
+                dw = (_mm_fp32(hi.t(), x) + _mm_fp32(lo.t(), x)).to(weight.dtype)
+            return dx, dw
         if ctx.needs_input_grad[0]:
             dx = (dlogits @ weight.float()).to(x.dtype)
         if ctx.needs_input_grad[1]:

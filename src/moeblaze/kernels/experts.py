@@ -25,11 +25,11 @@ import torch
 
 from ..activations import GATED, check_activation
 from ..dispatch import DispatchIndex
+from .act_bwd import act_bwd_rows
 from .act_math import ACTIVATION_CODES
 from .combine import gather_sum
 from .custom_ops import call_op
-from .launch import grouped_gemm, grouped_wgrad, tile_schedule
-from .tuning import MIN_BLOCK_N, b2_recompute, block_m
+from .launch import grouped_gemm, grouped_wgrad
 
 __all__ = ["up_forward", "up_backward", "down_forward", "down_backward"]
 
@@ -160,29 +160,25 @@ def down_forward(act, w2, topk_weights, index: DispatchIndex):
 
 def _down_backward_impl(dout, pre, w2, topk_weights, offsets, indices, token_index_map, activation, need_dw,
                         need_dtw):
-    # pre [N, 2h|h] (unit column stride, checked by down_backward) is overwritten with dpre: B1 reads
-    # each pre tile once, in the program that writes the dpre tile at the same place.
+    # B1 in two launches (why: moeblaze.kernels.act_bwd): the GEMM stores dact' [N, h], then one pass over
+    # the rows recomputes act from pre and writes dpre over pre (unit column stride, checked by
+    # down_backward) and w * act over dact' — the B operand of B2, a backward-only temporary.
     dout = _rows_contig(dout)
     (T, K), d, h = token_index_map.shape, w2.shape[1], w2.shape[2]
-    N, code = indices.numel(), ACTIVATION_CODES[activation]
+    N = indices.numel()
     w_slot = _slot_weights(topk_weights, token_index_map)
-    sched = tile_schedule(offsets, N, block_m())
-    part = (torch.zeros(N, -(-h // MIN_BLOCK_N), dtype=torch.float32, device=pre.device) if need_dtw
-            else None)
-    recompute = need_dw and b2_recompute()  # else B1 hands w*act [N, h] to B2 (a backward temporary)
-    dw2 = _empty(w2)
-    if recompute:  # B2 first: it reads pre, which B1 overwrites
-        dw2 = grouped_wgrad(dout, pre, offsets, indices, p=d, q=h, out_dtype=w2.dtype, gather_a=True,
-                            b_act=True, activation=code, up_off=h, scale=w_slot)
-    wact = pre.new_empty(N, h) if need_dw and not recompute else None
-    grouped_gemm(dout, w2, (w2.stride(0), w2.stride(1), w2.stride(2)), pre, offsets, indices,
-                 n_cols=h, k_dim=d, gather_a=True, up_off=h, epilogue=2, activation=code, scale=w_slot,
-                 aux=part, store_aux=need_dtw, wact=wact, pre=pre, sched=sched)
+    dact = pre.new_empty(N, h)
+    grouped_gemm(dout, w2, (w2.stride(0), w2.stride(1), w2.stride(2)), dact, offsets, indices, n_cols=h, k_dim=d,
+                 gather_a=True)
+    dtw_slot = torch.empty(N, dtype=torch.float32, device=pre.device) if need_dtw else None
+    act_bwd_rows(dact, pre, pre, w_slot, dtw_slot, h=h, activation=ACTIVATION_CODES[activation],
+                 store_wact=need_dw)
     dtw = _empty(topk_weights)
-    if need_dtw:  # second, deterministic pass over the per-N-tile partials
-        dtw = part.sum(1).index_select(0, token_index_map.reshape(-1).long()).view(T, K).to(topk_weights.dtype)
-    if wact is not None:
-        dw2 = grouped_wgrad(dout, wact, offsets, indices, p=d, q=h, out_dtype=w2.dtype, gather_a=True)
+    if need_dtw:
+        dtw = dtw_slot.index_select(0, token_index_map.reshape(-1).long()).view(T, K).to(topk_weights.dtype)
+    dw2 = _empty(w2)
+    if need_dw:
+        dw2 = grouped_wgrad(dout, dact, offsets, indices, p=d, q=h, out_dtype=w2.dtype, gather_a=True)
     return dw2, dtw
 
 

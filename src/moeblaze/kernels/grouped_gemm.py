@@ -16,10 +16,8 @@ Epilogues (constexpr ``EPILOGUE``):
      ``UP_OFF + n``) so ``act = f(gate) * up`` is formed in registers; stores ``pre`` if
      ``STORE_PRE`` and ``act`` if ``STORE_ACT`` (act is computed from the rounded ``pre``, exactly as
      the backward recomputes it).
-  2  activation backward (B1): ``C = dact' = dout[token(s)] W_down[e]``; loads ``pre``, recomputes
-     ``act``, stores the per-tile partial ``<dact', act>`` of the router-weight gradient (if
-     ``STORE_AUX``), ``dpre = act_backward(w_slot * dact', pre)`` and, if ``STORE_WACT``,
-     ``w_slot * act`` (the B operand of the ``dW_down`` GEMM, a backward-only temporary).
+B1 uses EPILOGUE 0 (``dact' = dout[token(s)] W_down[e]``); its activation backward streams the rows
+afterwards (:mod:`moeblaze.kernels.act_bwd`, where the measurement that chose this is given).
 Accumulation is fp32 (``tl.dot``); nothing is atomic, so results are bitwise reproducible.
 """
 
@@ -28,7 +26,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .act_math import act_backward, act_forward
+from .act_math import act_forward
 
 
 @triton.jit
@@ -112,42 +110,12 @@ def _epilogue_act_fwd(pre_ptr, act_ptr, acc, acc2, rows, mask, offs_n, UP_OFF, s
 
 
 @triton.jit
-def _epilogue_act_bwd(dpre_ptr, part_ptr, wact_ptr, pre_ptr, scale_ptr, acc, rows, row_mask, mask, offs_n, pid_n,
-                      UP_OFF, stride_dpre_m, stride_part_m, stride_wact_m, stride_pre_m,
-                      ACTIVATION: tl.constexpr, STORE_PART: tl.constexpr, STORE_WACT: tl.constexpr):
-    """EPILOGUE 2 (B1): recompute act from ``pre``; ``<dact', act>`` partials; ``dpre``; ``w * act``."""
-    pre_ptrs = pre_ptr + rows[:, None] * stride_pre_m + offs_n[None, :]
-    gate = tl.load(pre_ptrs, mask=mask, other=0.0).to(tl.float32)
-    if ACTIVATION < 2:
-        up = tl.load(pre_ptrs + UP_OFF, mask=mask, other=0.0).to(tl.float32)
-    else:
-        up = gate
-    w = tl.load(scale_ptr + rows)
-    if STORE_PART or STORE_WACT:
-        act = act_forward(gate, up, ACTIVATION)
-    if STORE_PART:
-        part = tl.sum(tl.where(mask, acc * act, 0.0), axis=1)
-        tl.store(part_ptr + rows * stride_part_m + pid_n, part, mask=row_mask)
-    if STORE_WACT:  # rounded like the torch backend: (w * act.to(dtype)).to(dtype)
-        wact = act.to(wact_ptr.dtype.element_ty).to(tl.float32) * w[:, None]
-        tl.store(wact_ptr + rows[:, None] * stride_wact_m + offs_n[None, :], wact.to(wact_ptr.dtype.element_ty),
-                 mask=mask)
-    dgate, dup = act_backward(acc * w[:, None], gate, up, ACTIVATION)
-    dpre_ptrs = dpre_ptr + rows[:, None] * stride_dpre_m + offs_n[None, :]
-    tl.store(dpre_ptrs, dgate.to(dpre_ptr.dtype.element_ty), mask=mask)
-    if ACTIVATION < 2:
-        tl.store(dpre_ptrs + UP_OFF, dup.to(dpre_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
 def grouped_gemm_kernel(
     a_ptr,  # [T, K_DIM] (GATHER_A: x, dout) or [N, K_DIM] (act, dpre); fp16/bf16/fp32
     b_ptr,  # [E, *, *] weight; B[e][k, n] at e*stride_b_e + k*stride_b_k + n*stride_b_n
-    c_ptr,  # EPILOGUE 0: [N, N_COLS] or [T, N_COLS] (SCATTER_C); 1: pre [N, 2h|h]; 2: dpre [N, 2h|h]
-    aux_ptr,  # EPILOGUE 1: act [N, h]; 2: dtw partials [N, cdiv(h, BLOCK_N)] fp32; else unused
-    wact_ptr,  # EPILOGUE 2: w_slot * act [N, h] (STORE_WACT); else unused
-    pre_ptr,  # EPILOGUE 2: pre [N, 2h|h]; else unused
-    scale_ptr,  # [N] fp32 router weight of each slot (SCALE_C, EPILOGUE 2)
+    c_ptr,  # EPILOGUE 0: [N, N_COLS] or [T, N_COLS] (SCATTER_C); 1: pre [N, 2h|h]
+    aux_ptr,  # EPILOGUE 1: act [N, h]; else unused
+    scale_ptr,  # [N] fp32 router weight of each slot (SCALE_C)
     offsets_ptr,  # [E+1] int32 expert_token_offsets
     indices_ptr,  # [N] int32 expert_token_indices (slot -> token)
     tile_expert_ptr,  # [max_tiles] int32 expert of each M-tile (-1 past num_tiles)
@@ -156,12 +124,11 @@ def grouped_gemm_kernel(
     max_tiles, N_COLS, K_DIM,
     UP_OFF,  # column of the first up entry in pre / dpre (h; gated only)
     UP_SHIFT_B,  # UP_OFF * stride_b_n: element offset of the up rows of w_gate_up (DUAL only)
-    stride_a_m, stride_a_k, stride_b_e, stride_b_k, stride_b_n, stride_c_m, stride_aux_m, stride_wact_m,
-    stride_pre_m,
+    stride_a_m, stride_a_k, stride_b_e, stride_b_k, stride_b_n, stride_c_m, stride_aux_m,
     NUM_EXPERTS,  # autotune key only
     GATHER_A: tl.constexpr, SCATTER_C: tl.constexpr, SCALE_C: tl.constexpr, EPILOGUE: tl.constexpr,
     ACTIVATION: tl.constexpr, DUAL: tl.constexpr, STORE_PRE: tl.constexpr, STORE_AUX: tl.constexpr,
-    STORE_WACT: tl.constexpr, DOT_PREC: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
+    DOT_PREC: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     pid_m, pid_n = tile_of(tl.program_id(0), max_tiles, tl.cdiv(N_COLS, BLOCK_N), GROUP_M)
@@ -187,10 +154,6 @@ def grouped_gemm_kernel(
     mask = row_mask[:, None] & n_mask[None, :]
     if EPILOGUE == 0:
         _epilogue_plain(c_ptr, scale_ptr, acc, rows, tokens, mask, offs_n, stride_c_m, SCATTER_C, SCALE_C)
-    elif EPILOGUE == 1:
+    else:
         _epilogue_act_fwd(c_ptr, aux_ptr, acc, acc2, rows, mask, offs_n, UP_OFF, stride_c_m, stride_aux_m,
                           ACTIVATION, DUAL, STORE_PRE, STORE_AUX)
-    else:
-        _epilogue_act_bwd(c_ptr, aux_ptr, wact_ptr, pre_ptr, scale_ptr, acc, rows, row_mask, mask, offs_n, pid_n,
-                          UP_OFF, stride_c_m, stride_aux_m, stride_wact_m, stride_pre_m, ACTIVATION, STORE_AUX,
-                          STORE_WACT)

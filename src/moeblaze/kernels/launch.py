@@ -22,11 +22,8 @@ except ImportError:  # pragma: no cover - depends on the dispatch kernels being 
 _GEMM_KEY = ["N_COLS", "K_DIM", "NUM_EXPERTS", "EPILOGUE", "GATHER_A", "SCATTER_C", "DUAL"]
 _EVEN = {"EVEN_K": lambda a: a["K_DIM"] % a["BLOCK_K"] == 0, "EVEN_N": lambda a: a["N_COLS"] % a["BLOCK_N"] == 0}
 _GEMM = Launchable(grouped_gemm_kernel, gemm_configs, key=_GEMM_KEY, heuristics=_EVEN, prune=prune_gemm_configs)
-# B1 writes dpre over pre: autotuning trials must each start from the saved pre
-_GEMM_INPLACE = Launchable(grouped_gemm_kernel, gemm_configs, key=_GEMM_KEY, heuristics=_EVEN,
-                           prune=prune_gemm_configs, restore=["pre_ptr"])
 _WGRAD = Launchable(grouped_wgrad_kernel, wgrad_configs,
-                    key=["P", "Q", "NUM_EXPERTS", "GATHER_A", "GATHER_B", "B_ACT"])
+                    key=["P", "Q", "NUM_EXPERTS", "GATHER_A", "GATHER_B"])
 
 
 def tile_schedule_torch(offsets: torch.Tensor, num_slots: int, block: int):
@@ -69,13 +66,13 @@ def dot_precision(dtype: torch.dtype) -> str:
 
 def grouped_gemm(a, b, b_strides, c, offsets, indices, *, n_cols, k_dim, gather_a, up_off=0,
                  scatter_c=False, scale=None, epilogue=0, activation=0, dual=False, store_pre=False,
-                 aux=None, store_aux=False, wact=None, pre=None, sched=None):
+                 aux=None, store_aux=False, sched=None):
     """Launch :func:`grouped_gemm_kernel` (see its module for the epilogues).
 
     ``a [rows, k_dim]`` (``gather_a``: rows are tokens), ``b`` a weight ``[E, *, *]`` read as
     ``B[e][k, n]`` through ``b_strides = (stride_e, stride_k, stride_n)``, ``c`` the main output
-    (unit stride along columns). ``aux``/``wact``/``pre``/``scale``: see the kernel; outputs are
-    written in place. ``sched``: a precomputed :func:`tile_schedule` for ``block_m()``.
+    (unit stride along columns). ``aux``/``scale``: see the kernel; outputs are written in place.
+    ``sched``: a precomputed :func:`tile_schedule` for ``block_m()``.
     """
     N = indices.numel()
     E = offsets.numel() - 1
@@ -86,40 +83,32 @@ def grouped_gemm(a, b, b_strides, c, offsets, indices, *, n_cols, k_dim, gather_
         sched = tile_schedule(offsets, N, bm)
     max_tiles = sched[0].numel()
     aux = aux if aux is not None else c
-    store_wact = wact is not None
-    wact = wact if store_wact else c
-    inplace = pre is c  # B1 writes dpre over pre
-    pre = pre if pre is not None else c
     scale = scale if scale is not None else offsets
-    kern = (_GEMM_INPLACE if inplace else _GEMM)[a.dtype]
-    kern[lambda meta: (max_tiles * triton.cdiv(n_cols, meta["BLOCK_N"]),)](
-        a, b, c, aux, wact, pre, scale, offsets, indices, *sched,
+    _GEMM[a.dtype][lambda meta: (max_tiles * triton.cdiv(n_cols, meta["BLOCK_N"]),)](
+        a, b, c, aux, scale, offsets, indices, *sched,
         max_tiles, n_cols, k_dim, up_off, up_off * b_strides[2],
-        a.stride(0), a.stride(1), *b_strides, c.stride(0), aux.stride(0), wact.stride(0), pre.stride(0),
+        a.stride(0), a.stride(1), *b_strides, c.stride(0), aux.stride(0),
         E,
         GATHER_A=gather_a, SCATTER_C=scatter_c, SCALE_C=scale is not offsets, EPILOGUE=epilogue,
-        ACTIVATION=activation, DUAL=dual, STORE_PRE=store_pre, STORE_AUX=store_aux, STORE_WACT=store_wact,
+        ACTIVATION=activation, DUAL=dual, STORE_PRE=store_pre, STORE_AUX=store_aux,
         DOT_PREC=dot_precision(a.dtype), BLOCK_M=bm,
     )
 
 
-def grouped_wgrad(a, b, offsets, indices, *, p, q, out_dtype, gather_a=False, gather_b=False,
-                  b_act=False, activation=0, up_off=0, scale=None):
+def grouped_wgrad(a, b, offsets, indices, *, p, q, out_dtype, gather_a=False, gather_b=False):
     """Launch :func:`grouped_wgrad_kernel`; returns ``dW [E, p, q]`` in ``out_dtype``.
 
-    ``a [rows, p]``, ``b [rows, q]`` (or ``pre [N, 2h|h]`` when ``b_act``), unit stride not required.
+    ``a [rows, p]``, ``b [rows, q]``, unit stride not required.
     """
     E = offsets.numel() - 1
     if indices.numel() == 0 or p == 0 or q == 0:
         return torch.zeros(E, p, q, dtype=out_dtype, device=a.device)
     out = torch.empty(E, p, q, dtype=out_dtype, device=a.device)
-    scale = scale if scale is not None else offsets
     kern = _WGRAD[a.dtype]
     kern[lambda meta: (E * triton.cdiv(p, meta["BLOCK_P"]) * triton.cdiv(q, meta["BLOCK_Q"]),)](
-        a, b, out, scale, offsets, indices, p, q, up_off,
+        a, b, out, offsets, indices, p, q,
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0), out.stride(1), out.stride(2),
         E,
-        GATHER_A=gather_a, GATHER_B=gather_b, B_ACT=b_act, ACTIVATION=activation,
-        DOT_PREC=dot_precision(a.dtype),
+        GATHER_A=gather_a, GATHER_B=gather_b, DOT_PREC=dot_precision(a.dtype),
     )
     return out

@@ -5,9 +5,6 @@ batch size never re-tunes. Environment:
 
 ``MOEBLAZE_AUTOTUNE=0``  use one fixed default configuration per kernel (no benchmarking at first call).
 ``TRITON_INTERPRET=1``   (CPU interpreter) small fixed configurations; autotuning is always off.
-``MOEBLAZE_B2_RECOMPUTE=1``  ``dW_down`` recomputes ``w * act`` from ``pre`` inside its loads instead of
-                         reading the ``[N, h]`` temporary written by B1 (saves that temporary; costs
-                         ``cdiv(d, BLOCK_P)`` recomputations of the activation).
 
 Because the tuned block sizes change the fp32 summation order, results are bitwise reproducible run to
 run within a process (and across processes with ``MOEBLAZE_AUTOTUNE=0``), not across different tunings.
@@ -23,8 +20,6 @@ import triton
 # BLOCK_M is chosen by the launcher (the tile schedule depends on it), not by the autotuner.
 BLOCK_M_GPU = 128
 BLOCK_M_INTERPRET = 32
-# Smallest BLOCK_N any grouped-GEMM config uses: sizes the router-gradient partials buffer.
-MIN_BLOCK_N = 64
 
 
 def interpreting() -> bool:
@@ -35,11 +30,6 @@ def interpreting() -> bool:
 def autotune_enabled() -> bool:
     """Autotuning is on unless ``MOEBLAZE_AUTOTUNE=0`` or the interpreter runs."""
     return os.environ.get("MOEBLAZE_AUTOTUNE", "1") != "0" and not interpreting()
-
-
-def b2_recompute() -> bool:
-    """``MOEBLAZE_B2_RECOMPUTE=1``: B2 recomputes ``w * act`` from ``pre`` in its loads (default off)."""
-    return os.environ.get("MOEBLAZE_B2_RECOMPUTE", "0") == "1"
 
 
 def block_m() -> int:
@@ -61,8 +51,6 @@ def gemm_configs(kind: str) -> list[triton.Config]:
         return [_cfg(8, 3, BLOCK_N=128, BLOCK_K=64, GROUP_M=8)]
     return [
         _cfg(w, s, BLOCK_N=bn, BLOCK_K=64, GROUP_M=8)
-        # (64, 8, *): half the registers per thread of (128, 8, *), for the B1 epilogue (pre, act, dpre
-        # and the accumulator live at once; it ran 2.3-6x slower than F2 per FLOP with (128, 8, 4), H200)
         for bn, w, s in ((64, 4, 4), (64, 8, 3), (64, 8, 4), (128, 4, 3), (128, 8, 3), (128, 8, 4), (256, 8, 3))
     ]
 
@@ -85,9 +73,20 @@ def wgrad_configs(kind: str) -> list[triton.Config]:
         return [_cfg(8, 3, BLOCK_P=128, BLOCK_Q=128, BLOCK_K=64, GROUP_M=8)]
     return [
         _cfg(w, s, BLOCK_P=bp, BLOCK_Q=bq, BLOCK_K=64, GROUP_M=8)
-        for bp, bq, w, s in ((128, 128, 8, 3), (128, 128, 8, 4), (128, 256, 8, 3), (64, 128, 4, 4),
-                             (128, 64, 4, 4))
+        for bp, bq, w, s in ((128, 128, 8, 3), (128, 128, 8, 4), (128, 256, 8, 3), (128, 256, 8, 4),
+                             (256, 128, 8, 3), (64, 128, 4, 4), (128, 64, 4, 4))
     ]
+
+
+def act_bwd_configs(kind: str) -> list[triton.Config]:
+    """Row-streaming B1 activation-backward configs (``BLOCK_R`` rows x ``BLOCK_H`` columns per step)."""
+    if kind == "interpret":
+        return [_cfg(1, 1, BLOCK_R=4, BLOCK_H=32)]
+    if kind in ("fixed32", "fixed16"):
+        return [_cfg(8, 1, BLOCK_R=32, BLOCK_H=256)]
+    # more bytes in flight per SM than the fixed config (3.0 TB/s on an H200, olmoe shape)
+    return [_cfg(w, 1, BLOCK_R=r, BLOCK_H=bh)
+            for r, bh, w in ((32, 256, 8), (16, 256, 4), (8, 512, 4), (64, 128, 8), (16, 128, 4))]
 
 
 class Launchable:

@@ -2,12 +2,10 @@
 
 ``dW[e][p, q] = sum_{s in slots(e)} A[rowA(s), p] * B[rowB(s), q]``, ``slots(e) = offsets[e]:offsets[e+1]``.
 ``rowX(s) = expert_token_indices[s]`` when ``GATHER_X`` (gathered rows of the unpermuted input), else
-``s``. With ``B_ACT`` the B rows are not read but recomputed from ``pre`` in the loads:
-``B[s, q] = w_slot[s] * f(pre[s, q], pre[s, UP_OFF + q])`` — the router-weighted activation of B2,
-never materialised.
+``s``.
 
 B4: ``dW_gate_up[e] = sum_s dpre[s]^T x[token(s)]``   (A = dpre, B = x gathered; P = 2h|h, Q = d)
-B2: ``dW_down[e]   = sum_s dout[token(s)]^T (w act)[s]`` (A = dout gathered, B = act(pre); P = d, Q = h)
+B2: ``dW_down[e]   = sum_s dout[token(s)]^T (w act)[s]`` (A = dout gathered, B = w act; P = d, Q = h)
 
 Grid: ``E * cdiv(P, BLOCK_P) * cdiv(Q, BLOCK_Q)`` programs, expert-major (the programs of one expert
 run together and share its rows in L2), grouped ordering inside an expert. The slot loop runs in a
@@ -19,37 +17,20 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .act_math import act_forward
 from .grouped_gemm import tile_of
-
-
-@triton.jit
-def _load_b_act(b_ptrs, scale_ptr, s_rows, q_mask, UP_OFF, stride_b_q, like_ptr, ACTIVATION: tl.constexpr):
-    """``w_slot[s] * f(pre[s, q] (, pre[s, UP_OFF + q]))`` for a ``[BLOCK_K, BLOCK_Q]`` tile, in the
-    element type of ``like_ptr`` (rounded like the torch backend: act, then w * act)."""
-    out_dtype = like_ptr.dtype.element_ty
-    gate = tl.load(b_ptrs, mask=q_mask[None, :], other=0.0).to(tl.float32)
-    if ACTIVATION < 2:
-        up = tl.load(b_ptrs + UP_OFF * stride_b_q, mask=q_mask[None, :], other=0.0).to(tl.float32)
-    else:
-        up = gate
-    act = act_forward(gate, up, ACTIVATION).to(out_dtype).to(tl.float32)
-    return (act * tl.load(scale_ptr + s_rows)[:, None]).to(out_dtype)
 
 
 @triton.jit
 def grouped_wgrad_kernel(
     a_ptr,  # [T, P] (GATHER_A: dout) or [N, P] (dpre); fp16/bf16/fp32
-    b_ptr,  # [T, Q] (GATHER_B: x) or [N, 2h|h] (B_ACT: pre)
+    b_ptr,  # [T, Q] (GATHER_B: x) or [N, Q] (w act)
     c_ptr,  # [E, P, Q] weight gradient, dtype of the weight
-    scale_ptr,  # [N] fp32 router weight of each slot (B_ACT)
     offsets_ptr,  # [E+1] int32 expert_token_offsets
     indices_ptr,  # [N] int32 expert_token_indices (slot -> token)
-    P, Q, UP_OFF,
+    P, Q,
     stride_a_m, stride_a_p, stride_b_m, stride_b_q, stride_c_e, stride_c_p, stride_c_q,
     NUM_EXPERTS,  # autotune key only
-    GATHER_A: tl.constexpr, GATHER_B: tl.constexpr, B_ACT: tl.constexpr, ACTIVATION: tl.constexpr,
-    DOT_PREC: tl.constexpr,
+    GATHER_A: tl.constexpr, GATHER_B: tl.constexpr, DOT_PREC: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     num_p = tl.cdiv(P, BLOCK_P)
@@ -85,11 +66,8 @@ def grouped_wgrad_kernel(
             b_rows = s_rows
         a = tl.load(a_ptr + a_rows[None, :] * stride_a_m + offs_p[:, None] * stride_a_p,
                     mask=s_ok[None, :] & p_mask[:, None], other=0.0)
-        b_ptrs = b_ptr + b_rows[:, None] * stride_b_m + offs_q[None, :] * stride_b_q
-        if B_ACT:
-            b = _load_b_act(b_ptrs, scale_ptr, s_rows, q_mask, UP_OFF, stride_b_q, a_ptr, ACTIVATION)
-        else:
-            b = tl.load(b_ptrs, mask=q_mask[None, :], other=0.0)
+        b = tl.load(b_ptr + b_rows[:, None] * stride_b_m + offs_q[None, :] * stride_b_q, mask=q_mask[None, :],
+                    other=0.0)
         acc = tl.dot(a, b, acc, input_precision=DOT_PREC)
     c_ptrs = (c_ptr + e.to(tl.int64) * stride_c_e + offs_p[:, None].to(tl.int64) * stride_c_p
               + offs_q[None, :] * stride_c_q)
