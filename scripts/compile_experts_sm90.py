@@ -20,7 +20,7 @@ from triton.compiler import ASTSource
 from moeblaze.kernels.act_bwd import act_bwd_rows_kernel
 from moeblaze.kernels.combine import gather_sum_kernel
 from moeblaze.kernels.grouped_gemm import grouped_gemm_kernel
-from moeblaze.kernels.tuning import act_bwd_configs, gemm_configs, prune_gemm_configs, wgrad_configs
+from moeblaze.kernels.tuning import act_bwd_configs, gather_sum_configs, gemm_configs, prune_gemm_configs, wgrad_configs
 from moeblaze.kernels.wgrad import grouped_wgrad_kernel
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -79,8 +79,10 @@ def main() -> None:
             compile_one(act_bwd_rows_kernel, rows_ptrs,
                         dict(ACTIVATION=act, STORE_PART=True, STORE_WACT=True, **cfg.kwargs), cfg.num_warps,
                         cfg.num_stages, f"act_bwd act={act} {cfg.kwargs} w{cfg.num_warps}")
-    compile_one(gather_sum_kernel, dict(src_ptr=T, w_ptr="*fp32", map_ptr="*i32", out_ptr=T),
-                dict(HAS_W=True, BLOCK_T=16, BLOCK_D=256, stride_w_k=1, stride_map_k=1), 4, 3, "combine")
+    for cfg in gather_sum_configs(kind):
+        compile_one(gather_sum_kernel, dict(src_ptr=T, w_ptr="*fp32", map_ptr="*i32", out_ptr=T),
+                    dict(HAS_W=True, stride_w_k=1, stride_map_k=1, **cfg.kwargs), cfg.num_warps, cfg.num_stages,
+                    f"combine {cfg.kwargs} w{cfg.num_warps}")
 
 
 if __name__ == "__main__":

@@ -307,8 +307,10 @@ def test_dispatch_and_train_benchmarks_on_cpu():
     rows = run_dispatch([(50, 6, 2)], reps=2, device="cpu")
     assert len(rows) == 3 and all(r["status"] == "ok" and r["note"] == "" for r in rows), rows
     assert rows[0]["speedup_vs_sort"] == 1.0
-    spec = TrainSpec(d_model=16, n_layers=1, n_heads=2, d_ff=16, num_experts=4, top_k=2, seq_len=8, batch=2,
-                     steps=1, warmup=1)
+    from moeblaze.model import ModelConfig
+
+    small = ModelConfig(d_model=16, n_layers=1, n_heads=2, d_ff=16, num_experts=4, top_k=2, seq_len=8)
+    spec = TrainSpec(model=small, batch=2, steps=1, warmup=1)
     train = run_train(spec, device="cpu", peak=1.0)
     assert train[0]["status"] == "unavailable" and train[1]["status"] == "ok" and train[1]["tokens_per_s"] > 0
     assert train[1]["mfu"] == pytest.approx(train[1]["tflops"])

@@ -21,12 +21,23 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-__all__ = ["SavedTensorCounter", "saved_bytes"]
+__all__ = ["SavedTensorCounter", "saved_bytes", "storage_key", "count_storage"]
 
 
-def _storage_key(t: torch.Tensor) -> tuple[str, int]:
-    storage = t.untyped_storage()
-    return str(t.device), storage.data_ptr()
+def storage_key(t: torch.Tensor) -> tuple[str, int]:
+    """``(device, data_ptr)`` of the storage under ``t``: one key for all its views."""
+    return str(t.device), t.untyped_storage().data_ptr()
+
+
+def count_storage(t: torch.Tensor, seen: dict[tuple[str, int], int], excluded: set[tuple[str, int]]) -> int:
+    """Bytes of ``t``'s whole storage the first time it is met, else 0 (already in ``seen``, in
+    ``excluded`` or empty); records it in ``seen``. The counting rule of this module and of
+    :func:`moeblaze.memory_report`."""
+    key = storage_key(t)
+    if key[1] == 0 or key in excluded or key in seen:
+        return 0
+    seen[key] = nbytes = t.untyped_storage().nbytes()
+    return nbytes
 
 
 class SavedTensorCounter:
@@ -45,7 +56,7 @@ class SavedTensorCounter:
     """
 
     def __init__(self, exclude: Iterable[torch.Tensor] = ()) -> None:
-        self._excluded = {_storage_key(t) for t in exclude}
+        self._excluded = {storage_key(t) for t in exclude}
         self._seen: dict[tuple[str, int], int] = {}
         self._ctx: torch.autograd.graph.saved_tensors_hooks | None = None
         self._modules: list[nn.Module] = []
@@ -62,9 +73,7 @@ class SavedTensorCounter:
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         if self._depth > 0 or not self._modules:
-            key = _storage_key(t)
-            if key not in self._excluded and key[1] != 0:
-                self._seen[key] = t.untyped_storage().nbytes()
+            count_storage(t, self._seen, self._excluded)
         return t
 
     @staticmethod

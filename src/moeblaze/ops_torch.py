@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch import Tensor
 
 from .activations import acc, activation_backward, activation_forward
 from .dispatch import DispatchIndex
@@ -65,14 +66,21 @@ def grouped_weight_grad(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor)
     return out
 
 
-def slot_weights(topk_weights: torch.Tensor, index: DispatchIndex) -> torch.Tensor:
-    """``w_slot [N]``: the router weight of each slot (scatter through the pair->slot permutation)."""
-    w = torch.empty(index.num_pairs, dtype=topk_weights.dtype, device=topk_weights.device)
-    w[index.token_index_map.reshape(-1).long()] = topk_weights.reshape(-1)
+def slot_weights(topk_weights: torch.Tensor, token_index_map: torch.Tensor,
+                 dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``w_slot [N]``: the router weight of each slot (scatter through the pair->slot permutation).
+
+    Args:
+        topk_weights: ``[T, K]`` float; token_index_map: ``[T, K]`` int32 pair -> slot.
+        dtype: of the result (default: ``topk_weights.dtype``).
+    """
+    w = torch.empty(token_index_map.numel(), dtype=dtype or topk_weights.dtype, device=topk_weights.device)
+    w[token_index_map.reshape(-1).long()] = topk_weights.reshape(-1).to(w.dtype)
     return w
 
 
-def up_forward(x, w1, index: DispatchIndex, activation: str, store_pre: bool, store_act: bool):
+def up_forward(x: Tensor, w1: Tensor, index: DispatchIndex, activation: str, store_pre: bool,
+               store_act: bool) -> tuple[Tensor | None, Tensor | None]:
     """F1: ``pre = x[token(s)] @ w1[e].T`` and ``act = f(pre)``."""
     xg = x.index_select(0, index.expert_token_indices.long())
     pre = grouped_linear(xg, w1, index.expert_token_offsets)
@@ -80,7 +88,8 @@ def up_forward(x, w1, index: DispatchIndex, activation: str, store_pre: bool, st
     return (pre if store_pre else None), act
 
 
-def up_backward(dpre, x, w1, index: DispatchIndex, need_dx: bool, need_dw: bool):
+def up_backward(dpre: Tensor, x: Tensor, w1: Tensor, index: DispatchIndex, need_dx: bool,
+                need_dw: bool) -> tuple[Tensor | None, Tensor | None]:
     """B3 ``dx_slots = dpre @ w1[e]``, B5 ``dx[t] = sum_k dx_slots[map[t,k]]``, B4 ``dw1[e] = dpre^T x[token]``."""
     dx = dw1 = None
     if need_dx:
@@ -92,7 +101,7 @@ def up_backward(dpre, x, w1, index: DispatchIndex, need_dx: bool, need_dw: bool)
     return dx, dw1
 
 
-def down_forward(act, w2, topk_weights, index: DispatchIndex):
+def down_forward(act: Tensor, w2: Tensor, topk_weights: Tensor, index: DispatchIndex) -> Tensor:
     """F2 ``y = act @ w2[e].T`` and F3 ``out[t] = sum_k w[t,k] * y[map[t,k]]`` (fp32 gather-sum)."""
     y = grouped_linear(act, w2, index.expert_token_offsets)
     yk = acc(y)[index.token_index_map.long()]  # [T, K, d]
@@ -100,14 +109,15 @@ def down_forward(act, w2, topk_weights, index: DispatchIndex):
     return out.to(act.dtype)
 
 
-def down_backward(dout, pre, w2, topk_weights, index: DispatchIndex, activation: str,
-                  need_dw: bool, need_dtw: bool):
+def down_backward(dout: Tensor, pre: Tensor, w2: Tensor, topk_weights: Tensor, index: DispatchIndex,
+                  activation: str, need_dw: bool,
+                  need_dtw: bool) -> tuple[Tensor, Tensor | None, Tensor | None]:
     """B1-B2 with the activation recomputed from ``pre``; ``dtopk_weights = <dout[t] w2[e], act>``."""
     tokens = index.expert_token_indices.long()
     g = dout.index_select(0, tokens)  # [N, d]  dout of each slot's token
     dact_unscaled = grouped_linear(g, w2.transpose(-2, -1), index.expert_token_offsets)  # [N, h]
     act = activation_forward(pre, activation)  # recomputed, never stored
-    w_slot = acc(slot_weights(topk_weights, index))
+    w_slot = acc(slot_weights(topk_weights, index.token_index_map))
     dact_unscaled, act_acc = acc(dact_unscaled), acc(act)
     dtw = None
     if need_dtw:

@@ -64,9 +64,13 @@ def make_expert_inputs(T: int, d: int, h: int, E: int, K: int, activation: str =
     """Fresh random inputs of :func:`moeblaze.moe_experts` (never zeros), scaled so outputs are O(1).
 
     Returns a dict with ``x [T, d]``, ``topk_ids [T, K]``, ``topk_weights [T, K]`` (fp32, rows sum to 1),
-    ``w_gate_up [E, 2h|h, d]`` and ``w_down [E, d, h]`` in ``dtype`` on ``device``.
+    ``w_gate_up [E, 2h|h, d]`` and ``w_down [E, d, h]`` in ``dtype`` on ``device``. Without ``seed`` a
+    fresh one is drawn and printed (pytest shows it with a failing test; pass it back to replay the draw).
     """
-    gen = torch.Generator().manual_seed(seed if seed is not None else int(torch.randint(1 << 30, ())))
+    if seed is None:
+        seed = int(torch.randint(1 << 30, ()))
+        print(f"make_expert_inputs(T={T}, d={d}, h={h}, E={E}, K={K}, routing={routing!r}): seed={seed}")
+    gen = torch.Generator().manual_seed(seed)
     rows = 2 * h if is_gated(activation) else h
 
     def randn(*shape: int, scale: float = 1.0) -> torch.Tensor:

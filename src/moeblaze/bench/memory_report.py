@@ -16,6 +16,8 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from ..memory import count_storage, storage_key
+
 __all__ = ["ModuleMemory", "MemoryReport", "memory_report", "default_loss"]
 
 MIB = 1 << 20
@@ -130,21 +132,18 @@ class _Attributor:
 
     def __init__(self, model: nn.Module) -> None:
         self.names = {m: n for n, m in model.named_modules(remove_duplicate=False)}
-        self.excluded = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}
-        self.seen: set[tuple[str, int]] = set()
+        self.excluded = {storage_key(t) for t in (*model.parameters(), *model.buffers())}
+        self.seen: dict[tuple[str, int], int] = {}
         self.stack: list[str] = []
         self.self_bytes: dict[str, int] = {}
         self.counts: dict[str, int] = {}
         self.handles: list[Any] = []
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
-        ptr = storage.data_ptr()
-        key = (str(t.device), ptr)
-        if ptr != 0 and ptr not in self.excluded and key not in self.seen:
-            self.seen.add(key)
+        nbytes = count_storage(t, self.seen, self.excluded)
+        if nbytes:
             owner = self.stack[-1] if self.stack else UNATTRIBUTED
-            self.self_bytes[owner] = self.self_bytes.get(owner, 0) + storage.nbytes()
+            self.self_bytes[owner] = self.self_bytes.get(owner, 0) + nbytes
             self.counts[owner] = self.counts.get(owner, 0) + 1
         return t
 

@@ -12,15 +12,17 @@ tokens/s over the device's dense bf16 peak), per expert backend.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import statistics
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
 from ..dispatch import build_dispatch, build_dispatch_torch
+from ..model import ModelConfig
 from ..train import peak_tflops
 from .baselines import sort_dispatch
 from .runner import MIB, cuda_time_ms, require_cuda
@@ -101,15 +103,15 @@ def _free() -> None:
 
 @dataclass
 class TrainSpec:
-    """The model and batch of the training benchmark (a GPU-sized ``ModelConfig``; see ``run_train``)."""
+    """The model and batch of the training benchmark (see ``run_train``).
 
-    d_model: int = 1024
-    n_layers: int = 4
-    n_heads: int = 8
-    d_ff: int = 1024
-    num_experts: int = 32
-    top_k: int = 4
-    seq_len: int = 2048
+    Attributes:
+        model: a GPU-sized :class:`moeblaze.model.ModelConfig` (its ``backend`` is set per run).
+        batch: sequences of ``model.seq_len`` tokens per step. steps: timed steps. warmup: untimed steps.
+    """
+
+    model: ModelConfig = field(default_factory=lambda: ModelConfig(
+        seq_len=2048, d_model=1024, n_layers=4, n_heads=8, d_ff=1024, num_experts=32, top_k=4))
     batch: int = 16
     steps: int = 10
     warmup: int = 3
@@ -117,15 +119,14 @@ class TrainSpec:
 
 def _train_row(spec: TrainSpec, backend: str, peak: float | None, device: str) -> dict:
     from ..layer import aux_loss
-    from ..model import ModelConfig, MoETransformer
+    from ..model import MoETransformer
 
-    cfg = ModelConfig(seq_len=spec.seq_len, d_model=spec.d_model, n_layers=spec.n_layers, n_heads=spec.n_heads,
-                      d_ff=spec.d_ff, num_experts=spec.num_experts, top_k=spec.top_k, backend=backend)
+    cfg = dataclasses.replace(spec.model, backend=backend)
     cuda = device.startswith("cuda")
     model = MoETransformer(cfg).to(device=device, dtype=torch.bfloat16 if cuda else torch.float32)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=cuda)
     gen = torch.Generator(device=device).manual_seed(0)
-    data = torch.randint(0, 256, (spec.batch, spec.seq_len + 1), device=device, generator=gen)
+    data = torch.randint(0, 256, (spec.batch, cfg.seq_len + 1), device=device, generator=gen)
 
     def step() -> None:
         logits = model(data[:, :-1])
@@ -140,8 +141,8 @@ def _train_row(spec: TrainSpec, backend: str, peak: float | None, device: str) -
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
     ms = statistics.median(cuda_time_ms(step, spec.steps))
-    tokens = spec.batch * spec.seq_len
-    tflops = cfg.train_flops_per_token(spec.seq_len) * tokens / (ms * 1e-3) / 1e12
+    tokens = spec.batch * cfg.seq_len
+    tflops = cfg.train_flops_per_token(cfg.seq_len) * tokens / (ms * 1e-3) / 1e12
     return {"step_ms": ms, "tokens_per_s": tokens / (ms * 1e-3), "tflops": tflops,
             "mfu": tflops / peak if peak else None,
             "peak_mib": torch.cuda.max_memory_allocated() / MIB if cuda else None}
@@ -168,8 +169,8 @@ def run_train(spec: TrainSpec | None = None, backends: tuple[str, ...] = ("trito
     peak = peak or (peak_tflops(torch.cuda.get_device_name()) if device != "cpu" else None)
     rows = []
     for backend in backends:
-        row = {k: getattr(spec, k) for k in ("d_model", "n_layers", "d_ff", "num_experts", "top_k", "batch",
-                                             "seq_len")}
+        row = {k: getattr(spec.model, k) for k in ("d_model", "n_layers", "d_ff", "num_experts", "top_k", "seq_len")}
+        row["batch"] = spec.batch
         row.update(backend=backend, status="ok", note="" if peak else "MFU: unknown device peak (--peak-tflops)")
         if backend == "triton" and (device == "cpu" or not _triton_experts_available()):
             row.update(status="unavailable", note="moeblaze.kernels.experts not in this build")

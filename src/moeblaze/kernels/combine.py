@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .tuning import Launchable, gather_sum_configs
+
 
 @triton.jit
 def gather_sum_kernel(
@@ -40,6 +42,9 @@ def gather_sum_kernel(
              mask=mask)
 
 
+_GATHER_SUM = Launchable(gather_sum_kernel, gather_sum_configs, key=["D", "K", "HAS_W"])
+
+
 def gather_sum(src: torch.Tensor, token_index_map: torch.Tensor, weights: torch.Tensor | None,
                out_dtype: torch.dtype) -> torch.Tensor:
     """``out[t] = sum_k (weights[t, k] *) src[token_index_map[t, k]]`` in fp32, returned in ``out_dtype``.
@@ -55,13 +60,10 @@ def gather_sum(src: torch.Tensor, token_index_map: torch.Tensor, weights: torch.
     out = torch.empty(T, D, dtype=out_dtype, device=src.device)
     if T == 0 or D == 0:
         return out
-    block_d = min(triton.next_power_of_2(D), 256)
-    block_t = max(1, min(64, 4096 // block_d, triton.next_power_of_2(T)))
     w = weights if weights is not None else token_index_map  # dummy pointer when HAS_W is off
-    grid = (triton.cdiv(T, block_t), triton.cdiv(D, block_d))
-    gather_sum_kernel[grid](
+    _GATHER_SUM[src.dtype][lambda meta: (triton.cdiv(T, meta["BLOCK_T"]), triton.cdiv(D, meta["BLOCK_D"]))](
         src, w, token_index_map, out, T, D, K,
         src.stride(0), w.stride(0), w.stride(1), token_index_map.stride(0), token_index_map.stride(1),
-        out.stride(0), HAS_W=weights is not None, BLOCK_T=block_t, BLOCK_D=block_d, num_warps=4,
+        out.stride(0), HAS_W=weights is not None,
     )
     return out

@@ -22,9 +22,11 @@ Dtypes: fp16, bf16 (fast paths) and fp32 (tests), all with fp32 accumulation.
 from __future__ import annotations
 
 import torch
+from torch import Tensor
 
 from ..activations import GATED, check_activation
 from ..dispatch import DispatchIndex
+from ..ops_torch import slot_weights
 from .act_bwd import act_bwd_rows
 from .act_math import ACTIVATION_CODES
 from .combine import gather_sum
@@ -51,13 +53,6 @@ def _check(op: str, **tensors: torch.Tensor) -> None:
 def _rows_contig(t: torch.Tensor) -> torch.Tensor:
     """Row-major rows with unit column stride (row stride free) — what the kernels' loads want."""
     return t if t.stride(-1) == 1 else t.contiguous()
-
-
-def _slot_weights(topk_weights: torch.Tensor, token_index_map: torch.Tensor) -> torch.Tensor:
-    """``w_slot [N]`` fp32: the router weight of each slot (scatter through the permutation)."""
-    w = torch.empty(token_index_map.numel(), dtype=torch.float32, device=topk_weights.device)
-    w[token_index_map.reshape(-1).long()] = topk_weights.reshape(-1).float()
-    return w
 
 
 def _empty(like: torch.Tensor) -> torch.Tensor:
@@ -93,7 +88,8 @@ def _(x, w1, offsets, indices, activation, store_pre, store_act):
     return (x.new_empty(N, rows) if store_pre else _empty(x)), (x.new_empty(N, h) if store_act else _empty(x))
 
 
-def up_forward(x, w1, index: DispatchIndex, activation: str, store_pre: bool, store_act: bool):
+def up_forward(x: Tensor, w1: Tensor, index: DispatchIndex, activation: str, store_pre: bool,
+               store_act: bool) -> tuple[Tensor | None, Tensor | None]:
     """F1: ``pre [N, 2h|h] = x[token(s)] @ w1[e].T`` and ``act [N, h] = f(pre)``, both in ``x.dtype``.
 
     Args:
@@ -124,7 +120,7 @@ def _down_forward_impl(act, w2, topk_weights, offsets, indices, token_index_map)
     if K == 1:  # F2 writes w * y straight into out[token]: no [N, d] buffer, no combine
         out = act.new_empty(T, d)
         grouped_gemm(act, w2, strides, out, offsets, indices, n_cols=d, k_dim=h, gather_a=False,
-                     scatter_c=True, scale=_slot_weights(topk_weights, token_index_map))
+                     scatter_c=True, scale=slot_weights(topk_weights, token_index_map, torch.float32))
         return out
     y = act.new_empty(act.shape[0], d)
     grouped_gemm(act, w2, strides, y, offsets, indices, n_cols=d, k_dim=h, gather_a=False)
@@ -142,7 +138,7 @@ def _(act, w2, topk_weights, offsets, indices, token_index_map):
     return act.new_empty(token_index_map.shape[0], w2.shape[1])
 
 
-def down_forward(act, w2, topk_weights, index: DispatchIndex):
+def down_forward(act: Tensor, w2: Tensor, topk_weights: Tensor, index: DispatchIndex) -> Tensor:
     """F2-F3: ``out [T, d] = sum_k topk_weights[t,k] * (act @ w2[e].T)[map[t,k]]`` in ``act.dtype``.
 
     Args:
@@ -166,7 +162,7 @@ def _down_backward_impl(dout, pre, w2, topk_weights, offsets, indices, token_ind
     dout = _rows_contig(dout)
     (T, K), d, h = token_index_map.shape, w2.shape[1], w2.shape[2]
     N = indices.numel()
-    w_slot = _slot_weights(topk_weights, token_index_map)
+    w_slot = slot_weights(topk_weights, token_index_map, torch.float32)
     dact = pre.new_empty(N, h)
     grouped_gemm(dout, w2, (w2.stride(0), w2.stride(1), w2.stride(2)), dact, offsets, indices, n_cols=h, k_dim=d,
                  gather_a=True)
@@ -194,8 +190,9 @@ def _(dout, pre, w2, topk_weights, offsets, indices, token_index_map, activation
             topk_weights.new_empty(token_index_map.shape) if need_dtw else _empty(topk_weights))
 
 
-def down_backward(dout, pre, w2, topk_weights, index: DispatchIndex, activation: str, need_dw: bool,
-                  need_dtw: bool):
+def down_backward(dout: Tensor, pre: Tensor, w2: Tensor, topk_weights: Tensor, index: DispatchIndex,
+                  activation: str, need_dw: bool,
+                  need_dtw: bool) -> tuple[Tensor, Tensor | None, Tensor | None]:
     """B1-B2 with the activation recomputed from ``pre``; ``dtopk_weights = <dout[t] w2[e], act>``.
 
     ``dpre`` is written over ``pre`` in place (``pre`` is dead after B1; this saves an ``[N, 2h]``
@@ -256,7 +253,8 @@ def _(dpre, x, w1, offsets, indices, token_index_map, need_dx, need_dw):
     return (x.new_empty(x.shape) if need_dx else _empty(x)), (w1.new_empty(w1.shape) if need_dw else _empty(w1))
 
 
-def up_backward(dpre, x, w1, index: DispatchIndex, need_dx: bool, need_dw: bool):
+def up_backward(dpre: Tensor, x: Tensor, w1: Tensor, index: DispatchIndex, need_dx: bool,
+                need_dw: bool) -> tuple[Tensor | None, Tensor | None]:
     """B3-B5: ``dx [T, d]`` (x.dtype) and ``dw1 [E, 2h|h, d]`` (w1.dtype); ``None`` where not needed.
 
     Args:
