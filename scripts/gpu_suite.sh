@@ -12,6 +12,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 FINAL="${OUT:-./gpu_out}"
 OUT=/tmp/gpu_out
+rm -rf "$OUT"  # a warm machine keeps /tmp: no files of an earlier call in this one's results
 mkdir -p "$OUT" "$FINAL"
 trap 'tar -czf "$FINAL/gpu_results.tgz" -C "$OUT" .' EXIT
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1

@@ -56,6 +56,21 @@ def test_saved_bytes_counts_unique_storages():
         assert saved_bytes(lambda: (a * b).sum()) == 0
 
 
+def test_counting_a_forward_only_graph_frees_it():
+    """A saved output (softmax keeps its result) must not outlive the graph: the counter would otherwise
+    leak one forward graph per measurement (and inflate the peaks measured after it)."""
+    import gc
+    import weakref
+
+    x = torch.randn(64, 32, requires_grad=True)
+    with SavedTensorCounter() as c:
+        y = torch.softmax(x * 2, dim=-1)
+    ref = weakref.ref(y)
+    del y
+    gc.collect()
+    assert c.bytes == 64 * 32 * 4 and ref() is None  # softmax's output only (x * 2 saves no tensor)
+
+
 def test_saved_tensor_counter_tracks_only_chosen_modules():
     lin1, lin2 = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
     x = torch.randn(4, 8)

@@ -52,7 +52,10 @@ class SavedTensorCounter:
 
     Use as ``with SavedTensorCounter(exclude=params) as c: loss = f(x)`` — then ``c.bytes`` — or,
     to count only inside some modules, ``with SavedTensorCounter(params).track(modules) as c: ...``.
-    Tensors are passed through unchanged, so results are bitwise identical with or without it.
+    Tensors are passed through as detached views of the same storage (no copy), so results are
+    bitwise identical with or without it. Returning ``t`` itself would leak every forward-only graph
+    whose saved tensors include an output (softmax saves its result; the output then holds its own
+    ``grad_fn`` through C++, a cycle Python's gc cannot see).
     """
 
     def __init__(self, exclude: Iterable[torch.Tensor] = ()) -> None:
@@ -74,7 +77,7 @@ class SavedTensorCounter:
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         if self._depth > 0 or not self._modules:
             count_storage(t, self._seen, self._excluded)
-        return t
+        return t.detach()  # not t: a saved output holding its own grad_fn is a cycle gc cannot free
 
     @staticmethod
     def _unpack(t: torch.Tensor) -> torch.Tensor:

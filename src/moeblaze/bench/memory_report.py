@@ -145,7 +145,7 @@ class _Attributor:
             owner = self.stack[-1] if self.stack else UNATTRIBUTED
             self.self_bytes[owner] = self.self_bytes.get(owner, 0) + nbytes
             self.counts[owner] = self.counts.get(owner, 0) + 1
-        return t
+        return t.detach()  # see moeblaze.memory.SavedTensorCounter: returning t leaks saved outputs
 
     def _enter(self, name: str) -> Callable[..., None]:
         def hook(*_: Any) -> None:
