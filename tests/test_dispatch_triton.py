@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import moeblaze
-from moeblaze.dispatch import build_dispatch_torch
+from moeblaze.dispatch import build_dispatch_torch, build_tile_schedule_torch
 
 _INTERP = os.environ.get("TRITON_INTERPRET") == "1"
 _CUDA = torch.cuda.is_available()
@@ -65,14 +65,26 @@ def spread_routing(T: int, K: int, E: int) -> torch.Tensor:
     return (r + torch.randperm(E, device="cuda")[:K]) % E
 
 
-def assert_same(topk_ids: torch.Tensor, E: int, **kw) -> moeblaze.DispatchIndex:
-    got = kd.build_dispatch_triton(topk_ids, E, **kw)
+def assert_same(topk_ids: torch.Tensor, E: int, block_m: int | None = 128, **kw) -> moeblaze.DispatchIndex:
+    """The Triton build (with the tile schedule of ``block_m`` written by its last launch) against the
+    PyTorch build and the PyTorch schedule, bitwise; also without a schedule."""
+    got = kd.build_dispatch_triton(topk_ids, E, block_m=block_m, **kw)
     ref = build_dispatch_torch(topk_ids, E)
     names = ("expert_token_offsets", "expert_token_indices", "token_expert_indices", "token_index_map")
     for name, a, b in zip(names, got.tensors(), ref.tensors()):
         assert a.dtype == torch.int32 and a.shape == b.shape, (name, a.dtype, a.shape, b.shape)
         assert torch.equal(a, b), f"{name} differs (T, K, E = {tuple(topk_ids.shape)}, {E})"
     assert got.num_experts == E
+    if block_m is None:
+        assert got.schedule is None
+        return got
+    want = build_tile_schedule_torch(ref.expert_token_offsets, ref.num_pairs, block_m)
+    assert got.schedule.block_m == block_m
+    for name, a, b in zip(("tile_expert", "tile_row_start", "num_tiles"), got.schedule.tensors(), want.tensors()):
+        assert a.dtype == torch.int32 and a.shape == b.shape, (name, a.shape, b.shape)
+        assert torch.equal(a, b), f"schedule {name} differs (T, K, E = {tuple(topk_ids.shape)}, {E}, {block_m})"
+    plain = kd.build_dispatch_triton(topk_ids, E, **kw)
+    assert plain.schedule is None and all(torch.equal(a, b) for a, b in zip(plain.tensors(), got.tensors()))
     return got
 
 
@@ -107,7 +119,8 @@ SMALL_CASES = [
 
 @pytest.mark.parametrize("T,K,E,kind,tile_pairs", SMALL_CASES)
 def test_matches_torch_build(T, K, E, kind, tile_pairs):
-    assert_same(routing(T, K, E, kind), E, tile_pairs=tile_pairs)
+    block_m = (1, 32, 128)[T % 3]  # the tile heights of the kernels (interpreter, GPU) and one-slot tiles
+    assert_same(routing(T, K, E, kind), E, block_m=block_m, tile_pairs=tile_pairs)
 
 
 def test_paper_figure_2():
@@ -232,6 +245,8 @@ def test_bad_input_to_launchers(no_launch):
         kd.build_dispatch_triton(ids, 4, tile_pairs=48)
     with pytest.raises(ValueError, match="tile_pairs"):
         kd.build_dispatch_triton(ids, 4, tile_pairs=1 << 21)
+    with pytest.raises(ValueError, match="block_m"):
+        kd.build_dispatch_triton(ids, 4, block_m=0)
     with pytest.raises(TypeError, match="int32"):
         kd.tile_schedule(torch.zeros(5, dtype=torch.int64, device=DEVICE), 64, 0)
     with pytest.raises(ValueError, match="block_m"):

@@ -112,6 +112,32 @@ def test_two_runs_bitwise_equal():
         assert torch.equal(a, b), name
 
 
+def test_launches_after_the_first_skip_the_autotuner(monkeypatch):
+    """After a key's first launch, every kernel launches directly with the remembered config and the
+    heuristic flags computed by the launcher (odd d, h: EVEN_K and EVEN_N false); the results are those
+    of the first (autotuner) launch, bitwise, and match the reference."""
+    from moeblaze.kernels import tuning
+
+    tuned = []
+    real = tuning.Launchable.tuner
+    monkeypatch.setattr(tuning.Launchable, "tuner", lambda self, dtype: tuned.append(self.fn) or real(self, dtype))
+    import moeblaze.kernels.act_bwd as ab
+    import moeblaze.kernels.combine as cb
+    import moeblaze.kernels.launch as ln
+
+    for mod, name in ((ln, "_GEMM"), (ln, "_WGRAD"), (cb, "_GATHER_SUM"), (ab, "_ACT_BWD")):
+        monkeypatch.setattr(getattr(mod, name), "_best", {})  # forget earlier tests' keys
+    inp = inputs(33, 40, 24, 3, 2)
+    dout = torch.randn(33, 40, device=DEVICE)
+    first = run_and_grad(triton_experts("swiglu", "preact"), inp, dout)
+    assert len(tuned) == 9  # one per key: F1, F2, B1, B3, act_bwd, 2 wgrad, 2 gather-sums (weighted, plain)
+    second = run_and_grad(triton_experts("swiglu", "preact"), inp, dout)
+    assert len(tuned) == 9
+    for name, a, b in zip(NAMES, first, second):
+        assert torch.equal(a, b), name
+    check_against_reference(inp, "swiglu", "preact")
+
+
 def test_second_backward_through_overwritten_pre_is_a_clear_error():
     """B1 writes dpre over the saved pre; retain_graph + a second backward must fail loudly, not give
     garbage gradients (the "input" mode recomputes pre, so it allows it)."""
@@ -170,20 +196,41 @@ def test_ops_match_torch_backend_and_honour_need_flags():
 
 @pytest.mark.parametrize("block", [1, 4, 16])
 def test_tile_schedule_never_straddles_experts(block):
-    from moeblaze.kernels.launch import tile_schedule, tile_schedule_torch
+    from moeblaze.dispatch import build_tile_schedule_torch, with_schedule
 
     ids = moeblaze.testing.make_routing(37, 7, 2, "empty_experts")
     index = build_dispatch(ids, 7)
     offs = index.expert_token_offsets.tolist()
-    te, tr, nt = tile_schedule_torch(index.expert_token_offsets, 74, block)
+    te, tr, nt = build_tile_schedule_torch(index.expert_token_offsets, 74, block).tensors()
     assert te.numel() == -(-74 // block) + 7
     n = int(nt)
     want = [(e, r) for e in range(7) for r in range(offs[e], offs[e + 1], block)]
     assert list(zip(te[:n].tolist(), tr[:n].tolist())) == want
     assert (te[n:] == -1).all() and (tr[n:] == 74).all()
-    used = tile_schedule(index.expert_token_offsets.to(DEVICE), 74, block)  # the shared build when present
-    for a, b in zip(used, (te, tr, nt)):
-        assert torch.equal(a.cpu(), b.cpu())
+    on_device = build_dispatch(ids.to(DEVICE), 7)
+    for built in (with_schedule(on_device, block), build_dispatch(ids.to(DEVICE), 7, block_m=block)):
+        assert built.schedule.block_m == block
+        for a, b in zip(built.schedule.tensors(), (te, tr, nt)):
+            assert torch.equal(a.cpu(), b.cpu())
+
+
+@pytest.mark.parametrize("save", ["preact", "input"])
+def test_layer_builds_the_tile_schedule_once(monkeypatch, save):
+    """MoE's dispatch build carries the grouped-GEMM schedule: on CUDA the write launch emits it (no
+    schedule launch at all), on the CPU it is built once; the four ops never rebuild it."""
+    import moeblaze.dispatch as md
+    from moeblaze.kernels import dispatch as kd
+
+    calls = []
+    for mod, name in ((md, "build_tile_schedule_torch"), (kd, "tile_schedule")):
+        real = getattr(mod, name)
+        monkeypatch.setattr(mod, name, lambda *a, _real=real, **k: calls.append(1) or _real(*a, **k))
+    torch.manual_seed(0)
+    moe = moeblaze.MoE(16, 8, 4, 2, save=save, backend="triton", device=DEVICE)
+    x = torch.randn(2, 9, 16, device=DEVICE, requires_grad=True)
+    moe(x).sum().backward()
+    assert len(calls) == (0 if HAS_CUDA else 1)
+    assert x.grad is not None and moe.w_down.grad is not None
 
 
 def test_bad_dtype_is_a_clear_error():

@@ -7,7 +7,7 @@ Public API: :class:`MoE` (router + experts module), :func:`moe_experts` (the rou
 """
 
 from .bench.memory_report import MemoryReport, memory_report
-from .dispatch import DispatchIndex, build_dispatch
+from .dispatch import DispatchIndex, TileSchedule, build_dispatch
 from .experts import moe_experts
 from .layer import MoE, aux_loss
 from .reference import moe_experts_reference
@@ -19,6 +19,7 @@ __all__ = [
     "MoE",
     "Router",
     "RouterOutput",
+    "TileSchedule",
     "aux_loss",
     "build_dispatch",
     "load_balancing_loss",

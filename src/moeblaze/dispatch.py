@@ -20,6 +20,13 @@ permutation of ``0..N-1``; ``offsets`` is non-decreasing with ``diff(offsets) ==
 Experts read rows of the *unpermuted* input through ``expert_token_indices``; the combine reads expert
 outputs through ``token_index_map``. No ``[N, d]`` copy of the input is ever made.
 
+Optional grouped-GEMM tile schedule for a row-tile height ``BLOCK_M`` (``TileSchedule``), built from
+the offsets alone: expert e owns ``cdiv(count_e, BLOCK_M)`` consecutive M-tiles (none when empty), in
+expert order; ``tile_expert [max_tiles]``, ``tile_row_start [max_tiles]`` (first slot of the tile; the
+tile covers ``[start, min(start + BLOCK_M, offsets[e+1]))``) and ``num_tiles [1]``, all int32, with
+``max_tiles = cdiv(N, BLOCK_M) + E`` (a bound known on the host) and entries past ``num_tiles`` holding
+``-1`` / ``N``. A tile never straddles two experts, so a GEMM program reads one expert's weight.
+
 The PyTorch build here is the CPU path and the reference for the Triton build (``kernels.dispatch``):
 per-expert counts, an exclusive prefix sum, per-expert ranks from a running one-hot count — no
 ``sort``/``argsort`` and no atomics.
@@ -32,11 +39,33 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["DispatchIndex", "build_dispatch", "build_dispatch_torch", "check_topk_ids"]
+__all__ = ["DispatchIndex", "TileSchedule", "build_dispatch", "build_dispatch_torch", "build_tile_schedule_torch",
+           "check_topk_ids", "with_schedule"]
 
 # One-hot rank chunks are kept at <= 2**24 int32 elements (64 MiB) so the PyTorch build stays
 # O(N) in memory at any T*E instead of materialising the paper's full [N, E] map.
 _ONEHOT_CHUNK_ELEMS = 1 << 24
+
+
+@dataclass(frozen=True)
+class TileSchedule:
+    """The grouped-GEMM M-tile schedule of an index for one ``block_m`` (contract at the top of the module).
+
+    Attributes:
+        block_m: slots per M-tile.
+        tile_expert: ``[max_tiles]`` int32 expert of each tile (-1 past ``num_tiles``).
+        tile_row_start: ``[max_tiles]`` int32 first slot of each tile (N past ``num_tiles``).
+        num_tiles: ``[1]`` int32, on the device (never read on the host).
+    """
+
+    block_m: int
+    tile_expert: torch.Tensor
+    tile_row_start: torch.Tensor
+    num_tiles: torch.Tensor
+
+    def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(tile_expert, tile_row_start, num_tiles)``."""
+        return self.tile_expert, self.tile_row_start, self.num_tiles
 
 
 @dataclass(frozen=True)
@@ -49,6 +78,7 @@ class DispatchIndex:
         token_expert_indices: ``[T, K]`` int32, the routing (top-k expert ids).
         token_index_map: ``[T, K]`` int32, pair (t, k) -> slot.
         num_experts: E.
+        schedule: the grouped-GEMM tile schedule when the build was asked for one (``block_m``).
     """
 
     expert_token_offsets: torch.Tensor
@@ -56,6 +86,7 @@ class DispatchIndex:
     token_expert_indices: torch.Tensor
     token_index_map: torch.Tensor
     num_experts: int
+    schedule: TileSchedule | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -78,7 +109,7 @@ class DispatchIndex:
                 self.token_expert_indices, self.token_index_map)
 
     def nbytes(self) -> int:
-        """Bytes held by the index: 4*(E+1) + 12*N."""
+        """Bytes held by the four arrays: 4*(E+1) + 12*N (a schedule adds 8*max_tiles + 4)."""
         return sum(t.numel() * t.element_size() for t in self.tensors())
 
 
@@ -167,7 +198,52 @@ def build_dispatch_torch(topk_ids: torch.Tensor, num_experts: int) -> DispatchIn
     return DispatchIndex(offsets, indices, flat.view(T, K), slot.view(T, K), num_experts)
 
 
-def build_dispatch(topk_ids: torch.Tensor, num_experts: int, validate: bool = True) -> DispatchIndex:
+def build_tile_schedule_torch(expert_token_offsets: torch.Tensor, num_pairs: int, block_m: int) -> TileSchedule:
+    """The tile schedule (contract above) in PyTorch ops, on the offsets' device, without host sync.
+
+    The CPU path and the reference of the Triton build.
+
+    Args:
+        expert_token_offsets: ``[E+1]`` int32.  num_pairs: N (sizes the result).  block_m: >= 1.
+
+    Raises:
+        ValueError: ``block_m < 1``.
+    """
+    if int(block_m) < 1:
+        raise ValueError(f"block_m must be >= 1, got {block_m}")
+    off = expert_token_offsets
+    E = off.numel() - 1
+    max_tiles = -(-int(num_pairs) // block_m) + E
+    counts = (off[1:] - off[:-1]).long()
+    tiles = (counts + block_m - 1) // block_m
+    tile_end = tiles.cumsum(0)  # inclusive
+    i = torch.arange(max_tiles, device=off.device)
+    e = torch.searchsorted(tile_end, i, right=True).clamp_(max=E - 1)
+    valid = i < tile_end[-1]
+    row = off[e].long() + (i - (tile_end[e] - tiles[e])) * block_m
+    return TileSchedule(int(block_m), torch.where(valid, e, -1).to(torch.int32),
+                        torch.where(valid, row, num_pairs).to(torch.int32), tile_end[-1:].to(torch.int32))
+
+
+def with_schedule(index: DispatchIndex, block_m: int) -> DispatchIndex:
+    """``index`` with a tile schedule for ``block_m`` (itself when it already has that one).
+
+    One small launch on CUDA (``kernels.dispatch.tile_schedule``), PyTorch ops elsewhere.
+    """
+    if index.schedule is not None and index.schedule.block_m == block_m:
+        return index
+    off, N = index.expert_token_offsets, index.num_pairs
+    if off.is_cuda and _triton_dispatch_available():
+        from .kernels.dispatch import tile_schedule
+
+        sched = TileSchedule(block_m, *tile_schedule(off, block_m, N))
+    else:
+        sched = build_tile_schedule_torch(off, N, block_m)
+    return DispatchIndex(*index.tensors(), index.num_experts, sched)
+
+
+def build_dispatch(topk_ids: torch.Tensor, num_experts: int, validate: bool = True,
+                   block_m: int | None = None) -> DispatchIndex:
     """Build the zero-buffer dispatch index of a top-k routing (MoEBlaze §4.1-4.2, DESIGN.md §3).
 
     On CUDA tensors the atomic-free Triton build runs (when Triton is importable, E <= 1024 and
@@ -179,10 +255,13 @@ def build_dispatch(topk_ids: torch.Tensor, num_experts: int, validate: bool = Tr
         validate: check dtype/shape always and, unless ``MOEBLAZE_CHECK_IDS=0``, the id range
             (one host synchronisation). Ids from :class:`moeblaze.Router` are in range by
             construction, so the layer passes ``validate=False``.
+        block_m: also emit the grouped-GEMM tile schedule for M-tiles of ``block_m`` slots
+            (``index.schedule``); the Triton build writes it in its last launch (no extra launch).
 
     Returns:
         :class:`DispatchIndex` with ``expert_token_offsets [E+1]``, ``expert_token_indices [N]``,
-        ``token_expert_indices [T, K]`` and ``token_index_map [T, K]``, all int32.
+        ``token_expert_indices [T, K]`` and ``token_index_map [T, K]``, all int32, and ``schedule``
+        when ``block_m`` is given.
 
     Raises:
         TypeError, ValueError: see :func:`check_topk_ids`.
@@ -191,11 +270,10 @@ def build_dispatch(topk_ids: torch.Tensor, num_experts: int, validate: bool = Tr
     if topk_ids.is_cuda and _triton_dispatch_available():
         from .kernels.dispatch import MAX_EXPERTS, MAX_TOP_K, build_dispatch_triton
 
-        if num_experts > MAX_EXPERTS or topk_ids.shape[1] > MAX_TOP_K:  # beyond the kernels' register tiles
-            return build_dispatch_torch(topk_ids, num_experts)
-
-        return build_dispatch_triton(topk_ids, num_experts)
-    return build_dispatch_torch(topk_ids, num_experts)
+        if num_experts <= MAX_EXPERTS and topk_ids.shape[1] <= MAX_TOP_K:  # within the kernels' register tiles
+            return build_dispatch_triton(topk_ids, num_experts, block_m=block_m)
+    index = build_dispatch_torch(topk_ids, num_experts)
+    return index if block_m is None else with_schedule(index, block_m)
 
 
 def _triton_dispatch_available() -> bool:

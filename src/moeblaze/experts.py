@@ -15,17 +15,27 @@ import torch
 
 from . import ops_torch
 from .activations import check_activation, is_gated
-from .dispatch import DispatchIndex, build_dispatch
+from .dispatch import DispatchIndex, TileSchedule, build_dispatch, with_schedule
 
-__all__ = ["moe_experts", "SAVE_MODES", "BACKENDS"]
+__all__ = ["moe_experts", "schedule_block_m", "SAVE_MODES", "BACKENDS"]
 
 SAVE_MODES = ("preact", "input")
 BACKENDS = ("auto", "torch", "triton")
 _TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # the kernels' operand dtypes
 
 
-def _index_from(tensors, num_experts: int) -> DispatchIndex:
-    return DispatchIndex(*tensors, num_experts=num_experts)
+def _index_from(tensors, num_experts: int, block_m: int) -> DispatchIndex:
+    """The index from the Function arguments: its four arrays, then its tile schedule's three when ``block_m``."""
+    schedule = TileSchedule(block_m, *tensors[4:]) if block_m else None
+    return DispatchIndex(*tensors[:4], num_experts=num_experts, schedule=schedule)
+
+
+def _index_args(index: DispatchIndex) -> tuple[int, tuple[torch.Tensor, ...]]:
+    """``(block_m or 0, tensors)``: how an index travels through ``Function.apply`` (tensors, so saved-tensor
+    hooks and torch.compile see them)."""
+    if index.schedule is None:
+        return 0, index.tensors()
+    return index.schedule.block_m, index.tensors() + index.schedule.tensors()
 
 
 class _UpProjection(torch.autograd.Function):
@@ -35,11 +45,11 @@ class _UpProjection(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, w1, ops, activation, num_experts, *index_tensors):
-        index = _index_from(index_tensors, num_experts)
+    def forward(ctx, x, w1, ops, activation, num_experts, block_m, *index_tensors):
+        index = _index_from(index_tensors, num_experts, block_m)
         pre, act = ops.up_forward(x, w1, index, activation, store_pre=True, store_act=True)
         ctx.save_for_backward(x, w1, *index_tensors)
-        ctx.ops, ctx.num_experts = ops, num_experts
+        ctx.ops, ctx.num_experts, ctx.block_m = ops, num_experts, block_m
         ctx.mark_non_differentiable(act)
         ctx.set_materialize_grads(False)  # else autograd fills a zero [N, h] gradient for act every step
         return pre, act
@@ -48,11 +58,11 @@ class _UpProjection(torch.autograd.Function):
     def backward(ctx, dpre, _dact):
         x, w1, *index_tensors = ctx.saved_tensors
         if dpre is None:  # the output does not depend on pre (grads are not materialised)
-            return (None,) * (5 + len(index_tensors))
-        index = _index_from(index_tensors, ctx.num_experts)
+            return (None,) * (6 + len(index_tensors))
+        index = _index_from(index_tensors, ctx.num_experts, ctx.block_m)
         dx, dw1 = ctx.ops.up_backward(dpre.contiguous(), x, w1, index,
                                       ctx.needs_input_grad[0], ctx.needs_input_grad[1])
-        return (dx, dw1, None, None, None) + (None,) * len(index_tensors)
+        return (dx, dw1, None, None, None, None) + (None,) * len(index_tensors)
 
 
 class _DownProjection(torch.autograd.Function):
@@ -63,21 +73,21 @@ class _DownProjection(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, pre, act, w2, topk_weights, ops, activation, num_experts, *index_tensors):
-        index = _index_from(index_tensors, num_experts)
+    def forward(ctx, pre, act, w2, topk_weights, ops, activation, num_experts, block_m, *index_tensors):
+        index = _index_from(index_tensors, num_experts, block_m)
         out = ops.down_forward(act, w2, topk_weights, index)
         ctx.save_for_backward(pre, w2, topk_weights, *index_tensors)
-        ctx.ops, ctx.activation, ctx.num_experts = ops, activation, num_experts
+        ctx.ops, ctx.activation, ctx.num_experts, ctx.block_m = ops, activation, num_experts, block_m
         return out
 
     @staticmethod
     def backward(ctx, dout):
         pre, w2, topk_weights, *index_tensors = ctx.saved_tensors
-        index = _index_from(index_tensors, ctx.num_experts)
+        index = _index_from(index_tensors, ctx.num_experts, ctx.block_m)
         dpre, dw2, dtw = ctx.ops.down_backward(dout.contiguous(), pre, w2, topk_weights, index,
                                                ctx.activation, ctx.needs_input_grad[2],
                                                ctx.needs_input_grad[3])
-        return (dpre, None, dw2, dtw, None, None, None) + (None,) * len(index_tensors)
+        return (dpre, None, dw2, dtw, None, None, None, None) + (None,) * len(index_tensors)
 
 
 class _ExpertsRecompute(torch.autograd.Function):
@@ -89,25 +99,25 @@ class _ExpertsRecompute(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, w1, w2, topk_weights, ops, activation, num_experts, *index_tensors):
-        index = _index_from(index_tensors, num_experts)
+    def forward(ctx, x, w1, w2, topk_weights, ops, activation, num_experts, block_m, *index_tensors):
+        index = _index_from(index_tensors, num_experts, block_m)
         _, act = ops.up_forward(x, w1, index, activation, store_pre=False, store_act=True)
         out = ops.down_forward(act, w2, topk_weights, index)
         ctx.save_for_backward(x, w1, w2, topk_weights, *index_tensors)
-        ctx.ops, ctx.activation, ctx.num_experts = ops, activation, num_experts
+        ctx.ops, ctx.activation, ctx.num_experts, ctx.block_m = ops, activation, num_experts, block_m
         return out
 
     @staticmethod
     def backward(ctx, dout):
         x, w1, w2, topk_weights, *index_tensors = ctx.saved_tensors
-        index = _index_from(index_tensors, ctx.num_experts)
+        index = _index_from(index_tensors, ctx.num_experts, ctx.block_m)
         ops, need = ctx.ops, ctx.needs_input_grad
         pre, _ = ops.up_forward(x, w1, index, ctx.activation, store_pre=True, store_act=False)
         dpre, dw2, dtw = ops.down_backward(dout.contiguous(), pre, w2, topk_weights, index,
                                            ctx.activation, need[2], need[3])
         del pre
         dx, dw1 = ops.up_backward(dpre, x, w1, index, need[0], need[1])
-        return (dx, dw1, dw2, dtw, None, None, None) + (None,) * len(index_tensors)
+        return (dx, dw1, dw2, dtw, None, None, None, None) + (None,) * len(index_tensors)
 
 
 def _select_ops(backend: str, x: torch.Tensor) -> ModuleType:
@@ -215,8 +225,27 @@ def moe_experts(
         raise ValueError(f"index was built for E={index.num_experts}, [T, K]={tuple(index.token_index_map.shape)}; "
                          f"expected E={E}, [T, K]={tuple(topk_ids.shape)}")
     ops = _select_ops(backend, x)
-    idx = index.tensors()
+    bm = _schedule_block_m(ops)
+    if bm is not None:  # the grouped GEMMs' tile schedule, built once for the four ops (if not with the index)
+        index = with_schedule(index, bm)
+    bm, idx = _index_args(index)
     if save == "input":
-        return _ExpertsRecompute.apply(x, w_gate_up, w_down, topk_weights, ops, activation, E, *idx)
-    pre, act = _UpProjection.apply(x, w_gate_up, ops, activation, E, *idx)
-    return _DownProjection.apply(pre, act, w_down, topk_weights, ops, activation, E, *idx)
+        return _ExpertsRecompute.apply(x, w_gate_up, w_down, topk_weights, ops, activation, E, bm, *idx)
+    pre, act = _UpProjection.apply(x, w_gate_up, ops, activation, E, bm, *idx)
+    return _DownProjection.apply(pre, act, w_down, topk_weights, ops, activation, E, bm, *idx)
+
+
+def _schedule_block_m(ops: ModuleType) -> int | None:
+    """BLOCK_M of the tile schedule the backend's grouped GEMMs need (None: the backend needs none)."""
+    fn = getattr(ops, "schedule_block_m", None)
+    return fn() if fn is not None else None
+
+
+def schedule_block_m(backend: str, x: torch.Tensor) -> int | None:
+    """The ``block_m`` to pass to :func:`moeblaze.build_dispatch` so that the index it builds carries the
+    tile schedule that ``moe_experts(x, ..., backend=backend)`` will use (None: no schedule needed).
+
+    Raises:
+        ValueError: as :func:`moe_experts` for a bad backend or device.
+    """
+    return _schedule_block_m(_select_ops(backend, x))

@@ -9,7 +9,7 @@ import torch.nn as nn
 
 from .activations import check_activation, is_gated
 from .dispatch import build_dispatch
-from .experts import BACKENDS, SAVE_MODES, moe_experts
+from .experts import BACKENDS, SAVE_MODES, moe_experts, schedule_block_m
 from .routing import Router
 
 __all__ = ["MoE", "aux_loss"]
@@ -95,8 +95,9 @@ class MoE(nn.Module):
         # upcasts them so that nothing in the layer rounds to fp32.
         topk_weights = routing.topk_weights.to(x.dtype) if x.dtype == torch.float64 else routing.topk_weights
         # Ids come from torch.topk over E scores: in range and distinct by construction, so the
-        # host-synchronising range check is skipped.
-        index = build_dispatch(routing.topk_ids, self.num_experts, validate=False)
+        # host-synchronising range check is skipped. The build also writes the experts' tile schedule.
+        index = build_dispatch(routing.topk_ids, self.num_experts, validate=False,
+                               block_m=schedule_block_m(self.backend, x2))
         out = moe_experts(x2, routing.topk_ids, topk_weights, self.w1, self.w_down,
                           activation=self.activation, save=self.save, backend=self.backend, index=index)
         self.aux_loss = routing.loss

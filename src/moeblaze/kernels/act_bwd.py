@@ -91,7 +91,7 @@ def act_bwd_rows(dact: torch.Tensor, pre: torch.Tensor, dpre: torch.Tensor, scal
     if N == 0 or h == 0:
         return
     out = dtw if dtw is not None else scale
-    _ACT_BWD[dact.dtype][lambda meta: (triton.cdiv(N, meta["BLOCK_R"]),)](
+    _ACT_BWD.launch(dact.dtype, lambda meta: (triton.cdiv(N, meta["BLOCK_R"]),),
         dact, pre, dpre, scale, out, N, h, h, dact.stride(0), pre.stride(0), dpre.stride(0),
         ACTIVATION=activation, STORE_PART=dtw is not None, STORE_WACT=store_wact,
     )

@@ -61,7 +61,7 @@ def gather_sum(src: torch.Tensor, token_index_map: torch.Tensor, weights: torch.
     if T == 0 or D == 0:
         return out
     w = weights if weights is not None else token_index_map  # dummy pointer when HAS_W is off
-    _GATHER_SUM[src.dtype][lambda meta: (triton.cdiv(T, meta["BLOCK_T"]), triton.cdiv(D, meta["BLOCK_D"]))](
+    _GATHER_SUM.launch(src.dtype, lambda meta: (triton.cdiv(T, meta["BLOCK_T"]), triton.cdiv(D, meta["BLOCK_D"])),
         src, w, token_index_map, out, T, D, K,
         src.stride(0), w.stride(0), w.stride(1), token_index_map.stride(0), token_index_map.stride(1),
         out.stride(0), HAS_W=weights is not None,

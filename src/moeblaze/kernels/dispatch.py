@@ -20,9 +20,13 @@ Pair order equals token order inside an expert because a row's ids are distinct.
 2. ``_scan_kernel``    per block of experts: exclusive scan of the chunk table over chunks; totals.
 3. ``_write_kernel``   per chunk: offsets = exclusive scan of totals; tile base = offset + chunk base +
    in-chunk prefix; then the tiles are walked again and every pair writes ``token_index_map[p]`` and
-   ``expert_token_indices[slot]`` at its final place.
+   ``expert_token_indices[slot]`` at its final place. Asked for a grouped-GEMM tile schedule
+   (``block_m``), the chunks also write it, blocks of ``_BLOCK_I`` entries strided over the chunks, from
+   the per-expert totals every chunk already holds: no fourth launch (each launch from Python costs
+   ~60-80 µs of host time on the H200 machine, more than this whole build's device time at 8k tokens).
 
-``tile_schedule`` is one more small launch, from ``expert_token_offsets`` alone.
+``tile_schedule`` builds the same schedule in one small launch from ``expert_token_offsets`` alone
+(for an index that was built without one).
 Interpreter: with ``TRITON_INTERPRET=1`` everything also runs on CPU tensors (tests).
 """
 
@@ -35,7 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..dispatch import DispatchIndex
+from ..dispatch import DispatchIndex, TileSchedule
 from .custom_ops import call_op
 
 __all__ = ["build_dispatch_triton", "tile_schedule", "dispatch_plan", "MAX_EXPERTS", "MAX_TOP_K"]
@@ -158,7 +162,7 @@ def _scan_kernel(
     tl.store(chunk_ptr + C.to(tl.int64) * E + e, carry, mask=em)
 
 
-@triton.jit(do_not_specialize=["N", "E", "C", "P"])
+@triton.jit(do_not_specialize=["N", "E", "C", "P", "max_tiles"])
 def _write_kernel(
     ids32_ptr,  # [N] int32 expert id of each pair
     tile_ptr,  # [chunks * G, E] int32 in: in-chunk prefix; becomes the running slot of each tile
@@ -166,8 +170,12 @@ def _write_kernel(
     offsets_ptr,  # [E + 1] int32 out: expert_token_offsets
     indices_ptr,  # [N] int32 out: expert_token_indices (slot -> token)
     map_ptr,  # [N] int32 out: token_index_map (pair -> slot)
-    N, E, C, P,  # pairs, experts, chunks, pairs per tile
+    tile_expert_ptr,  # [max_tiles] int32 out (SCHED_M > 0): tile schedule, expert of each M-tile
+    tile_row_ptr,  # [max_tiles] int32 out (SCHED_M > 0): first slot of each M-tile
+    num_tiles_ptr,  # [1] int32 out (SCHED_M > 0)
+    N, E, C, P, max_tiles,  # pairs, experts, chunks, pairs per tile, schedule length
     K: tl.constexpr, S: tl.constexpr, G: tl.constexpr, BLOCK_E: tl.constexpr, ONEHOT_E: tl.constexpr,
+    SCHED_M: tl.constexpr, BLOCK_I: tl.constexpr,
 ):
     # ONEHOT_E > 0 (small E): ranks from a per-step one-hot cumsum, running slots kept in registers.
     c = tl.program_id(0)
@@ -189,6 +197,11 @@ def _write_kernel(
         tl.store(rows + e[None, :], pre + base[None, :], mask=em[None, :])
     one = tl.arange(0, 1)
     tl.store(offsets_ptr + E + one, carry + one * 0, mask=one * 0 + c == 0)
+    if SCHED_M > 0:  # schedule blocks c, c + C, ... from the totals row (the same in every chunk)
+        for i0 in range(c * BLOCK_I, max_tiles, C * BLOCK_I):
+            num = _schedule_entries(chunk_ptr + C.to(tl.int64) * E, tile_expert_ptr, tile_row_ptr,
+                                    i0 + tl.arange(0, BLOCK_I), E, max_tiles, False, SCHED_M, BLOCK_E)
+            tl.store(num_tiles_ptr + one, num + one * 0, mask=one * 0 + i0 == 0)
     tl.debug_barrier()
     if ONEHOT_E > 0:  # running slots in registers [ONEHOT_E, G, 1]: no table round trip, no barrier
         experts = tl.arange(0, ONEHOT_E)[:, None, None]
@@ -214,25 +227,28 @@ def _write_kernel(
         p += S
 
 
-@triton.jit(do_not_specialize=["E", "max_tiles"])
-def _schedule_kernel(
-    offsets_ptr,  # [E + 1] int32 expert_token_offsets
-    tile_expert_ptr,  # [max_tiles] int32 out: expert of each M-tile, -1 past num_tiles
-    tile_row_ptr,  # [max_tiles] int32 out: first slot of each M-tile, N past num_tiles
-    num_tiles_ptr,  # [1] int32 out
+@triton.jit
+def _schedule_entries(
+    counts_ptr,  # FROM_OFFSETS: [E + 1] int32 expert_token_offsets; else [E] int32 per-expert counts
+    tile_expert_ptr,  # [max_tiles] int32 out: expert of each M-tile, -1 past the last tile
+    tile_row_ptr,  # [max_tiles] int32 out: first slot of each M-tile, N past the last tile
+    i,  # [BLOCK_I] int32 schedule entries to write
     E, max_tiles,
-    BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_E: tl.constexpr,
+    FROM_OFFSETS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    i = pid * BLOCK_I + tl.arange(0, BLOCK_I)
-    n_before = tl.zeros([BLOCK_I], tl.int32)  # experts whose tiles all end at or before tile i
-    tiles_before = tl.zeros([BLOCK_I], tl.int32)
-    rows_before = tl.zeros([BLOCK_I], tl.int32)
-    carry = tl.sum(tl.zeros([BLOCK_E], tl.int32), axis=0)
+    """Entries ``i`` of the tile schedule (contract: moeblaze.dispatch); returns the number of tiles."""
+    n_before = tl.zeros(i.shape, tl.int32)  # experts whose tiles all end at or before tile i
+    tiles_before = tl.zeros(i.shape, tl.int32)
+    rows_before = tl.zeros(i.shape, tl.int32)
+    carry = tl.sum(tl.zeros([BLOCK_E], tl.int32), axis=0)  # tiles so far
+    rows = carry  # slots so far
     for e0 in range(0, E, BLOCK_E):
         e = e0 + tl.arange(0, BLOCK_E)
         em = e < E
-        cnt = tl.load(offsets_ptr + e + 1, mask=em, other=0) - tl.load(offsets_ptr + e, mask=em, other=0)
+        if FROM_OFFSETS:
+            cnt = tl.load(counts_ptr + e + 1, mask=em, other=0) - tl.load(counts_ptr + e, mask=em, other=0)
+        else:
+            cnt = tl.load(counts_ptr + e, mask=em, other=0)
         ntl = (cnt + BLOCK_M - 1) // BLOCK_M
         end = tl.cumsum(ntl, axis=0) + carry
         before = (end[None, :] <= i[:, None]) & em[None, :]  # [BLOCK_I, BLOCK_E]
@@ -240,13 +256,28 @@ def _schedule_kernel(
         tiles_before += tl.sum(tl.where(before, ntl[None, :], 0), axis=1)
         rows_before += tl.sum(tl.where(before, cnt[None, :], 0), axis=1)
         carry += tl.sum(ntl, axis=0)
-    n_pairs = tl.load(offsets_ptr + E)
+        rows += tl.sum(cnt, axis=0)
     live = i < carry
     im = i < max_tiles
     tl.store(tile_expert_ptr + i, tl.where(live, n_before, -1), mask=im)
-    tl.store(tile_row_ptr + i, tl.where(live, rows_before + (i - tiles_before) * BLOCK_M, n_pairs), mask=im)
+    tl.store(tile_row_ptr + i, tl.where(live, rows_before + (i - tiles_before) * BLOCK_M, rows), mask=im)
+    return carry
+
+
+@triton.jit(do_not_specialize=["E", "max_tiles"])
+def _schedule_kernel(
+    offsets_ptr,  # [E + 1] int32 expert_token_offsets
+    tile_expert_ptr,  # [max_tiles] int32 out
+    tile_row_ptr,  # [max_tiles] int32 out
+    num_tiles_ptr,  # [1] int32 out
+    E, max_tiles,
+    BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_E: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    i = pid * BLOCK_I + tl.arange(0, BLOCK_I)
+    num = _schedule_entries(offsets_ptr, tile_expert_ptr, tile_row_ptr, i, E, max_tiles, True, BLOCK_M, BLOCK_E)
     one = tl.arange(0, 1)
-    tl.store(num_tiles_ptr + one, carry + one * 0, mask=one * 0 + pid == 0)
+    tl.store(num_tiles_ptr + one, num + one * 0, mask=one * 0 + pid == 0)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -296,7 +327,8 @@ def dispatch_plan(
     return P, chunks * _WARPS, chunks
 
 
-def build_dispatch_triton(topk_ids: torch.Tensor, num_experts: int, *, tile_pairs: int | None = None) -> DispatchIndex:
+def build_dispatch_triton(topk_ids: torch.Tensor, num_experts: int, *, tile_pairs: int | None = None,
+                          block_m: int | None = None) -> DispatchIndex:
     """Build the dispatch index on the GPU without sort, atomics or host sync (MoEBlaze §4.2).
 
     Three launches (count, scan, write); bitwise equal to :func:`moeblaze.dispatch.build_dispatch_torch`.
@@ -309,14 +341,17 @@ def build_dispatch_triton(topk_ids: torch.Tensor, num_experts: int, *, tile_pair
         num_experts: E, ``1 <= E <= 1024``; ``1 <= K <= min(16, E)``.
         tile_pairs: pairs per tile P (a multiple of 32); None picks :func:`dispatch_plan`'s. For tests
             and tuning; the result does not depend on it.
+        block_m: also write the grouped-GEMM tile schedule for M-tiles of ``block_m`` slots (in the
+            write launch; equal to :func:`moeblaze.dispatch.build_tile_schedule_torch`).
 
     Returns:
         :class:`~moeblaze.dispatch.DispatchIndex`, all int32: ``expert_token_offsets [E+1]``,
         ``expert_token_indices [N]``, ``token_expert_indices [T, K]`` (the input itself when it is
-        int32) and ``token_index_map [T, K]``.
+        int32), ``token_index_map [T, K]`` and, with ``block_m``, ``schedule``.
 
     Raises:
-        TypeError: non-integer ids.  ValueError: wrong rank, device, E, K or N >= 2^31 - 2^24.
+        TypeError: non-integer ids.  ValueError: wrong rank, device, E, K, ``block_m < 1`` or
+        N >= 2^31 - 2^24.
     """
     if not isinstance(topk_ids, torch.Tensor) or topk_ids.dtype not in _ID_DTYPES:
         got = getattr(topk_ids, "dtype", type(topk_ids).__name__)
@@ -330,14 +365,17 @@ def build_dispatch_triton(topk_ids: torch.Tensor, num_experts: int, *, tile_pair
         raise ValueError(f"num_experts must be in [1, {MAX_EXPERTS}], got {E}")
     if not 1 <= K <= min(MAX_TOP_K, E):
         raise ValueError(f"top-k K={K} must be in [1, min({MAX_TOP_K}, num_experts={E})]")
+    if block_m is not None and int(block_m) < 1:
+        raise ValueError(f"block_m must be >= 1, got {block_m}")
     N = T * K
     if N >= 2**31 - 2**24:
         raise ValueError(f"N = T*K = {N} pairs does not fit the int32 index")
-    offsets, indices, index_map, ids32 = call_op(_build_dispatch_op, _build_dispatch_impl, topk_ids, E,
-                                                 int(tile_pairs or 0))
+    offsets, indices, index_map, ids32, *sched = call_op(_build_dispatch_op, _build_dispatch_impl, topk_ids, E,
+                                                         int(tile_pairs or 0), int(block_m or 0))
     if ids32.numel() != N:  # not written: the input is contiguous int32, the id table itself
         ids32 = topk_ids
-    return DispatchIndex(offsets, indices, ids32.view(T, K), index_map, E)
+    schedule = TileSchedule(int(block_m), *sched) if block_m else None
+    return DispatchIndex(offsets, indices, ids32.view(T, K), index_map, E, schedule)
 
 
 @functools.cache
@@ -345,8 +383,14 @@ def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def _build_dispatch_impl(topk_ids: torch.Tensor, num_experts: int, tile_pairs: int):
-    """The three launches; returns ``(offsets, indices, index_map, ids32 [N] or [0] when not written)``."""
+def _max_tiles(num_pairs: int, num_experts: int, block_m: int) -> int:
+    """Length of a tile schedule (0 when none is asked for: ``block_m == 0``)."""
+    return triton.cdiv(num_pairs, block_m) + num_experts if block_m else 0
+
+
+def _build_dispatch_impl(topk_ids: torch.Tensor, num_experts: int, tile_pairs: int, block_m: int):
+    """The three launches; returns ``(offsets, indices, index_map, ids32 [N] or [0] when not written,
+    tile_expert, tile_row, num_tiles)`` (the schedule empty when ``block_m == 0``)."""
     T, K = topk_ids.shape
     N, E, dev = T * K, num_experts, topk_ids.device
     sms = _num_sms(dev.index if dev.index is not None else torch.cuda.current_device()) if topk_ids.is_cuda else 132
@@ -355,8 +399,13 @@ def _build_dispatch_impl(topk_ids: torch.Tensor, num_experts: int, tile_pairs: i
     new = lambda *shape: torch.empty(shape, dtype=torch.int32, device=dev)  # noqa: E731
     # separate buffers: a custom op's outputs may not alias each other or its input
     offsets, indices, index_map, ids32 = new(E + 1), new(N), new(T, K), new(0 if as_is else N)
+    max_tiles = _max_tiles(N, E, block_m)
+    sched = (new(max_tiles), new(max_tiles), new(1 if block_m else 0))
     if N == 0:
-        return offsets.zero_(), indices, index_map, ids32
+        sched[0].fill_(-1)
+        sched[1].zero_()
+        sched[2].zero_()
+        return offsets.zero_(), indices, index_map, ids32, *sched
     ids_in = topk_ids if as_is else ids32  # [N] int32 ids the write pass reads (the count pass writes ids32)
     work = torch.empty((tiles + chunks + 1) * E, dtype=torch.int32, device=dev)
     tile_tab, chunk_tab = work[: tiles * E], work[tiles * E:]
@@ -367,23 +416,27 @@ def _build_dispatch_impl(topk_ids: torch.Tensor, num_experts: int, tile_pairs: i
         WRITE_IDS=not as_is, **common)
     be = min(_SCAN_BE, triton.next_power_of_2(E))
     _scan_kernel[(triton.cdiv(E, be),)](chunk_tab, chunks, E, BR=_SCAN_ELEMS // be, BE=be, num_warps=4)
-    _write_kernel[(chunks,)](ids_in, tile_tab, chunk_tab, offsets, indices, index_map, N, E, chunks, P, **common)
-    return offsets, indices, index_map, ids32
+    _write_kernel[(chunks,)](ids_in, tile_tab, chunk_tab, offsets, indices, index_map, *sched,
+                             N, E, chunks, P, max_tiles, SCHED_M=block_m, BLOCK_I=_BLOCK_I, **common)
+    return offsets, indices, index_map, ids32, *sched
 
 
 # A custom op, so torch.compile(fullgraph=True) sees one opaque node instead of tracing the launcher's
 # host-side planning (device properties, tile sizes); eager calls skip it (see custom_ops.call_op).
 _build_dispatch_op = torch.library.custom_op(
     "moeblaze::build_dispatch", _build_dispatch_impl, mutates_args=(),
-    schema="(Tensor topk_ids, int num_experts, int tile_pairs) -> (Tensor, Tensor, Tensor, Tensor)")
+    schema="(Tensor topk_ids, int num_experts, int tile_pairs, int block_m) "
+           "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")
 
 
 @_build_dispatch_op.register_fake
-def _(topk_ids, num_experts, tile_pairs):
+def _(topk_ids, num_experts, tile_pairs, block_m):
     T, K = topk_ids.shape
     new = lambda *shape: topk_ids.new_empty(shape, dtype=torch.int32)
     as_is = topk_ids.dtype == torch.int32 and topk_ids.is_contiguous()
-    return new(num_experts + 1), new(T * K), new(T, K), new(0 if as_is else T * K)
+    max_tiles = _max_tiles(T * K, num_experts, block_m)
+    return (new(num_experts + 1), new(T * K), new(T, K), new(0 if as_is else T * K),
+            new(max_tiles), new(max_tiles), new(1 if block_m else 0))
 
 
 def tile_schedule(

@@ -25,15 +25,16 @@ import torch
 from torch import Tensor
 
 from ..activations import GATED, check_activation
-from ..dispatch import DispatchIndex
+from ..dispatch import DispatchIndex, with_schedule
 from ..ops_torch import slot_weights
 from .act_bwd import act_bwd_rows
 from .act_math import ACTIVATION_CODES
 from .combine import gather_sum
 from .custom_ops import call_op
 from .launch import grouped_gemm, grouped_wgrad
+from .tuning import block_m
 
-__all__ = ["up_forward", "up_backward", "down_forward", "down_backward"]
+__all__ = ["up_forward", "up_backward", "down_forward", "down_backward", "schedule_block_m"]
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -59,9 +60,22 @@ def _empty(like: torch.Tensor) -> torch.Tensor:
     return like.new_empty(0)
 
 
+def schedule_block_m() -> int:
+    """BLOCK_M of the grouped GEMMs: the tile schedule an index needs for these ops (``build_dispatch``'s
+    ``block_m``). 128 on the GPU, 32 under the interpreter."""
+    return block_m()
+
+
+def _schedule(index: DispatchIndex) -> tuple[Tensor, Tensor, Tensor]:
+    """The index's tile schedule for the GEMMs' BLOCK_M; built here (one small launch per op) only for an
+    index that came without it (``moe_experts`` attaches it once per layer call)."""
+    return with_schedule(index, block_m()).schedule.tensors()
+
+
 # ---------------------------------------------------------------- F1: up-projection forward
 
-def _up_forward_impl(x, w1, offsets, indices, activation, store_pre, store_act):
+def _up_forward_impl(x, w1, offsets, indices, tile_expert, tile_row, num_tiles, activation, store_pre,
+                      store_act):
     x = _rows_contig(x)
     N, rows = indices.numel(), w1.shape[1]
     gated = activation in GATED
@@ -69,7 +83,7 @@ def _up_forward_impl(x, w1, offsets, indices, activation, store_pre, store_act):
     pre = x.new_empty(N, rows) if store_pre else _empty(x)
     act = x.new_empty(N, h) if store_act else _empty(x)
     grouped_gemm(x, w1, (w1.stride(0), w1.stride(2), w1.stride(1)), pre if store_pre else act,
-                 offsets, indices, n_cols=h, k_dim=x.shape[1], gather_a=True, up_off=h, epilogue=1,
+                 offsets, indices, (tile_expert, tile_row, num_tiles), n_cols=h, k_dim=x.shape[1], gather_a=True, up_off=h, epilogue=1,
                  activation=ACTIVATION_CODES[activation], dual=gated, store_pre=store_pre,
                  aux=act if store_act else None, store_aux=store_act)
     return pre, act
@@ -77,12 +91,12 @@ def _up_forward_impl(x, w1, offsets, indices, activation, store_pre, store_act):
 
 _up_forward_op = torch.library.custom_op(
     "moeblaze::experts_up_forward", _up_forward_impl, mutates_args=(),
-    schema="(Tensor x, Tensor w1, Tensor offsets, Tensor indices, str activation, bool store_pre, "
-           "bool store_act) -> (Tensor, Tensor)")
+    schema="(Tensor x, Tensor w1, Tensor offsets, Tensor indices, Tensor tile_expert, Tensor tile_row, "
+           "Tensor num_tiles, str activation, bool store_pre, bool store_act) -> (Tensor, Tensor)")
 
 
 @_up_forward_op.register_fake
-def _(x, w1, offsets, indices, activation, store_pre, store_act):
+def _(x, w1, offsets, indices, tile_expert, tile_row, num_tiles, activation, store_pre, store_act):
     N, rows = indices.shape[0], w1.shape[1]
     h = rows // 2 if activation in GATED else rows
     return (x.new_empty(N, rows) if store_pre else _empty(x)), (x.new_empty(N, h) if store_act else _empty(x))
@@ -107,34 +121,36 @@ def up_forward(x: Tensor, w1: Tensor, index: DispatchIndex, activation: str, sto
     check_activation(activation)
     _check("up_forward", x=x, w1=w1)
     pre, act = call_op(_up_forward_op, _up_forward_impl, x, w1, index.expert_token_offsets,
-                       index.expert_token_indices, activation, store_pre, store_act)
+                       index.expert_token_indices, *_schedule(index), activation, store_pre, store_act)
     return (pre if store_pre else None), (act if store_act else None)
 
 
 # ---------------------------------------------------------------- F2-F3: down-projection forward
 
-def _down_forward_impl(act, w2, topk_weights, offsets, indices, token_index_map):
+def _down_forward_impl(act, w2, topk_weights, offsets, indices, tile_expert, tile_row, num_tiles,
+                       token_index_map):
+    sched = (tile_expert, tile_row, num_tiles)
     act = _rows_contig(act)
     (T, K), d, h = token_index_map.shape, w2.shape[1], w2.shape[2]
     strides = (w2.stride(0), w2.stride(2), w2.stride(1))
     if K == 1:  # F2 writes w * y straight into out[token]: no [N, d] buffer, no combine
         out = act.new_empty(T, d)
-        grouped_gemm(act, w2, strides, out, offsets, indices, n_cols=d, k_dim=h, gather_a=False,
+        grouped_gemm(act, w2, strides, out, offsets, indices, sched, n_cols=d, k_dim=h, gather_a=False,
                      scatter_c=True, scale=slot_weights(topk_weights, token_index_map, torch.float32))
         return out
     y = act.new_empty(act.shape[0], d)
-    grouped_gemm(act, w2, strides, y, offsets, indices, n_cols=d, k_dim=h, gather_a=False)
+    grouped_gemm(act, w2, strides, y, offsets, indices, sched, n_cols=d, k_dim=h, gather_a=False)
     return gather_sum(y, token_index_map, topk_weights, act.dtype)
 
 
 _down_forward_op = torch.library.custom_op(
     "moeblaze::experts_down_forward", _down_forward_impl, mutates_args=(),
-    schema="(Tensor act, Tensor w2, Tensor topk_weights, Tensor offsets, Tensor indices, "
-           "Tensor token_index_map) -> Tensor")
+    schema="(Tensor act, Tensor w2, Tensor topk_weights, Tensor offsets, Tensor indices, Tensor tile_expert, "
+           "Tensor tile_row, Tensor num_tiles, Tensor token_index_map) -> Tensor")
 
 
 @_down_forward_op.register_fake
-def _(act, w2, topk_weights, offsets, indices, token_index_map):
+def _(act, w2, topk_weights, offsets, indices, tile_expert, tile_row, num_tiles, token_index_map):
     return act.new_empty(token_index_map.shape[0], w2.shape[1])
 
 
@@ -149,13 +165,13 @@ def down_forward(act: Tensor, w2: Tensor, topk_weights: Tensor, index: DispatchI
     """
     _check("down_forward", act=act, w2=w2)
     return call_op(_down_forward_op, _down_forward_impl, act, w2, topk_weights, index.expert_token_offsets,
-                   index.expert_token_indices, index.token_index_map)
+                   index.expert_token_indices, *_schedule(index), index.token_index_map)
 
 
 # ---------------------------------------------------------------- B1-B2: down-projection backward
 
-def _down_backward_impl(dout, pre, w2, topk_weights, offsets, indices, token_index_map, activation, need_dw,
-                        need_dtw):
+def _down_backward_impl(dout, pre, w2, topk_weights, offsets, indices, tile_expert, tile_row, num_tiles,
+                        token_index_map, activation, need_dw, need_dtw):
     # B1 in two launches (why: moeblaze.kernels.act_bwd): the GEMM stores dact' [N, h], then one pass over
     # the rows recomputes act from pre and writes dpre over pre (unit column stride, checked by
     # down_backward) and w * act over dact' — the B operand of B2, a backward-only temporary.
@@ -164,8 +180,8 @@ def _down_backward_impl(dout, pre, w2, topk_weights, offsets, indices, token_ind
     N = indices.numel()
     w_slot = slot_weights(topk_weights, token_index_map, torch.float32)
     dact = pre.new_empty(N, h)
-    grouped_gemm(dout, w2, (w2.stride(0), w2.stride(1), w2.stride(2)), dact, offsets, indices, n_cols=h, k_dim=d,
-                 gather_a=True)
+    grouped_gemm(dout, w2, (w2.stride(0), w2.stride(1), w2.stride(2)), dact, offsets, indices,
+                 (tile_expert, tile_row, num_tiles), n_cols=h, k_dim=d, gather_a=True)
     dtw_slot = torch.empty(N, dtype=torch.float32, device=pre.device) if need_dtw else None
     act_bwd_rows(dact, pre, pre, w_slot, dtw_slot, h=h, activation=ACTIVATION_CODES[activation],
                  store_wact=need_dw)
@@ -181,11 +197,13 @@ def _down_backward_impl(dout, pre, w2, topk_weights, offsets, indices, token_ind
 _down_backward_op = torch.library.custom_op(
     "moeblaze::experts_down_backward", _down_backward_impl, mutates_args=("pre",),
     schema="(Tensor dout, Tensor(a!) pre, Tensor w2, Tensor topk_weights, Tensor offsets, Tensor indices, "
-           "Tensor token_index_map, str activation, bool need_dw, bool need_dtw) -> (Tensor, Tensor)")
+           "Tensor tile_expert, Tensor tile_row, Tensor num_tiles, Tensor token_index_map, str activation, "
+           "bool need_dw, bool need_dtw) -> (Tensor, Tensor)")
 
 
 @_down_backward_op.register_fake
-def _(dout, pre, w2, topk_weights, offsets, indices, token_index_map, activation, need_dw, need_dtw):
+def _(dout, pre, w2, topk_weights, offsets, indices, tile_expert, tile_row, num_tiles, token_index_map, activation,
+      need_dw, need_dtw):
     return (w2.new_empty(w2.shape) if need_dw else _empty(w2),
             topk_weights.new_empty(token_index_map.shape) if need_dtw else _empty(topk_weights))
 
@@ -217,13 +235,15 @@ def down_backward(dout: Tensor, pre: Tensor, w2: Tensor, topk_weights: Tensor, i
                          f"overwritten with dpre), got shape {tuple(pre.shape)} strides {pre.stride()}")
     dw2, dtw = call_op(_down_backward_op, _down_backward_impl,
                        dout, pre, w2, topk_weights, index.expert_token_offsets, index.expert_token_indices,
-                       index.token_index_map, activation, need_dw, need_dtw, mutated=(pre,))
+                       *_schedule(index), index.token_index_map, activation, need_dw, need_dtw, mutated=(pre,))
     return pre, (dw2 if need_dw else None), (dtw if need_dtw else None)
 
 
 # ---------------------------------------------------------------- B3-B5: up-projection backward
 
-def _up_backward_impl(dpre, x, w1, offsets, indices, token_index_map, need_dx, need_dw):
+def _up_backward_impl(dpre, x, w1, offsets, indices, tile_expert, tile_row, num_tiles, token_index_map, need_dx,
+                      need_dw):
+    sched = (tile_expert, tile_row, num_tiles)
     dpre, x = _rows_contig(dpre), _rows_contig(x)
     (T, K), rows, d = token_index_map.shape, w1.shape[1], w1.shape[2]
     dx, dw1 = _empty(x), _empty(w1)
@@ -231,11 +251,12 @@ def _up_backward_impl(dpre, x, w1, offsets, indices, token_index_map, need_dx, n
         strides = (w1.stride(0), w1.stride(1), w1.stride(2))
         if K == 1:  # B3 writes dx[token] directly: no [N, d] buffer, no gather-sum
             dx = x.new_empty(T, d)
-            grouped_gemm(dpre, w1, strides, dx, offsets, indices, n_cols=d, k_dim=rows, gather_a=False,
+            grouped_gemm(dpre, w1, strides, dx, offsets, indices, sched, n_cols=d, k_dim=rows, gather_a=False,
                          scatter_c=True)
         else:
             dx_slots = x.new_empty(indices.numel(), d)
-            grouped_gemm(dpre, w1, strides, dx_slots, offsets, indices, n_cols=d, k_dim=rows, gather_a=False)
+            grouped_gemm(dpre, w1, strides, dx_slots, offsets, indices, sched, n_cols=d, k_dim=rows,
+                         gather_a=False)
             dx = gather_sum(dx_slots, token_index_map, None, x.dtype)
     if need_dw:
         dw1 = grouped_wgrad(dpre, x, offsets, indices, p=rows, q=d, out_dtype=w1.dtype, gather_b=True)
@@ -244,12 +265,12 @@ def _up_backward_impl(dpre, x, w1, offsets, indices, token_index_map, need_dx, n
 
 _up_backward_op = torch.library.custom_op(
     "moeblaze::experts_up_backward", _up_backward_impl, mutates_args=(),
-    schema="(Tensor dpre, Tensor x, Tensor w1, Tensor offsets, Tensor indices, Tensor token_index_map, "
-           "bool need_dx, bool need_dw) -> (Tensor, Tensor)")
+    schema="(Tensor dpre, Tensor x, Tensor w1, Tensor offsets, Tensor indices, Tensor tile_expert, "
+           "Tensor tile_row, Tensor num_tiles, Tensor token_index_map, bool need_dx, bool need_dw) -> (Tensor, Tensor)")
 
 
 @_up_backward_op.register_fake
-def _(dpre, x, w1, offsets, indices, token_index_map, need_dx, need_dw):
+def _(dpre, x, w1, offsets, indices, tile_expert, tile_row, num_tiles, token_index_map, need_dx, need_dw):
     return (x.new_empty(x.shape) if need_dx else _empty(x)), (w1.new_empty(w1.shape) if need_dw else _empty(w1))
 
 
@@ -265,5 +286,5 @@ def up_backward(dpre: Tensor, x: Tensor, w1: Tensor, index: DispatchIndex, need_
     """
     _check("up_backward", dpre=dpre, x=x, w1=w1)
     dx, dw1 = call_op(_up_backward_op, _up_backward_impl, dpre, x, w1, index.expert_token_offsets,
-                      index.expert_token_indices, index.token_index_map, need_dx, need_dw)
+                      index.expert_token_indices, *_schedule(index), index.token_index_map, need_dx, need_dw)
     return (dx if need_dx else None), (dw1 if need_dw else None)

@@ -1,8 +1,8 @@
 """Launchers of the expert kernels: validate, allocate, compute the grid, launch (DESIGN.md §5).
 
-No launcher reads device data on the host: the M-tile schedule is built on the device (shared
-``moeblaze.kernels.dispatch.tile_schedule`` when present, else :func:`tile_schedule_torch`), and grids
-are sized by upper bounds (``cdiv(N, BLOCK_M) + E`` M-tiles; programs past ``num_tiles`` exit at once).
+No launcher reads device data on the host: the M-tile schedule comes with the index
+(:class:`moeblaze.dispatch.TileSchedule`, written by the dispatch build), and grids are sized by its
+static length (``cdiv(N, BLOCK_M) + E`` M-tiles; programs past ``num_tiles`` exit at once).
 """
 
 from __future__ import annotations
@@ -14,11 +14,6 @@ from .grouped_gemm import grouped_gemm_kernel
 from .tuning import Launchable, block_m, gemm_configs, prune_gemm_configs, wgrad_configs
 from .wgrad import grouped_wgrad_kernel
 
-try:  # the schedule emitted by the Triton dispatch build (another module's contract)
-    from .dispatch import tile_schedule as _shared_tile_schedule
-except ImportError:  # pragma: no cover - depends on the dispatch kernels being present
-    _shared_tile_schedule = None
-
 _GEMM_KEY = ["N_COLS", "K_DIM", "NUM_EXPERTS", "EPILOGUE", "GATHER_A", "SCATTER_C", "DUAL"]
 _EVEN = {"EVEN_K": lambda a: a["K_DIM"] % a["BLOCK_K"] == 0, "EVEN_N": lambda a: a["N_COLS"] % a["BLOCK_N"] == 0}
 _GEMM = Launchable(grouped_gemm_kernel, gemm_configs, key=_GEMM_KEY, heuristics=_EVEN, prune=prune_gemm_configs)
@@ -26,65 +21,30 @@ _WGRAD = Launchable(grouped_wgrad_kernel, wgrad_configs,
                     key=["P", "Q", "NUM_EXPERTS", "GATHER_A", "GATHER_B"])
 
 
-def tile_schedule_torch(offsets: torch.Tensor, num_slots: int, block: int):
-    """M-tile schedule in PyTorch ops on the device (no host sync).
-
-    Args:
-        offsets: ``[E+1]`` int32 expert_token_offsets.
-        num_slots: N (known on the host from the index shapes).
-        block: BLOCK_M.
-
-    Returns:
-        ``(tile_expert [max_tiles] int32, tile_row_start [max_tiles] int32, num_tiles [1] int32)`` with
-        ``max_tiles = cdiv(N, block) + E``; entries past ``num_tiles`` hold ``-1`` / ``N``.
-    """
-    E = offsets.numel() - 1
-    max_tiles = triton.cdiv(num_slots, block) + E
-    counts = (offsets[1:] - offsets[:-1]).long()
-    tiles = (counts + block - 1) // block
-    tile_end = tiles.cumsum(0)  # inclusive
-    i = torch.arange(max_tiles, device=offsets.device)
-    e = torch.searchsorted(tile_end, i, right=True).clamp_(max=E - 1)
-    valid = i < tile_end[-1]
-    row = offsets[e].long() + (i - (tile_end[e] - tiles[e])) * block
-    tile_expert = torch.where(valid, e, -1).to(torch.int32)
-    tile_row = torch.where(valid, row, num_slots).to(torch.int32)
-    return tile_expert, tile_row, tile_end[-1:].to(torch.int32)
-
-
-def tile_schedule(offsets: torch.Tensor, num_slots: int, block: int):
-    """The M-tile schedule (see :func:`tile_schedule_torch`); the shared Triton build when available."""
-    if _shared_tile_schedule is not None:
-        return _shared_tile_schedule(offsets, block, num_slots)
-    return tile_schedule_torch(offsets, num_slots, block)
-
-
 def dot_precision(dtype: torch.dtype) -> str:
     """fp32 operands use exact (IEEE) products, as torch's default fp32 matmul; 16-bit ones ignore it."""
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-def grouped_gemm(a, b, b_strides, c, offsets, indices, *, n_cols, k_dim, gather_a, up_off=0,
+def grouped_gemm(a, b, b_strides, c, offsets, indices, sched, *, n_cols, k_dim, gather_a, up_off=0,
                  scatter_c=False, scale=None, epilogue=0, activation=0, dual=False, store_pre=False,
-                 aux=None, store_aux=False, sched=None):
+                 aux=None, store_aux=False):
     """Launch :func:`grouped_gemm_kernel` (see its module for the epilogues).
 
     ``a [rows, k_dim]`` (``gather_a``: rows are tokens), ``b`` a weight ``[E, *, *]`` read as
     ``B[e][k, n]`` through ``b_strides = (stride_e, stride_k, stride_n)``, ``c`` the main output
     (unit stride along columns). ``aux``/``scale``: see the kernel; outputs are written in place.
-    ``sched``: a precomputed :func:`tile_schedule` for ``block_m()``.
+    ``sched``: ``(tile_expert, tile_row_start, num_tiles)`` of a tile schedule for ``block_m()``.
     """
     N = indices.numel()
     E = offsets.numel() - 1
     if N == 0 or n_cols == 0:
         return
     bm = block_m()
-    if sched is None:
-        sched = tile_schedule(offsets, N, bm)
     max_tiles = sched[0].numel()
     aux = aux if aux is not None else c
     scale = scale if scale is not None else offsets
-    _GEMM[a.dtype][lambda meta: (max_tiles * triton.cdiv(n_cols, meta["BLOCK_N"]),)](
+    _GEMM.launch(a.dtype, lambda meta: (max_tiles * triton.cdiv(n_cols, meta["BLOCK_N"]),),
         a, b, c, aux, scale, offsets, indices, *sched,
         max_tiles, n_cols, k_dim, up_off, up_off * b_strides[2],
         a.stride(0), a.stride(1), *b_strides, c.stride(0), aux.stride(0),
@@ -104,8 +64,7 @@ def grouped_wgrad(a, b, offsets, indices, *, p, q, out_dtype, gather_a=False, ga
     if indices.numel() == 0 or p == 0 or q == 0:
         return torch.zeros(E, p, q, dtype=out_dtype, device=a.device)
     out = torch.empty(E, p, q, dtype=out_dtype, device=a.device)
-    kern = _WGRAD[a.dtype]
-    kern[lambda meta: (E * triton.cdiv(p, meta["BLOCK_P"]) * triton.cdiv(q, meta["BLOCK_Q"]),)](
+    _WGRAD.launch(a.dtype, lambda meta: (E * triton.cdiv(p, meta["BLOCK_P"]) * triton.cdiv(q, meta["BLOCK_Q"]),),
         a, b, out, offsets, indices, p, q,
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0), out.stride(1), out.stride(2),
         E,

@@ -1,0 +1,109 @@
+"""Where one layer step's time goes: host (Python + launch) time against device time, kernel by kernel.
+
+For each config and implementation of ``moeblaze bench`` (weights and inputs as there), after warm-up:
+
+- *host ms*: wall time of one forward+backward call from Python, the GPU idle at the start
+  (``synchronize`` before, none after): what the CPU spends submitting the step;
+- *step ms*: wall time per step of 20 back-to-back steps (``synchronize`` at the end);
+- *device ms*: sum of the step's kernel times (torch.profiler, three steps averaged), and the number
+  of kernels per step.
+
+A step is host-bound when *host ms* is close to *step ms* and above *device ms*. ``--kernels`` prints
+the profiler's kernel table, ``--cprofile N`` the N most expensive Python functions (cumulative).
+
+Usage (GPU): ``python3 benchmarks/profile_layer.py --configs sweep-8k,smoke-olmoe --impls moeblaze,conventional``
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import pstats
+import time
+
+import torch
+from torch.autograd import DeviceType
+from torch.profiler import ProfilerActivity, profile
+
+from moeblaze.bench.baselines import ImplOptions, make_weights, resolve_impl
+from moeblaze.bench.configs import CONFIGS, parse_list
+
+
+def make_step(fn, x: torch.Tensor, dout: torch.Tensor, params: list[torch.Tensor]):
+    def step() -> None:
+        for p in (*params, x):
+            p.grad = None
+        fn(x).backward(dout)
+
+    return step
+
+
+def host_and_step_ms(step, reps: int = 20) -> tuple[float, float]:
+    """(median host submit time, back-to-back time per step), ms."""
+    host = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        step()
+        host.append(time.perf_counter() - t0)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        step()
+    torch.cuda.synchronize()
+    return sorted(host)[reps // 2] * 1e3, (time.perf_counter() - t0) / reps * 1e3
+
+
+def device_profile(step, steps: int = 3):
+    """(device ms per step, kernels per step, the profiler's averages)."""
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    ev = prof.key_averages()
+    kernels = [e for e in ev if e.device_type == DeviceType.CUDA]
+    dev_us = sum(e.self_device_time_total for e in kernels) / steps
+    return dev_us / 1e3, sum(e.count for e in kernels) / steps, ev
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--configs", default="sweep-8k,smoke-olmoe", help="comma-separated bench config names")
+    ap.add_argument("--impls", default="moeblaze,conventional", help="comma-separated implementations")
+    ap.add_argument("--kernels", action="store_true", help="print the kernel table of each row")
+    ap.add_argument("--cprofile", type=int, default=0, metavar="N", help="print the N top Python functions")
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    now = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    print(f"{torch.cuda.get_device_name()} | torch {torch.__version__} | {now}")
+    print(f"{'config':<14} {'impl':<13} {'host ms':>8} {'step ms':>8} {'device ms':>9} {'kernels':>7}")
+    for name in parse_list(args.configs):
+        cfg = CONFIGS[name]
+        w = make_weights(cfg, "cuda", torch.bfloat16)
+        x = torch.randn(cfg.T, cfg.d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        dout = torch.randn_like(x)
+        for impl_name in parse_list(args.impls):
+            fn = resolve_impl(impl_name).build(cfg, w, ImplOptions())
+            step = make_step(fn, x, dout, [w.router, w.w1, w.w2])
+            for _ in range(5):  # warm-up: compilation and autotuning
+                step()
+            host, wall = host_and_step_ms(step)
+            dev, nk, ev = device_profile(step)
+            print(f"{name:<14} {impl_name:<13} {host:8.3f} {wall:8.3f} {dev:9.3f} {nk:7.0f}", flush=True)
+            if args.kernels:
+                print(ev.table(sort_by="self_device_time_total", row_limit=15, max_name_column_width=60))
+            if args.cprofile:
+                pr = cProfile.Profile()
+                pr.enable()
+                for _ in range(10):
+                    step()
+                torch.cuda.synchronize()
+                pr.disable()
+                out = io.StringIO()
+                pstats.Stats(pr, stream=out).sort_stats("cumulative").print_stats(args.cprofile)
+                print(out.getvalue())
+
+
+if __name__ == "__main__":
+    main()
