@@ -12,6 +12,7 @@ from moeblaze.testing import (
     make_expert_inputs,
     reference_outputs,
     router_weight_grad_alternative,
+    router_weight_grad_magnitude,
     run_and_grad,
 )
 
@@ -28,7 +29,11 @@ def check_against_reference(inputs, activation, save, backend="torch"):
     alt = router_weight_grad_alternative(inputs, activation, dout, dt)
     for name, a, r, b in zip(NAMES, got, ref, base):
         assert a.dtype == (inputs["topk_weights"].dtype if name == "dtopk_weights" else dt), name
-        assert_close_to_reference(name, a, r, (b, alt) if name == "dtopk_weights" else b)
+        if name == "dtopk_weights":
+            mag = router_weight_grad_magnitude(inputs, activation, dout)
+            assert_close_to_reference(name, a, r, (b, alt), magnitude=mag)
+        else:
+            assert_close_to_reference(name, a, r, b)
 
 
 @pytest.mark.parametrize("activation", ACTIVATIONS)

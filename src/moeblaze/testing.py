@@ -95,16 +95,22 @@ def rel_error(actual: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def assert_close_to_reference(name: str, actual: torch.Tensor, ref64: torch.Tensor,
-                              baseline: torch.Tensor | Sequence[torch.Tensor], factor: float = 2.0) -> None:
+                              baseline: torch.Tensor | Sequence[torch.Tensor], factor: float = 2.0,
+                              magnitude: torch.Tensor | None = None) -> None:
     """DESIGN.md §7: ``err(actual) <= factor * err(baseline) + 2 eps(dtype)`` against the float64 ``ref64``.
 
     ``baseline`` is plain PyTorch's result in ``actual``'s dtype, or several plain-PyTorch ways of
-    computing it (the worst one counts: a quantity with cancellation, like ``dtopk_weights`` at T = 1,
-    can come out luckily exact one way). Raises ``AssertionError`` with both errors.
+    computing it (the worst one counts). ``magnitude``: for a quantity that is a sum with cancellation
+    (``dtopk_weights`` at T = 1: two dot products), the float64 sums of the terms' absolute values; the
+    floor becomes ``2 eps * ||magnitude|| / ||ref64||`` (eps times the sum's condition number, the
+    rounding any summation order pays), since every baseline can come out luckily exact.
+    Raises ``AssertionError`` with both errors.
     """
     if actual.shape != ref64.shape:
         raise AssertionError(f"{name}: shape {tuple(actual.shape)} != reference {tuple(ref64.shape)}")
     floor = 2 * torch.finfo(actual.dtype).eps if actual.is_floating_point() else 0.0
+    if magnitude is not None:
+        floor *= max(1.0, float(magnitude.double().norm() / ref64.double().cpu().norm().clamp_min(1e-300)))
     baselines = [baseline] if isinstance(baseline, torch.Tensor) else list(baseline)
     err, base = rel_error(actual, ref64), max(rel_error(b, ref64) for b in baselines)
     if base == float("inf"):
@@ -144,6 +150,22 @@ def router_weight_grad_alternative(inputs: dict[str, torch.Tensor], activation: 
             act = act_reference(activation, x[tok] @ w1[e].t())
             dtw[tok, k] = ((g[tok] @ w2[e]) * act).sum(-1)
     return dtw.to(inputs["topk_weights"].dtype)
+
+
+def router_weight_grad_magnitude(inputs: dict[str, torch.Tensor], activation: str,
+                                 dout: torch.Tensor) -> torch.Tensor:
+    """``sum_j |(dout[t] W_down[e])_j act[t, k]_j|`` in float64 ``[T, K]``: the magnitude of the terms of
+    ``dtopk_weights`` (the ``magnitude`` of :func:`assert_close_to_reference`)."""
+    x, ids = inputs["x"].detach().cpu().double(), inputs["topk_ids"].cpu().long()
+    w1, w2 = inputs["w_gate_up"].detach().cpu().double(), inputs["w_down"].detach().cpu().double()
+    g = dout.detach().cpu().double()
+    mag = torch.zeros(ids.shape, dtype=torch.float64)
+    for e in range(w2.shape[0]):
+        tok, k = torch.nonzero(ids == e, as_tuple=True)
+        if tok.numel():
+            act = act_reference(activation, x[tok] @ w1[e].t())
+            mag[tok, k] = ((g[tok] @ w2[e]) * act).abs().sum(-1)
+    return mag
 
 
 def run_and_grad(fn: Callable[..., torch.Tensor], inputs: dict[str, torch.Tensor],

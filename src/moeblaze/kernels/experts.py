@@ -82,8 +82,8 @@ def _up_forward_impl(x, w1, offsets, indices, tile_expert, tile_row, num_tiles, 
     h = rows // 2 if gated else rows
     pre = x.new_empty(N, rows) if store_pre else _empty(x)
     act = x.new_empty(N, h) if store_act else _empty(x)
-    grouped_gemm(x, w1, (w1.stride(0), w1.stride(2), w1.stride(1)), pre if store_pre else act,
-                 offsets, indices, (tile_expert, tile_row, num_tiles), n_cols=h, k_dim=x.shape[1], gather_a=True, up_off=h, epilogue=1,
+    grouped_gemm(x, w1, pre if store_pre else act, offsets, indices, (tile_expert, tile_row, num_tiles),
+                 b_nk=True, n_cols=h, k_dim=x.shape[1], gather_a=True, up_off=h, epilogue=1,
                  activation=ACTIVATION_CODES[activation], dual=gated, store_pre=store_pre,
                  aux=act if store_act else None, store_aux=store_act)
     return pre, act
@@ -132,14 +132,13 @@ def _down_forward_impl(act, w2, topk_weights, offsets, indices, tile_expert, til
     sched = (tile_expert, tile_row, num_tiles)
     act = _rows_contig(act)
     (T, K), d, h = token_index_map.shape, w2.shape[1], w2.shape[2]
-    strides = (w2.stride(0), w2.stride(2), w2.stride(1))
     if K == 1:  # F2 writes w * y straight into out[token]: no [N, d] buffer, no combine
         out = act.new_empty(T, d)
-        grouped_gemm(act, w2, strides, out, offsets, indices, sched, n_cols=d, k_dim=h, gather_a=False,
+        grouped_gemm(act, w2, out, offsets, indices, sched, b_nk=True, n_cols=d, k_dim=h, gather_a=False,
                      scatter_c=True, scale=slot_weights(topk_weights, token_index_map, torch.float32))
         return out
     y = act.new_empty(act.shape[0], d)
-    grouped_gemm(act, w2, strides, y, offsets, indices, sched, n_cols=d, k_dim=h, gather_a=False)
+    grouped_gemm(act, w2, y, offsets, indices, sched, b_nk=True, n_cols=d, k_dim=h, gather_a=False)
     return gather_sum(y, token_index_map, topk_weights, act.dtype)
 
 
@@ -180,8 +179,7 @@ def _down_backward_impl(dout, pre, w2, topk_weights, offsets, indices, tile_expe
     N = indices.numel()
     w_slot = slot_weights(topk_weights, token_index_map, torch.float32)
     dact = pre.new_empty(N, h)
-    grouped_gemm(dout, w2, (w2.stride(0), w2.stride(1), w2.stride(2)), dact, offsets, indices,
-                 (tile_expert, tile_row, num_tiles), n_cols=h, k_dim=d, gather_a=True)
+    grouped_gemm(dout, w2, dact, offsets, indices, (tile_expert, tile_row, num_tiles), b_nk=False, n_cols=h, k_dim=d, gather_a=True)
     dtw_slot = torch.empty(N, dtype=torch.float32, device=pre.device) if need_dtw else None
     act_bwd_rows(dact, pre, pre, w_slot, dtw_slot, h=h, activation=ACTIVATION_CODES[activation],
                  store_wact=need_dw)
@@ -248,14 +246,13 @@ def _up_backward_impl(dpre, x, w1, offsets, indices, tile_expert, tile_row, num_
     (T, K), rows, d = token_index_map.shape, w1.shape[1], w1.shape[2]
     dx, dw1 = _empty(x), _empty(w1)
     if need_dx:
-        strides = (w1.stride(0), w1.stride(1), w1.stride(2))
         if K == 1:  # B3 writes dx[token] directly: no [N, d] buffer, no gather-sum
             dx = x.new_empty(T, d)
-            grouped_gemm(dpre, w1, strides, dx, offsets, indices, sched, n_cols=d, k_dim=rows, gather_a=False,
+            grouped_gemm(dpre, w1, dx, offsets, indices, sched, b_nk=False, n_cols=d, k_dim=rows, gather_a=False,
                          scatter_c=True)
         else:
             dx_slots = x.new_empty(indices.numel(), d)
-            grouped_gemm(dpre, w1, strides, dx_slots, offsets, indices, sched, n_cols=d, k_dim=rows,
+            grouped_gemm(dpre, w1, dx_slots, offsets, indices, sched, b_nk=False, n_cols=d, k_dim=rows,
                          gather_a=False)
             dx = gather_sum(dx_slots, token_index_map, None, x.dtype)
     if need_dw:

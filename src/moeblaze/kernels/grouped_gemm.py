@@ -6,7 +6,10 @@ for L2 reuse of the weight tile) to an M-tile ``pid_m`` of the schedule of
 ``e`` — and an N-tile ``pid_n``. It computes ``C[s, n] = sum_k A[row(s), k] * B[e][k, n]`` with
 ``row(s) = expert_token_indices[s]`` when ``GATHER_A`` (rows of the unpermuted input are read in the
 loads: no gathered copy exists) and ``row(s) = s`` otherwise. ``B[e][k, n]`` is read through strides,
-so the same kernel reads ``w_gate_up [E, 2h, d]`` and ``w_down [E, d, h]`` in either orientation.
+so the same kernel reads ``w_gate_up [E, 2h, d]`` and ``w_down [E, d, h]`` in either orientation; on an
+sm90+ GPU it reads them through a TMA descriptor instead (``B_DESC``: the copy engine moves the weight
+tile to shared memory, no per-element addresses in registers). The gathered A rows stay pointer loads:
+Hopper's TMA has no row gather.
 
 Epilogues (constexpr ``EPILOGUE``):
   0  plain: store ``C`` (times the slot's router weight if ``SCALE_C``) at row ``s`` or, if
@@ -41,31 +44,62 @@ def tile_of(pid, max_tiles, num_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
-def _mainloop(a_ptr, b_ptr, a_rows, e, offs_n, n_mask, K_DIM, up_shift,
+def _mainloop(a_ptr, b_ptr, a_rows, a_row0, A_ROWS, e, pid_n, N_COLS, K_DIM, N_EXT, NUM_EXPERTS, UP_OFF, up_shift,
               stride_a_m, stride_a_k, stride_b_e, stride_b_k, stride_b_n,
-              DUAL: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, DOT_PREC: tl.constexpr,
-              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """``acc[m, n] = sum_k A[a_rows[m], k] B[e][k, n]`` (and ``acc2`` with B shifted by ``up_shift``)."""
+              DUAL: tl.constexpr, A_DESC: tl.constexpr, B_DESC: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
+              DOT_PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """``acc[m, n] = sum_k A[a_rows[m], k] B[e][k, n]`` (and ``acc2`` with B's columns shifted by ``UP_OFF``;
+    ``up_shift`` is that shift in elements). ``N_EXT``: the weight's extent along n (``2h`` for gated F1).
+
+    ``B_DESC`` (see :func:`moeblaze.kernels.launch.b_desc_mode`): 0 reads B through pointers; 1 and 2
+    through a TMA descriptor over the weight flattened to rows, stored ``[E*n, k]`` (1, tile transposed
+    in shared memory for the MMA) or ``[E*k, n]`` (2). Rows a tile reads past its expert land in
+    columns the epilogue masks (1), or never exist because ``K_DIM % BLOCK_K == 0`` (2, launcher rule);
+    past the last expert the TMA unit fills zeros. ``A_DESC`` (A not gathered): A's ``[BLOCK_M, BLOCK_K]``
+    tile of slot rows from ``a_row0`` comes through a descriptor over ``[A_ROWS, K_DIM]``; rows past the
+    expert only reach output rows the epilogue masks.
+    """
+    n0 = pid_n * BLOCK_N
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N_COLS
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + a_rows[:, None] * stride_a_m + offs_k[None, :] * stride_a_k
     b_ptrs = (b_ptr + e.to(tl.int64) * stride_b_e + offs_k[:, None] * stride_b_k
               + offs_n[None, :] * stride_b_n)
+    if B_DESC == 1:
+        b_desc = tl.make_tensor_descriptor(b_ptr, shape=[NUM_EXPERTS * N_EXT, K_DIM], strides=[stride_b_n, 1],
+                                           block_shape=[BLOCK_N, BLOCK_K])
+        b_row = e * N_EXT + n0
+    elif B_DESC == 2:
+        b_desc = tl.make_tensor_descriptor(b_ptr, shape=[NUM_EXPERTS * K_DIM, N_EXT], strides=[stride_b_k, 1],
+                                           block_shape=[BLOCK_K, BLOCK_N])
+        b_row = e * K_DIM
+    if A_DESC:
+        a_desc = tl.make_tensor_descriptor(a_ptr, shape=[A_ROWS, K_DIM], strides=[stride_a_m, 1],
+                                           block_shape=[BLOCK_M, BLOCK_K])
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K_DIM, BLOCK_K):
-        if EVEN_K:
+        k_ok = offs_k < K_DIM - k0
+        if A_DESC:
+            a = a_desc.load([a_row0, k0])
+        elif EVEN_K:
             a = tl.load(a_ptrs)
-            if EVEN_N:
-                b = tl.load(b_ptrs)
-                if DUAL:
-                    b2 = tl.load(b_ptrs + up_shift)
-            else:
-                b = tl.load(b_ptrs, mask=n_mask[None, :], other=0.0)
-                if DUAL:
-                    b2 = tl.load(b_ptrs + up_shift, mask=n_mask[None, :], other=0.0)
         else:
-            k_ok = offs_k < K_DIM - k0
             a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
+        if B_DESC == 1:
+            b = b_desc.load([b_row, k0]).T
+            if DUAL:
+                b2 = b_desc.load([b_row + UP_OFF, k0]).T
+        elif B_DESC == 2:
+            b = b_desc.load([b_row + k0, n0])
+            if DUAL:
+                b2 = b_desc.load([b_row + k0, n0 + UP_OFF])
+        elif EVEN_K and EVEN_N:
+            b = tl.load(b_ptrs)
+            if DUAL:
+                b2 = tl.load(b_ptrs + up_shift)
+        else:
             b_mask = k_ok[:, None] & n_mask[None, :]
             b = tl.load(b_ptrs, mask=b_mask, other=0.0)
             if DUAL:
@@ -112,7 +146,7 @@ def _epilogue_act_fwd(pre_ptr, act_ptr, acc, acc2, rows, mask, offs_n, UP_OFF, s
 @triton.jit
 def grouped_gemm_kernel(
     a_ptr,  # [T, K_DIM] (GATHER_A: x, dout) or [N, K_DIM] (act, dpre); fp16/bf16/fp32
-    b_ptr,  # [E, *, *] weight; B[e][k, n] at e*stride_b_e + k*stride_b_k + n*stride_b_n
+    b_ptr,  # [E, *, *] weight; B[e][k, n] at e*stride_b_e + k*stride_b_k + n*stride_b_n (B_DESC: TMA)
     c_ptr,  # EPILOGUE 0: [N, N_COLS] or [T, N_COLS] (SCATTER_C); 1: pre [N, 2h|h]
     aux_ptr,  # EPILOGUE 1: act [N, h]; else unused
     scale_ptr,  # [N] fp32 router weight of each slot (SCALE_C)
@@ -122,13 +156,15 @@ def grouped_gemm_kernel(
     tile_row_ptr,  # [max_tiles] int32 first slot of each M-tile
     num_tiles_ptr,  # [1] int32 number of valid M-tiles
     max_tiles, N_COLS, K_DIM,
+    N_EXT,  # the weight's extent along n (2h for the gated F1, else N_COLS)
+    A_ROWS,  # rows of A (A_DESC: extent of its descriptor)
     UP_OFF,  # column of the first up entry in pre / dpre (h; gated only)
     UP_SHIFT_B,  # UP_OFF * stride_b_n: element offset of the up rows of w_gate_up (DUAL only)
     stride_a_m, stride_a_k, stride_b_e, stride_b_k, stride_b_n, stride_c_m, stride_aux_m,
-    NUM_EXPERTS,  # autotune key only
+    NUM_EXPERTS,  # E (autotune key; rows of the B_DESC descriptor)
     GATHER_A: tl.constexpr, SCATTER_C: tl.constexpr, SCALE_C: tl.constexpr, EPILOGUE: tl.constexpr,
     ACTIVATION: tl.constexpr, DUAL: tl.constexpr, STORE_PRE: tl.constexpr, STORE_AUX: tl.constexpr,
-    DOT_PREC: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
+    A_DESC: tl.constexpr, B_DESC: tl.constexpr, DOT_PREC: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     pid_m, pid_n = tile_of(tl.program_id(0), max_tiles, tl.cdiv(N_COLS, BLOCK_N), GROUP_M)
@@ -136,7 +172,8 @@ def grouped_gemm_kernel(
         return
     e = tl.load(tile_expert_ptr + pid_m)
     row_end = tl.load(offsets_ptr + e + 1)
-    slots = tl.load(tile_row_ptr + pid_m) + tl.arange(0, BLOCK_M)
+    row0 = tl.load(tile_row_ptr + pid_m)
+    slots = row0 + tl.arange(0, BLOCK_M)
     row_mask = slots < row_end
     rows = tl.minimum(slots, row_end - 1).to(tl.int64)  # clamped: main-loop loads need no row mask
     tokens = rows
@@ -148,9 +185,9 @@ def grouped_gemm_kernel(
         a_rows = rows
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N_COLS
-    acc, acc2 = _mainloop(a_ptr, b_ptr, a_rows, e, offs_n, n_mask, K_DIM, UP_SHIFT_B,
+    acc, acc2 = _mainloop(a_ptr, b_ptr, a_rows, row0, A_ROWS, e, pid_n, N_COLS, K_DIM, N_EXT, NUM_EXPERTS, UP_OFF, UP_SHIFT_B,
                           stride_a_m, stride_a_k, stride_b_e, stride_b_k, stride_b_n,
-                          DUAL, EVEN_K, EVEN_N, DOT_PREC, BLOCK_M, BLOCK_N, BLOCK_K)
+                          DUAL, A_DESC, B_DESC, EVEN_K, EVEN_N, DOT_PREC, BLOCK_M, BLOCK_N, BLOCK_K)
     mask = row_mask[:, None] & n_mask[None, :]
     if EPILOGUE == 0:
         _epilogue_plain(c_ptr, scale_ptr, acc, rows, tokens, mask, offs_n, stride_c_m, SCATTER_C, SCALE_C)

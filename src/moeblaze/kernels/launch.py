@@ -11,14 +11,16 @@ import torch
 import triton
 
 from .grouped_gemm import grouped_gemm_kernel
-from .tuning import Launchable, block_m, gemm_configs, prune_gemm_configs, wgrad_configs
+from .tuning import Launchable, block_m, gemm_configs, prune_gemm_configs, tma_enabled, wgrad_configs
 from .wgrad import grouped_wgrad_kernel
 
-_GEMM_KEY = ["N_COLS", "K_DIM", "NUM_EXPERTS", "EPILOGUE", "GATHER_A", "SCATTER_C", "DUAL"]
+_GEMM_KEY = ["N_COLS", "K_DIM", "NUM_EXPERTS", "EPILOGUE", "GATHER_A", "SCATTER_C", "DUAL", "A_DESC", "B_DESC"]
 _EVEN = {"EVEN_K": lambda a: a["K_DIM"] % a["BLOCK_K"] == 0, "EVEN_N": lambda a: a["N_COLS"] % a["BLOCK_N"] == 0}
 _GEMM = Launchable(grouped_gemm_kernel, gemm_configs, key=_GEMM_KEY, heuristics=_EVEN, prune=prune_gemm_configs)
 _WGRAD = Launchable(grouped_wgrad_kernel, wgrad_configs,
-                    key=["P", "Q", "NUM_EXPERTS", "GATHER_A", "GATHER_B"])
+                    key=["P", "Q", "NUM_EXPERTS", "GATHER_A", "GATHER_B", "A_DESC", "B_DESC"])
+# Every BLOCK_K of gemm_configs divides this: a K_DIM multiple of it never reads past an expert (B_DESC 2).
+_K_QUANTUM = 64
 
 
 def dot_precision(dtype: torch.dtype) -> str:
@@ -26,14 +28,46 @@ def dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-def grouped_gemm(a, b, b_strides, c, offsets, indices, sched, *, n_cols, k_dim, gather_a, up_off=0,
+def _scratch(size: int, alignment: int, stream) -> torch.Tensor:
+    """Global memory for the TMA descriptors a kernel builds on the device (128 bytes per program)."""
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def _rows_tma_ok(t: torch.Tensor, row_stride: int) -> bool:
+    """A 2-D TMA descriptor over rows ``row_stride`` elements apart starting at ``t.data_ptr()`` is legal:
+    the copy engine needs a 16-byte-aligned base and row stride."""
+    return t.data_ptr() % 16 == 0 and row_stride * t.element_size() % 16 == 0
+
+
+def b_desc_mode(b: torch.Tensor, b_nk: bool, k_dim: int) -> int:
+    """How :func:`grouped_gemm_kernel` reads the weight ``b [E, *, *]``: 0 pointers, 1 a TMA descriptor
+    over rows stored ``[E*n, k]``, 2 over rows stored ``[E*k, n]``.
+
+    TMA needs an sm90+ GPU (or the interpreter), ``MOEBLAZE_TMA`` not ``0``, a unit-stride last storage
+    dimension with experts packed back to back (``stride_e = rows * row_stride``), 16-byte alignment,
+    and for mode 2 a ``k_dim`` multiple of 64 (tiles never run into the next expert's rows along k).
+    """
+    if not tma_enabled(b.device):
+        return 0
+    for dim in (2, 1):  # the unit-stride dimension is the descriptor's column
+        other = 3 - dim
+        if b.stride(dim) == 1 and b.stride(0) == b.shape[other] * b.stride(other) and _rows_tma_ok(b, b.stride(other)):
+            rows_are_n = b_nk == (other == 1)  # b[e] is [n, k] when b_nk
+            if rows_are_n:
+                return 1
+            return 2 if k_dim % _K_QUANTUM == 0 else 0
+    return 0
+
+
+def grouped_gemm(a, b, c, offsets, indices, sched, *, b_nk, n_cols, k_dim, gather_a, up_off=0,
                  scatter_c=False, scale=None, epilogue=0, activation=0, dual=False, store_pre=False,
                  aux=None, store_aux=False):
     """Launch :func:`grouped_gemm_kernel` (see its module for the epilogues).
 
-    ``a [rows, k_dim]`` (``gather_a``: rows are tokens), ``b`` a weight ``[E, *, *]`` read as
-    ``B[e][k, n]`` through ``b_strides = (stride_e, stride_k, stride_n)``, ``c`` the main output
-    (unit stride along columns). ``aux``/``scale``: see the kernel; outputs are written in place.
+    ``a [rows, k_dim]`` (``gather_a``: rows are tokens; else slots, read through a TMA descriptor where
+    :func:`tma_enabled` and its rows are 16-byte aligned), ``b`` a weight ``[E, n, k]`` (``b_nk``) or
+    ``[E, k, n]`` read as ``B[e][k, n]``, ``c`` the main output (unit stride along columns).
+    ``aux``/``scale``: see the kernel; outputs are written in place.
     ``sched``: ``(tile_expert, tile_row_start, num_tiles)`` of a tile schedule for ``block_m()``.
     """
     N = indices.numel()
@@ -44,13 +78,20 @@ def grouped_gemm(a, b, b_strides, c, offsets, indices, sched, *, n_cols, k_dim, 
     max_tiles = sched[0].numel()
     aux = aux if aux is not None else c
     scale = scale if scale is not None else offsets
+    n_dim, k_dim_b = (1, 2) if b_nk else (2, 1)
+    n_ext = b.shape[n_dim]
+    b_strides = (b.stride(0), b.stride(k_dim_b), b.stride(n_dim))
+    mode = b_desc_mode(b, b_nk, k_dim)
+    a_desc = not gather_a and a.stride(1) == 1 and tma_enabled(a.device) and _rows_tma_ok(a, a.stride(0))
+    if mode or a_desc:
+        triton.set_allocator(_scratch)
     _GEMM.launch(a.dtype, lambda meta: (max_tiles * triton.cdiv(n_cols, meta["BLOCK_N"]),),
         a, b, c, aux, scale, offsets, indices, *sched,
-        max_tiles, n_cols, k_dim, up_off, up_off * b_strides[2],
+        max_tiles, n_cols, k_dim, n_ext, a.shape[0], up_off, up_off * b_strides[2],
         a.stride(0), a.stride(1), *b_strides, c.stride(0), aux.stride(0),
         E,
         GATHER_A=gather_a, SCATTER_C=scatter_c, SCALE_C=scale is not offsets, EPILOGUE=epilogue,
-        ACTIVATION=activation, DUAL=dual, STORE_PRE=store_pre, STORE_AUX=store_aux,
+        ACTIVATION=activation, DUAL=dual, STORE_PRE=store_pre, STORE_AUX=store_aux, A_DESC=a_desc, B_DESC=mode,
         DOT_PREC=dot_precision(a.dtype), BLOCK_M=bm,
     )
 
@@ -58,16 +99,22 @@ def grouped_gemm(a, b, b_strides, c, offsets, indices, sched, *, n_cols, k_dim, 
 def grouped_wgrad(a, b, offsets, indices, *, p, q, out_dtype, gather_a=False, gather_b=False):
     """Launch :func:`grouped_wgrad_kernel`; returns ``dW [E, p, q]`` in ``out_dtype``.
 
-    ``a [rows, p]``, ``b [rows, q]``, unit stride not required.
+    ``a [rows, p]``, ``b [rows, q]``, unit column stride; the operand that is not gathered is read through
+    a TMA descriptor where :func:`tma_enabled` and its rows are 16-byte aligned.
     """
     E = offsets.numel() - 1
     if indices.numel() == 0 or p == 0 or q == 0:
         return torch.zeros(E, p, q, dtype=out_dtype, device=a.device)
     out = torch.empty(E, p, q, dtype=out_dtype, device=a.device)
+    tma = tma_enabled(a.device)
+    a_desc = tma and not gather_a and a.stride(1) == 1 and _rows_tma_ok(a, a.stride(0))
+    b_desc = tma and not gather_b and b.stride(1) == 1 and _rows_tma_ok(b, b.stride(0))
+    if a_desc or b_desc:
+        triton.set_allocator(_scratch)
     _WGRAD.launch(a.dtype, lambda meta: (E * triton.cdiv(p, meta["BLOCK_P"]) * triton.cdiv(q, meta["BLOCK_Q"]),),
-        a, b, out, offsets, indices, p, q,
+        a, b, out, offsets, indices, p, q, indices.numel(),
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0), out.stride(1), out.stride(2),
         E,
-        GATHER_A=gather_a, GATHER_B=gather_b, DOT_PREC=dot_precision(a.dtype),
+        GATHER_A=gather_a, GATHER_B=gather_b, A_DESC=a_desc, B_DESC=b_desc, DOT_PREC=dot_precision(a.dtype),
     )
     return out

@@ -5,6 +5,8 @@ batch size never re-tunes. Environment:
 
 ``MOEBLAZE_AUTOTUNE=0``  use one fixed default configuration per kernel (no benchmarking at first call).
 ``TRITON_INTERPRET=1``   (CPU interpreter) small fixed configurations; autotuning is always off.
+``MOEBLAZE_TMA=0``       read weights (and the unpermuted operand of the weight gradients) through pointers
+                         instead of TMA descriptors (A/B measurements; TMA needs an sm90+ GPU anyway).
 
 Because the tuned block sizes change the fp32 summation order, results are bitwise reproducible run to
 run within a process (and across processes with ``MOEBLAZE_AUTOTUNE=0``), not across different tunings.
@@ -12,6 +14,7 @@ run within a process (and across processes with ``MOEBLAZE_AUTOTUNE=0``), not ac
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -30,6 +33,21 @@ def interpreting() -> bool:
 def autotune_enabled() -> bool:
     """Autotuning is on unless ``MOEBLAZE_AUTOTUNE=0`` or the interpreter runs."""
     return os.environ.get("MOEBLAZE_AUTOTUNE", "1") != "0" and not interpreting()
+
+
+@functools.cache
+def _sm90(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] >= 9
+
+
+def tma_enabled(device: torch.device) -> bool:
+    """Kernels may read through TMA descriptors on ``device``: an sm90+ GPU or the interpreter, unless
+    ``MOEBLAZE_TMA=0``."""
+    if os.environ.get("MOEBLAZE_TMA", "1") == "0":
+        return False
+    if interpreting():
+        return True
+    return device.type == "cuda" and _sm90(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def block_m() -> int:

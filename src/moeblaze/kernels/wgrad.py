@@ -10,6 +10,11 @@ B2: ``dW_down[e]   = sum_s dout[token(s)]^T (w act)[s]`` (A = dout gathered, B =
 Grid: ``E * cdiv(P, BLOCK_P) * cdiv(Q, BLOCK_Q)`` programs, expert-major (the programs of one expert
 run together and share its rows in L2), grouped ordering inside an expert. The slot loop runs in a
 fixed order with fp32 accumulation and no atomics; an empty expert stores zeros.
+
+``A_DESC`` / ``B_DESC`` (sm90+, the operand not gathered): that operand's ``[BLOCK_K, *]`` slab of slot
+rows comes through a TMA descriptor. A step's last rows may then belong to the next expert; the other
+(gathered) operand is zero there, so they add exact zeros for finite values (a non-finite value of the
+neighbouring expert's rows would spread to this expert's gradient — a step that already diverged).
 """
 
 from __future__ import annotations
@@ -28,9 +33,10 @@ def grouped_wgrad_kernel(
     offsets_ptr,  # [E+1] int32 expert_token_offsets
     indices_ptr,  # [N] int32 expert_token_indices (slot -> token)
     P, Q,
+    ROWS,  # rows of the operand read through a descriptor (N)
     stride_a_m, stride_a_p, stride_b_m, stride_b_q, stride_c_e, stride_c_p, stride_c_q,
     NUM_EXPERTS,  # autotune key only
-    GATHER_A: tl.constexpr, GATHER_B: tl.constexpr, DOT_PREC: tl.constexpr,
+    GATHER_A: tl.constexpr, GATHER_B: tl.constexpr, A_DESC: tl.constexpr, B_DESC: tl.constexpr, DOT_PREC: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     num_p = tl.cdiv(P, BLOCK_P)
@@ -46,6 +52,12 @@ def grouped_wgrad_kernel(
     q_mask = offs_q < Q
     offs_k = tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK_P, BLOCK_Q), dtype=tl.float32)
+    if A_DESC:
+        a_desc = tl.make_tensor_descriptor(a_ptr, shape=[ROWS, P], strides=[stride_a_m, 1],
+                                           block_shape=[BLOCK_K, BLOCK_P])
+    if B_DESC:
+        b_desc = tl.make_tensor_descriptor(b_ptr, shape=[ROWS, Q], strides=[stride_b_m, 1],
+                                           block_shape=[BLOCK_K, BLOCK_Q])
     # Token ids are prefetched one step ahead into registers: the gathered loads of a step then depend on
     # a loop-carried value, not on a load of the same step, and the pipeliner keeps its full depth.
     next_tokens = tl.load(indices_ptr + tl.minimum(start + offs_k, end - 1), mask=start + offs_k < end, other=0)
@@ -64,10 +76,19 @@ def grouped_wgrad_kernel(
             b_rows = tokens
         else:
             b_rows = s_rows
-        a = tl.load(a_ptr + a_rows[None, :] * stride_a_m + offs_p[:, None] * stride_a_p,
-                    mask=s_ok[None, :] & p_mask[:, None], other=0.0)
-        b = tl.load(b_ptr + b_rows[:, None] * stride_b_m + offs_q[None, :] * stride_b_q, mask=q_mask[None, :],
-                    other=0.0)
+        if A_DESC:
+            a = a_desc.load([s0, pid_p * BLOCK_P]).T
+        else:
+            a = tl.load(a_ptr + a_rows[None, :] * stride_a_m + offs_p[:, None] * stride_a_p,
+                        mask=s_ok[None, :] & p_mask[:, None], other=0.0)
+        if B_DESC:
+            b = b_desc.load([s0, pid_q * BLOCK_Q])
+        elif A_DESC:  # A's rows past the expert are not zero: B's must be
+            b = tl.load(b_ptr + b_rows[:, None] * stride_b_m + offs_q[None, :] * stride_b_q,
+                        mask=s_ok[:, None] & q_mask[None, :], other=0.0)
+        else:
+            b = tl.load(b_ptr + b_rows[:, None] * stride_b_m + offs_q[None, :] * stride_b_q, mask=q_mask[None, :],
+                        other=0.0)
         acc = tl.dot(a, b, acc, input_precision=DOT_PREC)
     c_ptrs = (c_ptr + e.to(tl.int64) * stride_c_e + offs_p[:, None].to(tl.int64) * stride_c_p
               + offs_q[None, :] * stride_c_q)
