@@ -136,19 +136,27 @@ def reference_outputs(inputs: dict[str, torch.Tensor], activation: str, dout: to
     return (out.detach(), *grads)
 
 
-def router_weight_grad_alternative(inputs: dict[str, torch.Tensor], activation: str, dout: torch.Tensor,
-                                   dtype: torch.dtype) -> torch.Tensor:
-    """``dtopk_weights [T, K]`` as ``<dout[t] W_down[e], act[t, k]>`` (DESIGN.md §4), a per-expert loop in
-    ``dtype`` on the CPU: the second plain-PyTorch baseline of that gradient beside ``<dout[t], y[t, k]>``."""
+def _router_weight_grad_terms(inputs: dict[str, torch.Tensor], activation: str, dout: torch.Tensor,
+                              dtype: torch.dtype, reduce: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """``reduce`` over j of the terms ``(dout[t] W_down[e])_j act[t, k]_j`` of ``dtopk_weights``, ``[T, K]``
+    in ``dtype``, a per-expert loop on the CPU."""
     x, ids = inputs["x"].detach().cpu().to(dtype), inputs["topk_ids"].cpu().long()
     w1, w2 = inputs["w_gate_up"].detach().cpu().to(dtype), inputs["w_down"].detach().cpu().to(dtype)
     g = dout.detach().cpu().to(dtype)
-    dtw = torch.zeros(ids.shape, dtype=dtype)
+    out = torch.zeros(ids.shape, dtype=dtype)
     for e in range(w2.shape[0]):
         tok, k = torch.nonzero(ids == e, as_tuple=True)
         if tok.numel():
             act = act_reference(activation, x[tok] @ w1[e].t())
-            dtw[tok, k] = ((g[tok] @ w2[e]) * act).sum(-1)
+            out[tok, k] = reduce((g[tok] @ w2[e]) * act)
+    return out
+
+
+def router_weight_grad_alternative(inputs: dict[str, torch.Tensor], activation: str, dout: torch.Tensor,
+                                   dtype: torch.dtype) -> torch.Tensor:
+    """``dtopk_weights [T, K]`` as ``<dout[t] W_down[e], act[t, k]>`` (DESIGN.md §4), a per-expert loop in
+    ``dtype`` on the CPU: the second plain-PyTorch baseline of that gradient beside ``<dout[t], y[t, k]>``."""
+    dtw = _router_weight_grad_terms(inputs, activation, dout, dtype, lambda terms: terms.sum(-1))
     return dtw.to(inputs["topk_weights"].dtype)
 
 
@@ -156,16 +164,7 @@ def router_weight_grad_magnitude(inputs: dict[str, torch.Tensor], activation: st
                                  dout: torch.Tensor) -> torch.Tensor:
     """``sum_j |(dout[t] W_down[e])_j act[t, k]_j|`` in float64 ``[T, K]``: the magnitude of the terms of
     ``dtopk_weights`` (the ``magnitude`` of :func:`assert_close_to_reference`)."""
-    x, ids = inputs["x"].detach().cpu().double(), inputs["topk_ids"].cpu().long()
-    w1, w2 = inputs["w_gate_up"].detach().cpu().double(), inputs["w_down"].detach().cpu().double()
-    g = dout.detach().cpu().double()
-    mag = torch.zeros(ids.shape, dtype=torch.float64)
-    for e in range(w2.shape[0]):
-        tok, k = torch.nonzero(ids == e, as_tuple=True)
-        if tok.numel():
-            act = act_reference(activation, x[tok] @ w1[e].t())
-            mag[tok, k] = ((g[tok] @ w2[e]) * act).abs().sum(-1)
-    return mag
+    return _router_weight_grad_terms(inputs, activation, dout, torch.float64, lambda terms: terms.abs().sum(-1))
 
 
 def run_and_grad(fn: Callable[..., torch.Tensor], inputs: dict[str, torch.Tensor],

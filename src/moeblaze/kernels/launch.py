@@ -39,6 +39,12 @@ def _rows_tma_ok(t: torch.Tensor, row_stride: int) -> bool:
     return t.data_ptr() % 16 == 0 and row_stride * t.element_size() % 16 == 0
 
 
+def _slot_rows_desc(t: torch.Tensor, gathered: bool) -> bool:
+    """An activation operand ``t [rows, cols]`` is read through a TMA descriptor: not gathered (its rows are
+    slots, in order), unit column stride, TMA enabled and aligned rows."""
+    return not gathered and t.stride(1) == 1 and tma_enabled(t.device) and _rows_tma_ok(t, t.stride(0))
+
+
 def b_desc_mode(b: torch.Tensor, b_nk: bool, k_dim: int) -> int:
     """How :func:`grouped_gemm_kernel` reads the weight ``b [E, *, *]``: 0 pointers, 1 a TMA descriptor
     over rows stored ``[E*n, k]``, 2 over rows stored ``[E*k, n]``.
@@ -82,7 +88,7 @@ def grouped_gemm(a, b, c, offsets, indices, sched, *, b_nk, n_cols, k_dim, gathe
     n_ext = b.shape[n_dim]
     b_strides = (b.stride(0), b.stride(k_dim_b), b.stride(n_dim))
     mode = b_desc_mode(b, b_nk, k_dim)
-    a_desc = not gather_a and a.stride(1) == 1 and tma_enabled(a.device) and _rows_tma_ok(a, a.stride(0))
+    a_desc = _slot_rows_desc(a, gather_a)
     if mode or a_desc:
         triton.set_allocator(_scratch)
     _GEMM.launch(a.dtype, lambda meta: (max_tiles * triton.cdiv(n_cols, meta["BLOCK_N"]),),
@@ -106,9 +112,7 @@ def grouped_wgrad(a, b, offsets, indices, *, p, q, out_dtype, gather_a=False, ga
     if indices.numel() == 0 or p == 0 or q == 0:
         return torch.zeros(E, p, q, dtype=out_dtype, device=a.device)
     out = torch.empty(E, p, q, dtype=out_dtype, device=a.device)
-    tma = tma_enabled(a.device)
-    a_desc = tma and not gather_a and a.stride(1) == 1 and _rows_tma_ok(a, a.stride(0))
-    b_desc = tma and not gather_b and b.stride(1) == 1 and _rows_tma_ok(b, b.stride(0))
+    a_desc, b_desc = _slot_rows_desc(a, gather_a), _slot_rows_desc(b, gather_b)
     if a_desc or b_desc:
         triton.set_allocator(_scratch)
     _WGRAD.launch(a.dtype, lambda meta: (E * triton.cdiv(p, meta["BLOCK_P"]) * triton.cdiv(q, meta["BLOCK_Q"]),),
