@@ -113,10 +113,12 @@ def test_the_timeout_not_cap_s_bounds_an_isolated_first_step(plugin):
     assert row.status == "ok" and row.warmup_s >= 1.0 and row.time_ms > 0 and row.note == "isolated", row
 
 
-def test_crashing_child_reports_its_last_line(plugin):
-    row = measure_isolated(TINY, f"{plugin}:CRASHY", RunOptions(**CPU), timeout_s=60)
+def test_crashing_child_reports_its_last_line_and_keeps_its_log(plugin, tmp_path):
+    opts = RunOptions(**CPU, child_log_dir=str(tmp_path / "children"))
+    row = measure_isolated(TINY, f"{plugin}:CRASHY", opts, timeout_s=60)
     assert row.status == "error" and row.impl == "crashy"
     assert "exited with 7" in row.note and "native compiler died" in row.note
+    assert "native compiler died" in (tmp_path / "children" / f"{TINY.name}-crashy.log").read_text()
 
 
 def test_timeout_is_bounded_by_the_budget_left():
@@ -149,5 +151,5 @@ def test_options_registry_and_cli_flags():
     got = _options(args, None)
     assert (got.isolate, got.isolate_timeout_s) == ("all", 42.0)
     defaults = _options(p.parse_args(["bench"]), None)
-    assert dataclasses.astuple(defaults)[-2:] == ("auto", 600.0)
+    assert (defaults.isolate, defaults.isolate_timeout_s, defaults.child_log_dir) == ("auto", 600.0, None)
 

@@ -134,6 +134,39 @@ def test_tma_and_pointer_weight_reads(tma, monkeypatch):
     check_against_reference(non_contiguous(inputs(24, 64, 32, 3, 2)), "swiglu", "input")
 
 
+def _persistent_vs_per_tile(inp, monkeypatch):
+    """Both grouped-GEMM launch shapes (persistent: a program per SM walks the tiles; per tile: a program
+    per output tile) on the same fixed configs: bitwise equal outputs and gradients, and the reference."""
+    monkeypatch.setenv("MOEBLAZE_AUTOTUNE", "0")  # same block sizes, hence the same summation order
+    dout = torch.randn_like(inp["x"])
+    runs = []
+    for persistent in ("1", "0"):
+        monkeypatch.setenv("MOEBLAZE_PERSISTENT", persistent)
+        check_against_reference(inp, "swiglu", "preact")
+        runs.append(run_and_grad(triton_experts("swiglu", "preact"), inp, dout))
+    for name, a, b in zip(NAMES, *runs):
+        assert torch.equal(a, b), name
+
+
+def test_gemm_launch_shape_choices():
+    """MOEBLAZE_PERSISTENT: unset, the autotuner tries per-tile and persistent launches; 1 or 0 forces one."""
+    from moeblaze.kernels.tuning import gemm_configs
+
+    def shapes(kind, mode):
+        return {c.kwargs["PERSISTENT"] for c in gemm_configs(kind, mode)}
+
+    assert shapes("tuned16", "auto") == {False, True}
+    assert shapes("tuned16", "0") == {False} and shapes("tuned16", "1") == {True}
+    assert shapes("fixed16", "auto") == {False} and shapes("fixed16", "1") == {True}
+    assert shapes("interpret", "auto") == {True} and shapes("interpret", "0") == {False}
+
+
+def test_persistent_and_per_tile_launches_bitwise_equal(monkeypatch):
+    # more tiles than the interpreter's 4 persistent programs, empty experts, K = 1 scatter path
+    _persistent_vs_per_tile(inputs(150, 40, 24, 6, 2, routing="zipf"), monkeypatch)
+    _persistent_vs_per_tile(inputs(90, 32, 16, 3, 1), monkeypatch)
+
+
 def test_two_runs_bitwise_equal():
     inp = inputs(70, 48, 40, 5, 3, routing="zipf")
     dout = torch.randn(70, 48, device=DEVICE)
@@ -330,6 +363,14 @@ def test_gpu_bf16_bigger_shapes(case, tma, monkeypatch):
     monkeypatch.setenv("MOEBLAZE_TMA", tma)  # weights through TMA descriptors (sm90+) and through pointers
     T, d, h, E, K, routing = GPU_SHAPES[case]
     check_against_reference(inputs(T, d, h, E, K, dtype=torch.bfloat16, routing=routing), "swiglu", "preact")
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("case", GPU_SHAPES)
+def test_gpu_persistent_and_per_tile_bitwise(case, monkeypatch):
+    T, d, h, E, K, routing = GPU_SHAPES[case]
+    _persistent_vs_per_tile(inputs(T, d, h, E, K, dtype=torch.bfloat16, routing=routing), monkeypatch)
 
 
 @gpu

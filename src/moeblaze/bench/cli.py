@@ -212,6 +212,7 @@ def _run(args: argparse.Namespace, suite: str | None, spec: dict, configs: list,
 
     out_dir = Path(args.out)
     opts = _options(args, suite)
+    opts.child_log_dir = str(out_dir / "children")  # isolated children's output, kept whatever happens
     # Read by liger_kernel when first imported: one fixed config per kernel unless --liger-autotune.
     os.environ.setdefault("LIGER_FUSED_MOE_AUTOTUNE", "1" if args.liger_autotune else "0")
     meta = report.environment(_argv(args))

@@ -108,6 +108,8 @@ class RunOptions:
         isolate: which implementations run in a child process: ``auto`` (those with ``Impl.isolate``),
             ``all`` or ``none``. isolate_timeout_s: wall-clock limit of such a child (also bounded by
             what is left of ``budget_s``); one that runs past it is killed and reported ``skipped``.
+        child_log_dir: where each child's output (stdout and stderr, compile logs included) is kept as
+            ``<config>-<impl>.log``, whatever its outcome; None keeps none.
 
     Raises:
         ValueError: an unknown ``isolate`` mode.
@@ -125,6 +127,7 @@ class RunOptions:
     device: str = "cuda"
     isolate: str = "auto"
     isolate_timeout_s: float = 600.0
+    child_log_dir: str | None = None
 
     def __post_init__(self) -> None:
         if self.isolate not in ISOLATE_MODES:

@@ -26,6 +26,8 @@ import contextlib
 import dataclasses
 import json
 import os
+import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -77,6 +79,7 @@ def measure_isolated(cfg: BenchConfig, spec: str, opts: RunOptions, timeout_s: f
             except BaseException:  # Ctrl-C: the child is in another session, take it down too
                 _kill(proc)
                 raise
+        _keep_log(log, opts.child_log_dir, re.sub(r"[^\w.-]", "_", f"{cfg.name}-{name}") + ".log")
         if out.exists():  # written: a crash or hang at interpreter exit does not lose it
             row = Row(**json.loads(out.read_text()))
             row.note = f"{row.note}; isolated" if row.note else "isolated"
@@ -87,6 +90,13 @@ def measure_isolated(cfg: BenchConfig, spec: str, opts: RunOptions, timeout_s: f
                                   f"{limit_flag})")
         return Row.for_config(cfg, name, opts.dtype, status="error",
                               note=f"child process exited with {rc}: {_last_line(log)}")
+
+
+def _keep_log(log: Path, log_dir: str | None, file_name: str) -> None:
+    """Copy the child's output to ``log_dir/file_name`` (why a child was killed or died stays readable)."""
+    if log_dir:
+        Path(log_dir).mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(log, Path(log_dir) / file_name)
 
 
 def _child_env() -> dict[str, str]:

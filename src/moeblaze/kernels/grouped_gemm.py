@@ -44,7 +44,27 @@ def tile_of(pid, max_tiles, num_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
-def _mainloop(a_ptr, b_ptr, a_rows, a_row0, A_ROWS, e, pid_n, N_COLS, K_DIM, N_EXT, NUM_EXPERTS, UP_OFF, up_shift,
+def _descriptors(a_ptr, b_ptr, A_ROWS, K_DIM, N_EXT, NUM_EXPERTS, stride_a_m, stride_b_k, stride_b_n,
+                 A_DESC: tl.constexpr, B_DESC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr):
+    """The TMA descriptors of A and B (each built once per program: building one writes 128 bytes of
+    global scratch and fences); the plain pointer where an operand is read through pointers."""
+    a_desc = a_ptr
+    b_desc = b_ptr
+    if B_DESC == 1:
+        b_desc = tl.make_tensor_descriptor(b_ptr, shape=[NUM_EXPERTS * N_EXT, K_DIM], strides=[stride_b_n, 1],
+                                           block_shape=[BLOCK_N, BLOCK_K])
+    elif B_DESC == 2:
+        b_desc = tl.make_tensor_descriptor(b_ptr, shape=[NUM_EXPERTS * K_DIM, N_EXT], strides=[stride_b_k, 1],
+                                           block_shape=[BLOCK_K, BLOCK_N])
+    if A_DESC:
+        a_desc = tl.make_tensor_descriptor(a_ptr, shape=[A_ROWS, K_DIM], strides=[stride_a_m, 1],
+                                           block_shape=[BLOCK_M, BLOCK_K])
+    return a_desc, b_desc
+
+
+@triton.jit
+def _mainloop(a_ptr, b_ptr, a_desc, b_desc, a_rows, a_row0, e, pid_n, N_COLS, K_DIM, N_EXT, UP_OFF, up_shift,
               stride_a_m, stride_a_k, stride_b_e, stride_b_k, stride_b_n,
               DUAL: tl.constexpr, A_DESC: tl.constexpr, B_DESC: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
               DOT_PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -52,12 +72,12 @@ def _mainloop(a_ptr, b_ptr, a_rows, a_row0, A_ROWS, e, pid_n, N_COLS, K_DIM, N_E
     ``up_shift`` is that shift in elements). ``N_EXT``: the weight's extent along n (``2h`` for gated F1).
 
     ``B_DESC`` (see :func:`moeblaze.kernels.launch.b_desc_mode`): 0 reads B through pointers; 1 and 2
-    through a TMA descriptor over the weight flattened to rows, stored ``[E*n, k]`` (1, tile transposed
-    in shared memory for the MMA) or ``[E*k, n]`` (2). Rows a tile reads past its expert land in
-    columns the epilogue masks (1), or never exist because ``K_DIM % BLOCK_K == 0`` (2, launcher rule);
+    through ``b_desc``, a TMA descriptor over the weight flattened to rows, stored ``[E*n, k]`` (1, tile
+    transposed in shared memory for the MMA) or ``[E*k, n]`` (2). Rows a tile reads past its expert land
+    in columns the epilogue masks (1), or never exist because ``K_DIM % BLOCK_K == 0`` (2, launcher rule);
     past the last expert the TMA unit fills zeros. ``A_DESC`` (A not gathered): A's ``[BLOCK_M, BLOCK_K]``
-    tile of slot rows from ``a_row0`` comes through a descriptor over ``[A_ROWS, K_DIM]``; rows past the
-    expert only reach output rows the epilogue masks.
+    tile of slot rows from ``a_row0`` comes through ``a_desc``; rows past the expert only reach output
+    rows the epilogue masks.
     """
     n0 = pid_n * BLOCK_N
     offs_n = n0 + tl.arange(0, BLOCK_N)
@@ -67,16 +87,9 @@ def _mainloop(a_ptr, b_ptr, a_rows, a_row0, A_ROWS, e, pid_n, N_COLS, K_DIM, N_E
     b_ptrs = (b_ptr + e.to(tl.int64) * stride_b_e + offs_k[:, None] * stride_b_k
               + offs_n[None, :] * stride_b_n)
     if B_DESC == 1:
-        b_desc = tl.make_tensor_descriptor(b_ptr, shape=[NUM_EXPERTS * N_EXT, K_DIM], strides=[stride_b_n, 1],
-                                           block_shape=[BLOCK_N, BLOCK_K])
         b_row = e * N_EXT + n0
     elif B_DESC == 2:
-        b_desc = tl.make_tensor_descriptor(b_ptr, shape=[NUM_EXPERTS * K_DIM, N_EXT], strides=[stride_b_k, 1],
-                                           block_shape=[BLOCK_K, BLOCK_N])
         b_row = e * K_DIM
-    if A_DESC:
-        a_desc = tl.make_tensor_descriptor(a_ptr, shape=[A_ROWS, K_DIM], strides=[stride_a_m, 1],
-                                           block_shape=[BLOCK_M, BLOCK_K])
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K_DIM, BLOCK_K):
@@ -144,6 +157,44 @@ def _epilogue_act_fwd(pre_ptr, act_ptr, acc, acc2, rows, mask, offs_n, UP_OFF, s
 
 
 @triton.jit
+def _gemm_tile(
+    t, tiles, num_n, a_ptr, b_ptr, c_ptr, aux_ptr, scale_ptr, offsets_ptr, indices_ptr, tile_expert_ptr,
+    tile_row_ptr, a_desc, b_desc, N_COLS, K_DIM, N_EXT, UP_OFF, UP_SHIFT_B,
+    stride_a_m, stride_a_k, stride_b_e, stride_b_k, stride_b_n, stride_c_m, stride_aux_m,
+    GATHER_A: tl.constexpr, SCATTER_C: tl.constexpr, SCALE_C: tl.constexpr, EPILOGUE: tl.constexpr,
+    ACTIVATION: tl.constexpr, DUAL: tl.constexpr, STORE_PRE: tl.constexpr, STORE_AUX: tl.constexpr,
+    A_DESC: tl.constexpr, B_DESC: tl.constexpr, DOT_PREC: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    """Output tile ``t`` of ``tiles * num_n`` (a valid M-tile of the schedule): main loop and epilogue."""
+    pid_m, pid_n = tile_of(t, tiles, num_n, GROUP_M)
+    e = tl.load(tile_expert_ptr + pid_m)
+    row_end = tl.load(offsets_ptr + e + 1)
+    row0 = tl.load(tile_row_ptr + pid_m)
+    slots = row0 + tl.arange(0, BLOCK_M)
+    row_mask = slots < row_end
+    rows = tl.minimum(slots, row_end - 1).to(tl.int64)  # clamped: main-loop loads need no row mask
+    tokens = rows
+    if GATHER_A or SCATTER_C:
+        tokens = tl.load(indices_ptr + rows).to(tl.int64)
+    if GATHER_A:
+        a_rows = tokens
+    else:
+        a_rows = rows
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N_COLS
+    acc, acc2 = _mainloop(a_ptr, b_ptr, a_desc, b_desc, a_rows, row0, e, pid_n, N_COLS, K_DIM, N_EXT, UP_OFF,
+                          UP_SHIFT_B, stride_a_m, stride_a_k, stride_b_e, stride_b_k, stride_b_n,
+                          DUAL, A_DESC, B_DESC, EVEN_K, EVEN_N, DOT_PREC, BLOCK_M, BLOCK_N, BLOCK_K)
+    mask = row_mask[:, None] & n_mask[None, :]
+    if EPILOGUE == 0:
+        _epilogue_plain(c_ptr, scale_ptr, acc, rows, tokens, mask, offs_n, stride_c_m, SCATTER_C, SCALE_C)
+    else:
+        _epilogue_act_fwd(c_ptr, aux_ptr, acc, acc2, rows, mask, offs_n, UP_OFF, stride_c_m, stride_aux_m,
+                          ACTIVATION, DUAL, STORE_PRE, STORE_AUX)
+
+
+@triton.jit
 def grouped_gemm_kernel(
     a_ptr,  # [T, K_DIM] (GATHER_A: x, dout) or [N, K_DIM] (act, dpre); fp16/bf16/fp32
     b_ptr,  # [E, *, *] weight; B[e][k, n] at e*stride_b_e + k*stride_b_k + n*stride_b_n (B_DESC: TMA)
@@ -165,32 +216,29 @@ def grouped_gemm_kernel(
     GATHER_A: tl.constexpr, SCATTER_C: tl.constexpr, SCALE_C: tl.constexpr, EPILOGUE: tl.constexpr,
     ACTIVATION: tl.constexpr, DUAL: tl.constexpr, STORE_PRE: tl.constexpr, STORE_AUX: tl.constexpr,
     A_DESC: tl.constexpr, B_DESC: tl.constexpr, DOT_PREC: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
+    PERSISTENT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
-    pid_m, pid_n = tile_of(tl.program_id(0), max_tiles, tl.cdiv(N_COLS, BLOCK_N), GROUP_M)
-    if pid_m >= tl.load(num_tiles_ptr):
-        return
-    e = tl.load(tile_expert_ptr + pid_m)
-    row_end = tl.load(offsets_ptr + e + 1)
-    row0 = tl.load(tile_row_ptr + pid_m)
-    slots = row0 + tl.arange(0, BLOCK_M)
-    row_mask = slots < row_end
-    rows = tl.minimum(slots, row_end - 1).to(tl.int64)  # clamped: main-loop loads need no row mask
-    tokens = rows
-    if GATHER_A or SCATTER_C:
-        tokens = tl.load(indices_ptr + rows).to(tl.int64)
-    if GATHER_A:
-        a_rows = tokens
+    # PERSISTENT: a fixed grid (about one program per SM) walks the valid tiles; the flattened loop lets
+    # the pipeliner issue the next tile's first loads during this tile's epilogue. Else one program per
+    # (M-tile of the static schedule length, N-tile); programs past num_tiles exit.
+    a_desc, b_desc = _descriptors(a_ptr, b_ptr, A_ROWS, K_DIM, N_EXT, NUM_EXPERTS, stride_a_m, stride_b_k, stride_b_n,
+                                  A_DESC, B_DESC, BLOCK_M, BLOCK_N, BLOCK_K)
+    num_n = tl.cdiv(N_COLS, BLOCK_N)
+    num_tiles = tl.load(num_tiles_ptr)
+    if PERSISTENT:
+        for t in tl.range(tl.program_id(0), num_tiles * num_n, tl.num_programs(0), flatten=True):
+            _gemm_tile(t, num_tiles, num_n, a_ptr, b_ptr, c_ptr, aux_ptr, scale_ptr, offsets_ptr, indices_ptr,
+                       tile_expert_ptr, tile_row_ptr, a_desc, b_desc, N_COLS, K_DIM, N_EXT, UP_OFF, UP_SHIFT_B,
+                       stride_a_m, stride_a_k, stride_b_e, stride_b_k, stride_b_n, stride_c_m, stride_aux_m,
+                       GATHER_A, SCATTER_C, SCALE_C, EPILOGUE, ACTIVATION, DUAL, STORE_PRE, STORE_AUX, A_DESC,
+                       B_DESC, DOT_PREC, EVEN_K, EVEN_N, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
     else:
-        a_rows = rows
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < N_COLS
-    acc, acc2 = _mainloop(a_ptr, b_ptr, a_rows, row0, A_ROWS, e, pid_n, N_COLS, K_DIM, N_EXT, NUM_EXPERTS, UP_OFF, UP_SHIFT_B,
-                          stride_a_m, stride_a_k, stride_b_e, stride_b_k, stride_b_n,
-                          DUAL, A_DESC, B_DESC, EVEN_K, EVEN_N, DOT_PREC, BLOCK_M, BLOCK_N, BLOCK_K)
-    mask = row_mask[:, None] & n_mask[None, :]
-    if EPILOGUE == 0:
-        _epilogue_plain(c_ptr, scale_ptr, acc, rows, tokens, mask, offs_n, stride_c_m, SCATTER_C, SCALE_C)
-    else:
-        _epilogue_act_fwd(c_ptr, aux_ptr, acc, acc2, rows, mask, offs_n, UP_OFF, stride_c_m, stride_aux_m,
-                          ACTIVATION, DUAL, STORE_PRE, STORE_AUX)
+        pid = tl.program_id(0)
+        pid_m, _ = tile_of(pid, max_tiles, num_n, GROUP_M)
+        if pid_m < num_tiles:
+            _gemm_tile(pid, max_tiles, num_n, a_ptr, b_ptr, c_ptr, aux_ptr, scale_ptr, offsets_ptr, indices_ptr,
+                       tile_expert_ptr, tile_row_ptr, a_desc, b_desc, N_COLS, K_DIM, N_EXT, UP_OFF, UP_SHIFT_B,
+                       stride_a_m, stride_a_k, stride_b_e, stride_b_k, stride_b_n, stride_c_m, stride_aux_m,
+                       GATHER_A, SCATTER_C, SCALE_C, EPILOGUE, ACTIVATION, DUAL, STORE_PRE, STORE_AUX, A_DESC,
+                       B_DESC, DOT_PREC, EVEN_K, EVEN_N, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)

@@ -11,12 +11,22 @@ import torch
 import triton
 
 from .grouped_gemm import grouped_gemm_kernel
-from .tuning import Launchable, block_m, gemm_configs, prune_gemm_configs, tma_enabled, wgrad_configs
+from .tuning import (
+    Launchable,
+    block_m,
+    gemm_configs,
+    num_programs,
+    persistent_mode,
+    prune_gemm_configs,
+    tma_enabled,
+    wgrad_configs,
+)
 from .wgrad import grouped_wgrad_kernel
 
 _GEMM_KEY = ["N_COLS", "K_DIM", "NUM_EXPERTS", "EPILOGUE", "GATHER_A", "SCATTER_C", "DUAL", "A_DESC", "B_DESC"]
 _EVEN = {"EVEN_K": lambda a: a["K_DIM"] % a["BLOCK_K"] == 0, "EVEN_N": lambda a: a["N_COLS"] % a["BLOCK_N"] == 0}
-_GEMM = Launchable(grouped_gemm_kernel, gemm_configs, key=_GEMM_KEY, heuristics=_EVEN, prune=prune_gemm_configs)
+_GEMM = Launchable(grouped_gemm_kernel, gemm_configs, key=_GEMM_KEY, heuristics=_EVEN, prune=prune_gemm_configs,
+                   variant=persistent_mode)
 _WGRAD = Launchable(grouped_wgrad_kernel, wgrad_configs,
                     key=["P", "Q", "NUM_EXPERTS", "GATHER_A", "GATHER_B", "A_DESC", "B_DESC"])
 # Every BLOCK_K of gemm_configs divides this: a K_DIM multiple of it never reads past an expert (B_DESC 2).
@@ -91,7 +101,13 @@ def grouped_gemm(a, b, c, offsets, indices, sched, *, b_nk, n_cols, k_dim, gathe
     a_desc = _slot_rows_desc(a, gather_a)
     if mode or a_desc:
         triton.set_allocator(_scratch)
-    _GEMM.launch(a.dtype, lambda meta: (max_tiles * triton.cdiv(n_cols, meta["BLOCK_N"]),),
+    programs = num_programs(a.device)
+
+    def grid(meta):  # PERSISTENT (a config choice): one program per SM walks the tiles
+        tiles = max_tiles * triton.cdiv(n_cols, meta["BLOCK_N"])
+        return (min(tiles, programs) if meta["PERSISTENT"] else tiles,)
+
+    _GEMM.launch(a.dtype, grid,
         a, b, c, aux, scale, offsets, indices, *sched,
         max_tiles, n_cols, k_dim, n_ext, a.shape[0], up_off, up_off * b_strides[2],
         a.stride(0), a.stride(1), *b_strides, c.stride(0), aux.stride(0),

@@ -5,6 +5,9 @@ batch size never re-tunes. Environment:
 
 ``MOEBLAZE_AUTOTUNE=0``  use one fixed default configuration per kernel (no benchmarking at first call).
 ``TRITON_INTERPRET=1``   (CPU interpreter) small fixed configurations; autotuning is always off.
+``MOEBLAZE_PERSISTENT``  grouped-GEMM launch shape: ``1`` persistent (one program per SM walks the output
+                         tiles), ``0`` one program per output tile; unset, the autotuner tries both
+                         (the fixed configurations take one program per tile).
 ``MOEBLAZE_TMA=0``       read weights (and the unpermuted operand of the weight gradients) through pointers
                          instead of TMA descriptors (A/B measurements; TMA needs an sm90+ GPU anyway).
 
@@ -50,6 +53,25 @@ def tma_enabled(device: torch.device) -> bool:
     return device.type == "cuda" and _sm90(device.index if device.index is not None else torch.cuda.current_device())
 
 
+def persistent_mode() -> str:
+    """``MOEBLAZE_PERSISTENT``: ``"1"``, ``"0"`` or ``"auto"`` (unset or anything else)."""
+    mode = os.environ.get("MOEBLAZE_PERSISTENT", "auto")
+    return mode if mode in ("0", "1") else "auto"
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def num_programs(device: torch.device) -> int:
+    """Programs of a persistent launch: one per SM (the GEMM tiles hold one CTA per SM: 96-192 KB of
+    shared memory); 4 under the interpreter (several tiles per program, cheap to run)."""
+    if device.type != "cuda":
+        return 4
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
 def block_m() -> int:
     """M-tile height (slots of one expert per program)."""
     return BLOCK_M_INTERPRET if interpreting() else BLOCK_M_GPU
@@ -59,18 +81,32 @@ def _cfg(num_warps: int, num_stages: int, **kw) -> triton.Config:
     return triton.Config(kw, num_warps=num_warps, num_stages=num_stages)
 
 
-def gemm_configs(kind: str) -> list[triton.Config]:
-    """Grouped-GEMM configs; ``kind`` is ``tuned16``, ``fixed16``, ``fixed32`` or ``interpret``."""
+def gemm_configs(kind: str, persistent: str = "auto") -> list[triton.Config]:
+    """Grouped-GEMM configs; ``kind`` is ``tuned16``, ``fixed16``, ``fixed32`` or ``interpret``,
+    ``persistent`` the :func:`persistent_mode` (``PERSISTENT`` of the configs: ``1`` all, ``0`` none, ``auto``:
+    the tuned list holds both launch shapes, fixed configs are per tile, the interpreter persistent).
+
+    Why both (H200, 2026-11-23, autotuned, ``benchmarks/profile_layer.py``): persistent GEMMs took
+    8.7 vs 9.6 ms per step on qwen3-30b (K_DIM 768-2048: the next tile's loads overlap this tile's
+    epilogue) and 11.4 vs 11.9 ms on olmoe, but 43.0 vs 41.4 ms on conf4 (K_DIM 2048-16384).
+    """
     if kind == "interpret":
-        return [_cfg(1, 1, BLOCK_N=64, BLOCK_K=64, GROUP_M=4)]
-    if kind == "fixed32":
-        return [_cfg(4, 2, BLOCK_N=64, BLOCK_K=32, GROUP_M=8)]
-    if kind == "fixed16":
-        return [_cfg(8, 3, BLOCK_N=128, BLOCK_K=64, GROUP_M=8)]
-    return [
-        _cfg(w, s, BLOCK_N=bn, BLOCK_K=64, GROUP_M=8)
-        for bn, w, s in ((64, 4, 4), (64, 8, 3), (64, 8, 4), (128, 4, 3), (128, 8, 3), (128, 8, 4), (256, 8, 3))
-    ]
+        base = [_cfg(1, 1, BLOCK_N=64, BLOCK_K=64, GROUP_M=4)]
+    elif kind == "fixed32":
+        base = [_cfg(4, 2, BLOCK_N=64, BLOCK_K=32, GROUP_M=8)]
+    elif kind == "fixed16":
+        base = [_cfg(8, 3, BLOCK_N=128, BLOCK_K=64, GROUP_M=8)]
+    else:
+        shapes = ((64, 4, 4), (64, 8, 3), (64, 8, 4), (128, 4, 3), (128, 8, 3), (128, 8, 4), (256, 8, 3))
+        per_tile = [_cfg(w, s, BLOCK_N=bn, BLOCK_K=64, GROUP_M=8, PERSISTENT=False) for bn, w, s in shapes]
+        # persistent: the large tiles only (one CTA per SM; these won the per-tile sweeps of run D)
+        steady = [_cfg(w, s, BLOCK_N=bn, BLOCK_K=64, GROUP_M=8, PERSISTENT=True) for bn, w, s in shapes[4:]]
+        keep = {"0": (False,), "1": (True,)}.get(persistent, (False, True))
+        return [c for c in per_tile + steady if c.kwargs["PERSISTENT"] in keep]
+    flag = persistent == "1" or (persistent == "auto" and kind == "interpret")
+    for c in base:
+        c.kwargs["PERSISTENT"] = flag
+    return base
 
 
 def prune_gemm_configs(configs, named_args, **kwargs):
@@ -136,23 +172,28 @@ class Launchable:
             values (e.g. ``EVEN_K`` from ``K_DIM`` and ``BLOCK_K``); may read nothing else.
         prune: ``early_config_prune(configs, named_args, **kwargs) -> configs`` of ``triton.autotune``.
         restore: arguments the kernel overwrites in place; autotuning restores them after each trial.
+        variant: ``() -> str`` read at every launch (an environment switch), passed to ``configs`` as its
+            second argument and made part of the kind: changing it picks other configs.
     """
 
     def __init__(self, fn, configs, key: list[str], heuristics: dict | None = None, prune=None,
-                 restore: list[str] | None = None) -> None:
+                 restore: list[str] | None = None, variant=None) -> None:
         self.fn, self.configs, self.key, self.heuristics = fn, configs, key, heuristics or {}
-        self.prune, self.restore = prune, restore
+        self.prune, self.restore, self.variant = prune, restore, variant
         self._cache: dict[str, object] = {}
         self._best: dict[tuple, triton.Config] = {}
         names = list(fn.arg_names)
         self._key_pos = [(k, names.index(k)) for k in key]
 
-    def kind(self, dtype: torch.dtype) -> str:
+    def kind(self, dtype: torch.dtype) -> tuple[str, ...]:
+        """``(base kind, *variant)``: base ``interpret``, ``fixed32``, ``tuned16`` or ``fixed16``."""
         if interpreting():
-            return "interpret"
-        if dtype == torch.float32:
-            return "fixed32"
-        return "tuned16" if autotune_enabled() else "fixed16"
+            base = "interpret"
+        elif dtype == torch.float32:
+            base = "fixed32"
+        else:
+            base = "tuned16" if autotune_enabled() else "fixed16"
+        return (base, self.variant()) if self.variant else (base,)
 
     def tuner(self, dtype: torch.dtype):
         """The ``triton.autotune``-wrapped kernel for ``dtype``'s kind (``tuner(dtype)[grid](*args)``)."""
@@ -160,14 +201,14 @@ class Launchable:
         if kind not in self._cache:
             fn = triton.heuristics(self.heuristics)(self.fn) if self.heuristics else self.fn
             prune = {"early_config_prune": self.prune} if self.prune else None
-            self._cache[kind] = triton.autotune(configs=self.configs(kind), key=self.key,
+            self._cache[kind] = triton.autotune(configs=self.configs(*kind), key=self.key,
                                                 prune_configs_by=prune, restore_value=self.restore)(fn)
         return self._cache[kind]
 
     def launch(self, dtype: torch.dtype, grid, *args, **kwargs) -> None:
         """Launch on ``grid`` (a tuple or a function of the launch's meta-parameters)."""
         named = {k: (args[i] if i < len(args) else kwargs[k]) for k, i in self._key_pos}
-        key = (self.kind(dtype), *named.values(), *(a.dtype for a in args if isinstance(a, torch.Tensor)))
+        key = (*self.kind(dtype), *named.values(), *(a.dtype for a in args if isinstance(a, torch.Tensor)))
         config = self._best.get(key)
         if config is None:
             tuner = self.tuner(dtype)
