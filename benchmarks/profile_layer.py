@@ -6,7 +6,7 @@ For each config and implementation of ``moeblaze bench`` (weights and inputs as 
   (``synchronize`` before, none after): what the CPU spends submitting the step;
 - *step ms*: wall time per step of 20 back-to-back steps (``synchronize`` at the end);
 - *device ms*: sum of the step's kernel times (torch.profiler, three steps averaged), and the number
-  of kernels per step.
+  of kernels per step; ``--gaps N``: the GPU's idle time between kernels per step and the N longest gaps.
 
 A step is host-bound when *host ms* is close to *step ms* and above *device ms*. ``--kernels`` prints
 the profiler's kernel table, ``--cprofile N`` the N most expensive Python functions (cumulative).
@@ -67,12 +67,29 @@ def device_profile(step, steps: int = 3):
     return dev_us / 1e3, sum(e.count for e in kernels) / steps, ev
 
 
+def idle_gaps(step, top: int, steps: int = 3) -> tuple[float, list[tuple[float, str, str]]]:
+    """GPU idle time between consecutive kernels of ``steps`` back-to-back steps (torch.profiler trace):
+    (idle ms per step, the ``top`` longest gaps as (µs, kernel before, kernel after))."""
+    step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    kernels = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                     if e.device_type == DeviceType.CUDA)
+    gaps = [(b[0] - a[1], a[2][:50], b[2][:50]) for a, b in zip(kernels, kernels[1:]) if b[0] > a[1]]
+    return sum(g for g, _, _ in gaps) / steps / 1e3, sorted(gaps, reverse=True)[:top]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--configs", default="sweep-8k,smoke-olmoe", help="comma-separated bench config names")
     ap.add_argument("--impls", default="moeblaze,conventional", help="comma-separated implementations")
     ap.add_argument("--kernels", action="store_true", help="print the kernel table of each row")
     ap.add_argument("--cprofile", type=int, default=0, metavar="N", help="print the N top Python functions")
+    ap.add_argument("--gaps", type=int, default=0, metavar="N",
+                    help="print the GPU idle time per step and the N longest gaps between kernels")
     args = ap.parse_args()
     torch.manual_seed(0)
     now = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
@@ -93,6 +110,11 @@ def main() -> None:
             print(f"{name:<14} {impl_name:<13} {host:8.3f} {wall:8.3f} {dev:9.3f} {nk:7.0f}", flush=True)
             if args.kernels:
                 print(ev.table(sort_by="self_device_time_total", row_limit=15, max_name_column_width=60))
+            if args.gaps:
+                idle, longest = idle_gaps(step, args.gaps)
+                print(f"  GPU idle between kernels: {idle:.3f} ms per step; longest gaps (us, before -> after):")
+                for us, before, after in longest:
+                    print(f"    {us:9.1f}  {before} -> {after}")
             if args.cprofile:
                 pr = cProfile.Profile()
                 pr.enable()

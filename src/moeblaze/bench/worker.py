@@ -4,10 +4,12 @@ Some implementations compile their kernels on the first call (SonicMoE: CuTe-DSL
 tens of configs), which can take minutes and cannot be interrupted in-process, so ``RunOptions.cap_s``
 (checked after the first step) does not help. :func:`measure_isolated` (parent side) runs::
 
-    python -m moeblaze.bench.worker --job '<json>' --out row.json
+    python -m moeblaze.bench.worker --job '<json>' --out row.json --dump-after-s S
 
 in a new session (a fresh interpreter: no inherited CUDA context) and waits at most ``timeout_s``; past
-it the whole process group is killed (compile workers that the child spawned too) and the row says so.
+it the whole process group is killed (compile workers that the child spawned too) and the row says so;
+5 s before that the child prints every thread's Python stack (``faulthandler``), so the log kept under
+``RunOptions.child_log_dir`` says where it was.
 The child (:func:`main`) rebuilds the seeded weights and inputs of the config, runs
 :func:`moeblaze.bench.runner.measure_impl` and writes the :class:`~moeblaze.bench.runner.Row` as JSON.
 
@@ -24,6 +26,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import faulthandler
 import json
 import os
 import re
@@ -67,7 +70,8 @@ def measure_isolated(cfg: BenchConfig, spec: str, opts: RunOptions, timeout_s: f
     job = {"config": cfg.as_dict(), "impl": spec, "options": child_opts.as_dict()}
     with tempfile.TemporaryDirectory(prefix="moeblaze-bench-") as tmp:
         out, log = Path(tmp) / "row.json", Path(tmp) / "output.log"
-        cmd = [sys.executable, "-m", "moeblaze.bench.worker", "--job", json.dumps(job), "--out", str(out)]
+        cmd = [sys.executable, "-m", "moeblaze.bench.worker", "--job", json.dumps(job), "--out", str(out),
+               "--dump-after-s", str(max(0.5, timeout_s - _DUMP_LEAD_S))]
         with open(log, "wb") as log_f:  # a file, not a pipe: compile workers may keep it open
             proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log_f, stderr=subprocess.STDOUT,
                                     env=_child_env(), start_new_session=True)
@@ -90,6 +94,9 @@ def measure_isolated(cfg: BenchConfig, spec: str, opts: RunOptions, timeout_s: f
                                   f"{limit_flag})")
         return Row.for_config(cfg, name, opts.dtype, status="error",
                               note=f"child process exited with {rc}: {_last_line(log)}")
+
+
+_DUMP_LEAD_S = 5.0  # the child prints its threads' stacks this long before the kill: why it ran so long
 
 
 def _keep_log(log: Path, log_dir: str | None, file_name: str) -> None:
@@ -157,7 +164,11 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m moeblaze.bench.worker", description=__doc__.split("\n")[0])
     p.add_argument("--job", required=True, help="JSON: config fields, impl, RunOptions")
     p.add_argument("--out", required=True, help="file to write the Row to, as JSON")
+    p.add_argument("--dump-after-s", type=float, default=None,
+                   help="print every thread's Python stack to stderr after this many seconds (once)")
     args = p.parse_args(argv)
+    if args.dump_after_s:
+        faulthandler.dump_traceback_later(args.dump_after_s, exit=False)
     t0 = time.perf_counter()
     row = run_job(json.loads(args.job))
     part = Path(args.out + ".part")
