@@ -24,7 +24,7 @@ import time
 
 import torch
 from torch.autograd import DeviceType
-from torch.profiler import ProfilerActivity, profile, schedule
+from torch.profiler import ProfilerActivity, profile
 
 from moeblaze.bench.baselines import ImplOptions, make_weights, resolve_impl
 from moeblaze.bench.configs import CONFIGS, parse_list
@@ -69,16 +69,16 @@ def device_profile(step, steps: int = 3):
 
 def idle_gaps(step, top: int, steps: int = 3) -> tuple[float, list[tuple[float, str, str]]]:
     """GPU idle time between consecutive kernels of ``steps`` back-to-back steps (torch.profiler trace):
-    (idle ms per step, the ``top`` longest gaps as (µs, kernel before, kernel after)). One profiled
-    warm-up step before them is dropped: the first kernels under a fresh profiler start late (on an H200,
-    2026-11-23: gaps of 0.3-2.9 ms that no later step shows)."""
-    with profile(activities=[ProfilerActivity.CUDA], schedule=schedule(wait=0, warmup=1, active=steps)) as prof:
+    (idle ms per step, the ``top`` longest gaps as (µs, kernel before, kernel after)). One more step runs
+    first under the profiler and its kernels are dropped: the first kernels under a fresh profiler start
+    late (on an H200, 2026-11-23: gaps of 0.3-2.9 ms that no later step shows)."""
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(1 + steps):
             step()
-            prof.step()
         torch.cuda.synchronize()
     kernels = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
                      if e.device_type == DeviceType.CUDA)
+    kernels = kernels[len(kernels) // (1 + steps):]  # every step launches the same kernels
     gaps = [(b[0] - a[1], a[2][:50], b[2][:50]) for a, b in zip(kernels, kernels[1:]) if b[0] > a[1]]
     return sum(g for g, _, _ in gaps) / steps / 1e3, sorted(gaps, reverse=True)[:top]
 
