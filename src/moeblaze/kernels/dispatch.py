@@ -32,7 +32,6 @@ Interpreter: with ``TRITON_INTERPRET=1`` everything also runs on CPU tensors (te
 
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
@@ -41,6 +40,7 @@ import triton.language as tl
 
 from ..dispatch import DispatchIndex, TileSchedule
 from .custom_ops import call_op
+from .tuning import sm_count
 
 __all__ = ["build_dispatch_triton", "tile_schedule", "dispatch_plan", "MAX_EXPERTS", "MAX_TOP_K"]
 
@@ -378,11 +378,6 @@ def build_dispatch_triton(topk_ids: torch.Tensor, num_experts: int, *, tile_pair
     return DispatchIndex(offsets, indices, ids32.view(T, K), index_map, E, schedule)
 
 
-@functools.cache
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def _max_tiles(num_pairs: int, num_experts: int, block_m: int) -> int:
     """Length of a tile schedule (0 when none is asked for: ``block_m == 0``)."""
     return triton.cdiv(num_pairs, block_m) + num_experts if block_m else 0
@@ -393,7 +388,7 @@ def _build_dispatch_impl(topk_ids: torch.Tensor, num_experts: int, tile_pairs: i
     tile_expert, tile_row, num_tiles)`` (the schedule empty when ``block_m == 0``)."""
     T, K = topk_ids.shape
     N, E, dev = T * K, num_experts, topk_ids.device
-    sms = _num_sms(dev.index if dev.index is not None else torch.cuda.current_device()) if topk_ids.is_cuda else 132
+    sms = sm_count(dev) if topk_ids.is_cuda else 132
     P, tiles, chunks = dispatch_plan(N, E, tile_pairs or None, sms)
     as_is = topk_ids.dtype == torch.int32 and topk_ids.is_contiguous()
     new = lambda *shape: torch.empty(shape, dtype=torch.int32, device=dev)  # noqa: E731

@@ -64,12 +64,15 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA ``device`` (its index, or the current device's; cached)."""
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
 def num_programs(device: torch.device) -> int:
     """Programs of a persistent launch: one per SM (the GEMM tiles hold one CTA per SM: 96-192 KB of
     shared memory); 4 under the interpreter (several tiles per program, cheap to run)."""
-    if device.type != "cuda":
-        return 4
-    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    return sm_count(device) if device.type == "cuda" else 4
 
 
 def block_m() -> int:
