@@ -50,17 +50,17 @@ def main() -> None:
                      tile_row_ptr="*i32", num_tiles_ptr="*i32")
     base = dict(GATHER_A=False, SCATTER_C=False, SCALE_C=False, EPILOGUE=0, ACTIVATION=0, DUAL=False,
                 STORE_PRE=False, STORE_AUX=False, DOT_PREC=prec, EVEN_K=True, EVEN_N=True,
-                BLOCK_M=128, stride_a_k=1, stride_b_k=1)
+                BLOCK_M=128, stride_a_k=1, stride_b_k=1, A_DESC=False, B_DESC=0)
     k_contig_b = dict(stride_b_k=None, stride_b_n=1)
     variants = {
-        "F1 swiglu": dict(GATHER_A=True, EPILOGUE=1, DUAL=True, STORE_PRE=True, STORE_AUX=True),
+        "F1 swiglu": dict(GATHER_A=True, EPILOGUE=1, DUAL=True, STORE_PRE=True, STORE_AUX=True, B_DESC=1),
         "F1 gelu, act only, odd": dict(GATHER_A=True, EPILOGUE=1, ACTIVATION=3, STORE_AUX=True, EVEN_K=False,
                                        EVEN_N=False),
-        "F2 y": dict(),
+        "F2 y": dict(A_DESC=True, B_DESC=1),
         "F2 K=1 scatter": dict(SCATTER_C=True, SCALE_C=True, EVEN_N=False),
-        "B1 dact'": dict(GATHER_A=True, **k_contig_b),
+        "B1 dact'": dict(GATHER_A=True, B_DESC=2, **k_contig_b),
         "B1 dact' odd": dict(GATHER_A=True, EVEN_K=False, EVEN_N=False, **k_contig_b),
-        "B3": dict(**k_contig_b),
+        "B3": dict(A_DESC=True, B_DESC=2, **k_contig_b),
     }
     for name, v in variants.items():
         c0 = {k: val for k, val in {**base, **v}.items() if val is not None}
@@ -68,8 +68,9 @@ def main() -> None:
             compile_one(grouped_gemm_kernel, gemm_ptrs, {**c0, **cfg.kwargs}, cfg.num_warps, cfg.num_stages,
                         f"gemm {name} {cfg.kwargs} w{cfg.num_warps} s{cfg.num_stages}")
     wg_ptrs = dict(a_ptr=T, b_ptr=T, c_ptr=T, offsets_ptr="*i32", indices_ptr="*i32")
-    wbase = dict(GATHER_A=False, GATHER_B=False, DOT_PREC=prec, stride_a_p=1, stride_b_q=1, stride_c_q=1)
-    for name, v in {"B4": dict(GATHER_B=True), "B2": dict(GATHER_A=True)}.items():
+    wbase = dict(DOT_PREC=prec, stride_a_p=1, stride_b_q=1)
+    for name, v in {"B4 (transposed store)": dict(B_DESC=True, stride_c_p=1), "B2": dict(B_DESC=True, stride_c_q=1),
+                    "B2 pointers": dict(B_DESC=False, stride_c_q=1)}.items():
         for cfg in wgrad_configs(kind):
             compile_one(grouped_wgrad_kernel, wg_ptrs, {**wbase, **v, **cfg.kwargs}, cfg.num_warps,
                         cfg.num_stages, f"wgrad {name} {cfg.kwargs} w{cfg.num_warps} s{cfg.num_stages}")

@@ -188,7 +188,7 @@ def _down_backward_impl(dout, pre, w2, topk_weights, offsets, indices, tile_expe
         dtw = dtw_slot.index_select(0, token_index_map.reshape(-1).long()).view(T, K).to(topk_weights.dtype)
     dw2 = _empty(w2)
     if need_dw:
-        dw2 = grouped_wgrad(dout, dact, offsets, indices, p=d, q=h, out_dtype=w2.dtype, gather_a=True)
+        dw2 = grouped_wgrad(dout, dact, offsets, indices, p=d, q=h, out_dtype=w2.dtype)
     return dw2, dtw
 
 
@@ -255,8 +255,10 @@ def _up_backward_impl(dpre, x, w1, offsets, indices, tile_expert, tile_row, num_
             grouped_gemm(dpre, w1, dx_slots, offsets, indices, sched, b_nk=False, n_cols=d, k_dim=rows,
                          gather_a=False)
             dx = gather_sum(dx_slots, token_index_map, None, x.dtype)
+            del dx_slots  # freed before dW1 is allocated: N*d*2 bytes off the backward's peak
     if need_dw:
-        dw1 = grouped_wgrad(dpre, x, offsets, indices, p=rows, q=d, out_dtype=w1.dtype, gather_b=True)
+        # as dW1[e]^T = sum_s x[token]^T dpre[s]: the gathered operand on the A side (moeblaze.kernels.wgrad)
+        dw1 = grouped_wgrad(x, dpre, offsets, indices, p=d, q=rows, out_dtype=w1.dtype, transpose=True)
     return dx, dw1
 
 

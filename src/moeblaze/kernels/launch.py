@@ -27,8 +27,7 @@ _GEMM_KEY = ["N_COLS", "K_DIM", "NUM_EXPERTS", "EPILOGUE", "GATHER_A", "SCATTER_
 _EVEN = {"EVEN_K": lambda a: a["K_DIM"] % a["BLOCK_K"] == 0, "EVEN_N": lambda a: a["N_COLS"] % a["BLOCK_N"] == 0}
 _GEMM = Launchable(grouped_gemm_kernel, gemm_configs, key=_GEMM_KEY, heuristics=_EVEN, prune=prune_gemm_configs,
                    variant=persistent_mode)
-_WGRAD = Launchable(grouped_wgrad_kernel, wgrad_configs,
-                    key=["P", "Q", "NUM_EXPERTS", "GATHER_A", "GATHER_B", "A_DESC", "B_DESC"])
+_WGRAD = Launchable(grouped_wgrad_kernel, wgrad_configs, key=["P", "Q", "NUM_EXPERTS", "stride_c_p", "B_DESC"])
 # Every BLOCK_K of gemm_configs divides this: a K_DIM multiple of it never reads past an expert (B_DESC 2).
 _K_QUANTUM = 64
 
@@ -118,23 +117,26 @@ def grouped_gemm(a, b, c, offsets, indices, sched, *, b_nk, n_cols, k_dim, gathe
     )
 
 
-def grouped_wgrad(a, b, offsets, indices, *, p, q, out_dtype, gather_a=False, gather_b=False):
-    """Launch :func:`grouped_wgrad_kernel`; returns ``dW [E, p, q]`` in ``out_dtype``.
+def grouped_wgrad(a, b, offsets, indices, *, p, q, out_dtype, transpose=False):
+    """Launch :func:`grouped_wgrad_kernel`: ``dW[e] = sum_s a[token(s)]^T b[s]`` in ``out_dtype``.
 
-    ``a [rows, p]``, ``b [rows, q]``, unit column stride; the operand that is not gathered is read through
-    a TMA descriptor where :func:`tma_enabled` and its rows are 16-byte aligned.
+    ``a [T, p]`` (rows read through ``indices``), ``b [N, q]`` slot rows (through a TMA descriptor where
+    :func:`tma_enabled` and its rows are 16-byte aligned), both with unit column stride. Returns
+    ``[E, p, q]``, or ``[E, q, p]`` (the transposed products, stored through swapped strides) if ``transpose``.
     """
     E = offsets.numel() - 1
+    shape = (E, q, p) if transpose else (E, p, q)
     if indices.numel() == 0 or p == 0 or q == 0:
-        return torch.zeros(E, p, q, dtype=out_dtype, device=a.device)
-    out = torch.empty(E, p, q, dtype=out_dtype, device=a.device)
-    a_desc, b_desc = _slot_rows_desc(a, gather_a), _slot_rows_desc(b, gather_b)
-    if a_desc or b_desc:
+        return torch.zeros(shape, dtype=out_dtype, device=a.device)
+    out = torch.empty(shape, dtype=out_dtype, device=a.device)
+    stride_c_p, stride_c_q = (out.stride(2), out.stride(1)) if transpose else (out.stride(1), out.stride(2))
+    b_desc = _slot_rows_desc(b, False)
+    if b_desc:
         triton.set_allocator(_scratch)
     _WGRAD.launch(a.dtype, lambda meta: (E * triton.cdiv(p, meta["BLOCK_P"]) * triton.cdiv(q, meta["BLOCK_Q"]),),
         a, b, out, offsets, indices, p, q, indices.numel(),
-        a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0), out.stride(1), out.stride(2),
+        a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0), stride_c_p, stride_c_q,
         E,
-        GATHER_A=gather_a, GATHER_B=gather_b, A_DESC=a_desc, B_DESC=b_desc, DOT_PREC=dot_precision(a.dtype),
+        B_DESC=b_desc, DOT_PREC=dot_precision(a.dtype),
     )
     return out

@@ -1,20 +1,26 @@
 """Grouped weight-gradient GEMM over each expert's variable-length slot range (DESIGN.md §5: B2, B4).
 
-``dW[e][p, q] = sum_{s in slots(e)} A[rowA(s), p] * B[rowB(s), q]``, ``slots(e) = offsets[e]:offsets[e+1]``.
-``rowX(s) = expert_token_indices[s]`` when ``GATHER_X`` (gathered rows of the unpermuted input), else
-``s``.
+``dW[e][p, q] = sum_{s in slots(e)} A[token(s), p] * B[s, q]``, ``slots(e) = offsets[e]:offsets[e+1]``,
+``token(s) = expert_token_indices[s]``: A is the unpermuted ``[T, P]`` operand, read through the index
+(no gathered copy), B the ``[N, Q]`` slot rows.
 
-B4: ``dW_gate_up[e] = sum_s dpre[s]^T x[token(s)]``   (A = dpre, B = x gathered; P = 2h|h, Q = d)
-B2: ``dW_down[e]   = sum_s dout[token(s)]^T (w act)[s]`` (A = dout gathered, B = w act; P = d, Q = h)
+B2: ``dW_down[e]      = sum_s dout[token(s)]^T (w act)[s]``  (P = d, Q = h; stored ``[E, d, h]``)
+B4: ``dW_gate_up[e]^T = sum_s x[token(s)]^T dpre[s]``        (P = d, Q = 2h|h; stored transposed)
+
+Why B4 is computed transposed: with the gathered operand as A and the slot rows through TMA as B, the
+H200 ran these products at 726-754 TF/s (B2 of conf4 and olmoe), against 595-651 TF/s for B4 as
+``dpre^T x`` with the gathered operand as B (same tile sweep, 2026-11-23); computed transposed, B4 ran
+at 685-747 TF/s (``benchmarks/profile_kernels.py``, docs/benchmarks.md run H). The transposed store
+(``stride_c_p = 1``) costs one layout conversion per output tile.
 
 Grid: ``E * cdiv(P, BLOCK_P) * cdiv(Q, BLOCK_Q)`` programs, expert-major (the programs of one expert
 run together and share its rows in L2), grouped ordering inside an expert. The slot loop runs in a
 fixed order with fp32 accumulation and no atomics; an empty expert stores zeros.
 
-``A_DESC`` / ``B_DESC`` (sm90+, the operand not gathered): that operand's ``[BLOCK_K, *]`` slab of slot
-rows comes through a TMA descriptor. A step's last rows may then belong to the next expert; the other
-(gathered) operand is zero there, so they add exact zeros for finite values (a non-finite value of the
-neighbouring expert's rows would spread to this expert's gradient — a step that already diverged).
+``B_DESC`` (sm90+): B's ``[BLOCK_K, BLOCK_Q]`` slab of slot rows comes through a TMA descriptor. A step's
+last rows may then belong to the next expert; A is masked to zero there, so they add exact zeros for
+finite values (a non-finite value of the neighbouring expert's rows would spread to this expert's
+gradient — a step that already diverged).
 """
 
 from __future__ import annotations
@@ -27,16 +33,16 @@ from .grouped_gemm import tile_of
 
 @triton.jit
 def grouped_wgrad_kernel(
-    a_ptr,  # [T, P] (GATHER_A: dout) or [N, P] (dpre); fp16/bf16/fp32
-    b_ptr,  # [T, Q] (GATHER_B: x) or [N, Q] (w act)
-    c_ptr,  # [E, P, Q] weight gradient, dtype of the weight
+    a_ptr,  # [T, P] gathered operand (dout, x); fp16/bf16/fp32
+    b_ptr,  # [N, Q] slot rows (w act, dpre)
+    c_ptr,  # dW[e][p, q] at e*stride_c_e + p*stride_c_p + q*stride_c_q; dtype of the weight
     offsets_ptr,  # [E+1] int32 expert_token_offsets
     indices_ptr,  # [N] int32 expert_token_indices (slot -> token)
     P, Q,
-    ROWS,  # rows of the operand read through a descriptor (N)
+    ROWS,  # rows of B (N): extent of its descriptor
     stride_a_m, stride_a_p, stride_b_m, stride_b_q, stride_c_e, stride_c_p, stride_c_q,
     NUM_EXPERTS,  # autotune key only
-    GATHER_A: tl.constexpr, GATHER_B: tl.constexpr, A_DESC: tl.constexpr, B_DESC: tl.constexpr, DOT_PREC: tl.constexpr,
+    B_DESC: tl.constexpr, DOT_PREC: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     num_p = tl.cdiv(P, BLOCK_P)
@@ -52,9 +58,6 @@ def grouped_wgrad_kernel(
     q_mask = offs_q < Q
     offs_k = tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK_P, BLOCK_Q), dtype=tl.float32)
-    if A_DESC:
-        a_desc = tl.make_tensor_descriptor(a_ptr, shape=[ROWS, P], strides=[stride_a_m, 1],
-                                           block_shape=[BLOCK_K, BLOCK_P])
     if B_DESC:
         b_desc = tl.make_tensor_descriptor(b_ptr, shape=[ROWS, Q], strides=[stride_b_m, 1],
                                            block_shape=[BLOCK_K, BLOCK_Q])
@@ -64,32 +67,18 @@ def grouped_wgrad_kernel(
     for s0 in range(start, end, BLOCK_K):
         s = s0 + offs_k
         s_ok = s < end
-        s_rows = tl.minimum(s, end - 1).to(tl.int64)  # clamped: only A needs the slot mask
         tokens = next_tokens.to(tl.int64)
-        if GATHER_A or GATHER_B:
-            next_tokens = tl.load(indices_ptr + tl.minimum(s + BLOCK_K, end - 1))
-        if GATHER_A:
-            a_rows = tokens
-        else:
-            a_rows = s_rows
-        if GATHER_B:
-            b_rows = tokens
-        else:
-            b_rows = s_rows
-        if A_DESC:
-            a = a_desc.load([s0, pid_p * BLOCK_P]).T
-        else:
-            a = tl.load(a_ptr + a_rows[None, :] * stride_a_m + offs_p[:, None] * stride_a_p,
-                        mask=s_ok[None, :] & p_mask[:, None], other=0.0)
+        next_tokens = tl.load(indices_ptr + tl.minimum(s + BLOCK_K, end - 1))
+        # A is zero on slots past the expert: B's rows there (the next expert's, via TMA) add nothing
+        a = tl.load(a_ptr + tokens[None, :] * stride_a_m + offs_p[:, None] * stride_a_p,
+                    mask=s_ok[None, :] & p_mask[:, None], other=0.0)
         if B_DESC:
             b = b_desc.load([s0, pid_q * BLOCK_Q])
-        elif A_DESC:  # A's rows past the expert are not zero: B's must be
-            b = tl.load(b_ptr + b_rows[:, None] * stride_b_m + offs_q[None, :] * stride_b_q,
-                        mask=s_ok[:, None] & q_mask[None, :], other=0.0)
         else:
+            b_rows = tl.minimum(s, end - 1).to(tl.int64)  # clamped: A's mask already zeroes these slots
             b = tl.load(b_ptr + b_rows[:, None] * stride_b_m + offs_q[None, :] * stride_b_q, mask=q_mask[None, :],
                         other=0.0)
         acc = tl.dot(a, b, acc, input_precision=DOT_PREC)
     c_ptrs = (c_ptr + e.to(tl.int64) * stride_c_e + offs_p[:, None].to(tl.int64) * stride_c_p
-              + offs_q[None, :] * stride_c_q)
+              + offs_q[None, :].to(tl.int64) * stride_c_q)
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=p_mask[:, None] & q_mask[None, :])

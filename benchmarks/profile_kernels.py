@@ -1,0 +1,136 @@
+"""Each expert kernel of one moeblaze layer step, timed alone: which launch holds the time, at what TFLOP/s.
+
+For each bench config (weights and inputs as ``moeblaze bench``), after warm-up and autotuning, one
+forward+backward is run with every ``Launchable`` launch recorded (kernel, grid, arguments, the config
+the autotuner chose). Each launch is then replayed on its own with ``triton.testing.do_bench`` (L2
+flushed, median): milliseconds, TFLOP/s of the GEMMs (2·rows·K·cols, twice for the dual-accumulator F1)
+and the chosen block sizes. ``--set NAME=VALUE`` replays every launch that takes the constexpr ``NAME``
+once more with it overridden (e.g. ``C_DESC=0``: pointer stores instead of TMA stores), for same-call
+A/B comparisons. In-place kernels (the activation backward) are replayed on their own outputs: the
+timing holds, the values do not matter.
+
+Usage (GPU): ``python3 benchmarks/profile_kernels.py --configs conf4-swiglu,olmoe-1b-7b --set C_DESC=0``
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+import triton
+import triton.testing
+
+from moeblaze.bench.baselines import ImplOptions, make_weights, resolve_impl
+from moeblaze.bench.configs import CONFIGS, parse_list
+from moeblaze.kernels import tuning
+
+STEP_NAMES = {  # kernel -> (its arguments -> DESIGN.md §5 step); F2 reads w_down [E, d, h] along its rows
+    "grouped_gemm_kernel": lambda a: ("F1 up-proj + act" if a["EPILOGUE"] == 1 else
+                                      "B1 dact'" if a["GATHER_A"] else "F2 down-proj" if a["stride_b_k"] == 1
+                                      else "B3 dx slots"),
+    "grouped_wgrad_kernel": lambda a: "B4 dW_gate_up^T" if a["stride_c_p"] == 1 else "B2 dW_down",
+    "act_bwd_rows_kernel": lambda a: "B1 act backward",
+    "gather_sum_kernel": lambda a: "combine / dx gather-sum",
+}
+
+
+def record_launches(step) -> list[tuple]:
+    """Run ``step`` once with :meth:`Launchable.launch` wrapped; returns (launchable, grid, args, kwargs, config)."""
+    seen = []
+    orig = tuning.Launchable.launch
+
+    def spy(self, dtype, grid, *args, **kwargs):
+        orig(self, dtype, grid, *args, **kwargs)
+        named = {k: (args[i] if i < len(args) else kwargs[k]) for k, i in self._key_pos}
+        key = (*self.kind(dtype), *named.values(), *(a.dtype for a in args if isinstance(a, torch.Tensor)))
+        seen.append((self, grid, args, kwargs, self._best[key]))
+
+    tuning.Launchable.launch = spy
+    try:
+        step()
+        torch.cuda.synchronize()
+    finally:
+        tuning.Launchable.launch = orig
+    return seen
+
+
+def replay_ms(launchable, grid, args, kwargs, config, overrides=None) -> float:
+    """Median ms of the launch alone with ``config`` (and constexpr ``overrides``)."""
+    kwargs = {**kwargs, **(overrides or {})}
+    meta = {**dict(zip(launchable.fn.arg_names, args)), **kwargs, **config.kwargs}
+    flags = {name: f(meta) for name, f in launchable.heuristics.items()}
+
+    def go():
+        launchable.fn[grid](*args, **kwargs, **flags, **config.all_kwargs())
+
+    go()
+    return triton.testing.do_bench(go, warmup=10, rep=100, return_mode="median")
+
+
+def describe(launchable, args, kwargs) -> tuple[str, float | None]:
+    """(step name, FLOPs of the launch or None for the memory-bound kernels)."""
+    a = {**dict(zip(launchable.fn.arg_names, args)), **kwargs}
+    name = launchable.fn.__name__
+    label = STEP_NAMES.get(name, lambda _: name)(a)
+    n = a["indices_ptr"].numel() if "indices_ptr" in a else 0
+    if name == "grouped_gemm_kernel":
+        return label, 2.0 * n * a["K_DIM"] * a["N_COLS"] * (2 if a["DUAL"] else 1)
+    if name == "grouped_wgrad_kernel":
+        return label, 2.0 * n * a["P"] * a["Q"]
+    return label, None
+
+
+def config_str(c: triton.Config) -> str:
+    k = c.kwargs
+    dims = "x".join(str(k[n]) for n in ("BLOCK_N", "BLOCK_P", "BLOCK_Q", "BLOCK_K", "BLOCK_R", "BLOCK_H", "BLOCK_T",
+                                        "BLOCK_D") if n in k)
+    return f"{dims} w{c.num_warps} s{c.num_stages}{' persistent' if k.get('PERSISTENT') else ''}"
+
+
+def profile_config(name: str, overrides: list[tuple[str, int]]) -> None:
+    """Print the per-launch table of one bench config."""
+    cfg = CONFIGS[name]
+    w = make_weights(cfg, "cuda", torch.bfloat16)
+    x = torch.randn(cfg.T, cfg.d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    dout = torch.randn_like(x)
+    fn = resolve_impl("moeblaze").build(cfg, w, ImplOptions())
+
+    def step():
+        fn(x).backward(dout)
+
+    for _ in range(3):  # compilation and autotuning
+        step()
+    launches = record_launches(step)
+    print(f"\n{name} (T {cfg.T}, d {cfg.d}, h {cfg.h}, E {cfg.E}, K {cfg.K}): {len(launches)} launches")
+    total = 0.0
+    for launchable, grid, a, kw, config in launches:
+        label, flops = describe(launchable, a, kw)
+        ms = replay_ms(launchable, grid, a, kw, config)
+        total += ms
+        rate = f"{flops / ms / 1e9:6.0f} TF/s" if flops else " " * 11
+        line = f"  {label:<24} {ms:8.3f} ms {rate}  {config_str(config)}"
+        for key, value in overrides:
+            if key in kw:
+                other = replay_ms(launchable, grid, a, kw, config, {key: value})
+                line += f" | {key}={value}: {other:.3f} ms ({other / ms:.3f}x)"
+        print(line, flush=True)
+    print(f"  sum of the launches      {total:8.3f} ms")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--configs", default="conf4-swiglu", help="comma-separated bench config names")
+    ap.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
+                    help="also replay launches taking constexpr NAME with this integer value (repeatable)")
+    args = ap.parse_args()
+    overrides = [(k, int(v)) for k, v in (s.split("=", 1) for s in args.set)]
+    print(f"{torch.cuda.get_device_name()} | torch {torch.__version__} | triton {triton.__version__} | "
+          f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
+    for name in parse_list(args.configs):
+        profile_config(name, overrides)
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
