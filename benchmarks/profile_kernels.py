@@ -5,11 +5,12 @@ forward+backward is run with every ``Launchable`` launch recorded (kernel, grid,
 the autotuner chose). Each launch is then replayed on its own with ``triton.testing.do_bench`` (L2
 flushed, median): milliseconds, TFLOP/s of the GEMMs (2·rows·K·cols, twice for the dual-accumulator F1)
 and the chosen block sizes. ``--set NAME=VALUE`` replays every launch that takes the constexpr ``NAME``
-once more with it overridden (e.g. ``C_DESC=0``: pointer stores instead of TMA stores), for same-call
-A/B comparisons. In-place kernels (the activation backward) are replayed on their own outputs: the
-timing holds, the values do not matter.
+as a launch flag (not a block size of the config) once more with it overridden (e.g. ``B_DESC=0``: the
+weights and wgrad slot rows read through pointers instead of TMA), for same-call A/B comparisons.
+In-place kernels (the activation backward) are replayed on their own outputs: the timing holds, the
+values do not matter.
 
-Usage (GPU): ``python3 benchmarks/profile_kernels.py --configs conf4-swiglu,olmoe-1b-7b --set C_DESC=0``
+Usage (GPU): ``python3 benchmarks/profile_kernels.py --configs conf4-swiglu,olmoe-1b-7b --set B_DESC=0``
 """
 
 from __future__ import annotations
@@ -42,9 +43,7 @@ def record_launches(step) -> list[tuple]:
 
     def spy(self, dtype, grid, *args, **kwargs):
         orig(self, dtype, grid, *args, **kwargs)
-        named = {k: (args[i] if i < len(args) else kwargs[k]) for k, i in self._key_pos}
-        key = (*self.kind(dtype), *named.values(), *(a.dtype for a in args if isinstance(a, torch.Tensor)))
-        seen.append((self, grid, args, kwargs, self._best[key]))
+        seen.append((self, grid, args, kwargs, self._best[self.tune_key(dtype, args, kwargs)]))
 
     tuning.Launchable.launch = spy
     try:
@@ -58,11 +57,9 @@ def record_launches(step) -> list[tuple]:
 def replay_ms(launchable, grid, args, kwargs, config, overrides=None) -> float:
     """Median ms of the launch alone with ``config`` (and constexpr ``overrides``)."""
     kwargs = {**kwargs, **(overrides or {})}
-    meta = {**dict(zip(launchable.fn.arg_names, args)), **kwargs, **config.kwargs}
-    flags = {name: f(meta) for name, f in launchable.heuristics.items()}
 
     def go():
-        launchable.fn[grid](*args, **kwargs, **flags, **config.all_kwargs())
+        launchable.run(config, grid, *args, **kwargs)
 
     go()
     return triton.testing.do_bench(go, warmup=10, rep=100, return_mode="median")

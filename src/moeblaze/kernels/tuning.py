@@ -208,16 +208,24 @@ class Launchable:
                                                 prune_configs_by=prune, restore_value=self.restore)(fn)
         return self._cache[kind]
 
+    def tune_key(self, dtype: torch.dtype, args: tuple, kwargs: dict) -> tuple:
+        """The autotune key of a launch: kind, the key arguments' values and every tensor argument's dtype."""
+        named = (args[i] if i < len(args) else kwargs[k] for k, i in self._key_pos)
+        return (*self.kind(dtype), *named, *(a.dtype for a in args if isinstance(a, torch.Tensor)))
+
+    def run(self, config: triton.Config, grid, *args, **kwargs) -> None:
+        """Launch the jitted kernel itself with ``config`` and the heuristic flags (no autotuner)."""
+        meta = {**{k: (args[i] if i < len(args) else kwargs[k]) for k, i in self._key_pos}, **config.kwargs}
+        flags = {name: f(meta) for name, f in self.heuristics.items()}
+        self.fn[grid](*args, **kwargs, **flags, **config.all_kwargs())
+
     def launch(self, dtype: torch.dtype, grid, *args, **kwargs) -> None:
         """Launch on ``grid`` (a tuple or a function of the launch's meta-parameters)."""
-        named = {k: (args[i] if i < len(args) else kwargs[k]) for k, i in self._key_pos}
-        key = (*self.kind(dtype), *named.values(), *(a.dtype for a in args if isinstance(a, torch.Tensor)))
+        key = self.tune_key(dtype, args, kwargs)
         config = self._best.get(key)
         if config is None:
             tuner = self.tuner(dtype)
             tuner[grid](*args, **kwargs)
             self._best[key] = tuner.best_config
             return
-        meta = {**named, **config.kwargs}
-        flags = {name: f(meta) for name, f in self.heuristics.items()}
-        self.fn[grid](*args, **kwargs, **flags, **config.all_kwargs())
+        self.run(config, grid, *args, **kwargs)
