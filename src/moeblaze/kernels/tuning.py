@@ -208,14 +208,18 @@ class Launchable:
                                                 prune_configs_by=prune, restore_value=self.restore)(fn)
         return self._cache[kind]
 
+    def _key_args(self, args: tuple, kwargs: dict) -> dict:
+        """The values of the key arguments of a launch, by name."""
+        return {k: (args[i] if i < len(args) else kwargs[k]) for k, i in self._key_pos}
+
     def tune_key(self, dtype: torch.dtype, args: tuple, kwargs: dict) -> tuple:
         """The autotune key of a launch: kind, the key arguments' values and every tensor argument's dtype."""
-        named = (args[i] if i < len(args) else kwargs[k] for k, i in self._key_pos)
+        named = self._key_args(args, kwargs).values()
         return (*self.kind(dtype), *named, *(a.dtype for a in args if isinstance(a, torch.Tensor)))
 
     def run(self, config: triton.Config, grid, *args, **kwargs) -> None:
         """Launch the jitted kernel itself with ``config`` and the heuristic flags (no autotuner)."""
-        meta = {**{k: (args[i] if i < len(args) else kwargs[k]) for k, i in self._key_pos}, **config.kwargs}
+        meta = {**self._key_args(args, kwargs), **config.kwargs}
         flags = {name: f(meta) for name, f in self.heuristics.items()}
         self.fn[grid](*args, **kwargs, **flags, **config.all_kwargs())
 
