@@ -53,7 +53,9 @@ def main() -> None:
                 BLOCK_M=128, stride_a_k=1, stride_b_k=1, A_DESC=False, B_DESC=0)
     k_contig_b = dict(stride_b_k=None, stride_b_n=1)
     variants = {
-        "F1 swiglu": dict(GATHER_A=True, EPILOGUE=1, DUAL=True, STORE_PRE=True, STORE_AUX=True, B_DESC=1),
+        "F1 swiglu": dict(GATHER_A=True, EPILOGUE=1, DUAL=True, STORE_PRE=True, STORE_AUX=True, B_DESC=3),
+        "F1 swiglu, w1 transposed": dict(GATHER_A=True, EPILOGUE=1, DUAL=True, STORE_PRE=True, STORE_AUX=True,
+                                         B_DESC=2, **k_contig_b),
         "F1 gelu, act only, odd": dict(GATHER_A=True, EPILOGUE=1, ACTIVATION=3, STORE_AUX=True, EVEN_K=False,
                                        EVEN_N=False),
         "F2 y": dict(A_DESC=True, B_DESC=1),

@@ -113,6 +113,7 @@ def test_weight_read_modes(monkeypatch):
     w = torch.zeros(3, 128, 64, device=DEVICE)
     if not HAS_CUDA or torch.cuda.get_device_capability()[0] >= 9:
         assert b_desc_mode(w, True, 64) == 1  # rows are n: [E*n, k]
+        assert b_desc_mode(w, True, 64, paired=True) == 3  # gated F1: gate and up rows in one box
         assert b_desc_mode(w, False, 128) == 2  # rows are k: [E*k, n]
         assert b_desc_mode(w.transpose(1, 2), True, 128) == 2  # a transposed view flips the storage rows
         assert b_desc_mode(w, False, 96) == 0  # k tiles would run into the next expert's rows

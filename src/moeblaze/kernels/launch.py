@@ -54,9 +54,10 @@ def _slot_rows_desc(t: torch.Tensor, gathered: bool) -> bool:
     return not gathered and t.stride(1) == 1 and tma_enabled(t.device) and _rows_tma_ok(t, t.stride(0))
 
 
-def b_desc_mode(b: torch.Tensor, b_nk: bool, k_dim: int) -> int:
+def b_desc_mode(b: torch.Tensor, b_nk: bool, k_dim: int, paired: bool = False) -> int:
     """How :func:`grouped_gemm_kernel` reads the weight ``b [E, *, *]``: 0 pointers, 1 a TMA descriptor
-    over rows stored ``[E*n, k]``, 2 over rows stored ``[E*k, n]``.
+    over rows stored ``[E*n, k]``, 2 over rows stored ``[E*k, n]``, 3 as 1 with the gate and up rows of a
+    tile in one box (``paired``: the gated F1, up rows starting at half of ``b``'s n extent).
 
     TMA needs an sm90+ GPU (or the interpreter), ``MOEBLAZE_TMA`` not ``0``, a unit-stride last storage
     dimension with experts packed back to back (``stride_e = rows * row_stride``), 16-byte alignment,
@@ -69,7 +70,7 @@ def b_desc_mode(b: torch.Tensor, b_nk: bool, k_dim: int) -> int:
         if b.stride(dim) == 1 and b.stride(0) == b.shape[other] * b.stride(other) and _rows_tma_ok(b, b.stride(other)):
             rows_are_n = b_nk == (other == 1)  # b[e] is [n, k] when b_nk
             if rows_are_n:
-                return 1
+                return 3 if paired else 1
             return 2 if k_dim % _K_QUANTUM == 0 else 0
     return 0
 
@@ -96,7 +97,7 @@ def grouped_gemm(a, b, c, offsets, indices, sched, *, b_nk, n_cols, k_dim, gathe
     n_dim, k_dim_b = (1, 2) if b_nk else (2, 1)
     n_ext = b.shape[n_dim]
     b_strides = (b.stride(0), b.stride(k_dim_b), b.stride(n_dim))
-    mode = b_desc_mode(b, b_nk, k_dim)
+    mode = b_desc_mode(b, b_nk, k_dim, paired=dual and 2 * up_off == b.shape[n_dim])
     a_desc = _slot_rows_desc(a, gather_a)
     if mode or a_desc:
         triton.set_allocator(_scratch)
