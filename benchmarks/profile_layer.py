@@ -9,7 +9,12 @@ For each config and implementation of ``moeblaze bench`` (weights and inputs as 
   of kernels per step; ``--gaps N``: the GPU's idle time between kernels per step and the N longest gaps.
 
 A step is host-bound when *host ms* is close to *step ms* and above *device ms*. ``--kernels`` prints
-the profiler's kernel table, ``--cprofile N`` the N most expensive Python functions (cumulative).
+the profiler's kernel table, ``--cprofile N`` the N most expensive Python functions (cumulative),
+``--timeline`` every kernel of one step in launch order with its time inside the step (three steps
+averaged; compare with ``profile_kernels.py``, which times each launch alone), ``--cold`` the step
+time after the GPU idled 1.5 s against the time per step of 30 back-to-back steps, with the SM clock,
+power draw and clock-limit reasons that ``nvidia-smi`` reads during the back-to-back steps (a step
+slower when sustained than cold is a step the card's power limit slows down).
 
 Usage (GPU): ``python3 benchmarks/profile_layer.py --configs sweep-8k,smoke-olmoe --impls moeblaze,conventional``
 """
@@ -20,6 +25,7 @@ import argparse
 import cProfile
 import io
 import pstats
+import subprocess
 import time
 
 import torch
@@ -67,20 +73,67 @@ def device_profile(step, steps: int = 3):
     return dev_us / 1e3, sum(e.count for e in kernels) / steps, ev
 
 
-def idle_gaps(step, top: int, steps: int = 3) -> tuple[float, list[tuple[float, str, str]]]:
-    """GPU idle time between consecutive kernels of ``steps`` back-to-back steps (torch.profiler trace):
-    (idle ms per step, the ``top`` longest gaps as (µs, kernel before, kernel after)). One more step runs
-    first under the profiler and its kernels are dropped: the first kernels under a fresh profiler start
-    late (on an H200, 2026-11-23: gaps of 0.3-2.9 ms that no later step shows)."""
+def traced_kernels(step, steps: int = 3) -> list[tuple[float, float, str]]:
+    """(start µs, end µs, name) of every kernel of ``steps`` back-to-back steps, in launch order. One more
+    step runs first under the profiler and its kernels are dropped: the first kernels under a fresh
+    profiler start late (on an H200, 2026-11-23: gaps of 0.3-2.9 ms that no later step shows)."""
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(1 + steps):
             step()
         torch.cuda.synchronize()
     kernels = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
                      if e.device_type == DeviceType.CUDA)
-    kernels = kernels[len(kernels) // (1 + steps):]  # every step launches the same kernels
+    return kernels[len(kernels) // (1 + steps):]  # every step launches the same kernels
+
+
+def idle_gaps(step, top: int, steps: int = 3) -> tuple[float, list[tuple[float, str, str]]]:
+    """GPU idle time between consecutive kernels of ``steps`` back-to-back steps (torch.profiler trace):
+    (idle ms per step, the ``top`` longest gaps as (µs, kernel before, kernel after))."""
+    kernels = traced_kernels(step, steps)
     gaps = [(b[0] - a[1], a[2][:50], b[2][:50]) for a, b in zip(kernels, kernels[1:]) if b[0] > a[1]]
     return sum(g for g, _, _ in gaps) / steps / 1e3, sorted(gaps, reverse=True)[:top]
+
+
+def timeline(step, steps: int = 3) -> list[tuple[str, float]]:
+    """(kernel name, ms inside the step) of each launch of one step, in order, averaged over ``steps``."""
+    kernels = traced_kernels(step, steps)
+    per = len(kernels) // steps
+    return [(kernels[i][2], sum(kernels[s * per + i][1] - kernels[s * per + i][0] for s in range(steps)) / steps / 1e3)
+            for i in range(per)]
+
+
+def gpu_state() -> str:
+    """SM clock, power draw and active clock-limit reasons as ``nvidia-smi`` reads them (read only)."""
+    query = "clocks.sm,power.draw,clocks_throttle_reasons.active"
+    try:
+        out = subprocess.run(["nvidia-smi", f"--query-gpu={query}", "--format=csv,noheader"], capture_output=True,
+                             text=True, check=False)
+    except FileNotFoundError:
+        return "nvidia-smi not found"
+    return out.stdout.strip() or out.stderr.strip()
+
+
+def cold_and_sustained_ms(step, cold_reps: int = 4, reps: int = 30) -> tuple[float, float, str]:
+    """(median step ms after 1.5 s of GPU idle, ms per step of ``reps`` back-to-back steps, the GPU state
+    read half way through them)."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    cold = []
+    for _ in range(cold_reps):
+        torch.cuda.synchronize()
+        time.sleep(1.5)
+        start.record()
+        step()
+        end.record()
+        torch.cuda.synchronize()
+        cold.append(start.elapsed_time(end))
+    t0 = time.perf_counter()
+    state = ""
+    for i in range(reps):
+        step()
+        if i == reps // 2:
+            state = gpu_state()  # the earlier steps are still queued: the GPU is busy while this reads
+    torch.cuda.synchronize()
+    return sorted(cold)[cold_reps // 2], (time.perf_counter() - t0) / reps * 1e3, state
 
 
 def main() -> None:
@@ -91,6 +144,9 @@ def main() -> None:
     ap.add_argument("--cprofile", type=int, default=0, metavar="N", help="print the N top Python functions")
     ap.add_argument("--gaps", type=int, default=0, metavar="N",
                     help="print the GPU idle time per step and the N longest gaps between kernels")
+    ap.add_argument("--timeline", action="store_true", help="print each kernel of a step in order, ms in the step")
+    ap.add_argument("--cold", action="store_true",
+                    help="print the step time after the GPU idled against back-to-back, with clock and power")
     args = ap.parse_args()
     torch.manual_seed(0)
     now = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
@@ -111,6 +167,13 @@ def main() -> None:
             print(f"{name:<14} {impl_name:<13} {host:8.3f} {wall:8.3f} {dev:9.3f} {nk:7.0f}", flush=True)
             if args.kernels:
                 print(ev.table(sort_by="self_device_time_total", row_limit=15, max_name_column_width=60))
+            if args.timeline:
+                for kernel, ms in timeline(step):
+                    print(f"    {ms:9.3f} ms  {kernel[:70]}")
+            if args.cold:
+                cold, sustained, state = cold_and_sustained_ms(step)
+                print(f"  cold step {cold:.2f} ms, back to back {sustained:.2f} ms per step "
+                      f"({sustained / cold:.3f}x); nvidia-smi then (SM clock, power, limit reasons): {state}")
             if args.gaps:
                 idle, longest = idle_gaps(step, args.gaps)
                 print(f"  GPU idle between kernels: {idle:.3f} ms per step; longest gaps (us, before -> after):")
