@@ -16,8 +16,9 @@ Epilogues (constexpr ``EPILOGUE``):
   0  plain: store ``C`` (times the slot's router weight if ``SCALE_C``) at row ``s`` or, if
      ``SCATTER_C``, at row ``token(s)`` (K = 1: out / dx written directly, no ``[N, d]`` buffer).
      F2 ``y = act W_down[e]^T`` and B3 ``dx_slots = dpre W_gate_up[e]``.
-  1  activation forward (F1): ``DUAL`` keeps two accumulators (gate columns ``n`` and up columns
-     ``UP_OFF + n``) so ``act = f(gate) * up`` is formed in registers; stores ``pre`` if
+  1  activation forward (F1): ``DUAL`` yields gate (columns ``n``) and up (columns ``UP_OFF + n``)
+     tiles side by side — from one wide accumulator (``B_DESC`` 3) or two — so
+     ``act = f(gate) * up`` is formed in registers; stores ``pre`` if
      ``STORE_PRE`` and ``act`` if ``STORE_ACT`` (act is computed from the rounded ``pre``, exactly as
      the backward recomputes it).
 B1 uses EPILOGUE 0 (``dact' = dout[token(s)] W_down[e]``); its activation backward streams the rows
