@@ -97,7 +97,7 @@ def grouped_gemm(a, b, c, offsets, indices, sched, *, b_nk, n_cols, k_dim, gathe
     n_dim, k_dim_b = (1, 2) if b_nk else (2, 1)
     n_ext = b.shape[n_dim]
     b_strides = (b.stride(0), b.stride(k_dim_b), b.stride(n_dim))
-    mode = b_desc_mode(b, b_nk, k_dim, paired=dual and 2 * up_off == b.shape[n_dim])
+    mode = b_desc_mode(b, b_nk, k_dim, paired=dual and 2 * up_off == n_ext)
     a_desc = _slot_rows_desc(a, gather_a)
     if mode or a_desc:
         triton.set_allocator(_scratch)
