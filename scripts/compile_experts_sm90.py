@@ -2,15 +2,21 @@
 
 Catches what the Triton interpreter does not (e.g. non-constexpr globals, type errors in loops) and
 reports, per variant, shared memory, whether ``wgmma`` and ``cp.async`` pipelining are used, and
-register spills. Pointers and most integers are marked 16-divisible, as Triton specialises them at
-launch when d and h are multiples of 16. Run without TRITON_INTERPRET:
+registers and spilled bytes as Triton's own ``ptxas -v`` reports them for sm_90a (a kernel that spills
+looks fine in the PTX: ptxas allocates the registers). Pointers and most integers are marked
+16-divisible, as Triton specialises them at launch when d and h are multiples of 16. Run without
+TRITON_INTERPRET:
 
     env -u TRITON_INTERPRET python scripts/compile_experts_sm90.py [bf16|fp16|fp32] [--tuned]
 """
 
 from __future__ import annotations
 
+import os
+import re
+import subprocess
 import sys
+import tempfile
 import time
 
 import triton
@@ -27,6 +33,21 @@ TARGET = GPUTarget("cuda", 90, 32)
 NOT_DIVISIBLE = {"max_tiles", "NUM_EXPERTS", "T", "K"}
 
 
+def ptxas_stats(ptx: str, arch: str) -> str:
+    """``regs=N spill=S`` (bytes stored to local memory) from ``ptxas -v`` of Triton's bundled ptxas."""
+    import triton.backends.nvidia as nv
+
+    ptxas = os.path.join(os.path.dirname(nv.__file__), "bin", "ptxas")
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
+        f.write(ptx)
+        f.flush()
+        out = subprocess.run([ptxas, f"-arch={arch}", "-v", f.name, "-o", os.devnull], capture_output=True,
+                             text=True, check=False).stderr
+    regs = re.search(r"Used (\d+) registers", out)
+    spill = re.search(r"(\d+) bytes spill stores", out)
+    return f"regs={regs.group(1) if regs else '?'} spill={spill.group(1) if spill else '?'}"
+
+
 def compile_one(fn, ptr_types, consts, num_warps, num_stages, label):
     sig = {n: "constexpr" if n in consts else ptr_types.get(n, "i32") for n in fn.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
@@ -36,7 +57,7 @@ def compile_one(fn, ptr_types, consts, num_warps, num_stages, label):
                        options={"num_warps": num_warps, "num_stages": num_stages})
     ptx = k.asm["ptx"]
     print(f"{label:<70} {time.time() - t:4.1f}s shared={k.metadata.shared:>6} wgmma={'wgmma' in ptx} "
-          f"cp.async={'cp.async' in ptx} spills={'.local' in ptx}", flush=True)
+          f"cp.async={'cp.async' in ptx} {ptxas_stats(ptx, 'sm_90a')}", flush=True)
 
 
 def main() -> None:
