@@ -23,6 +23,11 @@ def _mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.mm(a, b, out_dtype=torch.float32)
 
 
+def _tensor_core_path(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Both 16-bit of one dtype on CUDA: the router's GEMMs run on the tensor cores with fp32 sums."""
+    return x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype
+
+
 def _split16(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """fp32 ``t [T, E]`` as ``[hi | lo] [T, 2E]`` in ``dtype`` with ``t ~ hi + lo`` (bf16: 16 of fp32's 24
     mantissa bits, relative error ~2^-16), side by side so that one GEMM over 2E sums both terms."""
@@ -51,16 +56,15 @@ class _RouterLogits(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight):
         ctx.save_for_backward(x, weight)
-        if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype:
+        if _tensor_core_path(x, weight):
             return _mm_fp32(x, weight.t())
         return x.float() @ weight.float().t()
 
     @staticmethod
     def backward(ctx, dlogits):
         x, weight = ctx.saved_tensors
-        fast = x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype
         dx = dw = None
-        if fast:  # one GEMM each: [hi | lo] against the weight stacked twice / x, fp32 sums
+        if _tensor_core_path(x, weight):  # one GEMM each: [hi | lo] against the weight stacked twice / x, fp32 sums
             hl = _split16(dlogits, x.dtype)
             if ctx.needs_input_grad[0]:
                 dx = hl @ torch.cat((weight, weight))  # x.dtype out, rounded once from the fp32 sum
