@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
 # The GPU suite, in one device call: environment, GPU tests (bf16), dispatch and layer benchmarks.
 # Usage (repo root, on the GPU machine): scripts/gpu_suite.sh STAGE...   with STAGE in
-#   tests      pytest -m gpu (all gpu-marked tests; fixed kernel configs, MOEBLAZE_AUTOTUNE=0)
+#   tests      pytest -m gpu $TESTS_ARGS (gpu-marked tests, all unless TESTS_ARGS names files; fixed
+#              kernel configs, MOEBLAZE_AUTOTUNE=0)
+#   ws         the warp-specialized Gluon GEMM: its gpu tests, then benchmarks/bench_ws.py $WS_ARGS
+#              (F1/B1 against the Triton GEMM; layer steps with it on/off and the conventional layer)
 #   dispatch   benchmarks/bench_dispatch.py
 #   experts    benchmarks/bench_experts.py
 #   bench      moeblaze bench $BENCH_ARGS (default --suite all; peers installed from .peers/ when present)
-#   train      moeblaze train on the GPU, torch vs triton backend loss curves
+#   train      moeblaze train on the GPU, torch vs triton backend loss curves ($TRAIN_BACKENDS: one of them)
 # Logs, CSVs and plots go to /tmp/gpu_out, packed at the end into $OUT/gpu_results.tgz (the device
 # tool brings back at most 8 files).
 set -uo pipefail
@@ -30,7 +33,12 @@ run() {  # run NAME CMD...: tee the output to $OUT/NAME.txt, remember a failure
 }
 for stage in "$@"; do
   case "$stage" in
-    tests) MOEBLAZE_AUTOTUNE=0 run gpu_tests timeout "${TESTS_TIMEOUT:-420}" python3 -m pytest -m gpu -q -rfEs -p no:cacheprovider --durations=15 ;;
+    tests) MOEBLAZE_AUTOTUNE=0 run gpu_tests timeout "${TESTS_TIMEOUT:-420}" python3 -m pytest -m gpu -q -rfEs \
+          -p no:cacheprovider --durations=15 ${TESTS_ARGS:-} ;;
+    ws) MOEBLAZE_AUTOTUNE=0 run ws_tests timeout "${WS_TESTS_TIMEOUT:-150}" python3 -m pytest -m gpu -q -rfEs \
+          -p no:cacheprovider tests/test_ws_gemm.py
+        # shellcheck disable=SC2086
+        run bench_ws timeout "${WS_TIMEOUT:-300}" python3 benchmarks/bench_ws.py ${WS_ARGS:-} ;;
     dispatch) run bench_dispatch python3 benchmarks/bench_dispatch.py --no-torch --out "$OUT/dispatch.csv" ;;
     experts) run bench_experts python3 benchmarks/bench_experts.py --out "$OUT/experts.csv" ;;
     bench)  # BENCH_ARGS overrides what to run; SonicMoE is measured in a child process (--isolate auto)
@@ -39,8 +47,8 @@ for stage in "$@"; do
       # shellcheck disable=SC2086
       run bench python3 -m moeblaze.cli bench ${BENCH_ARGS:---suite all} --out "$OUT/bench" ;;
     train)
-      for b in torch triton; do
-        run "train_$b" python3 -m moeblaze.cli train --device cuda --backend "$b" --no-progress --out-dir "/tmp/run_$b"
+      for b in ${TRAIN_BACKENDS:-torch triton}; do
+        run "train_$b" timeout "${TRAIN_TIMEOUT:-600}" python3 -m moeblaze.cli train --device cuda --backend "$b" --no-progress --out-dir "/tmp/run_$b"
       done ;;
     *) echo "unknown stage $stage"; status=2 ;;
   esac
