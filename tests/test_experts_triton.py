@@ -139,7 +139,6 @@ def _tma_vs_pointers(inp, activation, monkeypatch):
     """Outputs and gradients with the weights (and the wgrad slot rows) read through TMA descriptors and
     through pointers, same block sizes; the TMA run is also checked against the reference."""
     monkeypatch.setenv("MOEBLAZE_AUTOTUNE", "0")
-    monkeypatch.setenv("MOEBLAZE_WS", "0")  # on sm90, F1 and B1 would take the Gluon GEMM (TMA only) in both runs
     dout = torch.randn_like(inp["x"])
     runs = []
     for tma in ("1", "0"):
@@ -171,7 +170,6 @@ def _persistent_vs_per_tile(inp, monkeypatch):
     """Both grouped-GEMM launch shapes (persistent: a program per SM walks the tiles; per tile: a program
     per output tile) on the same fixed configs: bitwise equal outputs and gradients, and the reference."""
     monkeypatch.setenv("MOEBLAZE_AUTOTUNE", "0")  # same block sizes, hence the same summation order
-    monkeypatch.setenv("MOEBLAZE_WS", "0")  # the launch shapes of the Triton GEMM, also for F1 and B1 on sm90
     dout = torch.randn_like(inp["x"])
     runs = []
     for persistent in ("1", "0"):

@@ -31,7 +31,7 @@ from .act_bwd import act_bwd_rows
 from .act_math import ACTIVATION_CODES
 from .combine import gather_sum
 from .custom_ops import call_op
-from .launch import grouped_gemm, grouped_gemm_ws, grouped_wgrad, ws_ok
+from .launch import grouped_gemm, grouped_wgrad
 from .tuning import block_m
 
 __all__ = ["up_forward", "up_backward", "down_forward", "down_backward", "schedule_block_m"]
@@ -82,14 +82,7 @@ def _up_forward_impl(x, w1, offsets, indices, tile_expert, tile_row, num_tiles, 
     h = rows // 2 if gated else rows
     pre = x.new_empty(N, rows) if store_pre else _empty(x)
     act = x.new_empty(N, h) if store_act else _empty(x)
-    sched = (tile_expert, tile_row, num_tiles)
-    outs = tuple(t for t in (pre, act) if t.numel())
-    if gated and ws_ok(x, w1, outs, x.shape[1]):  # the epilogue overlaps the next tile's MMAs (kernels.ws_gemm)
-        grouped_gemm_ws(x, w1, pre if store_pre else act, offsets, indices, sched, gated=True, n_cols=h,
-                        activation=ACTIVATION_CODES[activation], store_pre=store_pre,
-                        aux=act if store_act else None, store_aux=store_act)
-        return pre, act
-    grouped_gemm(x, w1, pre if store_pre else act, offsets, indices, sched,
+    grouped_gemm(x, w1, pre if store_pre else act, offsets, indices, (tile_expert, tile_row, num_tiles),
                  b_nk=True, n_cols=h, k_dim=x.shape[1], gather_a=True, up_off=h, epilogue=1,
                  activation=ACTIVATION_CODES[activation], dual=gated, store_pre=store_pre,
                  aux=act if store_act else None, store_aux=store_act)
@@ -186,11 +179,7 @@ def _down_backward_impl(dout, pre, w2, topk_weights, offsets, indices, tile_expe
     N = indices.numel()
     w_slot = slot_weights(topk_weights, token_index_map, torch.float32)
     dact = pre.new_empty(N, h)
-    sched = (tile_expert, tile_row, num_tiles)
-    if ws_ok(dout, w2, (dact,), d):
-        grouped_gemm_ws(dout, w2, dact, offsets, indices, sched, gated=False, n_cols=h)
-    else:
-        grouped_gemm(dout, w2, dact, offsets, indices, sched, b_nk=False, n_cols=h, k_dim=d, gather_a=True)
+    grouped_gemm(dout, w2, dact, offsets, indices, (tile_expert, tile_row, num_tiles), b_nk=False, n_cols=h, k_dim=d, gather_a=True)
     dtw_slot = torch.empty(N, dtype=torch.float32, device=pre.device) if need_dtw else None
     act_bwd_rows(dact, pre, pre, w_slot, dtw_slot, h=h, activation=ACTIVATION_CODES[activation],
                  store_wact=need_dw)

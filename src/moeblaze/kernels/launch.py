@@ -20,7 +20,6 @@ from .tuning import (
     prune_gemm_configs,
     tma_enabled,
     wgrad_configs,
-    ws_enabled,
 )
 from .wgrad import grouped_wgrad_kernel
 
@@ -142,57 +141,3 @@ def grouped_wgrad(a, b, offsets, indices, *, p, q, out_dtype, transpose=False):
         B_DESC=b_desc, DOT_PREC=dot_precision(a.dtype),
     )
     return out
-
-
-# The warp-specialized GEMM's one configuration: 128 x 256 tiles (the 128 x 256 wgmma that the Triton
-# kernels' best configs use), BLOCK_K 64 in 3 stages (3 x 48 KB) plus the 64 KB output tile = 208 KB of
-# shared memory, one CTA per SM. BLOCK_M is the tile schedule's (block_m() on the GPU).
-_WS_BLOCK_N, _WS_BLOCK_K, _WS_STAGES, _WS_GROUP_M = 256, 64, 3, 8
-
-
-def _rows16(t: torch.Tensor) -> bool:
-    """Rows of 16-bit ``t`` start 16-byte aligned and are contiguous: 16-byte cp.async / vector stores."""
-    return t.stride(-1) == 1 and t.stride(0) % 8 == 0 and t.data_ptr() % 16 == 0
-
-
-def ws_ok(a: torch.Tensor, w: torch.Tensor, outs: tuple[torch.Tensor, ...], k_dim: int) -> bool:
-    """:func:`grouped_gemm_ws` can run this launch: :func:`ws_enabled`, 16-bit operands of one dtype,
-    ``k_dim % 64 == 0`` (A rows are read in whole 64-element steps), a contiguous weight and 16-byte aligned rows."""
-    if not ws_enabled(a.device) or a.dtype not in (torch.float16, torch.bfloat16) or w.dtype != a.dtype:
-        return False
-    if k_dim % _WS_BLOCK_K or not w.is_contiguous() or not _rows_tma_ok(w, w.shape[-1]):
-        return False
-    return block_m() == 128 and _rows16(a) and all(_rows16(o) for o in outs)
-
-
-def grouped_gemm_ws(a, w, c, offsets, indices, sched, *, gated, n_cols, activation=0, store_pre=True, aux=None,
-                    store_aux=False, config: dict | None = None) -> None:
-    """Launch :func:`moeblaze.kernels.ws_gemm.ws_gemm_kernel` (check :func:`ws_ok` first).
-
-    ``gated`` (F1): ``c = pre [N, 2h]`` (if ``store_pre``) and ``aux = act [N, h]`` (if ``store_aux``) from
-    ``a = x [T, d]`` and ``w = w_gate_up [E, 2h, d]``, ``n_cols = h``, ``activation`` 0 swiglu / 1 geglu.
-    Otherwise (B1): ``c [N, n_cols] = a[token(s)] w[e]`` with ``w [E, k_dim, n_cols]`` (``w_down [E, d, h]``).
-    ``sched``: the index's tile schedule for BLOCK_M 128. ``config``: overrides of ``BLOCK_K``,
-    ``NUM_STAGES``, ``GROUP_M`` (block-size sweeps). Outputs are written in place.
-    """
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
-    from .ws_gemm import MAX_REGS, ws_gemm_kernel
-
-    if indices.numel() == 0 or n_cols == 0:
-        return
-    E, k_dim = w.shape[0], a.shape[1]
-    dt = gl.bfloat16 if a.dtype == torch.bfloat16 else gl.float16
-    # rows of w_gate_up [E*2h, d] (gate and up boxes of BLOCK_N/2 rows) or of w_down [E*d, h] (rows along k)
-    cfg = {"BLOCK_K": _WS_BLOCK_K, "NUM_STAGES": _WS_STAGES, "GROUP_M": _WS_GROUP_M, **(config or {})}
-    box = [_WS_BLOCK_N // 2, cfg["BLOCK_K"]] if gated else [cfg["BLOCK_K"], _WS_BLOCK_N]
-    rows = w.reshape(E * w.shape[1], w.shape[2])
-    desc = TensorDescriptor.from_tensor(rows, box, gl.NVMMASharedLayout.get_default_for(box, dt))
-    pre = c if (store_pre or not gated) else aux  # an unused pointer still has to be a tensor
-    aux = aux if aux is not None else pre
-    ws_gemm_kernel[(num_programs(a.device),)](
-        a, desc, pre, aux, offsets, indices, *sched, k_dim, n_cols, a.stride(0), pre.stride(0), aux.stride(0),
-        GATED=gated, ACTIVATION=activation, STORE_PRE=store_pre,
-        STORE_ACT=store_aux, BLOCK_M=block_m(), BLOCK_N=_WS_BLOCK_N, **cfg, num_warps=8, maxnreg=MAX_REGS,
-    )
