@@ -6,7 +6,7 @@
 #   dispatch   benchmarks/bench_dispatch.py
 #   experts    benchmarks/bench_experts.py
 #   bench      moeblaze bench $BENCH_ARGS (default --suite all; peers installed from .peers/ when present)
-#   train      moeblaze train on the GPU, torch vs triton backend loss curves ($TRAIN_BACKENDS: one of them)
+#   train      moeblaze train on the GPU, torch vs triton backend loss curves ($TRAIN_BACKENDS: which of the two, default both)
 # Logs, CSVs and plots go to /tmp/gpu_out, packed at the end into $OUT/gpu_results.tgz (the device
 # tool brings back at most 8 files).
 set -uo pipefail
