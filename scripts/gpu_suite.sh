@@ -3,8 +3,6 @@
 # Usage (repo root, on the GPU machine): scripts/gpu_suite.sh STAGE...   with STAGE in
 #   tests      pytest -m gpu $TESTS_ARGS (gpu-marked tests, all unless TESTS_ARGS names files; fixed
 #              kernel configs, MOEBLAZE_AUTOTUNE=0)
-#   ws         the warp-specialized B1 (kernels.ws_b1): its gpu tests, then benchmarks/bench_ws_b1.py $WS_ARGS
-#              (against the two-launch B1; layer steps with it on/off and the conventional layer)
 #   dispatch   benchmarks/bench_dispatch.py
 #   experts    benchmarks/bench_experts.py
 #   bench      moeblaze bench $BENCH_ARGS (default --suite all; peers installed from .peers/ when present)
@@ -36,10 +34,6 @@ for stage in "$@"; do
     # shellcheck disable=SC2086
     tests) MOEBLAZE_AUTOTUNE=0 run gpu_tests timeout "${TESTS_TIMEOUT:-420}" python3 -m pytest -m gpu -q -rfEs \
           -p no:cacheprovider --durations=15 ${TESTS_ARGS:-} ;;
-    ws) MOEBLAZE_AUTOTUNE=0 run ws_tests timeout "${WS_TESTS_TIMEOUT:-150}" python3 -m pytest -m gpu -q -rfEs \
-          -p no:cacheprovider tests/test_ws_b1.py
-        # shellcheck disable=SC2086
-        run bench_ws_b1 timeout "${WS_TIMEOUT:-300}" python3 benchmarks/bench_ws_b1.py ${WS_ARGS:-} ;;
     dispatch) run bench_dispatch python3 benchmarks/bench_dispatch.py --no-torch --out "$OUT/dispatch.csv" ;;
     experts) run bench_experts python3 benchmarks/bench_experts.py --out "$OUT/experts.csv" ;;
     bench)  # BENCH_ARGS overrides what to run; SonicMoE is measured in a child process (--isolate auto)

@@ -8,7 +8,10 @@ the whole layer step 22.3 ms instead of 23.4 (qwen3-30b 19.2 vs 19.4, mixtral 13
 81.8 vs 85.2). The GEMM stores ``dact' = dout[token(s)] W_down[e]`` (2 bytes per element, into the
 ``[N, h]`` buffer that B2 needs anyway for ``w * act``: no extra memory) and this kernel streams the
 rows at memory bandwidth, reading ``dact'``, ``pre`` and writing ``dpre``, ``w * act`` (12 bytes per
-element in 16-bit dtypes).
+element in 16-bit dtypes). A warp-specialized Gluon kernel whose 2-warp epilogue did this pass while the
+next tile's MMAs ran (commit 315e9fc, run L of docs/benchmarks.md, H200, 2026-11-24) was correct but only
+0.94-1.02x of these two launches: its gathered operand's loads, slowed by the epilogue's own traffic, then
+held the MMAs back.
 
 Per slot row ``s`` (one program owns ``BLOCK_R`` whole rows, so the router-weight gradient is a plain row
 sum, no partials and no second pass):

@@ -53,12 +53,11 @@ def act_forward(gate, up, ACTIVATION: tl.constexpr):
 
 @triton.jit
 def act_backward(dact, gate, up, ACTIVATION: tl.constexpr):
-    """``(dgate, dup)`` from ``dact``; for non-gated codes ``dup`` is a dummy (``dact`` itself, never stored).
-    fp32. Also called from the Gluon kernel of :mod:`moeblaze.kernels.ws_b1` (no layout-free ``zeros_like``)."""
+    """``(dgate, dup)`` from ``dact``; for non-gated codes ``dup`` is a dummy (zeros). fp32."""
     if ACTIVATION < 2:
         dgate = dact * up * act_base_grad(gate, ACTIVATION)
         dup = dact * act_base(gate, ACTIVATION)
     else:
         dgate = dact * act_base_grad(gate, ACTIVATION)
-        dup = dact
+        dup = tl.zeros_like(dact)
     return dgate, dup

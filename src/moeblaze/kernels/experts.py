@@ -6,8 +6,7 @@ same signatures, semantics and result dtypes:
 ``up_forward``     F1     ``pre = x[token(s)] W1[e]^T`` (gather fused in the loads), ``act = f(pre)``
 ``down_forward``   F2-F3  ``y = act W2[e]^T``; ``out[t] = sum_k w[t,k] y[map[t,k]]`` (fp32 gather-sum;
                           K = 1: ``out[token(s)] = w * y`` straight from the GEMM epilogue)
-``down_backward``  B1-B2  ``dact' = dout[token(s)] W2[e]``, act recomputed from ``pre`` (sm90: one
-                          warp-specialized Gluon launch, :mod:`moeblaze.kernels.ws_b1`),
+``down_backward``  B1-B2  ``dact' = dout[token(s)] W2[e]``, act recomputed from ``pre``,
                           ``dtopk_weights = <dact', act>``, ``dpre``; ``dW2[e] = sum_s dout[token]^T (w act)``
 ``up_backward``    B3-B5  ``dx_slots = dpre W1[e]``, ``dx[t] = sum_k dx_slots[map[t,k]]`` (K = 1: direct);
                           ``dW1[e] = sum_s dpre[s]^T x[token(s)]``
@@ -32,7 +31,7 @@ from .act_bwd import act_bwd_rows
 from .act_math import ACTIVATION_CODES
 from .combine import gather_sum
 from .custom_ops import call_op
-from .launch import WS_BLOCK_N, grouped_gemm, grouped_wgrad, ws_b1, ws_b1_ok
+from .launch import grouped_gemm, grouped_wgrad
 from .tuning import block_m
 
 __all__ = ["up_forward", "up_backward", "down_forward", "down_backward", "schedule_block_m"]
@@ -170,42 +169,26 @@ def down_forward(act: Tensor, w2: Tensor, topk_weights: Tensor, index: DispatchI
 
 # ---------------------------------------------------------------- B1-B2: down-projection backward
 
-def _b1(dout, pre, w2, w_slot, offsets, indices, sched, activation, need_dw, need_dtw):
-    """B1: ``dpre`` over ``pre``; returns ``(w * act [N, h] | None, <dact', act> [N] fp32 | None)``.
-
-    On sm90 with triton 3.6 one warp-specialized launch (kernels.ws_b1: the activation backward overlaps
-    the next tile's MMAs). Elsewhere two (why: kernels.act_bwd): the GEMM stores dact' [N, h], then one
-    pass over the rows recomputes act from pre and writes dpre over pre and w * act over dact'.
-    """
-    N, h = indices.numel(), w2.shape[2]
-    code = ACTIVATION_CODES[activation]
-    wact = pre.new_empty(N, h) if need_dw else None
-    if ws_b1_ok(dout, w2, pre, wact if need_dw else pre):
-        part = torch.empty(N, -(-h // WS_BLOCK_N), dtype=torch.float32, device=pre.device) if need_dtw else None
-        ws_b1(dout, w2, pre, wact, w_slot, part, offsets, indices, sched, activation=code)
-        return wact, (part.sum(1) if need_dtw else None)  # fixed-order sum of the n-tiles' partials
-    dact = wact if need_dw else pre.new_empty(N, h)
-    grouped_gemm(dout, w2, dact, offsets, indices, sched, b_nk=False, n_cols=h, k_dim=dout.shape[1],
-                 gather_a=True)
-    dtw_slot = torch.empty(N, dtype=torch.float32, device=pre.device) if need_dtw else None
-    act_bwd_rows(dact, pre, pre, w_slot, dtw_slot, h=h, activation=code, store_wact=need_dw)
-    return wact, dtw_slot
-
-
 def _down_backward_impl(dout, pre, w2, topk_weights, offsets, indices, tile_expert, tile_row, num_tiles,
                         token_index_map, activation, need_dw, need_dtw):
-    # w * act is B2's B operand, a backward-only temporary; dpre is written over pre (checked by down_backward)
+    # B1 in two launches (why: moeblaze.kernels.act_bwd): the GEMM stores dact' [N, h], then one pass over
+    # the rows recomputes act from pre and writes dpre over pre (unit column stride, checked by
+    # down_backward) and w * act over dact' — the B operand of B2, a backward-only temporary.
     dout = _rows_contig(dout)
     (T, K), d, h = token_index_map.shape, w2.shape[1], w2.shape[2]
+    N = indices.numel()
     w_slot = slot_weights(topk_weights, token_index_map, torch.float32)
-    wact, dtw_slot = _b1(dout, pre, w2, w_slot, offsets, indices, (tile_expert, tile_row, num_tiles), activation,
-                         need_dw, need_dtw)
+    dact = pre.new_empty(N, h)
+    grouped_gemm(dout, w2, dact, offsets, indices, (tile_expert, tile_row, num_tiles), b_nk=False, n_cols=h, k_dim=d, gather_a=True)
+    dtw_slot = torch.empty(N, dtype=torch.float32, device=pre.device) if need_dtw else None
+    act_bwd_rows(dact, pre, pre, w_slot, dtw_slot, h=h, activation=ACTIVATION_CODES[activation],
+                 store_wact=need_dw)
     dtw = _empty(topk_weights)
     if need_dtw:
         dtw = dtw_slot.index_select(0, token_index_map.reshape(-1).long()).view(T, K).to(topk_weights.dtype)
     dw2 = _empty(w2)
     if need_dw:
-        dw2 = grouped_wgrad(dout, wact, offsets, indices, p=d, q=h, out_dtype=w2.dtype)
+        dw2 = grouped_wgrad(dout, dact, offsets, indices, p=d, q=h, out_dtype=w2.dtype)
     return dw2, dtw
 
 

@@ -20,7 +20,6 @@ from .tuning import (
     prune_gemm_configs,
     tma_enabled,
     wgrad_configs,
-    ws_enabled,
 )
 from .wgrad import grouped_wgrad_kernel
 
@@ -142,65 +141,3 @@ def grouped_wgrad(a, b, offsets, indices, *, p, q, out_dtype, transpose=False):
         B_DESC=b_desc, DOT_PREC=dot_precision(a.dtype),
     )
     return out
-
-
-# The warp-specialized B1's one configuration (kernels.ws_b1): 128 x 256 tiles (the 128 x 256 wgmma of the
-# Triton kernels' best configs), BLOCK_K 64 in 3 stages (3 x 48 KB) plus the 64 KB dact' tile = 208 KB of
-# shared memory, one CTA per SM. BLOCK_M is the tile schedule's (block_m() on the GPU).
-WS_BLOCK_N = 256
-_WS_BLOCK_K, _WS_STAGES, _WS_GROUP_M = 64, 3, 8
-
-
-def _rows16(t: torch.Tensor) -> bool:
-    """Rows of 16-bit ``t`` start 16-byte aligned and are contiguous: 16-byte cp.async / vector accesses."""
-    return t.stride(-1) == 1 and t.stride(0) % 8 == 0 and t.data_ptr() % 16 == 0
-
-
-def ws_b1_ok(dout: torch.Tensor, w2: torch.Tensor, pre: torch.Tensor, wact: torch.Tensor) -> bool:
-    """:func:`ws_b1` can run this B1: :func:`ws_enabled`, 16-bit operands of one dtype, ``d % 64 == 0``
-    (dout rows are read in whole 64-element steps and W_down's k rows never cross an expert), a contiguous
-    ``w2 [E, d, h]`` with ``h % 8 == 0`` (TMA rows) and 16-byte aligned rows of dout, pre and wact."""
-    if not ws_enabled(dout.device) or dout.dtype not in (torch.float16, torch.bfloat16):
-        return False
-    if w2.dtype != dout.dtype or pre.dtype != dout.dtype or not w2.is_contiguous():
-        return False
-    d, h = w2.shape[1], w2.shape[2]
-    if d % _WS_BLOCK_K or not _rows_tma_ok(w2, h) or block_m() != 128:
-        return False
-    return all(_rows16(t) for t in (dout, pre, wact))
-
-
-def ws_b1(dout, w2, pre, wact, scale, part, offsets, indices, sched, *, activation: int,
-          config: dict | None = None) -> None:
-    """Launch :func:`moeblaze.kernels.ws_b1.ws_b1_kernel` (check :func:`ws_b1_ok` first).
-
-    ``dout [T, d]``, ``w2 = W_down [E, d, h]``; ``pre [N, 2h|h]`` is overwritten with ``dpre``; ``wact [N, h]``
-    receives ``w * act`` (None: not stored); ``scale [N]`` fp32 slot weights; ``part [N, cdiv(h, WS_BLOCK_N)]``
-    fp32 receives the per-n-tile partial sums of ``<dact', act>`` (None: not stored). ``sched``: the index's
-    tile schedule for BLOCK_M 128. ``config``: overrides of ``BLOCK_N``, ``BLOCK_K`` and ``NUM_STAGES`` (sweeps;
-    ``part`` then needs ``cdiv(h, BLOCK_N)`` columns).
-    """
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
-    from .ws_b1 import MAX_REGS, PRE_BOX, ws_b1_kernel
-
-    E, d, h = w2.shape
-    if indices.numel() == 0 or h == 0:
-        return
-    dt = gl.bfloat16 if dout.dtype == torch.bfloat16 else gl.float16
-    cfg = {"BLOCK_N": WS_BLOCK_N, "BLOCK_K": _WS_BLOCK_K, "NUM_STAGES": _WS_STAGES, **(config or {})}
-    box = [cfg["BLOCK_K"], cfg["BLOCK_N"]]  # W_down rows along k: w2 [E, d, h] seen as [E*d, h]
-    desc = TensorDescriptor.from_tensor(w2.view(E * d, h), box, gl.NVMMASharedLayout.get_default_for(box, dt))
-    pre_box = list(PRE_BOX)
-    pre_desc = TensorDescriptor.from_tensor(pre, pre_box, gl.NVMMASharedLayout.get_default_for(pre_box, dt))
-    store_wact, store_part = wact is not None, part is not None
-    wact = wact if store_wact else pre  # an unused pointer still has to be a tensor
-    part = part if store_part else scale
-    ws_b1_kernel[(num_programs(dout.device),)](
-        dout, desc, pre, pre_desc, wact, scale, part, offsets, indices, *sched, d, h,
-        dout.stride(0), pre.stride(0), wact.stride(0), part.stride(0),
-        ACTIVATION=activation, STORE_PART=store_part, STORE_WACT=store_wact, BLOCK_M=block_m(),
-        GROUP_M=_WS_GROUP_M, **cfg, num_warps=8,
-        maxnreg=MAX_REGS,
-    )

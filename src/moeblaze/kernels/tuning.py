@@ -10,9 +10,6 @@ batch size never re-tunes. Environment:
                          (the fixed configurations take one program per tile).
 ``MOEBLAZE_TMA=0``       read weights (and the unpermuted operand of the weight gradients) through pointers
                          instead of TMA descriptors (A/B measurements; TMA needs an sm90+ GPU anyway).
-``MOEBLAZE_WS=0``        B1 in two launches (Triton GEMM + :mod:`moeblaze.kernels.act_bwd`) instead of the
-                         warp-specialized Gluon kernel (:mod:`moeblaze.kernels.ws_b1`, used on sm90 with
-                         triton 3.6 where its conditions hold).
 
 Because the tuned block sizes change the fp32 summation order, results are bitwise reproducible run to
 run within a process (and across processes with ``MOEBLAZE_AUTOTUNE=0``), not across different tunings.
@@ -54,21 +51,6 @@ def tma_enabled(device: torch.device) -> bool:
     if interpreting():
         return True
     return device.type == "cuda" and _sm90(device.index if device.index is not None else torch.cuda.current_device())
-
-
-@functools.cache
-def _ws_supported(index: int) -> bool:
-    # Gluon's API is experimental and changed after triton 3.6 (e.g. tma.async_copy_global_to_shared was
-    # renamed in 3.9); wgmma exists on sm90 only (Blackwell has tcgen05 instead).
-    return triton.__version__.startswith("3.6.") and torch.cuda.get_device_capability(index) == (9, 0)
-
-
-def ws_enabled(device: torch.device) -> bool:
-    """The warp-specialized Gluon kernel may run on ``device``: an sm90 GPU, triton 3.6, not the interpreter,
-    ``MOEBLAZE_WS`` not ``0``."""
-    if os.environ.get("MOEBLAZE_WS", "1") == "0" or interpreting() or device.type != "cuda":
-        return False
-    return _ws_supported(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def persistent_mode() -> str:
