@@ -5,7 +5,8 @@
 #              kernel configs, MOEBLAZE_AUTOTUNE=0)
 #   dispatch   benchmarks/bench_dispatch.py
 #   experts    benchmarks/bench_experts.py
-#   bench      moeblaze bench $BENCH_ARGS (default --suite all; peers installed from .peers/ when present)
+#   bench      moeblaze bench $BENCH_ARGS (default --suite all; peers installed from .peers/ when present, QuACK's
+#              kernel cache taken from .peers/quack_cache.tgz and left in $OUT/quack_cache.tgz)
 #   train      moeblaze train on the GPU, torch vs triton backend loss curves ($TRAIN_BACKENDS: which of the two, default both)
 # Logs, CSVs and plots go to /tmp/gpu_out, packed at the end into $OUT/gpu_results.tgz (the device
 # tool brings back at most 8 files).
@@ -39,8 +40,15 @@ for stage in "$@"; do
     bench)  # BENCH_ARGS overrides what to run; SonicMoE is measured in a child process (--isolate auto)
       if [[ -f .peers/install.sh ]]; then source .peers/install.sh /tmp/peers >/dev/null; fi
       export QUACK_COMPILE_WORKERS="${QUACK_COMPILE_WORKERS:-16}"  # SonicMoE's GEMM autotune compiles in parallel
+      # SonicMoE's first step compiles for > 500 s on an empty QuACK cache (run M): reuse the cache of an
+      # earlier call (.peers/quack_cache.tgz, as this stage leaves it in $OUT) and leave the new one
+      quack_cache="${QUACK_CACHE_DIR:-$(python3 -c 'import getpass, os, tempfile
+print(os.path.join(tempfile.gettempdir(), getpass.getuser(), "quack_cache"))')}"  # where QuACK keeps it
+      if [[ -f .peers/quack_cache.tgz ]]; then mkdir -p "$quack_cache" && tar -xzf .peers/quack_cache.tgz -C "$quack_cache"; fi
+      export QUACK_CACHE_AUTOTUNING=1
       # shellcheck disable=SC2086
-      run bench python3 -m moeblaze.cli bench ${BENCH_ARGS:---suite all} --out "$OUT/bench" ;;
+      run bench python3 -m moeblaze.cli bench ${BENCH_ARGS:---suite all} --out "$OUT/bench"
+      if [[ -d "$quack_cache" ]]; then tar -czf "$FINAL/quack_cache.tgz" -C "$quack_cache" .; fi ;;
     train)
       for b in ${TRAIN_BACKENDS:-torch triton}; do
         run "train_$b" timeout "${TRAIN_TIMEOUT:-600}" python3 -m moeblaze.cli train --device cuda --backend "$b" --no-progress --out-dir "/tmp/run_$b"
