@@ -41,14 +41,14 @@ for stage in "$@"; do
       if [[ -f .peers/install.sh ]]; then source .peers/install.sh /tmp/peers >/dev/null; fi
       export QUACK_COMPILE_WORKERS="${QUACK_COMPILE_WORKERS:-16}"  # SonicMoE's GEMM autotune compiles in parallel
       # SonicMoE's first step compiles for > 500 s on an empty QuACK cache (run M): reuse the cache of an
-      # earlier call (.peers/quack_cache.tgz, as this stage leaves it in $OUT) and leave the new one
-      quack_cache="${QUACK_CACHE_DIR:-$(python3 -c 'import getpass, os, tempfile
-print(os.path.join(tempfile.gettempdir(), getpass.getuser(), "quack_cache"))')}"  # where QuACK keeps it
-      if [[ -f .peers/quack_cache.tgz ]]; then mkdir -p "$quack_cache" && tar -xzf .peers/quack_cache.tgz -C "$quack_cache"; fi
-      export QUACK_CACHE_AUTOTUNING=1
+      # earlier call (.peers/quack_cache.tgz, as this stage leaves it in $OUT) and leave the new one. One
+      # directory named for QuACK holds both its compiled kernels and its autotuning results.
+      export QUACK_CACHE_DIR="${QUACK_CACHE_DIR:-/tmp/quack_cache}" QUACK_CACHE_AUTOTUNING=1
+      mkdir -p "$QUACK_CACHE_DIR"
+      if [[ -f .peers/quack_cache.tgz ]]; then tar -xzf .peers/quack_cache.tgz -C "$QUACK_CACHE_DIR"; fi
       # shellcheck disable=SC2086
       run bench python3 -m moeblaze.cli bench ${BENCH_ARGS:---suite all} --out "$OUT/bench"
-      if [[ -d "$quack_cache" ]]; then tar -czf "$FINAL/quack_cache.tgz" -C "$quack_cache" .; fi ;;
+      tar -czf "$FINAL/quack_cache.tgz" -C "$QUACK_CACHE_DIR" . ;;
     train)
       for b in ${TRAIN_BACKENDS:-torch triton}; do
         run "train_$b" timeout "${TRAIN_TIMEOUT:-600}" python3 -m moeblaze.cli train --device cuda --backend "$b" --no-progress --out-dir "/tmp/run_$b"
