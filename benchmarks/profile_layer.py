@@ -14,7 +14,8 @@ the profiler's kernel table, ``--cprofile N`` the N most expensive Python functi
 averaged; compare with ``profile_kernels.py``, which times each launch alone), ``--cold`` the step
 time after the GPU idled 1.5 s against the time per step of 30 back-to-back steps, with the SM clock,
 power draw and clock-limit reasons that ``nvidia-smi`` reads during the back-to-back steps (a step
-slower when sustained than cold is a step the card's power limit slows down).
+slower when sustained than cold is a step the card's power limit slows down), ``--peak`` what was
+allocated at the step's memory peak, by allocating line (:mod:`moeblaze.bench.peak`).
 
 Usage (GPU): ``python3 benchmarks/profile_layer.py --configs sweep-8k,smoke-olmoe --impls moeblaze,conventional``
 """
@@ -34,6 +35,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from moeblaze.bench.baselines import ImplOptions, make_weights, resolve_impl
 from moeblaze.bench.configs import CONFIGS, parse_list
+from moeblaze.bench.peak import peak_breakdown
 
 
 def make_step(fn, x: torch.Tensor, dout: torch.Tensor, params: list[torch.Tensor]):
@@ -147,6 +149,7 @@ def main() -> None:
     ap.add_argument("--timeline", action="store_true", help="print each kernel of a step in order, ms in the step")
     ap.add_argument("--cold", action="store_true",
                     help="print the step time after the GPU idled against back-to-back, with clock and power")
+    ap.add_argument("--peak", action="store_true", help="print what was allocated at the step's memory peak")
     args = ap.parse_args()
     torch.manual_seed(0)
     now = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
@@ -174,6 +177,8 @@ def main() -> None:
                 cold, sustained, state = cold_and_sustained_ms(step)
                 print(f"  cold step {cold:.2f} ms, back to back {sustained:.2f} ms per step "
                       f"({sustained / cold:.3f}x); nvidia-smi then (SM clock, power, limit reasons): {state}")
+            if args.peak:
+                print(peak_breakdown(step).table())
             if args.gaps:
                 idle, longest = idle_gaps(step, args.gaps)
                 print(f"  GPU idle between kernels: {idle:.3f} ms per step; longest gaps (us, before -> after):")

@@ -352,3 +352,57 @@ def test_outputs_without_matplotlib(tmp_path, monkeypatch):
     md, plots = write_outputs(tmp_path, synthetic_rows(), {"device": "NVIDIA H200"})
     assert plots == [] and "moeblaze bench --plot results.csv" in md.read_text()
     assert not list(tmp_path.glob("*.png"))
+
+
+# ------------------------------------------------------------------------------------- peak breakdown
+
+def _ev(action, addr, size, where=None):
+    frames = [{"filename": "/x/site-packages/torch/nn/functional.py", "line": 1, "name": "f"}]
+    if where:
+        frames.append({"filename": f"/src/moeblaze/{where}", "line": 7, "name": "g"})
+    return {"action": action, "addr": addr, "size": size, "frames": frames}
+
+
+def test_live_at_peak_replays_allocations_and_frees():
+    from moeblaze.bench.peak import live_at_peak
+    events = [_ev("alloc", 1, 100, "a.py"), _ev("alloc", 2, 50, "b.py"), _ev("free_requested", 1, 100),
+              _ev("free_completed", 1, 100), _ev("alloc", 3, 30, "a.py"), _ev("alloc", 4, 80, "a.py"),
+              _ev("segment_alloc", 9, 1 << 20), _ev("free_completed", 77, 40),  # a block from before the trace
+              _ev("alloc", 5, 35, "b.py")]
+    got = live_at_peak(events, base_bytes=1000)
+    # running totals: 1100, 1150, 1050, 1080, 1160 (peak), 1120, 1155
+    assert got.peak_bytes == 1160 and got.base_bytes == 1000
+    assert got.live == [("a.py:7 g", 110, 2), ("b.py:7 g", 50, 1)]
+    table = got.table(min_bytes=60)
+    assert "a.py:7 g" in table and "b.py" not in table and "smaller blocks" in table
+
+
+def test_live_at_peak_errors():
+    from moeblaze.bench.peak import live_at_peak, peak_breakdown
+    with pytest.raises(ValueError, match="base_bytes"):
+        live_at_peak([], base_bytes=-1)
+    with pytest.raises(ValueError, match="without 'size'"):
+        live_at_peak([{"action": "alloc", "addr": 1}])
+    assert live_at_peak([], base_bytes=5).peak_bytes == 5
+    with pytest.raises(ValueError, match="CUDA"):
+        peak_breakdown(lambda: None, device="cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+def test_peak_breakdown_matches_max_memory_allocated():
+    from moeblaze.bench.peak import peak_breakdown
+    x = torch.randn(1024, 1024, device="cuda")
+
+    def step():
+        y = x @ x  # 4 MiB
+        z = torch.relu(y)  # another 4 MiB while y is live
+        del y
+        return z.sum()
+
+    step()
+    torch.cuda.reset_peak_memory_stats()
+    got = peak_breakdown(step)
+    assert got.peak_bytes == torch.cuda.max_memory_allocated()
+    ours = sum(b for where, b, _ in got.live if where.startswith("test_bench.py:"))
+    assert ours >= 8 << 20  # y and z, both live at the peak

@@ -2,9 +2,9 @@
 
 Modules: :mod:`.configs` (named configs, suites, FLOP and byte formulas), :mod:`.baselines`
 (the implementations compared), :mod:`.runner` (CUDA-event timing, saved-for-backward bytes, peak
-memory), :mod:`.micro` (dispatch micro-benchmark, training throughput), :mod:`.report` (CSV, markdown,
-terminal), :mod:`.plots` (PNG), :mod:`.memory_report` (``moeblaze.memory_report``) and :mod:`.cli`
-(the ``bench`` and ``memory`` subcommands).
+memory), :mod:`.peak` (what is allocated at a step's peak), :mod:`.micro` (dispatch micro-benchmark,
+training throughput), :mod:`.report` (CSV, markdown, terminal), :mod:`.plots` (PNG),
+:mod:`.memory_report` (``moeblaze.memory_report``) and :mod:`.cli` (the ``bench`` and ``memory`` subcommands).
 """
 
 from .configs import CONFIGS, SUITES, BenchConfig, expected_saved_bytes, get_configs, layer_flops
