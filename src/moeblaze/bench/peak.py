@@ -18,9 +18,9 @@ from typing import Any
 
 import torch
 
-__all__ = ["PeakBreakdown", "live_at_peak", "peak_breakdown"]
+from .runner import MIB
 
-MIB = 1 << 20
+__all__ = ["PeakBreakdown", "live_at_peak", "peak_breakdown"]
 
 
 @dataclass
@@ -76,23 +76,32 @@ def live_at_peak(events: Iterable[dict[str, Any]], base_bytes: int = 0) -> PeakB
     """
     if base_bytes < 0:
         raise ValueError(f"base_bytes must be >= 0, got {base_bytes}")
-    live: dict[int, tuple[int, str]] = {}
+    events = list(events)
+    # pass 1: the running total and the event that reaches its maximum (-1: nothing rose above the base)
+    sizes: dict[int, int] = {}
     cur = best = base_bytes
-    best_live: dict[int, tuple[int, str]] = {}
-    for ev in events:
+    peak_at = -1
+    for i, ev in enumerate(events):
         try:
             action, addr, size = ev["action"], ev["addr"], ev["size"]
         except KeyError as exc:
             raise ValueError(f"allocator event without {exc.args[0]!r}: {ev}") from None
         if action == "alloc":
-            live[addr] = (size, _where(ev.get("frames", ())))
+            sizes[addr] = size
             cur += size
             if cur > best:
-                best, best_live = cur, dict(live)
+                best, peak_at = cur, i
         elif action == "free_completed":
-            cur -= live.pop(addr, (size, ""))[0]
+            cur -= sizes.pop(addr, size)
+    # pass 2: the blocks live at that event (rebuilt once, rather than copying the live set at every new maximum)
+    live: dict[int, tuple[int, str]] = {}
+    for ev in events[:peak_at + 1]:
+        if ev["action"] == "alloc":
+            live[ev["addr"]] = (ev["size"], _where(ev.get("frames", ())))
+        elif ev["action"] == "free_completed":
+            live.pop(ev["addr"], None)
     groups: dict[str, list[int]] = {}
-    for size, where in best_live.values():
+    for size, where in live.values():
         g = groups.setdefault(where, [0, 0])
         g[0] += size
         g[1] += 1
