@@ -3,19 +3,24 @@
 Every field of :class:`moeblaze.train.TrainConfig` and :class:`moeblaze.model.ModelConfig` is a flag
 (``steps`` -> ``--steps``, ``d_model`` -> ``--d-model``); a flag given on the command line overrides
 the default — or, with ``--resume``, the configuration stored in the checkpoint.
-Errors in the input (a missing ``--data`` path, an unknown device, nothing to resume) print one line
-to stderr and exit with status 2, without a traceback.
+Errors in the input (a missing ``--data`` path, an unknown device, nothing to resume, a bad flag or a
+checkpoint that cannot be loaded) print one line to stderr and exit with status 2, without a traceback.
+``moeblaze train`` exits 0 when the run is complete (or was already complete), 1 on a non-finite loss,
+and 128 + the signal's number (130 for Ctrl-C, 143 for SIGTERM) when a signal stopped it after writing a
+checkpoint (a second Ctrl-C exits at once with 130, without one).
 """
 
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 from dataclasses import MISSING, fields, replace
 
+from .checkpoint import CheckpointError
 from .data import DataError
 from .model import ModelConfig
-from .train import ConfigError, TrainConfig, load_run_config, sample, train
+from .train import ConfigError, NonFiniteLossError, TrainConfig, load_run_config, sample, train
 
 __all__ = ["main"]
 
@@ -70,7 +75,9 @@ def _configs(args: argparse.Namespace) -> tuple[TrainConfig, ModelConfig]:
 def _cmd_train(args: argparse.Namespace) -> int:
     cfg, mcfg = _configs(args)
     result = train(cfg, mcfg)
-    return 0 if result.val_bpb == result.val_bpb else 1  # NaN validation loss: report failure
+    if result.status in ("SIGINT", "SIGTERM"):
+        return 128 + getattr(signal, result.status)
+    return 0
 
 
 def _cmd_sample(args: argparse.Namespace) -> int:
@@ -119,9 +126,12 @@ def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     try:
         status = args.func(args)
-    except (ConfigError, DataError) as err:
+    except (ConfigError, DataError, CheckpointError) as err:
         print(f"moeblaze {args.command}: error: {err}", file=sys.stderr)
         sys.exit(2)
+    except NonFiniteLossError as err:
+        print(f"moeblaze {args.command}: error: {err}", file=sys.stderr)
+        sys.exit(1)
     except KeyboardInterrupt:
         print(f"moeblaze {args.command}: interrupted", file=sys.stderr)
         sys.exit(130)

@@ -8,6 +8,7 @@ output head is tied to the embedding by default.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -58,6 +59,13 @@ class ModelConfig:
         for name in ("vocab_size", "seq_len", "d_model", "n_layers", "n_heads", "d_ff", "num_experts", "top_k"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"{name} must be a positive int, got {getattr(self, name)!r}")
+        if self.vocab_size < 256:
+            raise ValueError(f"vocab_size must be >= 256 (the model reads bytes 0..255), got {self.vocab_size}")
+        for name, lo, strict in (("rope_base", 1.0, True), ("aux_loss_coef", 0.0, False), ("z_loss_coef", 0.0, False)):
+            v = getattr(self, name)
+            number = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+            if not number or v < lo or (strict and v == lo):
+                raise ValueError(f"{name} must be a finite number {'>' if strict else '>='} {lo:g}, got {v!r}")
         if self.d_model % self.n_heads or (self.d_model // self.n_heads) % 2:
             raise ValueError(f"d_model={self.d_model} must be n_heads={self.n_heads} times an even head size")
         if self.top_k > self.num_experts:

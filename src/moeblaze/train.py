@@ -5,33 +5,37 @@ then :func:`train` — the loop itself (AdamW, warmup + cosine learning rate, gr
 loss = cross-entropy + the routers' auxiliary losses) — and :func:`sample`.
 
 Reproducibility: the batch of step ``s`` comes from a generator seeded by ``(seed, s)``
-(:func:`moeblaze.data.get_batch`), and a checkpoint holds the weights (safetensors), the AdamW state
-(``torch.save``), the step and the RNG state (JSON). So ``--steps 2N`` equals ``--steps 2N
---stop-after N`` followed by ``--steps 2N --resume``, bitwise on CPU.
+(:func:`moeblaze.data.get_batch`), and a checkpoint (:mod:`moeblaze.checkpoint`, written atomically)
+holds the weights and the AdamW state (``torch.distributed.checkpoint``), the step and the RNG state
+(JSON). So ``--steps 2N`` equals ``--steps 2N --stop-after N`` followed by ``--steps 2N --resume``,
+bitwise on CPU — also when the first run was stopped by SIGTERM/Ctrl-C or killed (from its last checkpoint).
 """
 
 from __future__ import annotations
 
 import base64
 import contextlib
-import json
 import math
 import os
+import shutil
+import signal
 import time
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_model, save_model
 from tqdm import tqdm
 
+from . import checkpoint
+from .checkpoint import load as _load_state
 from .data import eval_windows, get_batch, load_corpus, unigram_entropy
 from .layer import aux_loss
 from .memory import SavedTensorCounter
 from .model import ModelConfig, MoETransformer
 
-__all__ = ["ConfigError", "TrainConfig", "TrainResult", "load_run_config", "sample", "train"]
+__all__ = ["ConfigError", "NonFiniteLossError", "TrainConfig", "TrainResult", "load_run_config", "sample",
+           "train"]
 
 # Dense bf16 tensor-core peak (FLOP/s, no sparsity) from the vendors' data sheets, for MFU.
 
@@ -57,6 +61,17 @@ def _f(default, help: str, **kw):
     return field(default=default, metadata={"help": help, **kw})
 
 
+# Checked by TrainConfig before anything runs. Integers: (min, max or None); floats: (lower bound, whether
+# it is allowed, exclusive upper bound or None). The seed feeds numpy's PCG64, which takes no negatives.
+_INT_RANGES = {"steps": (1, None), "batch_size": (1, None), "eval_interval": (1, None), "eval_tokens": (1, None),
+               "stop_after": (0, None), "warmup_steps": (0, None), "checkpoint_interval": (0, None),
+               "threads": (0, None), "keep_checkpoints": (1, None), "seed": (0, 2**63 - 1)}
+_FLOAT_RANGES = {"lr": (0.0, False, None), "min_lr": (0.0, True, None), "weight_decay": (0.0, True, None),
+                 "beta1": (0.0, True, 1.0), "beta2": (0.0, True, 1.0), "grad_clip": (0.0, True, None),
+                 "val_fraction": (0.0, False, 1.0), "peak_tflops": (0.0, True, None),
+                 "checkpoint_minutes": (0.0, True, None)}
+
+
 @dataclass
 class TrainConfig:
     """Everything about a run except the model's sizes (see :class:`moeblaze.model.ModelConfig`)."""
@@ -80,24 +95,32 @@ class TrainConfig:
     threads: int = _f(0, "CPU threads for torch (0 = all available cores)")
     eval_interval: int = _f(200, "evaluate validation bits-per-byte every this many steps")
     eval_tokens: int = _f(131072, "validation tokens per evaluation (evenly spaced windows)")
-    checkpoint_interval: int = _f(0, "also checkpoint every this many steps (0 = only at the end)")
+    checkpoint_interval: int = _f(200, "checkpoint every this many steps (0 = off; the end of the run, "
+                                  "SIGTERM and Ctrl-C always checkpoint)")
+    checkpoint_minutes: float = _f(30.0, "also checkpoint when this many minutes passed since the last one (0 = off)")
+    keep_checkpoints: int = _f(3, "keep the newest this many checkpoints (older ones are deleted)")
     val_fraction: float = _f(0.1, "share of files (or bytes, for a single file) held out for validation")
-    resume: bool = _f(False, "continue the run checkpointed in --out-dir")
+    resume: bool = _f(False, "continue the run checkpointed in --out-dir (from its newest complete checkpoint)")
+    overwrite: bool = _f(False, "start afresh in an --out-dir that holds checkpoints (deletes them)")
     progress: bool = _f(True, "show a progress bar")
     peak_tflops: float = _f(0.0, "GPU peak TFLOP/s for MFU (0 = look up the GPU's dense bf16 peak)")
 
     def __post_init__(self) -> None:
-        for name in ("steps", "batch_size", "eval_interval", "eval_tokens"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
-        for name in ("stop_after", "warmup_steps", "checkpoint_interval", "threads", "grad_clip",
-                     "weight_decay", "peak_tflops"):
-            if getattr(self, name) < 0:
-                raise ConfigError(f"{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
-        if not (self.lr > 0 and 0 <= self.min_lr <= self.lr):
-            raise ConfigError(f"need lr > 0 and 0 <= min-lr <= lr, got lr={self.lr}, min-lr={self.min_lr}")
-        if not (0 < self.val_fraction < 1):
-            raise ConfigError(f"val-fraction must be in (0, 1), got {self.val_fraction}")
+        for name, (lo, hi) in _INT_RANGES.items():
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < lo or (hi is not None and v > hi):
+                bound = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+                raise ConfigError(f"--{name.replace('_', '-')} must be an integer {bound}, got {v!r}")
+        for name, (lo, closed, hi) in _FLOAT_RANGES.items():
+            v = getattr(self, name)
+            ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+            if not (ok and (v >= lo if closed else v > lo) and (hi is None or v < hi)):
+                what = f"{'>=' if closed else '>'} {lo}" + (f" and < {hi}" if hi is not None else "")
+                raise ConfigError(f"--{name.replace('_', '-')} must be a finite number {what}, got {v!r}")
+        if self.min_lr > self.lr:
+            raise ConfigError(f"--min-lr must be <= --lr, got min-lr={self.min_lr}, lr={self.lr}")
+        if self.resume and self.overwrite:
+            raise ConfigError("--resume and --overwrite exclude each other")
 
 
 @dataclass
@@ -112,6 +135,8 @@ class TrainResult:
     moe_saved_bytes: int
     losses: list[float]
     mfu: float | None = None
+    status: str = "done"
+    checkpoint: str | None = None
 
 
 # ----------------------------------------------------------------------------- set-up
@@ -195,53 +220,102 @@ def evaluate(model: MoETransformer, data, cfg: TrainConfig, device: torch.device
 
 # ----------------------------------------------------------------------------- checkpoints
 
-def save_checkpoint(out_dir: str, model: MoETransformer, opt: torch.optim.Optimizer, step: int,
-                    cfg: TrainConfig) -> None:
-    """Write ``model.safetensors``, ``optimizer.pt`` and ``state.json`` (config, step, RNG) atomically."""
-    path = Path(out_dir)
-    path.mkdir(parents=True, exist_ok=True)
+def _encode_rng() -> dict:
     rng = {"torch": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode()}
     if torch.cuda.is_available():
         rng["cuda"] = [base64.b64encode(s.numpy().tobytes()).decode() for s in torch.cuda.get_rng_state_all()]
-    state = {"step": step, "model_config": asdict(model.cfg), "train_config": asdict(cfg), "rng": rng}
-    save_model(model, str(path / "model.safetensors.tmp"))
-    torch.save(opt.state_dict(), path / "optimizer.pt.tmp")
-    (path / "state.json.tmp").write_text(json.dumps(state, indent=1))
-    for name in ("model.safetensors", "optimizer.pt", "state.json"):  # state.json last: it marks completion
-        os.replace(path / f"{name}.tmp", path / name)
+    return rng
 
 
-def _read_state(out_dir: str) -> dict:
-    state_file = Path(out_dir) / "state.json"
-    if not state_file.is_file():
-        raise ConfigError(f"no checkpoint in {out_dir} (missing {state_file})")
-    return json.loads(state_file.read_text())
+def _restore_rng(rng: dict, device: torch.device) -> None:
+    torch.set_rng_state(torch.frombuffer(bytearray(base64.b64decode(rng["torch"])), dtype=torch.uint8))
+    if device.type == "cuda" and "cuda" in rng:
+        torch.cuda.set_rng_state_all([torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8)
+                                      for s in rng["cuda"]])
+
+
+def save_checkpoint(out_dir: str, model: MoETransformer, opt: torch.optim.Optimizer, step: int,
+                    cfg: TrainConfig) -> Path:
+    """Write the checkpoint of ``step`` atomically (:func:`moeblaze.checkpoint.save`): weights and AdamW
+    state through DCP, and ``state.json`` with the step, RNG state and both configurations; keeps the
+    newest ``cfg.keep_checkpoints``. Returns the checkpoint's folder."""
+    state = {"model_config": asdict(model.cfg), "train_config": asdict(cfg), "rng": _encode_rng()}
+    return checkpoint.save(out_dir, step, model, opt, state, keep=cfg.keep_checkpoints)
+
+
+def _checkpoint_folder(path: str) -> Path:
+    """``path`` itself when it is a checkpoint folder (holds a manifest), else the newest complete one under it."""
+    p = Path(path).expanduser()
+    if (p / checkpoint.MANIFEST).is_file():
+        return p
+    found = checkpoint.find_latest(p, warn=None)
+    if found is None:
+        legacy = " (an old-format checkpoint: model.safetensors; retrain it)" if (p / "state.json").is_file() else ""
+        raise ConfigError(f"no checkpoint in {path} (no complete checkpoints/step-* folder){legacy}")
+    return found
 
 
 def load_run_config(out_dir: str) -> tuple[TrainConfig, ModelConfig, int]:
-    """The configurations and step stored in the checkpoint at ``out_dir`` (raises :class:`ConfigError`)."""
-    state = _read_state(out_dir)
+    """Configurations and step of the newest complete checkpoint in ``out_dir`` (or of the checkpoint folder
+    ``out_dir``).
+
+    Raises:
+        ConfigError: no complete checkpoint. moeblaze.checkpoint.CheckpointError: it does not verify.
+    """
+    state = checkpoint.read_state(_checkpoint_folder(out_dir))
     known = {f.name for f in fields(TrainConfig)}
-    tcfg = TrainConfig(**{k: v for k, v in state["train_config"].items() if k in known})
-    return tcfg, ModelConfig(**state["model_config"]), int(state["step"])
+    try:
+        tcfg = TrainConfig(**{k: v for k, v in state["train_config"].items() if k in known})
+        return tcfg, ModelConfig(**state["model_config"]), int(state["step"])
+    except (KeyError, TypeError) as err:
+        raise ConfigError(f"{out_dir}: state.json lacks or mangles a field ({err})") from None
 
 
-def load_checkpoint(out_dir: str, model: MoETransformer, opt: torch.optim.Optimizer | None,
+def load_checkpoint(path: str | Path, model: MoETransformer, opt: torch.optim.Optimizer | None,
                     device: torch.device) -> int:
-    """Restore weights, optimizer state and RNG from ``out_dir``; returns the step to continue from."""
-    state = _read_state(out_dir)
-    if state["model_config"] != asdict(model.cfg):
-        diff = {k: (v, state["model_config"].get(k)) for k, v in asdict(model.cfg).items()
-                if state["model_config"].get(k) != v}
-        raise ConfigError(f"model config differs from the checkpoint in {out_dir} (now, saved): {diff}")
-    load_model(model, str(Path(out_dir) / "model.safetensors"), device=str(device))
-    if opt is not None:
-        opt.load_state_dict(torch.load(Path(out_dir) / "optimizer.pt", map_location=device, weights_only=True))
-    torch.set_rng_state(torch.frombuffer(bytearray(base64.b64decode(state["rng"]["torch"])), dtype=torch.uint8))
-    if device.type == "cuda" and "cuda" in state["rng"]:
-        torch.cuda.set_rng_state_all([torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8)
-                                      for s in state["rng"]["cuda"]])
+    """Restore weights, optimizer state and RNG from a checkpoint folder; returns the step to continue from.
+
+    Raises:
+        ConfigError: the checkpoint's model configuration differs from ``model.cfg``.
+        moeblaze.checkpoint.CheckpointError: the folder does not verify or cannot be loaded.
+    """
+    state = checkpoint.read_state(path)
+    if state.get("model_config") != asdict(model.cfg):
+        diff = {k: (v, state.get("model_config", {}).get(k)) for k, v in asdict(model.cfg).items()
+                if state.get("model_config", {}).get(k) != v}
+        raise ConfigError(f"model config differs from the checkpoint in {path} (now, saved): {diff}")
+    checkpoint.load(path, model, opt)
+    _restore_rng(state["rng"], device)
     return int(state["step"])
+
+
+def prepare_out_dir(cfg: TrainConfig, log=print) -> Path | None:
+    """Create ``--out-dir`` and prove it writable (a file written, fsynced, removed) before anything is built.
+
+    Returns:
+        The checkpoint folder to resume from (``cfg.resume``; newer ones that do not verify are named
+        through ``log`` and skipped), else None.
+
+    Raises:
+        ConfigError: not a directory or not writable; ``--resume`` with no complete checkpoint; a fresh run
+            into a directory holding checkpoints without ``--overwrite`` (with it, they are deleted).
+    """
+    out = Path(cfg.out_dir).expanduser()
+    problem = checkpoint.check_writable(out)
+    if problem:
+        raise ConfigError(f"--out-dir {cfg.out_dir} {problem}")
+    legacy = out / "state.json"
+    if cfg.resume:
+        found = checkpoint.find_latest(out, warn=lambda m: log(f"warning: {m}"))
+        return found if found is not None else _checkpoint_folder(str(out))  # the latter raises
+    if checkpoint.checkpoint_dirs(out) or legacy.is_file():
+        if not cfg.overwrite:
+            raise ConfigError(f"--out-dir {cfg.out_dir} holds a checkpoint of an earlier run; pass --resume to "
+                              "continue it, or --overwrite to delete it and start afresh")
+        shutil.rmtree(out / checkpoint.CHECKPOINTS)
+        for name in ("model.safetensors", "optimizer.pt", "state.json"):
+            (out / name).unlink(missing_ok=True)
+    return None
 
 
 # ----------------------------------------------------------------------------- training
@@ -255,49 +329,91 @@ def _describe(model: MoETransformer, mcfg: ModelConfig, cfg: TrainConfig, device
             f"device {device}, dtype {str(dtype).removeprefix('torch.')}, {threads} threads")
 
 
+class NonFiniteLossError(RuntimeError):
+    """Training stopped at a non-finite loss or gradient norm; the optimizer did not step on it."""
+
+
 def train_step(model: MoETransformer, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor, lr: float,
                grad_clip: float, counter: SavedTensorCounter | None = None) -> float:
     """One optimizer step on a batch ``x, y [B, seq]`` (int64 bytes); returns the cross-entropy (nats).
 
     The loss is cross-entropy plus the MoE layers' auxiliary losses; gradients are clipped to
     ``grad_clip`` (0: off). With ``counter``, the forward runs under it (bytes saved for backward).
-    Reading the loss synchronises, so step timings are honest on CUDA too.
+    Reading the losses synchronises (once), so step timings are honest on CUDA too.
+
+    Raises:
+        NonFiniteLossError: the LM loss, the auxiliary loss or the gradient norm is NaN or inf; raised
+            before ``opt.step()``, so the weights and the optimizer state are those of the previous step.
     """
     for group in opt.param_groups:
         group["lr"] = lr
     with counter if counter is not None else contextlib.nullcontext():
         logits = model(x)
     ce = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
-    (ce + aux_loss(model).to(x.device)).backward()
+    aux = aux_loss(model).to(x.device)
+    (ce + aux).backward()
+    params = [p for p in model.parameters() if p.grad is not None]
     if grad_clip > 0:
-        torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+        norm = torch.nn.utils.clip_grad_norm_(params, grad_clip)
+    else:
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+    values = torch.stack([ce.detach(), aux.detach().float(), norm.float().to(ce.device)]).tolist()
+    for name, v in zip(("LM loss (cross-entropy)", "auxiliary loss (router load-balancing + z-loss)",
+                        "gradient norm"), values):
+        if not math.isfinite(v):
+            opt.zero_grad(set_to_none=True)
+            raise NonFiniteLossError(f"{name} is {v}")
     opt.step()
     opt.zero_grad(set_to_none=True)
-    return ce.item()
+    return values[0]
+
+
+def _check_backend(mcfg: ModelConfig, device: torch.device) -> None:
+    if mcfg.backend == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ConfigError(f"--backend triton needs a CUDA device (--device is {device}); use --backend torch "
+                          "or auto, or set TRITON_INTERPRET=1 to run the kernels in Triton's (slow) CPU interpreter")
 
 
 def train(cfg: TrainConfig, model_cfg: ModelConfig | None = None, log=tqdm.write) -> TrainResult:
     """Train a :class:`MoETransformer` as configured; checkpoint to ``cfg.out_dir``.
 
+    Before anything is built, the device, backend and ``--out-dir`` are checked (created, written to, and
+    refused when it holds an earlier run's checkpoint unless ``cfg.resume`` or ``cfg.overwrite``).
+    Checkpoints (:mod:`moeblaze.checkpoint`) are written every ``checkpoint_interval`` steps, every
+    ``checkpoint_minutes``, at the end, and after the step during which SIGINT/SIGTERM arrived (then the
+    run stops with ``result.status`` "SIGINT"/"SIGTERM").
+
     Args:
-        cfg: the run. With ``cfg.resume`` the checkpoint in ``cfg.out_dir`` is continued; its model
-            configuration is used when ``model_cfg`` is None and must equal ``model_cfg`` otherwise.
+        cfg: the run. With ``cfg.resume`` the newest complete checkpoint in ``cfg.out_dir`` is continued; its
+            model configuration is used when ``model_cfg`` is None and must equal ``model_cfg`` otherwise.
         model_cfg: the model sizes (default :class:`ModelConfig`).
         log: where progress lines go (``tqdm.write`` by default: stdout, without breaking the bar).
 
     Returns:
-        A :class:`TrainResult` (final validation bits per byte, throughput, bytes saved, ...).
+        A :class:`TrainResult` (final validation bits per byte, throughput, bytes saved, status, ...).
 
     Raises:
-        ConfigError: bad device/dtype, nothing to resume, resume with a different model.
+        ConfigError: bad device/dtype/backend or out_dir, nothing to resume, resume with a different model.
         moeblaze.data.DataError: missing or unusable data.
+        moeblaze.checkpoint.CheckpointError: the checkpoint to resume cannot be loaded.
+        NonFiniteLossError: a non-finite loss; nothing is written, the last checkpoint stays as it was.
     """
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
-    threads = set_threads(cfg, device)
-    if cfg.resume and model_cfg is None:
-        model_cfg = load_run_config(cfg.out_dir)[1]
+    if model_cfg is not None:
+        _check_backend(model_cfg, device)
+    resume_from = prepare_out_dir(cfg, log)
+    if resume_from is not None:
+        saved_mcfg, saved_step = load_run_config(str(resume_from))[1:]
+        model_cfg = model_cfg or saved_mcfg
+        if saved_step >= cfg.steps:
+            log(f"the run in {cfg.out_dir} already finished: its checkpoint {resume_from.name} is at step "
+                f"{saved_step} of --steps {cfg.steps}; nothing to do (pass a larger --steps to train on)")
+            return TrainResult(saved_step, float("nan"), float("nan"), float("nan"), 0.0, 0, [],
+                               status="finished", checkpoint=str(resume_from))
     mcfg = model_cfg or ModelConfig()
+    _check_backend(mcfg, device)
+    threads = set_threads(cfg, device)
 
     t_load = time.perf_counter()
     corpus = load_corpus(cfg.data, cfg.val_fraction, min_bytes=max(1024, mcfg.seq_len + 2))
@@ -309,14 +425,36 @@ def train(cfg: TrainConfig, model_cfg: ModelConfig | None = None, log=tqdm.write
     torch.manual_seed(cfg.seed)
     model = MoETransformer(mcfg).to(device=device, dtype=dtype)
     opt = make_optimizer(model, cfg)
-    start = load_checkpoint(cfg.out_dir, model, opt, device) if cfg.resume else 0
+    start = load_checkpoint(resume_from, model, opt, device) if resume_from is not None else 0
     stop = min(cfg.steps, cfg.stop_after) if cfg.stop_after > 0 else cfg.steps
-    log(_describe(model, mcfg, cfg, device, dtype, threads) + (f"; resuming at step {start}" if start else ""))
+    log(_describe(model, mcfg, cfg, device, dtype, threads)
+        + (f"; resuming at step {start} from {resume_from}" if resume_from is not None else ""))
+    with checkpoint.StopOnSignal() as signals:
+        run = _loop(model, opt, corpus, cfg, mcfg, device, start, stop, signals, log)
+    val_bpb, losses, saved, tok_s, mfu, status, ckpt = run
+    if status != "done":
+        return TrainResult(start + len(losses), val_bpb, entropy, losses[-1] if losses else float("nan"), tok_s,
+                           saved, losses, mfu, status, ckpt)
+    log(f"done: step {stop}, val {val_bpb:.3f} bits/byte vs unigram {entropy:.3f}; "
+        f"{tok_s:,.0f} tokens/s; MoE saved {saved / 2**20:.2f} MiB/step; checkpoint {ckpt}")
+    if device.type == "cuda":
+        peak = gpu_peak_flops(device, cfg)
+        log(f"MFU: {100 * mfu:.1f}% of {peak / 1e12:.0f} TFLOP/s ({mcfg.train_flops_per_token() / 1e6:.2f} "
+            "MFLOP/token = 6 x active params + 12 x layers x d x seq)" if mfu is not None
+            else "MFU: unknown GPU peak; pass --peak-tflops")
+    return TrainResult(stop, val_bpb, entropy, losses[-1] if losses else float("nan"), tok_s, saved, losses, mfu,
+                       status, ckpt)
+
+
+def _loop(model, opt, corpus, cfg: TrainConfig, mcfg: ModelConfig, device, start: int, stop: int,
+          signals: checkpoint.StopOnSignal, log):
+    """Steps ``start..stop-1`` with evaluation and checkpoints; returns
+    ``(val_bpb, losses, saved bytes, tokens/s, mfu, status, last checkpoint folder)``."""
     peak = gpu_peak_flops(device, cfg)
     flops_per_token = mcfg.train_flops_per_token()
     tokens_per_step = cfg.batch_size * mcfg.seq_len
-
-    saved, losses, val_bpb, train_time, mfu = 0, [], float("nan"), 0.0, None
+    saved, losses, val_bpb, train_time, mfu, tok_s, ckpt = 0, [], float("nan"), 0.0, None, 0.0, None
+    last_save = time.monotonic()
     bar = tqdm(range(start, stop), initial=start, total=stop, disable=not cfg.progress, unit="step",
                dynamic_ncols=True, desc="train")
     for step in bar:
@@ -324,7 +462,13 @@ def train(cfg: TrainConfig, model_cfg: ModelConfig | None = None, log=tqdm.write
         x, y = (t.to(device) for t in get_batch(corpus.train, step, cfg.batch_size, mcfg.seq_len, cfg.seed))
         # measure once; the hooks pass tensors through, so results do not change
         counter = SavedTensorCounter(list(model.parameters())).track(model.moe_layers()) if step == start else None
-        losses.append(train_step(model, opt, x, y, lr_at(step, cfg), cfg.grad_clip, counter))
+        try:
+            losses.append(train_step(model, opt, x, y, lr_at(step, cfg), cfg.grad_clip, counter))
+        except NonFiniteLossError as err:
+            bar.close()
+            kept = checkpoint.find_latest(cfg.out_dir, warn=None)
+            raise NonFiniteLossError(f"step {step + 1}: {err}; stopped before the optimizer step, nothing written "
+                                     f"(last checkpoint: {kept or 'none'})") from None
         saved = counter.bytes if counter is not None else saved
         train_time += time.perf_counter() - t0
         tok_s = (step + 1 - start) * tokens_per_step / train_time
@@ -336,22 +480,25 @@ def train(cfg: TrainConfig, model_cfg: ModelConfig | None = None, log=tqdm.write
                 f"({saved / tokens_per_step:.0f} bytes/token, save={mcfg.save}; layer inputs included, "
                 "parameters excluded)")
         last = step + 1 == stop
-        if (step + 1) % cfg.eval_interval == 0 or last:
+        interrupted = checkpoint.agree(signals.signum is not None)
+        if not interrupted and ((step + 1) % cfg.eval_interval == 0 or last):
             val_bpb = evaluate(model, corpus.val, cfg, device)
-            log(f"step {step + 1}: train loss {losses[-1]:.3f}, val {val_bpb:.3f} bits/byte "
-                       f"(unigram {entropy:.3f}), {tok_s:,.0f} tok/s")
-        if last or (cfg.checkpoint_interval and (step + 1) % cfg.checkpoint_interval == 0):
-            save_checkpoint(cfg.out_dir, model, opt, step + 1, cfg)
+            log(f"step {step + 1}: train loss {losses[-1]:.3f}, val {val_bpb:.3f} bits/byte, {tok_s:,.0f} tok/s")
+        timed = checkpoint.agree(cfg.checkpoint_minutes > 0
+                                 and time.monotonic() - last_save >= 60 * cfg.checkpoint_minutes)
+        if (last or interrupted or timed
+                or (cfg.checkpoint_interval and (step + 1) % cfg.checkpoint_interval == 0)):
+            ckpt = save_checkpoint(cfg.out_dir, model, opt, step + 1, cfg)
+            last_save = time.monotonic()
+        if interrupted:
+            bar.close()
+            name = signal.Signals(signals.signum).name if signals.signum else "a signal on another rank"
+            log(f"stopped by {name} after step {step + 1}: checkpoint {ckpt} written; continue with "
+                f"`moeblaze train --resume --out-dir {cfg.out_dir}`")
+            return val_bpb, losses, saved, tok_s, mfu, name if signals.signum else "SIGTERM", str(ckpt)
     bar.close()
-
     tok_s = (stop - start) * tokens_per_step / train_time if train_time else 0.0
-    log(f"done: step {stop}, val {val_bpb:.3f} bits/byte vs unigram {entropy:.3f}; "
-        f"{tok_s:,.0f} tokens/s; MoE saved {saved / 2**20:.2f} MiB/step; checkpoint in {cfg.out_dir}")
-    if device.type == "cuda":
-        log(f"MFU: {100 * mfu:.1f}% of {peak / 1e12:.0f} TFLOP/s ({flops_per_token / 1e6:.2f} MFLOP/token = "
-            "6 x active params + 12 x layers x d x seq)" if mfu is not None
-            else "MFU: unknown GPU peak; pass --peak-tflops")
-    return TrainResult(stop, val_bpb, entropy, losses[-1] if losses else float("nan"), tok_s, saved, losses, mfu)
+    return val_bpb, losses, saved, tok_s, mfu, "done", str(ckpt)
 
 
 def sample(checkpoint: str, prompt: str = "\n", max_new_tokens: int = 256, temperature: float = 0.8,
@@ -370,9 +517,10 @@ def sample(checkpoint: str, prompt: str = "\n", max_new_tokens: int = 256, tempe
         ConfigError: no checkpoint in ``checkpoint`` or a bad device.
     """
     dev = resolve_device(device)
-    _, mcfg, _ = load_run_config(checkpoint)
+    folder = _checkpoint_folder(checkpoint)
+    _, mcfg, _ = load_run_config(str(folder))
     model = MoETransformer(mcfg)
-    load_model(model, str(Path(checkpoint) / "model.safetensors"))
+    _load_state(folder, model)
     model.to(dev).eval()
     data = (prompt or "\n").encode("utf-8")
     idx = torch.tensor([list(data)], dtype=torch.long, device=dev)

@@ -1,0 +1,412 @@
+"""Atomic, verified training checkpoints for one process or many ranks (``torch.distributed.checkpoint``).
+
+Layout under a run's ``out_dir``::
+
+    checkpoints/step-000600/        one complete checkpoint (the step is in the name)
+        .metadata, __0_0.distcp ...  model + optimizer state, written by DCP (one file per rank)
+        state.json                   step, RNG state, run and model configuration (rank 0)
+        manifest.json                step, and the size and SHA-256 of every other file (rank 0, written last)
+    checkpoints/latest              the name of the newest checkpoint (a pointer for people and tools)
+
+Write protocol (:func:`save`): everything goes into ``checkpoints/.step-000600.tmp/``; every file is
+fsynced; ``manifest.json`` is written and fsynced last; the folder is renamed to ``step-000600`` (one
+atomic ``rename``) and its parent fsynced; ``latest`` is replaced atomically (write a temporary file,
+fsync, ``os.replace``, fsync the folder); then checkpoints beyond the newest ``keep`` are deleted.
+A process killed at any point leaves either no new ``step-*`` folder or a complete one, and the older
+checkpoints untouched.
+
+Why a manifest on top of DCP: DCP writes its ``.metadata`` last (pickled to ``.metadata.tmp``, fsynced,
+renamed; ``FileSystemWriter.finish`` in torch 2.13), so a ``.metadata`` means every rank finished its
+shard files. But DCP neither fsyncs the folder nor checks the shard files' sizes or contents when it
+loads, and it knows nothing of our ``state.json``. The manifest makes a truncated or corrupted file, or
+parts of two different steps, a named error instead of wrong weights.
+
+Loading (:func:`find_latest`, :func:`load`): the newest ``step-*`` folder whose manifest verifies is used
+(the ``latest`` pointer is not trusted: a kill between the rename and the pointer update leaves it one
+checkpoint behind); a folder that does not verify is named with its bad file and problem in a warning
+and skipped, so the previous complete checkpoint is used.
+
+Rank contract (``torch.distributed`` initialised, FSDP2 or expert-parallel models): **every rank**
+calls :func:`save`, :func:`find_latest` and :func:`load` with the same arguments, at the same step.
+Rank 0 alone creates and renames the folder, writes ``state.json``/``manifest.json``/``latest`` and
+deletes old checkpoints; every rank writes its own DCP shard file(s) through
+``get_state_dict``/``set_state_dict`` (which gather/scatter sharded parameters themselves); barriers
+separate the phases. ``out_dir`` must be one filesystem shared by all ranks (DCP's own requirement).
+:func:`find_latest` verifies on rank 0 and broadcasts the choice; :func:`agree` turns a per-rank flag
+(a signal seen, a time limit reached) into one decision so that all ranks checkpoint together.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import re
+import shutil
+import signal
+import sys
+import tempfile
+import threading
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
+
+__all__ = ["CheckpointError", "StopOnSignal", "agree", "check_writable", "checkpoint_dirs", "find_latest", "load",
+           "read_state", "save", "verify"]
+
+CHECKPOINTS = "checkpoints"
+LATEST = "latest"
+MANIFEST = "manifest.json"
+STATE = "state.json"
+FORMAT = 1
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+_CHUNK = 1 << 24  # bytes hashed per read (16 MiB)
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that is missing, incomplete or corrupt; the message names the file and the problem."""
+
+
+# ----------------------------------------------------------------------------- file operations
+# Every change the writer makes to the filesystem goes through one of these functions (and the DCP
+# shard write through _dcp_save), so a test can stop the process right after the i-th of them.
+
+def _mkdir(path: Path) -> None:
+    path.mkdir(parents=True, exist_ok=True)
+
+
+def _write_file(path: Path, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+
+
+def _fsync(path: Path) -> None:
+    """fsync a file, or a folder (so that a rename or a new entry in it is durable)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _rename(src: Path, dst: Path) -> None:
+    os.replace(src, dst)
+
+
+def _remove_tree(path: Path) -> None:
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def _dcp_save(state: dict, path: Path) -> None:
+    with _single_process_quiet():
+        dcp.save(state, checkpoint_id=str(path), no_dist=not _distributed())
+
+
+@contextlib.contextmanager
+def _single_process_quiet():
+    """DCP warns on every single-process save/load that it assumes one process: that is the intent here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+# ----------------------------------------------------------------------------- ranks
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _rank() -> int:
+    return dist.get_rank() if _distributed() else 0
+
+
+def _barrier() -> None:
+    if _distributed():
+        dist.barrier()
+
+
+def _broadcast(obj: Any) -> Any:
+    """Rank 0's ``obj`` on every rank."""
+    if not _distributed():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def agree(flag: bool) -> bool:
+    """True on every rank when ``flag`` is true on any rank (an all-reduce of one int; ``flag`` alone in
+    a single process). Call it on all ranks at the same point of the loop."""
+    if not _distributed():
+        return bool(flag)
+    t = torch.tensor([int(bool(flag))], device="cuda" if dist.get_backend() == "nccl" else "cpu")
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
+
+
+# ----------------------------------------------------------------------------- writing
+
+def step_dir_name(step: int) -> str:
+    """``step-000600``: zero-padded so that names sort by step."""
+    return f"step-{step:06d}"
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def save(out_dir: str | os.PathLike, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+         state: dict, keep: int) -> Path:
+    """Write the checkpoint of ``step`` atomically (protocol in the module docstring); returns its folder.
+
+    Args:
+        out_dir: the run's folder (``checkpoints/`` is made under it).
+        step: optimizer steps taken so far (>= 0).
+        model, optimizer: saved through ``get_state_dict`` + DCP (sharded models: every rank's shards).
+        state: JSON-serialisable run state (RNG, configurations); stored with ``"step"`` in ``state.json``.
+        keep: how many newest checkpoints to keep (>= 1); older ones are deleted after this one is current.
+
+    Raises:
+        OSError: the filesystem refused a write (the previous checkpoints are left as they were).
+    """
+    if keep < 1:
+        raise ValueError(f"keep must be >= 1, got {keep}")
+    root = Path(out_dir) / CHECKPOINTS
+    final, tmp = root / step_dir_name(step), root / f".{step_dir_name(step)}.tmp"
+    if _rank() == 0:
+        _mkdir(root)
+        if tmp.exists():  # left by a process killed while writing this step
+            _remove_tree(tmp)
+        _mkdir(tmp)
+    _barrier()
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    _dcp_save({"model": model_sd, "optim": optim_sd}, tmp)  # collective; DCP's .metadata comes last
+    if _rank() == 0:
+        _write_file(tmp / STATE, json.dumps({"step": step, **state}, indent=1).encode())
+        files = sorted(p for p in tmp.iterdir() if p.is_file())
+        for p in files:
+            _fsync(p)
+        manifest = {"format": FORMAT, "step": step,
+                    "files": {p.name: {"size": p.stat().st_size, "sha256": _sha256(p)} for p in files}}
+        _write_file(tmp / MANIFEST, json.dumps(manifest, indent=1).encode())
+        _fsync(tmp / MANIFEST)
+        _fsync(tmp)
+        if final.exists():  # a checkpoint of this step that did not verify (resume went back past it)
+            _remove_tree(final)
+        _rename(tmp, final)
+        _fsync(root)
+        _write_file(root / f".{LATEST}.tmp", (final.name + "\n").encode())
+        _fsync(root / f".{LATEST}.tmp")
+        _rename(root / f".{LATEST}.tmp", root / LATEST)
+        _fsync(root)
+        for old in _to_prune(out_dir, step, keep):
+            _remove_tree(old)
+    _barrier()
+    return final
+
+
+def _to_prune(out_dir: str | os.PathLike, step: int, keep: int) -> list[Path]:
+    """All but the ``keep`` newest checkpoints up to ``step``, and every one after it (left by a run that
+    resumed from an older checkpoint because these did not verify: they must not shadow the new ones)."""
+    dirs = checkpoint_dirs(out_dir)
+    older = [p for p in dirs if _step_of(p) <= step]
+    return older[:-keep] + [p for p in dirs if _step_of(p) > step]
+
+
+def _step_of(path: Path) -> int:
+    return int(_STEP_DIR.match(path.name).group(1))
+
+
+# ----------------------------------------------------------------------------- reading
+
+def checkpoint_dirs(out_dir: str | os.PathLike) -> list[Path]:
+    """The ``checkpoints/step-*`` folders of ``out_dir``, oldest first (not verified)."""
+    root = Path(out_dir) / CHECKPOINTS
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_DIR.match(p.name)) and p.is_dir()]
+    return [p for _, p in sorted(found)]
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: missing") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise CheckpointError(f"{path}: unreadable ({type(err).__name__}: {err})") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path}: expected a JSON object, got {type(data).__name__}")
+    return data
+
+
+def verify(path: str | os.PathLike) -> dict:
+    """Check a checkpoint folder against its manifest; returns its ``state.json`` contents.
+
+    Checks: ``manifest.json`` parses and names this folder's step; every listed file exists with the
+    listed size and SHA-256; DCP's ``.metadata`` and ``state.json`` are among them; ``state.json``
+    holds the same step.
+
+    Raises:
+        CheckpointError: the first problem found, naming the file.
+    """
+    path = Path(path)
+    manifest = _read_json(path / MANIFEST)
+    m = _STEP_DIR.match(path.name)
+    files = manifest.get("files")
+    if manifest.get("format") != FORMAT or not isinstance(files, dict) or not m:
+        raise CheckpointError(f"{path / MANIFEST}: not a moeblaze checkpoint manifest (format {FORMAT})")
+    if manifest.get("step") != int(m.group(1)):
+        raise CheckpointError(f"{path / MANIFEST}: step {manifest.get('step')} does not match the folder name")
+    for name in (".metadata", STATE):
+        if name not in files:
+            raise CheckpointError(f"{path / MANIFEST}: does not list {name}")
+    for name, info in files.items():
+        f = path / name
+        if not f.is_file():
+            raise CheckpointError(f"{f}: missing")
+        if f.stat().st_size != info.get("size"):
+            raise CheckpointError(f"{f}: {f.stat().st_size} bytes, the manifest says {info.get('size')}")
+        if _sha256(f) != info.get("sha256"):
+            raise CheckpointError(f"{f}: contents differ from the manifest's SHA-256 (corrupt)")
+    state = _read_json(path / STATE)
+    if state.get("step") != manifest["step"]:
+        raise CheckpointError(f"{path / STATE}: step {state.get('step')}, the manifest says {manifest['step']}")
+    return state
+
+
+def _warn(message: str) -> None:
+    warnings.warn(message, stacklevel=3)
+
+
+def find_latest(out_dir: str | os.PathLike, warn: Callable[[str], None] | None = _warn) -> Path | None:
+    """The newest checkpoint folder of ``out_dir`` that verifies, or None when there is none.
+
+    A newer folder that fails :func:`verify` is skipped, and ``warn`` (default: a ``UserWarning``; None:
+    silent) gets a line naming the file and the problem. Collective when distributed: rank 0 verifies, all
+    ranks get its answer.
+    """
+    chosen = None
+    if _rank() == 0:
+        for path in reversed(checkpoint_dirs(out_dir)):
+            try:
+                verify(path)
+            except CheckpointError as err:
+                if warn is not None:
+                    warn(f"skipping checkpoint {path.name}, using an older one: {err}")
+                continue
+            chosen = str(path)
+            break
+    chosen = _broadcast(chosen)
+    return Path(chosen) if chosen is not None else None
+
+
+def read_state(path: str | os.PathLike) -> dict:
+    """``state.json`` of a checkpoint folder (step, RNG state, configurations), verified against the manifest.
+
+    Raises:
+        CheckpointError: as :func:`verify`.
+    """
+    return verify(path)
+
+
+def _check_finite(model: torch.nn.Module, path: Path) -> None:
+    for name, p in model.named_parameters():
+        if p.is_floating_point() and not bool(torch.isfinite(p).all()):
+            raise CheckpointError(f"{path}: parameter {name} holds non-finite values (NaN or inf)")
+
+
+def load(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
+    """Load a checkpoint folder's weights (and optimizer state when ``optimizer`` is given) in place.
+
+    The model (and optimizer) must be built as when saving; a sharded model may be sharded differently
+    (DCP reshards). Call on every rank.
+
+    Raises:
+        CheckpointError: DCP cannot read the folder, or a loaded parameter is not finite.
+    """
+    path = Path(path)
+    try:
+        if optimizer is None:
+            sd = {"model": get_model_state_dict(model)}
+            with _single_process_quiet():
+                dcp.load(sd, checkpoint_id=str(path), no_dist=not _distributed())
+            set_model_state_dict(model, sd["model"])
+        else:
+            model_sd, optim_sd = get_state_dict(model, optimizer)
+            sd = {"model": model_sd, "optim": optim_sd}
+            with _single_process_quiet():
+                dcp.load(sd, checkpoint_id=str(path), no_dist=not _distributed())
+            set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+    except (RuntimeError, ValueError, KeyError, OSError) as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise CheckpointError(f"{path}: cannot load model/optimizer state ({first})") from None
+    _check_finite(model, path)
+
+
+# ----------------------------------------------------------------------------- run guards
+
+def check_writable(out_dir: str | os.PathLike) -> str | None:
+    """Create ``out_dir`` and write, fsync and delete a file in it; returns None, or what is wrong in words
+    (to be prefixed with the folder's name: "exists and is not a directory", "is not writable: ...")."""
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        return "exists and is not a directory"
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=out, prefix=".write-test-") as f:
+            f.write(b"moeblaze")
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as err:
+        return f"is not writable: {err.strerror or err}"
+    return None
+
+
+class StopOnSignal:
+    """While active, the first SIGINT or SIGTERM only sets ``signum``: the loop finishes its step, writes a
+    checkpoint and stops. The handlers in place before are then restored, so a second Ctrl-C raises
+    KeyboardInterrupt at once and a second SIGTERM terminates. Signal handlers can only be set in the main
+    thread; elsewhere this does nothing."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self._old: dict = {}
+
+    def __enter__(self) -> StopOnSignal:
+        if threading.current_thread() is threading.main_thread():
+            self._old = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
+        return self
+
+    def _handle(self, signum, frame) -> None:
+        self.signum = signum
+        self._restore()
+        sys.stderr.write(f"moeblaze train: {signal.Signals(signum).name} received: finishing this step, then "
+                         "writing a checkpoint (Ctrl-C again to exit at once, without one)\n")
+        sys.stderr.flush()
+
+    def _restore(self) -> None:
+        for s, handler in self._old.items():
+            signal.signal(s, handler)
+        self._old = {}
+
+    def __exit__(self, *exc) -> None:
+        self._restore()
