@@ -69,7 +69,8 @@ def _walk(root: Path, suffix: str | None) -> list[Path]:
         dirnames[:] = sorted(d for d in dirnames if d not in _SKIP_DIRS and not d.startswith("."))
         files += [Path(dirpath) / f for f in sorted(filenames)
                   if (suffix is None or f.endswith(suffix)) and not f.startswith(".")]
-    return sorted(files)
+    # regular files only: reading a FIFO blocks until a writer comes, a device may never end
+    return sorted(f for f in files if f.is_file())
 
 
 def _split_files(root: Path, files: list[Path], val_fraction: float, text_only: bool) -> Corpus:
@@ -107,7 +108,8 @@ def load_corpus(path: str | None = None, val_fraction: float = 0.1, min_bytes: i
         A :class:`Corpus` of uint8 arrays.
 
     Raises:
-        DataError: the path does not exist, is not readable, or holds too little text.
+        DataError: the path does not exist, is not readable, is a single file that is not text or not a
+            regular file, or holds too little text. Directories: only regular text files are read.
     """
     if not 0.0 < val_fraction < 1.0:
         raise DataError(f"val_fraction must be in (0, 1), got {val_fraction}")
@@ -122,10 +124,14 @@ def load_corpus(path: str | None = None, val_fraction: float = 0.1, min_bytes: i
         if p.is_dir():
             corpus = _split_files(p, _walk(p, None), val_fraction, text_only=True)
         else:
+            if not p.is_file():
+                raise DataError(f"--data {path} is neither a regular file nor a directory (a FIFO or device?)")
             try:
                 raw = p.read_bytes()
             except OSError as err:
                 raise DataError(f"cannot read --data file {path}: {err.strerror}") from None
+            if not _is_text(raw):
+                raise DataError(f"--data file {path} is not text (NUL bytes or invalid UTF-8 in its first 8 KiB)")
             corpus = _split_bytes(raw, f"{p} (split by position)", 1, val_fraction)
     for name, arr in (("training", corpus.train), ("validation", corpus.val)):
         if len(arr) < min_bytes:

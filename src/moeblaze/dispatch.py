@@ -35,12 +35,12 @@ per-expert counts, an exclusive prefix sum, per-expert ranks from a running one-
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import torch
 
 __all__ = ["DispatchIndex", "TileSchedule", "build_dispatch", "build_dispatch_torch", "build_tile_schedule_torch",
-           "check_topk_ids", "with_schedule"]
+           "check_index_matches", "check_topk_ids", "with_schedule"]
 
 # One-hot rank chunks are kept at <= 2**24 int32 elements (64 MiB) so the PyTorch build stays
 # O(N) in memory at any T*E instead of materialising the paper's full [N, E] map.
@@ -79,6 +79,11 @@ class DispatchIndex:
         token_index_map: ``[T, K]`` int32, pair (t, k) -> slot.
         num_experts: E.
         schedule: the grouped-GEMM tile schedule when the build was asked for one (``block_m``).
+        built_from: ``(topk_ids, its version counter)`` recorded by :func:`build_dispatch` (None for an
+            index built by hand or inside ``torch.compile``). :func:`moeblaze.moe_experts` accepts the index
+            with that same, unmodified ``topk_ids`` tensor at no cost, compares the values (one host
+            synchronisation) for any other ids tensor, and refuses an index whose routing differs.
+            Unrecorded indices are the caller's contract: they must come from the ``topk_ids`` passed.
     """
 
     expert_token_offsets: torch.Tensor
@@ -87,6 +92,7 @@ class DispatchIndex:
     token_index_map: torch.Tensor
     num_experts: int
     schedule: TileSchedule | None = None
+    built_from: tuple[torch.Tensor, int | None] | None = field(default=None, repr=False, compare=False)
 
     @property
     def num_tokens(self) -> int:
@@ -230,6 +236,7 @@ def with_schedule(index: DispatchIndex, block_m: int) -> DispatchIndex:
 
     One small launch on CUDA (``kernels.dispatch.tile_schedule``), PyTorch ops elsewhere.
     """
+    _check_block_m(block_m)
     if index.schedule is not None and index.schedule.block_m == block_m:
         return index
     off, N = index.expert_token_offsets, index.num_pairs
@@ -239,7 +246,7 @@ def with_schedule(index: DispatchIndex, block_m: int) -> DispatchIndex:
         sched = TileSchedule(block_m, *tile_schedule(off, block_m, N))
     else:
         sched = build_tile_schedule_torch(off, N, block_m)
-    return DispatchIndex(*index.tensors(), index.num_experts, sched)
+    return DispatchIndex(*index.tensors(), index.num_experts, sched, index.built_from)
 
 
 def build_dispatch(topk_ids: torch.Tensor, num_experts: int, validate: bool = True,
@@ -264,16 +271,49 @@ def build_dispatch(topk_ids: torch.Tensor, num_experts: int, validate: bool = Tr
         when ``block_m`` is given.
 
     Raises:
-        TypeError, ValueError: see :func:`check_topk_ids`.
+        TypeError, ValueError: see :func:`check_topk_ids`; ``block_m`` not a positive int.
     """
     check_topk_ids(topk_ids, num_experts, check_range=validate)
+    if block_m is not None:
+        _check_block_m(block_m)
     if topk_ids.is_cuda and _triton_dispatch_available():
         from .kernels.dispatch import MAX_EXPERTS, MAX_TOP_K, build_dispatch_triton
 
         if num_experts <= MAX_EXPERTS and topk_ids.shape[1] <= MAX_TOP_K:  # within the kernels' register tiles
-            return build_dispatch_triton(topk_ids, num_experts, block_m=block_m)
+            return _record_source(build_dispatch_triton(topk_ids, num_experts, block_m=block_m), topk_ids)
     index = build_dispatch_torch(topk_ids, num_experts)
-    return index if block_m is None else with_schedule(index, block_m)
+    return _record_source(index if block_m is None else with_schedule(index, block_m), topk_ids)
+
+
+def _check_block_m(block_m) -> None:
+    if not isinstance(block_m, int) or isinstance(block_m, bool) or block_m < 1:
+        raise ValueError(f"block_m must be a positive int (slots per M-tile), got {block_m!r}")
+
+
+def _record_source(index: DispatchIndex, topk_ids: torch.Tensor) -> DispatchIndex:
+    """``index`` remembering the ids tensor and its version (see ``DispatchIndex.built_from``); not under
+    ``torch.compile``, where the check is skipped anyway."""
+    if torch.compiler.is_compiling():
+        return index
+    return replace(index, built_from=(topk_ids, None if topk_ids.is_inference() else topk_ids._version))
+
+
+def check_index_matches(index: DispatchIndex, topk_ids: torch.Tensor) -> None:
+    """Raise ``ValueError`` when ``index`` was recorded as built from ids other than ``topk_ids`` [T, K].
+
+    Free for the tensor the index was built from, unmodified; one comparison (a host synchronisation)
+    for another tensor or one modified in place since. Skipped for unrecorded indices and under
+    ``torch.compile``.
+    """
+    if index.built_from is None or torch.compiler.is_compiling():
+        return
+    ids, version = index.built_from
+    if ids is topk_ids and (version is None or topk_ids._version == version):
+        return
+    if not torch.equal(index.token_expert_indices, topk_ids.to(device=index.token_expert_indices.device,
+                                                                dtype=torch.int32)):
+        raise ValueError("index was built from other topk_ids than the ones passed (or they were modified in "
+                         "place since build_dispatch); build it from these topk_ids")
 
 
 def _triton_dispatch_available() -> bool:

@@ -15,7 +15,7 @@ import torch
 
 from . import ops_torch
 from .activations import check_activation, is_gated
-from .dispatch import DispatchIndex, TileSchedule, build_dispatch, with_schedule
+from .dispatch import DispatchIndex, TileSchedule, build_dispatch, check_index_matches, with_schedule
 
 __all__ = ["moe_experts", "schedule_block_m", "SAVE_MODES", "BACKENDS"]
 
@@ -134,6 +134,10 @@ def _select_ops(backend: str, x: torch.Tensor) -> ModuleType:
     if not x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError(f"backend='triton' needs CUDA tensors (x is on {x.device}); use backend='torch' "
                          "or set TRITON_INTERPRET=1 to run the kernels in Triton's CPU interpreter")
+    if x.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1":
+        # Triton's CPU interpreter computes bf16 tl.dot wrongly (outputs near 5e9 instead of O(1)).
+        raise ValueError("backend='triton' under TRITON_INTERPRET=1 cannot run bfloat16 x (Triton's interpreter "
+                         "computes bf16 dot products wrongly); use float16/float32, or backend='torch'")
     from .kernels import experts as ops_triton
 
     return ops_triton
@@ -156,14 +160,7 @@ def _check_inputs(x, topk_ids, topk_weights, w1, w2, activation, save) -> None:
     T, d = x.shape
     if w1.dim() != 3 or w2.dim() != 3:
         raise ValueError(f"w_gate_up and w_down must be rank 3, got {tuple(w1.shape)} and {tuple(w2.shape)}")
-    E, h = w2.shape[0], w2.shape[2]
-    rows = 2 * h if is_gated(activation) else h
-    if tuple(w1.shape) != (E, rows, d):
-        name = "w_gate_up [E, 2h, d]" if is_gated(activation) else "w_up [E, h, d]"
-        raise ValueError(f"{name} for activation {activation!r} must have shape {(E, rows, d)} "
-                         f"(from w_down {tuple(w2.shape)} and x {tuple(x.shape)}), got {tuple(w1.shape)}")
-    if w2.shape[1] != d:
-        raise ValueError(f"w_down must have shape [E, d={d}, h], got {tuple(w2.shape)}")
+    _check_weight_shapes(x, w1, w2, activation)
     if topk_ids.dim() != 2 or topk_ids.shape[0] != T:
         raise ValueError(f"topk_ids must have shape [T={T}, K], got {tuple(topk_ids.shape)}")
     if tuple(topk_weights.shape) != tuple(topk_ids.shape) or not topk_weights.is_floating_point():
@@ -176,6 +173,28 @@ def _check_inputs(x, topk_ids, topk_weights, w1, w2, activation, save) -> None:
                     ("w_down", w2)):
         if t.device != x.device:
             raise ValueError(f"{name} is on {t.device}; expected x's device {x.device}")
+
+
+def _check_weight_shapes(x, w1, w2, activation) -> None:
+    """Name the tensor that is actually wrong: x when both weights agree on another d, else the weight."""
+    d = x.shape[1]
+    w1_name = "w_gate_up [E, 2h, d]" if is_gated(activation) else "w_up [E, h, d]"
+    if w1.shape[2] != d and w2.shape[1] != d and w1.shape[2] == w2.shape[1]:
+        raise ValueError(f"x must have shape [T, d={w1.shape[2]}] (the d of w_gate_up and w_down), "
+                         f"got {tuple(x.shape)}")
+    if w1.shape[2] != d:
+        raise ValueError(f"{w1_name} must have last dimension d={d} (from x and w_down), got {tuple(w1.shape)}")
+    if w2.shape[1] != d:
+        raise ValueError(f"w_down [E, d, h] must have d={d} (from x and {w1_name.split()[0]}) in dimension 1, "
+                         f"got {tuple(w2.shape)}")
+    E, rows = w1.shape[0], w1.shape[1]
+    h = rows // 2 if is_gated(activation) else rows
+    if is_gated(activation) and rows % 2:
+        raise ValueError(f"{w1_name} for activation {activation!r} needs an even number of rows (2h), "
+                         f"got {tuple(w1.shape)}")
+    if tuple(w2.shape) != (E, d, h):
+        raise ValueError(f"w_down [E, d, h] must have shape {(E, d, h)} to match {w1_name} {tuple(w1.shape)} "
+                         f"(activation {activation!r}), got {tuple(w2.shape)}")
 
 
 def moe_experts(
@@ -208,13 +227,16 @@ def moe_experts(
             up-projection in backward (+4Ndh FLOPs).
         backend: ``"auto"`` (Triton on CUDA for fp16/bf16/fp32, else PyTorch; env
             ``MOEBLAZE_BACKEND=torch|triton`` overrides), ``"torch"`` or ``"triton"``.
-        index: a prebuilt :class:`DispatchIndex` of ``topk_ids`` (built here when ``None``).
+        index: a prebuilt :class:`DispatchIndex` of ``topk_ids`` (built here when ``None``). One from
+            :func:`build_dispatch` is checked to come from these ``topk_ids`` (free for the same, unmodified
+            tensor; see ``DispatchIndex.built_from``).
 
     Returns:
         ``[T, d]`` tensor in ``x.dtype``.
 
     Raises:
-        ValueError: bad shapes, devices, activation, save mode or backend; ids out of range.
+        ValueError: bad shapes, devices, activation, save mode or backend; ids out of range; an index built
+            from other ids; bfloat16 on the Triton backend under ``TRITON_INTERPRET=1``.
         TypeError: dtype mismatch between ``x`` and the weights, or non-integer ``topk_ids``.
     """
     _check_inputs(x, topk_ids, topk_weights, w_gate_up, w_down, activation, save)
@@ -224,6 +246,8 @@ def moe_experts(
     elif index.num_experts != E or tuple(index.token_index_map.shape) != tuple(topk_ids.shape):
         raise ValueError(f"index was built for E={index.num_experts}, [T, K]={tuple(index.token_index_map.shape)}; "
                          f"expected E={E}, [T, K]={tuple(topk_ids.shape)}")
+    else:
+        check_index_matches(index, topk_ids)
     ops = _select_ops(backend, x)
     bm = _schedule_block_m(ops)
     if bm is not None:  # the grouped GEMMs' tile schedule, built once for the four ops (if not with the index)

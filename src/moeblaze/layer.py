@@ -86,7 +86,7 @@ class MoE(nn.Module):
         Raises:
             ValueError: the last dimension of ``x`` is not d.
         """
-        if x.shape[-1] != self.d_model:
+        if x.dim() == 0 or x.shape[-1] != self.d_model:
             raise ValueError(f"MoE input must have last dimension d_model={self.d_model}, got {tuple(x.shape)}")
         shape = x.shape
         x2 = x.reshape(-1, self.d_model)

@@ -139,7 +139,8 @@ class Router(nn.Module):
     Shapes: input ``[T, d]`` (any float dtype), weight ``[E, d]``.
 
     Raises:
-        ValueError: bad ``top_k``, ``score_func`` or a wrong input shape.
+        ValueError: bad ``top_k``, ``score_func``, a loss coefficient that is not a finite number >= 0, or a
+            wrong input shape.
     """
 
     def __init__(self, d_model: int, num_experts: int, top_k: int, score_func: str = "softmax",
@@ -153,6 +154,9 @@ class Router(nn.Module):
             raise ValueError(f"score_func must be one of {SCORE_FUNCS}, got {score_func!r}")
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"top_k must be in [1, num_experts={num_experts}], got {top_k}")
+        for name, v in (("aux_loss_coef", aux_loss_coef), ("z_loss_coef", z_loss_coef)):
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+                raise ValueError(f"{name} must be a finite number >= 0, got {v!r}")
         self.d_model, self.num_experts, self.top_k = d_model, num_experts, top_k
         self.score_func = score_func
         self.renormalize = (score_func == "sigmoid") if renormalize is None else renormalize
