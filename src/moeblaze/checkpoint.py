@@ -64,7 +64,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 __all__ = ["CheckpointError", "StopOnSignal", "agree", "check_writable", "checkpoint_dirs", "find_latest", "load",
-           "read_state", "save", "verify"]
+           "read_state", "save", "tidy", "verify"]
 
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"
@@ -82,6 +82,9 @@ class CheckpointError(ValueError):
 # ----------------------------------------------------------------------------- file operations
 # Every change the writer makes to the filesystem goes through one of these functions (and the DCP
 # shard write through _dcp_save), so a test can stop the process right after the i-th of them.
+
+FILE_OPS = ("_mkdir", "_write_file", "_fsync", "_rename", "_remove_tree", "_dcp_save")
+
 
 def _mkdir(path: Path) -> None:
     path.mkdir(parents=True, exist_ok=True)
@@ -309,12 +312,31 @@ def find_latest(out_dir: str | os.PathLike, warn: Callable[[str], None] | None =
                 verify(path)
             except CheckpointError as err:
                 if warn is not None:
-                    warn(f"skipping checkpoint {path.name}, using an older one: {err}")
+                    warn(f"checkpoint {path.name} is not usable: {err}")
                 continue
             chosen = str(path)
             break
     chosen = _broadcast(chosen)
     return Path(chosen) if chosen is not None else None
+
+
+def tidy(out_dir: str | os.PathLike, newest: Path | None) -> None:
+    """Remove what a killed writer left (``.step-*.tmp`` folders, ``.latest.tmp``) and point ``latest`` at
+    ``newest`` (what :func:`find_latest` chose) if a kill came between its rename and the pointer update.
+    Call on every rank (rank 0 acts) before training resumes."""
+    root = Path(out_dir) / CHECKPOINTS
+    if _rank() == 0 and root.is_dir():
+        for p in root.iterdir():
+            if p.name.startswith(".step-") and p.name.endswith(".tmp"):
+                _remove_tree(p)
+        (root / f".{LATEST}.tmp").unlink(missing_ok=True)
+        pointer = root / LATEST
+        if newest is not None and (not pointer.is_file() or pointer.read_text().strip() != newest.name):
+            _write_file(root / f".{LATEST}.tmp", (newest.name + "\n").encode())
+            _fsync(root / f".{LATEST}.tmp")
+            _rename(root / f".{LATEST}.tmp", pointer)
+            _fsync(root)
+    _barrier()
 
 
 def read_state(path: str | os.PathLike) -> dict:

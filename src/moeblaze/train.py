@@ -248,8 +248,11 @@ def _checkpoint_folder(path: str) -> Path:
     p = Path(path).expanduser()
     if (p / checkpoint.MANIFEST).is_file():
         return p
-    found = checkpoint.find_latest(p, warn=None)
+    problems: list[str] = []
+    found = checkpoint.find_latest(p, warn=problems.append)
     if found is None:
+        if problems:
+            raise ConfigError(f"no usable checkpoint in {path}: {problems[0]}")
         legacy = " (an old-format checkpoint: model.safetensors; retrain it)" if (p / "state.json").is_file() else ""
         raise ConfigError(f"no checkpoint in {path} (no complete checkpoints/step-* folder){legacy}")
     return found
@@ -306,8 +309,11 @@ def prepare_out_dir(cfg: TrainConfig, log=print) -> Path | None:
         raise ConfigError(f"--out-dir {cfg.out_dir} {problem}")
     legacy = out / "state.json"
     if cfg.resume:
-        found = checkpoint.find_latest(out, warn=lambda m: log(f"warning: {m}"))
-        return found if found is not None else _checkpoint_folder(str(out))  # the latter raises
+        found = checkpoint.find_latest(out, warn=lambda m: log(f"warning: {m}; trying the previous one"))
+        if found is None:
+            _checkpoint_folder(str(out))  # raises, naming what is wrong
+        checkpoint.tidy(out, found)
+        return found
     if checkpoint.checkpoint_dirs(out) or legacy.is_file():
         if not cfg.overwrite:
             raise ConfigError(f"--out-dir {cfg.out_dir} holds a checkpoint of an earlier run; pass --resume to "
