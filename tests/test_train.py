@@ -11,13 +11,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from safetensors.torch import load_file
 
+from moeblaze import checkpoint
 from moeblaze.cli import main
 from moeblaze.data import DataError, eval_windows, get_batch, load_corpus, unigram_entropy
 from moeblaze.memory import SavedTensorCounter, saved_bytes
 from moeblaze.model import ModelConfig, MoETransformer
-from moeblaze.train import TrainConfig, sample, train
+from moeblaze.train import TrainConfig, load_run_config, make_optimizer, sample, train
 
 TINY = ["--seq-len", "32", "--d-model", "32", "--n-layers", "1", "--n-heads", "2", "--d-ff", "32",
         "--num-experts", "4", "--top-k", "2", "--batch-size", "8", "--eval-tokens", "512",
@@ -149,7 +149,8 @@ def test_training_loss_falls(text_file, tmp_path):
     assert last < first - 1.0, (first, last)
     assert result.val_bpb < result.unigram_bpb + 0.5 and math.isfinite(result.val_bpb)
     assert result.moe_saved_bytes > 0 and result.tokens_per_s > 0
-    assert (tmp_path / "model.safetensors").is_file() and (tmp_path / "state.json").is_file()
+    assert result.status == "done" and result.checkpoint.endswith("step-000060")
+    assert checkpoint.find_latest(tmp_path).name == "step-000060"
 
 
 def test_resume_is_bitwise_identical(text_file, tmp_path):
@@ -157,17 +158,24 @@ def test_resume_is_bitwise_identical(text_file, tmp_path):
     common = ["train", "--data", str(text_file), "--steps", "8", "--eval-interval", "3", *TINY]
     assert run_cli(*common, "--out-dir", str(full)) == 0
     assert run_cli(*common, "--out-dir", str(split), "--stop-after", "4") == 0
-    assert '"step": 4' in (split / "state.json").read_text()
+    assert checkpoint.read_state(checkpoint.find_latest(split))["step"] == 4
     assert run_cli("train", "--resume", "--out-dir", str(split), "--no-progress") == 0
-    a, b = load_file(full / "model.safetensors"), load_file(split / "model.safetensors")
-    assert a.keys() == b.keys()
-    for k in a:
-        assert torch.equal(a[k], b[k]), k
-    oa = torch.load(full / "optimizer.pt", weights_only=True)["state"]
-    ob = torch.load(split / "optimizer.pt", weights_only=True)["state"]
+    (ma, oa), (mb, ob) = _load_final(full), _load_final(split)
+    assert ma.keys() == mb.keys()
+    for k in ma:
+        assert torch.equal(ma[k], mb[k]), k
     for i in oa:
         for k in oa[i]:
             assert torch.equal(oa[i][k], ob[i][k]), (i, k)
+
+
+def _load_final(out_dir: Path) -> tuple[dict, dict]:
+    """Weights and AdamW state of the newest checkpoint in ``out_dir``."""
+    tcfg, mcfg, _ = load_run_config(str(out_dir))
+    model = MoETransformer(mcfg)
+    opt = make_optimizer(model, tcfg)
+    checkpoint.load(checkpoint.find_latest(out_dir), model, opt)
+    return model.state_dict(), opt.state_dict()["state"]
 
 
 def test_sample_from_checkpoint(text_file, tmp_path, capsys):

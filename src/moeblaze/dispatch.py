@@ -81,8 +81,9 @@ class DispatchIndex:
         schedule: the grouped-GEMM tile schedule when the build was asked for one (``block_m``).
         built_from: ``(topk_ids, its version counter)`` recorded by :func:`build_dispatch` (None for an
             index built by hand or inside ``torch.compile``). :func:`moeblaze.moe_experts` accepts the index
-            with that same, unmodified ``topk_ids`` tensor at no cost, compares the values (one host
-            synchronisation) for any other ids tensor, and refuses an index whose routing differs.
+            with that same, unmodified ``topk_ids`` tensor at no cost, refuses it when that tensor was
+            modified in place since, compares the values (one host synchronisation) for any other ids
+            tensor, and refuses an index whose routing differs.
             Unrecorded indices are the caller's contract: they must come from the ``topk_ids`` passed.
     """
 
@@ -301,19 +302,21 @@ def _record_source(index: DispatchIndex, topk_ids: torch.Tensor) -> DispatchInde
 def check_index_matches(index: DispatchIndex, topk_ids: torch.Tensor) -> None:
     """Raise ``ValueError`` when ``index`` was recorded as built from ids other than ``topk_ids`` [T, K].
 
-    Free for the tensor the index was built from, unmodified; one comparison (a host synchronisation)
-    for another tensor or one modified in place since. Skipped for unrecorded indices and under
+    Free for the tensor the index was built from, unmodified (modified in place since: refused); one
+    comparison (a host synchronisation) for another tensor. Skipped for unrecorded indices and under
     ``torch.compile``.
     """
     if index.built_from is None or torch.compiler.is_compiling():
         return
     ids, version = index.built_from
-    if ids is topk_ids and (version is None or topk_ids._version == version):
-        return
+    if ids is topk_ids:
+        if version is None or topk_ids._version == version:
+            return
+        # int32 ids are not copied by the build: the index may alias them, so a comparison proves nothing
+        raise ValueError("topk_ids was modified in place after build_dispatch built index from it; rebuild the index")
     if not torch.equal(index.token_expert_indices, topk_ids.to(device=index.token_expert_indices.device,
                                                                 dtype=torch.int32)):
-        raise ValueError("index was built from other topk_ids than the ones passed (or they were modified in "
-                         "place since build_dispatch); build it from these topk_ids")
+        raise ValueError("index was built from other topk_ids than the ones passed; build it from these topk_ids")
 
 
 def _triton_dispatch_available() -> bool:

@@ -1,0 +1,182 @@
+"""Every bad input of issue 28 gets a one-line error naming the argument (or file), before anything runs."""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import pytest
+import torch
+
+from moeblaze import MoE, build_dispatch, moe_experts
+from moeblaze.cli import main
+from moeblaze.data import DataError, load_corpus
+
+
+def run_cli(*args: str) -> int:
+    with pytest.raises(SystemExit) as exc:
+        main(list(args))
+    return exc.value.code
+
+
+@pytest.fixture(scope="module")
+def text_file(tmp_path_factory) -> Path:
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    path = tmp_path_factory.mktemp("data") / "corpus.py"
+    path.write_bytes((stdlib / "textwrap.py").read_bytes() + (stdlib / "string.py").read_bytes())
+    return path
+
+
+# ----------------------------------------------------------------------------- flags
+
+BAD_FLAGS = [
+    (["--lr", "inf"], "--lr"),
+    (["--lr", "nan"], "--lr"),
+    (["--min-lr", "0.1", "--lr", "0.01"], "--min-lr"),
+    (["--weight-decay", "nan"], "--weight-decay"),
+    (["--beta1", "2.0"], "--beta1"),
+    (["--beta2", "-0.5"], "--beta2"),
+    (["--grad-clip", "inf"], "--grad-clip"),
+    (["--seed", "-1"], "--seed"),
+    (["--val-fraction", "1.5"], "--val-fraction"),
+    (["--checkpoint-minutes", "nan"], "--checkpoint-minutes"),
+    (["--checkpoint-interval", "-3"], "--checkpoint-interval"),
+    (["--keep-checkpoints", "0"], "--keep-checkpoints"),
+    (["--peak-tflops", "inf"], "--peak-tflops"),
+    (["--rope-base", "0"], "rope_base"),
+    (["--rope-base", "nan"], "rope_base"),
+    (["--vocab-size", "100"], "vocab_size"),
+    (["--aux-loss-coef", "-0.01"], "aux_loss_coef"),
+    (["--z-loss-coef", "inf"], "z_loss_coef"),
+    (["--resume", "--overwrite"], "--overwrite"),
+]
+
+
+@pytest.mark.parametrize("flags,name", BAD_FLAGS, ids=[" ".join(f) for f, _ in BAD_FLAGS])
+def test_bad_flag_is_a_one_line_error_before_anything_runs(flags, name, tmp_path, capsys):
+    out = tmp_path / "out"
+    assert run_cli("train", *flags, "--out-dir", str(out), "--no-progress") == 2
+    captured = capsys.readouterr()
+    assert captured.err.count("\n") == 1 and name in captured.err, captured.err
+    assert captured.out == "" and not out.exists()  # nothing loaded, built or created
+
+
+def test_backend_triton_on_cpu_is_a_clear_error(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert run_cli("train", "--backend", "triton", "--device", "cpu", "--out-dir", str(tmp_path)) == 2
+    captured = capsys.readouterr()
+    assert captured.err.count("\n") == 1 and "--backend triton" in captured.err and captured.out == ""
+
+
+@pytest.mark.parametrize("kind", ["a file", "under a file", "read-only filesystem"])
+def test_unwritable_out_dir_fails_before_training(kind, tmp_path, text_file, capsys):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    out = {"a file": blocker, "under a file": blocker / "out", "read-only filesystem": Path("/proc/moeblaze-out")}
+    assert run_cli("train", "--data", str(text_file), "--out-dir", str(out[kind]), "--no-progress") == 2
+    captured = capsys.readouterr()
+    assert captured.err.count("\n") == 1 and str(out[kind]) in captured.err and "--out-dir" in captured.err
+    assert "data:" not in captured.out  # stopped before the data was loaded and the model built
+
+
+# ----------------------------------------------------------------------------- data
+
+def test_data_folder_skips_fifos_and_other_non_regular_files(tmp_path):
+    """Run in a subprocess with a timeout: reading a FIFO would block forever."""
+    for i in range(12):
+        (tmp_path / f"f{i:02d}.txt").write_bytes(b"hello world %d\n" % i * 200)
+    os.mkfifo(tmp_path / "pipe.txt")
+    code = f"from moeblaze.data import load_corpus; print(load_corpus({str(tmp_path)!r}, 0.2).num_files)"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip() == "12", proc.stderr
+
+
+def test_data_fifo_or_binary_file_is_refused(tmp_path):
+    os.mkfifo(tmp_path / "pipe")
+    with pytest.raises(DataError, match="pipe.*neither a regular file nor a directory"):
+        load_corpus(str(tmp_path / "pipe"))
+    (tmp_path / "blob.bin").write_bytes(bytes(range(256)) * 100)
+    with pytest.raises(DataError, match="blob.bin is not text"):
+        load_corpus(str(tmp_path / "blob.bin"))
+
+
+# ----------------------------------------------------------------------------- Python API
+
+def _experts_inputs(T=12, d=8, h=6, E=4, K=2, dtype=torch.float32):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(T, d, generator=g, dtype=dtype)
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]).to(torch.int32)
+    w = torch.rand(T, K, generator=g)
+    w1 = torch.randn(E, 2 * h, d, generator=g, dtype=dtype) * 0.3
+    w2 = torch.randn(E, d, h, generator=g, dtype=dtype) * 0.3
+    return x, ids, w, w1, w2
+
+
+def _other_ids():
+    x, ids, w, w1, w2 = _experts_inputs()
+    return moe_experts(x, ids, w, w1, w2, backend="torch", index=build_dispatch((ids + 1) % 4, 4))
+
+
+def _modified_in_place():
+    x, ids, w, w1, w2 = _experts_inputs()
+    index = build_dispatch(ids, 4)
+    ids[0] = ids[0].flip(0)
+    return moe_experts(x, ids, w, w1, w2, backend="torch", index=index)
+
+
+def _bf16_interpreted():
+    x, ids, w, w1, w2 = _experts_inputs(dtype=torch.bfloat16)
+    os.environ["TRITON_INTERPRET"] = "1"
+    return moe_experts(x, ids, w, w1, w2, backend="triton")
+
+
+def _wrong_x():
+    x, ids, w, w1, w2 = _experts_inputs()
+    return moe_experts(x[:, :7], ids, w, w1, w2, backend="torch")
+
+
+def _wrong_w_down(shape):
+    x, ids, w, w1, _ = _experts_inputs()
+    return moe_experts(x, ids, w, w1, torch.randn(*shape), backend="torch")
+
+
+API_CASES = {
+    "index from other ids": (_other_ids, "index was built from other topk_ids"),
+    "ids modified after the index": (_modified_in_place, "topk_ids was modified in place"),
+    "block_m 2.5": (lambda: build_dispatch(torch.tensor([[0, 1]] * 5), 4, block_m=2.5), "block_m"),
+    "block_m 0": (lambda: build_dispatch(torch.tensor([[0, 1]] * 5), 4, block_m=0), "block_m"),
+    "bf16 under TRITON_INTERPRET": (_bf16_interpreted, "TRITON_INTERPRET"),
+    "wrong last dim of x": (_wrong_x, "x must have shape [T, d=8]"),
+    "w_down wrong d": (lambda: _wrong_w_down((4, 9, 6)), "w_down"),
+    "w_down wrong h": (lambda: _wrong_w_down((4, 8, 5)), "w_down"),
+    "w_down wrong E": (lambda: _wrong_w_down((3, 8, 6)), "w_down"),
+    "aux_loss_coef str": (lambda: MoE(8, 6, 4, 2, aux_loss_coef="0.01"), "aux_loss_coef"),
+    "aux_loss_coef negative": (lambda: MoE(8, 6, 4, 2, aux_loss_coef=-0.1), "aux_loss_coef"),
+    "z_loss_coef nan": (lambda: MoE(8, 6, 4, 2, z_loss_coef=math.nan), "z_loss_coef"),
+    "0-d input": (lambda: MoE(8, 6, 4, 2)(torch.tensor(1.0)), "MoE input"),
+}
+
+
+@pytest.mark.parametrize("case", list(API_CASES))
+def test_bad_api_input_is_a_one_line_error_naming_the_argument(case, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", os.environ.get("TRITON_INTERPRET", "0"))  # restored afterwards
+    fn, message = API_CASES[case]
+    with pytest.raises((ValueError, TypeError)) as exc:
+        fn()
+    assert message in str(exc.value) and "\n" not in str(exc.value), str(exc.value)
+
+
+def test_index_check_accepts_the_same_routing():
+    """Free for the ids tensor the index was built from; a different tensor with the same ids also passes."""
+    x, ids, w, w1, w2 = _experts_inputs()
+    expected = moe_experts(x, ids, w, w1, w2, backend="torch")
+    for same in (ids, ids.clone().long()):
+        out = moe_experts(x, same, w, w1, w2, backend="torch", index=build_dispatch(ids, 4, block_m=4))
+        torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    with torch.inference_mode():
+        frozen = ids.clone()
+        moe_experts(x, frozen, w, w1, w2, backend="torch", index=build_dispatch(frozen, 4))
