@@ -368,3 +368,102 @@ def test_non_finite_loss_stops_without_writing(which, small_text, tmp_path, monk
 
 def test_agree_without_a_process_group_is_the_local_flag():
     assert checkpoint.agree(True) is True and checkpoint.agree(False) is False
+
+
+# ----------------------------------------------------------------------------- ranks
+
+DIST_HELPER = r'''
+import json, multiprocessing, sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from moeblaze import checkpoint
+
+root = Path(sys.argv[1])
+
+
+def build():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    return model, opt
+
+
+def rank_main(rank):
+    dist.init_process_group("gloo", init_method=f"file://{root}/store", rank=rank, world_size=2)
+    torch.set_num_threads(1)
+    model, opt = build()
+    model(torch.ones(4, 8)).sum().backward()
+    opt.step()
+    checkpoint.save(root / "run", 1, model, opt, {"note": "two ranks"}, keep=1)
+    found = checkpoint.find_latest(root / "run")
+    fresh, fresh_opt = build()
+    checkpoint.load(found, fresh, fresh_opt)
+    same = all(torch.equal(a, b) for a, b in zip(model.parameters(), fresh.parameters()))
+    stop = checkpoint.agree(rank == 1)
+    dist.destroy_process_group()
+    sys.exit(0 if same and stop and found.name == "step-000001" else 3)
+
+
+ctx = multiprocessing.get_context("fork")
+procs = [ctx.Process(target=rank_main, args=(r,)) for r in range(2)]
+for p in procs:
+    p.start()
+for p in procs:
+    p.join(120)
+codes = [p.exitcode if not p.is_alive() else "timeout" for p in procs]
+for p in procs:
+    if p.is_alive():
+        p.kill()
+# one process, no process group: the same checkpoint loads and holds the weights every rank had
+model, opt = build()
+model(torch.ones(4, 8)).sum().backward()
+opt.step()
+fresh, fresh_opt = build()
+path = checkpoint.find_latest(root / "run")
+checkpoint.load(path, fresh, fresh_opt)
+same = all(torch.equal(a, b) for a, b in zip(model.parameters(), fresh.parameters()))
+steps = [s["step"].item() for s in fresh_opt.state_dict()["state"].values()]
+print(json.dumps({"codes": codes, "single_process_same": same, "steps": steps,
+                  "state": checkpoint.read_state(path)}))
+'''
+
+
+def test_two_ranks_save_and_one_process_loads(tmp_path):
+    """The rank contract on 2 gloo ranks: both call save/find_latest/load/agree; rank 0 alone writes the
+    manifest; the checkpoint then loads in a single process without a process group."""
+    proc = subprocess.run([sys.executable, "-c", DIST_HELPER, str(tmp_path)], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["codes"] == [0, 0] and result["single_process_same"], result
+    assert result["steps"] == [1.0] * 4 and result["state"] == {"step": 1, "note": "two ranks"}
+
+
+@pytest.mark.gpu
+def test_gpu_bf16_checkpoint_round_trip_and_resume(small_text, tmp_path):
+    """On CUDA (bf16 parameters, Triton backend): a checkpoint loads back exactly (weights, AdamW state,
+    CUDA RNG), and a run stopped at step 2 resumes to the end."""
+    argv = ["train", "--data", str(small_text), "--steps", "4", "--device", "cuda", "--backend", "triton",
+            "--out-dir", str(tmp_path), *MICRO]
+    assert run_cli(*argv, "--stop-after", "2") == 0
+    path = checkpoint.find_latest(tmp_path)
+    tcfg, mcfg, step = load_run_config(str(tmp_path))
+    assert step == 2 and path.name == "step-000002"
+    model = MoETransformer(mcfg).to(device="cuda", dtype=torch.bfloat16)
+    opt = make_optimizer(model, tcfg)
+    checkpoint.load(path, model, opt)
+    copy_dir = tmp_path / "copy"
+    checkpoint.save(copy_dir, 2, model, opt, {"note": "round trip"}, keep=1)
+    again = MoETransformer(mcfg).to(device="cuda", dtype=torch.bfloat16)
+    again_opt = make_optimizer(again, tcfg)
+    checkpoint.load(checkpoint.find_latest(copy_dir), again, again_opt)
+    for (name, a), b in zip(model.state_dict().items(), again.state_dict().values()):
+        assert a.dtype == torch.bfloat16 and a.is_cuda and torch.equal(a, b), name
+    for i, s in opt.state_dict()["state"].items():
+        for k, v in s.items():
+            assert torch.equal(v, again_opt.state_dict()["state"][i][k]), (i, k)
+    assert run_cli("train", "--resume", "--out-dir", str(tmp_path), "--no-progress") == 0
+    assert checkpoint.find_latest(tmp_path).name == "step-000004"

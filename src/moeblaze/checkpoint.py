@@ -38,6 +38,7 @@ separate the phases. ``out_dir`` must be one filesystem shared by all ranks (DCP
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import hashlib
 import json
@@ -63,8 +64,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-__all__ = ["CheckpointError", "StopOnSignal", "agree", "check_writable", "checkpoint_dirs", "find_latest", "load",
-           "read_state", "save", "tidy", "verify"]
+__all__ = ["CheckpointError", "StopOnSignal", "agree", "check_writable", "checkpoint_dirs", "clear", "find_latest",
+           "load", "read_state", "resolve", "rng_state", "save", "set_rng_state", "tidy", "verify"]
 
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"
@@ -320,6 +321,13 @@ def find_latest(out_dir: str | os.PathLike, warn: Callable[[str], None] | None =
     return Path(chosen) if chosen is not None else None
 
 
+def clear(out_dir: str | os.PathLike) -> None:
+    """Delete every checkpoint of ``out_dir`` (``--overwrite``). Call on every rank (rank 0 deletes)."""
+    if _rank() == 0:
+        _remove_tree(Path(out_dir) / CHECKPOINTS)
+    _barrier()
+
+
 def tidy(out_dir: str | os.PathLike, newest: Path | None) -> None:
     """Remove what a killed writer left (``.step-*.tmp`` folders, ``.latest.tmp``) and point ``latest`` at
     ``newest`` (what :func:`find_latest` chose) if a kill came between its rename and the pointer update.
@@ -339,13 +347,55 @@ def tidy(out_dir: str | os.PathLike, newest: Path | None) -> None:
     _barrier()
 
 
-def read_state(path: str | os.PathLike) -> dict:
-    """``state.json`` of a checkpoint folder (step, RNG state, configurations), verified against the manifest.
+def read_state(path: str | os.PathLike, check: bool = True) -> dict:
+    """``state.json`` of a checkpoint folder (step, RNG state, configurations), verified against the manifest
+    (``check=False``: only parsed, for a folder just verified; verifying hashes every file).
 
     Raises:
         CheckpointError: as :func:`verify`.
     """
-    return verify(path)
+    if check:
+        return verify(path)
+    state = _read_json(Path(path) / STATE)
+    if not isinstance(state.get("step"), int):
+        raise CheckpointError(f"{Path(path) / STATE}: no integer step")
+    return state
+
+
+def resolve(path: str | os.PathLike) -> Path:
+    """``path`` itself when it is a checkpoint folder (holds a manifest), else the newest one under it that
+    verifies (as :func:`find_latest`).
+
+    Raises:
+        CheckpointError: none verifies (naming the newest one's bad file), or there is none.
+    """
+    p = Path(path).expanduser()
+    if (p / MANIFEST).is_file():
+        return p
+    problems: list[str] = []
+    found = find_latest(p, warn=problems.append)
+    if found is not None:
+        return found
+    if problems:
+        raise CheckpointError(f"no usable checkpoint in {path}: {problems[0]}")
+    legacy = " (an old-format checkpoint: model.safetensors; retrain it)" if (p / "state.json").is_file() else ""
+    raise CheckpointError(f"no checkpoint in {path} (no complete {CHECKPOINTS}/step-* folder){legacy}")
+
+
+def rng_state() -> dict:
+    """The CPU (and every CUDA device's) RNG state, base64-encoded for JSON."""
+    rng = {"torch": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode()}
+    if torch.cuda.is_available():
+        rng["cuda"] = [base64.b64encode(s.numpy().tobytes()).decode() for s in torch.cuda.get_rng_state_all()]
+    return rng
+
+
+def set_rng_state(rng: dict, device: torch.device) -> None:
+    """Restore what :func:`rng_state` returned (CUDA states only when ``device`` is a CUDA device)."""
+    torch.set_rng_state(torch.frombuffer(bytearray(base64.b64decode(rng["torch"])), dtype=torch.uint8))
+    if device.type == "cuda" and "cuda" in rng:
+        torch.cuda.set_rng_state_all([torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8)
+                                      for s in rng["cuda"]])
 
 
 def _check_finite(model: torch.nn.Module, path: Path) -> None:

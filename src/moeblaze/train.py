@@ -13,11 +13,9 @@ bitwise on CPU — also when the first run was stopped by SIGTERM/Ctrl-C or kill
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import math
 import os
-import shutil
 import signal
 import time
 from dataclasses import asdict, dataclass, field, fields
@@ -29,6 +27,7 @@ from tqdm import tqdm
 
 from . import checkpoint
 from .checkpoint import load as _load_state
+from .checkpoint import resolve as resolve_checkpoint
 from .data import eval_windows, get_batch, load_corpus, unigram_entropy
 from .layer import aux_loss
 from .memory import SavedTensorCounter
@@ -220,42 +219,13 @@ def evaluate(model: MoETransformer, data, cfg: TrainConfig, device: torch.device
 
 # ----------------------------------------------------------------------------- checkpoints
 
-def _encode_rng() -> dict:
-    rng = {"torch": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode()}
-    if torch.cuda.is_available():
-        rng["cuda"] = [base64.b64encode(s.numpy().tobytes()).decode() for s in torch.cuda.get_rng_state_all()]
-    return rng
-
-
-def _restore_rng(rng: dict, device: torch.device) -> None:
-    torch.set_rng_state(torch.frombuffer(bytearray(base64.b64decode(rng["torch"])), dtype=torch.uint8))
-    if device.type == "cuda" and "cuda" in rng:
-        torch.cuda.set_rng_state_all([torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8)
-                                      for s in rng["cuda"]])
-
-
 def save_checkpoint(out_dir: str, model: MoETransformer, opt: torch.optim.Optimizer, step: int,
                     cfg: TrainConfig) -> Path:
     """Write the checkpoint of ``step`` atomically (:func:`moeblaze.checkpoint.save`): weights and AdamW
     state through DCP, and ``state.json`` with the step, RNG state and both configurations; keeps the
     newest ``cfg.keep_checkpoints``. Returns the checkpoint's folder."""
-    state = {"model_config": asdict(model.cfg), "train_config": asdict(cfg), "rng": _encode_rng()}
+    state = {"model_config": asdict(model.cfg), "train_config": asdict(cfg), "rng": checkpoint.rng_state()}
     return checkpoint.save(out_dir, step, model, opt, state, keep=cfg.keep_checkpoints)
-
-
-def _checkpoint_folder(path: str) -> Path:
-    """``path`` itself when it is a checkpoint folder (holds a manifest), else the newest complete one under it."""
-    p = Path(path).expanduser()
-    if (p / checkpoint.MANIFEST).is_file():
-        return p
-    problems: list[str] = []
-    found = checkpoint.find_latest(p, warn=problems.append)
-    if found is None:
-        if problems:
-            raise ConfigError(f"no usable checkpoint in {path}: {problems[0]}")
-        legacy = " (an old-format checkpoint: model.safetensors; retrain it)" if (p / "state.json").is_file() else ""
-        raise ConfigError(f"no checkpoint in {path} (no complete checkpoints/step-* folder){legacy}")
-    return found
 
 
 def load_run_config(out_dir: str) -> tuple[TrainConfig, ModelConfig, int]:
@@ -263,9 +233,10 @@ def load_run_config(out_dir: str) -> tuple[TrainConfig, ModelConfig, int]:
     ``out_dir``).
 
     Raises:
-        ConfigError: no complete checkpoint. moeblaze.checkpoint.CheckpointError: it does not verify.
+        moeblaze.checkpoint.CheckpointError: no checkpoint, or none that verifies (naming the file).
+        ConfigError: its ``state.json`` lacks a configuration field.
     """
-    state = checkpoint.read_state(_checkpoint_folder(out_dir))
+    state = checkpoint.read_state(checkpoint.resolve(out_dir))
     known = {f.name for f in fields(TrainConfig)}
     try:
         tcfg = TrainConfig(**{k: v for k, v in state["train_config"].items() if k in known})
@@ -276,19 +247,20 @@ def load_run_config(out_dir: str) -> tuple[TrainConfig, ModelConfig, int]:
 
 def load_checkpoint(path: str | Path, model: MoETransformer, opt: torch.optim.Optimizer | None,
                     device: torch.device) -> int:
-    """Restore weights, optimizer state and RNG from a checkpoint folder; returns the step to continue from.
+    """Restore weights, optimizer state and RNG from a checkpoint folder that :func:`moeblaze.checkpoint.verify`
+    accepted (as :func:`moeblaze.checkpoint.find_latest` returns it); returns the step to continue from.
 
     Raises:
         ConfigError: the checkpoint's model configuration differs from ``model.cfg``.
-        moeblaze.checkpoint.CheckpointError: the folder does not verify or cannot be loaded.
+        moeblaze.checkpoint.CheckpointError: the folder cannot be loaded or holds non-finite weights.
     """
-    state = checkpoint.read_state(path)
+    state = checkpoint.read_state(path, check=False)
     if state.get("model_config") != asdict(model.cfg):
         diff = {k: (v, state.get("model_config", {}).get(k)) for k, v in asdict(model.cfg).items()
                 if state.get("model_config", {}).get(k) != v}
         raise ConfigError(f"model config differs from the checkpoint in {path} (now, saved): {diff}")
     checkpoint.load(path, model, opt)
-    _restore_rng(state["rng"], device)
+    checkpoint.set_rng_state(state["rng"], device)
     return int(state["step"])
 
 
@@ -311,14 +283,14 @@ def prepare_out_dir(cfg: TrainConfig, log=print) -> Path | None:
     if cfg.resume:
         found = checkpoint.find_latest(out, warn=lambda m: log(f"warning: {m}; trying the previous one"))
         if found is None:
-            _checkpoint_folder(str(out))  # raises, naming what is wrong
+            checkpoint.resolve(out)  # raises, naming what is wrong
         checkpoint.tidy(out, found)
         return found
     if checkpoint.checkpoint_dirs(out) or legacy.is_file():
         if not cfg.overwrite:
             raise ConfigError(f"--out-dir {cfg.out_dir} holds a checkpoint of an earlier run; pass --resume to "
                               "continue it, or --overwrite to delete it and start afresh")
-        shutil.rmtree(out / checkpoint.CHECKPOINTS)
+        checkpoint.clear(out)
         for name in ("model.safetensors", "optimizer.pt", "state.json"):
             (out / name).unlink(missing_ok=True)
     return None
@@ -410,7 +382,8 @@ def train(cfg: TrainConfig, model_cfg: ModelConfig | None = None, log=tqdm.write
         _check_backend(model_cfg, device)
     resume_from = prepare_out_dir(cfg, log)
     if resume_from is not None:
-        saved_mcfg, saved_step = load_run_config(str(resume_from))[1:]
+        state = checkpoint.read_state(resume_from, check=False)  # verified by prepare_out_dir
+        saved_mcfg, saved_step = ModelConfig(**state["model_config"]), int(state["step"])
         model_cfg = model_cfg or saved_mcfg
         if saved_step >= cfg.steps:
             log(f"the run in {cfg.out_dir} already finished: its checkpoint {resume_from.name} is at step "
@@ -512,7 +485,8 @@ def sample(checkpoint: str, prompt: str = "\n", max_new_tokens: int = 256, tempe
     """Generate text from a checkpoint directory written by :func:`train`.
 
     Args:
-        checkpoint: the run's ``out_dir``. prompt: UTF-8 text to continue (empty means ``"\\n"``).
+        checkpoint: the run's ``out_dir`` (its newest complete checkpoint is used) or one ``step-*`` folder.
+        prompt: UTF-8 text to continue (empty means ``"\\n"``).
         max_new_tokens: bytes to generate. temperature: ``<= 0`` for greedy. top_k: keep the k likeliest bytes.
         seed: seed of the sampler. device: as ``--device``.
 
@@ -520,10 +494,10 @@ def sample(checkpoint: str, prompt: str = "\n", max_new_tokens: int = 256, tempe
         The prompt followed by the generated bytes, decoded as UTF-8 (invalid bytes replaced).
 
     Raises:
-        ConfigError: no checkpoint in ``checkpoint`` or a bad device.
+        ConfigError: a bad device. moeblaze.checkpoint.CheckpointError: no usable checkpoint.
     """
     dev = resolve_device(device)
-    folder = _checkpoint_folder(checkpoint)
+    folder = resolve_checkpoint(checkpoint)
     _, mcfg, _ = load_run_config(str(folder))
     model = MoETransformer(mcfg)
     _load_state(folder, model)
