@@ -51,7 +51,7 @@ for stage in "$@"; do
       tar -czf "$FINAL/quack_cache.tgz" -C "$QUACK_CACHE_DIR" . ;;
     train)
       for b in ${TRAIN_BACKENDS:-torch triton}; do
-        run "train_$b" timeout "${TRAIN_TIMEOUT:-600}" python3 -m moeblaze.cli train --device cuda --backend "$b" --no-progress --out-dir "/tmp/run_$b"
+        run "train_$b" timeout "${TRAIN_TIMEOUT:-600}" python3 -m moeblaze.cli train --device cuda --backend "$b" --no-progress --overwrite --out-dir "/tmp/run_$b"
       done ;;
     *) echo "unknown stage $stage"; status=2 ;;
   esac

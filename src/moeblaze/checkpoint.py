@@ -202,7 +202,7 @@ def save(out_dir: str | os.PathLike, step: int, model: torch.nn.Module, optimize
     model_sd, optim_sd = get_state_dict(model, optimizer)
     _dcp_save({"model": model_sd, "optim": optim_sd}, tmp)  # collective; DCP's .metadata comes last
     if _rank() == 0:
-        _write_file(tmp / STATE, json.dumps({"step": step, **state}, indent=1).encode())
+        _write_file(tmp / STATE, json.dumps({**state, "step": step}, indent=1).encode())
         files = sorted(p for p in tmp.iterdir() if p.is_file())
         for p in files:
             _fsync(p)
