@@ -467,3 +467,19 @@ def test_gpu_bf16_checkpoint_round_trip_and_resume(small_text, tmp_path):
             assert torch.equal(v, again_opt.state_dict()["state"][i][k]), (i, k)
     assert run_cli("train", "--resume", "--out-dir", str(tmp_path), "--no-progress") == 0
     assert checkpoint.find_latest(tmp_path).name == "step-000004"
+
+
+def test_a_refused_write_is_a_one_line_error_and_keeps_the_last_checkpoint(finished_run, tmp_path, capsys,
+                                                                            monkeypatch):
+    out = tmp_path / "run"
+    shutil.copytree(finished_run, out)
+    before = _digest(out / "checkpoints" / "step-000004")
+
+    def disk_full(path, data):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(checkpoint, "_write_file", disk_full)
+    assert run_cli("train", "--resume", "--steps", "5", "--out-dir", str(out), "--no-progress") == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "step 5" in err and "No space left on device" in err, err
+    assert checkpoint.find_latest(out).name == "step-000004" and _digest(out / "checkpoints" / "step-000004") == before

@@ -223,9 +223,18 @@ def save_checkpoint(out_dir: str, model: MoETransformer, opt: torch.optim.Optimi
                     cfg: TrainConfig) -> Path:
     """Write the checkpoint of ``step`` atomically (:func:`moeblaze.checkpoint.save`): weights and AdamW
     state through DCP, and ``state.json`` with the step, RNG state and both configurations; keeps the
-    newest ``cfg.keep_checkpoints``. Returns the checkpoint's folder."""
+    newest ``cfg.keep_checkpoints``. Returns the checkpoint's folder.
+
+    Raises:
+        moeblaze.checkpoint.CheckpointError: the filesystem refused a write (disk full, ...); the earlier
+            checkpoints are untouched.
+    """
     state = {"model_config": asdict(model.cfg), "train_config": asdict(cfg), "rng": checkpoint.rng_state()}
-    return checkpoint.save(out_dir, step, model, opt, state, keep=cfg.keep_checkpoints)
+    try:
+        return checkpoint.save(out_dir, step, model, opt, state, keep=cfg.keep_checkpoints)
+    except OSError as err:
+        raise checkpoint.CheckpointError(f"cannot write the checkpoint of step {step} in {out_dir}: "
+                                         f"{err.strerror or err}; the earlier checkpoints are untouched") from None
 
 
 def load_run_config(out_dir: str) -> tuple[TrainConfig, ModelConfig, int]:
@@ -373,7 +382,7 @@ def train(cfg: TrainConfig, model_cfg: ModelConfig | None = None, log=tqdm.write
     Raises:
         ConfigError: bad device/dtype/backend or out_dir, nothing to resume, resume with a different model.
         moeblaze.data.DataError: missing or unusable data.
-        moeblaze.checkpoint.CheckpointError: the checkpoint to resume cannot be loaded.
+        moeblaze.checkpoint.CheckpointError: the checkpoint to resume cannot be loaded, or one cannot be written.
         NonFiniteLossError: a non-finite loss; nothing is written, the last checkpoint stays as it was.
     """
     device = resolve_device(cfg.device)
