@@ -35,7 +35,7 @@ MICRO = ["--seq-len", "16", "--d-model", "16", "--n-layers", "1", "--n-heads", "
 # Runs in a fresh interpreter: forks one child per training run (fault injected by patching the
 # writer's file operations), then compares every resumed run with the uninterrupted one. Prints JSON.
 HELPER = r'''
-import json, multiprocessing, os, signal, sys, time
+import json, multiprocessing, os, signal, sys
 from pathlib import Path
 
 import torch._dynamo  # noqa: F401  (imported lazily by the optimizer: once here, not in every child)
@@ -47,9 +47,21 @@ spec = json.loads(sys.argv[1])
 root = Path(spec["root"])
 
 
-def child(argv, log, kill_after=0, ops_log=None):
+def child(argv, log, kill_after=0, ops_log=None, signum=None):
     sys.stdout = sys.stderr = open(log, "a", buffering=1)
     count = 0
+    if signum is not None:  # the signal arrives from outside while step 3 runs
+        import moeblaze.train as train_mod
+
+        real_step, calls = train_mod.train_step, []
+
+        def step_with_signal(*args, **kwargs):
+            calls.append(1)
+            if len(calls) == 3:
+                os.kill(os.getpid(), signum)
+            return real_step(*args, **kwargs)
+
+        train_mod.train_step = step_with_signal
 
     def wrap(fn):
         def op(*args, **kwargs):
@@ -78,14 +90,8 @@ def child(argv, log, kill_after=0, ops_log=None):
 
 def run(argv, name, kill_after=0, ops_log=None, signum=None, timeout=120):
     log = root / f"{name}.log"
-    p = ctx.Process(target=child, args=(argv, log, kill_after, ops_log))
+    p = ctx.Process(target=child, args=(argv, log, kill_after, ops_log, signum))
     p.start()
-    if signum is not None:  # signal once the first step is done
-        deadline = time.monotonic() + timeout
-        while p.is_alive() and time.monotonic() < deadline and "MoE layers saved" not in (
-                log.read_text() if log.exists() else ""):
-            time.sleep(0.02)
-        os.kill(p.pid, signum)
     p.join(timeout)
     if p.is_alive():
         p.kill()
@@ -200,14 +206,14 @@ def test_sigkill_after_every_file_operation_resumes_bitwise(small_text, tmp_path
 
 
 def test_sigterm_and_sigint_checkpoint_and_resume_bitwise(small_text, tmp_path):
-    """Default checkpoint settings (none due within the run): the signal makes the run finish its step,
-    write a checkpoint, say so and exit 128 + signum; --resume then ends bitwise equal."""
+    """Default checkpoint settings (none due within the run): a signal during step 3 makes the run finish
+    that step, write a checkpoint, say so and exit 128 + signum; --resume then ends bitwise equal."""
     argv = ["train", "--data", str(small_text), "--steps", "40", *MICRO]
     result = _run_helper({"mode": "signal", "root": str(tmp_path), "argv": argv})
     assert result["ref"] == 0
     for name, (stopped, resumed, log, problem) in result["cases"].items():
         assert stopped == 128 + getattr(signal, name), (name, stopped, log[-2000:])
-        assert f"{name} received" in log and f"stopped by {name} after step" in log, log[-2000:]
+        assert f"{name} received" in log and f"stopped by {name} after step 3" in log, log[-2000:]
         assert resumed == 0 and problem is None, (name, resumed, problem)
 
 

@@ -59,8 +59,9 @@ def _split(args: argparse.Namespace, cls) -> dict:
 def _configs(args: argparse.Namespace) -> tuple[TrainConfig, ModelConfig]:
     given_t, given_m = _split(args, TrainConfig), _split(args, ModelConfig)
     try:
-        TrainConfig(**given_t)  # the flags given are checked before any checkpoint is read
         if given_t.get("resume"):
+            if given_t.get("overwrite"):
+                raise ConfigError("--resume and --overwrite exclude each other")
             out_dir = given_t.get("out_dir", TrainConfig.out_dir)
             saved_t, saved_m, _ = load_run_config(out_dir)
             # Continue the stored run; per-invocation options start from their defaults.
