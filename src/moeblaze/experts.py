@@ -192,9 +192,12 @@ def _check_weight_shapes(x, w1, w2, activation) -> None:
     if is_gated(activation) and rows % 2:
         raise ValueError(f"{w1_name} for activation {activation!r} needs an even number of rows (2h), "
                          f"got {tuple(w1.shape)}")
-    if tuple(w2.shape) != (E, d, h):
-        raise ValueError(f"w_down [E, d, h] must have shape {(E, d, h)} to match {w1_name} {tuple(w1.shape)} "
-                         f"(activation {activation!r}), got {tuple(w2.shape)}")
+    if w2.shape[0] != E:
+        raise ValueError(f"{w1_name.split()[0]} and w_down disagree on E (experts): {tuple(w1.shape)} and "
+                         f"{tuple(w2.shape)}")
+    if w2.shape[2] != h:
+        raise ValueError(f"w_down [E, d, h] has h={w2.shape[2]} but {w1_name} {tuple(w1.shape)} has "
+                         f"h={h} (activation {activation!r})")
 
 
 def moe_experts(
