@@ -263,7 +263,7 @@ def run_memory(args: argparse.Namespace) -> int:
     """
     import torch
 
-    from .memory_report import memory_report
+    from ..memory_report import memory_report
     from .runner import DTYPES
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")

@@ -18,10 +18,11 @@ run within a process (and across processes with ``MOEBLAZE_AUTOTUNE=0``), not ac
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
+
+from .. import settings
 
 # BLOCK_M is chosen by the launcher (the tile schedule depends on it), not by the autotuner.
 BLOCK_M_GPU = 128
@@ -30,12 +31,12 @@ BLOCK_M_INTERPRET = 32
 
 def interpreting() -> bool:
     """True under the Triton CPU interpreter (``TRITON_INTERPRET=1``)."""
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+    return settings.interpreting()
 
 
 def autotune_enabled() -> bool:
     """Autotuning is on unless ``MOEBLAZE_AUTOTUNE=0`` or the interpreter runs."""
-    return os.environ.get("MOEBLAZE_AUTOTUNE", "1") != "0" and not interpreting()
+    return settings.get("autotune") and not interpreting()
 
 
 @functools.cache
@@ -46,7 +47,7 @@ def _sm90(index: int) -> bool:
 def tma_enabled(device: torch.device) -> bool:
     """Kernels may read through TMA descriptors on ``device``: an sm90+ GPU or the interpreter, unless
     ``MOEBLAZE_TMA=0``."""
-    if os.environ.get("MOEBLAZE_TMA", "1") == "0":
+    if not settings.get("tma"):
         return False
     if interpreting():
         return True
@@ -54,9 +55,9 @@ def tma_enabled(device: torch.device) -> bool:
 
 
 def persistent_mode() -> str:
-    """``MOEBLAZE_PERSISTENT``: ``"1"``, ``"0"`` or ``"auto"`` (unset or anything else)."""
-    mode = os.environ.get("MOEBLAZE_PERSISTENT", "auto")
-    return mode if mode in ("0", "1") else "auto"
+    """The ``persistent`` setting (``MOEBLAZE_PERSISTENT``) as ``"1"``, ``"0"`` or ``"auto"``."""
+    mode = settings.get("persistent")
+    return "auto" if mode is None else str(int(mode))
 
 
 @functools.cache

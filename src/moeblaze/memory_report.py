@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from ..memory import count_storage, storage_key
+from .memory import count_storage, storage_key
 
 __all__ = ["ModuleMemory", "MemoryReport", "memory_report", "default_loss"]
 
