@@ -94,7 +94,8 @@ def gemm_configs(kind: str, persistent: str = "auto") -> list[triton.Config]:
     8.7 vs 9.6 ms per step on qwen3-30b (K_DIM 768-2048: the next tile's loads overlap this tile's
     epilogue) and 11.4 vs 11.9 ms on olmoe, but 43.0 vs 41.4 ms on conf4 (K_DIM 2048-16384). Since the
     gated F1 runs one wide MMA (``B_DESC`` 3), the tuner picks its persistent launch on conf4, conf7, olmoe
-    and qwen3-30b (run I, docs/benchmarks.md).
+    and qwen3-30b (H200, 2026-11-23, ``python3 benchmarks/profile_kernels.py --configs conf4-swiglu`` prints the
+    tuned config of each launch).
     """
     if kind == "interpret":
         base = [_cfg(1, 1, BLOCK_N=64, BLOCK_K=64, GROUP_M=4)]
@@ -105,7 +106,8 @@ def gemm_configs(kind: str, persistent: str = "auto") -> list[triton.Config]:
     else:
         shapes = ((64, 4, 4), (64, 8, 3), (64, 8, 4), (128, 4, 3), (128, 8, 3), (128, 8, 4), (256, 8, 3))
         per_tile = [_cfg(w, s, BLOCK_N=bn, BLOCK_K=64, GROUP_M=8, PERSISTENT=False) for bn, w, s in shapes]
-        # persistent: the large tiles only (one CTA per SM; these won the per-tile sweeps of run D)
+        # persistent: the large tiles only (one CTA per SM; these won a block-shape sweep of every GEMM,
+        # H200, 2026-11-22, docs/benchmarks.md "Tried and dropped")
         steady = [_cfg(w, s, BLOCK_N=bn, BLOCK_K=64, GROUP_M=8, PERSISTENT=True) for bn, w, s in shapes[4:]]
         keep = {"0": (False,), "1": (True,)}.get(persistent, (False, True))
         return [c for c in per_tile + steady if c.kwargs["PERSISTENT"] in keep]
