@@ -3,7 +3,8 @@
 Modules: :mod:`.configs` (named configs, suites, FLOP and byte formulas), :mod:`.baselines`
 (the implementations compared), :mod:`.runner` (CUDA-event timing, saved-for-backward bytes, peak
 memory), :mod:`.peak` (what is allocated at a step's peak), :mod:`.micro` (dispatch micro-benchmark,
-training throughput), :mod:`.report` (CSV, markdown, terminal), :mod:`.plots` (PNG) and :mod:`.cli`
+training throughput), :mod:`.report` (CSV, markdown, terminal), :mod:`.plots` (PNG), :mod:`.results`
+(the results file, the README table and plots made from it) and :mod:`.cli`
 (the ``bench`` and ``memory`` subcommands; ``memory_report`` itself is :mod:`moeblaze.memory_report`).
 """
 
