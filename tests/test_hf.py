@@ -15,9 +15,8 @@ transformers = pytest.importorskip("transformers")
 
 import moeblaze  # noqa: E402
 import moeblaze.integrations.transformers as mhf  # noqa: E402
-from moeblaze.testing import assert_close_to_reference  # noqa: E402
-
 from hf_models import FAMILIES, NEEDS_EXPERT_FEATURES, NO_ROUTER_LOGITS, tiny_config, tiny_model  # noqa: E402
+from moeblaze.testing import assert_close_to_reference  # noqa: E402
 
 HAS_EXPERT_FEATURES = "b_gate_up" in inspect.signature(moeblaze.moe_experts).parameters
 needs_features = pytest.mark.skipif(not HAS_EXPERT_FEATURES, reason="needs expert biases / swiglu_clamped / "
