@@ -85,6 +85,56 @@ def test_from_config_uses_moeblaze(monkeypatch):
     torch.testing.assert_close(model(input_ids=ids).logits, logits)
 
 
+def _experts_api_stand_in(x, topk_ids, topk_weights, w_gate_up, w_down, activation="swiglu", save="preact",
+                          backend="auto", index=None, *, b_gate_up=None, b_down=None, gate_up_interleaved=False,
+                          swiglu_alpha=1.702, swiglu_limit=7.0, foreign_experts=False):
+    """The documented maths of ``moe_experts`` with issue 22 item 2's arguments, dense in PyTorch: a stand-in that
+    checks what the integration passes for GPT-OSS until the core has them."""
+    E = w_down.shape[0]
+    valid = topk_ids < E
+    assert foreign_experts or bool(valid.all())
+    ids = topk_ids.clamp(max=E - 1).long()
+    pre = torch.einsum("td,tkhd->tkh", x, w_gate_up[ids]) + (0 if b_gate_up is None else b_gate_up[ids])
+    g, u = (pre[..., ::2], pre[..., 1::2]) if gate_up_interleaved else pre.chunk(2, -1)
+    assert activation == "swiglu_clamped"
+    g, u = g.clamp(max=swiglu_limit), u.clamp(-swiglu_limit, swiglu_limit)
+    act = (u + 1) * g * torch.sigmoid(swiglu_alpha * g)
+    y = torch.einsum("tkh,tkdh->tkd", act, w_down[ids]) + (0 if b_down is None else b_down[ids])
+    return (y * (topk_weights * valid)[..., None].to(y.dtype)).sum(1)
+
+
+def test_gpt_oss_arguments_against_the_item2_api(monkeypatch):
+    """GPT-OSS's weights, biases, layout and clamp reach ``moe_experts`` as its item-2 signature defines them."""
+    monkeypatch.setattr(mhf, "moe_experts", _experts_api_stand_in)
+    model = tiny_model("gpt_oss", torch.float64)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "experts" in name:
+                p.normal_(0, 0.5)  # pre-activations beyond the clamp limit 7
+    ids = torch.randint(0, 128, (2, 12))
+    ref = run(model, "eager", ids, "gpt_oss")
+    got = run(model, "moeblaze", ids, "gpt_oss")
+    for key, r in ref.items():
+        torch.testing.assert_close(got[key], r, rtol=1e-10, atol=1e-12, msg=key)
+
+
+def test_expert_parallel_sentinels(monkeypatch):
+    """In transformers' expert-parallel mode ids >= E (experts of other ranks) go to moe_experts unbuilt, with
+    foreign_experts=True (no index: the core builds it without them)."""
+    monkeypatch.setattr(mhf, "moe_experts", _experts_api_stand_in)
+    experts = tiny_model("gpt_oss", torch.float64).model.layers[0].mlp.experts
+    experts._is_expert_parallel = True
+    x = torch.randn(5, 64, dtype=torch.float64)
+    ids = torch.tensor([[0, 8], [3, 1], [9, 8], [7, 2], [8, 5]])
+    w = torch.rand(5, 2, dtype=torch.float64)
+    out = mhf.moeblaze_experts_forward(experts, x, ids, w)
+    assert mhf.experts_plan(experts).foreign_experts
+    keep = ids < 8
+    ref = mhf.moeblaze_experts_forward(experts, x, ids.clamp(max=7), w * keep)
+    torch.testing.assert_close(out, ref)
+    assert out[2].abs().max() == 0
+
+
 def test_plan_of_gpt_oss():
     """GPT-OSS: clamped SwiGLU on interleaved gate/up columns of transposed weights, with biases."""
     experts = tiny_model("gpt_oss").model.layers[0].mlp.experts
@@ -155,6 +205,14 @@ def test_relu2_identified_and_unknown_non_gated_refused():
     assert mhf.experts_plan(_non_gated_experts(ACT2FN["relu2"])).activation == "relu2"
     with pytest.raises(mhf.UnsupportedExpertsError, match="act_fn=Tanh"):
         mhf.experts_plan(_non_gated_experts(nn.Tanh()))
+
+
+def test_prepare_plans_every_experts_module():
+    plans = mhf.prepare(tiny_model("mixtral"))
+    assert list(plans) == ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]
+    assert {p.activation for p in plans.values()} == {"swiglu"}
+    with pytest.raises(mhf.UnsupportedExpertsError, match="MixtralExperts"):
+        mhf.prepare(tiny_model("mixtral", hidden_act="quick_gelu"))
 
 
 def test_unsupported_flag_is_refused():

@@ -15,6 +15,7 @@ index without a host synchronisation (HF's routers give in-range ids), and leave
 auxiliary loss untouched. The activation is identified once per module by evaluating the module's own
 ``_apply_gate`` / ``act_fn`` on a fixed float64 probe and matching it against moeblaze's activations; a
 module whose activation or flags moeblaze cannot serve raises :class:`UnsupportedExpertsError` naming it.
+:func:`prepare` does that for a whole model at once (call it before ``torch.compile``).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from ..dispatch import build_dispatch
 from ..experts import BACKENDS, SAVE_MODES, moe_experts, schedule_block_m
 
 __all__ = ["UnsupportedExpertsError", "ExpertsPlan", "experts_plan", "make_experts_forward",
-           "moeblaze_experts_forward", "register"]
+           "moeblaze_experts_forward", "prepare", "register"]
 
 IMPLEMENTATION_NAME = "moeblaze"
 
@@ -165,6 +166,19 @@ def experts_plan(module: nn.Module) -> ExpertsPlan:
                        bool(getattr(module, "has_bias", False)), alpha, limit, _expert_parallel(module))
     module.__dict__["_moeblaze_plan"] = plan
     return plan
+
+
+def prepare(model: nn.Module) -> dict[str, ExpertsPlan]:
+    """Compute (and cache) the plan of every transformers experts module in ``model`` now: errors surface at
+    once, and a later ``torch.compile`` of the model does not trace the one-time activation probe.
+
+    Returns:
+        ``{module name: ExpertsPlan}``.
+
+    Raises:
+        UnsupportedExpertsError: as :func:`experts_plan`, for the first module moeblaze cannot run.
+    """
+    return {name: experts_plan(m) for name, m in model.named_modules() if hasattr(m, "has_gate")}
 
 
 def _weights(module: nn.Module, plan: ExpertsPlan) -> tuple[torch.Tensor, torch.Tensor]:
