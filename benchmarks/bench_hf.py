@@ -177,6 +177,8 @@ def main(argv=None) -> None:
                     rows += train(args, mode, impl, corpus.train)
                 except torch.OutOfMemoryError:
                     why = "out of memory"
+                except Exception as e:  # recorded, so that one implementation's failure leaves the others' rows
+                    why = f"error: {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
             if why is not None:
                 rows.append(dict(impl=impl, mode=mode, step=-1, tokens=0, loss=math.nan, step_ms=math.nan,
                                  peak_mib=math.nan, params=0, note=f"skipped: {why}"))
