@@ -215,6 +215,17 @@ def test_prepare_plans_every_experts_module():
         mhf.prepare(tiny_model("mixtral", hidden_act="quick_gelu"))
 
 
+def test_input_takes_the_weights_dtype():
+    """As transformers' grouped_mm: fp32 hidden states before bf16 experts run in bf16, come back in fp32."""
+    experts = tiny_model("qwen3_moe", torch.bfloat16).model.layers[0].mlp.experts
+    x = torch.randn(6, 64)
+    topk = torch.rand(6, 8).topk(2)
+    out = mhf.moeblaze_experts_forward(experts, x, topk.indices, topk.values)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, mhf.moeblaze_experts_forward(experts, x.bfloat16(), topk.indices,
+                                                                 topk.values).float())
+
+
 def test_unsupported_flag_is_refused():
     experts = tiny_model("qwen3_moe").model.layers[0].mlp.experts
     experts.has_post_expert_norm = True

@@ -215,8 +215,10 @@ def make_experts_forward(save: str = "preact", backend: str = "auto") -> Callabl
         plan = experts_plan(module)
         w1, w2 = _weights(module, plan)
         x = hidden_states
-        if x.dtype != w1.dtype and not torch.is_autocast_enabled(x.device.type):
-            x = x.to(w1.dtype)  # as transformers' grouped_mm: e.g. an fp32 norm output before bf16 experts
+        # As transformers' grouped_mm, x takes the weights' dtype (e.g. an fp32 norm output before bf16 experts),
+        # except fp32 weights under autocast: those are moe_experts' own autocast case, left to it.
+        if x.dtype != w1.dtype and not (w1.dtype == torch.float32 and torch.is_autocast_enabled(x.device.type)):
+            x = x.to(w1.dtype)
         # Router weights of a float64 model (DeepSeek's router computes in fp32) are upcast so that nothing in
         # the experts rounds to fp32; other dtypes go to the kernels as they are.
         weights = top_k_weights.to(x.dtype) if x.dtype == torch.float64 else top_k_weights
