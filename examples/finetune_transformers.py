@@ -51,10 +51,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def _value(text: str):
+    """A ``--set`` value: a Python literal (2048, 1e-6, True, [1, 2]) or else the string itself (silu)."""
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        return text
+
+
 def build_model(args: argparse.Namespace) -> tuple[torch.nn.Module, AutoTokenizer | None]:
     """The model (experts on ``args.experts``, router logits on for the aux loss) and its tokenizer (None: bytes)."""
-    overrides = {k: ast.literal_eval(v) if v[:1] in "0123456789-[{(.TF" else v
-                 for k, v in (s.split("=", 1) for s in args.set)}
+    overrides = {k: _value(v) for k, v in (s.split("=", 1) for s in args.set)}
     dtype = getattr(torch, args.dtype)
     if args.model_path:
         model = AutoModelForCausalLM.from_pretrained(args.model_path, dtype=dtype, experts_implementation=args.experts,

@@ -22,7 +22,7 @@ def test_finetune_example_trains(tmp_path):
     cmd = [sys.executable, str(EXAMPLE), "--model-type", "mixtral", "--data", str(text), "--steps", "12",
            "--batch-size", "4", "--seq-len", "32", "--lr", "1e-2", "--log-every", "1", "--eval-tokens", "256",
            "--device", "cpu", "--set", "hidden_size=32", "--set", "head_dim=8", "--set", "moe_intermediate_size=16",
-           "--set", "intermediate_size=16"]
+           "--set", "intermediate_size=16", "--set", "hidden_act=silu"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env={**os.environ})
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "experts_implementation=moeblaze" in proc.stdout
