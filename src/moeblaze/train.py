@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from . import checkpoint
+from . import checkpoint, settings
 from .checkpoint import load as _load_state
 from .checkpoint import resolve as resolve_checkpoint
 from .data import eval_windows, get_batch, load_corpus, unigram_entropy
@@ -356,7 +356,7 @@ def train_step(model: MoETransformer, opt: torch.optim.Optimizer, x: torch.Tenso
 
 
 def _check_backend(mcfg: ModelConfig, device: torch.device) -> None:
-    if mcfg.backend == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+    if mcfg.backend == "triton" and device.type != "cuda" and not settings.interpreting():
         raise ConfigError(f"--backend triton needs a CUDA device (--device is {device}); use --backend torch "
                           "or auto, or set TRITON_INTERPRET=1 to run the kernels in Triton's (slow) CPU interpreter")
 
