@@ -432,8 +432,10 @@ path = checkpoint.find_latest(root / "run")
 checkpoint.load(path, fresh, fresh_opt)
 same = all(torch.equal(a, b) for a, b in zip(model.parameters(), fresh.parameters()))
 steps = [s["step"].item() for s in fresh_opt.state_dict()["state"].values()]
+listed = sorted(json.loads((path / "manifest.json").read_text())["files"])
+present = sorted(p.name for p in path.iterdir() if p.name != "manifest.json")
 print(json.dumps({"codes": codes, "single_process_same": same, "steps": steps,
-                  "state": checkpoint.read_state(path)}))
+                  "state": checkpoint.read_state(path), "listed": listed, "present": present}))
 '''
 
 
@@ -446,6 +448,7 @@ def test_two_ranks_save_and_one_process_loads(tmp_path):
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["codes"] == [0, 0] and result["single_process_same"], result
     assert result["steps"] == [1.0] * 4 and result["state"] == {"step": 1, "note": "two ranks"}
+    assert result["listed"] == result["present"] and "__1_0.distcp" in result["listed"], result
 
 
 @pytest.mark.gpu

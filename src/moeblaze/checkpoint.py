@@ -30,8 +30,9 @@ Rank contract (``torch.distributed`` initialised, FSDP2 or expert-parallel model
 calls :func:`save`, :func:`find_latest` and :func:`load` with the same arguments, at the same step.
 Rank 0 alone creates and renames the folder, writes ``state.json``/``manifest.json``/``latest`` and
 deletes old checkpoints; every rank writes its own DCP shard file(s) through
-``get_state_dict``/``set_state_dict`` (which gather/scatter sharded parameters themselves); barriers
-separate the phases. ``out_dir`` must be one filesystem shared by all ranks (DCP's own requirement).
+``get_state_dict``/``set_state_dict`` (which gather/scatter sharded parameters themselves), fsyncs and
+hashes them, and sends their manifest entries to rank 0 (so no rank reads the whole checkpoint when
+saving); barriers separate the phases. ``out_dir`` must be one filesystem shared by all ranks (DCP's own requirement).
 :func:`find_latest` verifies on rank 0 and broadcasts the choice; :func:`agree` turns a per-rank flag
 (a signal seen, a time limit reached) into one decision so that all ranks checkpoint together.
 """
@@ -73,6 +74,7 @@ MANIFEST = "manifest.json"
 STATE = "state.json"
 FORMAT = 1
 _STEP_DIR = re.compile(r"^step-(\d+)$")
+_SHARD = re.compile(r"^__(\d+)_")
 _CHUNK = 1 << 24  # bytes hashed per read (16 MiB)
 
 
@@ -150,6 +152,21 @@ def _broadcast(obj: Any) -> Any:
     return box[0]
 
 
+def _gather_to_rank0(entries: dict) -> dict:
+    """The union of every rank's ``entries`` on rank 0 (``{}`` on the others)."""
+    if not _distributed():
+        return entries
+    out = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(entries, out, dst=0)
+    return {k: v for part in out for k, v in part.items()} if out is not None else {}
+
+
+def _writer(path: Path) -> int:
+    """The rank that wrote a checkpoint file: DCP names shard files ``__{rank}_{i}.distcp``; the rest is rank 0's."""
+    m = _SHARD.match(path.name)
+    return int(m.group(1)) if m else 0
+
+
 def agree(flag: bool) -> bool:
     """True on every rank when ``flag`` is true on any rank (an all-reduce of one int; ``flag`` alone in
     a single process). Call it on all ranks at the same point of the loop."""
@@ -201,13 +218,17 @@ def save(out_dir: str | os.PathLike, step: int, model: torch.nn.Module, optimize
     _barrier()
     model_sd, optim_sd = get_state_dict(model, optimizer)
     _dcp_save({"model": model_sd, "optim": optim_sd}, tmp)  # collective; DCP's .metadata comes last
-    if _rank() == 0:
+    rank = _rank()
+    if rank == 0:
         _write_file(tmp / STATE, json.dumps({**state, "step": step}, indent=1).encode())
-        files = sorted(p for p in tmp.iterdir() if p.is_file())
-        for p in files:
-            _fsync(p)
-        manifest = {"format": FORMAT, "step": step,
-                    "files": {p.name: {"size": p.stat().st_size, "sha256": _sha256(p)} for p in files}}
+    # each rank fsyncs and hashes the files it wrote (rank 0: also .metadata and state.json), so no rank
+    # reads the whole checkpoint; rank 0 gathers the entries into the manifest
+    mine = sorted(p for p in tmp.iterdir() if p.is_file() and _writer(p) == rank)
+    for p in mine:
+        _fsync(p)
+    files = _gather_to_rank0({p.name: {"size": p.stat().st_size, "sha256": _sha256(p)} for p in mine})
+    if rank == 0:
+        manifest = {"format": FORMAT, "step": step, "files": dict(sorted(files.items()))}
         _write_file(tmp / MANIFEST, json.dumps(manifest, indent=1).encode())
         _fsync(tmp / MANIFEST)
         _fsync(tmp)
