@@ -32,9 +32,10 @@ Rank 0 alone creates and renames the folder, writes ``state.json``/``manifest.js
 deletes old checkpoints; every rank writes its own DCP shard file(s) through
 ``get_state_dict``/``set_state_dict`` (which gather/scatter sharded parameters themselves), fsyncs and
 hashes them, and sends their manifest entries to rank 0 (so no rank reads the whole checkpoint when
-saving); barriers separate the phases. ``out_dir`` must be one filesystem shared by all ranks (DCP's own requirement).
-:func:`find_latest` verifies on rank 0 and broadcasts the choice; :func:`agree` turns a per-rank flag
-(a signal seen, a time limit reached) into one decision so that all ranks checkpoint together.
+saving); barriers separate the phases. ``out_dir`` must be one filesystem shared by all ranks (DCP's
+own requirement). :func:`find_latest` spreads the hashing over the ranks and gives all the same answer;
+:func:`agree` turns a per-rank flag (a signal seen, a time limit reached) into one decision so that all
+ranks checkpoint together.
 """
 
 from __future__ import annotations
@@ -281,12 +282,13 @@ def _read_json(path: Path) -> dict:
     return data
 
 
-def verify(path: str | os.PathLike) -> dict:
+def verify(path: str | os.PathLike, share: tuple[int, int] = (0, 1)) -> dict:
     """Check a checkpoint folder against its manifest; returns its ``state.json`` contents.
 
     Checks: ``manifest.json`` parses and names this folder's step; every listed file exists with the
     listed size and SHA-256; DCP's ``.metadata`` and ``state.json`` are among them; ``state.json``
-    holds the same step.
+    holds the same step. ``share=(i, n)`` hashes only every n-th file from the i-th (the other checks
+    cover all files): :func:`find_latest` spreads the hashing over the ranks this way.
 
     Raises:
         CheckpointError: the first problem found, naming the file.
@@ -302,13 +304,13 @@ def verify(path: str | os.PathLike) -> dict:
     for name in (".metadata", STATE):
         if name not in files:
             raise CheckpointError(f"{path / MANIFEST}: does not list {name}")
-    for name, info in files.items():
+    for i, (name, info) in enumerate(sorted(files.items())):
         f = path / name
         if not f.is_file():
             raise CheckpointError(f"{f}: missing")
         if f.stat().st_size != info.get("size"):
             raise CheckpointError(f"{f}: {f.stat().st_size} bytes, the manifest says {info.get('size')}")
-        if _sha256(f) != info.get("sha256"):
+        if i % share[1] == share[0] and _sha256(f) != info.get("sha256"):
             raise CheckpointError(f"{f}: contents differ from the manifest's SHA-256 (corrupt)")
     state = _read_json(path / STATE)
     if state.get("step") != manifest["step"]:
@@ -324,22 +326,26 @@ def find_latest(out_dir: str | os.PathLike, warn: Callable[[str], None] | None =
     """The newest checkpoint folder of ``out_dir`` that verifies, or None when there is none.
 
     A newer folder that fails :func:`verify` is skipped, and ``warn`` (default: a ``UserWarning``; None:
-    silent) gets a line naming the file and the problem. Collective when distributed: rank 0 verifies, all
-    ranks get its answer.
+    silent) gets a line naming the file and the problem. Collective when distributed: rank 0 lists the
+    folders, every rank hashes its share of each candidate's files, all get the same answer, and ``warn``
+    is called on rank 0 only.
     """
-    chosen = None
-    if _rank() == 0:
-        for path in reversed(checkpoint_dirs(out_dir)):
-            try:
-                verify(path)
-            except CheckpointError as err:
-                if warn is not None:
-                    warn(f"checkpoint {path.name} is not usable: {err}")
-                continue
-            chosen = str(path)
-            break
-    chosen = _broadcast(chosen)
-    return Path(chosen) if chosen is not None else None
+    rank, world = (dist.get_rank(), dist.get_world_size()) if _distributed() else (0, 1)
+    for path in map(Path, _broadcast([str(p) for p in reversed(checkpoint_dirs(out_dir))])):
+        try:
+            verify(path, share=(rank, world))
+            problem = None
+        except CheckpointError as err:
+            problem = str(err)
+        if _distributed():
+            problems = [None] * world
+            dist.all_gather_object(problems, problem)
+            problem = next((p for p in problems if p), None)
+        if problem is None:
+            return path
+        if warn is not None and rank == 0:
+            warn(f"checkpoint {path.name} is not usable: {problem}")
+    return None
 
 
 def clear(out_dir: str | os.PathLike) -> None:
