@@ -27,7 +27,8 @@ checkpoint behind); a folder that does not verify is named with its bad file and
 and skipped, so the previous complete checkpoint is used.
 
 Rank contract (``torch.distributed`` initialised, FSDP2 or expert-parallel models): **every rank**
-calls :func:`save`, :func:`find_latest` and :func:`load` with the same arguments, at the same step.
+calls :func:`save`, :func:`find_latest`/:func:`resolve`, :func:`load`, :func:`tidy` and :func:`clear` with
+the same arguments, at the same step.
 Rank 0 alone creates and renames the folder, writes ``state.json``/``manifest.json``/``latest`` and
 deletes old checkpoints; every rank writes its own DCP shard file(s) through
 ``get_state_dict``/``set_state_dict`` (which gather/scatter sharded parameters themselves), fsyncs and
@@ -390,14 +391,16 @@ def read_state(path: str | os.PathLike, check: bool = True) -> dict:
 
 
 def resolve(path: str | os.PathLike) -> Path:
-    """``path`` itself when it is a checkpoint folder (holds a manifest), else the newest one under it that
-    verifies (as :func:`find_latest`).
+    """``path`` itself when it is a checkpoint folder (holds a manifest) that verifies, else the newest one
+    under it that verifies (as :func:`find_latest`).
 
     Raises:
-        CheckpointError: none verifies (naming the newest one's bad file), or there is none.
+        CheckpointError: the folder or every one under it fails :func:`verify` (naming the newest one's bad
+            file), or there is none.
     """
     p = Path(path).expanduser()
     if (p / MANIFEST).is_file():
+        verify(p)
         return p
     problems: list[str] = []
     found = find_latest(p, warn=problems.append)

@@ -27,6 +27,7 @@ from tqdm import tqdm
 
 from . import checkpoint, settings
 from .checkpoint import load as _load_state
+from .checkpoint import read_state as checkpoint_state
 from .checkpoint import resolve as resolve_checkpoint
 from .data import eval_windows, get_batch, load_corpus, unigram_entropy
 from .layer import aux_loss
@@ -245,7 +246,7 @@ def load_run_config(out_dir: str) -> tuple[TrainConfig, ModelConfig, int]:
         moeblaze.checkpoint.CheckpointError: no checkpoint, or none that verifies (naming the file).
         ConfigError: its ``state.json`` lacks a configuration field.
     """
-    state = checkpoint.read_state(checkpoint.resolve(out_dir))
+    state = checkpoint.read_state(checkpoint.resolve(out_dir), check=False)  # resolve() verified it
     known = {f.name for f in fields(TrainConfig)}
     try:
         tcfg = TrainConfig(**{k: v for k, v in state["train_config"].items() if k in known})
@@ -507,7 +508,7 @@ def sample(checkpoint: str, prompt: str = "\n", max_new_tokens: int = 256, tempe
     """
     dev = resolve_device(device)
     folder = resolve_checkpoint(checkpoint)
-    _, mcfg, _ = load_run_config(str(folder))
+    mcfg = ModelConfig(**checkpoint_state(folder, check=False)["model_config"])
     model = MoETransformer(mcfg)
     _load_state(folder, model)
     model.to(dev).eval()
