@@ -492,3 +492,11 @@ def test_a_refused_write_is_a_one_line_error_and_keeps_the_last_checkpoint(finis
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "step 5" in err and "No space left on device" in err, err
     assert checkpoint.find_latest(out).name == "step-000004" and _digest(out / "checkpoints" / "step-000004") == before
+
+
+def test_checkpoint_by_minutes_and_keep_the_newest(small_text, tmp_path):
+    """``--checkpoint-minutes`` tiny: a checkpoint after every step; ``--keep-checkpoints 2`` leaves the last two."""
+    assert run_cli("train", "--data", str(small_text), "--steps", "3", "--checkpoint-interval", "0",
+                   "--checkpoint-minutes", "1e-9", "--keep-checkpoints", "2", "--out-dir", str(tmp_path), *MICRO) == 0
+    assert [p.name for p in checkpoint.checkpoint_dirs(tmp_path)] == ["step-000002", "step-000003"]
+    assert (tmp_path / "checkpoints" / "latest").read_text().strip() == "step-000003"
