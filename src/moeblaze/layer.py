@@ -34,10 +34,14 @@ class MoE(nn.Module):
     ``w_gate_up [E, 2h, d]`` (gated; ``w_up [E, h, d]`` otherwise) and ``w_down [E, d, h]``, all
     initialised ``U(-1/sqrt(fan_in), 1/sqrt(fan_in))`` as ``nn.Linear``.
 
-    Forward: ``x [..., d]`` -> ``[..., d]`` in ``x.dtype``. After each training-mode forward,
-    ``self.aux_loss`` holds the router's coefficient-weighted auxiliary loss (load balancing + z-loss,
-    a 0-dim fp32 tensor in the graph); add it to the training loss, or use :func:`aux_loss` to sum it
-    over a model. ``self.last_topk_ids [T, K]`` keeps the last routing (detached) for load statistics.
+    Forward: ``x [..., d]`` -> ``[..., d]`` in ``x.dtype``. Under ``torch.autocast`` (bf16/fp16) with fp32
+    parameters (mixed precision with fp32 master weights): the router keeps fp32 logits, scores, top-k and
+    losses, the experts run in the autocast dtype on casts of ``x`` and their weights, and the output is in
+    the autocast dtype; gradients reach the fp32 parameters in fp32 (see :func:`moe_experts`).
+    After each training-mode forward, ``self.aux_loss`` holds the router's coefficient-weighted auxiliary
+    loss (load balancing + z-loss, a 0-dim fp32 tensor in the graph); add it to the training loss, or use
+    :func:`aux_loss` to sum it over a model. ``self.last_topk_ids [T, K]`` keeps the last routing (detached)
+    for load statistics.
 
     Raises:
         ValueError: bad configuration, or an input whose last dimension is not d.
@@ -81,7 +85,8 @@ class MoE(nn.Module):
         nn.init.uniform_(self.w_down, -1 / math.sqrt(self.d_ff), 1 / math.sqrt(self.d_ff))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Route and run the experts: ``x [..., d]`` -> ``[..., d]`` in ``x.dtype``; sets ``self.aux_loss``.
+        """Route and run the experts: ``x [..., d]`` -> ``[..., d]`` in ``x.dtype`` (the autocast dtype under
+        ``torch.autocast``); sets ``self.aux_loss``.
 
         Raises:
             ValueError: the last dimension of ``x`` is not d.

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
+from .amp import autocast_off
+
 SCORE_FUNCS = ("softmax", "sigmoid")
 
 
@@ -51,9 +53,14 @@ class _RouterLogits(torch.autograd.Function):
     two GEMMs with fp32 outputs, their sum and the cast took 0.52 ms of a T 32768, d 2048 step on an H200
     (run I timeline, 2026-11-23: 0.075 + 0.075 + 0.188 + 0.094 ms), 3% of a qwen3-30b layer step; the
     one-GEMM form made the layer step 1.008-1.014x faster (run J, docs/benchmarks.md).
+
+    Any other pair of dtypes — e.g. ``x`` bf16 and an fp32 weight under ``torch.autocast`` — takes the fp32
+    path (fp32 products, so TF32 where ``torch.backends.cuda.matmul.allow_tf32``). Autocast is off inside
+    (:func:`moeblaze.amp.autocast_off`): it would run these GEMMs in 16 bits and return 16-bit logits.
     """
 
     @staticmethod
+    @autocast_off
     def forward(ctx, x, weight):
         ctx.save_for_backward(x, weight)
         if _tensor_core_path(x, weight):
@@ -61,6 +68,7 @@ class _RouterLogits(torch.autograd.Function):
         return x.float() @ weight.float().t()
 
     @staticmethod
+    @autocast_off
     def backward(ctx, dlogits):
         x, weight = ctx.saved_tensors
         dx = dw = None
@@ -136,7 +144,8 @@ class Router(nn.Module):
         aux_loss_coef: coefficient of the load-balancing loss (0 disables it).
         z_loss_coef: coefficient of the z-loss (0 disables it).
 
-    Shapes: input ``[T, d]`` (any float dtype), weight ``[E, d]``.
+    Shapes: input ``[T, d]`` (any float dtype, also under ``torch.autocast``: the logits, scores, top-k and
+    losses stay fp32 whatever dtypes reach the router), weight ``[E, d]``.
 
     Raises:
         ValueError: bad ``top_k``, ``score_func`` or a wrong input shape.

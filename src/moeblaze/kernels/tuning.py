@@ -85,7 +85,7 @@ def _cfg(num_warps: int, num_stages: int, **kw) -> triton.Config:
 
 
 def gemm_configs(kind: str, persistent: str = "auto") -> list[triton.Config]:
-    """Grouped-GEMM configs; ``kind`` is ``tuned16``, ``fixed16``, ``fixed32`` or ``interpret``,
+    """Grouped-GEMM configs; ``kind`` is ``tuned16``, ``tuned32``, ``fixed16``, ``fixed32`` or ``interpret``,
     ``persistent`` the :func:`persistent_mode` (``PERSISTENT`` of the configs: ``1`` all, ``0`` none, ``auto``:
     the tuned list holds both launch shapes, fixed configs are per tile, the interpreter persistent).
 
@@ -94,7 +94,19 @@ def gemm_configs(kind: str, persistent: str = "auto") -> list[triton.Config]:
     epilogue) and 11.4 vs 11.9 ms on olmoe, but 43.0 vs 41.4 ms on conf4 (K_DIM 2048-16384). Since the
     gated F1 runs one wide MMA (``B_DESC`` 3), the tuner picks its persistent launch on conf4, conf7, olmoe
     and qwen3-30b (run I, docs/benchmarks.md).
+
+    ``tuned32`` (fp32 operands, TF32 or IEEE products; the two are tuned apart, ``DOT_PREC`` is in the key):
+    BLOCK_K 32, as an fp32 tile of 32 columns holds the bytes of a 16-bit tile of 64 (fewer stages where the
+    dual F1 doubles the weight tile), plus smaller tiles for the IEEE path, whose FMA dot keeps its operands
+    in registers. Not yet measured on a GPU: ``benchmarks/bench_precision.py`` reports what they reach.
     """
+    if kind == "tuned32":
+        shapes = ((64, 32, 4, 3), (64, 32, 4, 4), (128, 32, 4, 3), (128, 32, 8, 3), (128, 32, 8, 4),
+                  (256, 32, 8, 3), (64, 16, 4, 4), (128, 64, 8, 2))
+        per_tile = [_cfg(w, s, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, PERSISTENT=False) for bn, bk, w, s in shapes]
+        steady = [_cfg(w, s, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, PERSISTENT=True) for bn, bk, w, s in shapes[3:6]]
+        keep = {"0": (False,), "1": (True,)}.get(persistent, (False, True))
+        return [c for c in per_tile + steady if c.kwargs["PERSISTENT"] in keep]
     if kind == "interpret":
         base = [_cfg(1, 1, BLOCK_N=64, BLOCK_K=64, GROUP_M=4)]
     elif kind == "fixed32":
@@ -130,6 +142,11 @@ def wgrad_configs(kind: str) -> list[triton.Config]:
         return [_cfg(4, 2, BLOCK_P=64, BLOCK_Q=64, BLOCK_K=32, GROUP_M=8)]
     if kind == "fixed16":
         return [_cfg(8, 3, BLOCK_P=128, BLOCK_Q=128, BLOCK_K=64, GROUP_M=8)]
+    if kind == "tuned32":  # fp32 operand tiles of BLOCK_K 32 slots: the bytes of the 16-bit ones of 64
+        return [_cfg(w, s, BLOCK_P=bp, BLOCK_Q=bq, BLOCK_K=bk, GROUP_M=8)
+                for bp, bq, bk, w, s in ((128, 128, 32, 8, 3), (128, 128, 32, 8, 4), (128, 256, 32, 8, 3),
+                                         (256, 128, 32, 8, 3), (64, 128, 32, 4, 4), (128, 64, 32, 4, 4),
+                                         (64, 64, 32, 4, 3))]
     return [
         _cfg(w, s, BLOCK_P=bp, BLOCK_Q=bq, BLOCK_K=64, GROUP_M=8)
         for bp, bq, w, s in ((128, 128, 8, 3), (128, 128, 8, 4), (128, 256, 8, 3), (128, 256, 8, 4),
@@ -191,11 +208,11 @@ class Launchable:
         self._key_pos = [(k, names.index(k)) for k in key]
 
     def kind(self, dtype: torch.dtype) -> tuple[str, ...]:
-        """``(base kind, *variant)``: base ``interpret``, ``fixed32``, ``tuned16`` or ``fixed16``."""
+        """``(base kind, *variant)``: base ``interpret``, ``tuned32``, ``fixed32``, ``tuned16`` or ``fixed16``."""
         if interpreting():
             base = "interpret"
         elif dtype == torch.float32:
-            base = "fixed32"
+            base = "tuned32" if autotune_enabled() else "fixed32"
         else:
             base = "tuned16" if autotune_enabled() else "fixed16"
         return (base, self.variant()) if self.variant else (base,)

@@ -1,0 +1,188 @@
+"""Mixed precision (issue 27): ``moe_experts`` and ``moeblaze.MoE`` under ``torch.autocast`` with fp32
+parameters, the errors of combinations the kernels cannot run, and fp32 precision following torch's setting.
+
+CPU: the torch backend under ``torch.autocast("cpu", bfloat16)``, the Triton kernels in the interpreter under
+``torch.autocast("cpu", float16)`` (``tl.dot`` on bf16 is wrong in the interpreter). GPU (``-m gpu``): the same
+equalities with the Triton kernels in bf16, ``torch.compile`` under autocast, TF32 vs IEEE fp32.
+"""
+
+import os
+
+import pytest
+import torch
+
+import moeblaze
+from moeblaze import moe_experts
+from moeblaze.activations import ACTIVATIONS
+from moeblaze.kernels.launch import dot_precision
+from moeblaze.testing import assert_close_to_reference, make_expert_inputs, rel_error, run_and_grad
+
+HAS_CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if HAS_CUDA else "cpu"
+NAMES = ("out", "dx", "dw_gate_up", "dw_down", "dtopk_weights")
+kernels_runnable = pytest.mark.skipif(not HAS_CUDA and os.environ.get("TRITON_INTERPRET") != "1",
+                                      reason="Triton kernels need CUDA or TRITON_INTERPRET=1")
+
+
+def autocast_equals_cast_copies(inputs, activation, save, backend, dtype):
+    """``moe_experts`` on fp32 leaves under autocast == the call on ``dtype`` copies, bitwise: the output
+    (in ``dtype``) and every gradient (fp32 leaves get fp32 gradients, the copies' gradients upcast)."""
+    device = inputs["x"].device.type
+    dout = torch.randn(inputs["x"].shape, device=inputs["x"].device).to(dtype)
+    fn = lambda **kw: moe_experts(**kw, activation=activation, save=save, backend=backend)  # noqa: E731
+
+    def under_autocast(**kw):
+        with torch.autocast(device, dtype=dtype):
+            return fn(**kw)
+
+    got = run_and_grad(under_autocast, inputs, dout)
+    copies = {k: (v.to(dtype) if k in ("x", "w_gate_up", "w_down") else v) for k, v in inputs.items()}
+    want = run_and_grad(fn, copies, dout)
+    assert got[0].dtype == dtype
+    for name, g, w, leaf in zip(NAMES, got, want, ("out", "x", "w_gate_up", "w_down", "topk_weights")):
+        if name != "out":
+            assert g.dtype == inputs[leaf].dtype, name  # fp32 leaves, fp32 gradients
+        assert torch.equal(g, w.to(g.dtype)), (name, rel_error(g, w))
+    return got
+
+
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+@pytest.mark.parametrize("save", ["preact", "input"])
+def test_experts_under_cpu_autocast_equal_bf16_copies(activation, save):
+    inputs = make_expert_inputs(37, 24, 20, 5, 2, activation)
+    autocast_equals_cast_copies(inputs, activation, save, "torch", torch.bfloat16)
+
+
+@kernels_runnable
+@pytest.mark.parametrize("activation", ["swiglu", "relu"])
+@pytest.mark.parametrize("save", ["preact", "input"])
+def test_triton_experts_under_autocast_equal_fp16_copies(activation, save):
+    inputs = make_expert_inputs(19, 32, 16, 4, 2, activation, device=DEVICE)
+    autocast_equals_cast_copies(inputs, activation, save, "triton", torch.float16)
+
+
+def test_backward_inside_the_autocast_region_is_the_same():
+    """A loop that calls ``backward`` inside ``torch.autocast`` gets the gradients of one that calls it
+    outside (autocast is off inside the autograd Functions, as ``torch.amp.custom_bwd`` would make it)."""
+    inputs = make_expert_inputs(23, 16, 12, 4, 2)
+    leaves = [inputs[k].clone().requires_grad_() for k in ("x", "w_gate_up", "w_down", "topk_weights")]
+    dout = torch.randn(23, 16).bfloat16()
+    grads = []
+    for backward_inside in (True, False):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = moe_experts(leaves[0], inputs["topk_ids"], leaves[3], leaves[1], leaves[2])
+            if backward_inside:
+                grads.append(torch.autograd.grad(out, leaves, dout))
+        if not backward_inside:
+            grads.append(torch.autograd.grad(out, leaves, dout))
+    for a, b in zip(*grads):
+        assert torch.equal(a, b)
+
+
+def test_outside_autocast_nothing_changes():
+    """No autocast (or autocast off, or autocast of another device type): dtypes must match as before, and an
+    fp32 call is bitwise the same with a disabled autocast region around it."""
+    inputs = make_expert_inputs(17, 16, 8, 4, 2)
+    dout = torch.randn(17, 16)
+    plain = run_and_grad(moe_experts, inputs, dout)
+    assert plain[0].dtype == torch.float32
+
+    def disabled(**kw):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=False):
+            return moe_experts(**kw)
+
+    for a, b in zip(plain, run_and_grad(disabled, inputs, dout)):
+        assert torch.equal(a, b)
+    mixed = {**inputs, "w_down": inputs["w_down"].bfloat16()}
+    with pytest.raises(TypeError, match="w_down has dtype torch.bfloat16; expected x's dtype torch.float32"):
+        moe_experts(**mixed)
+
+
+def test_float64_under_autocast_is_a_clear_error():
+    inputs = make_expert_inputs(9, 16, 8, 4, 2, dtype=torch.float64)
+    with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(
+            TypeError, match=r"x torch.float64, w_gate_up torch.float64, w_down torch.float64.*never fp64"):
+        moe_experts(**inputs)
+    m = moeblaze.MoE(16, 8, 4, 2, dtype=torch.float64)
+    with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(TypeError, match="float64"):
+        m(torch.randn(5, 16))
+    with pytest.raises(TypeError, match="backend='triton' runs the dtypes fp16, bf16 and fp32; x has dtype "
+                                        "torch.float64"):
+        moe_experts(**inputs, backend="triton")
+
+
+def _sorted_ids(m):
+    return m.last_topk_ids.sort(-1).values
+
+
+@pytest.mark.parametrize("save", ["preact", "input"])
+def test_module_with_fp32_parameters_under_autocast_matches_within_bf16_tolerance(save):
+    """``MoE`` with fp32 parameters under CPU bf16 autocast against its float64 copy, with plain bf16 (the
+    layer and ``x`` cast to bf16) as the baseline of DESIGN.md §7, on the tokens all three route alike."""
+    torch.manual_seed(0)
+    m = moeblaze.MoE(32, 24, 6, 2, save=save, aux_loss_coef=0.0)
+    x = torch.randn(4, 13, 32)
+    runs = {}
+    for name, module, dtype, amp in (("amp", m, torch.float32, True), ("f64", _copy(m, torch.float64), torch.float64,
+                                     False), ("bf16", _copy(m, torch.bfloat16), torch.bfloat16, False)):
+        xi = x.to(dtype).requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+            out = module(xi)
+        runs[name] = (module, xi, out)
+    assert runs["amp"][2].dtype == torch.bfloat16
+    ids = {k: _sorted_ids(v[0]) for k, v in runs.items()}
+    assert torch.equal(ids["amp"], _sorted_ids(_run(_copy(m, torch.float32), x)))  # the router is fp32 math
+    alike = (ids["amp"] == ids["f64"]).all(-1) & (ids["bf16"] == ids["f64"]).all(-1)
+    assert alike.sum() >= 0.8 * alike.numel()
+    go = torch.randn(x.shape, dtype=torch.float64).reshape(-1, 32) * alike[:, None]  # only tokens routed alike
+    grads = {}
+    for k, (module, xi, out) in runs.items():
+        loss = (out.reshape(-1, 32).double() * go).sum()
+        grads[k] = (out.detach().reshape(-1, 32)[alike], *torch.autograd.grad(loss, [xi, *module.parameters()]))
+    for i, name in enumerate(("out", "dx", "d router.weight", "dw_gate_up", "dw_down")):
+        g = grads["amp"][i]
+        if i > 0:
+            assert g.dtype == torch.float32, name  # fp32 parameters and input, fp32 gradients
+        assert_close_to_reference(name, g, grads["f64"][i], grads["bf16"][i])
+
+
+def _copy(m, dtype):
+    c = moeblaze.MoE(m.d_model, m.d_ff, m.num_experts, m.top_k, save=m.save, aux_loss_coef=m.router.aux_loss_coef)
+    c.load_state_dict(m.state_dict())
+    return c.to(dtype)
+
+
+def _run(m, x):
+    m(x)
+    return m
+
+
+def test_module_trains_under_autocast_with_fp32_master_weights():
+    """Forward under autocast, backward, optimizer step: parameters and gradients stay fp32, the loss falls."""
+    torch.manual_seed(0)
+    m = moeblaze.MoE(8, 16, 4, 2, aux_loss_coef=0.01)
+    x, y = torch.randn(64, 8), torch.randn(64, 8)
+    opt = torch.optim.Adam(m.parameters(), lr=1e-2)
+    losses = []
+    for _ in range(40):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = m(x)
+            loss = torch.nn.functional.mse_loss(out.float(), y) + m.aux_loss
+        opt.zero_grad()
+        loss.backward()
+        assert all(p.grad.dtype == torch.float32 and p.grad.abs().sum() > 0 for p in m.parameters())
+        opt.step()
+        losses.append(loss.item())
+    assert out.dtype == torch.bfloat16 and all(p.dtype == torch.float32 for p in m.parameters())
+    assert losses[-1] < 0.8 * losses[0], losses
+
+
+@pytest.mark.parametrize("setting,expected", [("highest", "ieee"), ("high", "tf32"), ("medium", "tf32")])
+def test_fp32_dot_precision_follows_torch(setting, expected):
+    before = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision(setting)
+        assert dot_precision(torch.float32) == expected
+        assert dot_precision(torch.bfloat16) == dot_precision(torch.float16) == "tf32"  # unused for 16-bit
+    finally:
+        torch.set_float32_matmul_precision(before)
