@@ -6,16 +6,24 @@ CPU: the torch backend under ``torch.autocast("cpu", bfloat16)``, the Triton ker
 equalities with the Triton kernels in bf16, ``torch.compile`` under autocast, TF32 vs IEEE fp32.
 """
 
+import bisect
+import math
 import os
+import string
+import textwrap
+from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 import moeblaze
 from moeblaze import moe_experts
 from moeblaze.activations import ACTIVATIONS
 from moeblaze.kernels.launch import dot_precision
+from moeblaze.model import ModelConfig
 from moeblaze.testing import assert_close_to_reference, make_expert_inputs, rel_error, run_and_grad
+from moeblaze.train import ConfigError, TrainConfig, peak_tflops, resolve_precision, train
 
 HAS_CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if HAS_CUDA else "cpu"
@@ -186,3 +194,44 @@ def test_fp32_dot_precision_follows_torch(setting, expected):
         assert dot_precision(torch.bfloat16) == dot_precision(torch.float16) == "tf32"  # unused for 16-bit
     finally:
         torch.set_float32_matmul_precision(before)
+
+
+# ----------------------------------------------------------------------------- moeblaze train --precision
+
+def test_precision_names_resolve_like_lightning():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert resolve_precision("auto", cpu) == ("fp32", torch.float32, None)
+    assert resolve_precision("auto", cuda) == ("bf16-mixed", torch.float32, torch.bfloat16)
+    assert resolve_precision("bf16", cuda) == ("bf16", torch.bfloat16, None)
+    assert resolve_precision("fp32", cuda) == ("fp32", torch.float32, None)
+    with pytest.raises(ConfigError, match="--precision 'fp8'"):
+        resolve_precision("fp8", cpu)
+
+
+def test_mfu_peak_follows_the_precision():
+    before = torch.get_float32_matmul_precision()
+    try:
+        assert peak_tflops("NVIDIA H100 80GB HBM3", "bf16-mixed") == peak_tflops("NVIDIA H100 80GB HBM3") == 989.0
+        torch.set_float32_matmul_precision("high")
+        assert peak_tflops("NVIDIA H200", "fp32") == 989.0 / 2  # TF32 tensor cores
+        torch.set_float32_matmul_precision("highest")
+        assert peak_tflops("NVIDIA H200", "fp32") == 67.0  # IEEE fp32, no tensor cores
+    finally:
+        torch.set_float32_matmul_precision(before)
+
+
+def test_train_bf16_mixed_keeps_fp32_weights_and_learns(tmp_path):
+    """``moeblaze train --precision bf16-mixed`` on the CPU: autocast forward, fp32 parameters in the
+    checkpoint, the loss falls."""
+    text = tmp_path / "corpus.py"
+    text.write_bytes(b"".join(Path(m.__file__).read_bytes() for m in (textwrap, string, bisect)))
+    cfg = TrainConfig(data=str(text), out_dir=str(tmp_path / "out"), steps=30, batch_size=8, lr=3e-3,
+                      warmup_steps=3, eval_interval=1000, eval_tokens=1024, progress=False, threads=2,
+                      precision="bf16-mixed")
+    mcfg = ModelConfig(seq_len=32, d_model=32, n_layers=1, n_heads=2, d_ff=32, num_experts=4, top_k=2)
+    lines = []
+    result = train(cfg, mcfg, log=lines.append)
+    assert any("precision bf16-mixed" in line for line in lines)
+    assert result.losses[-1] < result.losses[0] - 0.5 and math.isfinite(result.val_bpb)
+    weights = load_file(tmp_path / "out" / "model.safetensors")
+    assert all(w.dtype == torch.float32 for w in weights.values())

@@ -41,11 +41,25 @@ DENSE_BF16_PEAK_TFLOPS = [("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("H100", 98
           ("A800", 312.0), ("L40S", 362.0), ("L4", 121.0), ("A10", 125.0)]
 
 
-def peak_tflops(device_name: str) -> float | None:
-    """Data-sheet dense bf16 peak of a device (by name), or ``None`` when unknown."""
-    for key, tf in DENSE_BF16_PEAK_TFLOPS:
+# Data-sheet fp32 peak without tensor cores (IEEE fp32, float32 matmul precision "highest"), for MFU.
+FP32_PEAK_TFLOPS = [("H100 PCIe", 51.0), ("H100 NVL", 60.0), ("H100", 67.0), ("H200", 67.0), ("GH200", 67.0),
+                    ("A100", 19.5), ("L40S", 91.6), ("L4", 30.3), ("A10", 31.2)]
+
+PRECISIONS = ("auto", "bf16-mixed", "bf16", "fp32")
+
+
+def peak_tflops(device_name: str, precision: str = "bf16") -> float | None:
+    """Data-sheet dense peak of a device (by name) for a ``--precision``, or ``None`` when unknown.
+
+    ``bf16``/``bf16-mixed``: the bf16 tensor-core peak. ``fp32``: TF32 tensor cores (half the bf16 rate on
+    these GPUs) when ``torch.backends.cuda.matmul.allow_tf32`` (float32 matmul precision "high"/"medium"),
+    else the fp32 peak without tensor cores.
+    """
+    tf32 = precision == "fp32" and torch.backends.cuda.matmul.allow_tf32
+    table = FP32_PEAK_TFLOPS if precision == "fp32" and not tf32 else DENSE_BF16_PEAK_TFLOPS
+    for key, tf in table:
         if key in device_name:
-            return tf
+            return tf / 2 if tf32 else tf
     return None
 
 
@@ -75,8 +89,10 @@ class TrainConfig:
     grad_clip: float = _f(1.0, "clip the global gradient norm to this (0 = off)")
     seed: int = _f(1337, "seed of the initialisation and of the batch sampler")
     device: str = _f("auto", "auto (cuda if available, else cpu), cpu, cuda or cuda:N")
-    dtype: str = _f("auto", "parameter dtype (auto: bfloat16 on cuda, float32 on cpu)",
-                    choices=("auto", "float32", "bfloat16"))
+    precision: str = _f("auto", "Lightning's names: bf16-mixed = fp32 parameters and optimizer, forward under "
+                        "torch.autocast(bfloat16); bf16 = bf16 parameters; fp32 = fp32 throughout (TF32 matmuls "
+                        "unless torch's float32 matmul precision is 'highest'); auto: bf16-mixed on cuda, fp32 on cpu",
+                        choices=PRECISIONS)
     threads: int = _f(0, "CPU threads for torch (0 = all available cores)")
     eval_interval: int = _f(200, "evaluate validation bits-per-byte every this many steps")
     eval_tokens: int = _f(131072, "validation tokens per evaluation (evenly spaced windows)")
@@ -134,13 +150,23 @@ def resolve_device(name: str) -> torch.device:
     return dev
 
 
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """``auto`` -> bfloat16 parameters on CUDA, float32 on CPU."""
+def resolve_precision(name: str, device: torch.device) -> tuple[str, torch.dtype, torch.dtype | None]:
+    """``--precision`` -> ``(precision, parameter dtype, autocast dtype or None)``.
+
+    ``auto`` is ``bf16-mixed`` on CUDA (not yet measured against ``bf16`` for the default preset:
+    ``benchmarks/bench_precision.py --train`` compares them) and ``fp32`` on CPU.
+    """
     if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    if name not in ("float32", "bfloat16"):
-        raise ConfigError(f"unknown --dtype {name!r} (use auto, float32 or bfloat16)")
-    return getattr(torch, name)
+        name = "bf16-mixed" if device.type == "cuda" else "fp32"
+    if name not in PRECISIONS:
+        raise ConfigError(f"unknown --precision {name!r} (use one of {', '.join(PRECISIONS)})")
+    param = torch.bfloat16 if name == "bf16" else torch.float32
+    return name, param, (torch.bfloat16 if name == "bf16-mixed" else None)
+
+
+def autocast_context(device: torch.device, dtype: torch.dtype | None):
+    """``torch.autocast(device.type, dtype)`` for a mixed precision, else a no-op context."""
+    return torch.autocast(device.type, dtype=dtype) if dtype is not None else contextlib.nullcontext()
 
 
 def set_threads(cfg: TrainConfig, device: torch.device) -> int:
@@ -167,26 +193,30 @@ def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Adam
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), foreach=True)
 
 
-def gpu_peak_flops(device: torch.device, cfg: TrainConfig) -> float | None:
-    """The peak used for MFU: ``--peak-tflops``, else the dense bf16 peak of a known GPU, else None."""
+def gpu_peak_flops(device: torch.device, cfg: TrainConfig, precision: str = "bf16") -> float | None:
+    """The peak used for MFU: ``--peak-tflops``, else the dense peak of a known GPU for the precision that
+    runs (:func:`peak_tflops`), else None."""
     if device.type != "cuda":
         return None
     if cfg.peak_tflops > 0:
         return cfg.peak_tflops * 1e12
     name = torch.cuda.get_device_name(device)
-    tflops = peak_tflops(name)
+    tflops = peak_tflops(name, precision)
     return tflops * 1e12 if tflops else None
 
 
 # ----------------------------------------------------------------------------- evaluation
 
 @torch.no_grad()
-def evaluate(model: MoETransformer, data, cfg: TrainConfig, device: torch.device) -> float:
-    """Validation bits per byte: mean next-byte cross-entropy (nats) / ln 2 over fixed windows."""
+def evaluate(model: MoETransformer, data, cfg: TrainConfig, device: torch.device,
+             autocast: torch.dtype | None = None) -> float:
+    """Validation bits per byte: mean next-byte cross-entropy (nats) / ln 2 over fixed windows
+    (the forward under ``torch.autocast(autocast)`` when given, as in training)."""
     model.eval()
     total, count = 0.0, 0
     for x, y in eval_windows(data, cfg.eval_tokens, model.cfg.seq_len, cfg.batch_size):
-        logits = model(x.to(device))
+        with autocast_context(device, autocast):
+            logits = model(x.to(device))
         total += F.cross_entropy(logits.float().flatten(0, 1), y.to(device).flatten(), reduction="sum").item()
         count += y.numel()
     model.train()
@@ -246,26 +276,29 @@ def load_checkpoint(out_dir: str, model: MoETransformer, opt: torch.optim.Optimi
 
 # ----------------------------------------------------------------------------- training
 
-def _describe(model: MoETransformer, mcfg: ModelConfig, cfg: TrainConfig, device, dtype, threads) -> str:
+def _describe(model: MoETransformer, mcfg: ModelConfig, cfg: TrainConfig, device, precision, threads) -> str:
     total = sum(p.numel() for p in model.parameters())
     return (f"model: {mcfg.n_layers} layers, d={mcfg.d_model}, heads={mcfg.n_heads}, E={mcfg.num_experts}, "
             f"K={mcfg.top_k}, h={mcfg.d_ff}, seq={mcfg.seq_len}; {total / 1e6:.2f}M parameters, "
             f"{mcfg.active_params_per_token() / 1e6:.2f}M active per token\n"
             f"run: {cfg.steps} steps x {cfg.batch_size * mcfg.seq_len} tokens, lr {cfg.lr:g}, "
-            f"device {device}, dtype {str(dtype).removeprefix('torch.')}, {threads} threads")
+            f"device {device}, precision {precision}, {threads} threads")
 
 
 def train_step(model: MoETransformer, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor, lr: float,
-               grad_clip: float, counter: SavedTensorCounter | None = None) -> float:
+               grad_clip: float, counter: SavedTensorCounter | None = None,
+               autocast: torch.dtype | None = None) -> float:
     """One optimizer step on a batch ``x, y [B, seq]`` (int64 bytes); returns the cross-entropy (nats).
 
     The loss is cross-entropy plus the MoE layers' auxiliary losses; gradients are clipped to
-    ``grad_clip`` (0: off). With ``counter``, the forward runs under it (bytes saved for backward).
+    ``grad_clip`` (0: off). With ``counter``, the forward runs under it (bytes saved for backward). With
+    ``autocast`` (mixed precision), the forward runs under ``torch.autocast(x.device.type, autocast)``; the
+    backward and the optimizer step run outside it, on the fp32 parameters.
     Reading the loss synchronises, so step timings are honest on CUDA too.
     """
     for group in opt.param_groups:
         group["lr"] = lr
-    with counter if counter is not None else contextlib.nullcontext():
+    with counter if counter is not None else contextlib.nullcontext(), autocast_context(x.device, autocast):
         logits = model(x)
     ce = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
     (ce + aux_loss(model).to(x.device)).backward()
@@ -289,11 +322,11 @@ def train(cfg: TrainConfig, model_cfg: ModelConfig | None = None, log=tqdm.write
         A :class:`TrainResult` (final validation bits per byte, throughput, bytes saved, ...).
 
     Raises:
-        ConfigError: bad device/dtype, nothing to resume, resume with a different model.
+        ConfigError: bad device/precision, nothing to resume, resume with a different model.
         moeblaze.data.DataError: missing or unusable data.
     """
     device = resolve_device(cfg.device)
-    dtype = resolve_dtype(cfg.dtype, device)
+    precision, dtype, amp_dtype = resolve_precision(cfg.precision, device)
     threads = set_threads(cfg, device)
     if cfg.resume and model_cfg is None:
         model_cfg = load_run_config(cfg.out_dir)[1]
@@ -311,8 +344,8 @@ def train(cfg: TrainConfig, model_cfg: ModelConfig | None = None, log=tqdm.write
     opt = make_optimizer(model, cfg)
     start = load_checkpoint(cfg.out_dir, model, opt, device) if cfg.resume else 0
     stop = min(cfg.steps, cfg.stop_after) if cfg.stop_after > 0 else cfg.steps
-    log(_describe(model, mcfg, cfg, device, dtype, threads) + (f"; resuming at step {start}" if start else ""))
-    peak = gpu_peak_flops(device, cfg)
+    log(_describe(model, mcfg, cfg, device, precision, threads) + (f"; resuming at step {start}" if start else ""))
+    peak = gpu_peak_flops(device, cfg, precision)
     flops_per_token = mcfg.train_flops_per_token()
     tokens_per_step = cfg.batch_size * mcfg.seq_len
 
@@ -324,7 +357,7 @@ def train(cfg: TrainConfig, model_cfg: ModelConfig | None = None, log=tqdm.write
         x, y = (t.to(device) for t in get_batch(corpus.train, step, cfg.batch_size, mcfg.seq_len, cfg.seed))
         # measure once; the hooks pass tensors through, so results do not change
         counter = SavedTensorCounter(list(model.parameters())).track(model.moe_layers()) if step == start else None
-        losses.append(train_step(model, opt, x, y, lr_at(step, cfg), cfg.grad_clip, counter))
+        losses.append(train_step(model, opt, x, y, lr_at(step, cfg), cfg.grad_clip, counter, amp_dtype))
         saved = counter.bytes if counter is not None else saved
         train_time += time.perf_counter() - t0
         tok_s = (step + 1 - start) * tokens_per_step / train_time
@@ -337,7 +370,7 @@ def train(cfg: TrainConfig, model_cfg: ModelConfig | None = None, log=tqdm.write
                 "parameters excluded)")
         last = step + 1 == stop
         if (step + 1) % cfg.eval_interval == 0 or last:
-            val_bpb = evaluate(model, corpus.val, cfg, device)
+            val_bpb = evaluate(model, corpus.val, cfg, device, amp_dtype)
             log(f"step {step + 1}: train loss {losses[-1]:.3f}, val {val_bpb:.3f} bits/byte "
                        f"(unigram {entropy:.3f}), {tok_s:,.0f} tok/s")
         if last or (cfg.checkpoint_interval and (step + 1) % cfg.checkpoint_interval == 0):
