@@ -22,7 +22,13 @@ from moeblaze import moe_experts
 from moeblaze.activations import ACTIVATIONS
 from moeblaze.kernels.launch import dot_precision
 from moeblaze.model import ModelConfig
-from moeblaze.testing import assert_close_to_reference, make_expert_inputs, rel_error, run_and_grad
+from moeblaze.testing import (
+    assert_close_to_reference,
+    make_expert_inputs,
+    reference_outputs,
+    rel_error,
+    run_and_grad,
+)
 from moeblaze.train import ConfigError, TrainConfig, peak_tflops, resolve_precision, train
 
 HAS_CUDA = torch.cuda.is_available()
@@ -125,16 +131,20 @@ def _sorted_ids(m):
 
 @pytest.mark.parametrize("save", ["preact", "input"])
 def test_module_with_fp32_parameters_under_autocast_matches_within_bf16_tolerance(save):
-    """``MoE`` with fp32 parameters under CPU bf16 autocast against its float64 copy, with plain bf16 (the
+    check_module_under_autocast("cpu", save)
+
+
+def check_module_under_autocast(device, save):
+    """``MoE`` with fp32 parameters under bf16 autocast against its float64 copy, with plain bf16 (the
     layer and ``x`` cast to bf16) as the baseline of DESIGN.md §7, on the tokens all three route alike."""
     torch.manual_seed(0)
-    m = moeblaze.MoE(32, 24, 6, 2, save=save, aux_loss_coef=0.0)
-    x = torch.randn(4, 13, 32)
+    m = moeblaze.MoE(32, 24, 6, 2, save=save, aux_loss_coef=0.0, device=device)
+    x = torch.randn(4, 13, 32, device=device)
     runs = {}
     for name, module, dtype, amp in (("amp", m, torch.float32, True), ("f64", _copy(m, torch.float64), torch.float64,
                                      False), ("bf16", _copy(m, torch.bfloat16), torch.bfloat16, False)):
         xi = x.to(dtype).requires_grad_()
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+        with torch.autocast(device, dtype=torch.bfloat16, enabled=amp):
             out = module(xi)
         runs[name] = (module, xi, out)
     assert runs["amp"][2].dtype == torch.bfloat16
@@ -142,9 +152,9 @@ def test_module_with_fp32_parameters_under_autocast_matches_within_bf16_toleranc
     assert torch.equal(ids["amp"], _sorted_ids(_run(_copy(m, torch.float32), x)))  # the router is fp32 math
     alike = (ids["amp"] == ids["f64"]).all(-1) & (ids["bf16"] == ids["f64"]).all(-1)
     assert alike.sum() >= 0.8 * alike.numel()
-    go = torch.randn(x.shape, dtype=torch.float64).reshape(-1, 32) * alike[:, None]  # only tokens routed alike
+    go = torch.randn(x.shape, dtype=torch.float64, device=device).reshape(-1, 32) * alike[:, None]
     grads = {}
-    for k, (module, xi, out) in runs.items():
+    for k, (module, xi, out) in runs.items():  # only the tokens routed alike get a gradient
         loss = (out.reshape(-1, 32).double() * go).sum()
         grads[k] = (out.detach().reshape(-1, 32)[alike], *torch.autograd.grad(loss, [xi, *module.parameters()]))
     for i, name in enumerate(("out", "dx", "d router.weight", "dw_gate_up", "dw_down")):
@@ -157,7 +167,7 @@ def test_module_with_fp32_parameters_under_autocast_matches_within_bf16_toleranc
 def _copy(m, dtype):
     c = moeblaze.MoE(m.d_model, m.d_ff, m.num_experts, m.top_k, save=m.save, aux_loss_coef=m.router.aux_loss_coef)
     c.load_state_dict(m.state_dict())
-    return c.to(dtype)
+    return c.to(device=m.w_down.device, dtype=dtype)
 
 
 def _run(m, x):
@@ -195,6 +205,86 @@ def test_fp32_dot_precision_follows_torch(setting, expected):
     finally:
         torch.set_float32_matmul_precision(before)
 
+
+def check_compiled_under_autocast(dtype, shape=(2, 9, 32), d_ff=16, experts=4, top_k=2):
+    """``torch.compile(fullgraph=True)`` of a step that enters ``torch.autocast`` itself and calls ``MoE``
+    with fp32 parameters, against the same step in eager mode: output dtype and values, fp32 gradients."""
+    torch.manual_seed(0)
+    m = moeblaze.MoE(shape[-1], d_ff, experts, top_k, backend="triton", device=DEVICE)
+    x = torch.randn(*shape, device=DEVICE, requires_grad=True)
+
+    def forward(x):
+        with torch.autocast(DEVICE, dtype=dtype):
+            return m(x)
+
+    def run(fn):
+        out = fn(x)
+        return out, torch.autograd.grad(out.float().square().sum(), [x, *m.parameters()])
+
+    (ref, ref_grads), (out, grads) = run(forward), run(torch.compile(forward, fullgraph=True,
+                                                                     backend="inductor" if HAS_CUDA else "aot_eager"))
+    assert out.dtype == ref.dtype == dtype
+    torch.testing.assert_close(out, ref)
+    for g, r in zip(grads, ref_grads):  # inductor fuses the router's fp32 backward differently from eager
+        assert g.dtype == torch.float32 and rel_error(g, r) <= torch.finfo(dtype).eps, rel_error(g, r)
+
+
+@kernels_runnable
+def test_torch_compile_fullgraph_under_autocast():
+    check_compiled_under_autocast(torch.float16)
+
+
+# ------------------------------------------------------------------------------------------ GPU (bf16, TF32)
+
+gpu = pytest.mark.gpu
+needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+@pytest.mark.parametrize("save", ["preact", "input"])
+def test_gpu_triton_experts_under_autocast_equal_bf16_copies(activation, save):
+    inputs = make_expert_inputs(300, 128, 96, 8, 2, activation, device="cuda")
+    autocast_equals_cast_copies(inputs, activation, save, "triton", torch.bfloat16)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("save", ["preact", "input"])
+def test_gpu_module_with_fp32_parameters_under_autocast(save):
+    check_module_under_autocast("cuda", save)
+
+
+@gpu
+@needs_cuda
+def test_gpu_torch_compile_fullgraph_under_autocast():
+    check_compiled_under_autocast(torch.bfloat16, shape=(4, 256, 128), d_ff=96, experts=8, top_k=2)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("activation", ["swiglu", "gelu"])
+def test_gpu_fp32_follows_float32_matmul_precision(activation):
+    """fp32 kernels at "highest" (IEEE) and "high" (TF32), each within 2x of torch's own error at that
+    setting (the ``torch`` backend: cuBLAS fp32 / TF32) of the float64 reference; TF32 is really used at
+    "high" (its error is far above the IEEE one: 10 vs 23 mantissa bits)."""
+    inputs = make_expert_inputs(700, 256, 128, 8, 2, activation, device="cuda")
+    dout = torch.randn(700, 256, device="cuda")
+    ref = reference_outputs(inputs, activation, dout)
+    before, errors = torch.get_float32_matmul_precision(), {}
+    try:
+        for setting in ("highest", "high"):
+            torch.set_float32_matmul_precision(setting)
+            got = run_and_grad(lambda **kw: moe_experts(**kw, activation=activation, backend="triton"), inputs, dout)
+            base = run_and_grad(lambda **kw: moe_experts(**kw, activation=activation, backend="torch"), inputs, dout)
+            for name, a, r, b in zip(NAMES, got, ref, base):
+                if name != "dtopk_weights":  # a dot product over h, rounded like the rest
+                    assert_close_to_reference(f"{setting} {name}", a, r, b)
+            errors[setting] = rel_error(got[0], ref[0])
+    finally:
+        torch.set_float32_matmul_precision(before)
+    assert errors["high"] > 30 * errors["highest"], errors
 
 # ----------------------------------------------------------------------------- moeblaze train --precision
 

@@ -78,7 +78,7 @@ def autocast_off(method: Callable[..., Any]) -> Callable[..., Any]:
         if forward:
             ctx.autocast_device = next(a for a in args if isinstance(a, torch.Tensor)).device.type
         device = ctx.autocast_device
-        if autocast_dtype(device) is None:
+        if autocast_dtype(device) is None or (not forward and torch.compiler.is_compiling()):
             return method(ctx, *args)
         with torch.autocast(device, enabled=False):
             return method(ctx, *args)
