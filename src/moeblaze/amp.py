@@ -69,7 +69,10 @@ def autocast_off(method: Callable[..., Any]) -> Callable[..., Any]:
     """Decorate an autograd Function's ``forward`` or ``backward``: run it with autocast off on the device
     of the call (``forward`` records it from its first tensor argument as ``ctx.autocast_device``).
 
-    Outside autocast this adds one check and no context manager (host time matters at small T).
+    Outside autocast this adds one check and no context manager (host time matters at small T). While
+    dynamo traces a ``backward`` it runs as is: entering autocast there trips dynamo's global-state check
+    (torch 2.13), and the compiled backward already matches eager's bitwise
+    (``tests/test_autocast.py::test_torch_compile_fullgraph_under_autocast``).
     """
     forward = method.__name__ == "forward"
 

@@ -128,9 +128,12 @@ def gemm_configs(kind: str, persistent: str = "auto") -> list[triton.Config]:
 
 def prune_gemm_configs(configs, named_args, **kwargs):
     """Drop ``BLOCK_N = 256`` for the dual-accumulator (gated F1) launch: two 128x256 fp32
-    accumulators spill and its pipeline buffers exceed shared memory."""
+    accumulators spill and its pipeline buffers exceed shared memory. Drop it for IEEE fp32 products too:
+    their FMA dot holds operand tiles in registers besides the accumulator (and each trial of a slow
+    config costs autotuning time)."""
     dual = kwargs.get("DUAL", named_args.get("DUAL", False))
-    kept = [c for c in configs if not (dual and c.kwargs.get("BLOCK_N", 0) > 128)]
+    ieee = kwargs.get("DOT_PREC", named_args.get("DOT_PREC")) == "ieee"
+    kept = [c for c in configs if not ((dual or ieee) and c.kwargs.get("BLOCK_N", 0) > 128)]
     return kept or configs
 
 
