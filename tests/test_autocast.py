@@ -325,3 +325,34 @@ def test_train_bf16_mixed_keeps_fp32_weights_and_learns(tmp_path):
     assert result.losses[-1] < result.losses[0] - 0.5 and math.isfinite(result.val_bpb)
     weights = load_file(tmp_path / "out" / "model.safetensors")
     assert all(w.dtype == torch.float32 for w in weights.values())
+
+
+def test_fp32_kernel_configs_are_tuned_per_precision():
+    """fp32 autotunes its own list (``tuned32``); TF32 and IEEE are tuned apart (``DOT_PREC`` in the keys), and
+    IEEE never tries 256-wide tiles; every BLOCK_K divides the launcher's K quantum."""
+    from moeblaze.kernels import launch, tuning
+
+    configs = tuning.gemm_configs("tuned32")
+    assert {c.kwargs["PERSISTENT"] for c in configs} == {False, True}
+    assert all(launch._K_QUANTUM % c.kwargs["BLOCK_K"] == 0 for c in configs)
+    assert "DOT_PREC" in launch._GEMM.key and "DOT_PREC" in launch._WGRAD.key
+    wide = lambda kept: any(c.kwargs["BLOCK_N"] > 128 for c in kept)  # noqa: E731
+    assert wide(tuning.prune_gemm_configs(configs, {}, DUAL=False, DOT_PREC="tf32"))
+    assert not wide(tuning.prune_gemm_configs(configs, {}, DUAL=False, DOT_PREC="ieee"))
+    assert all(launch._K_QUANTUM % c.kwargs["BLOCK_K"] == 0 for c in tuning.wgrad_configs("tuned32"))
+
+
+def test_precision_benchmark_smoke_run(tmp_path):
+    """``benchmarks/bench_precision.py --smoke`` runs on the CPU and records every part as CSV rows."""
+    import csv
+    import runpy
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_precision.py"
+    bench = runpy.run_path(str(script), run_name="bench_precision")
+    out = tmp_path / "rows.csv"
+    assert bench["main"](["--smoke", "--out", str(out)]) == 0
+    rows = list(csv.DictReader(out.open()))
+    assert {r["part"] for r in rows} == {"amp", "fp32", "train"} and all(r["status"] == "ok" for r in rows)
+    assert all(float(r["ms"]) > 0 for r in rows)
+    assert {r["variant"] for r in rows if r["part"] == "train"} == {
+        "--precision bf16-mixed", "--precision bf16", "--precision fp32"}
