@@ -328,18 +328,42 @@ def test_train_bf16_mixed_keeps_fp32_weights_and_learns(tmp_path):
 
 
 def test_fp32_kernel_configs_are_tuned_per_precision():
-    """fp32 autotunes its own list (``tuned32``); TF32 and IEEE are tuned apart (``DOT_PREC`` in the keys), and
-    IEEE never tries 256-wide tiles; every BLOCK_K divides the launcher's K quantum."""
+    """fp32 autotunes its own lists (``tuned32``); TF32 and IEEE are tuned apart (``DOT_PREC`` in the keys) over
+    their own tiles (IEEE: BLOCK_K 16); every BLOCK_K divides the launcher's K quantum."""
     from moeblaze.kernels import launch, tuning
 
     configs = tuning.gemm_configs("tuned32")
     assert {c.kwargs["PERSISTENT"] for c in configs} == {False, True}
     assert all(launch._K_QUANTUM % c.kwargs["BLOCK_K"] == 0 for c in configs)
     assert "DOT_PREC" in launch._GEMM.key and "DOT_PREC" in launch._WGRAD.key
-    wide = lambda kept: any(c.kwargs["BLOCK_N"] > 128 for c in kept)  # noqa: E731
-    assert wide(tuning.prune_gemm_configs(configs, {}, DUAL=False, DOT_PREC="tf32"))
-    assert not wide(tuning.prune_gemm_configs(configs, {}, DUAL=False, DOT_PREC="ieee"))
-    assert all(launch._K_QUANTUM % c.kwargs["BLOCK_K"] == 0 for c in tuning.wgrad_configs("tuned32"))
+    wgrad = tuning.wgrad_configs("tuned32")
+    for lists, prune in ((configs, tuning.prune_gemm_configs), (wgrad, tuning.prune_fp32_tiles)):
+        ieee = prune(lists, {}, DUAL=False, DOT_PREC="ieee")
+        tf32 = prune(lists, {}, DUAL=False, DOT_PREC="tf32")
+        assert ieee and tf32 and len(ieee) + len(tf32) == len(lists)
+        assert all(c.kwargs["BLOCK_K"] == 16 for c in ieee) and all(c.kwargs["BLOCK_K"] >= 32 for c in tf32)
+    sixteen = tuning.gemm_configs("tuned16")
+    assert tuning.prune_gemm_configs(sixteen, {}, DUAL=False, DOT_PREC="tf32") == sixteen
+
+
+@kernels_runnable
+def test_fp32_ieee_tiles_compute_right(monkeypatch):
+    """The BLOCK_K 16 tiles of the IEEE lists (GEMMs and weight gradients) against the float64 reference."""
+    from moeblaze.kernels import launch, tuning
+
+    gemm, wgrad = tuning.gemm_configs("fixed32")[0], tuning.wgrad_configs("fixed32")[0]
+    assert gemm.kwargs["BLOCK_K"] == wgrad.kwargs["BLOCK_K"] == 16
+    gemm.kwargs["PERSISTENT"] = True  # both launch shapes: persistent here, per tile in the fixed config
+    for kernel, config in ((launch._GEMM, gemm), (launch._WGRAD, wgrad)):
+        monkeypatch.setattr(kernel, "configs", lambda *kind, c=config: [c])
+        monkeypatch.setattr(kernel, "_cache", {})
+        monkeypatch.setattr(kernel, "_best", {})
+    inputs = make_expert_inputs(45, 48, 40, 5, 2, device=DEVICE)
+    dout = torch.randn(45, 48, device=DEVICE)
+    got = run_and_grad(lambda **kw: moe_experts(**kw, backend="triton"), inputs, dout)
+    ref, base = reference_outputs(inputs, "swiglu", dout), reference_outputs(inputs, "swiglu", dout, torch.float32)
+    for name, a, r, b in zip(NAMES[:4], got, ref, base):
+        assert_close_to_reference(name, a, r, b)
 
 
 def test_precision_benchmark_smoke_run(tmp_path):

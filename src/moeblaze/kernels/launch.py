@@ -17,6 +17,7 @@ from .tuning import (
     gemm_configs,
     num_programs,
     persistent_mode,
+    prune_fp32_tiles,
     prune_gemm_configs,
     tma_enabled,
     wgrad_configs,
@@ -30,7 +31,7 @@ _EVEN = {"EVEN_K": lambda a: a["K_DIM"] % a["BLOCK_K"] == 0, "EVEN_N": lambda a:
 _GEMM = Launchable(grouped_gemm_kernel, gemm_configs, key=_GEMM_KEY, heuristics=_EVEN, prune=prune_gemm_configs,
                    variant=persistent_mode)
 _WGRAD = Launchable(grouped_wgrad_kernel, wgrad_configs, key=["P", "Q", "NUM_EXPERTS", "stride_c_p", "B_DESC",
-                                                           "DOT_PREC"])
+                                                           "DOT_PREC"], prune=prune_fp32_tiles)
 # Every BLOCK_K of gemm_configs divides this: a K_DIM multiple of it never reads past an expert (B_DESC 2).
 _K_QUANTUM = 64
 
