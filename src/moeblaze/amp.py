@@ -1,12 +1,12 @@
 """Automatic mixed precision (``torch.autocast``) for the experts and the router.
 
-The contract is ``torch.nn.Linear``'s: under ``torch.autocast(device_type, dtype)`` the expert GEMMs run
-in the autocast dtype on casts of ``x``, ``w_gate_up`` and ``w_down`` made by :func:`autocast_operands`
-*before* the autograd Functions (each operand cast once per call; the cast is an ordinary differentiable
-op, so fp32 parameters — "master weights" — receive fp32 gradients). Inside the Functions autocast is
-switched off (:func:`autocast_off`): the kernels and the torch backend choose their own precisions (fp32
-sums, an fp32 combine, fp32 router logits), which autocast must not cast again, also when ``backward``
-is called inside the autocast region.
+The contract is ``torch.nn.Linear``'s: under ``torch.autocast(device_type, dtype)`` the GEMMs run in the
+autocast dtype on casts of their operands (``x``, ``w_gate_up``, ``w_down``, the router weight) made by
+:func:`autocast_operands` *before* the autograd Functions (each operand cast once per call; the cast is an
+ordinary differentiable op, so fp32 parameters — "master weights" — receive fp32 gradients). Inside the
+Functions autocast is switched off (:func:`autocast_off`): the kernels and the torch backend choose their
+own precisions (fp32 sums, an fp32 combine, fp32 router logits), which autocast must not cast again, also
+when ``backward`` is called inside the autocast region.
 
 Why not ``torch.amp.custom_fwd(cast_inputs=...)``: it is bound to one device type and one dtype at
 decoration time, casts inside ``forward`` where autograd does not see the cast, and would cast every
@@ -59,9 +59,9 @@ def autocast_operands(x: torch.Tensor, *weights: tuple[str, torch.Tensor]) -> tu
         return (x, *(t for _, t in weights))
     if dtype not in AUTOCAST_OPERAND_DTYPES or any(t.dtype not in AUTOCAST_OPERAND_DTYPES for _, t in named):
         got = ", ".join(f"{name} {t.dtype}" for name, t in named)
-        raise TypeError(f"under torch.autocast({x.device.type!r}, dtype={dtype}) the experts run on operands cast to "
-                        f"the autocast dtype; got {got}: autocast casts fp32/fp16/bf16 (never fp64) to fp16 or "
-                        "bf16 — use fp32 parameters, or run float64 outside autocast")
+        raise TypeError(f"under torch.autocast({x.device.type!r}, dtype={dtype}) moeblaze runs its GEMMs on operands "
+                        f"cast to the autocast dtype; got {got}: autocast casts fp32/fp16/bf16 (never fp64) to "
+                        "fp16 or bf16 — use fp32 parameters, or run float64 outside autocast")
     return tuple(t.to(dtype) for _, t in named)
 
 

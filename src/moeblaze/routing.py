@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from .amp import autocast_off
+from .amp import autocast_off, autocast_operands
 
 SCORE_FUNCS = ("softmax", "sigmoid")
 
@@ -54,9 +54,9 @@ class _RouterLogits(torch.autograd.Function):
     (run I timeline, 2026-11-23: 0.075 + 0.075 + 0.188 + 0.094 ms), 3% of a qwen3-30b layer step; the
     one-GEMM form made the layer step 1.008-1.014x faster (run J, docs/benchmarks.md).
 
-    Any other pair of dtypes — e.g. ``x`` bf16 and an fp32 weight under ``torch.autocast`` — takes the fp32
-    path (fp32 products, so TF32 where ``torch.backends.cuda.matmul.allow_tf32``). Autocast is off inside
-    (:func:`moeblaze.amp.autocast_off`): it would run these GEMMs in 16 bits and return 16-bit logits.
+    Any other pair of dtypes takes the fp32 path (fp32 products, so TF32 where
+    ``torch.backends.cuda.matmul.allow_tf32``). Autocast is off inside (:func:`moeblaze.amp.autocast_off`):
+    it would return 16-bit logits; :class:`Router` casts the operands under autocast before this Function.
     """
 
     @staticmethod
@@ -144,8 +144,13 @@ class Router(nn.Module):
         aux_loss_coef: coefficient of the load-balancing loss (0 disables it).
         z_loss_coef: coefficient of the z-loss (0 disables it).
 
-    Shapes: input ``[T, d]`` (any float dtype, also under ``torch.autocast``: the logits, scores, top-k and
-    losses stay fp32 whatever dtypes reach the router), weight ``[E, d]``.
+    Shapes: input ``[T, d]`` (any float dtype), weight ``[E, d]``. Logits, scores, top-k and losses are fp32
+    whatever dtypes reach the router. Under ``torch.autocast`` (bf16/fp16) the logits GEMM takes casts of
+    ``x`` and the weight to the autocast dtype, as ``torch.nn.Linear`` would, but sums and returns fp32 (the
+    tensor-core path of the bf16 layer, bitwise): an fp32 weight gets its fp32 gradient through the cast.
+    Why not fp32 operands: an fp32 GEMM without tensor cores over [T, d] x [d, E] three times per step
+    (forward, dx, dW: 51 GFLOP at T 32768, d 2048, E 128), about 1 ms on an H100 at fp32's 67 TFLOP/s
+    data-sheet peak, next to a 15-18 ms layer step.
 
     Raises:
         ValueError: bad ``top_k``, ``score_func`` or a wrong input shape.
@@ -183,7 +188,7 @@ class Router(nn.Module):
         """
         if x.dim() != 2 or x.shape[1] != self.d_model:
             raise ValueError(f"router input must have shape [T, d={self.d_model}], got {tuple(x.shape)}")
-        logits = _RouterLogits.apply(x, self.weight)
+        logits = _RouterLogits.apply(*autocast_operands(x, ("router.weight", self.weight)))
         if self.score_func == "softmax":
             scores = torch.softmax(logits, dim=-1)
             probs = scores
