@@ -154,7 +154,7 @@ def resolve_precision(name: str, device: torch.device) -> tuple[str, torch.dtype
     """``--precision`` -> ``(precision, parameter dtype, autocast dtype or None)``.
 
     ``auto`` is ``bf16-mixed`` on CUDA (not yet measured against ``bf16`` for the default preset:
-    ``benchmarks/bench_precision.py --train`` compares them) and ``fp32`` on CPU.
+    ``benchmarks/bench_precision.py --parts train`` compares them) and ``fp32`` on CPU.
     """
     if name == "auto":
         name = "bf16-mixed" if device.type == "cuda" else "fp32"
