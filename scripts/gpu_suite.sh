@@ -7,6 +7,7 @@
 #   experts    benchmarks/bench_experts.py
 #   bench      moeblaze bench $BENCH_ARGS (default --suite all; peers installed from .peers/ when present, QuACK's
 #              kernel cache taken from .peers/quack_cache.tgz and left in $OUT/quack_cache.tgz)
+#   precision  benchmarks/bench_precision.py $PRECISION_ARGS (AMP, fp32 TF32/IEEE, the train preset per --precision)
 #   train      moeblaze train on the GPU, torch vs triton backend loss curves ($TRAIN_BACKENDS: which of the two, default both)
 # Logs, CSVs and plots go to /tmp/gpu_out, packed at the end into $OUT/gpu_results.tgz (the device
 # tool brings back at most 8 files).
@@ -37,6 +38,8 @@ for stage in "$@"; do
           -p no:cacheprovider --durations=15 ${TESTS_ARGS:-} ;;
     dispatch) run bench_dispatch python3 benchmarks/bench_dispatch.py --no-torch --out "$OUT/dispatch.csv" ;;
     experts) run bench_experts python3 benchmarks/bench_experts.py --out "$OUT/experts.csv" ;;
+    # shellcheck disable=SC2086
+    precision) run bench_precision python3 benchmarks/bench_precision.py --out "$OUT/precision.csv" ${PRECISION_ARGS:-} ;;
     bench)  # BENCH_ARGS overrides what to run; SonicMoE is measured in a child process (--isolate auto)
       if [[ -f .peers/install.sh ]]; then source .peers/install.sh /tmp/peers >/dev/null; fi
       export QUACK_COMPILE_WORKERS="${QUACK_COMPILE_WORKERS:-16}"  # SonicMoE's GEMM autotune compiles in parallel

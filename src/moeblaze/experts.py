@@ -14,6 +14,7 @@ import torch
 
 from . import ops_torch, settings
 from .activations import check_activation, is_gated
+from .amp import autocast_off, autocast_operands
 from .dispatch import DispatchIndex, TileSchedule, build_dispatch, check_index_matches, with_schedule
 
 __all__ = ["moe_experts", "schedule_block_m", "SAVE_MODES", "BACKENDS"]
@@ -44,6 +45,7 @@ class _UpProjection(torch.autograd.Function):
     """
 
     @staticmethod
+    @autocast_off
     def forward(ctx, x, w1, ops, activation, num_experts, block_m, *index_tensors):
         index = _index_from(index_tensors, num_experts, block_m)
         pre, act = ops.up_forward(x, w1, index, activation, store_pre=True, store_act=True)
@@ -54,6 +56,7 @@ class _UpProjection(torch.autograd.Function):
         return pre, act
 
     @staticmethod
+    @autocast_off
     def backward(ctx, dpre, _dact):
         x, w1, *index_tensors = ctx.saved_tensors
         if dpre is None:  # the output does not depend on pre (grads are not materialised)
@@ -72,6 +75,7 @@ class _DownProjection(torch.autograd.Function):
     """
 
     @staticmethod
+    @autocast_off
     def forward(ctx, pre, act, w2, topk_weights, ops, activation, num_experts, block_m, *index_tensors):
         index = _index_from(index_tensors, num_experts, block_m)
         out = ops.down_forward(act, w2, topk_weights, index)
@@ -80,6 +84,7 @@ class _DownProjection(torch.autograd.Function):
         return out
 
     @staticmethod
+    @autocast_off
     def backward(ctx, dout):
         pre, w2, topk_weights, *index_tensors = ctx.saved_tensors
         index = _index_from(index_tensors, ctx.num_experts, ctx.block_m)
@@ -98,6 +103,7 @@ class _ExpertsRecompute(torch.autograd.Function):
     """
 
     @staticmethod
+    @autocast_off
     def forward(ctx, x, w1, w2, topk_weights, ops, activation, num_experts, block_m, *index_tensors):
         index = _index_from(index_tensors, num_experts, block_m)
         _, act = ops.up_forward(x, w1, index, activation, store_pre=False, store_act=True)
@@ -107,6 +113,7 @@ class _ExpertsRecompute(torch.autograd.Function):
         return out
 
     @staticmethod
+    @autocast_off
     def backward(ctx, dout):
         x, w1, w2, topk_weights, *index_tensors = ctx.saved_tensors
         index = _index_from(index_tensors, ctx.num_experts, ctx.block_m)
@@ -128,6 +135,9 @@ def _select_ops(backend: str, x: torch.Tensor) -> ModuleType:
         backend = chosen if chosen != "auto" else ("triton" if kernels_fit else "torch")
     if backend == "torch":
         return ops_torch
+    if x.dtype not in _TRITON_DTYPES:
+        raise TypeError(f"backend='triton' runs the dtypes fp16, bf16 and fp32; x has dtype {x.dtype} "
+                        "(use backend='torch')")
     if not x.is_cuda and not settings.interpreting():
         raise ValueError(f"backend='triton' needs CUDA tensors (x is on {x.device}); use backend='torch' "
                          "or set TRITON_INTERPRET=1 to run the kernels in Triton's CPU interpreter")
@@ -214,13 +224,22 @@ def moe_experts(
     unpermuted ``x`` through the dispatch index; no gathered copy of ``x``, no activation and no expert
     output survives to the backward pass.
 
+    Precision (the contract of ``torch.nn.Linear``; :mod:`moeblaze.amp`): under
+    ``torch.autocast(x.device.type, dtype)`` (bf16 or fp16) the GEMMs run in the autocast dtype on casts of
+    ``x``, ``w_gate_up`` and ``w_down`` (each cast once per call, differentiable: fp32 parameters get fp32
+    gradients) and the result is in the autocast dtype — bitwise the call on those casts outside autocast.
+    ``topk_weights`` is not cast (the combine sums in fp32). Outside autocast all three share one dtype;
+    fp32 follows ``torch.get_float32_matmul_precision()`` as ``torch.matmul`` does (``"highest"``: IEEE
+    fp32 products; ``"high"``/``"medium"``, i.e. ``torch.backends.cuda.matmul.allow_tf32``: TF32 tensor
+    cores); every backend sums in fp32 (fp64 for fp64).
+
     Args:
         x: ``[T, d]`` tokens, fp32/fp16/bf16 (fp64 on the ``torch`` backend).
         topk_ids: ``[T, K]`` int32/int64 expert ids, distinct per row, in ``[0, E)``.
         topk_weights: ``[T, K]`` float router weights (any float dtype; gets a gradient).
         w_gate_up: ``[E, 2h, d]`` (gate rows then up rows) for ``swiglu``/``geglu``; ``w_up [E, h, d]``
-            for ``silu``/``gelu``/``relu``. Same dtype as ``x``.
-        w_down: ``[E, d, h]``, same dtype as ``x``.
+            for ``silu``/``gelu``/``relu``. Same dtype as ``x`` (under autocast: fp32/fp16/bf16).
+        w_down: ``[E, d, h]``, same dtype as ``x`` (under autocast: fp32/fp16/bf16).
         activation: ``"swiglu"`` (default), ``"geglu"``, ``"silu"``, ``"gelu"`` or ``"relu"``.
         save: ``"preact"`` keeps ``x``, the pre-activation ``[N, 2h]`` and the index (2Td + 4Nh + O(N)
             bytes in bf16); ``"input"`` keeps ``x`` and the index only (2Td + O(N)) and recomputes the
@@ -232,13 +251,15 @@ def moe_experts(
             tensor; see ``DispatchIndex.built_from``).
 
     Returns:
-        ``[T, d]`` tensor in ``x.dtype``.
+        ``[T, d]`` tensor in ``x.dtype`` (under autocast: the autocast dtype).
 
     Raises:
         ValueError: bad shapes, devices, activation, save mode or backend; ids out of range; an index built
             from other ids; bfloat16 on the Triton backend under ``TRITON_INTERPRET=1``.
-        TypeError: dtype mismatch between ``x`` and the weights, or non-integer ``topk_ids``.
+        TypeError: dtype mismatch between ``x`` and the weights, non-integer ``topk_ids``, fp64 with
+            ``backend="triton"``, or an fp64 operand under autocast (autocast never casts fp64).
     """
+    x, w_gate_up, w_down = autocast_operands(x, ("w_gate_up", w_gate_up), ("w_down", w_down))
     _check_inputs(x, topk_ids, topk_weights, w_gate_up, w_down, activation, save)
     E = w_down.shape[0]
     if index is None:

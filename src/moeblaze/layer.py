@@ -8,6 +8,7 @@ import torch
 import torch.nn as nn
 
 from .activations import check_activation, is_gated
+from .amp import autocast_operands
 from .dispatch import build_dispatch
 from .experts import BACKENDS, SAVE_MODES, moe_experts, schedule_block_m
 from .routing import Router
@@ -77,10 +78,16 @@ class MoE(nn.Module):
     ``w_gate_up [E, 2h, d]`` (gated; ``w_up [E, h, d]`` otherwise) and ``w_down [E, d, h]``, all
     initialised ``U(-1/sqrt(fan_in), 1/sqrt(fan_in))`` as ``nn.Linear``.
 
-    Forward: ``x [..., d]`` -> ``[..., d]`` in ``x.dtype``. After each training-mode forward,
-    ``self.aux_loss`` holds the router's coefficient-weighted auxiliary loss (load balancing + z-loss,
-    a 0-dim fp32 tensor in the graph); add it to the training loss, or use :func:`aux_loss` to sum it
-    over a model. ``self.last_topk_ids [T, K]`` keeps the last routing (detached) for load statistics.
+    Forward: ``x [..., d]`` -> ``[..., d]`` in ``x.dtype``. Under ``torch.autocast`` (bf16/fp16) with fp32
+    parameters (mixed precision with fp32 master weights): ``x`` is cast once to the autocast dtype, the
+    router's GEMM and the experts run on it and on casts of their weights, the router keeps fp32 logits,
+    scores, top-k and losses (:class:`Router`), and the output is in the autocast dtype — bitwise the layer
+    on bf16 copies of ``x`` and the parameters, with gradients reaching the fp32 parameters (and an fp32
+    ``x``) in fp32 through the casts (see :func:`moe_experts`).
+    After each training-mode forward, ``self.aux_loss`` holds the router's coefficient-weighted auxiliary
+    loss (load balancing + z-loss, a 0-dim fp32 tensor in the graph); add it to the training loss, or use
+    :func:`aux_loss` to sum it over a model. ``self.last_topk_ids [T, K]`` keeps the last routing (detached)
+    for load statistics.
 
     Raises:
         ValueError: bad configuration, or an input whose last dimension is not d.
@@ -136,7 +143,8 @@ class MoE(nn.Module):
                     m.reset_parameters()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Route and run the experts: ``x [..., d]`` -> ``[..., d]`` in ``x.dtype``; sets ``self.aux_loss``.
+        """Route and run the experts: ``x [..., d]`` -> ``[..., d]`` in ``x.dtype`` (the autocast dtype under
+        ``torch.autocast``); sets ``self.aux_loss``.
 
         Raises:
             ValueError: the last dimension of ``x`` is not d.
@@ -144,7 +152,9 @@ class MoE(nn.Module):
         if x.dim() == 0 or x.shape[-1] != self.d_model:
             raise ValueError(f"MoE input must have last dimension d_model={self.d_model}, got {tuple(x.shape)}")
         shape = x.shape
-        x2 = x.reshape(-1, self.d_model)
+        # Under autocast: one cast of x for the router and the experts, so that its gradient sums in the
+        # autocast dtype before the cast's backward, as in the layer on 16-bit copies.
+        (x2,) = autocast_operands(x.reshape(-1, self.d_model))
         routing = self.router(x2)
         # fp32 router weights feed the kernels as they are; only a float64 run (the reference check)
         # upcasts them so that nothing in the layer rounds to fp32.

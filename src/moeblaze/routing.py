@@ -16,6 +16,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .amp import autocast_off, autocast_operands
+
 SCORE_FUNCS = ("softmax", "sigmoid")
 LOGITS_DTYPES = ("fp32", "input")
 
@@ -55,9 +57,14 @@ class _RouterLogits(torch.autograd.Function):
     0.094 ms), 3% of a qwen3-30b layer step; the one-GEMM form made the layer step 1.008-1.014x faster
     (H200, 2026-11-23, same-call step times of conf4, qwen3-30b and olmoe; ``moeblaze bench --configs
     conf4-swiglu,qwen3-30b-a3b,olmoe-1b-7b`` measures the step).
+
+    Any other pair of dtypes takes the fp32 path (fp32 products, so TF32 where
+    ``torch.backends.cuda.matmul.allow_tf32``). Autocast is off inside (:func:`moeblaze.amp.autocast_off`):
+    it would return 16-bit logits; :class:`Router` casts the operands under autocast before this Function.
     """
 
     @staticmethod
+    @autocast_off
     def forward(ctx, x, weight):
         ctx.save_for_backward(x, weight)
         if _tensor_core_path(x, weight):
@@ -65,6 +72,7 @@ class _RouterLogits(torch.autograd.Function):
         return x.float() @ weight.float().t()
 
     @staticmethod
+    @autocast_off
     def backward(ctx, dlogits):
         x, weight = ctx.saved_tensors
         dx = dw = None
@@ -150,7 +158,13 @@ class Router(nn.Module):
             dtype and then upcasts (as transformers' Qwen/Mixtral routers do for a bf16 model), so that such a
             model routes exactly as transformers does.
 
-    Shapes: input ``[T, d]`` (any float dtype), weight ``[E, d]``.
+    Shapes: input ``[T, d]`` (any float dtype), weight ``[E, d]``. Logits, scores, top-k and losses are fp32
+    whatever dtypes reach the router. Under ``torch.autocast`` (bf16/fp16) the logits GEMM takes casts of
+    ``x`` and the weight to the autocast dtype, as ``torch.nn.Linear`` would, but sums and returns fp32 (the
+    tensor-core path of the bf16 layer, bitwise): an fp32 weight gets its fp32 gradient through the cast.
+    Why not fp32 operands: an fp32 GEMM without tensor cores over [T, d] x [d, E] three times per step
+    (forward, dx, dW: 51 GFLOP at T 32768, d 2048, E 128), about 1 ms on an H100 at fp32's 67 TFLOP/s
+    data-sheet peak, next to a 15-18 ms layer step.
 
     Raises:
         ValueError: bad ``top_k``, ``score_func``, group settings, ``logits_dtype``, a loss coefficient that
@@ -227,7 +241,7 @@ class Router(nn.Module):
         if self.logits_dtype == "input":  # rounded to x's dtype as transformers computes them, then upcast
             logits = F.linear(x, self.weight.to(x.dtype)).float()
         else:
-            logits = _RouterLogits.apply(x, self.weight)
+            logits = _RouterLogits.apply(*autocast_operands(x, ("router.weight", self.weight)))
         if self.score_func == "softmax":
             scores = torch.softmax(logits, dim=-1)
             probs = scores

@@ -45,11 +45,25 @@ DENSE_BF16_PEAK_TFLOPS = [("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("H100", 98
           ("A800", 312.0), ("L40S", 362.0), ("L4", 121.0), ("A10", 125.0)]
 
 
-def peak_tflops(device_name: str) -> float | None:
-    """Data-sheet dense bf16 peak of a device (by name), or ``None`` when unknown."""
-    for key, tf in DENSE_BF16_PEAK_TFLOPS:
+# Data-sheet fp32 peak without tensor cores (IEEE fp32, float32 matmul precision "highest"), for MFU.
+FP32_PEAK_TFLOPS = [("H100 PCIe", 51.0), ("H100 NVL", 60.0), ("H100", 67.0), ("H200", 67.0), ("GH200", 67.0),
+                    ("A100", 19.5), ("L40S", 91.6), ("L4", 30.3), ("A10", 31.2)]
+
+PRECISIONS = ("auto", "bf16-mixed", "bf16", "fp32")
+
+
+def peak_tflops(device_name: str, precision: str = "bf16") -> float | None:
+    """Data-sheet dense peak of a device (by name) for a ``--precision``, or ``None`` when unknown.
+
+    ``bf16``/``bf16-mixed``: the bf16 tensor-core peak. ``fp32``: TF32 tensor cores (half the bf16 rate on
+    these GPUs) when ``torch.backends.cuda.matmul.allow_tf32`` (float32 matmul precision "high"/"medium"),
+    else the fp32 peak without tensor cores.
+    """
+    tf32 = precision == "fp32" and torch.backends.cuda.matmul.allow_tf32
+    table = FP32_PEAK_TFLOPS if precision == "fp32" and not tf32 else DENSE_BF16_PEAK_TFLOPS
+    for key, tf in table:
         if key in device_name:
-            return tf
+            return tf / 2 if tf32 else tf
     return None
 
 
@@ -90,8 +104,10 @@ class TrainConfig:
     grad_clip: float = _f(1.0, "clip the global gradient norm to this (0 = off)")
     seed: int = _f(1337, "seed of the initialisation and of the batch sampler")
     device: str = _f("auto", "auto (cuda if available, else cpu), cpu, cuda or cuda:N")
-    dtype: str = _f("auto", "parameter dtype (auto: bfloat16 on cuda, float32 on cpu)",
-                    choices=("auto", "float32", "bfloat16"))
+    precision: str = _f("auto", "Lightning's names: bf16-mixed = fp32 parameters and optimizer, forward under "
+                        "torch.autocast(bfloat16); bf16 = bf16 parameters; fp32 = fp32 throughout (TF32 matmuls "
+                        "unless torch's float32 matmul precision is 'highest'); auto: bf16-mixed on cuda, fp32 on cpu",
+                        choices=PRECISIONS)
     threads: int = _f(0, "CPU threads for torch (0 = all available cores)")
     eval_interval: int = _f(200, "evaluate validation bits-per-byte every this many steps")
     eval_tokens: int = _f(131072, "validation tokens per evaluation (evenly spaced windows)")
@@ -159,13 +175,23 @@ def resolve_device(name: str) -> torch.device:
     return dev
 
 
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """``auto`` -> bfloat16 parameters on CUDA, float32 on CPU."""
+def resolve_precision(name: str, device: torch.device) -> tuple[str, torch.dtype, torch.dtype | None]:
+    """``--precision`` -> ``(precision, parameter dtype, autocast dtype or None)``.
+
+    ``auto`` is ``bf16-mixed`` on CUDA (not yet measured against ``bf16`` for the default preset:
+    ``benchmarks/bench_precision.py --parts train`` compares them) and ``fp32`` on CPU.
+    """
     if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    if name not in ("float32", "bfloat16"):
-        raise ConfigError(f"unknown --dtype {name!r} (use auto, float32 or bfloat16)")
-    return getattr(torch, name)
+        name = "bf16-mixed" if device.type == "cuda" else "fp32"
+    if name not in PRECISIONS:
+        raise ConfigError(f"unknown --precision {name!r} (use one of {', '.join(PRECISIONS)})")
+    param = torch.bfloat16 if name == "bf16" else torch.float32
+    return name, param, (torch.bfloat16 if name == "bf16-mixed" else None)
+
+
+def autocast_context(device: torch.device, dtype: torch.dtype | None):
+    """``torch.autocast(device.type, dtype)`` for a mixed precision, else a no-op context."""
+    return torch.autocast(device.type, dtype=dtype) if dtype is not None else contextlib.nullcontext()
 
 
 def set_threads(cfg: TrainConfig, device: torch.device) -> int:
@@ -192,26 +218,30 @@ def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Adam
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), foreach=True)
 
 
-def gpu_peak_flops(device: torch.device, cfg: TrainConfig) -> float | None:
-    """The peak used for MFU: ``--peak-tflops``, else the dense bf16 peak of a known GPU, else None."""
+def gpu_peak_flops(device: torch.device, cfg: TrainConfig, precision: str = "bf16") -> float | None:
+    """The peak used for MFU: ``--peak-tflops``, else the dense peak of a known GPU for the precision that
+    runs (:func:`peak_tflops`), else None."""
     if device.type != "cuda":
         return None
     if cfg.peak_tflops > 0:
         return cfg.peak_tflops * 1e12
     name = torch.cuda.get_device_name(device)
-    tflops = peak_tflops(name)
+    tflops = peak_tflops(name, precision)
     return tflops * 1e12 if tflops else None
 
 
 # ----------------------------------------------------------------------------- evaluation
 
 @torch.no_grad()
-def evaluate(model: MoETransformer, data, cfg: TrainConfig, device: torch.device) -> float:
-    """Validation bits per byte: mean next-byte cross-entropy (nats) / ln 2 over fixed windows."""
+def evaluate(model: MoETransformer, data, cfg: TrainConfig, device: torch.device,
+             autocast: torch.dtype | None = None) -> float:
+    """Validation bits per byte: mean next-byte cross-entropy (nats) / ln 2 over fixed windows
+    (the forward under ``torch.autocast(autocast)`` when given, as in training)."""
     model.eval()
     total, count = 0.0, 0
     for x, y in eval_windows(data, cfg.eval_tokens, model.cfg.seq_len, cfg.batch_size):
-        logits = model(x.to(device))
+        with autocast_context(device, autocast):
+            logits = model(x.to(device))
         total += F.cross_entropy(logits.float().flatten(0, 1), y.to(device).flatten(), reduction="sum").item()
         count += y.numel()
     model.train()
@@ -308,13 +338,13 @@ def prepare_out_dir(cfg: TrainConfig, log=print) -> Path | None:
 
 # ----------------------------------------------------------------------------- training
 
-def _describe(model: MoETransformer, mcfg: ModelConfig, cfg: TrainConfig, device, dtype, threads) -> str:
+def _describe(model: MoETransformer, mcfg: ModelConfig, cfg: TrainConfig, device, precision, threads) -> str:
     total = sum(p.numel() for p in model.parameters())
     return (f"model: {mcfg.n_layers} layers, d={mcfg.d_model}, heads={mcfg.n_heads}, E={mcfg.num_experts}, "
             f"K={mcfg.top_k}, h={mcfg.d_ff}, seq={mcfg.seq_len}; {total / 1e6:.2f}M parameters, "
             f"{mcfg.active_params_per_token() / 1e6:.2f}M active per token\n"
             f"run: {cfg.steps} steps x {cfg.batch_size * mcfg.seq_len} tokens, lr {cfg.lr:g}, "
-            f"device {device}, dtype {str(dtype).removeprefix('torch.')}, {threads} threads")
+            f"device {device}, precision {precision}, {threads} threads")
 
 
 class NonFiniteLossError(RuntimeError):
@@ -322,11 +352,14 @@ class NonFiniteLossError(RuntimeError):
 
 
 def train_step(model: MoETransformer, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor, lr: float,
-               grad_clip: float, counter: SavedTensorCounter | None = None) -> float:
+               grad_clip: float, counter: SavedTensorCounter | None = None,
+               autocast: torch.dtype | None = None) -> float:
     """One optimizer step on a batch ``x, y [B, seq]`` (int64 bytes); returns the cross-entropy (nats).
 
     The loss is cross-entropy plus the MoE layers' auxiliary losses; gradients are clipped to
-    ``grad_clip`` (0: off). With ``counter``, the forward runs under it (bytes saved for backward).
+    ``grad_clip`` (0: off). With ``counter``, the forward runs under it (bytes saved for backward). With
+    ``autocast`` (mixed precision), the forward runs under ``torch.autocast(x.device.type, autocast)``; the
+    backward and the optimizer step run outside it, on the fp32 parameters.
     Reading the losses synchronises (once), so step timings are honest on CUDA too.
 
     Raises:
@@ -335,7 +368,7 @@ def train_step(model: MoETransformer, opt: torch.optim.Optimizer, x: torch.Tenso
     """
     for group in opt.param_groups:
         group["lr"] = lr
-    with counter if counter is not None else contextlib.nullcontext():
+    with counter if counter is not None else contextlib.nullcontext(), autocast_context(x.device, autocast):
         logits = model(x)
     ce = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
     aux = aux_loss(model).to(x.device)
@@ -381,13 +414,13 @@ def train(cfg: TrainConfig, model_cfg: ModelConfig | None = None, log=tqdm.write
         A :class:`TrainResult` (final validation bits per byte, throughput, bytes saved, status, ...).
 
     Raises:
-        ConfigError: bad device/dtype/backend or out_dir, nothing to resume, resume with a different model.
+        ConfigError: bad device/precision/backend or out_dir, nothing to resume, resume with a different model.
         moeblaze.data.DataError: missing or unusable data.
         moeblaze.checkpoint.CheckpointError: the checkpoint to resume cannot be loaded, or one cannot be written.
         NonFiniteLossError: a non-finite loss; nothing is written, the last checkpoint stays as it was.
     """
     device = resolve_device(cfg.device)
-    dtype = resolve_dtype(cfg.dtype, device)
+    precision, dtype, amp_dtype = resolve_precision(cfg.precision, device)
     if model_cfg is not None:
         _check_backend(model_cfg, device)
     resume_from = prepare_out_dir(cfg, log)
@@ -416,10 +449,10 @@ def train(cfg: TrainConfig, model_cfg: ModelConfig | None = None, log=tqdm.write
     opt = make_optimizer(model, cfg)
     start = load_checkpoint(resume_from, model, opt, device) if resume_from is not None else 0
     stop = min(cfg.steps, cfg.stop_after) if cfg.stop_after > 0 else cfg.steps
-    log(_describe(model, mcfg, cfg, device, dtype, threads)
+    log(_describe(model, mcfg, cfg, device, precision, threads)
         + (f"; resuming at step {start} from {resume_from}" if resume_from is not None else ""))
     with checkpoint.StopOnSignal() as signals:
-        run = _loop(model, opt, corpus, cfg, mcfg, device, start, stop, signals, log)
+        run = _loop(model, opt, corpus, cfg, mcfg, device, precision, amp_dtype, start, stop, signals, log)
     val_bpb, losses, saved, tok_s, mfu, status, ckpt = run
     if status != "done":
         return TrainResult(start + len(losses), val_bpb, entropy, losses[-1] if losses else float("nan"), tok_s,
@@ -427,7 +460,7 @@ def train(cfg: TrainConfig, model_cfg: ModelConfig | None = None, log=tqdm.write
     log(f"done: step {stop}, val {val_bpb:.3f} bits/byte vs unigram {entropy:.3f}; "
         f"{tok_s:,.0f} tokens/s; MoE saved {saved / 2**20:.2f} MiB/step; checkpoint {ckpt}")
     if device.type == "cuda":
-        peak = gpu_peak_flops(device, cfg)
+        peak = gpu_peak_flops(device, cfg, precision)
         log(f"MFU: {100 * mfu:.1f}% of {peak / 1e12:.0f} TFLOP/s ({mcfg.train_flops_per_token() / 1e6:.2f} "
             "MFLOP/token = 6 x active params + 12 x layers x d x seq)" if mfu is not None
             else "MFU: unknown GPU peak; pass --peak-tflops")
@@ -435,11 +468,11 @@ def train(cfg: TrainConfig, model_cfg: ModelConfig | None = None, log=tqdm.write
                        status, ckpt)
 
 
-def _loop(model, opt, corpus, cfg: TrainConfig, mcfg: ModelConfig, device, start: int, stop: int,
-          signals: checkpoint.StopOnSignal, log):
+def _loop(model, opt, corpus, cfg: TrainConfig, mcfg: ModelConfig, device, precision: str,
+          amp_dtype: torch.dtype | None, start: int, stop: int, signals: checkpoint.StopOnSignal, log):
     """Steps ``start..stop-1`` with evaluation and checkpoints; returns
     ``(val_bpb, losses, saved bytes, tokens/s, mfu, status, last checkpoint folder)``."""
-    peak = gpu_peak_flops(device, cfg)
+    peak = gpu_peak_flops(device, cfg, precision)
     flops_per_token = mcfg.train_flops_per_token()
     tokens_per_step = cfg.batch_size * mcfg.seq_len
     saved, losses, val_bpb, train_time, mfu, tok_s, ckpt = 0, [], float("nan"), 0.0, None, 0.0, None
@@ -452,7 +485,7 @@ def _loop(model, opt, corpus, cfg: TrainConfig, mcfg: ModelConfig, device, start
         # measure once; the hooks pass tensors through, so results do not change
         counter = SavedTensorCounter(list(model.parameters())).track(model.moe_layers()) if step == start else None
         try:
-            losses.append(train_step(model, opt, x, y, lr_at(step, cfg), cfg.grad_clip, counter))
+            losses.append(train_step(model, opt, x, y, lr_at(step, cfg), cfg.grad_clip, counter, amp_dtype))
         except NonFiniteLossError as err:
             bar.close()
             kept = checkpoint.find_latest(cfg.out_dir, warn=None)
@@ -471,7 +504,7 @@ def _loop(model, opt, corpus, cfg: TrainConfig, mcfg: ModelConfig, device, start
         last = step + 1 == stop
         interrupted = checkpoint.agree(signals.signum is not None)
         if not interrupted and ((step + 1) % cfg.eval_interval == 0 or last):
-            val_bpb = evaluate(model, corpus.val, cfg, device)
+            val_bpb = evaluate(model, corpus.val, cfg, device, amp_dtype)
             log(f"step {step + 1}: train loss {losses[-1]:.3f}, val {val_bpb:.3f} bits/byte, {tok_s:,.0f} tok/s")
         timed = checkpoint.agree(cfg.checkpoint_minutes > 0
                                  and time.monotonic() - last_save >= 60 * cfg.checkpoint_minutes)

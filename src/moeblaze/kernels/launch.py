@@ -17,24 +17,34 @@ from .tuning import (
     gemm_configs,
     num_programs,
     persistent_mode,
+    prune_fp32_tiles,
     prune_gemm_configs,
     tma_enabled,
     wgrad_configs,
 )
 from .wgrad import grouped_wgrad_kernel
 
-_GEMM_KEY = ["N_COLS", "K_DIM", "NUM_EXPERTS", "EPILOGUE", "GATHER_A", "SCATTER_C", "DUAL", "A_DESC", "B_DESC"]
+# DOT_PREC in the keys: fp32 at TF32 and at IEEE precision are tuned apart (different best tiles).
+_GEMM_KEY = ["N_COLS", "K_DIM", "NUM_EXPERTS", "EPILOGUE", "GATHER_A", "SCATTER_C", "DUAL", "A_DESC", "B_DESC",
+             "DOT_PREC"]
 _EVEN = {"EVEN_K": lambda a: a["K_DIM"] % a["BLOCK_K"] == 0, "EVEN_N": lambda a: a["N_COLS"] % a["BLOCK_N"] == 0}
 _GEMM = Launchable(grouped_gemm_kernel, gemm_configs, key=_GEMM_KEY, heuristics=_EVEN, prune=prune_gemm_configs,
                    variant=persistent_mode)
-_WGRAD = Launchable(grouped_wgrad_kernel, wgrad_configs, key=["P", "Q", "NUM_EXPERTS", "stride_c_p", "B_DESC"])
+_WGRAD = Launchable(grouped_wgrad_kernel, wgrad_configs, key=["P", "Q", "NUM_EXPERTS", "stride_c_p", "B_DESC",
+                                                           "DOT_PREC"], prune=prune_fp32_tiles)
 # Every BLOCK_K of gemm_configs divides this: a K_DIM multiple of it never reads past an expert (B_DESC 2).
 _K_QUANTUM = 64
 
 
 def dot_precision(dtype: torch.dtype) -> str:
-    """fp32 operands use exact (IEEE) products, as torch's default fp32 matmul; 16-bit ones ignore it."""
-    return "ieee" if dtype == torch.float32 else "tf32"
+    """``tl.dot``'s ``input_precision``: fp32 operands follow ``torch.get_float32_matmul_precision()`` as
+    ``torch.matmul`` does on CUDA — ``"highest"``: IEEE fp32 products; ``"high"``/``"medium"`` (that is,
+    ``torch.backends.cuda.matmul.allow_tf32``): TF32 tensor cores. 16-bit operands ignore it ("tf32").
+    Read at each launch; the value is a constexpr of the kernels and part of their autotune key, so each
+    precision compiles and tunes its own variant."""
+    if dtype != torch.float32:
+        return "tf32"
+    return "tf32" if torch.backends.cuda.matmul.allow_tf32 else "ieee"
 
 
 def _scratch(size: int, alignment: int, stream) -> torch.Tensor:

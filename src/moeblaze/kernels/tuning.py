@@ -86,7 +86,7 @@ def _cfg(num_warps: int, num_stages: int, **kw) -> triton.Config:
 
 
 def gemm_configs(kind: str, persistent: str = "auto") -> list[triton.Config]:
-    """Grouped-GEMM configs; ``kind`` is ``tuned16``, ``fixed16``, ``fixed32`` or ``interpret``,
+    """Grouped-GEMM configs; ``kind`` is ``tuned16``, ``tuned32``, ``fixed16``, ``fixed32`` or ``interpret``,
     ``persistent`` the :func:`persistent_mode` (``PERSISTENT`` of the configs: ``1`` all, ``0`` none, ``auto``:
     the tuned list holds both launch shapes, fixed configs are per tile, the interpreter persistent).
 
@@ -96,11 +96,15 @@ def gemm_configs(kind: str, persistent: str = "auto") -> list[triton.Config]:
     gated F1 runs one wide MMA (``B_DESC`` 3), the tuner picks its persistent launch on conf4, conf7, olmoe
     and qwen3-30b (H200, 2026-11-23, ``python3 benchmarks/profile_kernels.py --configs conf4-swiglu`` prints the
     tuned config of each launch).
+
+    ``tuned32`` / ``fixed32``: fp32 operands, see :func:`fp32_gemm_configs`.
     """
+    if kind == "tuned32":
+        return fp32_gemm_configs(persistent)
     if kind == "interpret":
         base = [_cfg(1, 1, BLOCK_N=64, BLOCK_K=64, GROUP_M=4)]
-    elif kind == "fixed32":
-        base = [_cfg(4, 2, BLOCK_N=64, BLOCK_K=32, GROUP_M=8)]
+    elif kind == "fixed32":  # an IEEE-sized tile (see fp32_gemm_configs), right for TF32 too
+        base = [_cfg(8, 2, BLOCK_N=64, BLOCK_K=16, GROUP_M=8)]
     elif kind == "fixed16":
         base = [_cfg(8, 3, BLOCK_N=128, BLOCK_K=64, GROUP_M=8)]
     else:
@@ -117,9 +121,41 @@ def gemm_configs(kind: str, persistent: str = "auto") -> list[triton.Config]:
     return base
 
 
+def fp32_gemm_configs(persistent: str = "auto") -> list[triton.Config]:
+    """The ``tuned32`` grouped-GEMM list: TF32 tiles and IEEE tiles, told apart by BLOCK_K (16: IEEE).
+
+    :func:`prune_fp32_tiles` keeps the tiles of a launch's ``DOT_PREC`` (also in the autotune key, so each
+    precision tunes its own). TF32 (tensor cores): BLOCK_K 32, as an fp32 tile of 32 columns holds the bytes
+    of a 16-bit tile of 64; fewer stages for wide tiles. IEEE (``tl.dot`` as FMA loops): every thread holds
+    its rows of A and columns of B for all of BLOCK_K in registers besides its accumulators, so BLOCK_K 16
+    and 8 warps per 128-row tile (the fixed 128x64x32 4-warp tile ran at 1.1 TFLOP/s on an H100, issue 27).
+    Not yet measured: ``benchmarks/bench_precision.py --parts fp32`` reports what the tuner reaches.
+    """
+    tf32 = ((64, 32, 4, 3), (64, 32, 4, 4), (128, 32, 4, 3), (128, 32, 8, 3), (128, 32, 8, 4), (256, 32, 8, 3),
+            (128, 64, 8, 2))
+    ieee = ((32, 16, 4, 2), (32, 16, 8, 2), (64, 16, 4, 2), (64, 16, 8, 2), (128, 16, 8, 2))
+    per_tile = [_cfg(w, s, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, PERSISTENT=False) for bn, bk, w, s in tf32 + ieee]
+    steady = [_cfg(w, s, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, PERSISTENT=True) for bn, bk, w, s in tf32[3:6]]
+    keep = {"0": (False,), "1": (True,)}.get(persistent, (False, True))
+    return [c for c in per_tile + steady if c.kwargs["PERSISTENT"] in keep]
+
+
+def prune_fp32_tiles(configs, named_args, **kwargs):
+    """Of a list holding BLOCK_K 16 (IEEE) tiles, keep those for ``DOT_PREC="ieee"`` and the others for TF32;
+    other lists pass unchanged."""
+    ieee_tiles = [c for c in configs if c.kwargs.get("BLOCK_K") == 16]
+    if not ieee_tiles or len(ieee_tiles) == len(configs):
+        return configs
+    if kwargs.get("DOT_PREC", named_args.get("DOT_PREC")) == "ieee":
+        return ieee_tiles
+    return [c for c in configs if c.kwargs.get("BLOCK_K") != 16]
+
+
 def prune_gemm_configs(configs, named_args, **kwargs):
-    """Drop ``BLOCK_N = 256`` for the dual-accumulator (gated F1) launch: two 128x256 fp32
-    accumulators spill and its pipeline buffers exceed shared memory."""
+    """Keep the fp32 tiles of the launch's precision (:func:`prune_fp32_tiles`), and drop ``BLOCK_N = 256``
+    for the dual-accumulator (gated F1) launch: two 128x256 fp32 accumulators spill and its pipeline
+    buffers exceed shared memory."""
+    configs = prune_fp32_tiles(configs, named_args, **kwargs)
     dual = kwargs.get("DUAL", named_args.get("DUAL", False))
     kept = [c for c in configs if not (dual and c.kwargs.get("BLOCK_N", 0) > 128)]
     return kept or configs
@@ -129,10 +165,16 @@ def wgrad_configs(kind: str) -> list[triton.Config]:
     """Weight-gradient configs (``BLOCK_P x BLOCK_Q`` output tile, ``BLOCK_K`` slots per step)."""
     if kind == "interpret":
         return [_cfg(1, 1, BLOCK_P=64, BLOCK_Q=64, BLOCK_K=32, GROUP_M=4)]
-    if kind == "fixed32":
-        return [_cfg(4, 2, BLOCK_P=64, BLOCK_Q=64, BLOCK_K=32, GROUP_M=8)]
+    if kind == "fixed32":  # IEEE-sized (see fp32_gemm_configs), right for TF32 too
+        return [_cfg(8, 2, BLOCK_P=64, BLOCK_Q=64, BLOCK_K=16, GROUP_M=8)]
     if kind == "fixed16":
         return [_cfg(8, 3, BLOCK_P=128, BLOCK_Q=128, BLOCK_K=64, GROUP_M=8)]
+    if kind == "tuned32":  # TF32: BLOCK_K 32 slots (the bytes of 64 in 16 bits); IEEE: BLOCK_K 16, small tiles
+        return [_cfg(w, s, BLOCK_P=bp, BLOCK_Q=bq, BLOCK_K=bk, GROUP_M=8)
+                for bp, bq, bk, w, s in ((128, 128, 32, 8, 3), (128, 128, 32, 8, 4), (128, 256, 32, 8, 3),
+                                         (256, 128, 32, 8, 3), (64, 128, 32, 4, 4), (128, 64, 32, 4, 4),
+                                         (64, 64, 16, 8, 2), (64, 32, 16, 4, 2), (32, 64, 16, 4, 2),
+                                         (128, 64, 16, 8, 2))]
     return [
         _cfg(w, s, BLOCK_P=bp, BLOCK_Q=bq, BLOCK_K=64, GROUP_M=8)
         for bp, bq, w, s in ((128, 128, 8, 3), (128, 128, 8, 4), (128, 256, 8, 3), (128, 256, 8, 4),
@@ -194,11 +236,11 @@ class Launchable:
         self._key_pos = [(k, names.index(k)) for k in key]
 
     def kind(self, dtype: torch.dtype) -> tuple[str, ...]:
-        """``(base kind, *variant)``: base ``interpret``, ``fixed32``, ``tuned16`` or ``fixed16``."""
+        """``(base kind, *variant)``: base ``interpret``, ``tuned32``, ``fixed32``, ``tuned16`` or ``fixed16``."""
         if interpreting():
             base = "interpret"
         elif dtype == torch.float32:
-            base = "fixed32"
+            base = "tuned32" if autotune_enabled() else "fixed32"
         else:
             base = "tuned16" if autotune_enabled() else "fixed16"
         return (base, self.variant()) if self.variant else (base,)
