@@ -27,6 +27,12 @@ tile covers ``[start, min(start + BLOCK_M, offsets[e+1]))``) and ``num_tiles [1]
 ``max_tiles = cdiv(N, BLOCK_M) + E`` (a bound known on the host) and entries past ``num_tiles`` holding
 ``-1`` / ``N``. A tile never straddles two experts, so a GEMM program reads one expert's weight.
 
+Foreign experts (``build_dispatch(..., foreign_experts=True)``, transformers' expert-parallel sentinel):
+ids ``>= E`` name experts of other ranks. They are clamped to E and built as one extra bucket, the last:
+``expert_token_offsets`` is then ``[E+2]`` with ``offsets[E]`` the local pairs and ``offsets[E+1] == N``,
+``token_expert_indices`` holds E for those pairs, and slots ``>= offsets[E]`` are foreign. The tile
+schedule covers the E local experts only (``local_offsets``), so no GEMM ever touches a foreign slot.
+
 The PyTorch build here is the CPU path and the reference for the Triton build (``kernels.dispatch``):
 per-expert counts, an exclusive prefix sum, per-expert ranks from a running one-hot count — no
 ``sort``/``argsort`` and no atomics.
@@ -79,6 +85,7 @@ class DispatchIndex:
         token_index_map: ``[T, K]`` int32, pair (t, k) -> slot.
         num_experts: E.
         schedule: the grouped-GEMM tile schedule when the build was asked for one (``block_m``).
+        foreign_experts: the index has the extra bucket E of foreign pairs (offsets ``[E+2]``).
     """
 
     expert_token_offsets: torch.Tensor
@@ -87,6 +94,12 @@ class DispatchIndex:
     token_index_map: torch.Tensor
     num_experts: int
     schedule: TileSchedule | None = None
+    foreign_experts: bool = False
+
+    @property
+    def local_offsets(self) -> torch.Tensor:
+        """``[E+1]`` offsets of the local experts (``expert_token_offsets`` without the foreign bucket)."""
+        return self.expert_token_offsets[: self.num_experts + 1]
 
     @property
     def num_tokens(self) -> int:
@@ -113,7 +126,8 @@ class DispatchIndex:
         return sum(t.numel() * t.element_size() for t in self.tensors())
 
 
-def check_topk_ids(topk_ids: torch.Tensor, num_experts: int, check_range: bool = True) -> None:
+def check_topk_ids(topk_ids: torch.Tensor, num_experts: int, check_range: bool = True,
+                   foreign_experts: bool = False) -> None:
     """Validate a routing before any kernel sees it.
 
     Args:
@@ -122,6 +136,8 @@ def check_topk_ids(topk_ids: torch.Tensor, num_experts: int, check_range: bool =
         check_range: also check ``0 <= id < E`` and that ids are distinct within each row. This reads
             the ids back to the host once (one synchronisation); set ``MOEBLAZE_CHECK_IDS=0`` to skip
             it globally when the ids come from a trusted router.
+        foreign_experts: ids ``>= E`` are allowed (experts of other ranks; may repeat in a row), and
+            K may exceed E.
 
     Raises:
         TypeError: ``topk_ids`` is not an integer tensor.
@@ -137,7 +153,7 @@ def check_topk_ids(topk_ids: torch.Tensor, num_experts: int, check_range: bool =
     if not isinstance(num_experts, int) or num_experts < 1:
         raise ValueError(f"num_experts must be a positive int, got {num_experts!r}")
     T, K = topk_ids.shape
-    if K < 1 or num_experts < K:
+    if K < 1 or (num_experts < K and not foreign_experts):
         raise ValueError(f"topk_ids has K={K} columns; expected 1 <= K <= num_experts={num_experts}")
     if T * K >= 2**31:
         raise ValueError(f"topk_ids has N = T*K = {T * K} pairs; the int32 index holds fewer than 2^31")
@@ -145,11 +161,17 @@ def check_topk_ids(topk_ids: torch.Tensor, num_experts: int, check_range: bool =
         return
     lo, hi = torch.aminmax(topk_ids)
     lo, hi = int(lo), int(hi)
-    if lo < 0 or hi >= num_experts:
+    if foreign_experts and lo < 0:
+        raise ValueError(f"topk_ids holds expert ids in [{lo}, {hi}]; expected ids >= 0 (ids >= "
+                         f"{num_experts} are foreign experts)")
+    if not foreign_experts and (lo < 0 or hi >= num_experts):
         raise ValueError(f"topk_ids holds expert ids in [{lo}, {hi}]; expected ids in [0, {num_experts})")
     if K > 1:
         s = topk_ids.sort(dim=1).values  # validation only; the build itself never sorts
-        if bool((s[:, 1:] == s[:, :-1]).any()):
+        dup = s[:, 1:] == s[:, :-1]
+        if foreign_experts:
+            dup &= s[:, 1:] < num_experts  # foreign sentinels may repeat
+        if bool(dup.any()):
             raise ValueError("topk_ids repeats an expert within a token's row; top-k ids must be distinct")
 
 
@@ -232,18 +254,18 @@ def with_schedule(index: DispatchIndex, block_m: int) -> DispatchIndex:
     """
     if index.schedule is not None and index.schedule.block_m == block_m:
         return index
-    off, N = index.expert_token_offsets, index.num_pairs
+    off, N = index.local_offsets, index.num_pairs  # no tiles for the foreign bucket
     if off.is_cuda and _triton_dispatch_available():
         from .kernels.dispatch import tile_schedule
 
         sched = TileSchedule(block_m, *tile_schedule(off, block_m, N))
     else:
         sched = build_tile_schedule_torch(off, N, block_m)
-    return DispatchIndex(*index.tensors(), index.num_experts, sched)
+    return DispatchIndex(*index.tensors(), index.num_experts, sched, index.foreign_experts)
 
 
 def build_dispatch(topk_ids: torch.Tensor, num_experts: int, validate: bool = True,
-                   block_m: int | None = None) -> DispatchIndex:
+                   block_m: int | None = None, foreign_experts: bool = False) -> DispatchIndex:
     """Build the zero-buffer dispatch index of a top-k routing (MoEBlaze §4.1-4.2, DESIGN.md §3).
 
     On CUDA tensors the atomic-free Triton build runs (when Triton is importable, E <= 1024 and
@@ -257,6 +279,9 @@ def build_dispatch(topk_ids: torch.Tensor, num_experts: int, validate: bool = Tr
             construction, so the layer passes ``validate=False``.
         block_m: also emit the grouped-GEMM tile schedule for M-tiles of ``block_m`` slots
             (``index.schedule``); the Triton build writes it in its last launch (no extra launch).
+        foreign_experts: ids ``>= E`` are experts of other ranks (transformers' expert-parallel
+            sentinel): they go to an extra last bucket E that the tile schedule leaves out (see the
+            module docstring); without it such ids are an error.
 
     Returns:
         :class:`DispatchIndex` with ``expert_token_offsets [E+1]``, ``expert_token_indices [N]``,
@@ -266,11 +291,20 @@ def build_dispatch(topk_ids: torch.Tensor, num_experts: int, validate: bool = Tr
     Raises:
         TypeError, ValueError: see :func:`check_topk_ids`.
     """
-    check_topk_ids(topk_ids, num_experts, check_range=validate)
+    check_topk_ids(topk_ids, num_experts, check_range=validate, foreign_experts=foreign_experts)
+    if foreign_experts:  # bucket E holds every foreign pair; the schedule (local offsets) leaves it out
+        full = _build(topk_ids.clamp(max=num_experts), num_experts + 1, None)
+        index = DispatchIndex(*full.tensors(), num_experts, foreign_experts=True)
+        return index if block_m is None else with_schedule(index, block_m)
+    return _build(topk_ids, num_experts, block_m)
+
+
+def _build(topk_ids: torch.Tensor, num_experts: int, block_m: int | None) -> DispatchIndex:
+    """The build of a checked routing: Triton on CUDA within its limits, else PyTorch."""
     if topk_ids.is_cuda and _triton_dispatch_available():
         from .kernels.dispatch import MAX_EXPERTS, MAX_TOP_K, build_dispatch_triton
 
-        if num_experts <= MAX_EXPERTS and topk_ids.shape[1] <= MAX_TOP_K:  # within the kernels' register tiles
+        if num_experts <= MAX_EXPERTS and topk_ids.shape[1] <= min(MAX_TOP_K, num_experts):  # its register tiles
             return build_dispatch_triton(topk_ids, num_experts, block_m=block_m)
     index = build_dispatch_torch(topk_ids, num_experts)
     return index if block_m is None else with_schedule(index, block_m)
