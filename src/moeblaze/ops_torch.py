@@ -158,13 +158,14 @@ def down_forward(act: Tensor, w2: Tensor, topk_weights: Tensor, index: DispatchI
     return yk.sum(1).to(act.dtype)
 
 
-def bias_dot(dout: Tensor, b2: Tensor, index: DispatchIndex) -> Tensor:
-    """``[T, K]`` fp32 ``<dout[t], b2[e]>`` for every pair (0 for foreign pairs): the down bias's share of
-    ``dtopk_weights``, from one ``[T, d] x [d, E]`` product (T*E*d FLOPs, E/(6*K*h) of the layer's)."""
+def bias_dot(dout: Tensor, b2: Tensor, token_expert_indices: Tensor) -> Tensor:
+    """``[T, K]`` fp32 ``<dout[t], b2[e]>`` for every pair (0 for a foreign id ``e >= E``): the down bias's
+    share of ``dtopk_weights``, from one ``[T, d] x [d, E]`` product (T*E*d FLOPs, E/(6*K*h) of the layer's)."""
+    E = b2.shape[0]
     scores = acc(dout) @ acc(b2).t()  # [T, E]
-    ids = index.token_expert_indices.long()
-    dots = scores.gather(1, ids.clamp(max=index.num_experts - 1))
-    return torch.where(ids < index.num_experts, dots, 0.0) if index.foreign_experts else dots
+    ids = token_expert_indices.long()
+    dots = scores.gather(1, ids.clamp(max=E - 1))
+    return torch.where(ids < E, dots, 0.0)
 
 
 def down_backward(dout: Tensor, pre: Tensor, w2: Tensor, topk_weights: Tensor, index: DispatchIndex,
@@ -186,7 +187,7 @@ def down_backward(dout: Tensor, pre: Tensor, w2: Tensor, topk_weights: Tensor, i
         if index.foreign_experts:
             dtw = torch.where(_local_pairs(index)[..., 0], dtw, 0.0)
         if b2 is not None:
-            dtw = dtw + bias_dot(dout, b2, index)
+            dtw = dtw + bias_dot(dout, b2, index.token_expert_indices)
         dtw = dtw.to(topk_weights.dtype)
     dact = (dact_unscaled * w_slot[:, None]).to(pre.dtype)
     dpre = activation_backward(dact, pre, activation, **act_args._asdict())
