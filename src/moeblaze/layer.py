@@ -23,16 +23,17 @@ class MoE(nn.Module):
         d_ff: h, each expert's intermediate dimension (gated activations project to 2h).
         num_experts: E.
         top_k: K, experts per token.
-        activation: ``swiglu`` (default), ``geglu``, ``silu``, ``gelu`` or ``relu``.
+        activation: a name of :data:`moeblaze.activations.ACTIVATIONS` (default ``swiglu``).
         score_func: router scores, ``softmax`` or ``sigmoid``.
         renormalize: renormalise the top-k weights (default: False for softmax, True for sigmoid).
         save: ``"preact"`` or ``"input"`` — what the experts keep for backward (see :func:`moe_experts`).
         aux_loss_coef: load-balancing loss coefficient; z_loss_coef: router z-loss coefficient.
         backend: ``"auto"``, ``"torch"`` or ``"triton"``.
+        bias: expert biases ``b_gate_up [E, 2h]`` (``b_up [E, h]``) and ``b_down [E, d]`` (as GPT-OSS).
 
     Parameters (layout of DESIGN.md §2, HF transformers v5 fused experts): ``router.weight [E, d]``,
-    ``w_gate_up [E, 2h, d]`` (gated; ``w_up [E, h, d]`` otherwise) and ``w_down [E, d, h]``, all
-    initialised ``U(-1/sqrt(fan_in), 1/sqrt(fan_in))`` as ``nn.Linear``.
+    ``w_gate_up [E, 2h, d]`` (gated; ``w_up [E, h, d]`` otherwise) and ``w_down [E, d, h]`` (and the
+    biases), all initialised ``U(-1/sqrt(fan_in), 1/sqrt(fan_in))`` as ``nn.Linear``.
 
     Forward: ``x [..., d]`` -> ``[..., d]`` in ``x.dtype``. After each training-mode forward,
     ``self.aux_loss`` holds the router's coefficient-weighted auxiliary loss (load balancing + z-loss,
@@ -46,7 +47,7 @@ class MoE(nn.Module):
     def __init__(self, d_model: int, d_ff: int, num_experts: int, top_k: int, activation: str = "swiglu",
                  score_func: str = "softmax", renormalize: bool | None = None, save: str = "preact",
                  aux_loss_coef: float = 0.01, z_loss_coef: float = 0.0, backend: str = "auto",
-                 device=None, dtype=None) -> None:
+                 device=None, dtype=None, bias: bool = False) -> None:
         super().__init__()
         check_activation(activation)
         if save not in SAVE_MODES:
@@ -65,6 +66,11 @@ class MoE(nn.Module):
         kw = {"device": device, "dtype": dtype}
         self.register_parameter(self._w1_name, nn.Parameter(torch.empty(num_experts, rows, d_model, **kw)))
         self.w_down = nn.Parameter(torch.empty(num_experts, d_model, d_ff, **kw))
+        self.has_bias = bool(bias)
+        if self.has_bias:
+            self._b1_name = "b_gate_up" if is_gated(activation) else "b_up"
+            self.register_parameter(self._b1_name, nn.Parameter(torch.empty(num_experts, rows, **kw)))
+            self.b_down = nn.Parameter(torch.empty(num_experts, d_model, **kw))
         self.reset_parameters()
         self.aux_loss: torch.Tensor = torch.zeros(())
         self.last_topk_ids: torch.Tensor | None = None
@@ -79,6 +85,9 @@ class MoE(nn.Module):
         self.router.reset_parameters()
         nn.init.uniform_(self.w1, -1 / math.sqrt(self.d_model), 1 / math.sqrt(self.d_model))
         nn.init.uniform_(self.w_down, -1 / math.sqrt(self.d_ff), 1 / math.sqrt(self.d_ff))
+        if self.has_bias:
+            nn.init.uniform_(getattr(self, self._b1_name), -1 / math.sqrt(self.d_model), 1 / math.sqrt(self.d_model))
+            nn.init.uniform_(self.b_down, -1 / math.sqrt(self.d_ff), 1 / math.sqrt(self.d_ff))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Route and run the experts: ``x [..., d]`` -> ``[..., d]`` in ``x.dtype``; sets ``self.aux_loss``.
@@ -98,8 +107,9 @@ class MoE(nn.Module):
         # host-synchronising range check is skipped. The build also writes the experts' tile schedule.
         index = build_dispatch(routing.topk_ids, self.num_experts, validate=False,
                                block_m=schedule_block_m(self.backend, x2))
+        biases = {"b_gate_up": getattr(self, self._b1_name), "b_down": self.b_down} if self.has_bias else {}
         out = moe_experts(x2, routing.topk_ids, topk_weights, self.w1, self.w_down,
-                          activation=self.activation, save=self.save, backend=self.backend, index=index)
+                          activation=self.activation, save=self.save, backend=self.backend, index=index, **biases)
         self.aux_loss = routing.loss
         self.last_topk_ids = routing.topk_ids.detach()
         return out.reshape(shape)
