@@ -18,6 +18,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import moeblaze
 from moeblaze import build_dispatch, moe_experts
 from moeblaze.activations import ACTIVATIONS, GATED, is_gated
+from moeblaze.experts import schedule_block_m
 from moeblaze.reference import act_reference, moe_experts_reference
 from moeblaze.testing import assert_close_to_reference, make_expert_inputs, reference_outputs, run_and_grad
 
@@ -322,3 +323,24 @@ def test_gpu_foreign_dispatch_matches_cpu_build():
     b = build_dispatch(ids, 32, foreign_experts=True, block_m=128)
     for x, y in zip(a.tensors() + a.schedule.tensors(), b.tensors() + b.schedule.tensors()):
         assert torch.equal(x.cpu(), y), "foreign index differs between the Triton and the PyTorch build"
+
+
+@needs_kernels
+def test_torch_compile_fullgraph_with_every_feature():
+    """Biases, the GPT-OSS layout and foreign ids through the custom ops' fake implementations."""
+    inp = make_inputs(24, 16, 8, 3, 2, "swiglu_clamped", torch.float32, interleaved=True, foreign=True,
+                      device=DEVICE)
+    index = build_dispatch(inp["topk_ids"], 3, foreign_experts=True,
+                           block_m=schedule_block_m("triton", inp["x"]))
+    opts = dict(activation="swiglu_clamped", gate_up_interleaved=True, foreign_experts=True, backend="triton",
+                index=index)
+
+    def loss(x, w1, w2, b1, b2):
+        out = moe_experts(x, inp["topk_ids"], inp["topk_weights"], w1, w2, b_gate_up=b1, b_down=b2, **opts)
+        return out.square().sum()
+
+    leaves = [inp[k].detach().clone().requires_grad_() for k in ("x", "w_gate_up", "w_down", "b_gate_up", "b_down")]
+    eager = torch.autograd.grad(loss(*leaves), leaves)
+    compiled = torch.compile(loss, fullgraph=True, backend="inductor" if HAS_CUDA else "aot_eager")
+    for a, b in zip(torch.autograd.grad(compiled(*leaves), leaves), eager):
+        torch.testing.assert_close(a, b)
