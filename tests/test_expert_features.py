@@ -135,6 +135,21 @@ def test_kernels_gpt_oss(save, dtype):
 
 
 @needs_kernels
+@pytest.mark.parametrize("tma", ["1", "0"])
+def test_kernels_gpt_oss_weight_reads(tma, monkeypatch):
+    """d a multiple of 64: F1 reads GPT-OSS's ``[E, d, 2h]`` storage through one TMA box of alternating
+    gate/up columns (``B_DESC`` 4); ``MOEBLAZE_TMA=0``: the strided pointer loads. Both against the reference."""
+    from moeblaze.kernels.launch import interleaved_desc_ok
+
+    monkeypatch.setenv("MOEBLAZE_TMA", tma)
+    inp = make_inputs(40, 64, 24, 3, 2, "swiglu_clamped", torch.float32, interleaved=True)
+    assert interleaved_desc_ok(inp["w_gate_up"], 64) == (tma == "1")
+    assert not interleaved_desc_ok(inp["w_gate_up"].contiguous(), 64)  # rows of d: no interleaved columns
+    assert not interleaved_desc_ok(inp["w_gate_up"][..., :48], 48)  # d not a multiple of 64
+    check(inp, "swiglu_clamped", "input", "triton", gate_up_interleaved=True, swiglu_limit=0.8)
+
+
+@needs_kernels
 @pytest.mark.parametrize("save", ["preact", "input"])
 @pytest.mark.parametrize("K", [1, 2])
 def test_kernels_foreign_ids(save, K):
@@ -182,7 +197,9 @@ def test_gpt_oss_parameters_read_in_place_and_get_their_gradients(backend):
     """transformers' GPT-OSS stores ``gate_up_proj [E, d, 2h]`` (interleaved columns) and ``down_proj
     [E, h, d]``: their transposed views go in, no op copies them in forward (checked on the torch backend
     and on the GPU), and the gradients arrive on the parameters themselves (equal to the reference's)."""
-    T, d, h, E, K = 24, 12, 10, 3, 2  # E*2h*d = 720: no other tensor of the forward has that many elements
+    # E*2h*d = 858 and E*h*d = 429 elements: no other tensor of the forward has as many (an expert has at
+    # most T = 24 slots, so its [slots, 2h | h | d] products stay below; [N, *] and [T, K, d] hold 1056 or less)
+    T, d, h, E, K = 24, 13, 11, 3, 2
     inp = make_inputs(T, d, h, E, K, "swiglu_clamped", torch.float32, interleaved=True)
     gate_up_proj = torch.nn.Parameter(inp["w_gate_up"].transpose(1, 2).contiguous())
     down_proj = torch.nn.Parameter(inp["w_down"].transpose(1, 2).contiguous())

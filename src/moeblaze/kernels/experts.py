@@ -38,7 +38,7 @@ from .act_math import ACTIVATION_CODES
 from .bias_grad import segment_sum
 from .combine import gather_sum
 from .custom_ops import call_op
-from .launch import grouped_gemm, grouped_wgrad
+from .launch import grouped_gemm, grouped_wgrad, interleaved_desc_ok
 from .tuning import block_m
 
 __all__ = ["up_forward", "up_backward", "down_forward", "down_backward", "bias_grad", "schedule_block_m"]
@@ -89,12 +89,12 @@ def _up_forward_impl(x, w1, b1, offsets, indices, tile_expert, tile_row, num_til
     h = rows // 2 if gated else rows
     pre = x.new_empty(N, rows) if store_pre else _empty(x)
     act = x.new_empty(N, h) if store_act else _empty(x)
-    layout = {}
-    if interleaved:  # gate rows = the even rows of the view (row stride doubled), up rows one row later
+    layout, up_off = {}, h
+    if interleaved and interleaved_desc_ok(w1, x.shape[1]):  # one TMA box of alternating gate/up columns
+        layout, up_off = dict(pre_step=2, b_mode=4), 1
+    elif interleaved:  # gate rows = the even rows of the view (row stride doubled), up rows one row later
         layout = dict(up_shift_b=w1.stride(1), pre_step=2, weight_desc=False)
         w1, up_off = w1[:, 0::2], 1
-    else:
-        up_off = h
     grouped_gemm(x, w1, pre if store_pre else act, offsets, indices, (tile_expert, tile_row, num_tiles),
                  b_nk=True, n_cols=h, k_dim=x.shape[1], gather_a=True, up_off=up_off, epilogue=1,
                  activation=ACTIVATION_CODES[activation], dual=gated, store_pre=store_pre,

@@ -75,17 +75,26 @@ def b_desc_mode(b: torch.Tensor, b_nk: bool, k_dim: int, paired: bool = False) -
     return 0
 
 
+def interleaved_desc_ok(w1: torch.Tensor, k_dim: int) -> bool:
+    """An interleaved ``w_gate_up [E, 2h, d]`` view can be read through a ``B_DESC`` 4 descriptor: its storage
+    is ``[E, d, 2h]`` packed (GPT-OSS's ``gate_up_proj``), 16-byte aligned, ``d`` a multiple of 64 (k tiles
+    never run into the next expert's rows), TMA enabled."""
+    return (tma_enabled(w1.device) and w1.stride(1) == 1 and w1.stride(0) == w1.shape[2] * w1.stride(2)
+            and _rows_tma_ok(w1, w1.stride(2)) and k_dim % _K_QUANTUM == 0)
+
+
 def grouped_gemm(a, b, c, offsets, indices, sched, *, b_nk, n_cols, k_dim, gather_a, up_off=0,
                  scatter_c=False, scale=None, epilogue=0, activation=0, dual=False, store_pre=False,
                  aux=None, store_aux=False, bias=None, pre_step=1, up_shift_b=None, alpha=0.0, limit=0.0,
-                 weight_desc=True):
+                 weight_desc=True, b_mode=None):
     """Launch :func:`grouped_gemm_kernel` (see its module for the epilogues).
 
     ``bias``: ``[E, cols]`` expert bias with unit column stride, added in the epilogue (None: off).
     ``pre_step``/``up_off``: F1's column layout of ``pre`` (1, h: blocks; 2, 1: interleaved gate/up).
     ``up_shift_b``: element offset of the up rows from the gate rows of ``b`` (default ``up_off`` rows).
     ``alpha``/``limit``: the clamped SwiGLU's parameters. ``weight_desc=False`` forces pointer loads of ``b``
-    (a strided view whose gate and up rows a descriptor cannot pair).
+    (a strided view whose gate and up rows a descriptor cannot pair); ``b_mode`` forces a ``B_DESC`` mode
+    (4: an interleaved ``w_gate_up``, see :func:`interleaved_desc_ok`).
 
     ``a [rows, k_dim]`` (``gather_a``: rows are tokens; else slots, read through a TMA descriptor where
     :func:`tma_enabled` and its rows are 16-byte aligned), ``b`` a weight ``[E, n, k]`` (``b_nk``) or
@@ -104,7 +113,9 @@ def grouped_gemm(a, b, c, offsets, indices, sched, *, b_nk, n_cols, k_dim, gathe
     n_dim, k_dim_b = (1, 2) if b_nk else (2, 1)
     n_ext = b.shape[n_dim]
     b_strides = (b.stride(0), b.stride(k_dim_b), b.stride(n_dim))
-    mode = b_desc_mode(b, b_nk, k_dim, paired=dual and 2 * up_off == n_ext) if weight_desc else 0
+    if b_mode is None:
+        b_mode = b_desc_mode(b, b_nk, k_dim, paired=dual and 2 * up_off == n_ext) if weight_desc else 0
+    mode = b_mode
     up_shift_b = up_off * b_strides[2] if up_shift_b is None else up_shift_b
     bias_t = bias if bias is not None else offsets  # dummy pointer when HAS_BIAS is off
     a_desc = _slot_rows_desc(a, gather_a)
