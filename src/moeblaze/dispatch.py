@@ -99,6 +99,8 @@ class DispatchIndex:
     @property
     def local_offsets(self) -> torch.Tensor:
         """``[E+1]`` offsets of the local experts (``expert_token_offsets`` without the foreign bucket)."""
+        if not self.foreign_experts:  # the tensor itself: no view per call on the host-bound small-T path
+            return self.expert_token_offsets
         return self.expert_token_offsets[: self.num_experts + 1]
 
     @property
