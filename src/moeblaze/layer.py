@@ -12,7 +12,43 @@ from .dispatch import build_dispatch
 from .experts import BACKENDS, SAVE_MODES, moe_experts, schedule_block_m
 from .routing import Router
 
-__all__ = ["MoE", "aux_loss"]
+__all__ = ["MoE", "SharedExpert", "aux_loss"]
+
+_SHARED_ACTS = {"swiglu": nn.functional.silu, "geglu": nn.functional.gelu}
+
+
+class SharedExpert(nn.Module):
+    """A dense gated MLP that every token passes through, added to the routed experts' output (DeepSeek-MoE
+    §3.2 "shared expert isolation"; DeepSeek-V3, Qwen2-MoE, GLM-4-MoE): ``down(f(gate(x)) * up(x))``, times
+    ``sigmoid(x w_g)`` when ``gated_output`` (Qwen2-MoE's ``shared_expert_gate``).
+
+    Args:
+        d_model: d. d_ff: its intermediate size (DeepSeek-V3: ``moe_intermediate_size * n_shared_experts``).
+        activation: ``"swiglu"`` (f = SiLU) or ``"geglu"`` (f = exact GELU).
+        gated_output: add the scalar output gate ``shared_expert_gate`` (``nn.Linear(d, 1)``, no bias).
+
+    Parameters (transformers' names, so that their weights load as they are): ``gate_proj``, ``up_proj``
+    (``[d_ff, d]``), ``down_proj`` (``[d, d_ff]``), ``shared_expert_gate`` (``[1, d]``).
+    Forward: ``x [..., d]`` -> ``[..., d]``.
+
+    Raises:
+        ValueError: an activation without a gated form.
+    """
+
+    def __init__(self, d_model: int, d_ff: int, activation: str = "swiglu", gated_output: bool = False,
+                 device=None, dtype=None) -> None:
+        super().__init__()
+        if activation not in _SHARED_ACTS:
+            raise ValueError(f"shared experts need activation in {tuple(_SHARED_ACTS)}, got {activation!r}")
+        kw = {"bias": False, "device": device, "dtype": dtype}
+        self.act_fn = _SHARED_ACTS[activation]
+        self.gate_proj, self.up_proj = nn.Linear(d_model, d_ff, **kw), nn.Linear(d_model, d_ff, **kw)
+        self.down_proj = nn.Linear(d_ff, d_model, **kw)
+        self.shared_expert_gate = nn.Linear(d_model, 1, **kw) if gated_output else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+        return out if self.shared_expert_gate is None else torch.sigmoid(self.shared_expert_gate(x)) * out
 
 
 class MoE(nn.Module):
@@ -29,7 +65,14 @@ class MoE(nn.Module):
         save: ``"preact"`` or ``"input"`` — what the experts keep for backward (see :func:`moe_experts`).
         aux_loss_coef: load-balancing loss coefficient; z_loss_coef: router z-loss coefficient.
         backend: ``"auto"``, ``"torch"`` or ``"triton"``.
+        n_group, topk_group, score_correction_bias, routed_scaling_factor, logits_dtype: the router's
+            DeepSeek-V3 / GLM-4-MoE selection and its logits dtype (see :class:`moeblaze.Router`).
+        shared_d_ff: intermediate size of a :class:`SharedExpert` added to the output (0: none);
+            shared_gate: scale it by ``sigmoid(x w)`` (Qwen2-MoE).
         bias: expert biases ``b_gate_up [E, 2h]`` (``b_up [E, h]``) and ``b_down [E, d]`` (as GPT-OSS).
+
+    DeepSeek-V3's MoE block is ``MoE(d, h, E, 8, score_func="sigmoid", n_group=8, topk_group=4,
+    score_correction_bias=True, routed_scaling_factor=2.5, shared_d_ff=h * n_shared_experts)``.
 
     Parameters (layout of DESIGN.md §2, HF transformers v5 fused experts): ``router.weight [E, d]``,
     ``w_gate_up [E, 2h, d]`` (gated; ``w_up [E, h, d]`` otherwise) and ``w_down [E, d, h]`` (and the
@@ -47,7 +90,10 @@ class MoE(nn.Module):
     def __init__(self, d_model: int, d_ff: int, num_experts: int, top_k: int, activation: str = "swiglu",
                  score_func: str = "softmax", renormalize: bool | None = None, save: str = "preact",
                  aux_loss_coef: float = 0.01, z_loss_coef: float = 0.0, backend: str = "auto",
-                 device=None, dtype=None, bias: bool = False) -> None:
+                 device=None, dtype=None, *, n_group: int = 1, topk_group: int | None = None,
+                 score_correction_bias: bool = False, routed_scaling_factor: float = 1.0,
+                 logits_dtype: str = "fp32", shared_d_ff: int = 0, shared_gate: bool = False,
+                 bias: bool = False) -> None:
         super().__init__()
         check_activation(activation)
         if save not in SAVE_MODES:
@@ -60,7 +106,13 @@ class MoE(nn.Module):
         self.d_model, self.d_ff, self.num_experts, self.top_k = d_model, d_ff, num_experts, top_k
         self.activation, self.save, self.backend = activation, save, backend
         self.router = Router(d_model, num_experts, top_k, score_func, renormalize, aux_loss_coef,
-                             z_loss_coef, device=device, dtype=dtype)
+                             z_loss_coef, device=device, dtype=dtype, n_group=n_group, topk_group=topk_group,
+                             score_correction_bias=score_correction_bias,
+                             routed_scaling_factor=routed_scaling_factor, logits_dtype=logits_dtype)
+        if not isinstance(shared_d_ff, int) or shared_d_ff < 0:
+            raise ValueError(f"shared_d_ff must be an int >= 0, got {shared_d_ff!r}")
+        self.shared_experts = (SharedExpert(d_model, shared_d_ff, activation, shared_gate, device=device, dtype=dtype)
+                               if shared_d_ff else None)
         rows = 2 * d_ff if is_gated(activation) else d_ff
         self._w1_name = "w_gate_up" if is_gated(activation) else "w_up"
         kw = {"device": device, "dtype": dtype}
@@ -88,6 +140,10 @@ class MoE(nn.Module):
         if self.has_bias:
             nn.init.uniform_(getattr(self, self._b1_name), -1 / math.sqrt(self.d_model), 1 / math.sqrt(self.d_model))
             nn.init.uniform_(self.b_down, -1 / math.sqrt(self.d_ff), 1 / math.sqrt(self.d_ff))
+        if self.shared_experts is not None:
+            for m in self.shared_experts.modules():
+                if isinstance(m, nn.Linear):
+                    m.reset_parameters()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Route and run the experts: ``x [..., d]`` -> ``[..., d]`` in ``x.dtype``; sets ``self.aux_loss``.
@@ -110,6 +166,8 @@ class MoE(nn.Module):
         biases = {"b_gate_up": getattr(self, self._b1_name), "b_down": self.b_down} if self.has_bias else {}
         out = moe_experts(x2, routing.topk_ids, topk_weights, self.w1, self.w_down,
                           activation=self.activation, save=self.save, backend=self.backend, index=index, **biases)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x2)
         self.aux_loss = routing.loss
         self.last_topk_ids = routing.topk_ids.detach()
         return out.reshape(shape)
