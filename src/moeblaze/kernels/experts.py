@@ -67,6 +67,20 @@ def _empty(like: torch.Tensor) -> torch.Tensor:
     return like.new_empty(0)
 
 
+def _stored_transposed(w: Tensor) -> bool:
+    """``w [E, n, k]`` is the transposed view of a packed ``[E, k, n]`` tensor (GPT-OSS's and other
+    ``is_transposed`` experts' parameters): its weight gradient is then written in that storage order, so
+    autograd hands the parameter a gradient of its own layout (no ``E*n*k`` copy when it accumulates)."""
+    return w.stride(1) == 1 and w.stride(2) != 1
+
+
+def _like_weight(w: Tensor) -> Tensor:
+    """An uninitialised tensor of ``w``'s shape and storage order (fake implementations)."""
+    if _stored_transposed(w):
+        return w.new_empty(w.shape[0], w.shape[2], w.shape[1]).transpose(1, 2)
+    return w.new_empty(w.shape)
+
+
 def schedule_block_m() -> int:
     """BLOCK_M of the grouped GEMMs: the tile schedule an index needs for these ops (``build_dispatch``'s
     ``block_m``). 128 on the GPU, 32 under the interpreter."""
@@ -222,7 +236,10 @@ def _down_backward_impl(dout, pre, w2, b2, topk_weights, offsets, indices, tile_
         dtw = dtw.to(topk_weights.dtype)
     dw2 = _empty(w2)
     if need_dw:
-        dw2 = grouped_wgrad(dout, dact, offsets, indices, p=d, q=h, out_dtype=w2.dtype, slot_desc=not foreign)
+        flip = _stored_transposed(w2)  # [E, h, d] storage: the transposed products, viewed back as [E, d, h]
+        dw2 = grouped_wgrad(dout, dact, offsets, indices, p=d, q=h, out_dtype=w2.dtype, transpose=flip,
+                            slot_desc=not foreign)
+        dw2 = dw2.transpose(1, 2) if flip else dw2
     return dw2, dtw
 
 
@@ -237,7 +254,7 @@ _down_backward_op = torch.library.custom_op(
 @_down_backward_op.register_fake
 def _(dout, pre, w2, b2, topk_weights, offsets, indices, tile_expert, tile_row, num_tiles, token_index_map,
       token_expert_indices, activation, alpha, limit, interleaved, foreign, need_dw, need_dtw):
-    return (w2.new_empty(w2.shape) if need_dw else _empty(w2),
+    return (_like_weight(w2) if need_dw else _empty(w2),
             topk_weights.new_empty(token_index_map.shape) if need_dtw else _empty(topk_weights))
 
 
@@ -255,7 +272,7 @@ def down_backward(dout: Tensor, pre: Tensor, w2: Tensor, topk_weights: Tensor, i
             (one dtype); topk_weights: ``[T, K]``; b2: ``[E, d]`` or None; act_args: as :func:`up_forward`.
 
     Returns:
-        ``(dpre [N, 2h|h] = pre itself, dw2 [E, d, h] in w2.dtype | None,
+        ``(dpre [N, 2h|h] = pre itself, dw2 [E, d, h] in w2.dtype and storage order | None,
         dtopk_weights [T, K] in topk_weights.dtype | None)``.
 
     Raises:
@@ -294,8 +311,10 @@ def _up_backward_impl(dpre, x, w1, offsets, indices, tile_expert, tile_row, num_
             del dx_slots  # freed before dW1 is allocated: N*d*2 bytes off the backward's peak
     if need_dw:
         # as dW1[e]^T = sum_s x[token]^T dpre[s]: the gathered operand on the A side (moeblaze.kernels.wgrad)
-        dw1 = grouped_wgrad(x, dpre, offsets, indices, p=d, q=rows, out_dtype=w1.dtype, transpose=True,
+        flip = _stored_transposed(w1)  # [E, d, rows] storage (GPT-OSS): the plain products, viewed back
+        dw1 = grouped_wgrad(x, dpre, offsets, indices, p=d, q=rows, out_dtype=w1.dtype, transpose=not flip,
                             slot_desc=not foreign)
+        dw1 = dw1.transpose(1, 2) if flip else dw1
     return dx, dw1
 
 
@@ -308,12 +327,13 @@ _up_backward_op = torch.library.custom_op(
 
 @_up_backward_op.register_fake
 def _(dpre, x, w1, offsets, indices, tile_expert, tile_row, num_tiles, token_index_map, foreign, need_dx, need_dw):
-    return (x.new_empty(x.shape) if need_dx else _empty(x)), (w1.new_empty(w1.shape) if need_dw else _empty(w1))
+    return (x.new_empty(x.shape) if need_dx else _empty(x)), (_like_weight(w1) if need_dw else _empty(w1))
 
 
 def up_backward(dpre: Tensor, x: Tensor, w1: Tensor, index: DispatchIndex, need_dx: bool,
                 need_dw: bool) -> tuple[Tensor | None, Tensor | None]:
-    """B3-B5: ``dx [T, d]`` (x.dtype) and ``dw1 [E, 2h|h, d]`` (w1.dtype); ``None`` where not needed.
+    """B3-B5: ``dx [T, d]`` (x.dtype) and ``dw1 [E, 2h|h, d]`` (w1.dtype, in w1's storage order: a transposed
+    view for a transposed-view ``w1``); ``None`` where not needed.
 
     Args:
         dpre: ``[N, 2h|h]`` in ``w1``'s row order; x: ``[T, d]``; w1: ``[E, 2h|h, d]`` (one dtype, any strides).
