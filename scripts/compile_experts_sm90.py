@@ -24,6 +24,8 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from moeblaze.kernels.act_bwd import act_bwd_rows_kernel
+from moeblaze.kernels.act_math import ACTIVATION_CODES
+from moeblaze.kernels.bias_grad import segment_sum_kernel
 from moeblaze.kernels.combine import gather_sum_kernel
 from moeblaze.kernels.grouped_gemm import grouped_gemm_kernel
 from moeblaze.kernels.tuning import act_bwd_configs, gather_sum_configs, gemm_configs, prune_gemm_configs, wgrad_configs
@@ -68,18 +70,31 @@ def main() -> None:
     prec = "ieee" if dt == "fp32" else "tf32"
     gemm_ptrs = {n: T for n in ("a_ptr", "b_ptr", "c_ptr", "aux_ptr")}
     gemm_ptrs.update(scale_ptr="*fp32", offsets_ptr="*i32", indices_ptr="*i32", tile_expert_ptr="*i32",
-                     tile_row_ptr="*i32", num_tiles_ptr="*i32")
+                     tile_row_ptr="*i32", num_tiles_ptr="*i32", bias_ptr=T, alpha="fp32", limit="fp32")
     base = dict(GATHER_A=False, SCATTER_C=False, SCALE_C=False, EPILOGUE=0, ACTIVATION=0, DUAL=False,
                 STORE_PRE=False, STORE_AUX=False, DOT_PREC=prec, EVEN_K=True, EVEN_N=True,
-                BLOCK_M=128, stride_a_k=1, stride_b_k=1, A_DESC=False, B_DESC=0)
+                BLOCK_M=128, stride_a_k=1, stride_b_k=1, A_DESC=False, B_DESC=0, HAS_BIAS=False, PRE_STEP=1)
+    code = ACTIVATION_CODES
     k_contig_b = dict(stride_b_k=None, stride_b_n=1)
     variants = {
         "F1 swiglu": dict(GATHER_A=True, EPILOGUE=1, DUAL=True, STORE_PRE=True, STORE_AUX=True, B_DESC=3),
         "F1 swiglu, w1 transposed": dict(GATHER_A=True, EPILOGUE=1, DUAL=True, STORE_PRE=True, STORE_AUX=True,
                                          B_DESC=2, **k_contig_b),
-        "F1 gelu, act only, odd": dict(GATHER_A=True, EPILOGUE=1, ACTIVATION=3, STORE_AUX=True, EVEN_K=False,
-                                       EVEN_N=False),
+        "F1 gelu, act only, odd": dict(GATHER_A=True, EPILOGUE=1, ACTIVATION=code["gelu"], STORE_AUX=True,
+                                       EVEN_K=False, EVEN_N=False),
+        "F1 gpt-oss (interleaved box, bias)": dict(GATHER_A=True, EPILOGUE=1, DUAL=True, STORE_PRE=True,
+                                                   STORE_AUX=True, B_DESC=4, ACTIVATION=code["swiglu_clamped"],
+                                                   HAS_BIAS=True, PRE_STEP=2, **k_contig_b),
+        "F1 gpt-oss pointers, odd": dict(GATHER_A=True, EPILOGUE=1, DUAL=True, STORE_PRE=True, STORE_AUX=True,
+                                         ACTIVATION=code["swiglu_clamped"], HAS_BIAS=True, PRE_STEP=2,
+                                         EVEN_K=False, EVEN_N=False, stride_b_k=None, stride_b_n=None),
+        "F1 geglu_tanh + relu2 bias": dict(GATHER_A=True, EPILOGUE=1, DUAL=True, STORE_PRE=True, STORE_AUX=True,
+                                           B_DESC=3, ACTIVATION=code["geglu_tanh"], HAS_BIAS=True),
+        "F1 relu2": dict(GATHER_A=True, EPILOGUE=1, ACTIVATION=code["relu2"], STORE_PRE=True, STORE_AUX=True,
+                         B_DESC=1),
         "F2 y": dict(A_DESC=True, B_DESC=1),
+        "F2 y bias": dict(A_DESC=True, B_DESC=1, HAS_BIAS=True),
+        "F2 K=1 scatter bias": dict(SCATTER_C=True, SCALE_C=True, EVEN_N=False, HAS_BIAS=True),
         "F2 K=1 scatter": dict(SCATTER_C=True, SCALE_C=True, EVEN_N=False),
         "B1 dact'": dict(GATHER_A=True, B_DESC=2, **k_contig_b),
         "B1 dact' odd": dict(GATHER_A=True, EVEN_K=False, EVEN_N=False, **k_contig_b),
@@ -97,16 +112,26 @@ def main() -> None:
         for cfg in wgrad_configs(kind):
             compile_one(grouped_wgrad_kernel, wg_ptrs, {**wbase, **v, **cfg.kwargs}, cfg.num_warps,
                         cfg.num_stages, f"wgrad {name} {cfg.kwargs} w{cfg.num_warps} s{cfg.num_stages}")
-    rows_ptrs = dict(dact_ptr=T, pre_ptr=T, dpre_ptr=T, scale_ptr="*fp32", dtw_ptr="*fp32")
-    for act in (0, 2):
+    rows_ptrs = dict(dact_ptr=T, pre_ptr=T, dpre_ptr=T, scale_ptr="*fp32", dtw_ptr="*fp32", limit_ptr="*i32",
+                     alpha="fp32", limit="fp32")
+    for act, step, limited in (("swiglu", 1, False), ("silu", 1, False), ("swiglu_clamped", 2, True),
+                               ("gelu_tanh", 1, False), ("relu2", 1, True)):
         for cfg in act_bwd_configs(kind):
             compile_one(act_bwd_rows_kernel, rows_ptrs,
-                        dict(ACTIVATION=act, STORE_PART=True, STORE_WACT=True, **cfg.kwargs), cfg.num_warps,
-                        cfg.num_stages, f"act_bwd act={act} {cfg.kwargs} w{cfg.num_warps}")
-    for cfg in gather_sum_configs(kind):
-        compile_one(gather_sum_kernel, dict(src_ptr=T, w_ptr="*fp32", map_ptr="*i32", out_ptr=T),
-                    dict(HAS_W=True, stride_w_k=1, stride_map_k=1, **cfg.kwargs), cfg.num_warps, cfg.num_stages,
-                    f"combine {cfg.kwargs} w{cfg.num_warps}")
+                        dict(ACTIVATION=code[act], STORE_PART=True, STORE_WACT=True, PRE_STEP=step,
+                             HAS_LIMIT=limited, **cfg.kwargs), cfg.num_warps,
+                        cfg.num_stages, f"act_bwd {act} step={step} limit={limited} {cfg.kwargs} w{cfg.num_warps}")
+    for limited in (False, True):
+        for cfg in gather_sum_configs(kind):
+            compile_one(gather_sum_kernel, dict(src_ptr=T, w_ptr="*fp32", map_ptr="*i32", out_ptr=T,
+                                                limit_ptr="*i32"),
+                        dict(HAS_W=True, HAS_LIMIT=limited, stride_w_k=1, stride_map_k=1, **cfg.kwargs),
+                        cfg.num_warps, cfg.num_stages, f"combine limit={limited} {cfg.kwargs} w{cfg.num_warps}")
+    seg_ptrs = dict(src_ptr=T, scale_ptr="*fp32", offsets_ptr="*i32", indices_ptr="*i32", out_ptr=T)
+    for gather in (False, True):
+        cfg = triton.Config({"BLOCK_S": 32, "BLOCK_D": 128}, num_warps=4, num_stages=1)
+        compile_one(segment_sum_kernel, seg_ptrs, dict(GATHER=gather, SCALE=gather, **cfg.kwargs), cfg.num_warps,
+                    cfg.num_stages, f"bias grad gather={gather} {cfg.kwargs} w{cfg.num_warps}")
 
 
 if __name__ == "__main__":

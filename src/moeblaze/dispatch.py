@@ -27,6 +27,12 @@ tile covers ``[start, min(start + BLOCK_M, offsets[e+1]))``) and ``num_tiles [1]
 ``max_tiles = cdiv(N, BLOCK_M) + E`` (a bound known on the host) and entries past ``num_tiles`` holding
 ``-1`` / ``N``. A tile never straddles two experts, so a GEMM program reads one expert's weight.
 
+Foreign experts (``build_dispatch(..., foreign_experts=True)``, transformers' expert-parallel sentinel):
+ids ``>= E`` name experts of other ranks. They are clamped to E and built as one extra bucket, the last:
+``expert_token_offsets`` is then ``[E+2]`` with ``offsets[E]`` the local pairs and ``offsets[E+1] == N``,
+``token_expert_indices`` holds E for those pairs, and slots ``>= offsets[E]`` are foreign. The tile
+schedule covers the E local experts only (``local_offsets``), so no GEMM ever touches a foreign slot.
+
 The PyTorch build here is the CPU path and the reference for the Triton build (``kernels.dispatch``):
 per-expert counts, an exclusive prefix sum, per-expert ranks from a running one-hot count — no
 ``sort``/``argsort`` and no atomics.
@@ -80,6 +86,7 @@ class DispatchIndex:
         token_index_map: ``[T, K]`` int32, pair (t, k) -> slot.
         num_experts: E.
         schedule: the grouped-GEMM tile schedule when the build was asked for one (``block_m``).
+        foreign_experts: the index has the extra bucket E of foreign pairs (offsets ``[E+2]``).
         built_from: ``(topk_ids, its version counter)`` recorded by :func:`build_dispatch` (None for an
             index built by hand or inside ``torch.compile``). :func:`moeblaze.moe_experts` accepts the index
             with that same, unmodified ``topk_ids`` tensor at no cost, refuses it when that tensor was
@@ -94,7 +101,15 @@ class DispatchIndex:
     token_index_map: torch.Tensor
     num_experts: int
     schedule: TileSchedule | None = None
+    foreign_experts: bool = False
     built_from: tuple[torch.Tensor, int | None] | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def local_offsets(self) -> torch.Tensor:
+        """``[E+1]`` offsets of the local experts (``expert_token_offsets`` without the foreign bucket)."""
+        if not self.foreign_experts:  # the tensor itself: no view per call on the host-bound small-T path
+            return self.expert_token_offsets
+        return self.expert_token_offsets[: self.num_experts + 1]
 
     @property
     def num_tokens(self) -> int:
@@ -121,7 +136,8 @@ class DispatchIndex:
         return sum(t.numel() * t.element_size() for t in self.tensors())
 
 
-def check_topk_ids(topk_ids: torch.Tensor, num_experts: int, check_range: bool = True) -> None:
+def check_topk_ids(topk_ids: torch.Tensor, num_experts: int, check_range: bool = True,
+                   foreign_experts: bool = False) -> None:
     """Validate a routing before any kernel sees it.
 
     Args:
@@ -130,6 +146,8 @@ def check_topk_ids(topk_ids: torch.Tensor, num_experts: int, check_range: bool =
         check_range: also check ``0 <= id < E`` and that ids are distinct within each row. This reads
             the ids back to the host once (one synchronisation); set ``MOEBLAZE_CHECK_IDS=0`` to skip
             it globally when the ids come from a trusted router.
+        foreign_experts: ids ``>= E`` are allowed (experts of other ranks; may repeat in a row), and
+            K may exceed E.
 
     Raises:
         TypeError: ``topk_ids`` is not an integer tensor.
@@ -145,7 +163,7 @@ def check_topk_ids(topk_ids: torch.Tensor, num_experts: int, check_range: bool =
     if not isinstance(num_experts, int) or num_experts < 1:
         raise ValueError(f"num_experts must be a positive int, got {num_experts!r}")
     T, K = topk_ids.shape
-    if K < 1 or num_experts < K:
+    if K < 1 or (num_experts < K and not foreign_experts):
         raise ValueError(f"topk_ids has K={K} columns; expected 1 <= K <= num_experts={num_experts}")
     if T * K >= 2**31:
         raise ValueError(f"topk_ids has N = T*K = {T * K} pairs; the int32 index holds fewer than 2^31")
@@ -153,11 +171,17 @@ def check_topk_ids(topk_ids: torch.Tensor, num_experts: int, check_range: bool =
         return
     lo, hi = torch.aminmax(topk_ids)
     lo, hi = int(lo), int(hi)
-    if lo < 0 or hi >= num_experts:
+    if foreign_experts and lo < 0:
+        raise ValueError(f"topk_ids holds expert ids in [{lo}, {hi}]; expected ids >= 0 (ids >= "
+                         f"{num_experts} are foreign experts)")
+    if not foreign_experts and (lo < 0 or hi >= num_experts):
         raise ValueError(f"topk_ids holds expert ids in [{lo}, {hi}]; expected ids in [0, {num_experts})")
     if K > 1:
         s = topk_ids.sort(dim=1).values  # validation only; the build itself never sorts
-        if bool((s[:, 1:] == s[:, :-1]).any()):
+        dup = s[:, 1:] == s[:, :-1]
+        if foreign_experts:
+            dup &= s[:, 1:] < num_experts  # foreign sentinels may repeat
+        if bool(dup.any()):
             raise ValueError("topk_ids repeats an expert within a token's row; top-k ids must be distinct")
 
 
@@ -241,18 +265,19 @@ def with_schedule(index: DispatchIndex, block_m: int) -> DispatchIndex:
     _check_block_m(block_m)
     if index.schedule is not None and index.schedule.block_m == block_m:
         return index
-    off, N = index.expert_token_offsets, index.num_pairs
+    off, N = index.local_offsets, index.num_pairs  # no tiles for the foreign bucket
     if off.is_cuda and _triton_dispatch_available():
         from .kernels.dispatch import tile_schedule
 
         sched = TileSchedule(block_m, *tile_schedule(off, block_m, N))
     else:
         sched = build_tile_schedule_torch(off, N, block_m)
-    return DispatchIndex(*index.tensors(), index.num_experts, sched, index.built_from)
+    return DispatchIndex(*index.tensors(), index.num_experts, sched, index.foreign_experts,
+                         built_from=index.built_from)
 
 
 def build_dispatch(topk_ids: torch.Tensor, num_experts: int, validate: bool = True,
-                   block_m: int | None = None) -> DispatchIndex:
+                   block_m: int | None = None, foreign_experts: bool = False) -> DispatchIndex:
     """Build the zero-buffer dispatch index of a top-k routing (MoEBlaze §4.1-4.2, DESIGN.md §3).
 
     On CUDA tensors the atomic-free Triton build runs (when Triton is importable, E <= 1024 and
@@ -266,6 +291,9 @@ def build_dispatch(topk_ids: torch.Tensor, num_experts: int, validate: bool = Tr
             construction, so the layer passes ``validate=False``.
         block_m: also emit the grouped-GEMM tile schedule for M-tiles of ``block_m`` slots
             (``index.schedule``); the Triton build writes it in its last launch (no extra launch).
+        foreign_experts: ids ``>= E`` are experts of other ranks (transformers' expert-parallel
+            sentinel): they go to an extra last bucket E that the tile schedule leaves out (see the
+            module docstring); without it such ids are an error.
 
     Returns:
         :class:`DispatchIndex` with ``expert_token_offsets [E+1]``, ``expert_token_indices [N]``,
@@ -275,16 +303,25 @@ def build_dispatch(topk_ids: torch.Tensor, num_experts: int, validate: bool = Tr
     Raises:
         TypeError, ValueError: see :func:`check_topk_ids`; ``block_m`` not a positive int.
     """
-    check_topk_ids(topk_ids, num_experts, check_range=validate)
+    check_topk_ids(topk_ids, num_experts, check_range=validate, foreign_experts=foreign_experts)
     if block_m is not None:
         _check_block_m(block_m)
+    if foreign_experts:  # bucket E holds every foreign pair; the schedule (local offsets) leaves it out
+        full = _build(topk_ids.clamp(max=num_experts), num_experts + 1, None)
+        index = DispatchIndex(*full.tensors(), num_experts, foreign_experts=True)
+        return _record_source(index if block_m is None else with_schedule(index, block_m), topk_ids)
+    return _record_source(_build(topk_ids, num_experts, block_m), topk_ids)
+
+
+def _build(topk_ids: torch.Tensor, num_experts: int, block_m: int | None) -> DispatchIndex:
+    """The build of a checked routing: Triton on CUDA within its limits, else PyTorch."""
     if topk_ids.is_cuda and _triton_dispatch_available():
         from .kernels.dispatch import MAX_EXPERTS, MAX_TOP_K, build_dispatch_triton
 
-        if num_experts <= MAX_EXPERTS and topk_ids.shape[1] <= MAX_TOP_K:  # within the kernels' register tiles
-            return _record_source(build_dispatch_triton(topk_ids, num_experts, block_m=block_m), topk_ids)
+        if num_experts <= MAX_EXPERTS and topk_ids.shape[1] <= min(MAX_TOP_K, num_experts):  # its register tiles
+            return build_dispatch_triton(topk_ids, num_experts, block_m=block_m)
     index = build_dispatch_torch(topk_ids, num_experts)
-    return _record_source(index if block_m is None else with_schedule(index, block_m), topk_ids)
+    return index if block_m is None else with_schedule(index, block_m)
 
 
 def _check_block_m(block_m) -> None:
@@ -315,8 +352,10 @@ def check_index_matches(index: DispatchIndex, topk_ids: torch.Tensor) -> None:
             return
         # int32 ids are not copied by the build: the index may alias them, so a comparison proves nothing
         raise ValueError("topk_ids was modified in place after build_dispatch built index from it; rebuild the index")
-    if not torch.equal(index.token_expert_indices, topk_ids.to(device=index.token_expert_indices.device,
-                                                                dtype=torch.int32)):
+    ids = topk_ids.to(device=index.token_expert_indices.device, dtype=torch.int32)
+    if index.foreign_experts:  # the index holds foreign ids clamped into bucket E
+        ids = ids.clamp(max=index.num_experts)
+    if not torch.equal(index.token_expert_indices, ids):
         raise ValueError("index was built from other topk_ids than the ones passed; build it from these topk_ids")
 
 

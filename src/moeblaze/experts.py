@@ -8,14 +8,16 @@ Triton ``kernels.experts``), documented in :mod:`moeblaze.ops_torch`.
 
 from __future__ import annotations
 
+import math
 from types import ModuleType
 
 import torch
 
 from . import ops_torch, settings
-from .activations import check_activation, is_gated
+from .activations import GATED, SWIGLU_ALPHA, SWIGLU_LIMIT, check_activation, is_gated
 from .amp import autocast_off, autocast_operands
 from .dispatch import DispatchIndex, TileSchedule, build_dispatch, check_index_matches, with_schedule
+from .ops_torch import ActArgs
 
 __all__ = ["moe_experts", "schedule_block_m", "SAVE_MODES", "BACKENDS"]
 
@@ -24,10 +26,10 @@ BACKENDS = ("auto", "torch", "triton")
 _TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # the kernels' operand dtypes
 
 
-def _index_from(tensors, num_experts: int, block_m: int) -> DispatchIndex:
+def _index_from(tensors, num_experts: int, block_m: int, foreign: bool) -> DispatchIndex:
     """The index from the Function arguments: its four arrays, then its tile schedule's three when ``block_m``."""
     schedule = TileSchedule(block_m, *tensors[4:]) if block_m else None
-    return DispatchIndex(*tensors[:4], num_experts=num_experts, schedule=schedule)
+    return DispatchIndex(*tensors[:4], num_experts=num_experts, schedule=schedule, foreign_experts=foreign)
 
 
 def _index_args(index: DispatchIndex) -> tuple[int, tuple[torch.Tensor, ...]]:
@@ -39,18 +41,20 @@ def _index_args(index: DispatchIndex) -> tuple[int, tuple[torch.Tensor, ...]]:
 
 
 class _UpProjection(torch.autograd.Function):
-    """F1 / B3-B5: ``pre = x[token(s)] W_gate_up[e]^T`` and ``act = f(pre)`` (``act`` not differentiable).
+    """F1 / B3-B5: ``pre = x[token(s)] W_gate_up[e]^T (+ b_gate_up[e])`` and ``act = f(pre)`` (``act`` not
+    differentiable).
 
     Saves ``x`` and the index; ``act`` is handed to :class:`_DownProjection` for its forward only.
     """
 
     @staticmethod
     @autocast_off
-    def forward(ctx, x, w1, ops, activation, num_experts, block_m, *index_tensors):
-        index = _index_from(index_tensors, num_experts, block_m)
-        pre, act = ops.up_forward(x, w1, index, activation, store_pre=True, store_act=True)
+    def forward(ctx, x, w1, b1, ops, activation, act_args, num_experts, block_m, foreign, *index_tensors):
+        index = _index_from(index_tensors, num_experts, block_m, foreign)
+        pre, act = ops.up_forward(x, w1, index, activation, store_pre=True, store_act=True, b1=b1,
+                                  act_args=act_args)
         ctx.save_for_backward(x, w1, *index_tensors)
-        ctx.ops, ctx.num_experts, ctx.block_m = ops, num_experts, block_m
+        ctx.ops, ctx.index_args = ops, (num_experts, block_m, foreign)
         ctx.mark_non_differentiable(act)
         ctx.set_materialize_grads(False)  # else autograd fills a zero [N, h] gradient for act every step
         return pre, act
@@ -60,38 +64,45 @@ class _UpProjection(torch.autograd.Function):
     def backward(ctx, dpre, _dact):
         x, w1, *index_tensors = ctx.saved_tensors
         if dpre is None:  # the output does not depend on pre (grads are not materialised)
-            return (None,) * (6 + len(index_tensors))
-        index = _index_from(index_tensors, ctx.num_experts, ctx.block_m)
-        dx, dw1 = ctx.ops.up_backward(dpre.contiguous(), x, w1, index,
-                                      ctx.needs_input_grad[0], ctx.needs_input_grad[1])
-        return (dx, dw1, None, None, None, None) + (None,) * len(index_tensors)
+            return (None,) * (9 + len(index_tensors))
+        index = _index_from(index_tensors, *ctx.index_args)
+        need = ctx.needs_input_grad
+        dpre = dpre.contiguous()
+        db1 = ctx.ops.bias_grad(dpre, index) if need[2] else None
+        dx, dw1 = ctx.ops.up_backward(dpre, x, w1, index, need[0], need[1])
+        return (dx, dw1, db1) + (None,) * (6 + len(index_tensors))
 
 
 class _DownProjection(torch.autograd.Function):
-    """F2-F3 / B1-B2: ``out[t] = sum_k w[t,k] act[s] W_down[e]^T`` with ``s = map[t,k]``.
+    """F2-F3 / B1-B2: ``out[t] = sum_k w[t,k] (act[s] W_down[e]^T + b_down[e])`` with ``s = map[t,k]``.
 
     Saves ``pre`` (not ``act``, not ``y``): backward recomputes ``act = f(pre)`` (N*h elementwise ops)
-    and gets ``d topk_weights`` from ``<dout[t] W_down[e], act[s]>``, so no expert output is kept.
+    and gets ``d topk_weights`` from ``<dout[t] W_down[e], act[s]> + <dout[t], b_down[e]>``, so no expert
+    output is kept.
     """
 
     @staticmethod
     @autocast_off
-    def forward(ctx, pre, act, w2, topk_weights, ops, activation, num_experts, block_m, *index_tensors):
-        index = _index_from(index_tensors, num_experts, block_m)
-        out = ops.down_forward(act, w2, topk_weights, index)
-        ctx.save_for_backward(pre, w2, topk_weights, *index_tensors)
-        ctx.ops, ctx.activation, ctx.num_experts, ctx.block_m = ops, activation, num_experts, block_m
+    def forward(ctx, pre, act, w2, b2, topk_weights, ops, activation, act_args, num_experts, block_m, foreign,
+                *index_tensors):
+        index = _index_from(index_tensors, num_experts, block_m, foreign)
+        out = ops.down_forward(act, w2, topk_weights, index, b2=b2)
+        ctx.save_for_backward(pre, w2, b2, topk_weights, *index_tensors)
+        ctx.ops, ctx.activation, ctx.act_args = ops, activation, act_args
+        ctx.index_args = (num_experts, block_m, foreign)
         return out
 
     @staticmethod
     @autocast_off
     def backward(ctx, dout):
-        pre, w2, topk_weights, *index_tensors = ctx.saved_tensors
-        index = _index_from(index_tensors, ctx.num_experts, ctx.block_m)
-        dpre, dw2, dtw = ctx.ops.down_backward(dout.contiguous(), pre, w2, topk_weights, index,
-                                               ctx.activation, ctx.needs_input_grad[2],
-                                               ctx.needs_input_grad[3])
-        return (dpre, None, dw2, dtw, None, None, None, None) + (None,) * len(index_tensors)
+        pre, w2, b2, topk_weights, *index_tensors = ctx.saved_tensors
+        index = _index_from(index_tensors, *ctx.index_args)
+        need = ctx.needs_input_grad
+        dout = dout.contiguous()
+        db2 = ctx.ops.bias_grad(dout, index, topk_weights) if need[3] else None
+        dpre, dw2, dtw = ctx.ops.down_backward(dout, pre, w2, topk_weights, index, ctx.activation, need[2],
+                                               need[4], b2=b2, act_args=ctx.act_args)
+        return (dpre, None, dw2, db2, dtw) + (None,) * (6 + len(index_tensors))
 
 
 class _ExpertsRecompute(torch.autograd.Function):
@@ -104,26 +115,33 @@ class _ExpertsRecompute(torch.autograd.Function):
 
     @staticmethod
     @autocast_off
-    def forward(ctx, x, w1, w2, topk_weights, ops, activation, num_experts, block_m, *index_tensors):
-        index = _index_from(index_tensors, num_experts, block_m)
-        _, act = ops.up_forward(x, w1, index, activation, store_pre=False, store_act=True)
-        out = ops.down_forward(act, w2, topk_weights, index)
-        ctx.save_for_backward(x, w1, w2, topk_weights, *index_tensors)
-        ctx.ops, ctx.activation, ctx.num_experts, ctx.block_m = ops, activation, num_experts, block_m
+    def forward(ctx, x, w1, b1, w2, b2, topk_weights, ops, activation, act_args, num_experts, block_m, foreign,
+                *index_tensors):
+        index = _index_from(index_tensors, num_experts, block_m, foreign)
+        _, act = ops.up_forward(x, w1, index, activation, store_pre=False, store_act=True, b1=b1,
+                                act_args=act_args)
+        out = ops.down_forward(act, w2, topk_weights, index, b2=b2)
+        ctx.save_for_backward(x, w1, b1, w2, b2, topk_weights, *index_tensors)
+        ctx.ops, ctx.activation, ctx.act_args = ops, activation, act_args
+        ctx.index_args = (num_experts, block_m, foreign)
         return out
 
     @staticmethod
     @autocast_off
     def backward(ctx, dout):
-        x, w1, w2, topk_weights, *index_tensors = ctx.saved_tensors
-        index = _index_from(index_tensors, ctx.num_experts, ctx.block_m)
-        ops, need = ctx.ops, ctx.needs_input_grad
-        pre, _ = ops.up_forward(x, w1, index, ctx.activation, store_pre=True, store_act=False)
-        dpre, dw2, dtw = ops.down_backward(dout.contiguous(), pre, w2, topk_weights, index,
-                                           ctx.activation, need[2], need[3])
+        x, w1, b1, w2, b2, topk_weights, *index_tensors = ctx.saved_tensors
+        index = _index_from(index_tensors, *ctx.index_args)
+        ops, need, act_args = ctx.ops, ctx.needs_input_grad, ctx.act_args
+        dout = dout.contiguous()
+        db2 = ops.bias_grad(dout, index, topk_weights) if need[4] else None
+        pre, _ = ops.up_forward(x, w1, index, ctx.activation, store_pre=True, store_act=False, b1=b1,
+                                act_args=act_args)
+        dpre, dw2, dtw = ops.down_backward(dout, pre, w2, topk_weights, index, ctx.activation, need[3], need[5],
+                                           b2=b2, act_args=act_args)
         del pre
+        db1 = ops.bias_grad(dpre, index) if need[2] else None
         dx, dw1 = ops.up_backward(dpre, x, w1, index, need[0], need[1])
-        return (dx, dw1, dw2, dtw, None, None, None, None) + (None,) * len(index_tensors)
+        return (dx, dw1, db1, dw2, db2, dtw) + (None,) * (6 + len(index_tensors))
 
 
 def _select_ops(backend: str, x: torch.Tensor) -> ModuleType:
@@ -207,6 +225,33 @@ def _check_weight_shapes(x, w1, w2, activation) -> None:
                          f"h={h} (activation {activation!r})")
 
 
+def _check_options(x, w2, activation, b_gate_up, b_down, gate_up_interleaved, swiglu_alpha, swiglu_limit,
+                   foreign_experts, index) -> None:
+    """The keyword-only options of :func:`moe_experts` (biases, layout, activation parameters, foreign ids)."""
+    E, d, h = w2.shape
+    rows = 2 * h if is_gated(activation) else h
+    for name, b, shape in (("b_gate_up", b_gate_up, (E, rows)), ("b_down", b_down, (E, d))):
+        if b is None:
+            continue
+        if not isinstance(b, torch.Tensor) or tuple(b.shape) != shape:
+            got = tuple(b.shape) if isinstance(b, torch.Tensor) else type(b).__name__
+            raise ValueError(f"{name} for activation {activation!r} must have shape {shape}, got {got}")
+        if b.dtype != x.dtype:
+            raise TypeError(f"{name} has dtype {b.dtype}; expected x's dtype {x.dtype}")
+        if b.device != x.device:
+            raise ValueError(f"{name} is on {b.device}; expected x's device {x.device}")
+    if gate_up_interleaved and not is_gated(activation):
+        raise ValueError(f"gate_up_interleaved=True needs a gated activation {GATED}, got {activation!r}")
+    for name, v in (("swiglu_alpha", swiglu_alpha), ("swiglu_limit", swiglu_limit)):
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            raise ValueError(f"{name} must be a finite float, got {v!r}")
+    if swiglu_limit <= 0:
+        raise ValueError(f"swiglu_limit must be > 0, got {swiglu_limit!r}")
+    if index is not None and index.foreign_experts != bool(foreign_experts):
+        raise ValueError(f"index was built with foreign_experts={index.foreign_experts}; "
+                         f"expected foreign_experts={bool(foreign_experts)}")
+
+
 def moe_experts(
     x: torch.Tensor,
     topk_ids: torch.Tensor,
@@ -217,16 +262,24 @@ def moe_experts(
     save: str = "preact",
     backend: str = "auto",
     index: DispatchIndex | None = None,
+    *,
+    b_gate_up: torch.Tensor | None = None,
+    b_down: torch.Tensor | None = None,
+    gate_up_interleaved: bool = False,
+    swiglu_alpha: float = SWIGLU_ALPHA,
+    swiglu_limit: float = SWIGLU_LIMIT,
+    foreign_experts: bool = False,
 ) -> torch.Tensor:
     """Routed experts of a dropless top-k MoE layer: ``out[t] = sum_k w[t,k] * FFN_e(x[t])``.
 
     The MoEBlaze dataflow (arXiv 2601.05296 §4; DESIGN.md §2, §4, §5): experts read rows of the
     unpermuted ``x`` through the dispatch index; no gathered copy of ``x``, no activation and no expert
-    output survives to the backward pass.
+    output survives to the backward pass. With biases, ``FFN_e(x) = f(x W1[e]^T + b1[e]) W2[e]^T + b2[e]``
+    (the down bias is weighted by the router weight, as transformers' GPT-OSS experts).
 
     Precision (the contract of ``torch.nn.Linear``; :mod:`moeblaze.amp`): under
     ``torch.autocast(x.device.type, dtype)`` (bf16 or fp16) the GEMMs run in the autocast dtype on casts of
-    ``x``, ``w_gate_up`` and ``w_down`` (each cast once per call, differentiable: fp32 parameters get fp32
+    ``x``, ``w_gate_up``, ``w_down`` and the biases (each cast once per call, differentiable: fp32 parameters get fp32
     gradients) and the result is in the autocast dtype — bitwise the call on those casts outside autocast.
     ``topk_weights`` is not cast (the combine sums in fp32). Outside autocast all three share one dtype;
     fp32 follows ``torch.get_float32_matmul_precision()`` as ``torch.matmul`` does (``"highest"``: IEEE
@@ -235,12 +288,17 @@ def moe_experts(
 
     Args:
         x: ``[T, d]`` tokens, fp32/fp16/bf16 (fp64 on the ``torch`` backend).
-        topk_ids: ``[T, K]`` int32/int64 expert ids, distinct per row, in ``[0, E)``.
+        topk_ids: ``[T, K]`` int32/int64 expert ids, distinct per row, in ``[0, E)`` (or ``>= E`` for
+            foreign experts, see ``foreign_experts``).
         topk_weights: ``[T, K]`` float router weights (any float dtype; gets a gradient).
-        w_gate_up: ``[E, 2h, d]`` (gate rows then up rows) for ``swiglu``/``geglu``; ``w_up [E, h, d]``
-            for ``silu``/``gelu``/``relu``. Same dtype as ``x`` (under autocast: fp32/fp16/bf16).
-        w_down: ``[E, d, h]``, same dtype as ``x`` (under autocast: fp32/fp16/bf16).
-        activation: ``"swiglu"`` (default), ``"geglu"``, ``"silu"``, ``"gelu"`` or ``"relu"``.
+        w_gate_up: ``[E, 2h, d]`` (gate rows then up rows, or alternating with ``gate_up_interleaved``) for
+            the gated activations; ``w_up [E, h, d]`` for the non-gated ones. Same dtype as ``x`` (under autocast: fp32/fp16/bf16); any
+            strides (e.g. ``gate_up_proj.transpose(1, 2)`` of GPT-OSS's ``[E, d, 2h]``): read in place,
+            never copied, and its gradient comes back in the same view.
+        w_down: ``[E, d, h]``, same dtype as ``x``, any strides.
+        activation: one of :data:`moeblaze.activations.ACTIVATIONS`: gated ``"swiglu"`` (default),
+            ``"geglu"`` (erf GELU), ``"geglu_tanh"`` (tanh GELU), ``"swiglu_clamped"`` (GPT-OSS); non-gated
+            ``"silu"``, ``"gelu"``, ``"gelu_tanh"``, ``"relu"``, ``"relu2"`` (squared ReLU).
         save: ``"preact"`` keeps ``x``, the pre-activation ``[N, 2h]`` and the index (2Td + 4Nh + O(N)
             bytes in bf16); ``"input"`` keeps ``x`` and the index only (2Td + O(N)) and recomputes the
             up-projection in backward (+4Ndh FLOPs).
@@ -249,21 +307,36 @@ def moe_experts(
         index: a prebuilt :class:`DispatchIndex` of ``topk_ids`` (built here when ``None``). One from
             :func:`build_dispatch` is checked to come from these ``topk_ids`` (free for the same, unmodified
             tensor; see ``DispatchIndex.built_from``).
+        b_gate_up: ``[E, 2h]`` (gated, in ``w_gate_up``'s row order) / ``[E, h]`` expert bias of the
+            up-projection, or None. Same dtype as ``x``; gets a gradient.
+        b_down: ``[E, d]`` expert bias of the down-projection, or None.
+        gate_up_interleaved: rows of ``w_gate_up`` alternate gate, up (GPT-OSS) instead of a gate block
+            then an up block.
+        swiglu_alpha, swiglu_limit: ``swiglu_clamped``'s ``act = (clamp(up, -limit, limit) + 1) * g *
+            sigmoid(alpha * g)`` with ``g = min(gate, limit)`` (GPT-OSS: 1.702, 7.0).
+        foreign_experts: ids ``>= E`` are experts of other ranks (transformers' expert-parallel sentinel):
+            they contribute nothing to ``out`` and get no gradient (``dtopk_weights`` 0 there). Without
+            it such ids are an error.
 
     Returns:
         ``[T, d]`` tensor in ``x.dtype`` (under autocast: the autocast dtype).
 
     Raises:
-        ValueError: bad shapes, devices, activation, save mode or backend; ids out of range; an index built
-            from other ids; bfloat16 on the Triton backend under ``TRITON_INTERPRET=1``.
-        TypeError: dtype mismatch between ``x`` and the weights, non-integer ``topk_ids``, fp64 with
+        ValueError: bad shapes, devices, activation, save mode, backend or options; ids out of range; an index
+            built from other ids; bfloat16 on the Triton backend under ``TRITON_INTERPRET=1``.
+        TypeError: dtype mismatch between ``x`` and the weights or biases, non-integer ``topk_ids``, fp64 with
             ``backend="triton"``, or an fp64 operand under autocast (autocast never casts fp64).
     """
-    x, w_gate_up, w_down = autocast_operands(x, ("w_gate_up", w_gate_up), ("w_down", w_down))
+    biases = [(n, b) for n, b in (("b_gate_up", b_gate_up), ("b_down", b_down)) if isinstance(b, torch.Tensor)]
+    x, w_gate_up, w_down, *cast = autocast_operands(x, ("w_gate_up", w_gate_up), ("w_down", w_down), *biases)
+    cast_biases = dict(zip((n for n, _ in biases), cast))
+    b_gate_up, b_down = cast_biases.get("b_gate_up", b_gate_up), cast_biases.get("b_down", b_down)
     _check_inputs(x, topk_ids, topk_weights, w_gate_up, w_down, activation, save)
+    _check_options(x, w_down, activation, b_gate_up, b_down, gate_up_interleaved, swiglu_alpha, swiglu_limit,
+                   foreign_experts, index)
     E = w_down.shape[0]
     if index is None:
-        index = build_dispatch(topk_ids, E)
+        index = build_dispatch(topk_ids, E, foreign_experts=foreign_experts)
     elif index.num_experts != E or tuple(index.token_index_map.shape) != tuple(topk_ids.shape):
         raise ValueError(f"index was built for E={index.num_experts}, [T, K]={tuple(index.token_index_map.shape)}; "
                          f"expected E={E}, [T, K]={tuple(topk_ids.shape)}")
@@ -274,10 +347,12 @@ def moe_experts(
     if bm is not None:  # the grouped GEMMs' tile schedule, built once for the four ops (if not with the index)
         index = with_schedule(index, bm)
     bm, idx = _index_args(index)
+    act_args = ActArgs(float(swiglu_alpha), float(swiglu_limit), bool(gate_up_interleaved))
+    common = (ops, activation, act_args, E, bm, index.foreign_experts)
     if save == "input":
-        return _ExpertsRecompute.apply(x, w_gate_up, w_down, topk_weights, ops, activation, E, bm, *idx)
-    pre, act = _UpProjection.apply(x, w_gate_up, ops, activation, E, bm, *idx)
-    return _DownProjection.apply(pre, act, w_down, topk_weights, ops, activation, E, bm, *idx)
+        return _ExpertsRecompute.apply(x, w_gate_up, b_gate_up, w_down, b_down, topk_weights, *common, *idx)
+    pre, act = _UpProjection.apply(x, w_gate_up, b_gate_up, *common, *idx)
+    return _DownProjection.apply(pre, act, w_down, b_down, topk_weights, *common, *idx)
 
 
 def _schedule_block_m(ops: ModuleType) -> int | None:

@@ -60,7 +60,7 @@ class MoE(nn.Module):
         d_ff: h, each expert's intermediate dimension (gated activations project to 2h).
         num_experts: E.
         top_k: K, experts per token.
-        activation: ``swiglu`` (default), ``geglu``, ``silu``, ``gelu`` or ``relu``.
+        activation: a name of :data:`moeblaze.activations.ACTIVATIONS` (default ``swiglu``).
         score_func: router scores, ``softmax`` or ``sigmoid``.
         renormalize: renormalise the top-k weights (default: False for softmax, True for sigmoid).
         save: ``"preact"`` or ``"input"`` — what the experts keep for backward (see :func:`moe_experts`).
@@ -70,13 +70,14 @@ class MoE(nn.Module):
             DeepSeek-V3 / GLM-4-MoE selection and its logits dtype (see :class:`moeblaze.Router`).
         shared_d_ff: intermediate size of a :class:`SharedExpert` added to the output (0: none);
             shared_gate: scale it by ``sigmoid(x w)`` (Qwen2-MoE).
+        bias: expert biases ``b_gate_up [E, 2h]`` (``b_up [E, h]``) and ``b_down [E, d]`` (as GPT-OSS).
 
     DeepSeek-V3's MoE block is ``MoE(d, h, E, 8, score_func="sigmoid", n_group=8, topk_group=4,
     score_correction_bias=True, routed_scaling_factor=2.5, shared_d_ff=h * n_shared_experts)``.
 
     Parameters (layout of DESIGN.md §2, HF transformers v5 fused experts): ``router.weight [E, d]``,
-    ``w_gate_up [E, 2h, d]`` (gated; ``w_up [E, h, d]`` otherwise) and ``w_down [E, d, h]``, all
-    initialised ``U(-1/sqrt(fan_in), 1/sqrt(fan_in))`` as ``nn.Linear``.
+    ``w_gate_up [E, 2h, d]`` (gated; ``w_up [E, h, d]`` otherwise) and ``w_down [E, d, h]`` (and the
+    biases), all initialised ``U(-1/sqrt(fan_in), 1/sqrt(fan_in))`` as ``nn.Linear``.
 
     Forward: ``x [..., d]`` -> ``[..., d]`` in ``x.dtype``. Under ``torch.autocast`` (bf16/fp16) with fp32
     parameters (mixed precision with fp32 master weights): ``x`` is cast once to the autocast dtype, the
@@ -98,7 +99,8 @@ class MoE(nn.Module):
                  aux_loss_coef: float = 0.01, z_loss_coef: float = 0.0, backend: str = "auto",
                  device=None, dtype=None, *, n_group: int = 1, topk_group: int | None = None,
                  score_correction_bias: bool = False, routed_scaling_factor: float = 1.0,
-                 logits_dtype: str = "fp32", shared_d_ff: int = 0, shared_gate: bool = False) -> None:
+                 logits_dtype: str = "fp32", shared_d_ff: int = 0, shared_gate: bool = False,
+                 bias: bool = False) -> None:
         super().__init__()
         check_activation(activation)
         if save not in SAVE_MODES:
@@ -123,6 +125,11 @@ class MoE(nn.Module):
         kw = {"device": device, "dtype": dtype}
         self.register_parameter(self._w1_name, nn.Parameter(torch.empty(num_experts, rows, d_model, **kw)))
         self.w_down = nn.Parameter(torch.empty(num_experts, d_model, d_ff, **kw))
+        self.has_bias = bool(bias)
+        if self.has_bias:
+            self._b1_name = "b_gate_up" if is_gated(activation) else "b_up"
+            self.register_parameter(self._b1_name, nn.Parameter(torch.empty(num_experts, rows, **kw)))
+            self.b_down = nn.Parameter(torch.empty(num_experts, d_model, **kw))
         self.reset_parameters()
         self.aux_loss: torch.Tensor = torch.zeros(())
         self.last_topk_ids: torch.Tensor | None = None
@@ -137,6 +144,9 @@ class MoE(nn.Module):
         self.router.reset_parameters()
         nn.init.uniform_(self.w1, -1 / math.sqrt(self.d_model), 1 / math.sqrt(self.d_model))
         nn.init.uniform_(self.w_down, -1 / math.sqrt(self.d_ff), 1 / math.sqrt(self.d_ff))
+        if self.has_bias:
+            nn.init.uniform_(getattr(self, self._b1_name), -1 / math.sqrt(self.d_model), 1 / math.sqrt(self.d_model))
+            nn.init.uniform_(self.b_down, -1 / math.sqrt(self.d_ff), 1 / math.sqrt(self.d_ff))
         if self.shared_experts is not None:
             for m in self.shared_experts.modules():
                 if isinstance(m, nn.Linear):
@@ -163,8 +173,9 @@ class MoE(nn.Module):
         # host-synchronising range check is skipped. The build also writes the experts' tile schedule.
         index = build_dispatch(routing.topk_ids, self.num_experts, validate=False,
                                block_m=schedule_block_m(self.backend, x2))
+        biases = {"b_gate_up": getattr(self, self._b1_name), "b_down": self.b_down} if self.has_bias else {}
         out = moe_experts(x2, routing.topk_ids, topk_weights, self.w1, self.w_down,
-                          activation=self.activation, save=self.save, backend=self.backend, index=index)
+                          activation=self.activation, save=self.save, backend=self.backend, index=index, **biases)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x2)
         self.aux_loss = routing.loss

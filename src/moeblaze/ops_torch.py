@@ -1,12 +1,20 @@
 """The ``torch`` expert backend: the MoEBlaze dataflow (DESIGN.md §5, F1-F3 and B1-B5) in PyTorch.
 
-Four ops, the contract every backend implements (the Triton backend in ``kernels.experts`` too):
+Five ops, the contract every backend implements (the Triton backend in ``kernels.experts`` too):
 
-``up_forward(x, w1, index, activation, store_pre, store_act) -> (pre | None, act | None)``   F1
+``up_forward(x, w1, index, activation, store_pre, store_act, *, b1, act_args) -> (pre | None, act | None)``  F1
 ``up_backward(dpre, x, w1, index, need_dx, need_dw) -> (dx | None, dw1 | None)``            B3-B5
-``down_forward(act, w2, topk_weights, index) -> out``                                       F2-F3
-``down_backward(dout, pre, w2, topk_weights, index, activation, need_dw, need_dtw)
+``down_forward(act, w2, topk_weights, index, *, b2) -> out``                                F2-F3
+``down_backward(dout, pre, w2, topk_weights, index, activation, need_dw, need_dtw, *, b2, act_args)
     -> (dpre, dw2 | None, dtopk_weights | None)``                                           B1-B2
+``bias_grad(src, index, topk_weights=None) -> [E, cols]``   expert-bias gradients (segment sums)
+
+``b1 [E, 2h | h]`` / ``b2 [E, d]`` are the optional expert biases (``pre = x W1[e]^T + b1[e]``,
+``y = act W2[e]^T + b2[e]``, so ``dtopk_weights`` gains ``<dout[t], b2[e]>``); ``act_args`` the
+:class:`ActArgs` of the activation (``swiglu_clamped``'s alpha and limit; ``interleaved``: gated ``pre``
+alternates gate and up columns, the row order of an interleaved ``w1``). An index built with
+``foreign_experts`` has slots ``>= offsets[E]`` of other ranks' experts: no op computes them, the
+combines (F3, B5) and ``dtopk_weights`` count them as zero.
 
 ``down_backward`` may return ``dpre`` in the storage of ``pre`` (the Triton op writes it in place, as
 ``pre`` is dead after B1; this one returns a new tensor): callers must not use ``pre`` afterwards.
@@ -21,12 +29,26 @@ gradients and everything else use a per-expert loop over the offsets (one host r
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .activations import acc, activation_backward, activation_forward
+from .activations import SWIGLU_ALPHA, SWIGLU_LIMIT, acc, activation_backward, activation_forward
 from .dispatch import DispatchIndex
+
+
+class ActArgs(NamedTuple):
+    """Parameters of an activation beyond its name: ``swiglu_clamped``'s ``alpha`` and ``limit`` (runtime
+    floats) and whether a gated ``pre`` alternates gate and up columns (``interleaved``)."""
+
+    alpha: float = SWIGLU_ALPHA
+    limit: float = SWIGLU_LIMIT
+    interleaved: bool = False
+
+
+DEFAULT_ACT = ActArgs()
 
 
 def _use_grouped_mm(a: torch.Tensor, w: torch.Tensor) -> bool:
@@ -79,12 +101,31 @@ def slot_weights(topk_weights: torch.Tensor, token_index_map: torch.Tensor,
     return w
 
 
+def slot_experts(index: DispatchIndex) -> torch.Tensor:
+    """``[N]`` int64 expert of each slot (foreign slots: E - 1, a valid row of any ``[E, ...]`` table;
+    their results are never used). No host synchronisation."""
+    ids = index.token_expert_indices.reshape(-1).long().clamp(max=index.num_experts - 1)
+    out = torch.empty_like(ids)
+    out[index.token_index_map.reshape(-1).long()] = ids
+    return out
+
+
+def _local_pairs(index: DispatchIndex) -> torch.Tensor | None:
+    """``[T, K, 1]`` bool, False for foreign pairs; None for an index without foreign experts."""
+    if not index.foreign_experts:
+        return None
+    return (index.token_expert_indices < index.num_experts)[..., None]
+
+
 def up_forward(x: Tensor, w1: Tensor, index: DispatchIndex, activation: str, store_pre: bool,
-               store_act: bool) -> tuple[Tensor | None, Tensor | None]:
-    """F1: ``pre = x[token(s)] @ w1[e].T`` and ``act = f(pre)``."""
+               store_act: bool, *, b1: Tensor | None = None,
+               act_args: ActArgs = DEFAULT_ACT) -> tuple[Tensor | None, Tensor | None]:
+    """F1: ``pre = x[token(s)] @ w1[e].T (+ b1[e])`` and ``act = f(pre)``."""
     xg = x.index_select(0, index.expert_token_indices.long())
-    pre = grouped_linear(xg, w1, index.expert_token_offsets)
-    act = activation_forward(pre, activation) if store_act else None
+    pre = grouped_linear(xg, w1, index.local_offsets)
+    if b1 is not None:  # fp32 add, one rounding, as the kernels' epilogue
+        pre = (acc(pre) + acc(b1).index_select(0, slot_experts(index))).to(pre.dtype)
+    act = activation_forward(pre, activation, **act_args._asdict()) if store_act else None
     return (pre if store_pre else None), act
 
 
@@ -93,40 +134,85 @@ def up_backward(dpre: Tensor, x: Tensor, w1: Tensor, index: DispatchIndex, need_
     """B3 ``dx_slots = dpre @ w1[e]``, B5 ``dx[t] = sum_k dx_slots[map[t,k]]``, B4 ``dw1[e] = dpre^T x[token]``."""
     dx = dw1 = None
     if need_dx:
-        dx_slots = grouped_linear(dpre, w1.transpose(-2, -1), index.expert_token_offsets)
-        dx = acc(dx_slots)[index.token_index_map.long()].sum(1).to(x.dtype)
+        dx_slots = acc(grouped_linear(dpre, w1.transpose(-2, -1), index.local_offsets))[index.token_index_map.long()]
+        local = _local_pairs(index)
+        if local is not None:
+            dx_slots = torch.where(local, dx_slots, 0.0)
+        dx = dx_slots.sum(1).to(x.dtype)
     if need_dw:
         xg = x.index_select(0, index.expert_token_indices.long())
-        dw1 = grouped_weight_grad(dpre, xg, index.expert_token_offsets).to(w1.dtype)
+        dw1 = grouped_weight_grad(dpre, xg, index.local_offsets).to(w1.dtype)
     return dx, dw1
 
 
-def down_forward(act: Tensor, w2: Tensor, topk_weights: Tensor, index: DispatchIndex) -> Tensor:
-    """F2 ``y = act @ w2[e].T`` and F3 ``out[t] = sum_k w[t,k] * y[map[t,k]]`` (fp32 gather-sum)."""
-    y = grouped_linear(act, w2, index.expert_token_offsets)
-    yk = acc(y)[index.token_index_map.long()]  # [T, K, d]
-    out = (yk * acc(topk_weights)[..., None]).sum(1)
-    return out.to(act.dtype)
+def down_forward(act: Tensor, w2: Tensor, topk_weights: Tensor, index: DispatchIndex, *,
+                 b2: Tensor | None = None) -> Tensor:
+    """F2 ``y = act @ w2[e].T (+ b2[e])`` and F3 ``out[t] = sum_k w[t,k] * y[map[t,k]]`` (fp32 gather-sum)."""
+    y = grouped_linear(act, w2, index.local_offsets)
+    if b2 is not None:
+        y = (acc(y) + acc(b2).index_select(0, slot_experts(index))).to(y.dtype)
+    yk = acc(y)[index.token_index_map.long()] * acc(topk_weights)[..., None]  # [T, K, d]
+    local = _local_pairs(index)
+    if local is not None:
+        yk = torch.where(local, yk, 0.0)
+    return yk.sum(1).to(act.dtype)
+
+
+def bias_dot(dout: Tensor, b2: Tensor, token_expert_indices: Tensor) -> Tensor:
+    """``[T, K]`` fp32 ``<dout[t], b2[e]>`` for every pair (0 for a foreign id ``e >= E``): the down bias's
+    share of ``dtopk_weights``, from one ``[T, d] x [d, E]`` product (T*E*d FLOPs, E/(6*K*h) of the layer's)."""
+    E = b2.shape[0]
+    scores = acc(dout) @ acc(b2).t()  # [T, E]
+    ids = token_expert_indices.long()
+    dots = scores.gather(1, ids.clamp(max=E - 1))
+    return torch.where(ids < E, dots, 0.0)
 
 
 def down_backward(dout: Tensor, pre: Tensor, w2: Tensor, topk_weights: Tensor, index: DispatchIndex,
-                  activation: str, need_dw: bool,
-                  need_dtw: bool) -> tuple[Tensor, Tensor | None, Tensor | None]:
-    """B1-B2 with the activation recomputed from ``pre``; ``dtopk_weights = <dout[t] w2[e], act>``."""
+                  activation: str, need_dw: bool, need_dtw: bool, *, b2: Tensor | None = None,
+                  act_args: ActArgs = DEFAULT_ACT) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    """B1-B2 with the activation recomputed from ``pre``;
+    ``dtopk_weights = <dout[t] w2[e], act> (+ <dout[t], b2[e]>)``."""
     tokens = index.expert_token_indices.long()
+    offsets = index.local_offsets
     g = dout.index_select(0, tokens)  # [N, d]  dout of each slot's token
-    dact_unscaled = grouped_linear(g, w2.transpose(-2, -1), index.expert_token_offsets)  # [N, h]
-    act = activation_forward(pre, activation)  # recomputed, never stored
+    dact_unscaled = grouped_linear(g, w2.transpose(-2, -1), offsets)  # [N, h]
+    act = activation_forward(pre, activation, **act_args._asdict())  # recomputed, never stored
     w_slot = acc(slot_weights(topk_weights, index.token_index_map))
     dact_unscaled, act_acc = acc(dact_unscaled), acc(act)
     dtw = None
     if need_dtw:
         dw_slot = (dact_unscaled * act_acc).sum(-1)  # [N]
-        dtw = dw_slot[index.token_index_map.long()].to(topk_weights.dtype)
+        dtw = dw_slot[index.token_index_map.long()]
+        if index.foreign_experts:
+            dtw = torch.where(_local_pairs(index)[..., 0], dtw, 0.0)
+        if b2 is not None:
+            dtw = dtw + bias_dot(dout, b2, index.token_expert_indices)
+        dtw = dtw.to(topk_weights.dtype)
     dact = (dact_unscaled * w_slot[:, None]).to(pre.dtype)
-    dpre = activation_backward(dact, pre, activation)
+    dpre = activation_backward(dact, pre, activation, **act_args._asdict())
     dw2 = None
     if need_dw:
         w_act = (act_acc * w_slot[:, None]).to(act.dtype)
-        dw2 = grouped_weight_grad(g, w_act, index.expert_token_offsets).to(w2.dtype)
+        dw2 = grouped_weight_grad(g, w_act, offsets).to(w2.dtype)
     return dpre, dw2, dtw
+
+
+def bias_grad(src: Tensor, index: DispatchIndex, topk_weights: Tensor | None = None) -> Tensor:
+    """Expert-bias gradients, per expert e a sum over its slots (foreign slots excluded), fp32 accumulate.
+
+    ``topk_weights`` None: ``db_gate_up[e] = sum_s src[s]`` with ``src = dpre [N, 2h|h]``; else
+    ``db_down[e] = sum_s w_s * src[token(s)]`` with ``src = dout [T, d]``. Returns ``[E, cols]`` in
+    ``src.dtype``. A per-expert loop over the offsets (one host read of E+1 ints), deterministic.
+    """
+    rows = src
+    if topk_weights is not None:
+        w_slot = acc(slot_weights(topk_weights, index.token_index_map))
+        rows = acc(src).index_select(0, index.expert_token_indices.long()) * w_slot[:, None]
+    E = index.num_experts
+    out = torch.zeros(E, src.shape[1], dtype=torch.promote_types(src.dtype, torch.float32), device=src.device)
+    bounds = index.local_offsets.tolist()
+    for e in range(E):
+        if bounds[e + 1] > bounds[e]:
+            out[e] = acc(rows[bounds[e]:bounds[e + 1]]).sum(0)
+    return out.to(src.dtype)

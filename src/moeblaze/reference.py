@@ -1,38 +1,54 @@
 """Deliberately plain reference of the routed experts (DESIGN.md §2, §7): a per-expert Python loop.
 
 Run it in float64 (``moe_experts_reference(*[t.double() for t in ...])``) and differentiate it with
-autograd to get reference gradients. It shares no code with the backends except the definition of
-the activations, written out again here so that a bug in one cannot hide in the other.
+autograd to get reference gradients. It shares no code with the backends: the activations are
+written out again here (through ``torch.nn.functional`` where torch has them, GPT-OSS's clamped
+SwiGLU as transformers writes it) so that a bug in one cannot hide in the other.
 """
 
 from __future__ import annotations
 
-import math
-
 import torch
+import torch.nn.functional as F
 
 
-def act_reference(name: str, pre: torch.Tensor) -> torch.Tensor:
+def act_reference(name: str, pre: torch.Tensor, alpha: float = 1.702, limit: float = 7.0,
+                  interleaved: bool = False) -> torch.Tensor:
+    """The activation ``name`` of ``pre`` (``[..., 2h]`` gated, gate/up blocks or alternating columns)."""
     f = {
-        "silu": lambda z: z * torch.sigmoid(z),
-        "gelu": lambda z: 0.5 * z * (1.0 + torch.erf(z / math.sqrt(2.0))),
+        "silu": F.silu,
+        "gelu": F.gelu,
+        "gelu_tanh": lambda z: F.gelu(z, approximate="tanh"),
         "relu": torch.relu,
+        "relu2": lambda z: torch.relu(z) ** 2,
     }
-    if name in ("swiglu", "geglu"):
-        gate, up = pre.chunk(2, dim=-1)
-        return f["silu" if name == "swiglu" else "gelu"](gate) * up
-    return f[name](pre)
+    gated = {"swiglu": "silu", "geglu": "gelu", "geglu_tanh": "gelu_tanh"}
+    if name not in gated and name != "swiglu_clamped":
+        return f[name](pre)
+    gate, up = (pre[..., 0::2], pre[..., 1::2]) if interleaved else pre.chunk(2, dim=-1)
+    if name == "swiglu_clamped":  # GPT-OSS (transformers' GptOssExperts._apply_gate)
+        gate = gate.clamp(min=None, max=limit)
+        up = up.clamp(min=-limit, max=limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+    return f[gated[name]](gate) * up
 
 
 def moe_experts_reference(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                           w_gate_up: torch.Tensor, w_down: torch.Tensor,
-                          activation: str = "swiglu") -> torch.Tensor:
-    """``out[t] = sum_k w[t,k] * (f(x[t] W1[e]^T) W2[e]^T)``, one expert at a time.
+                          activation: str = "swiglu", *, b_gate_up: torch.Tensor | None = None,
+                          b_down: torch.Tensor | None = None, gate_up_interleaved: bool = False,
+                          swiglu_alpha: float = 1.702, swiglu_limit: float = 7.0) -> torch.Tensor:
+    """``out[t] = sum_k w[t,k] * (f(x[t] W1[e]^T + b1[e]) W2[e]^T + b2[e])``, one expert at a time.
+
+    Ids ``>= E`` (experts of other ranks) are skipped: they add nothing.
 
     Args:
         x: ``[T, d]``; topk_ids: ``[T, K]`` int; topk_weights: ``[T, K]``;
         w_gate_up: ``[E, 2h, d]`` (gated) or ``[E, h, d]``; w_down: ``[E, d, h]``.
-        activation: ``swiglu``, ``geglu``, ``silu``, ``gelu`` or ``relu``.
+        activation: a name of :data:`moeblaze.activations.ACTIVATIONS`.
+        b_gate_up: ``[E, 2h | h]`` or None; b_down: ``[E, d]`` or None.
+        gate_up_interleaved: rows of ``w_gate_up`` alternate gate, up.
+        swiglu_alpha, swiglu_limit: parameters of ``swiglu_clamped``.
 
     Returns:
         ``[T, d]`` in the dtype of ``x`` (computation in that dtype: pass float64 for a reference).
@@ -42,6 +58,11 @@ def moe_experts_reference(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights:
         tok, slot = torch.nonzero(topk_ids == e, as_tuple=True)
         if tok.numel() == 0:
             continue
-        y = act_reference(activation, x[tok] @ w_gate_up[e].t()) @ w_down[e].t()
+        pre = x[tok] @ w_gate_up[e].t()
+        if b_gate_up is not None:
+            pre = pre + b_gate_up[e]
+        y = act_reference(activation, pre, swiglu_alpha, swiglu_limit, gate_up_interleaved) @ w_down[e].t()
+        if b_down is not None:
+            y = y + b_down[e]
         out = out.index_add(0, tok, y * topk_weights[tok, slot].to(x.dtype)[:, None])
     return out

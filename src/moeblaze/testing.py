@@ -60,12 +60,14 @@ def make_routing(T: int, E: int, K: int, kind: str = "uniform", generator: torch
 
 def make_expert_inputs(T: int, d: int, h: int, E: int, K: int, activation: str = "swiglu",
                        dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                       routing: str = "uniform", seed: int | None = None) -> dict[str, torch.Tensor]:
+                       routing: str = "uniform", seed: int | None = None,
+                       bias: bool = False) -> dict[str, torch.Tensor]:
     """Fresh random inputs of :func:`moeblaze.moe_experts` (never zeros), scaled so outputs are O(1).
 
     Returns a dict with ``x [T, d]``, ``topk_ids [T, K]``, ``topk_weights [T, K]`` (fp32, rows sum to 1),
-    ``w_gate_up [E, 2h|h, d]`` and ``w_down [E, d, h]`` in ``dtype`` on ``device``. Without ``seed`` a
-    fresh one is drawn and printed (pytest shows it with a failing test; pass it back to replay the draw).
+    ``w_gate_up [E, 2h|h, d]`` and ``w_down [E, d, h]`` in ``dtype`` on ``device`` (and, with ``bias``,
+    ``b_gate_up [E, 2h|h]`` and ``b_down [E, d]``). Without ``seed`` a fresh one is drawn and printed
+    (pytest shows it with a failing test; pass it back to replay the draw).
     """
     if seed is None:
         seed = int(torch.randint(1 << 30, ()))
@@ -77,13 +79,26 @@ def make_expert_inputs(T: int, d: int, h: int, E: int, K: int, activation: str =
         return (torch.randn(*shape, generator=gen) * scale).to(device=device, dtype=dtype)
 
     tw = torch.rand(T, K, generator=gen) + 0.1
-    return {
+    inputs = {
         "x": randn(T, d),
         "topk_ids": make_routing(T, E, K, routing, gen, device),
         "topk_weights": (tw / tw.sum(1, keepdim=True)).to(device),
         "w_gate_up": randn(E, rows, d, scale=d**-0.5),
         "w_down": randn(E, d, h, scale=h**-0.5),
     }
+    if bias:
+        inputs["b_gate_up"] = randn(E, rows, scale=0.5)
+        inputs["b_down"] = randn(E, d, scale=0.5)
+    return inputs
+
+
+# Differentiable inputs of moe_experts, in the order of the gradients that reference_outputs and
+# run_and_grad return after ``out``; the biases only where the inputs hold them.
+GRAD_INPUTS = ("x", "w_gate_up", "w_down", "topk_weights", "b_gate_up", "b_down")
+
+
+def _grad_names(inputs: dict[str, torch.Tensor]) -> list[str]:
+    return [k for k in GRAD_INPUTS if inputs.get(k) is not None]
 
 
 def rel_error(actual: torch.Tensor, ref: torch.Tensor) -> float:
@@ -120,18 +135,20 @@ def assert_close_to_reference(name: str, actual: torch.Tensor, ref64: torch.Tens
 
 
 def reference_outputs(inputs: dict[str, torch.Tensor], activation: str, dout: torch.Tensor,
-                      dtype: torch.dtype | None = None) -> tuple[torch.Tensor, ...]:
-    """``(out, dx, dw_gate_up, dw_down, dtopk_weights)`` of :func:`moe_experts_reference`.
+                      dtype: torch.dtype | None = None, **options) -> tuple[torch.Tensor, ...]:
+    """``(out, dx, dw_gate_up, dw_down, dtopk_weights[, db_gate_up, db_down])`` of :func:`moe_experts_reference`.
 
     Computed on the CPU in ``dtype`` (float64 by default: the reference; the inputs' dtype: the
-    plain-PyTorch baseline of the tolerance rule).
+    plain-PyTorch baseline of the tolerance rule). ``options``: the reference's keyword options
+    (``gate_up_interleaved``, ``swiglu_alpha``, ``swiglu_limit``); biases come from ``inputs``.
     """
-    names = ("x", "w_gate_up", "w_down", "topk_weights")
+    names = _grad_names(inputs)
     dt = dtype or torch.float64
     leaves = {k: inputs[k].detach().cpu().to(dt if k != "topk_weights" or dtype is None else
                                              inputs[k].dtype).requires_grad_() for k in names}
     out = moe_experts_reference(leaves["x"], inputs["topk_ids"].cpu(), leaves["topk_weights"],
-                                leaves["w_gate_up"], leaves["w_down"], activation)
+                                leaves["w_gate_up"], leaves["w_down"], activation, b_gate_up=leaves.get("b_gate_up"),
+                                b_down=leaves.get("b_down"), **options)
     grads = torch.autograd.grad(out, [leaves[k] for k in names], dout.detach().cpu().to(out.dtype))
     return (out.detach(), *grads)
 
@@ -169,8 +186,8 @@ def router_weight_grad_magnitude(inputs: dict[str, torch.Tensor], activation: st
 
 def run_and_grad(fn: Callable[..., torch.Tensor], inputs: dict[str, torch.Tensor],
                  dout: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """Run ``fn(**inputs)`` and return ``(out, dx, dw_gate_up, dw_down, dtopk_weights)``."""
-    names: Sequence[str] = ("x", "w_gate_up", "w_down", "topk_weights")
+    """Run ``fn(**inputs)`` and return ``(out, dx, dw_gate_up, dw_down, dtopk_weights[, db_gate_up, db_down])``."""
+    names: Sequence[str] = _grad_names(inputs)
     leaves = {k: (v.detach().clone().requires_grad_() if k in names else v) for k, v in inputs.items()}
     out = fn(**leaves)
     grads = torch.autograd.grad(out, [leaves[k] for k in names], dout)

@@ -21,7 +21,10 @@ sum, no partials and no second pass):
     wact[s] = w_s * act[s]            (B operand of dW_down; written over dact')
     dpre[s] = act_backward(w_s * dact'[s], pre[s])   (written over pre when dpre is pre)
 Every element is read before it is overwritten, by the same program: in-place is safe, and nothing is
-atomic (bitwise reproducible).
+atomic (bitwise reproducible). ``pre``'s layout is F1's (``PRE_STEP``/``UP_OFF``: gate/up blocks, or the
+alternating columns of an interleaved ``w_gate_up``), and ``dpre`` is written in the same layout.
+``HAS_LIMIT`` (an index with foreign experts): rows ``>= limit[0]`` (foreign slots, never computed by F1)
+are skipped.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .act_math import act_backward, act_forward
+from .act_math import FIRST_NON_GATED, act_backward, act_forward
 from .tuning import Launchable, act_bwd_configs
 
 
@@ -41,13 +44,16 @@ def act_bwd_rows_kernel(
     dpre_ptr,  # [N, 2h|h] out: dpre (may be pre itself)
     scale_ptr,  # [N] fp32 router weight of each slot
     dtw_ptr,  # [N] fp32 out: <dact', act> per slot (STORE_PART)
-    N, H, UP_OFF,
+    limit_ptr,  # [1] int32 number of local slots (HAS_LIMIT)
+    N, H, UP_OFF, alpha, limit,
     stride_dact_m, stride_pre_m, stride_dpre_m,
-    ACTIVATION: tl.constexpr, STORE_PART: tl.constexpr, STORE_WACT: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
+    ACTIVATION: tl.constexpr, STORE_PART: tl.constexpr, STORE_WACT: tl.constexpr, PRE_STEP: tl.constexpr,
+    HAS_LIMIT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     row_mask = rows < N
+    if HAS_LIMIT:
+        row_mask &= rows < tl.load(limit_ptr)
     rows64 = rows.to(tl.int64)[:, None]
     w = tl.load(scale_ptr + rows, mask=row_mask, other=0.0)[:, None]
     part = tl.zeros([BLOCK_R], tl.float32)
@@ -55,24 +61,24 @@ def act_bwd_rows_kernel(
         cols = h0 + tl.arange(0, BLOCK_H)[None, :]
         mask = row_mask[:, None] & (cols < H)
         dact_ptrs = dact_ptr + rows64 * stride_dact_m + cols
-        pre_ptrs = pre_ptr + rows64 * stride_pre_m + cols
+        pre_ptrs = pre_ptr + rows64 * stride_pre_m + cols * PRE_STEP
         dact = tl.load(dact_ptrs, mask=mask, other=0.0).to(tl.float32)
         gate = tl.load(pre_ptrs, mask=mask, other=0.0).to(tl.float32)
-        if ACTIVATION < 2:
+        if ACTIVATION < FIRST_NON_GATED:
             up = tl.load(pre_ptrs + UP_OFF, mask=mask, other=0.0).to(tl.float32)
         else:
             up = gate
         if STORE_PART or STORE_WACT:
-            act = act_forward(gate, up, ACTIVATION)
+            act = act_forward(gate, up, alpha, limit, ACTIVATION)
         if STORE_PART:
             part += tl.sum(dact * act, axis=1)
         if STORE_WACT:  # rounded like the torch backend: (w * act.to(dtype)).to(dtype)
             wact = act.to(dact_ptr.dtype.element_ty).to(tl.float32) * w
             tl.store(dact_ptrs, wact.to(dact_ptr.dtype.element_ty), mask=mask)
-        dgate, dup = act_backward(dact * w, gate, up, ACTIVATION)
-        dpre_ptrs = dpre_ptr + rows64 * stride_dpre_m + cols
+        dgate, dup = act_backward(dact * w, gate, up, alpha, limit, ACTIVATION)
+        dpre_ptrs = dpre_ptr + rows64 * stride_dpre_m + cols * PRE_STEP
         tl.store(dpre_ptrs, dgate.to(dpre_ptr.dtype.element_ty), mask=mask)
-        if ACTIVATION < 2:
+        if ACTIVATION < FIRST_NON_GATED:
             tl.store(dpre_ptrs + UP_OFF, dup.to(dpre_ptr.dtype.element_ty), mask=mask)
     if STORE_PART:
         tl.store(dtw_ptr + rows, part, mask=row_mask)
@@ -83,19 +89,25 @@ _ACT_BWD = Launchable(act_bwd_rows_kernel, act_bwd_configs, key=["H", "ACTIVATIO
 
 
 def act_bwd_rows(dact: torch.Tensor, pre: torch.Tensor, dpre: torch.Tensor, scale: torch.Tensor,
-                 dtw: torch.Tensor | None, *, h: int, activation: int, store_wact: bool) -> None:
+                 dtw: torch.Tensor | None, *, h: int, activation: int, store_wact: bool, alpha: float = 0.0,
+                 limit: float = 0.0, interleaved: bool = False, local_slots: torch.Tensor | None = None) -> None:
     """Launch :func:`act_bwd_rows_kernel` (all outputs in place; see the module docstring).
 
     Args:
         dact: ``[N, h]`` dact' (overwritten with ``w * act`` if ``store_wact``); pre, dpre: ``[N, 2h|h]``
             (may be one tensor); scale: ``[N]`` fp32 slot weights; dtw: ``[N]`` fp32 or None.
         All with unit column stride (checked by the callers).
+        alpha, limit: the clamped SwiGLU's parameters. interleaved: gated ``pre`` alternates gate, up.
+        local_slots: ``[1]`` int32 on the device, rows at or past it are skipped (foreign slots), or None.
     """
     N = dact.shape[0]
     if N == 0 or h == 0:
         return
     out = dtw if dtw is not None else scale
+    limit_t = local_slots if local_slots is not None else scale  # dummy pointer when HAS_LIMIT is off
     _ACT_BWD.launch(dact.dtype, lambda meta: (triton.cdiv(N, meta["BLOCK_R"]),),
-        dact, pre, dpre, scale, out, N, h, h, dact.stride(0), pre.stride(0), dpre.stride(0),
-        ACTIVATION=activation, STORE_PART=dtw is not None, STORE_WACT=store_wact,
+        dact, pre, dpre, scale, out, limit_t, N, h, 1 if interleaved else h, float(alpha), float(limit),
+        dact.stride(0), pre.stride(0), dpre.stride(0),
+        ACTIVATION=activation, STORE_PART=dtw is not None, STORE_WACT=store_wact, PRE_STEP=2 if interleaved else 1,
+        HAS_LIMIT=local_slots is not None,
     )

@@ -3,7 +3,8 @@
 ``out[t, :] = sum_{k < K} (w[t, k] *) src[token_index_map[t, k], :]`` with ``k`` in ascending order:
 F3 combines the expert outputs ``y [N, d]`` with the router weights; B5 sums ``dx_slots [N, d]``
 (``HAS_W`` off). Each program owns a ``[BLOCK_T, BLOCK_D]`` tile of ``out``; no two programs write the
-same element, so the result is bitwise reproducible.
+same element, so the result is bitwise reproducible. ``HAS_LIMIT`` (an index with foreign experts):
+slots ``>= limit[0]`` belong to other ranks' experts, were never computed, and count as zero.
 """
 
 from __future__ import annotations
@@ -21,9 +22,10 @@ def gather_sum_kernel(
     w_ptr,  # [T, K] router weights (HAS_W), any float dtype
     map_ptr,  # [T, K] int32 token_index_map (pair -> slot)
     out_ptr,  # [T, D] result
+    limit_ptr,  # [1] int32 number of local slots (HAS_LIMIT)
     T, D, K,
     stride_src_m, stride_w_t, stride_w_k, stride_map_t, stride_map_k, stride_out_t,
-    HAS_W: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+    HAS_W: tl.constexpr, HAS_LIMIT: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
@@ -31,9 +33,14 @@ def gather_sum_kernel(
     mask = t_mask[:, None] & (offs_d < D)[None, :]
     rows_t = offs_t.to(tl.int64)
     acc = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
+    if HAS_LIMIT:
+        local = tl.load(limit_ptr)
     for k in range(K):
         slot = tl.load(map_ptr + rows_t * stride_map_t + k * stride_map_k, mask=t_mask, other=0).to(tl.int64)
-        v = tl.load(src_ptr + slot[:, None] * stride_src_m + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
+        v_mask = mask
+        if HAS_LIMIT:
+            v_mask = mask & (slot < local)[:, None]
+        v = tl.load(src_ptr + slot[:, None] * stride_src_m + offs_d[None, :], mask=v_mask, other=0.0).to(tl.float32)
         if HAS_W:
             w = tl.load(w_ptr + rows_t * stride_w_t + k * stride_w_k, mask=t_mask, other=0.0).to(tl.float32)
             v = v * w[:, None]
@@ -46,7 +53,7 @@ _GATHER_SUM = Launchable(gather_sum_kernel, gather_sum_configs, key=["D", "K", "
 
 
 def gather_sum(src: torch.Tensor, token_index_map: torch.Tensor, weights: torch.Tensor | None,
-               out_dtype: torch.dtype) -> torch.Tensor:
+               out_dtype: torch.dtype, local_slots: torch.Tensor | None = None) -> torch.Tensor:
     """``out[t] = sum_k (weights[t, k] *) src[token_index_map[t, k]]`` in fp32, returned in ``out_dtype``.
 
     Args:
@@ -54,6 +61,7 @@ def gather_sum(src: torch.Tensor, token_index_map: torch.Tensor, weights: torch.
         token_index_map: ``[T, K]`` int32 pair -> slot.
         weights: ``[T, K]`` float router weights, or ``None`` for a plain sum.
         out_dtype: dtype of the ``[T, D]`` result.
+        local_slots: ``[1]`` int32 on the device; slots at or past it count as zero (foreign experts).
     """
     T, K = token_index_map.shape
     D = src.shape[1]
@@ -61,9 +69,10 @@ def gather_sum(src: torch.Tensor, token_index_map: torch.Tensor, weights: torch.
     if T == 0 or D == 0:
         return out
     w = weights if weights is not None else token_index_map  # dummy pointer when HAS_W is off
+    limit = local_slots if local_slots is not None else token_index_map  # dummy pointer when HAS_LIMIT is off
     _GATHER_SUM.launch(src.dtype, lambda meta: (triton.cdiv(T, meta["BLOCK_T"]), triton.cdiv(D, meta["BLOCK_D"])),
-        src, w, token_index_map, out, T, D, K,
+        src, w, token_index_map, out, limit, T, D, K,
         src.stride(0), w.stride(0), w.stride(1), token_index_map.stride(0), token_index_map.stride(1),
-        out.stride(0), HAS_W=weights is not None,
+        out.stride(0), HAS_W=weights is not None, HAS_LIMIT=local_slots is not None,
     )
     return out

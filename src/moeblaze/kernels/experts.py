@@ -10,6 +10,12 @@ same signatures, semantics and result dtypes:
                           ``dtopk_weights = <dact', act>``, ``dpre``; ``dW2[e] = sum_s dout[token]^T (w act)``
 ``up_backward``    B3-B5  ``dx_slots = dpre W1[e]``, ``dx[t] = sum_k dx_slots[map[t,k]]`` (K = 1: direct);
                           ``dW1[e] = sum_s dpre[s]^T x[token(s)]``
+``bias_grad``             ``db1[e] = sum_s dpre[s]``, ``db2[e] = sum_s w_s dout[token(s)]`` (segment sums)
+
+Expert biases are added in the GEMM epilogues (F1 before ``pre`` is rounded, F2 before the router
+weight); an interleaved ``w_gate_up`` (GPT-OSS) is read in place through strides (F1 reads its even
+rows as gate and odd rows as up; ``pre``/``dpre`` keep its row order, so B3/B4 read the view as is);
+an index with foreign experts never schedules their slots and the combines skip them.
 
 Each op is a ``torch.library.custom_op`` (``moeblaze::experts_*``) with a fake (meta) implementation,
 so ``torch.compile(fullgraph=True)`` treats it as one opaque node (eager calls skip the dispatcher:
@@ -26,15 +32,16 @@ from torch import Tensor
 
 from ..activations import GATED, check_activation
 from ..dispatch import DispatchIndex, with_schedule
-from ..ops_torch import slot_weights
+from ..ops_torch import DEFAULT_ACT, ActArgs, bias_dot, slot_weights
 from .act_bwd import act_bwd_rows
 from .act_math import ACTIVATION_CODES
+from .bias_grad import segment_sum
 from .combine import gather_sum
 from .custom_ops import call_op
-from .launch import grouped_gemm, grouped_wgrad
+from .launch import grouped_gemm, grouped_wgrad, interleaved_desc_ok
 from .tuning import block_m
 
-__all__ = ["up_forward", "up_backward", "down_forward", "down_backward", "schedule_block_m"]
+__all__ = ["up_forward", "up_backward", "down_forward", "down_backward", "bias_grad", "schedule_block_m"]
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -60,6 +67,20 @@ def _empty(like: torch.Tensor) -> torch.Tensor:
     return like.new_empty(0)
 
 
+def _stored_transposed(w: Tensor) -> bool:
+    """``w [E, n, k]`` is the transposed view of a packed ``[E, k, n]`` tensor (GPT-OSS's and other
+    ``is_transposed`` experts' parameters): its weight gradient is then written in that storage order, so
+    autograd hands the parameter a gradient of its own layout (no ``E*n*k`` copy when it accumulates)."""
+    return w.stride(1) == 1 and w.stride(2) != 1
+
+
+def _like_weight(w: Tensor) -> Tensor:
+    """An uninitialised tensor of ``w``'s shape and storage order (fake implementations)."""
+    if _stored_transposed(w):
+        return w.new_empty(w.shape[0], w.shape[2], w.shape[1]).transpose(1, 2)
+    return w.new_empty(w.shape)
+
+
 def schedule_block_m() -> int:
     """BLOCK_M of the grouped GEMMs: the tile schedule an index needs for these ops (``build_dispatch``'s
     ``block_m``). 128 on the GPU, 32 under the interpreter."""
@@ -74,103 +95,124 @@ def _schedule(index: DispatchIndex) -> tuple[Tensor, Tensor, Tensor]:
 
 # ---------------------------------------------------------------- F1: up-projection forward
 
-def _up_forward_impl(x, w1, offsets, indices, tile_expert, tile_row, num_tiles, activation, store_pre,
-                      store_act):
+def _up_forward_impl(x, w1, b1, offsets, indices, tile_expert, tile_row, num_tiles, activation, alpha, limit,
+                     interleaved, store_pre, store_act):
     x = _rows_contig(x)
     N, rows = indices.numel(), w1.shape[1]
     gated = activation in GATED
     h = rows // 2 if gated else rows
     pre = x.new_empty(N, rows) if store_pre else _empty(x)
     act = x.new_empty(N, h) if store_act else _empty(x)
+    layout, up_off = {}, h
+    if interleaved and interleaved_desc_ok(w1, x.shape[1]):  # one TMA box of alternating gate/up columns
+        layout, up_off = dict(pre_step=2, b_mode=4), 1
+    elif interleaved:  # gate rows = the even rows of the view (row stride doubled), up rows one row later
+        layout = dict(up_shift_b=w1.stride(1), pre_step=2, weight_desc=False)
+        w1, up_off = w1[:, 0::2], 1
     grouped_gemm(x, w1, pre if store_pre else act, offsets, indices, (tile_expert, tile_row, num_tiles),
-                 b_nk=True, n_cols=h, k_dim=x.shape[1], gather_a=True, up_off=h, epilogue=1,
+                 b_nk=True, n_cols=h, k_dim=x.shape[1], gather_a=True, up_off=up_off, epilogue=1,
                  activation=ACTIVATION_CODES[activation], dual=gated, store_pre=store_pre,
-                 aux=act if store_act else None, store_aux=store_act)
+                 aux=act if store_act else None, store_aux=store_act,
+                 bias=_rows_contig(b1) if b1 is not None else None, alpha=alpha, limit=limit, **layout)
     return pre, act
 
 
 _up_forward_op = torch.library.custom_op(
     "moeblaze::experts_up_forward", _up_forward_impl, mutates_args=(),
-    schema="(Tensor x, Tensor w1, Tensor offsets, Tensor indices, Tensor tile_expert, Tensor tile_row, "
-           "Tensor num_tiles, str activation, bool store_pre, bool store_act) -> (Tensor, Tensor)")
+    schema="(Tensor x, Tensor w1, Tensor? b1, Tensor offsets, Tensor indices, Tensor tile_expert, Tensor tile_row, "
+           "Tensor num_tiles, str activation, float alpha, float limit, bool interleaved, bool store_pre, "
+           "bool store_act) -> (Tensor, Tensor)")
 
 
 @_up_forward_op.register_fake
-def _(x, w1, offsets, indices, tile_expert, tile_row, num_tiles, activation, store_pre, store_act):
+def _(x, w1, b1, offsets, indices, tile_expert, tile_row, num_tiles, activation, alpha, limit, interleaved,
+      store_pre, store_act):
     N, rows = indices.shape[0], w1.shape[1]
     h = rows // 2 if activation in GATED else rows
     return (x.new_empty(N, rows) if store_pre else _empty(x)), (x.new_empty(N, h) if store_act else _empty(x))
 
 
 def up_forward(x: Tensor, w1: Tensor, index: DispatchIndex, activation: str, store_pre: bool,
-               store_act: bool) -> tuple[Tensor | None, Tensor | None]:
-    """F1: ``pre [N, 2h|h] = x[token(s)] @ w1[e].T`` and ``act [N, h] = f(pre)``, both in ``x.dtype``.
+               store_act: bool, *, b1: Tensor | None = None,
+               act_args: ActArgs = DEFAULT_ACT) -> tuple[Tensor | None, Tensor | None]:
+    """F1: ``pre [N, 2h|h] = x[token(s)] @ w1[e].T (+ b1[e])`` and ``act [N, h] = f(pre)``, both in ``x.dtype``.
 
     Args:
-        x: ``[T, d]`` fp16/bf16/fp32; w1: ``[E, 2h|h, d]`` same dtype; index: the dispatch index.
+        x: ``[T, d]`` fp16/bf16/fp32; w1: ``[E, 2h|h, d]`` same dtype, any strides; index: the dispatch index.
         activation: one of :data:`moeblaze.activations.ACTIVATIONS`.
         store_pre, store_act: which results to produce (the other is returned as ``None``).
+        b1: ``[E, 2h|h]`` bias in ``w1``'s row order, or None. act_args: see :class:`moeblaze.ops_torch.ActArgs`
+            (``interleaved``: ``w1``'s rows and ``pre``'s columns alternate gate, up).
 
     Returns:
-        ``(pre | None, act | None)``.
+        ``(pre | None, act | None)``; foreign slots' rows are left unwritten.
 
     Raises:
-        TypeError: a dtype other than fp16/bf16/fp32, or ``x`` and ``w1`` of different dtypes.
+        TypeError: a dtype other than fp16/bf16/fp32, or ``x``, ``w1`` and ``b1`` of different dtypes.
         ValueError: unknown activation, or tensors on different devices.
     """
     check_activation(activation)
-    _check("up_forward", x=x, w1=w1)
-    pre, act = call_op(_up_forward_op, _up_forward_impl, x, w1, index.expert_token_offsets,
-                       index.expert_token_indices, *_schedule(index), activation, store_pre, store_act)
+    _check("up_forward", x=x, w1=w1, **({"b1": b1} if b1 is not None else {}))
+    pre, act = call_op(_up_forward_op, _up_forward_impl, x, w1, b1, index.local_offsets,
+                       index.expert_token_indices, *_schedule(index), activation, *act_args, store_pre, store_act)
     return (pre if store_pre else None), (act if store_act else None)
 
 
 # ---------------------------------------------------------------- F2-F3: down-projection forward
 
-def _down_forward_impl(act, w2, topk_weights, offsets, indices, tile_expert, tile_row, num_tiles,
-                       token_index_map):
+def _local_slots(offsets: Tensor, foreign: bool) -> Tensor | None:
+    """``[1]`` int32 count of local slots (the last local offset) for an index with foreign experts."""
+    return offsets[-1:] if foreign else None
+
+
+def _down_forward_impl(act, w2, b2, topk_weights, offsets, indices, tile_expert, tile_row, num_tiles,
+                       token_index_map, foreign):
     sched = (tile_expert, tile_row, num_tiles)
     act = _rows_contig(act)
     (T, K), d, h = token_index_map.shape, w2.shape[1], w2.shape[2]
+    bias = _rows_contig(b2) if b2 is not None else None
     if K == 1:  # F2 writes w * y straight into out[token]: no [N, d] buffer, no combine
-        out = act.new_empty(T, d)
+        out = act.new_zeros(T, d) if foreign else act.new_empty(T, d)  # foreign tokens: never written
         grouped_gemm(act, w2, out, offsets, indices, sched, b_nk=True, n_cols=d, k_dim=h, gather_a=False,
-                     scatter_c=True, scale=slot_weights(topk_weights, token_index_map, torch.float32))
+                     scatter_c=True, scale=slot_weights(topk_weights, token_index_map, torch.float32), bias=bias)
         return out
     y = act.new_empty(act.shape[0], d)
-    grouped_gemm(act, w2, y, offsets, indices, sched, b_nk=True, n_cols=d, k_dim=h, gather_a=False)
-    return gather_sum(y, token_index_map, topk_weights, act.dtype)
+    grouped_gemm(act, w2, y, offsets, indices, sched, b_nk=True, n_cols=d, k_dim=h, gather_a=False, bias=bias)
+    return gather_sum(y, token_index_map, topk_weights, act.dtype, _local_slots(offsets, foreign))
 
 
 _down_forward_op = torch.library.custom_op(
     "moeblaze::experts_down_forward", _down_forward_impl, mutates_args=(),
-    schema="(Tensor act, Tensor w2, Tensor topk_weights, Tensor offsets, Tensor indices, Tensor tile_expert, "
-           "Tensor tile_row, Tensor num_tiles, Tensor token_index_map) -> Tensor")
+    schema="(Tensor act, Tensor w2, Tensor? b2, Tensor topk_weights, Tensor offsets, Tensor indices, "
+           "Tensor tile_expert, Tensor tile_row, Tensor num_tiles, Tensor token_index_map, bool foreign) -> Tensor")
 
 
 @_down_forward_op.register_fake
-def _(act, w2, topk_weights, offsets, indices, tile_expert, tile_row, num_tiles, token_index_map):
+def _(act, w2, b2, topk_weights, offsets, indices, tile_expert, tile_row, num_tiles, token_index_map, foreign):
     return act.new_empty(token_index_map.shape[0], w2.shape[1])
 
 
-def down_forward(act: Tensor, w2: Tensor, topk_weights: Tensor, index: DispatchIndex) -> Tensor:
-    """F2-F3: ``out [T, d] = sum_k topk_weights[t,k] * (act @ w2[e].T)[map[t,k]]`` in ``act.dtype``.
+def down_forward(act: Tensor, w2: Tensor, topk_weights: Tensor, index: DispatchIndex, *,
+                 b2: Tensor | None = None) -> Tensor:
+    """F2-F3: ``out [T, d] = sum_k topk_weights[t,k] * (act @ w2[e].T + b2[e])[map[t,k]]`` in ``act.dtype``.
 
     Args:
-        act: ``[N, h]``; w2: ``[E, d, h]`` (same dtype); topk_weights: ``[T, K]`` any float dtype.
+        act: ``[N, h]``; w2: ``[E, d, h]`` (same dtype); topk_weights: ``[T, K]`` any float dtype;
+        b2: ``[E, d]`` (same dtype as ``act``) or None.
 
     Raises:
         TypeError, ValueError: as :func:`up_forward`.
     """
-    _check("down_forward", act=act, w2=w2)
-    return call_op(_down_forward_op, _down_forward_impl, act, w2, topk_weights, index.expert_token_offsets,
-                   index.expert_token_indices, *_schedule(index), index.token_index_map)
+    _check("down_forward", act=act, w2=w2, **({"b2": b2} if b2 is not None else {}))
+    return call_op(_down_forward_op, _down_forward_impl, act, w2, b2, topk_weights, index.local_offsets,
+                   index.expert_token_indices, *_schedule(index), index.token_index_map, index.foreign_experts)
 
 
 # ---------------------------------------------------------------- B1-B2: down-projection backward
 
-def _down_backward_impl(dout, pre, w2, topk_weights, offsets, indices, tile_expert, tile_row, num_tiles,
-                        token_index_map, activation, need_dw, need_dtw):
+def _down_backward_impl(dout, pre, w2, b2, topk_weights, offsets, indices, tile_expert, tile_row, num_tiles,
+                        token_index_map, token_expert_indices, activation, alpha, limit, interleaved, foreign,
+                        need_dw, need_dtw):
     # B1 in two launches (why: moeblaze.kernels.act_bwd): the GEMM stores dact' [N, h], then one pass over
     # the rows recomputes act from pre and writes dpre over pre (unit column stride, checked by
     # down_backward) and w * act over dact' — the B operand of B2, a backward-only temporary.
@@ -181,35 +223,45 @@ def _down_backward_impl(dout, pre, w2, topk_weights, offsets, indices, tile_expe
     dact = pre.new_empty(N, h)
     grouped_gemm(dout, w2, dact, offsets, indices, (tile_expert, tile_row, num_tiles), b_nk=False, n_cols=h, k_dim=d, gather_a=True)
     dtw_slot = torch.empty(N, dtype=torch.float32, device=pre.device) if need_dtw else None
+    local = _local_slots(offsets, foreign)
     act_bwd_rows(dact, pre, pre, w_slot, dtw_slot, h=h, activation=ACTIVATION_CODES[activation],
-                 store_wact=need_dw)
+                 store_wact=need_dw, alpha=alpha, limit=limit, interleaved=interleaved, local_slots=local)
     dtw = _empty(topk_weights)
     if need_dtw:
-        dtw = dtw_slot.index_select(0, token_index_map.reshape(-1).long()).view(T, K).to(topk_weights.dtype)
+        dtw = dtw_slot.index_select(0, token_index_map.reshape(-1).long()).view(T, K)
+        if foreign:  # foreign slots were never computed: their pairs get no gradient
+            dtw = torch.where(token_index_map < local, dtw, 0.0)
+        if b2 is not None:  # <dout[t], y> gains <dout[t], b2[e]>
+            dtw = dtw + bias_dot(dout, b2, token_expert_indices)
+        dtw = dtw.to(topk_weights.dtype)
     dw2 = _empty(w2)
     if need_dw:
-        dw2 = grouped_wgrad(dout, dact, offsets, indices, p=d, q=h, out_dtype=w2.dtype)
+        flip = _stored_transposed(w2)  # [E, h, d] storage: the transposed products, viewed back as [E, d, h]
+        dw2 = grouped_wgrad(dout, dact, offsets, indices, p=d, q=h, out_dtype=w2.dtype, transpose=flip,
+                            slot_desc=not foreign)
+        dw2 = dw2.transpose(1, 2) if flip else dw2
     return dw2, dtw
 
 
 _down_backward_op = torch.library.custom_op(
     "moeblaze::experts_down_backward", _down_backward_impl, mutates_args=("pre",),
-    schema="(Tensor dout, Tensor(a!) pre, Tensor w2, Tensor topk_weights, Tensor offsets, Tensor indices, "
-           "Tensor tile_expert, Tensor tile_row, Tensor num_tiles, Tensor token_index_map, str activation, "
+    schema="(Tensor dout, Tensor(a!) pre, Tensor w2, Tensor? b2, Tensor topk_weights, Tensor offsets, "
+           "Tensor indices, Tensor tile_expert, Tensor tile_row, Tensor num_tiles, Tensor token_index_map, "
+           "Tensor token_expert_indices, str activation, float alpha, float limit, bool interleaved, bool foreign, "
            "bool need_dw, bool need_dtw) -> (Tensor, Tensor)")
 
 
 @_down_backward_op.register_fake
-def _(dout, pre, w2, topk_weights, offsets, indices, tile_expert, tile_row, num_tiles, token_index_map, activation,
-      need_dw, need_dtw):
-    return (w2.new_empty(w2.shape) if need_dw else _empty(w2),
+def _(dout, pre, w2, b2, topk_weights, offsets, indices, tile_expert, tile_row, num_tiles, token_index_map,
+      token_expert_indices, activation, alpha, limit, interleaved, foreign, need_dw, need_dtw):
+    return (_like_weight(w2) if need_dw else _empty(w2),
             topk_weights.new_empty(token_index_map.shape) if need_dtw else _empty(topk_weights))
 
 
 def down_backward(dout: Tensor, pre: Tensor, w2: Tensor, topk_weights: Tensor, index: DispatchIndex,
-                  activation: str, need_dw: bool,
-                  need_dtw: bool) -> tuple[Tensor, Tensor | None, Tensor | None]:
-    """B1-B2 with the activation recomputed from ``pre``; ``dtopk_weights = <dout[t] w2[e], act>``.
+                  activation: str, need_dw: bool, need_dtw: bool, *, b2: Tensor | None = None,
+                  act_args: ActArgs = DEFAULT_ACT) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    """B1-B2 with the activation recomputed from ``pre``; ``dtopk_weights = <dout[t] w2[e], act> (+ <dout[t], b2[e]>)``.
 
     ``dpre`` is written over ``pre`` in place (``pre`` is dead after B1; this saves an ``[N, 2h]``
     buffer, 4Nh bytes in bf16, at the backward's peak). Autograd sees the change: a second backward
@@ -217,10 +269,10 @@ def down_backward(dout: Tensor, pre: Tensor, w2: Tensor, topk_weights: Tensor, i
 
     Args:
         dout: ``[T, d]``; pre: ``[N, 2h|h]`` with unit column stride (overwritten); w2: ``[E, d, h]``
-            (one dtype); topk_weights: ``[T, K]``.
+            (one dtype); topk_weights: ``[T, K]``; b2: ``[E, d]`` or None; act_args: as :func:`up_forward`.
 
     Returns:
-        ``(dpre [N, 2h|h] = pre itself, dw2 [E, d, h] in w2.dtype | None,
+        ``(dpre [N, 2h|h] = pre itself, dw2 [E, d, h] in w2.dtype and storage order | None,
         dtopk_weights [T, K] in topk_weights.dtype | None)``.
 
     Raises:
@@ -232,58 +284,97 @@ def down_backward(dout: Tensor, pre: Tensor, w2: Tensor, topk_weights: Tensor, i
         raise ValueError(f"triton down_backward: pre must be [N, 2h|h] with unit column stride (it is "
                          f"overwritten with dpre), got shape {tuple(pre.shape)} strides {pre.stride()}")
     dw2, dtw = call_op(_down_backward_op, _down_backward_impl,
-                       dout, pre, w2, topk_weights, index.expert_token_offsets, index.expert_token_indices,
-                       *_schedule(index), index.token_index_map, activation, need_dw, need_dtw, mutated=(pre,))
+                       dout, pre, w2, b2, topk_weights, index.local_offsets, index.expert_token_indices,
+                       *_schedule(index), index.token_index_map, index.token_expert_indices, activation, *act_args,
+                       index.foreign_experts, need_dw, need_dtw, mutated=(pre,))
     return pre, (dw2 if need_dw else None), (dtw if need_dtw else None)
 
 
 # ---------------------------------------------------------------- B3-B5: up-projection backward
 
-def _up_backward_impl(dpre, x, w1, offsets, indices, tile_expert, tile_row, num_tiles, token_index_map, need_dx,
-                      need_dw):
+def _up_backward_impl(dpre, x, w1, offsets, indices, tile_expert, tile_row, num_tiles, token_index_map, foreign,
+                      need_dx, need_dw):
     sched = (tile_expert, tile_row, num_tiles)
     dpre, x = _rows_contig(dpre), _rows_contig(x)
     (T, K), rows, d = token_index_map.shape, w1.shape[1], w1.shape[2]
     dx, dw1 = _empty(x), _empty(w1)
     if need_dx:
         if K == 1:  # B3 writes dx[token] directly: no [N, d] buffer, no gather-sum
-            dx = x.new_empty(T, d)
+            dx = x.new_zeros(T, d) if foreign else x.new_empty(T, d)  # foreign tokens: never written
             grouped_gemm(dpre, w1, dx, offsets, indices, sched, b_nk=False, n_cols=d, k_dim=rows, gather_a=False,
                          scatter_c=True)
         else:
             dx_slots = x.new_empty(indices.numel(), d)
             grouped_gemm(dpre, w1, dx_slots, offsets, indices, sched, b_nk=False, n_cols=d, k_dim=rows,
                          gather_a=False)
-            dx = gather_sum(dx_slots, token_index_map, None, x.dtype)
+            dx = gather_sum(dx_slots, token_index_map, None, x.dtype, _local_slots(offsets, foreign))
             del dx_slots  # freed before dW1 is allocated: N*d*2 bytes off the backward's peak
     if need_dw:
         # as dW1[e]^T = sum_s x[token]^T dpre[s]: the gathered operand on the A side (moeblaze.kernels.wgrad)
-        dw1 = grouped_wgrad(x, dpre, offsets, indices, p=d, q=rows, out_dtype=w1.dtype, transpose=True)
+        flip = _stored_transposed(w1)  # [E, d, rows] storage (GPT-OSS): the plain products, viewed back
+        dw1 = grouped_wgrad(x, dpre, offsets, indices, p=d, q=rows, out_dtype=w1.dtype, transpose=not flip,
+                            slot_desc=not foreign)
+        dw1 = dw1.transpose(1, 2) if flip else dw1
     return dx, dw1
 
 
 _up_backward_op = torch.library.custom_op(
     "moeblaze::experts_up_backward", _up_backward_impl, mutates_args=(),
     schema="(Tensor dpre, Tensor x, Tensor w1, Tensor offsets, Tensor indices, Tensor tile_expert, "
-           "Tensor tile_row, Tensor num_tiles, Tensor token_index_map, bool need_dx, bool need_dw) -> (Tensor, Tensor)")
+           "Tensor tile_row, Tensor num_tiles, Tensor token_index_map, bool foreign, bool need_dx, "
+           "bool need_dw) -> (Tensor, Tensor)")
 
 
 @_up_backward_op.register_fake
-def _(dpre, x, w1, offsets, indices, tile_expert, tile_row, num_tiles, token_index_map, need_dx, need_dw):
-    return (x.new_empty(x.shape) if need_dx else _empty(x)), (w1.new_empty(w1.shape) if need_dw else _empty(w1))
+def _(dpre, x, w1, offsets, indices, tile_expert, tile_row, num_tiles, token_index_map, foreign, need_dx, need_dw):
+    return (x.new_empty(x.shape) if need_dx else _empty(x)), (_like_weight(w1) if need_dw else _empty(w1))
 
 
 def up_backward(dpre: Tensor, x: Tensor, w1: Tensor, index: DispatchIndex, need_dx: bool,
                 need_dw: bool) -> tuple[Tensor | None, Tensor | None]:
-    """B3-B5: ``dx [T, d]`` (x.dtype) and ``dw1 [E, 2h|h, d]`` (w1.dtype); ``None`` where not needed.
+    """B3-B5: ``dx [T, d]`` (x.dtype) and ``dw1 [E, 2h|h, d]`` (w1.dtype, in w1's storage order: a transposed
+    view for a transposed-view ``w1``); ``None`` where not needed.
 
     Args:
-        dpre: ``[N, 2h|h]``; x: ``[T, d]``; w1: ``[E, 2h|h, d]`` (one dtype).
+        dpre: ``[N, 2h|h]`` in ``w1``'s row order; x: ``[T, d]``; w1: ``[E, 2h|h, d]`` (one dtype, any strides).
 
     Raises:
         TypeError, ValueError: as :func:`up_forward`.
     """
     _check("up_backward", dpre=dpre, x=x, w1=w1)
-    dx, dw1 = call_op(_up_backward_op, _up_backward_impl, dpre, x, w1, index.expert_token_offsets,
-                      index.expert_token_indices, *_schedule(index), index.token_index_map, need_dx, need_dw)
+    dx, dw1 = call_op(_up_backward_op, _up_backward_impl, dpre, x, w1, index.local_offsets,
+                      index.expert_token_indices, *_schedule(index), index.token_index_map, index.foreign_experts,
+                      need_dx, need_dw)
     return (dx if need_dx else None), (dw1 if need_dw else None)
+
+
+# ---------------------------------------------------------------- expert-bias gradients
+
+def _bias_grad_impl(src, topk_weights, offsets, indices, token_index_map):
+    src = _rows_contig(src)
+    scale = None if topk_weights is None else slot_weights(topk_weights, token_index_map, torch.float32)
+    return segment_sum(src, offsets, indices, scale, gather=topk_weights is not None, out_dtype=src.dtype)
+
+
+_bias_grad_op = torch.library.custom_op(
+    "moeblaze::experts_bias_grad", _bias_grad_impl, mutates_args=(),
+    schema="(Tensor src, Tensor? topk_weights, Tensor offsets, Tensor indices, Tensor token_index_map) -> Tensor")
+
+
+@_bias_grad_op.register_fake
+def _(src, topk_weights, offsets, indices, token_index_map):
+    return src.new_empty(offsets.shape[0] - 1, src.shape[1])
+
+
+def bias_grad(src: Tensor, index: DispatchIndex, topk_weights: Tensor | None = None) -> Tensor:
+    """Expert-bias gradients ``[E, cols]`` in ``src.dtype``, deterministic segment sums (no atomics).
+
+    ``topk_weights`` None: ``db_gate_up[e] = sum_s dpre[s]`` with ``src = dpre [N, 2h|h]``; else
+    ``db_down[e] = sum_s w_s * dout[token(s)]`` with ``src = dout [T, d]``. Foreign slots are excluded.
+
+    Raises:
+        TypeError: ``src`` not fp16/bf16/fp32.
+    """
+    _check("bias_grad", src=src)
+    return call_op(_bias_grad_op, _bias_grad_impl, src, topk_weights, index.local_offsets,
+                   index.expert_token_indices, index.token_index_map)

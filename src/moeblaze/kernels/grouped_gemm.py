@@ -12,7 +12,8 @@ tile to shared memory, no per-element addresses in registers; for the gated F1 o
 gate and the up rows of a tile, see :func:`_mainloop`). The gathered A rows stay pointer loads:
 Hopper's TMA has no row gather.
 
-Epilogues (constexpr ``EPILOGUE``):
+Epilogues (constexpr ``EPILOGUE``; ``HAS_BIAS`` adds the expert's bias row ``bias[e]`` to the fp32
+accumulator first, before any rounding or scaling):
   0  plain: store ``C`` (times the slot's router weight if ``SCALE_C``) at row ``s`` or, if
      ``SCATTER_C``, at row ``token(s)`` (K = 1: out / dx written directly, no ``[N, d]`` buffer).
      F2 ``y = act W_down[e]^T`` and B3 ``dx_slots = dpre W_gate_up[e]``.
@@ -20,7 +21,9 @@ Epilogues (constexpr ``EPILOGUE``):
      tiles side by side — from one wide accumulator (``B_DESC`` 3) or two — so
      ``act = f(gate) * up`` is formed in registers; stores ``pre`` if
      ``STORE_PRE`` and ``act`` if ``STORE_ACT`` (act is computed from the rounded ``pre``, exactly as
-     the backward recomputes it).
+     the backward recomputes it). ``pre``'s gate column of ``n`` is ``n * PRE_STEP`` and its up column
+     ``n * PRE_STEP + UP_OFF``: blocks (1, h) or, for an interleaved ``w_gate_up`` (GPT-OSS), alternating
+     columns (2, 1) — ``pre`` keeps the weight's row order, so B3/B4 read the interleaved view as it is.
 B1 uses EPILOGUE 0 (``dact' = dout[token(s)] W_down[e]``); its activation backward streams the rows
 afterwards (:mod:`moeblaze.kernels.act_bwd`, where the measurement that chose this is given).
 Accumulation is fp32 (``tl.dot``); nothing is atomic, so results are bitwise reproducible.
@@ -63,6 +66,9 @@ def _descriptors(a_ptr, b_ptr, A_ROWS, K_DIM, N_EXT, NUM_EXPERTS, stride_a_m, st
         b_desc = tl.make_tensor_descriptor(b_ptr, shape=[2 * NUM_EXPERTS, N_EXT // 2, K_DIM],
                                            strides=[N_EXT // 2 * stride_b_n, stride_b_n, 1],
                                            block_shape=[2, BLOCK_N, BLOCK_K])
+    elif B_DESC == 4:  # interleaved w_gate_up stored [E*d, 2h] (GPT-OSS): a box of alternating gate/up columns
+        b_desc = tl.make_tensor_descriptor(b_ptr, shape=[NUM_EXPERTS * K_DIM, N_EXT], strides=[stride_b_k, 1],
+                                           block_shape=[BLOCK_K, 2 * BLOCK_N])
     if A_DESC:
         a_desc = tl.make_tensor_descriptor(a_ptr, shape=[A_ROWS, K_DIM], strides=[stride_a_m, 1],
                                            block_shape=[BLOCK_M, BLOCK_K])
@@ -84,7 +90,10 @@ def _mainloop(a_ptr, b_ptr, a_desc, b_desc, a_rows, a_row0, e, pid_n, N_COLS, K_
     past the last expert the TMA unit fills zeros. 3 (gated F1): one ``[2, BLOCK_N, BLOCK_K]`` box brings
     the gate rows ``n`` and the up rows ``UP_OFF + n`` together (zeros past ``h``), so a single
     ``BLOCK_N x 2`` wide MMA replaces the two of ``DUAL``; the accumulator's halves are split after the
-    loop without data movement (each thread holds matching gate and up columns). Same products and
+    loop without data movement (each thread holds matching gate and up columns). 4 (gated F1 over an
+    interleaved ``w_gate_up`` stored ``[E*d, 2h]``, GPT-OSS's ``gate_up_proj``): one ``[BLOCK_K, 2*BLOCK_N]``
+    box of alternating gate/up columns ``2*n0 ...`` feeds one wide MMA whose accumulator columns alternate
+    the same way; split after the loop. Same products and
     summation order as two dots: bitwise equal results, 1.01-1.04x faster on an H200 at the same config
     and 1.06-1.08x with the persistent launch it makes worthwhile (2026-11-23, F1 of conf4, conf7, olmoe,
     qwen3-30b replayed alone, ``python3 benchmarks/profile_kernels.py --configs conf4-swiglu,conf7-swiglu``).
@@ -101,9 +110,9 @@ def _mainloop(a_ptr, b_ptr, a_desc, b_desc, a_rows, a_row0, e, pid_n, N_COLS, K_
               + offs_n[None, :] * stride_b_n)
     if B_DESC == 1:
         b_row = e * N_EXT + n0
-    elif B_DESC == 2:
+    elif B_DESC == 2 or B_DESC == 4:  # noqa: SIM109 (no `in` on constexprs in @triton.jit)
         b_row = e * K_DIM
-    PAIRED: tl.constexpr = B_DESC == 3
+    PAIRED: tl.constexpr = B_DESC == 3 or B_DESC == 4
     acc = tl.zeros((BLOCK_M, 2 * BLOCK_N if PAIRED else BLOCK_N), dtype=tl.float32)
     acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K_DIM, BLOCK_K):
@@ -124,6 +133,8 @@ def _mainloop(a_ptr, b_ptr, a_desc, b_desc, a_rows, a_row0, e, pid_n, N_COLS, K_
                 b2 = b_desc.load([b_row + k0, n0 + UP_OFF])
         elif B_DESC == 3:
             b = b_desc.load([2 * e, n0, k0]).reshape(2 * BLOCK_N, BLOCK_K).T
+        elif B_DESC == 4:
+            b = b_desc.load([b_row + k0, 2 * n0])
         elif EVEN_K and EVEN_N:
             b = tl.load(b_ptrs)
             if DUAL:
@@ -138,15 +149,19 @@ def _mainloop(a_ptr, b_ptr, a_desc, b_desc, a_rows, a_row0, e, pid_n, N_COLS, K_
             acc2 = tl.dot(a, b2, acc2, input_precision=DOT_PREC)
         a_ptrs += BLOCK_K * stride_a_k
         b_ptrs += BLOCK_K * stride_b_k
-    if PAIRED:
+    if B_DESC == 3:
         acc, acc2 = acc.reshape(BLOCK_M, 2, BLOCK_N).permute(0, 2, 1).split()
+    elif B_DESC == 4:
+        acc, acc2 = acc.reshape(BLOCK_M, BLOCK_N, 2).split()
     return acc, acc2
 
 
 @triton.jit
-def _epilogue_plain(c_ptr, scale_ptr, acc, rows, tokens, mask, offs_n, stride_c_m,
-                    SCATTER_C: tl.constexpr, SCALE_C: tl.constexpr):
-    """EPILOGUE 0: ``C[row] = acc`` (``* w_slot``), row = token(s) if ``SCATTER_C`` else s."""
+def _epilogue_plain(c_ptr, scale_ptr, bias_ptr, acc, e, rows, tokens, mask, offs_n, n_mask, stride_c_m,
+                    stride_bias_e, SCATTER_C: tl.constexpr, SCALE_C: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """EPILOGUE 0: ``C[row] = (acc + bias[e])`` (``* w_slot``), row = token(s) if ``SCATTER_C`` else s."""
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + e * stride_bias_e + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     if SCALE_C:
         acc = acc * tl.load(scale_ptr + rows)[:, None]
     if SCATTER_C:
@@ -157,30 +172,38 @@ def _epilogue_plain(c_ptr, scale_ptr, acc, rows, tokens, mask, offs_n, stride_c_
 
 
 @triton.jit
-def _epilogue_act_fwd(pre_ptr, act_ptr, acc, acc2, rows, mask, offs_n, UP_OFF, stride_pre_m, stride_act_m,
-                      ACTIVATION: tl.constexpr, DUAL: tl.constexpr, STORE_PRE: tl.constexpr,
-                      STORE_ACT: tl.constexpr):
-    """EPILOGUE 1 (F1): store ``pre`` (gate at ``n``, up at ``UP_OFF + n``) and ``act = f(pre)``."""
+def _epilogue_act_fwd(pre_ptr, act_ptr, bias_ptr, acc, acc2, e, rows, mask, offs_n, n_mask, UP_OFF, alpha, limit,
+                      stride_pre_m, stride_act_m, stride_bias_e, ACTIVATION: tl.constexpr, DUAL: tl.constexpr,
+                      STORE_PRE: tl.constexpr, STORE_ACT: tl.constexpr, HAS_BIAS: tl.constexpr,
+                      PRE_STEP: tl.constexpr):
+    """EPILOGUE 1 (F1): store ``pre`` (gate at ``n * PRE_STEP``, up ``UP_OFF`` further) and ``act = f(pre)``."""
+    cols = offs_n * PRE_STEP
+    if HAS_BIAS:  # bias[e] in pre's column order
+        b_ptrs = bias_ptr + e * stride_bias_e + cols
+        acc += tl.load(b_ptrs, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        if DUAL:
+            acc2 += tl.load(b_ptrs + UP_OFF, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     gate = acc.to(pre_ptr.dtype.element_ty)
     up = acc2.to(pre_ptr.dtype.element_ty)
-    pre_ptrs = pre_ptr + rows[:, None] * stride_pre_m + offs_n[None, :]
+    pre_ptrs = pre_ptr + rows[:, None] * stride_pre_m + cols[None, :]
     if STORE_PRE:
         tl.store(pre_ptrs, gate, mask=mask)
         if DUAL:
             tl.store(pre_ptrs + UP_OFF, up, mask=mask)
     if STORE_ACT:
-        act = act_forward(gate.to(tl.float32), up.to(tl.float32), ACTIVATION)
+        act = act_forward(gate.to(tl.float32), up.to(tl.float32), alpha, limit, ACTIVATION)
         tl.store(act_ptr + rows[:, None] * stride_act_m + offs_n[None, :], act.to(act_ptr.dtype.element_ty),
                  mask=mask)
 
 
 @triton.jit
 def _gemm_tile(
-    t, tiles, num_n, a_ptr, b_ptr, c_ptr, aux_ptr, scale_ptr, offsets_ptr, indices_ptr, tile_expert_ptr,
-    tile_row_ptr, a_desc, b_desc, N_COLS, K_DIM, N_EXT, UP_OFF, UP_SHIFT_B,
-    stride_a_m, stride_a_k, stride_b_e, stride_b_k, stride_b_n, stride_c_m, stride_aux_m,
+    t, tiles, num_n, a_ptr, b_ptr, c_ptr, aux_ptr, scale_ptr, bias_ptr, offsets_ptr, indices_ptr, tile_expert_ptr,
+    tile_row_ptr, a_desc, b_desc, N_COLS, K_DIM, N_EXT, UP_OFF, UP_SHIFT_B, alpha, limit,
+    stride_a_m, stride_a_k, stride_b_e, stride_b_k, stride_b_n, stride_c_m, stride_aux_m, stride_bias_e,
     GATHER_A: tl.constexpr, SCATTER_C: tl.constexpr, SCALE_C: tl.constexpr, EPILOGUE: tl.constexpr,
     ACTIVATION: tl.constexpr, DUAL: tl.constexpr, STORE_PRE: tl.constexpr, STORE_AUX: tl.constexpr,
+    HAS_BIAS: tl.constexpr, PRE_STEP: tl.constexpr,
     A_DESC: tl.constexpr, B_DESC: tl.constexpr, DOT_PREC: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
@@ -206,10 +229,12 @@ def _gemm_tile(
                           DUAL, A_DESC, B_DESC, EVEN_K, EVEN_N, DOT_PREC, BLOCK_M, BLOCK_N, BLOCK_K)
     mask = row_mask[:, None] & n_mask[None, :]
     if EPILOGUE == 0:
-        _epilogue_plain(c_ptr, scale_ptr, acc, rows, tokens, mask, offs_n, stride_c_m, SCATTER_C, SCALE_C)
+        _epilogue_plain(c_ptr, scale_ptr, bias_ptr, acc, e, rows, tokens, mask, offs_n, n_mask, stride_c_m,
+                        stride_bias_e, SCATTER_C, SCALE_C, HAS_BIAS)
     else:
-        _epilogue_act_fwd(c_ptr, aux_ptr, acc, acc2, rows, mask, offs_n, UP_OFF, stride_c_m, stride_aux_m,
-                          ACTIVATION, DUAL, STORE_PRE, STORE_AUX)
+        _epilogue_act_fwd(c_ptr, aux_ptr, bias_ptr, acc, acc2, e, rows, mask, offs_n, n_mask, UP_OFF, alpha, limit,
+                          stride_c_m, stride_aux_m, stride_bias_e, ACTIVATION, DUAL, STORE_PRE, STORE_AUX, HAS_BIAS,
+                          PRE_STEP)
 
 
 @triton.jit
@@ -219,6 +244,7 @@ def grouped_gemm_kernel(
     c_ptr,  # EPILOGUE 0: [N, N_COLS] or [T, N_COLS] (SCATTER_C); 1: pre [N, 2h|h]
     aux_ptr,  # EPILOGUE 1: act [N, h]; else unused
     scale_ptr,  # [N] fp32 router weight of each slot (SCALE_C)
+    bias_ptr,  # [E, N_COLS] (EPILOGUE 0) or [E, 2h|h] (EPILOGUE 1, pre's column order) expert bias (HAS_BIAS)
     offsets_ptr,  # [E+1] int32 expert_token_offsets
     indices_ptr,  # [N] int32 expert_token_indices (slot -> token)
     tile_expert_ptr,  # [max_tiles] int32 expert of each M-tile (-1 past num_tiles)
@@ -227,12 +253,14 @@ def grouped_gemm_kernel(
     max_tiles, N_COLS, K_DIM,
     N_EXT,  # the weight's extent along n (2h for the gated F1, else N_COLS)
     A_ROWS,  # rows of A (A_DESC: extent of its descriptor)
-    UP_OFF,  # column of the first up entry in pre / dpre (h; gated only)
-    UP_SHIFT_B,  # UP_OFF * stride_b_n: element offset of the up rows of w_gate_up (DUAL only)
-    stride_a_m, stride_a_k, stride_b_e, stride_b_k, stride_b_n, stride_c_m, stride_aux_m,
+    UP_OFF,  # column of the up entry of n in pre / dpre, from its gate column (h, or 1 when interleaved)
+    UP_SHIFT_B,  # element offset of the up rows of w_gate_up from the gate rows (DUAL only)
+    alpha, limit,  # fp32 parameters of the clamped SwiGLU (EPILOGUE 1)
+    stride_a_m, stride_a_k, stride_b_e, stride_b_k, stride_b_n, stride_c_m, stride_aux_m, stride_bias_e,
     NUM_EXPERTS,  # E (autotune key; rows of the B_DESC descriptor)
     GATHER_A: tl.constexpr, SCATTER_C: tl.constexpr, SCALE_C: tl.constexpr, EPILOGUE: tl.constexpr,
     ACTIVATION: tl.constexpr, DUAL: tl.constexpr, STORE_PRE: tl.constexpr, STORE_AUX: tl.constexpr,
+    HAS_BIAS: tl.constexpr, PRE_STEP: tl.constexpr,
     A_DESC: tl.constexpr, B_DESC: tl.constexpr, DOT_PREC: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
     PERSISTENT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
@@ -246,17 +274,19 @@ def grouped_gemm_kernel(
     num_tiles = tl.load(num_tiles_ptr)
     if PERSISTENT:
         for t in tl.range(tl.program_id(0), num_tiles * num_n, tl.num_programs(0), flatten=True):
-            _gemm_tile(t, num_tiles, num_n, a_ptr, b_ptr, c_ptr, aux_ptr, scale_ptr, offsets_ptr, indices_ptr,
-                       tile_expert_ptr, tile_row_ptr, a_desc, b_desc, N_COLS, K_DIM, N_EXT, UP_OFF, UP_SHIFT_B,
-                       stride_a_m, stride_a_k, stride_b_e, stride_b_k, stride_b_n, stride_c_m, stride_aux_m,
-                       GATHER_A, SCATTER_C, SCALE_C, EPILOGUE, ACTIVATION, DUAL, STORE_PRE, STORE_AUX, A_DESC,
-                       B_DESC, DOT_PREC, EVEN_K, EVEN_N, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
+            _gemm_tile(t, num_tiles, num_n, a_ptr, b_ptr, c_ptr, aux_ptr, scale_ptr, bias_ptr, offsets_ptr,
+                       indices_ptr, tile_expert_ptr, tile_row_ptr, a_desc, b_desc, N_COLS, K_DIM, N_EXT, UP_OFF,
+                       UP_SHIFT_B, alpha, limit, stride_a_m, stride_a_k, stride_b_e, stride_b_k, stride_b_n,
+                       stride_c_m, stride_aux_m, stride_bias_e, GATHER_A, SCATTER_C, SCALE_C, EPILOGUE,
+                       ACTIVATION, DUAL, STORE_PRE, STORE_AUX, HAS_BIAS, PRE_STEP, A_DESC, B_DESC, DOT_PREC,
+                       EVEN_K, EVEN_N, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
     else:
         pid = tl.program_id(0)
         pid_m, _ = tile_of(pid, max_tiles, num_n, GROUP_M)
         if pid_m < num_tiles:
-            _gemm_tile(pid, max_tiles, num_n, a_ptr, b_ptr, c_ptr, aux_ptr, scale_ptr, offsets_ptr, indices_ptr,
-                       tile_expert_ptr, tile_row_ptr, a_desc, b_desc, N_COLS, K_DIM, N_EXT, UP_OFF, UP_SHIFT_B,
-                       stride_a_m, stride_a_k, stride_b_e, stride_b_k, stride_b_n, stride_c_m, stride_aux_m,
-                       GATHER_A, SCATTER_C, SCALE_C, EPILOGUE, ACTIVATION, DUAL, STORE_PRE, STORE_AUX, A_DESC,
-                       B_DESC, DOT_PREC, EVEN_K, EVEN_N, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
+            _gemm_tile(pid, max_tiles, num_n, a_ptr, b_ptr, c_ptr, aux_ptr, scale_ptr, bias_ptr, offsets_ptr,
+                       indices_ptr, tile_expert_ptr, tile_row_ptr, a_desc, b_desc, N_COLS, K_DIM, N_EXT, UP_OFF,
+                       UP_SHIFT_B, alpha, limit, stride_a_m, stride_a_k, stride_b_e, stride_b_k, stride_b_n,
+                       stride_c_m, stride_aux_m, stride_bias_e, GATHER_A, SCATTER_C, SCALE_C, EPILOGUE,
+                       ACTIVATION, DUAL, STORE_PRE, STORE_AUX, HAS_BIAS, PRE_STEP, A_DESC, B_DESC, DOT_PREC,
+                       EVEN_K, EVEN_N, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)

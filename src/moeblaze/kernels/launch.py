@@ -85,10 +85,26 @@ def b_desc_mode(b: torch.Tensor, b_nk: bool, k_dim: int, paired: bool = False) -
     return 0
 
 
+def interleaved_desc_ok(w1: torch.Tensor, k_dim: int) -> bool:
+    """An interleaved ``w_gate_up [E, 2h, d]`` view can be read through a ``B_DESC`` 4 descriptor: its storage
+    is ``[E, d, 2h]`` packed (GPT-OSS's ``gate_up_proj``), 16-byte aligned, ``d`` a multiple of 64 (k tiles
+    never run into the next expert's rows), TMA enabled."""
+    return (tma_enabled(w1.device) and w1.stride(1) == 1 and w1.stride(0) == w1.shape[2] * w1.stride(2)
+            and _rows_tma_ok(w1, w1.stride(2)) and k_dim % _K_QUANTUM == 0)
+
+
 def grouped_gemm(a, b, c, offsets, indices, sched, *, b_nk, n_cols, k_dim, gather_a, up_off=0,
                  scatter_c=False, scale=None, epilogue=0, activation=0, dual=False, store_pre=False,
-                 aux=None, store_aux=False):
+                 aux=None, store_aux=False, bias=None, pre_step=1, up_shift_b=None, alpha=0.0, limit=0.0,
+                 weight_desc=True, b_mode=None):
     """Launch :func:`grouped_gemm_kernel` (see its module for the epilogues).
+
+    ``bias``: ``[E, cols]`` expert bias with unit column stride, added in the epilogue (None: off).
+    ``pre_step``/``up_off``: F1's column layout of ``pre`` (1, h: blocks; 2, 1: interleaved gate/up).
+    ``up_shift_b``: element offset of the up rows from the gate rows of ``b`` (default ``up_off`` rows).
+    ``alpha``/``limit``: the clamped SwiGLU's parameters. ``weight_desc=False`` forces pointer loads of ``b``
+    (a strided view whose gate and up rows a descriptor cannot pair); ``b_mode`` forces a ``B_DESC`` mode
+    (4: an interleaved ``w_gate_up``, see :func:`interleaved_desc_ok`).
 
     ``a [rows, k_dim]`` (``gather_a``: rows are tokens; else slots, read through a TMA descriptor where
     :func:`tma_enabled` and its rows are 16-byte aligned), ``b`` a weight ``[E, n, k]`` (``b_nk``) or
@@ -107,7 +123,11 @@ def grouped_gemm(a, b, c, offsets, indices, sched, *, b_nk, n_cols, k_dim, gathe
     n_dim, k_dim_b = (1, 2) if b_nk else (2, 1)
     n_ext = b.shape[n_dim]
     b_strides = (b.stride(0), b.stride(k_dim_b), b.stride(n_dim))
-    mode = b_desc_mode(b, b_nk, k_dim, paired=dual and 2 * up_off == n_ext)
+    if b_mode is None:
+        b_mode = b_desc_mode(b, b_nk, k_dim, paired=dual and 2 * up_off == n_ext) if weight_desc else 0
+    mode = b_mode
+    up_shift_b = up_off * b_strides[2] if up_shift_b is None else up_shift_b
+    bias_t = bias if bias is not None else offsets  # dummy pointer when HAS_BIAS is off
     a_desc = _slot_rows_desc(a, gather_a)
     if mode or a_desc:
         triton.set_allocator(_scratch)
@@ -118,22 +138,25 @@ def grouped_gemm(a, b, c, offsets, indices, sched, *, b_nk, n_cols, k_dim, gathe
         return (min(tiles, programs) if meta["PERSISTENT"] else tiles,)
 
     _GEMM.launch(a.dtype, grid,
-        a, b, c, aux, scale, offsets, indices, *sched,
-        max_tiles, n_cols, k_dim, n_ext, a.shape[0], up_off, up_off * b_strides[2],
-        a.stride(0), a.stride(1), *b_strides, c.stride(0), aux.stride(0),
+        a, b, c, aux, scale, bias_t, offsets, indices, *sched,
+        max_tiles, n_cols, k_dim, n_ext, a.shape[0], up_off, up_shift_b, float(alpha), float(limit),
+        a.stride(0), a.stride(1), *b_strides, c.stride(0), aux.stride(0), bias_t.stride(0),
         E,
         GATHER_A=gather_a, SCATTER_C=scatter_c, SCALE_C=scale is not offsets, EPILOGUE=epilogue,
-        ACTIVATION=activation, DUAL=dual, STORE_PRE=store_pre, STORE_AUX=store_aux, A_DESC=a_desc, B_DESC=mode,
+        ACTIVATION=activation, DUAL=dual, STORE_PRE=store_pre, STORE_AUX=store_aux, HAS_BIAS=bias is not None,
+        PRE_STEP=pre_step, A_DESC=a_desc, B_DESC=mode,
         DOT_PREC=dot_precision(a.dtype), BLOCK_M=bm,
     )
 
 
-def grouped_wgrad(a, b, offsets, indices, *, p, q, out_dtype, transpose=False):
+def grouped_wgrad(a, b, offsets, indices, *, p, q, out_dtype, transpose=False, slot_desc=True):
     """Launch :func:`grouped_wgrad_kernel`: ``dW[e] = sum_s a[token(s)]^T b[s]`` in ``out_dtype``.
 
     ``a [T, p]`` (rows read through ``indices``), ``b [N, q]`` slot rows (through a TMA descriptor where
     :func:`tma_enabled` and its rows are 16-byte aligned), both with unit column stride. Returns
     ``[E, p, q]``, or ``[E, q, p]`` (the transposed products, stored through swapped strides) if ``transpose``.
+    ``slot_desc=False`` reads ``b`` through clamped pointers: its rows past the last expert are never read
+    (they hold foreign slots, never computed, whose garbage times A's zeros could be NaN).
     """
     E = offsets.numel() - 1
     shape = (E, q, p) if transpose else (E, p, q)
@@ -141,7 +164,7 @@ def grouped_wgrad(a, b, offsets, indices, *, p, q, out_dtype, transpose=False):
         return torch.zeros(shape, dtype=out_dtype, device=a.device)
     out = torch.empty(shape, dtype=out_dtype, device=a.device)
     stride_c_p, stride_c_q = (out.stride(2), out.stride(1)) if transpose else (out.stride(1), out.stride(2))
-    b_desc = _slot_rows_desc(b, False)
+    b_desc = slot_desc and _slot_rows_desc(b, False)
     if b_desc:
         triton.set_allocator(_scratch)
     _WGRAD.launch(a.dtype, lambda meta: (E * triton.cdiv(p, meta["BLOCK_P"]) * triton.cdiv(q, meta["BLOCK_Q"]),),
