@@ -292,10 +292,10 @@ def moe_experts(
             foreign experts, see ``foreign_experts``).
         topk_weights: ``[T, K]`` float router weights (any float dtype; gets a gradient).
         w_gate_up: ``[E, 2h, d]`` (gate rows then up rows, or alternating with ``gate_up_interleaved``) for
-            the gated activations; ``w_up [E, h, d]`` for the non-gated ones. Same dtype as ``x`` (under autocast: fp32/fp16/bf16); any
-            strides (e.g. ``gate_up_proj.transpose(1, 2)`` of GPT-OSS's ``[E, d, 2h]``): read in place,
-            never copied, and its gradient comes back in the same view.
-        w_down: ``[E, d, h]``, same dtype as ``x``, any strides.
+            the gated activations; ``w_up [E, h, d]`` for the non-gated ones. Same dtype as ``x`` (under
+            autocast: fp32/fp16/bf16); any strides (e.g. ``gate_up_proj.transpose(1, 2)`` of GPT-OSS's
+            ``[E, d, 2h]``): read in place, never copied, and its gradient comes back in the same view.
+        w_down: ``[E, d, h]``, same dtype as ``x`` (under autocast: fp32/fp16/bf16), any strides.
         activation: one of :data:`moeblaze.activations.ACTIVATIONS`: gated ``"swiglu"`` (default),
             ``"geglu"`` (erf GELU), ``"geglu_tanh"`` (tanh GELU), ``"swiglu_clamped"`` (GPT-OSS); non-gated
             ``"silu"``, ``"gelu"``, ``"gelu_tanh"``, ``"relu"``, ``"relu2"`` (squared ReLU).
