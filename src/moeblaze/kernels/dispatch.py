@@ -37,7 +37,7 @@ import triton
 import triton.language as tl
 
 from .. import settings
-from ..dispatch import DispatchIndex, TileSchedule
+from ..index import DispatchIndex, TileSchedule
 from .custom_ops import call_op
 from .tuning import sm_count
 
