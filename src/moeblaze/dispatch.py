@@ -25,7 +25,8 @@ the offsets alone: expert e owns ``cdiv(count_e, BLOCK_M)`` consecutive M-tiles 
 expert order; ``tile_expert [max_tiles]``, ``tile_row_start [max_tiles]`` (first slot of the tile; the
 tile covers ``[start, min(start + BLOCK_M, offsets[e+1]))``) and ``num_tiles [1]``, all int32, with
 ``max_tiles = cdiv(N, BLOCK_M) + E`` (a bound known on the host) and entries past ``num_tiles`` holding
-``-1`` / ``N``. A tile never straddles two experts, so a GEMM program reads one expert's weight.
+``-1`` / ``offsets[E]`` (= N; the local pairs when the index has a foreign bucket). A tile never straddles
+two experts, so a GEMM program reads one expert's weight.
 
 Foreign experts (``build_dispatch(..., foreign_experts=True)``, transformers' expert-parallel sentinel):
 ids ``>= E`` name experts of other ranks. They are clamped to E and built as one extra bucket, the last:
@@ -173,7 +174,7 @@ def build_tile_schedule_torch(expert_token_offsets: torch.Tensor, num_pairs: int
     valid = i < tile_end[-1]
     row = off[e].long() + (i - (tile_end[e] - tiles[e])) * block_m
     return TileSchedule(int(block_m), torch.where(valid, e, -1).to(torch.int32),
-                        torch.where(valid, row, num_pairs).to(torch.int32), tile_end[-1:].to(torch.int32))
+                        torch.where(valid, row, off[-1].long()).to(torch.int32), tile_end[-1:].to(torch.int32))
 
 
 def with_schedule(index: DispatchIndex, block_m: int) -> DispatchIndex:
