@@ -29,6 +29,9 @@ class MoE(nn.Module):
         save: ``"preact"`` or ``"input"`` — what the experts keep for backward (see :func:`moe_experts`).
         aux_loss_coef: load-balancing loss coefficient; z_loss_coef: router z-loss coefficient.
         backend: ``"auto"``, ``"torch"`` or ``"triton"``.
+        ep_group: expert parallelism over a ``ProcessGroup`` or 1-D ``DeviceMesh`` of P ranks: this rank
+            holds experts ``[r*E/P, (r+1)*E/P)`` only and exchanges tokens with the others
+            (:mod:`moeblaze.parallel.expert_parallel`; construction is collective over the group).
 
     Parameters (layout of DESIGN.md §2, HF transformers v5 fused experts): ``router.weight [E, d]``,
     ``w_gate_up [E, 2h, d]`` (gated; ``w_up [E, h, d]`` otherwise) and ``w_down [E, d, h]``, all
@@ -40,13 +43,14 @@ class MoE(nn.Module):
     over a model. ``self.last_topk_ids [T, K]`` keeps the last routing (detached) for load statistics.
 
     Raises:
-        ValueError: bad configuration, or an input whose last dimension is not d.
+        ValueError: bad configuration, or an input whose last dimension is not d; with ``ep_group``,
+            ``E % P != 0`` or ranks that disagree on the configuration.
     """
 
     def __init__(self, d_model: int, d_ff: int, num_experts: int, top_k: int, activation: str = "swiglu",
                  score_func: str = "softmax", renormalize: bool | None = None, save: str = "preact",
                  aux_loss_coef: float = 0.01, z_loss_coef: float = 0.0, backend: str = "auto",
-                 device=None, dtype=None) -> None:
+                 device=None, dtype=None, ep_group=None) -> None:
         super().__init__()
         check_activation(activation)
         if save not in SAVE_MODES:
@@ -62,9 +66,11 @@ class MoE(nn.Module):
                              z_loss_coef, device=device, dtype=dtype)
         rows = 2 * d_ff if is_gated(activation) else d_ff
         self._w1_name = "w_gate_up" if is_gated(activation) else "w_up"
+        self.ep = None if ep_group is None else _expert_parallel().ExpertParallel(ep_group, self)
+        n_local = num_experts if self.ep is None else self.ep.num_local_experts
         kw = {"device": device, "dtype": dtype}
-        self.register_parameter(self._w1_name, nn.Parameter(torch.empty(num_experts, rows, d_model, **kw)))
-        self.w_down = nn.Parameter(torch.empty(num_experts, d_model, d_ff, **kw))
+        self.register_parameter(self._w1_name, nn.Parameter(torch.empty(n_local, rows, d_model, **kw)))
+        self.w_down = nn.Parameter(torch.empty(n_local, d_model, d_ff, **kw))
         self.reset_parameters()
         self.aux_loss: torch.Tensor = torch.zeros(())
         self.last_topk_ids: torch.Tensor | None = None
@@ -77,6 +83,8 @@ class MoE(nn.Module):
     def reset_parameters(self) -> None:
         """Re-initialise the router and the experts (``U(-1/sqrt(fan_in), 1/sqrt(fan_in))``)."""
         self.router.reset_parameters()
+        if self.ep is not None:
+            return _expert_parallel().init_local_experts(self)
         nn.init.uniform_(self.w1, -1 / math.sqrt(self.d_model), 1 / math.sqrt(self.d_model))
         nn.init.uniform_(self.w_down, -1 / math.sqrt(self.d_ff), 1 / math.sqrt(self.d_ff))
 
@@ -91,6 +99,10 @@ class MoE(nn.Module):
         shape = x.shape
         x2 = x.reshape(-1, self.d_model)
         routing = self.router(x2)
+        if self.ep is not None:
+            out, self.aux_loss = _expert_parallel().expert_parallel_forward(self, x2, routing)
+            self.last_topk_ids = routing.topk_ids.detach()
+            return out.reshape(shape)
         # fp32 router weights feed the kernels as they are; only a float64 run (the reference check)
         # upcasts them so that nothing in the layer rounds to fp32.
         topk_weights = routing.topk_weights.to(x.dtype) if x.dtype == torch.float64 else routing.topk_weights
@@ -106,7 +118,16 @@ class MoE(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"d_model={self.d_model}, d_ff={self.d_ff}, num_experts={self.num_experts}, "
-                f"top_k={self.top_k}, activation={self.activation}, save={self.save}, backend={self.backend}")
+                f"top_k={self.top_k}, activation={self.activation}, save={self.save}, backend={self.backend}"
+                + ("" if self.ep is None else f", ep={self.ep}"))
+
+
+def _expert_parallel():
+    """:mod:`moeblaze.parallel.expert_parallel`, imported on first use (it imports this package's modules)."""
+    from .parallel import expert_parallel
+
+    return expert_parallel
+
 
 
 def aux_loss(model: nn.Module) -> torch.Tensor:

@@ -1,0 +1,85 @@
+"""Expert parallelism and FSDP2 (issue 23): multi-process runs equal one process on the concatenated tokens.
+
+CPU: gloo, 2 and 4 spawned ranks, tiny shapes, float64/float32. GPU: ``gpu`` (1-rank NCCL) and
+``multigpu`` (2 GPUs, bf16) versions; ``scripts/gpu_suite.sh multigpu`` runs the latter.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import parallel_workers as pw
+from dist_utils import run_ranks
+
+# (tokens per rank, E, K, d, h) and options; named edge cases of issue 23 and DESIGN.md §7.
+CASES_2 = [
+    {"tokens": [6, 4], "E": 4, "K": 2, "d": 16, "h": 8},
+    {"tokens": [0, 5], "E": 4, "K": 2, "d": 16, "h": 8},  # a rank with zero tokens
+    {"tokens": [1, 7], "E": 6, "K": 3, "d": 12, "h": 6, "score_func": "sigmoid", "save": "input"},  # T = 1
+    {"tokens": [5, 3], "E": 4, "K": 1, "d": 16, "h": 8, "one_remote_expert": True},  # all to one remote expert
+    {"tokens": [4, 4], "E": 2, "K": 2, "d": 10, "h": 5, "activation": "gelu"},  # K = E, one expert per rank
+    {"tokens": [7, 5], "E": 4, "K": 2, "d": 16, "h": 8, "dtype": torch.float32},
+]
+CASES_4 = [
+    {"tokens": [3, 0, 5, 1], "E": 8, "K": 3, "d": 16, "h": 8},
+    {"tokens": [2, 6, 1, 3], "E": 4, "K": 2, "d": 16, "h": 8, "dtype": torch.float32},
+]
+
+
+def test_ep_layer_equals_single_process_2_ranks():
+    run_ranks(pw.ep_cases, 2, CASES_2)
+
+
+def test_ep_triton_kernels_interpreter_2_ranks():
+    """The fused Triton experts (interpreter on the CPU, fp32) behind the all-to-alls."""
+    run_ranks(pw.ep_cases, 2, [{"tokens": [5, 3], "E": 4, "K": 2, "d": 16, "h": 8, "dtype": torch.float32,
+                                "backend": "triton"}], timeout=240)
+
+
+def test_ep_bad_config_fails_on_every_rank():
+    run_ranks(pw.bad_config, 2)
+
+
+def test_fsdp2_1d_and_2d_mesh_equal_single_process_2_ranks():
+    run_ranks(pw.fsdp_equal, 2, (2,), ("dp_shard",))
+    run_ranks(pw.fsdp_equal, 2, (1, 2), ("dp_shard", "ep"))
+
+
+def test_ep_and_2d_mesh_4_ranks():
+    run_ranks(pw.ep_cases, 4, CASES_4)
+    run_ranks(pw.fsdp_equal, 4, (2, 2), ("dp_shard", "ep"))
+
+
+def test_training_2_ranks_tracks_1_rank():
+    run_ranks(pw.fsdp_train, 2)
+
+
+def test_ep_needs_initialised_distributed():
+    import moeblaze
+
+    with pytest.raises(RuntimeError, match="torch.distributed initialised"):
+        moeblaze.MoE(8, 4, 4, 2, ep_group=object())
+
+
+@pytest.mark.gpu
+def test_fsdp2_bf16_one_gpu_matches_unwrapped():
+    run_ranks(pw.fsdp_bf16_matches_unwrapped, 1, backend="nccl", timeout=300)
+
+
+def _two_gpus():
+    return torch.cuda.is_available() and torch.cuda.device_count() >= 2
+
+
+@pytest.mark.multigpu
+@pytest.mark.skipif(not _two_gpus(), reason="needs 2 CUDA GPUs")
+def test_ep_bf16_two_gpus():
+    cases = [dict(c, dtype=torch.bfloat16, backend="triton") for c in CASES_2 if c.get("dtype") is None]
+    run_ranks(pw.ep_cases, 2, cases, backend="nccl", timeout=300)
+
+
+@pytest.mark.multigpu
+@pytest.mark.skipif(not _two_gpus(), reason="needs 2 CUDA GPUs")
+def test_fsdp2_ep_two_gpus():
+    run_ranks(pw.fsdp_bf16_matches_unwrapped, 2, backend="nccl", timeout=300)
+    run_ranks(pw.fsdp_equal, 2, (1, 2), ("dp_shard", "ep"), backend="nccl", timeout=300)
