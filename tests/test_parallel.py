@@ -27,32 +27,24 @@ CASES_4 = [
 ]
 
 
-def test_ep_layer_equals_single_process_2_ranks():
-    run_ranks(pw.ep_cases, 2, CASES_2)
+TRITON_CASE = {"tokens": [5, 3], "E": 4, "K": 2, "d": 16, "h": 8, "dtype": torch.float32, "backend": "triton"}
 
 
-def test_ep_triton_kernels_interpreter_2_ranks():
-    """The fused Triton experts (interpreter on the CPU, fp32) behind the all-to-alls."""
-    run_ranks(pw.ep_cases, 2, [{"tokens": [5, 3], "E": 4, "K": 2, "d": 16, "h": 8, "dtype": torch.float32,
-                                "backend": "triton"}], timeout=240)
+def test_ep_layer_2_ranks():
+    """EP layer = one process (edge cases, fp64/fp32, the Triton kernels in the interpreter); a mismatched
+    configuration or E % P != 0 fails on every rank."""
+    run_ranks(pw.run_all, 2, [("ep_cases", (CASES_2 + [TRITON_CASE],)), ("bad_config", ())], timeout=240)
 
 
-def test_ep_bad_config_fails_on_every_rank():
-    run_ranks(pw.bad_config, 2)
-
-
-def test_fsdp2_1d_and_2d_mesh_equal_single_process_2_ranks():
-    run_ranks(pw.fsdp_equal, 2, (2,), ("dp_shard",))
-    run_ranks(pw.fsdp_equal, 2, (1, 2), ("dp_shard", "ep"))
+def test_fsdp2_2_ranks():
+    """FSDP2 on a 1-D mesh and FSDP2 + EP on a (1, 2) mesh = one process; 5 AdamW steps track one process."""
+    run_ranks(pw.run_all, 2, [("fsdp_equal", ((2,), ("dp_shard",))),
+                              ("fsdp_equal", ((1, 2), ("dp_shard", "ep"))), ("fsdp_train", ())])
 
 
 def test_ep_and_2d_mesh_4_ranks():
-    run_ranks(pw.ep_cases, 4, CASES_4)
-    run_ranks(pw.fsdp_equal, 4, (2, 2), ("dp_shard", "ep"))
-
-
-def test_training_2_ranks_tracks_1_rank():
-    run_ranks(pw.fsdp_train, 2)
+    """EP over 4 ranks; FSDP2 + EP on a (2, 2) mesh: experts sharded over dp_shard inside each EP group."""
+    run_ranks(pw.run_all, 4, [("ep_cases", (CASES_4,)), ("fsdp_equal", ((2, 2), ("dp_shard", "ep")))])
 
 
 def test_ep_needs_initialised_distributed():

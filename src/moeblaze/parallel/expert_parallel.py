@@ -93,6 +93,10 @@ class ExpertParallel:
 
     Attributes:
         group, size (P), rank (in the group), num_local_experts (E/P), first_expert (rank * E/P).
+        grad_divide: the expert weights' gradients are divided by it in backward (1: each is the sum over
+            the losses of every rank whose tokens reached the expert; :func:`moeblaze.parallel.parallelize`
+            sets P so that, after FSDP's mean over ``dp_shard``, they are means over all ranks as the
+            router's gradient is).
 
     Raises:
         ValueError: the ranks disagree on the configuration (message lists each rank's), or
@@ -116,6 +120,7 @@ class ExpertParallel:
         self.config = config
         self.num_local_experts = config.num_experts // self.size
         self.first_expert = self.rank * self.num_local_experts
+        self.grad_divide = 1
 
     def __repr__(self) -> str:
         return (f"ExpertParallel(P={self.size}, rank={self.rank}, experts=[{self.first_expert}, "
@@ -134,6 +139,19 @@ class _GatherSlots(torch.autograd.Function):
     def backward(ctx, grad_slots):
         (token_index_map,) = ctx.saved_tensors
         return _sum_slots(grad_slots, token_index_map), None, None
+
+
+class _DivideGrad(torch.autograd.Function):
+    """Identity forward; the gradient divided by ``divisor`` in backward."""
+
+    @staticmethod
+    def forward(ctx, w, divisor):
+        ctx.divisor = divisor
+        return w.view_as(w)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad / ctx.divisor, None
 
 
 class _SumSlots(torch.autograd.Function):
@@ -163,6 +181,12 @@ def _sum_slots(y: torch.Tensor, token_index_map: torch.Tensor) -> torch.Tensor:
 def _exchange_counts(counts: torch.Tensor, ep: ExpertParallel) -> torch.Tensor:
     """All-gather this rank's per-expert pair counts ``[E]`` -> ``[P, E]`` (row i: rank i's counts)."""
     return _all_gather(counts, 0, ep.group).view(ep.size, counts.numel())
+
+
+def _all_to_all(t: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
+    """Autograd-aware ``all_to_all_single`` over dim 0, waited on: the Triton kernels read raw pointers, so
+    they need the plain tensor, not the functional collective's lazy wrapper."""
+    return funcol.wait_tensor(all_to_all_single_autograd(t, out_splits, in_splits, group))
 
 
 def global_load_balancing_loss(probs: torch.Tensor, global_counts: torch.Tensor) -> torch.Tensor:
@@ -214,16 +238,19 @@ def expert_parallel_forward(moe, x: torch.Tensor, routing) -> tuple[torch.Tensor
     x_send = _GatherSlots.apply(x, eti, tim)  # [N, d], the only copy of x
     weights = routing.topk_weights.to(x.dtype) if x.dtype == torch.float64 else routing.topk_weights
     w_send = weights.new_empty(tim.numel()).scatter(0, tim.reshape(-1).long(), weights.reshape(-1))  # slot order
-    x_recv = all_to_all_single_autograd(x_send, recv, send, group)  # [R, d]: by source rank, then expert
-    w_recv = all_to_all_single_autograd(w_send, recv, send, group)  # [R]
+    x_recv = _all_to_all(x_send, recv, send, group)  # [R, d]: by source rank, then expert
+    w_recv = _all_to_all(w_send, recv, send, group)  # [R]
     R = sum(recv)
     local_ids = torch.arange(El, dtype=torch.int32, device=x.device).repeat(P)
     local_ids = local_ids.repeat_interleave(recv_counts.reshape(-1), output_size=R).view(R, 1)
     local_index = build_dispatch(local_ids, El, validate=False,
                                  block_m=schedule_block_m(moe.backend, x_recv))
-    y = moe_experts(x_recv, local_ids, w_recv.view(R, 1), moe.w1, moe.w_down, activation=moe.activation,
+    w1, w2 = moe.w1, moe.w_down
+    if ep.grad_divide != 1:
+        w1, w2 = _DivideGrad.apply(w1, ep.grad_divide), _DivideGrad.apply(w2, ep.grad_divide)
+    y = moe_experts(x_recv, local_ids, w_recv.view(R, 1), w1, w2, activation=moe.activation,
                     save=moe.save, backend=moe.backend, index=local_index)  # [R, d], weighted
-    y_back = all_to_all_single_autograd(y, send, recv, group)  # [N, d], slot order
+    y_back = _all_to_all(y, send, recv, group)  # [N, d], slot order
     out = _SumSlots.apply(y_back, eti, tim)
 
     aux = routing.z_loss

@@ -11,8 +11,8 @@ Meshes (after torchtitan's layout for expert parallelism):
 - 2-D ``(dp_shard, ep)`` mesh: the MoE layers are expert-parallel over ``ep`` (``moeblaze.MoE(...,
   ep_group=mesh["ep"])``, or converted here). Non-expert parameters (router included) are sharded over
   the whole mesh; a layer's expert weights over ``dp_shard`` only, i.e. among the ranks that hold the
-  same experts. Expert gradients are divided by the whole mesh size, as the others are, so every
-  gradient is the mean over all ranks' losses.
+  same experts. Expert gradients are divided by the whole mesh size, as the others are (FSDP's mean over
+  ``dp_shard`` and ``ExpertParallel.grad_divide = P``), so every gradient is the mean over all ranks' losses.
 """
 
 from __future__ import annotations
@@ -54,11 +54,6 @@ def _split_mesh(mesh: DeviceMesh, ep_dim: str) -> tuple[DeviceMesh, DeviceMesh, 
         raise ValueError(f"an expert-parallel mesh must be 2-D (dp_shard, {ep_dim!r}), got dimensions {names}")
     dp_dim = names[0] if names[1] == ep_dim else names[1]
     return mesh._flatten(f"{dp_dim}_{ep_dim}"), mesh[dp_dim], mesh[ep_dim]
-
-
-def _set_divide_factor(module: FSDPModule, factor: int) -> None:
-    setter = getattr(module, "set_gradient_divide_factor", None) or module.set_reduce_scatter_divide_factor
-    setter(float(factor))
 
 
 def parallelize(model: nn.Module, mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy | None = None,
@@ -104,7 +99,10 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, mp_policy: MixedPrecisionPol
                              f"{dist.get_process_group_ranks(ep_mesh.get_group())}")
         fully_shard(moe.router, mesh=flat, **kw)
         fully_shard(moe, mesh=dp_mesh, **kw)
-        _set_divide_factor(moe, flat.size())
+        # FSDP averages the expert gradients over dp_shard only; dividing them by P in the layer makes them
+        # means over the whole mesh, as every other gradient. (FSDP2's set_gradient_divide_factor does this
+        # too, but divides twice for a 1-rank dp_shard with an fp64/fp16 reduce dtype, torch 2.13.)
+        moe.ep.grad_divide = ep_mesh.size()
     for mlist in [m for m in model.modules() if isinstance(m, nn.ModuleList)]:
         for child in mlist:
             if not isinstance(child, FSDPModule) and any(True for _ in child.parameters()):
