@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import parallel_workers as pw
-from dist_utils import run_ranks
+from dist_utils import free_port, run_ranks
 
 # (tokens per rank, E, K, d, h) and options; named edge cases of issue 23 and DESIGN.md §7.
 CASES_2 = [
@@ -75,3 +75,22 @@ def test_ep_bf16_two_gpus():
 def test_fsdp2_ep_two_gpus():
     run_ranks(pw.fsdp_bf16_matches_unwrapped, 2, backend="nccl", timeout=300)
     run_ranks(pw.fsdp_equal, 2, (1, 2), ("dp_shard", "ep"), backend="nccl", timeout=300)
+
+
+def test_bench_ep_runs_on_cpu(tmp_path):
+    """benchmarks/bench_ep.py under torchrun (2 gloo ranks, tiny shapes): both layers agree, CSV written."""
+    import csv
+    import os
+    import subprocess
+    import sys
+
+    out = tmp_path / "ep.csv"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+           str(free_port()), "benchmarks/bench_ep.py", "--tokens", "24", "--d-model", "16", "--d-ff", "8",
+           "--experts", "4", "--top-k", "2", "--dtype", "float32", "--iters", "1", "--warmup", "1", "--out", str(out)]
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = list(csv.DictReader(out.open()))
+    assert [r["impl"] for r in rows] == ["moeblaze", "torchtitan-style"]
+    assert float(rows[1]["out_rel_diff"]) < 1e-5 and all(float(r["fwd_bwd_ms"]) > 0 for r in rows)
