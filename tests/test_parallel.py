@@ -27,13 +27,18 @@ CASES_4 = [
 ]
 
 
-TRITON_CASE = {"tokens": [5, 3], "E": 4, "K": 2, "d": 16, "h": 8, "dtype": torch.float32, "backend": "triton"}
+_TRITON = {"dtype": torch.float32, "backend": "triton", "d": 16, "h": 8}
+TRITON_CASES = [  # the fused kernels in the interpreter, with zero tokens / zero received rows on a rank
+    {"tokens": [5, 3], "E": 4, "K": 2, **_TRITON},
+    {"tokens": [0, 3], "E": 4, "K": 2, **_TRITON},
+    {"tokens": [3, 2], "E": 4, "K": 1, "one_remote_expert": True, **_TRITON},
+]
 
 
 def test_ep_layer_2_ranks():
     """EP layer = one process (edge cases, fp64/fp32, the Triton kernels in the interpreter); a mismatched
     configuration or E % P != 0 fails on every rank."""
-    run_ranks(pw.run_all, 2, [("ep_cases", (CASES_2 + [TRITON_CASE],)), ("bad_config", ())], timeout=240)
+    run_ranks(pw.run_all, 2, [("ep_cases", (CASES_2 + TRITON_CASES,)), ("bad_config", ())], timeout=240)
 
 
 def test_fsdp2_2_ranks():

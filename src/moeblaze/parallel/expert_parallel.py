@@ -182,7 +182,7 @@ def _sum_slots(y: torch.Tensor, token_index_map: torch.Tensor) -> torch.Tensor:
 
 def _exchange_counts(counts: torch.Tensor, ep: ExpertParallel) -> torch.Tensor:
     """All-gather this rank's per-expert pair counts ``[E]`` -> ``[P, E]`` (row i: rank i's counts)."""
-    return _all_gather(counts, 0, ep.group).view(ep.size, counts.numel())
+    return funcol.wait_tensor(_all_gather(counts, 0, ep.group)).view(ep.size, counts.numel())
 
 
 def _all_to_all(t: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
