@@ -36,6 +36,7 @@ from torch.distributed._functional_collectives import all_to_all_single_autograd
 
 import moeblaze
 from moeblaze.bench.baselines import _act, grouped_linear
+from moeblaze.parallel import init_distributed
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -153,10 +154,10 @@ def main(argv: list[str] | None = None) -> int:
     if cuda:
         os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
         os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group("nccl" if cuda else "gloo")
-    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-    rank, world = dist.get_rank(), dist.get_world_size()
+    env = init_distributed()
+    if env.backend is None:
+        p.error("launch with torchrun (e.g. torchrun --nproc-per-node 2 benchmarks/bench_ep.py)")
+    device, rank, world = env.device, env.rank, env.world_size
     dtype = DTYPES[args.dtype]
     torch.manual_seed(0)  # the same router on every rank; each rank draws its own tokens below
     mb = moeblaze.MoE(args.d_model, args.d_ff, args.experts, args.top_k, aux_loss_coef=0.0, device=device, dtype=dtype,

@@ -20,7 +20,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 
 import moeblaze
 from moeblaze.model import ModelConfig, MoETransformer
-from moeblaze.parallel import parallelize
+from moeblaze.parallel import init_distributed, is_rank0, make_mesh, parallelize, split_batch
 from moeblaze.testing import assert_close_to_reference, rel_error
 
 
@@ -245,6 +245,22 @@ def fsdp_bf16_matches_unwrapped(rank: int, world: int, steps: int = 3) -> None:
         loss.backward()
         losses.append(float(loss))
     assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0], losses
+
+
+def runtime_checks(rank: int, world: int) -> None:
+    """moeblaze.parallel.runtime inside a job: env from the process group, meshes, batch split."""
+    env = init_distributed(device="cpu")
+    assert (env.rank, env.world_size, env.backend) == (rank, world, "gloo")
+    assert is_rank0() == (rank == 0)
+    mesh = make_mesh(env, ep=world)
+    assert mesh.mesh_dim_names == ("dp_shard", "ep") and tuple(mesh.shape) == (1, world)
+    assert make_mesh(env).mesh_dim_names == ("dp_shard",)
+    with pytest.raises(ValueError, match="positive divisor"):
+        make_mesh(env, ep=world + 1)
+    batch = torch.arange(4 * world).view(2 * world, 2)
+    assert torch.equal(split_batch(batch, env), batch[2 * rank:2 * rank + 2])
+    with pytest.raises(ValueError, match="divisible by the world size"):
+        split_batch(batch[:1], env)
 
 
 def run_all(rank: int, world: int, calls: list[tuple[str, tuple]]) -> None:

@@ -42,9 +42,11 @@ def test_ep_layer_2_ranks():
 
 
 def test_fsdp2_2_ranks():
-    """FSDP2 on a 1-D mesh and FSDP2 + EP on a (1, 2) mesh = one process; 5 AdamW steps track one process."""
+    """FSDP2 on a 1-D mesh and FSDP2 + EP on a (1, 2) mesh = one process; 5 AdamW steps track one process;
+    the runtime helpers (process group, meshes, batch split) inside a job."""
     run_ranks(pw.run_all, 2, [("fsdp_equal", ((2,), ("dp_shard",))),
-                              ("fsdp_equal", ((1, 2), ("dp_shard", "ep"))), ("fsdp_train", ())])
+                              ("fsdp_equal", ((1, 2), ("dp_shard", "ep"))), ("fsdp_train", ()),
+                              ("runtime_checks", ())])
 
 
 def test_ep_and_2d_mesh_4_ranks():
@@ -99,3 +101,23 @@ def test_bench_ep_runs_on_cpu(tmp_path):
     rows = list(csv.DictReader(out.open()))
     assert [r["impl"] for r in rows] == ["moeblaze", "torchtitan-style"]
     assert float(rows[1]["out_rel_diff"]) < 1e-5 and all(float(r["fwd_bwd_ms"]) > 0 for r in rows)
+
+
+def test_runtime_single_process(monkeypatch):
+    """Without torchrun: rank 0 of 1, no process group, no mesh; bad torchrun variables are named."""
+    from moeblaze.parallel import init_distributed, is_rank0, make_mesh, split_batch
+
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    env = init_distributed(device="cpu")
+    assert (env.rank, env.world_size, env.backend) == (0, 1, None) and is_rank0()
+    assert split_batch(torch.ones(3, 2), env).shape == (3, 2)
+    with pytest.raises(ValueError, match="needs a process group"):
+        make_mesh(env)
+    monkeypatch.setenv("WORLD_SIZE", "two")
+    with pytest.raises(ValueError, match="WORLD_SIZE must be an integer"):
+        init_distributed(device="cpu")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "2")
+    with pytest.raises(ValueError, match=r"RANK=2 must be in \[0, WORLD_SIZE=2\)"):
+        init_distributed(device="cpu")
