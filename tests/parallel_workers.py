@@ -20,7 +20,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 
 import moeblaze
 from moeblaze.model import ModelConfig, MoETransformer
-from moeblaze.parallel import init_distributed, is_rank0, make_mesh, parallelize, split_batch
+from moeblaze.parallel import init_distributed, is_rank0, make_mesh, parallelize, shard_experts, split_batch
 from moeblaze.testing import assert_close_to_reference, rel_error
 
 
@@ -131,6 +131,13 @@ def bad_config(rank: int, world: int) -> None:
         moeblaze.MoE(8, 4, world + 1, 1, ep_group=dist.group.WORLD)
     with pytest.raises(TypeError, match="ep_group must be"):
         moeblaze.MoE(8, 4, 4, 1, ep_group="world")
+    with pytest.raises(ValueError, match="1-D DeviceMesh"):
+        moeblaze.MoE(8, 4, 4, 1, ep_group=init_device_mesh("cpu", (1, world), mesh_dim_names=("dp_shard", "ep")))
+    ep_layer = moeblaze.MoE(8, 4, 2 * world, 1, ep_group=dist.group.WORLD)
+    copied = copy.deepcopy(ep_layer)
+    assert copied.ep is ep_layer.ep and copied.w1 is not ep_layer.w1
+    with pytest.raises(ValueError, match="already expert-parallel"):
+        shard_experts(ep_layer, dist.group.WORLD)
     model = torch.nn.Sequential(moeblaze.MoE(8, 4, 2 * world, 1, ep_group=dist.group.WORLD))
     with pytest.raises(ValueError, match="pass a 2-D"):
         parallelize(model, init_device_mesh("cpu", (world,), mesh_dim_names=("dp_shard",)))

@@ -122,6 +122,9 @@ class ExpertParallel:
         self.first_expert = self.rank * self.num_local_experts
         self.grad_divide = 1
 
+    def __deepcopy__(self, memo) -> ExpertParallel:
+        return self  # a copied layer (EMA weights, a reference model) exchanges tokens over the same group
+
     def __repr__(self) -> str:
         return (f"ExpertParallel(P={self.size}, rank={self.rank}, experts=[{self.first_expert}, "
                 f"{self.first_expert + self.num_local_experts}))")
