@@ -43,7 +43,7 @@ for stage in "$@"; do
     bench)  # BENCH_ARGS overrides what to run; SonicMoE is measured in a child process (--isolate auto)
       if [[ -f .peers/install.sh ]]; then source .peers/install.sh /tmp/peers >/dev/null; fi
       export QUACK_COMPILE_WORKERS="${QUACK_COMPILE_WORKERS:-16}"  # SonicMoE's GEMM autotune compiles in parallel
-      # SonicMoE's first step compiles for > 500 s on an empty QuACK cache (run M): reuse the cache of an
+      # SonicMoE's first step compiles for > 500 s on an empty QuACK cache (H200, 2026-11-24): reuse the cache of an
       # earlier call (.peers/quack_cache.tgz, as this stage leaves it in $OUT) and leave the new one. One
       # directory named for QuACK holds both its compiled kernels and its autotuning results.
       export QUACK_CACHE_DIR="${QUACK_CACHE_DIR:-/tmp/quack_cache}" QUACK_CACHE_AUTOTUNING=1

@@ -6,14 +6,16 @@ Public API: :class:`MoE` (router + experts module), :func:`moe_experts` (the rou
 :func:`moe_experts_reference` (float64 reference for tests).
 """
 
-from .bench.memory_report import MemoryReport, memory_report
+from . import settings
 from .dispatch import DispatchIndex, TileSchedule, build_dispatch
 from .experts import moe_experts
 from .layer import MoE, aux_loss
+from .memory_report import MemoryReport, memory_report
 from .reference import moe_experts_reference
 from .routing import Router, RouterOutput, load_balancing_loss, router_z_loss
 
 __all__ = [
+    "settings",
     "DispatchIndex",
     "MemoryReport",
     "MoE",

@@ -34,10 +34,11 @@ per-expert counts, an exclusive prefix sum, per-expert ranks from a running one-
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
+
+from . import settings
 
 __all__ = ["DispatchIndex", "TileSchedule", "build_dispatch", "build_dispatch_torch", "build_tile_schedule_torch",
            "check_topk_ids", "with_schedule"]
@@ -141,7 +142,7 @@ def check_topk_ids(topk_ids: torch.Tensor, num_experts: int, check_range: bool =
         raise ValueError(f"topk_ids has K={K} columns; expected 1 <= K <= num_experts={num_experts}")
     if T * K >= 2**31:
         raise ValueError(f"topk_ids has N = T*K = {T * K} pairs; the int32 index holds fewer than 2^31")
-    if not check_range or T == 0 or os.environ.get("MOEBLAZE_CHECK_IDS", "1") == "0":
+    if not check_range or T == 0 or not settings.get("check_ids"):
         return
     lo, hi = torch.aminmax(topk_ids)
     lo, hi = int(lo), int(hi)
@@ -277,7 +278,7 @@ def build_dispatch(topk_ids: torch.Tensor, num_experts: int, validate: bool = Tr
 
 
 def _triton_dispatch_available() -> bool:
-    if os.environ.get("MOEBLAZE_DISPATCH", "auto") == "torch":
+    if settings.get("dispatch") == "torch":
         return False
     try:
         from .kernels import dispatch  # noqa: F401

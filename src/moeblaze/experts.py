@@ -8,12 +8,11 @@ Triton ``kernels.experts``), documented in :mod:`moeblaze.ops_torch`.
 
 from __future__ import annotations
 
-import os
 from types import ModuleType
 
 import torch
 
-from . import ops_torch
+from . import ops_torch, settings
 from .activations import check_activation, is_gated
 from .dispatch import DispatchIndex, TileSchedule, build_dispatch, with_schedule
 
@@ -124,14 +123,12 @@ def _select_ops(backend: str, x: torch.Tensor) -> ModuleType:
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "auto":
-        env = os.environ.get("MOEBLAZE_BACKEND")
-        if env is not None and env not in ("torch", "triton"):
-            raise ValueError(f"MOEBLAZE_BACKEND must be 'torch' or 'triton', got {env!r}")
+        chosen = settings.get("backend")
         kernels_fit = x.is_cuda and x.dtype in _TRITON_DTYPES and _triton_experts_available()
-        backend = env or ("triton" if kernels_fit else "torch")
+        backend = chosen if chosen != "auto" else ("triton" if kernels_fit else "torch")
     if backend == "torch":
         return ops_torch
-    if not x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+    if not x.is_cuda and not settings.interpreting():
         raise ValueError(f"backend='triton' needs CUDA tensors (x is on {x.device}); use backend='torch' "
                          "or set TRITON_INTERPRET=1 to run the kernels in Triton's CPU interpreter")
     from .kernels import experts as ops_triton

@@ -12,7 +12,43 @@ from .dispatch import build_dispatch
 from .experts import BACKENDS, SAVE_MODES, moe_experts, schedule_block_m
 from .routing import Router
 
-__all__ = ["MoE", "aux_loss"]
+__all__ = ["MoE", "SharedExpert", "aux_loss"]
+
+_SHARED_ACTS = {"swiglu": nn.functional.silu, "geglu": nn.functional.gelu}
+
+
+class SharedExpert(nn.Module):
+    """A dense gated MLP that every token passes through, added to the routed experts' output (DeepSeek-MoE
+    §3.2 "shared expert isolation"; DeepSeek-V3, Qwen2-MoE, GLM-4-MoE): ``down(f(gate(x)) * up(x))``, times
+    ``sigmoid(x w_g)`` when ``gated_output`` (Qwen2-MoE's ``shared_expert_gate``).
+
+    Args:
+        d_model: d. d_ff: its intermediate size (DeepSeek-V3: ``moe_intermediate_size * n_shared_experts``).
+        activation: ``"swiglu"`` (f = SiLU) or ``"geglu"`` (f = exact GELU).
+        gated_output: add the scalar output gate ``shared_expert_gate`` (``nn.Linear(d, 1)``, no bias).
+
+    Parameters (transformers' names, so that their weights load as they are): ``gate_proj``, ``up_proj``
+    (``[d_ff, d]``), ``down_proj`` (``[d, d_ff]``), ``shared_expert_gate`` (``[1, d]``).
+    Forward: ``x [..., d]`` -> ``[..., d]``.
+
+    Raises:
+        ValueError: an activation without a gated form.
+    """
+
+    def __init__(self, d_model: int, d_ff: int, activation: str = "swiglu", gated_output: bool = False,
+                 device=None, dtype=None) -> None:
+        super().__init__()
+        if activation not in _SHARED_ACTS:
+            raise ValueError(f"shared experts need activation in {tuple(_SHARED_ACTS)}, got {activation!r}")
+        kw = {"bias": False, "device": device, "dtype": dtype}
+        self.act_fn = _SHARED_ACTS[activation]
+        self.gate_proj, self.up_proj = nn.Linear(d_model, d_ff, **kw), nn.Linear(d_model, d_ff, **kw)
+        self.down_proj = nn.Linear(d_ff, d_model, **kw)
+        self.shared_expert_gate = nn.Linear(d_model, 1, **kw) if gated_output else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+        return out if self.shared_expert_gate is None else torch.sigmoid(self.shared_expert_gate(x)) * out
 
 
 class MoE(nn.Module):
@@ -29,9 +65,16 @@ class MoE(nn.Module):
         save: ``"preact"`` or ``"input"`` — what the experts keep for backward (see :func:`moe_experts`).
         aux_loss_coef: load-balancing loss coefficient; z_loss_coef: router z-loss coefficient.
         backend: ``"auto"``, ``"torch"`` or ``"triton"``.
+        n_group, topk_group, score_correction_bias, routed_scaling_factor, logits_dtype: the router's
+            DeepSeek-V3 / GLM-4-MoE selection and its logits dtype (see :class:`moeblaze.Router`).
+        shared_d_ff: intermediate size of a :class:`SharedExpert` added to the output (0: none);
+            shared_gate: scale it by ``sigmoid(x w)`` (Qwen2-MoE).
         ep_group: expert parallelism over a ``ProcessGroup`` or 1-D ``DeviceMesh`` of P ranks: this rank
             holds experts ``[r*E/P, (r+1)*E/P)`` only and exchanges tokens with the others
             (:mod:`moeblaze.parallel.expert_parallel`; construction is collective over the group).
+
+    DeepSeek-V3's MoE block is ``MoE(d, h, E, 8, score_func="sigmoid", n_group=8, topk_group=4,
+    score_correction_bias=True, routed_scaling_factor=2.5, shared_d_ff=h * n_shared_experts)``.
 
     Parameters (layout of DESIGN.md §2, HF transformers v5 fused experts): ``router.weight [E, d]``,
     ``w_gate_up [E, 2h, d]`` (gated; ``w_up [E, h, d]`` otherwise) and ``w_down [E, d, h]``, all
@@ -50,7 +93,10 @@ class MoE(nn.Module):
     def __init__(self, d_model: int, d_ff: int, num_experts: int, top_k: int, activation: str = "swiglu",
                  score_func: str = "softmax", renormalize: bool | None = None, save: str = "preact",
                  aux_loss_coef: float = 0.01, z_loss_coef: float = 0.0, backend: str = "auto",
-                 device=None, dtype=None, ep_group=None) -> None:
+                 device=None, dtype=None, *, n_group: int = 1, topk_group: int | None = None,
+                 score_correction_bias: bool = False, routed_scaling_factor: float = 1.0,
+                 logits_dtype: str = "fp32", shared_d_ff: int = 0, shared_gate: bool = False,
+                 ep_group=None) -> None:
         super().__init__()
         check_activation(activation)
         if save not in SAVE_MODES:
@@ -63,7 +109,13 @@ class MoE(nn.Module):
         self.d_model, self.d_ff, self.num_experts, self.top_k = d_model, d_ff, num_experts, top_k
         self.activation, self.save, self.backend = activation, save, backend
         self.router = Router(d_model, num_experts, top_k, score_func, renormalize, aux_loss_coef,
-                             z_loss_coef, device=device, dtype=dtype)
+                             z_loss_coef, device=device, dtype=dtype, n_group=n_group, topk_group=topk_group,
+                             score_correction_bias=score_correction_bias,
+                             routed_scaling_factor=routed_scaling_factor, logits_dtype=logits_dtype)
+        if not isinstance(shared_d_ff, int) or shared_d_ff < 0:
+            raise ValueError(f"shared_d_ff must be an int >= 0, got {shared_d_ff!r}")
+        self.shared_experts = (SharedExpert(d_model, shared_d_ff, activation, shared_gate, device=device, dtype=dtype)
+                               if shared_d_ff else None)
         rows = 2 * d_ff if is_gated(activation) else d_ff
         self._w1_name = "w_gate_up" if is_gated(activation) else "w_up"
         self.ep = None if ep_group is None else _expert_parallel().ExpertParallel(ep_group, self)
@@ -87,6 +139,10 @@ class MoE(nn.Module):
             return _expert_parallel().init_local_experts(self)
         nn.init.uniform_(self.w1, -1 / math.sqrt(self.d_model), 1 / math.sqrt(self.d_model))
         nn.init.uniform_(self.w_down, -1 / math.sqrt(self.d_ff), 1 / math.sqrt(self.d_ff))
+        if self.shared_experts is not None:
+            for m in self.shared_experts.modules():
+                if isinstance(m, nn.Linear):
+                    m.reset_parameters()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Route and run the experts: ``x [..., d]`` -> ``[..., d]`` in ``x.dtype``; sets ``self.aux_loss``.
@@ -99,8 +155,10 @@ class MoE(nn.Module):
         shape = x.shape
         x2 = x.reshape(-1, self.d_model)
         routing = self.router(x2)
-        if self.ep is not None:
+        if self.ep is not None:  # expert parallelism: the routed experts run on the ranks that hold them
             out, self.aux_loss = _expert_parallel().expert_parallel_forward(self, x2, routing)
+            if self.shared_experts is not None:
+                out = out + self.shared_experts(x2)
             self.last_topk_ids = routing.topk_ids.detach()
             return out.reshape(shape)
         # fp32 router weights feed the kernels as they are; only a float64 run (the reference check)
@@ -112,6 +170,8 @@ class MoE(nn.Module):
                                block_m=schedule_block_m(self.backend, x2))
         out = moe_experts(x2, routing.topk_ids, topk_weights, self.w1, self.w_down,
                           activation=self.activation, save=self.save, backend=self.backend, index=index)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x2)
         self.aux_loss = routing.loss
         self.last_topk_ids = routing.topk_ids.detach()
         return out.reshape(shape)
@@ -123,8 +183,9 @@ class MoE(nn.Module):
 
 
 def _expert_parallel():
-    """:mod:`moeblaze.parallel.expert_parallel`, imported on first use (it imports this package's modules)."""
-    from .parallel import expert_parallel
+    """:mod:`moeblaze.parallel.expert_parallel`, imported on first use: :mod:`moeblaze.parallel` imports this
+    module (FSDP2 finds the MoE layers by their class), while the EP machinery itself needs only the experts."""
+    import moeblaze.parallel.expert_parallel as expert_parallel
 
     return expert_parallel
 

@@ -14,8 +14,10 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 SCORE_FUNCS = ("softmax", "sigmoid")
+LOGITS_DTYPES = ("fp32", "input")
 
 
 def _mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -49,8 +51,10 @@ class _RouterLogits(torch.autograd.Function):
     ``[hi | lo]`` and sums both in one GEMM per gradient (K = 2E), so the gradients keep ~16 mantissa bits
     of ``dlogits`` before their own rounding; ``dx`` comes out of the GEMM in x's dtype. Why one GEMM:
     two GEMMs with fp32 outputs, their sum and the cast took 0.52 ms of a T 32768, d 2048 step on an H200
-    (run I timeline, 2026-11-23: 0.075 + 0.075 + 0.188 + 0.094 ms), 3% of a qwen3-30b layer step; the
-    one-GEMM form made the layer step 1.008-1.014x faster (run J, docs/benchmarks.md).
+    (2026-11-23, ``benchmarks/profile_layer.py --configs qwen3-30b-a3b --timeline``: 0.075 + 0.075 + 0.188 +
+    0.094 ms), 3% of a qwen3-30b layer step; the one-GEMM form made the layer step 1.008-1.014x faster
+    (H200, 2026-11-23, same-call step times of conf4, qwen3-30b and olmoe; ``moeblaze bench --configs
+    conf4-swiglu,qwen3-30b-a3b,olmoe-1b-7b`` measures the step).
     """
 
     @staticmethod
@@ -135,16 +139,28 @@ class Router(nn.Module):
             sigmoid (DeepSeek-V3).
         aux_loss_coef: coefficient of the load-balancing loss (0 disables it).
         z_loss_coef: coefficient of the z-loss (0 disables it).
+        n_group, topk_group: group-limited top-k (DeepSeek-V3 §2.1.2, "node-limited routing"): the E experts
+            form ``n_group`` groups of E / n_group; a group's score is the sum of its two best selection
+            scores, and the K experts are chosen within the ``topk_group`` best groups. ``n_group=1``: off.
+        score_correction_bias: keep a buffer ``e_score_correction_bias [E]`` (fp32, zeros; DeepSeek-V3's
+            auxiliary-loss-free balancing) added to the scores for the choice of experts only; the combine
+            weights are the scores themselves.
+        routed_scaling_factor: multiplies the K combine weights after renormalisation (DeepSeek-V3: 2.5).
+        logits_dtype: ``"fp32"`` computes the logits in fp32 math; ``"input"`` computes them in the input's
+            dtype and then upcasts (as transformers' Qwen/Mixtral routers do for a bf16 model), so that such a
+            model routes exactly as transformers does.
 
     Shapes: input ``[T, d]`` (any float dtype), weight ``[E, d]``.
 
     Raises:
-        ValueError: bad ``top_k``, ``score_func`` or a wrong input shape.
+        ValueError: bad ``top_k``, ``score_func``, group settings, ``logits_dtype`` or a wrong input shape.
     """
 
     def __init__(self, d_model: int, num_experts: int, top_k: int, score_func: str = "softmax",
                  renormalize: bool | None = None, aux_loss_coef: float = 0.01, z_loss_coef: float = 0.0,
-                 device=None, dtype=None) -> None:
+                 device=None, dtype=None, *, n_group: int = 1, topk_group: int | None = None,
+                 score_correction_bias: bool = False, routed_scaling_factor: float = 1.0,
+                 logits_dtype: str = "fp32") -> None:
         super().__init__()
         for name, v in (("d_model", d_model), ("num_experts", num_experts), ("top_k", top_k)):
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
@@ -158,7 +174,37 @@ class Router(nn.Module):
         self.renormalize = (score_func == "sigmoid") if renormalize is None else renormalize
         self.aux_loss_coef, self.z_loss_coef = aux_loss_coef, z_loss_coef
         self.weight = nn.Parameter(torch.empty(num_experts, d_model, device=device, dtype=dtype))
+        self._init_deepseek(n_group, topk_group, score_correction_bias, routed_scaling_factor, logits_dtype, device)
         self.reset_parameters()
+
+    def _init_deepseek(self, n_group, topk_group, score_correction_bias, routed_scaling_factor, logits_dtype,
+                       device) -> None:
+        """Checks and state of the group-limited top-k, the correction bias, the scaling and the logits dtype."""
+        E, K = self.num_experts, self.top_k
+        if not isinstance(n_group, int) or n_group < 1 or E % n_group or (n_group > 1 and E // n_group < 2):
+            raise ValueError(f"n_group must be a positive int dividing num_experts={E} into groups of >= 2 "
+                             f"experts, got {n_group!r}")
+        topk_group = n_group if topk_group is None else topk_group
+        if not isinstance(topk_group, int) or not 1 <= topk_group <= n_group or topk_group * (E // n_group) < K:
+            raise ValueError(f"topk_group must be an int in [1, n_group={n_group}] whose groups hold >= top_k={K} "
+                             f"experts, got {topk_group!r}")
+        if logits_dtype not in LOGITS_DTYPES:
+            raise ValueError(f"logits_dtype must be one of {LOGITS_DTYPES}, got {logits_dtype!r}")
+        self.n_group, self.topk_group = n_group, topk_group
+        self.routed_scaling_factor, self.logits_dtype = float(routed_scaling_factor), logits_dtype
+        bias = torch.zeros(E, device=device, dtype=torch.float32) if score_correction_bias else None
+        self.register_buffer("e_score_correction_bias", bias)
+
+    def _select(self, scores: torch.Tensor) -> torch.Tensor:
+        """Top-K ids ``[T, K]`` of ``scores + e_score_correction_bias`` within the ``topk_group`` best groups."""
+        choice = scores if self.e_score_correction_bias is None else scores + self.e_score_correction_bias
+        if self.n_group > 1:
+            T, E = choice.shape
+            groups = choice.view(T, self.n_group, E // self.n_group)
+            best = groups.topk(2, dim=-1).values.sum(-1).topk(self.topk_group, dim=-1).indices  # [T, topk_group]
+            keep = torch.zeros(T, self.n_group, dtype=torch.bool, device=choice.device).scatter_(1, best, True)
+            choice = groups.masked_fill(~keep[..., None], float("-inf")).view(T, E)
+        return choice.topk(self.top_k, dim=-1).indices
 
     def reset_parameters(self) -> None:
         """``U(-1/sqrt(d), 1/sqrt(d))``, as ``nn.Linear``."""
@@ -174,16 +220,25 @@ class Router(nn.Module):
         """
         if x.dim() != 2 or x.shape[1] != self.d_model:
             raise ValueError(f"router input must have shape [T, d={self.d_model}], got {tuple(x.shape)}")
-        logits = _RouterLogits.apply(x, self.weight)
+        if self.logits_dtype == "input":  # rounded to x's dtype as transformers computes them, then upcast
+            logits = F.linear(x, self.weight.to(x.dtype)).float()
+        else:
+            logits = _RouterLogits.apply(x, self.weight)
         if self.score_func == "softmax":
             scores = torch.softmax(logits, dim=-1)
             probs = scores
         else:
             scores = torch.sigmoid(logits)
             probs = scores / scores.sum(-1, keepdim=True)
-        topk_weights, topk_ids = torch.topk(scores, self.top_k, dim=-1)
+        if self.e_score_correction_bias is None and self.n_group == 1:
+            topk_weights, topk_ids = torch.topk(scores, self.top_k, dim=-1)
+        else:
+            topk_ids = self._select(scores)
+            topk_weights = scores.gather(1, topk_ids)
         if self.renormalize:
             topk_weights = topk_weights / topk_weights.sum(-1, keepdim=True).clamp_min(1e-20)
+        if self.routed_scaling_factor != 1.0:
+            topk_weights = topk_weights * self.routed_scaling_factor
         zero = logits.new_zeros(())
         losses_on = self.training and x.shape[0] > 0  # means over zero tokens would be NaN
         aux = (self.aux_loss_coef * load_balancing_loss(probs, topk_ids)
@@ -193,4 +248,8 @@ class Router(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"d_model={self.d_model}, num_experts={self.num_experts}, top_k={self.top_k}, "
-                f"score_func={self.score_func}, renormalize={self.renormalize}")
+                f"score_func={self.score_func}, renormalize={self.renormalize}"
+                + (f", n_group={self.n_group}, topk_group={self.topk_group}" if self.n_group > 1 else "")
+                + (", score_correction_bias=True" if self.e_score_correction_bias is not None else "")
+                + (f", routed_scaling_factor={self.routed_scaling_factor}" if self.routed_scaling_factor != 1 else "")
+                + (f", logits_dtype={self.logits_dtype}" if self.logits_dtype != "fp32" else ""))

@@ -7,6 +7,8 @@ Examples (see ``_EXAMPLES``)::
     moeblaze bench --configs 'olmoe*,conf3-*' --impls moeblaze,conventional --tokens 8k,32k
     moeblaze bench --plot results/results.csv        # redraw the plots from a CSV (no GPU needed)
     moeblaze bench --list                            # configs and suites (no GPU needed)
+    moeblaze bench --configs conf4-swiglu --impls moeblaze,conventional,sonicmoe --append-results docs/results.csv
+    moeblaze bench --report docs/results.csv         # README table and docs/plots/ from the results file
     moeblaze memory                                  # where the train model's activation memory goes
     moeblaze memory --config olmoe-1b-7b --impl conventional --tokens 8192
 """
@@ -48,7 +50,7 @@ def _add_bench(subparsers: Any) -> None:
                               description="Forward+backward of one MoE layer (router included) at named configs, "
                               "moeblaze side by side with a conventional grouped_mm layer, an HF-style loop, "
                               "Liger-Kernel and SonicMoE; CSV, markdown and PNG plots into --out. Needs a CUDA "
-                              "GPU, except --list and --plot.",
+                              "GPU, except --list, --plot and --report.",
                               formatter_class=argparse.RawDescriptionHelpFormatter, epilog="examples:" + _EXAMPLES)
     p.add_argument("--suite", choices=sorted(SUITES), default=None,
                    help="what to run (default: smoke; with --configs: just those configs)")
@@ -84,6 +86,15 @@ def _add_bench(subparsers: Any) -> None:
     p.add_argument("--train-steps", type=int, default=10, help="timed steps of the train benchmark")
     p.add_argument("--image-prefix", default="", help="prefix of the PNG links in results.md (e.g. benchmarks/)")
     p.add_argument("--list", action="store_true", help="list configs and suites, then exit")
+    p.add_argument("--append-results", metavar="CSV", default=None,
+                   help="also append this run's rows, with date, device, commit and command, to this results file "
+                   "(e.g. docs/results.csv; see moeblaze.bench.results)")
+    p.add_argument("--commit", default=None,
+                   help="commit of the code measured, for --append-results (default: git HEAD of this checkout)")
+    p.add_argument("--report", metavar="CSV", default=None,
+                   help="from a results file: rewrite --readme's performance table and draw --plots-dir (no GPU)")
+    p.add_argument("--readme", default="README.md", help="the README --report rewrites (default: %(default)s)")
+    p.add_argument("--plots-dir", default="docs/plots", help="where --report draws (default: %(default)s)")
     p.add_argument("--plot", metavar="CSV", default=None,
                    help="redraw the plots and results.md from a results CSV (into its folder, or --out if given)")
     p.set_defaults(func=run_bench, bench_parser=p)
@@ -142,6 +153,19 @@ def _replot(args: argparse.Namespace) -> int:
     return 0
 
 
+def _report(args: argparse.Namespace) -> int:
+    """``--report CSV``: the README table and the plots from a results file (:mod:`moeblaze.bench.results`)."""
+    from .results import make_report
+
+    try:
+        _, plots = make_report(args.report, args.readme, args.plots_dir)
+    except (OSError, ValueError) as exc:
+        raise SystemExit(f"moeblaze bench --report: {exc}") from exc
+    for p in [args.readme, *plots]:
+        print(f"wrote {p}")
+    return 0
+
+
 def _argv(args: argparse.Namespace) -> list[str]:
     """The options that differ from their defaults, as command-line words (for the report's header)."""
     parser = getattr(args, "bench_parser", None)
@@ -171,7 +195,8 @@ def run_bench(args: argparse.Namespace) -> int:
     """Entry point of ``moeblaze bench`` (see the module docstring). Returns 0.
 
     Raises:
-        SystemExit: no CUDA GPU (except ``--list``/``--plot``), an unknown config, implementation or file.
+        SystemExit: no CUDA GPU (except ``--list``, ``--plot`` and ``--report``), an unknown config,
+            implementation or file.
     """
     from .baselines import IMPLS
 
@@ -180,6 +205,8 @@ def run_bench(args: argparse.Namespace) -> int:
         return 0
     if args.plot:
         return _replot(args)
+    if args.report:
+        return _report(args)
     suite = args.suite or (None if args.configs or args.shape else "smoke")
     spec = SUITES[suite] if suite else {"layers": None, "dispatch": False, "train": False}
     impls = parse_list(args.impls)
@@ -249,6 +276,11 @@ def _run(args: argparse.Namespace, suite: str | None, spec: dict, configs: list,
     if configs:
         print(f"{'':7} {report.TERMINAL_HEADER}")
         run_layers(configs, impls, opts, on_row=on_row, start=start)
+    if args.append_results:
+        from .results import append_results, call_of, git_commit
+
+        append_results(args.append_results, rows, call_of(meta, args.commit or git_commit()))
+        print(f"appended {len(rows)} rows to {args.append_results}")
     md, plots = report.write_outputs(out_dir, rows, meta, rows_d, rows_t, args.image_prefix)
     print(f"\nwrote {md}, the CSVs, meta.json and {len(plots)} plots into {out_dir}/ "
           f"in {time.perf_counter() - start:.0f} s")
@@ -263,7 +295,7 @@ def run_memory(args: argparse.Namespace) -> int:
     """
     import torch
 
-    from .memory_report import memory_report
+    from ..memory_report import memory_report
     from .runner import DTYPES
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")

@@ -32,12 +32,11 @@ Interpreter: with ``TRITON_INTERPRET=1`` everything also runs on CPU tensors (te
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
+from .. import settings
 from ..dispatch import DispatchIndex, TileSchedule
 from .custom_ops import call_op
 from .tuning import sm_count
@@ -286,7 +285,7 @@ def _schedule_kernel(
 
 
 def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+    return settings.interpreting()
 
 
 def _check_device(t: torch.Tensor, name: str) -> None:

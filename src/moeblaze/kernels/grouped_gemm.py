@@ -86,8 +86,8 @@ def _mainloop(a_ptr, b_ptr, a_desc, b_desc, a_rows, a_row0, e, pid_n, N_COLS, K_
     ``BLOCK_N x 2`` wide MMA replaces the two of ``DUAL``; the accumulator's halves are split after the
     loop without data movement (each thread holds matching gate and up columns). Same products and
     summation order as two dots: bitwise equal results, 1.01-1.04x faster on an H200 at the same config
-    and 1.06-1.08x with the persistent launch it makes worthwhile (2026-11-23 14:19 UTC, F1 of conf4, conf7,
-    olmoe, qwen3-30b, ``benchmarks/profile_kernels.py``-style replays).
+    and 1.06-1.08x with the persistent launch it makes worthwhile (2026-11-23, F1 of conf4, conf7, olmoe,
+    qwen3-30b replayed alone, ``python3 benchmarks/profile_kernels.py --configs conf4-swiglu,conf7-swiglu``).
 
     ``A_DESC`` (A not gathered): A's ``[BLOCK_M, BLOCK_K]`` tile of slot rows from ``a_row0`` comes through
     ``a_desc``; rows past the expert only reach output rows the epilogue masks.

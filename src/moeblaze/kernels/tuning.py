@@ -18,10 +18,11 @@ run within a process (and across processes with ``MOEBLAZE_AUTOTUNE=0``), not ac
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
+
+from .. import settings
 
 # BLOCK_M is chosen by the launcher (the tile schedule depends on it), not by the autotuner.
 BLOCK_M_GPU = 128
@@ -30,12 +31,12 @@ BLOCK_M_INTERPRET = 32
 
 def interpreting() -> bool:
     """True under the Triton CPU interpreter (``TRITON_INTERPRET=1``)."""
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+    return settings.interpreting()
 
 
 def autotune_enabled() -> bool:
     """Autotuning is on unless ``MOEBLAZE_AUTOTUNE=0`` or the interpreter runs."""
-    return os.environ.get("MOEBLAZE_AUTOTUNE", "1") != "0" and not interpreting()
+    return settings.get("autotune") and not interpreting()
 
 
 @functools.cache
@@ -46,7 +47,7 @@ def _sm90(index: int) -> bool:
 def tma_enabled(device: torch.device) -> bool:
     """Kernels may read through TMA descriptors on ``device``: an sm90+ GPU or the interpreter, unless
     ``MOEBLAZE_TMA=0``."""
-    if os.environ.get("MOEBLAZE_TMA", "1") == "0":
+    if not settings.get("tma"):
         return False
     if interpreting():
         return True
@@ -54,9 +55,9 @@ def tma_enabled(device: torch.device) -> bool:
 
 
 def persistent_mode() -> str:
-    """``MOEBLAZE_PERSISTENT``: ``"1"``, ``"0"`` or ``"auto"`` (unset or anything else)."""
-    mode = os.environ.get("MOEBLAZE_PERSISTENT", "auto")
-    return mode if mode in ("0", "1") else "auto"
+    """The ``persistent`` setting (``MOEBLAZE_PERSISTENT``) as ``"1"``, ``"0"`` or ``"auto"``."""
+    mode = settings.get("persistent")
+    return "auto" if mode is None else str(int(mode))
 
 
 @functools.cache
@@ -93,7 +94,8 @@ def gemm_configs(kind: str, persistent: str = "auto") -> list[triton.Config]:
     8.7 vs 9.6 ms per step on qwen3-30b (K_DIM 768-2048: the next tile's loads overlap this tile's
     epilogue) and 11.4 vs 11.9 ms on olmoe, but 43.0 vs 41.4 ms on conf4 (K_DIM 2048-16384). Since the
     gated F1 runs one wide MMA (``B_DESC`` 3), the tuner picks its persistent launch on conf4, conf7, olmoe
-    and qwen3-30b (run I, docs/benchmarks.md).
+    and qwen3-30b (H200, 2026-11-23, ``python3 benchmarks/profile_kernels.py --configs conf4-swiglu`` prints the
+    tuned config of each launch).
     """
     if kind == "interpret":
         base = [_cfg(1, 1, BLOCK_N=64, BLOCK_K=64, GROUP_M=4)]
@@ -104,7 +106,8 @@ def gemm_configs(kind: str, persistent: str = "auto") -> list[triton.Config]:
     else:
         shapes = ((64, 4, 4), (64, 8, 3), (64, 8, 4), (128, 4, 3), (128, 8, 3), (128, 8, 4), (256, 8, 3))
         per_tile = [_cfg(w, s, BLOCK_N=bn, BLOCK_K=64, GROUP_M=8, PERSISTENT=False) for bn, w, s in shapes]
-        # persistent: the large tiles only (one CTA per SM; these won the per-tile sweeps of run D)
+        # persistent: the large tiles only (one CTA per SM; these won a block-shape sweep of every GEMM,
+        # H200, 2026-11-22, docs/benchmarks.md "Tried and dropped")
         steady = [_cfg(w, s, BLOCK_N=bn, BLOCK_K=64, GROUP_M=8, PERSISTENT=True) for bn, w, s in shapes[4:]]
         keep = {"0": (False,), "1": (True,)}.get(persistent, (False, True))
         return [c for c in per_tile + steady if c.kwargs["PERSISTENT"] in keep]

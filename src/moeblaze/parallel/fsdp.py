@@ -61,9 +61,9 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, mp_policy: MixedPrecisionPol
     """Shard ``model`` with FSDP2 over ``mesh``, expert-parallel over its ``ep_dim`` dimension if it has one.
 
     Units of sharding (each one all-gather / reduce-scatter): every :class:`moeblaze.MoE` layer (its
-    experts; on a 2-D mesh its router is a unit of its own), every element of every ``nn.ModuleList``
-    (the transformer blocks of the usual layout), then the root with what is left. Modifies ``model``
-    in place and returns it; its parameters become sharded DTensors.
+    experts; on a 2-D mesh its router and its shared expert are units of their own), every element of
+    every ``nn.ModuleList`` (the transformer blocks of the usual layout), then the root with what is left.
+    Modifies ``model`` in place and returns it; its parameters become sharded DTensors.
 
     Args:
         model: a module holding :class:`moeblaze.MoE` layers (any of them may be expert-parallel already,
@@ -97,7 +97,9 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, mp_policy: MixedPrecisionPol
             raise ValueError(f"MoE layer {name!r} is expert-parallel over ranks "
                              f"{dist.get_process_group_ranks(moe.ep.group)}, but mesh[{ep_dim!r}] here is ranks "
                              f"{dist.get_process_group_ranks(ep_mesh.get_group())}")
-        fully_shard(moe.router, mesh=flat, **kw)
+        for replicated in (moe.router, moe.shared_experts):  # the same on every EP rank: sharded over all
+            if replicated is not None:
+                fully_shard(replicated, mesh=flat, **kw)
         fully_shard(moe, mesh=dp_mesh, **kw)
         # FSDP averages the expert gradients over dp_shard only; dividing them by P in the layer makes them
         # means over the whole mesh, as every other gradient. (FSDP2's set_gradient_divide_factor does this

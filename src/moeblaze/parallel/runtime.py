@@ -7,13 +7,14 @@ with rank 0 of 1, so a loop written against these helpers runs unchanged with or
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from .. import settings
 
 __all__ = ["DistEnv", "init_distributed", "make_mesh", "split_batch", "is_rank0", "print0"]
 
@@ -30,8 +31,8 @@ class DistEnv:
     backend: str | None
 
 
-def _env_int(name: str, default: int) -> int:
-    value = os.environ.get(name)
+def _env_int(env: dict[str, str], name: str, default: int) -> int:
+    value = env.get(name)
     if value is None:
         return default
     try:
@@ -58,7 +59,8 @@ def init_distributed(device: str | None = None, timeout_s: float = 600.0) -> Dis
     kind = device or ("cuda" if torch.cuda.is_available() else "cpu")
     if kind not in ("cuda", "cpu"):
         raise ValueError(f"device must be 'cuda' or 'cpu', got {device!r}")
-    local_rank = _env_int("LOCAL_RANK", 0)
+    env = settings.launcher_env()
+    local_rank = _env_int(env, "LOCAL_RANK", 0)
     if kind == "cuda":
         if not 0 <= local_rank < torch.cuda.device_count():
             raise ValueError(f"LOCAL_RANK={local_rank} but {torch.cuda.device_count()} CUDA devices are visible")
@@ -66,10 +68,10 @@ def init_distributed(device: str | None = None, timeout_s: float = 600.0) -> Dis
     dev = torch.device("cuda", local_rank) if kind == "cuda" else torch.device("cpu")
     if dist.is_initialized():
         return DistEnv(dist.get_rank(), dist.get_world_size(), local_rank, dev, dist.get_backend())
-    world, rank = _env_int("WORLD_SIZE", 1), _env_int("RANK", 0)
+    world, rank = _env_int(env, "WORLD_SIZE", 1), _env_int(env, "RANK", 0)
     if world < 1 or not 0 <= rank < world:
         raise ValueError(f"RANK={rank} must be in [0, WORLD_SIZE={world})")
-    if "WORLD_SIZE" not in os.environ:
+    if "WORLD_SIZE" not in env:
         return DistEnv(0, 1, local_rank, dev, None)
     backend = "nccl" if kind == "cuda" else "gloo"
     dist.init_process_group(backend, rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s),

@@ -1,0 +1,200 @@
+"""Train a transformers Qwen3-MoE model with three experts implementations: grouped_mm, SonicMoE, moeblaze.
+
+Issue 22's GPU benchmark (and issue 27's benchmark (b) with ``--modes bf16,amp``): a Qwen3-MoE of
+4 layers, d 2048, E 128, K 8, h 768 (byte-level vocabulary 256, so the routed experts hold nearly all
+parameters) trains for ``--steps`` AdamW steps on the text of ``moeblaze train`` (``moeblaze.data``, the
+same batches for every implementation, from the same initial weights). Per implementation and mode it
+records each step's loss (aux loss included), time (CUDA-synchronised wall clock) and the peak memory so
+far, as CSV rows, and prints a table: median step time over the steps after ``--warmup``, tokens/s, peak
+memory, and the mean loss of the last 10 steps beside grouped_mm's.
+
+Modes: ``bf16`` (bf16 weights, AdamW on them) and ``amp`` (fp32 weights under ``torch.autocast(bf16)``).
+SonicMoE: transformers' own ``"sonicmoe"`` loads its kernel from the hub; here SonicMoE 0.1.2 installed as
+a package (``.peers/install.sh``) is registered as ``"sonicmoe-local"``; skipped when not importable. Its
+first step compiles its GEMMs (minutes on an empty QuACK cache: carry QUACK_CACHE_DIR as gpu_suite.sh does).
+
+    python benchmarks/bench_hf.py --out hf_train.csv                       # GPU, the lead's run
+    python benchmarks/bench_hf.py --smoke --out /tmp/hf_smoke.csv           # CPU, tiny model, 3 steps
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import math
+import os
+import statistics
+import sys
+import time
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+from transformers.integrations.moe import ExpertsInterface
+
+import moeblaze.integrations.transformers  # noqa: F401  (registers "moeblaze")
+from moeblaze.data import get_batch, load_corpus
+
+FULL = dict(hidden_size=2048, num_hidden_layers=4, num_attention_heads=16, num_key_value_heads=4, head_dim=128,
+            moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8, norm_topk_prob=True)
+SMOKE = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+             moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True)
+COLUMNS = ["date", "device", "impl", "mode", "step", "tokens", "loss", "step_ms", "peak_mib", "params", "note"]
+
+
+def sonicmoe_local_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                           top_k_weights: torch.Tensor) -> torch.Tensor:
+    """SonicMoE 0.1.2's ``moe_general_routing_inputs`` as a transformers experts function (SwiGLU, no bias)."""
+    from sonicmoe import moe_general_routing_inputs
+    from sonicmoe.enums import ActivationType
+
+    if not self.has_gate or self.has_bias or self.is_transposed:
+        raise ValueError("sonicmoe-local serves gated, bias-free, non-transposed experts only")
+    T, K = top_k_index.shape
+    token_idx = torch.arange(T, device=hidden_states.device, dtype=torch.int32).repeat_interleave(K)  # ascending
+    x = hidden_states.to(self.gate_up_proj.dtype)
+    # [E, 2h, d] -> [2h, d, E] and [E, d, h] -> [d, h, E]: SonicMoE's layout as strided views (no copy);
+    # concat_layout: gate rows then up rows, as transformers stores them.
+    out, _ = moe_general_routing_inputs(x, top_k_weights.reshape(-1).float(), token_idx,
+                                        top_k_index.reshape(-1).int(), self.gate_up_proj.permute(1, 2, 0), None,
+                                        self.down_proj.permute(1, 2, 0), None, self.num_experts,
+                                        torch.cuda.current_stream().cuda_stream, ActivationType.SWIGLU,
+                                        is_inference_mode_enabled=not torch.is_grad_enabled(), concat_layout=True)
+    return out.to(hidden_states.dtype)
+
+
+def sonic_unavailable() -> str | None:
+    """Why SonicMoE cannot run here (None: it can)."""
+    if not torch.cuda.is_available():
+        return "needs CUDA"
+    try:
+        import sonicmoe  # noqa: F401
+    except ImportError as e:
+        return f"sonicmoe not importable ({e})"
+    return None
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--impls", default="grouped_mm,sonicmoe-local,moeblaze")
+    p.add_argument("--modes", default="bf16", help="comma list of bf16 (bf16 weights) and amp (fp32 weights "
+                   "under bf16 autocast)")
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--warmup", type=int, default=10, help="steps left out of the median step time")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--seq-len", type=int, default=2048)
+    p.add_argument("--lr", type=float, default=3e-4)
+    p.add_argument("--set", action="append", default=[], metavar="KEY=INT", help="override a config field")
+    p.add_argument("--data", help="text file or folder (default: the standard library's .py files)")
+    p.add_argument("--out", required=True, help="CSV path (rows appended; header written when new)")
+    p.add_argument("--smoke", action="store_true", help="tiny model, 3 steps, on the CPU")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    if args.smoke:
+        args.steps, args.warmup, args.batch_size, args.seq_len = 3, 1, 2, 32
+    return args
+
+
+def build(args, mode: str, impl: str) -> torch.nn.Module:
+    """The model in the mode's weight dtype, identical initial weights for every implementation."""
+    fields = {**(SMOKE if args.smoke else FULL), **{k: int(v) for k, v in (s.split("=", 1) for s in args.set)}}
+    config = AutoConfig.for_model("qwen3_moe", vocab_size=256, max_position_embeddings=max(4096, args.seq_len),
+                                  tie_word_embeddings=False, output_router_logits=True, **fields)
+    torch.manual_seed(args.seed)
+    dtype = torch.bfloat16 if mode == "bf16" else torch.float32
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype, experts_implementation=impl)
+    return model.to("cuda" if torch.cuda.is_available() else "cpu").train()
+
+
+def train(args, mode: str, impl: str, train_bytes) -> list[dict]:
+    """Rows of one (implementation, mode) run: loss, step time and peak memory per step."""
+    model = build(args, mode, impl)
+    device = next(model.parameters()).device
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
+    params = sum(p.numel() for p in model.parameters())
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    rows = []
+    for step in range(args.steps):
+        x, _ = get_batch(train_bytes, step, args.batch_size, args.seq_len, args.seed)
+        x = x.to(device)
+        if cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=mode == "amp"):
+            loss = model(input_ids=x, labels=x).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if cuda:
+            torch.cuda.synchronize()
+        ms = (time.perf_counter() - t0) * 1e3
+        peak = torch.cuda.max_memory_allocated() / 2**20 if cuda else float("nan")
+        rows.append(dict(impl=impl, mode=mode, step=step, tokens=x.numel(), loss=loss.item(), step_ms=ms,
+                         peak_mib=peak, params=params, note=""))
+    del model, opt
+    return rows
+
+
+def summary(rows: list[dict], warmup: int) -> list[str]:
+    """One printed line per (implementation, mode)."""
+    runs: dict[tuple[str, str], list[dict]] = {}
+    for r in rows:
+        runs.setdefault((r["impl"], r["mode"]), []).append(r)
+    ref = {mode: statistics.mean(r["loss"] for r in rs[-10:] if r["note"] == "")
+           for (impl, mode), rs in runs.items() if impl == "grouped_mm" and rs[0]["note"] == ""}
+    lines = [f"{'impl':<16}{'mode':<6}{'step ms':>10}{'tokens/s':>12}{'peak MiB':>11}{'loss(last10)':>14}"
+             f"{'vs grouped_mm':>15}"]
+    for (impl, mode), rs in runs.items():
+        if rs[0]["note"]:
+            lines.append(f"{impl:<16}{mode:<6}  {rs[0]['note']}")
+            continue
+        timed = rs[warmup:] or rs
+        ms = statistics.median(r["step_ms"] for r in timed)
+        loss = statistics.mean(r["loss"] for r in rs[-10:])
+        gap = f"{loss - ref[mode]:+.4f}" if mode in ref else "-"
+        lines.append(f"{impl:<16}{mode:<6}{ms:>10.1f}{rs[0]['tokens'] / ms * 1e3:>12,.0f}"
+                     f"{max(r['peak_mib'] for r in rs):>11,.0f}{loss:>14.4f}{gap:>15}")
+    return lines
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    ExpertsInterface.register("sonicmoe-local", sonicmoe_local_forward)
+    corpus = load_corpus(args.data, min_bytes=args.seq_len + 2)
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    print(f"{device}, torch {torch.__version__}, {args.batch_size} x {args.seq_len} tokens per step, {args.steps} "
+          f"steps, {' '.join(sys.argv[1:])}")
+    rows = []
+    for mode in args.modes.split(","):
+        for impl in args.impls.split(","):
+            why = sonic_unavailable() if impl == "sonicmoe-local" else None
+            if why is None:
+                try:
+                    rows += train(args, mode, impl, corpus.train)
+                except torch.OutOfMemoryError:
+                    why = "out of memory"
+                except Exception as e:  # recorded, so that one implementation's failure leaves the others' rows
+                    why = f"error: {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+            if why is not None:
+                rows.append(dict(impl=impl, mode=mode, step=-1, tokens=0, loss=math.nan, step_ms=math.nan,
+                                 peak_mib=math.nan, params=0, note=f"skipped: {why}"))
+            print(summary([r for r in rows if r["impl"] == impl and r["mode"] == mode], args.warmup)[-1], flush=True)
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+    new = not os.path.exists(args.out)
+    with open(args.out, "a", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=COLUMNS)
+        if new:
+            w.writeheader()
+        for r in rows:
+            w.writerow({"date": date, "device": device, **r})
+    print("\n".join(summary(rows, args.warmup)))
+    print(f"rows appended to {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,256 @@
+"""The results file: every ``moeblaze bench`` measurement kept as data, and the README table and plots made from it.
+
+``docs/results.csv`` holds one row per (call, config, implementation): where and when it was measured
+(:data:`CALL_COLUMNS`: UTC day and time of the call, device, the commit of the code measured, torch and
+triton versions, the exact command) followed by the fields of :class:`moeblaze.bench.runner.Row`.
+
+* ``moeblaze bench ... --append-results docs/results.csv`` appends the rows of that call
+  (:func:`append_results`);
+* ``moeblaze bench --report docs/results.csv`` rewrites the README's performance table between the
+  :data:`TABLE_START` / :data:`TABLE_END` markers and draws ``docs/plots/*.png`` (:func:`make_report`).
+
+The table shows, per config of :data:`README_CONFIGS`, the rows of one call — the latest call that measured
+the most of moeblaze, the conventional layer and SonicMoE — so every ratio in it is a same-call ratio.
+"""
+
+from __future__ import annotations
+
+import csv
+import subprocess
+from collections.abc import Sequence
+from dataclasses import astuple, dataclass
+from pathlib import Path
+from typing import Any
+
+from .report import read_csv, write_dicts
+from .runner import Row
+
+__all__ = ["CALL_COLUMNS", "RESULT_COLUMNS", "README_CONFIGS", "TABLE_START", "TABLE_END", "Call",
+           "call_of", "git_commit", "append_results", "read_results", "pick_rows", "readme_table",
+           "rewrite_readme", "draw_plots", "make_report"]
+
+CALL_COLUMNS = ["date", "time_utc", "device", "commit", "torch", "triton", "command"]
+RESULT_COLUMNS = CALL_COLUMNS + Row.field_names()
+# The seven layer configs of DESIGN.md §6 (conf7 added), in the README table's order.
+README_CONFIGS = ("sonicmoe-7b", "olmoe-1b-7b", "qwen3-30b-a3b", "conf3-swiglu", "conf4-swiglu", "conf7-swiglu",
+                  "sweep-2m")
+TABLE_IMPLS = ("moeblaze", "conventional", "sonicmoe")
+TABLE_START = "<!-- results-table:start (made by `moeblaze bench --report docs/results.csv`; do not edit) -->"
+TABLE_END = "<!-- results-table:end -->"
+_TITLES = {"sonicmoe-7b": "SonicMoE-7B", "olmoe-1b-7b": "OLMoE", "qwen3-30b-a3b": "Qwen3-30B-A3B",
+           "conf3-swiglu": "paper conf3", "conf4-swiglu": "paper conf4", "conf7-swiglu": "paper conf7",
+           "sweep-2m": "poster scale"}
+
+
+@dataclass(frozen=True, order=True)
+class Call:
+    """One ``moeblaze bench`` invocation: the columns :data:`CALL_COLUMNS` (ordered by date, then time)."""
+
+    date: str  # UTC day, YYYY-MM-DD
+    time_utc: str  # HH:MM, when the call started
+    device: str
+    commit: str  # short hash of the code measured, "" where unknown
+    torch: str
+    triton: str
+    command: str
+
+    def as_dict(self) -> dict[str, str]:
+        return dict(zip(CALL_COLUMNS, astuple(self)))
+
+
+def call_of(meta: dict[str, Any], commit: str) -> Call:
+    """The :class:`Call` of a run from its ``meta.json`` fields (:func:`moeblaze.bench.report.environment`).
+
+    Args:
+        meta: ``date`` as ``"YYYY-MM-DD HH:MM UTC"``, ``device``, ``torch``, ``triton``, ``command``.
+        commit: the code's commit ("" where unknown).
+    """
+    day, _, clock = str(meta.get("date", "")).partition(" ")
+    return Call(day, clock.removesuffix(" UTC"), str(meta.get("device", "")), commit, str(meta.get("torch") or ""),
+                str(meta.get("triton") or ""), str(meta.get("command", "")))
+
+
+def git_commit(where: str | Path | None = None) -> str:
+    """Short hash of ``HEAD`` of the git checkout holding ``where`` (default: this package), with ``+dirty``
+    when tracked files differ from it; ``""`` outside a checkout or without git."""
+    cwd = Path(where) if where is not None else Path(__file__).resolve().parent
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=cwd, capture_output=True, text=True,
+                              timeout=10)
+        if head.returncode != 0:
+            return ""
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=cwd,
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return head.stdout.strip() + ("+dirty" if dirty else "")
+
+
+def append_results(path: str | Path, rows: Sequence[Row], call: Call) -> Path:
+    """Append ``rows`` of one call to the results file ``path`` (created with its header if absent).
+
+    Raises:
+        ValueError: ``path`` exists and its header is not :data:`RESULT_COLUMNS`.
+    """
+    path = Path(path)
+    if not path.exists() or path.stat().st_size == 0:
+        return write_dicts(path, [{**call.as_dict(), **r.as_dict()} for r in rows], RESULT_COLUMNS)
+    with open(path, newline="") as f:
+        header = next(csv.reader(f), [])
+    if header != RESULT_COLUMNS:
+        raise ValueError(f"{path}: not a results file of this version (columns {header[:8]}..., expected "
+                         f"{RESULT_COLUMNS[:8]}...)")
+    with open(path, "a", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=RESULT_COLUMNS)
+        for r in rows:
+            writer.writerow({k: "" if v is None else v for k, v in {**call.as_dict(), **r.as_dict()}.items()})
+    return path
+
+
+def read_results(path: str | Path) -> list[tuple[Call, Row]]:
+    """Every row of a results file with its call.
+
+    Raises:
+        FileNotFoundError: no such file. ValueError: a CSV without the columns :data:`RESULT_COLUMNS`.
+    """
+    path = Path(path)
+    with open(path, newline="") as f:
+        dicts = list(csv.DictReader(f))
+    missing = [c for c in CALL_COLUMNS if dicts and c not in dicts[0]]
+    if missing:
+        raise ValueError(f"{path} is not a results file (missing columns {missing}); "
+                         "`moeblaze bench --append-results` writes one")
+    rows = read_csv(path)
+    return [(Call(*(d[c] for c in CALL_COLUMNS)), r) for d, r in zip(dicts, rows)]
+
+
+def _ok(row: Row | None) -> bool:
+    return row is not None and row.status == "ok" and row.time_ms is not None
+
+
+def pick_rows(results: Sequence[tuple[Call, Row]], configs: Sequence[str] = README_CONFIGS,
+              device: str | None = None) -> list[tuple[str, Call, dict[str, Row]]]:
+    """Per config, the rows of one call: the call with the most of :data:`TABLE_IMPLS` measured (status ok),
+    the latest of those; configs that no call measured with moeblaze are left out.
+
+    Args:
+        results: :func:`read_results`. configs: config names, in table order.
+        device: keep only this device's calls (default: the device of the latest call).
+
+    Returns:
+        ``[(config, call, {impl: Row})]``.
+    """
+    if not results:
+        return []
+    device = device or max(c for c, _ in results).device
+    by_call: dict[tuple[str, Call], dict[str, Row]] = {}
+    for call, row in results:
+        if call.device == device:
+            by_call.setdefault((row.config, call), {})[row.impl] = row
+    picked = []
+    for cfg in configs:
+        cands = [(sum(_ok(rows.get(i)) for i in TABLE_IMPLS), call, rows)
+                 for (name, call), rows in by_call.items() if name == cfg and _ok(rows.get("moeblaze"))]
+        if cands:
+            _, call, rows = max(cands, key=lambda t: (t[0], t[1]))
+            picked.append((cfg, call, rows))
+    return picked
+
+
+def _time(r: Row | None) -> str:
+    return f"{r.time_ms:.2f} ms · {r.tflops:.0f} TF/s" if _ok(r) else "—"
+
+
+def _peak(r: Row | None) -> str:
+    return f"{r.peak_mib:,.0f}" if _ok(r) and r.peak_mib is not None else "—"
+
+
+def _ratio(ours: Row, other: Row | None) -> str:
+    """How many times faster ``ours`` ran than ``other`` (same call)."""
+    return f"{other.time_ms / ours.time_ms:.2f}x" if _ok(other) else "—"
+
+
+def readme_table(picked: Sequence[tuple[str, Call, dict[str, Row]]]) -> str:
+    """The README's performance table (markdown) of :func:`pick_rows`, with a numbered list of the calls
+    (date, device, commit, command) that measured its rows."""
+    calls: list[Call] = []
+    lines = ["| config (T, d, h, E, K) | moeblaze | conventional | SonicMoE | speed vs SonicMoE | "
+             "speed vs conventional | peak MiB: moeblaze / conventional / SonicMoE | call |",
+             "|---|---|---|---|---|---|---|---|"]
+    for cfg, call, rows in picked:
+        if call not in calls:
+            calls.append(call)
+        m, c, s = (rows.get(i) for i in TABLE_IMPLS)
+        shape = f"{m.T}, {m.d}, {m.h}, {m.E}, {m.K}"
+        lines.append(f"| {_TITLES.get(cfg, cfg)} ({shape}) | {_time(m)} | {_time(c)} | {_time(s)} | {_ratio(m, s)} | "
+                     f"{_ratio(m, c)} | {_peak(m)} / {_peak(c)} / {_peak(s)} | {calls.index(call) + 1} |")
+    lines.append("")
+    for n, call in enumerate(calls, 1):
+        soft = f"torch {call.torch}, triton {call.triton}" if call.torch else "versions not recorded"
+        commit = f"commit {call.commit}" if call.commit else "commit not recorded"
+        lines.append(f"{n}. {call.date}, {call.device} ({soft}; {commit}): `{call.command}`")
+    return "\n".join(lines)
+
+
+def rewrite_readme(path: str | Path, table: str) -> Path:
+    """Replace what lies between :data:`TABLE_START` and :data:`TABLE_END` in ``path`` by ``table``.
+
+    Raises:
+        ValueError: the file lacks one of the two marker lines (or has them in the wrong order).
+    """
+    path = Path(path)
+    text = path.read_text()
+    start, end = text.find(TABLE_START), text.find(TABLE_END)
+    if start < 0 or end < start:
+        raise ValueError(f"{path}: no `{TABLE_START}` ... `{TABLE_END}` marker lines to put the table between")
+    path.write_text(text[:start + len(TABLE_START)] + "\n" + table + "\n" + text[end:])
+    return path
+
+
+def draw_plots(results: Sequence[tuple[Call, Row]], picked: Sequence[tuple[str, Call, dict[str, Row]]],
+               out_dir: str | Path) -> list[Path]:
+    """PNGs into ``out_dir``: ``speedup.png`` and ``memory.png`` of the table's rows, ``tokens.png`` (time and
+    peak memory against T) of the latest call of that device that measured one shape at >= 2 token counts.
+
+    Raises:
+        ImportError: matplotlib is not installed.
+    """
+    import matplotlib  # noqa: F401  (the plot functions import it lazily; fail here with its own message)
+
+    from .plots import plot_memory, plot_speedup, plot_tokens
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    rows = [r for _, _, rs in picked for i in TABLE_IMPLS if (r := rs.get(i)) is not None]
+    device = picked[0][1].device if picked else ""
+    meta = {"device": f"{device}, {max(c.date for _, c, _ in picked)}" if picked else ""}
+    written = [p for name, fn in (("speedup", plot_speedup), ("memory", plot_memory))
+               if (p := fn(rows, out_dir / f"{name}.png", meta)) is not None]
+    calls = sorted({c for c, _ in results if c.device == device}, reverse=True)
+    for call in calls:
+        sweep = [r for c, r in results if c == call and r.status == "ok" and r.group == "sweep"]
+        if len({r.T for r in sweep}) >= 2:
+            p = plot_tokens(sweep, out_dir / "tokens.png", {"device": f"{call.device}, {call.date}"})
+            written += [p] if p is not None else []
+            break
+    return written
+
+
+def make_report(results_csv: str | Path, readme: str | Path | None, plots_dir: str | Path | None,
+                configs: Sequence[str] = README_CONFIGS) -> tuple[str, list[Path]]:
+    """``moeblaze bench --report``: the table of :func:`readme_table` (written into ``readme`` when given) and
+    the plots of :func:`draw_plots` (into ``plots_dir`` when given). Returns ``(table, plot paths)``.
+
+    Raises:
+        FileNotFoundError, ValueError: see :func:`read_results` and :func:`rewrite_readme`; ValueError also
+        when no row of ``configs`` was measured with moeblaze.
+    """
+    results = read_results(results_csv)
+    picked = pick_rows(results, configs)
+    if not picked:
+        raise ValueError(f"{results_csv}: no moeblaze row for any of {list(configs)}")
+    table = readme_table(picked)
+    if readme is not None:
+        rewrite_readme(readme, table)
+    plots = draw_plots(results, picked, plots_dir) if plots_dir is not None else []
+    return table, plots

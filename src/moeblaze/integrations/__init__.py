@@ -1,0 +1,1 @@
+"""Integrations of moeblaze with other libraries (import each submodule explicitly; each needs its library)."""

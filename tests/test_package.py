@@ -1,0 +1,153 @@
+"""The package's shape (issue: one shape for the codebase): no import cycles, the library apart from its
+benchmark, environment variables read in one module, ``python -m moeblaze`` as the console script."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import moeblaze
+from moeblaze import settings
+
+SRC = Path(moeblaze.__file__).parent
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(SRC.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(path: Path) -> set[str]:
+    """Every moeblaze module ``path`` imports, at the top or inside functions (lazy imports count)."""
+    name = _module_name(path)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name.startswith("moeblaze")}
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                mod = ".".join(base + ([node.module] if node.module else []))
+            else:
+                mod = node.module or ""
+            if not mod.startswith("moeblaze"):
+                continue
+            found.add(mod)
+            found |= {f"{mod}.{a.name}" for a in node.names}  # `from . import settings` names a module
+    return found
+
+
+def _graph() -> dict[str, set[str]]:
+    modules = {_module_name(p): p for p in SRC.rglob("*.py")}
+    graph = {}
+    for name, path in modules.items():
+        deps = set()
+        for dep in _imports(path):
+            while dep and dep not in modules:  # `from .x import f` -> module x
+                dep = dep.rpartition(".")[0]
+            if dep and dep != name and dep != "moeblaze":
+                deps.add(dep)
+        graph[name] = deps
+    return graph
+
+
+def test_no_import_cycles():
+    graph = _graph()
+    state: dict[str, int] = {}
+
+    def visit(node: str, stack: list[str]) -> None:
+        state[node] = 1
+        for dep in sorted(graph[node]):
+            if state.get(dep) == 1:
+                cycle = stack[stack.index(dep):] + [dep] if dep in stack else [node, dep]
+                pytest.fail("import cycle: " + " -> ".join(cycle))
+            if dep not in state:
+                visit(dep, stack + [dep])
+        state[node] = 2
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module, [module])
+
+
+def test_library_does_not_import_its_benchmark():
+    offenders = [m for m, deps in _graph().items()
+                 if not m.startswith("moeblaze.bench") and m != "moeblaze.cli"
+                 and any(d.startswith("moeblaze.bench") for d in deps)]
+    assert not offenders, f"these modules import moeblaze.bench: {offenders}"
+
+
+def test_environment_read_only_in_settings():
+    offenders = []
+    for path in SRC.rglob("*.py"):
+        name = _module_name(path)
+        if name == "moeblaze.settings" or name.startswith("moeblaze.bench"):
+            continue
+        text = path.read_text()
+        if "os.environ" in text or "os.getenv" in text:
+            offenders.append(name)
+    assert not offenders, f"environment read outside moeblaze.settings: {offenders}"
+
+
+def test_python_dash_m_is_the_console_script():
+    run = subprocess.run([sys.executable, "-m", "moeblaze", "--help"], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert "train" in run.stdout and "bench" in run.stdout
+
+
+def test_settings_precedence(monkeypatch):
+    monkeypatch.setenv("MOEBLAZE_AUTOTUNE", "0")
+    assert settings.get("autotune") is False
+    settings.configure(autotune=True)
+    try:
+        assert settings.get("autotune") is True
+        with settings.override(autotune=False, backend="torch"):
+            assert settings.get("autotune") is False and settings.get("backend") == "torch"
+            with settings.override(backend="triton"):
+                assert settings.get("backend") == "triton" and settings.get("autotune") is False
+        assert settings.get("autotune") is True
+    finally:
+        settings.reset()
+    assert settings.get("autotune") is False
+    monkeypatch.delenv("MOEBLAZE_AUTOTUNE")
+    assert settings.get("autotune") is True
+    monkeypatch.setenv("MOEBLAZE_PERSISTENT", "1")
+    assert settings.get("persistent") is True
+    monkeypatch.delenv("MOEBLAZE_PERSISTENT")
+    assert settings.get("persistent") is None
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda: settings.get("nope"), "unknown moeblaze setting 'nope'"),
+    (lambda: settings.configure(tma="maybe"), "setting 'tma' must be a boolean"),
+    (lambda: settings.configure(backend="cuda"), "setting 'backend' must be one of"),
+])
+def test_settings_errors(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()
+
+
+def test_settings_bad_environment(monkeypatch):
+    monkeypatch.setenv("MOEBLAZE_TMA", "sometimes")
+    with pytest.raises(ValueError, match="MOEBLAZE_TMA must be a boolean"):
+        settings.get("tma")
+
+
+def test_override_routes_the_backend(monkeypatch):
+    """The ``backend`` setting picks what ``backend="auto"`` runs (here: a bad value is refused by name)."""
+    import torch
+
+    x = torch.randn(4, 8)
+    ids = torch.zeros(4, 1, dtype=torch.int32)
+    w = torch.ones(4, 1)
+    w1, w2 = torch.randn(2, 16, 8), torch.randn(2, 8, 8)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with settings.override(backend="triton"), pytest.raises(ValueError, match="backend='triton' needs CUDA"):
+        moeblaze.moe_experts(x, ids, w, w1, w2)
+    with settings.override(backend="torch"):
+        assert moeblaze.moe_experts(x, ids, w, w1, w2).shape == (4, 8)
