@@ -42,22 +42,27 @@ def _check(name: str, actual: torch.Tensor, ref64: torch.Tensor, baseline: torch
                                   magnitude=None if magnitude is None else magnitude.cpu())
 
 
+_EXPERT_WEIGHTS = ("w_gate_up", "w_up", "w_down")
+
+
 def _single_process(moe: moeblaze.MoE, x: torch.Tensor, dout: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Output, aux loss and the gradients of ``out . dout + aux`` of a (non-parallel) layer."""
+    """Output, aux loss and every gradient (by parameter name) of ``out . dout + aux`` of a non-parallel layer."""
     x = x.detach().clone().requires_grad_()
     out = moe(x)
     torch.autograd.backward([out, moe.aux_loss], [dout.to(out.dtype), torch.ones_like(moe.aux_loss)])
-    return {"out": out.detach(), "aux": moe.aux_loss.detach(), "dx": x.grad, "router": moe.router.weight.grad,
-            "w1": moe.w1.grad, "w_down": moe.w_down.grad}
+    grads = {name: p.grad for name, p in moe.named_parameters()}
+    return {"out": out.detach(), "aux": moe.aux_loss.detach(), "dx": x.grad, **grads}
 
 
 def ep_case(rank: int, world: int, tokens: list[int], E: int, K: int, d: int, h: int, seed: int,
-            dtype: torch.dtype = torch.float64, activation: str = "swiglu", score_func: str = "softmax",
-            save: str = "preact", backend: str = "torch", one_remote_expert: bool = False) -> None:
-    """EP layer over all ranks (``tokens[r]`` tokens on rank r) against one process on all tokens."""
+            dtype: torch.dtype = torch.float64, backend: str = "torch", one_remote_expert: bool = False,
+            **options) -> None:
+    """EP layer over all ranks (``tokens[r]`` tokens on rank r) against one process on all tokens.
+
+    ``options``: more :class:`moeblaze.MoE` arguments (activation, score function, save mode, router
+    options, a shared expert)."""
     dev = _device()
-    kw = {"activation": activation, "score_func": score_func, "save": save, "aux_loss_coef": 0.05,
-          "z_loss_coef": 0.01}
+    kw = {"aux_loss_coef": 0.05, "z_loss_coef": 0.01, **options}
     torch.manual_seed(seed)  # the same full weights and tokens on every rank
     ref = moeblaze.MoE(d, h, E, 1 if one_remote_expert else K, backend="torch", dtype=torch.float64, **kw)
     T = sum(tokens)
@@ -76,10 +81,10 @@ def ep_case(rank: int, world: int, tokens: list[int], E: int, K: int, d: int, h:
     ep = moeblaze.MoE(d, h, E, ref.top_k, backend=backend, device=dev, dtype=dtype, ep_group=dist.group.WORLD,
                       **kw)
     sl = slice(ep.ep.first_expert, ep.ep.first_expert + ep.ep.num_local_experts)
+    ref_params = dict(ref.named_parameters())
     with torch.no_grad():
-        ep.router.weight.copy_(ref.router.weight)
-        ep.w1.copy_(ref.w1[sl])
-        ep.w_down.copy_(ref.w_down[sl])
+        for name, p in ep.named_parameters():
+            p.copy_(ref_params[name][sl] if name in _EXPERT_WEIGHTS else ref_params[name])
     first = sum(tokens[:rank])
     mine = slice(first, first + tokens[rank])
     x = x_all[mine].to(dev, dtype).requires_grad_()
@@ -90,27 +95,29 @@ def ep_case(rank: int, world: int, tokens: list[int], E: int, K: int, d: int, h:
     # Weighting rank r's aux loss by T_r / T makes the sum over ranks the single-process loss exactly.
     aux_w = tokens[rank] / T
     torch.autograd.backward([out, ep.aux_loss], [dout_all[mine].to(dev, dtype), torch.full_like(ep.aux_loss, aux_w)])
-    router_grad = ep.router.weight.grad.double()
-    # The ranks' router gradients can cancel in the sum (all tokens on one expert): the rule's floor
-    # scales with the sum of their magnitudes.
-    router_mag = router_grad.abs()
     aux = (ep.aux_loss.detach().double() * aux_w).reshape(1)
-    for t in (router_grad, router_mag, aux):
-        dist.all_reduce(t)  # summed in float64, then checked in the dtype each rank computed it in
-    router_grad, aux = router_grad.to(ep.router.weight.grad.dtype), aux.to(ep.aux_loss.dtype)
+    dist.all_reduce(aux)
 
-    def pick(res, key, s):
+    def pick(res, key, s=slice(None)):
         return None if res is None else res[key][s]
 
     _check("out", out, r64["out"][mine], pick(low, "out", mine))
     _check("dx", x.grad, r64["dx"][mine], pick(low, "dx", mine))
-    _check("dw_gate_up", ep.w1.grad, r64["w1"][sl], pick(low, "w1", sl))
-    _check("dw_down", ep.w_down.grad, r64["w_down"][sl], pick(low, "w_down", sl))
-    if not (one_remote_expert and low is not None):  # saturated softmax (p ~ 1): a gradient of ~0, all rounding
-        _check("router grad (summed over ranks)", router_grad, r64["router"], pick(low, "router", slice(None)),
-               router_mag)
-    _check("aux loss (sum of T_r/T-weighted)", aux, r64["aux"].reshape(1),
+    _check("aux loss (sum of T_r/T-weighted)", aux.to(ep.aux_loss.dtype), r64["aux"].reshape(1),
            None if low is None else low["aux"].reshape(1))
+    for name, p in ep.named_parameters():
+        if name in _EXPERT_WEIGHTS:
+            _check(f"d{name}", p.grad, r64[name][sl], pick(low, name, sl))
+            continue
+        # Replicated parameters (router, shared expert): each rank holds its tokens' share, summed in
+        # float64 and checked in the dtype the ranks computed it in. The shares can cancel in the sum:
+        # the rule's floor scales with the sum of their magnitudes.
+        grad, mag = p.grad.double(), p.grad.double().abs()
+        dist.all_reduce(grad)
+        dist.all_reduce(mag)
+        if name == "router.weight" and one_remote_expert and low is not None:
+            continue  # saturated softmax (p ~ 1): a router gradient of ~0, all rounding
+        _check(f"d{name} (summed over ranks)", grad.to(p.grad.dtype), r64[name], pick(low, name), mag)
 
 
 def ep_cases(rank: int, world: int, cases: list[dict]) -> None:
@@ -157,15 +164,24 @@ def _loss(model: torch.nn.Module, idx: torch.Tensor) -> torch.Tensor:
     return ce + moeblaze.aux_loss(model)
 
 
-def fsdp_equal(rank: int, world: int, shape: tuple[int, ...], names: tuple[str, ...], seqs_per_rank: int = 2) -> None:
-    """FSDP2 (1-D) or FSDP2 + EP (2-D ``(dp_shard, ep)``) on a small MoE transformer: loss and every
-    gradient equal one process on the whole batch (float64)."""
+def fsdp_equal(rank: int, world: int, shape: tuple[int, ...], names: tuple[str, ...], shared_d_ff: int = 0,
+               seqs_per_rank: int = 2) -> None:
+    """FSDP2 (1-D) or FSDP2 + EP (2-D ``(dp_shard, ep)``) on a small MoE transformer (its MoE layers with a
+    shared expert of ``shared_d_ff`` when > 0): loss and every gradient equal one process on the whole
+    batch (float64)."""
     dev = _device()
     mesh = init_device_mesh(dev.type, shape, mesh_dim_names=names)
     torch.manual_seed(7)
     # The router's load-balancing loss counts over the EP group (over the rank's own tokens without EP);
     # its mean over ranks is the single-process loss only when that group is the whole world.
-    model = MoETransformer(_tiny_config(aux="ep" in names and mesh["ep"].size() == world)).to(dev, torch.float64)
+    cfg = _tiny_config(aux="ep" in names and mesh["ep"].size() == world)
+    model = MoETransformer(cfg)
+    if shared_d_ff:
+        for block in model.blocks:
+            block.moe = moeblaze.MoE(cfg.d_model, cfg.d_ff, cfg.num_experts, cfg.top_k, backend=cfg.backend,
+                                     aux_loss_coef=cfg.aux_loss_coef, z_loss_coef=cfg.z_loss_coef,
+                                     shared_d_ff=shared_d_ff, shared_gate=True)
+    model = model.to(dev, torch.float64)
     ref = copy.deepcopy(model)
     idx_all = torch.randint(0, 256, (world * seqs_per_rank, 9), device=dev)
     idx = idx_all[rank * seqs_per_rank:(rank + 1) * seqs_per_rank]

@@ -20,6 +20,8 @@ CASES_2 = [
     {"tokens": [5, 3], "E": 4, "K": 1, "d": 16, "h": 8, "one_remote_expert": True},  # all to one remote expert
     {"tokens": [4, 4], "E": 2, "K": 2, "d": 10, "h": 5, "activation": "gelu"},  # K = E, one expert per rank
     {"tokens": [7, 5], "E": 4, "K": 2, "d": 16, "h": 8, "dtype": torch.float32},
+    {"tokens": [6, 5], "E": 8, "K": 2, "d": 16, "h": 8, "score_func": "sigmoid", "n_group": 4, "topk_group": 2,
+     "score_correction_bias": True, "routed_scaling_factor": 2.5, "shared_d_ff": 12},  # DeepSeek-V3 style
 ]
 CASES_4 = [
     {"tokens": [3, 0, 5, 1], "E": 8, "K": 3, "d": 16, "h": 8},
@@ -50,8 +52,9 @@ def test_fsdp2_2_ranks():
 
 
 def test_ep_and_2d_mesh_4_ranks():
-    """EP over 4 ranks; FSDP2 + EP on a (2, 2) mesh: experts sharded over dp_shard inside each EP group."""
-    run_ranks(pw.run_all, 4, [("ep_cases", (CASES_4,)), ("fsdp_equal", ((2, 2), ("dp_shard", "ep")))])
+    """EP over 4 ranks; FSDP2 + EP on a (2, 2) mesh: experts sharded over dp_shard inside each EP group,
+    the router and a shared expert over the whole mesh."""
+    run_ranks(pw.run_all, 4, [("ep_cases", (CASES_4,)), ("fsdp_equal", ((2, 2), ("dp_shard", "ep"), 12))])
 
 
 def test_ep_needs_initialised_distributed():
