@@ -234,15 +234,15 @@ def expert_parallel_forward(moe, x: torch.Tensor, routing) -> tuple[torch.Tensor
     all_counts = _exchange_counts(counts, ep)  # [P, E]
     recv_counts = all_counts[:, ep.first_expert:ep.first_expert + El]  # [P, El]: from rank i to my expert j
     send_splits = counts.view(P, El).sum(1)
+    eti, tim = index.expert_token_indices, index.token_index_map
+    # The send buffers are queued before the host waits for the split sizes, so the device fills them meanwhile.
+    x_send = _GatherSlots.apply(x, eti, tim)  # [N, d], the only copy of x
+    weights = routing.topk_weights.to(x.dtype) if x.dtype == torch.float64 else routing.topk_weights
+    w_send = weights.new_empty(tim.numel()).scatter(0, tim.reshape(-1).long(), weights.reshape(-1))  # slot order
     # The one host synchronisation of the layer: all_to_all_single takes its split sizes as host ints.
     sizes = torch.cat((send_splits, recv_counts.sum(1))).tolist()
     send, recv = sizes[:P], sizes[P:]
     group = ep.group
-
-    eti, tim = index.expert_token_indices, index.token_index_map
-    x_send = _GatherSlots.apply(x, eti, tim)  # [N, d], the only copy of x
-    weights = routing.topk_weights.to(x.dtype) if x.dtype == torch.float64 else routing.topk_weights
-    w_send = weights.new_empty(tim.numel()).scatter(0, tim.reshape(-1).long(), weights.reshape(-1))  # slot order
     x_recv = _all_to_all(x_send, recv, send, group)  # [R, d]: by source rank, then expert
     w_recv = _all_to_all(w_send, recv, send, group)  # [R]
     R = sum(recv)
