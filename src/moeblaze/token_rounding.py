@@ -1,0 +1,165 @@
+"""Token rounding (TR): top-k routing with every expert's token count a multiple of the GEMM's M tile.
+
+SonicMoE (Guo et al., arXiv 2512.14080, §5, Alg. 4). The grouped GEMMs run each expert's slots in M-tiles
+of ``tile`` rows; an expert with ``f_e`` tokens wastes the rest of its last tile (about half a tile per
+expert on average). After top-k token choice, TR makes each count a multiple of the tile: expert e
+either *drops* its lowest-scored top-k tokens of the last partial tile, or *pads* it with its
+highest-scored tokens outside the top-k (the two orderings of Alg. 4: token choice first, then the router
+score within each expert). The target count ``r_e`` per mode, with ``f_e = q*tile + rem``:
+
+``nr``   nearest (SonicMoE's default NR-f): ``(q+1)*tile`` when ``2*rem > tile``, else ``q*tile``
+         (ties drop; SonicMoE 0.1.2's benchmark uses ``torch.round``, half to even, which pads at
+         ties of odd ``q``: a tie needs ``rem == tile/2`` exactly).
+``up``   ``ceil``: pad every partial tile.  ``down``: ``floor``: drop every partial tile.
+``sr``   stochastic: pad with probability ``rem/tile``, else drop (unbiased in expectation; seeded).
+
+A count never exceeds T: an expert whose padded count would pass T drops instead, so every count is
+a multiple of the tile (or 0) and ``|r_e - f_e| < tile``.
+
+Weights (documented choices, SonicMoE's reference as the model): kept top-k pairs keep the router's
+top-k weights as they are (renormalised over the K chosen experts before rounding when the router
+renormalises; not renormalised again after drops, as SonicMoE). Padded pairs carry the router score
+``s[t, e]`` (the softmax probability or sigmoid score, times ``routed_scaling_factor``), differentiable
+like the top-k weights. A token whose pairs are all dropped gets zero MoE output and zero gradient.
+
+No host synchronisation and static shapes: the result always has ``P = T*K + J*E`` pairs with
+``J = min(tile - 1, T)`` padding candidates per expert; dropped and unused pairs carry the expert id
+``E`` (a foreign expert: the index puts them in its extra bucket, no GEMM computes them, they add
+nothing). Evaluation (``model.eval()``) routes with plain top-k.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["ROUNDING_MODES", "TokenRounding", "round_counts", "round_tokens", "tile_multiple"]
+
+ROUNDING_MODES = ("nr", "up", "down", "sr")
+_TORCH_TILE = 128  # the GPU kernels' M tile: the torch backend accepts any tile and defaults to the GPU's
+
+
+def tile_multiple(backend: str = "auto", device: torch.device | str | None = None) -> int:
+    """The M tile (slots per grouped-GEMM row tile) of an expert backend: what token rounding rounds to.
+
+    ``"triton"`` (and ``"auto"`` on CUDA): the kernels' BLOCK_M (128 on the GPU, 32 under
+    ``TRITON_INTERPRET=1``). ``"torch"`` (and ``"auto"`` elsewhere): any tile works; 128, the GPU's.
+
+    Raises:
+        ValueError: an unknown backend.
+    """
+    from .experts import BACKENDS
+
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    cuda = device is not None and torch.device(device).type == "cuda"
+    if backend == "triton" or (backend == "auto" and cuda):
+        try:
+            from .kernels.tuning import block_m
+        except ImportError:
+            return _TORCH_TILE
+        return block_m()
+    return _TORCH_TILE
+
+
+@dataclass
+class TokenRounding:
+    """Rounded routing as general routing inputs (:func:`moeblaze.moe_experts_general`, ``foreign_experts=True``).
+
+    Attributes:
+        token_idx: ``[P]`` int32, ascending. expert_idx: ``[P]`` int32, E for dropped / unused pairs.
+        pair_weights: ``[P]`` float combine weights (differentiable).
+        counts: ``[E]`` int32 rounded token count of each expert (multiples of the tile).
+    """
+
+    token_idx: torch.Tensor
+    expert_idx: torch.Tensor
+    pair_weights: torch.Tensor
+    counts: torch.Tensor
+
+
+def round_counts(counts: torch.Tensor, tile: int, mode: str = "nr", num_tokens: int | None = None,
+                 generator: torch.Generator | None = None) -> torch.Tensor:
+    """Target counts ``[E]`` int32 of token rounding (rules: module docstring), on ``counts``' device.
+
+    Args:
+        counts: ``[E]`` integer top-k token counts ``f_e``. tile: M tile >= 1. mode: one of ``ROUNDING_MODES``.
+        num_tokens: T, the cap (None: no cap). generator: random source of ``sr``.
+
+    Raises:
+        ValueError: unknown mode, ``tile < 1``.
+    """
+    _check_mode_tile(mode, tile)
+    f = counts.to(torch.int32)
+    rem = f % tile
+    base = f - rem
+    if mode == "nr":
+        up = 2 * rem > tile
+    elif mode == "up":
+        up = rem > 0
+    elif mode == "down":
+        up = torch.zeros_like(rem, dtype=torch.bool)
+    else:
+        u = torch.rand(f.shape, generator=generator, device=f.device)
+        up = u * tile < rem
+    target = base + tile * up.to(torch.int32)
+    if num_tokens is not None:
+        target = torch.where(target > num_tokens, base, target)
+    return target
+
+
+def _check_mode_tile(mode: str, tile: int) -> None:
+    if mode not in ROUNDING_MODES:
+        raise ValueError(f"token rounding mode must be one of {ROUNDING_MODES}, got {mode!r}")
+    if not isinstance(tile, int) or isinstance(tile, bool) or tile < 1:
+        raise ValueError(f"tile (the M tile to round to) must be a positive int, got {tile!r}")
+
+
+def round_tokens(scores: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, tile: int,
+                 mode: str = "nr", generator: torch.Generator | None = None,
+                 scale: float = 1.0) -> TokenRounding:
+    """Token rounding of a top-k routing (SonicMoE §5 Alg. 4; rules and weights: module docstring).
+
+    Args:
+        scores: ``[T, E]`` float router scores (softmax probabilities or sigmoid scores), differentiable.
+        topk_ids: ``[T, K]`` integer top-k experts (distinct per row). topk_weights: ``[T, K]`` float.
+        tile: the M tile (:func:`tile_multiple`). mode: ``"nr"``, ``"up"``, ``"down"`` or ``"sr"``.
+        generator: random source of ``"sr"`` (on ``scores``' device). scale: factor of the padded pairs'
+            weights (the router's ``routed_scaling_factor``).
+
+    Returns:
+        :class:`TokenRounding` with ``P = T*K + min(tile - 1, T)*E`` pairs; no host synchronisation.
+
+    Raises:
+        ValueError: unknown mode, ``tile < 1``, shapes that disagree.
+    """
+    _check_mode_tile(mode, tile)
+    if scores.dim() != 2 or topk_ids.dim() != 2 or topk_ids.shape[0] != scores.shape[0]:
+        raise ValueError(f"scores must be [T, E] and topk_ids [T, K], got {tuple(scores.shape)} and "
+                         f"{tuple(topk_ids.shape)}")
+    if tuple(topk_weights.shape) != tuple(topk_ids.shape):
+        raise ValueError(f"topk_weights must have shape {tuple(topk_ids.shape)}, got {tuple(topk_weights.shape)}")
+    (T, E), K, dev = scores.shape, topk_ids.shape[1], scores.device
+    ids = topk_ids.long()
+    f = torch.zeros(E, dtype=torch.int32, device=dev).scatter_add_(
+        0, ids.reshape(-1), torch.ones(T * K, dtype=torch.int32, device=dev))
+    target = round_counts(f, tile, mode, T, generator)
+    drop, pad = (f - target).clamp_min(0), (target - f).clamp_min(0)  # both < tile
+    chosen = torch.zeros(T, E, dtype=torch.bool, device=dev).scatter_(1, ids, True)
+    J = min(tile - 1, T)
+    s = scores.detach()
+    j = torch.arange(J, device=dev)[:, None]
+    # per expert, its J lowest-scored top-k tokens (drop candidates) and J best other tokens (padding)
+    low_tok = s.masked_fill(~chosen, float("inf")).topk(J, dim=0, largest=False).indices  # [J, E]
+    high_tok = s.masked_fill(chosen, float("-inf")).topk(J, dim=0).indices  # [J, E]
+    dropped = torch.zeros(T, E, dtype=torch.bool, device=dev).scatter_(0, low_tok, j < drop[None, :])
+    experts = torch.arange(E, dtype=torch.int32, device=dev)
+    kept_ids = torch.where(dropped.gather(1, ids), E, ids).to(torch.int32)
+    pad_ids = torch.where(j < pad[None, :], experts[None, :], E).to(torch.int32)  # [J, E]
+    pad_w = (scores.gather(0, high_tok) * scale).to(topk_weights.dtype)
+    tok = torch.cat((torch.arange(T, dtype=torch.int32, device=dev).repeat_interleave(K),
+                     high_tok.reshape(-1).to(torch.int32)))
+    order = torch.sort(tok, stable=True).indices  # pairs of a token contiguous; top-k pairs first, in k order
+    return TokenRounding(tok[order], torch.cat((kept_ids.reshape(-1), pad_ids.reshape(-1)))[order],
+                         torch.cat((topk_weights.reshape(-1), pad_w.reshape(-1)))[order], target)
