@@ -3,9 +3,10 @@
 SonicMoE (Guo et al., arXiv 2512.14080, §5, Alg. 4). The grouped GEMMs run each expert's slots in M-tiles
 of ``tile`` rows; an expert with ``f_e`` tokens wastes the rest of its last tile (about half a tile per
 expert on average). After top-k token choice, TR makes each count a multiple of the tile: expert e
-either *drops* its lowest-scored top-k tokens of the last partial tile, or *pads* it with its
-highest-scored tokens outside the top-k (the two orderings of Alg. 4: token choice first, then the router
-score within each expert). The target count ``r_e`` per mode, with ``f_e = q*tile + rem``:
+either *drops* the top-k tokens of its last partial tile with the lowest top-k weights, or *pads* it
+with its highest-scored tokens outside the top-k (the two orderings of Alg. 4: token choice first, then
+the router's weight within each expert; as SonicMoE, top-k tokens rank by their top-k weight, the
+others by their score). The target count ``r_e`` per mode, with ``f_e = q*tile + rem``:
 
 ``nr``   nearest (SonicMoE's default NR-f): ``(q+1)*tile`` when ``2*rem > tile``, else ``q*tile``
          (ties drop; SonicMoE 0.1.2's benchmark uses ``torch.round``, half to even, which pads at
@@ -148,11 +149,12 @@ def round_tokens(scores: torch.Tensor, topk_ids: torch.Tensor, topk_weights: tor
     drop, pad = (f - target).clamp_min(0), (target - f).clamp_min(0)  # both < tile
     chosen = torch.zeros(T, E, dtype=torch.bool, device=dev).scatter_(1, ids, True)
     J = min(tile - 1, T)
-    s = scores.detach()
     j = torch.arange(J, device=dev)[:, None]
-    # per expert, its J lowest-scored top-k tokens (drop candidates) and J best other tokens (padding)
-    low_tok = s.masked_fill(~chosen, float("inf")).topk(J, dim=0, largest=False).indices  # [J, E]
-    high_tok = s.masked_fill(chosen, float("-inf")).topk(J, dim=0).indices  # [J, E]
+    # per expert, its J top-k tokens of lowest top-k weight (drop candidates; SonicMoE orders the top-k
+    # tokens by their renormalised weights) and its J best-scored other tokens (padding candidates)
+    tk = torch.full((T, E), float("inf"), device=dev).scatter_(1, ids, topk_weights.detach().float())
+    low_tok = tk.topk(J, dim=0, largest=False).indices  # [J, E]
+    high_tok = scores.detach().masked_fill(chosen, float("-inf")).topk(J, dim=0).indices  # [J, E]
     dropped = torch.zeros(T, E, dtype=torch.bool, device=dev).scatter_(0, low_tok, j < drop[None, :])
     experts = torch.arange(E, dtype=torch.int32, device=dev)
     kept_ids = torch.where(dropped.gather(1, ids), E, ids).to(torch.int32)
