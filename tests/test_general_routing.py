@@ -108,7 +108,8 @@ def test_pair_index_contract(foreign):
     counts = torch.bincount(exp.long(), minlength=E + 1)[: E + foreign]
     assert torch.equal(idx.expert_token_offsets.diff(), counts.to(torch.int32))
     assert torch.equal(idx.pair_offsets, torch.searchsorted(tok, torch.arange(T + 1, dtype=torch.int32)).int())
-    assert idx.schedule is not None and int(idx.schedule.num_tiles) == int((counts[:E] + 3).div(4, rounding_mode="floor").sum())
+    tiles = (counts[:E] + 3).div(4, rounding_mode="floor").sum()
+    assert idx.schedule is not None and int(idx.schedule.num_tiles) == int(tiles)
 
 
 def test_tokens_without_pairs_and_no_pairs_at_all():
