@@ -69,7 +69,17 @@ def test_pairs_equal_topk_bitwise_fp32(backend, save, K, bias, monkeypatch):
 @pytest.mark.parametrize("save", ["preact", "input"])
 def test_ragged_pairs_match_float64_reference(backend, dtype, save, monkeypatch):
     _backend(backend, monkeypatch)
-    T, d, h, E = 19, 32, 16, 5
+    check_ragged_pairs(backend, dtype, save, "cpu", 19, 32, 16, 5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("save", ["preact", "input"])
+@pytest.mark.parametrize("T,d,h,E", [(19, 32, 16, 5), (700, 256, 128, 24)])
+def test_gpu_ragged_pairs_bf16(save, T, d, h, E):
+    check_ragged_pairs("triton", torch.bfloat16, save, "cuda", T, d, h, E)
+
+
+def check_ragged_pairs(backend, dtype, save, device, T, d, h, E):
     gen = torch.Generator().manual_seed(7)
     tok, exp = ragged_pairs(T, E, gen)
     inp = make_expert_inputs(T, d, h, E, 1, dtype=dtype, seed=11, bias=True)
@@ -77,14 +87,17 @@ def test_ragged_pairs_match_float64_reference(backend, dtype, save, monkeypatch)
     names = ("x", "w_gate_up", "w_down", "b_gate_up", "b_down")
 
     def run(kind, dt):
-        leaves = [inp[n].detach().to(dt).requires_grad_() for n in names]
-        w = pw.to(dt if kind == "ref" else torch.float32).requires_grad_()
+        dev = device if kind == "ours" else "cpu"
+        leaves = [inp[n].detach().to(dev, dt).requires_grad_() for n in names]
+        w = pw.to(dev, dt if kind == "ref" else torch.float32).requires_grad_()
         x, w1, w2, b1, b2 = leaves
         if kind == "ref":
             out = pairs_reference(x, tok, exp, w, w1, w2, b1=b1, b2=b2)
         else:
-            out = moe_experts_general(x, tok, exp, w, w1, w2, save=save, backend=backend, b_gate_up=b1, b_down=b2)
-        return (out.detach(), *torch.autograd.grad(out, [*leaves, w], dout.to(out.dtype)))
+            out = moe_experts_general(x, tok.to(dev), exp.to(dev), w, w1, w2, save=save, backend=backend,
+                                      b_gate_up=b1, b_down=b2)
+        grads = torch.autograd.grad(out, [*leaves, w], dout.to(dev, out.dtype))
+        return tuple(t.detach().cpu() for t in (out, *grads))
 
     dout = torch.randn(T, d, generator=gen)
     ref, base, got = run("ref", torch.float64), run("ref", dtype), run("ours", dtype)
