@@ -170,3 +170,22 @@ def test_gpu_token_rounding_layer_bf16_no_host_sync(mode):
         expect = ref(x)
         err = (out.float() - expect.float()).norm() / expect.float().norm()
         assert err < 2e-2
+
+
+def test_train_routing_flag(tmp_path):
+    from moeblaze.cli import main
+    from moeblaze.model import ModelConfig, MoETransformer, token_rounding_mode
+
+    data = tmp_path / "corpus.txt"
+    data.write_text("def f(x):\n    return x + 1\n" * 400)
+    tiny = ["--seq-len", "32", "--d-model", "32", "--n-layers", "1", "--n-heads", "2", "--d-ff", "32",
+            "--num-experts", "4", "--top-k", "2", "--batch-size", "8", "--eval-tokens", "256", "--warmup-steps", "1",
+            "--no-progress", "--threads", "2", "--steps", "3", "--data", str(data)]
+    with pytest.raises(SystemExit) as exc:
+        main(["train", *tiny, "--routing", "token-rounding:up", "--out-dir", str(tmp_path / "tr")])
+    assert exc.value.code == 0
+    assert token_rounding_mode("token-rounding") == "nr" and token_rounding_mode("topk") is None
+    model = MoETransformer(ModelConfig(seq_len=32, d_model=32, n_layers=1, n_heads=2, routing="token-rounding:sr"))
+    assert [m.token_rounding for m in model.moe_layers()] == ["sr"]
+    with pytest.raises(ValueError, match="routing must be 'topk' or 'token-rounding"):
+        ModelConfig(routing="token-rounding:ceil")
