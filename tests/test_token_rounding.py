@@ -189,3 +189,24 @@ def test_train_routing_flag(tmp_path):
     assert [m.token_rounding for m in model.moe_layers()] == ["sr"]
     with pytest.raises(ValueError, match="routing must be 'topk' or 'token-rounding"):
         ModelConfig(routing="token-rounding:ceil")
+
+
+@pytest.mark.parametrize("stage", ["speed", "quality"])
+def test_benchmark_script_smoke(stage, tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_token_rounding.py"
+    extra = ["--out", str(tmp_path / "speed.csv")] if stage == "speed" else ["--out-dir", str(tmp_path)]
+    proc = subprocess.run([sys.executable, str(script), stage, "--smoke", *extra], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    csv_file = tmp_path / ("speed.csv" if stage == "speed" else "curves.csv")
+    lines = csv_file.read_text().splitlines()
+    if stage == "speed":
+        assert lines[0].startswith("date,device,T,d,h,E,K,tile") and len(lines) == 1 + 2 * 4
+        assert {line.split(",")[9] for line in lines[1:]} == {"topk", "tr-nr", "ceiling", "pairs-moeblaze"}
+    else:
+        assert lines[0] == "routing,step,train_loss,val_bpb" and len(lines) == 1 + 2 * 4
+        assert "token rounding nr" in proc.stdout
