@@ -152,9 +152,12 @@ def round_tokens(scores: torch.Tensor, topk_ids: torch.Tensor, topk_weights: tor
     j = torch.arange(J, device=dev)[:, None]
     # per expert, its J top-k tokens of lowest top-k weight (drop candidates; SonicMoE orders the top-k
     # tokens by their renormalised weights) and its J best-scored other tokens (padding candidates)
-    tk = torch.full((T, E), float("inf"), device=dev).scatter_(1, ids, topk_weights.detach().float())
-    low_tok = tk.topk(J, dim=0, largest=False).indices  # [J, E]
-    high_tok = scores.detach().masked_fill(chosen, float("-inf")).topk(J, dim=0).indices  # [J, E]
+    # [E, T] layouts: top-J along the contiguous dimension (torch.topk over dim 0 of [T, E] walks strided rows)
+    tk = torch.full((E, T), float("inf"), device=dev)
+    tk[ids.t().reshape(-1), torch.arange(T, device=dev).repeat(K)] = topk_weights.detach().t().reshape(-1).float()
+    low_tok = tk.topk(J, dim=1, largest=False).indices.t()  # [J, E]
+    other = scores.detach().t().masked_fill(chosen.t(), float("-inf"))
+    high_tok = other.topk(J, dim=1).indices.t()  # [J, E]
     dropped = torch.zeros(T, E, dtype=torch.bool, device=dev).scatter_(0, low_tok, j < drop[None, :])
     experts = torch.arange(E, dtype=torch.int32, device=dev)
     kept_ids = torch.where(dropped.gather(1, ids), E, ids).to(torch.int32)

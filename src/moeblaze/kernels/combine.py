@@ -41,23 +41,24 @@ def gather_sum_kernel(
         first = tl.load(pair_off_ptr + rows_t, mask=t_mask, other=0)
         count = tl.load(pair_off_ptr + rows_t + 1, mask=t_mask, other=0) - first
         n_k = tl.max(count, axis=0)
-        rows_t = first.to(tl.int64)
+        pair_row = first.to(tl.int64)
     else:
         n_k = K
+        pair_row = rows_t
     for k in range(n_k):
         k_mask = t_mask
+        v_mask = mask
         if CSR:
             k_mask = t_mask & (k < count)
-        slot = tl.load(map_ptr + rows_t * stride_map_t + k * stride_map_k, mask=k_mask, other=0).to(tl.int64)
-        v_mask = mask & k_mask[:, None]
+            v_mask = mask & k_mask[:, None]
+        slot = tl.load(map_ptr + pair_row * stride_map_t + k * stride_map_k, mask=k_mask, other=0).to(tl.int64)
         if HAS_LIMIT:
             v_mask = v_mask & (slot < local)[:, None]
         v = tl.load(src_ptr + slot[:, None] * stride_src_m + offs_d[None, :], mask=v_mask, other=0.0).to(tl.float32)
         if HAS_W:
-            w = tl.load(w_ptr + rows_t * stride_w_t + k * stride_w_k, mask=k_mask, other=0.0).to(tl.float32)
+            w = tl.load(w_ptr + pair_row * stride_w_t + k * stride_w_k, mask=k_mask, other=0.0).to(tl.float32)
             v = v * w[:, None]
         acc += v
-    rows_t = offs_t.to(tl.int64)
     tl.store(out_ptr + rows_t[:, None] * stride_out_t + offs_d[None, :], acc.to(out_ptr.dtype.element_ty),
              mask=mask)
 
