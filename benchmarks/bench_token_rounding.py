@@ -31,6 +31,7 @@ import datetime
 import re
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -198,7 +199,8 @@ def run_quality(args) -> int:
     for routing in ("topk", "token-rounding:nr"):
         tiny = dict(seq_len=32, d_model=32, n_layers=1, n_heads=2, d_ff=32) if args.smoke else {}
         mcfg = ModelConfig(routing=routing, backend="torch" if args.smoke else "triton", **tiny)
-        cfg = TrainConfig(out_dir=str(out / routing.replace(":", "-")), steps=args.steps, seed=args.seed,
+        ckpt = tempfile.mkdtemp(prefix=f"tr_quality_{routing.replace(':', '-')}_")  # checkpoints stay out of --out-dir
+        cfg = TrainConfig(out_dir=ckpt, steps=args.steps, seed=args.seed, checkpoint_interval=0,
                           device="cpu" if args.smoke else "cuda", overwrite=True, progress=False,
                           **(dict(batch_size=8, eval_interval=2, eval_tokens=256, warmup_steps=1) if args.smoke
                              else dict(eval_interval=args.eval_interval)))

@@ -9,6 +9,8 @@
 #              kernel cache taken from .peers/quack_cache.tgz and left in $OUT/quack_cache.tgz)
 #   precision  benchmarks/bench_precision.py $PRECISION_ARGS (AMP, fp32 TF32/IEEE, the train preset per --precision)
 #   train      moeblaze train on the GPU, torch vs triton backend loss curves ($TRAIN_BACKENDS: which of the two, default both)
+#   tr         benchmarks/bench_token_rounding.py speed (token rounding vs top-k vs the ceiling, SonicMoE fed the same pairs)
+#   trq        benchmarks/bench_token_rounding.py quality (moeblaze train with top-k and with token rounding nr)
 # Logs, CSVs and plots go to /tmp/gpu_out, packed at the end into $OUT/gpu_results.tgz (the device
 # tool brings back at most 8 files).
 set -uo pipefail
@@ -56,6 +58,14 @@ for stage in "$@"; do
       for b in ${TRAIN_BACKENDS:-torch triton}; do
         run "train_$b" timeout "${TRAIN_TIMEOUT:-600}" python3 -m moeblaze.cli train --device cuda --backend "$b" --no-progress --overwrite --out-dir "/tmp/run_$b"
       done ;;
+    tr)  # SonicMoE's moe_general_routing_inputs row needs .peers/ (and its QuACK cache, as the bench stage)
+      if [[ -f .peers/install.sh ]]; then source .peers/install.sh /tmp/peers >/dev/null; fi
+      export QUACK_CACHE_DIR="${QUACK_CACHE_DIR:-/tmp/quack_cache}" QUACK_CACHE_AUTOTUNING=1
+      mkdir -p "$QUACK_CACHE_DIR"
+      if [[ -f .peers/quack_cache.tgz ]]; then tar -xzf .peers/quack_cache.tgz -C "$QUACK_CACHE_DIR"; fi
+      run bench_tr timeout "${TR_TIMEOUT:-580}" python3 benchmarks/bench_token_rounding.py speed --out "$OUT/token_rounding.csv" ;;
+    trq) run tr_quality timeout "${TRAIN_TIMEOUT:-580}" python3 benchmarks/bench_token_rounding.py quality \
+          --out-dir "$OUT/tr_quality" ;;
     *) echo "unknown stage $stage"; status=2 ;;
   esac
 done
