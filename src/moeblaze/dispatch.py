@@ -33,6 +33,10 @@ ids ``>= E`` name experts of other ranks. They are clamped to E and built as one
 ``token_expert_indices`` holds E for those pairs, and slots ``>= offsets[E]`` are foreign. The tile
 schedule covers the E local experts only (``local_offsets``), so no GEMM ever touches a foreign slot.
 
+General routing inputs (``moeblaze.general_routing.build_dispatch_pairs``): P pairs in any number per
+token; slots are pairs, ``token_expert_indices`` and ``token_index_map`` are ``[P]`` (pair order, tokens
+ascending), and ``pair_offsets [T+1]`` (a CSR) delimits each token's pairs for the combines.
+
 The PyTorch build here is the CPU path and the reference for the Triton build (``kernels.dispatch``):
 per-expert counts, an exclusive prefix sum, per-expert ranks from a running one-hot count — no
 ``sort``/``argsort`` and no atomics.
@@ -129,7 +133,12 @@ class DispatchIndex:
 
     @property
     def top_k(self) -> int:
-        """K, experts per token."""
+        """K, experts per token.
+
+        Raises:
+            ValueError: a general-routing index (pairs per token vary; see ``pair_offsets``)."""
+        if self.pair_offsets is not None:
+            raise ValueError("an index of general routing inputs has no fixed K (pairs per token vary)")
         return self.token_index_map.shape[1]
 
     @property
