@@ -147,16 +147,17 @@ def round_tokens(scores: torch.Tensor, topk_ids: torch.Tensor, topk_weights: tor
         0, ids.reshape(-1), torch.ones(T * K, dtype=torch.int32, device=dev))
     target = round_counts(f, tile, mode, T, generator)
     drop, pad = (f - target).clamp_min(0), (target - f).clamp_min(0)  # both < tile
-    chosen = torch.zeros(T, E, dtype=torch.bool, device=dev).scatter_(1, ids, True)
     J = min(tile - 1, T)
     j = torch.arange(J, device=dev)[:, None]
     # per expert, its J top-k tokens of lowest top-k weight (drop candidates; SonicMoE orders the top-k
-    # tokens by their renormalised weights) and its J best-scored other tokens (padding candidates)
+    # tokens by their renormalised weights) and its J best-scored other tokens (padding candidates), on
     # [E, T] layouts: top-J along the contiguous dimension (torch.topk over dim 0 of [T, E] walks strided rows)
+    pair_e, pair_t = ids.t().reshape(-1), torch.arange(T, device=dev).repeat(K)  # the T*K chosen (e, t)
     tk = torch.full((E, T), float("inf"), device=dev)
-    tk[ids.t().reshape(-1), torch.arange(T, device=dev).repeat(K)] = topk_weights.detach().t().reshape(-1).float()
+    tk[pair_e, pair_t] = topk_weights.detach().t().reshape(-1).float()
     low_tok = tk.topk(J, dim=1, largest=False).indices.t()  # [J, E]
-    other = scores.detach().t().masked_fill(chosen.t(), float("-inf"))
+    other = scores.detach().t().contiguous()
+    other[pair_e, pair_t] = float("-inf")
     high_tok = other.topk(J, dim=1).indices.t()  # [J, E]
     dropped = torch.zeros(T, E, dtype=torch.bool, device=dev).scatter_(0, low_tok, j < drop[None, :])
     experts = torch.arange(E, dtype=torch.int32, device=dev)
