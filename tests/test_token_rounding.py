@@ -210,3 +210,16 @@ def test_benchmark_script_smoke(stage, tmp_path):
     else:
         assert lines[0] == "routing,step,train_loss,val_bpb" and len(lines) == 1 + 2 * 4
         assert "token rounding nr" in proc.stdout
+
+
+def test_token_rounding_layer_compiles_fullgraph(monkeypatch):
+    """``torch.compile(fullgraph=True)`` over the layer with rounding (the general-routing custom ops' fakes)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    torch.manual_seed(0)
+    layer = MoE(32, 16, 4, 2, backend="triton", token_rounding="nr", rounding_tile=8)
+    x = torch.randn(2, 19, 32, requires_grad=True)
+    ref = layer(x)
+    (gx_ref,) = torch.autograd.grad(ref.square().sum(), x)
+    out = torch.compile(layer, fullgraph=True, backend="aot_eager")(x)
+    (gx,) = torch.autograd.grad(out.square().sum(), x)
+    assert torch.equal(out, ref) and torch.equal(gx, gx_ref)
