@@ -5,6 +5,7 @@ timed step, per variant on the same weights and inputs:
 
 ``topk``            the layer as it is (random top-k routing from its router)
 ``tr-nr``           the layer with ``token_rounding="nr"`` (router + rounding + general routing path)
+``tr-nr-eager``     the same with the rounding's PyTorch ops run eagerly (``compile_rounding=off``)
 ``ceiling``         the router runs, then the experts take a fixed routing whose every expert count is a
                     multiple of the M tile with no imbalance (as equal as multiples of the tile allow): the
                     most rounding can give
@@ -37,7 +38,7 @@ from pathlib import Path
 
 import torch
 
-from moeblaze import MoE, build_dispatch, moe_experts, moe_experts_general, round_tokens, tile_multiple
+from moeblaze import MoE, build_dispatch, moe_experts, moe_experts_general, round_tokens, settings, tile_multiple
 from moeblaze.experts import schedule_block_m
 
 SHAPES = [(16384, 1536, 1024, 128, 2), (16384, 4096, 1024, 256, 4), (16384, 2048, 512, 512, 10)]
@@ -92,11 +93,12 @@ def layer_steps(shape, device, dtype, backend, tile=None):
         for p in params:
             p.grad = None
 
-    def layer(mode):
+    def layer(mode, compiled=None):
         def step():
             clear()
             moe.token_rounding = mode
-            moe(x).backward(dout)
+            with settings.override(compile_rounding=compiled):
+                moe(x).backward(dout)
         return step
 
     def ceiling():
@@ -116,7 +118,8 @@ def layer_steps(shape, device, dtype, backend, tile=None):
         clear()
         moe_experts_general(x, *pairs, moe.w1, moe.w_down, backend=backend).backward(dout)
 
-    steps = {"topk": layer(None), "tr-nr": layer("nr"), "ceiling": ceiling, "pairs-moeblaze": pairs_moeblaze}
+    steps = {"topk": layer(None), "tr-nr": layer("nr"), "tr-nr-eager": layer("nr", False), "ceiling": ceiling,
+             "pairs-moeblaze": pairs_moeblaze}
     sonic = sonic_step(x, pairs, moe, dout, clear) if device == "cuda" else None
     if sonic is not None:
         steps["pairs-sonicmoe"] = sonic

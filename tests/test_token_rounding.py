@@ -205,8 +205,9 @@ def test_benchmark_script_smoke(stage, tmp_path):
     csv_file = tmp_path / ("speed.csv" if stage == "speed" else "curves.csv")
     lines = csv_file.read_text().splitlines()
     if stage == "speed":
-        assert lines[0].startswith("date,device,T,d,h,E,K,tile") and len(lines) == 1 + 2 * 4
-        assert {line.split(",")[9] for line in lines[1:]} == {"topk", "tr-nr", "ceiling", "pairs-moeblaze"}
+        assert lines[0].startswith("date,device,T,d,h,E,K,tile") and len(lines) == 1 + 2 * 5
+        assert {line.split(",")[9] for line in lines[1:]} == {"topk", "tr-nr", "tr-nr-eager", "ceiling",
+                                                              "pairs-moeblaze"}
     else:
         assert lines[0] == "routing,step,train_loss,val_bpb" and len(lines) == 1 + 2 * 4
         assert "token rounding nr" in proc.stdout
@@ -223,3 +224,16 @@ def test_token_rounding_layer_compiles_fullgraph(monkeypatch):
     out = torch.compile(layer, fullgraph=True, backend="aot_eager")(x)
     (gx,) = torch.autograd.grad(out.square().sum(), x)
     assert torch.equal(out, ref) and torch.equal(gx, gx_ref)
+
+
+def test_compiled_rounding_is_bitwise_eager():
+    """``compile_rounding`` (on by default on CUDA): the Inductor-compiled rounding equals the eager one."""
+    from moeblaze import settings
+    from moeblaze.token_rounding import round_tokens_fused
+
+    scores, ids, w = routing(64, 8, 2, 4)
+    eager = round_tokens(scores, ids, w, 8, "nr", scale=2.5)
+    with settings.override(compile_rounding=True):
+        fused = round_tokens_fused(scores, ids, w, 8, "nr", scale=2.5)
+    for name in ("token_idx", "expert_idx", "pair_weights", "counts"):
+        assert torch.equal(getattr(fused, name), getattr(eager, name)), name

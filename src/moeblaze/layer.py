@@ -13,7 +13,7 @@ from .dispatch import build_dispatch
 from .experts import BACKENDS, SAVE_MODES, moe_experts, schedule_block_m
 from .general_routing import build_dispatch_pairs, moe_experts_general
 from .routing import Router
-from .token_rounding import ROUNDING_MODES, round_tokens, tile_multiple
+from .token_rounding import ROUNDING_MODES, round_tokens_fused, tile_multiple
 
 __all__ = ["MoE", "SharedExpert", "aux_loss"]
 
@@ -226,8 +226,8 @@ class MoE(nn.Module):
             if self._rounding_gen is None or self._rounding_gen.device != x2.device:
                 self._rounding_gen = torch.Generator(x2.device).manual_seed(self.rounding_seed)
             gen = self._rounding_gen
-        r = round_tokens(routing.scores, routing.topk_ids, topk_weights, tile, self.token_rounding, gen,
-                         self.router.routed_scaling_factor)
+        r = round_tokens_fused(routing.scores, routing.topk_ids, topk_weights, tile, self.token_rounding, gen,
+                               self.router.routed_scaling_factor)
         index = build_dispatch_pairs(r.token_idx, r.expert_idx, x2.shape[0], self.num_experts, validate=False,
                                      block_m=schedule_block_m(self.backend, x2), foreign_experts=True)
         return moe_experts_general(x2, r.token_idx, r.expert_idx, r.pair_weights, self.w1, self.w_down,

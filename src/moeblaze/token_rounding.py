@@ -31,11 +31,14 @@ nothing). Evaluation (``model.eval()``) routes with plain top-k.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 
-__all__ = ["ROUNDING_MODES", "TokenRounding", "round_counts", "round_tokens", "tile_multiple"]
+from . import settings
+
+__all__ = ["ROUNDING_MODES", "TokenRounding", "round_counts", "round_tokens", "round_tokens_fused", "tile_multiple"]
 
 ROUNDING_MODES = ("nr", "up", "down", "sr")
 _TORCH_TILE = 128  # the GPU kernels' M tile: the torch backend accepts any tile and defaults to the GPU's
@@ -169,3 +172,26 @@ def round_tokens(scores: torch.Tensor, topk_ids: torch.Tensor, topk_weights: tor
     order = torch.sort(tok, stable=True).indices  # pairs of a token contiguous; top-k pairs first, in k order
     return TokenRounding(tok[order], torch.cat((kept_ids.reshape(-1), pad_ids.reshape(-1)))[order],
                          torch.cat((topk_weights.reshape(-1), pad_w.reshape(-1)))[order], target)
+
+
+@functools.cache
+def _compiled_round_tokens():
+    return torch.compile(round_tokens, fullgraph=True, dynamic=False)
+
+
+def round_tokens_fused(scores: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, tile: int,
+                       mode: str = "nr", generator: torch.Generator | None = None,
+                       scale: float = 1.0) -> TokenRounding:
+    """:func:`round_tokens` through ``torch.compile`` (Inductor fuses its ~40 small element-wise, gather and
+    scatter launches into a few; ``topk`` and ``sort`` stay library calls) where the ``compile_rounding``
+    setting says so (``auto``: on CUDA); the same result bitwise (integer selections; the padded weights
+    are one gather and one product). ``"sr"`` (a ``torch.Generator`` argument) and calls already inside
+    ``torch.compile`` run :func:`round_tokens` itself. The first call per shape compiles (seconds).
+    """
+    if torch.compiler.is_compiling() or mode == "sr":  # settings.get reads a ContextVar: not traceable
+        return round_tokens(scores, topk_ids, topk_weights, tile, mode, generator, scale)
+    use = settings.get("compile_rounding")
+    if scores.is_cuda if use is None else use:
+        _check_mode_tile(mode, tile)
+        return _compiled_round_tokens()(scores, topk_ids, topk_weights, tile, mode, None, scale)
+    return round_tokens(scores, topk_ids, topk_weights, tile, mode, generator, scale)
