@@ -23,10 +23,10 @@ renormalises; not renormalised again after drops, as SonicMoE). Padded pairs car
 ``s[t, e]`` (the softmax probability or sigmoid score, times ``routed_scaling_factor``), differentiable
 like the top-k weights. A token whose pairs are all dropped gets zero MoE output and zero gradient.
 
-No host synchronisation and static shapes: the result always has ``P = T*K + J*E`` pairs with
-``J = min(tile - 1, T)`` padding candidates per expert; dropped and unused pairs carry the expert id
-``E`` (a foreign expert: the index puts them in its extra bucket, no GEMM computes them, they add
-nothing). Evaluation (``model.eval()``) routes with plain top-k.
+No host synchronisation and static shapes: the result always has ``P = T*K + J*E`` pairs with ``J``
+padding candidates per expert (the most one expert may pad: ``(tile - 1) // 2`` for ``nr``); dropped
+and unused pairs carry the expert id ``E`` (a foreign expert: the index puts them in its extra bucket,
+no GEMM computes them, they add nothing). Evaluation (``model.eval()``) routes with plain top-k.
 """
 
 from __future__ import annotations
@@ -113,6 +113,12 @@ def round_counts(counts: torch.Tensor, tile: int, mode: str = "nr", num_tokens: 
     return target
 
 
+def _max_pad(mode: str, tile: int, num_tokens: int) -> int:
+    """Most tokens one expert may pad in ``mode``: ``nr`` pads only when ``rem > tile/2``, ``down`` never."""
+    most = {"nr": (tile - 1) // 2, "down": 0}.get(mode, tile - 1)
+    return min(most, num_tokens)
+
+
 def _check_mode_tile(mode: str, tile: int) -> None:
     if mode not in ROUNDING_MODES:
         raise ValueError(f"token rounding mode must be one of {ROUNDING_MODES}, got {mode!r}")
@@ -133,7 +139,8 @@ def round_tokens(scores: torch.Tensor, topk_ids: torch.Tensor, topk_weights: tor
             weights (the router's ``routed_scaling_factor``).
 
     Returns:
-        :class:`TokenRounding` with ``P = T*K + min(tile - 1, T)*E`` pairs; no host synchronisation.
+        :class:`TokenRounding` with ``P = T*K + J*E`` pairs, ``J = min(T, (tile - 1) // 2)`` for ``nr``,
+        ``0`` for ``down``, ``min(T, tile - 1)`` otherwise (the most one expert pads); no host synchronisation.
 
     Raises:
         ValueError: unknown mode, ``tile < 1``, shapes that disagree.
@@ -150,22 +157,25 @@ def round_tokens(scores: torch.Tensor, topk_ids: torch.Tensor, topk_weights: tor
         0, ids.reshape(-1), torch.ones(T * K, dtype=torch.int32, device=dev))
     target = round_counts(f, tile, mode, T, generator)
     drop, pad = (f - target).clamp_min(0), (target - f).clamp_min(0)  # both < tile
-    J = min(tile - 1, T)
-    j = torch.arange(J, device=dev)[:, None]
-    # per expert, its J top-k tokens of lowest top-k weight (drop candidates; SonicMoE orders the top-k
-    # tokens by their renormalised weights) and its J best-scored other tokens (padding candidates), on
-    # [E, T] layouts: top-J along the contiguous dimension (torch.topk over dim 0 of [T, E] walks strided rows)
+    # per expert, its top-k tokens of lowest top-k weight (drop candidates; SonicMoE orders the top-k tokens
+    # by their renormalised weights) and its best-scored other tokens (padding candidates), on [E, T]
+    # layouts: top-J along the contiguous dimension (torch.topk over dim 0 of [T, E] walks strided rows)
     pair_e, pair_t = ids.t().reshape(-1), torch.arange(T, device=dev).repeat(K)  # the T*K chosen (e, t)
     tk = torch.full((E, T), float("inf"), device=dev)
     tk[pair_e, pair_t] = topk_weights.detach().t().reshape(-1).float()
-    low_tok = tk.topk(J, dim=1, largest=False).indices.t()  # [J, E]
-    other = scores.detach().t().contiguous()
-    other[pair_e, pair_t] = float("-inf")
-    high_tok = other.topk(J, dim=1).indices.t()  # [J, E]
-    dropped = torch.zeros(T, E, dtype=torch.bool, device=dev).scatter_(0, low_tok, j < drop[None, :])
+    low_tok = tk.topk(min(tile - 1, T), dim=1, largest=False).indices.t()  # [J_drop, E]
+    j = torch.arange(tile - 1, device=dev)[:, None]  # candidate ranks
+    J = _max_pad(mode, tile, T)
+    high_tok = torch.zeros(0, E, dtype=torch.long, device=dev)
+    if J:
+        other = scores.detach().t().contiguous()
+        other[pair_e, pair_t] = float("-inf")
+        high_tok = other.topk(J, dim=1).indices.t()  # [J, E]
+    dropped = torch.zeros(T, E, dtype=torch.bool, device=dev).scatter_(
+        0, low_tok, j[: low_tok.shape[0]] < drop[None, :])
     experts = torch.arange(E, dtype=torch.int32, device=dev)
     kept_ids = torch.where(dropped.gather(1, ids), E, ids).to(torch.int32)
-    pad_ids = torch.where(j < pad[None, :], experts[None, :], E).to(torch.int32)  # [J, E]
+    pad_ids = torch.where(j[:J] < pad[None, :], experts[None, :], E).to(torch.int32)  # [J, E]
     pad_w = (scores.gather(0, high_tok) * scale).to(topk_weights.dtype)
     tok = torch.cat((torch.arange(T, dtype=torch.int32, device=dev).repeat_interleave(K),
                      high_tok.reshape(-1).to(torch.int32)))
