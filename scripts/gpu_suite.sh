@@ -11,6 +11,8 @@
 #   train      moeblaze train on the GPU, torch vs triton backend loss curves ($TRAIN_BACKENDS: which of the two, default both)
 #   multigpu   2 GPUs: pytest -m multigpu (EP and FSDP2 equalities in bf16, NCCL), then benchmarks/bench_ep.py
 #              under torchrun --nproc-per-node 2 ($EP_BENCH_ARGS, default the Qwen3-30B-A3B shape) -> ep.csv
+#   tr         benchmarks/bench_token_rounding.py speed (token rounding vs top-k vs the ceiling, SonicMoE fed the same pairs)
+#   trq        benchmarks/bench_token_rounding.py quality (moeblaze train with top-k and with token rounding nr)
 # Logs, CSVs and plots go to /tmp/gpu_out, packed at the end into $OUT/gpu_results.tgz (the device
 # tool brings back at most 8 files).
 set -uo pipefail
@@ -64,6 +66,14 @@ for stage in "$@"; do
         -p no:cacheprovider tests/test_parallel.py
       # shellcheck disable=SC2086
       run bench_ep timeout 600 python3 -m torch.distributed.run --nproc-per-node 2 benchmarks/bench_ep.py ${EP_BENCH_ARGS:-} --out "$OUT/ep.csv" ;;
+    tr)  # SonicMoE's moe_general_routing_inputs row needs .peers/ (and its QuACK cache, as the bench stage)
+      if [[ -f .peers/install.sh ]]; then source .peers/install.sh /tmp/peers >/dev/null; fi
+      export QUACK_CACHE_DIR="${QUACK_CACHE_DIR:-/tmp/quack_cache}" QUACK_CACHE_AUTOTUNING=1
+      mkdir -p "$QUACK_CACHE_DIR"
+      if [[ -f .peers/quack_cache.tgz ]]; then tar -xzf .peers/quack_cache.tgz -C "$QUACK_CACHE_DIR"; fi
+      run bench_tr timeout "${TR_TIMEOUT:-580}" python3 benchmarks/bench_token_rounding.py speed --out "$OUT/token_rounding.csv" ;;
+    trq) run tr_quality timeout "${TRAIN_TIMEOUT:-580}" python3 benchmarks/bench_token_rounding.py quality \
+          --out-dir "$OUT/tr_quality" ;;
     *) echo "unknown stage $stage"; status=2 ;;
   esac
 done

@@ -1,7 +1,8 @@
 """moeblaze: memory-lean, fast Mixture-of-Experts training (MoEBlaze, arXiv 2601.05296).
 
 Public API: :class:`MoE` (router + experts module), :func:`moe_experts` (the routed experts),
-:func:`build_dispatch` / :class:`DispatchIndex` (zero-buffer dispatch), :class:`Router`,
+:func:`build_dispatch` / :class:`DispatchIndex` (zero-buffer dispatch), :func:`moe_experts_general`
+(general routing inputs: pair lists), :func:`round_tokens` / :func:`tile_multiple` (token rounding), :class:`Router`,
 :func:`aux_loss`, :func:`memory_report` (where activation memory goes) and
 :func:`moe_experts_reference` (float64 reference for tests).
 """
@@ -9,10 +10,12 @@ Public API: :class:`MoE` (router + experts module), :func:`moe_experts` (the rou
 from . import settings
 from .dispatch import DispatchIndex, TileSchedule, build_dispatch
 from .experts import moe_experts
+from .general_routing import build_dispatch_pairs, moe_experts_general
 from .layer import MoE, aux_loss
 from .memory_report import MemoryReport, memory_report
 from .reference import moe_experts_reference
 from .routing import Router, RouterOutput, load_balancing_loss, router_z_loss
+from .token_rounding import TokenRounding, round_tokens, tile_multiple
 
 __all__ = [
     "settings",
@@ -22,12 +25,17 @@ __all__ = [
     "Router",
     "RouterOutput",
     "TileSchedule",
+    "TokenRounding",
     "aux_loss",
     "build_dispatch",
+    "build_dispatch_pairs",
     "load_balancing_loss",
     "memory_report",
     "moe_experts",
+    "moe_experts_general",
     "moe_experts_reference",
+    "round_tokens",
     "router_z_loss",
+    "tile_multiple",
 ]
 __version__ = "0.1.0"

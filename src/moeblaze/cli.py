@@ -33,6 +33,7 @@ _MODEL_HELP = {
     "save": "what the experts keep for backward (preact, input)", "backend": "expert backend (auto, torch, triton)",
     "aux_loss_coef": "load-balancing loss coefficient", "z_loss_coef": "router z-loss coefficient",
     "tie_embeddings": "share the embedding with the output head", "rope_base": "rotary frequency base",
+    "routing": "topk, or token-rounding[:nr|up|down|sr] (SonicMoE token rounding in training; eval: top-k)",
 }
 
 

@@ -34,6 +34,10 @@ ids ``>= E`` name experts of other ranks. They are clamped to E and built as one
 ``token_expert_indices`` holds E for those pairs, and slots ``>= offsets[E]`` are foreign. The tile
 schedule covers the E local experts only (``local_offsets``), so no GEMM ever touches a foreign slot.
 
+General routing inputs (``moeblaze.general_routing.build_dispatch_pairs``): P pairs in any number per
+token; slots are pairs, ``token_expert_indices`` and ``token_index_map`` are ``[P]`` (pair order, tokens
+ascending), and ``pair_offsets [T+1]`` (a CSR) delimits each token's pairs for the combines.
+
 The PyTorch build here is the CPU path and the reference for the Triton build (``kernels.dispatch``):
 per-expert counts, an exclusive prefix sum, per-expert ranks from a running one-hot count — no
 ``sort``/``argsort`` and no atomics.
@@ -193,7 +197,7 @@ def with_schedule(index: DispatchIndex, block_m: int) -> DispatchIndex:
     else:
         sched = build_tile_schedule_torch(off, N, block_m)
     return DispatchIndex(*index.tensors(), index.num_experts, sched, index.foreign_experts,
-                         built_from=index.built_from)
+                         built_from=index.built_from, pair_offsets=index.pair_offsets)
 
 
 def build_dispatch(topk_ids: torch.Tensor, num_experts: int, validate: bool = True,

@@ -27,17 +27,22 @@ _TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # the kernels' 
 
 
 def _index_from(tensors, num_experts: int, block_m: int, foreign: bool) -> DispatchIndex:
-    """The index from the Function arguments: its four arrays, then its tile schedule's three when ``block_m``."""
-    schedule = TileSchedule(block_m, *tensors[4:]) if block_m else None
-    return DispatchIndex(*tensors[:4], num_experts=num_experts, schedule=schedule, foreign_experts=foreign)
+    """The index from the Function arguments: its four arrays, its tile schedule's three when ``block_m``,
+    then ``pair_offsets`` for an index of general routing inputs."""
+    n = 7 if block_m else 4
+    schedule = TileSchedule(block_m, *tensors[4:7]) if block_m else None
+    pair_offsets = tensors[n] if len(tensors) > n else None
+    return DispatchIndex(*tensors[:4], num_experts=num_experts, schedule=schedule, foreign_experts=foreign,
+                         pair_offsets=pair_offsets)
 
 
 def _index_args(index: DispatchIndex) -> tuple[int, tuple[torch.Tensor, ...]]:
     """``(block_m or 0, tensors)``: how an index travels through ``Function.apply`` (tensors, so saved-tensor
     hooks and torch.compile see them)."""
+    general = (index.pair_offsets,) if index.pair_offsets is not None else ()
     if index.schedule is None:
-        return 0, index.tensors()
-    return index.schedule.block_m, index.tensors() + index.schedule.tensors()
+        return 0, index.tensors() + general
+    return index.schedule.block_m, index.tensors() + index.schedule.tensors() + general
 
 
 class _UpProjection(torch.autograd.Function):
@@ -342,17 +347,26 @@ def moe_experts(
                          f"expected E={E}, [T, K]={tuple(topk_ids.shape)}")
     else:
         check_index_matches(index, topk_ids)
+    act_args = ActArgs(float(swiglu_alpha), float(swiglu_limit), bool(gate_up_interleaved))
+    return run_experts(x, topk_weights, w_gate_up, w_down, b_gate_up, b_down, index, activation, save, backend,
+                       act_args)
+
+
+def run_experts(x: torch.Tensor, weights: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
+                b_gate_up: torch.Tensor | None, b_down: torch.Tensor | None, index: DispatchIndex, activation: str,
+                save: str, backend: str, act_args: ActArgs) -> torch.Tensor:
+    """The autograd Functions over a checked index: shared by :func:`moe_experts` (``weights [T, K]``) and
+    :func:`moeblaze.general_routing.moe_experts_general` (``weights [P]``); inputs already validated."""
     ops = _select_ops(backend, x)
     bm = _schedule_block_m(ops)
     if bm is not None:  # the grouped GEMMs' tile schedule, built once for the four ops (if not with the index)
         index = with_schedule(index, bm)
     bm, idx = _index_args(index)
-    act_args = ActArgs(float(swiglu_alpha), float(swiglu_limit), bool(gate_up_interleaved))
-    common = (ops, activation, act_args, E, bm, index.foreign_experts)
+    common = (ops, activation, act_args, w_down.shape[0], bm, index.foreign_experts)
     if save == "input":
-        return _ExpertsRecompute.apply(x, w_gate_up, b_gate_up, w_down, b_down, topk_weights, *common, *idx)
+        return _ExpertsRecompute.apply(x, w_gate_up, b_gate_up, w_down, b_down, weights, *common, *idx)
     pre, act = _UpProjection.apply(x, w_gate_up, b_gate_up, *common, *idx)
-    return _DownProjection.apply(pre, act, w_down, b_down, topk_weights, *common, *idx)
+    return _DownProjection.apply(pre, act, w_down, b_down, weights, *common, *idx)
 
 
 def _schedule_block_m(ops: ModuleType) -> int | None:

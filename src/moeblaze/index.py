@@ -45,6 +45,8 @@ class DispatchIndex:
         token_index_map: ``[T, K]`` int32, pair (t, k) -> slot.
         num_experts: E.
         schedule: the grouped-GEMM tile schedule when the build was asked for one (``block_m``).
+        pair_offsets: ``[T+1]`` int32 for an index of general routing inputs (pairs of token t are
+            ``pair_offsets[t]:pair_offsets[t+1]``; then the routing arrays are ``[P]``), else None.
         foreign_experts: the index has the extra bucket E of foreign pairs (offsets ``[E+2]``).
         built_from: ``(topk_ids, its version counter)`` recorded by :func:`build_dispatch` (None for an
             index built by hand or inside ``torch.compile``). :func:`moeblaze.moe_experts` accepts the index
@@ -62,6 +64,13 @@ class DispatchIndex:
     schedule: TileSchedule | None = None
     foreign_experts: bool = False
     built_from: tuple[torch.Tensor, int | None] | None = field(default=None, repr=False, compare=False)
+    pair_offsets: torch.Tensor | None = None
+
+    @property
+    def is_general(self) -> bool:
+        """Built from a pair list (``moeblaze.general_routing``): ``token_expert_indices`` and
+        ``token_index_map`` are ``[P]`` and ``pair_offsets [T+1]`` delimits each token's pairs."""
+        return self.pair_offsets is not None
 
     @property
     def local_offsets(self) -> torch.Tensor:
@@ -73,11 +82,18 @@ class DispatchIndex:
     @property
     def num_tokens(self) -> int:
         """T, the number of tokens."""
+        if self.pair_offsets is not None:
+            return self.pair_offsets.numel() - 1
         return self.token_index_map.shape[0]
 
     @property
     def top_k(self) -> int:
-        """K, experts per token."""
+        """K, experts per token.
+
+        Raises:
+            ValueError: a general-routing index (pairs per token vary; see ``pair_offsets``)."""
+        if self.pair_offsets is not None:
+            raise ValueError("an index of general routing inputs has no fixed K (pairs per token vary)")
         return self.token_index_map.shape[1]
 
     @property

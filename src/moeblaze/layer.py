@@ -11,7 +11,9 @@ from .activations import check_activation, is_gated
 from .amp import autocast_operands
 from .dispatch import build_dispatch
 from .experts import BACKENDS, SAVE_MODES, moe_experts, schedule_block_m
+from .general_routing import build_dispatch_pairs, moe_experts_general
 from .routing import Router
+from .token_rounding import ROUNDING_MODES, round_tokens_fused, tile_multiple
 
 __all__ = ["MoE", "SharedExpert", "aux_loss"]
 
@@ -74,6 +76,11 @@ class MoE(nn.Module):
         ep_group: expert parallelism over a ``ProcessGroup`` or 1-D ``DeviceMesh`` of P ranks: this rank
             holds experts ``[r*E/P, (r+1)*E/P)`` only and exchanges tokens with the others
             (:mod:`moeblaze.parallel.expert_parallel`; construction is collective over the group).
+        token_rounding: ``None`` (top-k) or a mode of :data:`moeblaze.token_rounding.ROUNDING_MODES`
+            (``"nr"``, ``"up"``, ``"down"``, ``"sr"``): in training, round every expert's token count to a
+            multiple of the M tile (SonicMoE §5; :mod:`moeblaze.token_rounding`); eval routes with top-k.
+        rounding_tile: the tile to round to (default: :func:`moeblaze.tile_multiple` of the backend and
+            the input's device). rounding_seed: seed of the ``"sr"`` random source.
 
     DeepSeek-V3's MoE block is ``MoE(d, h, E, 8, score_func="sigmoid", n_group=8, topk_group=4,
     score_correction_bias=True, routed_scaling_factor=2.5, shared_d_ff=h * n_shared_experts)``.
@@ -104,8 +111,15 @@ class MoE(nn.Module):
                  device=None, dtype=None, *, n_group: int = 1, topk_group: int | None = None,
                  score_correction_bias: bool = False, routed_scaling_factor: float = 1.0,
                  logits_dtype: str = "fp32", shared_d_ff: int = 0, shared_gate: bool = False,
-                 bias: bool = False, ep_group=None) -> None:
+                 bias: bool = False, ep_group=None, token_rounding: str | None = None,
+                 rounding_tile: int | None = None, rounding_seed: int = 0) -> None:
         super().__init__()
+        if token_rounding is not None and token_rounding not in ROUNDING_MODES:
+            raise ValueError(f"token_rounding must be None or one of {ROUNDING_MODES}, got {token_rounding!r}")
+        if rounding_tile is not None and (not isinstance(rounding_tile, int) or rounding_tile < 1):
+            raise ValueError(f"rounding_tile must be None or a positive int (the M tile), got {rounding_tile!r}")
+        self.token_rounding, self.rounding_tile, self.rounding_seed = token_rounding, rounding_tile, rounding_seed
+        self._rounding_gen: torch.Generator | None = None
         check_activation(activation)
         if save not in SAVE_MODES:
             raise ValueError(f"save must be one of {SAVE_MODES}, got {save!r}")
@@ -128,6 +142,9 @@ class MoE(nn.Module):
         self._w1_name = "w_gate_up" if is_gated(activation) else "w_up"
         if bias and ep_group is not None:
             raise ValueError("bias=True with ep_group is not supported: expert biases run on one GPU or under FSDP2")
+        if token_rounding is not None and ep_group is not None:
+            raise ValueError("token_rounding with ep_group is not supported: token rounding runs on one GPU or "
+                             "under FSDP2")
         self.ep = None if ep_group is None else _expert_parallel().ExpertParallel(ep_group, self)
         n_local = num_experts if self.ep is None else self.ep.num_local_experts
         kw = {"device": device, "dtype": dtype}
@@ -185,22 +202,42 @@ class MoE(nn.Module):
         # fp32 router weights feed the kernels as they are; only a float64 run (the reference check)
         # upcasts them so that nothing in the layer rounds to fp32.
         topk_weights = routing.topk_weights.to(x.dtype) if x.dtype == torch.float64 else routing.topk_weights
-        # Ids come from torch.topk over E scores: in range and distinct by construction, so the
-        # host-synchronising range check is skipped. The build also writes the experts' tile schedule.
-        index = build_dispatch(routing.topk_ids, self.num_experts, validate=False,
-                               block_m=schedule_block_m(self.backend, x2))
         biases = {"b_gate_up": getattr(self, self._b1_name), "b_down": self.b_down} if self.has_bias else {}
-        out = moe_experts(x2, routing.topk_ids, topk_weights, self.w1, self.w_down,
-                          activation=self.activation, save=self.save, backend=self.backend, index=index, **biases)
+        if self.token_rounding is not None and self.training:
+            out = self._rounded_experts(x2, routing, topk_weights, biases)
+        else:
+            # Ids come from torch.topk over E scores: in range and distinct by construction, so the
+            # host-synchronising range check is skipped. The build also writes the experts' tile schedule.
+            index = build_dispatch(routing.topk_ids, self.num_experts, validate=False,
+                                   block_m=schedule_block_m(self.backend, x2))
+            out = moe_experts(x2, routing.topk_ids, topk_weights, self.w1, self.w_down, activation=self.activation,
+                              save=self.save, backend=self.backend, index=index, **biases)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x2)
         self.aux_loss = routing.loss
         self.last_topk_ids = routing.topk_ids.detach()
         return out.reshape(shape)
 
+    def _rounded_experts(self, x2: torch.Tensor, routing, topk_weights: torch.Tensor, biases: dict) -> torch.Tensor:
+        """The experts over the token-rounded routing (no host synchronisation; :mod:`moeblaze.token_rounding`)."""
+        tile = self.rounding_tile or tile_multiple(self.backend, x2.device)
+        gen = None
+        if self.token_rounding == "sr":
+            if self._rounding_gen is None or self._rounding_gen.device != x2.device:
+                self._rounding_gen = torch.Generator(x2.device).manual_seed(self.rounding_seed)
+            gen = self._rounding_gen
+        r = round_tokens_fused(routing.scores, routing.topk_ids, topk_weights, tile, self.token_rounding, gen,
+                               self.router.routed_scaling_factor)
+        index = build_dispatch_pairs(r.token_idx, r.expert_idx, x2.shape[0], self.num_experts, validate=False,
+                                     block_m=schedule_block_m(self.backend, x2), foreign_experts=True)
+        return moe_experts_general(x2, r.token_idx, r.expert_idx, r.pair_weights, self.w1, self.w_down,
+                                   activation=self.activation, save=self.save, backend=self.backend, index=index,
+                                   foreign_experts=True, **biases)
+
     def extra_repr(self) -> str:
         return (f"d_model={self.d_model}, d_ff={self.d_ff}, num_experts={self.num_experts}, "
                 f"top_k={self.top_k}, activation={self.activation}, save={self.save}, backend={self.backend}"
+                + (f", token_rounding={self.token_rounding}" if self.token_rounding else "")
                 + ("" if self.ep is None else f", ep={self.ep}"))
 
 

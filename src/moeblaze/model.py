@@ -19,6 +19,7 @@ from .activations import ACTIVATIONS, is_gated
 from .experts import BACKENDS, SAVE_MODES
 from .layer import MoE
 from .routing import SCORE_FUNCS
+from .token_rounding import ROUNDING_MODES
 
 __all__ = ["ModelConfig", "MoETransformer"]
 
@@ -36,6 +37,8 @@ class ModelConfig:
         aux_loss_coef, z_loss_coef: router loss coefficients (per layer).
         tie_embeddings: share the embedding matrix with the output head.
         rope_base: rotary frequency base.
+        routing: ``"topk"`` or ``"token-rounding[:mode]"`` (mode ``nr`` (default), ``up``, ``down``, ``sr``):
+            the MoE layers' ``token_rounding`` in training (:mod:`moeblaze.token_rounding`).
     """
 
     vocab_size: int = 256
@@ -54,6 +57,7 @@ class ModelConfig:
     z_loss_coef: float = 0.001
     tie_embeddings: bool = True
     rope_base: float = 10000.0
+    routing: str = "topk"
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "seq_len", "d_model", "n_layers", "n_heads", "d_ff", "num_experts", "top_k"):
@@ -70,6 +74,7 @@ class ModelConfig:
             raise ValueError(f"d_model={self.d_model} must be n_heads={self.n_heads} times an even head size")
         if self.top_k > self.num_experts:
             raise ValueError(f"top_k={self.top_k} must be <= num_experts={self.num_experts}")
+        token_rounding_mode(self.routing)
         for name, allowed in (("activation", ACTIVATIONS), ("score_func", SCORE_FUNCS), ("save", SAVE_MODES),
                               ("backend", BACKENDS)):
             if getattr(self, name) not in allowed:
@@ -133,6 +138,21 @@ class Attention(nn.Module):
         return self.proj(y.transpose(1, 2).reshape(B, S, d))
 
 
+def token_rounding_mode(routing: str) -> str | None:
+    """``--routing`` -> the MoE layer's ``token_rounding``: ``"topk"`` -> None, ``"token-rounding[:mode]"`` -> mode.
+
+    Raises:
+        ValueError: any other value.
+    """
+    name, _, mode = str(routing).partition(":")
+    if routing == "topk":
+        return None
+    if name == "token-rounding" and (mode or "nr") in ROUNDING_MODES:
+        return mode or "nr"
+    raise ValueError(f"routing must be 'topk' or 'token-rounding[:mode]' with mode in {ROUNDING_MODES}, "
+                     f"got {routing!r}")
+
+
 class Block(nn.Module):
     """``x + attn(norm(x))``, then ``x + moe(norm(x))``."""
 
@@ -143,7 +163,8 @@ class Block(nn.Module):
         self.norm2 = nn.RMSNorm(cfg.d_model)
         self.moe = MoE(cfg.d_model, cfg.d_ff, cfg.num_experts, cfg.top_k, activation=cfg.activation,
                        score_func=cfg.score_func, save=cfg.save, aux_loss_coef=cfg.aux_loss_coef,
-                       z_loss_coef=cfg.z_loss_coef, backend=cfg.backend)
+                       z_loss_coef=cfg.z_loss_coef, backend=cfg.backend,
+                       token_rounding=token_rounding_mode(cfg.routing))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.norm1(x))

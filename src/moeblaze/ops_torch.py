@@ -110,6 +110,26 @@ def slot_experts(index: DispatchIndex) -> torch.Tensor:
     return out
 
 
+def pair_tokens(index: DispatchIndex) -> torch.Tensor:
+    """``[P]`` int32 token of each pair of a general index (``expert_token_indices[token_index_map]``)."""
+    return index.expert_token_indices.index_select(0, index.token_index_map.reshape(-1).long())
+
+
+def sum_pairs(v: Tensor, index: DispatchIndex) -> Tensor:
+    """Per token, the sum of its pairs' rows in pair order: ``v [T, K, d]`` (top-k) or ``[P, d]`` (a general
+    index) -> ``[T, d]``. A general index is laid out as ``[T, Kmax, d]`` with zero rows after each token's
+    pairs (one host read of ``Kmax``) and summed as the top-k case, so ``P = T*K`` pairs sum bitwise alike."""
+    if not index.is_general:
+        return v.sum(1)
+    T, off = index.num_tokens, index.pair_offsets
+    kmax = int((off[1:] - off[:-1]).max()) if T else 0
+    tok = pair_tokens(index).long()
+    pos = torch.arange(tok.numel(), device=v.device) - off[tok]
+    padded = v.new_zeros(T, kmax, v.shape[-1])
+    padded[tok, pos] = v
+    return padded.sum(1)
+
+
 def _local_pairs(index: DispatchIndex) -> torch.Tensor | None:
     """``[T, K, 1]`` bool, False for foreign pairs; None for an index without foreign experts."""
     if not index.foreign_experts:
@@ -138,7 +158,7 @@ def up_backward(dpre: Tensor, x: Tensor, w1: Tensor, index: DispatchIndex, need_
         local = _local_pairs(index)
         if local is not None:
             dx_slots = torch.where(local, dx_slots, 0.0)
-        dx = dx_slots.sum(1).to(x.dtype)
+        dx = sum_pairs(dx_slots, index).to(x.dtype)
     if need_dw:
         xg = x.index_select(0, index.expert_token_indices.long())
         dw1 = grouped_weight_grad(dpre, xg, index.local_offsets).to(w1.dtype)
@@ -155,16 +175,20 @@ def down_forward(act: Tensor, w2: Tensor, topk_weights: Tensor, index: DispatchI
     local = _local_pairs(index)
     if local is not None:
         yk = torch.where(local, yk, 0.0)
-    return yk.sum(1).to(act.dtype)
+    return sum_pairs(yk, index).to(act.dtype)
 
 
-def bias_dot(dout: Tensor, b2: Tensor, token_expert_indices: Tensor) -> Tensor:
+def bias_dot(dout: Tensor, b2: Tensor, token_expert_indices: Tensor, tokens: Tensor | None = None) -> Tensor:
     """``[T, K]`` fp32 ``<dout[t], b2[e]>`` for every pair (0 for a foreign id ``e >= E``): the down bias's
-    share of ``dtopk_weights``, from one ``[T, d] x [d, E]`` product (T*E*d FLOPs, E/(6*K*h) of the layer's)."""
+    share of ``dtopk_weights``, from one ``[T, d] x [d, E]`` product (T*E*d FLOPs, E/(6*K*h) of the layer's).
+    General routing: ``token_expert_indices [P]`` with the pairs' ``tokens [P]`` -> ``[P]``."""
     E = b2.shape[0]
     scores = acc(dout) @ acc(b2).t()  # [T, E]
     ids = token_expert_indices.long()
-    dots = scores.gather(1, ids.clamp(max=E - 1))
+    if tokens is not None:
+        dots = scores[tokens.long(), ids.clamp(max=E - 1)]
+    else:
+        dots = scores.gather(1, ids.clamp(max=E - 1))
     return torch.where(ids < E, dots, 0.0)
 
 
@@ -187,7 +211,8 @@ def down_backward(dout: Tensor, pre: Tensor, w2: Tensor, topk_weights: Tensor, i
         if index.foreign_experts:
             dtw = torch.where(_local_pairs(index)[..., 0], dtw, 0.0)
         if b2 is not None:
-            dtw = dtw + bias_dot(dout, b2, index.token_expert_indices)
+            tokens = pair_tokens(index) if index.is_general else None
+            dtw = dtw + bias_dot(dout, b2, index.token_expert_indices, tokens)
         dtw = dtw.to(topk_weights.dtype)
     dact = (dact_unscaled * w_slot[:, None]).to(pre.dtype)
     dpre = activation_backward(dact, pre, activation, **act_args._asdict())

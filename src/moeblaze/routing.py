@@ -121,6 +121,8 @@ class RouterOutput:
         logits: ``[T, E]`` fp32 router logits.
         aux_loss: load-balancing loss times its coefficient (a 0-dim fp32 tensor).
         z_loss: z-loss times its coefficient.
+        scores: ``[T, E]`` fp32 router scores (softmax probabilities or sigmoid scores, differentiable): what
+            token rounding pads with.
     """
 
     topk_ids: torch.Tensor
@@ -128,6 +130,7 @@ class RouterOutput:
     logits: torch.Tensor
     aux_loss: torch.Tensor
     z_loss: torch.Tensor
+    scores: torch.Tensor | None = None
 
     @property
     def loss(self) -> torch.Tensor:
@@ -262,7 +265,7 @@ class Router(nn.Module):
         aux = (self.aux_loss_coef * load_balancing_loss(probs, topk_ids)
                if self.aux_loss_coef and losses_on else zero)
         z = self.z_loss_coef * router_z_loss(logits) if self.z_loss_coef and losses_on else zero
-        return RouterOutput(topk_ids.to(torch.int32), topk_weights, logits, aux, z)
+        return RouterOutput(topk_ids.to(torch.int32), topk_weights, logits, aux, z, scores)
 
     def extra_repr(self) -> str:
         return (f"d_model={self.d_model}, num_experts={self.num_experts}, top_k={self.top_k}, "

@@ -12,6 +12,7 @@ so a variable set after import still counts (a dictionary read, ~0.2 µs, on the
 | ``persistent`` | ``MOEBLAZE_PERSISTENT`` | ``auto``, on, off | grouped-GEMM launch: tuned, persistent, per tile |
 | ``check_ids`` | ``MOEBLAZE_CHECK_IDS`` | on, off | ``build_dispatch``'s host-syncing id range check |
 | ``dispatch`` | ``MOEBLAZE_DISPATCH`` | ``auto``, ``torch`` | index build: Triton on CUDA, or PyTorch |
+| ``compile_rounding`` | ``MOEBLAZE_COMPILE_ROUNDING`` | ``auto``, on, off | token rounding compiled (auto: CUDA) |
 
 ``TRITON_INTERPRET`` is Triton's own variable (read by Triton when it compiles); :func:`interpreting` reports it.
 torchrun's ``RANK``, ``WORLD_SIZE`` and ``LOCAL_RANK``: :func:`launcher_env`.
@@ -59,6 +60,7 @@ SETTINGS: dict[str, tuple[str, Callable[[str, str], Any], Any]] = {
     "persistent": ("MOEBLAZE_PERSISTENT", _auto_bool, None),
     "check_ids": ("MOEBLAZE_CHECK_IDS", _bool, True),
     "dispatch": ("MOEBLAZE_DISPATCH", _choice("auto", "torch"), "auto"),
+    "compile_rounding": ("MOEBLAZE_COMPILE_ROUNDING", _auto_bool, None),
 }
 
 _configured: dict[str, Any] = {}

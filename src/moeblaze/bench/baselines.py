@@ -6,7 +6,8 @@
   run: CPU, fp32, unaligned shapes), the weighted expert outputs combined with ``index_add``, plain autograd.
 * ``hf-loop`` — the HF transformers v4 per-expert loop (one-hot mask, ``torch.where``, ``index_add_``).
 * ``moeblaze`` / ``moeblaze-input`` / ``moeblaze-torch`` — :class:`moeblaze.MoE` with the Triton backend
-  (``save="preact"`` / ``"input"``) and with the PyTorch backend.
+  (``save="preact"`` / ``"input"``) and with the PyTorch backend; ``moeblaze-tr``: the Triton layer with token
+  rounding ``nr`` (``moeblaze bench --impls moeblaze,moeblaze-tr`` times it against top-k).
 * ``liger`` — Liger-Kernel's ``LigerFusedMoEFunction`` (SwiGLU only), fed by the same router as ``conventional``.
 * ``sonicmoe`` — SonicMoE's ``moe_TC_softmax_topk_layer`` (GLU activations only), its own fused router,
   configured as top-k over softmax without renormalisation (the maths of every other row).
@@ -240,12 +241,12 @@ def _routed(experts: Callable) -> Builder:
     return build
 
 
-def _moeblaze(backend: str, save: str) -> Builder:
+def _moeblaze(backend: str, save: str, token_rounding: str | None = None) -> Builder:
     def build(cfg: BenchConfig, w: LayerWeights, opts: ImplOptions):
         from ..layer import MoE
 
         moe = MoE(cfg.d, cfg.h, cfg.E, cfg.K, activation=cfg.activation, save=save, backend=backend,
-                  aux_loss_coef=0.0, z_loss_coef=0.0, device="meta", dtype=w.w1.dtype)
+                  aux_loss_coef=0.0, z_loss_coef=0.0, device="meta", dtype=w.w1.dtype, token_rounding=token_rounding)
         moe.router.weight = w.router
         setattr(moe, "w_gate_up" if cfg.gated else "w_up", w.w1)
         moe.w_down = w.w2
@@ -291,6 +292,8 @@ IMPLS: dict[str, Impl] = {i.name: i for i in [
          _moeblaze("triton", "input"), module="moeblaze.kernels.experts", needs_cuda=True),
     Impl("moeblaze-torch", "moeblaze.MoE, PyTorch backend (grouped_mm over the dispatch index)",
          _moeblaze("torch", "preact")),
+    Impl("moeblaze-tr", "moeblaze.MoE, Triton backend, token rounding 'nr' (SonicMoE §5; router and rounding timed)",
+         _moeblaze("triton", "preact", "nr"), module="moeblaze.kernels.experts", needs_cuda=True),
     Impl("conventional", "torchtitan / HF v5 style: argsort, gathered x, grouped_mm, index_add, autograd",
          _routed(conventional_experts)),
     Impl("hf-loop", "HF v4 style per-expert loop", _routed(hf_loop_experts)),

@@ -23,9 +23,11 @@ def gather_sum_kernel(
     map_ptr,  # [T, K] int32 token_index_map (pair -> slot)
     out_ptr,  # [T, D] result
     limit_ptr,  # [1] int32 number of local slots (HAS_LIMIT)
+    pair_off_ptr,  # [T + 1] int32 first pair of each token (CSR: general routing; map and w are then [P])
     T, D, K,
     stride_src_m, stride_w_t, stride_w_k, stride_map_t, stride_map_k, stride_out_t,
-    HAS_W: tl.constexpr, HAS_LIMIT: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+    HAS_W: tl.constexpr, HAS_LIMIT: tl.constexpr, CSR: tl.constexpr, BLOCK_T: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
@@ -35,44 +37,70 @@ def gather_sum_kernel(
     acc = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
     if HAS_LIMIT:
         local = tl.load(limit_ptr)
-    for k in range(K):
-        slot = tl.load(map_ptr + rows_t * stride_map_t + k * stride_map_k, mask=t_mask, other=0).to(tl.int64)
+    if CSR:  # pairs first[t] + k, k < count[t]: the row (t, k) of the top-k layout, so the same sums
+        first = tl.load(pair_off_ptr + rows_t, mask=t_mask, other=0)
+        count = tl.load(pair_off_ptr + rows_t + 1, mask=t_mask, other=0) - first
+        n_k = tl.max(count, axis=0)
+        pair_row = first.to(tl.int64)
+    else:
+        n_k = K
+        pair_row = rows_t
+    for k in range(n_k):
+        k_mask = t_mask
         v_mask = mask
+        if CSR:
+            k_mask = t_mask & (k < count)
+            v_mask = mask & k_mask[:, None]
+        slot = tl.load(map_ptr + pair_row * stride_map_t + k * stride_map_k, mask=k_mask, other=0).to(tl.int64)
         if HAS_LIMIT:
-            v_mask = mask & (slot < local)[:, None]
+            v_mask = v_mask & (slot < local)[:, None]
         v = tl.load(src_ptr + slot[:, None] * stride_src_m + offs_d[None, :], mask=v_mask, other=0.0).to(tl.float32)
         if HAS_W:
-            w = tl.load(w_ptr + rows_t * stride_w_t + k * stride_w_k, mask=t_mask, other=0.0).to(tl.float32)
+            w = tl.load(w_ptr + pair_row * stride_w_t + k * stride_w_k, mask=k_mask, other=0.0).to(tl.float32)
             v = v * w[:, None]
         acc += v
     tl.store(out_ptr + rows_t[:, None] * stride_out_t + offs_d[None, :], acc.to(out_ptr.dtype.element_ty),
              mask=mask)
 
 
-_GATHER_SUM = Launchable(gather_sum_kernel, gather_sum_configs, key=["D", "K", "HAS_W"])
+_GATHER_SUM = Launchable(gather_sum_kernel, gather_sum_configs, key=["D", "K", "HAS_W", "CSR"])
 
 
 def gather_sum(src: torch.Tensor, token_index_map: torch.Tensor, weights: torch.Tensor | None,
-               out_dtype: torch.dtype, local_slots: torch.Tensor | None = None) -> torch.Tensor:
+               out_dtype: torch.dtype, local_slots: torch.Tensor | None = None,
+               pair_offsets: torch.Tensor | None = None) -> torch.Tensor:
     """``out[t] = sum_k (weights[t, k] *) src[token_index_map[t, k]]`` in fp32, returned in ``out_dtype``.
 
     Args:
         src: ``[N, D]`` slot rows, unit stride along D.
-        token_index_map: ``[T, K]`` int32 pair -> slot.
-        weights: ``[T, K]`` float router weights, or ``None`` for a plain sum.
+        token_index_map: ``[T, K]`` int32 pair -> slot (``[P]`` with ``pair_offsets``).
+        weights: ``[T, K]`` (``[P]``) float router weights, or ``None`` for a plain sum.
         out_dtype: dtype of the ``[T, D]`` result.
         local_slots: ``[1]`` int32 on the device; slots at or past it count as zero (foreign experts).
+        pair_offsets: ``[T+1]`` int32 CSR of general routing: token t sums pairs
+            ``pair_offsets[t]:pair_offsets[t+1]`` in order (``k = p - pair_offsets[t]``).
     """
-    T, K = token_index_map.shape
+    csr = pair_offsets is not None
+    if csr:
+        T, K = pair_offsets.numel() - 1, 0
+        token_index_map = token_index_map.view(-1, 1)
+        weights = weights.view(-1, 1) if weights is not None else None
+    else:
+        T, K = token_index_map.shape
     D = src.shape[1]
     out = torch.empty(T, D, dtype=out_dtype, device=src.device)
     if T == 0 or D == 0:
         return out
     w = weights if weights is not None else token_index_map  # dummy pointer when HAS_W is off
     limit = local_slots if local_slots is not None else token_index_map  # dummy pointer when HAS_LIMIT is off
+    offs = pair_offsets if csr else token_index_map  # dummy pointer when CSR is off
+    # CSR: the pair p = first[t] + k is row p of [P, 1] tensors, read as (row first[t], column k) with the
+    # column stride equal to the row stride.
+    map_k = token_index_map.stride(0) if csr else token_index_map.stride(1)
+    w_k = w.stride(0) if csr else w.stride(1)
     _GATHER_SUM.launch(src.dtype, lambda meta: (triton.cdiv(T, meta["BLOCK_T"]), triton.cdiv(D, meta["BLOCK_D"])),
-        src, w, token_index_map, out, limit, T, D, K,
-        src.stride(0), w.stride(0), w.stride(1), token_index_map.stride(0), token_index_map.stride(1),
-        out.stride(0), HAS_W=weights is not None, HAS_LIMIT=local_slots is not None,
+        src, w, token_index_map, out, limit, offs, T, D, K,
+        src.stride(0), w.stride(0), w_k, token_index_map.stride(0), map_k,
+        out.stride(0), HAS_W=weights is not None, HAS_LIMIT=local_slots is not None, CSR=csr,
     )
     return out

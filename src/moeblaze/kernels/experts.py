@@ -160,16 +160,25 @@ def up_forward(x: Tensor, w1: Tensor, index: DispatchIndex, activation: str, sto
 
 # ---------------------------------------------------------------- F2-F3: down-projection forward
 
+def _tokens_pairs(token_index_map: Tensor, pair_offsets: Tensor | None) -> tuple[int, int]:
+    """``(T, K)`` of a top-k index; ``(T, 0)`` for general routing (pairs per token vary: never the K = 1
+    direct-scatter paths, which assume one pair per token)."""
+    if pair_offsets is not None:
+        return pair_offsets.shape[0] - 1, 0
+    return token_index_map.shape[0], token_index_map.shape[1]
+
+
 def _local_slots(offsets: Tensor, foreign: bool) -> Tensor | None:
     """``[1]`` int32 count of local slots (the last local offset) for an index with foreign experts."""
     return offsets[-1:] if foreign else None
 
 
 def _down_forward_impl(act, w2, b2, topk_weights, offsets, indices, tile_expert, tile_row, num_tiles,
-                       token_index_map, foreign):
+                       token_index_map, foreign, pair_offsets=None):
     sched = (tile_expert, tile_row, num_tiles)
     act = _rows_contig(act)
-    (T, K), d, h = token_index_map.shape, w2.shape[1], w2.shape[2]
+    T, K = _tokens_pairs(token_index_map, pair_offsets)
+    d, h = w2.shape[1], w2.shape[2]
     bias = _rows_contig(b2) if b2 is not None else None
     if K == 1:  # F2 writes w * y straight into out[token]: no [N, d] buffer, no combine
         out = act.new_zeros(T, d) if foreign else act.new_empty(T, d)  # foreign tokens: never written
@@ -178,18 +187,20 @@ def _down_forward_impl(act, w2, b2, topk_weights, offsets, indices, tile_expert,
         return out
     y = act.new_empty(act.shape[0], d)
     grouped_gemm(act, w2, y, offsets, indices, sched, b_nk=True, n_cols=d, k_dim=h, gather_a=False, bias=bias)
-    return gather_sum(y, token_index_map, topk_weights, act.dtype, _local_slots(offsets, foreign))
+    return gather_sum(y, token_index_map, topk_weights, act.dtype, _local_slots(offsets, foreign), pair_offsets)
 
 
 _down_forward_op = torch.library.custom_op(
     "moeblaze::experts_down_forward", _down_forward_impl, mutates_args=(),
     schema="(Tensor act, Tensor w2, Tensor? b2, Tensor topk_weights, Tensor offsets, Tensor indices, "
-           "Tensor tile_expert, Tensor tile_row, Tensor num_tiles, Tensor token_index_map, bool foreign) -> Tensor")
+           "Tensor tile_expert, Tensor tile_row, Tensor num_tiles, Tensor token_index_map, bool foreign, "
+           "Tensor? pair_offsets) -> Tensor")
 
 
 @_down_forward_op.register_fake
-def _(act, w2, b2, topk_weights, offsets, indices, tile_expert, tile_row, num_tiles, token_index_map, foreign):
-    return act.new_empty(token_index_map.shape[0], w2.shape[1])
+def _(act, w2, b2, topk_weights, offsets, indices, tile_expert, tile_row, num_tiles, token_index_map, foreign,
+      pair_offsets):
+    return act.new_empty(_tokens_pairs(token_index_map, pair_offsets)[0], w2.shape[1])
 
 
 def down_forward(act: Tensor, w2: Tensor, topk_weights: Tensor, index: DispatchIndex, *,
@@ -205,19 +216,20 @@ def down_forward(act: Tensor, w2: Tensor, topk_weights: Tensor, index: DispatchI
     """
     _check("down_forward", act=act, w2=w2, **({"b2": b2} if b2 is not None else {}))
     return call_op(_down_forward_op, _down_forward_impl, act, w2, b2, topk_weights, index.local_offsets,
-                   index.expert_token_indices, *_schedule(index), index.token_index_map, index.foreign_experts)
+                   index.expert_token_indices, *_schedule(index), index.token_index_map, index.foreign_experts,
+                   index.pair_offsets)
 
 
 # ---------------------------------------------------------------- B1-B2: down-projection backward
 
 def _down_backward_impl(dout, pre, w2, b2, topk_weights, offsets, indices, tile_expert, tile_row, num_tiles,
                         token_index_map, token_expert_indices, activation, alpha, limit, interleaved, foreign,
-                        need_dw, need_dtw):
+                        need_dw, need_dtw, general=False):
     # B1 in two launches (why: moeblaze.kernels.act_bwd): the GEMM stores dact' [N, h], then one pass over
     # the rows recomputes act from pre and writes dpre over pre (unit column stride, checked by
     # down_backward) and w * act over dact' — the B operand of B2, a backward-only temporary.
     dout = _rows_contig(dout)
-    (T, K), d, h = token_index_map.shape, w2.shape[1], w2.shape[2]
+    d, h = w2.shape[1], w2.shape[2]
     N = indices.numel()
     w_slot = slot_weights(topk_weights, token_index_map, torch.float32)
     dact = pre.new_empty(N, h)
@@ -228,11 +240,12 @@ def _down_backward_impl(dout, pre, w2, b2, topk_weights, offsets, indices, tile_
                  store_wact=need_dw, alpha=alpha, limit=limit, interleaved=interleaved, local_slots=local)
     dtw = _empty(topk_weights)
     if need_dtw:
-        dtw = dtw_slot.index_select(0, token_index_map.reshape(-1).long()).view(T, K)
+        dtw = dtw_slot.index_select(0, token_index_map.reshape(-1).long()).view(token_index_map.shape)
         if foreign:  # foreign slots were never computed: their pairs get no gradient
             dtw = torch.where(token_index_map < local, dtw, 0.0)
         if b2 is not None:  # <dout[t], y> gains <dout[t], b2[e]>
-            dtw = dtw + bias_dot(dout, b2, token_expert_indices)
+            tokens = indices.index_select(0, token_index_map.long()) if general else None
+            dtw = dtw + bias_dot(dout, b2, token_expert_indices, tokens)
         dtw = dtw.to(topk_weights.dtype)
     dw2 = _empty(w2)
     if need_dw:
@@ -248,12 +261,12 @@ _down_backward_op = torch.library.custom_op(
     schema="(Tensor dout, Tensor(a!) pre, Tensor w2, Tensor? b2, Tensor topk_weights, Tensor offsets, "
            "Tensor indices, Tensor tile_expert, Tensor tile_row, Tensor num_tiles, Tensor token_index_map, "
            "Tensor token_expert_indices, str activation, float alpha, float limit, bool interleaved, bool foreign, "
-           "bool need_dw, bool need_dtw) -> (Tensor, Tensor)")
+           "bool need_dw, bool need_dtw, bool general) -> (Tensor, Tensor)")
 
 
 @_down_backward_op.register_fake
 def _(dout, pre, w2, b2, topk_weights, offsets, indices, tile_expert, tile_row, num_tiles, token_index_map,
-      token_expert_indices, activation, alpha, limit, interleaved, foreign, need_dw, need_dtw):
+      token_expert_indices, activation, alpha, limit, interleaved, foreign, need_dw, need_dtw, general):
     return (_like_weight(w2) if need_dw else _empty(w2),
             topk_weights.new_empty(token_index_map.shape) if need_dtw else _empty(topk_weights))
 
@@ -286,17 +299,18 @@ def down_backward(dout: Tensor, pre: Tensor, w2: Tensor, topk_weights: Tensor, i
     dw2, dtw = call_op(_down_backward_op, _down_backward_impl,
                        dout, pre, w2, b2, topk_weights, index.local_offsets, index.expert_token_indices,
                        *_schedule(index), index.token_index_map, index.token_expert_indices, activation, *act_args,
-                       index.foreign_experts, need_dw, need_dtw, mutated=(pre,))
+                       index.foreign_experts, need_dw, need_dtw, index.is_general, mutated=(pre,))
     return pre, (dw2 if need_dw else None), (dtw if need_dtw else None)
 
 
 # ---------------------------------------------------------------- B3-B5: up-projection backward
 
 def _up_backward_impl(dpre, x, w1, offsets, indices, tile_expert, tile_row, num_tiles, token_index_map, foreign,
-                      need_dx, need_dw):
+                      need_dx, need_dw, pair_offsets=None):
     sched = (tile_expert, tile_row, num_tiles)
     dpre, x = _rows_contig(dpre), _rows_contig(x)
-    (T, K), rows, d = token_index_map.shape, w1.shape[1], w1.shape[2]
+    T, K = _tokens_pairs(token_index_map, pair_offsets)
+    rows, d = w1.shape[1], w1.shape[2]
     dx, dw1 = _empty(x), _empty(w1)
     if need_dx:
         if K == 1:  # B3 writes dx[token] directly: no [N, d] buffer, no gather-sum
@@ -307,7 +321,7 @@ def _up_backward_impl(dpre, x, w1, offsets, indices, tile_expert, tile_row, num_
             dx_slots = x.new_empty(indices.numel(), d)
             grouped_gemm(dpre, w1, dx_slots, offsets, indices, sched, b_nk=False, n_cols=d, k_dim=rows,
                          gather_a=False)
-            dx = gather_sum(dx_slots, token_index_map, None, x.dtype, _local_slots(offsets, foreign))
+            dx = gather_sum(dx_slots, token_index_map, None, x.dtype, _local_slots(offsets, foreign), pair_offsets)
             del dx_slots  # freed before dW1 is allocated: N*d*2 bytes off the backward's peak
     if need_dw:
         # as dW1[e]^T = sum_s x[token]^T dpre[s]: the gathered operand on the A side (moeblaze.kernels.wgrad)
@@ -322,11 +336,12 @@ _up_backward_op = torch.library.custom_op(
     "moeblaze::experts_up_backward", _up_backward_impl, mutates_args=(),
     schema="(Tensor dpre, Tensor x, Tensor w1, Tensor offsets, Tensor indices, Tensor tile_expert, "
            "Tensor tile_row, Tensor num_tiles, Tensor token_index_map, bool foreign, bool need_dx, "
-           "bool need_dw) -> (Tensor, Tensor)")
+           "bool need_dw, Tensor? pair_offsets) -> (Tensor, Tensor)")
 
 
 @_up_backward_op.register_fake
-def _(dpre, x, w1, offsets, indices, tile_expert, tile_row, num_tiles, token_index_map, foreign, need_dx, need_dw):
+def _(dpre, x, w1, offsets, indices, tile_expert, tile_row, num_tiles, token_index_map, foreign, need_dx, need_dw,
+      pair_offsets):
     return (x.new_empty(x.shape) if need_dx else _empty(x)), (_like_weight(w1) if need_dw else _empty(w1))
 
 
@@ -344,7 +359,7 @@ def up_backward(dpre: Tensor, x: Tensor, w1: Tensor, index: DispatchIndex, need_
     _check("up_backward", dpre=dpre, x=x, w1=w1)
     dx, dw1 = call_op(_up_backward_op, _up_backward_impl, dpre, x, w1, index.local_offsets,
                       index.expert_token_indices, *_schedule(index), index.token_index_map, index.foreign_experts,
-                      need_dx, need_dw)
+                      need_dx, need_dw, index.pair_offsets)
     return (dx if need_dx else None), (dw1 if need_dw else None)
 
 

@@ -1,0 +1,268 @@
+"""Token rounding (SonicMoE §5, issue 25): speed of the layer and training quality, top-k vs rounded.
+
+``speed``: forward+backward of one ``moeblaze.MoE`` layer (bf16, Triton), router and rounding inside the
+timed step, per variant on the same weights and inputs:
+
+``topk``            the layer as it is (random top-k routing from its router)
+``tr-nr``           the layer with ``token_rounding="nr"`` (router + rounding + general routing path)
+``tr-nr-eager``     the same with the rounding's PyTorch ops run eagerly (``compile_rounding=off``)
+``ceiling``         the router runs, then the experts take a fixed routing whose every expert count is a
+                    multiple of the M tile with no imbalance (as equal as multiples of the tile allow): the
+                    most rounding can give
+``pairs-moeblaze``  ``moe_experts_general`` alone on the rounded pairs of one ``tr-nr`` step (compacted:
+                    dropped / unused pairs removed), routing excluded
+``pairs-sonicmoe``  SonicMoE's ``moe_general_routing_inputs`` on the same pairs (skipped when not importable)
+
+Median step time of ``triton.testing.do_bench`` (CPU ``--smoke``: perf_counter median); rows go to a CSV,
+with ``share_of_ceiling = (t_topk / t_tr - 1) / (t_topk / t_ceiling - 1)`` (the issue's target: >= 0.85).
+
+``quality``: ``moeblaze train`` twice, ``--routing topk`` and ``--routing token-rounding:nr``, same steps
+and seed; writes the train-loss and validation bits/byte curves (CSV) and a side-by-side plot (PNG).
+
+Usage (GPU):  python3 benchmarks/bench_token_rounding.py speed --out $OUT/token_rounding.csv
+              python3 benchmarks/bench_token_rounding.py quality --out-dir $OUT/tr_quality
+CPU check:    python3 benchmarks/bench_token_rounding.py speed --smoke; ... quality --smoke --out-dir /tmp/q
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import re
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from moeblaze import MoE, build_dispatch, moe_experts, moe_experts_general, round_tokens, settings, tile_multiple
+from moeblaze.experts import schedule_block_m
+
+SHAPES = [(16384, 1536, 1024, 128, 2), (16384, 4096, 1024, 256, 4), (16384, 2048, 512, 512, 10)]
+SMOKE_SHAPES = [(96, 32, 16, 4, 2), (80, 16, 8, 8, 3)]
+
+
+def ceiling_ids(T: int, E: int, K: int, tile: int, device) -> torch.Tensor:
+    """``[T, K]`` ids, distinct per row, whose per-expert counts are multiples of ``tile`` as equal as possible
+    (``T*K`` must be a multiple of ``tile``): pair ``k*T + t`` goes to the expert whose block holds it."""
+    tiles = T * K // tile
+    per = torch.full((E,), tiles // E, dtype=torch.long)
+    per[: tiles % E] += 1
+    ends = (per * tile).cumsum(0)
+    p = torch.arange(T * K).view(K, T).t().contiguous()  # [T, K]: pair k*T + t
+    ids = torch.searchsorted(ends, p, right=True)
+    if (T * K) % tile or int((per * tile).max()) > T:
+        raise ValueError(f"no ceiling routing for T={T}, K={K}, E={E}, tile={tile}: T*K must be a multiple of the "
+                         "tile and tile * ceil(T*K / (E*tile)) <= T")
+    return ids.to(torch.int32).to(device)
+
+
+def timer(device):
+    if device == "cuda":
+        import triton
+
+        return lambda fn: triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
+
+    def cpu(fn, reps=3):
+        fn()
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            times.append(1e3 * (time.perf_counter() - t0))
+        return statistics.median(times)
+
+    return cpu
+
+
+def layer_steps(shape, device, dtype, backend, tile=None):
+    """``name -> step()`` of the layer variants (module docstring) and the compacted rounded pairs."""
+    T, d, h, E, K = shape
+    torch.manual_seed(0)
+    moe = MoE(d, h, E, K, backend=backend, aux_loss_coef=0.0, device=device, dtype=dtype, rounding_tile=tile)
+    x = torch.randn(T, d, device=device, dtype=dtype, requires_grad=True)
+    dout = torch.randn(T, d, device=device, dtype=dtype)
+    params = [x, *moe.parameters()]
+    tile = tile or tile_multiple(backend, device)
+    ceil = ceiling_ids(T, E, K, tile, device)
+
+    def clear():
+        for p in params:
+            p.grad = None
+
+    def layer(mode, compiled=None):
+        def step():
+            clear()
+            moe.token_rounding = mode
+            with settings.override(compile_rounding=compiled):
+                moe(x).backward(dout)
+        return step
+
+    def ceiling():
+        clear()
+        r = moe.router(x)
+        index = build_dispatch(ceil, E, validate=False, block_m=schedule_block_m(backend, x))
+        moe_experts(x, ceil, r.topk_weights, moe.w1, moe.w_down, backend=backend, index=index).backward(dout)
+
+    with torch.no_grad():
+        r = moe.router(x)
+        rt = round_tokens(r.scores, r.topk_ids, r.topk_weights, tile, "nr")
+    keep = rt.expert_idx < E  # compaction reads the mask on the host: outside the timed steps
+    pairs = (rt.token_idx[keep].contiguous(), rt.expert_idx[keep].contiguous(),
+             rt.pair_weights[keep].float().contiguous().requires_grad_())
+
+    def pairs_moeblaze():
+        clear()
+        moe_experts_general(x, *pairs, moe.w1, moe.w_down, backend=backend).backward(dout)
+
+    steps = {"topk": layer(None), "tr-nr": layer("nr"), "tr-nr-eager": layer("nr", False), "ceiling": ceiling,
+             "pairs-moeblaze": pairs_moeblaze}
+    sonic = sonic_step(x, pairs, moe, dout, clear) if device == "cuda" else None
+    if sonic is not None:
+        steps["pairs-sonicmoe"] = sonic
+    return steps, tile
+
+
+def sonic_step(x, pairs, moe, dout, clear):
+    """SonicMoE 0.1.2's ``moe_general_routing_inputs`` fed ``pairs``; None when SonicMoE is not importable."""
+    try:
+        from sonicmoe.enums import ActivationType
+        from sonicmoe.functional import moe_general_routing_inputs
+    except ImportError as err:
+        print(f"pairs-sonicmoe skipped: {err}", flush=True)
+        return None
+    tok, exp, w = pairs
+    E, h = moe.w_down.shape[0], moe.w_down.shape[2]
+    stream = torch.cuda.current_stream().cuda_stream
+    w2 = moe.w_down.permute(1, 2, 0)  # [d, h, E], SonicMoE's stride order (2, 0, 1), zero-copy
+    try:  # gate rows then up rows (moeblaze's layout) where SonicMoE accepts it, else an interleaved copy
+        w1, kw = moe.w1.permute(1, 2, 0), {"concat_layout": True}
+        moe_general_routing_inputs(x, w, tok, exp, w1, None, w2, None, E, stream, ActivationType.SWIGLU, False, **kw)
+    except TypeError:
+        inter = torch.stack((moe.w1[:, :h], moe.w1[:, h:]), dim=2).reshape(moe.w1.shape).detach().requires_grad_()
+        w1, kw = inter.permute(1, 2, 0), {}
+
+    def step():
+        clear()
+        out, _ = moe_general_routing_inputs(x, w, tok, exp, w1, None, w2, None, E, stream, ActivationType.SWIGLU,
+                                            False, **kw)
+        out.backward(dout)
+
+    return step
+
+
+def run_speed(args) -> int:
+    device = "cpu" if args.smoke else "cuda"
+    dtype = torch.float32 if args.smoke else torch.bfloat16
+    backend = "torch" if args.smoke else "triton"
+    bench = timer(device)
+    rows = []
+    for shape in SMOKE_SHAPES if args.smoke else SHAPES:
+        steps, tile = layer_steps(shape, device, dtype, backend, tile=16 if args.smoke else None)
+        ms = {name: bench(step) for name, step in steps.items()}
+        gain = ms["topk"] / ms["ceiling"] - 1
+        share = (ms["topk"] / ms["tr-nr"] - 1) / gain if gain else None
+        T, d, h, E, K = shape
+        for name, t in ms.items():
+            rows.append({"date": datetime.date.today().isoformat(),
+                         "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+                         "T": T, "d": d, "h": h, "E": E, "K": K, "tile": tile, "dtype": str(dtype).split(".")[-1],
+                         "variant": name, "ms": round(t, 4), "vs_topk": round(ms["topk"] / t, 4),
+                         "share_of_ceiling": round(share, 3) if share is not None else ""})
+            print(f"{shape} {name:>15}: {t:9.3f} ms  {ms['topk'] / t:5.3f}x top-k", flush=True)
+        print(f"{shape} tr-nr keeps {share if share is None else round(share, 3)} of the ceiling's gain", flush=True)
+    write_csv(args.out, rows)
+    return 0
+
+
+def write_csv(path, rows) -> None:
+    if not path or not rows:
+        return
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        if f.tell() == 0:
+            writer.writeheader()
+        writer.writerows(rows)
+
+
+_EVAL = re.compile(r"step (\d+): train loss ([\d.]+), val ([\d.]+) bits/byte")
+
+
+def run_quality(args) -> int:
+    from moeblaze.model import ModelConfig
+    from moeblaze.train import TrainConfig, train
+
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    curves, evals, final = {}, {}, {}
+    for routing in ("topk", "token-rounding:nr"):
+        tiny = dict(seq_len=32, d_model=32, n_layers=1, n_heads=2, d_ff=32) if args.smoke else {}
+        mcfg = ModelConfig(routing=routing, backend="torch" if args.smoke else "triton", **tiny)
+        ckpt = tempfile.mkdtemp(prefix=f"tr_quality_{routing.replace(':', '-')}_")  # checkpoints stay out of --out-dir
+        cfg = TrainConfig(out_dir=ckpt, steps=args.steps, seed=args.seed, checkpoint_interval=0,
+                          device="cpu" if args.smoke else "cuda", overwrite=True, progress=False,
+                          **(dict(batch_size=8, eval_interval=2, eval_tokens=256, warmup_steps=1) if args.smoke
+                             else dict(eval_interval=args.eval_interval)))
+        lines = []
+        result = train(cfg, mcfg, log=lambda msg, lines=lines: (lines.append(str(msg)), print(msg, flush=True)))
+        curves[routing], final[routing] = result.losses, result.val_bpb
+        evals[routing] = [(int(m[1]), float(m[3])) for m in map(_EVAL.search, lines) if m]
+        print(f"{routing}: final val {result.val_bpb:.4f} bits/byte", flush=True)
+    rows = [{"routing": r, "step": i + 1, "train_loss": round(v, 5), "val_bpb": dict(evals[r]).get(i + 1, "")}
+            for r, losses in curves.items() for i, v in enumerate(losses)]
+    write_csv(out / "curves.csv", rows)
+    top, tr = final["topk"], final["token-rounding:nr"]
+    print(f"val bits/byte: top-k {top:.4f}, token rounding nr {tr:.4f} ({100 * (tr / top - 1):+.2f}%)", flush=True)
+    plot(curves, evals, out / "token_rounding_quality.png")
+    return 0
+
+
+def plot(curves, evals, path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not importable: no plot", flush=True)
+        return
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    for routing, losses in curves.items():
+        k = max(1, len(losses) // 50)  # running mean over ~2% of the run
+        smooth = [sum(losses[max(0, i - k + 1): i + 1]) / len(losses[max(0, i - k + 1): i + 1])
+                  for i in range(len(losses))]
+        a.plot(range(1, len(losses) + 1), smooth, label=routing)
+        b.plot(*zip(*evals[routing]), marker="o", label=routing)
+    a.set(xlabel="step", ylabel="train loss (nats/byte)", title="train loss")
+    b.set(xlabel="step", ylabel="bits/byte", title="validation")
+    a.legend()
+    b.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"plot: {path}", flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="stage", required=True)
+    sp = sub.add_parser("speed", help="layer step times: top-k, tr-nr, ceiling, pairs (moeblaze, SonicMoE)")
+    sp.add_argument("--out", default=None, help="CSV file to append the rows to")
+    sp.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (PyTorch backend): a pipeline check")
+    q = sub.add_parser("quality", help="train with top-k and with token rounding nr; curves and plot")
+    q.add_argument("--out-dir", required=True)
+    q.add_argument("--steps", type=int, default=800)
+    q.add_argument("--eval-interval", type=int, default=100)
+    q.add_argument("--seed", type=int, default=1337)
+    q.add_argument("--smoke", action="store_true", help="a tiny model for a few steps on the CPU")
+    args = ap.parse_args(argv)
+    if args.stage == "quality" and args.smoke:
+        args.steps = min(args.steps, 4)
+    return run_speed(args) if args.stage == "speed" else run_quality(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

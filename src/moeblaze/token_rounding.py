@@ -1,0 +1,207 @@
+"""Token rounding (TR): top-k routing with every expert's token count a multiple of the GEMM's M tile.
+
+SonicMoE (Guo et al., arXiv 2512.14080, §5, Alg. 4). The grouped GEMMs run each expert's slots in M-tiles
+of ``tile`` rows; an expert with ``f_e`` tokens wastes the rest of its last tile (about half a tile per
+expert on average). After top-k token choice, TR makes each count a multiple of the tile: expert e
+either *drops* the top-k tokens of its last partial tile with the lowest top-k weights, or *pads* it
+with its highest-scored tokens outside the top-k (the two orderings of Alg. 4: token choice first, then
+the router's weight within each expert; as SonicMoE, top-k tokens rank by their top-k weight, the
+others by their score). The target count ``r_e`` per mode, with ``f_e = q*tile + rem``:
+
+``nr``   nearest (SonicMoE's default NR-f): ``(q+1)*tile`` when ``2*rem > tile``, else ``q*tile``
+         (ties drop; SonicMoE 0.1.2's benchmark uses ``torch.round``, half to even, which pads at
+         ties of odd ``q``: a tie needs ``rem == tile/2`` exactly).
+``up``   ``ceil``: pad every partial tile.  ``down``: ``floor``: drop every partial tile.
+``sr``   stochastic: pad with probability ``rem/tile``, else drop (unbiased in expectation; seeded).
+
+A count never exceeds T: an expert whose padded count would pass T drops instead, so every count is
+a multiple of the tile (or 0) and ``|r_e - f_e| < tile``.
+
+Weights (documented choices, SonicMoE's reference as the model): kept top-k pairs keep the router's
+top-k weights as they are (renormalised over the K chosen experts before rounding when the router
+renormalises; not renormalised again after drops, as SonicMoE). Padded pairs carry the router score
+``s[t, e]`` (the softmax probability or sigmoid score, times ``routed_scaling_factor``), differentiable
+like the top-k weights. A token whose pairs are all dropped gets zero MoE output and zero gradient.
+
+No host synchronisation and static shapes: the result always has ``P = T*K + J*E`` pairs with ``J``
+padding candidates per expert (the most one expert may pad: ``(tile - 1) // 2`` for ``nr``); dropped
+and unused pairs carry the expert id ``E`` (a foreign expert: the index puts them in its extra bucket,
+no GEMM computes them, they add nothing). Evaluation (``model.eval()``) routes with plain top-k.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from . import settings
+
+__all__ = ["ROUNDING_MODES", "TokenRounding", "round_counts", "round_tokens", "round_tokens_fused", "tile_multiple"]
+
+ROUNDING_MODES = ("nr", "up", "down", "sr")
+_TORCH_TILE = 128  # the GPU kernels' M tile: the torch backend accepts any tile and defaults to the GPU's
+
+
+def tile_multiple(backend: str = "auto", device: torch.device | str | None = None) -> int:
+    """The M tile (slots per grouped-GEMM row tile) of an expert backend: what token rounding rounds to.
+
+    ``"triton"`` (and ``"auto"`` on CUDA): the kernels' BLOCK_M (128 on the GPU, 32 under
+    ``TRITON_INTERPRET=1``). ``"torch"`` (and ``"auto"`` elsewhere): any tile works; 128, the GPU's.
+
+    Raises:
+        ValueError: an unknown backend.
+    """
+    from .experts import BACKENDS
+
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    cuda = device is not None and torch.device(device).type == "cuda"
+    if backend == "triton" or (backend == "auto" and cuda):
+        try:
+            from .kernels.tuning import block_m
+        except ImportError:
+            return _TORCH_TILE
+        return block_m()
+    return _TORCH_TILE
+
+
+@dataclass
+class TokenRounding:
+    """Rounded routing as general routing inputs (:func:`moeblaze.moe_experts_general`, ``foreign_experts=True``).
+
+    Attributes:
+        token_idx: ``[P]`` int32, ascending. expert_idx: ``[P]`` int32, E for dropped / unused pairs.
+        pair_weights: ``[P]`` float combine weights (differentiable).
+        counts: ``[E]`` int32 rounded token count of each expert (multiples of the tile).
+    """
+
+    token_idx: torch.Tensor
+    expert_idx: torch.Tensor
+    pair_weights: torch.Tensor
+    counts: torch.Tensor
+
+
+def round_counts(counts: torch.Tensor, tile: int, mode: str = "nr", num_tokens: int | None = None,
+                 generator: torch.Generator | None = None) -> torch.Tensor:
+    """Target counts ``[E]`` int32 of token rounding (rules: module docstring), on ``counts``' device.
+
+    Args:
+        counts: ``[E]`` integer top-k token counts ``f_e``. tile: M tile >= 1. mode: one of ``ROUNDING_MODES``.
+        num_tokens: T, the cap (None: no cap). generator: random source of ``sr``.
+
+    Raises:
+        ValueError: unknown mode, ``tile < 1``.
+    """
+    _check_mode_tile(mode, tile)
+    f = counts.to(torch.int32)
+    rem = f % tile
+    base = f - rem
+    if mode == "nr":
+        up = 2 * rem > tile
+    elif mode == "up":
+        up = rem > 0
+    elif mode == "down":
+        up = torch.zeros_like(rem, dtype=torch.bool)
+    else:
+        u = torch.rand(f.shape, generator=generator, device=f.device)
+        up = u * tile < rem
+    target = base + tile * up.to(torch.int32)
+    if num_tokens is not None:
+        target = torch.where(target > num_tokens, base, target)
+    return target
+
+
+def _max_pad(mode: str, tile: int, num_tokens: int) -> int:
+    """Most tokens one expert may pad in ``mode``: ``nr`` pads only when ``rem > tile/2``, ``down`` never."""
+    most = {"nr": (tile - 1) // 2, "down": 0}.get(mode, tile - 1)
+    return min(most, num_tokens)
+
+
+def _check_mode_tile(mode: str, tile: int) -> None:
+    if mode not in ROUNDING_MODES:
+        raise ValueError(f"token rounding mode must be one of {ROUNDING_MODES}, got {mode!r}")
+    if not isinstance(tile, int) or isinstance(tile, bool) or tile < 1:
+        raise ValueError(f"tile (the M tile to round to) must be a positive int, got {tile!r}")
+
+
+def round_tokens(scores: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, tile: int,
+                 mode: str = "nr", generator: torch.Generator | None = None,
+                 scale: float = 1.0) -> TokenRounding:
+    """Token rounding of a top-k routing (SonicMoE §5 Alg. 4; rules and weights: module docstring).
+
+    Args:
+        scores: ``[T, E]`` float router scores (softmax probabilities or sigmoid scores), differentiable.
+        topk_ids: ``[T, K]`` integer top-k experts (distinct per row). topk_weights: ``[T, K]`` float.
+        tile: the M tile (:func:`tile_multiple`). mode: ``"nr"``, ``"up"``, ``"down"`` or ``"sr"``.
+        generator: random source of ``"sr"`` (on ``scores``' device). scale: factor of the padded pairs'
+            weights (the router's ``routed_scaling_factor``).
+
+    Returns:
+        :class:`TokenRounding` with ``P = T*K + J*E`` pairs, ``J = min(T, (tile - 1) // 2)`` for ``nr``,
+        ``0`` for ``down``, ``min(T, tile - 1)`` otherwise (the most one expert pads); no host synchronisation.
+
+    Raises:
+        ValueError: unknown mode, ``tile < 1``, shapes that disagree.
+    """
+    _check_mode_tile(mode, tile)
+    if scores.dim() != 2 or topk_ids.dim() != 2 or topk_ids.shape[0] != scores.shape[0]:
+        raise ValueError(f"scores must be [T, E] and topk_ids [T, K], got {tuple(scores.shape)} and "
+                         f"{tuple(topk_ids.shape)}")
+    if tuple(topk_weights.shape) != tuple(topk_ids.shape):
+        raise ValueError(f"topk_weights must have shape {tuple(topk_ids.shape)}, got {tuple(topk_weights.shape)}")
+    (T, E), K, dev = scores.shape, topk_ids.shape[1], scores.device
+    ids = topk_ids.long()
+    f = torch.zeros(E, dtype=torch.int32, device=dev).scatter_add_(
+        0, ids.reshape(-1), torch.ones(T * K, dtype=torch.int32, device=dev))
+    target = round_counts(f, tile, mode, T, generator)
+    drop, pad = (f - target).clamp_min(0), (target - f).clamp_min(0)  # both < tile
+    # per expert, its top-k tokens of lowest top-k weight (drop candidates; SonicMoE orders the top-k tokens
+    # by their renormalised weights) and its best-scored other tokens (padding candidates), on [E, T]
+    # layouts: top-J along the contiguous dimension (torch.topk over dim 0 of [T, E] walks strided rows)
+    pair_e, pair_t = ids.t().reshape(-1), torch.arange(T, device=dev).repeat(K)  # the T*K chosen (e, t)
+    tk = torch.full((E, T), float("inf"), device=dev)
+    tk[pair_e, pair_t] = topk_weights.detach().t().reshape(-1).float()
+    low_tok = tk.topk(min(tile - 1, T), dim=1, largest=False).indices.t()  # [J_drop, E]
+    j = torch.arange(tile - 1, device=dev)[:, None]  # candidate ranks
+    J = _max_pad(mode, tile, T)
+    high_tok = torch.zeros(0, E, dtype=torch.long, device=dev)
+    if J:
+        other = scores.detach().t().contiguous()
+        other[pair_e, pair_t] = float("-inf")
+        high_tok = other.topk(J, dim=1).indices.t()  # [J, E]
+    dropped = torch.zeros(T, E, dtype=torch.bool, device=dev).scatter_(
+        0, low_tok, j[: low_tok.shape[0]] < drop[None, :])
+    experts = torch.arange(E, dtype=torch.int32, device=dev)
+    kept_ids = torch.where(dropped.gather(1, ids), E, ids).to(torch.int32)
+    pad_ids = torch.where(j[:J] < pad[None, :], experts[None, :], E).to(torch.int32)  # [J, E]
+    pad_w = (scores.gather(0, high_tok) * scale).to(topk_weights.dtype)
+    tok = torch.cat((torch.arange(T, dtype=torch.int32, device=dev).repeat_interleave(K),
+                     high_tok.reshape(-1).to(torch.int32)))
+    order = torch.sort(tok, stable=True).indices  # pairs of a token contiguous; top-k pairs first, in k order
+    return TokenRounding(tok[order], torch.cat((kept_ids.reshape(-1), pad_ids.reshape(-1)))[order],
+                         torch.cat((topk_weights.reshape(-1), pad_w.reshape(-1)))[order], target)
+
+
+@functools.cache
+def _compiled_round_tokens():
+    return torch.compile(round_tokens, fullgraph=True, dynamic=False)
+
+
+def round_tokens_fused(scores: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, tile: int,
+                       mode: str = "nr", generator: torch.Generator | None = None,
+                       scale: float = 1.0) -> TokenRounding:
+    """:func:`round_tokens` through ``torch.compile`` (Inductor fuses its ~40 small element-wise, gather and
+    scatter launches into a few; ``topk`` and ``sort`` stay library calls) where the ``compile_rounding``
+    setting says so (``auto``: on CUDA); the same result bitwise (integer selections; the padded weights
+    are one gather and one product). ``"sr"`` (a ``torch.Generator`` argument) and calls already inside
+    ``torch.compile`` run :func:`round_tokens` itself. The first call per shape compiles (seconds).
+    """
+    if torch.compiler.is_compiling() or mode == "sr":  # settings.get reads a ContextVar: not traceable
+        return round_tokens(scores, topk_ids, topk_weights, tile, mode, generator, scale)
+    use = settings.get("compile_rounding")
+    if scores.is_cuda if use is None else use:
+        _check_mode_tile(mode, tile)
+        return _compiled_round_tokens()(scores, topk_ids, topk_weights, tile, mode, None, scale)
+    return round_tokens(scores, topk_ids, topk_weights, tile, mode, generator, scale)

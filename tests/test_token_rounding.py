@@ -1,0 +1,239 @@
+"""Token rounding (SonicMoE §5 Alg. 4): count rules, agreement with SonicMoE's reference algorithm,
+the MoE router option, and bad input."""
+
+import pytest
+import torch
+
+import moeblaze
+from moeblaze import MoE, moe_experts_general, round_tokens, tile_multiple
+from moeblaze.token_rounding import ROUNDING_MODES, round_counts
+
+
+def routing(T, E, K, seed, renormalize=True):
+    gen = torch.Generator().manual_seed(seed)
+    scores = torch.softmax(torch.randn(T, E, generator=gen) * 2, -1)
+    w, ids = scores.topk(K, -1)
+    if renormalize:
+        w = w / w.sum(-1, keepdim=True)
+    return scores, ids.to(torch.int32), w
+
+
+def active_pairs(r, E):
+    keep = r.expert_idx < E
+    return {(int(t), int(e)): float(w) for t, e, w in zip(r.token_idx[keep], r.expert_idx[keep], r.pair_weights[keep])}
+
+
+def sonicmoe_reference(scores, ids, w, tile, ties):
+    """SonicMoE 0.1.2's token rounding, written out: per expert, tokens ordered top-k first by their top-k
+    weight, then the others by score; the first ``r_e`` are kept. ``ties``: ``"half_even"`` (its
+    ``torch.round``) or ``"drop"`` (ours). Counts that would pass T drop instead (our cap)."""
+    T, E = scores.shape
+    f = torch.bincount(ids.flatten().long(), minlength=E)
+    if ties == "half_even":
+        r = torch.round(f / tile).long() * tile
+    else:
+        r = torch.where(2 * (f % tile) > tile, f - f % tile + tile, f - f % tile)
+    r = torch.where(r > T, r - tile, r)
+    key = (scores - 1).scatter(1, ids.long(), w)  # top-k pairs above all others (scores - 1 < 0 <= w)
+    order = key.argsort(dim=0, descending=True)
+    weight = scores.scatter(1, ids.long(), w)
+    return {(int(order[i, e]), e): float(weight[order[i, e], e]) for e in range(E) for i in range(int(r[e]))}
+
+
+@pytest.mark.parametrize("mode", ROUNDING_MODES)
+@pytest.mark.parametrize("T,E,K,tile", [(50, 8, 2, 8), (300, 16, 4, 16), (40, 4, 2, 64), (64, 6, 3, 1)])
+def test_counts_are_tile_multiples_within_one_tile(mode, T, E, K, tile):
+    for seed in range(3):
+        scores, ids, w = routing(T, E, K, seed)
+        gen = torch.Generator().manual_seed(seed)
+        r = round_tokens(scores, ids, w, tile, mode, generator=gen)
+        f = torch.bincount(ids.flatten().long(), minlength=E)
+        counts = torch.bincount(r.expert_idx.long(), minlength=E + 1)[:E]
+        assert torch.equal(counts, r.counts.long())
+        assert bool((counts % tile == 0).all()) and bool(((counts - f).abs() < tile).all())
+        assert bool((counts <= T).all())
+        if mode == "down":
+            assert bool((counts <= f).all())
+        if mode == "up" and tile * ((f.max() + tile - 1) // tile) <= T:  # no cap reached
+            assert bool((counts >= f).all())
+        assert torch.equal(r.token_idx, r.token_idx.sort().values)  # ascending: valid general routing inputs
+        pairs = active_pairs(r, E)
+        assert len(pairs) == int(counts.sum())  # no (token, expert) pair twice
+
+
+@pytest.mark.parametrize("renormalize", [True, False])
+@pytest.mark.parametrize("seed", range(4))
+def test_nr_rounds_as_sonicmoe_reference(renormalize, seed):
+    T, E, K, tile = 96, 8, 2, 16
+    scores, ids, w = routing(T, E, K, seed, renormalize)
+    f = torch.bincount(ids.flatten().long(), minlength=E)
+    ours = active_pairs(round_tokens(scores, ids, w, tile, "nr"), E)
+    assert ours == pytest.approx(sonicmoe_reference(scores, ids, w, tile, "drop"))
+    if not bool((2 * (f % tile) == tile).any()):  # without ties, SonicMoE's torch.round agrees
+        assert ours == pytest.approx(sonicmoe_reference(scores, ids, w, tile, "half_even"))
+
+
+def test_round_counts_rules():
+    f = torch.tensor([0, 3, 4, 5, 8, 12, 13, 20])
+    assert round_counts(f, 8, "nr").tolist() == [0, 0, 0, 8, 8, 8, 16, 16]  # 4 and 12 are ties: drop
+    assert round_counts(f, 8, "up").tolist() == [0, 8, 8, 8, 8, 16, 16, 24]
+    assert round_counts(f, 8, "down").tolist() == [0, 0, 0, 0, 8, 8, 8, 16]
+    assert round_counts(f, 8, "up", num_tokens=20).tolist() == [0, 8, 8, 8, 8, 16, 16, 16]  # 24 > T: drop
+    draws = torch.stack([round_counts(f, 8, "sr", generator=torch.Generator().manual_seed(s)) for s in range(400)])
+    assert bool(((draws == round_counts(f, 8, "down")) | (draws == round_counts(f, 8, "up"))).all())
+    assert torch.allclose(draws.double().mean(0), f.double(), atol=1.0)  # unbiased: E[r] = f
+    one = torch.Generator().manual_seed(9)
+    again = torch.Generator().manual_seed(9)
+    assert torch.equal(round_counts(f, 8, "sr", generator=one), round_counts(f, 8, "sr", generator=again))
+
+
+def test_all_dropped_token_gets_zero_output_and_gradient():
+    T, E, d, h = 40, 4, 16, 8
+    scores, ids, w = routing(T, E, 1, 1)
+    r = round_tokens(scores, ids, w, 8, "down")
+    dropped = sorted(set(range(T)) - {t for t, _ in active_pairs(r, E)})
+    assert dropped, "the case must drop some token's only pair"
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(T, d, generator=gen, requires_grad=True)
+    w1, w2 = torch.randn(E, 2 * h, d, generator=gen) / 4, torch.randn(E, d, h, generator=gen) / 3
+    pw = r.pair_weights.clone().requires_grad_()
+    out = moe_experts_general(x, r.token_idx, r.expert_idx, pw, w1, w2, backend="torch", foreign_experts=True)
+    out.backward(torch.randn(T, d, generator=gen))
+    assert torch.equal(out[dropped], torch.zeros(len(dropped), d)) and torch.equal(x.grad[dropped], out[dropped])
+    assert bool((pw.grad[r.expert_idx == E] == 0).all())
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_moe_token_rounding_option(backend, monkeypatch):
+    if backend == "triton":
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    torch.manual_seed(0)
+    kw = dict(d_model=16, d_ff=8, num_experts=4, top_k=2, backend=backend, renormalize=True)
+    layer, plain = MoE(**kw, token_rounding="nr", rounding_tile=8), MoE(**kw)
+    plain.load_state_dict(layer.state_dict())
+    x = torch.randn(37, 16, requires_grad=True)
+    out = layer(x)
+    routing_out = layer.router(x)
+    r = round_tokens(routing_out.scores, routing_out.topk_ids, routing_out.topk_weights, 8, "nr")
+    expect = moe_experts_general(x, r.token_idx, r.expert_idx, r.pair_weights, layer.w1, layer.w_down,
+                                 backend=backend, foreign_experts=True)
+    assert torch.equal(out, expect)
+    out.square().sum().backward()
+    assert layer.router.weight.grad.abs().sum() > 0 and torch.isfinite(x.grad).all()
+    layer.eval()
+    plain.eval()
+    assert torch.equal(layer(x), plain(x))  # evaluation routes with plain top-k
+    assert "token_rounding=nr" in repr(layer)
+
+
+def test_tile_multiple(monkeypatch):
+    assert tile_multiple("torch") == 128 and tile_multiple("auto", "cpu") == 128
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert tile_multiple("triton") == 32
+    assert moeblaze.tile_multiple is tile_multiple
+
+
+@pytest.mark.parametrize("call,match", [
+    (lambda: round_tokens(*routing(8, 4, 2, 0), 0, "nr"), r"tile \(the M tile to round to\) must be a positive int"),
+    (lambda: round_tokens(*routing(8, 4, 2, 0), 8, "half"), "token rounding mode must be one of"),
+    (lambda: round_counts(torch.tensor([3]), -1), "must be a positive int, got -1"),
+    (lambda: MoE(8, 4, 4, 2, token_rounding="ceil"), "token_rounding must be None or one of"),
+    (lambda: MoE(8, 4, 4, 2, token_rounding="nr", rounding_tile=0), "rounding_tile must be None or a positive int"),
+    (lambda: tile_multiple("cuda"), "backend must be one of"),
+])
+def test_bad_rounding_input(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ROUNDING_MODES)
+def test_gpu_token_rounding_layer_bf16_no_host_sync(mode):
+    torch.manual_seed(0)
+    kw = dict(d_model=256, d_ff=128, num_experts=32, top_k=4, token_rounding=mode, device="cuda",
+              dtype=torch.bfloat16)
+    layer = MoE(**kw, backend="triton")
+    ref = MoE(**kw, backend="torch")
+    ref.load_state_dict(layer.state_dict())
+    x = torch.randn(3000, 256, device="cuda", dtype=torch.bfloat16)
+    layer(x).float().square().mean().backward()  # first call: autotuning and compilation may synchronise
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = layer(x)
+        out.float().square().mean().backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    counts = torch.bincount(layer.last_topk_ids.flatten().long(), minlength=32)
+    assert counts.sum() == 3000 * 4
+    if mode != "sr":  # sr draws from each layer's own generator state
+        expect = ref(x)
+        err = (out.float() - expect.float()).norm() / expect.float().norm()
+        assert err < 2e-2
+
+
+def test_train_routing_flag(tmp_path):
+    from moeblaze.cli import main
+    from moeblaze.model import ModelConfig, MoETransformer, token_rounding_mode
+
+    data = tmp_path / "corpus.txt"
+    data.write_text("def f(x):\n    return x + 1\n" * 400)
+    tiny = ["--seq-len", "32", "--d-model", "32", "--n-layers", "1", "--n-heads", "2", "--d-ff", "32",
+            "--num-experts", "4", "--top-k", "2", "--batch-size", "8", "--eval-tokens", "256", "--warmup-steps", "1",
+            "--no-progress", "--threads", "2", "--steps", "3", "--data", str(data)]
+    with pytest.raises(SystemExit) as exc:
+        main(["train", *tiny, "--routing", "token-rounding:up", "--out-dir", str(tmp_path / "tr")])
+    assert exc.value.code == 0
+    assert token_rounding_mode("token-rounding") == "nr" and token_rounding_mode("topk") is None
+    model = MoETransformer(ModelConfig(seq_len=32, d_model=32, n_layers=1, n_heads=2, routing="token-rounding:sr"))
+    assert [m.token_rounding for m in model.moe_layers()] == ["sr"]
+    with pytest.raises(ValueError, match="routing must be 'topk' or 'token-rounding"):
+        ModelConfig(routing="token-rounding:ceil")
+
+
+@pytest.mark.parametrize("stage", ["speed", "quality"])
+def test_benchmark_script_smoke(stage, tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_token_rounding.py"
+    extra = ["--out", str(tmp_path / "speed.csv")] if stage == "speed" else ["--out-dir", str(tmp_path)]
+    proc = subprocess.run([sys.executable, str(script), stage, "--smoke", *extra], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    csv_file = tmp_path / ("speed.csv" if stage == "speed" else "curves.csv")
+    lines = csv_file.read_text().splitlines()
+    if stage == "speed":
+        assert lines[0].startswith("date,device,T,d,h,E,K,tile") and len(lines) == 1 + 2 * 5
+        assert {line.split(",")[9] for line in lines[1:]} == {"topk", "tr-nr", "tr-nr-eager", "ceiling",
+                                                              "pairs-moeblaze"}
+    else:
+        assert lines[0] == "routing,step,train_loss,val_bpb" and len(lines) == 1 + 2 * 4
+        assert "token rounding nr" in proc.stdout
+
+
+def test_token_rounding_layer_compiles_fullgraph(monkeypatch):
+    """``torch.compile(fullgraph=True)`` over the layer with rounding (the general-routing custom ops' fakes)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    torch.manual_seed(0)
+    layer = MoE(32, 16, 4, 2, backend="triton", token_rounding="nr", rounding_tile=8)
+    x = torch.randn(2, 19, 32, requires_grad=True)
+    ref = layer(x)
+    (gx_ref,) = torch.autograd.grad(ref.square().sum(), x)
+    out = torch.compile(layer, fullgraph=True, backend="aot_eager")(x)
+    (gx,) = torch.autograd.grad(out.square().sum(), x)
+    assert torch.equal(out, ref) and torch.equal(gx, gx_ref)
+
+
+def test_compiled_rounding_is_bitwise_eager():
+    """``compile_rounding`` (on by default on CUDA): the Inductor-compiled rounding equals the eager one."""
+    from moeblaze import settings
+    from moeblaze.token_rounding import round_tokens_fused
+
+    scores, ids, w = routing(64, 8, 2, 4)
+    eager = round_tokens(scores, ids, w, 8, "nr", scale=2.5)
+    with settings.override(compile_rounding=True):
+        fused = round_tokens_fused(scores, ids, w, 8, "nr", scale=2.5)
+    for name in ("token_idx", "expert_idx", "pair_weights", "counts"):
+        assert torch.equal(getattr(fused, name), getattr(eager, name)), name
