@@ -37,6 +37,7 @@ from torch import Tensor
 
 from .activations import SWIGLU_ALPHA, SWIGLU_LIMIT, acc, activation_backward, activation_forward
 from .dispatch import DispatchIndex
+from .graphs import capturing
 
 
 class ActArgs(NamedTuple):
@@ -58,12 +59,24 @@ def _use_grouped_mm(a: torch.Tensor, w: torch.Tensor) -> bool:
             and a.shape[-1] % 8 == 0 and w.shape[-1] % 8 == 0 and w.shape[-2] % 8 == 0)
 
 
+def _host_bounds(offsets: torch.Tensor, op: str) -> list[int]:
+    """The offsets read on the host (one synchronisation) for a per-expert loop.
+
+    Raises:
+        RuntimeError: inside a CUDA-graph capture, where a host read would invalidate the capture.
+    """
+    if capturing(offsets):
+        raise RuntimeError(f"backend='torch' {op} reads the expert offsets on the host (a per-expert loop) and "
+                           "cannot run inside CUDA-graph capture; use backend='triton' (see moeblaze.graphs)")
+    return offsets.tolist()
+
+
 def grouped_linear(a: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """Per expert e: ``a[off[e]:off[e+1]] @ w[e].T``. ``a [N, in]``, ``w [E, out, in]`` -> ``[N, out]``."""
     if _use_grouped_mm(a, w):
         return F.grouped_mm(a.contiguous(), w.transpose(-2, -1), offs=offsets[1:])
     out = a.new_empty(a.shape[0], w.shape[1])
-    bounds = offsets.tolist()
+    bounds = _host_bounds(offsets, "grouped GEMM off the grouped_mm path")
     for e in range(w.shape[0]):
         lo, hi = bounds[e], bounds[e + 1]
         if hi > lo:
@@ -80,7 +93,7 @@ def grouped_weight_grad(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor)
     E = offsets.numel() - 1
     out = torch.zeros(E, a.shape[1], b.shape[1], dtype=torch.promote_types(a.dtype, torch.float32),
                       device=a.device)
-    bounds = offsets.tolist()
+    bounds = _host_bounds(offsets, "weight gradient")
     for e in range(E):
         lo, hi = bounds[e], bounds[e + 1]
         if hi > lo:
@@ -211,7 +224,7 @@ def bias_grad(src: Tensor, index: DispatchIndex, topk_weights: Tensor | None = N
         rows = acc(src).index_select(0, index.expert_token_indices.long()) * w_slot[:, None]
     E = index.num_experts
     out = torch.zeros(E, src.shape[1], dtype=torch.promote_types(src.dtype, torch.float32), device=src.device)
-    bounds = index.local_offsets.tolist()
+    bounds = _host_bounds(index.local_offsets, "expert-bias gradient")
     for e in range(E):
         if bounds[e + 1] > bounds[e]:
             out[e] = acc(rows[bounds[e]:bounds[e + 1]]).sum(0)

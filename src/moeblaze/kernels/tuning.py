@@ -1,7 +1,8 @@
 """Launch configurations of the expert kernels: autotuned on the GPU, fixed when asked or interpreted.
 
 Autotuning is keyed on the problem's (d, h, E) and the tensor dtypes — never on T (or N), so a new
-batch size never re-tunes. Environment:
+batch size never re-tunes. A key first launched inside a CUDA-graph capture is not tuned (the autotuner
+synchronises): it takes the fixed default configuration for good (:mod:`moeblaze.graphs`). Environment:
 
 ``MOEBLAZE_AUTOTUNE=0``  use one fixed default configuration per kernel (no benchmarking at first call).
 ``TRITON_INTERPRET=1``   (CPU interpreter) small fixed configurations; autotuning is always off.
@@ -23,6 +24,7 @@ import torch
 import triton
 
 from .. import settings
+from ..graphs import capturing
 
 # BLOCK_M is chosen by the launcher (the tile schedule depends on it), not by the autotuner.
 BLOCK_M_GPU = 128
@@ -204,6 +206,12 @@ def gather_sum_configs(kind: str) -> list[triton.Config]:
             for t, bd, w in ((16, 256, 4), (32, 256, 8), (8, 512, 4), (16, 512, 8), (64, 128, 8))]
 
 
+def _capturing(args: tuple) -> bool:
+    """The launch is being captured into a CUDA graph (its first tensor argument tells the device)."""
+    first = next((a for a in args if isinstance(a, torch.Tensor)), None)
+    return first is not None and capturing(first)
+
+
 class Launchable:
     """A jitted kernel, autotuned on the first launch of each key and launched directly afterwards.
 
@@ -264,6 +272,16 @@ class Launchable:
         named = self._key_args(args, kwargs).values()
         return (*self.kind(dtype), *named, *(a.dtype for a in args if isinstance(a, torch.Tensor)))
 
+    def default_config(self, dtype: torch.dtype, args: tuple, kwargs: dict) -> triton.Config:
+        """The configuration a launch takes without autotuning: the first of the fixed list (``MOEBLAZE_AUTOTUNE=0``),
+        after the pruning of the launch's arguments."""
+        base = "fixed32" if dtype == torch.float32 else "fixed16"
+        configs = self.configs(base, self.variant()) if self.variant else self.configs(base)
+        if self.prune:
+            named = dict(zip(self.fn.arg_names, args))
+            configs = self.prune(configs, named, **kwargs)
+        return configs[0]
+
     def run(self, config: triton.Config, grid, *args, **kwargs) -> None:
         """Launch the jitted kernel itself with ``config`` and the heuristic flags (no autotuner)."""
         meta = {**self._key_args(args, kwargs), **config.kwargs}
@@ -274,6 +292,8 @@ class Launchable:
         """Launch on ``grid`` (a tuple or a function of the launch's meta-parameters)."""
         key = self.tune_key(dtype, args, kwargs)
         config = self._best.get(key)
+        if config is None and _capturing(args):  # no timing inside a CUDA-graph capture (moeblaze.graphs)
+            config = self._best[key] = self.default_config(dtype, args, kwargs)
         if config is None:
             tuner = self.tuner(dtype)
             tuner[grid](*args, **kwargs)
