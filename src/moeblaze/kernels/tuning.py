@@ -26,7 +26,8 @@ import triton
 from .. import settings
 from ..graphs import capturing
 
-# BLOCK_M is chosen by the launcher (the tile schedule depends on it), not by the autotuner.
+# BLOCK_M is chosen by the launcher from the token-count bucket (the tile schedule depends on it), not by the
+# autotuner; it is part of the GEMM's autotune key, so each bucket tunes its own configs.
 BLOCK_M_GPU = 128
 BLOCK_M_INTERPRET = 32
 
@@ -78,9 +79,18 @@ def num_programs(device: torch.device) -> int:
     return sm_count(device) if device.type == "cuda" else 4
 
 
-def block_m() -> int:
-    """M-tile height (slots of one expert per program)."""
-    return BLOCK_M_INTERPRET if interpreting() else BLOCK_M_GPU
+def block_m(num_pairs: int | None = None, num_experts: int | None = None) -> int:
+    """M-tile height (slots of one expert per program) for N = ``num_pairs`` slots over E = ``num_experts``.
+
+    Two token-count buckets (never T itself, DESIGN.md §5): 128 (32 under the interpreter), and half of it
+    when an expert gets fewer than half a tile on average (N < 64 E): few tokens per expert, where a 128-row
+    tile would compute mostly padding while the weight is read once per tile either way. Without N and E:
+    the large bucket.
+    """
+    base = BLOCK_M_INTERPRET if interpreting() else BLOCK_M_GPU
+    if num_pairs is None or num_experts is None:
+        return base
+    return base // 2 if num_pairs < (base // 2) * num_experts else base
 
 
 def _cfg(num_warps: int, num_stages: int, **kw) -> triton.Config:
