@@ -50,6 +50,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--profile", type=int, default=0, help="print cProfile's top N functions of the steps")
     p.add_argument("--cpu-dims", type=int, default=64,
                    help="--mode cpu: d and h of every shape (the host path does not depend on them; E and K kept)")
+    p.add_argument("--sort", default="tottime", help="cProfile sort key (tottime, cumulative)")
     p.add_argument("--csv", help="append rows to this CSV")
     p.add_argument("--plot", help="draw time per token against T into this PNG")
     return p.parse_args(argv)
@@ -190,7 +191,7 @@ def measure(impl_name: str, cfg, layers: int, device, dtype) -> list[dict]:
 
         prof = cProfile.Profile()
         prof.runcall(lambda: [step() for _ in range(ARGS.steps)])
-        pstats.Stats(prof).sort_stats("tottime").print_stats(ARGS.profile)
+        pstats.Stats(prof).sort_stats(ARGS.sort).print_stats(ARGS.profile)
     host = statistics.median(host_ms(step, ARGS.steps, device))
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
