@@ -19,6 +19,8 @@ Commands::
     python3 benchmarks/bench_host.py --shapes qwen3-30b-a3b,olmoe-1b-7b --stack 8 \\
         --tokens 2048,4096,8192,16384,32768 --impls moeblaze,conventional,sonicmoe --graph \\
         --csv docs/results-stack.csv --plot docs/plots/stack-time-per-token.png
+    # the plot again from the file (every call's rows)
+    python3 benchmarks/bench_host.py --plot-from docs/results-stack.csv --plot docs/plots/stack-time-per-token.png
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--sort", default="tottime", help="cProfile sort key (tottime, cumulative)")
     p.add_argument("--csv", help="append rows to this CSV")
     p.add_argument("--plot", help="draw time per token against T into this PNG")
+    p.add_argument("--plot-from", help="only draw --plot from the rows of this CSV (no measurement)")
     return p.parse_args(argv)
 
 
@@ -230,7 +233,7 @@ def append_csv(path: str, rows: list[dict]) -> None:
         writer = csv.DictWriter(f, COLUMNS, extrasaction="ignore")
         if new:
             writer.writeheader()
-        writer.writerows(rows)
+        writer.writerows({k: (f"{v:.4g}" if isinstance(v, float) else v) for k, v in r.items()} for r in rows)
 
 
 def plot(path: str, rows: list[dict]) -> None:
@@ -254,7 +257,17 @@ def plot(path: str, rows: list[dict]) -> None:
     fig.savefig(path, dpi=120)
 
 
+def read_rows(path: str) -> list[dict]:
+    """Rows of a CSV this script appended to, with the numbers the plot needs parsed."""
+    with open(path, newline="") as f:
+        return [dict(r, T=int(r["T"]), layers=int(r["layers"]), us_per_token=float(r["us_per_token"] or "nan"))
+                for r in csv.DictReader(f)]
+
+
 def main() -> None:
+    if ARGS.plot_from:
+        plot(ARGS.plot, read_rows(ARGS.plot_from))
+        return
     device = torch.device(ARGS.mode)
     if ARGS.mode == "cpu":
         stub_launches()
@@ -281,10 +294,10 @@ def main() -> None:
                         print(" ".join(f"{k}={r[k]:.4g}" if isinstance(r.get(k), float) else f"{k}={r.get(k)}"
                                        for k in COLUMNS[7:] if r.get(k) is not None), flush=True)
                     rows += got
+                    if ARGS.csv:  # row by row: a run cut short by a time limit keeps what it measured
+                        append_csv(ARGS.csv, got)
                     if device.type == "cuda":
                         torch.cuda.empty_cache()
-    if ARGS.csv:
-        append_csv(ARGS.csv, rows)
     if ARGS.plot:
         plot(ARGS.plot, rows)
 
