@@ -27,11 +27,20 @@ timeout 60 python3 benchmarks/bench_host.py --shapes qwen3-30b-a3b --tokens 4096
 fi
 [ "$PART" = tests ] && exit 0
 
-echo "== sweep: L=8 stacks (deepseek-v3: one layer), eager and graph-replayed, moeblaze / conventional / SonicMoE"
-for shape in qwen3-30b-a3b olmoe-1b-7b deepseek-v3; do
-    t=$(left); [ "$t" -lt 20 ] && break
-    timeout "$t" python3 benchmarks/bench_host.py --shapes "$shape" --stack 8 --tokens 2048,4096,8192,16384,32768 \
-        --impls moeblaze,conventional,sonicmoe --graph --steps 10 --csv "$OUT/results-stack.csv" 2>&1 | tail -32
-done
+echo "== sweep: L=8 stacks (deepseek-v3: one layer), eager and graph-replayed: moeblaze and the conventional layer"
+sweep() {  # shape impls: rows appended to $OUT/results-stack.csv as they are measured
+    t=$(left); [ "$t" -lt 20 ] && return
+    timeout "$t" python3 benchmarks/bench_host.py --shapes "$1" --stack 8 --tokens 2048,4096,8192,16384,32768 \
+        --impls "$2" --graph --steps 10 --csv "$OUT/results-stack.csv" 2>&1 | grep -v "^ " | tail -20
+}
+for shape in qwen3-30b-a3b olmoe-1b-7b deepseek-v3; do sweep "$shape" moeblaze,conventional; done
+echo "== SonicMoE (first step compiles: QuACK's kernel cache from .peers/ as scripts/gpu_suite.sh bench does)"
+if [[ -f .peers/install.sh ]]; then source .peers/install.sh /tmp/peers >/dev/null; fi
+export QUACK_COMPILE_WORKERS="${QUACK_COMPILE_WORKERS:-16}" QUACK_CACHE_AUTOTUNING=1
+export QUACK_CACHE_DIR="${QUACK_CACHE_DIR:-/tmp/quack_cache}"
+mkdir -p "$QUACK_CACHE_DIR"
+if [[ -f .peers/quack_cache.tgz ]]; then tar -xzf .peers/quack_cache.tgz -C "$QUACK_CACHE_DIR"; fi
+for shape in qwen3-30b-a3b olmoe-1b-7b; do sweep "$shape" sonicmoe; done
+tar -czf "$OUT/quack_cache.tgz" -C "$QUACK_CACHE_DIR" .
 python3 benchmarks/bench_host.py --plot-from "$OUT/results-stack.csv" --plot "$OUT/stack-time-per-token.png" 2>&1 | tail -3
 ls -la "$OUT"
