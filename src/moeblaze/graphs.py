@@ -10,8 +10,9 @@ captured by ``torch.cuda.graph``, ``torch.cuda.make_graphed_callables`` and
   rest of the process (so later eager calls match the replays). Run one eager step before capturing
   (PyTorch's warm-up; ``make_graphed_callables`` and ``torch.compile`` do it themselves) to capture the
   tuned configurations.
-* ``backend="torch"``: its per-expert loops (weight and bias gradients, GEMMs off the ``grouped_mm`` path)
-  read the expert offsets on the host; under capture they raise ``RuntimeError`` naming the op.
+* ``backend="torch"``: capturable on its ``grouped_mm`` path (CUDA, bf16, d and h multiples of 8, no expert
+  biases); its per-expert loops (other dtypes, the expert-bias gradients) read the expert offsets on the
+  host and under capture raise ``RuntimeError`` naming the op.
 """
 
 from __future__ import annotations
