@@ -9,6 +9,8 @@
 #              kernel cache taken from .peers/quack_cache.tgz and left in $OUT/quack_cache.tgz)
 #   precision  benchmarks/bench_precision.py $PRECISION_ARGS (AMP, fp32 TF32/IEEE, the train preset per --precision)
 #   train      moeblaze train on the GPU, torch vs triton backend loss curves ($TRAIN_BACKENDS: which of the two, default both)
+#   multigpu   2 GPUs: pytest -m multigpu (EP and FSDP2 equalities in bf16, NCCL), then benchmarks/bench_ep.py
+#              under torchrun --nproc-per-node 2 ($EP_BENCH_ARGS, default the Qwen3-30B-A3B shape) -> ep.csv
 # Logs, CSVs and plots go to /tmp/gpu_out, packed at the end into $OUT/gpu_results.tgz (the device
 # tool brings back at most 8 files).
 set -uo pipefail
@@ -19,6 +21,7 @@ rm -rf "$OUT"  # a warm machine keeps /tmp: no files of an earlier call in this 
 mkdir -p "$OUT" "$FINAL"
 trap 'tar -czf "$FINAL/gpu_results.tgz" -C "$OUT" .' EXIT
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1  # NVLink multicast stays off on the lent machines
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; date -u
 } 2>&1 | tee "$OUT/env.txt"
@@ -56,6 +59,11 @@ for stage in "$@"; do
       for b in ${TRAIN_BACKENDS:-torch triton}; do
         run "train_$b" timeout "${TRAIN_TIMEOUT:-600}" python3 -m moeblaze.cli train --device cuda --backend "$b" --no-progress --overwrite --out-dir "/tmp/run_$b"
       done ;;
+    multigpu)
+      MOEBLAZE_AUTOTUNE=0 run multigpu_tests timeout "${TESTS_TIMEOUT:-420}" python3 -m pytest -m multigpu -q -rfEs \
+        -p no:cacheprovider tests/test_parallel.py
+      # shellcheck disable=SC2086
+      run bench_ep timeout 600 python3 -m torch.distributed.run --nproc-per-node 2 benchmarks/bench_ep.py ${EP_BENCH_ARGS:-} --out "$OUT/ep.csv" ;;
     *) echo "unknown stage $stage"; status=2 ;;
   esac
 done

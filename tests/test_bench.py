@@ -14,7 +14,8 @@ from moeblaze.bench.cli import register
 from moeblaze.bench.configs import BenchConfig, index_bytes, parse_tokens
 from moeblaze.bench.plots import plot_all
 from moeblaze.bench.report import markdown, read_csv, write_csv
-from moeblaze.bench.runner import Row, RunOptions, run_layers
+from moeblaze.bench.runner import Row, RunOptions
+from moeblaze.bench.suite import run_layers
 from moeblaze.memory import SavedTensorCounter, saved_bytes
 from moeblaze.testing import assert_close_to_reference, make_expert_inputs, reference_outputs, run_and_grad
 

@@ -12,7 +12,8 @@ import pytest
 from moeblaze.bench.baselines import IMPLS, resolve_impl
 from moeblaze.bench.cli import _options, register
 from moeblaze.bench.configs import BenchConfig
-from moeblaze.bench.runner import RunOptions, isolate_timeout, run_layers
+from moeblaze.bench.runner import RunOptions
+from moeblaze.bench.suite import isolate_timeout, run_layers
 from moeblaze.bench.worker import measure_isolated
 
 TINY = BenchConfig("tiny", "t", 48, 16, 24, 4, 2, "swiglu")

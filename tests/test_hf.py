@@ -254,8 +254,14 @@ def test_register_under_another_name():
 @pytest.mark.gpu
 @pytest.mark.parametrize("family", [pytest.param(f, marks=_marks(f)) for f in FAMILIES])
 def test_family_matches_eager_bf16_triton(family):
-    """The same check in bf16 with the Triton kernels (backend "auto" on CUDA)."""
-    model = tiny_model(family, torch.bfloat16).cuda()
+    """The same check in bf16 with the Triton kernels (backend "auto" on CUDA), on one decoder layer: with two,
+    the second router sees the first layer's bf16 rounding, and a near-tie in its top-k flips experts between
+    the implementations (seen for OLMoE, Mixtral and Ernie-4.5 on an H200, 2026-11-25), which would compare
+    two routings rather than two experts implementations."""
+    one_layer = {"num_hidden_layers": 1}
+    if "layer_types" in FAMILIES[family]:
+        one_layer["layer_types"] = FAMILIES[family]["layer_types"][-1:]
+    model = tiny_model(family, torch.bfloat16, **one_layer).cuda()
     ids = torch.randint(0, model.config.vocab_size, (2, 16), device="cuda")
     ref64 = run(copy.deepcopy(model).double(), "eager", ids, family)
     baseline = run(model, "eager", ids, family)

@@ -71,6 +71,9 @@ class MoE(nn.Module):
         shared_d_ff: intermediate size of a :class:`SharedExpert` added to the output (0: none);
             shared_gate: scale it by ``sigmoid(x w)`` (Qwen2-MoE).
         bias: expert biases ``b_gate_up [E, 2h]`` (``b_up [E, h]``) and ``b_down [E, d]`` (as GPT-OSS).
+        ep_group: expert parallelism over a ``ProcessGroup`` or 1-D ``DeviceMesh`` of P ranks: this rank
+            holds experts ``[r*E/P, (r+1)*E/P)`` only and exchanges tokens with the others
+            (:mod:`moeblaze.parallel.expert_parallel`; construction is collective over the group).
 
     DeepSeek-V3's MoE block is ``MoE(d, h, E, 8, score_func="sigmoid", n_group=8, topk_group=4,
     score_correction_bias=True, routed_scaling_factor=2.5, shared_d_ff=h * n_shared_experts)``.
@@ -91,7 +94,8 @@ class MoE(nn.Module):
     for load statistics.
 
     Raises:
-        ValueError: bad configuration, or an input whose last dimension is not d.
+        ValueError: bad configuration, or an input whose last dimension is not d; with ``ep_group``,
+            ``E % P != 0`` or ranks that disagree on the configuration.
     """
 
     def __init__(self, d_model: int, d_ff: int, num_experts: int, top_k: int, activation: str = "swiglu",
@@ -100,7 +104,7 @@ class MoE(nn.Module):
                  device=None, dtype=None, *, n_group: int = 1, topk_group: int | None = None,
                  score_correction_bias: bool = False, routed_scaling_factor: float = 1.0,
                  logits_dtype: str = "fp32", shared_d_ff: int = 0, shared_gate: bool = False,
-                 bias: bool = False) -> None:
+                 bias: bool = False, ep_group=None) -> None:
         super().__init__()
         check_activation(activation)
         if save not in SAVE_MODES:
@@ -122,9 +126,13 @@ class MoE(nn.Module):
                                if shared_d_ff else None)
         rows = 2 * d_ff if is_gated(activation) else d_ff
         self._w1_name = "w_gate_up" if is_gated(activation) else "w_up"
+        if bias and ep_group is not None:
+            raise ValueError("bias=True with ep_group is not supported: expert biases run on one GPU or under FSDP2")
+        self.ep = None if ep_group is None else _expert_parallel().ExpertParallel(ep_group, self)
+        n_local = num_experts if self.ep is None else self.ep.num_local_experts
         kw = {"device": device, "dtype": dtype}
-        self.register_parameter(self._w1_name, nn.Parameter(torch.empty(num_experts, rows, d_model, **kw)))
-        self.w_down = nn.Parameter(torch.empty(num_experts, d_model, d_ff, **kw))
+        self.register_parameter(self._w1_name, nn.Parameter(torch.empty(n_local, rows, d_model, **kw)))
+        self.w_down = nn.Parameter(torch.empty(n_local, d_model, d_ff, **kw))
         self.has_bias = bool(bias)
         if self.has_bias:
             self._b1_name = "b_gate_up" if is_gated(activation) else "b_up"
@@ -142,6 +150,8 @@ class MoE(nn.Module):
     def reset_parameters(self) -> None:
         """Re-initialise the router and the experts (``U(-1/sqrt(fan_in), 1/sqrt(fan_in))``)."""
         self.router.reset_parameters()
+        if self.ep is not None:
+            return _expert_parallel().init_local_experts(self)
         nn.init.uniform_(self.w1, -1 / math.sqrt(self.d_model), 1 / math.sqrt(self.d_model))
         nn.init.uniform_(self.w_down, -1 / math.sqrt(self.d_ff), 1 / math.sqrt(self.d_ff))
         if self.has_bias:
@@ -166,6 +176,12 @@ class MoE(nn.Module):
         # autocast dtype before the cast's backward, as in the layer on 16-bit copies.
         (x2,) = autocast_operands(x.reshape(-1, self.d_model))
         routing = self.router(x2)
+        if self.ep is not None:  # expert parallelism: the routed experts run on the ranks that hold them
+            out, self.aux_loss = _expert_parallel().expert_parallel_forward(self, x2, routing)
+            if self.shared_experts is not None:
+                out = out + self.shared_experts(x2)
+            self.last_topk_ids = routing.topk_ids.detach()
+            return out.reshape(shape)
         # fp32 router weights feed the kernels as they are; only a float64 run (the reference check)
         # upcasts them so that nothing in the layer rounds to fp32.
         topk_weights = routing.topk_weights.to(x.dtype) if x.dtype == torch.float64 else routing.topk_weights
@@ -184,7 +200,17 @@ class MoE(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"d_model={self.d_model}, d_ff={self.d_ff}, num_experts={self.num_experts}, "
-                f"top_k={self.top_k}, activation={self.activation}, save={self.save}, backend={self.backend}")
+                f"top_k={self.top_k}, activation={self.activation}, save={self.save}, backend={self.backend}"
+                + ("" if self.ep is None else f", ep={self.ep}"))
+
+
+def _expert_parallel():
+    """:mod:`moeblaze.parallel.expert_parallel`, imported on first use: :mod:`moeblaze.parallel` imports this
+    module (FSDP2 finds the MoE layers by their class), while the EP machinery itself needs only the experts."""
+    import moeblaze.parallel.expert_parallel as expert_parallel
+
+    return expert_parallel
+
 
 
 def aux_loss(model: nn.Module) -> torch.Tensor:

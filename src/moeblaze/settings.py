@@ -14,6 +14,7 @@ so a variable set after import still counts (a dictionary read, ~0.2 µs, on the
 | ``dispatch`` | ``MOEBLAZE_DISPATCH`` | ``auto``, ``torch`` | index build: Triton on CUDA, or PyTorch |
 
 ``TRITON_INTERPRET`` is Triton's own variable (read by Triton when it compiles); :func:`interpreting` reports it.
+torchrun's ``RANK``, ``WORLD_SIZE`` and ``LOCAL_RANK``: :func:`launcher_env`.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
-__all__ = ["SETTINGS", "configure", "get", "interpreting", "override", "reset"]
+__all__ = ["SETTINGS", "configure", "get", "interpreting", "launcher_env", "override", "reset"]
 
 
 def _bool(name: str, raw: str) -> bool:
@@ -127,3 +128,9 @@ def override(**values: Any) -> Iterator[None]:
 def interpreting() -> bool:
     """True when Triton kernels run in Triton's CPU interpreter (``TRITON_INTERPRET=1``)."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def launcher_env() -> dict[str, str]:
+    """The launcher's variables that are set in this process (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``: torchrun's
+    own, not moeblaze switches; read by :func:`moeblaze.parallel.init_distributed`)."""
+    return {k: os.environ[k] for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK") if k in os.environ}

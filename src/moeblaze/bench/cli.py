@@ -235,7 +235,7 @@ def run_bench(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace, suite: str | None, spec: dict, configs: list, impls: list[str]) -> int:
     from . import micro, report
-    from .runner import run_layers
+    from .suite import run_layers
 
     out_dir = Path(args.out)
     opts = _options(args, suite)

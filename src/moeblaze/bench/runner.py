@@ -15,7 +15,8 @@ A step is ``out = fn(x); out.backward(dout)`` with all gradients reset to ``None
 caught and reported as ``OOM``; other failures as ``error``; a global ``budget_s`` skips what is left.
 
 Implementations with :attr:`Impl.isolate` (or all, or none: ``RunOptions.isolate``) are measured the same
-way in a child process (:mod:`moeblaze.bench.worker`), killed after ``isolate_timeout_s`` or the budget left.
+way in a child process (:mod:`moeblaze.bench.worker`), killed after ``isolate_timeout_s`` or the budget left;
+:mod:`moeblaze.bench.suite` runs configs x implementations either way.
 """
 
 from __future__ import annotations
@@ -24,16 +25,16 @@ import contextlib
 import gc
 import statistics
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
 
 import torch
 
 from ..memory import SavedTensorCounter
-from .baselines import Impl, ImplOptions, LayerWeights, make_weights, resolve_impl
+from .baselines import Impl, ImplOptions, LayerWeights, make_weights
 from .configs import BenchConfig
 
-__all__ = ["Row", "RunOptions", "DTYPES", "ISOLATE_MODES", "run_layers", "measure_impl", "isolate_timeout",
+__all__ = ["Row", "RunOptions", "DTYPES", "ISOLATE_MODES", "measure_impl",
            "layer_inputs", "flush_buffer", "oom_row", "cuda_time_ms", "require_cuda", "NoCudaError"]
 
 MIB = 1 << 20
@@ -277,94 +278,3 @@ def layer_inputs(cfg: BenchConfig, opts: RunOptions) -> tuple[LayerWeights, torc
 def oom_row(cfg: BenchConfig, impl: Impl, opts: RunOptions) -> Row:
     """The row of an implementation that could not run because :func:`layer_inputs` did not fit."""
     return Row.for_config(cfg, impl.name, opts.dtype, status="OOM", note="weights and inputs do not fit")
-
-
-def run_layers(configs: Iterable[BenchConfig], impl_names: list[str], opts: RunOptions,
-               on_row: Callable[[Row], None] | None = None, start: float | None = None) -> list[Row]:
-    """Benchmark every implementation in ``impl_names`` on every config; one :class:`Row` each.
-
-    Args:
-        configs: the layer shapes. impl_names: keys of :data:`moeblaze.bench.baselines.IMPLS`, or
-            ``module:attribute`` of an :class:`Impl` elsewhere (:func:`~moeblaze.bench.baselines.resolve_impl`).
-        opts: :class:`RunOptions`. on_row: called with each row as soon as it is measured.
-        start: ``time.perf_counter()`` origin of ``opts.budget_s`` (default: now).
-
-    Raises:
-        NoCudaError: no CUDA GPU (``opts.device="cuda"``). KeyError: an unknown implementation name.
-    """
-    if opts.device != "cpu":
-        require_cuda()
-    impls = [(n, resolve_impl(n)) for n in impl_names]
-    start = time.perf_counter() if start is None else start
-    flush = flush_buffer(opts)
-    rows: list[Row] = []
-
-    def emit(row: Row) -> None:
-        rows.append(row)
-        if on_row is not None:
-            on_row(row)
-
-    broken: list[str] = []  # set once a sticky CUDA error poisons the context; the rest is skipped
-    for cfg in configs:
-        _run_config(cfg, impls, opts, flush, emit, start, broken)
-    return rows
-
-
-_STICKY = ("illegal memory access", "device-side assert", "unspecified launch failure", "misaligned address")
-
-
-def _skip_reason(cfg: BenchConfig, impl: Impl, opts: RunOptions, start: float,
-                 broken: list[str]) -> tuple[str, str] | None:
-    """``(status, note)`` when ``impl`` is not run on ``cfg``, else ``None`` (a child process does not
-    share this process's broken CUDA context)."""
-    if broken and not opts.isolates(impl):
-        return "skipped", f"CUDA context unusable after {broken[0]}; rerun without it (--impls)"
-    if opts.budget_s is not None and time.perf_counter() - start > opts.budget_s:
-        return "skipped", f"time budget of {opts.budget_s:.0f} s spent (--budget-s)"
-    why = impl.unavailable()
-    if why:
-        return "unavailable", why
-    why = impl.unsupported(cfg, opts.impl)
-    return ("unsupported", why) if why else None
-
-
-def isolate_timeout(opts: RunOptions, start: float) -> tuple[float, str]:
-    """The wall-clock limit of an isolated run started now.
-
-    Args:
-        opts: ``isolate_timeout_s`` and ``budget_s``. start: ``time.perf_counter()`` origin of the budget.
-
-    Returns:
-        ``(seconds, flag)``: ``opts.isolate_timeout_s``, or what is left of ``opts.budget_s`` (>= 0) if less,
-        and the command-line option that set it (for the row's note).
-    """
-    if opts.budget_s is not None:
-        left = opts.budget_s - (time.perf_counter() - start)
-        if left < opts.isolate_timeout_s:
-            return max(left, 0.0), "--budget-s"
-    return opts.isolate_timeout_s, "--isolate-timeout-s"
-
-
-def _run_config(cfg: BenchConfig, impls: list[tuple[str, Impl]], opts: RunOptions, flush: torch.Tensor | None,
-                emit: Callable[[Row], None], start: float, broken: list[str]) -> None:
-    todo = [(spec, impl, _skip_reason(cfg, impl, opts, start, broken)) for spec, impl in impls]
-    inputs = None
-    if any(skip is None and not opts.isolates(impl) for _, impl, skip in todo):  # children make their own
-        inputs = layer_inputs(cfg, opts)
-    for spec, impl, skip in todo:
-        skip = skip or _skip_reason(cfg, impl, opts, start, broken)  # the budget may run out meanwhile
-        if skip is not None:
-            emit(Row.for_config(cfg, impl.name, opts.dtype, status=skip[0], note=skip[1]))
-        elif opts.isolates(impl):
-            from .worker import measure_isolated  # imports this module
-
-            emit(measure_isolated(cfg, spec, opts, *isolate_timeout(opts, start), impl_name=impl.name))
-        elif inputs is None:
-            emit(oom_row(cfg, impl, opts))
-        else:
-            row = measure_impl(cfg, impl, *inputs, opts, flush)
-            if row.status == "error" and any(s in row.note.lower() for s in _STICKY):
-                broken.append(f"{impl.name} on {cfg.name} ({row.note[:80]})")
-            emit(row)
-    del inputs
-    _free()

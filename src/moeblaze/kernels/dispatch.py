@@ -37,7 +37,7 @@ import triton
 import triton.language as tl
 
 from .. import settings
-from ..dispatch import DispatchIndex, TileSchedule
+from ..index import DispatchIndex, TileSchedule
 from .custom_ops import call_op
 from .tuning import sm_count
 
@@ -451,7 +451,7 @@ def tile_schedule(
     Returns:
         ``(tile_expert [max_tiles] int32, tile_row_start [max_tiles] int32, num_tiles [1] int32)`` with
         ``max_tiles = cdiv(N, block_m) + E``, a static upper bound; entries at and past ``num_tiles``
-        hold ``tile_expert = -1`` and ``tile_row_start = N``.
+        hold ``tile_expert = -1`` and ``tile_row_start = offsets[E]`` (= N).
 
     Raises:
         TypeError: offsets not int32.  ValueError: wrong rank/device, ``block_m < 1``, ``num_pairs < 0``.

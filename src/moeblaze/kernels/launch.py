@@ -47,6 +47,23 @@ def dot_precision(dtype: torch.dtype) -> str:
     return "tf32" if torch.backends.cuda.matmul.allow_tf32 else "ieee"
 
 
+def round_tf32(t: torch.Tensor) -> torch.Tensor:
+    """fp32 ``t`` rounded to the nearest TF32 value (10 mantissa bits, ties to even), same shape and strides.
+
+    Hopper's tensor cores read an fp32 operand's TF32 bits by truncation, a bias toward zero that grows
+    with the reduction length: the TF32 layer output of ``tests/test_autocast.py::
+    test_gpu_fp32_follows_float32_matmul_precision`` had 4.5x the error of torch's TF32 matmul (cuBLAS
+    rounds its operands) on an H200 (2026-11-25). Rounded once here, the kernels' truncation is exact.
+    """
+    bits = t.view(torch.int32)
+    return ((bits + 0xFFF + ((bits >> 13) & 1)) & -8192).view(torch.float32)
+
+
+def _rounds_tf32(a: torch.Tensor) -> bool:
+    """fp32 operands of a TF32 GEMM on the GPU (the interpreter's dot is exact fp32: nothing to round)."""
+    return a.dtype == torch.float32 and a.is_cuda and dot_precision(a.dtype) == "tf32"
+
+
 def _scratch(size: int, alignment: int, stream) -> torch.Tensor:
     """Global memory for the TMA descriptors a kernel builds on the device (128 bytes per program)."""
     return torch.empty(size, dtype=torch.int8, device="cuda")
@@ -117,6 +134,8 @@ def grouped_gemm(a, b, c, offsets, indices, sched, *, b_nk, n_cols, k_dim, gathe
     E = offsets.numel() - 1
     if N == 0 or n_cols == 0:
         return
+    if _rounds_tf32(a):
+        a, b = round_tf32(a), round_tf32(b)
     bm = block_m(N, E)
     max_tiles = sched[0].numel()
     if max_tiles != triton.cdiv(N, bm) + E:
@@ -166,6 +185,8 @@ def grouped_wgrad(a, b, offsets, indices, *, p, q, out_dtype, transpose=False, s
     if indices.numel() == 0 or p == 0 or q == 0:
         return torch.zeros(shape, dtype=out_dtype, device=a.device)
     out = torch.empty(shape, dtype=out_dtype, device=a.device)
+    if _rounds_tf32(a):
+        a, b = round_tf32(a), round_tf32(b)
     stride_c_p, stride_c_q = (out.stride(2), out.stride(1)) if transpose else (out.stride(1), out.stride(2))
     b_desc = slot_desc and _slot_rows_desc(b, False)
     if b_desc:

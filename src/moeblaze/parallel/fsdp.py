@@ -1,0 +1,113 @@
+"""FSDP2 (``torch.distributed.fsdp.fully_shard``) for models holding :class:`moeblaze.MoE` layers.
+
+The fused kernels need plain tensors: under FSDP2 a module's parameters are sharded DTensors between
+steps, and ``fully_shard``'s pre-forward / pre-backward hooks swap in the all-gathered local tensors while
+the module runs, so the kernels see ordinary ``[E, 2h, d]`` / ``[E, d, h]`` weights and the gradients they
+produce are reduce-scattered back to shards. No code path of the layer knows about FSDP.
+
+Meshes (after torchtitan's layout for expert parallelism):
+
+- 1-D data-parallel mesh (any dimension name but ``ep``): every parameter sharded over it.
+- 2-D ``(dp_shard, ep)`` mesh: the MoE layers are expert-parallel over ``ep`` (``moeblaze.MoE(...,
+  ep_group=mesh["ep"])``, or converted here). Non-expert parameters (router included) are sharded over
+  the whole mesh; a layer's expert weights over ``dp_shard`` only, i.e. among the ranks that hold the
+  same experts. Expert gradients are divided by the whole mesh size, as the others are (FSDP's mean over
+  ``dp_shard`` and ``ExpertParallel.grad_divide = P``), so every gradient is the mean over all ranks' losses.
+"""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+import torch.nn as nn
+import torch.utils._pytree as pytree
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+from ..layer import MoE
+from ..routing import RouterOutput
+from .expert_parallel import shard_experts
+
+__all__ = ["parallelize"]
+
+
+def _register_router_output() -> None:
+    """Make :class:`moeblaze.RouterOutput` a pytree node, so that FSDP2 finds the tensors a separately
+    sharded router returns and hooks its pre-backward all-gather on them."""
+    if RouterOutput not in pytree.SUPPORTED_NODES:
+        pytree.register_dataclass(RouterOutput)
+
+
+def _split_mesh(mesh: DeviceMesh, ep_dim: str) -> tuple[DeviceMesh, DeviceMesh, DeviceMesh | None]:
+    """``(flat, dp, ep)`` meshes: the whole mesh as 1-D, the expert-sharding dimension, the EP dimension."""
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"mesh must be a torch.distributed DeviceMesh, got {type(mesh).__name__}")
+    names = mesh.mesh_dim_names
+    if dist.get_world_size() != mesh.size():
+        raise ValueError(f"mesh {names} of shape {tuple(mesh.shape)} covers {mesh.size()} ranks, but the "
+                         f"world size is {dist.get_world_size()}")
+    if names is None or ep_dim not in names:
+        if mesh.ndim != 1:
+            raise ValueError(f"mesh must be 1-D (data parallel) or 2-D with dimensions (dp_shard, {ep_dim!r}), "
+                             f"got dimensions {names}")
+        return mesh, mesh, None
+    if mesh.ndim != 2:
+        raise ValueError(f"an expert-parallel mesh must be 2-D (dp_shard, {ep_dim!r}), got dimensions {names}")
+    dp_dim = names[0] if names[1] == ep_dim else names[1]
+    return mesh._flatten(f"{dp_dim}_{ep_dim}"), mesh[dp_dim], mesh[ep_dim]
+
+
+def parallelize(model: nn.Module, mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy | None = None,
+                reshard_after_forward: bool = True, ep_dim: str = "ep") -> nn.Module:
+    """Shard ``model`` with FSDP2 over ``mesh``, expert-parallel over its ``ep_dim`` dimension if it has one.
+
+    Units of sharding (each one all-gather / reduce-scatter): every :class:`moeblaze.MoE` layer (its
+    experts; on a 2-D mesh its router and its shared expert are units of their own), every element of
+    every ``nn.ModuleList`` (the transformer blocks of the usual layout), then the root with what is left.
+    Modifies ``model`` in place and returns it; its parameters become sharded DTensors.
+
+    Args:
+        model: a module holding :class:`moeblaze.MoE` layers (any of them may be expert-parallel already,
+            over a group with the ranks of ``mesh[ep_dim]``; the others are converted with
+            :func:`moeblaze.parallel.shard_experts`, which keeps rank r's experts of the current weights).
+        mesh: a 1-D data-parallel ``DeviceMesh`` or a 2-D one with dimensions ``(dp_shard, ep_dim)``
+            (``dp_shard`` may have size 1), covering the whole world.
+        mp_policy: FSDP2 mixed precision, e.g. ``MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+            reduce_dtype=torch.float32)`` on GPU; default: compute in the parameters' dtype.
+        reshard_after_forward: free the gathered parameters after forward (re-gathered in backward).
+        ep_dim: the name of the expert-parallel mesh dimension.
+
+    Raises:
+        TypeError: ``mesh`` is not a ``DeviceMesh``.
+        ValueError: a mesh of another shape or size than the world; an expert-parallel layer on a mesh
+            without ``ep_dim`` or over another group than ``mesh[ep_dim]``; as :class:`ExpertParallel`.
+    """
+    flat, dp_mesh, ep_mesh = _split_mesh(mesh, ep_dim)
+    kw = {"mp_policy": mp_policy or MixedPrecisionPolicy(), "reshard_after_forward": reshard_after_forward}
+    _register_router_output()
+    for name, moe in ((n, m) for n, m in model.named_modules() if isinstance(m, MoE)):
+        if ep_mesh is None:
+            if moe.ep is not None:
+                raise ValueError(f"MoE layer {name!r} is expert-parallel ({moe.ep}); pass a 2-D (dp_shard, "
+                                 f"{ep_dim!r}) mesh")
+            fully_shard(moe, mesh=flat, **kw)
+            continue
+        if moe.ep is None:
+            shard_experts(moe, ep_mesh)
+        elif dist.get_process_group_ranks(moe.ep.group) != dist.get_process_group_ranks(ep_mesh.get_group()):
+            raise ValueError(f"MoE layer {name!r} is expert-parallel over ranks "
+                             f"{dist.get_process_group_ranks(moe.ep.group)}, but mesh[{ep_dim!r}] here is ranks "
+                             f"{dist.get_process_group_ranks(ep_mesh.get_group())}")
+        for replicated in (moe.router, moe.shared_experts):  # the same on every EP rank: sharded over all
+            if replicated is not None:
+                fully_shard(replicated, mesh=flat, **kw)
+        fully_shard(moe, mesh=dp_mesh, **kw)
+        # FSDP averages the expert gradients over dp_shard only; dividing them by P in the layer makes them
+        # means over the whole mesh, as every other gradient. (FSDP2's set_gradient_divide_factor does this
+        # too, but divides twice for a 1-rank dp_shard with an fp64/fp16 reduce dtype, torch 2.13.)
+        moe.ep.grad_divide = ep_mesh.size()
+    for mlist in [m for m in model.modules() if isinstance(m, nn.ModuleList)]:
+        for child in mlist:
+            if not isinstance(child, FSDPModule) and any(True for _ in child.parameters()):
+                fully_shard(child, mesh=flat, **kw)
+    fully_shard(model, mesh=flat, **kw)
+    return model

@@ -1,0 +1,50 @@
+"""Spawn a function on N ranks (gloo on the CPU, NCCL on GPUs) with a join timeout, for the multi-process tests.
+
+``run_ranks(fn, world, *args)`` starts ``world`` processes (``torch.multiprocessing``, spawn), each calling
+``fn(rank, world, *args)`` inside an initialised default process group, and fails the test with the first
+rank's traceback; a rank that is still running after ``timeout`` seconds fails it too (no hang in CI).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, world: int, port: int, backend: str, fn, args) -> None:
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=60))
+    try:
+        fn(rank, world, *args)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def run_ranks(fn, world: int, *args, backend: str = "gloo", timeout: float = 120.0) -> None:
+    """Run ``fn(rank, world, *args)`` on ``world`` spawned ranks; raise if one fails or ``timeout`` passes."""
+    ctx = mp.start_processes(_entry, args=(world, free_port(), backend, fn, args), nprocs=world,
+                             join=False, start_method="spawn")
+    deadline = time.monotonic() + timeout
+    while not ctx.join(timeout=max(deadline - time.monotonic(), 0.1)):
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                if p.is_alive():
+                    p.terminate()
+            raise TimeoutError(f"{fn.__name__} on {world} ranks did not finish in {timeout} s")

@@ -1,0 +1,292 @@
+"""Rank bodies of the expert-parallel / FSDP2 tests (run by ``dist_utils.run_ranks``; CPU gloo or GPU NCCL).
+
+Every check compares the distributed run with a single-process ``moeblaze`` run of the same full weights
+on the concatenated tokens (DESIGN.md §7): float64 runs to 1e-6; lower precisions by the tolerance rule
+against a float64 reference, the baseline being the single-process layer in the same dtype. Float64 runs
+agree to 1e-6, not to float64 rounding: the router computes its logits and their gradient in fp32 whatever
+the input dtype (routing.py), and the ranks sum those gradients in another order than one process.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy
+
+import moeblaze
+from moeblaze.model import ModelConfig, MoETransformer
+from moeblaze.parallel import init_distributed, is_rank0, make_mesh, parallelize, shard_experts, split_batch
+from moeblaze.testing import assert_close_to_reference, rel_error
+
+
+def _device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+
+
+def _check(name: str, actual: torch.Tensor, ref64: torch.Tensor, baseline: torch.Tensor | None,
+           magnitude: torch.Tensor | None = None) -> None:
+    """fp64: relative error <= 1e-6 (fp32 router math); otherwise the tolerance rule against ``baseline``
+    (``magnitude``: the float64 sum of the absolute values of the summed terms, see
+    :func:`moeblaze.testing.assert_close_to_reference`)."""
+    actual = actual.detach()
+    if baseline is None:
+        err = rel_error(actual, ref64)
+        assert err <= 1e-6, f"{name}: relative error {err:.3e} against the single-process float64 run"
+    else:
+        assert_close_to_reference(name, actual.detach().cpu(), ref64.detach().cpu(), baseline.detach().cpu(),
+                                  magnitude=None if magnitude is None else magnitude.cpu())
+
+
+_EXPERT_WEIGHTS = ("w_gate_up", "w_up", "w_down")
+
+
+def _single_process(moe: moeblaze.MoE, x: torch.Tensor, dout: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Output, aux loss and every gradient (by parameter name) of ``out . dout + aux`` of a non-parallel layer."""
+    x = x.detach().clone().requires_grad_()
+    out = moe(x)
+    torch.autograd.backward([out, moe.aux_loss], [dout.to(out.dtype), torch.ones_like(moe.aux_loss)])
+    grads = {name: p.grad for name, p in moe.named_parameters()}
+    return {"out": out.detach(), "aux": moe.aux_loss.detach(), "dx": x.grad, **grads}
+
+
+def ep_case(rank: int, world: int, tokens: list[int], E: int, K: int, d: int, h: int, seed: int,
+            dtype: torch.dtype = torch.float64, backend: str = "torch", one_remote_expert: bool = False,
+            **options) -> None:
+    """EP layer over all ranks (``tokens[r]`` tokens on rank r) against one process on all tokens.
+
+    ``options``: more :class:`moeblaze.MoE` arguments (activation, score function, save mode, router
+    options, a shared expert)."""
+    dev = _device()
+    kw = {"aux_loss_coef": 0.05, "z_loss_coef": 0.01, **options}
+    torch.manual_seed(seed)  # the same full weights and tokens on every rank
+    ref = moeblaze.MoE(d, h, E, 1 if one_remote_expert else K, backend="torch", dtype=torch.float64, **kw)
+    T = sum(tokens)
+    x_all = torch.randn(T, d, dtype=torch.float64)
+    if one_remote_expert:  # every token routed (K = 1) to the last expert, which rank 0 does not own
+        wr = ref.router.weight.detach()[-1]
+        x_all = 8 * wr / wr.norm() * d**0.5 + 0.1 * x_all
+    dout_all = torch.randn(T, d, dtype=torch.float64)
+    low = None
+    if dtype != torch.float64:
+        ref_low = copy.deepcopy(ref).to(device=dev, dtype=dtype)
+        ref_low.backend = backend
+        low = _single_process(ref_low, x_all.to(dev, dtype), dout_all.to(dev))
+    r64 = _single_process(ref, x_all, dout_all)
+
+    ep = moeblaze.MoE(d, h, E, ref.top_k, backend=backend, device=dev, dtype=dtype, ep_group=dist.group.WORLD,
+                      **kw)
+    sl = slice(ep.ep.first_expert, ep.ep.first_expert + ep.ep.num_local_experts)
+    ref_params = dict(ref.named_parameters())
+    with torch.no_grad():
+        for name, p in ep.named_parameters():
+            p.copy_(ref_params[name][sl] if name in _EXPERT_WEIGHTS else ref_params[name])
+    first = sum(tokens[:rank])
+    mine = slice(first, first + tokens[rank])
+    x = x_all[mine].to(dev, dtype).requires_grad_()
+    out = ep(x)
+    assert out.shape == x.shape and out.dtype == dtype
+    if one_remote_expert:
+        assert bool((ep.last_topk_ids == E - 1).all()), "the steering of the tokens to the last expert failed"
+    # Weighting rank r's aux loss by T_r / T makes the sum over ranks the single-process loss exactly.
+    aux_w = tokens[rank] / T
+    torch.autograd.backward([out, ep.aux_loss], [dout_all[mine].to(dev, dtype), torch.full_like(ep.aux_loss, aux_w)])
+    aux = (ep.aux_loss.detach().double() * aux_w).reshape(1)
+    dist.all_reduce(aux)
+
+    def pick(res, key, s=slice(None)):
+        return None if res is None else res[key][s]
+
+    _check("out", out, r64["out"][mine], pick(low, "out", mine))
+    _check("dx", x.grad, r64["dx"][mine], pick(low, "dx", mine))
+    _check("aux loss (sum of T_r/T-weighted)", aux.to(ep.aux_loss.dtype), r64["aux"].reshape(1),
+           None if low is None else low["aux"].reshape(1))
+    for name, p in ep.named_parameters():
+        if name in _EXPERT_WEIGHTS:
+            _check(f"d{name}", p.grad, r64[name][sl], pick(low, name, sl))
+            continue
+        # Replicated parameters (router, shared expert): each rank holds its tokens' share, summed in
+        # float64 and checked in the dtype the ranks computed it in. The shares can cancel in the sum:
+        # the rule's floor scales with the sum of their magnitudes.
+        grad, mag = p.grad.double(), p.grad.double().abs()
+        dist.all_reduce(grad)
+        dist.all_reduce(mag)
+        if name == "router.weight" and one_remote_expert and low is not None:
+            continue  # saturated softmax (p ~ 1): a router gradient of ~0, all rounding
+        _check(f"d{name} (summed over ranks)", grad.to(p.grad.dtype), r64[name], pick(low, name), mag)
+
+
+def ep_cases(rank: int, world: int, cases: list[dict]) -> None:
+    for i, case in enumerate(cases):
+        try:
+            ep_case(rank, world, seed=100 + i, **case)
+        except AssertionError as err:
+            raise AssertionError(f"case {case}: {err}") from err
+
+
+def bad_config(rank: int, world: int) -> None:
+    """Mismatched configurations and E % P fail on every rank with a clear error (no hang)."""
+    with pytest.raises(ValueError, match="disagree on the MoE configuration"):
+        moeblaze.MoE(8 + rank, 4, 4, 2, ep_group=dist.group.WORLD)
+    with pytest.raises(ValueError, match="disagree on the MoE configuration"):
+        moeblaze.MoE(8, 4, 4, 1 + rank % 2, ep_group=dist.group.WORLD)
+    with pytest.raises(ValueError, match="divisible by the expert-parallel group size"):
+        moeblaze.MoE(8, 4, world + 1, 1, ep_group=dist.group.WORLD)
+    with pytest.raises(TypeError, match="ep_group must be"):
+        moeblaze.MoE(8, 4, 4, 1, ep_group="world")
+    with pytest.raises(ValueError, match="1-D DeviceMesh"):
+        moeblaze.MoE(8, 4, 4, 1, ep_group=init_device_mesh("cpu", (1, world), mesh_dim_names=("dp_shard", "ep")))
+    ep_layer = moeblaze.MoE(8, 4, 2 * world, 1, ep_group=dist.group.WORLD)
+    copied = copy.deepcopy(ep_layer)
+    assert copied.ep is ep_layer.ep and copied.w1 is not ep_layer.w1
+    with pytest.raises(ValueError, match="already expert-parallel"):
+        shard_experts(ep_layer, dist.group.WORLD)
+    model = torch.nn.Sequential(moeblaze.MoE(8, 4, 2 * world, 1, ep_group=dist.group.WORLD))
+    with pytest.raises(ValueError, match="pass a 2-D"):
+        parallelize(model, init_device_mesh("cpu", (world,), mesh_dim_names=("dp_shard",)))
+    with pytest.raises(ValueError, match="covers"):
+        parallelize(model, init_device_mesh("cpu", (1,), mesh_dim_names=("dp_shard",)))
+
+
+def _tiny_config(aux: bool, backend: str = "torch") -> ModelConfig:
+    return ModelConfig(seq_len=8, d_model=16, n_layers=2, n_heads=2, d_ff=8, num_experts=4, top_k=2,
+                       backend=backend, aux_loss_coef=0.05 if aux else 0.0, z_loss_coef=0.01)
+
+
+def _loss(model: torch.nn.Module, idx: torch.Tensor) -> torch.Tensor:
+    logits = model(idx[:, :-1])
+    logits = logits if logits.dtype == torch.float64 else logits.float()
+    ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), idx[:, 1:].reshape(-1))
+    return ce + moeblaze.aux_loss(model)
+
+
+def fsdp_equal(rank: int, world: int, shape: tuple[int, ...], names: tuple[str, ...], shared_d_ff: int = 0,
+               seqs_per_rank: int = 2) -> None:
+    """FSDP2 (1-D) or FSDP2 + EP (2-D ``(dp_shard, ep)``) on a small MoE transformer (its MoE layers with a
+    shared expert of ``shared_d_ff`` when > 0): loss and every gradient equal one process on the whole
+    batch (float64)."""
+    dev = _device()
+    mesh = init_device_mesh(dev.type, shape, mesh_dim_names=names)
+    torch.manual_seed(7)
+    # The router's load-balancing loss counts over the EP group (over the rank's own tokens without EP);
+    # its mean over ranks is the single-process loss only when that group is the whole world.
+    cfg = _tiny_config(aux="ep" in names and mesh["ep"].size() == world)
+    model = MoETransformer(cfg)
+    if shared_d_ff:
+        for block in model.blocks:
+            block.moe = moeblaze.MoE(cfg.d_model, cfg.d_ff, cfg.num_experts, cfg.top_k, backend=cfg.backend,
+                                     aux_loss_coef=cfg.aux_loss_coef, z_loss_coef=cfg.z_loss_coef,
+                                     shared_d_ff=shared_d_ff, shared_gate=True)
+    model = model.to(dev, torch.float64)
+    ref = copy.deepcopy(model)
+    idx_all = torch.randint(0, 256, (world * seqs_per_rank, 9), device=dev)
+    idx = idx_all[rank * seqs_per_rank:(rank + 1) * seqs_per_rank]
+    parallelize(model, mesh)
+    loss = _loss(model, idx)
+    loss.backward()
+    loss_ref = _loss(ref, idx_all)
+    loss_ref.backward()
+    mean_loss = loss.detach().reshape(1).clone()
+    dist.all_reduce(mean_loss)
+    _check("loss (mean over ranks)", mean_loss / world, loss_ref.detach().reshape(1), None)
+    ep_rank = mesh["ep"].get_local_rank() if "ep" in names else 0
+    ref_params = dict(ref.named_parameters())
+    for name, p in model.named_parameters():
+        grad = p.grad.full_tensor()
+        want = ref_params[name].grad
+        if name.endswith(("w_gate_up", "w_down")) and "ep" in names:
+            n_local = grad.shape[0]
+            want = want[ep_rank * n_local:(ep_rank + 1) * n_local]
+        _check(f"grad {name}", grad, want, None)
+
+
+def fsdp_train(rank: int, world: int, steps: int = 5) -> None:
+    """A few AdamW steps of FSDP2 + EP (2 ranks, mesh (1, 2)) track one process on the same global batch."""
+    dev = _device()
+    mesh = init_device_mesh(dev.type, (1, world), mesh_dim_names=("dp_shard", "ep"))
+    torch.manual_seed(3)
+    model = MoETransformer(_tiny_config(aux=True)).to(dev, torch.float64)
+    ref = copy.deepcopy(model)
+    parallelize(model, mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    gen = torch.Generator().manual_seed(11)
+    for step in range(steps):
+        idx_all = torch.randint(0, 256, (2 * world, 9), generator=gen).to(dev)
+        loss = _loss(model, idx_all[2 * rank:2 * rank + 2])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        loss_ref = _loss(ref, idx_all)
+        loss_ref.backward()
+        opt_ref.step()
+        opt_ref.zero_grad()
+        mean_loss = loss.detach().reshape(1).clone()
+        dist.all_reduce(mean_loss)
+        err = rel_error(mean_loss / world, loss_ref.detach().reshape(1))
+        assert err <= 1e-6, f"step {step}: loss {float(mean_loss) / world} vs one process {float(loss_ref)}"
+    ref_params = dict(ref.named_parameters())
+    for name, p in model.named_parameters():
+        full = p.full_tensor()
+        want = ref_params[name].detach()
+        if name.endswith(("w_gate_up", "w_down")):
+            want = want[rank * full.shape[0]:(rank + 1) * full.shape[0]]
+        assert rel_error(full, want) <= 1e-5, f"{name} after {steps} steps differs from one process"
+
+
+def fsdp_bf16_matches_unwrapped(rank: int, world: int, steps: int = 3) -> None:
+    """GPU: FSDP2 with bf16 mixed precision on a 1-D mesh, Triton kernels: first-step gradients by the
+    tolerance rule against fp64 (baseline: the unwrapped model in bf16), then a few steps train."""
+    dev = _device()
+    mesh = init_device_mesh("cuda", (world,), mesh_dim_names=("dp_shard",))
+    torch.manual_seed(5)
+    cfg = ModelConfig(seq_len=64, d_model=128, n_layers=2, n_heads=4, d_ff=64, num_experts=8, top_k=2,
+                      backend="triton", aux_loss_coef=0.0, z_loss_coef=0.0)
+    model = MoETransformer(cfg).to(dev)
+    ref64 = copy.deepcopy(model).double()
+    for m in ref64.moe_layers():
+        m.backend = "torch"
+    low = copy.deepcopy(model).bfloat16()
+    idx = torch.randint(0, 256, (4, 65), device=dev)
+    parallelize(model, mesh, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
+    for m in (model, ref64, low):
+        _loss(m, idx).backward()
+    ref_p, low_p = dict(ref64.named_parameters()), dict(low.named_parameters())
+    for name, p in model.named_parameters():
+        assert_close_to_reference(f"grad {name}", p.grad.full_tensor().cpu(), ref_p[name].grad.cpu(),
+                                  low_p[name].grad.float().cpu())
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    losses = []
+    for _ in range(steps):
+        opt.step()
+        opt.zero_grad()
+        loss = _loss(model, idx)
+        loss.backward()
+        losses.append(float(loss))
+    assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0], losses
+
+
+def runtime_checks(rank: int, world: int) -> None:
+    """moeblaze.parallel.runtime inside a job: env from the process group, meshes, batch split."""
+    env = init_distributed(device="cpu")
+    assert (env.rank, env.world_size, env.backend) == (rank, world, "gloo")
+    assert is_rank0() == (rank == 0)
+    mesh = make_mesh(env, ep=world)
+    assert mesh.mesh_dim_names == ("dp_shard", "ep") and tuple(mesh.shape) == (1, world)
+    assert make_mesh(env).mesh_dim_names == ("dp_shard",)
+    with pytest.raises(ValueError, match="positive divisor"):
+        make_mesh(env, ep=world + 1)
+    batch = torch.arange(4 * world).view(2 * world, 2)
+    assert torch.equal(split_batch(batch, env), batch[2 * rank:2 * rank + 2])
+    with pytest.raises(ValueError, match="divisible by the world size"):
+        split_batch(batch[:1], env)
+
+
+def run_all(rank: int, world: int, calls: list[tuple[str, tuple]]) -> None:
+    """Several rank bodies in one spawn (``(name, args)`` each), to pay the process start-up once."""
+    for name, args in calls:
+        globals()[name](rank, world, *args)

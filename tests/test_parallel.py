@@ -1,0 +1,130 @@
+"""Expert parallelism and FSDP2 (issue 23): multi-process runs equal one process on the concatenated tokens.
+
+CPU: gloo, 2 and 4 spawned ranks, tiny shapes, float64/float32. GPU: ``gpu`` (1-rank NCCL) and
+``multigpu`` (2 GPUs, bf16) versions; ``scripts/gpu_suite.sh multigpu`` runs the latter.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import parallel_workers as pw
+from dist_utils import free_port, run_ranks
+
+# (tokens per rank, E, K, d, h) and options; named edge cases of issue 23 and DESIGN.md §7.
+CASES_2 = [
+    {"tokens": [6, 4], "E": 4, "K": 2, "d": 16, "h": 8},
+    {"tokens": [0, 5], "E": 4, "K": 2, "d": 16, "h": 8},  # a rank with zero tokens
+    {"tokens": [1, 7], "E": 6, "K": 3, "d": 12, "h": 6, "score_func": "sigmoid", "save": "input"},  # T = 1
+    {"tokens": [5, 3], "E": 4, "K": 1, "d": 16, "h": 8, "one_remote_expert": True},  # all to one remote expert
+    {"tokens": [4, 4], "E": 2, "K": 2, "d": 10, "h": 5, "activation": "gelu"},  # K = E, one expert per rank
+    {"tokens": [7, 5], "E": 4, "K": 2, "d": 16, "h": 8, "dtype": torch.float32},
+    {"tokens": [6, 5], "E": 8, "K": 2, "d": 16, "h": 8, "score_func": "sigmoid", "n_group": 4, "topk_group": 2,
+     "score_correction_bias": True, "routed_scaling_factor": 2.5, "shared_d_ff": 12},  # DeepSeek-V3 style
+]
+CASES_4 = [
+    {"tokens": [3, 0, 5, 1], "E": 8, "K": 3, "d": 16, "h": 8},
+    {"tokens": [2, 6, 1, 3], "E": 4, "K": 2, "d": 16, "h": 8, "dtype": torch.float32},
+]
+
+
+_TRITON = {"dtype": torch.float32, "backend": "triton", "d": 16, "h": 8}
+TRITON_CASES = [  # the fused kernels in the interpreter, with zero tokens / zero received rows on a rank
+    {"tokens": [5, 3], "E": 4, "K": 2, **_TRITON},
+    {"tokens": [0, 3], "E": 4, "K": 2, **_TRITON},
+    {"tokens": [3, 2], "E": 4, "K": 1, "one_remote_expert": True, **_TRITON},
+]
+
+
+def test_ep_layer_2_ranks():
+    """EP layer = one process (edge cases, fp64/fp32, the Triton kernels in the interpreter); a mismatched
+    configuration or E % P != 0 fails on every rank."""
+    run_ranks(pw.run_all, 2, [("ep_cases", (CASES_2 + TRITON_CASES,)), ("bad_config", ())], timeout=240)
+
+
+def test_fsdp2_2_ranks():
+    """FSDP2 on a 1-D mesh and FSDP2 + EP on a (1, 2) mesh = one process; 5 AdamW steps track one process;
+    the runtime helpers (process group, meshes, batch split) inside a job."""
+    run_ranks(pw.run_all, 2, [("fsdp_equal", ((2,), ("dp_shard",))),
+                              ("fsdp_equal", ((1, 2), ("dp_shard", "ep"))), ("fsdp_train", ()),
+                              ("runtime_checks", ())])
+
+
+def test_ep_and_2d_mesh_4_ranks():
+    """EP over 4 ranks; FSDP2 + EP on a (2, 2) mesh: experts sharded over dp_shard inside each EP group,
+    the router and a shared expert over the whole mesh."""
+    run_ranks(pw.run_all, 4, [("ep_cases", (CASES_4,)), ("fsdp_equal", ((2, 2), ("dp_shard", "ep"), 12))])
+
+
+def test_ep_needs_initialised_distributed():
+    import moeblaze
+
+    with pytest.raises(RuntimeError, match="torch.distributed initialised"):
+        moeblaze.MoE(8, 4, 4, 2, ep_group=object())
+
+
+@pytest.mark.gpu
+def test_fsdp2_bf16_one_gpu_matches_unwrapped():
+    """FSDP2 with bf16 mixed precision on a 1-rank NCCL mesh; the EP layer's GPU path (functional
+    all-to-alls, Triton kernels over the received rows, fused slot sum) on a group of one, bf16."""
+    cases = [{"tokens": [37], "E": 8, "K": 2, "d": 64, "h": 32, "dtype": torch.bfloat16, "backend": "triton"}]
+    run_ranks(pw.run_all, 1, [("fsdp_bf16_matches_unwrapped", ()), ("ep_cases", (cases,))], backend="nccl",
+              timeout=300)
+
+
+def _two_gpus():
+    return torch.cuda.is_available() and torch.cuda.device_count() >= 2
+
+
+@pytest.mark.multigpu
+@pytest.mark.skipif(not _two_gpus(), reason="needs 2 CUDA GPUs")
+def test_ep_bf16_two_gpus():
+    cases = [dict(c, dtype=torch.bfloat16, backend="triton") for c in CASES_2 if c.get("dtype") is None]
+    run_ranks(pw.ep_cases, 2, cases, backend="nccl", timeout=300)
+
+
+@pytest.mark.multigpu
+@pytest.mark.skipif(not _two_gpus(), reason="needs 2 CUDA GPUs")
+def test_fsdp2_ep_two_gpus():
+    run_ranks(pw.fsdp_bf16_matches_unwrapped, 2, backend="nccl", timeout=300)
+    run_ranks(pw.fsdp_equal, 2, (1, 2), ("dp_shard", "ep"), backend="nccl", timeout=300)
+
+
+def test_bench_ep_runs_on_cpu(tmp_path):
+    """benchmarks/bench_ep.py under torchrun (2 gloo ranks, tiny shapes): both layers agree, CSV written."""
+    import csv
+    import os
+    import subprocess
+    import sys
+
+    out = tmp_path / "ep.csv"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+           str(free_port()), "benchmarks/bench_ep.py", "--tokens", "24", "--d-model", "16", "--d-ff", "8",
+           "--experts", "4", "--top-k", "2", "--dtype", "float32", "--iters", "1", "--warmup", "1", "--out", str(out)]
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = list(csv.DictReader(out.open()))
+    assert [r["impl"] for r in rows] == ["moeblaze", "torchtitan-style"]
+    assert float(rows[1]["out_rel_diff"]) < 1e-5 and all(float(r["fwd_bwd_ms"]) > 0 for r in rows)
+
+
+def test_runtime_single_process(monkeypatch):
+    """Without torchrun: rank 0 of 1, no process group, no mesh; bad torchrun variables are named."""
+    from moeblaze.parallel import init_distributed, is_rank0, make_mesh, split_batch
+
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    env = init_distributed(device="cpu")
+    assert (env.rank, env.world_size, env.backend) == (0, 1, None) and is_rank0()
+    assert split_batch(torch.ones(3, 2), env).shape == (3, 2)
+    with pytest.raises(ValueError, match="needs a process group"):
+        make_mesh(env)
+    monkeypatch.setenv("WORLD_SIZE", "two")
+    with pytest.raises(ValueError, match="WORLD_SIZE must be an integer"):
+        init_distributed(device="cpu")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "2")
+    with pytest.raises(ValueError, match=r"RANK=2 must be in \[0, WORLD_SIZE=2\)"):
+        init_distributed(device="cpu")
