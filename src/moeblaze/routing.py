@@ -103,9 +103,9 @@ def load_balancing_loss(probs: torch.Tensor, topk_ids: torch.Tensor, scale: floa
     capturable) where the textbook form takes ten, forward and backward (host-bound small-T steps, issue 24).
     """
     T, E = probs.shape
-    counts = torch.zeros(E, dtype=torch.float32, device=probs.device)
+    counts = torch.zeros(E, dtype=probs.dtype, device=probs.device)
     counts.index_add_(0, topk_ids.reshape(-1).long(),
-                      torch.ones(topk_ids.numel(), dtype=torch.float32, device=probs.device))
+                      torch.ones(topk_ids.numel(), dtype=probs.dtype, device=probs.device))
     return (scale * E / (max(topk_ids.numel(), 1) * max(T, 1))) * torch.dot(counts, probs.sum(0))
 
 
