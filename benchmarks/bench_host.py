@@ -60,14 +60,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 ARGS = parse_args(sys.argv[1:])
-if ARGS.mode == "cpu":  # before triton is imported
+if ARGS.mode == "cpu":  # Triton reads it when the kernels are decorated: before moeblaze imports them
     os.environ["TRITON_INTERPRET"] = "1"
-    os.environ["MOEBLAZE_AUTOTUNE"] = "0"
 
 import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
 
-from moeblaze import MoE, aux_loss  # noqa: E402
+from moeblaze import MoE, aux_loss, settings  # noqa: E402
 from moeblaze.bench.baselines import ImplOptions, make_weights, resolve_impl  # noqa: E402
 from moeblaze.bench.configs import get_configs, parse_list  # noqa: E402
 from moeblaze.bench.results import git_commit  # noqa: E402
@@ -271,6 +270,7 @@ def main() -> None:
     device = torch.device(ARGS.mode)
     if ARGS.mode == "cpu":
         stub_launches()
+        settings.configure(autotune=False)
         torch.set_num_threads(1)
     elif not torch.cuda.is_available():
         sys.exit("bench_host: --mode cuda needs a GPU (use --mode cpu for the host path alone)")
