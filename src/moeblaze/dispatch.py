@@ -50,6 +50,7 @@ from dataclasses import replace
 import torch
 
 from . import settings
+from .graphs import capturing
 from .index import DispatchIndex, TileSchedule
 
 __all__ = ["DispatchIndex", "TileSchedule", "build_dispatch", "build_dispatch_torch", "build_tile_schedule_torch",
@@ -69,7 +70,7 @@ def check_topk_ids(topk_ids: torch.Tensor, num_experts: int, check_range: bool =
         num_experts: E >= 1.
         check_range: also check ``0 <= id < E`` and that ids are distinct within each row. This reads
             the ids back to the host once (one synchronisation); set ``MOEBLAZE_CHECK_IDS=0`` to skip
-            it globally when the ids come from a trusted router.
+            it globally when the ids come from a trusted router. Skipped inside CUDA-graph capture.
         foreign_experts: ids ``>= E`` are allowed (experts of other ranks; may repeat in a row), and
             K may exceed E.
 
@@ -91,7 +92,7 @@ def check_topk_ids(topk_ids: torch.Tensor, num_experts: int, check_range: bool =
         raise ValueError(f"topk_ids has K={K} columns; expected 1 <= K <= num_experts={num_experts}")
     if T * K >= 2**31:
         raise ValueError(f"topk_ids has N = T*K = {T * K} pairs; the int32 index holds fewer than 2^31")
-    if not check_range or T == 0 or not settings.get("check_ids"):
+    if not check_range or T == 0 or not settings.get("check_ids") or capturing(topk_ids):  # a host read
         return
     lo, hi = torch.aminmax(topk_ids)
     lo, hi = int(lo), int(hi)
@@ -265,8 +266,8 @@ def check_index_matches(index: DispatchIndex, topk_ids: torch.Tensor) -> None:
     """Raise ``ValueError`` when ``index`` was recorded as built from ids other than ``topk_ids`` [T, K].
 
     Free for the tensor the index was built from, unmodified (modified in place since: refused); one
-    comparison (a host synchronisation) for another tensor. Skipped for unrecorded indices and under
-    ``torch.compile``.
+    comparison (a host synchronisation) for another tensor. Skipped for unrecorded indices, under
+    ``torch.compile`` and, for another tensor, inside CUDA-graph capture.
     """
     if index.built_from is None or torch.compiler.is_compiling():
         return
@@ -276,6 +277,8 @@ def check_index_matches(index: DispatchIndex, topk_ids: torch.Tensor) -> None:
             return
         # int32 ids are not copied by the build: the index may alias them, so a comparison proves nothing
         raise ValueError("topk_ids was modified in place after build_dispatch built index from it; rebuild the index")
+    if capturing(topk_ids):  # the comparison reads on the host: the caller's contract under capture
+        return
     ids = topk_ids.to(device=index.token_expert_indices.device, dtype=torch.int32)
     if index.foreign_experts:  # the index holds foreign ids clamped into bucket E
         ids = ids.clamp(max=index.num_experts)

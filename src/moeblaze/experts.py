@@ -358,7 +358,7 @@ def run_experts(x: torch.Tensor, weights: torch.Tensor, w_gate_up: torch.Tensor,
     """The autograd Functions over a checked index: shared by :func:`moe_experts` (``weights [T, K]``) and
     :func:`moeblaze.general_routing.moe_experts_general` (``weights [P]``); inputs already validated."""
     ops = _select_ops(backend, x)
-    bm = _schedule_block_m(ops)
+    bm = _schedule_block_m(ops, index.num_pairs, w_down.shape[0])
     if bm is not None:  # the grouped GEMMs' tile schedule, built once for the four ops (if not with the index)
         index = with_schedule(index, bm)
     bm, idx = _index_args(index)
@@ -369,17 +369,23 @@ def run_experts(x: torch.Tensor, weights: torch.Tensor, w_gate_up: torch.Tensor,
     return _DownProjection.apply(pre, act, w_down, b_down, weights, *common, *idx)
 
 
-def _schedule_block_m(ops: ModuleType) -> int | None:
+def _schedule_block_m(ops: ModuleType, num_pairs: int | None, num_experts: int | None) -> int | None:
     """BLOCK_M of the tile schedule the backend's grouped GEMMs need (None: the backend needs none)."""
     fn = getattr(ops, "schedule_block_m", None)
-    return fn() if fn is not None else None
+    return fn(num_pairs, num_experts) if fn is not None else None
 
 
-def schedule_block_m(backend: str, x: torch.Tensor) -> int | None:
+def schedule_block_m(backend: str, x: torch.Tensor, num_pairs: int | None = None,
+                     num_experts: int | None = None) -> int | None:
     """The ``block_m`` to pass to :func:`moeblaze.build_dispatch` so that the index it builds carries the
     tile schedule that ``moe_experts(x, ..., backend=backend)`` will use (None: no schedule needed).
+
+    Args:
+        num_pairs: N = T*K of the routing; num_experts: E (local experts). The Triton GEMMs' M-tile depends
+            on the tokens per expert (a small-T bucket); without them the large bucket's BLOCK_M is returned,
+            and ``moe_experts`` rebuilds the schedule (one small launch) when the bucket differs.
 
     Raises:
         ValueError: as :func:`moe_experts` for a bad backend or device.
     """
-    return _schedule_block_m(_select_ops(backend, x))
+    return _schedule_block_m(_select_ops(backend, x), num_pairs, num_experts)

@@ -209,7 +209,8 @@ class MoE(nn.Module):
             # Ids come from torch.topk over E scores: in range and distinct by construction, so the
             # host-synchronising range check is skipped. The build also writes the experts' tile schedule.
             index = build_dispatch(routing.topk_ids, self.num_experts, validate=False,
-                                   block_m=schedule_block_m(self.backend, x2))
+                                   block_m=schedule_block_m(self.backend, x2, routing.topk_ids.numel(),
+                                                            self.num_experts))
             out = moe_experts(x2, routing.topk_ids, topk_weights, self.w1, self.w_down, activation=self.activation,
                               save=self.save, backend=self.backend, index=index, **biases)
         if self.shared_experts is not None:

@@ -22,9 +22,10 @@ combines (F3, B5) and ``dtopk_weights`` count them as zero.
 Shapes: ``x [T, d]``, ``w1 [E, 2h | h, d]``, ``pre [N, 2h | h]``, ``act [N, h]``, ``w2 [E, d, h]``,
 ``topk_weights [T, K]``, ``out [T, d]``; all rows of ``[N, ...]`` tensors are *slots* (DESIGN.md §3).
 Here the gathered rows are temporaries of one op (freed before it returns); the Triton backend
-fuses the gather into its GEMM loads. On CUDA in bf16 with 8-aligned d and h, the forward and
-data-gradient grouped GEMMs go through ``torch.nn.functional.grouped_mm`` (no host sync); weight
-gradients and everything else use a per-expert loop over the offsets (one host read of ``E+1`` ints).
+fuses the gather into its GEMM loads. On CUDA in bf16 with 8-aligned d and h, the grouped GEMMs go through
+``torch.nn.functional.grouped_mm`` (no host sync; weight gradients over groups zero-padded to multiples of 8);
+the other dtypes and the expert-bias gradients use a per-expert loop over the offsets (one host read of
+``E+1`` ints), which refuses to run inside CUDA-graph capture.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from torch import Tensor
 
 from .activations import SWIGLU_ALPHA, SWIGLU_LIMIT, acc, activation_backward, activation_forward
 from .dispatch import DispatchIndex
+from .graphs import capturing
 
 
 class ActArgs(NamedTuple):
@@ -58,12 +60,24 @@ def _use_grouped_mm(a: torch.Tensor, w: torch.Tensor) -> bool:
             and a.shape[-1] % 8 == 0 and w.shape[-1] % 8 == 0 and w.shape[-2] % 8 == 0)
 
 
+def _host_bounds(offsets: torch.Tensor, op: str) -> list[int]:
+    """The offsets read on the host (one synchronisation) for a per-expert loop.
+
+    Raises:
+        RuntimeError: inside a CUDA-graph capture, where a host read would invalidate the capture.
+    """
+    if capturing(offsets):
+        raise RuntimeError(f"backend='torch' {op} reads the expert offsets on the host (a per-expert loop) and "
+                           "cannot run inside CUDA-graph capture; use backend='triton' (see moeblaze.graphs)")
+    return offsets.tolist()
+
+
 def grouped_linear(a: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """Per expert e: ``a[off[e]:off[e+1]] @ w[e].T``. ``a [N, in]``, ``w [E, out, in]`` -> ``[N, out]``."""
     if _use_grouped_mm(a, w):
         return F.grouped_mm(a.contiguous(), w.transpose(-2, -1), offs=offsets[1:])
     out = a.new_empty(a.shape[0], w.shape[1])
-    bounds = offsets.tolist()
+    bounds = _host_bounds(offsets, "grouped GEMM off the grouped_mm path")
     for e in range(w.shape[0]):
         lo, hi = bounds[e], bounds[e + 1]
         if hi > lo:
@@ -71,16 +85,38 @@ def grouped_linear(a: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> t
     return out
 
 
-def grouped_weight_grad(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """Per expert e: ``a[rows_e].T @ b[rows_e]``. ``a [N, p]``, ``b [N, q]`` -> ``[E, p, q]`` (fp32 accumulate).
+def _padded_weight_grad(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """:func:`grouped_weight_grad` as one ``grouped_mm`` over slot rows padded with zeros to a multiple of 8 per
+    expert (``grouped_mm`` reduces over a grouped dimension only in such groups); ``[E, p, q]`` in ``a.dtype``,
+    rounded once from fp32 sums. No host read (CUDA-graph capturable): the padded length ``N + 8E`` is a
+    bound known on the host. Costs two ``[N + 8E, p + q]`` scatters next to the GEMM's ``2Npq`` FLOPs."""
+    N, E = a.shape[0], offsets.numel() - 1
+    counts = (offsets[1:] - offsets[:-1]).long()
+    ends = ((counts + 7) // 8 * 8).cumsum(0)  # [E] padded group ends
+    slot = torch.arange(N, device=a.device)
+    expert = torch.searchsorted(offsets[1:].long(), slot, right=True).clamp_(max=E - 1)  # slot -> its expert
+    dst = slot + (ends - (counts + 7) // 8 * 8 - offsets[:-1].long()).index_select(0, expert)
+    rows = N + 8 * E
+    pa, pb = a.new_zeros(rows, a.shape[1]), b.new_zeros(rows, b.shape[1])
+    pa.index_copy_(0, dst, a)
+    pb.index_copy_(0, dst, b)
+    return F.grouped_mm(pa.t(), pb, offs=ends.to(torch.int32))
 
-    Always the per-expert loop: ``grouped_mm`` would reduce over the slot dimension, which it only
-    accepts when every expert's slot count is a multiple of 8 (a device-side assert otherwise).
+
+def grouped_weight_grad(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """Per expert e: ``a[rows_e].T @ b[rows_e]``. ``a [N, p]``, ``b [N, q]`` -> ``[E, p, q]`` (fp32 accumulate;
+    fp32, or ``a.dtype`` rounded once from fp32 sums on the ``grouped_mm`` path).
+
+    On CUDA in bf16 with 8-aligned p and q: one ``grouped_mm`` over zero-padded groups (no host read, so it
+    can be captured in a CUDA graph); elsewhere a per-expert loop over the offsets read on the host.
     """
+    if (hasattr(F, "grouped_mm") and a.is_cuda and a.dtype == b.dtype == torch.bfloat16 and a.shape[1] % 8 == 0
+            and b.shape[1] % 8 == 0):  # 16-byte aligned rows of both operands
+        return _padded_weight_grad(a, b, offsets)
     E = offsets.numel() - 1
     out = torch.zeros(E, a.shape[1], b.shape[1], dtype=torch.promote_types(a.dtype, torch.float32),
                       device=a.device)
-    bounds = offsets.tolist()
+    bounds = _host_bounds(offsets, "weight gradient")
     for e in range(E):
         lo, hi = bounds[e], bounds[e + 1]
         if hi > lo:
@@ -236,7 +272,7 @@ def bias_grad(src: Tensor, index: DispatchIndex, topk_weights: Tensor | None = N
         rows = acc(src).index_select(0, index.expert_token_indices.long()) * w_slot[:, None]
     E = index.num_experts
     out = torch.zeros(E, src.shape[1], dtype=torch.promote_types(src.dtype, torch.float32), device=src.device)
-    bounds = index.local_offsets.tolist()
+    bounds = _host_bounds(index.local_offsets, "expert-bias gradient")
     for e in range(E):
         if bounds[e + 1] > bounds[e]:
             out[e] = acc(rows[bounds[e]:bounds[e + 1]]).sum(0)

@@ -91,24 +91,29 @@ class _RouterLogits(torch.autograd.Function):
         return dx, dw
 
 
-def load_balancing_loss(probs: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
-    """Switch load-balancing loss ``E * sum_e f_e * P_e`` (1.0 at perfect balance).
+def load_balancing_loss(probs: torch.Tensor, topk_ids: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+    """Switch load-balancing loss ``scale * E * sum_e f_e * P_e`` (1.0 at perfect balance, scale 1).
 
     Args:
         probs: ``[T, E]`` fp32 routing probabilities (rows sum to 1).
         topk_ids: ``[T, K]`` chosen experts; ``f_e`` is the fraction of the T*K pairs sent to e.
+        scale: a coefficient folded into the one scalar product (the router's ``aux_loss_coef``).
+
+    Computed as ``scale * E / (T*K*T) * <counts, sum_t probs_t>``: six launches (no host read, so CUDA-graph
+    capturable) where the textbook form takes ten, forward and backward (host-bound small-T steps, issue 24).
     """
     T, E = probs.shape
-    counts = torch.zeros(E, dtype=torch.float32, device=probs.device)
+    counts = torch.zeros(E, dtype=probs.dtype, device=probs.device)
     counts.index_add_(0, topk_ids.reshape(-1).long(),
-                      torch.ones(topk_ids.numel(), dtype=torch.float32, device=probs.device))
-    f = counts / max(topk_ids.numel(), 1)
-    return E * (f * probs.mean(0)).sum()
+                      torch.ones(topk_ids.numel(), dtype=probs.dtype, device=probs.device))
+    return (scale * E / (max(topk_ids.numel(), 1) * max(T, 1))) * torch.dot(counts, probs.sum(0))
 
 
-def router_z_loss(logits: torch.Tensor) -> torch.Tensor:
-    """ST-MoE z-loss ``mean_t logsumexp(logits_t)^2`` on ``[T, E]`` fp32 logits."""
-    return torch.logsumexp(logits, dim=-1).square().mean()
+def router_z_loss(logits: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+    """ST-MoE z-loss ``scale * mean_t logsumexp(logits_t)^2`` on ``[T, E]`` fp32 logits (``scale``: the
+    router's ``z_loss_coef``, folded into the one scalar product)."""
+    lse = torch.logsumexp(logits, dim=-1)
+    return (scale / max(lse.numel(), 1)) * torch.dot(lse, lse)
 
 
 @dataclass
@@ -260,11 +265,12 @@ class Router(nn.Module):
             topk_weights = topk_weights / topk_weights.sum(-1, keepdim=True).clamp_min(1e-20)
         if self.routed_scaling_factor != 1.0:
             topk_weights = topk_weights * self.routed_scaling_factor
-        zero = logits.new_zeros(())
         losses_on = self.training and x.shape[0] > 0  # means over zero tokens would be NaN
-        aux = (self.aux_loss_coef * load_balancing_loss(probs, topk_ids)
-               if self.aux_loss_coef and losses_on else zero)
-        z = self.z_loss_coef * router_z_loss(logits) if self.z_loss_coef and losses_on else zero
+        aux = load_balancing_loss(probs, topk_ids, self.aux_loss_coef) if self.aux_loss_coef and losses_on else None
+        z = router_z_loss(logits, self.z_loss_coef) if self.z_loss_coef and losses_on else None
+        if aux is None or z is None:  # a zero only where a loss is off (one launch fewer per step otherwise)
+            zero = logits.new_zeros(())
+            aux, z = (zero if aux is None else aux), (zero if z is None else z)
         return RouterOutput(topk_ids.to(torch.int32), topk_weights, logits, aux, z, scores)
 
     def extra_repr(self) -> str:

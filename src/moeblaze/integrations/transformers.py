@@ -238,7 +238,8 @@ def make_experts_forward(save: str = "preact", backend: str = "auto") -> Callabl
         if plan.foreign_experts:
             kwargs["foreign_experts"] = True
         else:  # ids from transformers' routers come from top-k over E scores: in range, so no host-syncing check
-            index = build_dispatch(top_k_index, w2.shape[0], validate=False, block_m=schedule_block_m(backend, x))
+            index = build_dispatch(top_k_index, w2.shape[0], validate=False,
+                                   block_m=schedule_block_m(backend, x, top_k_index.numel(), w2.shape[0]))
         out = moe_experts(x, top_k_index, weights, w1, w2, activation=plan.activation, save=save,
                           backend=backend, index=index, **kwargs)
         return out.to(hidden_states.dtype)

@@ -81,16 +81,18 @@ def _like_weight(w: Tensor) -> Tensor:
     return w.new_empty(w.shape)
 
 
-def schedule_block_m() -> int:
-    """BLOCK_M of the grouped GEMMs: the tile schedule an index needs for these ops (``build_dispatch``'s
-    ``block_m``). 128 on the GPU, 32 under the interpreter."""
-    return block_m()
+def schedule_block_m(num_pairs: int | None = None, num_experts: int | None = None) -> int:
+    """BLOCK_M of the grouped GEMMs for N = ``num_pairs`` slots and E = ``num_experts`` local experts: the
+    tile schedule an index needs for these ops (``build_dispatch``'s ``block_m``). 128 on the GPU (32 under the
+    interpreter), half of it for few tokens per expert (:func:`moeblaze.kernels.tuning.block_m`); without
+    N and E the large bucket's."""
+    return block_m(num_pairs, num_experts)
 
 
 def _schedule(index: DispatchIndex) -> tuple[Tensor, Tensor, Tensor]:
     """The index's tile schedule for the GEMMs' BLOCK_M; built here (one small launch per op) only for an
     index that came without it (``moe_experts`` attaches it once per layer call)."""
-    return with_schedule(index, block_m()).schedule.tensors()
+    return with_schedule(index, block_m(index.num_pairs, index.num_experts)).schedule.tensors()
 
 
 # ---------------------------------------------------------------- F1: up-projection forward

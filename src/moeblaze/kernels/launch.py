@@ -26,7 +26,7 @@ from .wgrad import grouped_wgrad_kernel
 
 # DOT_PREC in the keys: fp32 at TF32 and at IEEE precision are tuned apart (different best tiles).
 _GEMM_KEY = ["N_COLS", "K_DIM", "NUM_EXPERTS", "EPILOGUE", "GATHER_A", "SCATTER_C", "DUAL", "A_DESC", "B_DESC",
-             "DOT_PREC"]
+             "DOT_PREC", "BLOCK_M"]  # BLOCK_M: the token-count bucket (tuning.block_m)
 _EVEN = {"EVEN_K": lambda a: a["K_DIM"] % a["BLOCK_K"] == 0, "EVEN_N": lambda a: a["N_COLS"] % a["BLOCK_N"] == 0}
 _GEMM = Launchable(grouped_gemm_kernel, gemm_configs, key=_GEMM_KEY, heuristics=_EVEN, prune=prune_gemm_configs,
                    variant=persistent_mode)
@@ -127,7 +127,8 @@ def grouped_gemm(a, b, c, offsets, indices, sched, *, b_nk, n_cols, k_dim, gathe
     :func:`tma_enabled` and its rows are 16-byte aligned), ``b`` a weight ``[E, n, k]`` (``b_nk``) or
     ``[E, k, n]`` read as ``B[e][k, n]``, ``c`` the main output (unit stride along columns).
     ``aux``/``scale``: see the kernel; outputs are written in place.
-    ``sched``: ``(tile_expert, tile_row_start, num_tiles)`` of a tile schedule for ``block_m()``.
+    ``sched``: ``(tile_expert, tile_row_start, num_tiles)`` of a tile schedule for ``block_m(N, E)`` (N slots,
+    E local experts: ``indices``, ``offsets``).
     """
     N = indices.numel()
     E = offsets.numel() - 1
@@ -135,8 +136,10 @@ def grouped_gemm(a, b, c, offsets, indices, sched, *, b_nk, n_cols, k_dim, gathe
         return
     if _rounds_tf32(a):
         a, b = round_tf32(a), round_tf32(b)
-    bm = block_m()
+    bm = block_m(N, E)
     max_tiles = sched[0].numel()
+    if max_tiles != triton.cdiv(N, bm) + E:
+        raise ValueError(f"grouped_gemm: the tile schedule has {max_tiles} entries; expected one for BLOCK_M={bm}")
     aux = aux if aux is not None else c
     scale = scale if scale is not None else offsets
     n_dim, k_dim_b = (1, 2) if b_nk else (2, 1)

@@ -1,7 +1,8 @@
 """Launch configurations of the expert kernels: autotuned on the GPU, fixed when asked or interpreted.
 
 Autotuning is keyed on the problem's (d, h, E) and the tensor dtypes — never on T (or N), so a new
-batch size never re-tunes. Environment:
+batch size never re-tunes. A key first launched inside a CUDA-graph capture is not tuned (the autotuner
+synchronises): it takes the fixed default configuration for good (:mod:`moeblaze.graphs`). Environment:
 
 ``MOEBLAZE_AUTOTUNE=0``  use one fixed default configuration per kernel (no benchmarking at first call).
 ``TRITON_INTERPRET=1``   (CPU interpreter) small fixed configurations; autotuning is always off.
@@ -23,8 +24,10 @@ import torch
 import triton
 
 from .. import settings
+from ..graphs import capturing
 
-# BLOCK_M is chosen by the launcher (the tile schedule depends on it), not by the autotuner.
+# BLOCK_M is chosen by the launcher from the token-count bucket (the tile schedule depends on it), not by the
+# autotuner; it is part of the GEMM's autotune key, so each bucket tunes its own configs.
 BLOCK_M_GPU = 128
 BLOCK_M_INTERPRET = 32
 
@@ -76,9 +79,18 @@ def num_programs(device: torch.device) -> int:
     return sm_count(device) if device.type == "cuda" else 4
 
 
-def block_m() -> int:
-    """M-tile height (slots of one expert per program)."""
-    return BLOCK_M_INTERPRET if interpreting() else BLOCK_M_GPU
+def block_m(num_pairs: int | None = None, num_experts: int | None = None) -> int:
+    """M-tile height (slots of one expert per program) for N = ``num_pairs`` slots over E = ``num_experts``.
+
+    Two token-count buckets (never T itself, DESIGN.md §5): 128 (32 under the interpreter), and half of it
+    when an expert gets fewer than half a tile on average (N < 64 E): few tokens per expert, where a 128-row
+    tile would compute mostly padding while the weight is read once per tile either way. Without N and E:
+    the large bucket.
+    """
+    base = BLOCK_M_INTERPRET if interpreting() else BLOCK_M_GPU
+    if num_pairs is None or num_experts is None:
+        return base
+    return base // 2 if num_pairs < (base // 2) * num_experts else base
 
 
 def _cfg(num_warps: int, num_stages: int, **kw) -> triton.Config:
@@ -204,6 +216,12 @@ def gather_sum_configs(kind: str) -> list[triton.Config]:
             for t, bd, w in ((16, 256, 4), (32, 256, 8), (8, 512, 4), (16, 512, 8), (64, 128, 8))]
 
 
+def _capturing(args: tuple) -> bool:
+    """The launch is being captured into a CUDA graph (its first tensor argument tells the device)."""
+    first = next((a for a in args if isinstance(a, torch.Tensor)), None)
+    return first is not None and capturing(first)
+
+
 class Launchable:
     """A jitted kernel, autotuned on the first launch of each key and launched directly afterwards.
 
@@ -232,6 +250,7 @@ class Launchable:
         self.prune, self.restore, self.variant = prune, restore, variant
         self._cache: dict[str, object] = {}
         self._best: dict[tuple, triton.Config] = {}
+        self._ready: dict[tuple, tuple[triton.Config, dict]] = {}  # key -> (its config, the launch kwargs)
         names = list(fn.arg_names)
         self._key_pos = [(k, names.index(k)) for k in key]
 
@@ -261,22 +280,44 @@ class Launchable:
 
     def tune_key(self, dtype: torch.dtype, args: tuple, kwargs: dict) -> tuple:
         """The autotune key of a launch: kind, the key arguments' values and every tensor argument's dtype."""
-        named = self._key_args(args, kwargs).values()
-        return (*self.kind(dtype), *named, *(a.dtype for a in args if isinstance(a, torch.Tensor)))
+        n = len(args)
+        named = [args[i] if i < n else kwargs[k] for k, i in self._key_pos]
+        return (*self.kind(dtype), *named, *[a.dtype for a in args if isinstance(a, torch.Tensor)])
+
+    def default_config(self, dtype: torch.dtype, args: tuple, kwargs: dict) -> triton.Config:
+        """The configuration a launch takes without autotuning: the first of the fixed list (``MOEBLAZE_AUTOTUNE=0``),
+        after the pruning of the launch's arguments."""
+        base = "fixed32" if dtype == torch.float32 else "fixed16"
+        configs = self.configs(base, self.variant()) if self.variant else self.configs(base)
+        if self.prune:
+            named = dict(zip(self.fn.arg_names, args))
+            configs = self.prune(configs, named, **kwargs)
+        return configs[0]
+
+    def _launch_kwargs(self, config: triton.Config, args: tuple, kwargs: dict) -> dict:
+        """The keyword arguments a config adds to a launch: its meta-parameters, options and heuristic flags."""
+        meta = {**self._key_args(args, kwargs), **config.kwargs}
+        return {**{name: f(meta) for name, f in self.heuristics.items()}, **config.all_kwargs()}
 
     def run(self, config: triton.Config, grid, *args, **kwargs) -> None:
         """Launch the jitted kernel itself with ``config`` and the heuristic flags (no autotuner)."""
-        meta = {**self._key_args(args, kwargs), **config.kwargs}
-        flags = {name: f(meta) for name, f in self.heuristics.items()}
-        self.fn[grid](*args, **kwargs, **flags, **config.all_kwargs())
+        self.fn[grid](*args, **kwargs, **self._launch_kwargs(config, args, kwargs))
 
     def launch(self, dtype: torch.dtype, grid, *args, **kwargs) -> None:
         """Launch on ``grid`` (a tuple or a function of the launch's meta-parameters)."""
         key = self.tune_key(dtype, args, kwargs)
         config = self._best.get(key)
+        ready = self._ready.get(key)
+        if ready is not None and ready[0] is config:  # the common case: everything known for this key
+            self.fn[grid](*args, **kwargs, **ready[1])
+            return
+        if config is None and _capturing(args):  # no timing inside a CUDA-graph capture (moeblaze.graphs)
+            config = self._best[key] = self.default_config(dtype, args, kwargs)
         if config is None:
             tuner = self.tuner(dtype)
             tuner[grid](*args, **kwargs)
             self._best[key] = tuner.best_config
             return
-        self.run(config, grid, *args, **kwargs)
+        extra = self._launch_kwargs(config, args, kwargs)  # a function of the key alone (see heuristics)
+        self._ready[key] = (config, extra)
+        self.fn[grid](*args, **kwargs, **extra)

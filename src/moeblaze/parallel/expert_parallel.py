@@ -249,7 +249,7 @@ def expert_parallel_forward(moe, x: torch.Tensor, routing) -> tuple[torch.Tensor
     local_ids = torch.arange(El, dtype=torch.int32, device=x.device).repeat(P)
     local_ids = local_ids.repeat_interleave(recv_counts.reshape(-1), output_size=R).view(R, 1)
     local_index = build_dispatch(local_ids, El, validate=False,
-                                 block_m=schedule_block_m(moe.backend, x_recv))
+                                 block_m=schedule_block_m(moe.backend, x_recv, R, El))
     w1, w2 = moe.w1, moe.w_down
     if ep.grad_divide != 1:
         w1, w2 = _DivideGrad.apply(w1, ep.grad_divide), _DivideGrad.apply(w2, ep.grad_divide)

@@ -1,0 +1,306 @@
+"""Model-shaped step times and host overhead of MoE layers (issue 24): L layers of RMSNorm + MoE + residual.
+
+Per (shape, T, L, implementation, eager | graph): the step time (forward + backward, CUDA events, median),
+the host time (``perf_counter`` around the step with no synchronisation: the Python + launch work that
+queues it), the peak memory of a step, and the time per token. ``graph`` captures the whole step with
+``torch.cuda.graph`` after two eager warm-up steps and times its replay.
+
+``--mode cpu`` (no GPU): the Triton backend runs under ``TRITON_INTERPRET=1`` with every kernel launch
+stubbed to a no-op (the dispatch build's outputs zeroed so later indexing stays in range), so what is timed
+is the Python host path itself — validation, index plumbing, launch metadata, autograd and the router's
+PyTorch ops (on CPU tensors: use a small T so their arithmetic stays negligible). ``--profile N`` prints
+cProfile's top N functions of the timed steps.
+
+Commands::
+
+    # host path on the CPU (no GPU): µs per layer step at E 8 and 128
+    python3 benchmarks/bench_host.py --mode cpu --shapes qwen3-30b-a3b,olmoe-1b-7b --tokens 64 --profile 25
+    # the sweep of issue 24 on a GPU, appended to docs/results-stack.csv, plot in docs/plots/
+    python3 benchmarks/bench_host.py --shapes qwen3-30b-a3b,olmoe-1b-7b --stack 8 \\
+        --tokens 2048,4096,8192,16384,32768 --impls moeblaze,conventional,sonicmoe --graph \\
+        --csv docs/results-stack.csv --plot docs/plots/stack-time-per-token.png
+    # the plot again from the file (every call's rows)
+    python3 benchmarks/bench_host.py --plot-from docs/results-stack.csv --plot docs/plots/stack-time-per-token.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import os
+import statistics
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+COLUMNS = ["date", "time_utc", "device", "commit", "torch", "triton", "command", "shape", "T", "d", "h", "E", "K",
+           "layers", "impl", "mode", "status", "step_ms", "host_ms", "host_us_per_layer", "us_per_token",
+           "peak_mib", "note"]
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--mode", choices=("cuda", "cpu"), default="cuda")
+    p.add_argument("--shapes", default="qwen3-30b-a3b", help="bench config names (moeblaze.bench.configs)")
+    p.add_argument("--tokens", default="4096", help="T values, comma-separated")
+    p.add_argument("--stack", default="1", help="layer counts L, comma-separated (deepseek-v3: 1 is used)")
+    p.add_argument("--impls", default="moeblaze", help="implementations (moeblaze.bench.baselines.IMPLS)")
+    p.add_argument("--aux", type=float, default=0.01, help="moeblaze's aux_loss_coef (z-loss: a tenth of it)")
+    p.add_argument("--graph", action="store_true", help="also time the CUDA-graph replay of the step")
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--profile", type=int, default=0, help="print cProfile's top N functions of the steps")
+    p.add_argument("--cpu-dims", type=int, default=64,
+                   help="--mode cpu: d and h of every shape (the host path does not depend on them; E and K kept)")
+    p.add_argument("--sort", default="tottime", help="cProfile sort key (tottime, cumulative)")
+    p.add_argument("--csv", help="append rows to this CSV")
+    p.add_argument("--plot", help="draw time per token against T into this PNG")
+    p.add_argument("--plot-from", help="only draw --plot from the rows of this CSV (no measurement)")
+    return p.parse_args(argv)
+
+
+ARGS = parse_args(sys.argv[1:])
+if ARGS.mode == "cpu":  # Triton reads it when the kernels are decorated: before moeblaze imports them
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import torch  # noqa: E402
+import torch.nn as nn  # noqa: E402
+
+from moeblaze import MoE, aux_loss, settings  # noqa: E402
+from moeblaze.bench.baselines import ImplOptions, make_weights, resolve_impl  # noqa: E402
+from moeblaze.bench.configs import get_configs, parse_list  # noqa: E402
+from moeblaze.bench.results import git_commit  # noqa: E402
+
+
+def stub_launches() -> None:
+    """Make every interpreted Triton launch a no-op (``--mode cpu``); the dispatch build's outputs are zeroed."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    def run(self, *args, **kwargs):
+        if self.fn.__name__ == "_write_kernel":  # offsets, indices, index map: slot 0 everywhere, in range
+            for t in args[3:6]:
+                t.zero_()
+
+    InterpretedFunction.run = run
+    from moeblaze import dispatch
+    from moeblaze.kernels.dispatch import build_dispatch_triton
+
+    # the CUDA path of the build (the Triton launcher), which a CPU tensor would not take
+    dispatch._build = lambda ids, E, block_m: build_dispatch_triton(ids, E, block_m=block_m)
+
+
+class Stack(nn.Module):
+    """``L`` blocks ``x = x + layer_i(RMSNorm_i(x))`` of one MoE implementation."""
+
+    def __init__(self, layers: list, d: int, device, dtype) -> None:
+        super().__init__()
+        self.norms = nn.ModuleList(nn.RMSNorm(d, device=device, dtype=dtype) for _ in layers)
+        self.layers = layers
+        self.mods = nn.ModuleList(m for m in layers if isinstance(m, nn.Module))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for norm, layer in zip(self.norms, self.layers):
+            x = x + layer(norm(x))
+        return x
+
+
+def build_stack(impl_name: str, cfg, layers: int, device, dtype) -> tuple[Stack, list[torch.Tensor]]:
+    impl = resolve_impl(impl_name)
+    fns, params = [], []
+    for i in range(layers):
+        w = make_weights(cfg, device=device, dtype=dtype, seed=i)
+        fn = impl.build(cfg, w, ImplOptions())
+        if isinstance(fn, MoE):
+            fn.router.aux_loss_coef, fn.router.z_loss_coef = ARGS.aux, ARGS.aux / 10
+        fns.append(fn)
+        params += w.params()
+    stack = Stack(fns, cfg.d, device, dtype)
+    return stack, params + list(stack.norms.parameters())
+
+
+def make_step(stack: Stack, params: list[torch.Tensor], x: torch.Tensor, dout: torch.Tensor):
+    moe_layers = any(isinstance(m, MoE) for m in stack.layers)
+
+    def step() -> None:
+        for p in (*params, x):
+            p.grad = None
+        out = stack(x)
+        if moe_layers and ARGS.aux:
+            torch.autograd.backward([out, aux_loss(stack)], [dout, None])
+        else:
+            out.backward(dout)
+
+    return step
+
+
+def _sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def host_ms(step, steps: int, device) -> list[float]:
+    """``perf_counter`` per step, no synchronisation inside: the time to queue the step's work (the queue is
+    drained before each step, so a GPU-bound step does not block the launches on a full queue). On the CPU
+    (stubbed launches, one intra-op thread) the thread's CPU time instead: a shared machine's other load does
+    not count."""
+    clock = time.perf_counter if device.type == "cuda" else time.thread_time
+    times = []
+    for _ in range(steps):
+        _sync(device)
+        t0 = clock()
+        step()
+        times.append((clock() - t0) * 1e3)
+    _sync(device)
+    return times
+
+
+def device_ms(run, steps: int, device) -> float:
+    if device.type != "cuda":
+        return statistics.median(host_ms(run, steps, device))
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(steps):
+        run()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / steps
+
+
+def capture(step, device):
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return graph.replay
+
+
+def measure(impl_name: str, cfg, layers: int, device, dtype) -> list[dict]:
+    base = {"shape": cfg.name, "T": cfg.T, "d": cfg.d, "h": cfg.h, "E": cfg.E, "K": cfg.K, "layers": layers,
+            "impl": impl_name}
+    torch.manual_seed(0)
+    x = torch.randn(cfg.T, cfg.d, device=device, dtype=dtype, requires_grad=True)
+    dout = torch.randn(cfg.T, cfg.d, device=device, dtype=dtype)
+    stack, params = build_stack(impl_name, cfg, layers, device, dtype)
+    step = make_step(stack, params, x, dout)
+    step()
+    step()
+    _sync(device)
+    if ARGS.profile:
+        import cProfile
+        import pstats
+
+        prof = cProfile.Profile()
+        prof.runcall(lambda: [step() for _ in range(ARGS.steps)])
+        pstats.Stats(prof).sort_stats(ARGS.sort).print_stats(ARGS.profile)
+    host = statistics.median(host_ms(step, ARGS.steps, device))
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    ms = device_ms(step, ARGS.steps, device)
+    peak = torch.cuda.max_memory_allocated() / 2**20 if device.type == "cuda" else None
+    rows = [{**base, "mode": "eager", "status": "ok", "step_ms": ms, "host_ms": host,
+             "host_us_per_layer": host * 1e3 / layers, "us_per_token": ms * 1e3 / cfg.T, "peak_mib": peak}]
+    if ARGS.graph and device.type == "cuda":
+        try:
+            replay = capture(step, device)
+            gms = device_ms(replay, ARGS.steps, device)
+            rows.append({**base, "mode": "graph", "status": "ok", "step_ms": gms,
+                         "host_ms": statistics.median(host_ms(replay, ARGS.steps, device)),
+                         "us_per_token": gms * 1e3 / cfg.T, "note": f"eager/graph {ms / gms:.3f}"})
+        except Exception as exc:  # a peer that cannot be captured: the row says why
+            rows.append({**base, "mode": "graph", "status": "error", "note": f"{type(exc).__name__}: {exc}"[:160]})
+    return rows
+
+
+def environment(device) -> dict:
+    import triton
+
+    now = time.gmtime()
+    name = torch.cuda.get_device_name() if device.type == "cuda" else f"CPU, launches stubbed ({os.cpu_count()} cores)"
+    return {"date": time.strftime("%Y-%m-%d", now), "time_utc": time.strftime("%H:%M", now), "device": name,
+            "commit": git_commit(Path(__file__).parent), "torch": torch.__version__, "triton": triton.__version__,
+            "command": "python3 " + " ".join(sys.argv)}
+
+
+def append_csv(path: str, rows: list[dict]) -> None:
+    new = not Path(path).exists() or Path(path).stat().st_size == 0
+    with open(path, "a", newline="") as f:
+        writer = csv.DictWriter(f, COLUMNS, extrasaction="ignore")
+        if new:
+            writer.writeheader()
+        writer.writerows({k: (f"{v:.4g}" if isinstance(v, float) else v) for k, v in r.items()} for r in rows)
+
+
+def plot(path: str, rows: list[dict]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    shapes = sorted({r["shape"] for r in rows})
+    fig, axes = plt.subplots(1, len(shapes), figsize=(5 * len(shapes), 4), squeeze=False)
+    for ax, shape in zip(axes[0], shapes):
+        lines = sorted({(r["impl"], r["mode"], r["layers"]) for r in rows if r["shape"] == shape})
+        for impl, mode, layers in lines:
+            pts = sorted((r["T"], r["us_per_token"]) for r in rows if (r["shape"], r["impl"], r["mode"], r["layers"])
+                         == (shape, impl, mode, layers) and r["status"] == "ok")
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=f"{impl} {mode} L={layers}")
+        ax.set(xscale="log", xlabel="tokens per GPU (T)", ylabel="µs per token (step)", title=shape)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def read_rows(path: str) -> list[dict]:
+    """Rows of a CSV this script appended to, with the numbers the plot needs parsed."""
+    with open(path, newline="") as f:
+        return [dict(r, T=int(r["T"]), layers=int(r["layers"]), us_per_token=float(r["us_per_token"] or "nan"))
+                for r in csv.DictReader(f)]
+
+
+def main() -> None:
+    if ARGS.plot_from:
+        plot(ARGS.plot, read_rows(ARGS.plot_from))
+        return
+    device = torch.device(ARGS.mode)
+    if ARGS.mode == "cpu":
+        stub_launches()
+        settings.configure(autotune=False)
+        torch.set_num_threads(1)
+    elif not torch.cuda.is_available():
+        sys.exit("bench_host: --mode cuda needs a GPU (use --mode cpu for the host path alone)")
+    dtype = torch.bfloat16 if ARGS.mode == "cuda" else torch.float16
+    env, rows = environment(device), []
+    for cfg0 in get_configs(None, parse_list(ARGS.shapes)):
+        for T in (int(t) for t in ARGS.tokens.split(",")):
+            stacks = [1] if cfg0.name.startswith("deepseek") else sorted({int(s) for s in ARGS.stack.split(",")})
+            for layers in stacks:
+                for impl in parse_list(ARGS.impls):
+                    try:
+                        cfg = replace(cfg0, T=T)
+                        if ARGS.mode == "cpu":
+                            cfg = replace(cfg, d=ARGS.cpu_dims, h=ARGS.cpu_dims)
+                        got = measure(impl, cfg, layers, device, dtype)
+                    except Exception as exc:  # OOM or an implementation failing on a shape: keep going
+                        got = [{"shape": cfg0.name, "T": T, "layers": layers, "impl": impl, "mode": "eager",
+                                "status": "error", "note": f"{type(exc).__name__}: {exc}"[:160]}]
+                    for r in got:
+                        r.update(env)
+                        print(" ".join(f"{k}={r[k]:.4g}" if isinstance(r.get(k), float) else f"{k}={r.get(k)}"
+                                       for k in COLUMNS[7:] if r.get(k) is not None), flush=True)
+                    rows += got
+                    if ARGS.csv:  # row by row: a run cut short by a time limit keeps what it measured
+                        append_csv(ARGS.csv, got)
+                    if device.type == "cuda":
+                        torch.cuda.empty_cache()
+    if ARGS.plot:
+        plot(ARGS.plot, rows)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# Issue 24 on one GPU, in one call of at most ~9.5 minutes: the gpu tests of CUDA-graph capture and of the
+# small-T bucket (every failure printed), the expert-kernel regressions, a cProfile of one eager layer step's
+# host path, then the model-shaped sweep (rows appended as they come, so a cut run keeps what it measured).
+#   bash benchmarks/gpu_issue24.sh              # everything, writes under $OUT (default /tmp/issue24)
+#   PART=tests bash benchmarks/gpu_issue24.sh   # tests + profile only;  PART=sweep: the sweep only
+set -u
+OUT=${OUT:-/tmp/issue24}
+mkdir -p "$OUT"
+export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH}
+start=$(date +%s)
+left() { echo $(( 560 - ($(date +%s) - start) )); }
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/device.txt"
+
+PART=${PART:-all}
+if [ "$PART" != sweep ]; then
+echo "== capture + small-T gpu tests"
+timeout 240 python3 -m pytest -q -m gpu -rf tests/test_graphs.py tests/test_small_tokens.py 2>&1 | tee "$OUT/tests.log" | tail -40
+echo "== regressions (expert kernels, layer, routing)"
+timeout $(( $(left) > 150 ? 150 : $(left) )) python3 -m pytest -q -m gpu -rf tests/test_experts_triton.py tests/test_layer.py \
+    tests/test_routing.py 2>&1 | tee "$OUT/regress.log" | tail -15
+
+echo "== host path of one eager layer step (qwen3-30b-a3b, T 4096), cProfile"
+timeout 60 python3 benchmarks/bench_host.py --shapes qwen3-30b-a3b --tokens 4096 --steps 20 --profile 35 \
+    2>&1 | tee "$OUT/profile.txt" | tail -45
+
+fi
+[ "$PART" = tests ] && exit 0
+
+echo "== sweep: L=8 stacks (deepseek-v3: one layer), eager and graph-replayed: moeblaze and the conventional layer"
+sweep() {  # shape impls: rows appended to $OUT/results-stack.csv as they are measured
+    t=$(left); [ "$t" -lt 20 ] && return
+    timeout "$t" python3 benchmarks/bench_host.py --shapes "$1" --stack 8 --tokens 2048,4096,8192,16384,32768 \
+        --impls "$2" --graph --steps 10 --csv "$OUT/results-stack.csv" 2>&1 | grep -v "^ " | tail -20
+}
+for shape in qwen3-30b-a3b olmoe-1b-7b deepseek-v3; do sweep "$shape" moeblaze,conventional; done
+echo "== SonicMoE (first step compiles: QuACK's kernel cache from .peers/ as scripts/gpu_suite.sh bench does)"
+if [[ -f .peers/install.sh ]]; then source .peers/install.sh /tmp/peers >/dev/null; fi
+export QUACK_COMPILE_WORKERS="${QUACK_COMPILE_WORKERS:-16}" QUACK_CACHE_AUTOTUNING=1
+export QUACK_CACHE_DIR="${QUACK_CACHE_DIR:-/tmp/quack_cache}"
+mkdir -p "$QUACK_CACHE_DIR"
+if [[ -f .peers/quack_cache.tgz ]]; then tar -xzf .peers/quack_cache.tgz -C "$QUACK_CACHE_DIR"; fi
+for shape in qwen3-30b-a3b olmoe-1b-7b; do sweep "$shape" sonicmoe; done
+tar -czf "$OUT/quack_cache.tgz" -C "$QUACK_CACHE_DIR" .
+python3 benchmarks/bench_host.py --plot-from "$OUT/results-stack.csv" --plot "$OUT/stack-time-per-token.png" 2>&1 | tail -3
+ls -la "$OUT"

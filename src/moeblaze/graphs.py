@@ -1,0 +1,27 @@
+"""CUDA-graph capture: what the layer does differently while a stream is being captured.
+
+Forward and backward of :class:`moeblaze.MoE` on the Triton backend read nothing on the host and
+allocate only through PyTorch's caching allocator (the TMA descriptors' scratch included), so they can be
+captured by ``torch.cuda.graph``, ``torch.cuda.make_graphed_callables`` and
+``torch.compile(mode="reduce-overhead")``. Two things need a host round trip and change under capture:
+
+* autotuning: Triton's autotuner times its candidates with synchronisations. A kernel key first seen
+  inside a capture takes the fixed default configuration (``MOEBLAZE_AUTOTUNE=0``'s) and keeps it for the
+  rest of the process (so later eager calls match the replays). Run one eager step before capturing
+  (PyTorch's warm-up; ``make_graphed_callables`` and ``torch.compile`` do it themselves) to capture the
+  tuned configurations.
+* ``backend="torch"``: capturable on its ``grouped_mm`` path (CUDA, bf16, d and h multiples of 8, no expert
+  biases); its per-expert loops (other dtypes, the expert-bias gradients) read the expert offsets on the
+  host and under capture raise ``RuntimeError`` naming the op.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["capturing"]
+
+
+def capturing(t: torch.Tensor) -> bool:
+    """True while ``t`` is a CUDA tensor and the current CUDA stream is being captured into a graph."""
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()

@@ -1,0 +1,26 @@
+"""``benchmarks/bench_host.py --mode cpu``: the host path of a layer step timed with stubbed launches, rows as data."""
+
+from __future__ import annotations
+
+import csv
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_cpu_mode_times_the_host_path_and_appends_rows(tmp_path):
+    out = tmp_path / "stack.csv"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_host.py"), "--mode", "cpu", "--shapes", "olmoe-1b-7b",
+           "--tokens", "16", "--stack", "1,2", "--steps", "3", "--cpu-dims", "16", "--csv", str(out)]
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = list(csv.DictReader(out.open()))
+    assert [(r["layers"], r["status"], r["mode"]) for r in rows] == [("1", "ok", "eager"), ("2", "ok", "eager")]
+    for r in rows:
+        assert r["shape"] == "olmoe-1b-7b" and (r["T"], r["d"], r["E"], r["K"]) == ("16", "16", "64", "8")
+        assert float(r["host_us_per_layer"]) > 0 and "launches stubbed" in r["device"]
+        assert r["command"].startswith("python3 ") and "--mode cpu" in r["command"]

@@ -1,0 +1,93 @@
+"""Few tokens per expert (issue 24): the grouped GEMMs' small-T bucket (half-height M-tiles).
+
+The bucket is a function of N = T*K and E only (``kernels.tuning.block_m``); the layer builds the index's
+tile schedule for it once, and the results stay within the float64-reference tolerance (DESIGN.md §7) in
+both buckets. CPU: Triton's interpreter (fp32); GPU (``-m gpu``): bf16, TMA and pointer weight reads.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import moeblaze
+from moeblaze import moe_experts
+from moeblaze.experts import schedule_block_m
+from moeblaze.kernels import tuning
+from moeblaze.testing import (
+    assert_close_to_reference,
+    make_expert_inputs,
+    reference_outputs,
+    router_weight_grad_magnitude,
+    run_and_grad,
+)
+
+HAS_CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if HAS_CUDA else "cpu"
+NAMES = ("out", "dx", "dw_gate_up", "dw_down", "dtopk_weights")
+pytestmark = pytest.mark.skipif(not HAS_CUDA and os.environ.get("TRITON_INTERPRET") != "1",
+                                reason="Triton kernels need CUDA or TRITON_INTERPRET=1")
+
+
+def test_block_m_buckets_depend_on_tokens_per_expert_only():
+    base = tuning.block_m()
+    half = base // 2
+    assert tuning.block_m(half * 8 - 1, 8) == half  # fewer than half a tile per expert on average
+    assert tuning.block_m(half * 8, 8) == base
+    assert tuning.block_m(10**6, 8) == base and tuning.block_m(0, 8) == half
+    x = torch.empty(2, 4, device=DEVICE)
+    assert schedule_block_m("triton", x, half * 8 - 1, 8) == half
+    assert schedule_block_m("triton", x) == base  # no N, E: the large bucket
+    assert schedule_block_m("torch", x, 5, 8) is None
+
+
+def _check(T, d, h, E, K, dtype, activation="swiglu", save="preact", routing="uniform"):
+    inputs = make_expert_inputs(T, d, h, E, K, activation, dtype, device=DEVICE, routing=routing)
+    dout = torch.randn(inputs["x"].shape, dtype=dtype, device=DEVICE)
+    got = run_and_grad(lambda **kw: moe_experts(**kw, activation=activation, save=save, backend="triton"),
+                       inputs, dout)
+    ref = reference_outputs(inputs, activation, dout)
+    base = reference_outputs(inputs, activation, dout, dtype=dtype)
+    torch_backend = run_and_grad(lambda **kw: moe_experts(**kw, activation=activation, save=save, backend="torch"),
+                                 inputs, dout)
+    for name, a, r, b, b2 in zip(NAMES, got, ref, base, torch_backend):  # the worse plain-PyTorch baseline counts
+        mag = router_weight_grad_magnitude(inputs, activation, dout) if name == "dtopk_weights" else None
+        assert_close_to_reference(name, a, r, (b, b2), magnitude=mag)
+
+
+@pytest.mark.parametrize("save", ["preact", "input"])
+@pytest.mark.parametrize("T,E,K", [(6, 4, 2), (40, 8, 1), (3, 16, 4)])
+def test_small_bucket_matches_reference(T, E, K, save):
+    assert tuning.block_m(T * K, E) == tuning.block_m() // 2
+    _check(T, 16, 8, E, K, torch.float32, save=save)
+
+
+def test_layer_builds_the_small_bucket_schedule_once(monkeypatch):
+    """The layer asks the dispatch build for the bucket's schedule; the ops never rebuild it."""
+    import moeblaze.dispatch as md
+    from moeblaze.kernels import dispatch as kd
+
+    calls = []
+    for mod, name, pos in ((md, "build_tile_schedule_torch", 2), (kd, "tile_schedule", 1)):  # block_m's position
+        real = getattr(mod, name)
+        monkeypatch.setattr(mod, name, lambda *a, _real=real, _pos=pos, **k: calls.append(a[_pos]) or _real(*a, **k))
+    torch.manual_seed(0)
+    moe = moeblaze.MoE(16, 8, 8, 2, backend="triton", device=DEVICE)
+    x = torch.randn(5, 16, device=DEVICE, requires_grad=True)  # N = 10 < 8 * BLOCK_M / 2
+    moe(x).sum().backward()
+    assert calls == ([] if HAS_CUDA else [tuning.block_m() // 2])
+    assert x.grad is not None and moe.w_down.grad is not None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("tma", ["1", "0"])
+@pytest.mark.parametrize("T,d,h,E,K,activation", [(64, 256, 128, 16, 2, "swiglu"), (512, 512, 256, 128, 8, "swiglu"),
+                                                  (200, 256, 192, 64, 4, "gelu"), (96, 512, 256, 32, 1, "swiglu")])
+def test_gpu_bf16_small_bucket(T, d, h, E, K, activation, tma, monkeypatch):
+    monkeypatch.setenv("MOEBLAZE_TMA", tma)
+    assert tuning.block_m(T * K, E) == 64
+    for save in ("preact", "input"):
+        _check(T, d, h, E, K, torch.bfloat16, activation=activation, save=save)
