@@ -1,0 +1,77 @@
+"""``moeblaze train`` on several processes (issue 23, item 4): FSDP2 and FSDP2 + EP runs on 2 gloo ranks track
+one process on the same global batch; DCP checkpoints written on 2 ranks resume on 2 (bitwise, same layout),
+on 2 with another expert-parallel size, and on 1; mismatched flags fail every rank; the CLI under torchrun."""
+
+from __future__ import annotations
+
+import math
+import multiprocessing
+import os
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+import train_workers as tw
+from dist_utils import free_port, run_ranks
+from moeblaze.train import train
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def text_file(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("data") / "text.txt"
+    path.write_text((ROOT / "src" / "moeblaze" / "train.py").read_text()[:40000])
+    return str(path)
+
+
+def _close(a: list[float], b: list[float], rtol: float) -> bool:
+    return len(a) == len(b) and all(math.isclose(x, y, rel_tol=rtol) for x, y in zip(a, b))
+
+
+def test_two_ranks_track_one_process_and_checkpoints_reshard(text_file, tmp_path):
+    cfg, mcfg = tw.tiny_configs(text_file, str(tmp_path / "one"))
+    one = train(cfg, mcfg)  # the reference: one process, the same global batch
+    one_no_aux = train(replace(cfg, out_dir=str(tmp_path / "one_no_aux")), replace(mcfg, aux_loss_coef=0.0))
+    with multiprocessing.Manager() as manager:
+        results = manager.dict()
+        run_ranks(tw.runs, 2, text_file, str(tmp_path), results, timeout=240)
+        r = dict(results)
+    assert r["world"] == 2
+    # FSDP2 without EP: each rank's load-balancing loss counts its own tokens, so it is off here; the rest of
+    # the step is the one-process step on the global batch (fp32, sums in another order).
+    assert _close(r["fsdp"], one_no_aux.losses, 1e-4), (r["fsdp"], one_no_aux.losses)
+    assert math.isclose(r["fsdp_val"], one_no_aux.val_bpb, rel_tol=1e-4)
+    # EP over both ranks: the load-balancing loss counts the group's (= all) tokens, as one process does.
+    assert _close(r["ep"], one.losses, 1e-4), (r["ep"], one.losses)
+    assert math.isclose(r["ep_val"], one.val_bpb, rel_tol=1e-4)
+    # Resume on the same 2-rank layout: bitwise the uninterrupted run.
+    assert r["same"] == r["ep"][10:] and r["same_val"] == r["ep_val"]
+    # Resume with P = 1 (FSDP2 only) on 2 ranks, and in one process without FSDP2: DCP reshards the experts.
+    assert _close(r["other_p"], r["ep"][10:], 1e-4), (r["other_p"], r["ep"][10:])
+    resumed = train(replace(cfg, out_dir=str(tmp_path / "half_1proc"), resume=True, overwrite=False), mcfg)
+    assert _close(resumed.losses, one.losses[10:], 1e-4), (resumed.losses, one.losses[10:])
+
+
+def test_mismatched_configuration_fails_every_rank(text_file, tmp_path):
+    run_ranks(tw.mismatched_config, 2, text_file, str(tmp_path), timeout=120)
+
+
+def test_cli_under_torchrun_logs_once(text_file, tmp_path):
+    """``torchrun --nproc-per-node 2 -m moeblaze.cli train --fsdp --ep 2``: exit 0, one log (rank 0)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
+           "-m", "moeblaze.cli", "train", "--fsdp", "--ep", "2", "--data", text_file, "--out-dir", str(tmp_path / "r"),
+           "--steps", "2", "--batch-size", "2", "--seq-len", "16", "--d-model", "16", "--n-layers", "1",
+           "--n-heads", "2", "--d-ff", "8", "--num-experts", "4", "--eval-tokens", "32", "--device", "cpu",
+           "--backend", "torch", "--threads", "1", "--no-progress"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120, env=dict(os.environ))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("done: step 2") == 1, proc.stdout
+    assert "2 processes, FSDP2 + expert parallelism over 2" in proc.stdout
+    plain = subprocess.run(cmd[:3] + ["--nproc-per-node", "2", "--master-port", str(free_port()),
+                                      "-m", "moeblaze.cli", "train", "--no-fsdp", "--ep", "1"] + cmd[13:],
+                           cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert plain.returncode != 0 and "need --fsdp" in plain.stderr, plain.stderr[-2000:]  # ranks exit 2

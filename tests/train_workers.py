@@ -1,0 +1,65 @@
+"""Rank bodies of the multi-process ``moeblaze train`` tests (run by ``dist_utils.run_ranks``, gloo on the CPU,
+or NCCL on GPUs): :func:`moeblaze.train.train` with ``--fsdp`` / ``--ep`` inside an initialised process group."""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+from moeblaze.model import ModelConfig
+from moeblaze.train import ConfigError, TrainConfig, train
+
+
+def tiny_configs(data: str, out_dir: str, **train_kw) -> tuple[TrainConfig, ModelConfig]:
+    """A run small enough for 2 gloo ranks on 2 shared CPU cores: 20 steps of 4 x 16 bytes."""
+    cfg = TrainConfig(data=data, out_dir=out_dir, steps=20, batch_size=4, warmup_steps=2, eval_interval=10,
+                      eval_tokens=96, checkpoint_interval=0, checkpoint_minutes=0.0, progress=False, threads=1,
+                      device="cpu", overwrite=True, **train_kw)
+    mcfg = ModelConfig(seq_len=16, d_model=16, n_layers=2, n_heads=2, d_ff=8, num_experts=4, top_k=2,
+                       backend="torch")
+    return cfg, mcfg
+
+
+def _same_on_all_ranks(value) -> None:
+    values = [None] * dist.get_world_size()
+    dist.all_gather_object(values, value)
+    assert all(v == values[0] for v in values), f"ranks disagree: {values}"
+
+
+def runs(rank: int, world: int, data: str, tmp: str, results: dict) -> None:
+    """FSDP2 and FSDP2 + EP runs of 20 steps; the EP run also stopped at step 10 (checkpoint), resumed on the
+    same layout and on FSDP2 without EP (another P). Results land in ``results`` (a manager dict) from rank 0."""
+    tmp = Path(tmp)
+    fsdp_cfg, mcfg = tiny_configs(data, str(tmp / "fsdp"), fsdp=True)
+    fsdp = train(fsdp_cfg, replace(mcfg, aux_loss_coef=0.0))
+    ep_cfg = replace(fsdp_cfg, out_dir=str(tmp / "ep"), ep=world)
+    ep = train(ep_cfg, mcfg)
+    half = train(replace(ep_cfg, out_dir=str(tmp / "half"), stop_after=10), mcfg)
+    assert half.status == "done" and half.step == 10
+    if rank == 0:  # copies for the other resumes (here: the same layout, and P = 1; the test: one process)
+        for name in ("half_p1", "half_1proc"):
+            shutil.copytree(tmp / "half", tmp / name)
+    dist.barrier()
+    same = train(replace(ep_cfg, out_dir=str(tmp / "half"), resume=True, overwrite=False), mcfg)
+    other_p = train(replace(ep_cfg, out_dir=str(tmp / "half_p1"), resume=True, overwrite=False, ep=1), mcfg)
+    _same_on_all_ranks((ep.losses, ep.val_bpb))
+    if rank == 0:
+        results.update(fsdp=fsdp.losses, fsdp_val=fsdp.val_bpb, ep=ep.losses, ep_val=ep.val_bpb,
+                       same=same.losses, same_val=same.val_bpb, other_p=other_p.losses, world=ep.world_size)
+
+
+def mismatched_config(rank: int, world: int, data: str, tmp: str) -> None:
+    """Ranks started with different flags: every rank raises a ConfigError naming the field (no hang)."""
+    cfg, mcfg = tiny_configs(data, str(Path(tmp) / "mismatch"), fsdp=True)
+    with pytest.raises(ConfigError, match=r"different configurations: .*lr = 0.003 \(rank 0\), 0.004 \(rank 1\)"):
+        train(replace(cfg, lr=(0.003, 0.004)[rank]), mcfg)
+    with pytest.raises(ConfigError, match=r"num_experts = 4 \(rank 0\), 8 \(rank 1\)"):
+        train(cfg, replace(mcfg, num_experts=4 * (rank + 1)))
+    with pytest.raises(ConfigError, match="--ep 3 must divide the number of processes 2"):
+        train(replace(cfg, ep=3), mcfg)
+    with pytest.raises(ConfigError, match="--batch-size 3 .* divisible by the number of processes 2"):
+        train(replace(cfg, batch_size=3), mcfg)
