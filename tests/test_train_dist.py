@@ -75,3 +75,20 @@ def test_cli_under_torchrun_logs_once(text_file, tmp_path):
                                       "-m", "moeblaze.cli", "train", "--no-fsdp", "--ep", "1"] + cmd[13:],
                            cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert plain.returncode != 0 and "need --fsdp" in plain.stderr, plain.stderr[-2000:]  # ranks exit 2
+
+
+def test_1b_preset(tmp_path, capsys):
+    """``--preset 1b``: about 1e9 parameters (E 64, K 8), flags given still win; not with --resume."""
+    import torch
+
+    from moeblaze.cli import _configs, build_parser, main
+    from moeblaze.model import MoETransformer
+
+    cfg, mcfg = _configs(build_parser().parse_args(["train", "--preset", "1b", "--seq-len", "512"]))
+    assert (mcfg.num_experts, mcfg.top_k, mcfg.d_model, mcfg.seq_len, cfg.lr) == (64, 8, 1024, 512, 1e-3)
+    with torch.device("meta"):
+        total = sum(p.numel() for p in MoETransformer(mcfg).parameters())
+    assert 0.9e9 < total < 1.2e9, total
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", "--preset", "1b", "--resume", "--out-dir", str(tmp_path)])
+    assert exit_info.value.code == 2 and "--preset sets up a fresh run" in capsys.readouterr().err
