@@ -92,3 +92,15 @@ def test_1b_preset(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["train", "--preset", "1b", "--resume", "--out-dir", str(tmp_path)])
     assert exit_info.value.code == 2 and "--preset sets up a fresh run" in capsys.readouterr().err
+
+
+@pytest.mark.gpu
+def test_fsdp_train_bf16_triton_one_gpu(text_file, tmp_path):
+    """``moeblaze train --fsdp`` on a 1-rank NCCL job, Triton kernels, bf16: trains like the plain run."""
+    run_ranks(tw.fsdp_bf16_matches_plain, 1, text_file, str(tmp_path), backend="nccl", timeout=400)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", "--master-port", str(free_port()),
+           "-m", "moeblaze.cli", "train", "--fsdp", "--data", text_file, "--out-dir", str(tmp_path / "cli"),
+           "--steps", "3", "--batch-size", "4", "--seq-len", "64", "--eval-tokens", "256", "--device", "cuda",
+           "--backend", "triton", "--precision", "bf16-mixed", "--no-progress"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and "1 processes, FSDP2" in proc.stdout, proc.stderr[-3000:]
