@@ -104,3 +104,15 @@ def test_fsdp_train_bf16_triton_one_gpu(text_file, tmp_path):
            "--backend", "triton", "--precision", "bf16-mixed", "--no-progress"]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and "1 processes, FSDP2" in proc.stdout, proc.stderr[-3000:]
+
+
+def test_checkpoint_of_a_2d_mesh_resumes_in_one_process(text_file, tmp_path):
+    """Saved on 4 ranks with --fsdp --ep 2 (experts split by ep, then by dp_shard), resumed in one process:
+    the one-process run's losses (no load-balancing loss, which would count each EP group's tokens)."""
+    run_ranks(tw.strided_save, 4, text_file, str(tmp_path), timeout=180)
+    cfg, mcfg = tw.tiny_configs(text_file, str(tmp_path / "one"))
+    cfg, mcfg = replace(cfg, steps=6), replace(mcfg, aux_loss_coef=0.0)
+    one = train(cfg, mcfg)
+    resumed = train(replace(cfg, out_dir=str(tmp_path / "strided"), resume=True, overwrite=False, fsdp=False, ep=1),
+                    mcfg)
+    assert _close(resumed.losses, one.losses[3:], 1e-4), (resumed.losses, one.losses[3:])

@@ -81,3 +81,11 @@ def fsdp_bf16_matches_plain(rank: int, world: int, data: str, tmp: str) -> None:
     for step, (a, b) in enumerate(zip(fsdp.losses, plain.losses)):
         assert abs(a - b) <= 0.02 * abs(b), f"step {step + 1}: loss {a} under FSDP2, {b} without"
     assert abs(fsdp.val_bpb - plain.val_bpb) <= 0.02 * plain.val_bpb, (fsdp.val_bpb, plain.val_bpb)
+
+
+def strided_save(rank: int, world: int, data: str, tmp: str) -> None:
+    """4 ranks, mesh (dp_shard 2, ep 2): each expert weight split by ep, then by dp_shard inside it (FSDP2's
+    _StridedShard in the checkpoint); 3 of 6 steps, then a checkpoint (the test resumes it in one process)."""
+    cfg, mcfg = tiny_configs(data, str(Path(tmp) / "strided"), fsdp=True, ep=2)
+    result = train(replace(cfg, steps=6, stop_after=3), replace(mcfg, aux_loss_coef=0.0))
+    assert result.step == 3 and result.world_size == world
