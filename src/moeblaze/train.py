@@ -446,8 +446,14 @@ def train(cfg: TrainConfig, model_cfg: ModelConfig | None = None, log=tqdm.write
     Returns:
         A :class:`TrainResult` (final validation bits per byte, throughput, bytes saved, status, ...).
 
+    Under torchrun, ``cfg.fsdp`` (and ``cfg.ep``) make this process one rank of an FSDP2 (+ expert-parallel)
+    job (:mod:`moeblaze.parallel.job`): every rank calls :func:`train` with the same configuration; rank 0
+    logs; the process group is destroyed at the end.
+
     Raises:
-        ConfigError: bad device/precision/backend or out_dir, nothing to resume, resume with a different model.
+        ConfigError: bad device/precision/backend or out_dir, nothing to resume, resume with a different model;
+            ``--fsdp`` outside torchrun, several processes without it, ``--ep`` not dividing the world size, a
+            batch not divisible by it, ranks started with different configurations (raised on every rank).
         moeblaze.data.DataError: missing or unusable data.
         moeblaze.checkpoint.CheckpointError: the checkpoint to resume cannot be loaded, or one cannot be written.
         NonFiniteLossError: a non-finite loss; nothing is written, the last checkpoint stays as it was.
@@ -490,6 +496,9 @@ def _train(cfg: TrainConfig, model_cfg: ModelConfig | None, log, job: Job) -> Tr
     mcfg = model_cfg or ModelConfig()
     _check_backend(mcfg, device)
     threads = set_threads(cfg, device)
+    if job.distributed and device.type == "cpu" and not cfg.threads:  # the node's cores shared by its ranks
+        threads = max(1, threads // int(os.environ.get("LOCAL_WORLD_SIZE", job.world)))
+        torch.set_num_threads(threads)
 
     t_load = time.perf_counter()
     corpus = load_corpus(cfg.data, cfg.val_fraction, min_bytes=max(1024, mcfg.seq_len + 2))
