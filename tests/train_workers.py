@@ -3,13 +3,16 @@ or NCCL on GPUs): :func:`moeblaze.train.train` with ``--fsdp`` / ``--ep`` inside
 
 from __future__ import annotations
 
+import os
 import shutil
+import signal
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch.distributed as dist
 
+import moeblaze.train as train_module
 from moeblaze.model import ModelConfig
 from moeblaze.train import ConfigError, TrainConfig, train
 
@@ -52,8 +55,9 @@ def runs(rank: int, world: int, data: str, tmp: str, results: dict) -> None:
                        same=same.losses, same_val=same.val_bpb, other_p=other_p.losses, world=ep.world_size)
 
 
-def mismatched_config(rank: int, world: int, data: str, tmp: str) -> None:
-    """Ranks started with different flags: every rank raises a ConfigError naming the field (no hang)."""
+def faults(rank: int, world: int, data: str, tmp: str) -> None:
+    """Ranks started with different flags: every rank raises a ConfigError naming the field (no hang).
+    SIGTERM to rank 1 alone during step 3: both ranks stop after step 3 with one checkpoint."""
     cfg, mcfg = tiny_configs(data, str(Path(tmp) / "mismatch"), fsdp=True)
     with pytest.raises(ConfigError, match=r"different configurations: .*lr = 0.003 \(rank 0\), 0.004 \(rank 1\)"):
         train(replace(cfg, lr=(0.003, 0.004)[rank]), mcfg)
@@ -63,6 +67,22 @@ def mismatched_config(rank: int, world: int, data: str, tmp: str) -> None:
         train(replace(cfg, ep=3), mcfg)
     with pytest.raises(ConfigError, match="--batch-size 3 .* divisible by the number of processes 2"):
         train(replace(cfg, batch_size=3), mcfg)
+
+    step_fn, calls = train_module.train_step, []
+
+    def signalled_step(*args, **kwargs):
+        calls.append(1)
+        if rank == 1 and len(calls) == 3:
+            os.kill(os.getpid(), signal.SIGTERM)  # handled by the loop: finish the step, checkpoint, stop
+        return step_fn(*args, **kwargs)
+
+    train_module.train_step = signalled_step
+    try:
+        result = train(replace(cfg, out_dir=str(Path(tmp) / "signal")), mcfg)
+    finally:
+        train_module.train_step = step_fn
+    assert (result.status, result.step) == ("SIGTERM", 3), (result.status, result.step)
+    assert Path(result.checkpoint).name == "step-000003"
 
 
 def fsdp_bf16_matches_plain(rank: int, world: int, data: str, tmp: str) -> None:
