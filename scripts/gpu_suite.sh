@@ -88,7 +88,7 @@ for stage in "$@"; do
       done ;;
     multigpu)
       MOEBLAZE_AUTOTUNE=0 run multigpu_tests timeout "${TESTS_TIMEOUT:-420}" python3 -m pytest -m multigpu -q -rfEs \
-        -p no:cacheprovider tests/test_parallel.py
+        -p no:cacheprovider tests/test_parallel.py tests/test_train_dist.py
       # shellcheck disable=SC2086
       run bench_ep timeout 600 python3 -m torch.distributed.run --nproc-per-node 2 benchmarks/bench_ep.py ${EP_BENCH_ARGS:-} --out "$OUT/ep.csv"
       multigpu_train

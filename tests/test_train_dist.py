@@ -13,6 +13,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import torch
 
 import train_workers as tw
 from dist_utils import free_port, run_ranks
@@ -71,16 +72,26 @@ def test_cli_under_torchrun_logs_once(text_file, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.count("done: step 2") == 1, proc.stdout
     assert "2 processes, FSDP2 + expert parallelism over 2" in proc.stdout
-    plain = subprocess.run(cmd[:3] + ["--nproc-per-node", "2", "--master-port", str(free_port()),
-                                      "-m", "moeblaze.cli", "train", "--no-fsdp", "--ep", "1"] + cmd[13:],
-                           cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert plain.returncode != 0 and "need --fsdp" in plain.stderr, plain.stderr[-2000:]  # ranks exit 2
+
+
+def test_launch_errors(text_file, tmp_path, monkeypatch):
+    """Several processes without --fsdp, --fsdp outside torchrun: one-line errors before anything runs."""
+    from moeblaze.train import ConfigError
+
+    cfg, mcfg = tw.tiny_configs(text_file, str(tmp_path / "r"))
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(ConfigError, match="--fsdp needs torchrun"):
+        train(replace(cfg, fsdp=True), mcfg)
+    with pytest.raises(ConfigError, match="--ep 2 needs --fsdp"):
+        train(replace(cfg, ep=2), mcfg)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ConfigError, match=r"2 processes \(WORLD_SIZE=2\) need --fsdp"):
+        train(cfg, mcfg)
 
 
 def test_1b_preset(tmp_path, capsys):
     """``--preset 1b``: about 1e9 parameters (E 64, K 8), flags given still win; not with --resume."""
-    import torch
-
     from moeblaze.cli import _configs, build_parser, main
     from moeblaze.model import MoETransformer
 
@@ -116,3 +127,13 @@ def test_checkpoint_of_a_2d_mesh_resumes_in_one_process(text_file, tmp_path):
     resumed = train(replace(cfg, out_dir=str(tmp_path / "strided"), resume=True, overwrite=False, fsdp=False, ep=1),
                     mcfg)
     assert _close(resumed.losses, one.losses[3:], 1e-4), (resumed.losses, one.losses[3:])
+
+
+@pytest.mark.multigpu
+@pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.device_count() >= 2), reason="needs 2 CUDA GPUs")
+def test_train_two_gpus_matches_one(text_file, tmp_path):
+    """2 GPUs: ``--fsdp`` and ``--fsdp --ep 2`` (NCCL, Triton, bf16) train as one GPU does."""
+    cfg, mcfg = tw._gpu_configs(text_file, str(tmp_path / "plain"))
+    plain = train(cfg, mcfg)
+    run_ranks(tw.two_gpus_match, 2, text_file, str(tmp_path), plain.losses, plain.val_bpb, backend="nccl",
+              timeout=400)

@@ -3,6 +3,7 @@ or NCCL on GPUs): :func:`moeblaze.train.train` with ``--fsdp`` / ``--ep`` inside
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import signal
@@ -14,7 +15,7 @@ import torch.distributed as dist
 
 import moeblaze.train as train_module
 from moeblaze.model import ModelConfig
-from moeblaze.train import ConfigError, TrainConfig, train
+from moeblaze.train import ConfigError, TrainConfig, TrainResult, train
 
 
 def tiny_configs(data: str, out_dir: str, **train_kw) -> tuple[TrainConfig, ModelConfig]:
@@ -85,22 +86,44 @@ def faults(rank: int, world: int, data: str, tmp: str) -> None:
     assert Path(result.checkpoint).name == "step-000003"
 
 
+def _gpu_configs(data: str, out_dir: str) -> tuple[TrainConfig, ModelConfig]:
+    cfg = TrainConfig(data=data, out_dir=out_dir, steps=8, batch_size=8, warmup_steps=2, eval_interval=8,
+                      eval_tokens=2048, checkpoint_interval=0, checkpoint_minutes=0.0, progress=False, device="cuda",
+                      precision="bf16-mixed", overwrite=True)
+    mcfg = ModelConfig(seq_len=128, d_model=128, n_layers=2, n_heads=4, d_ff=64, num_experts=8, top_k=2,
+                       backend="triton")
+    return cfg, mcfg
+
+
+def _bf16_close(a: TrainResult, b: TrainResult, what: str) -> None:
+    """bf16 runs of the same steps agree to 2% (autocast runs the norms, softmax and losses in fp32 where
+    FSDP2's bf16 parameters run them in bf16; bf16 rounds to 2^-8 = 0.4% per operation): not bitwise."""
+    assert a.losses[-1] < a.losses[0], a.losses
+    for step, (x, y) in enumerate(zip(a.losses, b.losses)):
+        assert abs(x - y) <= 0.02 * abs(y), f"step {step + 1}: loss {x} {what}, {y} without"
+    assert abs(a.val_bpb - b.val_bpb) <= 0.02 * b.val_bpb, (a.val_bpb, b.val_bpb)
+
+
 def fsdp_bf16_matches_plain(rank: int, world: int, data: str, tmp: str) -> None:
     """GPU, one NCCL rank: ``--fsdp`` with the Triton kernels in bf16 (``bf16-mixed``: FSDP2's bf16
     parameters, fp32 reductions) trains as the plain run does (``bf16-mixed``: autocast)."""
-    cfg = TrainConfig(data=data, out_dir=str(Path(tmp) / "plain"), steps=8, batch_size=8, warmup_steps=2,
-                      eval_interval=8, eval_tokens=2048, checkpoint_interval=0, checkpoint_minutes=0.0,
-                      progress=False, device="cuda", precision="bf16-mixed", overwrite=True)
-    mcfg = ModelConfig(seq_len=128, d_model=128, n_layers=2, n_heads=4, d_ff=64, num_experts=8, top_k=2,
-                       backend="triton")
+    cfg, mcfg = _gpu_configs(data, str(Path(tmp) / "plain"))
     plain = train(cfg, mcfg)
     fsdp = train(replace(cfg, out_dir=str(Path(tmp) / "fsdp"), fsdp=True), mcfg)
-    assert fsdp.world_size == world and fsdp.losses[-1] < fsdp.losses[0], fsdp.losses
-    # autocast runs the norms, softmax and losses in fp32 where FSDP2's bf16 parameters run them in bf16:
-    # the runs agree to bf16's precision (2^-8 = 0.4% per operation), not bitwise
-    for step, (a, b) in enumerate(zip(fsdp.losses, plain.losses)):
-        assert abs(a - b) <= 0.02 * abs(b), f"step {step + 1}: loss {a} under FSDP2, {b} without"
-    assert abs(fsdp.val_bpb - plain.val_bpb) <= 0.02 * plain.val_bpb, (fsdp.val_bpb, plain.val_bpb)
+    assert fsdp.world_size == world
+    _bf16_close(fsdp, plain, "under FSDP2")
+
+
+def two_gpus_match(rank: int, world: int, data: str, tmp: str, plain_losses: list, plain_val: float) -> None:
+    """2 GPUs (NCCL, Triton, bf16): --fsdp and --fsdp --ep 2 train as one GPU does on the same global batch
+    (``plain_*``: the test process's one-GPU run); the --ep 2 checkpoint resumes on the 2 GPUs with --ep 1."""
+    cfg, mcfg = _gpu_configs(data, str(Path(tmp) / "fsdp"))
+    plain = TrainResult(8, plain_val, 0.0, plain_losses[-1], 0.0, 0, plain_losses)
+    _bf16_close(train(replace(cfg, fsdp=True), mcfg), plain, "under FSDP2 on 2 GPUs")
+    ep_cfg = replace(cfg, out_dir=str(Path(tmp) / "ep"), fsdp=True, ep=2)
+    _bf16_close(train(ep_cfg, mcfg), plain, "under FSDP2 + EP on 2 GPUs")
+    resumed = train(replace(ep_cfg, steps=10, ep=1, resume=True, overwrite=False), mcfg)
+    assert resumed.step == 10 and len(resumed.losses) == 2 and all(map(math.isfinite, resumed.losses))
 
 
 def strided_save(rank: int, world: int, data: str, tmp: str) -> None:
