@@ -497,7 +497,7 @@ def _train(cfg: TrainConfig, model_cfg: ModelConfig | None, log, job: Job) -> Tr
     _check_backend(mcfg, device)
     threads = set_threads(cfg, device)
     if job.distributed and device.type == "cpu" and not cfg.threads:  # the node's cores shared by its ranks
-        threads = max(1, threads // int(os.environ.get("LOCAL_WORLD_SIZE", job.world)))
+        threads = max(1, threads // int(settings.launcher_env().get("LOCAL_WORLD_SIZE", job.world)))
         torch.set_num_threads(threads)
 
     t_load = time.perf_counter()

@@ -121,7 +121,8 @@ def start_job(fsdp: bool, ep: int, device: torch.device, batch_size: int) -> Job
                              "would replicate the model; pass --fsdp (and --ep P for expert parallelism)")
         return Job(DistEnv(0, 1, 0, device, None))
     if "WORLD_SIZE" not in launched and not dist.is_initialized():
-        raise ValueError("--fsdp needs torchrun: torchrun --nproc-per-node N -m moeblaze.cli train --fsdp ...")
+        raise ValueError("--fsdp needs torchrun (torchrun --nproc-per-node N -m moeblaze.cli train --fsdp ...); "
+                         "to resume a --fsdp run in one process, pass --no-fsdp --ep 1")
     owns = not dist.is_initialized()
     env = init_distributed(device.type)
     job = Job(env, owns_group=owns, ep=ep)
