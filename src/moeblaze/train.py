@@ -326,6 +326,10 @@ def load_checkpoint(path: str | Path, model: MoETransformer, opt: torch.optim.Op
     return int(state["step"])
 
 
+def _unit(device: torch.device) -> str:
+    return "GPU" if device.type == "cuda" else "process"
+
+
 def _layout_words(layout: dict) -> str:
     return (f"{layout.get('world_size')} process(es)" + (", FSDP2" if layout.get("fsdp") else "")
             + (f", expert parallelism over {layout.get('ep')}" if layout.get("ep", 1) > 1 else ""))
@@ -523,7 +527,7 @@ def _train(cfg: TrainConfig, model_cfg: ModelConfig | None, log, job: Job) -> Tr
         return TrainResult(start + len(losses), val_bpb, entropy, losses[-1] if losses else float("nan"), tok_s,
                            saved, losses, mfu, status, ckpt, job.world)
     log(f"done: step {stop}, val {val_bpb:.3f} bits/byte vs unigram {entropy:.3f}; "
-        f"{tok_s:,.0f} tokens/s" + (f" ({tok_s / job.world:,.0f} per GPU, {job.world} processes)"
+        f"{tok_s:,.0f} tokens/s" + (f" ({tok_s / job.world:,.0f} per {_unit(device)}, {job.world} processes)"
                                     if job.distributed else "")
         + (f"; MoE saved {saved / 2**20:.2f} MiB/step" if job.mesh is None else "") + f"; checkpoint {ckpt}")
     if device.type == "cuda":
@@ -596,7 +600,8 @@ def _loop(model, opt, corpus, cfg: TrainConfig, mcfg: ModelConfig, device, preci
     if stop - start > 1 and train_time > first_time:  # without the first step (kernel compilation, autotuning)
         steady = (stop - start - 1) * tokens_per_step / (train_time - first_time)
         log(f"steady state (steps after the first): {steady:,.0f} tokens/s"
-            + (f", {steady / job.world:,.0f} tokens/s per GPU over {job.world} processes" if job.distributed else ""))
+            + (f", {steady / job.world:,.0f} tokens/s per {_unit(device)} over {job.world} processes"
+               if job.distributed else ""))
     return val_bpb, losses, saved, tok_s, mfu, "done", str(ckpt)
 
 
