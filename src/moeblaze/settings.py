@@ -25,6 +25,8 @@ import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import torch
+
 __all__ = ["SETTINGS", "configure", "get", "interpreting", "launcher_env", "override", "reset"]
 
 
@@ -75,8 +77,13 @@ def _validate(values: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+@torch.compiler.assume_constant_result
 def get(name: str) -> Any:
     """The current value of setting ``name`` (see the module table).
+
+    Under ``torch.compile`` the value is read once, when the graph is traced, and is a constant of that graph
+    (dynamo cannot trace ``ContextVar.get``: torch 2.11, ``tests/test_experts_triton.py::
+    test_gpu_torch_compile_fullgraph_bf16``); change a setting before compiling, not between calls.
 
     Raises:
         ValueError: an unknown name, or the environment variable holds a value the setting does not take.
