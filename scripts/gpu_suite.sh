@@ -10,7 +10,10 @@
 #   precision  benchmarks/bench_precision.py $PRECISION_ARGS (AMP, fp32 TF32/IEEE, the train preset per --precision)
 #   train      moeblaze train on the GPU, torch vs triton backend loss curves ($TRAIN_BACKENDS: which of the two, default both)
 #   multigpu   2 GPUs: pytest -m multigpu (EP and FSDP2 equalities in bf16, NCCL), then benchmarks/bench_ep.py
-#              under torchrun --nproc-per-node 2 ($EP_BENCH_ARGS, default the Qwen3-30B-A3B shape) -> ep.csv
+#              under torchrun --nproc-per-node 2 ($EP_BENCH_ARGS, default the Qwen3-30B-A3B shape) -> ep.csv,
+#              then moeblaze train --fsdp --preset 1b under torchrun on 1 GPU, 2 GPUs, 2 GPUs with --ep 2
+#              (16 sequences of 1024 bytes per GPU, $TRAIN_1B_STEPS steps) -> steady tokens/s per GPU, train_1b.txt
+#   multigpu_train  only that last part (fits one device call: three runs of ~1-3 min)
 #   tr         benchmarks/bench_token_rounding.py speed (token rounding vs top-k vs the ceiling, SonicMoE fed the same pairs)
 #   trq        benchmarks/bench_token_rounding.py quality (moeblaze train with top-k and with token rounding nr)
 # Logs, CSVs and plots go to /tmp/gpu_out, packed at the end into $OUT/gpu_results.tgz (the device
@@ -35,6 +38,30 @@ run() {  # run NAME CMD...: tee the output to $OUT/NAME.txt, remember a failure
   local rc=${PIPESTATUS[0]}
   echo "=== $name exit $rc"
   status=$(( status | rc ))
+}
+multigpu_train() {  # moeblaze train --fsdp --preset 1b on 1 and 2 GPUs under torchrun
+  # issue 23's target: per-GPU tokens/s on 2 GPUs >= 90% of 1 GPU (weak scaling: the same rows per GPU)
+  for spec in "1 train_1b_1gpu" "2 train_1b_2gpu" "2 train_1b_2gpu_ep2 --ep 2"; do
+    read -r n name extra <<< "$spec"
+    # shellcheck disable=SC2086
+    run "$name" timeout 600 python3 -m torch.distributed.run --nproc-per-node "$n" -m moeblaze.cli train --fsdp \
+      --preset 1b --batch-size $((16 * n)) --steps "${TRAIN_1B_STEPS:-30}" --warmup-steps 5 --eval-interval 100000 \
+      --eval-tokens 16384 --checkpoint-interval 0 --checkpoint-minutes 0 --keep-checkpoints 1 --device cuda \
+      --no-progress --overwrite --out-dir "/tmp/run_$name" $extra
+    rm -rf "/tmp/run_$name"  # a 1B checkpoint with AdamW state is ~12.6 GB
+  done
+  python3 - "$OUT" <<'PY' | tee "$OUT/train_1b.txt"
+import pathlib, re, sys
+rates = {}
+for f in sorted(pathlib.Path(sys.argv[1]).glob("train_1b_*.txt")):
+    m = re.search(r"([\d,]+) tokens/s per GPU", f.read_text())
+    rates[f.stem] = float(m.group(1).replace(",", "")) if m else None
+    print(f"{f.stem}: {rates[f.stem] or 'no result'} tokens/s per GPU")
+one = rates.get("train_1b_1gpu")
+for name in ("train_1b_2gpu", "train_1b_2gpu_ep2"):
+    if one and rates.get(name):
+        print(f"{name}: {100 * rates[name] / one:.1f}% of the 1-GPU tokens/s per GPU (target >= 90%)")
+PY
 }
 for stage in "$@"; do
   case "$stage" in
@@ -63,9 +90,12 @@ for stage in "$@"; do
       done ;;
     multigpu)
       MOEBLAZE_AUTOTUNE=0 run multigpu_tests timeout "${TESTS_TIMEOUT:-420}" python3 -m pytest -m multigpu -q -rfEs \
-        -p no:cacheprovider tests/test_parallel.py
+        -p no:cacheprovider tests/test_parallel.py tests/test_train_dist.py
       # shellcheck disable=SC2086
-      run bench_ep timeout 600 python3 -m torch.distributed.run --nproc-per-node 2 benchmarks/bench_ep.py ${EP_BENCH_ARGS:-} --out "$OUT/ep.csv" ;;
+      run bench_ep timeout 600 python3 -m torch.distributed.run --nproc-per-node 2 benchmarks/bench_ep.py ${EP_BENCH_ARGS:-} --out "$OUT/ep.csv"
+      multigpu_train
+      ;;
+    multigpu_train) multigpu_train ;;
     tr)  # SonicMoE's moe_general_routing_inputs row needs .peers/ (and its QuACK cache, as the bench stage)
       if [[ -f .peers/install.sh ]]; then source .peers/install.sh /tmp/peers >/dev/null; fi
       export QUACK_CACHE_DIR="${QUACK_CACHE_DIR:-/tmp/quack_cache}" QUACK_CACHE_AUTOTUNING=1

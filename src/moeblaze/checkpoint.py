@@ -219,6 +219,7 @@ def save(out_dir: str | os.PathLike, step: int, model: torch.nn.Module, optimize
         _mkdir(tmp)
     _barrier()
     model_sd, optim_sd = get_state_dict(model, optimizer)
+    _globalize(model, model_sd, optim_sd)  # expert-parallel weights under their global [E, ...] shape
     _dcp_save({"model": model_sd, "optim": optim_sd}, tmp)  # collective; DCP's .metadata comes last
     rank = _rank()
     if rank == 0:
@@ -428,6 +429,23 @@ def set_rng_state(rng: dict, device: torch.device) -> None:
                                       for s in rng["cuda"]])
 
 
+def _globalize(model: torch.nn.Module, model_sd: dict, optim_sd: dict | None) -> dict:
+    """Expert-parallel weights (and their AdamW moments) as global DTensors for DCP
+    (:mod:`moeblaze.parallel.state_dict`); an expert sharding it cannot describe is a CheckpointError."""
+    from .parallel.state_dict import globalize_expert_state
+
+    try:
+        return globalize_expert_state(model, model_sd, optim_sd)
+    except ValueError as err:
+        raise CheckpointError(str(err)) from None
+
+
+def _restore(model_sd: dict, optim_sd: dict | None, replaced: dict) -> None:
+    from .parallel.state_dict import restore
+
+    restore(model_sd, optim_sd, replaced)
+
+
 def _check_finite(model: torch.nn.Module, path: Path) -> None:
     for name, p in model.named_parameters():
         if p.is_floating_point() and not bool(torch.isfinite(p).all()):
@@ -447,14 +465,18 @@ def load(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim
     try:
         if optimizer is None:
             sd = {"model": get_model_state_dict(model)}
+            replaced = _globalize(model, sd["model"], None)
             with _single_process_quiet():
                 dcp.load(sd, checkpoint_id=str(path), no_dist=not _distributed())
+            _restore(sd["model"], None, replaced)
             set_model_state_dict(model, sd["model"])
         else:
             model_sd, optim_sd = get_state_dict(model, optimizer)
             sd = {"model": model_sd, "optim": optim_sd}
+            replaced = _globalize(model, model_sd, optim_sd)  # loaded in place into the local storage
             with _single_process_quiet():
                 dcp.load(sd, checkpoint_id=str(path), no_dist=not _distributed())
+            _restore(model_sd, optim_sd, replaced)
             set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
     except (RuntimeError, ValueError, KeyError, OSError) as err:
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__

@@ -22,7 +22,17 @@ from .data import DataError
 from .model import ModelConfig
 from .train import ConfigError, NonFiniteLossError, TrainConfig, load_run_config, sample, train
 
-__all__ = ["main"]
+__all__ = ["PRESETS", "main"]
+
+# ``--preset NAME``: default flag values for a model size (flags given on the command line still win).
+# "1b": about 1.05e9 parameters (168M active per token; d 1024, E 64, K 8, h 512, 10 layers, 1024-byte
+# context), for GPU runs and the multi-GPU throughput check of scripts/gpu_suite.sh multigpu; a lower peak
+# learning rate than the small default suits the larger model.
+PRESETS = {
+    "small": {},
+    "1b": {"d_model": 1024, "n_layers": 10, "n_heads": 16, "d_ff": 512, "num_experts": 64, "top_k": 8,
+           "seq_len": 1024, "lr": 1e-3, "min_lr": 1e-4},
+}
 
 _MODEL_HELP = {
     "vocab_size": "vocabulary size (256: bytes)", "seq_len": "context length in bytes",
@@ -59,16 +69,20 @@ def _split(args: argparse.Namespace, cls) -> dict:
 
 def _configs(args: argparse.Namespace) -> tuple[TrainConfig, ModelConfig]:
     given_t, given_m = _split(args, TrainConfig), _split(args, ModelConfig)
+    preset = PRESETS[getattr(args, "preset", "small")]
     try:
         if given_t.get("resume"):
             if given_t.get("overwrite"):
                 raise ConfigError("--resume and --overwrite exclude each other")
+            if hasattr(args, "preset"):
+                raise ConfigError("--preset sets up a fresh run; --resume continues the checkpoint's configuration")
             out_dir = given_t.get("out_dir", TrainConfig.out_dir)
             saved_t, saved_m, _ = load_run_config(out_dir)
             # Continue the stored run; per-invocation options start from their defaults.
-            base = replace(saved_t, stop_after=0, progress=TrainConfig.progress, out_dir=out_dir)
+            base = replace(saved_t, stop_after=0, progress=TrainConfig.progress, overwrite=False, out_dir=out_dir)
             return replace(base, **given_t), replace(saved_m, **given_m)
-        return TrainConfig(**given_t), ModelConfig(**given_m)
+        return (TrainConfig(**{**_split(argparse.Namespace(**preset), TrainConfig), **given_t}),
+                ModelConfig(**{**_split(argparse.Namespace(**preset), ModelConfig), **given_m}))
     except ConfigError:
         raise
     except (TypeError, ValueError) as err:
@@ -99,6 +113,9 @@ def build_parser() -> argparse.ArgumentParser:
         "train", help="train a byte-level MoE transformer (default data: the Python standard library)",
         description="Train a small MoE transformer on bytes; prints loss, validation bits/byte, "
                     "tokens/s and the MoE layers' bytes saved for backward; checkpoints to --out-dir.")
+    p_train.add_argument("--preset", choices=sorted(PRESETS), default=argparse.SUPPRESS,
+                         help="model size: small (the CPU-friendly default) or 1b (~1B parameters, E 64, K 8, "
+                              "for GPUs); flags given as well override it [default: small]")
     _add_dataclass_flags(p_train, TrainConfig)
     _add_dataclass_flags(p_train, ModelConfig, _MODEL_HELP)
     p_train.set_defaults(func=_cmd_train)

@@ -140,6 +140,7 @@ def interpreting() -> bool:
 
 
 def launcher_env() -> dict[str, str]:
-    """The launcher's variables that are set in this process (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``: torchrun's
-    own, not moeblaze switches; read by :func:`moeblaze.parallel.init_distributed`)."""
-    return {k: os.environ[k] for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK") if k in os.environ}
+    """The launcher's variables that are set in this process (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
+    ``LOCAL_WORLD_SIZE``: torchrun's own, not moeblaze switches; read by :func:`moeblaze.parallel.init_distributed`
+    and ``moeblaze train``)."""
+    return {k: os.environ[k] for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE") if k in os.environ}

@@ -18,7 +18,7 @@ import math
 import os
 import signal
 import time
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 import torch
@@ -33,6 +33,7 @@ from .data import eval_windows, get_batch, load_corpus, unigram_entropy
 from .layer import aux_loss
 from .memory import SavedTensorCounter
 from .model import ModelConfig, MoETransformer
+from .parallel.job import Job, check_same_config, clip_grad_norm, start_job
 
 __all__ = ["ConfigError", "NonFiniteLossError", "TrainConfig", "TrainResult", "load_run_config", "sample",
            "train"]
@@ -79,7 +80,7 @@ def _f(default, help: str, **kw):
 # it is allowed, exclusive upper bound or None). The seed feeds numpy's PCG64, which takes no negatives.
 _INT_RANGES = {"steps": (1, None), "batch_size": (1, None), "eval_interval": (1, None), "eval_tokens": (1, None),
                "stop_after": (0, None), "warmup_steps": (0, None), "checkpoint_interval": (0, None),
-               "threads": (0, None), "keep_checkpoints": (1, None), "seed": (0, 2**63 - 1)}
+               "threads": (0, None), "keep_checkpoints": (1, None), "ep": (1, None), "seed": (0, 2**63 - 1)}
 _FLOAT_RANGES = {"lr": (0.0, False, None), "min_lr": (0.0, True, None), "weight_decay": (0.0, True, None),
                  "beta1": (0.0, True, 1.0), "beta2": (0.0, True, 1.0), "grad_clip": (0.0, True, None),
                  "val_fraction": (0.0, False, 1.0), "peak_tflops": (0.0, True, None),
@@ -120,6 +121,9 @@ class TrainConfig:
     overwrite: bool = _f(False, "start afresh in an --out-dir that holds checkpoints (deletes them)")
     progress: bool = _f(True, "show a progress bar")
     peak_tflops: float = _f(0.0, "GPU peak TFLOP/s for MFU (0 = look up the GPU's dense bf16 peak)")
+    fsdp: bool = _f(False, "shard the model with FSDP2 over the processes torchrun started (torchrun "
+                    "--nproc-per-node N -m moeblaze.cli train --fsdp); --batch-size is the global batch")
+    ep: int = _f(1, "expert parallelism: spread each MoE layer's experts over groups of this many ranks (needs --fsdp)")
 
     def __post_init__(self) -> None:
         for name, (lo, hi) in _INT_RANGES.items():
@@ -137,6 +141,8 @@ class TrainConfig:
             raise ConfigError(f"--min-lr must be <= --lr, got min-lr={self.min_lr}, lr={self.lr}")
         if self.resume and self.overwrite:
             raise ConfigError("--resume and --overwrite exclude each other")
+        if self.ep > 1 and not self.fsdp:
+            raise ConfigError(f"--ep {self.ep} needs --fsdp (expert parallelism runs under FSDP2)")
 
 
 @dataclass
@@ -153,6 +159,7 @@ class TrainResult:
     mfu: float | None = None
     status: str = "done"
     checkpoint: str | None = None
+    world_size: int = 1  # processes of the job: tokens_per_s / world_size is the throughput per GPU
 
 
 # ----------------------------------------------------------------------------- set-up
@@ -234,24 +241,34 @@ def gpu_peak_flops(device: torch.device, cfg: TrainConfig, precision: str = "bf1
 
 @torch.no_grad()
 def evaluate(model: MoETransformer, data, cfg: TrainConfig, device: torch.device,
-             autocast: torch.dtype | None = None) -> float:
+             autocast: torch.dtype | None = None, job: Job | None = None) -> float:
     """Validation bits per byte: mean next-byte cross-entropy (nats) / ln 2 over fixed windows
-    (the forward under ``torch.autocast(autocast)`` when given, as in training)."""
+    (the forward under ``torch.autocast(autocast)`` when given, as in training).
+
+    In a job of several ranks (``job``) each rank runs its rows of every batch and the sums are all-reduced;
+    a rank left without rows runs the batch's first row with weight 0, as every rank must take part in
+    each sharded forward."""
     model.eval()
-    total, count = 0.0, 0
+    total, count = torch.zeros((), dtype=torch.float64, device=device), 0
+    world, rank = (job.world, job.env.rank) if job is not None and job.distributed else (1, 0)
     for x, y in eval_windows(data, cfg.eval_tokens, model.cfg.seq_len, cfg.batch_size):
+        rows = torch.tensor_split(torch.arange(x.shape[0]), world)[rank]
+        weight = 1.0 if len(rows) else 0.0
+        rows = rows if len(rows) else torch.zeros(1, dtype=torch.long)
         with autocast_context(device, autocast):
-            logits = model(x.to(device))
-        total += F.cross_entropy(logits.float().flatten(0, 1), y.to(device).flatten(), reduction="sum").item()
+            logits = model(x[rows].to(device))
+        ce = F.cross_entropy(logits.float().flatten(0, 1), y[rows].to(device).flatten(), reduction="sum")
+        total += weight * ce.double()
         count += y.numel()
+    total = job.all_sum(total) if job is not None else total
     model.train()
-    return total / count / math.log(2)
+    return total.item() / count / math.log(2)
 
 
 # ----------------------------------------------------------------------------- checkpoints
 
 def save_checkpoint(out_dir: str, model: MoETransformer, opt: torch.optim.Optimizer, step: int,
-                    cfg: TrainConfig) -> Path:
+                    cfg: TrainConfig, layout: dict | None = None) -> Path:
     """Write the checkpoint of ``step`` atomically (:func:`moeblaze.checkpoint.save`): weights and AdamW
     state through DCP, and ``state.json`` with the step, RNG state and both configurations; keeps the
     newest ``cfg.keep_checkpoints``. Returns the checkpoint's folder.
@@ -260,7 +277,8 @@ def save_checkpoint(out_dir: str, model: MoETransformer, opt: torch.optim.Optimi
         moeblaze.checkpoint.CheckpointError: the filesystem refused a write (disk full, ...); the earlier
             checkpoints are untouched.
     """
-    state = {"model_config": asdict(model.cfg), "train_config": asdict(cfg), "rng": checkpoint.rng_state()}
+    state = {"model_config": asdict(model.cfg), "train_config": asdict(cfg), "rng": checkpoint.rng_state(),
+             "layout": layout or {"world_size": 1, "fsdp": False, "ep": 1}}
     try:
         return checkpoint.save(out_dir, step, model, opt, state, keep=cfg.keep_checkpoints)
     except OSError as err:
@@ -286,7 +304,7 @@ def load_run_config(out_dir: str) -> tuple[TrainConfig, ModelConfig, int]:
 
 
 def load_checkpoint(path: str | Path, model: MoETransformer, opt: torch.optim.Optimizer | None,
-                    device: torch.device) -> int:
+                    device: torch.device, job: Job | None = None, log=None) -> int:
     """Restore weights, optimizer state and RNG from a checkpoint folder that :func:`moeblaze.checkpoint.verify`
     accepted (as :func:`moeblaze.checkpoint.find_latest` returns it); returns the step to continue from.
 
@@ -299,9 +317,22 @@ def load_checkpoint(path: str | Path, model: MoETransformer, opt: torch.optim.Op
         diff = {k: (v, state.get("model_config", {}).get(k)) for k, v in asdict(model.cfg).items()
                 if state.get("model_config", {}).get(k) != v}
         raise ConfigError(f"model config differs from the checkpoint in {path} (now, saved): {diff}")
+    now = job.layout() if job is not None else {"world_size": 1, "fsdp": False, "ep": 1}
+    saved = state.get("layout", {"world_size": 1, "fsdp": False, "ep": 1})
+    if saved != now and log is not None:
+        log(f"resharding the checkpoint: saved by {_layout_words(saved)}, loaded by {_layout_words(now)}")
     checkpoint.load(path, model, opt)
     checkpoint.set_rng_state(state["rng"], device)
     return int(state["step"])
+
+
+def _unit(device: torch.device) -> str:
+    return "GPU" if device.type == "cuda" else "process"
+
+
+def _layout_words(layout: dict) -> str:
+    return (f"{layout.get('world_size')} process(es)" + (", FSDP2" if layout.get("fsdp") else "")
+            + (f", expert parallelism over {layout.get('ep')}" if layout.get("ep", 1) > 1 else ""))
 
 
 def prepare_out_dir(cfg: TrainConfig, log=print) -> Path | None:
@@ -338,13 +369,14 @@ def prepare_out_dir(cfg: TrainConfig, log=print) -> Path | None:
 
 # ----------------------------------------------------------------------------- training
 
-def _describe(model: MoETransformer, mcfg: ModelConfig, cfg: TrainConfig, device, precision, threads) -> str:
-    total = sum(p.numel() for p in model.parameters())
+def _describe(total: int, mcfg: ModelConfig, cfg: TrainConfig, device, precision, threads, job: Job) -> str:
+    where = (f"; {job.world} processes, FSDP2" + (f" + expert parallelism over {job.ep}" if job.ep > 1 else "")
+             + f", {cfg.batch_size // job.world} sequences per rank") if job.distributed else ""
     return (f"model: {mcfg.n_layers} layers, d={mcfg.d_model}, heads={mcfg.n_heads}, E={mcfg.num_experts}, "
             f"K={mcfg.top_k}, h={mcfg.d_ff}, seq={mcfg.seq_len}; {total / 1e6:.2f}M parameters, "
             f"{mcfg.active_params_per_token() / 1e6:.2f}M active per token\n"
             f"run: {cfg.steps} steps x {cfg.batch_size * mcfg.seq_len} tokens, lr {cfg.lr:g}, "
-            f"device {device}, precision {precision}, {threads} threads")
+            f"device {device}, precision {precision}, {threads} threads{where}")
 
 
 class NonFiniteLossError(RuntimeError):
@@ -353,14 +385,16 @@ class NonFiniteLossError(RuntimeError):
 
 def train_step(model: MoETransformer, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor, lr: float,
                grad_clip: float, counter: SavedTensorCounter | None = None,
-               autocast: torch.dtype | None = None) -> float:
+               autocast: torch.dtype | None = None, job: Job | None = None) -> float:
     """One optimizer step on a batch ``x, y [B, seq]`` (int64 bytes); returns the cross-entropy (nats).
 
     The loss is cross-entropy plus the MoE layers' auxiliary losses; gradients are clipped to
     ``grad_clip`` (0: off). With ``counter``, the forward runs under it (bytes saved for backward). With
     ``autocast`` (mixed precision), the forward runs under ``torch.autocast(x.device.type, autocast)``; the
     backward and the optimizer step run outside it, on the fp32 parameters.
-    Reading the losses synchronises (once), so step timings are honest on CUDA too.
+    Reading the losses synchronises (once), so step timings are honest on CUDA too. With a ``job`` of
+    several ranks (FSDP2), the losses returned and checked are means over the ranks and the gradient norm
+    is the global one (:func:`moeblaze.parallel.job.clip_grad_norm`), so every rank decides alike.
 
     Raises:
         NonFiniteLossError: the LM loss, the auxiliary loss or the gradient norm is NaN or inf; raised
@@ -374,7 +408,10 @@ def train_step(model: MoETransformer, opt: torch.optim.Optimizer, x: torch.Tenso
     aux = aux_loss(model).to(x.device)
     (ce + aux).backward()
     params = [p for p in model.parameters() if p.grad is not None]
-    if grad_clip > 0:
+    if job is not None and job.mesh is not None:
+        norm = clip_grad_norm(params, grad_clip, job)
+        ce, aux = job.all_mean(torch.stack([ce.detach(), aux.detach().float()]))
+    elif grad_clip > 0:
         norm = torch.nn.utils.clip_grad_norm_(params, grad_clip)
     else:
         norm = torch.nn.utils.get_total_norm([p.grad for p in params])
@@ -413,14 +450,41 @@ def train(cfg: TrainConfig, model_cfg: ModelConfig | None = None, log=tqdm.write
     Returns:
         A :class:`TrainResult` (final validation bits per byte, throughput, bytes saved, status, ...).
 
+    Under torchrun, ``cfg.fsdp`` (and ``cfg.ep``) make this process one rank of an FSDP2 (+ expert-parallel)
+    job (:mod:`moeblaze.parallel.job`): every rank calls :func:`train` with the same configuration; rank 0
+    logs; the process group is destroyed at the end.
+
     Raises:
-        ConfigError: bad device/precision/backend or out_dir, nothing to resume, resume with a different model.
+        ConfigError: bad device/precision/backend or out_dir, nothing to resume, resume with a different model;
+            ``--fsdp`` outside torchrun, several processes without it, ``--ep`` not dividing the world size, a
+            batch not divisible by it, ranks started with different configurations (raised on every rank).
         moeblaze.data.DataError: missing or unusable data.
         moeblaze.checkpoint.CheckpointError: the checkpoint to resume cannot be loaded, or one cannot be written.
         NonFiniteLossError: a non-finite loss; nothing is written, the last checkpoint stays as it was.
     """
     device = resolve_device(cfg.device)
+    try:
+        job = start_job(cfg.fsdp, cfg.ep, device, cfg.batch_size)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    try:
+        try:
+            check_same_config(job, train_config=asdict(cfg),
+                              model_config=asdict(model_cfg) if model_cfg is not None else {})
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
+        return _train(cfg, model_cfg, log if job.rank0 else (lambda *a, **k: None), job)
+    finally:
+        job.close()
+
+
+def _train(cfg: TrainConfig, model_cfg: ModelConfig | None, log, job: Job) -> TrainResult:
+    """:func:`train` inside its job (one process, or a rank of torchrun's)."""
+    device = job.env.device if job.distributed else resolve_device(cfg.device)
     precision, dtype, amp_dtype = resolve_precision(cfg.precision, device)
+    if job.mesh is not None and precision == "bf16-mixed":
+        amp_dtype = None  # FSDP2's MixedPrecisionPolicy casts the parameters to bf16 instead of autocast
+    cfg = replace(cfg, progress=cfg.progress and job.rank0)
     if model_cfg is not None:
         _check_backend(model_cfg, device)
     resume_from = prepare_out_dir(cfg, log)
@@ -436,6 +500,9 @@ def train(cfg: TrainConfig, model_cfg: ModelConfig | None = None, log=tqdm.write
     mcfg = model_cfg or ModelConfig()
     _check_backend(mcfg, device)
     threads = set_threads(cfg, device)
+    if job.distributed and device.type == "cpu" and not cfg.threads:  # the node's cores shared by its ranks
+        threads = max(1, threads // int(settings.launcher_env().get("LOCAL_WORLD_SIZE", job.world)))
+        torch.set_num_threads(threads)
 
     t_load = time.perf_counter()
     corpus = load_corpus(cfg.data, cfg.val_fraction, min_bytes=max(1024, mcfg.seq_len + 2))
@@ -444,48 +511,57 @@ def train(cfg: TrainConfig, model_cfg: ModelConfig | None = None, log=tqdm.write
         f"(loaded in {time.perf_counter() - t_load:.1f} s)")
     log(f"baseline: order-0 (unigram) entropy of the validation bytes = {entropy:.3f} bits/byte")
 
-    torch.manual_seed(cfg.seed)
+    torch.manual_seed(cfg.seed)  # every rank builds the same full model; sharding keeps each rank's part
     model = MoETransformer(mcfg).to(device=device, dtype=dtype)
+    total_params = sum(p.numel() for p in model.parameters())
+    model = job.shard(model, precision)
     opt = make_optimizer(model, cfg)
-    start = load_checkpoint(resume_from, model, opt, device) if resume_from is not None else 0
+    start = load_checkpoint(resume_from, model, opt, device, job, log) if resume_from is not None else 0
     stop = min(cfg.steps, cfg.stop_after) if cfg.stop_after > 0 else cfg.steps
-    log(_describe(model, mcfg, cfg, device, precision, threads)
+    log(_describe(total_params, mcfg, cfg, device, precision, threads, job)
         + (f"; resuming at step {start} from {resume_from}" if resume_from is not None else ""))
     with checkpoint.StopOnSignal() as signals:
-        run = _loop(model, opt, corpus, cfg, mcfg, device, precision, amp_dtype, start, stop, signals, log)
+        run = _loop(model, opt, corpus, cfg, mcfg, device, precision, amp_dtype, start, stop, signals, log, job)
     val_bpb, losses, saved, tok_s, mfu, status, ckpt = run
     if status != "done":
         return TrainResult(start + len(losses), val_bpb, entropy, losses[-1] if losses else float("nan"), tok_s,
-                           saved, losses, mfu, status, ckpt)
+                           saved, losses, mfu, status, ckpt, job.world)
     log(f"done: step {stop}, val {val_bpb:.3f} bits/byte vs unigram {entropy:.3f}; "
-        f"{tok_s:,.0f} tokens/s; MoE saved {saved / 2**20:.2f} MiB/step; checkpoint {ckpt}")
+        f"{tok_s:,.0f} tokens/s" + (f" ({tok_s / job.world:,.0f} per {_unit(device)}, {job.world} processes)"
+                                    if job.distributed else "")
+        + (f"; MoE saved {saved / 2**20:.2f} MiB/step" if job.mesh is None else "") + f"; checkpoint {ckpt}")
     if device.type == "cuda":
         peak = gpu_peak_flops(device, cfg, precision)
         log(f"MFU: {100 * mfu:.1f}% of {peak / 1e12:.0f} TFLOP/s ({mcfg.train_flops_per_token() / 1e6:.2f} "
             "MFLOP/token = 6 x active params + 12 x layers x d x seq)" if mfu is not None
             else "MFU: unknown GPU peak; pass --peak-tflops")
     return TrainResult(stop, val_bpb, entropy, losses[-1] if losses else float("nan"), tok_s, saved, losses, mfu,
-                       status, ckpt)
+                       status, ckpt, job.world)
 
 
 def _loop(model, opt, corpus, cfg: TrainConfig, mcfg: ModelConfig, device, precision: str,
-          amp_dtype: torch.dtype | None, start: int, stop: int, signals: checkpoint.StopOnSignal, log):
+          amp_dtype: torch.dtype | None, start: int, stop: int, signals: checkpoint.StopOnSignal, log, job: Job):
     """Steps ``start..stop-1`` with evaluation and checkpoints; returns
     ``(val_bpb, losses, saved bytes, tokens/s, mfu, status, last checkpoint folder)``."""
     peak = gpu_peak_flops(device, cfg, precision)
+    peak = peak * job.world if peak else peak  # the job's GPUs together
     flops_per_token = mcfg.train_flops_per_token()
     tokens_per_step = cfg.batch_size * mcfg.seq_len
     saved, losses, val_bpb, train_time, mfu, tok_s, ckpt = 0, [], float("nan"), 0.0, None, 0.0, None
+    first_time = 0.0
     last_save = time.monotonic()
     bar = tqdm(range(start, stop), initial=start, total=stop, disable=not cfg.progress, unit="step",
                dynamic_ncols=True, desc="train")
     for step in bar:
         t0 = time.perf_counter()
-        x, y = (t.to(device) for t in get_batch(corpus.train, step, cfg.batch_size, mcfg.seq_len, cfg.seed))
+        x, y = (job.local_rows(t).to(device)
+                for t in get_batch(corpus.train, step, cfg.batch_size, mcfg.seq_len, cfg.seed))
         # measure once; the hooks pass tensors through, so results do not change
-        counter = SavedTensorCounter(list(model.parameters())).track(model.moe_layers()) if step == start else None
+        # (not under FSDP2: its gathered weights would count as saved tensors)
+        counter = (SavedTensorCounter(list(model.parameters())).track(model.moe_layers())
+                   if step == start and job.mesh is None else None)
         try:
-            losses.append(train_step(model, opt, x, y, lr_at(step, cfg), cfg.grad_clip, counter, amp_dtype))
+            losses.append(train_step(model, opt, x, y, lr_at(step, cfg), cfg.grad_clip, counter, amp_dtype, job))
         except NonFiniteLossError as err:
             bar.close()
             kept = checkpoint.find_latest(cfg.out_dir, warn=None)
@@ -493,24 +569,25 @@ def _loop(model, opt, corpus, cfg: TrainConfig, mcfg: ModelConfig, device, preci
                                      f"(last checkpoint: {kept or 'none'})") from None
         saved = counter.bytes if counter is not None else saved
         train_time += time.perf_counter() - t0
+        first_time = train_time if step == start else first_time
         tok_s = (step + 1 - start) * tokens_per_step / train_time
         mfu = flops_per_token * tok_s / peak if peak else None
         bar.set_postfix_str(f"loss {losses[-1]:.3f} ({losses[-1] / math.log(2):.2f} bpb), {tok_s:,.0f} tok/s"
                             + (f", MFU {100 * mfu:.1f}%" if mfu is not None else ""))
-        if step == start:
+        if step == start and job.mesh is None:
             log(f"MoE layers saved for backward: {saved / 2**20:.2f} MiB per step "
                 f"({saved / tokens_per_step:.0f} bytes/token, save={mcfg.save}; layer inputs included, "
                 "parameters excluded)")
         last = step + 1 == stop
         interrupted = checkpoint.agree(signals.signum is not None)
         if not interrupted and ((step + 1) % cfg.eval_interval == 0 or last):
-            val_bpb = evaluate(model, corpus.val, cfg, device, amp_dtype)
+            val_bpb = evaluate(model, corpus.val, cfg, device, amp_dtype, job)
             log(f"step {step + 1}: train loss {losses[-1]:.3f}, val {val_bpb:.3f} bits/byte, {tok_s:,.0f} tok/s")
         timed = checkpoint.agree(cfg.checkpoint_minutes > 0
                                  and time.monotonic() - last_save >= 60 * cfg.checkpoint_minutes)
         if (last or interrupted or timed
                 or (cfg.checkpoint_interval and (step + 1) % cfg.checkpoint_interval == 0)):
-            ckpt = save_checkpoint(cfg.out_dir, model, opt, step + 1, cfg)
+            ckpt = save_checkpoint(cfg.out_dir, model, opt, step + 1, cfg, job.layout())
             last_save = time.monotonic()
         if interrupted:
             bar.close()
@@ -520,6 +597,11 @@ def _loop(model, opt, corpus, cfg: TrainConfig, mcfg: ModelConfig, device, preci
             return val_bpb, losses, saved, tok_s, mfu, name if signals.signum else "SIGTERM", str(ckpt)
     bar.close()
     tok_s = (stop - start) * tokens_per_step / train_time if train_time else 0.0
+    if stop - start > 1 and train_time > first_time:  # without the first step (kernel compilation, autotuning)
+        steady = (stop - start - 1) * tokens_per_step / (train_time - first_time)
+        log(f"steady state (steps after the first): {steady:,.0f} tokens/s"
+            + (f", {steady / job.world:,.0f} tokens/s per {_unit(device)} over {job.world} processes"
+               if job.distributed else ""))
     return val_bpb, losses, saved, tok_s, mfu, "done", str(ckpt)
 
 

@@ -121,6 +121,7 @@ class ExpertParallel:
         self.num_local_experts = config.num_experts // self.size
         self.first_expert = self.rank * self.num_local_experts
         self.grad_divide = 1
+        self.mesh = None  # (DeviceMesh, dp dimension name or None): the experts' layout in checkpoints
 
     def __deepcopy__(self, memo) -> ExpertParallel:
         return self  # a copied layer (EMA weights, a reference model) exchanges tokens over the same group

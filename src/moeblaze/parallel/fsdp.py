@@ -101,6 +101,7 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, mp_policy: MixedPrecisionPol
             if replicated is not None:
                 fully_shard(replicated, mesh=flat, **kw)
         fully_shard(moe, mesh=dp_mesh, **kw)
+        moe.ep.mesh = (mesh, dp_mesh.mesh_dim_names[0])  # the experts' layout in checkpoints (state_dict.py)
         # FSDP averages the expert gradients over dp_shard only; dividing them by P in the layer makes them
         # means over the whole mesh, as every other gradient. (FSDP2's set_gradient_divide_factor does this
         # too, but divides twice for a 1-rank dp_shard with an fp64/fp16 reduce dtype, torch 2.13.)
