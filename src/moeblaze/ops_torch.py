@@ -97,7 +97,10 @@ def _padded_weight_grad(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor)
     expert = torch.searchsorted(offsets[1:].long(), slot, right=True).clamp_(max=E - 1)  # slot -> its expert
     dst = slot + (ends - (counts + 7) // 8 * 8 - offsets[:-1].long()).index_select(0, expert)
     rows = N + 8 * E
-    pa, pb = a.new_zeros(rows, a.shape[1]), b.new_zeros(rows, b.shape[1])
+    # Slots past offsets[E] (an index's foreign bucket: never computed, may hold NaN) go to one extra row past
+    # every group, which grouped_mm never reads; else they would land in the last expert's zero padding.
+    dst = torch.where(slot < offsets[-1], dst, rows)
+    pa, pb = a.new_zeros(rows + 1, a.shape[1]), b.new_zeros(rows + 1, b.shape[1])
     pa.index_copy_(0, dst, a)
     pb.index_copy_(0, dst, b)
     return F.grouped_mm(pa.t(), pb, offs=ends.to(torch.int32))

@@ -169,7 +169,7 @@ def round_tokens(scores: torch.Tensor, topk_ids: torch.Tensor, topk_weights: tor
     high_tok = torch.zeros(0, E, dtype=torch.long, device=dev)
     if J:
         other = scores.detach().t().contiguous()
-        other[pair_e, pair_t] = float("-inf")
+        other.index_put_((pair_e, pair_t), other.new_full((), float("-inf")))  # a device scalar: no host copy
         high_tok = other.topk(J, dim=1).indices.t()  # [J, E]
     dropped = torch.zeros(T, E, dtype=torch.bool, device=dev).scatter_(
         0, low_tok, j[: low_tok.shape[0]] < drop[None, :])
