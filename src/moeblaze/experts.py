@@ -257,6 +257,15 @@ def _check_options(x, w2, activation, b_gate_up, b_down, gate_up_interleaved, sw
                          f"expected foreign_experts={bool(foreign_experts)}")
 
 
+def autocast_expert_operands(x, w_gate_up, w_down, b_gate_up, b_down):
+    """``(x, w_gate_up, w_down, b_gate_up, b_down)`` cast once to the autocast dtype (:func:`moeblaze.amp.
+    autocast_operands`; biases that are None stay None), or unchanged outside autocast."""
+    biases = [(n, b) for n, b in (("b_gate_up", b_gate_up), ("b_down", b_down)) if isinstance(b, torch.Tensor)]
+    x, w_gate_up, w_down, *cast = autocast_operands(x, ("w_gate_up", w_gate_up), ("w_down", w_down), *biases)
+    cast_biases = dict(zip((n for n, _ in biases), cast))
+    return x, w_gate_up, w_down, cast_biases.get("b_gate_up", b_gate_up), cast_biases.get("b_down", b_down)
+
+
 def moe_experts(
     x: torch.Tensor,
     topk_ids: torch.Tensor,
@@ -332,10 +341,7 @@ def moe_experts(
         TypeError: dtype mismatch between ``x`` and the weights or biases, non-integer ``topk_ids``, fp64 with
             ``backend="triton"``, or an fp64 operand under autocast (autocast never casts fp64).
     """
-    biases = [(n, b) for n, b in (("b_gate_up", b_gate_up), ("b_down", b_down)) if isinstance(b, torch.Tensor)]
-    x, w_gate_up, w_down, *cast = autocast_operands(x, ("w_gate_up", w_gate_up), ("w_down", w_down), *biases)
-    cast_biases = dict(zip((n for n, _ in biases), cast))
-    b_gate_up, b_down = cast_biases.get("b_gate_up", b_gate_up), cast_biases.get("b_down", b_down)
+    x, w_gate_up, w_down, b_gate_up, b_down = autocast_expert_operands(x, w_gate_up, w_down, b_gate_up, b_down)
     _check_inputs(x, topk_ids, topk_weights, w_gate_up, w_down, activation, save)
     _check_options(x, w_down, activation, b_gate_up, b_down, gate_up_interleaved, swiglu_alpha, swiglu_limit,
                    foreign_experts, index)

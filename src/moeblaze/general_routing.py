@@ -22,9 +22,8 @@ import torch
 
 from . import settings
 from .activations import SWIGLU_ALPHA, SWIGLU_LIMIT, check_activation
-from .amp import autocast_operands
 from .dispatch import DispatchIndex, build_dispatch, with_schedule
-from .experts import SAVE_MODES, _check_options, _check_weight_shapes, run_experts
+from .experts import SAVE_MODES, _check_options, _check_weight_shapes, autocast_expert_operands, run_experts
 from .ops_torch import ActArgs
 
 __all__ = ["build_dispatch_pairs", "check_pairs", "moe_experts_general", "topk_to_pairs"]
@@ -173,10 +172,7 @@ def moe_experts_general(
         TypeError, ValueError: as :func:`moeblaze.moe_experts` and :func:`check_pairs`; an index of another
             E, T or P.
     """
-    biases = [(n, b) for n, b in (("b_gate_up", b_gate_up), ("b_down", b_down)) if isinstance(b, torch.Tensor)]
-    x, w_gate_up, w_down, *cast = autocast_operands(x, ("w_gate_up", w_gate_up), ("w_down", w_down), *biases)
-    cast_biases = dict(zip((n for n, _ in biases), cast))
-    b_gate_up, b_down = cast_biases.get("b_gate_up", b_gate_up), cast_biases.get("b_down", b_down)
+    x, w_gate_up, w_down, b_gate_up, b_down = autocast_expert_operands(x, w_gate_up, w_down, b_gate_up, b_down)
     check_activation(activation)
     if save not in SAVE_MODES:
         raise ValueError(f"save must be one of {SAVE_MODES}, got {save!r}")
