@@ -14,6 +14,8 @@ a package (``.peers/install.sh``) is registered as ``"sonicmoe-local"``; skipped
 first step compiles its GEMMs (minutes on an empty QuACK cache: carry QUACK_CACHE_DIR as gpu_suite.sh does).
 
     python benchmarks/bench_hf.py --out hf_train.csv                       # GPU, the lead's run
+    python benchmarks/bench_hf.py --impls grouped_mm,moeblaze --modes bf16,amp --set num_hidden_layers=2 \
+        --vocab-size 32000 --batch-size 2 --seq-len 4096 --out hf_amp.csv    # issue 27's model (b)
     python benchmarks/bench_hf.py --smoke --out /tmp/hf_smoke.csv           # CPU, tiny model, 3 steps
 """
 
@@ -84,6 +86,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=2048)
     p.add_argument("--lr", type=float, default=3e-4)
+    p.add_argument("--optimizer", choices=("fused", "foreach"), default="fused",
+                   help="AdamW implementation: fused (one kernel; HF Trainer's default adamw_torch_fused since "
+                   "torch 2.8) or foreach")
+    p.add_argument("--vocab-size", type=int, default=256, help="embedding rows (the byte data uses 256 of them)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=INT", help="override a config field")
     p.add_argument("--data", help="text file or folder (default: the standard library's .py files)")
     p.add_argument("--out", required=True, help="CSV path (rows appended; header written when new)")
@@ -98,8 +104,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 def build(args, mode: str, impl: str) -> torch.nn.Module:
     """The model in the mode's weight dtype, identical initial weights for every implementation."""
     fields = {**(SMOKE if args.smoke else FULL), **{k: int(v) for k, v in (s.split("=", 1) for s in args.set)}}
-    config = AutoConfig.for_model("qwen3_moe", vocab_size=256, max_position_embeddings=max(4096, args.seq_len),
-                                  tie_word_embeddings=False, output_router_logits=True, **fields)
+    config = AutoConfig.for_model("qwen3_moe", vocab_size=args.vocab_size,
+                                  max_position_embeddings=max(4096, args.seq_len), tie_word_embeddings=False,
+                                  output_router_logits=True, **fields)
     torch.manual_seed(args.seed)
     dtype = torch.bfloat16 if mode == "bf16" else torch.float32
     model = AutoModelForCausalLM.from_config(config, dtype=dtype, experts_implementation=impl)
@@ -110,7 +117,8 @@ def train(args, mode: str, impl: str, train_bytes) -> list[dict]:
     """Rows of one (implementation, mode) run: loss, step time and peak memory per step."""
     model = build(args, mode, impl)
     device = next(model.parameters()).device
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
+    fused = {"fused": True} if args.optimizer == "fused" and device.type == "cuda" else {"foreach": True}
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1, **fused)
     params = sum(p.numel() for p in model.parameters())
     cuda = device.type == "cuda"
     if cuda:

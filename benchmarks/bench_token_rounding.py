@@ -38,8 +38,8 @@ from pathlib import Path
 
 import torch
 
-from moeblaze import MoE, build_dispatch, moe_experts, moe_experts_general, round_tokens, settings, tile_multiple
-from moeblaze.experts import schedule_block_m
+from moeblaze import MoE, moe_experts, moe_experts_general, round_tokens, settings, tile_multiple
+from moeblaze.backends import get_backend
 
 SHAPES = [(16384, 1536, 1024, 128, 2), (16384, 4096, 1024, 256, 4), (16384, 2048, 512, 512, 10)]
 SMOKE_SHAPES = [(96, 32, 16, 4, 2), (80, 16, 8, 8, 3)]
@@ -104,7 +104,7 @@ def layer_steps(shape, device, dtype, backend, tile=None):
     def ceiling():
         clear()
         r = moe.router(x)
-        index = build_dispatch(ceil, E, validate=False, block_m=schedule_block_m(backend, x))
+        index = get_backend(backend, x).plan(ceil, E, validate=False)
         moe_experts(x, ceil, r.topk_weights, moe.w1, moe.w_down, backend=backend, index=index).backward(dout)
 
     with torch.no_grad():

@@ -10,7 +10,8 @@ weights and wgrad slot rows read through pointers instead of TMA), for same-call
 In-place kernels (the activation backward) are replayed on their own outputs: the timing holds, the
 values do not matter.
 
-Usage (GPU): ``python3 benchmarks/profile_kernels.py --configs conf4-swiglu,olmoe-1b-7b --set B_DESC=0``
+Usage (GPU): ``python3 benchmarks/profile_kernels.py --configs conf4-swiglu,olmoe-1b-7b --set B_DESC=0``;
+``--dtype fp32`` (TF32 at the default ``--fp32-precision high``) for the fp32 path.
 """
 
 from __future__ import annotations
@@ -85,11 +86,12 @@ def config_str(c: triton.Config) -> str:
     return f"{dims} w{c.num_warps} s{c.num_stages}{' persistent' if k.get('PERSISTENT') else ''}"
 
 
-def profile_config(name: str, overrides: list[tuple[str, int]]) -> None:
-    """Print the per-launch table of one bench config."""
+def profile_config(name: str, overrides: list[tuple[str, int]], dtype: torch.dtype = torch.bfloat16) -> None:
+    """Print the per-launch table of one bench config, then the whole step's time (the launches' sum falls
+    short of it by what runs outside the kernels: router, index build, casts, allocations)."""
     cfg = CONFIGS[name]
-    w = make_weights(cfg, "cuda", torch.bfloat16)
-    x = torch.randn(cfg.T, cfg.d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = make_weights(cfg, "cuda", dtype)
+    x = torch.randn(cfg.T, cfg.d, device="cuda", dtype=dtype, requires_grad=True)
     dout = torch.randn_like(x)
     fn = resolve_impl("moeblaze").build(cfg, w, ImplOptions())
 
@@ -113,6 +115,8 @@ def profile_config(name: str, overrides: list[tuple[str, int]]) -> None:
                 line += f" | {key}={value}: {other:.3f} ms ({other / ms:.3f}x)"
         print(line, flush=True)
     print(f"  sum of the launches      {total:8.3f} ms")
+    whole = triton.testing.do_bench(step, warmup=3, rep=200, return_mode="median")
+    print(f"  whole step (do_bench)    {whole:8.3f} ms")
 
 
 def main() -> None:
@@ -120,12 +124,18 @@ def main() -> None:
     ap.add_argument("--configs", default="conf4-swiglu", help="comma-separated bench config names")
     ap.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
                     help="also replay launches taking constexpr NAME with this integer value (repeatable)")
+    ap.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16",
+                    help="operand dtype; fp32 runs at --fp32-precision")
+    ap.add_argument("--fp32-precision", choices=("highest", "high"), default="high",
+                    help="torch.set_float32_matmul_precision for fp32 (high: TF32 tensor cores)")
     args = ap.parse_args()
+    torch.set_float32_matmul_precision(args.fp32_precision)
+    dtype = torch.float32 if args.dtype == "fp32" else torch.bfloat16
     overrides = [(k, int(v)) for k, v in (s.split("=", 1) for s in args.set)]
     print(f"{torch.cuda.get_device_name()} | torch {torch.__version__} | triton {triton.__version__} | "
           f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
     for name in parse_list(args.configs):
-        profile_config(name, overrides)
+        profile_config(name, overrides, dtype)
         torch.cuda.empty_cache()
 
 

@@ -2,7 +2,7 @@
 # The GPU suite, in one device call: environment, GPU tests (bf16), dispatch and layer benchmarks.
 # Usage (repo root, on the GPU machine): scripts/gpu_suite.sh STAGE...   with STAGE in
 #   tests      pytest -m gpu $TESTS_ARGS (gpu-marked tests, all unless TESTS_ARGS names files; fixed
-#              kernel configs, MOEBLAZE_AUTOTUNE=0)
+#              kernel configs, MOEBLAZE_AUTOTUNE=0); TESTS_JOBS=n deals them to n pytest processes side by side
 #   dispatch   benchmarks/bench_dispatch.py
 #   experts    benchmarks/bench_experts.py
 #   bench      moeblaze bench $BENCH_ARGS (default --suite all; peers installed from .peers/ when present, QuACK's
@@ -63,11 +63,31 @@ for name in ("train_1b_2gpu", "train_1b_2gpu_ep2"):
         print(f"{name}: {100 * rates[name] / one:.1f}% of the 1-GPU tokens/s per GPU (target >= 90%)")
 PY
 }
+gpu_tests_parallel() {  # the gpu tests dealt round-robin to $TESTS_JOBS pytest processes on the one GPU
+  # Most of a gpu test's time is Triton compiling on the CPU (16 cores), so processes side by side finish the
+  # suite in a fraction of the time of one; each gets the whole timeout.
+  # shellcheck disable=SC2086
+  python3 -m pytest -m gpu -q --collect-only -p no:cacheprovider ${TESTS_ARGS:-} | grep '::' > /tmp/gpu_ids.txt
+  echo "=== gpu_tests: $(wc -l < /tmp/gpu_ids.txt) tests in $TESTS_JOBS processes"
+  local i pids=()
+  for (( i = 0; i < TESTS_JOBS; i++ )); do
+    awk -v n="$TESTS_JOBS" -v i="$i" '(NR - 1) % n == i' /tmp/gpu_ids.txt > "/tmp/gpu_ids_$i.txt"
+    MOEBLAZE_AUTOTUNE=0 timeout "${TESTS_TIMEOUT:-420}" xargs -a "/tmp/gpu_ids_$i.txt" -d '\n' python3 -m pytest \
+      -m gpu -q -rfEs -p no:cacheprovider --durations=5 > "$OUT/gpu_tests_$i.txt" 2>&1 &
+    pids+=($!)
+  done
+  for (( i = 0; i < TESTS_JOBS; i++ )); do
+    wait "${pids[$i]}"; local rc=$?
+    echo "=== gpu_tests_$i exit $rc: $(tail -n 1 "$OUT/gpu_tests_$i.txt")"
+    status=$(( status | rc ))
+  done
+}
 for stage in "$@"; do
   case "$stage" in
     # shellcheck disable=SC2086
-    tests) MOEBLAZE_AUTOTUNE=0 run gpu_tests timeout "${TESTS_TIMEOUT:-420}" python3 -m pytest -m gpu -q -rfEs \
-          -p no:cacheprovider --durations=15 ${TESTS_ARGS:-} ;;
+    tests) if (( ${TESTS_JOBS:-1} > 1 )); then gpu_tests_parallel; else
+          MOEBLAZE_AUTOTUNE=0 run gpu_tests timeout "${TESTS_TIMEOUT:-420}" python3 -m pytest -m gpu -q -rfEs \
+          -p no:cacheprovider --durations=15 ${TESTS_ARGS:-}; fi ;;
     dispatch) run bench_dispatch python3 benchmarks/bench_dispatch.py --no-torch --out "$OUT/dispatch.csv" ;;
     experts) run bench_experts python3 benchmarks/bench_experts.py --out "$OUT/experts.csv" ;;
     # shellcheck disable=SC2086

@@ -18,7 +18,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import moeblaze
 from moeblaze import build_dispatch, moe_experts
 from moeblaze.activations import ACTIVATIONS, GATED, is_gated
-from moeblaze.experts import schedule_block_m
+from moeblaze.backends import get_backend
 from moeblaze.reference import act_reference, moe_experts_reference
 from moeblaze.testing import assert_close_to_reference, make_expert_inputs, reference_outputs, run_and_grad
 
@@ -349,8 +349,7 @@ def test_torch_compile_fullgraph_with_every_feature():
     """Biases, the GPT-OSS layout and foreign ids through the custom ops' fake implementations."""
     inp = make_inputs(24, 16, 8, 3, 2, "swiglu_clamped", torch.float32, interleaved=True, foreign=True,
                       device=DEVICE)
-    index = build_dispatch(inp["topk_ids"], 3, foreign_experts=True,
-                           block_m=schedule_block_m("triton", inp["x"]))
+    index = get_backend("triton", inp["x"]).plan(inp["topk_ids"], 3, foreign_experts=True)
     opts = dict(activation="swiglu_clamped", gate_up_interleaved=True, foreign_experts=True, backend="triton",
                 index=index)
 

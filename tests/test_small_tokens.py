@@ -14,7 +14,7 @@ import torch
 
 import moeblaze
 from moeblaze import moe_experts
-from moeblaze.experts import schedule_block_m
+from moeblaze.backends import get_backend
 from moeblaze.kernels import tuning
 from moeblaze.testing import (
     assert_close_to_reference,
@@ -38,9 +38,9 @@ def test_block_m_buckets_depend_on_tokens_per_expert_only():
     assert tuning.block_m(half * 8, 8) == base
     assert tuning.block_m(10**6, 8) == base and tuning.block_m(0, 8) == half
     x = torch.empty(2, 4, device=DEVICE)
-    assert schedule_block_m("triton", x, half * 8 - 1, 8) == half
-    assert schedule_block_m("triton", x) == base  # no N, E: the large bucket
-    assert schedule_block_m("torch", x, 5, 8) is None
+    assert get_backend("triton", x).block_m(half * 8 - 1, 8) == half
+    assert get_backend("triton", x).block_m() == base  # no N, E: the large bucket
+    assert get_backend("torch", x).block_m(5, 8) is None
 
 
 def _check(T, d, h, E, K, dtype, activation="swiglu", save="preact", routing="uniform"):

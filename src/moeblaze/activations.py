@@ -15,6 +15,7 @@ limit)``, ``act = (u + 1) * g * sigmoid(alpha * g)``). Non-gated: ``silu``, ``ge
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 
@@ -40,6 +41,18 @@ def is_gated(activation: str) -> bool:
     """True for activations whose up-projection is ``[2h, d]`` (gate rows, then up rows)."""
     check_activation(activation)
     return activation in GATED
+
+
+class ActArgs(NamedTuple):
+    """Parameters of an activation beyond its name: ``swiglu_clamped``'s ``alpha`` and ``limit`` (runtime
+    floats) and whether a gated ``pre`` alternates gate and up columns (``interleaved``)."""
+
+    alpha: float = SWIGLU_ALPHA
+    limit: float = SWIGLU_LIMIT
+    interleaved: bool = False
+
+
+DEFAULT_ACT = ActArgs()
 
 
 def acc(t: torch.Tensor) -> torch.Tensor:

@@ -53,12 +53,13 @@ from . import settings
 from .graphs import capturing
 from .index import DispatchIndex, TileSchedule
 
-__all__ = ["DispatchIndex", "TileSchedule", "build_dispatch", "build_dispatch_torch", "build_tile_schedule_torch",
-           "check_index_matches", "check_topk_ids", "with_schedule"]
+__all__ = ["DispatchIndex", "TileSchedule", "build_dispatch", "build_dispatch_pairs", "build_dispatch_torch",
+           "build_tile_schedule_torch", "check_index_matches", "check_pairs", "check_topk_ids", "with_schedule"]
 
 # One-hot rank chunks are kept at <= 2**24 int32 elements (64 MiB) so the PyTorch build stays
 # O(N) in memory at any T*E instead of materialising the paper's full [N, E] map.
 _ONEHOT_CHUNK_ELEMS = 1 << 24
+_INT_DTYPES = (torch.int32, torch.int64)  # general routing inputs
 
 
 def check_topk_ids(topk_ids: torch.Tensor, num_experts: int, check_range: bool = True,
@@ -236,6 +237,99 @@ def build_dispatch(topk_ids: torch.Tensor, num_experts: int, validate: bool = Tr
         index = DispatchIndex(*full.tensors(), num_experts, foreign_experts=True)
         return _record_source(index if block_m is None else with_schedule(index, block_m), topk_ids)
     return _record_source(_build(topk_ids, num_experts, block_m), topk_ids)
+
+
+def check_pairs(token_idx: torch.Tensor, expert_idx: torch.Tensor, num_tokens: int, num_experts: int,
+                pair_weights: torch.Tensor | None = None, check_range: bool = True,
+                foreign_experts: bool = False) -> None:
+    """Validate general routing inputs before any kernel sees them.
+
+    Args:
+        token_idx: ``[P]`` int32/int64 token of each pair, ascending, in ``[0, T)``.
+        expert_idx: ``[P]`` int32/int64 expert of each pair, in ``[0, E)`` (``>= E`` with ``foreign_experts``).
+        num_tokens: T >= 0. num_experts: E >= 1.
+        pair_weights: ``[P]`` float, or None (not checked).
+        check_range: also check the ranges and the order (one host synchronisation); skipped when
+            ``MOEBLAZE_CHECK_IDS=0``, as :func:`moeblaze.build_dispatch`'s check.
+
+    Raises:
+        TypeError: non-integer ids, non-float weights.
+        ValueError: wrong ranks or lengths, T or E out of range, ids out of range, ``token_idx`` not ascending.
+    """
+    for name, t in (("token_idx", token_idx), ("expert_idx", expert_idx)):
+        if not isinstance(t, torch.Tensor) or t.dtype not in _INT_DTYPES:
+            raise TypeError(f"{name} must be an int32/int64 tensor, got {getattr(t, 'dtype', type(t).__name__)}")
+        if t.dim() != 1:
+            raise ValueError(f"{name} must have shape [P] (rank 1), got {tuple(t.shape)}")
+    P = token_idx.numel()
+    if expert_idx.numel() != P:
+        raise ValueError(f"expert_idx must have shape [P={P}] (the length of token_idx), got {tuple(expert_idx.shape)}")
+    bad_weights = not isinstance(pair_weights, torch.Tensor) or not pair_weights.is_floating_point()
+    if pair_weights is not None and bad_weights:
+        raise TypeError(f"pair_weights must be a float tensor, got {getattr(pair_weights, 'dtype', pair_weights)}")
+    if pair_weights is not None and tuple(pair_weights.shape) != (P,):
+        raise ValueError(f"pair_weights must have shape [P={P}] (the length of token_idx), "
+                         f"got {tuple(pair_weights.shape)}")
+    if not isinstance(num_tokens, int) or num_tokens < 0:
+        raise ValueError(f"num_tokens must be an int >= 0, got {num_tokens!r}")
+    if not isinstance(num_experts, int) or num_experts < 1:
+        raise ValueError(f"num_experts must be a positive int, got {num_experts!r}")
+    if P >= 2**31:
+        raise ValueError(f"{P} pairs; the int32 index holds fewer than 2^31")
+    if not check_range or P == 0 or not settings.get("check_ids"):
+        return
+    t_lo, t_hi = (int(v) for v in torch.aminmax(token_idx))
+    if t_lo < 0 or t_hi >= num_tokens:
+        raise ValueError(f"token_idx holds tokens in [{t_lo}, {t_hi}]; expected tokens in [0, {num_tokens})")
+    if P > 1 and bool((token_idx[1:] < token_idx[:-1]).any()):
+        raise ValueError("token_idx must be ascending (sorted by token, so each token's pairs are contiguous)")
+    e_lo, e_hi = (int(v) for v in torch.aminmax(expert_idx))
+    if e_lo < 0 or (e_hi >= num_experts and not foreign_experts):
+        raise ValueError(f"expert_idx holds expert ids in [{e_lo}, {e_hi}]; expected ids in [0, {num_experts})")
+
+
+def build_dispatch_pairs(token_idx: torch.Tensor, expert_idx: torch.Tensor, num_tokens: int, num_experts: int,
+                         validate: bool = True, block_m: int | None = None,
+                         foreign_experts: bool = False) -> DispatchIndex:
+    """The dispatch index of general routing inputs (contract: :mod:`moeblaze.general_routing`; DESIGN.md §3).
+
+    Same passes as :func:`moeblaze.build_dispatch` (Triton on CUDA, no sort, no atomics, no host
+    synchronisation without ``validate``), plus two gathers: slot -> token and the ``[T+1]`` CSR.
+
+    Args:
+        token_idx: ``[P]`` int32/int64 ascending tokens. expert_idx: ``[P]`` int32/int64 experts.
+        num_tokens: T (tokens without pairs are allowed: they get zero output).
+        num_experts: E.
+        validate: check ranges and order (see :func:`check_pairs`).
+        block_m: also attach the grouped-GEMM tile schedule for M-tiles of ``block_m`` slots.
+        foreign_experts: ids ``>= E`` are skipped (an extra last bucket, as ``build_dispatch``'s); token
+            rounding marks its unused candidate pairs this way so that P stays static.
+
+    Returns:
+        :class:`DispatchIndex` with ``token_expert_indices [P]``, ``token_index_map [P]``,
+        ``expert_token_indices [P]`` (slot -> token) and ``pair_offsets [T+1]``, all int32.
+
+    Raises:
+        TypeError, ValueError: see :func:`check_pairs`; ``block_m`` not a positive int.
+    """
+    check_pairs(token_idx, expert_idx, num_tokens, num_experts, check_range=validate, foreign_experts=foreign_experts)
+    P = expert_idx.numel()
+    if P == 0:  # no pairs: an index of zero slots (build_dispatch needs K >= 1 columns)
+        dev = expert_idx.device
+        base = DispatchIndex(torch.zeros(num_experts + 1 + foreign_experts, dtype=torch.int32, device=dev),
+                             *(torch.zeros(0, dtype=torch.int32, device=dev) for _ in range(3)), num_experts,
+                             foreign_experts=foreign_experts)
+    else:
+        base = build_dispatch(expert_idx.view(P, 1), num_experts, validate=False, block_m=block_m,
+                              foreign_experts=foreign_experts)
+    tok = token_idx.to(torch.int32)
+    indices = tok.index_select(0, base.expert_token_indices.long())  # slot -> pair -> token
+    bounds = torch.arange(num_tokens + 1, dtype=torch.int32, device=tok.device)
+    pair_offsets = torch.searchsorted(tok, bounds, out_int32=True)  # first pair of each token (tok ascends)
+    index = DispatchIndex(base.expert_token_offsets, indices, base.token_expert_indices.view(P),
+                          base.token_index_map.view(P), num_experts, base.schedule, foreign_experts,
+                          pair_offsets=pair_offsets)
+    return index if block_m is None or index.schedule is not None else with_schedule(index, block_m)
 
 
 def _build(topk_ids: torch.Tensor, num_experts: int, block_m: int | None) -> DispatchIndex:

@@ -2,28 +2,24 @@
 
 ``moe_experts`` runs the experts of a top-k MoE layer over the zero-buffer dispatch index. The
 autograd graph is cut at the activation into two Functions (``save="preact"``) or fused into one
-recompute Function (``save="input"``); each calls the four ops of a backend (``ops_torch`` or the
-Triton ``kernels.experts``), documented in :mod:`moeblaze.ops_torch`.
+recompute Function (``save="input"``); each calls the expert ops of a backend object
+(:mod:`moeblaze.backends`: ``torch`` or ``triton``), which also plans the index's tile schedule.
 """
 
 from __future__ import annotations
 
 import math
-from types import ModuleType
 
 import torch
 
-from . import ops_torch, settings
-from .activations import GATED, SWIGLU_ALPHA, SWIGLU_LIMIT, check_activation, is_gated
+from .activations import GATED, SWIGLU_ALPHA, SWIGLU_LIMIT, ActArgs, check_activation, is_gated
 from .amp import autocast_off, autocast_operands
-from .dispatch import DispatchIndex, TileSchedule, build_dispatch, check_index_matches, with_schedule
-from .ops_torch import ActArgs
+from .backends import BACKENDS, Backend, get_backend
+from .dispatch import DispatchIndex, TileSchedule, check_index_matches
 
-__all__ = ["moe_experts", "schedule_block_m", "SAVE_MODES", "BACKENDS"]
+__all__ = ["moe_experts", "SAVE_MODES", "BACKENDS"]
 
 SAVE_MODES = ("preact", "input")
-BACKENDS = ("auto", "torch", "triton")
-_TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # the kernels' operand dtypes
 
 
 def _index_from(tensors, num_experts: int, block_m: int, foreign: bool) -> DispatchIndex:
@@ -54,12 +50,12 @@ class _UpProjection(torch.autograd.Function):
 
     @staticmethod
     @autocast_off
-    def forward(ctx, x, w1, b1, ops, activation, act_args, num_experts, block_m, foreign, *index_tensors):
+    def forward(ctx, x, w1, b1, backend, activation, act_args, num_experts, block_m, foreign, *index_tensors):
         index = _index_from(index_tensors, num_experts, block_m, foreign)
-        pre, act = ops.up_forward(x, w1, index, activation, store_pre=True, store_act=True, b1=b1,
+        pre, act = backend.up_forward(x, w1, index, activation, store_pre=True, store_act=True, b1=b1,
                                   act_args=act_args)
         ctx.save_for_backward(x, w1, *index_tensors)
-        ctx.ops, ctx.index_args = ops, (num_experts, block_m, foreign)
+        ctx.backend, ctx.index_args = backend, (num_experts, block_m, foreign)
         ctx.mark_non_differentiable(act)
         ctx.set_materialize_grads(False)  # else autograd fills a zero [N, h] gradient for act every step
         return pre, act
@@ -73,8 +69,8 @@ class _UpProjection(torch.autograd.Function):
         index = _index_from(index_tensors, *ctx.index_args)
         need = ctx.needs_input_grad
         dpre = dpre.contiguous()
-        db1 = ctx.ops.bias_grad(dpre, index) if need[2] else None
-        dx, dw1 = ctx.ops.up_backward(dpre, x, w1, index, need[0], need[1])
+        db1 = ctx.backend.bias_grad(dpre, index) if need[2] else None
+        dx, dw1 = ctx.backend.up_backward(dpre, x, w1, index, need[0], need[1])
         return (dx, dw1, db1) + (None,) * (6 + len(index_tensors))
 
 
@@ -88,12 +84,12 @@ class _DownProjection(torch.autograd.Function):
 
     @staticmethod
     @autocast_off
-    def forward(ctx, pre, act, w2, b2, topk_weights, ops, activation, act_args, num_experts, block_m, foreign,
+    def forward(ctx, pre, act, w2, b2, topk_weights, backend, activation, act_args, num_experts, block_m, foreign,
                 *index_tensors):
         index = _index_from(index_tensors, num_experts, block_m, foreign)
-        out = ops.down_forward(act, w2, topk_weights, index, b2=b2)
+        out = backend.down_forward(act, w2, topk_weights, index, b2=b2)
         ctx.save_for_backward(pre, w2, b2, topk_weights, *index_tensors)
-        ctx.ops, ctx.activation, ctx.act_args = ops, activation, act_args
+        ctx.backend, ctx.activation, ctx.act_args = backend, activation, act_args
         ctx.index_args = (num_experts, block_m, foreign)
         return out
 
@@ -104,8 +100,8 @@ class _DownProjection(torch.autograd.Function):
         index = _index_from(index_tensors, *ctx.index_args)
         need = ctx.needs_input_grad
         dout = dout.contiguous()
-        db2 = ctx.ops.bias_grad(dout, index, topk_weights) if need[3] else None
-        dpre, dw2, dtw = ctx.ops.down_backward(dout, pre, w2, topk_weights, index, ctx.activation, need[2],
+        db2 = ctx.backend.bias_grad(dout, index, topk_weights) if need[3] else None
+        dpre, dw2, dtw = ctx.backend.down_backward(dout, pre, w2, topk_weights, index, ctx.activation, need[2],
                                                need[4], b2=b2, act_args=ctx.act_args)
         return (dpre, None, dw2, db2, dtw) + (None,) * (6 + len(index_tensors))
 
@@ -120,14 +116,14 @@ class _ExpertsRecompute(torch.autograd.Function):
 
     @staticmethod
     @autocast_off
-    def forward(ctx, x, w1, b1, w2, b2, topk_weights, ops, activation, act_args, num_experts, block_m, foreign,
+    def forward(ctx, x, w1, b1, w2, b2, topk_weights, backend, activation, act_args, num_experts, block_m, foreign,
                 *index_tensors):
         index = _index_from(index_tensors, num_experts, block_m, foreign)
-        _, act = ops.up_forward(x, w1, index, activation, store_pre=False, store_act=True, b1=b1,
+        _, act = backend.up_forward(x, w1, index, activation, store_pre=False, store_act=True, b1=b1,
                                 act_args=act_args)
-        out = ops.down_forward(act, w2, topk_weights, index, b2=b2)
+        out = backend.down_forward(act, w2, topk_weights, index, b2=b2)
         ctx.save_for_backward(x, w1, b1, w2, b2, topk_weights, *index_tensors)
-        ctx.ops, ctx.activation, ctx.act_args = ops, activation, act_args
+        ctx.backend, ctx.activation, ctx.act_args = backend, activation, act_args
         ctx.index_args = (num_experts, block_m, foreign)
         return out
 
@@ -136,49 +132,17 @@ class _ExpertsRecompute(torch.autograd.Function):
     def backward(ctx, dout):
         x, w1, b1, w2, b2, topk_weights, *index_tensors = ctx.saved_tensors
         index = _index_from(index_tensors, *ctx.index_args)
-        ops, need, act_args = ctx.ops, ctx.needs_input_grad, ctx.act_args
+        backend, need, act_args = ctx.backend, ctx.needs_input_grad, ctx.act_args
         dout = dout.contiguous()
-        db2 = ops.bias_grad(dout, index, topk_weights) if need[4] else None
-        pre, _ = ops.up_forward(x, w1, index, ctx.activation, store_pre=True, store_act=False, b1=b1,
+        db2 = backend.bias_grad(dout, index, topk_weights) if need[4] else None
+        pre, _ = backend.up_forward(x, w1, index, ctx.activation, store_pre=True, store_act=False, b1=b1,
                                 act_args=act_args)
-        dpre, dw2, dtw = ops.down_backward(dout, pre, w2, topk_weights, index, ctx.activation, need[3], need[5],
+        dpre, dw2, dtw = backend.down_backward(dout, pre, w2, topk_weights, index, ctx.activation, need[3], need[5],
                                            b2=b2, act_args=act_args)
         del pre
-        db1 = ops.bias_grad(dpre, index) if need[2] else None
-        dx, dw1 = ops.up_backward(dpre, x, w1, index, need[0], need[1])
+        db1 = backend.bias_grad(dpre, index) if need[2] else None
+        dx, dw1 = backend.up_backward(dpre, x, w1, index, need[0], need[1])
         return (dx, dw1, db1, dw2, db2, dtw) + (None,) * (6 + len(index_tensors))
-
-
-def _select_ops(backend: str, x: torch.Tensor) -> ModuleType:
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    if backend == "auto":
-        chosen = settings.get("backend")
-        kernels_fit = x.is_cuda and x.dtype in _TRITON_DTYPES and _triton_experts_available()
-        backend = chosen if chosen != "auto" else ("triton" if kernels_fit else "torch")
-    if backend == "torch":
-        return ops_torch
-    if x.dtype not in _TRITON_DTYPES:
-        raise TypeError(f"backend='triton' runs the dtypes fp16, bf16 and fp32; x has dtype {x.dtype} "
-                        "(use backend='torch')")
-    if not x.is_cuda and not settings.interpreting():
-        raise ValueError(f"backend='triton' needs CUDA tensors (x is on {x.device}); use backend='torch' "
-                         "or set TRITON_INTERPRET=1 to run the kernels in Triton's CPU interpreter")
-    if x.dtype == torch.bfloat16 and settings.interpreting():
-        # Triton's CPU interpreter computes bf16 tl.dot wrongly (outputs near 5e9 instead of O(1)).
-        raise ValueError("backend='triton' under TRITON_INTERPRET=1 cannot run bfloat16 x (Triton's interpreter "
-                         "computes bf16 dot products wrongly); use float16/float32, or backend='torch'")
-    from .kernels import experts as ops_triton
-
-    return ops_triton
-
-
-def _triton_experts_available() -> bool:
-    try:
-        from .kernels import experts  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 def _check_inputs(x, topk_ids, topk_weights, w1, w2, activation, save) -> None:
@@ -347,7 +311,7 @@ def moe_experts(
                    foreign_experts, index)
     E = w_down.shape[0]
     if index is None:
-        index = build_dispatch(topk_ids, E, foreign_experts=foreign_experts)
+        index = get_backend(backend, x).plan(topk_ids, E, foreign_experts=foreign_experts)
     elif index.num_experts != E or tuple(index.token_index_map.shape) != tuple(topk_ids.shape):
         raise ValueError(f"index was built for E={index.num_experts}, [T, K]={tuple(index.token_index_map.shape)}; "
                          f"expected E={E}, [T, K]={tuple(topk_ids.shape)}")
@@ -363,35 +327,11 @@ def run_experts(x: torch.Tensor, weights: torch.Tensor, w_gate_up: torch.Tensor,
                 save: str, backend: str, act_args: ActArgs) -> torch.Tensor:
     """The autograd Functions over a checked index: shared by :func:`moe_experts` (``weights [T, K]``) and
     :func:`moeblaze.general_routing.moe_experts_general` (``weights [P]``); inputs already validated."""
-    ops = _select_ops(backend, x)
-    bm = _schedule_block_m(ops, index.num_pairs, w_down.shape[0])
-    if bm is not None:  # the grouped GEMMs' tile schedule, built once for the four ops (if not with the index)
-        index = with_schedule(index, bm)
+    chosen: Backend = get_backend(backend, x)
+    index = chosen.scheduled(index)  # the GEMMs' tile schedule, built once for the ops (if not planned with it)
     bm, idx = _index_args(index)
-    common = (ops, activation, act_args, w_down.shape[0], bm, index.foreign_experts)
+    common = (chosen, activation, act_args, w_down.shape[0], bm, index.foreign_experts)
     if save == "input":
         return _ExpertsRecompute.apply(x, w_gate_up, b_gate_up, w_down, b_down, weights, *common, *idx)
     pre, act = _UpProjection.apply(x, w_gate_up, b_gate_up, *common, *idx)
     return _DownProjection.apply(pre, act, w_down, b_down, weights, *common, *idx)
-
-
-def _schedule_block_m(ops: ModuleType, num_pairs: int | None, num_experts: int | None) -> int | None:
-    """BLOCK_M of the tile schedule the backend's grouped GEMMs need (None: the backend needs none)."""
-    fn = getattr(ops, "schedule_block_m", None)
-    return fn(num_pairs, num_experts) if fn is not None else None
-
-
-def schedule_block_m(backend: str, x: torch.Tensor, num_pairs: int | None = None,
-                     num_experts: int | None = None) -> int | None:
-    """The ``block_m`` to pass to :func:`moeblaze.build_dispatch` so that the index it builds carries the
-    tile schedule that ``moe_experts(x, ..., backend=backend)`` will use (None: no schedule needed).
-
-    Args:
-        num_pairs: N = T*K of the routing; num_experts: E (local experts). The Triton GEMMs' M-tile depends
-            on the tokens per expert (a small-T bucket); without them the large bucket's BLOCK_M is returned,
-            and ``moe_experts`` rebuilds the schedule (one small launch) when the bucket differs.
-
-    Raises:
-        ValueError: as :func:`moe_experts` for a bad backend or device.
-    """
-    return _schedule_block_m(_select_ops(backend, x), num_pairs, num_experts)

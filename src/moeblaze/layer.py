@@ -9,9 +9,9 @@ import torch.nn as nn
 
 from .activations import check_activation, is_gated
 from .amp import autocast_operands
-from .dispatch import build_dispatch
-from .experts import BACKENDS, SAVE_MODES, moe_experts, schedule_block_m
-from .general_routing import build_dispatch_pairs, moe_experts_general
+from .backends import BACKENDS, get_backend
+from .experts import SAVE_MODES, moe_experts
+from .general_routing import moe_experts_general
 from .routing import Router
 from .token_rounding import ROUNDING_MODES, round_tokens_fused, tile_multiple
 
@@ -208,9 +208,7 @@ class MoE(nn.Module):
         else:
             # Ids come from torch.topk over E scores: in range and distinct by construction, so the
             # host-synchronising range check is skipped. The build also writes the experts' tile schedule.
-            index = build_dispatch(routing.topk_ids, self.num_experts, validate=False,
-                                   block_m=schedule_block_m(self.backend, x2, routing.topk_ids.numel(),
-                                                            self.num_experts))
+            index = get_backend(self.backend, x2).plan(routing.topk_ids, self.num_experts, validate=False)
             out = moe_experts(x2, routing.topk_ids, topk_weights, self.w1, self.w_down, activation=self.activation,
                               save=self.save, backend=self.backend, index=index, **biases)
         if self.shared_experts is not None:
@@ -229,8 +227,8 @@ class MoE(nn.Module):
             gen = self._rounding_gen
         r = round_tokens_fused(routing.scores, routing.topk_ids, topk_weights, tile, self.token_rounding, gen,
                                self.router.routed_scaling_factor)
-        index = build_dispatch_pairs(r.token_idx, r.expert_idx, x2.shape[0], self.num_experts, validate=False,
-                                     block_m=schedule_block_m(self.backend, x2), foreign_experts=True)
+        index = get_backend(self.backend, x2).plan_pairs(r.token_idx, r.expert_idx, x2.shape[0], self.num_experts,
+                                                         validate=False, foreign_experts=True)
         return moe_experts_general(x2, r.token_idx, r.expert_idx, r.pair_weights, self.w1, self.w_down,
                                    activation=self.activation, save=self.save, backend=self.backend, index=index,
                                    foreign_experts=True, **biases)

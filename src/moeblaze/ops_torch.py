@@ -1,23 +1,7 @@
 """The ``torch`` expert backend: the MoEBlaze dataflow (DESIGN.md §5, F1-F3 and B1-B5) in PyTorch.
 
-Five ops, the contract every backend implements (the Triton backend in ``kernels.experts`` too):
-
-``up_forward(x, w1, index, activation, store_pre, store_act, *, b1, act_args) -> (pre | None, act | None)``  F1
-``up_backward(dpre, x, w1, index, need_dx, need_dw) -> (dx | None, dw1 | None)``            B3-B5
-``down_forward(act, w2, topk_weights, index, *, b2) -> out``                                F2-F3
-``down_backward(dout, pre, w2, topk_weights, index, activation, need_dw, need_dtw, *, b2, act_args)
-    -> (dpre, dw2 | None, dtopk_weights | None)``                                           B1-B2
-``bias_grad(src, index, topk_weights=None) -> [E, cols]``   expert-bias gradients (segment sums)
-
-``b1 [E, 2h | h]`` / ``b2 [E, d]`` are the optional expert biases (``pre = x W1[e]^T + b1[e]``,
-``y = act W2[e]^T + b2[e]``, so ``dtopk_weights`` gains ``<dout[t], b2[e]>``); ``act_args`` the
-:class:`ActArgs` of the activation (``swiglu_clamped``'s alpha and limit; ``interleaved``: gated ``pre``
-alternates gate and up columns, the row order of an interleaved ``w1``). An index built with
-``foreign_experts`` has slots ``>= offsets[E]`` of other ranks' experts: no op computes them, the
-combines (F3, B5) and ``dtopk_weights`` count them as zero.
-
-``down_backward`` may return ``dpre`` in the storage of ``pre`` (the Triton op writes it in place, as
-``pre`` is dead after B1; this one returns a new tensor): callers must not use ``pre`` afterwards.
+The five expert ops of the backend contract (:mod:`moeblaze.backends`, where it is written), with its
+semantics: the reference for the Triton backend and the path for CPUs and fp64.
 
 Shapes: ``x [T, d]``, ``w1 [E, 2h | h, d]``, ``pre [N, 2h | h]``, ``act [N, h]``, ``w2 [E, d, h]``,
 ``topk_weights [T, K]``, ``out [T, d]``; all rows of ``[N, ...]`` tensors are *slots* (DESIGN.md §3).
@@ -30,27 +14,14 @@ the other dtypes and the expert-bias gradients use a per-expert loop over the of
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .activations import SWIGLU_ALPHA, SWIGLU_LIMIT, acc, activation_backward, activation_forward
+from .activations import DEFAULT_ACT, ActArgs, acc, activation_backward, activation_forward
 from .dispatch import DispatchIndex
 from .graphs import capturing
-
-
-class ActArgs(NamedTuple):
-    """Parameters of an activation beyond its name: ``swiglu_clamped``'s ``alpha`` and ``limit`` (runtime
-    floats) and whether a gated ``pre`` alternates gate and up columns (``interleaved``)."""
-
-    alpha: float = SWIGLU_ALPHA
-    limit: float = SWIGLU_LIMIT
-    interleaved: bool = False
-
-
-DEFAULT_ACT = ActArgs()
+from .shared_ops import bias_dot, slot_weights
 
 
 def _use_grouped_mm(a: torch.Tensor, w: torch.Tensor) -> bool:
@@ -125,19 +96,6 @@ def grouped_weight_grad(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor)
         if hi > lo:
             out[e] = a[lo:hi].t().to(out.dtype) @ b[lo:hi].to(out.dtype)
     return out
-
-
-def slot_weights(topk_weights: torch.Tensor, token_index_map: torch.Tensor,
-                 dtype: torch.dtype | None = None) -> torch.Tensor:
-    """``w_slot [N]``: the router weight of each slot (scatter through the pair->slot permutation).
-
-    Args:
-        topk_weights: ``[T, K]`` float; token_index_map: ``[T, K]`` int32 pair -> slot.
-        dtype: of the result (default: ``topk_weights.dtype``).
-    """
-    w = torch.empty(token_index_map.numel(), dtype=dtype or topk_weights.dtype, device=topk_weights.device)
-    w[token_index_map.reshape(-1).long()] = topk_weights.reshape(-1).to(w.dtype)
-    return w
 
 
 def slot_experts(index: DispatchIndex) -> torch.Tensor:
@@ -215,20 +173,6 @@ def down_forward(act: Tensor, w2: Tensor, topk_weights: Tensor, index: DispatchI
     if local is not None:
         yk = torch.where(local, yk, 0.0)
     return sum_pairs(yk, index).to(act.dtype)
-
-
-def bias_dot(dout: Tensor, b2: Tensor, token_expert_indices: Tensor, tokens: Tensor | None = None) -> Tensor:
-    """``[T, K]`` fp32 ``<dout[t], b2[e]>`` for every pair (0 for a foreign id ``e >= E``): the down bias's
-    share of ``dtopk_weights``, from one ``[T, d] x [d, E]`` product (T*E*d FLOPs, E/(6*K*h) of the layer's).
-    General routing: ``token_expert_indices [P]`` with the pairs' ``tokens [P]`` -> ``[P]``."""
-    E = b2.shape[0]
-    scores = acc(dout) @ acc(b2).t()  # [T, E]
-    ids = token_expert_indices.long()
-    if tokens is not None:
-        dots = scores[tokens.long(), ids.clamp(max=E - 1)]
-    else:
-        dots = scores.gather(1, ids.clamp(max=E - 1))
-    return torch.where(ids < E, dots, 0.0)
 
 
 def down_backward(dout: Tensor, pre: Tensor, w2: Tensor, topk_weights: Tensor, index: DispatchIndex,

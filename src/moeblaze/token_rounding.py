@@ -37,6 +37,7 @@ from dataclasses import dataclass
 import torch
 
 from . import settings
+from .backends import BACKENDS
 
 __all__ = ["ROUNDING_MODES", "TokenRounding", "round_counts", "round_tokens", "round_tokens_fused", "tile_multiple"]
 
@@ -53,8 +54,6 @@ def tile_multiple(backend: str = "auto", device: torch.device | str | None = Non
     Raises:
         ValueError: an unknown backend.
     """
-    from .experts import BACKENDS
-
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     cuda = device is not None and torch.device(device).type == "cuda"

@@ -163,7 +163,7 @@ def run_train(spec: TrainSpec | None = None, backends: tuple[str, ...] = ("trito
     """
     if device != "cpu":
         require_cuda("moeblaze bench --suite train")
-    from ..experts import _triton_experts_available
+    from ..backends import triton_available
 
     spec = spec or TrainSpec()
     peak = peak or (peak_tflops(torch.cuda.get_device_name()) if device != "cpu" else None)
@@ -172,7 +172,7 @@ def run_train(spec: TrainSpec | None = None, backends: tuple[str, ...] = ("trito
         row = {k: getattr(spec.model, k) for k in ("d_model", "n_layers", "d_ff", "num_experts", "top_k", "seq_len")}
         row["batch"] = spec.batch
         row.update(backend=backend, status="ok", note="" if peak else "MFU: unknown device peak (--peak-tflops)")
-        if backend == "triton" and (device == "cpu" or not _triton_experts_available()):
+        if backend == "triton" and (device == "cpu" or not triton_available()):
             row.update(status="unavailable", note="moeblaze.kernels.experts not in this build")
         else:
             try:

@@ -28,8 +28,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from transformers.integrations.moe import ExpertsInterface
 
-from ..dispatch import build_dispatch
-from ..experts import BACKENDS, SAVE_MODES, moe_experts, schedule_block_m
+from ..backends import BACKENDS, get_backend
+from ..experts import SAVE_MODES, moe_experts
 
 __all__ = ["UnsupportedExpertsError", "ExpertsPlan", "experts_plan", "make_experts_forward",
            "moeblaze_experts_forward", "prepare", "register"]
@@ -238,8 +238,7 @@ def make_experts_forward(save: str = "preact", backend: str = "auto") -> Callabl
         if plan.foreign_experts:
             kwargs["foreign_experts"] = True
         else:  # ids from transformers' routers come from top-k over E scores: in range, so no host-syncing check
-            index = build_dispatch(top_k_index, w2.shape[0], validate=False,
-                                   block_m=schedule_block_m(backend, x, top_k_index.numel(), w2.shape[0]))
+            index = get_backend(backend, x).plan(top_k_index, w2.shape[0], validate=False)
         out = moe_experts(x, top_k_index, weights, w1, w2, activation=plan.activation, save=save,
                           backend=backend, index=index, **kwargs)
         return out.to(hidden_states.dtype)

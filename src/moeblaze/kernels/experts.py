@@ -1,6 +1,6 @@
 """The Triton backend of :func:`moeblaze.moe_experts` (DESIGN.md §5, MoEBlaze §4).
 
-Implements the four ops of the backend contract documented in :mod:`moeblaze.ops_torch`, with the
+Implements the five ops of the backend contract documented in :mod:`moeblaze.backends`, with the
 same signatures, semantics and result dtypes:
 
 ``up_forward``     F1     ``pre = x[token(s)] W1[e]^T`` (gather fused in the loads), ``act = f(pre)``
@@ -30,9 +30,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..activations import GATED, check_activation
+from ..activations import DEFAULT_ACT, GATED, ActArgs, check_activation
 from ..dispatch import DispatchIndex, with_schedule
-from ..ops_torch import DEFAULT_ACT, ActArgs, bias_dot, slot_weights
+from ..shared_ops import bias_dot, slot_weights
 from .act_bwd import act_bwd_rows
 from .act_math import ACTIVATION_CODES
 from .bias_grad import segment_sum
@@ -41,7 +41,7 @@ from .custom_ops import call_op
 from .launch import grouped_gemm, grouped_wgrad, interleaved_desc_ok
 from .tuning import block_m
 
-__all__ = ["up_forward", "up_backward", "down_forward", "down_backward", "bias_grad", "schedule_block_m"]
+__all__ = ["up_forward", "up_backward", "down_forward", "down_backward", "bias_grad"]
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -79,14 +79,6 @@ def _like_weight(w: Tensor) -> Tensor:
     if _stored_transposed(w):
         return w.new_empty(w.shape[0], w.shape[2], w.shape[1]).transpose(1, 2)
     return w.new_empty(w.shape)
-
-
-def schedule_block_m(num_pairs: int | None = None, num_experts: int | None = None) -> int:
-    """BLOCK_M of the grouped GEMMs for N = ``num_pairs`` slots and E = ``num_experts`` local experts: the
-    tile schedule an index needs for these ops (``build_dispatch``'s ``block_m``). 128 on the GPU (32 under the
-    interpreter), half of it for few tokens per expert (:func:`moeblaze.kernels.tuning.block_m`); without
-    N and E the large bucket's."""
-    return block_m(num_pairs, num_experts)
 
 
 def _schedule(index: DispatchIndex) -> tuple[Tensor, Tensor, Tensor]:
@@ -143,7 +135,7 @@ def up_forward(x: Tensor, w1: Tensor, index: DispatchIndex, activation: str, sto
         x: ``[T, d]`` fp16/bf16/fp32; w1: ``[E, 2h|h, d]`` same dtype, any strides; index: the dispatch index.
         activation: one of :data:`moeblaze.activations.ACTIVATIONS`.
         store_pre, store_act: which results to produce (the other is returned as ``None``).
-        b1: ``[E, 2h|h]`` bias in ``w1``'s row order, or None. act_args: see :class:`moeblaze.ops_torch.ActArgs`
+        b1: ``[E, 2h|h]`` bias in ``w1``'s row order, or None. act_args: see :class:`moeblaze.activations.ActArgs`
             (``interleaved``: ``w1``'s rows and ``pre``'s columns alternate gate, up).
 
     Returns:

@@ -35,8 +35,9 @@ import torch.distributed._functional_collectives as funcol
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.device_mesh import DeviceMesh
 
+from ..backends import get_backend
 from ..dispatch import build_dispatch
-from ..experts import moe_experts, schedule_block_m
+from ..experts import moe_experts
 
 __all__ = ["EPConfig", "ExpertParallel", "expert_parallel_forward", "global_load_balancing_loss",
            "init_local_experts", "resolve_group", "shard_experts"]
@@ -249,8 +250,7 @@ def expert_parallel_forward(moe, x: torch.Tensor, routing) -> tuple[torch.Tensor
     R = sum(recv)
     local_ids = torch.arange(El, dtype=torch.int32, device=x.device).repeat(P)
     local_ids = local_ids.repeat_interleave(recv_counts.reshape(-1), output_size=R).view(R, 1)
-    local_index = build_dispatch(local_ids, El, validate=False,
-                                 block_m=schedule_block_m(moe.backend, x_recv, R, El))
+    local_index = get_backend(moe.backend, x_recv).plan(local_ids, El, validate=False)
     w1, w2 = moe.w1, moe.w_down
     if ep.grad_divide != 1:
         w1, w2 = _DivideGrad.apply(w1, ep.grad_divide), _DivideGrad.apply(w2, ep.grad_divide)
