@@ -138,7 +138,8 @@ def test_kernels_gpt_oss(save, dtype):
 @pytest.mark.parametrize("tma", ["1", "0"])
 def test_kernels_gpt_oss_weight_reads(tma, monkeypatch):
     """d a multiple of 64: F1 reads GPT-OSS's ``[E, d, 2h]`` storage through one TMA box of alternating
-    gate/up columns (``B_DESC`` 4); ``MOEBLAZE_TMA=0``: the strided pointer loads. Both against the reference."""
+    gate/up columns (``B_DESC_INTERLEAVED``); ``MOEBLAZE_TMA=0``: the strided pointer loads. Both against the
+    reference."""
     from moeblaze.kernels.launch import interleaved_desc_ok
 
     monkeypatch.setenv("MOEBLAZE_TMA", tma)

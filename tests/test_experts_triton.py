@@ -108,26 +108,29 @@ def test_non_contiguous_inputs(save):
 def test_weight_read_modes(monkeypatch):
     """Which weights the GEMMs read through TMA descriptors (sm90+ or the interpreter) and which through
     pointers: misaligned rows, k not a multiple of 64 for rows along k, or ``MOEBLAZE_TMA=0``."""
+    from moeblaze.kernels.grouped_gemm import B_DESC_KN, B_DESC_NK, B_DESC_NONE, B_DESC_PAIRED
     from moeblaze.kernels.launch import b_desc_mode
+
+    none, nk, kn, paired = B_DESC_NONE.value, B_DESC_NK.value, B_DESC_KN.value, B_DESC_PAIRED.value
 
     w = torch.zeros(3, 128, 64, device=DEVICE)
     if not HAS_CUDA or torch.cuda.get_device_capability()[0] >= 9:
-        assert b_desc_mode(w, True, 64) == 1  # rows are n: [E*n, k]
-        assert b_desc_mode(w, True, 64, paired=True) == 3  # gated F1: gate and up rows in one box
-        assert b_desc_mode(w, False, 128) == 2  # rows are k: [E*k, n]
-        assert b_desc_mode(w.transpose(1, 2), True, 128) == 2  # a transposed view flips the storage rows
-        assert b_desc_mode(w, False, 96) == 0  # k tiles would run into the next expert's rows
-        assert b_desc_mode(torch.zeros(3, 128, 65, device=DEVICE)[..., :64], True, 64) == 0  # 260-byte rows
-        assert b_desc_mode(torch.zeros(3 * 128 * 64 + 1, device=DEVICE)[1:].view(3, 128, 64), True, 64) == 0
-        assert b_desc_mode(w[:, ::2], True, 64) == 1  # every other row: still rows of one 2-D view
-        assert b_desc_mode(torch.zeros(3, 130, 64, device=DEVICE)[:, :128], True, 64) == 0  # gaps between experts
+        assert b_desc_mode(w, True, 64) == nk  # rows are n: [E*n, k]
+        assert b_desc_mode(w, True, 64, paired=True) == paired  # gated F1: gate and up rows in one box
+        assert b_desc_mode(w, False, 128) == kn  # rows are k: [E*k, n]
+        assert b_desc_mode(w.transpose(1, 2), True, 128) == kn  # a transposed view flips the storage rows
+        assert b_desc_mode(w, False, 96) == none  # k tiles would run into the next expert's rows
+        assert b_desc_mode(torch.zeros(3, 128, 65, device=DEVICE)[..., :64], True, 64) == none  # 260-byte rows
+        assert b_desc_mode(torch.zeros(3 * 128 * 64 + 1, device=DEVICE)[1:].view(3, 128, 64), True, 64) == none
+        assert b_desc_mode(w[:, ::2], True, 64) == nk  # every other row: still rows of one 2-D view
+        assert b_desc_mode(torch.zeros(3, 130, 64, device=DEVICE)[:, :128], True, 64) == none  # gaps between experts
     monkeypatch.setenv("MOEBLAZE_TMA", "0")
-    assert b_desc_mode(w, True, 64) == 0
+    assert b_desc_mode(w, True, 64) == none
 
 
 @pytest.mark.parametrize("tma", ["1", "0"])
 def test_tma_and_pointer_weight_reads(tma, monkeypatch):
-    """d and h multiples of 64: every GEMM and weight gradient has a descriptor path (modes 1 and 2, the
+    """d and h multiples of 64: every GEMM and weight gradient has a descriptor path (``B_DESC_NK``, ``B_DESC_KN``, the
     unpermuted wgrad operands); ``MOEBLAZE_TMA=0`` takes the pointer loads on the same shapes."""
     monkeypatch.setenv("MOEBLAZE_TMA", tma)
     check_against_reference(inputs(40, 64, 64, 3, 2, routing="zipf"), "swiglu", "preact")

@@ -38,6 +38,7 @@ from .act_math import ACTIVATION_CODES
 from .bias_grad import segment_sum
 from .combine import gather_sum
 from .custom_ops import call_op
+from .grouped_gemm import B_DESC_INTERLEAVED, EPILOGUE_ACT_FWD
 from .launch import grouped_gemm, grouped_wgrad, interleaved_desc_ok
 from .tuning import block_m
 
@@ -99,12 +100,12 @@ def _up_forward_impl(x, w1, b1, offsets, indices, tile_expert, tile_row, num_til
     act = x.new_empty(N, h) if store_act else _empty(x)
     layout, up_off = {}, h
     if interleaved and interleaved_desc_ok(w1, x.shape[1]):  # one TMA box of alternating gate/up columns
-        layout, up_off = dict(pre_step=2, b_mode=4), 1
+        layout, up_off = dict(pre_step=2, b_mode=B_DESC_INTERLEAVED.value), 1
     elif interleaved:  # gate rows = the even rows of the view (row stride doubled), up rows one row later
         layout = dict(up_shift_b=w1.stride(1), pre_step=2, weight_desc=False)
         w1, up_off = w1[:, 0::2], 1
     grouped_gemm(x, w1, pre if store_pre else act, offsets, indices, (tile_expert, tile_row, num_tiles),
-                 b_nk=True, n_cols=h, k_dim=x.shape[1], gather_a=True, up_off=up_off, epilogue=1,
+                 b_nk=True, n_cols=h, k_dim=x.shape[1], gather_a=True, up_off=up_off, epilogue=EPILOGUE_ACT_FWD.value,
                  activation=ACTIVATION_CODES[activation], dual=gated, store_pre=store_pre,
                  aux=act if store_act else None, store_aux=store_act,
                  bias=_rows_contig(b1) if b1 is not None else None, alpha=alpha, limit=limit, **layout)

@@ -7,24 +7,25 @@ for L2 reuse of the weight tile) to an M-tile ``pid_m`` of the schedule of
 ``row(s) = expert_token_indices[s]`` when ``GATHER_A`` (rows of the unpermuted input are read in the
 loads: no gathered copy exists) and ``row(s) = s`` otherwise. ``B[e][k, n]`` is read through strides,
 so the same kernel reads ``w_gate_up [E, 2h, d]`` and ``w_down [E, d, h]`` in either orientation; on an
-sm90+ GPU it reads them through a TMA descriptor instead (``B_DESC``: the copy engine moves the weight
-tile to shared memory, no per-element addresses in registers; for the gated F1 one box holds both the
-gate and the up rows of a tile, see :func:`_mainloop`). The gathered A rows stay pointer loads:
-Hopper's TMA has no row gather.
+sm90+ GPU it reads them through a TMA descriptor instead (constexpr ``B_DESC``, one of the ``B_DESC_*``
+constants below, see :func:`_mainloop`: the copy engine moves the weight tile to shared memory, no
+per-element addresses in registers; for the gated F1 one box holds both the gate and the up rows of a
+tile, ``B_DESC_PAIRED`` / ``B_DESC_INTERLEAVED``). The gathered A rows stay pointer loads: Hopper's TMA
+has no row gather.
 
 Epilogues (constexpr ``EPILOGUE``; ``HAS_BIAS`` adds the expert's bias row ``bias[e]`` to the fp32
 accumulator first, before any rounding or scaling):
-  0  plain: store ``C`` (times the slot's router weight if ``SCALE_C``) at row ``s`` or, if
+  ``EPILOGUE_PLAIN``: store ``C`` (times the slot's router weight if ``SCALE_C``) at row ``s`` or, if
      ``SCATTER_C``, at row ``token(s)`` (K = 1: out / dx written directly, no ``[N, d]`` buffer).
      F2 ``y = act W_down[e]^T`` and B3 ``dx_slots = dpre W_gate_up[e]``.
-  1  activation forward (F1): ``DUAL`` yields gate (columns ``n``) and up (columns ``UP_OFF + n``)
-     tiles side by side — from one wide accumulator (``B_DESC`` 3) or two — so
-     ``act = f(gate) * up`` is formed in registers; stores ``pre`` if
+  ``EPILOGUE_ACT_FWD`` (F1): ``DUAL`` yields gate (columns ``n``) and up (columns ``UP_OFF + n``)
+     tiles side by side — from one wide accumulator (``B_DESC_PAIRED`` / ``B_DESC_INTERLEAVED``) or
+     two — so ``act = f(gate) * up`` is formed in registers; stores ``pre`` if
      ``STORE_PRE`` and ``act`` if ``STORE_ACT`` (act is computed from the rounded ``pre``, exactly as
      the backward recomputes it). ``pre``'s gate column of ``n`` is ``n * PRE_STEP`` and its up column
      ``n * PRE_STEP + UP_OFF``: blocks (1, h) or, for an interleaved ``w_gate_up`` (GPT-OSS), alternating
      columns (2, 1) — ``pre`` keeps the weight's row order, so B3/B4 read the interleaved view as it is.
-B1 uses EPILOGUE 0 (``dact' = dout[token(s)] W_down[e]``); its activation backward streams the rows
+B1 uses ``EPILOGUE_PLAIN`` (``dact' = dout[token(s)] W_down[e]``); its activation backward streams the rows
 afterwards (:mod:`moeblaze.kernels.act_bwd`, where the measurement that chose this is given).
 Accumulation is fp32 (``tl.dot``); nothing is atomic, so results are bitwise reproducible.
 """
@@ -35,6 +36,16 @@ import triton
 import triton.language as tl
 
 from .act_math import act_forward
+
+# EPILOGUE: what the kernel does with the accumulator (module docstring).
+EPILOGUE_PLAIN = tl.constexpr(0)  # store C (bias, router-weight scale, scatter to token rows: optional)
+EPILOGUE_ACT_FWD = tl.constexpr(1)  # F1: store pre and/or act = f(gate) * up
+# B_DESC: how the weight B is read (see _mainloop; chosen by launch.b_desc_mode, launch.interleaved_desc_ok).
+B_DESC_NONE = tl.constexpr(0)  # pointer loads through B's strides
+B_DESC_NK = tl.constexpr(1)  # TMA descriptor over B stored [E*n, k] (tile transposed for the MMA)
+B_DESC_KN = tl.constexpr(2)  # TMA descriptor over B stored [E*k, n]
+B_DESC_PAIRED = tl.constexpr(3)  # as NK, gated F1: one [2, BLOCK_N, BLOCK_K] box holds the gate and up rows
+B_DESC_INTERLEAVED = tl.constexpr(4)  # gated F1, interleaved w_gate_up stored [E*d, 2h]: alternating columns
 
 
 @triton.jit
@@ -56,17 +67,17 @@ def _descriptors(a_ptr, b_ptr, A_ROWS, K_DIM, N_EXT, NUM_EXPERTS, stride_a_m, st
     global scratch and fences); the plain pointer where an operand is read through pointers."""
     a_desc = a_ptr
     b_desc = b_ptr
-    if B_DESC == 1:
+    if B_DESC == B_DESC_NK:
         b_desc = tl.make_tensor_descriptor(b_ptr, shape=[NUM_EXPERTS * N_EXT, K_DIM], strides=[stride_b_n, 1],
                                            block_shape=[BLOCK_N, BLOCK_K])
-    elif B_DESC == 2:
+    elif B_DESC == B_DESC_KN:
         b_desc = tl.make_tensor_descriptor(b_ptr, shape=[NUM_EXPERTS * K_DIM, N_EXT], strides=[stride_b_k, 1],
                                            block_shape=[BLOCK_K, BLOCK_N])
-    elif B_DESC == 3:  # w_gate_up [E, 2h, d] seen as [2E, h, d]: one box holds a gate and an up slab
+    elif B_DESC == B_DESC_PAIRED:  # w_gate_up [E, 2h, d] seen as [2E, h, d]: one box holds a gate and an up slab
         b_desc = tl.make_tensor_descriptor(b_ptr, shape=[2 * NUM_EXPERTS, N_EXT // 2, K_DIM],
                                            strides=[N_EXT // 2 * stride_b_n, stride_b_n, 1],
                                            block_shape=[2, BLOCK_N, BLOCK_K])
-    elif B_DESC == 4:  # interleaved w_gate_up stored [E*d, 2h] (GPT-OSS): a box of alternating gate/up columns
+    elif B_DESC == B_DESC_INTERLEAVED:  # w_gate_up stored [E*d, 2h] (GPT-OSS): a box of alternating gate/up columns
         b_desc = tl.make_tensor_descriptor(b_ptr, shape=[NUM_EXPERTS * K_DIM, N_EXT], strides=[stride_b_k, 1],
                                            block_shape=[BLOCK_K, 2 * BLOCK_N])
     if A_DESC:
@@ -78,22 +89,24 @@ def _descriptors(a_ptr, b_ptr, A_ROWS, K_DIM, N_EXT, NUM_EXPERTS, stride_a_m, st
 @triton.jit
 def _mainloop(a_ptr, b_ptr, a_desc, b_desc, a_rows, a_row0, e, pid_n, N_COLS, K_DIM, N_EXT, UP_OFF, up_shift,
               stride_a_m, stride_a_k, stride_b_e, stride_b_k, stride_b_n,
-              DUAL: tl.constexpr, A_DESC: tl.constexpr, B_DESC: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
-              DOT_PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+              DUAL: tl.constexpr, A_DESC: tl.constexpr, B_DESC: tl.constexpr, EVEN_K: tl.constexpr,
+              EVEN_N: tl.constexpr, DOT_PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+              BLOCK_K: tl.constexpr):
     """``acc[m, n] = sum_k A[a_rows[m], k] B[e][k, n]`` (and ``acc2`` with B's columns shifted by ``UP_OFF``;
     ``up_shift`` is that shift in elements). ``N_EXT``: the weight's extent along n (``2h`` for gated F1).
 
-    ``B_DESC`` (see :func:`moeblaze.kernels.launch.b_desc_mode`): 0 reads B through pointers; 1 and 2
-    through ``b_desc``, a TMA descriptor over the weight flattened to rows, stored ``[E*n, k]`` (1, tile
-    transposed in shared memory for the MMA) or ``[E*k, n]`` (2). Rows a tile reads past its expert land
-    in columns the epilogue masks (1), or never exist because ``K_DIM % BLOCK_K == 0`` (2, launcher rule);
-    past the last expert the TMA unit fills zeros. 3 (gated F1): one ``[2, BLOCK_N, BLOCK_K]`` box brings
+    ``B_DESC`` (see :func:`moeblaze.kernels.launch.b_desc_mode`): ``B_DESC_NONE`` reads B through pointers;
+    ``B_DESC_NK`` and ``B_DESC_KN`` through ``b_desc``, a TMA descriptor over the weight flattened to rows,
+    stored ``[E*n, k]`` (NK, tile transposed in shared memory for the MMA) or ``[E*k, n]`` (KN). Rows a tile
+    reads past its expert land in columns the epilogue masks (NK), or never exist because
+    ``K_DIM % BLOCK_K == 0`` (KN, launcher rule); past the last expert the TMA unit fills zeros.
+    ``B_DESC_PAIRED`` (gated F1, storage as NK): one ``[2, BLOCK_N, BLOCK_K]`` box brings
     the gate rows ``n`` and the up rows ``UP_OFF + n`` together (zeros past ``h``), so a single
     ``BLOCK_N x 2`` wide MMA replaces the two of ``DUAL``; the accumulator's halves are split after the
-    loop without data movement (each thread holds matching gate and up columns). 4 (gated F1 over an
-    interleaved ``w_gate_up`` stored ``[E*d, 2h]``, GPT-OSS's ``gate_up_proj``): one ``[BLOCK_K, 2*BLOCK_N]``
-    box of alternating gate/up columns ``2*n0 ...`` feeds one wide MMA whose accumulator columns alternate
-    the same way; split after the loop. Same products and
+    loop without data movement (each thread holds matching gate and up columns). ``B_DESC_INTERLEAVED``
+    (gated F1 over an interleaved ``w_gate_up`` stored ``[E*d, 2h]``, GPT-OSS's ``gate_up_proj``): one
+    ``[BLOCK_K, 2*BLOCK_N]`` box of alternating gate/up columns ``2*n0 ...`` feeds one wide MMA whose
+    accumulator columns alternate the same way; split after the loop. Same products and
     summation order as two dots: bitwise equal results, 1.01-1.04x faster on an H200 at the same config
     and 1.06-1.08x with the persistent launch it makes worthwhile (2026-11-23, F1 of conf4, conf7, olmoe,
     qwen3-30b replayed alone, ``python3 benchmarks/profile_kernels.py --configs conf4-swiglu,conf7-swiglu``).
@@ -108,12 +121,12 @@ def _mainloop(a_ptr, b_ptr, a_desc, b_desc, a_rows, a_row0, e, pid_n, N_COLS, K_
     a_ptrs = a_ptr + a_rows[:, None] * stride_a_m + offs_k[None, :] * stride_a_k
     b_ptrs = (b_ptr + e.to(tl.int64) * stride_b_e + offs_k[:, None] * stride_b_k
               + offs_n[None, :] * stride_b_n)
-    if B_DESC == 1:
+    if B_DESC == B_DESC_NK:
         b_row = e * N_EXT + n0
-    elif B_DESC == 2 or B_DESC == 4:  # noqa: SIM109 (no `in` on constexprs in @triton.jit)
+    elif B_DESC == B_DESC_KN or B_DESC == B_DESC_INTERLEAVED:  # noqa: SIM109 (no `in` on constexprs in @triton.jit)
         b_row = e * K_DIM
-    PAIRED: tl.constexpr = B_DESC == 3 or B_DESC == 4
-    acc = tl.zeros((BLOCK_M, 2 * BLOCK_N if PAIRED else BLOCK_N), dtype=tl.float32)
+    WIDE: tl.constexpr = B_DESC == B_DESC_PAIRED or B_DESC == B_DESC_INTERLEAVED  # one MMA, gate and up
+    acc = tl.zeros((BLOCK_M, 2 * BLOCK_N if WIDE else BLOCK_N), dtype=tl.float32)
     acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K_DIM, BLOCK_K):
         k_ok = offs_k < K_DIM - k0
@@ -123,17 +136,17 @@ def _mainloop(a_ptr, b_ptr, a_desc, b_desc, a_rows, a_row0, e, pid_n, N_COLS, K_
             a = tl.load(a_ptrs)
         else:
             a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
-        if B_DESC == 1:
+        if B_DESC == B_DESC_NK:
             b = b_desc.load([b_row, k0]).T
             if DUAL:
                 b2 = b_desc.load([b_row + UP_OFF, k0]).T
-        elif B_DESC == 2:
+        elif B_DESC == B_DESC_KN:
             b = b_desc.load([b_row + k0, n0])
             if DUAL:
                 b2 = b_desc.load([b_row + k0, n0 + UP_OFF])
-        elif B_DESC == 3:
+        elif B_DESC == B_DESC_PAIRED:
             b = b_desc.load([2 * e, n0, k0]).reshape(2 * BLOCK_N, BLOCK_K).T
-        elif B_DESC == 4:
+        elif B_DESC == B_DESC_INTERLEAVED:
             b = b_desc.load([b_row + k0, 2 * n0])
         elif EVEN_K and EVEN_N:
             b = tl.load(b_ptrs)
@@ -145,13 +158,13 @@ def _mainloop(a_ptr, b_ptr, a_desc, b_desc, a_rows, a_row0, e, pid_n, N_COLS, K_
             if DUAL:
                 b2 = tl.load(b_ptrs + up_shift, mask=b_mask, other=0.0)
         acc = tl.dot(a, b, acc, input_precision=DOT_PREC)
-        if DUAL and not PAIRED:
+        if DUAL and not WIDE:
             acc2 = tl.dot(a, b2, acc2, input_precision=DOT_PREC)
         a_ptrs += BLOCK_K * stride_a_k
         b_ptrs += BLOCK_K * stride_b_k
-    if B_DESC == 3:
+    if B_DESC == B_DESC_PAIRED:
         acc, acc2 = acc.reshape(BLOCK_M, 2, BLOCK_N).permute(0, 2, 1).split()
-    elif B_DESC == 4:
+    elif B_DESC == B_DESC_INTERLEAVED:
         acc, acc2 = acc.reshape(BLOCK_M, BLOCK_N, 2).split()
     return acc, acc2
 
@@ -159,7 +172,7 @@ def _mainloop(a_ptr, b_ptr, a_desc, b_desc, a_rows, a_row0, e, pid_n, N_COLS, K_
 @triton.jit
 def _epilogue_plain(c_ptr, scale_ptr, bias_ptr, acc, e, rows, tokens, mask, offs_n, n_mask, stride_c_m,
                     stride_bias_e, SCATTER_C: tl.constexpr, SCALE_C: tl.constexpr, HAS_BIAS: tl.constexpr):
-    """EPILOGUE 0: ``C[row] = (acc + bias[e])`` (``* w_slot``), row = token(s) if ``SCATTER_C`` else s."""
+    """``EPILOGUE_PLAIN``: ``C[row] = (acc + bias[e])`` (``* w_slot``), row = token(s) if ``SCATTER_C`` else s."""
     if HAS_BIAS:
         acc += tl.load(bias_ptr + e * stride_bias_e + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     if SCALE_C:
@@ -176,7 +189,8 @@ def _epilogue_act_fwd(pre_ptr, act_ptr, bias_ptr, acc, acc2, e, rows, mask, offs
                       stride_pre_m, stride_act_m, stride_bias_e, ACTIVATION: tl.constexpr, DUAL: tl.constexpr,
                       STORE_PRE: tl.constexpr, STORE_ACT: tl.constexpr, HAS_BIAS: tl.constexpr,
                       PRE_STEP: tl.constexpr):
-    """EPILOGUE 1 (F1): store ``pre`` (gate at ``n * PRE_STEP``, up ``UP_OFF`` further) and ``act = f(pre)``."""
+    """``EPILOGUE_ACT_FWD`` (F1): store ``pre`` (gate at ``n * PRE_STEP``, up ``UP_OFF`` further) and
+    ``act = f(pre)``."""
     cols = offs_n * PRE_STEP
     if HAS_BIAS:  # bias[e] in pre's column order
         b_ptrs = bias_ptr + e * stride_bias_e + cols
@@ -224,27 +238,39 @@ def _gemm_tile(
         a_rows = rows
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N_COLS
-    acc, acc2 = _mainloop(a_ptr, b_ptr, a_desc, b_desc, a_rows, row0, e, pid_n, N_COLS, K_DIM, N_EXT, UP_OFF,
-                          UP_SHIFT_B, stride_a_m, stride_a_k, stride_b_e, stride_b_k, stride_b_n,
-                          DUAL, A_DESC, B_DESC, EVEN_K, EVEN_N, DOT_PREC, BLOCK_M, BLOCK_N, BLOCK_K)
+    acc, acc2 = _mainloop(
+        a_ptr=a_ptr, b_ptr=b_ptr, a_desc=a_desc, b_desc=b_desc, a_rows=a_rows, a_row0=row0, e=e, pid_n=pid_n,
+        N_COLS=N_COLS, K_DIM=K_DIM, N_EXT=N_EXT, UP_OFF=UP_OFF, up_shift=UP_SHIFT_B,
+        stride_a_m=stride_a_m, stride_a_k=stride_a_k, stride_b_e=stride_b_e, stride_b_k=stride_b_k,
+        stride_b_n=stride_b_n,
+        DUAL=DUAL, A_DESC=A_DESC, B_DESC=B_DESC, EVEN_K=EVEN_K, EVEN_N=EVEN_N, DOT_PREC=DOT_PREC,
+        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+    )
     mask = row_mask[:, None] & n_mask[None, :]
-    if EPILOGUE == 0:
-        _epilogue_plain(c_ptr, scale_ptr, bias_ptr, acc, e, rows, tokens, mask, offs_n, n_mask, stride_c_m,
-                        stride_bias_e, SCATTER_C, SCALE_C, HAS_BIAS)
-    else:
-        _epilogue_act_fwd(c_ptr, aux_ptr, bias_ptr, acc, acc2, e, rows, mask, offs_n, n_mask, UP_OFF, alpha, limit,
-                          stride_c_m, stride_aux_m, stride_bias_e, ACTIVATION, DUAL, STORE_PRE, STORE_AUX, HAS_BIAS,
-                          PRE_STEP)
+    if EPILOGUE == EPILOGUE_PLAIN:
+        _epilogue_plain(
+            c_ptr=c_ptr, scale_ptr=scale_ptr, bias_ptr=bias_ptr, acc=acc, e=e, rows=rows, tokens=tokens, mask=mask,
+            offs_n=offs_n, n_mask=n_mask, stride_c_m=stride_c_m, stride_bias_e=stride_bias_e,
+            SCATTER_C=SCATTER_C, SCALE_C=SCALE_C, HAS_BIAS=HAS_BIAS,
+        )
+    else:  # EPILOGUE_ACT_FWD: c is pre, aux is act
+        _epilogue_act_fwd(
+            pre_ptr=c_ptr, act_ptr=aux_ptr, bias_ptr=bias_ptr, acc=acc, acc2=acc2, e=e, rows=rows, mask=mask,
+            offs_n=offs_n, n_mask=n_mask, UP_OFF=UP_OFF, alpha=alpha, limit=limit,
+            stride_pre_m=stride_c_m, stride_act_m=stride_aux_m, stride_bias_e=stride_bias_e,
+            ACTIVATION=ACTIVATION, DUAL=DUAL, STORE_PRE=STORE_PRE, STORE_ACT=STORE_AUX, HAS_BIAS=HAS_BIAS,
+            PRE_STEP=PRE_STEP,
+        )
 
 
 @triton.jit
 def grouped_gemm_kernel(
     a_ptr,  # [T, K_DIM] (GATHER_A: x, dout) or [N, K_DIM] (act, dpre); fp16/bf16/fp32
     b_ptr,  # [E, *, *] weight; B[e][k, n] at e*stride_b_e + k*stride_b_k + n*stride_b_n (B_DESC: TMA)
-    c_ptr,  # EPILOGUE 0: [N, N_COLS] or [T, N_COLS] (SCATTER_C); 1: pre [N, 2h|h]
-    aux_ptr,  # EPILOGUE 1: act [N, h]; else unused
+    c_ptr,  # EPILOGUE_PLAIN: [N, N_COLS] or [T, N_COLS] (SCATTER_C); EPILOGUE_ACT_FWD: pre [N, 2h|h]
+    aux_ptr,  # EPILOGUE_ACT_FWD: act [N, h]; else unused
     scale_ptr,  # [N] fp32 router weight of each slot (SCALE_C)
-    bias_ptr,  # [E, N_COLS] (EPILOGUE 0) or [E, 2h|h] (EPILOGUE 1, pre's column order) expert bias (HAS_BIAS)
+    bias_ptr,  # [E, N_COLS] (EPILOGUE_PLAIN) or [E, 2h|h] (EPILOGUE_ACT_FWD, pre's column order) bias (HAS_BIAS)
     offsets_ptr,  # [E+1] int32 expert_token_offsets
     indices_ptr,  # [N] int32 expert_token_indices (slot -> token)
     tile_expert_ptr,  # [max_tiles] int32 expert of each M-tile (-1 past num_tiles)
@@ -255,7 +281,7 @@ def grouped_gemm_kernel(
     A_ROWS,  # rows of A (A_DESC: extent of its descriptor)
     UP_OFF,  # column of the up entry of n in pre / dpre, from its gate column (h, or 1 when interleaved)
     UP_SHIFT_B,  # element offset of the up rows of w_gate_up from the gate rows (DUAL only)
-    alpha, limit,  # fp32 parameters of the clamped SwiGLU (EPILOGUE 1)
+    alpha, limit,  # fp32 parameters of the clamped SwiGLU (EPILOGUE_ACT_FWD)
     stride_a_m, stride_a_k, stride_b_e, stride_b_k, stride_b_n, stride_c_m, stride_aux_m, stride_bias_e,
     NUM_EXPERTS,  # E (autotune key; rows of the B_DESC descriptor)
     GATHER_A: tl.constexpr, SCATTER_C: tl.constexpr, SCALE_C: tl.constexpr, EPILOGUE: tl.constexpr,
@@ -268,25 +294,42 @@ def grouped_gemm_kernel(
     # PERSISTENT: a fixed grid (about one program per SM) walks the valid tiles; the flattened loop lets
     # the pipeliner issue the next tile's first loads during this tile's epilogue. Else one program per
     # (M-tile of the static schedule length, N-tile); programs past num_tiles exit.
-    a_desc, b_desc = _descriptors(a_ptr, b_ptr, A_ROWS, K_DIM, N_EXT, NUM_EXPERTS, stride_a_m, stride_b_k, stride_b_n,
-                                  A_DESC, B_DESC, BLOCK_M, BLOCK_N, BLOCK_K)
+    a_desc, b_desc = _descriptors(
+        a_ptr=a_ptr, b_ptr=b_ptr, A_ROWS=A_ROWS, K_DIM=K_DIM, N_EXT=N_EXT, NUM_EXPERTS=NUM_EXPERTS,
+        stride_a_m=stride_a_m, stride_b_k=stride_b_k, stride_b_n=stride_b_n,
+        A_DESC=A_DESC, B_DESC=B_DESC, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+    )
     num_n = tl.cdiv(N_COLS, BLOCK_N)
     num_tiles = tl.load(num_tiles_ptr)
     if PERSISTENT:
         for t in tl.range(tl.program_id(0), num_tiles * num_n, tl.num_programs(0), flatten=True):
-            _gemm_tile(t, num_tiles, num_n, a_ptr, b_ptr, c_ptr, aux_ptr, scale_ptr, bias_ptr, offsets_ptr,
-                       indices_ptr, tile_expert_ptr, tile_row_ptr, a_desc, b_desc, N_COLS, K_DIM, N_EXT, UP_OFF,
-                       UP_SHIFT_B, alpha, limit, stride_a_m, stride_a_k, stride_b_e, stride_b_k, stride_b_n,
-                       stride_c_m, stride_aux_m, stride_bias_e, GATHER_A, SCATTER_C, SCALE_C, EPILOGUE,
-                       ACTIVATION, DUAL, STORE_PRE, STORE_AUX, HAS_BIAS, PRE_STEP, A_DESC, B_DESC, DOT_PREC,
-                       EVEN_K, EVEN_N, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
+            _gemm_tile(
+                t=t, tiles=num_tiles, num_n=num_n,
+                a_ptr=a_ptr, b_ptr=b_ptr, c_ptr=c_ptr, aux_ptr=aux_ptr, scale_ptr=scale_ptr, bias_ptr=bias_ptr,
+                offsets_ptr=offsets_ptr, indices_ptr=indices_ptr, tile_expert_ptr=tile_expert_ptr,
+                tile_row_ptr=tile_row_ptr, a_desc=a_desc, b_desc=b_desc,
+                N_COLS=N_COLS, K_DIM=K_DIM, N_EXT=N_EXT, UP_OFF=UP_OFF, UP_SHIFT_B=UP_SHIFT_B, alpha=alpha, limit=limit,
+                stride_a_m=stride_a_m, stride_a_k=stride_a_k, stride_b_e=stride_b_e, stride_b_k=stride_b_k,
+                stride_b_n=stride_b_n, stride_c_m=stride_c_m, stride_aux_m=stride_aux_m, stride_bias_e=stride_bias_e,
+                GATHER_A=GATHER_A, SCATTER_C=SCATTER_C, SCALE_C=SCALE_C, EPILOGUE=EPILOGUE, ACTIVATION=ACTIVATION,
+                DUAL=DUAL, STORE_PRE=STORE_PRE, STORE_AUX=STORE_AUX, HAS_BIAS=HAS_BIAS, PRE_STEP=PRE_STEP,
+                A_DESC=A_DESC, B_DESC=B_DESC, DOT_PREC=DOT_PREC, EVEN_K=EVEN_K, EVEN_N=EVEN_N,
+                BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, GROUP_M=GROUP_M,
+            )
     else:
         pid = tl.program_id(0)
         pid_m, _ = tile_of(pid, max_tiles, num_n, GROUP_M)
         if pid_m < num_tiles:
-            _gemm_tile(pid, max_tiles, num_n, a_ptr, b_ptr, c_ptr, aux_ptr, scale_ptr, bias_ptr, offsets_ptr,
-                       indices_ptr, tile_expert_ptr, tile_row_ptr, a_desc, b_desc, N_COLS, K_DIM, N_EXT, UP_OFF,
-                       UP_SHIFT_B, alpha, limit, stride_a_m, stride_a_k, stride_b_e, stride_b_k, stride_b_n,
-                       stride_c_m, stride_aux_m, stride_bias_e, GATHER_A, SCATTER_C, SCALE_C, EPILOGUE,
-                       ACTIVATION, DUAL, STORE_PRE, STORE_AUX, HAS_BIAS, PRE_STEP, A_DESC, B_DESC, DOT_PREC,
-                       EVEN_K, EVEN_N, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
+            _gemm_tile(
+                t=pid, tiles=max_tiles, num_n=num_n,
+                a_ptr=a_ptr, b_ptr=b_ptr, c_ptr=c_ptr, aux_ptr=aux_ptr, scale_ptr=scale_ptr, bias_ptr=bias_ptr,
+                offsets_ptr=offsets_ptr, indices_ptr=indices_ptr, tile_expert_ptr=tile_expert_ptr,
+                tile_row_ptr=tile_row_ptr, a_desc=a_desc, b_desc=b_desc,
+                N_COLS=N_COLS, K_DIM=K_DIM, N_EXT=N_EXT, UP_OFF=UP_OFF, UP_SHIFT_B=UP_SHIFT_B, alpha=alpha, limit=limit,
+                stride_a_m=stride_a_m, stride_a_k=stride_a_k, stride_b_e=stride_b_e, stride_b_k=stride_b_k,
+                stride_b_n=stride_b_n, stride_c_m=stride_c_m, stride_aux_m=stride_aux_m, stride_bias_e=stride_bias_e,
+                GATHER_A=GATHER_A, SCATTER_C=SCATTER_C, SCALE_C=SCALE_C, EPILOGUE=EPILOGUE, ACTIVATION=ACTIVATION,
+                DUAL=DUAL, STORE_PRE=STORE_PRE, STORE_AUX=STORE_AUX, HAS_BIAS=HAS_BIAS, PRE_STEP=PRE_STEP,
+                A_DESC=A_DESC, B_DESC=B_DESC, DOT_PREC=DOT_PREC, EVEN_K=EVEN_K, EVEN_N=EVEN_N,
+                BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, GROUP_M=GROUP_M,
+            )

@@ -10,7 +10,14 @@ from __future__ import annotations
 import torch
 import triton
 
-from .grouped_gemm import grouped_gemm_kernel
+from .grouped_gemm import (
+    B_DESC_KN,
+    B_DESC_NK,
+    B_DESC_NONE,
+    B_DESC_PAIRED,
+    EPILOGUE_PLAIN,
+    grouped_gemm_kernel,
+)
 from .tuning import (
     Launchable,
     block_m,
@@ -32,7 +39,7 @@ _GEMM = Launchable(grouped_gemm_kernel, gemm_configs, key=_GEMM_KEY, heuristics=
                    variant=persistent_mode)
 _WGRAD = Launchable(grouped_wgrad_kernel, wgrad_configs, key=["P", "Q", "NUM_EXPERTS", "stride_c_p", "B_DESC",
                                                            "DOT_PREC"], prune=prune_fp32_tiles)
-# Every BLOCK_K of gemm_configs divides this: a K_DIM multiple of it never reads past an expert (B_DESC 2).
+# Every BLOCK_K of gemm_configs divides this: a K_DIM multiple of it never reads past an expert (B_DESC_KN).
 _K_QUANTUM = 64
 
 
@@ -82,28 +89,30 @@ def _slot_rows_desc(t: torch.Tensor, gathered: bool) -> bool:
 
 
 def b_desc_mode(b: torch.Tensor, b_nk: bool, k_dim: int, paired: bool = False) -> int:
-    """How :func:`grouped_gemm_kernel` reads the weight ``b [E, *, *]``: 0 pointers, 1 a TMA descriptor
-    over rows stored ``[E*n, k]``, 2 over rows stored ``[E*k, n]``, 3 as 1 with the gate and up rows of a
-    tile in one box (``paired``: the gated F1, up rows starting at half of ``b``'s n extent).
+    """How :func:`grouped_gemm_kernel` reads the weight ``b [E, *, *]`` (the ``.value`` of a ``B_DESC_*``
+    constant of :mod:`moeblaze.kernels.grouped_gemm`): ``B_DESC_NONE`` pointers, ``B_DESC_NK`` a TMA
+    descriptor over rows stored ``[E*n, k]``, ``B_DESC_KN`` over rows stored ``[E*k, n]``, ``B_DESC_PAIRED``
+    as NK with the gate and up rows of a tile in one box (``paired``: the gated F1, up rows starting at half
+    of ``b``'s n extent).
 
     TMA needs an sm90+ GPU (or the interpreter), ``MOEBLAZE_TMA`` not ``0``, a unit-stride last storage
     dimension with experts packed back to back (``stride_e = rows * row_stride``), 16-byte alignment,
-    and for mode 2 a ``k_dim`` multiple of 64 (tiles never run into the next expert's rows along k).
+    and for ``B_DESC_KN`` a ``k_dim`` multiple of 64 (tiles never run into the next expert's rows along k).
     """
     if not tma_enabled(b.device):
-        return 0
+        return B_DESC_NONE.value
     for dim in (2, 1):  # the unit-stride dimension is the descriptor's column
         other = 3 - dim
         if b.stride(dim) == 1 and b.stride(0) == b.shape[other] * b.stride(other) and _rows_tma_ok(b, b.stride(other)):
             rows_are_n = b_nk == (other == 1)  # b[e] is [n, k] when b_nk
             if rows_are_n:
-                return 3 if paired else 1
-            return 2 if k_dim % _K_QUANTUM == 0 else 0
-    return 0
+                return B_DESC_PAIRED.value if paired else B_DESC_NK.value
+            return B_DESC_KN.value if k_dim % _K_QUANTUM == 0 else B_DESC_NONE.value
+    return B_DESC_NONE.value
 
 
 def interleaved_desc_ok(w1: torch.Tensor, k_dim: int) -> bool:
-    """An interleaved ``w_gate_up [E, 2h, d]`` view can be read through a ``B_DESC`` 4 descriptor: its storage
+    """An interleaved ``w_gate_up [E, 2h, d]`` view can be read through a ``B_DESC_INTERLEAVED`` descriptor: its storage
     is ``[E, d, 2h]`` packed (GPT-OSS's ``gate_up_proj``), 16-byte aligned, ``d`` a multiple of 64 (k tiles
     never run into the next expert's rows), TMA enabled."""
     return (tma_enabled(w1.device) and w1.stride(1) == 1 and w1.stride(0) == w1.shape[2] * w1.stride(2)
@@ -111,17 +120,19 @@ def interleaved_desc_ok(w1: torch.Tensor, k_dim: int) -> bool:
 
 
 def grouped_gemm(a, b, c, offsets, indices, sched, *, b_nk, n_cols, k_dim, gather_a, up_off=0,
-                 scatter_c=False, scale=None, epilogue=0, activation=0, dual=False, store_pre=False,
+                 scatter_c=False, scale=None, epilogue=EPILOGUE_PLAIN.value, activation=0, dual=False, store_pre=False,
                  aux=None, store_aux=False, bias=None, pre_step=1, up_shift_b=None, alpha=0.0, limit=0.0,
                  weight_desc=True, b_mode=None):
     """Launch :func:`grouped_gemm_kernel` (see its module for the epilogues).
+
+    ``epilogue``: the ``.value`` of ``EPILOGUE_PLAIN`` or ``EPILOGUE_ACT_FWD`` (:mod:`.grouped_gemm`).
 
     ``bias``: ``[E, cols]`` expert bias with unit column stride, added in the epilogue (None: off).
     ``pre_step``/``up_off``: F1's column layout of ``pre`` (1, h: blocks; 2, 1: interleaved gate/up).
     ``up_shift_b``: element offset of the up rows from the gate rows of ``b`` (default ``up_off`` rows).
     ``alpha``/``limit``: the clamped SwiGLU's parameters. ``weight_desc=False`` forces pointer loads of ``b``
     (a strided view whose gate and up rows a descriptor cannot pair); ``b_mode`` forces a ``B_DESC`` mode
-    (4: an interleaved ``w_gate_up``, see :func:`interleaved_desc_ok`).
+    (``B_DESC_INTERLEAVED.value``: an interleaved ``w_gate_up``, see :func:`interleaved_desc_ok`).
 
     ``a [rows, k_dim]`` (``gather_a``: rows are tokens; else slots, read through a TMA descriptor where
     :func:`tma_enabled` and its rows are 16-byte aligned), ``b`` a weight ``[E, n, k]`` (``b_nk``) or
@@ -146,12 +157,11 @@ def grouped_gemm(a, b, c, offsets, indices, sched, *, b_nk, n_cols, k_dim, gathe
     n_ext = b.shape[n_dim]
     b_strides = (b.stride(0), b.stride(k_dim_b), b.stride(n_dim))
     if b_mode is None:
-        b_mode = b_desc_mode(b, b_nk, k_dim, paired=dual and 2 * up_off == n_ext) if weight_desc else 0
-    mode = b_mode
+        b_mode = b_desc_mode(b, b_nk, k_dim, paired=dual and 2 * up_off == n_ext) if weight_desc else B_DESC_NONE.value
     up_shift_b = up_off * b_strides[2] if up_shift_b is None else up_shift_b
     bias_t = bias if bias is not None else offsets  # dummy pointer when HAS_BIAS is off
     a_desc = _slot_rows_desc(a, gather_a)
-    if mode or a_desc:
+    if b_mode != B_DESC_NONE.value or a_desc:
         triton.set_allocator(_scratch)
     programs = num_programs(a.device)
 
@@ -166,7 +176,7 @@ def grouped_gemm(a, b, c, offsets, indices, sched, *, b_nk, n_cols, k_dim, gathe
         E,
         GATHER_A=gather_a, SCATTER_C=scatter_c, SCALE_C=scale is not offsets, EPILOGUE=epilogue,
         ACTIVATION=activation, DUAL=dual, STORE_PRE=store_pre, STORE_AUX=store_aux, HAS_BIAS=bias is not None,
-        PRE_STEP=pre_step, A_DESC=a_desc, B_DESC=mode,
+        PRE_STEP=pre_step, A_DESC=a_desc, B_DESC=b_mode,
         DOT_PREC=dot_precision(a.dtype), BLOCK_M=bm,
     )
 

@@ -8,10 +8,11 @@ B2: ``dW_down[e]      = sum_s dout[token(s)]^T (w act)[s]``  (P = d, Q = h; stor
 B4: ``dW_gate_up[e]^T = sum_s x[token(s)]^T dpre[s]``        (P = d, Q = 2h|h; stored transposed)
 
 Why B4 is computed transposed: the gathered operand on the A side and the slot rows through TMA as B is
-the faster arrangement on an H200 (2026-11-23, ``python3 benchmarks/profile_kernels.py --configs conf4-swiglu,qwen3-30b-a3b``):
-B2 ran at 670-735 TF/s and the transposed B4 at 682-742, against 595-651 for B4 as ``dpre^T x`` with the
-gathered operand as B (1.064x slower in a same-call A/B on conf4). The transposed store (``stride_c_p =
-1``) costs one layout conversion per output tile.
+the faster arrangement on an H200 (2026-11-23,
+``python3 benchmarks/profile_kernels.py --configs conf4-swiglu,qwen3-30b-a3b``): B2 ran at 670-735 TF/s
+and the transposed B4 at 682-742, against 595-651 for B4 as ``dpre^T x`` with the gathered operand as B
+(1.064x slower in a same-call A/B on conf4). The transposed store (``stride_c_p = 1``) costs one layout
+conversion per output tile.
 
 Grid: ``E * cdiv(P, BLOCK_P) * cdiv(Q, BLOCK_Q)`` programs, expert-major (the programs of one expert
 run together and share its rows in L2), grouped ordering inside an expert. The slot loop runs in a
