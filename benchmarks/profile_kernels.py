@@ -26,9 +26,10 @@ import triton.testing
 from moeblaze.bench.baselines import ImplOptions, make_weights, resolve_impl
 from moeblaze.bench.configs import CONFIGS, parse_list
 from moeblaze.kernels import tuning
+from moeblaze.kernels.grouped_gemm import EPILOGUE_ACT_FWD
 
 STEP_NAMES = {  # kernel -> (its arguments -> DESIGN.md §5 step); F2 reads w_down [E, d, h] along its rows
-    "grouped_gemm_kernel": lambda a: ("F1 up-proj + act" if a["EPILOGUE"] == 1 else
+    "grouped_gemm_kernel": lambda a: ("F1 up-proj + act" if a["EPILOGUE"] == EPILOGUE_ACT_FWD.value else
                                       "B1 dact'" if a["GATHER_A"] else "F2 down-proj" if a["stride_b_k"] == 1
                                       else "B3 dx slots"),
     "grouped_wgrad_kernel": lambda a: "B4 dW_gate_up^T" if a["stride_c_p"] == 1 else "B2 dW_down",

@@ -27,9 +27,23 @@ from moeblaze.kernels.act_bwd import act_bwd_rows_kernel
 from moeblaze.kernels.act_math import ACTIVATION_CODES
 from moeblaze.kernels.bias_grad import segment_sum_kernel
 from moeblaze.kernels.combine import gather_sum_kernel
-from moeblaze.kernels.grouped_gemm import grouped_gemm_kernel
+from moeblaze.kernels.grouped_gemm import (
+    B_DESC_INTERLEAVED,
+    B_DESC_KN,
+    B_DESC_NK,
+    B_DESC_NONE,
+    B_DESC_PAIRED,
+    EPILOGUE_ACT_FWD,
+    EPILOGUE_PLAIN,
+    grouped_gemm_kernel,
+)
 from moeblaze.kernels.tuning import act_bwd_configs, gather_sum_configs, gemm_configs, prune_gemm_configs, wgrad_configs
 from moeblaze.kernels.wgrad import grouped_wgrad_kernel
+
+# The kernel variants by name (moeblaze.kernels.grouped_gemm), as the launcher passes them.
+PLAIN, ACT_FWD = EPILOGUE_PLAIN.value, EPILOGUE_ACT_FWD.value
+NONE, NK, KN, PAIRED, INTERLEAVED = (m.value for m in (B_DESC_NONE, B_DESC_NK, B_DESC_KN, B_DESC_PAIRED,
+                                                         B_DESC_INTERLEAVED))
 
 TARGET = GPUTarget("cuda", 90, 32)
 NOT_DIVISIBLE = {"max_tiles", "NUM_EXPERTS", "T", "K"}
@@ -71,34 +85,35 @@ def main() -> None:
     gemm_ptrs = {n: T for n in ("a_ptr", "b_ptr", "c_ptr", "aux_ptr")}
     gemm_ptrs.update(scale_ptr="*fp32", offsets_ptr="*i32", indices_ptr="*i32", tile_expert_ptr="*i32",
                      tile_row_ptr="*i32", num_tiles_ptr="*i32", bias_ptr=T, alpha="fp32", limit="fp32")
-    base = dict(GATHER_A=False, SCATTER_C=False, SCALE_C=False, EPILOGUE=0, ACTIVATION=0, DUAL=False,
+    base = dict(GATHER_A=False, SCATTER_C=False, SCALE_C=False, EPILOGUE=PLAIN, ACTIVATION=0, DUAL=False,
                 STORE_PRE=False, STORE_AUX=False, DOT_PREC=prec, EVEN_K=True, EVEN_N=True,
-                BLOCK_M=128, stride_a_k=1, stride_b_k=1, A_DESC=False, B_DESC=0, HAS_BIAS=False, PRE_STEP=1)
+                BLOCK_M=128, stride_a_k=1, stride_b_k=1, A_DESC=False, B_DESC=NONE, HAS_BIAS=False, PRE_STEP=1)
     code = ACTIVATION_CODES
     k_contig_b = dict(stride_b_k=None, stride_b_n=1)
     variants = {
-        "F1 swiglu": dict(GATHER_A=True, EPILOGUE=1, DUAL=True, STORE_PRE=True, STORE_AUX=True, B_DESC=3),
-        "F1 swiglu, w1 transposed": dict(GATHER_A=True, EPILOGUE=1, DUAL=True, STORE_PRE=True, STORE_AUX=True,
-                                         B_DESC=2, **k_contig_b),
-        "F1 gelu, act only, odd": dict(GATHER_A=True, EPILOGUE=1, ACTIVATION=code["gelu"], STORE_AUX=True,
+        "F1 swiglu": dict(GATHER_A=True, EPILOGUE=ACT_FWD, DUAL=True, STORE_PRE=True, STORE_AUX=True, B_DESC=PAIRED),
+        "F1 swiglu, w1 transposed": dict(GATHER_A=True, EPILOGUE=ACT_FWD, DUAL=True, STORE_PRE=True, STORE_AUX=True,
+                                         B_DESC=KN, **k_contig_b),
+        "F1 gelu, act only, odd": dict(GATHER_A=True, EPILOGUE=ACT_FWD, ACTIVATION=code["gelu"], STORE_AUX=True,
                                        EVEN_K=False, EVEN_N=False),
-        "F1 gpt-oss (interleaved box, bias)": dict(GATHER_A=True, EPILOGUE=1, DUAL=True, STORE_PRE=True,
-                                                   STORE_AUX=True, B_DESC=4, ACTIVATION=code["swiglu_clamped"],
-                                                   HAS_BIAS=True, PRE_STEP=2, **k_contig_b),
-        "F1 gpt-oss pointers, odd": dict(GATHER_A=True, EPILOGUE=1, DUAL=True, STORE_PRE=True, STORE_AUX=True,
+        "F1 gpt-oss (interleaved box, bias)": dict(GATHER_A=True, EPILOGUE=ACT_FWD, DUAL=True, STORE_PRE=True,
+                                                   STORE_AUX=True, B_DESC=INTERLEAVED,
+                                                   ACTIVATION=code["swiglu_clamped"], HAS_BIAS=True, PRE_STEP=2,
+                                                   **k_contig_b),
+        "F1 gpt-oss pointers, odd": dict(GATHER_A=True, EPILOGUE=ACT_FWD, DUAL=True, STORE_PRE=True, STORE_AUX=True,
                                          ACTIVATION=code["swiglu_clamped"], HAS_BIAS=True, PRE_STEP=2,
                                          EVEN_K=False, EVEN_N=False, stride_b_k=None, stride_b_n=None),
-        "F1 geglu_tanh + relu2 bias": dict(GATHER_A=True, EPILOGUE=1, DUAL=True, STORE_PRE=True, STORE_AUX=True,
-                                           B_DESC=3, ACTIVATION=code["geglu_tanh"], HAS_BIAS=True),
-        "F1 relu2": dict(GATHER_A=True, EPILOGUE=1, ACTIVATION=code["relu2"], STORE_PRE=True, STORE_AUX=True,
-                         B_DESC=1),
-        "F2 y": dict(A_DESC=True, B_DESC=1),
-        "F2 y bias": dict(A_DESC=True, B_DESC=1, HAS_BIAS=True),
+        "F1 geglu_tanh + relu2 bias": dict(GATHER_A=True, EPILOGUE=ACT_FWD, DUAL=True, STORE_PRE=True, STORE_AUX=True,
+                                           B_DESC=PAIRED, ACTIVATION=code["geglu_tanh"], HAS_BIAS=True),
+        "F1 relu2": dict(GATHER_A=True, EPILOGUE=ACT_FWD, ACTIVATION=code["relu2"], STORE_PRE=True, STORE_AUX=True,
+                         B_DESC=NK),
+        "F2 y": dict(A_DESC=True, B_DESC=NK),
+        "F2 y bias": dict(A_DESC=True, B_DESC=NK, HAS_BIAS=True),
         "F2 K=1 scatter bias": dict(SCATTER_C=True, SCALE_C=True, EVEN_N=False, HAS_BIAS=True),
         "F2 K=1 scatter": dict(SCATTER_C=True, SCALE_C=True, EVEN_N=False),
-        "B1 dact'": dict(GATHER_A=True, B_DESC=2, **k_contig_b),
+        "B1 dact'": dict(GATHER_A=True, B_DESC=KN, **k_contig_b),
         "B1 dact' odd": dict(GATHER_A=True, EVEN_K=False, EVEN_N=False, **k_contig_b),
-        "B3": dict(A_DESC=True, B_DESC=2, **k_contig_b),
+        "B3": dict(A_DESC=True, B_DESC=KN, **k_contig_b),
     }
     for name, v in variants.items():
         c0 = {k: val for k, val in {**base, **v}.items() if val is not None}

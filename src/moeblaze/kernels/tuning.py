@@ -105,7 +105,7 @@ def gemm_configs(kind: str, persistent: str = "auto") -> list[triton.Config]:
     Why both (H200, 2026-11-23, autotuned, ``benchmarks/profile_layer.py``): persistent GEMMs took
     8.7 vs 9.6 ms per step on qwen3-30b (K_DIM 768-2048: the next tile's loads overlap this tile's
     epilogue) and 11.4 vs 11.9 ms on olmoe, but 43.0 vs 41.4 ms on conf4 (K_DIM 2048-16384). Since the
-    gated F1 runs one wide MMA (``B_DESC`` 3), the tuner picks its persistent launch on conf4, conf7, olmoe
+    gated F1 runs one wide MMA (``B_DESC_PAIRED``), the tuner picks its persistent launch on conf4, conf7, olmoe
     and qwen3-30b (H200, 2026-11-23, ``python3 benchmarks/profile_kernels.py --configs conf4-swiglu`` prints the
     tuned config of each launch).
 
