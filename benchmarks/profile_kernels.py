@@ -28,9 +28,9 @@ from moeblaze.bench.configs import CONFIGS, parse_list
 from moeblaze.kernels import tuning
 from moeblaze.kernels.grouped_gemm import EPILOGUE_ACT_FWD
 
-STEP_NAMES = {  # kernel -> (its arguments -> DESIGN.md §5 step); F2 reads w_down [E, d, h] along its rows
+STEP_NAMES = {  # kernel -> (its arguments -> DESIGN.md §5 step); of the two slot-row GEMMs F2 comes first
     "grouped_gemm_kernel": lambda a: ("F1 up-proj + act" if a["EPILOGUE"] == EPILOGUE_ACT_FWD.value else
-                                      "B1 dact'" if a["GATHER_A"] else "F2 down-proj" if a["stride_b_k"] == 1
+                                      "B1 dact'" if a["GATHER_A"] else "F2 down-proj" if not a["seen_f2"]
                                       else "B3 dx slots"),
     "grouped_wgrad_kernel": lambda a: "B4 dW_gate_up^T" if a["stride_c_p"] == 1 else "B2 dW_down",
     "act_bwd_rows_kernel": lambda a: "B1 act backward",
@@ -67,9 +67,10 @@ def replay_ms(launchable, grid, args, kwargs, config, overrides=None) -> float:
     return triton.testing.do_bench(go, warmup=10, rep=100, return_mode="median")
 
 
-def describe(launchable, args, kwargs) -> tuple[str, float | None]:
-    """(step name, FLOPs of the launch or None for the memory-bound kernels)."""
-    a = {**dict(zip(launchable.fn.arg_names, args)), **kwargs}
+def describe(launchable, args, kwargs, seen_f2: bool = False) -> tuple[str, float | None]:
+    """(step name, FLOPs of the launch or None for the memory-bound kernels); ``seen_f2``: F2 was among the
+    launches before (the next GEMM over slot rows is B3: with TF32 both read their weight K-major)."""
+    a = {**dict(zip(launchable.fn.arg_names, args)), **kwargs, "seen_f2": seen_f2}
     name = launchable.fn.__name__
     label = STEP_NAMES.get(name, lambda _: name)(a)
     n = a["indices_ptr"].numel() if "indices_ptr" in a else 0
@@ -104,8 +105,10 @@ def profile_config(name: str, overrides: list[tuple[str, int]], dtype: torch.dty
     launches = record_launches(step)
     print(f"\n{name} (T {cfg.T}, d {cfg.d}, h {cfg.h}, E {cfg.E}, K {cfg.K}): {len(launches)} launches")
     total = 0.0
+    seen_f2 = False
     for launchable, grid, a, kw, config in launches:
-        label, flops = describe(launchable, a, kw)
+        label, flops = describe(launchable, a, kw, seen_f2)
+        seen_f2 = seen_f2 or label == "F2 down-proj"
         ms = replay_ms(launchable, grid, a, kw, config)
         total += ms
         rate = f"{flops / ms / 1e9:6.0f} TF/s" if flops else " " * 11

@@ -121,7 +121,7 @@ def main() -> None:
             compile_one(grouped_gemm_kernel, gemm_ptrs, {**c0, **cfg.kwargs}, cfg.num_warps, cfg.num_stages,
                         f"gemm {name} {cfg.kwargs} w{cfg.num_warps} s{cfg.num_stages}")
     wg_ptrs = dict(a_ptr=T, b_ptr=T, c_ptr=T, offsets_ptr="*i32", indices_ptr="*i32")
-    wbase = dict(DOT_PREC=prec, stride_a_p=1, stride_b_q=1)
+    wbase = dict(DOT_PREC=prec, GATHER_A=True, stride_a_p=1, stride_b_q=1)
     for name, v in {"B4 (transposed store)": dict(B_DESC=True, stride_c_p=1), "B2": dict(B_DESC=True, stride_c_q=1),
                     "B2 pointers": dict(B_DESC=False, stride_c_q=1)}.items():
         for cfg in wgrad_configs(kind):

@@ -18,6 +18,7 @@ from .grouped_gemm import (
     EPILOGUE_PLAIN,
     grouped_gemm_kernel,
 )
+from .tf32 import round_tf32, tf32_copy
 from .tuning import (
     Launchable,
     block_m,
@@ -37,8 +38,8 @@ _GEMM_KEY = ["N_COLS", "K_DIM", "NUM_EXPERTS", "EPILOGUE", "GATHER_A", "SCATTER_
 _EVEN = {"EVEN_K": lambda a: a["K_DIM"] % a["BLOCK_K"] == 0, "EVEN_N": lambda a: a["N_COLS"] % a["BLOCK_N"] == 0}
 _GEMM = Launchable(grouped_gemm_kernel, gemm_configs, key=_GEMM_KEY, heuristics=_EVEN, prune=prune_gemm_configs,
                    variant=persistent_mode)
-_WGRAD = Launchable(grouped_wgrad_kernel, wgrad_configs, key=["P", "Q", "NUM_EXPERTS", "stride_c_p", "B_DESC",
-                                                           "DOT_PREC"], prune=prune_fp32_tiles)
+_WGRAD = Launchable(grouped_wgrad_kernel, wgrad_configs, prune=prune_fp32_tiles,
+                    key=["P", "Q", "NUM_EXPERTS", "stride_c_p", "GATHER_A", "B_DESC", "DOT_PREC"])
 # Every BLOCK_K of gemm_configs divides this: a K_DIM multiple of it never reads past an expert (B_DESC_KN).
 _K_QUANTUM = 64
 
@@ -52,18 +53,6 @@ def dot_precision(dtype: torch.dtype) -> str:
     if dtype != torch.float32:
         return "tf32"
     return "tf32" if torch.backends.cuda.matmul.allow_tf32 else "ieee"
-
-
-def round_tf32(t: torch.Tensor) -> torch.Tensor:
-    """fp32 ``t`` rounded to the nearest TF32 value (10 mantissa bits, ties to even), same shape and strides.
-
-    Hopper's tensor cores read an fp32 operand's TF32 bits by truncation, a bias toward zero that grows
-    with the reduction length: the TF32 layer output of ``tests/test_autocast.py::
-    test_gpu_fp32_follows_float32_matmul_precision`` had 4.5x the error of torch's TF32 matmul (cuBLAS
-    rounds its operands) on an H200 (2026-11-25). Rounded once here, the kernels' truncation is exact.
-    """
-    bits = t.view(torch.int32)
-    return ((bits + 0xFFF + ((bits >> 13) & 1)) & -8192).view(torch.float32)
 
 
 def _rounds_tf32(a: torch.Tensor) -> bool:
@@ -145,8 +134,12 @@ def grouped_gemm(a, b, c, offsets, indices, sched, *, b_nk, n_cols, k_dim, gathe
     E = offsets.numel() - 1
     if N == 0 or n_cols == 0:
         return
-    if _rounds_tf32(a):
-        a, b = round_tf32(a), round_tf32(b)
+    if _rounds_tf32(a):  # TF32 operands, rounded, and a weight read along n copied K-major (kernels/tf32.py)
+        a = tf32_copy(a)
+        if not b_nk and not dual and up_shift_b is None and b_mode is None and weight_desc:
+            b, b_nk = tf32_copy(b, transpose=True), True  # B1, B3: [E, k, n] -> [E, n, k]
+        else:
+            b = round_tf32(b)
     bm = block_m(N, E)
     max_tiles = sched[0].numel()
     if max_tiles != triton.cdiv(N, bm) + E:
@@ -195,16 +188,20 @@ def grouped_wgrad(a, b, offsets, indices, *, p, q, out_dtype, transpose=False, s
     if indices.numel() == 0 or p == 0 or q == 0:
         return torch.zeros(shape, dtype=out_dtype, device=a.device)
     out = torch.empty(shape, dtype=out_dtype, device=a.device)
-    if _rounds_tf32(a):
-        a, b = round_tf32(a), round_tf32(b)
     stride_c_p, stride_c_q = (out.stride(2), out.stride(1)) if transpose else (out.stride(1), out.stride(2))
-    b_desc = slot_desc and _slot_rows_desc(b, False)
+    gather_a = not _rounds_tf32(a)
+    if gather_a:
+        a_strides, b_strides = (a.stride(0), a.stride(1)), (b.stride(0), b.stride(1))
+    else:  # TF32: both operands gathered into slot order, rounded and stored slots-contiguous (K-major)
+        a, b = tf32_copy(a, rows=indices, transpose=True), tf32_copy(b, transpose=True)  # [p, N], [q, N]
+        a_strides, b_strides = (1, a.stride(0)), (1, b.stride(0))
+    b_desc = gather_a and slot_desc and _slot_rows_desc(b, False)
     if b_desc:
         triton.set_allocator(_scratch)
     _WGRAD.launch(a.dtype, lambda meta: (E * triton.cdiv(p, meta["BLOCK_P"]) * triton.cdiv(q, meta["BLOCK_Q"]),),
         a, b, out, offsets, indices, p, q, indices.numel(),
-        a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0), stride_c_p, stride_c_q,
+        *a_strides, *b_strides, out.stride(0), stride_c_p, stride_c_q,
         E,
-        B_DESC=b_desc, DOT_PREC=dot_precision(a.dtype),
+        GATHER_A=gather_a, B_DESC=b_desc, DOT_PREC=dot_precision(a.dtype),
     )
     return out

@@ -18,6 +18,10 @@ Grid: ``E * cdiv(P, BLOCK_P) * cdiv(Q, BLOCK_Q)`` programs, expert-major (the pr
 run together and share its rows in L2), grouped ordering inside an expert. The slot loop runs in a
 fixed order with fp32 accumulation and no atomics; an empty expert stores zeros.
 
+``GATHER_A=False`` (the TF32 path, :mod:`moeblaze.kernels.tf32`): A is a ``[N, P]`` slot-row operand already
+gathered, passed with the slots contiguous (``stride_a_m = 1``) as B is (``stride_b_m = 1``), the K-major layout
+Hopper's TF32 ``wgmma`` takes.
+
 ``B_DESC`` (sm90+): B's ``[BLOCK_K, BLOCK_Q]`` slab of slot rows comes through a TMA descriptor. A step's
 last rows may then belong to the next expert; A is masked to zero there, so they add exact zeros for
 finite values (a non-finite value of the neighbouring expert's rows would spread to this expert's
@@ -34,7 +38,7 @@ from .grouped_gemm import tile_of
 
 @triton.jit
 def grouped_wgrad_kernel(
-    a_ptr,  # [T, P] gathered operand (dout, x); fp16/bf16/fp32
+    a_ptr,  # [T, P] gathered operand (dout, x); fp16/bf16/fp32; [N, P] slot rows if not GATHER_A
     b_ptr,  # [N, Q] slot rows (w act, dpre)
     c_ptr,  # dW[e][p, q] at e*stride_c_e + p*stride_c_p + q*stride_c_q; dtype of the weight
     offsets_ptr,  # [E+1] int32 expert_token_offsets
@@ -43,7 +47,7 @@ def grouped_wgrad_kernel(
     ROWS,  # rows of B (N): extent of its descriptor
     stride_a_m, stride_a_p, stride_b_m, stride_b_q, stride_c_e, stride_c_p, stride_c_q,
     NUM_EXPERTS,  # autotune key only
-    B_DESC: tl.constexpr, DOT_PREC: tl.constexpr,
+    GATHER_A: tl.constexpr, B_DESC: tl.constexpr, DOT_PREC: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     num_p = tl.cdiv(P, BLOCK_P)
@@ -68,8 +72,11 @@ def grouped_wgrad_kernel(
     for s0 in range(start, end, BLOCK_K):
         s = s0 + offs_k
         s_ok = s < end
-        tokens = next_tokens.to(tl.int64)
-        next_tokens = tl.load(indices_ptr + tl.minimum(s + BLOCK_K, end - 1))
+        if GATHER_A:
+            tokens = next_tokens.to(tl.int64)
+            next_tokens = tl.load(indices_ptr + tl.minimum(s + BLOCK_K, end - 1))
+        else:
+            tokens = tl.minimum(s, end - 1).to(tl.int64)  # slot rows (masked past the expert below)
         # A is zero on slots past the expert: B's rows there (the next expert's, via TMA) add nothing
         a = tl.load(a_ptr + tokens[None, :] * stride_a_m + offs_p[:, None] * stride_a_p,
                     mask=s_ok[None, :] & p_mask[:, None], other=0.0)
