@@ -57,6 +57,27 @@ def test_round_tf32_keeps_the_layout():
     assert torch.equal(round_tf32(sliced), _round_tf32_torch(sliced.contiguous()))
 
 
+@pytest.mark.parametrize("foreign", [False, True])
+def test_k_major_weight_gradient_matches_the_gathered_one(foreign):
+    """The TF32 wgrad path (padded slot-contiguous copies, ``GATHER_A=False``) against the gathered kernel on
+    the same TF32-rounded operands: equal up to the fp32 summation (empty experts, ranges of any length)."""
+    from moeblaze import build_dispatch
+    from moeblaze.kernels.launch import grouped_wgrad
+
+    T, K, E, p, q = 150, 2, 6, 48, 40
+    experts = torch.tensor([e for e in range(E + 2 * foreign) if e != 1])  # expert 1 left empty
+    ids = torch.stack([experts[torch.randperm(len(experts))[:K]] for _ in range(T)]).to(DEVICE)
+    index = build_dispatch(ids, E, foreign_experts=foreign)
+    off = index.local_offsets
+    a, b = torch.randn(T, p, device=DEVICE), torch.randn(index.num_pairs, q, device=DEVICE)
+    b[int(off[-1]):] = float("nan")  # foreign slots hold garbage the kernels never read
+    ra, rb = _round_tf32_torch(a.clone()), _round_tf32_torch(b.clone())
+    want = grouped_wgrad(ra, rb, off, index.expert_token_indices, p=p, q=q, out_dtype=torch.float32,
+                         slot_desc=False, k_major=False)
+    got = grouped_wgrad(a, b, off, index.expert_token_indices, p=p, q=q, out_dtype=torch.float32, k_major=True)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("foreign", [False, True])
 def test_gpu_tf32_weight_gradients_match_torch_tf32(foreign):

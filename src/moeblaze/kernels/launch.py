@@ -18,7 +18,7 @@ from .grouped_gemm import (
     EPILOGUE_PLAIN,
     grouped_gemm_kernel,
 )
-from .tf32 import round_tf32, tf32_copy
+from .tf32 import padded_slot_rows, round_tf32, tf32_copy
 from .tuning import (
     Launchable,
     block_m,
@@ -30,7 +30,7 @@ from .tuning import (
     tma_enabled,
     wgrad_configs,
 )
-from .wgrad import grouped_wgrad_kernel
+from .wgrad import SLOT_PAD, grouped_wgrad_kernel
 
 # DOT_PREC in the keys: fp32 at TF32 and at IEEE precision are tuned apart (different best tiles).
 _GEMM_KEY = ["N_COLS", "K_DIM", "NUM_EXPERTS", "EPILOGUE", "GATHER_A", "SCATTER_C", "DUAL", "A_DESC", "B_DESC",
@@ -174,7 +174,7 @@ def grouped_gemm(a, b, c, offsets, indices, sched, *, b_nk, n_cols, k_dim, gathe
     )
 
 
-def grouped_wgrad(a, b, offsets, indices, *, p, q, out_dtype, transpose=False, slot_desc=True):
+def grouped_wgrad(a, b, offsets, indices, *, p, q, out_dtype, transpose=False, slot_desc=True, k_major=None):
     """Launch :func:`grouped_wgrad_kernel`: ``dW[e] = sum_s a[token(s)]^T b[s]`` in ``out_dtype``.
 
     ``a [T, p]`` (rows read through ``indices``), ``b [N, q]`` slot rows (through a TMA descriptor where
@@ -182,6 +182,8 @@ def grouped_wgrad(a, b, offsets, indices, *, p, q, out_dtype, transpose=False, s
     ``[E, p, q]``, or ``[E, q, p]`` (the transposed products, stored through swapped strides) if ``transpose``.
     ``slot_desc=False`` reads ``b`` through clamped pointers: its rows past the last expert are never read
     (they hold foreign slots, never computed, whose garbage times A's zeros could be NaN).
+    ``k_major`` (default: fp32 operands of a TF32 GEMM on the GPU): read TF32-rounded copies of both operands,
+    gathered into per-expert padded slot order with the slots contiguous (``GATHER_A=False`` of the kernel).
     """
     E = offsets.numel() - 1
     shape = (E, q, p) if transpose else (E, p, q)
@@ -189,11 +191,14 @@ def grouped_wgrad(a, b, offsets, indices, *, p, q, out_dtype, transpose=False, s
         return torch.zeros(shape, dtype=out_dtype, device=a.device)
     out = torch.empty(shape, dtype=out_dtype, device=a.device)
     stride_c_p, stride_c_q = (out.stride(2), out.stride(1)) if transpose else (out.stride(1), out.stride(2))
-    gather_a = not _rounds_tf32(a)
+    gather_a, offsets_in = not (_rounds_tf32(a) if k_major is None else k_major), offsets
     if gather_a:
         a_strides, b_strides = (a.stride(0), a.stride(1)), (b.stride(0), b.stride(1))
-    else:  # TF32: both operands gathered into slot order, rounded and stored slots-contiguous (K-major)
-        a, b = tf32_copy(a, rows=indices, transpose=True), tf32_copy(b, transpose=True)  # [p, N], [q, N]
+    else:  # TF32: both operands gathered into padded slot order, rounded, stored slots-contiguous (K-major)
+        N = indices.numel()
+        offsets, rows_a = padded_slot_rows(offsets, N, indices, SLOT_PAD.value)
+        _, rows_b = padded_slot_rows(offsets_in, N, torch.arange(N, device=a.device), SLOT_PAD.value)
+        a, b = tf32_copy(a, rows=rows_a, transpose=True), tf32_copy(b, rows=rows_b, transpose=True)  # [p|q, Npad]
         a_strides, b_strides = (1, a.stride(0)), (1, b.stride(0))
     b_desc = gather_a and slot_desc and _slot_rows_desc(b, False)
     if b_desc:

@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["round_tf32", "tf32_copy"]
+__all__ = ["padded_slot_rows", "round_tf32", "tf32_copy"]
 
 
 @triton.jit
@@ -48,7 +48,7 @@ def round_tf32_kernel(
 def tf32_copy_kernel(
     src_ptr,  # [B, R_src, C] fp32; row r of the copy is src row rows[r] (GATHER) or r
     dst_ptr,  # [B, R, C] fp32, or [B, C, R] (TRANSPOSE); contiguous
-    rows_ptr,  # [R] int32 source row of each copied row (GATHER)
+    rows_ptr,  # [R] int32/int64 source row of each copied row, -1: zeros (GATHER)
     R, C,
     stride_src_b, stride_src_r, stride_src_c,
     GATHER: tl.constexpr, TRANSPOSE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
@@ -58,11 +58,14 @@ def tf32_copy_kernel(
     offs_c = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
     r_ok, c_ok = offs_r < R, offs_c < C
     src_rows = offs_r.to(tl.int64)
+    mask = r_ok[:, None] & c_ok[None, :]
+    load_mask = mask
     if GATHER:
         src_rows = tl.load(rows_ptr + offs_r, mask=r_ok, other=0).to(tl.int64)
-    mask = r_ok[:, None] & c_ok[None, :]
+        load_mask = mask & (src_rows >= 0)[:, None]  # row -1: zeros
+        src_rows = tl.maximum(src_rows, 0)
     x = tl.load(src_ptr + b * stride_src_b + src_rows[:, None] * stride_src_r + offs_c[None, :] * stride_src_c,
-                mask=mask, other=0.0)
+                mask=load_mask, other=0.0)
     y = _round_tf32(x)
     base = dst_ptr + b * R * C
     if TRANSPOSE:
@@ -77,7 +80,8 @@ def tf32_copy(src: torch.Tensor, *, rows: torch.Tensor | None = None, transpose:
 
     Args:
         src: ``[R_src, C]`` or ``[B, R_src, C]`` fp32 CUDA tensor, any strides.
-        rows: ``[R]`` int32/int64 rows of ``src`` to copy, in this order (default: all ``R_src``).
+        rows: ``[R]`` int32/int64 rows of ``src`` to copy, in this order, -1 for a row of zeros (default: all
+            ``R_src``).
         transpose: return ``[..., C, R]`` instead of ``[..., R, C]``.
 
     Returns:
@@ -127,3 +131,28 @@ def round_tf32(t: torch.Tensor) -> torch.Tensor:
         round_tf32_kernel[(triton.cdiv(t.numel(), 4096),)](src_ptr=src, dst_ptr=out.permute(order).reshape(-1),
                                                            n=t.numel(), BLOCK=4096, num_warps=8)
     return out
+
+
+def padded_slot_rows(offsets: torch.Tensor, num_slots: int, values: torch.Tensor,
+                     pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each expert's slot range zero-padded to a multiple of ``pad``: ``(padded_offsets [E+1] int32,
+    rows [N + pad*E])`` with ``rows[j] = values[s]`` at the padded position ``j`` of slot ``s`` and -1 in the
+    padding (and in the unused tail: the size is the static bound, no host synchronisation).
+
+    Args:
+        offsets: ``[E+1]`` int32 offsets of the local experts (slots past ``offsets[E]`` are left out).
+        num_slots: N. values: ``[N]`` what each slot maps to (its token, or its own index).
+    """
+    E = offsets.numel() - 1
+    counts = (offsets[1:] - offsets[:-1]).long()
+    padded = torch.zeros(E + 1, dtype=torch.long, device=offsets.device)
+    padded[1:] = torch.cumsum((counts + pad - 1) // pad * pad, 0)
+    slots = torch.arange(num_slots, device=offsets.device)
+    e = torch.searchsorted(offsets[1:].long(), slots, right=True)  # the expert of each slot (E: foreign)
+    local = e < E
+    e = e.clamp(max=E - 1)
+    size = num_slots + pad * E
+    pos = torch.where(local, slots - offsets[e].long() + padded[e], size)  # foreign slots to a dropped column
+    rows = torch.full((size + 1,), -1, dtype=torch.long, device=offsets.device)
+    rows.scatter_(0, pos, values.long())
+    return padded.to(torch.int32), rows[:size]

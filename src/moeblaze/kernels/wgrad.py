@@ -18,9 +18,10 @@ Grid: ``E * cdiv(P, BLOCK_P) * cdiv(Q, BLOCK_Q)`` programs, expert-major (the pr
 run together and share its rows in L2), grouped ordering inside an expert. The slot loop runs in a
 fixed order with fp32 accumulation and no atomics; an empty expert stores zeros.
 
-``GATHER_A=False`` (the TF32 path, :mod:`moeblaze.kernels.tf32`): A is a ``[N, P]`` slot-row operand already
-gathered, passed with the slots contiguous (``stride_a_m = 1``) as B is (``stride_b_m = 1``), the K-major layout
-Hopper's TF32 ``wgmma`` takes.
+``GATHER_A=False`` (the TF32 path, :mod:`moeblaze.kernels.tf32`): A and B are copies gathered into slot order
+with the slots contiguous (``stride_a_m = stride_b_m = 1``: the K-major layout Hopper's TF32 ``wgmma`` takes)
+and each expert's range zero-padded to a multiple of ``SLOT_PAD`` (``offsets`` are then the padded ones): the
+loads along the slots start aligned and need no slot mask, so they go as 16-byte vectors.
 
 ``B_DESC`` (sm90+): B's ``[BLOCK_K, BLOCK_Q]`` slab of slot rows comes through a TMA descriptor. A step's
 last rows may then belong to the next expert; A is masked to zero there, so they add exact zeros for
@@ -35,13 +36,16 @@ import triton.language as tl
 
 from .grouped_gemm import tile_of
 
+# Padded slot ranges (GATHER_A=False) are multiples of every TF32 BLOCK_K of tuning.wgrad_configs.
+SLOT_PAD = tl.constexpr(32)
+
 
 @triton.jit
 def grouped_wgrad_kernel(
-    a_ptr,  # [T, P] gathered operand (dout, x); fp16/bf16/fp32; [N, P] slot rows if not GATHER_A
+    a_ptr,  # [T, P] gathered operand (dout, x); fp16/bf16/fp32; padded slot rows (stride_a_m 1) if not GATHER_A
     b_ptr,  # [N, Q] slot rows (w act, dpre)
     c_ptr,  # dW[e][p, q] at e*stride_c_e + p*stride_c_p + q*stride_c_q; dtype of the weight
-    offsets_ptr,  # [E+1] int32 expert_token_offsets
+    offsets_ptr,  # [E+1] int32 expert_token_offsets (not GATHER_A: of the padded ranges)
     indices_ptr,  # [N] int32 expert_token_indices (slot -> token)
     P, Q,
     ROWS,  # rows of B (N): extent of its descriptor
@@ -57,6 +61,8 @@ def grouped_wgrad_kernel(
     pid_p, pid_q = tile_of(pid % (num_p * num_q), num_p, num_q, GROUP_M)
     start = tl.load(offsets_ptr + e)
     end = tl.load(offsets_ptr + e + 1)
+    if not GATHER_A:
+        start = tl.multiple_of(start, SLOT_PAD)
     offs_p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
     offs_q = pid_q * BLOCK_Q + tl.arange(0, BLOCK_Q)
     p_mask = offs_p < P
@@ -75,12 +81,16 @@ def grouped_wgrad_kernel(
         if GATHER_A:
             tokens = next_tokens.to(tl.int64)
             next_tokens = tl.load(indices_ptr + tl.minimum(s + BLOCK_K, end - 1))
-        else:
-            tokens = tl.minimum(s, end - 1).to(tl.int64)  # slot rows (masked past the expert below)
-        # A is zero on slots past the expert: B's rows there (the next expert's, via TMA) add nothing
-        a = tl.load(a_ptr + tokens[None, :] * stride_a_m + offs_p[:, None] * stride_a_p,
-                    mask=s_ok[None, :] & p_mask[:, None], other=0.0)
-        if B_DESC:
+            # A is zero on slots past the expert: B's rows there (the next expert's, via TMA) add nothing
+            a = tl.load(a_ptr + tokens[None, :] * stride_a_m + offs_p[:, None] * stride_a_p,
+                        mask=s_ok[None, :] & p_mask[:, None], other=0.0)
+        else:  # padded copies: whole BLOCK_K steps inside the expert's range, its padding zero
+            a = tl.load(a_ptr + s[None, :].to(tl.int64) * stride_a_m + offs_p[:, None] * stride_a_p,
+                        mask=p_mask[:, None], other=0.0)
+        if not GATHER_A:
+            b = tl.load(b_ptr + s[:, None].to(tl.int64) * stride_b_m + offs_q[None, :] * stride_b_q,
+                        mask=q_mask[None, :], other=0.0)
+        elif B_DESC:
             b = b_desc.load([s0, pid_q * BLOCK_Q])
         else:
             b_rows = tl.minimum(s, end - 1).to(tl.int64)  # clamped: A's mask already zeroes these slots
