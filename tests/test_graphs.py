@@ -47,7 +47,7 @@ def test_first_launch_inside_capture_takes_the_fixed_config_and_keeps_it(monkeyp
     monkeypatch.setattr(tuning, "autotune_enabled", lambda: True)
     monkeypatch.setattr(tuning, "interpreting", lambda: False)
     monkeypatch.setattr(launchable, "tuner", lambda dtype: pytest.fail("autotuned inside a capture"))
-    monkeypatch.setattr(tuning, "_capturing", lambda args: True)
+    monkeypatch.setattr(tuning, "_capturing", lambda args, kwargs: True)
     a = torch.empty(4, dtype=torch.bfloat16)
     launchable.launch(torch.bfloat16, (1,), a, 64, DUAL=True)
     assert kernel.launched[-1]["BLOCK_N"] == 128 and kernel.launched[-1]["PERSISTENT"] is True

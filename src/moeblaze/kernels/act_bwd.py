@@ -106,8 +106,9 @@ def act_bwd_rows(dact: torch.Tensor, pre: torch.Tensor, dpre: torch.Tensor, scal
     out = dtw if dtw is not None else scale
     limit_t = local_slots if local_slots is not None else scale  # dummy pointer when HAS_LIMIT is off
     _ACT_BWD.launch(dact.dtype, lambda meta: (triton.cdiv(N, meta["BLOCK_R"]),),
-        dact, pre, dpre, scale, out, limit_t, N, h, 1 if interleaved else h, float(alpha), float(limit),
-        dact.stride(0), pre.stride(0), dpre.stride(0),
+        dact_ptr=dact, pre_ptr=pre, dpre_ptr=dpre, scale_ptr=scale, dtw_ptr=out, limit_ptr=limit_t, N=N, H=h,
+        UP_OFF=1 if interleaved else h, alpha=float(alpha), limit=float(limit),
+        stride_dact_m=dact.stride(0), stride_pre_m=pre.stride(0), stride_dpre_m=dpre.stride(0),
         ACTIVATION=activation, STORE_PART=dtw is not None, STORE_WACT=store_wact, PRE_STEP=2 if interleaved else 1,
         HAS_LIMIT=local_slots is not None,
     )

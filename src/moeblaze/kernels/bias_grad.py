@@ -74,7 +74,8 @@ def segment_sum(src: torch.Tensor, offsets: torch.Tensor, indices: torch.Tensor,
         return out
     s = scale if scale is not None else offsets  # dummy pointer when SCALE is off
     _SEGMENT_SUM.launch(src.dtype, lambda meta: (E, triton.cdiv(D, meta["BLOCK_D"])),
-        src, s, offsets, indices, out, D, src.stride(0), out.stride(0),
+        src_ptr=src, scale_ptr=s, offsets_ptr=offsets, indices_ptr=indices, out_ptr=out, D=D,
+        stride_src_m=src.stride(0), stride_out_e=out.stride(0),
         GATHER=gather, SCALE=scale is not None,
     )
     return out

@@ -99,8 +99,9 @@ def gather_sum(src: torch.Tensor, token_index_map: torch.Tensor, weights: torch.
     map_k = token_index_map.stride(0) if csr else token_index_map.stride(1)
     w_k = w.stride(0) if csr else w.stride(1)
     _GATHER_SUM.launch(src.dtype, lambda meta: (triton.cdiv(T, meta["BLOCK_T"]), triton.cdiv(D, meta["BLOCK_D"])),
-        src, w, token_index_map, out, limit, offs, T, D, K,
-        src.stride(0), w.stride(0), w_k, token_index_map.stride(0), map_k,
-        out.stride(0), HAS_W=weights is not None, HAS_LIMIT=local_slots is not None, CSR=csr,
+        src_ptr=src, w_ptr=w, map_ptr=token_index_map, out_ptr=out, limit_ptr=limit, pair_off_ptr=offs,
+        T=T, D=D, K=K,
+        stride_src_m=src.stride(0), stride_w_t=w.stride(0), stride_w_k=w_k, stride_map_t=token_index_map.stride(0),
+        stride_map_k=map_k, stride_out_t=out.stride(0), HAS_W=weights is not None, HAS_LIMIT=local_slots is not None, CSR=csr,
     )
     return out

@@ -163,10 +163,13 @@ def grouped_gemm(a, b, c, offsets, indices, sched, *, b_nk, n_cols, k_dim, gathe
         return (min(tiles, programs) if meta["PERSISTENT"] else tiles,)
 
     _GEMM.launch(a.dtype, grid,
-        a, b, c, aux, scale, bias_t, offsets, indices, *sched,
-        max_tiles, n_cols, k_dim, n_ext, a.shape[0], up_off, up_shift_b, float(alpha), float(limit),
-        a.stride(0), a.stride(1), *b_strides, c.stride(0), aux.stride(0), bias_t.stride(0),
-        E,
+        a_ptr=a, b_ptr=b, c_ptr=c, aux_ptr=aux, scale_ptr=scale, bias_ptr=bias_t, offsets_ptr=offsets,
+        indices_ptr=indices, tile_expert_ptr=sched[0], tile_row_ptr=sched[1], num_tiles_ptr=sched[2],
+        max_tiles=max_tiles, N_COLS=n_cols, K_DIM=k_dim, N_EXT=n_ext, A_ROWS=a.shape[0], UP_OFF=up_off,
+        UP_SHIFT_B=up_shift_b, alpha=float(alpha), limit=float(limit),
+        stride_a_m=a.stride(0), stride_a_k=a.stride(1), stride_b_e=b_strides[0], stride_b_k=b_strides[1],
+        stride_b_n=b_strides[2], stride_c_m=c.stride(0), stride_aux_m=aux.stride(0), stride_bias_e=bias_t.stride(0),
+        NUM_EXPERTS=E,
         GATHER_A=gather_a, SCATTER_C=scatter_c, SCALE_C=scale is not offsets, EPILOGUE=epilogue,
         ACTIVATION=activation, DUAL=dual, STORE_PRE=store_pre, STORE_AUX=store_aux, HAS_BIAS=bias is not None,
         PRE_STEP=pre_step, A_DESC=a_desc, B_DESC=b_mode,
@@ -204,9 +207,10 @@ def grouped_wgrad(a, b, offsets, indices, *, p, q, out_dtype, transpose=False, s
     if b_desc:
         triton.set_allocator(_scratch)
     _WGRAD.launch(a.dtype, lambda meta: (E * triton.cdiv(p, meta["BLOCK_P"]) * triton.cdiv(q, meta["BLOCK_Q"]),),
-        a, b, out, offsets, indices, p, q, indices.numel(),
-        *a_strides, *b_strides, out.stride(0), stride_c_p, stride_c_q,
-        E,
+        a_ptr=a, b_ptr=b, c_ptr=out, offsets_ptr=offsets, indices_ptr=indices, P=p, Q=q, ROWS=indices.numel(),
+        stride_a_m=a_strides[0], stride_a_p=a_strides[1], stride_b_m=b_strides[0], stride_b_q=b_strides[1],
+        stride_c_e=out.stride(0), stride_c_p=stride_c_p, stride_c_q=stride_c_q,
+        NUM_EXPERTS=E,
         GATHER_A=gather_a, B_DESC=b_desc, DOT_PREC=dot_precision(a.dtype),
     )
     return out

@@ -216,9 +216,9 @@ def gather_sum_configs(kind: str) -> list[triton.Config]:
             for t, bd, w in ((16, 256, 4), (32, 256, 8), (8, 512, 4), (16, 512, 8), (64, 128, 8))]
 
 
-def _capturing(args: tuple) -> bool:
+def _capturing(args: tuple, kwargs: dict) -> bool:
     """The launch is being captured into a CUDA graph (its first tensor argument tells the device)."""
-    first = next((a for a in args if isinstance(a, torch.Tensor)), None)
+    first = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
     return first is not None and capturing(first)
 
 
@@ -282,7 +282,8 @@ class Launchable:
         """The autotune key of a launch: kind, the key arguments' values and every tensor argument's dtype."""
         n = len(args)
         named = [args[i] if i < n else kwargs[k] for k, i in self._key_pos]
-        return (*self.kind(dtype), *named, *[a.dtype for a in args if isinstance(a, torch.Tensor)])
+        return (*self.kind(dtype), *named,
+                *[a.dtype for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)])
 
     def default_config(self, dtype: torch.dtype, args: tuple, kwargs: dict) -> triton.Config:
         """The configuration a launch takes without autotuning: the first of the fixed list (``MOEBLAZE_AUTOTUNE=0``),
@@ -290,7 +291,7 @@ class Launchable:
         base = "fixed32" if dtype == torch.float32 else "fixed16"
         configs = self.configs(base, self.variant()) if self.variant else self.configs(base)
         if self.prune:
-            named = dict(zip(self.fn.arg_names, args))
+            named = {**dict(zip(self.fn.arg_names, args)), **kwargs}
             configs = self.prune(configs, named, **kwargs)
         return configs[0]
 
@@ -311,7 +312,7 @@ class Launchable:
         if ready is not None and ready[0] is config:  # the common case: everything known for this key
             self.fn[grid](*args, **kwargs, **ready[1])
             return
-        if config is None and _capturing(args):  # no timing inside a CUDA-graph capture (moeblaze.graphs)
+        if config is None and _capturing(args, kwargs):  # no timing inside a CUDA-graph capture (moeblaze.graphs)
             config = self._best[key] = self.default_config(dtype, args, kwargs)
         if config is None:
             tuner = self.tuner(dtype)
