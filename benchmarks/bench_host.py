@@ -78,8 +78,8 @@ def stub_launches() -> None:
 
     def run(self, *args, **kwargs):
         if self.fn.__name__ == "_write_kernel":  # offsets, indices, index map: slot 0 everywhere, in range
-            for t in args[3:6]:
-                t.zero_()
+            for name in ("offsets_ptr", "indices_ptr", "map_ptr"):  # launched by keyword
+                kwargs[name].zero_()
 
     InterpretedFunction.run = run
     from moeblaze import dispatch
