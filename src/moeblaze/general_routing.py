@@ -27,6 +27,7 @@ from .experts import SAVE_MODES, _check_options, _check_weight_shapes, autocast_
 
 __all__ = ["build_dispatch_pairs", "check_pairs", "moe_experts_general", "topk_to_pairs"]
 
+
 def topk_to_pairs(topk_ids: torch.Tensor,
                   topk_weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A top-k routing as pairs: ``(token_idx [T*K] int32, expert_idx [T*K] int32, pair_weights [T*K])``."""

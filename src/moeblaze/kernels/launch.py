@@ -194,13 +194,13 @@ def grouped_wgrad(a, b, offsets, indices, *, p, q, out_dtype, transpose=False, s
         return torch.zeros(shape, dtype=out_dtype, device=a.device)
     out = torch.empty(shape, dtype=out_dtype, device=a.device)
     stride_c_p, stride_c_q = (out.stride(2), out.stride(1)) if transpose else (out.stride(1), out.stride(2))
-    gather_a, offsets_in = not (_rounds_tf32(a) if k_major is None else k_major), offsets
+    gather_a = not (_rounds_tf32(a) if k_major is None else k_major)
     if gather_a:
         a_strides, b_strides = (a.stride(0), a.stride(1)), (b.stride(0), b.stride(1))
     else:  # TF32: both operands gathered into padded slot order, rounded, stored slots-contiguous (K-major)
         N = indices.numel()
-        offsets, rows_a = padded_slot_rows(offsets, N, indices, SLOT_PAD.value)
-        _, rows_b = padded_slot_rows(offsets_in, N, torch.arange(N, device=a.device), SLOT_PAD.value)
+        offsets, rows_a, rows_b = padded_slot_rows(offsets, N, SLOT_PAD.value, indices,
+                                                   torch.arange(N, device=a.device))
         a, b = tf32_copy(a, rows=rows_a, transpose=True), tf32_copy(b, rows=rows_b, transpose=True)  # [p|q, Npad]
         a_strides, b_strides = (1, a.stride(0)), (1, b.stride(0))
     b_desc = gather_a and slot_desc and _slot_rows_desc(b, False)

@@ -135,15 +135,16 @@ def round_tf32(t: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def padded_slot_rows(offsets: torch.Tensor, num_slots: int, values: torch.Tensor,
-                     pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+def padded_slot_rows(offsets: torch.Tensor, num_slots: int, pad: int,
+                     *values: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """Each expert's slot range zero-padded to a multiple of ``pad``: ``(padded_offsets [E+1] int32,
-    rows [N + pad*E])`` with ``rows[j] = values[s]`` at the padded position ``j`` of slot ``s`` and -1 in the
-    padding (and in the unused tail: the size is the static bound, no host synchronisation).
+    *rows)``, one ``rows [N + pad*E]`` per ``values`` with ``rows[j] = values[s]`` at the padded position ``j``
+    of slot ``s`` and -1 in the padding (and in the unused tail: the size is the static bound, no host
+    synchronisation). The positions are computed once for all ``values``.
 
     Args:
         offsets: ``[E+1]`` int32 offsets of the local experts (slots past ``offsets[E]`` are left out).
-        num_slots: N. values: ``[N]`` what each slot maps to (its token, or its own index).
+        num_slots: N. values: ``[N]`` tensors of what each slot maps to (its token, or its own index).
     """
     E = offsets.numel() - 1
     counts = (offsets[1:] - offsets[:-1]).long()
@@ -155,6 +156,6 @@ def padded_slot_rows(offsets: torch.Tensor, num_slots: int, values: torch.Tensor
     e = e.clamp(max=E - 1)
     size = num_slots + pad * E
     pos = torch.where(local, slots - offsets[e].long() + padded[e], size)  # foreign slots to a dropped column
-    rows = torch.full((size + 1,), -1, dtype=torch.long, device=offsets.device)
-    rows.scatter_(0, pos, values.long())
-    return padded.to(torch.int32), rows[:size]
+    rows = [torch.full((size + 1,), -1, dtype=torch.long, device=offsets.device).scatter_(0, pos, v.long())[:size]
+            for v in values]
+    return padded.to(torch.int32), *rows
