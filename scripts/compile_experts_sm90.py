@@ -7,7 +7,9 @@ looks fine in the PTX: ptxas allocates the registers). Pointers and most integer
 16-divisible, as Triton specialises them at launch when d and h are multiples of 16. Run without
 TRITON_INTERPRET:
 
-    env -u TRITON_INTERPRET python scripts/compile_experts_sm90.py [bf16|fp16|fp32] [--tuned]
+    env -u TRITON_INTERPRET python scripts/compile_experts_sm90.py [bf16|fp16|fp32] [--tuned] [--tf32]
+
+``--tf32`` (with fp32): the TF32 variants (``DOT_PREC="tf32"``, F1's ``act`` and B1's ``dpre`` stored rounded).
 """
 
 from __future__ import annotations
@@ -81,13 +83,15 @@ def main() -> None:
     tuned = "--tuned" in sys.argv
     T = f"*{dt}"
     kind = "fixed32" if dt == "fp32" else ("tuned16" if tuned else "fixed16")
-    prec = "ieee" if dt == "fp32" else "tf32"
+    tf32 = dt == "fp32" and "--tf32" in sys.argv
+    prec = "ieee" if dt == "fp32" and not tf32 else "tf32"
     gemm_ptrs = {n: T for n in ("a_ptr", "b_ptr", "c_ptr", "aux_ptr")}
     gemm_ptrs.update(scale_ptr="*fp32", offsets_ptr="*i32", indices_ptr="*i32", tile_expert_ptr="*i32",
                      tile_row_ptr="*i32", num_tiles_ptr="*i32", bias_ptr=T, alpha="fp32", limit="fp32")
     base = dict(GATHER_A=False, SCATTER_C=False, SCALE_C=False, EPILOGUE=PLAIN, ACTIVATION=0, DUAL=False,
                 STORE_PRE=False, STORE_AUX=False, DOT_PREC=prec, EVEN_K=True, EVEN_N=True,
-                BLOCK_M=128, stride_a_k=1, stride_b_k=1, A_DESC=False, B_DESC=NONE, HAS_BIAS=False, PRE_STEP=1)
+                BLOCK_M=128, stride_a_k=1, stride_b_k=1, A_DESC=False, B_DESC=NONE, HAS_BIAS=False, PRE_STEP=1,
+                TF32_ACT=False)
     code = ACTIVATION_CODES
     k_contig_b = dict(stride_b_k=None, stride_b_n=1)
     variants = {
@@ -117,6 +121,7 @@ def main() -> None:
     }
     for name, v in variants.items():
         c0 = {k: val for k, val in {**base, **v}.items() if val is not None}
+        c0["TF32_ACT"] = tf32 and c0["EPILOGUE"] == ACT_FWD
         for cfg in prune_gemm_configs(gemm_configs(kind), {}, DUAL=c0["DUAL"]):
             compile_one(grouped_gemm_kernel, gemm_ptrs, {**c0, **cfg.kwargs}, cfg.num_warps, cfg.num_stages,
                         f"gemm {name} {cfg.kwargs} w{cfg.num_warps} s{cfg.num_stages}")
@@ -134,14 +139,14 @@ def main() -> None:
         for cfg in act_bwd_configs(kind):
             compile_one(act_bwd_rows_kernel, rows_ptrs,
                         dict(ACTIVATION=code[act], STORE_PART=True, STORE_WACT=True, PRE_STEP=step,
-                             HAS_LIMIT=limited, **cfg.kwargs), cfg.num_warps,
+                             HAS_LIMIT=limited, TF32_DPRE=tf32, **cfg.kwargs), cfg.num_warps,
                         cfg.num_stages, f"act_bwd {act} step={step} limit={limited} {cfg.kwargs} w{cfg.num_warps}")
-    for limited in (False, True):
+    for limited, csr in ((False, False), (True, False), (False, True)):
         for cfg in gather_sum_configs(kind):
             compile_one(gather_sum_kernel, dict(src_ptr=T, w_ptr="*fp32", map_ptr="*i32", out_ptr=T,
-                                                limit_ptr="*i32"),
-                        dict(HAS_W=True, HAS_LIMIT=limited, stride_w_k=1, stride_map_k=1, **cfg.kwargs),
-                        cfg.num_warps, cfg.num_stages, f"combine limit={limited} {cfg.kwargs} w{cfg.num_warps}")
+                                                limit_ptr="*i32", pair_off_ptr="*i32"),
+                        dict(HAS_W=True, HAS_LIMIT=limited, CSR=csr, stride_w_k=1, stride_map_k=1, **cfg.kwargs),
+                        cfg.num_warps, cfg.num_stages, f"combine limit={limited} csr={csr} {cfg.kwargs} w{cfg.num_warps}")
     seg_ptrs = dict(src_ptr=T, scale_ptr="*fp32", offsets_ptr="*i32", indices_ptr="*i32", out_ptr=T)
     for gather in (False, True):
         cfg = triton.Config({"BLOCK_S": 32, "BLOCK_D": 128}, num_warps=4, num_stages=1)

@@ -101,3 +101,31 @@ def test_gpu_tf32_weight_gradients_match_torch_tf32(foreign):
         torch.set_float32_matmul_precision(before)
     for name, a, r, b in zip(("out", "dx", "dw_gate_up", "dw_down"), got, ref, base):
         assert_close_to_reference(f"tf32 {name}", a, r, b)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("activation", ["swiglu", "gelu"])
+def test_gpu_tf32_producers_store_rounded_operands(activation):
+    """F1's ``act`` and the activation backward's ``dpre`` come out TF32-rounded (the A operands F2 and B3 then
+    read without a copy): no low mantissa bit set, each value the nearest TF32 value of the unrounded one."""
+    from moeblaze import build_dispatch
+    from moeblaze.activations import activation_forward
+    from moeblaze.kernels.experts import down_backward, up_forward
+
+    T, K, E, d, h = 300, 2, 5, 128, 96
+    rows = 2 * h if activation == "swiglu" else h
+    index = build_dispatch(torch.rand(T, E).argsort(dim=1)[:, :K].to(DEVICE), E)  # distinct ids per row
+    x, w1 = torch.randn(T, d, device=DEVICE), torch.randn(E, rows, d, device=DEVICE) / d**0.5
+    w2, dout = torch.randn(E, d, h, device=DEVICE) / h**0.5, torch.randn(T, d, device=DEVICE)
+    weights = torch.rand(T, K, device=DEVICE)
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high")
+    try:
+        pre, act = up_forward(x, w1, index, activation, store_pre=True, store_act=True)
+        unrounded = activation_forward(pre, activation)
+        dpre, _, _ = down_backward(dout, pre.clone(), w2, weights, index, activation, False, False)
+    finally:
+        torch.set_float32_matmul_precision(before)
+    for name, t in (("act", act), ("dpre", dpre)):
+        assert not (t.view(torch.int32) & 0x1FFF).any(), f"{name} holds bits below TF32's mantissa"
+    torch.testing.assert_close(act, _round_tf32_torch(unrounded.clone()), rtol=2**-10, atol=1e-6)

@@ -8,19 +8,21 @@ A backend does two things for :func:`moeblaze.moe_experts`:
 - **runs the five expert ops** the autograd Functions of :mod:`moeblaze.experts` call:
 
 ``up_forward(x, w1, index, activation, store_pre, store_act, *, b1, act_args) -> (pre | None, act | None)``  F1
-``up_backward(dpre, x, w1, index, need_dx, need_dw) -> (dx | None, dw1 | None)``            B3-B5
+``up_backward(dpre, x, w1, index, need_dx, need_dw, *, dw_dtype) -> (dx | None, dw1 | None)``  B3-B5
 ``down_forward(act, w2, topk_weights, index, *, b2) -> out``                                F2-F3
-``down_backward(dout, pre, w2, topk_weights, index, activation, need_dw, need_dtw, *, b2, act_args)
+``down_backward(dout, pre, w2, topk_weights, index, activation, need_dw, need_dtw, *, b2, act_args, dw_dtype)
     -> (dpre, dw2 | None, dtopk_weights | None)``                                           B1-B2
 ``bias_grad(src, index, topk_weights=None) -> [E, cols]``   expert-bias gradients (segment sums)
 
 Shapes: ``x [T, d]``, ``w1 [E, 2h | h, d]``, ``pre [N, 2h | h]``, ``act [N, h]``, ``w2 [E, d, h]``,
 ``topk_weights [T, K]`` (``[P]`` for a general index), ``out [T, d]``; rows of ``[N, ...]`` tensors are
 *slots* (DESIGN.md §3). ``b1 [E, 2h | h]`` / ``b2 [E, d]`` are the optional expert biases; ``act_args``
-the :class:`moeblaze.activations.ActArgs` of the activation. An index with ``foreign_experts`` has slots
-``>= offsets[E]`` of other ranks' experts: no op computes them, the combines and ``dtopk_weights`` count
-them as zero. ``down_backward`` may return ``dpre`` in the storage of ``pre`` (the Triton op writes it in
-place): callers must not use ``pre`` afterwards.
+the :class:`moeblaze.activations.ActArgs` of the activation. ``dw_dtype`` (default: the weight's dtype):
+the dtype of the weight gradient, computed in the weight's dtype and then cast — fp32 for the fp32 master
+weights of an autocast call, whose 16-bit casts the ops receive (the kernels store it so directly).
+An index with ``foreign_experts`` has slots ``>= offsets[E]`` of other ranks' experts: no op computes
+them, the combines and ``dtopk_weights`` count them as zero. ``down_backward`` may return ``dpre`` in the
+storage of ``pre`` (the Triton op writes it in place): callers must not use ``pre`` afterwards.
 
 Adding a backend: a module with the five ops, a :class:`Backend` subclass here naming them and its
 ``block_m``, and an entry in :func:`get_backend`.

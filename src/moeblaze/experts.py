@@ -13,7 +13,7 @@ import math
 import torch
 
 from .activations import GATED, SWIGLU_ALPHA, SWIGLU_LIMIT, ActArgs, check_activation, is_gated
-from .amp import autocast_off, autocast_operands
+from .amp import autocast_off, autocast_target
 from .backends import BACKENDS, Backend, get_backend
 from .dispatch import DispatchIndex, TileSchedule, check_index_matches
 
@@ -52,10 +52,11 @@ class _UpProjection(torch.autograd.Function):
     @autocast_off
     def forward(ctx, x, w1, b1, backend, activation, act_args, num_experts, block_m, foreign, *index_tensors):
         index = _index_from(index_tensors, num_experts, block_m, foreign)
-        pre, act = backend.up_forward(x, w1, index, activation, store_pre=True, store_act=True, b1=b1,
-                                  act_args=act_args)
-        ctx.save_for_backward(x, w1, *index_tensors)
-        ctx.backend, ctx.index_args = backend, (num_experts, block_m, foreign)
+        w1c = w1.to(x.dtype)  # autocast's cast of the master weight (moeblaze.amp); else a no-op
+        pre, act = backend.up_forward(x, w1c, index, activation, store_pre=True, store_act=True, b1=b1,
+                                      act_args=act_args)
+        ctx.save_for_backward(x, w1c, *index_tensors)
+        ctx.backend, ctx.index_args, ctx.dw_dtype = backend, (num_experts, block_m, foreign), w1.dtype
         ctx.mark_non_differentiable(act)
         ctx.set_materialize_grads(False)  # else autograd fills a zero [N, h] gradient for act every step
         return pre, act
@@ -70,7 +71,7 @@ class _UpProjection(torch.autograd.Function):
         need = ctx.needs_input_grad
         dpre = dpre.contiguous()
         db1 = ctx.backend.bias_grad(dpre, index) if need[2] else None
-        dx, dw1 = ctx.backend.up_backward(dpre, x, w1, index, need[0], need[1])
+        dx, dw1 = ctx.backend.up_backward(dpre, x, w1, index, need[0], need[1], dw_dtype=ctx.dw_dtype)
         return (dx, dw1, db1) + (None,) * (6 + len(index_tensors))
 
 
@@ -87,9 +88,10 @@ class _DownProjection(torch.autograd.Function):
     def forward(ctx, pre, act, w2, b2, topk_weights, backend, activation, act_args, num_experts, block_m, foreign,
                 *index_tensors):
         index = _index_from(index_tensors, num_experts, block_m, foreign)
-        out = backend.down_forward(act, w2, topk_weights, index, b2=b2)
-        ctx.save_for_backward(pre, w2, b2, topk_weights, *index_tensors)
-        ctx.backend, ctx.activation, ctx.act_args = backend, activation, act_args
+        w2c = w2.to(act.dtype)  # as w1 in _UpProjection
+        out = backend.down_forward(act, w2c, topk_weights, index, b2=b2)
+        ctx.save_for_backward(pre, w2c, b2, topk_weights, *index_tensors)
+        ctx.backend, ctx.activation, ctx.act_args, ctx.dw_dtype = backend, activation, act_args, w2.dtype
         ctx.index_args = (num_experts, block_m, foreign)
         return out
 
@@ -102,7 +104,7 @@ class _DownProjection(torch.autograd.Function):
         dout = dout.contiguous()
         db2 = ctx.backend.bias_grad(dout, index, topk_weights) if need[3] else None
         dpre, dw2, dtw = ctx.backend.down_backward(dout, pre, w2, topk_weights, index, ctx.activation, need[2],
-                                               need[4], b2=b2, act_args=ctx.act_args)
+                                                   need[4], b2=b2, act_args=ctx.act_args, dw_dtype=ctx.dw_dtype)
         return (dpre, None, dw2, db2, dtw) + (None,) * (6 + len(index_tensors))
 
 
@@ -119,11 +121,13 @@ class _ExpertsRecompute(torch.autograd.Function):
     def forward(ctx, x, w1, b1, w2, b2, topk_weights, backend, activation, act_args, num_experts, block_m, foreign,
                 *index_tensors):
         index = _index_from(index_tensors, num_experts, block_m, foreign)
-        _, act = backend.up_forward(x, w1, index, activation, store_pre=False, store_act=True, b1=b1,
-                                act_args=act_args)
-        out = backend.down_forward(act, w2, topk_weights, index, b2=b2)
-        ctx.save_for_backward(x, w1, b1, w2, b2, topk_weights, *index_tensors)
+        w1c, w2c = w1.to(x.dtype), w2.to(x.dtype)  # as in _UpProjection
+        _, act = backend.up_forward(x, w1c, index, activation, store_pre=False, store_act=True, b1=b1,
+                                    act_args=act_args)
+        out = backend.down_forward(act, w2c, topk_weights, index, b2=b2)
+        ctx.save_for_backward(x, w1c, b1, w2c, b2, topk_weights, *index_tensors)
         ctx.backend, ctx.activation, ctx.act_args = backend, activation, act_args
+        ctx.dw_dtypes = (w1.dtype, w2.dtype)
         ctx.index_args = (num_experts, block_m, foreign)
         return out
 
@@ -138,14 +142,22 @@ class _ExpertsRecompute(torch.autograd.Function):
         pre, _ = backend.up_forward(x, w1, index, ctx.activation, store_pre=True, store_act=False, b1=b1,
                                 act_args=act_args)
         dpre, dw2, dtw = backend.down_backward(dout, pre, w2, topk_weights, index, ctx.activation, need[3], need[5],
-                                           b2=b2, act_args=act_args)
+                                               b2=b2, act_args=act_args, dw_dtype=ctx.dw_dtypes[1])
         del pre
         db1 = backend.bias_grad(dpre, index) if need[2] else None
-        dx, dw1 = backend.up_backward(dpre, x, w1, index, need[0], need[1])
+        dx, dw1 = backend.up_backward(dpre, x, w1, index, need[0], need[1], dw_dtype=ctx.dw_dtypes[0])
         return (dx, dw1, db1, dw2, db2, dtw) + (None,) * (6 + len(index_tensors))
 
 
-def _check_inputs(x, topk_ids, topk_weights, w1, w2, activation, save) -> None:
+def check_weight_dtypes(x, w1, w2, autocast: bool) -> None:
+    """The weights share ``x``'s dtype; under autocast (``x`` already cast) they are the master weights the
+    Functions cast (any dtype :func:`moeblaze.amp.autocast_target` accepted)."""
+    for name, t in (("w_gate_up", w1), ("w_down", w2)):
+        if t.dtype != x.dtype and not autocast:
+            raise TypeError(f"{name} has dtype {t.dtype}; expected x's dtype {x.dtype}")
+
+
+def _check_inputs(x, topk_ids, topk_weights, w1, w2, activation, save, autocast) -> None:
     check_activation(activation)
     if save not in SAVE_MODES:
         raise ValueError(f"save must be one of {SAVE_MODES}, got {save!r}")
@@ -160,9 +172,7 @@ def _check_inputs(x, topk_ids, topk_weights, w1, w2, activation, save) -> None:
     if tuple(topk_weights.shape) != tuple(topk_ids.shape) or not topk_weights.is_floating_point():
         raise ValueError(f"topk_weights must be a float tensor of shape {tuple(topk_ids.shape)}, "
                          f"got {topk_weights.dtype} {tuple(topk_weights.shape)}")
-    for name, t in (("w_gate_up", w1), ("w_down", w2)):
-        if t.dtype != x.dtype:
-            raise TypeError(f"{name} has dtype {t.dtype}; expected x's dtype {x.dtype}")
+    check_weight_dtypes(x, w1, w2, autocast)
     for name, t in (("topk_ids", topk_ids), ("topk_weights", topk_weights), ("w_gate_up", w1),
                     ("w_down", w2)):
         if t.device != x.device:
@@ -222,12 +232,16 @@ def _check_options(x, w2, activation, b_gate_up, b_down, gate_up_interleaved, sw
 
 
 def autocast_expert_operands(x, w_gate_up, w_down, b_gate_up, b_down):
-    """``(x, w_gate_up, w_down, b_gate_up, b_down)`` cast once to the autocast dtype (:func:`moeblaze.amp.
-    autocast_operands`; biases that are None stay None), or unchanged outside autocast."""
+    """``(x, w_gate_up, w_down, b_gate_up, b_down, autocast)``: under autocast ``x`` and the biases cast once to
+    the autocast dtype (:func:`moeblaze.amp.autocast_operands`; biases that are None stay None), the weights
+    checked but left to the experts' Functions to cast (:mod:`moeblaze.amp`), ``autocast`` True; outside
+    autocast all unchanged and ``autocast`` False."""
     biases = [(n, b) for n, b in (("b_gate_up", b_gate_up), ("b_down", b_down)) if isinstance(b, torch.Tensor)]
-    x, w_gate_up, w_down, *cast = autocast_operands(x, ("w_gate_up", w_gate_up), ("w_down", w_down), *biases)
-    cast_biases = dict(zip((n for n, _ in biases), cast))
-    return x, w_gate_up, w_down, cast_biases.get("b_gate_up", b_gate_up), cast_biases.get("b_down", b_down)
+    dtype = autocast_target(x, ("w_gate_up", w_gate_up), ("w_down", w_down), *biases)
+    if dtype is None:
+        return x, w_gate_up, w_down, b_gate_up, b_down, False
+    cast = {n: b.to(dtype) for n, b in biases}
+    return x.to(dtype), w_gate_up, w_down, cast.get("b_gate_up", b_gate_up), cast.get("b_down", b_down), True
 
 
 def moe_experts(
@@ -258,7 +272,8 @@ def moe_experts(
     Precision (the contract of ``torch.nn.Linear``; :mod:`moeblaze.amp`): under
     ``torch.autocast(x.device.type, dtype)`` (bf16 or fp16) the GEMMs run in the autocast dtype on casts of
     ``x``, ``w_gate_up``, ``w_down`` and the biases (each cast once per call, differentiable: fp32 parameters get fp32
-    gradients) and the result is in the autocast dtype — bitwise the call on those casts outside autocast.
+    gradients, the weights' stored by the kernels directly) and the result is in the autocast dtype — bitwise the
+    call on those casts outside autocast, gradients included.
     ``topk_weights`` is not cast (the combine sums in fp32). Outside autocast all three share one dtype;
     fp32 follows ``torch.get_float32_matmul_precision()`` as ``torch.matmul`` does (``"highest"``: IEEE
     fp32 products; ``"high"``/``"medium"``, i.e. ``torch.backends.cuda.matmul.allow_tf32``: TF32 tensor
@@ -305,8 +320,9 @@ def moe_experts(
         TypeError: dtype mismatch between ``x`` and the weights or biases, non-integer ``topk_ids``, fp64 with
             ``backend="triton"``, or an fp64 operand under autocast (autocast never casts fp64).
     """
-    x, w_gate_up, w_down, b_gate_up, b_down = autocast_expert_operands(x, w_gate_up, w_down, b_gate_up, b_down)
-    _check_inputs(x, topk_ids, topk_weights, w_gate_up, w_down, activation, save)
+    x, w_gate_up, w_down, b_gate_up, b_down, autocast = autocast_expert_operands(x, w_gate_up, w_down, b_gate_up,
+                                                                                  b_down)
+    _check_inputs(x, topk_ids, topk_weights, w_gate_up, w_down, activation, save, autocast)
     _check_options(x, w_down, activation, b_gate_up, b_down, gate_up_interleaved, swiglu_alpha, swiglu_limit,
                    foreign_experts, index)
     E = w_down.shape[0]

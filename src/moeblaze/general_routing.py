@@ -23,7 +23,14 @@ import torch
 from .activations import SWIGLU_ALPHA, SWIGLU_LIMIT, ActArgs, check_activation
 from .backends import get_backend
 from .dispatch import DispatchIndex, build_dispatch_pairs, check_pairs
-from .experts import SAVE_MODES, _check_options, _check_weight_shapes, autocast_expert_operands, run_experts
+from .experts import (
+    SAVE_MODES,
+    _check_options,
+    _check_weight_shapes,
+    autocast_expert_operands,
+    check_weight_dtypes,
+    run_experts,
+)
 
 __all__ = ["build_dispatch_pairs", "check_pairs", "moe_experts_general", "topk_to_pairs"]
 
@@ -76,7 +83,8 @@ def moe_experts_general(
         TypeError, ValueError: as :func:`moeblaze.moe_experts` and :func:`check_pairs`; an index of another
             E, T or P.
     """
-    x, w_gate_up, w_down, b_gate_up, b_down = autocast_expert_operands(x, w_gate_up, w_down, b_gate_up, b_down)
+    x, w_gate_up, w_down, b_gate_up, b_down, autocast = autocast_expert_operands(x, w_gate_up, w_down, b_gate_up,
+                                                                                  b_down)
     check_activation(activation)
     if save not in SAVE_MODES:
         raise ValueError(f"save must be one of {SAVE_MODES}, got {save!r}")
@@ -87,9 +95,7 @@ def moe_experts_general(
     _check_weight_shapes(x, w_gate_up, w_down, activation)
     _check_options(x, w_down, activation, b_gate_up, b_down, gate_up_interleaved, swiglu_alpha, swiglu_limit,
                    foreign_experts, index)
-    for name, t in (("w_gate_up", w_gate_up), ("w_down", w_down)):
-        if t.dtype != x.dtype:
-            raise TypeError(f"{name} has dtype {t.dtype}; expected x's dtype {x.dtype}")
+    check_weight_dtypes(x, w_gate_up, w_down, autocast)
     for name, t in (("token_idx", token_idx), ("expert_idx", expert_idx), ("pair_weights", pair_weights),
                     ("w_gate_up", w_gate_up), ("w_down", w_down)):
         if isinstance(t, torch.Tensor) and t.device != x.device:

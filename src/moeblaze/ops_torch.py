@@ -147,8 +147,9 @@ def up_forward(x: Tensor, w1: Tensor, index: DispatchIndex, activation: str, sto
 
 
 def up_backward(dpre: Tensor, x: Tensor, w1: Tensor, index: DispatchIndex, need_dx: bool,
-                need_dw: bool) -> tuple[Tensor | None, Tensor | None]:
-    """B3 ``dx_slots = dpre @ w1[e]``, B5 ``dx[t] = sum_k dx_slots[map[t,k]]``, B4 ``dw1[e] = dpre^T x[token]``."""
+                need_dw: bool, *, dw_dtype: torch.dtype | None = None) -> tuple[Tensor | None, Tensor | None]:
+    """B3 ``dx_slots = dpre @ w1[e]``, B5 ``dx[t] = sum_k dx_slots[map[t,k]]``, B4 ``dw1[e] = dpre^T x[token]``
+    (in ``w1.dtype``, returned in ``dw_dtype``, default ``w1.dtype``)."""
     dx = dw1 = None
     if need_dx:
         dx_slots = acc(grouped_linear(dpre, w1.transpose(-2, -1), index.local_offsets))[index.token_index_map.long()]
@@ -158,7 +159,7 @@ def up_backward(dpre: Tensor, x: Tensor, w1: Tensor, index: DispatchIndex, need_
         dx = sum_pairs(dx_slots, index).to(x.dtype)
     if need_dw:
         xg = x.index_select(0, index.expert_token_indices.long())
-        dw1 = grouped_weight_grad(dpre, xg, index.local_offsets).to(w1.dtype)
+        dw1 = grouped_weight_grad(dpre, xg, index.local_offsets).to(w1.dtype).to(dw_dtype or w1.dtype)
     return dx, dw1
 
 
@@ -177,9 +178,10 @@ def down_forward(act: Tensor, w2: Tensor, topk_weights: Tensor, index: DispatchI
 
 def down_backward(dout: Tensor, pre: Tensor, w2: Tensor, topk_weights: Tensor, index: DispatchIndex,
                   activation: str, need_dw: bool, need_dtw: bool, *, b2: Tensor | None = None,
-                  act_args: ActArgs = DEFAULT_ACT) -> tuple[Tensor, Tensor | None, Tensor | None]:
+                  act_args: ActArgs = DEFAULT_ACT,
+                  dw_dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor | None, Tensor | None]:
     """B1-B2 with the activation recomputed from ``pre``;
-    ``dtopk_weights = <dout[t] w2[e], act> (+ <dout[t], b2[e]>)``."""
+    ``dtopk_weights = <dout[t] w2[e], act> (+ <dout[t], b2[e]>)``; ``dw2`` as ``dw1`` of :func:`up_backward`."""
     tokens = index.expert_token_indices.long()
     offsets = index.local_offsets
     g = dout.index_select(0, tokens)  # [N, d]  dout of each slot's token
@@ -202,7 +204,7 @@ def down_backward(dout: Tensor, pre: Tensor, w2: Tensor, topk_weights: Tensor, i
     dw2 = None
     if need_dw:
         w_act = (act_acc * w_slot[:, None]).to(act.dtype)
-        dw2 = grouped_weight_grad(g, w_act, offsets).to(w2.dtype)
+        dw2 = grouped_weight_grad(g, w_act, offsets).to(w2.dtype).to(dw_dtype or w2.dtype)
     return dpre, dw2, dtw
 
 

@@ -24,7 +24,9 @@ Every element is read before it is overwritten, by the same program: in-place is
 atomic (bitwise reproducible). ``pre``'s layout is F1's (``PRE_STEP``/``UP_OFF``: gate/up blocks, or the
 alternating columns of an interleaved ``w_gate_up``), and ``dpre`` is written in the same layout.
 ``HAS_LIMIT`` (an index with foreign experts): rows ``>= limit[0]`` (foreign slots, never computed by F1)
-are skipped.
+are skipped. ``TF32_DPRE`` (fp32 at TF32 precision): ``dpre`` is stored rounded to TF32, the A operand of
+B3, which then reads it without a rounded copy (:mod:`moeblaze.kernels.tf32`; the expert-bias gradient
+``db_gate_up``, a sum of ``dpre`` rows, sums the rounded values).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ import triton
 import triton.language as tl
 
 from .act_math import FIRST_NON_GATED, act_backward, act_forward
+from .tf32 import round_tf32_values
 from .tuning import Launchable, act_bwd_configs
 
 
@@ -48,7 +51,7 @@ def act_bwd_rows_kernel(
     N, H, UP_OFF, alpha, limit,
     stride_dact_m, stride_pre_m, stride_dpre_m,
     ACTIVATION: tl.constexpr, STORE_PART: tl.constexpr, STORE_WACT: tl.constexpr, PRE_STEP: tl.constexpr,
-    HAS_LIMIT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
+    HAS_LIMIT: tl.constexpr, TF32_DPRE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     row_mask = rows < N
@@ -76,6 +79,8 @@ def act_bwd_rows_kernel(
             wact = act.to(dact_ptr.dtype.element_ty).to(tl.float32) * w
             tl.store(dact_ptrs, wact.to(dact_ptr.dtype.element_ty), mask=mask)
         dgate, dup = act_backward(dact * w, gate, up, alpha, limit, ACTIVATION)
+        if TF32_DPRE:  # dpre is B3's A operand, read as it is (no rounded copy)
+            dgate, dup = round_tf32_values(dgate), round_tf32_values(dup)
         dpre_ptrs = dpre_ptr + rows64 * stride_dpre_m + cols * PRE_STEP
         tl.store(dpre_ptrs, dgate.to(dpre_ptr.dtype.element_ty), mask=mask)
         if ACTIVATION < FIRST_NON_GATED:
@@ -90,7 +95,8 @@ _ACT_BWD = Launchable(act_bwd_rows_kernel, act_bwd_configs, key=["H", "ACTIVATIO
 
 def act_bwd_rows(dact: torch.Tensor, pre: torch.Tensor, dpre: torch.Tensor, scale: torch.Tensor,
                  dtw: torch.Tensor | None, *, h: int, activation: int, store_wact: bool, alpha: float = 0.0,
-                 limit: float = 0.0, interleaved: bool = False, local_slots: torch.Tensor | None = None) -> None:
+                 limit: float = 0.0, interleaved: bool = False, local_slots: torch.Tensor | None = None,
+                 tf32_dpre: bool = False) -> None:
     """Launch :func:`act_bwd_rows_kernel` (all outputs in place; see the module docstring).
 
     Args:
@@ -99,6 +105,7 @@ def act_bwd_rows(dact: torch.Tensor, pre: torch.Tensor, dpre: torch.Tensor, scal
         All with unit column stride (checked by the callers).
         alpha, limit: the clamped SwiGLU's parameters. interleaved: gated ``pre`` alternates gate, up.
         local_slots: ``[1]`` int32 on the device, rows at or past it are skipped (foreign slots), or None.
+        tf32_dpre: store ``dpre`` rounded to TF32 (fp32 ``dpre`` only).
     """
     N = dact.shape[0]
     if N == 0 or h == 0:
@@ -110,5 +117,5 @@ def act_bwd_rows(dact: torch.Tensor, pre: torch.Tensor, dpre: torch.Tensor, scal
         UP_OFF=1 if interleaved else h, alpha=float(alpha), limit=float(limit),
         stride_dact_m=dact.stride(0), stride_pre_m=pre.stride(0), stride_dpre_m=dpre.stride(0),
         ACTIVATION=activation, STORE_PART=dtw is not None, STORE_WACT=store_wact, PRE_STEP=2 if interleaved else 1,
-        HAS_LIMIT=local_slots is not None,
+        HAS_LIMIT=local_slots is not None, TF32_DPRE=tf32_dpre,
     )

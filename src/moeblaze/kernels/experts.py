@@ -39,7 +39,7 @@ from .bias_grad import segment_sum
 from .combine import gather_sum
 from .custom_ops import call_op
 from .grouped_gemm import B_DESC_INTERLEAVED, EPILOGUE_ACT_FWD
-from .launch import grouped_gemm, grouped_wgrad, interleaved_desc_ok
+from .launch import grouped_gemm, grouped_wgrad, interleaved_desc_ok, rounds_tf32
 from .tuning import block_m
 
 __all__ = ["up_forward", "up_backward", "down_forward", "down_backward", "bias_grad"]
@@ -75,11 +75,12 @@ def _stored_transposed(w: Tensor) -> bool:
     return w.stride(1) == 1 and w.stride(2) != 1
 
 
-def _like_weight(w: Tensor) -> Tensor:
-    """An uninitialised tensor of ``w``'s shape and storage order (fake implementations)."""
+def _like_weight(w: Tensor, dtype: torch.dtype | None = None) -> Tensor:
+    """An uninitialised tensor of ``w``'s shape and storage order, in ``dtype`` (default ``w``'s; fakes)."""
+    dtype = dtype or w.dtype
     if _stored_transposed(w):
-        return w.new_empty(w.shape[0], w.shape[2], w.shape[1]).transpose(1, 2)
-    return w.new_empty(w.shape)
+        return w.new_empty(w.shape[0], w.shape[2], w.shape[1], dtype=dtype).transpose(1, 2)
+    return w.new_empty(w.shape, dtype=dtype)
 
 
 def _schedule(index: DispatchIndex) -> tuple[Tensor, Tensor, Tensor]:
@@ -140,7 +141,8 @@ def up_forward(x: Tensor, w1: Tensor, index: DispatchIndex, activation: str, sto
             (``interleaved``: ``w1``'s rows and ``pre``'s columns alternate gate, up).
 
     Returns:
-        ``(pre | None, act | None)``; foreign slots' rows are left unwritten.
+        ``(pre | None, act | None)``; foreign slots' rows are left unwritten. fp32 at TF32 precision: ``act``
+        rounded to TF32 (the operand :func:`down_forward` reads; :mod:`moeblaze.kernels.tf32`).
 
     Raises:
         TypeError: a dtype other than fp16/bf16/fp32, or ``x``, ``w1`` and ``b1`` of different dtypes.
@@ -178,10 +180,12 @@ def _down_forward_impl(act, w2, b2, topk_weights, offsets, indices, tile_expert,
     if K == 1:  # F2 writes w * y straight into out[token]: no [N, d] buffer, no combine
         out = act.new_zeros(T, d) if foreign else act.new_empty(T, d)  # foreign tokens: never written
         grouped_gemm(act, w2, out, offsets, indices, sched, b_nk=True, n_cols=d, k_dim=h, gather_a=False,
-                     scatter_c=True, scale=slot_weights(topk_weights, token_index_map, torch.float32), bias=bias)
+                     scatter_c=True, scale=slot_weights(topk_weights, token_index_map, torch.float32), bias=bias,
+                     a_tf32=True)
         return out
     y = act.new_empty(act.shape[0], d)
-    grouped_gemm(act, w2, y, offsets, indices, sched, b_nk=True, n_cols=d, k_dim=h, gather_a=False, bias=bias)
+    grouped_gemm(act, w2, y, offsets, indices, sched, b_nk=True, n_cols=d, k_dim=h, gather_a=False, bias=bias,
+                 a_tf32=True)
     return gather_sum(y, token_index_map, topk_weights, act.dtype, _local_slots(offsets, foreign), pair_offsets)
 
 
@@ -206,6 +210,9 @@ def down_forward(act: Tensor, w2: Tensor, topk_weights: Tensor, index: DispatchI
         act: ``[N, h]``; w2: ``[E, d, h]`` (same dtype); topk_weights: ``[T, K]`` any float dtype;
         b2: ``[E, d]`` (same dtype as ``act``) or None.
 
+    fp32 at TF32 precision: ``act`` is read as TF32 values, as :func:`up_forward` stores it then (rounded);
+    the tensor cores truncate any other low mantissa bits.
+
     Raises:
         TypeError, ValueError: as :func:`up_forward`.
     """
@@ -219,7 +226,7 @@ def down_forward(act: Tensor, w2: Tensor, topk_weights: Tensor, index: DispatchI
 
 def _down_backward_impl(dout, pre, w2, b2, topk_weights, offsets, indices, tile_expert, tile_row, num_tiles,
                         token_index_map, token_expert_indices, activation, alpha, limit, interleaved, foreign,
-                        need_dw, need_dtw, general=False):
+                        need_dw, need_dtw, general=False, dw_dtype=None):
     # B1 in two launches (why: moeblaze.kernels.act_bwd): the GEMM stores dact' [N, h], then one pass over
     # the rows recomputes act from pre and writes dpre over pre (unit column stride, checked by
     # down_backward) and w * act over dact' — the B operand of B2, a backward-only temporary.
@@ -232,7 +239,8 @@ def _down_backward_impl(dout, pre, w2, b2, topk_weights, offsets, indices, tile_
     dtw_slot = torch.empty(N, dtype=torch.float32, device=pre.device) if need_dtw else None
     local = _local_slots(offsets, foreign)
     act_bwd_rows(dact, pre, pre, w_slot, dtw_slot, h=h, activation=ACTIVATION_CODES[activation],
-                 store_wact=need_dw, alpha=alpha, limit=limit, interleaved=interleaved, local_slots=local)
+                 store_wact=need_dw, alpha=alpha, limit=limit, interleaved=interleaved, local_slots=local,
+                 tf32_dpre=rounds_tf32(pre))
     dtw = _empty(topk_weights)
     if need_dtw:
         dtw = dtw_slot.index_select(0, token_index_map.reshape(-1).long()).view(token_index_map.shape)
@@ -245,7 +253,7 @@ def _down_backward_impl(dout, pre, w2, b2, topk_weights, offsets, indices, tile_
     dw2 = _empty(w2)
     if need_dw:
         flip = _stored_transposed(w2)  # [E, h, d] storage: the transposed products, viewed back as [E, d, h]
-        dw2 = grouped_wgrad(dout, dact, offsets, indices, p=d, q=h, out_dtype=w2.dtype, transpose=flip,
+        dw2 = grouped_wgrad(dout, dact, offsets, indices, p=d, q=h, out_dtype=dw_dtype or w2.dtype, transpose=flip,
                             slot_desc=not foreign)
         dw2 = dw2.transpose(1, 2) if flip else dw2
     return dw2, dtw
@@ -256,19 +264,20 @@ _down_backward_op = torch.library.custom_op(
     schema="(Tensor dout, Tensor(a!) pre, Tensor w2, Tensor? b2, Tensor topk_weights, Tensor offsets, "
            "Tensor indices, Tensor tile_expert, Tensor tile_row, Tensor num_tiles, Tensor token_index_map, "
            "Tensor token_expert_indices, str activation, float alpha, float limit, bool interleaved, bool foreign, "
-           "bool need_dw, bool need_dtw, bool general) -> (Tensor, Tensor)")
+           "bool need_dw, bool need_dtw, bool general, ScalarType? dw_dtype) -> (Tensor, Tensor)")
 
 
 @_down_backward_op.register_fake
 def _(dout, pre, w2, b2, topk_weights, offsets, indices, tile_expert, tile_row, num_tiles, token_index_map,
-      token_expert_indices, activation, alpha, limit, interleaved, foreign, need_dw, need_dtw, general):
-    return (_like_weight(w2) if need_dw else _empty(w2),
+      token_expert_indices, activation, alpha, limit, interleaved, foreign, need_dw, need_dtw, general, dw_dtype):
+    return (_like_weight(w2, dw_dtype) if need_dw else _empty(w2),
             topk_weights.new_empty(token_index_map.shape) if need_dtw else _empty(topk_weights))
 
 
 def down_backward(dout: Tensor, pre: Tensor, w2: Tensor, topk_weights: Tensor, index: DispatchIndex,
                   activation: str, need_dw: bool, need_dtw: bool, *, b2: Tensor | None = None,
-                  act_args: ActArgs = DEFAULT_ACT) -> tuple[Tensor, Tensor | None, Tensor | None]:
+                  act_args: ActArgs = DEFAULT_ACT,
+                  dw_dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor | None, Tensor | None]:
     """B1-B2 with the activation recomputed from ``pre``; ``dtopk_weights = <dout[t] w2[e], act> (+ <dout[t], b2[e]>)``.
 
     ``dpre`` is written over ``pre`` in place (``pre`` is dead after B1; this saves an ``[N, 2h]``
@@ -278,9 +287,12 @@ def down_backward(dout: Tensor, pre: Tensor, w2: Tensor, topk_weights: Tensor, i
     Args:
         dout: ``[T, d]``; pre: ``[N, 2h|h]`` with unit column stride (overwritten); w2: ``[E, d, h]``
             (one dtype); topk_weights: ``[T, K]``; b2: ``[E, d]`` or None; act_args: as :func:`up_forward`.
+        dw_dtype: dtype of ``dw2`` (default ``w2.dtype``; fp32 for 16-bit operands: their rounded gradient upcast,
+            stored in one pass).
 
     Returns:
-        ``(dpre [N, 2h|h] = pre itself, dw2 [E, d, h] in w2.dtype and storage order | None,
+        ``(dpre [N, 2h|h] = pre itself (fp32 at TF32 precision: rounded to TF32, the operand
+        :func:`up_backward` reads), dw2 [E, d, h] in dw_dtype and w2's storage order | None,
         dtopk_weights [T, K] in topk_weights.dtype | None)``.
 
     Raises:
@@ -294,14 +306,15 @@ def down_backward(dout: Tensor, pre: Tensor, w2: Tensor, topk_weights: Tensor, i
     dw2, dtw = call_op(_down_backward_op, _down_backward_impl,
                        dout, pre, w2, b2, topk_weights, index.local_offsets, index.expert_token_indices,
                        *_schedule(index), index.token_index_map, index.token_expert_indices, activation, *act_args,
-                       index.foreign_experts, need_dw, need_dtw, index.is_general, mutated=(pre,))
+                       index.foreign_experts, need_dw, need_dtw, index.is_general, dw_dtype,
+                       mutated=(pre,))
     return pre, (dw2 if need_dw else None), (dtw if need_dtw else None)
 
 
 # ---------------------------------------------------------------- B3-B5: up-projection backward
 
 def _up_backward_impl(dpre, x, w1, offsets, indices, tile_expert, tile_row, num_tiles, token_index_map, foreign,
-                      need_dx, need_dw, pair_offsets=None):
+                      need_dx, need_dw, pair_offsets=None, dw_dtype=None):
     sched = (tile_expert, tile_row, num_tiles)
     dpre, x = _rows_contig(dpre), _rows_contig(x)
     T, K = _tokens_pairs(token_index_map, pair_offsets)
@@ -311,17 +324,18 @@ def _up_backward_impl(dpre, x, w1, offsets, indices, tile_expert, tile_row, num_
         if K == 1:  # B3 writes dx[token] directly: no [N, d] buffer, no gather-sum
             dx = x.new_zeros(T, d) if foreign else x.new_empty(T, d)  # foreign tokens: never written
             grouped_gemm(dpre, w1, dx, offsets, indices, sched, b_nk=False, n_cols=d, k_dim=rows, gather_a=False,
-                         scatter_c=True)
+                         scatter_c=True, a_tf32=True)
         else:
             dx_slots = x.new_empty(indices.numel(), d)
             grouped_gemm(dpre, w1, dx_slots, offsets, indices, sched, b_nk=False, n_cols=d, k_dim=rows,
-                         gather_a=False)
+                         gather_a=False, a_tf32=True)
             dx = gather_sum(dx_slots, token_index_map, None, x.dtype, _local_slots(offsets, foreign), pair_offsets)
             del dx_slots  # freed before dW1 is allocated: N*d*2 bytes off the backward's peak
     if need_dw:
         # as dW1[e]^T = sum_s x[token]^T dpre[s]: the gathered operand on the A side (moeblaze.kernels.wgrad)
         flip = _stored_transposed(w1)  # [E, d, rows] storage (GPT-OSS): the plain products, viewed back
-        dw1 = grouped_wgrad(x, dpre, offsets, indices, p=d, q=rows, out_dtype=w1.dtype, transpose=not flip,
+        dw1 = grouped_wgrad(x, dpre, offsets, indices, p=d, q=rows, out_dtype=dw_dtype or w1.dtype,
+                            transpose=not flip,
                             slot_desc=not foreign)
         dw1 = dw1.transpose(1, 2) if flip else dw1
     return dx, dw1
@@ -331,22 +345,26 @@ _up_backward_op = torch.library.custom_op(
     "moeblaze::experts_up_backward", _up_backward_impl, mutates_args=(),
     schema="(Tensor dpre, Tensor x, Tensor w1, Tensor offsets, Tensor indices, Tensor tile_expert, "
            "Tensor tile_row, Tensor num_tiles, Tensor token_index_map, bool foreign, bool need_dx, "
-           "bool need_dw, Tensor? pair_offsets) -> (Tensor, Tensor)")
+           "bool need_dw, Tensor? pair_offsets, ScalarType? dw_dtype) -> (Tensor, Tensor)")
 
 
 @_up_backward_op.register_fake
 def _(dpre, x, w1, offsets, indices, tile_expert, tile_row, num_tiles, token_index_map, foreign, need_dx, need_dw,
-      pair_offsets):
-    return (x.new_empty(x.shape) if need_dx else _empty(x)), (_like_weight(w1) if need_dw else _empty(w1))
+      pair_offsets, dw_dtype):
+    return (x.new_empty(x.shape) if need_dx else _empty(x)), (_like_weight(w1, dw_dtype) if need_dw else _empty(w1))
 
 
-def up_backward(dpre: Tensor, x: Tensor, w1: Tensor, index: DispatchIndex, need_dx: bool,
-                need_dw: bool) -> tuple[Tensor | None, Tensor | None]:
-    """B3-B5: ``dx [T, d]`` (x.dtype) and ``dw1 [E, 2h|h, d]`` (w1.dtype, in w1's storage order: a transposed
-    view for a transposed-view ``w1``); ``None`` where not needed.
+def up_backward(dpre: Tensor, x: Tensor, w1: Tensor, index: DispatchIndex, need_dx: bool, need_dw: bool, *,
+                dw_dtype: torch.dtype | None = None) -> tuple[Tensor | None, Tensor | None]:
+    """B3-B5: ``dx [T, d]`` (x.dtype) and ``dw1 [E, 2h|h, d]`` (``dw_dtype``, default w1.dtype, as for
+    :func:`down_backward`; in w1's storage order: a transposed view for a transposed-view ``w1``); ``None``
+    where not needed.
 
     Args:
         dpre: ``[N, 2h|h]`` in ``w1``'s row order; x: ``[T, d]``; w1: ``[E, 2h|h, d]`` (one dtype, any strides).
+
+    fp32 at TF32 precision: ``dpre`` is read as TF32 values, as :func:`down_backward` stores it then (rounded);
+    the tensor cores truncate any other low mantissa bits.
 
     Raises:
         TypeError, ValueError: as :func:`up_forward`.
@@ -354,7 +372,7 @@ def up_backward(dpre: Tensor, x: Tensor, w1: Tensor, index: DispatchIndex, need_
     _check("up_backward", dpre=dpre, x=x, w1=w1)
     dx, dw1 = call_op(_up_backward_op, _up_backward_impl, dpre, x, w1, index.local_offsets,
                       index.expert_token_indices, *_schedule(index), index.token_index_map, index.foreign_experts,
-                      need_dx, need_dw, index.pair_offsets)
+                      need_dx, need_dw, index.pair_offsets, dw_dtype)
     return (dx if need_dx else None), (dw1 if need_dw else None)
 
 

@@ -25,6 +25,8 @@ accumulator first, before any rounding or scaling):
      the backward recomputes it). ``pre``'s gate column of ``n`` is ``n * PRE_STEP`` and its up column
      ``n * PRE_STEP + UP_OFF``: blocks (1, h) or, for an interleaved ``w_gate_up`` (GPT-OSS), alternating
      columns (2, 1) — ``pre`` keeps the weight's row order, so B3/B4 read the interleaved view as it is.
+     ``TF32_ACT`` (fp32 at TF32 precision): ``act`` is stored rounded to TF32, as F2 reads it, so F2 needs
+     no rounded copy of it (:mod:`moeblaze.kernels.tf32`).
 B1 uses ``EPILOGUE_PLAIN`` (``dact' = dout[token(s)] W_down[e]``); its activation backward streams the rows
 afterwards (:mod:`moeblaze.kernels.act_bwd`, where the measurement that chose this is given).
 Accumulation is fp32 (``tl.dot``); nothing is atomic, so results are bitwise reproducible.
@@ -36,6 +38,7 @@ import triton
 import triton.language as tl
 
 from .act_math import act_forward
+from .tf32 import round_tf32_values
 
 # EPILOGUE: what the kernel does with the accumulator (module docstring).
 EPILOGUE_PLAIN = tl.constexpr(0)  # store C (bias, router-weight scale, scatter to token rows: optional)
@@ -188,9 +191,9 @@ def _epilogue_plain(c_ptr, scale_ptr, bias_ptr, acc, e, rows, tokens, mask, offs
 def _epilogue_act_fwd(pre_ptr, act_ptr, bias_ptr, acc, acc2, e, rows, mask, offs_n, n_mask, UP_OFF, alpha, limit,
                       stride_pre_m, stride_act_m, stride_bias_e, ACTIVATION: tl.constexpr, DUAL: tl.constexpr,
                       STORE_PRE: tl.constexpr, STORE_ACT: tl.constexpr, HAS_BIAS: tl.constexpr,
-                      PRE_STEP: tl.constexpr):
+                      PRE_STEP: tl.constexpr, TF32_ACT: tl.constexpr):
     """``EPILOGUE_ACT_FWD`` (F1): store ``pre`` (gate at ``n * PRE_STEP``, up ``UP_OFF`` further) and
-    ``act = f(pre)``."""
+    ``act = f(pre)`` (``TF32_ACT``: rounded to TF32, see the module docstring)."""
     cols = offs_n * PRE_STEP
     if HAS_BIAS:  # bias[e] in pre's column order
         b_ptrs = bias_ptr + e * stride_bias_e + cols
@@ -206,6 +209,8 @@ def _epilogue_act_fwd(pre_ptr, act_ptr, bias_ptr, acc, acc2, e, rows, mask, offs
             tl.store(pre_ptrs + UP_OFF, up, mask=mask)
     if STORE_ACT:
         act = act_forward(gate.to(tl.float32), up.to(tl.float32), alpha, limit, ACTIVATION)
+        if TF32_ACT:
+            act = round_tf32_values(act)
         tl.store(act_ptr + rows[:, None] * stride_act_m + offs_n[None, :], act.to(act_ptr.dtype.element_ty),
                  mask=mask)
 
@@ -217,7 +222,7 @@ def _gemm_tile(
     stride_a_m, stride_a_k, stride_b_e, stride_b_k, stride_b_n, stride_c_m, stride_aux_m, stride_bias_e,
     GATHER_A: tl.constexpr, SCATTER_C: tl.constexpr, SCALE_C: tl.constexpr, EPILOGUE: tl.constexpr,
     ACTIVATION: tl.constexpr, DUAL: tl.constexpr, STORE_PRE: tl.constexpr, STORE_AUX: tl.constexpr,
-    HAS_BIAS: tl.constexpr, PRE_STEP: tl.constexpr,
+    HAS_BIAS: tl.constexpr, PRE_STEP: tl.constexpr, TF32_ACT: tl.constexpr,
     A_DESC: tl.constexpr, B_DESC: tl.constexpr, DOT_PREC: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
@@ -259,7 +264,7 @@ def _gemm_tile(
             offs_n=offs_n, n_mask=n_mask, UP_OFF=UP_OFF, alpha=alpha, limit=limit,
             stride_pre_m=stride_c_m, stride_act_m=stride_aux_m, stride_bias_e=stride_bias_e,
             ACTIVATION=ACTIVATION, DUAL=DUAL, STORE_PRE=STORE_PRE, STORE_ACT=STORE_AUX, HAS_BIAS=HAS_BIAS,
-            PRE_STEP=PRE_STEP,
+            PRE_STEP=PRE_STEP, TF32_ACT=TF32_ACT,
         )
 
 
@@ -286,7 +291,7 @@ def grouped_gemm_kernel(
     NUM_EXPERTS,  # E (autotune key; rows of the B_DESC descriptor)
     GATHER_A: tl.constexpr, SCATTER_C: tl.constexpr, SCALE_C: tl.constexpr, EPILOGUE: tl.constexpr,
     ACTIVATION: tl.constexpr, DUAL: tl.constexpr, STORE_PRE: tl.constexpr, STORE_AUX: tl.constexpr,
-    HAS_BIAS: tl.constexpr, PRE_STEP: tl.constexpr,
+    HAS_BIAS: tl.constexpr, PRE_STEP: tl.constexpr, TF32_ACT: tl.constexpr,
     A_DESC: tl.constexpr, B_DESC: tl.constexpr, DOT_PREC: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
     PERSISTENT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
@@ -313,6 +318,7 @@ def grouped_gemm_kernel(
                 stride_b_n=stride_b_n, stride_c_m=stride_c_m, stride_aux_m=stride_aux_m, stride_bias_e=stride_bias_e,
                 GATHER_A=GATHER_A, SCATTER_C=SCATTER_C, SCALE_C=SCALE_C, EPILOGUE=EPILOGUE, ACTIVATION=ACTIVATION,
                 DUAL=DUAL, STORE_PRE=STORE_PRE, STORE_AUX=STORE_AUX, HAS_BIAS=HAS_BIAS, PRE_STEP=PRE_STEP,
+                TF32_ACT=TF32_ACT,
                 A_DESC=A_DESC, B_DESC=B_DESC, DOT_PREC=DOT_PREC, EVEN_K=EVEN_K, EVEN_N=EVEN_N,
                 BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, GROUP_M=GROUP_M,
             )
@@ -332,6 +338,7 @@ def grouped_gemm_kernel(
                 stride_b_n=stride_b_n, stride_c_m=stride_c_m, stride_aux_m=stride_aux_m, stride_bias_e=stride_bias_e,
                 GATHER_A=GATHER_A, SCATTER_C=SCATTER_C, SCALE_C=SCALE_C, EPILOGUE=EPILOGUE, ACTIVATION=ACTIVATION,
                 DUAL=DUAL, STORE_PRE=STORE_PRE, STORE_AUX=STORE_AUX, HAS_BIAS=HAS_BIAS, PRE_STEP=PRE_STEP,
+                TF32_ACT=TF32_ACT,
                 A_DESC=A_DESC, B_DESC=B_DESC, DOT_PREC=DOT_PREC, EVEN_K=EVEN_K, EVEN_N=EVEN_N,
                 BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, GROUP_M=GROUP_M,
             )

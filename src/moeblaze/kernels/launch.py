@@ -55,7 +55,7 @@ def dot_precision(dtype: torch.dtype) -> str:
     return "tf32" if torch.backends.cuda.matmul.allow_tf32 else "ieee"
 
 
-def _rounds_tf32(a: torch.Tensor) -> bool:
+def rounds_tf32(a: torch.Tensor) -> bool:
     """fp32 operands of a TF32 GEMM on the GPU (the interpreter's dot is exact fp32: nothing to round)."""
     return a.dtype == torch.float32 and a.is_cuda and dot_precision(a.dtype) == "tf32"
 
@@ -111,7 +111,7 @@ def interleaved_desc_ok(w1: torch.Tensor, k_dim: int) -> bool:
 def grouped_gemm(a, b, c, offsets, indices, sched, *, b_nk, n_cols, k_dim, gather_a, up_off=0,
                  scatter_c=False, scale=None, epilogue=EPILOGUE_PLAIN.value, activation=0, dual=False, store_pre=False,
                  aux=None, store_aux=False, bias=None, pre_step=1, up_shift_b=None, alpha=0.0, limit=0.0,
-                 weight_desc=True, b_mode=None):
+                 weight_desc=True, b_mode=None, a_tf32=False):
     """Launch :func:`grouped_gemm_kernel` (see its module for the epilogues).
 
     ``epilogue``: the ``.value`` of ``EPILOGUE_PLAIN`` or ``EPILOGUE_ACT_FWD`` (:mod:`.grouped_gemm`).
@@ -122,6 +122,9 @@ def grouped_gemm(a, b, c, offsets, indices, sched, *, b_nk, n_cols, k_dim, gathe
     ``alpha``/``limit``: the clamped SwiGLU's parameters. ``weight_desc=False`` forces pointer loads of ``b``
     (a strided view whose gate and up rows a descriptor cannot pair); ``b_mode`` forces a ``B_DESC`` mode
     (``B_DESC_INTERLEAVED.value``: an interleaved ``w_gate_up``, see :func:`interleaved_desc_ok`).
+    ``a_tf32``: ``a`` already holds TF32 values (its producer rounded them): a TF32 GEMM reads it as it is,
+    no rounded copy (F2 on F1's ``act``, B3 on the activation backward's ``dpre``). The act epilogue stores
+    ``act`` rounded whenever its GEMM runs TF32 (``TF32_ACT`` of the kernel).
 
     ``a [rows, k_dim]`` (``gather_a``: rows are tokens; else slots, read through a TMA descriptor where
     :func:`tma_enabled` and its rows are 16-byte aligned), ``b`` a weight ``[E, n, k]`` (``b_nk``) or
@@ -134,8 +137,9 @@ def grouped_gemm(a, b, c, offsets, indices, sched, *, b_nk, n_cols, k_dim, gathe
     E = offsets.numel() - 1
     if N == 0 or n_cols == 0:
         return
-    if _rounds_tf32(a):  # TF32 operands, rounded, and a weight read along n copied K-major (kernels/tf32.py)
-        a = tf32_copy(a)
+    tf32 = rounds_tf32(a)
+    if tf32:  # TF32 operands, rounded, and a weight read along n copied K-major (kernels/tf32.py)
+        a = a if a_tf32 else tf32_copy(a)
         if not b_nk and not dual and up_shift_b is None and b_mode is None and weight_desc:
             b, b_nk = tf32_copy(b, transpose=True), True  # B1, B3: [E, k, n] -> [E, n, k]
         else:
@@ -172,7 +176,7 @@ def grouped_gemm(a, b, c, offsets, indices, sched, *, b_nk, n_cols, k_dim, gathe
         NUM_EXPERTS=E,
         GATHER_A=gather_a, SCATTER_C=scatter_c, SCALE_C=scale is not offsets, EPILOGUE=epilogue,
         ACTIVATION=activation, DUAL=dual, STORE_PRE=store_pre, STORE_AUX=store_aux, HAS_BIAS=bias is not None,
-        PRE_STEP=pre_step, A_DESC=a_desc, B_DESC=b_mode,
+        PRE_STEP=pre_step, TF32_ACT=tf32 and epilogue != EPILOGUE_PLAIN.value, A_DESC=a_desc, B_DESC=b_mode,
         DOT_PREC=dot_precision(a.dtype), BLOCK_M=bm,
     )
 
@@ -194,7 +198,7 @@ def grouped_wgrad(a, b, offsets, indices, *, p, q, out_dtype, transpose=False, s
         return torch.zeros(shape, dtype=out_dtype, device=a.device)
     out = torch.empty(shape, dtype=out_dtype, device=a.device)
     stride_c_p, stride_c_q = (out.stride(2), out.stride(1)) if transpose else (out.stride(1), out.stride(2))
-    gather_a = not (_rounds_tf32(a) if k_major is None else k_major)
+    gather_a = not (rounds_tf32(a) if k_major is None else k_major)
     if gather_a:
         a_strides, b_strides = (a.stride(0), a.stride(1)), (b.stride(0), b.stride(1))
     else:  # TF32: both operands gathered into padded slot order, rounded, stored slots-contiguous (K-major)

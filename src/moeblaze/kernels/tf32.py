@@ -16,6 +16,9 @@ Two facts of Hopper's TF32 tensor cores shape the fp32 path:
 :func:`tf32_copy` does both in one pass over the tensor (a read and a write): round, and optionally
 gather rows through an index and/or transpose the last two dimensions; :func:`round_tf32` rounds keeping
 the layout. The five PyTorch elementwise ops of the rounding before took 39 of the 116 ms of that step.
+Where a kernel produces the A operand of a K-major TF32 GEMM, it stores it rounded instead
+(:func:`round_tf32_values` in its epilogue): F1's ``act`` for F2, the activation backward's ``dpre`` for
+B3, which then read it as it is (``a_tf32`` of :func:`moeblaze.kernels.launch.grouped_gemm`).
 """
 
 from __future__ import annotations
@@ -24,11 +27,11 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["padded_slot_rows", "round_tf32", "tf32_copy"]
+__all__ = ["padded_slot_rows", "round_tf32", "round_tf32_values", "tf32_copy"]
 
 
 @triton.jit
-def _round_tf32(x):
+def round_tf32_values(x):
     """fp32 -> nearest TF32 value (ties to even), as fp32 bits with the low 13 mantissa bits zero."""
     bits = x.to(tl.int32, bitcast=True)
     bits = (bits + 0xFFF + ((bits >> 13) & 1)) & -8192
@@ -43,7 +46,7 @@ def round_tf32_kernel(
 ):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
-    tl.store(dst_ptr + offs, _round_tf32(tl.load(src_ptr + offs, mask=mask)), mask=mask)
+    tl.store(dst_ptr + offs, round_tf32_values(tl.load(src_ptr + offs, mask=mask)), mask=mask)
 
 
 @triton.jit
@@ -68,7 +71,7 @@ def tf32_copy_kernel(
         src_rows = tl.maximum(src_rows, 0)
     x = tl.load(src_ptr + b * stride_src_b + src_rows[:, None] * stride_src_r + offs_c[None, :] * stride_src_c,
                 mask=load_mask, other=0.0)
-    y = _round_tf32(x)
+    y = round_tf32_values(x)
     base = dst_ptr + b * R * C
     if TRANSPOSE:
         tl.store(base + offs_c[None, :].to(tl.int64) * R + offs_r[:, None], y, mask=mask)

@@ -44,7 +44,7 @@ SLOT_PAD = tl.constexpr(32)
 def grouped_wgrad_kernel(
     a_ptr,  # [T, P] gathered operand (dout, x); fp16/bf16/fp32; padded slot rows (stride_a_m 1) if not GATHER_A
     b_ptr,  # [N, Q] slot rows (w act, dpre)
-    c_ptr,  # dW[e][p, q] at e*stride_c_e + p*stride_c_p + q*stride_c_q; dtype of the weight
+    c_ptr,  # dW[e][p, q] at e*stride_c_e + p*stride_c_p + q*stride_c_q; the operands' dtype or fp32
     offsets_ptr,  # [E+1] int32 expert_token_offsets (not GATHER_A: of the padded ranges)
     indices_ptr,  # [N] int32 expert_token_indices (slot -> token)
     P, Q,
@@ -99,4 +99,7 @@ def grouped_wgrad_kernel(
         acc = tl.dot(a, b, acc, input_precision=DOT_PREC)
     c_ptrs = (c_ptr + e.to(tl.int64) * stride_c_e + offs_p[:, None].to(tl.int64) * stride_c_p
               + offs_q[None, :].to(tl.int64) * stride_c_q)
-    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=p_mask[:, None] & q_mask[None, :])
+    # rounded to the operands' dtype first: an fp32 gradient of 16-bit operands (the master weights of an
+    # autocast call) is the 16-bit gradient upcast, stored in one pass instead of a 16-bit store and a cast
+    dw = acc.to(b_ptr.dtype.element_ty).to(c_ptr.dtype.element_ty)
+    tl.store(c_ptrs, dw, mask=p_mask[:, None] & q_mask[None, :])
