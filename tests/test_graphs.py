@@ -193,11 +193,14 @@ def test_gpu_torch_backend_capture_names_the_host_loop():
 
 
 def _train(model: nn.Module, steps: int, seed: int) -> list[float]:
+    """Losses of ``steps`` AdamW steps on ONE batch of random tokens: uniform tokens have nothing to learn
+    (fresh batches keep the loss at ln 256 plus noise), one batch is memorised, so a training model's loss
+    falls (5.60 -> 4.19 in 6 steps for the torch backend on the CPU)."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     gen = torch.Generator(device="cuda").manual_seed(seed)
+    idx = torch.randint(0, 256, (4, 65), device="cuda", generator=gen)
     losses = []
     for _ in range(steps):
-        idx = torch.randint(0, 256, (4, 65), device="cuda", generator=gen)
         logits = model(idx[:, :-1])
         loss = nn.functional.cross_entropy(logits.float().reshape(-1, 256), idx[:, 1:].reshape(-1))
         loss = loss + aux_loss(model)
