@@ -31,9 +31,15 @@ FAMILIES: dict[str, dict] = {
                          moe_num_shared_experts=1, moe_layer_start_index=0),
     "gpt_oss": dict(intermediate_size=32, num_local_experts=8, num_experts_per_tok=2,
                     layer_types=["sliding_attention", "full_attention"]),
+    # squared ReLU, non-gated, with a shared expert; an MoE block then attention (no Mamba block: its kernels)
+    "nemotron_h": dict(layers_block_type=["moe", "full_attention"], n_routed_experts=8, num_experts_per_tok=2,
+                       moe_intermediate_size=32, moe_shared_expert_intermediate_size=48, n_shared_experts=1,
+                       intermediate_size=96, use_mamba_kernels=False, mtp_layers_block_type=[]),
+    # GeGLU with tanh GELU (gelu_pytorch_tanh), the MoE block beside a dense MLP
+    "gemma4_text": dict(enable_moe_block=True, num_experts=8, top_k_experts=2, moe_intermediate_size=32,
+                        intermediate_size=96, layer_types=["sliding_attention", "full_attention"], sliding_window=16,
+                        hidden_size_per_layer_input=16, vocab_size_per_layer_input=128, per_layer_config={}),
 }
-# Families whose experts need the core's expert biases / clamped SwiGLU / GPT-OSS layout (issue 22 item 2).
-NEEDS_EXPERT_FEATURES = ("gpt_oss",)
 # GraniteMoE's model does not collect router logits in transformers 5.17 (its aux loss is then the int 0).
 NO_ROUTER_LOGITS = ("granitemoe",)
 

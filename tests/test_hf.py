@@ -5,7 +5,6 @@ family give the logits, the loss (aux loss included) and every parameter gradien
 from __future__ import annotations
 
 import copy
-import inspect
 import zlib
 
 import pytest
@@ -14,14 +13,9 @@ import torch.nn as nn
 
 transformers = pytest.importorskip("transformers")
 
-import moeblaze  # noqa: E402
 import moeblaze.integrations.transformers as mhf  # noqa: E402
-from hf_models import FAMILIES, NEEDS_EXPERT_FEATURES, NO_ROUTER_LOGITS, tiny_config, tiny_model  # noqa: E402
+from hf_models import FAMILIES, NO_ROUTER_LOGITS, tiny_config, tiny_model  # noqa: E402
 from moeblaze.testing import assert_close_to_reference, rel_error  # noqa: E402
-
-HAS_EXPERT_FEATURES = "b_gate_up" in inspect.signature(moeblaze.moe_experts).parameters
-needs_features = pytest.mark.skipif(not HAS_EXPERT_FEATURES, reason="needs expert biases / swiglu_clamped / "
-                                    "gate_up_interleaved in moeblaze.moe_experts (issue 22 item 2, branch expfeat)")
 
 
 @pytest.fixture(autouse=True)
@@ -29,10 +23,6 @@ def _seed(request):
     """Each test draws its random model and ids from a seed of its own name, not from whatever the tests run
     before it left in the global generator: a tolerance failure then reproduces alone (``pytest -k``)."""
     torch.manual_seed(zlib.crc32(request.node.nodeid.encode()))
-
-
-def _marks(family):
-    return [needs_features] if family in NEEDS_EXPERT_FEATURES else []
 
 
 def run(model: nn.Module, impl: str, ids: torch.Tensor, family: str) -> dict[str, torch.Tensor]:
@@ -84,7 +74,7 @@ def check(actual: dict, ref64: dict, baseline: dict, scalar_floor: float = 0.0) 
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
-@pytest.mark.parametrize("family", [pytest.param(f, marks=_marks(f)) for f in FAMILIES])
+@pytest.mark.parametrize("family", list(FAMILIES))
 def test_family_matches_eager(family, dtype):
     model = tiny_model(family, dtype)
     ids = torch.randint(0, model.config.vocab_size, (2, 12))
@@ -120,8 +110,8 @@ def test_from_config_uses_moeblaze(monkeypatch):
 def _experts_api_stand_in(x, topk_ids, topk_weights, w_gate_up, w_down, activation="swiglu", save="preact",
                           backend="auto", index=None, *, b_gate_up=None, b_down=None, gate_up_interleaved=False,
                           swiglu_alpha=1.702, swiglu_limit=7.0, foreign_experts=False):
-    """The documented maths of ``moe_experts`` with issue 22 item 2's arguments, dense in PyTorch: a stand-in that
-    checks what the integration passes for GPT-OSS until the core has them."""
+    """The documented maths of ``moe_experts`` with the GPT-OSS arguments (biases, interleaved gate/up, clamped
+    SwiGLU, foreign ids), dense in PyTorch: checks what the integration passes, apart from the kernels."""
     E = w_down.shape[0]
     valid = topk_ids < E
     assert foreign_experts or bool(valid.all())
@@ -135,8 +125,8 @@ def _experts_api_stand_in(x, topk_ids, topk_weights, w_gate_up, w_down, activati
     return (y * (topk_weights * valid)[..., None].to(y.dtype)).sum(1)
 
 
-def test_gpt_oss_arguments_against_the_item2_api(monkeypatch):
-    """GPT-OSS's weights, biases, layout and clamp reach ``moe_experts`` as its item-2 signature defines them."""
+def test_gpt_oss_arguments_against_the_documented_maths(monkeypatch):
+    """GPT-OSS's weights, biases, layout and clamp reach ``moe_experts`` as its signature defines them."""
     monkeypatch.setattr(mhf, "moe_experts", _experts_api_stand_in)
     model = tiny_model("gpt_oss", torch.float64)
     with torch.no_grad():
@@ -284,7 +274,7 @@ def test_register_under_another_name():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("family", [pytest.param(f, marks=_marks(f)) for f in FAMILIES])
+@pytest.mark.parametrize("family", list(FAMILIES))
 def test_family_matches_eager_bf16_triton(family):
     """The same check in bf16 with the Triton kernels (backend "auto" on CUDA), on one decoder layer: with two,
     the second router sees the first layer's bf16 rounding, and a near-tie in its top-k flips experts between
@@ -293,6 +283,8 @@ def test_family_matches_eager_bf16_triton(family):
     one_layer = {"num_hidden_layers": 1}
     if "layer_types" in FAMILIES[family]:
         one_layer["layer_types"] = FAMILIES[family]["layer_types"][-1:]
+    if "layers_block_type" in FAMILIES[family]:  # Nemotron-H: its MoE block alone
+        one_layer["layers_block_type"] = ["moe"]
     model = tiny_model(family, torch.bfloat16, **one_layer).cuda()
     ids = torch.randint(0, model.config.vocab_size, (2, 16), device="cuda")
     ref64 = run(copy.deepcopy(model).double(), "eager", ids, family)

@@ -52,9 +52,9 @@ def tma_enabled(device: torch.device) -> bool:
     ``MOEBLAZE_TMA=0``."""
     if not settings.get("tma"):
         return False
-    if interpreting():
-        return True
-    return device.type == "cuda" and _sm90(device.index if device.index is not None else torch.cuda.current_device())
+    if device.type == "cuda":  # first: no environment read for the interpreter on the GPU path (host time)
+        return _sm90(device.index if device.index is not None else torch.cuda.current_device())
+    return interpreting()
 
 
 def persistent_mode() -> str:
@@ -253,15 +253,15 @@ class Launchable:
         self._ready: dict[tuple, tuple[triton.Config, dict]] = {}  # key -> (its config, the launch kwargs)
         names = list(fn.arg_names)
         self._key_pos = [(k, names.index(k)) for k in key]
+        # the tensor arguments, whose dtypes join the key: the kernels name exactly them ``*_ptr``
+        self._ptr_pos = [(k, i) for i, k in enumerate(names) if k.endswith("_ptr")]
 
     def kind(self, dtype: torch.dtype) -> tuple[str, ...]:
         """``(base kind, *variant)``: base ``interpret``, ``tuned32``, ``fixed32``, ``tuned16`` or ``fixed16``."""
         if interpreting():
             base = "interpret"
-        elif dtype == torch.float32:
-            base = "tuned32" if autotune_enabled() else "fixed32"
-        else:
-            base = "tuned16" if autotune_enabled() else "fixed16"
+        else:  # autotune_enabled() without its second read of the interpreter switch (once per launch)
+            base = ("tuned" if settings.get("autotune") else "fixed") + ("32" if dtype == torch.float32 else "16")
         return (base, self.variant()) if self.variant else (base,)
 
     def tuner(self, dtype: torch.dtype):
@@ -282,8 +282,7 @@ class Launchable:
         """The autotune key of a launch: kind, the key arguments' values and every tensor argument's dtype."""
         n = len(args)
         named = [args[i] if i < n else kwargs[k] for k, i in self._key_pos]
-        return (*self.kind(dtype), *named,
-                *[a.dtype for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)])
+        return (*self.kind(dtype), *named, *[(args[i] if i < n else kwargs[k]).dtype for k, i in self._ptr_pos])
 
     def default_config(self, dtype: torch.dtype, args: tuple, kwargs: dict) -> triton.Config:
         """The configuration a launch takes without autotuning: the first of the fixed list (``MOEBLAZE_AUTOTUNE=0``),
