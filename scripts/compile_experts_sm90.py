@@ -146,7 +146,8 @@ def main() -> None:
             compile_one(gather_sum_kernel, dict(src_ptr=T, w_ptr="*fp32", map_ptr="*i32", out_ptr=T,
                                                 limit_ptr="*i32", pair_off_ptr="*i32"),
                         dict(HAS_W=True, HAS_LIMIT=limited, CSR=csr, stride_w_k=1, stride_map_k=1, **cfg.kwargs),
-                        cfg.num_warps, cfg.num_stages, f"combine limit={limited} csr={csr} {cfg.kwargs} w{cfg.num_warps}")
+                        cfg.num_warps, cfg.num_stages,
+                        f"combine limit={limited} csr={csr} {cfg.kwargs} w{cfg.num_warps}")
     seg_ptrs = dict(src_ptr=T, scale_ptr="*fp32", offsets_ptr="*i32", indices_ptr="*i32", out_ptr=T)
     for gather in (False, True):
         cfg = triton.Config({"BLOCK_S": 32, "BLOCK_D": 128}, num_warps=4, num_stages=1)

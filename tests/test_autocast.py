@@ -29,7 +29,8 @@ from moeblaze.testing import (
     rel_error,
     run_and_grad,
 )
-from moeblaze.train import ConfigError, TrainConfig, peak_tflops, resolve_precision, train
+from moeblaze.train import train
+from moeblaze.train_config import ConfigError, TrainConfig, peak_tflops, resolve_precision
 
 HAS_CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if HAS_CUDA else "cpu"

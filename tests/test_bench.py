@@ -303,7 +303,7 @@ def test_cli_memory_on_cpu(capsys):
 def test_dispatch_and_train_benchmarks_on_cpu():
     from moeblaze.bench.micro import DISPATCH_COLUMNS, TRAIN_COLUMNS, TrainSpec, run_dispatch, run_train
     from moeblaze.bench.report import dict_table
-    from moeblaze.train import peak_tflops
+    from moeblaze.train_config import peak_tflops
 
     rows = run_dispatch([(50, 6, 2)], reps=2, device="cpu")
     assert len(rows) == 3 and all(r["status"] == "ok" and r["note"] == "" for r in rows), rows

@@ -1,8 +1,8 @@
 """``moeblaze train``: train the byte-level MoE transformer of :mod:`moeblaze.model` on real text.
 
-Read top to bottom: configuration, device set-up, learning-rate schedule, evaluation, checkpoints,
-then :func:`train` — the loop itself (AdamW, warmup + cosine learning rate, gradient clipping,
-loss = cross-entropy + the routers' auxiliary losses) — and :func:`sample`.
+Read top to bottom (configuration, device set-up and learning-rate schedule: :mod:`moeblaze.train_config`):
+evaluation, checkpoints, then :func:`train` — the loop itself (AdamW, warmup + cosine learning rate,
+gradient clipping, loss = cross-entropy + the routers' auxiliary losses) — and :func:`sample`.
 
 Reproducibility: the batch of step ``s`` comes from a generator seeded by ``(seed, s)``
 (:func:`moeblaze.data.get_batch`), and a checkpoint (:mod:`moeblaze.checkpoint`, written atomically)
@@ -15,10 +15,9 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 import signal
 import time
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import asdict, fields, replace
 from pathlib import Path
 
 import torch
@@ -34,210 +33,21 @@ from .layer import aux_loss
 from .memory import SavedTensorCounter
 from .model import ModelConfig, MoETransformer
 from .parallel.job import Job, check_same_config, clip_grad_norm, start_job
+from .train_config import (
+    ConfigError,
+    TrainConfig,
+    TrainResult,
+    autocast_context,
+    gpu_peak_flops,
+    lr_at,
+    make_optimizer,
+    resolve_device,
+    resolve_precision,
+    set_threads,
+)
 
 __all__ = ["ConfigError", "NonFiniteLossError", "TrainConfig", "TrainResult", "load_run_config", "sample",
            "train"]
-
-# Dense bf16 tensor-core peak (FLOP/s, no sparsity) from the vendors' data sheets, for MFU.
-
-
-DENSE_BF16_PEAK_TFLOPS = [("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("H100", 989.0), ("H200", 989.0), ("H800", 989.0),
-          ("H20", 148.0), ("GH200", 989.0), ("B200", 2250.0), ("B300", 2250.0), ("A100", 312.0),
-          ("A800", 312.0), ("L40S", 362.0), ("L4", 121.0), ("A10", 125.0)]
-
-
-# Data-sheet fp32 peak without tensor cores (IEEE fp32, float32 matmul precision "highest"), for MFU.
-FP32_PEAK_TFLOPS = [("H100 PCIe", 51.0), ("H100 NVL", 60.0), ("H100", 67.0), ("H200", 67.0), ("GH200", 67.0),
-                    ("A100", 19.5), ("L40S", 91.6), ("L4", 30.3), ("A10", 31.2)]
-
-PRECISIONS = ("auto", "bf16-mixed", "bf16", "fp32")
-
-
-def peak_tflops(device_name: str, precision: str = "bf16") -> float | None:
-    """Data-sheet dense peak of a device (by name) for a ``--precision``, or ``None`` when unknown.
-
-    ``bf16``/``bf16-mixed``: the bf16 tensor-core peak. ``fp32``: TF32 tensor cores (half the bf16 rate on
-    these GPUs) when ``torch.backends.cuda.matmul.allow_tf32`` (float32 matmul precision "high"/"medium"),
-    else the fp32 peak without tensor cores.
-    """
-    tf32 = precision == "fp32" and torch.backends.cuda.matmul.allow_tf32
-    table = FP32_PEAK_TFLOPS if precision == "fp32" and not tf32 else DENSE_BF16_PEAK_TFLOPS
-    for key, tf in table:
-        if key in device_name:
-            return tf / 2 if tf32 else tf
-    return None
-
-
-class ConfigError(ValueError):
-    """A bad option: unknown device, missing checkpoint, mismatched resume configuration."""
-
-
-def _f(default, help: str, **kw):
-    return field(default=default, metadata={"help": help, **kw})
-
-
-# Checked by TrainConfig before anything runs. Integers: (min, max or None); floats: (lower bound, whether
-# it is allowed, exclusive upper bound or None). The seed feeds numpy's PCG64, which takes no negatives.
-_INT_RANGES = {"steps": (1, None), "batch_size": (1, None), "eval_interval": (1, None), "eval_tokens": (1, None),
-               "stop_after": (0, None), "warmup_steps": (0, None), "checkpoint_interval": (0, None),
-               "threads": (0, None), "keep_checkpoints": (1, None), "ep": (1, None), "seed": (0, 2**63 - 1)}
-_FLOAT_RANGES = {"lr": (0.0, False, None), "min_lr": (0.0, True, None), "weight_decay": (0.0, True, None),
-                 "beta1": (0.0, True, 1.0), "beta2": (0.0, True, 1.0), "grad_clip": (0.0, True, None),
-                 "val_fraction": (0.0, False, 1.0), "peak_tflops": (0.0, True, None),
-                 "checkpoint_minutes": (0.0, True, None)}
-
-
-@dataclass
-class TrainConfig:
-    """Everything about a run except the model's sizes (see :class:`moeblaze.model.ModelConfig`)."""
-
-    data: str | None = _f(None, "text file or directory to train on (default: the Python standard library)")
-    out_dir: str = _f("moeblaze-out", "checkpoint directory")
-    steps: int = _f(800, "total optimizer steps (the learning-rate schedule spans them)")
-    stop_after: int = _f(0, "stop (and checkpoint) after this many steps; 0 = run all --steps")
-    batch_size: int = _f(16, "sequences per step (tokens per step = batch_size * seq_len)")
-    lr: float = _f(3e-3, "peak learning rate")
-    min_lr: float = _f(3e-4, "final learning rate of the cosine decay")
-    warmup_steps: int = _f(50, "linear warmup steps")
-    weight_decay: float = _f(0.1, "AdamW weight decay (matrices only)")
-    beta1: float = _f(0.9, "AdamW beta1")
-    beta2: float = _f(0.95, "AdamW beta2")
-    grad_clip: float = _f(1.0, "clip the global gradient norm to this (0 = off)")
-    seed: int = _f(1337, "seed of the initialisation and of the batch sampler")
-    device: str = _f("auto", "auto (cuda if available, else cpu), cpu, cuda or cuda:N")
-    precision: str = _f("auto", "Lightning's names: bf16-mixed = fp32 parameters and optimizer, forward under "
-                        "torch.autocast(bfloat16); bf16 = bf16 parameters; fp32 = fp32 throughout (TF32 matmuls "
-                        "unless torch's float32 matmul precision is 'highest'); auto: bf16-mixed on cuda, fp32 on cpu",
-                        choices=PRECISIONS)
-    threads: int = _f(0, "CPU threads for torch (0 = all available cores)")
-    eval_interval: int = _f(200, "evaluate validation bits-per-byte every this many steps")
-    eval_tokens: int = _f(131072, "validation tokens per evaluation (evenly spaced windows)")
-    checkpoint_interval: int = _f(200, "checkpoint every this many steps (0 = off; the end of the run, "
-                                  "SIGTERM and Ctrl-C always checkpoint)")
-    checkpoint_minutes: float = _f(30.0, "also checkpoint when this many minutes passed since the last one (0 = off)")
-    keep_checkpoints: int = _f(3, "keep the newest this many checkpoints (older ones are deleted)")
-    val_fraction: float = _f(0.1, "share of files (or bytes, for a single file) held out for validation")
-    resume: bool = _f(False, "continue the run checkpointed in --out-dir (from its newest complete checkpoint)")
-    overwrite: bool = _f(False, "start afresh in an --out-dir that holds checkpoints (deletes them)")
-    progress: bool = _f(True, "show a progress bar")
-    peak_tflops: float = _f(0.0, "GPU peak TFLOP/s for MFU (0 = look up the GPU's dense bf16 peak)")
-    fsdp: bool = _f(False, "shard the model with FSDP2 over the processes torchrun started (torchrun "
-                    "--nproc-per-node N -m moeblaze.cli train --fsdp); --batch-size is the global batch")
-    ep: int = _f(1, "expert parallelism: spread each MoE layer's experts over groups of this many ranks (needs --fsdp)")
-
-    def __post_init__(self) -> None:
-        for name, (lo, hi) in _INT_RANGES.items():
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < lo or (hi is not None and v > hi):
-                bound = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
-                raise ConfigError(f"--{name.replace('_', '-')} must be an integer {bound}, got {v!r}")
-        for name, (lo, closed, hi) in _FLOAT_RANGES.items():
-            v = getattr(self, name)
-            ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-            if not (ok and (v >= lo if closed else v > lo) and (hi is None or v < hi)):
-                what = f"{'>=' if closed else '>'} {lo}" + (f" and < {hi}" if hi is not None else "")
-                raise ConfigError(f"--{name.replace('_', '-')} must be a finite number {what}, got {v!r}")
-        if self.min_lr > self.lr:
-            raise ConfigError(f"--min-lr must be <= --lr, got min-lr={self.min_lr}, lr={self.lr}")
-        if self.resume and self.overwrite:
-            raise ConfigError("--resume and --overwrite exclude each other")
-        if self.ep > 1 and not self.fsdp:
-            raise ConfigError(f"--ep {self.ep} needs --fsdp (expert parallelism runs under FSDP2)")
-
-
-@dataclass
-class TrainResult:
-    """What :func:`train` measured. Bits per byte are on the validation data."""
-
-    step: int
-    val_bpb: float
-    unigram_bpb: float
-    train_loss: float
-    tokens_per_s: float
-    moe_saved_bytes: int
-    losses: list[float]
-    mfu: float | None = None
-    status: str = "done"
-    checkpoint: str | None = None
-    world_size: int = 1  # processes of the job: tokens_per_s / world_size is the throughput per GPU
-
-
-# ----------------------------------------------------------------------------- set-up
-
-def resolve_device(name: str) -> torch.device:
-    """``auto`` -> cuda if available else cpu; raises :class:`ConfigError` for unknown or absent devices."""
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        dev = torch.device(name)
-    except RuntimeError:
-        raise ConfigError(f"unknown --device {name!r} (use auto, cpu, cuda or cuda:N)") from None
-    if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ConfigError(f"--device {name}: CUDA is not available on this machine")
-        if dev.index is not None and dev.index >= torch.cuda.device_count():
-            raise ConfigError(f"--device {name}: only {torch.cuda.device_count()} CUDA device(s)")
-    elif dev.type != "cpu":
-        raise ConfigError(f"unsupported --device {name!r} (use auto, cpu, cuda or cuda:N)")
-    return dev
-
-
-def resolve_precision(name: str, device: torch.device) -> tuple[str, torch.dtype, torch.dtype | None]:
-    """``--precision`` -> ``(precision, parameter dtype, autocast dtype or None)``.
-
-    ``auto`` is ``bf16-mixed`` on CUDA (not yet measured against ``bf16`` for the default preset:
-    ``benchmarks/bench_precision.py --parts train`` compares them) and ``fp32`` on CPU.
-    """
-    if name == "auto":
-        name = "bf16-mixed" if device.type == "cuda" else "fp32"
-    if name not in PRECISIONS:
-        raise ConfigError(f"unknown --precision {name!r} (use one of {', '.join(PRECISIONS)})")
-    param = torch.bfloat16 if name == "bf16" else torch.float32
-    return name, param, (torch.bfloat16 if name == "bf16-mixed" else None)
-
-
-def autocast_context(device: torch.device, dtype: torch.dtype | None):
-    """``torch.autocast(device.type, dtype)`` for a mixed precision, else a no-op context."""
-    return torch.autocast(device.type, dtype=dtype) if dtype is not None else contextlib.nullcontext()
-
-
-def set_threads(cfg: TrainConfig, device: torch.device) -> int:
-    """Use every core this process may run on (or ``cfg.threads``); returns the thread count."""
-    if device.type == "cpu":
-        n = cfg.threads or (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count())
-        torch.set_num_threads(max(1, n or 1))
-    return torch.get_num_threads()
-
-
-def lr_at(step: int, cfg: TrainConfig) -> float:
-    """Linear warmup over ``warmup_steps``, then cosine decay from ``lr`` to ``min_lr`` at ``steps``."""
-    if step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
-    progress = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps))
-    return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1.0 + math.cos(math.pi * progress))
-
-
-def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
-    """AdamW with weight decay on matrices (ndim >= 2: embeddings, projections, experts, routers) only."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
-              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), foreach=True)
-
-
-def gpu_peak_flops(device: torch.device, cfg: TrainConfig, precision: str = "bf16") -> float | None:
-    """The peak used for MFU: ``--peak-tflops``, else the dense peak of a known GPU for the precision that
-    runs (:func:`peak_tflops`), else None."""
-    if device.type != "cuda":
-        return None
-    if cfg.peak_tflops > 0:
-        return cfg.peak_tflops * 1e12
-    name = torch.cuda.get_device_name(device)
-    tflops = peak_tflops(name, precision)
-    return tflops * 1e12 if tflops else None
-
-
-# ----------------------------------------------------------------------------- evaluation
 
 @torch.no_grad()
 def evaluate(model: MoETransformer, data, cfg: TrainConfig, device: torch.device,

@@ -321,7 +321,7 @@ def _train_target(args: argparse.Namespace, device: str, dtype):
 
     from ..layer import aux_loss
     from ..model import ModelConfig, MoETransformer
-    from ..train import TrainConfig
+    from ..train_config import TrainConfig
 
     cfg = ModelConfig() if args.seq_len is None else ModelConfig(seq_len=args.seq_len)
     B = args.batch_size or TrainConfig.batch_size

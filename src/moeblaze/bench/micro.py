@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from ..dispatch import build_dispatch, build_dispatch_torch
 from ..model import ModelConfig
-from ..train import peak_tflops
+from ..train_config import peak_tflops
 from .baselines import sort_dispatch
 from .runner import MIB, cuda_time_ms, require_cuda
 
