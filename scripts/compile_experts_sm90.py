@@ -127,10 +127,14 @@ def main() -> None:
                         f"gemm {name} {cfg.kwargs} w{cfg.num_warps} s{cfg.num_stages}")
     wg_ptrs = dict(a_ptr=T, b_ptr=T, c_ptr=T, offsets_ptr="*i32", indices_ptr="*i32")
     wbase = dict(DOT_PREC=prec, GATHER_A=True, stride_a_p=1, stride_b_q=1)
+    slots_contiguous = dict(GATHER_A=False, B_DESC=False, stride_a_m=1, stride_b_m=1, stride_a_p=None,
+                            stride_b_q=None)  # the padded TF32 copies
     for name, v in {"B4 (transposed store)": dict(B_DESC=True, stride_c_p=1), "B2": dict(B_DESC=True, stride_c_q=1),
-                    "B2 pointers": dict(B_DESC=False, stride_c_q=1)}.items():
+                    "B2 pointers": dict(B_DESC=False, stride_c_q=1),
+                    "B2 padded copies": dict(stride_c_q=1, **slots_contiguous)}.items():
+        consts = {k: val for k, val in {**wbase, **v}.items() if val is not None}
         for cfg in wgrad_configs(kind):
-            compile_one(grouped_wgrad_kernel, wg_ptrs, {**wbase, **v, **cfg.kwargs}, cfg.num_warps,
+            compile_one(grouped_wgrad_kernel, wg_ptrs, {**consts, **cfg.kwargs}, cfg.num_warps,
                         cfg.num_stages, f"wgrad {name} {cfg.kwargs} w{cfg.num_warps} s{cfg.num_stages}")
     rows_ptrs = dict(dact_ptr=T, pre_ptr=T, dpre_ptr=T, scale_ptr="*fp32", dtw_ptr="*fp32", limit_ptr="*i32",
                      alpha="fp32", limit="fp32")

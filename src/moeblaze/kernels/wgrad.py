@@ -72,9 +72,10 @@ def grouped_wgrad_kernel(
     if B_DESC:
         b_desc = tl.make_tensor_descriptor(b_ptr, shape=[ROWS, Q], strides=[stride_b_m, 1],
                                            block_shape=[BLOCK_K, BLOCK_Q])
-    # Token ids are prefetched one step ahead into registers: the gathered loads of a step then depend on
-    # a loop-carried value, not on a load of the same step, and the pipeliner keeps its full depth.
-    next_tokens = tl.load(indices_ptr + tl.minimum(start + offs_k, end - 1), mask=start + offs_k < end, other=0)
+    if GATHER_A:
+        # Token ids are prefetched one step ahead into registers: the gathered loads of a step then depend on
+        # a loop-carried value, not on a load of the same step, and the pipeliner keeps its full depth.
+        next_tokens = tl.load(indices_ptr + tl.minimum(start + offs_k, end - 1), mask=start + offs_k < end, other=0)
     for s0 in range(start, end, BLOCK_K):
         s = s0 + offs_k
         s_ok = s < end
