@@ -66,7 +66,7 @@ if ARGS.mode == "cpu":  # Triton reads it when the kernels are decorated: before
 import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
 
-from moeblaze import MoE, aux_loss, settings  # noqa: E402
+from moeblaze import MoE, aux_loss, detach_aux_losses, settings  # noqa: E402
 from moeblaze.bench.baselines import ImplOptions, make_weights, resolve_impl  # noqa: E402
 from moeblaze.bench.configs import get_configs, parse_list  # noqa: E402
 from moeblaze.bench.results import git_commit  # noqa: E402
@@ -166,7 +166,8 @@ def device_ms(run, steps: int, device) -> float:
     return start.elapsed_time(end) / steps
 
 
-def capture(step, device):
+def capture(step, stack: Stack):
+    detach_aux_losses(stack)  # the eager steps' graph, whose accumulators are bound to the default stream
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -206,7 +207,7 @@ def measure(impl_name: str, cfg, layers: int, device, dtype) -> list[dict]:
              "host_us_per_layer": host * 1e3 / layers, "us_per_token": ms * 1e3 / cfg.T, "peak_mib": peak}]
     if ARGS.graph and device.type == "cuda":
         try:
-            replay = capture(step, device)
+            replay = capture(step, stack)
             gms = device_ms(replay, ARGS.steps, device)
             rows.append({**base, "mode": "graph", "status": "ok", "step_ms": gms,
                          "host_ms": statistics.median(host_ms(replay, ARGS.steps, device)),

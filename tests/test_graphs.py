@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 import triton
 
-from moeblaze import MoE, aux_loss, dispatch, ops_torch
+from moeblaze import MoE, aux_loss, detach_aux_losses, dispatch, ops_torch
 from moeblaze.activations import ACTIVATIONS
 from moeblaze.experts import SAVE_MODES
 from moeblaze.kernels import tuning
@@ -148,6 +148,55 @@ def test_gpu_cuda_graph_replay_equals_eager(backend, activation, save):
         got = [static_out.clone()] + [g.clone() for g in static_grads]
         want_out, want_grads = _eager(moe, x.requires_grad_(True), dout)
         _assert_bitwise(got, [want_out] + want_grads, f"{backend}/{activation}/{save} replay {seed}")
+
+
+def test_detach_aux_losses_keeps_values_and_drops_the_graph():
+    """The stored aux losses keep their values and lose their graph; training goes on as before."""
+    torch.manual_seed(0)
+    model = nn.Sequential(MoE(16, 8, 4, 2, backend="torch", z_loss_coef=0.01), MoE(16, 8, 4, 2, backend="torch"))
+    x = torch.randn(10, 16, requires_grad=True)
+    (model(x).square().sum() + aux_loss(model)).backward()
+    before = [m.aux_loss.clone() for m in model]
+    assert all(m.aux_loss.grad_fn is not None for m in model)
+    detach_aux_losses(model)
+    assert all(m.aux_loss.grad_fn is None for m in model)
+    assert all(torch.equal(m.aux_loss, b) for m, b in zip(model, before))
+    (model(x).square().sum() + aux_loss(model)).backward()  # the next step builds its own graph
+    assert all(m.aux_loss.grad_fn is not None for m in model)
+
+
+@pytest.mark.gpu
+def test_gpu_capture_after_eager_default_stream_steps():
+    """Eager steps on the default stream, then PyTorch's recipe (side-stream warm-up, capture): with the stored
+    aux losses detached first, the capture succeeds and its replay equals eager bitwise (without it the capture
+    failed at OLMoE's shape on an H100, 2026-11-25: the reused gradient accumulators ran on the legacy stream)."""
+    moe = _layer("swiglu", "preact")
+    static_x, static_dout = (t.clone() for t in _inputs(0))
+    static_x.requires_grad_(True)
+    for _ in range(2):  # eager training on the default stream
+        _clear(moe, static_x)
+        _step(moe, static_x, static_dout)
+    torch.cuda.synchronize()
+    detach_aux_losses(moe)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        _clear(moe, static_x)
+        _step(moe, static_x, static_dout)
+    torch.cuda.current_stream().wait_stream(side)
+    _clear(moe, static_x)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = _step(moe, static_x, static_dout)
+    static_grads = _grads(moe, static_x)
+    x, dout = _inputs(1)
+    with torch.no_grad():
+        static_x.copy_(x)
+        static_dout.copy_(dout)
+    graph.replay()
+    got = [static_out.clone()] + [g.clone() for g in static_grads]
+    want_out, want_grads = _eager(moe, x.requires_grad_(True), dout)
+    _assert_bitwise(got, [want_out] + want_grads, "capture after eager steps")
 
 
 class _WithAux(nn.Module):

@@ -11,7 +11,7 @@ from . import settings
 from .dispatch import DispatchIndex, TileSchedule, build_dispatch
 from .experts import moe_experts
 from .general_routing import build_dispatch_pairs, moe_experts_general
-from .layer import MoE, aux_loss
+from .layer import MoE, aux_loss, detach_aux_losses
 from .memory_report import MemoryReport, memory_report
 from .reference import moe_experts_reference
 from .routing import Router, RouterOutput, load_balancing_loss, router_z_loss
@@ -27,6 +27,7 @@ __all__ = [
     "TileSchedule",
     "TokenRounding",
     "aux_loss",
+    "detach_aux_losses",
     "build_dispatch",
     "build_dispatch_pairs",
     "load_balancing_loss",

@@ -15,7 +15,7 @@ from .general_routing import moe_experts_general
 from .routing import Router
 from .token_rounding import ROUNDING_MODES, round_tokens_fused, tile_multiple
 
-__all__ = ["MoE", "SharedExpert", "aux_loss"]
+__all__ = ["MoE", "SharedExpert", "aux_loss", "detach_aux_losses"]
 
 _SHARED_ACTS = {"swiglu": nn.functional.silu, "geglu": nn.functional.gelu}
 
@@ -248,8 +248,24 @@ def _expert_parallel():
     return expert_parallel
 
 
-
 def aux_loss(model: nn.Module) -> torch.Tensor:
     """Sum of ``aux_loss`` over every :class:`MoE` in ``model`` (from their last forward)."""
     losses = [m.aux_loss for m in model.modules() if isinstance(m, MoE)]
     return torch.stack([loss.float().to(losses[0].device) for loss in losses]).sum() if losses else torch.zeros(())
+
+
+def detach_aux_losses(model: nn.Module) -> None:
+    """Detach the ``aux_loss`` every :class:`MoE` in ``model`` keeps from its last forward (values unchanged).
+
+    Why: that tensor keeps its step's autograd graph alive until the layer's next forward, and with it the
+    gradient accumulators of the parameters (and inputs) upstream of the router, which the next steps then
+    reuse. PyTorch binds an accumulator to the stream of the step that made it, so after eager steps on the
+    default stream every later step — the side-stream warm-up and the capture included — accumulates on the
+    legacy default stream, and ``torch.cuda.graph`` fails ("operation would make the legacy stream depend on
+    a capturing blocking stream", then ``cudaErrorStreamCaptureInvalidated``: ``benchmarks/bench_host.py
+    --graph`` at OLMoE, T 4096, on an H100, 2026-11-25). Call it (and drop your own references to the last
+    loss) before the warm-up that precedes a capture.
+    """
+    for m in model.modules():
+        if isinstance(m, MoE) and isinstance(m.aux_loss, torch.Tensor):
+            m.aux_loss = m.aux_loss.detach()
