@@ -213,7 +213,8 @@ def measure(impl_name: str, cfg, layers: int, device, dtype) -> list[dict]:
                          "host_ms": statistics.median(host_ms(replay, ARGS.steps, device)),
                          "us_per_token": gms * 1e3 / cfg.T, "note": f"eager/graph {ms / gms:.3f}"})
         except Exception as exc:  # a peer that cannot be captured: the row says why
-            rows.append({**base, "mode": "graph", "status": "error", "note": f"{type(exc).__name__}: {exc}"[:160]})
+            note = " ".join(f"{type(exc).__name__}: {exc}".split())[:160]  # one line: a CSV cell
+            rows.append({**base, "mode": "graph", "status": "error", "note": note})
     return rows
 
 
