@@ -121,16 +121,14 @@ _CASES = ([("triton", a, s) for a in ACTIVATIONS for s in SAVE_MODES]
           + [("torch", a, s) for a in ("swiglu", "gelu") for s in SAVE_MODES])  # torch: the grouped_mm path
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("backend,activation,save", _CASES)
-def test_gpu_cuda_graph_replay_equals_eager(backend, activation, save):
-    moe = _layer(activation, save, backend)
-    static_x, static_dout = (t.clone() for t in _inputs(0))
-    static_x.requires_grad_(True)
+def _capture_and_compare(moe: MoE, static_x: torch.Tensor, static_dout: torch.Tensor, seeds: tuple[int, ...],
+                         what: str, warmups: int = 2) -> None:
+    """PyTorch's recipe (side-stream warm-up steps, capture of one step), then per seed: fresh inputs copied into
+    the static ones, a replay, and its output and gradients against an eager step, bitwise."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):  # PyTorch's warm-up before capture: kernels compile and tune here
-        for _ in range(2):
+        for _ in range(warmups):
             _clear(moe, static_x)
             _step(moe, static_x, static_dout)
     torch.cuda.current_stream().wait_stream(side)
@@ -139,7 +137,7 @@ def test_gpu_cuda_graph_replay_equals_eager(backend, activation, save):
     with torch.cuda.graph(graph):
         static_out = _step(moe, static_x, static_dout)
     static_grads = _grads(moe, static_x)  # the graph's own buffers (the eager runs below replace .grad)
-    for seed in (1, 2):  # fresh inputs copied into the static ones, then replayed
+    for seed in seeds:
         x, dout = _inputs(seed)
         with torch.no_grad():
             static_x.copy_(x)
@@ -147,7 +145,19 @@ def test_gpu_cuda_graph_replay_equals_eager(backend, activation, save):
         graph.replay()
         got = [static_out.clone()] + [g.clone() for g in static_grads]
         want_out, want_grads = _eager(moe, x.requires_grad_(True), dout)
-        _assert_bitwise(got, [want_out] + want_grads, f"{backend}/{activation}/{save} replay {seed}")
+        _assert_bitwise(got, [want_out] + want_grads, f"{what} replay {seed}")
+
+
+def _static_inputs() -> tuple[torch.Tensor, torch.Tensor]:
+    static_x, static_dout = (t.clone() for t in _inputs(0))
+    return static_x.requires_grad_(True), static_dout
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend,activation,save", _CASES)
+def test_gpu_cuda_graph_replay_equals_eager(backend, activation, save):
+    _capture_and_compare(_layer(activation, save, backend), *_static_inputs(), seeds=(1, 2),
+                         what=f"{backend}/{activation}/{save}")
 
 
 def test_detach_aux_losses_keeps_values_and_drops_the_graph():
@@ -171,32 +181,13 @@ def test_gpu_capture_after_eager_default_stream_steps():
     aux losses detached first, the capture succeeds and its replay equals eager bitwise (without it the capture
     failed at OLMoE's shape on an H100, 2026-11-25: the reused gradient accumulators ran on the legacy stream)."""
     moe = _layer("swiglu", "preact")
-    static_x, static_dout = (t.clone() for t in _inputs(0))
-    static_x.requires_grad_(True)
+    static_x, static_dout = _static_inputs()
     for _ in range(2):  # eager training on the default stream
         _clear(moe, static_x)
         _step(moe, static_x, static_dout)
     torch.cuda.synchronize()
     detach_aux_losses(moe)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        _clear(moe, static_x)
-        _step(moe, static_x, static_dout)
-    torch.cuda.current_stream().wait_stream(side)
-    _clear(moe, static_x)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_out = _step(moe, static_x, static_dout)
-    static_grads = _grads(moe, static_x)
-    x, dout = _inputs(1)
-    with torch.no_grad():
-        static_x.copy_(x)
-        static_dout.copy_(dout)
-    graph.replay()
-    got = [static_out.clone()] + [g.clone() for g in static_grads]
-    want_out, want_grads = _eager(moe, x.requires_grad_(True), dout)
-    _assert_bitwise(got, [want_out] + want_grads, "capture after eager steps")
+    _capture_and_compare(moe, static_x, static_dout, seeds=(1,), what="capture after eager steps", warmups=1)
 
 
 class _WithAux(nn.Module):
