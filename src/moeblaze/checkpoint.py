@@ -219,8 +219,14 @@ def save(out_dir: str | os.PathLike, step: int, model: torch.nn.Module, optimize
         _mkdir(tmp)
     _barrier()
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    _globalize(model, model_sd, optim_sd)  # expert-parallel weights under their global [E, ...] shape
-    _dcp_save({"model": model_sd, "optim": optim_sd}, tmp)  # collective; DCP's .metadata comes last
+    # expert-parallel weights under their global [E, ...] shape, put back after the write: the optimizer's
+    # state dict shares its per-parameter dicts with the live optimizer, whose next step would otherwise
+    # read the global moments (a shape error at the first step after a mid-run checkpoint, --fsdp --ep 2)
+    replaced = _globalize(model, model_sd, optim_sd)
+    try:
+        _dcp_save({"model": model_sd, "optim": optim_sd}, tmp)  # collective; DCP's .metadata comes last
+    finally:
+        _restore(model_sd, optim_sd, replaced)
     rank = _rank()
     if rank == 0:
         _write_file(tmp / STATE, json.dumps({**state, "step": step}, indent=1).encode())
