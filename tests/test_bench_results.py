@@ -90,6 +90,10 @@ def test_pick_rows_takes_the_latest_call_with_the_most_implementations():
         ("conf4-swiglu", "10:58", ["conventional", "moeblaze", "sonicmoe"]),
         ("conf7-swiglu", "12:16", ["conventional", "moeblaze", "sonicmoe"])]  # olmoe: H100 only
     assert [cfg for cfg, _, _ in pick_rows(_results(), ["olmoe-1b-7b"], device="NVIDIA H100")] == ["olmoe-1b-7b"]
+    # a later call on another device that measured moeblaze alone keeps the table on the complete calls' device
+    later = _call("2026-11-25", "12:18", "h100 later", device="NVIDIA H100")
+    picked = pick_rows(_results() + [(later, _row("conf4-swiglu", "moeblaze", 60.0))], ["conf4-swiglu"])
+    assert [(cfg, call.device, call.time_utc) for cfg, call, _ in picked] == [("conf4-swiglu", "NVIDIA H200", "10:58")]
 
 
 def test_readme_table_has_same_call_ratios_and_its_calls():

@@ -17,6 +17,7 @@ import signal
 import sys
 from dataclasses import MISSING, fields, replace
 
+from .activations import ACTIVATIONS
 from .checkpoint import CheckpointError
 from .data import DataError
 from .model import ModelConfig
@@ -38,7 +39,7 @@ _MODEL_HELP = {
     "vocab_size": "vocabulary size (256: bytes)", "seq_len": "context length in bytes",
     "d_model": "model dimension d", "n_layers": "transformer blocks", "n_heads": "attention heads",
     "d_ff": "expert intermediate size h", "num_experts": "experts per layer E", "top_k": "experts per token K",
-    "activation": "expert activation (swiglu, geglu, silu, gelu, relu)",
+    "activation": f"expert activation ({', '.join(ACTIVATIONS)})",
     "score_func": "router scores (softmax, sigmoid)",
     "save": "what the experts keep for backward (preact, input)", "backend": "expert backend (auto, torch, triton)",
     "aux_loss_coef": "load-balancing loss coefficient", "z_loss_coef": "router z-loss coefficient",

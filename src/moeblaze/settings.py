@@ -49,7 +49,12 @@ def _choice(*choices: str) -> Callable[[str, str], str]:
 
 
 def _auto_bool(name: str, raw: str) -> bool | None:
-    return None if raw == "auto" else _bool(name, raw)
+    if raw == "auto":
+        return None
+    try:
+        return _bool(name, raw)
+    except ValueError:
+        raise ValueError(f"{name} must be auto or a boolean (1/0, true/false, on/off), got {raw!r}") from None
 
 
 # name -> (environment variable, parser of a string, default value)

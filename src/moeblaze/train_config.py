@@ -96,7 +96,8 @@ class TrainConfig:
     resume: bool = _f(False, "continue the run checkpointed in --out-dir (from its newest complete checkpoint)")
     overwrite: bool = _f(False, "start afresh in an --out-dir that holds checkpoints (deletes them)")
     progress: bool = _f(True, "show a progress bar")
-    peak_tflops: float = _f(0.0, "GPU peak TFLOP/s for MFU (0 = look up the GPU's dense bf16 peak)")
+    peak_tflops: float = _f(0.0, "GPU peak TFLOP/s for MFU (0 = look up the GPU's dense peak for the precision "
+                                 "that runs)")
     fsdp: bool = _f(False, "shard the model with FSDP2 over the processes torchrun started (torchrun "
                     "--nproc-per-node N -m moeblaze.cli train --fsdp); --batch-size is the global batch")
     ep: int = _f(1, "expert parallelism: spread each MoE layer's experts over groups of this many ranks (needs --fsdp)")

@@ -135,18 +135,22 @@ def pick_rows(results: Sequence[tuple[Call, Row]], configs: Sequence[str] = READ
 
     Args:
         results: :func:`read_results`. configs: config names, in table order.
-        device: keep only this device's calls (default: the device of the latest call).
+        device: keep only this device's calls (default: the device of the latest call among those that
+            measured the most implementations of one config: a later call of moeblaze alone on another device
+            does not take the table over).
 
     Returns:
         ``[(config, call, {impl: Row})]``.
     """
     if not results:
         return []
-    device = device or max(c for c, _ in results).device
     by_call: dict[tuple[str, Call], dict[str, Row]] = {}
     for call, row in results:
-        if call.device == device:
-            by_call.setdefault((row.config, call), {})[row.impl] = row
+        by_call.setdefault((row.config, call), {})[row.impl] = row
+    if device is None:
+        device = max(((sum(_ok(rows.get(i)) for i in TABLE_IMPLS), call) for (_, call), rows in by_call.items()),
+                     key=lambda t: t)[1].device
+    by_call = {key: rows for key, rows in by_call.items() if key[1].device == device}
     picked = []
     for cfg in configs:
         cands = [(sum(_ok(rows.get(i)) for i in TABLE_IMPLS), call, rows)
