@@ -265,6 +265,13 @@ def test_resume_of_a_finished_run_says_so_and_exits_0(finished_run, capsys):
     assert "already finished" in out and "step 4" in out and "nan" not in out
 
 
+def test_resume_with_a_stop_after_already_reached_says_so_and_exits_0(finished_run, capsys):
+    assert run_cli("train", "--resume", "--out-dir", str(finished_run), "--steps", "8", "--stop-after", "3",
+                   "--no-progress") == 0
+    out = capsys.readouterr().out
+    assert "at or past --stop-after 3" in out and "nothing to do" in out and "nan" not in out
+
+
 def test_sample_reads_a_run_or_a_checkpoint_folder(finished_run, capsys):
     assert run_cli("sample", "--checkpoint", str(finished_run), "--max-new-tokens", "8", "--prompt", "def ") == 0
     assert capsys.readouterr().out.startswith("def ")

@@ -307,6 +307,11 @@ def _train(cfg: TrainConfig, model_cfg: ModelConfig | None, log, job: Job) -> Tr
                 f"{saved_step} of --steps {cfg.steps}; nothing to do (pass a larger --steps to train on)")
             return TrainResult(saved_step, float("nan"), float("nan"), float("nan"), 0.0, 0, [],
                                status="finished", checkpoint=str(resume_from))
+        if 0 < cfg.stop_after <= saved_step:
+            log(f"the checkpoint {resume_from.name} in {cfg.out_dir} is at step {saved_step}, at or past --stop-after "
+                f"{cfg.stop_after}; nothing to do (pass a larger --stop-after, or none, to train on)")
+            return TrainResult(saved_step, float("nan"), float("nan"), float("nan"), 0.0, 0, [],
+                               status="done", checkpoint=str(resume_from))
     mcfg = model_cfg or ModelConfig()
     _check_backend(mcfg, device)
     threads = set_threads(cfg, device)
