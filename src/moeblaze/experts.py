@@ -140,7 +140,7 @@ class _ExpertsRecompute(torch.autograd.Function):
         dout = dout.contiguous()
         db2 = backend.bias_grad(dout, index, topk_weights) if need[4] else None
         pre, _ = backend.up_forward(x, w1, index, ctx.activation, store_pre=True, store_act=False, b1=b1,
-                                act_args=act_args)
+                                    act_args=act_args)
         dpre, dw2, dtw = backend.down_backward(dout, pre, w2, topk_weights, index, ctx.activation, need[3], need[5],
                                                b2=b2, act_args=act_args, dw_dtype=ctx.dw_dtypes[1])
         del pre

@@ -128,6 +128,11 @@ def _ok(row: Row | None) -> bool:
     return row is not None and row.status == "ok" and row.time_ms is not None
 
 
+def _measured(rows: dict[str, Row]) -> int:
+    """How many of :data:`TABLE_IMPLS` a call measured (status ok) for one config."""
+    return sum(_ok(rows.get(i)) for i in TABLE_IMPLS)
+
+
 def pick_rows(results: Sequence[tuple[Call, Row]], configs: Sequence[str] = README_CONFIGS,
               device: str | None = None) -> list[tuple[str, Call, dict[str, Row]]]:
     """Per config, the rows of one call: the call with the most of :data:`TABLE_IMPLS` measured (status ok),
@@ -148,12 +153,11 @@ def pick_rows(results: Sequence[tuple[Call, Row]], configs: Sequence[str] = READ
     for call, row in results:
         by_call.setdefault((row.config, call), {})[row.impl] = row
     if device is None:
-        device = max(((sum(_ok(rows.get(i)) for i in TABLE_IMPLS), call) for (_, call), rows in by_call.items()),
-                     key=lambda t: t)[1].device
+        device = max((_measured(rows), call) for (_, call), rows in by_call.items())[1].device
     by_call = {key: rows for key, rows in by_call.items() if key[1].device == device}
     picked = []
     for cfg in configs:
-        cands = [(sum(_ok(rows.get(i)) for i in TABLE_IMPLS), call, rows)
+        cands = [(_measured(rows), call, rows)
                  for (name, call), rows in by_call.items() if name == cfg and _ok(rows.get("moeblaze"))]
         if cands:
             _, call, rows = max(cands, key=lambda t: (t[0], t[1]))

@@ -335,8 +335,7 @@ def _up_backward_impl(dpre, x, w1, offsets, indices, tile_expert, tile_row, num_
         # as dW1[e]^T = sum_s x[token]^T dpre[s]: the gathered operand on the A side (moeblaze.kernels.wgrad)
         flip = _stored_transposed(w1)  # [E, d, rows] storage (GPT-OSS): the plain products, viewed back
         dw1 = grouped_wgrad(x, dpre, offsets, indices, p=d, q=rows, out_dtype=dw_dtype or w1.dtype,
-                            transpose=not flip,
-                            slot_desc=not foreign)
+                            transpose=not flip, slot_desc=not foreign)
         dw1 = dw1.transpose(1, 2) if flip else dw1
     return dx, dw1
 

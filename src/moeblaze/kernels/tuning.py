@@ -52,9 +52,9 @@ def tma_enabled(device: torch.device) -> bool:
     ``MOEBLAZE_TMA=0``."""
     if not settings.get("tma"):
         return False
-    if device.type == "cuda":  # first: no environment read for the interpreter on the GPU path (host time)
-        return _sm90(device.index if device.index is not None else torch.cuda.current_device())
-    return interpreting()
+    if interpreting():
+        return True
+    return device.type == "cuda" and _sm90(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def persistent_mode() -> str:
@@ -260,8 +260,10 @@ class Launchable:
         """``(base kind, *variant)``: base ``interpret``, ``tuned32``, ``fixed32``, ``tuned16`` or ``fixed16``."""
         if interpreting():
             base = "interpret"
-        else:  # autotune_enabled() without its second read of the interpreter switch (once per launch)
-            base = ("tuned" if settings.get("autotune") else "fixed") + ("32" if dtype == torch.float32 else "16")
+        elif dtype == torch.float32:
+            base = "tuned32" if autotune_enabled() else "fixed32"
+        else:
+            base = "tuned16" if autotune_enabled() else "fixed16"
         return (base, self.variant()) if self.variant else (base,)
 
     def tuner(self, dtype: torch.dtype):
