@@ -20,6 +20,7 @@ import torch.distributed.checkpoint as dcp
 import moeblaze
 from moeblaze import checkpoint, moe_experts
 from moeblaze.activations import ACTIVATIONS
+from moeblaze.experts import SAVE_MODES
 from moeblaze.kernels.launch import dot_precision
 from moeblaze.model import ModelConfig
 from moeblaze.testing import (
@@ -37,6 +38,7 @@ DEVICE = "cuda" if HAS_CUDA else "cpu"
 NAMES = ("out", "dx", "dw_gate_up", "dw_down", "dtopk_weights")
 kernels_runnable = pytest.mark.skipif(not HAS_CUDA and os.environ.get("TRITON_INTERPRET") != "1",
                                       reason="Triton kernels need CUDA or TRITON_INTERPRET=1")
+interpreted = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="CPU tensors: the interpreter")
 
 
 def autocast_equals_cast_copies(inputs, activation, save, backend, dtype):
@@ -217,6 +219,30 @@ def test_module_trains_under_autocast_with_fp32_master_weights():
         losses.append(loss.item())
     assert out.dtype == torch.bfloat16 and all(p.dtype == torch.float32 for p in m.parameters())
     assert losses[-1] < 0.8 * losses[0], losses
+
+
+@pytest.mark.parametrize("backend,dtype", [("torch", torch.bfloat16),
+                                           pytest.param("triton", torch.float16, marks=interpreted)])
+@pytest.mark.parametrize("save", SAVE_MODES)
+def test_activation_checkpointing_under_autocast_equals_the_plain_step(backend, dtype, save):
+    """``torch.utils.checkpoint`` (non-reentrant) around the layer with fp32 weights under autocast: the experts'
+    Functions cast the master weights inside, and the recomputed forward gives bitwise the plain step's output
+    and fp32 gradients."""
+    torch.manual_seed(0)
+    m = moeblaze.MoE(16, 8, 4, 2, save=save, backend=backend, aux_loss_coef=0.01)
+    x = torch.randn(24, 16)
+    runs = []
+    for ckpt in (False, True):
+        xi = x.clone().requires_grad_(True)
+        m.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=dtype):
+            out = torch.utils.checkpoint.checkpoint(m, xi, use_reentrant=False) if ckpt else m(xi)
+            loss = out.float().square().sum() + m.aux_loss
+        loss.backward()
+        runs.append([out, xi.grad] + [p.grad for p in m.parameters()])
+    for a, b in zip(*runs):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    assert all(p.grad.dtype == torch.float32 for p in m.parameters())
 
 
 @pytest.mark.parametrize("setting,expected", [("highest", "ieee"), ("high", "tf32"), ("medium", "tf32")])
