@@ -192,33 +192,65 @@ def write_csv(path, rows) -> None:
 _EVAL = re.compile(r"step (\d+): train loss ([\d.]+), val ([\d.]+) bits/byte")
 
 
-def run_quality(args) -> int:
+def _preset_configs(preset: str, routing: str, args):
+    """``(TrainConfig, ModelConfig)`` of ``moeblaze train --preset PRESET --routing ROUTING`` for this run."""
+    from dataclasses import fields
+
+    from moeblaze.cli import PRESETS
     from moeblaze.model import ModelConfig
-    from moeblaze.train import TrainConfig, train
+    from moeblaze.train import TrainConfig
+
+    values = dict(PRESETS[preset])
+    if args.smoke:
+        values.update(seq_len=32, d_model=32, n_layers=1, n_heads=2, d_ff=32)
+    names = {f.name for f in fields(ModelConfig)}
+    mcfg = ModelConfig(routing=routing, backend="torch" if args.smoke else "triton",
+                       **{k: v for k, v in values.items() if k in names})
+    ckpt = tempfile.mkdtemp(prefix=f"tr_quality_{routing.replace(':', '-')}_")  # checkpoints stay out of --out-dir
+    run = dict(batch_size=8, eval_interval=2, eval_tokens=256, warmup_steps=1) if args.smoke else dict(
+        eval_interval=args.eval_interval, **({"batch_size": args.batch_size} if args.batch_size else {}))
+    cfg = TrainConfig(out_dir=ckpt, steps=args.steps, seed=args.seed, checkpoint_interval=0,
+                      device="cpu" if args.smoke else "cuda", overwrite=True, progress=False,
+                      **{k: v for k, v in values.items() if k not in names}, **run)
+    return cfg, mcfg
+
+
+def run_quality(args) -> int:
+    from moeblaze.train import train
 
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    curves, evals, final = {}, {}, {}
-    for routing in ("topk", "token-rounding:nr"):
-        tiny = dict(seq_len=32, d_model=32, n_layers=1, n_heads=2, d_ff=32) if args.smoke else {}
-        mcfg = ModelConfig(routing=routing, backend="torch" if args.smoke else "triton", **tiny)
-        ckpt = tempfile.mkdtemp(prefix=f"tr_quality_{routing.replace(':', '-')}_")  # checkpoints stay out of --out-dir
-        cfg = TrainConfig(out_dir=ckpt, steps=args.steps, seed=args.seed, checkpoint_interval=0,
-                          device="cpu" if args.smoke else "cuda", overwrite=True, progress=False,
-                          **(dict(batch_size=8, eval_interval=2, eval_tokens=256, warmup_steps=1) if args.smoke
-                             else dict(eval_interval=args.eval_interval)))
+    for routing in args.routings.split(","):
+        cfg, mcfg = _preset_configs(args.preset, routing, args)
         lines = []
         result = train(cfg, mcfg, log=lambda msg, lines=lines: (lines.append(str(msg)), print(msg, flush=True)))
-        curves[routing], final[routing] = result.losses, result.val_bpb
-        evals[routing] = [(int(m[1]), float(m[3])) for m in map(_EVAL.search, lines) if m]
+        evals = dict((int(m[1]), float(m[3])) for m in map(_EVAL.search, lines) if m)
         print(f"{routing}: final val {result.val_bpb:.4f} bits/byte", flush=True)
-    rows = [{"routing": r, "step": i + 1, "train_loss": round(v, 5), "val_bpb": dict(evals[r]).get(i + 1, "")}
-            for r, losses in curves.items() for i, v in enumerate(losses)]
-    write_csv(out / "curves.csv", rows)
-    top, tr = final["topk"], final["token-rounding:nr"]
-    print(f"val bits/byte: top-k {top:.4f}, token rounding nr {tr:.4f} ({100 * (tr / top - 1):+.2f}%)", flush=True)
-    plot(curves, evals, out / "token_rounding_quality.png")
+        path = out / f"curves-{routing.replace(':', '-')}.csv"
+        path.unlink(missing_ok=True)
+        write_csv(path, [{"routing": routing, "step": i + 1, "train_loss": round(v, 5), "val_bpb": evals.get(i + 1, "")}
+                         for i, v in enumerate(result.losses)])
+    summarise(out)
     return 0
+
+
+def summarise(out: Path) -> None:
+    """Final bits/byte of top-k and nr from ``out/curves-*.csv`` (one file per run, so two processes with one
+    ``--routings`` each can share ``out``) and the side-by-side plot."""
+    rows = []
+    for path in sorted(out.glob("curves-*.csv")):
+        with open(path, newline="") as f:
+            rows += list(csv.DictReader(f))
+    curves, evals = {}, {}
+    for r in rows:
+        curves.setdefault(r["routing"], []).append(float(r["train_loss"]))
+        if r["val_bpb"]:
+            evals.setdefault(r["routing"], []).append((int(r["step"]), float(r["val_bpb"])))
+    final = {k: v[-1][1] for k, v in evals.items()}
+    if {"topk", "token-rounding:nr"} <= set(final):
+        top, tr = final["topk"], final["token-rounding:nr"]
+        print(f"val bits/byte: top-k {top:.4f}, token rounding nr {tr:.4f} ({100 * (tr / top - 1):+.2f}%)", flush=True)
+        plot(curves, evals, out / "token_rounding_quality.png")
 
 
 def plot(curves, evals, path: Path) -> None:
@@ -257,10 +289,17 @@ def main(argv: list[str] | None = None) -> int:
     q.add_argument("--steps", type=int, default=800)
     q.add_argument("--eval-interval", type=int, default=100)
     q.add_argument("--seed", type=int, default=1337)
+    q.add_argument("--routings", default="topk,token-rounding:nr", help="the runs, in order (comma-separated)")
+    q.add_argument("--preset", default="small", help="moeblaze train --preset (small, 1b)")
+    q.add_argument("--batch-size", type=int, default=0, help="sequences per step (0: the preset's)")
+    q.add_argument("--summarise", action="store_true", help="only print the summary and plot of --out-dir")
     q.add_argument("--smoke", action="store_true", help="a tiny model for a few steps on the CPU")
     args = ap.parse_args(argv)
     if args.stage == "quality" and args.smoke:
         args.steps = min(args.steps, 4)
+    if args.stage == "quality" and args.summarise:
+        summarise(Path(args.out_dir))
+        return 0
     return run_speed(args) if args.stage == "speed" else run_quality(args)
 
 
