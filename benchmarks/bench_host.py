@@ -48,6 +48,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--impls", default="moeblaze", help="implementations (moeblaze.bench.baselines.IMPLS)")
     p.add_argument("--aux", type=float, default=0.01, help="moeblaze's aux_loss_coef (z-loss: a tenth of it)")
     p.add_argument("--graph", action="store_true", help="also time the CUDA-graph replay of the step")
+    p.add_argument("--launch", default="direct",
+                   help="Triton launch paths, comma-separated: direct (moeblaze.kernels.direct, the default path), "
+                        "triton (kernel[grid] every launch); rows of the second have mode eager-triton-launch")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--profile", type=int, default=0, help="print cProfile's top N functions of the steps")
     p.add_argument("--cpu-dims", type=int, default=64,
@@ -70,6 +73,9 @@ from moeblaze import MoE, aux_loss, detach_aux_losses, settings  # noqa: E402
 from moeblaze.bench.baselines import ImplOptions, make_weights, resolve_impl  # noqa: E402
 from moeblaze.bench.configs import get_configs, parse_list  # noqa: E402
 from moeblaze.bench.results import git_commit  # noqa: E402
+from moeblaze.kernels import direct  # noqa: E402
+
+TRITON_LAUNCH_ONLY = direct._triton_launch_only
 
 
 def stub_launches() -> None:
@@ -204,7 +210,8 @@ def measure(impl_name: str, cfg, layers: int, device, dtype) -> list[dict]:
     ms = device_ms(step, ARGS.steps, device)
     peak = torch.cuda.max_memory_allocated() / 2**20 if device.type == "cuda" else None
     rows = [{**base, "mode": "eager", "status": "ok", "step_ms": ms, "host_ms": host,
-             "host_us_per_layer": host * 1e3 / layers, "us_per_token": ms * 1e3 / cfg.T, "peak_mib": peak}]
+             "host_us_per_layer": host * 1e3 / layers, "us_per_token": ms * 1e3 / cfg.T, "peak_mib": peak,
+             "note": f"{direct.direct_signatures()} direct launch signatures"}]
     if ARGS.graph and device.type == "cuda":
         try:
             replay = capture(step, stack)
@@ -282,12 +289,17 @@ def main() -> None:
         for T in (int(t) for t in ARGS.tokens.split(",")):
             stacks = [1] if cfg0.name.startswith("deepseek") else sorted({int(s) for s in ARGS.stack.split(",")})
             for layers in stacks:
-                for impl in parse_list(ARGS.impls):
+                for impl, launch in [(i, a) for i in parse_list(ARGS.impls) for a in parse_list(ARGS.launch)
+                                     if a == "direct" or i.startswith("moeblaze")]:
                     try:
                         cfg = replace(cfg0, T=T)
                         if ARGS.mode == "cpu":
                             cfg = replace(cfg, d=ARGS.cpu_dims, h=ARGS.cpu_dims)
+                        direct._triton_launch_only = TRITON_LAUNCH_ONLY if launch == "direct" else lambda: True
                         got = measure(impl, cfg, layers, device, dtype)
+                        if launch != "direct":
+                            for r in got:
+                                r["mode"] = f"{r['mode']}-triton-launch"
                     except Exception as exc:  # OOM or an implementation failing on a shape: keep going
                         got = [{"shape": cfg0.name, "T": T, "layers": layers, "impl": impl, "mode": "eager",
                                 "status": "error", "note": f"{type(exc).__name__}: {exc}"[:160]}]

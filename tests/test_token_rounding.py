@@ -202,15 +202,16 @@ def test_benchmark_script_smoke(stage, tmp_path):
     proc = subprocess.run([sys.executable, str(script), stage, "--smoke", *extra], capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    csv_file = tmp_path / ("speed.csv" if stage == "speed" else "curves.csv")
-    lines = csv_file.read_text().splitlines()
     if stage == "speed":
+        lines = (tmp_path / "speed.csv").read_text().splitlines()
         assert lines[0].startswith("date,device,T,d,h,E,K,tile") and len(lines) == 1 + 2 * 5
         assert {line.split(",")[9] for line in lines[1:]} == {"topk", "tr-nr", "tr-nr-eager", "ceiling",
                                                               "pairs-moeblaze"}
     else:
-        assert lines[0] == "routing,step,train_loss,val_bpb" and len(lines) == 1 + 2 * 4
-        assert "token rounding nr" in proc.stdout
+        for routing in ("topk", "token-rounding-nr"):
+            lines = (tmp_path / f"curves-{routing}.csv").read_text().splitlines()
+            assert lines[0] == "routing,step,train_loss,val_bpb" and len(lines) == 1 + 4
+        assert "token rounding nr" in proc.stdout and (tmp_path / "token_rounding_quality.png").exists()
 
 
 def test_token_rounding_layer_compiles_fullgraph(monkeypatch):

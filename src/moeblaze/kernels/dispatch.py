@@ -39,6 +39,7 @@ import triton.language as tl
 from .. import settings
 from ..index import DispatchIndex, TileSchedule
 from .custom_ops import call_op
+from .direct import launch
 from .tuning import sm_count
 
 __all__ = ["build_dispatch_triton", "tile_schedule", "dispatch_plan", "MAX_EXPERTS", "MAX_TOP_K"]
@@ -405,12 +406,12 @@ def _build_dispatch_impl(topk_ids: torch.Tensor, num_experts: int, tile_pairs: i
     tile_tab, chunk_tab = work[: tiles * E], work[tiles * E:]
     onehot = triton.next_power_of_2(E) if E <= _ONEHOT_MAX_E else 0
     common = dict(K=K, S=_STEP, G=_WARPS, BLOCK_E=_BLOCK_E, ONEHOT_E=onehot, num_warps=_WARPS, num_stages=1)
-    _count_kernel[(chunks,)](
+    launch(_count_kernel, (chunks,),
         ids_ptr=topk_ids, ids32_ptr=ids_in, tile_ptr=tile_tab, chunk_ptr=chunk_tab, N=N, E=E, P=P,
         stride_ids_t=topk_ids.stride(0), stride_ids_k=topk_ids.stride(1), WRITE_IDS=not as_is, **common)
     be = min(_SCAN_BE, triton.next_power_of_2(E))
-    _scan_kernel[(triton.cdiv(E, be),)](chunk_ptr=chunk_tab, C=chunks, E=E, BR=_SCAN_ELEMS // be, BE=be, num_warps=4)
-    _write_kernel[(chunks,)](
+    launch(_scan_kernel, (triton.cdiv(E, be),), chunk_ptr=chunk_tab, C=chunks, E=E, BR=_SCAN_ELEMS // be, BE=be, num_warps=4)
+    launch(_write_kernel, (chunks,),
         ids32_ptr=ids_in, tile_ptr=tile_tab, chunk_ptr=chunk_tab, offsets_ptr=offsets, indices_ptr=indices,
         map_ptr=index_map, tile_expert_ptr=sched[0], tile_row_ptr=sched[1], num_tiles_ptr=sched[2],
         N=N, E=E, C=chunks, P=P, max_tiles=max_tiles, SCHED_M=block_m, BLOCK_I=_BLOCK_I, **common)
@@ -475,7 +476,7 @@ def tile_schedule(
     tile_expert = torch.empty(max_tiles, dtype=torch.int32, device=off.device)
     tile_row = torch.empty(max_tiles, dtype=torch.int32, device=off.device)
     num_tiles = torch.empty(1, dtype=torch.int32, device=off.device)
-    _schedule_kernel[(triton.cdiv(max_tiles, _BLOCK_I),)](
+    launch(_schedule_kernel, (triton.cdiv(max_tiles, _BLOCK_I),),
         offsets_ptr=off, tile_expert_ptr=tile_expert, tile_row_ptr=tile_row, num_tiles_ptr=num_tiles, E=E,
         max_tiles=max_tiles, BLOCK_M=int(block_m), BLOCK_I=_BLOCK_I, BLOCK_E=_BLOCK_E, num_warps=4)
     return tile_expert, tile_row, num_tiles

@@ -25,6 +25,7 @@ import triton
 
 from .. import settings
 from ..graphs import capturing
+from . import direct
 
 # BLOCK_M is chosen by the launcher from the token-count bucket (the tile schedule depends on it), not by the
 # autotuner; it is part of the GEMM's autotune key, so each bucket tunes its own configs.
@@ -303,7 +304,14 @@ class Launchable:
 
     def run(self, config: triton.Config, grid, *args, **kwargs) -> None:
         """Launch the jitted kernel itself with ``config`` and the heuristic flags (no autotuner)."""
-        self.fn[grid](*args, **kwargs, **self._launch_kwargs(config, args, kwargs))
+        self._go(grid, args, kwargs, self._launch_kwargs(config, args, kwargs))
+
+    def _go(self, grid, args: tuple, kwargs: dict, extra: dict) -> None:
+        """Launch with a known configuration: :func:`moeblaze.kernels.direct.launch` (keyword arguments)."""
+        if args:
+            self.fn[grid](*args, **kwargs, **extra)
+        else:
+            direct.launch(self.fn, grid, **kwargs, **extra)
 
     def launch(self, dtype: torch.dtype, grid, *args, **kwargs) -> None:
         """Launch on ``grid`` (a tuple or a function of the launch's meta-parameters)."""
@@ -311,7 +319,7 @@ class Launchable:
         config = self._best.get(key)
         ready = self._ready.get(key)
         if ready is not None and ready[0] is config:  # the common case: everything known for this key
-            self.fn[grid](*args, **kwargs, **ready[1])
+            self._go(grid, args, kwargs, ready[1])
             return
         if config is None and _capturing(args, kwargs):  # no timing inside a CUDA-graph capture (moeblaze.graphs)
             config = self._best[key] = self.default_config(dtype, args, kwargs)
@@ -322,4 +330,4 @@ class Launchable:
             return
         extra = self._launch_kwargs(config, args, kwargs)  # a function of the key alone (see heuristics)
         self._ready[key] = (config, extra)
-        self.fn[grid](*args, **kwargs, **extra)
+        self._go(grid, args, kwargs, extra)

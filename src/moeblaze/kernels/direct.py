@@ -1,0 +1,138 @@
+"""Launch compiled Triton kernels without ``JITFunction.run``'s per-call work (issue 24's host path).
+
+``kernel[grid](**kwargs)`` binds every argument by keyword, specialises each one, formats the compile
+options into a string for its cache key, checks the kernel's globals and only then calls the compiled
+kernel's C launcher. A layer step launches about 16 kernels of 10-45 arguments each, and on a GPU the step
+at a few thousand tokens is bound by that host time (issue 24: 4.6-7.7 ms per layer step on an H100,
+2026-11-25, ``benchmarks/bench_host.py``). :func:`launch` does that work once per *signature* — the values of
+the constexpr arguments and, for the others, exactly what Triton specialises on (dtype and 16-byte
+alignment of tensors; type, ``== 1`` and divisibility by 16 of integers) — keeps the compiled kernel Triton
+returned, and later launches of the same signature call its launcher directly with the arguments in order.
+
+The first launch of a signature (and every launch under the CPU interpreter, or while a Triton launch hook
+is installed, e.g. by a profiler) goes through ``kernel[grid]`` unchanged, so compilation, the compile cache
+and CUDA-graph capture behave as with Triton's own launch.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+import triton
+from triton.runtime import driver
+
+from .. import settings
+
+
+def _getter(positions: list[int]):
+    """``values -> tuple(values[i] for i in positions)`` at C speed."""
+    if len(positions) > 1:
+        return operator.itemgetter(*positions)
+    return (lambda v: (v[positions[0]],)) if positions else (lambda v: ())
+
+
+class _Plan:
+    """Argument names of one jitted kernel, in order, and its compiled kernels by launch signature."""
+
+    def __init__(self, fn) -> None:
+        self.names = list(fn.arg_names)
+        self.name_set = frozenset(self.names)
+        self.defaults = {p.name: p.default for p in fn.params if p.has_default}
+        self.constexpr = [p.is_constexpr for p in fn.params]
+        self.layouts: dict[tuple, tuple | None] = {}  # argument types -> getters of what Triton reads
+        self.kernels: dict[tuple, tuple] = {}  # signature -> (launcher, function, packed metadata)
+
+    def layout(self, types: tuple) -> tuple | None:
+        """Getters of the constexpr values, the tensors and the integers of a launch with these argument
+        types (None: an argument of a type Triton specialises otherwise, e.g. a tensor descriptor)."""
+        if types not in self.layouts:
+            const, tensors, ints, other = [], [], [], False
+            for i, (t, is_const) in enumerate(zip(types, self.constexpr)):
+                if is_const:
+                    const.append(i)
+                elif issubclass(t, torch.Tensor):
+                    tensors.append(i)
+                elif t is int:
+                    ints.append(i)
+                elif t not in (bool, float, type(None)):
+                    other = True
+            self.layouts[types] = None if other else (_getter(const), _getter(tensors), _getter(ints))
+        return self.layouts[types]
+
+
+_PLANS: dict[int, _Plan] = {}
+
+
+def _signature(plan: _Plan, values: list, kwargs: dict, device: int) -> tuple:
+    """The signature of a launch: what Triton specialises on — launch options, argument types, constexpr
+    values, tensor dtypes and 16-byte alignment, integers' ``== 1``, divisibility by 16 and range (the
+    range through ``v >> 31``: finer than Triton's i32 / i64 / u64, which costs a lookup, never a wrong
+    kernel). ``()`` where no direct launch applies."""
+    types = tuple(map(type, values))
+    layout = plan.layout(types)
+    if layout is None:
+        return ()
+    consts, tensors, ints = layout
+    opts = frozenset((k, kwargs[k]) for k in kwargs.keys() - plan.name_set)
+    return (device, opts, types, consts(values), tuple((t.dtype, t.data_ptr() % 16 == 0) for t in tensors(values)),
+            tuple((v == 1, v % 16 == 0, v >> 31) for v in ints(values)))
+
+
+def _triton_launch_only() -> bool:
+    """Launch through ``kernel[grid]`` always: the CPU interpreter, or a Triton launch hook installed (a hook,
+    or in newer Tritons a non-empty ``HookChain``)."""
+    hooks = (triton.knobs.runtime.launch_enter_hook, triton.knobs.runtime.launch_exit_hook)
+    return settings.interpreting() or any(h is not None and bool(getattr(h, "calls", True)) for h in hooks)
+
+
+def launch(fn, grid, **kwargs) -> None:
+    """Launch the ``@triton.jit`` kernel ``fn`` on ``grid`` (a tuple, or a function of the argument dict as
+    Triton's) with keyword arguments: the kernel's arguments plus launch options (``num_warps``,
+    ``num_stages``, ...), which must be the same for every launch of a signature (they are in all of
+    moeblaze's launchers: fixed per call site, or per tuned configuration, whose values are constexprs)."""
+    if _triton_launch_only():
+        fn[grid](**kwargs)
+        return
+    plan = _PLANS.get(id(fn))
+    if plan is None:
+        plan = _PLANS[id(fn)] = _Plan(fn)
+    try:
+        values = [kwargs[n] for n in plan.names]
+    except KeyError:  # an argument left to its default
+        values = [kwargs.get(n, plan.defaults.get(n)) for n in plan.names]
+    device = torch.cuda.current_device()
+    sig = _signature(plan, values, kwargs, device)
+    ready = plan.kernels.get(sig)
+    if ready is None:
+        kernel = fn[grid](**kwargs)
+        if sig and kernel is not None and hasattr(kernel, "packed_metadata"):
+            plan.kernels[sig] = (kernel.run, kernel.function, kernel.packed_metadata)
+        return
+    grid = grid(kwargs) if callable(grid) else grid
+    run, function, packed = ready
+    try:
+        run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1,
+            driver.active.get_current_stream(device), function, packed, None, None, None, *values)
+    except TypeError:  # a Triton whose launcher takes other arguments (checked before anything launches)
+        _disable(plan)
+        fn[grid](**kwargs)
+
+
+def _disable(plan: _Plan) -> None:
+    """Stop direct launches of this kernel: Triton's own launch from now on (a signature never matches ())."""
+    plan.kernels.clear()
+    plan.kernels = _NeverReady()
+
+
+class _NeverReady(dict):
+    """A signature table that keeps nothing."""
+
+    def __setitem__(self, key, value) -> None:
+        pass
+
+
+def direct_signatures() -> int:
+    """How many launch signatures are launched directly so far (0 under the interpreter, before a second
+    launch of any signature, or where Triton's launcher convention differs: benchmarks report it)."""
+    return sum(len(p.kernels) for p in _PLANS.values())
