@@ -16,6 +16,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from . import settings
 from .amp import autocast_off, autocast_operands
 
 SCORE_FUNCS = ("softmax", "sigmoid")
@@ -89,6 +90,34 @@ class _RouterLogits(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             dw = (dlogits.t() @ x.float()).to(weight.dtype)
         return dx, dw
+
+
+class _FusedTopK(torch.autograd.Function):
+    """Softmax, top-k, weights and both losses of fp32 ``logits [T, E]`` in Triton (two launches forward, one
+    backward: :mod:`moeblaze.kernels.router`), instead of about 14 PyTorch operations forward and 20 backward
+    (issue 24: a few thousand tokens per GPU leave the step bound by host time). Returns ``(ids, weights,
+    probs, aux, z)``; ids carry no gradient."""
+
+    @staticmethod
+    def forward(ctx, logits, top_k, renormalize, scale, aux_c, z_c):
+        from .kernels.router import router_topk
+
+        ids, weights, probs, lse, counts, aux, z = router_topk(logits, top_k, renormalize, scale, aux_c, z_c)
+        ctx.mark_non_differentiable(ids)
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(probs, ids, lse, counts)
+        ctx.options = (renormalize, scale, aux_c, z_c)
+        return ids, weights, probs, aux, z
+
+    @staticmethod
+    def backward(ctx, _dids, dweights, dprobs, daux, dz):
+        from .kernels.router import router_topk_backward
+
+        if dweights is None and dprobs is None and daux is None and dz is None:
+            return None, None, None, None, None, None
+        probs, ids, lse, counts = ctx.saved_tensors
+        dlogits = router_topk_backward(probs, ids, dweights, dprobs, counts, lse, daux, dz, *ctx.options)
+        return dlogits, None, None, None, None, None
 
 
 def load_balancing_loss(probs: torch.Tensor, topk_ids: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
@@ -232,6 +261,16 @@ class Router(nn.Module):
             choice = groups.masked_fill(~keep[..., None], float("-inf")).view(T, E)
         return choice.topk(self.top_k, dim=-1).indices
 
+    def _fused(self, logits: torch.Tensor) -> bool:
+        """The Triton router (:class:`_FusedTopK`) serves this call: softmax scores, no groups or correction
+        bias, E <= ``MAX_EXPERTS`` (1024), and the ``fused_router`` setting on (``auto``: CUDA logits)."""
+        if self.score_func != "softmax" or self.n_group > 1 or self.e_score_correction_bias is not None:
+            return False
+        mode = settings.get("fused_router")
+        from .kernels.router import MAX_EXPERTS
+
+        return (logits.is_cuda if mode is None else mode) and self.num_experts <= MAX_EXPERTS
+
     def reset_parameters(self) -> None:
         """``U(-1/sqrt(d), 1/sqrt(d))``, as ``nn.Linear``."""
         bound = 1.0 / math.sqrt(self.d_model)
@@ -250,6 +289,9 @@ class Router(nn.Module):
             logits = F.linear(x, self.weight.to(x.dtype)).float()
         else:
             logits = _RouterLogits.apply(*autocast_operands(x, ("router.weight", self.weight)))
+        losses_on = self.training and x.shape[0] > 0  # means over zero tokens would be NaN
+        if self._fused(logits):
+            return self._fused_forward(logits, losses_on)
         if self.score_func == "softmax":
             scores = torch.softmax(logits, dim=-1)
             probs = scores
@@ -265,13 +307,25 @@ class Router(nn.Module):
             topk_weights = topk_weights / topk_weights.sum(-1, keepdim=True).clamp_min(1e-20)
         if self.routed_scaling_factor != 1.0:
             topk_weights = topk_weights * self.routed_scaling_factor
-        losses_on = self.training and x.shape[0] > 0  # means over zero tokens would be NaN
         aux = load_balancing_loss(probs, topk_ids, self.aux_loss_coef) if self.aux_loss_coef and losses_on else None
         z = router_z_loss(logits, self.z_loss_coef) if self.z_loss_coef and losses_on else None
         if aux is None or z is None:  # a zero only where a loss is off (one launch fewer per step otherwise)
             zero = logits.new_zeros(())
             aux, z = (zero if aux is None else aux), (zero if z is None else z)
         return RouterOutput(topk_ids.to(torch.int32), topk_weights, logits, aux, z, scores)
+
+    def _fused_forward(self, logits: torch.Tensor, losses_on: bool) -> RouterOutput:
+        """:meth:`forward` through :class:`_FusedTopK`: the same outputs (losses with the coefficients of
+        :func:`load_balancing_loss` and :func:`router_z_loss`), exact zeros for losses that are off."""
+        T, K, E = logits.shape[0], self.top_k, self.num_experts
+        aux_c = self.aux_loss_coef * E / (max(T * K, 1) * max(T, 1)) if self.aux_loss_coef and losses_on else 0.0
+        z_c = self.z_loss_coef / max(T, 1) if self.z_loss_coef and losses_on else 0.0
+        ids, weights, scores, aux, z = _FusedTopK.apply(logits, K, self.renormalize, self.routed_scaling_factor,
+                                                        aux_c, z_c)
+        if not aux_c or not z_c:
+            zero = logits.new_zeros(())
+            aux, z = (aux if aux_c else zero), (z if z_c else zero)
+        return RouterOutput(ids, weights, logits, aux, z, scores)
 
     def extra_repr(self) -> str:
         return (f"d_model={self.d_model}, num_experts={self.num_experts}, top_k={self.top_k}, "

@@ -1,0 +1,274 @@
+"""Fused softmax top-k router: softmax, top-K, weights and both auxiliary losses in two launches, and their
+backward in one (DESIGN.md §2; issue 24: fewer launches on the host path).
+
+The PyTorch router (:class:`moeblaze.routing.Router`) takes about 14 operations forward and 20 backward
+for this (softmax, topk, renormalisation, the load-balancing loss's counts and sums, logsumexp for the
+z-loss, their scalar products, and the autograd nodes of each): each a launch and, for a few thousand
+tokens per GPU, host time the GPU waits for. Here, from the fp32 logits ``[T, E]``:
+
+* :func:`router_topk_kernel` (one program per ``BLOCK_T`` tokens): softmax probabilities, their
+  logsumexp, the top-K ids (largest probability first, lowest id on ties, NaN never chosen over a
+  number) and weights (renormalised to sum 1 and scaled when asked), and per-block partial sums for the
+  losses: pairs per expert, summed probabilities per expert, summed squared logsumexp;
+* :func:`router_loss_kernel` (one program, fixed summation order, so the losses are bitwise
+  reproducible): the totals, ``aux = c_aux * <counts, sum_t probs_t>`` (Switch eq. 4 with
+  ``c_aux = coef * E / (T*K * T)``) and ``z = c_z * sum_t lse_t^2`` (ST-MoE eq. 5, ``c_z = coef / T``);
+* :func:`router_topk_bwd_kernel`: ``dlogits`` from the gradients of the weights, the probabilities
+  (used by token rounding), the aux loss and the z-loss: the top-K scatter, the renormalisation's
+  Jacobian, ``daux * c_aux * counts_e`` on every probability, then the softmax backward
+  ``p * (g - <g, p>)`` plus ``dz * 2 c_z lse_t * p``.
+
+Up to ``MAX_EXPERTS`` experts (a token's E probabilities stay in registers).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .custom_ops import call_op
+from .direct import launch
+
+MAX_EXPERTS = 1024
+_NEG_MAX = -3.4028234663852886e38  # a NaN probability ranks below every number but above a chosen one (-inf)
+
+
+def _block_t(E: int) -> int:
+    """Tokens per program: about 8192 probabilities in registers (64 tokens at E 128, 16 at E 512)."""
+    return max(1, min(64, 8192 // triton.next_power_of_2(E)))
+
+
+@triton.jit
+def router_topk_kernel(
+    logits_ptr,   # [T, E] fp32 router logits
+    ids_ptr,      # [T, K] int32 out: top-K expert ids
+    weights_ptr,  # [T, K] fp32 out: combine weights
+    probs_ptr,    # [T, E] fp32 out: softmax probabilities (the router's scores)
+    lse_ptr,      # [T] fp32 out: logsumexp of the logits
+    part_ptr,     # [num_blocks, 2E + 1] fp32 out: per block, pairs per expert | probabilities per expert | sum lse^2
+    T, E, stride_l_t, scale,
+    K: tl.constexpr, KP: tl.constexpr, RENORM: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = tl.arange(0, BLOCK_E)
+    rmask, cmask = rows < T, cols < E
+    mask = rmask[:, None] & cmask[None, :]
+    x = tl.load(logits_ptr + rows[:, None] * stride_l_t + cols[None, :], mask=mask, other=-float("inf"))
+    m = tl.where(rmask, tl.max(x, axis=1), 0.0)  # rows past T: all -inf; keep them finite (no NaN)
+    p = tl.exp(x - m[:, None])
+    s = tl.where(rmask, tl.sum(p, axis=1), 1.0)
+    probs = p / s[:, None]
+    lse = m + tl.log(s)
+    tl.store(probs_ptr + rows[:, None] * E + cols[None, :], probs, mask=mask)
+    tl.store(lse_ptr + rows, lse, mask=rmask)
+    key = tl.where(cmask[None, :], tl.where(probs == probs, probs, _NEG_MAX), -float("inf"))
+    kk = tl.arange(0, KP)
+    ids = tl.zeros([BLOCK_T, KP], dtype=tl.int32)
+    w = tl.zeros([BLOCK_T, KP], dtype=tl.float32)
+    counts = tl.zeros([BLOCK_E], dtype=tl.float32)
+    for k in tl.static_range(K):
+        idx = tl.argmax(key, axis=1, tie_break_left=True)  # [BLOCK_T]
+        hit = cols[None, :] == idx[:, None]
+        wk = tl.sum(tl.where(hit, probs, 0.0), axis=1)
+        ids = tl.where(kk[None, :] == k, idx[:, None], ids)
+        w = tl.where(kk[None, :] == k, wk[:, None], w)
+        key = tl.where(hit, -float("inf"), key)
+        counts += tl.sum(tl.where(hit & rmask[:, None], 1.0, 0.0), axis=0)
+    if RENORM:
+        w = w / tl.maximum(tl.sum(w, axis=1), 1e-20)[:, None]
+    kmask = rmask[:, None] & (kk[None, :] < K)
+    tl.store(ids_ptr + rows[:, None] * K + kk[None, :], ids, mask=kmask)
+    tl.store(weights_ptr + rows[:, None] * K + kk[None, :], w * scale, mask=kmask)
+    part = part_ptr + pid * (2 * E + 1)
+    tl.store(part + cols, counts, mask=cmask)
+    tl.store(part + E + cols, tl.sum(probs, axis=0), mask=cmask)  # rows past T hold zeros
+    tl.store(part + 2 * E, tl.sum(tl.where(rmask, lse * lse, 0.0), axis=0))
+
+
+@triton.jit
+def router_loss_kernel(
+    part_ptr,    # [num_blocks, 2E + 1] fp32 per-block sums (router_topk_kernel)
+    counts_ptr,  # [E] fp32 out: pairs per expert
+    aux_ptr,     # [] fp32 out: load-balancing loss
+    z_ptr,       # [] fp32 out: z-loss
+    num_blocks, E, aux_c, z_c,
+    BLOCK_B: tl.constexpr, BLOCK_E: tl.constexpr,
+):
+    bb = tl.arange(0, BLOCK_B)
+    ee = tl.arange(0, BLOCK_E)
+    width = 2 * E + 1
+    dot = tl.zeros([BLOCK_E], dtype=tl.float32)
+    for e0 in range(0, E, BLOCK_E):
+        emask = e0 + ee < E
+        c = tl.zeros([BLOCK_E], dtype=tl.float32)
+        ps = tl.zeros([BLOCK_E], dtype=tl.float32)
+        for b0 in range(0, num_blocks, BLOCK_B):
+            mask = (b0 + bb < num_blocks)[:, None] & emask[None, :]
+            tile = part_ptr + (b0 + bb)[:, None] * width + (e0 + ee)[None, :]
+            c += tl.sum(tl.load(tile, mask=mask, other=0.0), axis=0)
+            ps += tl.sum(tl.load(tile + E, mask=mask, other=0.0), axis=0)
+        tl.store(counts_ptr + e0 + ee, c, mask=emask)
+        dot += c * ps
+    zs = tl.zeros([BLOCK_B], dtype=tl.float32)
+    for b0 in range(0, num_blocks, BLOCK_B):
+        zs += tl.load(part_ptr + (b0 + bb) * width + 2 * E, mask=b0 + bb < num_blocks, other=0.0)
+    tl.store(aux_ptr, aux_c * tl.sum(dot, axis=0))
+    tl.store(z_ptr, z_c * tl.sum(zs, axis=0))
+
+
+@triton.jit
+def router_topk_bwd_kernel(
+    probs_ptr,    # [T, E] fp32 softmax probabilities
+    ids_ptr,      # [T, K] int32 top-K ids
+    dw_ptr,       # [T, K] fp32 gradient of the combine weights (HAS_DW)
+    dprobs_ptr,   # [T, E] fp32 gradient of the probabilities (HAS_DPROBS)
+    counts_ptr,   # [E] fp32 pairs per expert
+    lse_ptr,      # [T] fp32 logsumexp
+    daux_ptr,     # [] fp32 gradient of the aux loss (HAS_DAUX)
+    dz_ptr,       # [] fp32 gradient of the z-loss (HAS_DZ)
+    dlogits_ptr,  # [T, E] fp32 out
+    T, E, scale, aux_c, z_c,
+    K: tl.constexpr, KP: tl.constexpr, RENORM: tl.constexpr, HAS_DW: tl.constexpr, HAS_DPROBS: tl.constexpr,
+    HAS_DAUX: tl.constexpr, HAS_DZ: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = tl.arange(0, BLOCK_E)
+    rmask, cmask = rows < T, cols < E
+    mask = rmask[:, None] & cmask[None, :]
+    tile = rows[:, None] * E + cols[None, :]
+    p = tl.load(probs_ptr + tile, mask=mask, other=0.0)
+    g = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.float32)
+    if HAS_DPROBS:
+        g += tl.load(dprobs_ptr + tile, mask=mask, other=0.0)
+    if HAS_DAUX:
+        counts = tl.load(counts_ptr + cols, mask=cmask, other=0.0)
+        g += (tl.load(daux_ptr) * aux_c) * counts[None, :]
+    if HAS_DW:
+        kk = tl.arange(0, KP)
+        kmask = rmask[:, None] & (kk[None, :] < K)
+        ids = tl.load(ids_ptr + rows[:, None] * K + kk[None, :], mask=kmask, other=0)
+        dw = tl.load(dw_ptr + rows[:, None] * K + kk[None, :], mask=kmask, other=0.0)
+        dsel = dw * scale
+        if RENORM:  # w_k = scale * sel_k / max(S, 1e-20), S = sum_k sel_k
+            sel = tl.load(probs_ptr + rows[:, None] * E + ids, mask=kmask, other=0.0)
+            S = tl.sum(sel, axis=1)
+            Sc = tl.maximum(S, 1e-20)
+            gsel = tl.sum(dw * sel, axis=1)
+            dsel = scale * (dw / Sc[:, None] - tl.where(S > 1e-20, gsel / (Sc * Sc), 0.0)[:, None])
+        for k in tl.static_range(K):
+            idk = tl.sum(tl.where(kk[None, :] == k, ids, 0), axis=1)
+            dk = tl.sum(tl.where(kk[None, :] == k, dsel, 0.0), axis=1)
+            g += tl.where(cols[None, :] == idk[:, None], dk[:, None], 0.0)
+    dl = p * (g - tl.sum(g * p, axis=1)[:, None])
+    if HAS_DZ:
+        lse = tl.load(lse_ptr + rows, mask=rmask, other=0.0)
+        dl += ((tl.load(dz_ptr) * 2.0 * z_c) * lse)[:, None] * p
+    tl.store(dlogits_ptr + tile, dl, mask=mask)
+
+
+def _router_topk_impl(logits: torch.Tensor, top_k: int, renormalize: bool, scale: float, aux_c: float,
+                      z_c: float) -> tuple[torch.Tensor, ...]:
+    T, E = logits.shape
+    dev, f32 = logits.device, torch.float32
+    ids = torch.empty(T, top_k, dtype=torch.int32, device=dev)
+    weights = torch.empty(T, top_k, dtype=f32, device=dev)
+    probs, lse = torch.empty(T, E, dtype=f32, device=dev), torch.empty(T, dtype=f32, device=dev)
+    counts, aux, z = torch.empty(E, dtype=f32, device=dev), torch.empty((), dtype=f32, device=dev), torch.empty(
+        (), dtype=f32, device=dev)
+    bt = _block_t(E)
+    blocks = triton.cdiv(T, bt)
+    part = torch.empty(max(blocks, 1), 2 * E + 1, dtype=f32, device=dev)
+    if T == 0:
+        part.zero_()
+    else:
+        launch(router_topk_kernel, (blocks,), logits_ptr=logits, ids_ptr=ids, weights_ptr=weights, probs_ptr=probs,
+               lse_ptr=lse, part_ptr=part, T=T, E=E, stride_l_t=logits.stride(0), scale=float(scale), K=top_k,
+               KP=triton.next_power_of_2(top_k), RENORM=renormalize, BLOCK_T=bt,
+               BLOCK_E=triton.next_power_of_2(E), num_warps=4)
+    launch(router_loss_kernel, (1,), part_ptr=part, counts_ptr=counts, aux_ptr=aux, z_ptr=z,
+           num_blocks=part.shape[0], E=E, aux_c=float(aux_c), z_c=float(z_c), BLOCK_B=32,
+           BLOCK_E=min(128, triton.next_power_of_2(E)), num_warps=4)
+    return ids, weights, probs, lse, counts, aux, z
+
+
+_router_topk_op = torch.library.custom_op(
+    "moeblaze::router_topk", _router_topk_impl, mutates_args=(),
+    schema="(Tensor logits, int top_k, bool renormalize, float scale, float aux_c, float z_c) "
+           "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")
+
+
+@_router_topk_op.register_fake
+def _(logits, top_k, renormalize, scale, aux_c, z_c):
+    T, E = logits.shape
+    f32 = dict(dtype=torch.float32)
+    return (logits.new_empty(T, top_k, dtype=torch.int32), logits.new_empty(T, top_k, **f32),
+            logits.new_empty(T, E, **f32), logits.new_empty(T, **f32), logits.new_empty(E, **f32),
+            logits.new_empty((), **f32), logits.new_empty((), **f32))
+
+
+def router_topk(logits: torch.Tensor, top_k: int, renormalize: bool = False, scale: float = 1.0,
+                aux_c: float = 0.0, z_c: float = 0.0) -> tuple[torch.Tensor, ...]:
+    """Softmax top-k routing of fp32 ``logits [T, E]`` (contiguous rows, E <= ``MAX_EXPERTS``) in two launches.
+
+    Returns ``(ids [T, K] int32, weights [T, K] fp32, probs [T, E] fp32, lse [T] fp32, counts [E] fp32,
+    aux [] fp32, z [] fp32)``: weights are the top-K probabilities, divided by their sum if ``renormalize``,
+    times ``scale``; ``counts[e]`` the pairs routed to e; ``aux = aux_c * <counts, sum_t probs_t>``,
+    ``z = z_c * sum_t lse_t^2`` (the module docstring gives the coefficients of the usual losses).
+
+    Raises:
+        ValueError: ``logits`` not a 2-D fp32 tensor with unit column stride, E above ``MAX_EXPERTS``, or
+            ``top_k`` outside ``[1, E]``.
+    """
+    if logits.dim() != 2 or logits.dtype != torch.float32 or (logits.numel() and logits.stride(1) != 1):
+        raise ValueError(f"router_topk: logits must be [T, E] fp32 with unit column stride, got "
+                         f"{tuple(logits.shape)} {logits.dtype}")
+    E = logits.shape[1]
+    if not 1 <= E <= MAX_EXPERTS or not 1 <= top_k <= E:
+        raise ValueError(f"router_topk: need 1 <= top_k <= E <= {MAX_EXPERTS}, got top_k={top_k}, E={E}")
+    return call_op(_router_topk_op, _router_topk_impl, logits, top_k, renormalize, scale, aux_c, z_c)
+
+
+def _router_topk_bwd_impl(probs: torch.Tensor, ids: torch.Tensor, dw: torch.Tensor | None,
+                          dprobs: torch.Tensor | None, counts: torch.Tensor, lse: torch.Tensor,
+                          daux: torch.Tensor | None, dz: torch.Tensor | None, renormalize: bool, scale: float,
+                          aux_c: float, z_c: float) -> torch.Tensor:
+    T, E = probs.shape
+    K = ids.shape[1]
+    dlogits = torch.empty_like(probs)
+    if T == 0:
+        return dlogits
+    dummy = probs  # pointer of an absent input (its HAS_* flag is off)
+    launch(router_topk_bwd_kernel, (triton.cdiv(T, _block_t(E)),), probs_ptr=probs, ids_ptr=ids,
+           dw_ptr=dw.float().contiguous() if dw is not None else dummy,
+           dprobs_ptr=dprobs.float().contiguous() if dprobs is not None else dummy, counts_ptr=counts, lse_ptr=lse,
+           daux_ptr=daux.float() if daux is not None else dummy, dz_ptr=dz.float() if dz is not None else dummy,
+           dlogits_ptr=dlogits, T=T, E=E, scale=float(scale), aux_c=float(aux_c), z_c=float(z_c), K=K,
+           KP=triton.next_power_of_2(K), RENORM=renormalize, HAS_DW=dw is not None, HAS_DPROBS=dprobs is not None,
+           HAS_DAUX=daux is not None, HAS_DZ=dz is not None, BLOCK_T=_block_t(E),
+           BLOCK_E=triton.next_power_of_2(E), num_warps=4)
+    return dlogits
+
+
+_router_topk_bwd_op = torch.library.custom_op(
+    "moeblaze::router_topk_backward", _router_topk_bwd_impl, mutates_args=(),
+    schema="(Tensor probs, Tensor ids, Tensor? dw, Tensor? dprobs, Tensor counts, Tensor lse, Tensor? daux, "
+           "Tensor? dz, bool renormalize, float scale, float aux_c, float z_c) -> Tensor")
+
+
+@_router_topk_bwd_op.register_fake
+def _(probs, ids, dw, dprobs, counts, lse, daux, dz, renormalize, scale, aux_c, z_c):
+    return torch.empty_like(probs)
+
+
+def router_topk_backward(probs: torch.Tensor, ids: torch.Tensor, dw: torch.Tensor | None,
+                         dprobs: torch.Tensor | None, counts: torch.Tensor, lse: torch.Tensor,
+                         daux: torch.Tensor | None, dz: torch.Tensor | None, renormalize: bool, scale: float,
+                         aux_c: float, z_c: float) -> torch.Tensor:
+    """``dlogits [T, E]`` fp32 of :func:`router_topk` from the gradients of its weights ``dw [T, K]``,
+    probabilities ``dprobs [T, E]``, losses ``daux`` and ``dz`` (0-dim; each may be None: no gradient),
+    given its saved ``probs``, ``ids``, ``counts``, ``lse`` and the same options. One launch."""
+    return call_op(_router_topk_bwd_op, _router_topk_bwd_impl, probs, ids, dw, dprobs, counts, lse, daux, dz,
+                   renormalize, scale, aux_c, z_c)

@@ -1,0 +1,166 @@
+"""The Triton softmax top-k router (``moeblaze.kernels.router``, ``fused_router`` setting) against the float64
+reference under the DESIGN.md §7 rule, with the PyTorch router in fp32 as the baseline.
+
+CPU: the kernels run in the interpreter (fp32 logits throughout, so nothing here meets the bf16 ``tl.dot``
+trap). GPU (``-m gpu``): the layer in bf16 with the fused router (the default on CUDA) against the PyTorch
+router, and the CUDA-graph replay equals eager bitwise.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import moeblaze
+from moeblaze import MoE, Router, settings
+from moeblaze.kernels.router import MAX_EXPERTS, router_topk
+from moeblaze.testing import assert_close_to_reference
+
+
+def _reference(logits64: torch.Tensor, ids: torch.Tensor, K: int, renorm: bool, scale: float, aux_coef: float,
+               z_coef: float):
+    """float64 weights, probabilities and losses of the given routing (ids chosen by the router under test)."""
+    T, E = logits64.shape
+    probs = torch.softmax(logits64, -1)
+    sel = probs.gather(1, ids.long())
+    w = (sel / sel.sum(-1, keepdim=True).clamp_min(1e-20) if renorm else sel) * scale
+    counts = torch.zeros(E, dtype=torch.float64).index_add_(0, ids.long().reshape(-1),
+                                                             torch.ones(T * K, dtype=torch.float64))
+    aux = aux_coef * E / (T * K * T) * (counts @ probs.sum(0))
+    z = z_coef / T * (torch.logsumexp(logits64, -1) ** 2).sum()
+    return w, probs, aux, z
+
+
+def _route(router: Router, x: torch.Tensor, fused: bool):
+    with settings.override(fused_router=fused):
+        return router(x)
+
+
+@pytest.mark.parametrize("T,E,K", [(1, 4, 1), (37, 12, 3), (64, 7, 7), (50, 128, 8), (9, 257, 4)])
+@pytest.mark.parametrize("renorm,scale", [(False, 1.0), (True, 1.0), (True, 2.5)])
+def test_fused_router_matches_reference(T, E, K, renorm, scale):
+    torch.manual_seed(T * 1000 + E + K)
+    d = 24
+    router = Router(d, E, K, renormalize=renorm, aux_loss_coef=0.3, z_loss_coef=0.07, routed_scaling_factor=scale)
+    x = torch.randn(T, d)
+    got, base = _route(router, x, True), _route(router, x, False)
+    assert got.topk_ids.dtype == torch.int32 and torch.equal(got.topk_ids, base.topk_ids)
+    w64, p64, aux64, z64 = _reference(got.logits.double(), got.topk_ids, K, renorm, scale, 0.3, 0.07)
+    assert_close_to_reference("weights", got.topk_weights, w64, base.topk_weights)
+    assert_close_to_reference("scores", got.scores, p64, base.scores)
+    assert_close_to_reference("aux", got.aux_loss, aux64, base.aux_loss)
+    assert_close_to_reference("z", got.z_loss, z64, base.z_loss)
+
+
+@pytest.mark.parametrize("renorm", [False, True])
+@pytest.mark.parametrize("losses", [(0.3, 0.07), (0.0, 0.07), (0.3, 0.0)])
+def test_fused_router_gradients_match_reference(renorm, losses):
+    torch.manual_seed(int(renorm) + int(10 * losses[0]))
+    T, d, E, K = 45, 16, 10, 3
+    router = Router(d, E, K, renormalize=renorm, aux_loss_coef=losses[0], z_loss_coef=losses[1],
+                    routed_scaling_factor=1.5)
+    x = torch.randn(T, d)
+    dw, dp = torch.randn(T, K), torch.randn(T, E)
+
+    def grads(fused: bool):
+        xx = x.clone().requires_grad_()
+        router.weight.grad = None
+        out = _route(router, xx, fused)
+        ((out.topk_weights * dw).sum() + (out.scores * dp).sum() + 0.9 * out.aux_loss + 1.1 * out.z_loss).backward()
+        return out.topk_ids, xx.grad, router.weight.grad.clone()
+
+    ids, gx, gw = grads(True)
+    _, bx, bw = grads(False)
+    x64, w64 = x.double().requires_grad_(), router.weight.detach().double().requires_grad_()
+    logits = x64 @ w64.t()
+    w, p, aux, z = _reference(logits, ids, K, renorm, 1.5, *losses)
+    ((w * dw.double()).sum() + (p * dp.double()).sum() + 0.9 * aux + 1.1 * z).backward()
+    assert_close_to_reference("dx", gx, x64.grad, bx)
+    assert_close_to_reference("dW_router", gw, w64.grad, bw)
+
+
+def test_only_the_weights_gradient_and_eval_mode():
+    torch.manual_seed(3)
+    router = Router(8, 6, 2, aux_loss_coef=0.5, z_loss_coef=0.5)
+    x = torch.randn(20, 8, requires_grad=True)
+    out = _route(router, x, True)
+    out.topk_weights.square().sum().backward()  # the losses and scores get no gradient
+    ref = x.detach().clone().requires_grad_()
+    _route(router, ref, False).topk_weights.square().sum().backward()
+    assert_close_to_reference("dx", x.grad, ref.grad.double(), ref.grad, factor=4.0)
+    router.eval()
+    out = _route(router, x, True)
+    assert out.aux_loss.item() == 0.0 and out.z_loss.item() == 0.0 and not out.aux_loss.requires_grad
+
+
+def test_ties_and_nan_logits_give_distinct_ids_in_range():
+    logits = torch.zeros(6, 9)
+    logits[1] = float("nan")
+    logits[2, 4] = float("nan")
+    logits[3] = -float("inf")
+    logits[3, 2] = 0.0
+    ids, *_ = router_topk(logits, 4)
+    for row in ids.tolist():
+        assert len(set(row)) == 4 and all(0 <= e < 9 for e in row)
+    assert ids[0].tolist() == [0, 1, 2, 3]  # equal probabilities: lowest ids first
+    assert ids[3, 0].item() == 2
+
+
+def test_empty_batch_and_bad_input():
+    ids, w, probs, lse, counts, aux, z = router_topk(torch.zeros(0, 5), 2, aux_c=1.0, z_c=1.0)
+    assert ids.shape == (0, 2) and counts.sum().item() == 0 and aux.item() == 0 and z.item() == 0
+    with pytest.raises(ValueError, match="logits must be"):
+        router_topk(torch.zeros(4, 5, dtype=torch.float64), 2)
+    with pytest.raises(ValueError, match="top_k"):
+        router_topk(torch.zeros(4, 5), 6)
+    with pytest.raises(ValueError, match="E <="):
+        router_topk(torch.zeros(1, MAX_EXPERTS + 1), 2)
+
+
+def test_routers_the_kernels_do_not_serve_take_the_pytorch_path():
+    for kw in (dict(score_func="sigmoid"), dict(n_group=2, topk_group=1), dict(score_correction_bias=True)):
+        router = Router(8, 8, 2, **kw)
+        x = torch.randn(5, 8)
+        with settings.override(fused_router=True):
+            assert not router._fused(router(x).logits)
+
+
+def test_layer_with_token_rounding_uses_the_fused_scores():
+    """Token rounding pads with the router's scores: the layer trains the same with either router."""
+    torch.manual_seed(4)
+    layer = MoE(16, 8, 4, 2, backend="torch", token_rounding="nr", rounding_tile=4, aux_loss_coef=0.1)
+    x = torch.randn(23, 16)
+
+    def run(fused):
+        xx = x.clone().requires_grad_()
+        for p in layer.parameters():
+            p.grad = None
+        with settings.override(fused_router=fused):
+            (layer(xx).square().sum() + layer.aux_loss).backward()
+        return [xx.grad] + [p.grad.clone() for p in layer.parameters()]
+
+    for got, want in zip(run(True), run(False)):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.gpu
+def test_gpu_fused_router_layer_matches_pytorch_router_bf16():
+    torch.manual_seed(5)
+    layer = moeblaze.MoE(512, 256, 64, 8, backend="triton", device="cuda", dtype=torch.bfloat16, aux_loss_coef=0.01,
+                         z_loss_coef=0.001)
+    x = torch.randn(4096, 512, device="cuda", dtype=torch.bfloat16)
+
+    def run(fused):
+        xx = x.clone().requires_grad_()
+        for p in layer.parameters():
+            p.grad = None
+        with settings.override(fused_router=fused):
+            out = layer(xx)
+            (out.float().square().mean() + layer.aux_loss).backward()
+        return layer.last_topk_ids.clone(), [out.float(), xx.grad.float(), layer.router.weight.grad.float()]
+
+    ids_f, got = run(True)
+    ids_t, want = run(False)
+    assert (ids_f == ids_t).float().mean() > 0.99  # bf16 near-ties may order differently
+    for g, w in zip(got, want):
+        assert (g - w).norm() / w.norm() < 0.05
