@@ -300,6 +300,8 @@ def main() -> None:
                         if launch != "direct":
                             for r in got:
                                 r["mode"] = f"{r['mode']}-triton-launch"
+                                if r["mode"] == "eager-triton-launch":
+                                    r["note"] = "every Triton kernel launched through kernel[grid]"
                     except Exception as exc:  # OOM or an implementation failing on a shape: keep going
                         got = [{"shape": cfg0.name, "T": T, "layers": layers, "impl": impl, "mode": "eager",
                                 "status": "error", "note": f"{type(exc).__name__}: {exc}"[:160]}]

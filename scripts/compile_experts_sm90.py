@@ -39,6 +39,7 @@ from moeblaze.kernels.grouped_gemm import (
     EPILOGUE_PLAIN,
     grouped_gemm_kernel,
 )
+from moeblaze.kernels.router import _block_t, router_loss_kernel, router_topk_bwd_kernel, router_topk_kernel
 from moeblaze.kernels.tuning import act_bwd_configs, gather_sum_configs, gemm_configs, prune_gemm_configs, wgrad_configs
 from moeblaze.kernels.wgrad import grouped_wgrad_kernel
 
@@ -152,11 +153,32 @@ def main() -> None:
                         dict(HAS_W=True, HAS_LIMIT=limited, CSR=csr, stride_w_k=1, stride_map_k=1, **cfg.kwargs),
                         cfg.num_warps, cfg.num_stages,
                         f"combine limit={limited} csr={csr} {cfg.kwargs} w{cfg.num_warps}")
+    compile_router()
     seg_ptrs = dict(src_ptr=T, scale_ptr="*fp32", offsets_ptr="*i32", indices_ptr="*i32", out_ptr=T)
     for gather in (False, True):
         cfg = triton.Config({"BLOCK_S": 32, "BLOCK_D": 128}, num_warps=4, num_stages=1)
         compile_one(segment_sum_kernel, seg_ptrs, dict(GATHER=gather, SCALE=gather, **cfg.kwargs), cfg.num_warps,
                     cfg.num_stages, f"bias grad gather={gather} {cfg.kwargs} w{cfg.num_warps}")
+
+
+def compile_router() -> None:
+    """The fused router's three kernels (moeblaze.kernels.router) at E 8, 128 and 1024."""
+    f32 = "*fp32"
+    topk_ptrs = dict(logits_ptr=f32, ids_ptr="*i32", weights_ptr=f32, probs_ptr=f32, lse_ptr=f32, part_ptr=f32,
+                     scale="fp32")
+    bwd_ptrs = dict(probs_ptr=f32, ids_ptr="*i32", dw_ptr=f32, dprobs_ptr=f32, counts_ptr=f32, lse_ptr=f32,
+                    daux_ptr=f32, dz_ptr=f32, dlogits_ptr=f32, scale="fp32", aux_c="fp32", z_c="fp32")
+    for E, K in ((8, 2), (128, 8), (1024, 10)):
+        bt, be, kp = _block_t(E), triton.next_power_of_2(E), triton.next_power_of_2(K)
+        for renorm in (False, True):
+            compile_one(router_topk_kernel, topk_ptrs, dict(K=K, KP=kp, RENORM=renorm, BLOCK_T=bt, BLOCK_E=be), 4, 1,
+                        f"router top-k E={E} K={K} renorm={renorm}")
+            compile_one(router_topk_bwd_kernel, bwd_ptrs,
+                        dict(K=K, KP=kp, RENORM=renorm, HAS_DW=True, HAS_DPROBS=renorm, HAS_DAUX=True, HAS_DZ=True,
+                             BLOCK_T=bt, BLOCK_E=be), 4, 1, f"router backward E={E} K={K} renorm={renorm}")
+        compile_one(router_loss_kernel, dict(part_ptr=f32, counts_ptr=f32, aux_ptr=f32, z_ptr=f32, aux_c="fp32",
+                                             z_c="fp32"), dict(BLOCK_B=32, BLOCK_E=min(128, be)), 4, 1,
+                    f"router losses E={E}")
 
 
 if __name__ == "__main__":

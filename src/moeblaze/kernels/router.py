@@ -31,7 +31,8 @@ from .custom_ops import call_op
 from .direct import launch
 
 MAX_EXPERTS = 1024
-_NEG_MAX = -3.4028234663852886e38  # a NaN probability ranks below every number but above a chosen one (-inf)
+# a NaN probability ranks below every number but above a chosen one (-inf)
+_NEG_MAX = tl.constexpr(-3.4028234663852886e38)
 
 
 def _block_t(E: int) -> int:
