@@ -4,9 +4,11 @@ Issue 22's GPU benchmark (and issue 27's benchmark (b) with ``--modes bf16,amp``
 4 layers, d 2048, E 128, K 8, h 768 (byte-level vocabulary 256, so the routed experts hold nearly all
 parameters) trains for ``--steps`` AdamW steps on the text of ``moeblaze train`` (``moeblaze.data``, the
 same batches for every implementation, from the same initial weights). Per implementation and mode it
-records each step's loss (aux loss included), time (CUDA-synchronised wall clock) and the peak memory so
-far, as CSV rows, and prints a table: median step time over the steps after ``--warmup``, tokens/s, peak
-memory, and the mean loss of the last 10 steps beside grouped_mm's.
+records each step's loss (aux loss included), time (CUDA-synchronised wall clock), peak memory of the step
+and the memory resident at its start (weights and optimizer state, no gradients), as CSV rows, and prints a
+table: median step time over the steps after ``--warmup``, tokens/s, peak memory, the most a step added
+above the resident memory (gradients and activations), and the mean loss of the last 10 steps beside
+grouped_mm's.
 
 Modes: ``bf16`` (bf16 weights, AdamW on them) and ``amp`` (fp32 weights under ``torch.autocast(bf16)``).
 SonicMoE: transformers' own ``"sonicmoe"`` loads its kernel from the hub; here SonicMoE 0.1.2 installed as
@@ -41,7 +43,8 @@ FULL = dict(hidden_size=2048, num_hidden_layers=4, num_attention_heads=16, num_k
             moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8, norm_topk_prob=True)
 SMOKE = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
              moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True)
-COLUMNS = ["date", "device", "impl", "mode", "step", "tokens", "loss", "step_ms", "peak_mib", "params", "note"]
+COLUMNS = ["date", "device", "impl", "mode", "step", "tokens", "loss", "step_ms", "peak_mib", "params", "note",
+           "resident_mib"]
 
 
 def sonicmoe_local_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
@@ -128,8 +131,11 @@ def train(args, mode: str, impl: str, train_bytes) -> list[dict]:
     for step in range(args.steps):
         x, _ = get_batch(train_bytes, step, args.batch_size, args.seq_len, args.seed)
         x = x.to(device)
+        resident = float("nan")
         if cuda:
             torch.cuda.synchronize()
+            resident = torch.cuda.memory_allocated() / 2**20  # weights + optimizer state (no gradients)
+            torch.cuda.reset_peak_memory_stats()  # each row's peak is its own step's
         t0 = time.perf_counter()
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=mode == "amp"):
             loss = model(input_ids=x, labels=x).loss
@@ -141,7 +147,7 @@ def train(args, mode: str, impl: str, train_bytes) -> list[dict]:
         ms = (time.perf_counter() - t0) * 1e3
         peak = torch.cuda.max_memory_allocated() / 2**20 if cuda else float("nan")
         rows.append(dict(impl=impl, mode=mode, step=step, tokens=x.numel(), loss=loss.item(), step_ms=ms,
-                         peak_mib=peak, params=params, note=""))
+                         peak_mib=peak, params=params, note="", resident_mib=resident))
     del model, opt
     return rows
 
@@ -153,8 +159,8 @@ def summary(rows: list[dict], warmup: int) -> list[str]:
         runs.setdefault((r["impl"], r["mode"]), []).append(r)
     ref = {mode: statistics.mean(r["loss"] for r in rs[-10:] if r["note"] == "")
            for (impl, mode), rs in runs.items() if impl == "grouped_mm" and rs[0]["note"] == ""}
-    lines = [f"{'impl':<16}{'mode':<6}{'step ms':>10}{'tokens/s':>12}{'peak MiB':>11}{'loss(last10)':>14}"
-             f"{'vs grouped_mm':>15}"]
+    lines = [f"{'impl':<16}{'mode':<6}{'step ms':>10}{'tokens/s':>12}{'peak MiB':>11}{'above resident':>16}"
+             f"{'loss(last10)':>14}{'vs grouped_mm':>15}"]
     for (impl, mode), rs in runs.items():
         if rs[0]["note"]:
             lines.append(f"{impl:<16}{mode:<6}  {rs[0]['note']}")
@@ -163,8 +169,9 @@ def summary(rows: list[dict], warmup: int) -> list[str]:
         ms = statistics.median(r["step_ms"] for r in timed)
         loss = statistics.mean(r["loss"] for r in rs[-10:])
         gap = f"{loss - ref[mode]:+.4f}" if mode in ref else "-"
+        above = max(r["peak_mib"] - r["resident_mib"] for r in rs[1:] or rs)  # past the optimizer state's creation
         lines.append(f"{impl:<16}{mode:<6}{ms:>10.1f}{rs[0]['tokens'] / ms * 1e3:>12,.0f}"
-                     f"{max(r['peak_mib'] for r in rs):>11,.0f}{loss:>14.4f}{gap:>15}")
+                     f"{max(r['peak_mib'] for r in rs):>11,.0f}{above:>16,.0f}{loss:>14.4f}{gap:>15}")
     return lines
 
 
@@ -189,7 +196,7 @@ def main(argv=None) -> None:
                     why = f"error: {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
             if why is not None:
                 rows.append(dict(impl=impl, mode=mode, step=-1, tokens=0, loss=math.nan, step_ms=math.nan,
-                                 peak_mib=math.nan, params=0, note=f"skipped: {why}"))
+                                 peak_mib=math.nan, params=0, note=f"skipped: {why}", resident_mib=math.nan))
             print(summary([r for r in rows if r["impl"] == impl and r["mode"] == mode], args.warmup)[-1], flush=True)
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
