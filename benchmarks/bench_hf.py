@@ -175,6 +175,16 @@ def summary(rows: list[dict], warmup: int) -> list[str]:
     return lines
 
 
+def append_rows(path: str, rows: list[dict]) -> None:
+    """Append ``rows`` to the CSV at ``path`` (the header first when the file is new)."""
+    new = not os.path.exists(path)
+    with open(path, "a", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=COLUMNS)
+        if new:
+            w.writeheader()
+        w.writerows(rows)
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     ExpertsInterface.register("sonicmoe-local", sonicmoe_local_forward)
@@ -197,16 +207,11 @@ def main(argv=None) -> None:
             if why is not None:
                 rows.append(dict(impl=impl, mode=mode, step=-1, tokens=0, loss=math.nan, step_ms=math.nan,
                                  peak_mib=math.nan, params=0, note=f"skipped: {why}", resident_mib=math.nan))
-            print(summary([r for r in rows if r["impl"] == impl and r["mode"] == mode], args.warmup)[-1], flush=True)
+            mine = [r for r in rows if r["impl"] == impl and r["mode"] == mode]
+            print(summary(mine, args.warmup)[-1], flush=True)
+            append_rows(args.out, [{"date": date, "device": device, **r} for r in mine])  # a cut run keeps these
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
-    new = not os.path.exists(args.out)
-    with open(args.out, "a", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=COLUMNS)
-        if new:
-            w.writeheader()
-        for r in rows:
-            w.writerow({"date": date, "device": device, **r})
     print("\n".join(summary(rows, args.warmup)))
     print(f"rows appended to {args.out}")
 
