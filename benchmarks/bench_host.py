@@ -232,7 +232,8 @@ def environment(device) -> dict:
     name = torch.cuda.get_device_name() if device.type == "cuda" else f"CPU, launches stubbed ({os.cpu_count()} cores)"
     return {"date": time.strftime("%Y-%m-%d", now), "time_utc": time.strftime("%H:%M", now), "device": name,
             "commit": git_commit(Path(__file__).parent), "torch": torch.__version__, "triton": triton.__version__,
-            "command": "python3 " + " ".join(sys.argv)}
+            "command": " ".join([*(f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith("MOEBLAZE_")),
+                                 "python3", *sys.argv])}
 
 
 def append_csv(path: str, rows: list[dict]) -> None:
