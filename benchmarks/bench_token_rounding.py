@@ -18,6 +18,8 @@ median) and its GPU time (:func:`kernel_ms`: kernel time summed by torch.profile
 measured). Rows go to a CSV, with ``share_of_ceiling = (t_topk / t_tr - 1) / (t_topk / t_ceiling - 1)`` on
 GPU times (the issue's target: >= 0.85).
 
+``rounding``: :func:`moeblaze.round_tokens` alone at the same shapes (wall ms; GPU: kernel time too).
+
 ``quality``: ``moeblaze train`` twice, ``--routing topk`` and ``--routing token-rounding:nr``, same steps
 and seed; writes the train-loss and validation bits/byte curves (CSV) and a side-by-side plot (PNG).
 
@@ -204,6 +206,44 @@ def run_speed(args) -> int:
     return 0
 
 
+def run_rounding(args) -> int:
+    """Time :func:`moeblaze.round_tokens` alone (``nr``, tile 128) on softmax top-k routings of the issue's
+    shapes: median wall ms of 5 calls, and on the GPU its kernel time (:func:`kernel_ms`). On the CPU one
+    intra-op thread (a proxy of the work, not of GPU time)."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu":
+        torch.set_num_threads(1)
+    rows = []
+    for T, _d, _h, E, K in SHAPES:
+        gen = torch.Generator(device=device).manual_seed(0)
+        scores = torch.softmax(torch.randn(T, E, device=device, generator=gen), -1)
+        w, ids = scores.topk(K, -1)
+        ids = ids.int()
+
+        def step(scores=scores, ids=ids, w=w):
+            round_tokens(scores, ids, w, 128, "nr")
+
+        step()
+        times = []
+        for _ in range(5):
+            if device == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            step()
+            if device == "cuda":
+                torch.cuda.synchronize()
+            times.append(1e3 * (time.perf_counter() - t0))
+        gpu = kernel_ms(step)
+        rows.append({"date": datetime.date.today().isoformat(),
+                     "device": torch.cuda.get_device_name() if device == "cuda" else "cpu, 1 thread",
+                     "T": T, "E": E, "K": K, "tile": 128, "ms": round(statistics.median(times), 3),
+                     "gpu_ms": "" if gpu is None else round(gpu, 4)})
+        gtxt = "" if gpu is None else f", GPU {gpu:.4f} ms"
+        print(f"round_tokens nr T={T} E={E} K={K}: {rows[-1]['ms']} ms{gtxt}", flush=True)
+    write_csv(args.out, rows)
+    return 0
+
+
 def write_csv(path, rows) -> None:
     if not path or not rows:
         return
@@ -310,6 +350,8 @@ def main(argv: list[str] | None = None) -> int:
     sp = sub.add_parser("speed", help="layer step times: top-k, tr-nr, ceiling, pairs (moeblaze, SonicMoE)")
     sp.add_argument("--out", default=None, help="CSV file to append the rows to")
     sp.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (PyTorch backend): a pipeline check")
+    rp = sub.add_parser("rounding", help="round_tokens alone at the issue's shapes (CPU: a proxy of its work)")
+    rp.add_argument("--out", default=None, help="CSV file to append the rows to")
     q = sub.add_parser("quality", help="train with top-k and with token rounding nr; curves and plot")
     q.add_argument("--out-dir", required=True)
     q.add_argument("--steps", type=int, default=800)
@@ -326,6 +368,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.stage == "quality" and args.summarise:
         summarise(Path(args.out_dir))
         return 0
+    if args.stage == "rounding":
+        return run_rounding(args)
     return run_speed(args) if args.stage == "speed" else run_quality(args)
 
 

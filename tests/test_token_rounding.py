@@ -191,18 +191,23 @@ def test_train_routing_flag(tmp_path):
         ModelConfig(routing="token-rounding:ceil")
 
 
-@pytest.mark.parametrize("stage", ["speed", "quality"])
+@pytest.mark.parametrize("stage", ["speed", "quality", "rounding"])
 def test_benchmark_script_smoke(stage, tmp_path):
     import subprocess
     import sys
     from pathlib import Path
 
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_token_rounding.py"
-    extra = ["--out", str(tmp_path / "speed.csv")] if stage == "speed" else ["--out-dir", str(tmp_path)]
-    proc = subprocess.run([sys.executable, str(script), stage, "--smoke", *extra], capture_output=True, text=True,
-                          timeout=300)
+    extra = {"speed": ["--smoke", "--out", str(tmp_path / "speed.csv")],
+             "quality": ["--smoke", "--out-dir", str(tmp_path)],
+             "rounding": ["--out", str(tmp_path / "rounding.csv")]}[stage]
+    proc = subprocess.run([sys.executable, str(script), stage, *extra], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    if stage == "speed":
+    if stage == "rounding":  # the three shapes, timed on the CPU
+        lines = (tmp_path / "rounding.csv").read_text().splitlines()
+        assert lines[0].startswith("date,device,T,E,K,tile,ms") and len(lines) == 4
+        assert all(float(line.split(",")[6]) > 0 for line in lines[1:])
+    elif stage == "speed":
         lines = (tmp_path / "speed.csv").read_text().splitlines()
         assert lines[0].startswith("date,device,T,d,h,E,K,tile") and len(lines) == 1 + 2 * 5
         assert {line.split(",")[9] for line in lines[1:]} == {"topk", "tr-nr", "tr-nr-eager", "ceiling",

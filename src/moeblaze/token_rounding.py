@@ -156,31 +156,43 @@ def round_tokens(scores: torch.Tensor, topk_ids: torch.Tensor, topk_weights: tor
         0, ids.reshape(-1), torch.ones(T * K, dtype=torch.int32, device=dev))
     target = round_counts(f, tile, mode, T, generator)
     drop, pad = (f - target).clamp_min(0), (target - f).clamp_min(0)  # both < tile
-    # per expert, its top-k tokens of lowest top-k weight (drop candidates; SonicMoE orders the top-k tokens
-    # by their renormalised weights) and its best-scored other tokens (padding candidates), on [E, T]
-    # layouts: top-J along the contiguous dimension (torch.topk over dim 0 of [T, E] walks strided rows)
-    pair_e, pair_t = ids.t().reshape(-1), torch.arange(T, device=dev).repeat(K)  # the T*K chosen (e, t)
-    tk = torch.full((E, T), float("inf"), device=dev)
-    tk[pair_e, pair_t] = topk_weights.detach().t().reshape(-1).float()
-    low_tok = tk.topk(min(tile - 1, T), dim=1, largest=False).indices.t()  # [J_drop, E]
-    j = torch.arange(tile - 1, device=dev)[:, None]  # candidate ranks
+    dropped = _dropped_pairs(ids.reshape(-1), topk_weights.detach().reshape(-1).float(), f, drop)
+    # padding candidates: per expert its best-scored tokens outside its top-k, on an [E, T] layout (top-J
+    # along the contiguous dimension: torch.topk over dim 0 of [T, E] walks strided rows)
     J = _max_pad(mode, tile, T)
     high_tok = torch.zeros(0, E, dtype=torch.long, device=dev)
     if J:
+        pair_e, pair_t = ids.t().reshape(-1), torch.arange(T, device=dev).repeat(K)  # the T*K chosen (e, t)
         other = scores.detach().t().contiguous()
         other.index_put_((pair_e, pair_t), other.new_full((), float("-inf")))  # a device scalar: no host copy
         high_tok = other.topk(J, dim=1).indices.t()  # [J, E]
-    dropped = torch.zeros(T, E, dtype=torch.bool, device=dev).scatter_(
-        0, low_tok, j[: low_tok.shape[0]] < drop[None, :])
+    j = torch.arange(J, device=dev)[:, None]  # candidate ranks
     experts = torch.arange(E, dtype=torch.int32, device=dev)
-    kept_ids = torch.where(dropped.gather(1, ids), E, ids).to(torch.int32)
-    pad_ids = torch.where(j[:J] < pad[None, :], experts[None, :], E).to(torch.int32)  # [J, E]
+    kept_ids = torch.where(dropped.view(T, K), E, ids).to(torch.int32)
+    pad_ids = torch.where(j < pad[None, :], experts[None, :], E).to(torch.int32)  # [J, E]
     pad_w = (scores.gather(0, high_tok) * scale).to(topk_weights.dtype)
     tok = torch.cat((torch.arange(T, dtype=torch.int32, device=dev).repeat_interleave(K),
                      high_tok.reshape(-1).to(torch.int32)))
     order = torch.sort(tok, stable=True).indices  # pairs of a token contiguous; top-k pairs first, in k order
     return TokenRounding(tok[order], torch.cat((kept_ids.reshape(-1), pad_ids.reshape(-1)))[order],
                          torch.cat((topk_weights.reshape(-1), pad_w.reshape(-1)))[order], target)
+
+
+def _dropped_pairs(pair_e: torch.Tensor, pair_w: torch.Tensor, counts: torch.Tensor,
+                   drop: torch.Tensor) -> torch.Tensor:
+    """``[T*K]`` bool: pair p is among the ``drop[e]`` lowest-weight top-k pairs of its expert ``e = pair_e[p]``
+    (SonicMoE orders an expert's top-k tokens by their top-k weights; equal weights: the lower pair first).
+
+    Two stable sorts of the T*K pairs (by weight, then by expert) give each pair its rank within its expert,
+    instead of a top-(tile-1) over an ``[E, T]`` matrix of weights: O(T*K) work, not O(E*T).
+    """
+    P = pair_e.numel()
+    by_w = torch.sort(pair_w, stable=True).indices
+    order = by_w[torch.sort(pair_e[by_w], stable=True).indices]  # by expert, then weight, then pair
+    start = torch.cumsum(counts, 0) - counts  # the expert's first position in `order`
+    rank = torch.empty_like(order)
+    rank[order] = torch.arange(P, device=pair_e.device) - start[pair_e[order]]
+    return rank < drop[pair_e]
 
 
 @functools.cache
