@@ -16,6 +16,10 @@
 #   multigpu_train  only that last part (fits one device call: three runs of ~1-3 min)
 #   tr         benchmarks/bench_token_rounding.py speed (token rounding vs top-k vs the ceiling, SonicMoE fed the same pairs)
 #   trq        benchmarks/bench_token_rounding.py quality (moeblaze train with top-k and with token rounding nr)
+#   rounding   benchmarks/bench_token_rounding.py rounding (round_tokens alone: wall and GPU kernel time)
+#   hf         benchmarks/bench_hf.py $HF_ARGS (default: the transformers Qwen3-MoE with grouped_mm, SonicMoE and
+#              moeblaze, 150 steps; e.g. HF_ARGS="--impls grouped_mm,moeblaze --batch-size 32 --steps 20" for the
+#              peak memory at 32 x 2048 tokens per step), SonicMoE from .peers/ with its QuACK cache
 # Logs, CSVs and plots go to /tmp/gpu_out, packed at the end into $OUT/gpu_results.tgz (the device
 # tool brings back at most 8 files).
 set -uo pipefail
@@ -62,6 +66,12 @@ for name in ("train_1b_2gpu", "train_1b_2gpu_ep2"):
     if one and rates.get(name):
         print(f"{name}: {100 * rates[name] / one:.1f}% of the 1-GPU tokens/s per GPU (target >= 90%)")
 PY
+}
+sonic_peers() {  # SonicMoE 0.1.2 from .peers/ (when present) with the QuACK kernel cache of an earlier call
+  if [[ -f .peers/install.sh ]]; then source .peers/install.sh /tmp/peers >/dev/null; fi
+  export QUACK_COMPILE_WORKERS="${QUACK_COMPILE_WORKERS:-16}" QUACK_CACHE_DIR="${QUACK_CACHE_DIR:-/tmp/quack_cache}"
+  mkdir -p "$QUACK_CACHE_DIR"
+  if [[ -f .peers/quack_cache.tgz ]]; then tar -xzf .peers/quack_cache.tgz -C "$QUACK_CACHE_DIR"; fi
 }
 gpu_tests_parallel() {  # the gpu tests dealt round-robin to $TESTS_JOBS pytest processes on the one GPU
   # Most of a gpu test's time is Triton compiling on the CPU (16 cores), so processes side by side finish the
@@ -117,11 +127,14 @@ for stage in "$@"; do
       ;;
     multigpu_train) multigpu_train ;;
     tr)  # SonicMoE's moe_general_routing_inputs row needs .peers/ (and its QuACK cache, as the bench stage)
-      if [[ -f .peers/install.sh ]]; then source .peers/install.sh /tmp/peers >/dev/null; fi
-      export QUACK_CACHE_DIR="${QUACK_CACHE_DIR:-/tmp/quack_cache}" QUACK_CACHE_AUTOTUNING=1
-      mkdir -p "$QUACK_CACHE_DIR"
-      if [[ -f .peers/quack_cache.tgz ]]; then tar -xzf .peers/quack_cache.tgz -C "$QUACK_CACHE_DIR"; fi
+      sonic_peers
       run bench_tr timeout "${TR_TIMEOUT:-580}" python3 benchmarks/bench_token_rounding.py speed --out "$OUT/token_rounding.csv" ;;
+    rounding) run bench_rounding python3 benchmarks/bench_token_rounding.py rounding --out "$OUT/rounding.csv" ;;
+    hf)
+      sonic_peers
+      # shellcheck disable=SC2086
+      run bench_hf timeout "${HF_TIMEOUT:-580}" python3 benchmarks/bench_hf.py ${HF_ARGS:---steps 150 --warmup 10} \
+        --out "$OUT/hf_train.csv" ;;
     trq) run tr_quality timeout "${TRAIN_TIMEOUT:-580}" python3 benchmarks/bench_token_rounding.py quality \
           --out-dir "$OUT/tr_quality" ;;
     *) echo "unknown stage $stage"; status=2 ;;

@@ -91,6 +91,25 @@ def test_interpreter_and_launch_hooks_take_triton_s_launch(fake_gpu, monkeypatch
     assert len(fn.compiled) == 3 and fn.launched == [] and direct.direct_signatures() == 0
 
 
+def test_integers_of_one_type_share_a_signature(fake_gpu):
+    fn, x = _FakeJit(), torch.zeros(64)
+    for n in (2**31 + 16, 2**33 + 32, 2**40):  # all i64, divisible by 16: one signature
+        direct.launch(fn, (1,), x_ptr=x, n=n, scale=1.0, BLOCK=16)
+    assert len(fn.compiled) == 1 and len(fn.launched) == 2 and direct.direct_signatures() == 1
+
+
+def test_debug_mode_and_pre_run_hooks_take_triton_s_launch(fake_gpu, monkeypatch):
+    fn, x = _FakeJit(), torch.zeros(64)
+    monkeypatch.setattr(direct.triton.knobs.runtime, "debug", True)
+    for _ in range(2):
+        direct.launch(fn, (1,), x_ptr=x, n=64, scale=1.0, BLOCK=16)
+    monkeypatch.setattr(direct.triton.knobs.runtime, "debug", False)
+    fn.pre_run_hooks = [lambda *a, **k: None]
+    for _ in range(2):
+        direct.launch(fn, (1,), x_ptr=x, n=64, scale=1.0, BLOCK=16)
+    assert len(fn.compiled) == 4 and fn.launched == []
+
+
 def test_a_hook_chain_with_hooks_takes_triton_s_launch(fake_gpu, monkeypatch):
     chain = getattr(direct.triton.knobs, "HookChain", None)
     if chain is None:
@@ -112,7 +131,7 @@ def test_a_launcher_of_another_convention_falls_back_to_triton(fake_gpu):
         raise TypeError("function takes 12 arguments")
 
     direct.launch(fn, (1,), x_ptr=x, n=64, scale=1.0, BLOCK=16)
-    plan = direct._PLANS[id(fn)]
+    plan = direct._PLANS[fn]
     (sig,) = plan.kernels
     plan.kernels[sig] = (bad_run, 0, "meta")
     for _ in range(2):

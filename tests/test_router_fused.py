@@ -54,9 +54,10 @@ def test_fused_router_matches_reference(T, E, K, renorm, scale):
 
 @pytest.mark.parametrize("renorm", [False, True])
 @pytest.mark.parametrize("losses", [(0.3, 0.07), (0.0, 0.07), (0.3, 0.0)])
-def test_fused_router_gradients_match_reference(renorm, losses):
-    torch.manual_seed(int(renorm) + int(10 * losses[0]))
-    T, d, E, K = 45, 16, 10, 3
+@pytest.mark.parametrize("T,E,K", [(45, 10, 3), (70, 200, 5)])  # the second: 4 blocks of 16 tokens, E > 128
+def test_fused_router_gradients_match_reference(renorm, losses, T, E, K):
+    torch.manual_seed(int(renorm) + int(10 * losses[0]) + E)
+    d = 16
     router = Router(d, E, K, renormalize=renorm, aux_loss_coef=losses[0], z_loss_coef=losses[1],
                     routed_scaling_factor=1.5)
     x = torch.randn(T, d)
@@ -93,6 +94,32 @@ def test_only_the_weights_gradient_and_eval_mode():
     assert out.aux_loss.item() == 0.0 and out.z_loss.item() == 0.0 and not out.aux_loss.requires_grad
 
 
+def test_backward_of_probabilities_alone_and_of_a_vanishing_renormalisation_sum():
+    """The backward kernel's formula on given probabilities: only the scores get a gradient (token rounding's
+    padded pairs), or only the weights, with rows whose chosen probabilities sum below the 1e-20 clamp of the
+    renormalisation (its denominator is then the clamp, with no gradient through it). A softmax never gets
+    there (its top-K sum to >= K/E); the kernel takes probabilities as they come."""
+    from moeblaze.kernels.router import router_topk_backward
+
+    torch.manual_seed(6)
+    T, E, K = 24, 9, 2
+    probs = torch.rand(T, E) + 0.05
+    probs[:4] *= 1e-25  # rows 0-3: the chosen pair sums to ~1e-25
+    ids = probs.topk(K, -1).indices.int()
+    dw, dp = torch.randn(T, K), torch.randn(T, E)
+    zeros = torch.zeros(E), torch.zeros(T)
+    for use_w, use_p in ((False, True), (True, False)):
+        p64 = probs.double().requires_grad_()
+        sel = p64.gather(1, ids.long())
+        w64 = sel / sel.sum(-1, keepdim=True).clamp_min(1e-20)
+        (g,) = torch.autograd.grad((w64 * dw.double()).sum() * use_w + (p64 * dp.double()).sum() * use_p, p64)
+        want = p64.detach() * (g - (g * p64.detach()).sum(-1, keepdim=True))  # the softmax backward
+        got = router_topk_backward(probs, ids, dw if use_w else None, dp if use_p else None, *zeros, None, None,
+                                   True, 1.0, 0.0, 0.0)
+        row_err = (got.double() - want).norm(dim=1) / want.norm(dim=1)  # per row: rows 0-3 are ~1e-5 in size
+        assert bool((row_err < 1e-5).all()), row_err
+
+
 def test_ties_and_nan_logits_give_distinct_ids_in_range():
     logits = torch.zeros(6, 9)
     logits[1] = float("nan")
@@ -115,14 +142,19 @@ def test_empty_batch_and_bad_input():
         router_topk(torch.zeros(4, 5), 6)
     with pytest.raises(ValueError, match="E <="):
         router_topk(torch.zeros(1, MAX_EXPERTS + 1), 2)
+    with pytest.raises(ValueError, match="top_k <= 16"):
+        router_topk(torch.zeros(3, 40), 17)
 
 
-def test_routers_the_kernels_do_not_serve_take_the_pytorch_path():
-    for kw in (dict(score_func="sigmoid"), dict(n_group=2, topk_group=1), dict(score_correction_bias=True)):
-        router = Router(8, 8, 2, **kw)
-        x = torch.randn(5, 8)
+def test_routers_the_kernels_do_not_serve_take_the_pytorch_path(monkeypatch):
+    calls = []
+    monkeypatch.setattr(moeblaze.routing._FusedTopK, "apply", lambda *a: calls.append(a))
+    for E, K, kw in ((8, 2, dict(score_func="sigmoid")), (8, 2, dict(n_group=2, topk_group=1)),
+                     (8, 2, dict(score_correction_bias=True)), (40, 17, {})):
+        router = Router(8, E, K, **kw)
         with settings.override(fused_router=True):
-            assert not router._fused(router(x).logits)
+            out = router(torch.randn(5, 8))
+        assert out.topk_ids.shape == (5, K) and calls == []
 
 
 def test_layer_with_token_rounding_uses_the_fused_scores():

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from . import settings
 from .amp import autocast_off, autocast_operands
+from .kernels import router as fused_router
 
 SCORE_FUNCS = ("softmax", "sigmoid")
 LOGITS_DTYPES = ("fp32", "input")
@@ -100,9 +101,8 @@ class _FusedTopK(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, top_k, renormalize, scale, aux_c, z_c):
-        from .kernels.router import router_topk
-
-        ids, weights, probs, lse, counts, aux, z = router_topk(logits, top_k, renormalize, scale, aux_c, z_c)
+        ids, weights, probs, lse, counts, aux, z = fused_router.router_topk(logits, top_k, renormalize, scale, aux_c,
+                                                                            z_c)
         ctx.mark_non_differentiable(ids)
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(probs, ids, lse, counts)
@@ -111,12 +111,10 @@ class _FusedTopK(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, _dids, dweights, dprobs, daux, dz):
-        from .kernels.router import router_topk_backward
-
         if dweights is None and dprobs is None and daux is None and dz is None:
             return None, None, None, None, None, None
         probs, ids, lse, counts = ctx.saved_tensors
-        dlogits = router_topk_backward(probs, ids, dweights, dprobs, counts, lse, daux, dz, *ctx.options)
+        dlogits = fused_router.router_topk_backward(probs, ids, dweights, dprobs, counts, lse, daux, dz, *ctx.options)
         return dlogits, None, None, None, None, None
 
 
@@ -263,13 +261,15 @@ class Router(nn.Module):
 
     def _fused(self, logits: torch.Tensor) -> bool:
         """The Triton router (:class:`_FusedTopK`) serves this call: softmax scores, no groups or correction
-        bias, E <= ``MAX_EXPERTS`` (1024), and the ``fused_router`` setting on (``auto``: CUDA logits)."""
+        bias, within the kernels' limits (E, K and T*E: :mod:`moeblaze.kernels.router`), the logits on CUDA
+        (or the interpreter running), and the ``fused_router`` setting on (``auto``: CUDA logits)."""
         if self.score_func != "softmax" or self.n_group > 1 or self.e_score_correction_bias is not None:
             return False
+        if (self.num_experts > fused_router.MAX_EXPERTS or self.top_k > fused_router.MAX_TOP_K
+                or logits.numel() >= fused_router.MAX_ELEMENTS):
+            return False
         mode = settings.get("fused_router")
-        from .kernels.router import MAX_EXPERTS
-
-        return (logits.is_cuda if mode is None else mode) and self.num_experts <= MAX_EXPERTS
+        return logits.is_cuda if mode is None else (mode and (logits.is_cuda or settings.interpreting()))
 
     def reset_parameters(self) -> None:
         """``U(-1/sqrt(d), 1/sqrt(d))``, as ``nn.Linear``."""
@@ -320,8 +320,8 @@ class Router(nn.Module):
         T, K, E = logits.shape[0], self.top_k, self.num_experts
         aux_c = self.aux_loss_coef * E / (max(T * K, 1) * max(T, 1)) if self.aux_loss_coef and losses_on else 0.0
         z_c = self.z_loss_coef / max(T, 1) if self.z_loss_coef and losses_on else 0.0
-        ids, weights, scores, aux, z = _FusedTopK.apply(logits, K, self.renormalize, self.routed_scaling_factor,
-                                                        aux_c, z_c)
+        ids, weights, scores, aux, z = _FusedTopK.apply(logits, K, bool(self.renormalize),
+                                                        self.routed_scaling_factor, aux_c, z_c)
         if not aux_c or not z_c:
             zero = logits.new_zeros(())
             aux, z = (aux if aux_c else zero), (z if z_c else zero)

@@ -24,6 +24,8 @@ from triton.runtime import driver
 
 from .. import settings
 
+_I32, _U64 = 2**31, 2**63  # Triton's integer argument types: i32 below the first, i64 below the second, else u64
+
 
 def _getter(positions: list[int]):
     """``values -> tuple(values[i] for i in positions)`` at C speed."""
@@ -36,6 +38,7 @@ class _Plan:
     """Argument names of one jitted kernel, in order, and its compiled kernels by launch signature."""
 
     def __init__(self, fn) -> None:
+        self.fn = fn  # held: the table is keyed by the function, whose id a freed function could hand on
         self.names = list(fn.arg_names)
         self.name_set = frozenset(self.names)
         self.defaults = {p.name: p.default for p in fn.params if p.has_default}
@@ -61,14 +64,13 @@ class _Plan:
         return self.layouts[types]
 
 
-_PLANS: dict[int, _Plan] = {}
+_PLANS: dict[object, _Plan] = {}  # jitted function -> its plan
 
 
 def _signature(plan: _Plan, values: list, kwargs: dict, device: int) -> tuple:
     """The signature of a launch: what Triton specialises on — launch options, argument types, constexpr
-    values, tensor dtypes and 16-byte alignment, integers' ``== 1``, divisibility by 16 and range (the
-    range through ``v >> 31``: finer than Triton's i32 / i64 / u64, which costs a lookup, never a wrong
-    kernel). ``()`` where no direct launch applies."""
+    values, tensor dtypes and 16-byte alignment, integers' ``== 1``, divisibility by 16 and type (i32, i64,
+    u64 by range). ``()`` where no direct launch applies."""
     types = tuple(map(type, values))
     layout = plan.layout(types)
     if layout is None:
@@ -76,27 +78,33 @@ def _signature(plan: _Plan, values: list, kwargs: dict, device: int) -> tuple:
     consts, tensors, ints = layout
     opts = frozenset((k, kwargs[k]) for k in kwargs.keys() - plan.name_set)
     return (device, opts, types, consts(values), tuple((t.dtype, t.data_ptr() % 16 == 0) for t in tensors(values)),
-            tuple((v == 1, v % 16 == 0, v >> 31) for v in ints(values)))
+            tuple((v == 1, v % 16 == 0, -_I32 <= v < _I32, v < _U64) for v in ints(values)))
 
 
 def _triton_launch_only() -> bool:
-    """Launch through ``kernel[grid]`` always: the CPU interpreter, or a Triton launch hook installed (a hook,
-    or in newer Tritons a non-empty ``HookChain``)."""
-    hooks = (triton.knobs.runtime.launch_enter_hook, triton.knobs.runtime.launch_exit_hook)
-    return settings.interpreting() or any(h is not None and bool(getattr(h, "calls", True)) for h in hooks)
+    """Launch through ``kernel[grid]`` always: the CPU interpreter, a Triton without ``triton.knobs`` (before
+    3.4), Triton's debug mode, or a launch hook installed (a hook, or in newer Tritons a non-empty
+    ``HookChain``), whose calls the direct path would skip."""
+    if settings.interpreting():
+        return True
+    knobs = getattr(triton, "knobs", None)
+    if knobs is None or getattr(knobs.runtime, "debug", False):
+        return True
+    hooks = (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook)
+    return any(h is not None and bool(getattr(h, "calls", True)) for h in hooks)
 
 
 def launch(fn, grid, **kwargs) -> None:
-    """Launch the ``@triton.jit`` kernel ``fn`` on ``grid`` (a tuple, or a function of the argument dict as
-    Triton's) with keyword arguments: the kernel's arguments plus launch options (``num_warps``,
-    ``num_stages``, ...), which must be the same for every launch of a signature (they are in all of
-    moeblaze's launchers: fixed per call site, or per tuned configuration, whose values are constexprs)."""
-    if _triton_launch_only():
+    """Launch the ``@triton.jit`` kernel ``fn`` on ``grid`` with keyword arguments: the kernel's arguments
+    (every one given: a grid function reads them from the keyword dict, as Triton's reads its bound
+    arguments) plus launch options (``num_warps``, ``num_stages``, ...), which are part of the signature.
+    A kernel with ``pre_run_hooks`` always takes Triton's launch, which runs them."""
+    if _triton_launch_only() or getattr(fn, "pre_run_hooks", None):
         fn[grid](**kwargs)
         return
-    plan = _PLANS.get(id(fn))
+    plan = _PLANS.get(fn)
     if plan is None:
-        plan = _PLANS[id(fn)] = _Plan(fn)
+        plan = _PLANS[fn] = _Plan(fn)
     try:
         values = [kwargs[n] for n in plan.names]
     except KeyError:  # an argument left to its default

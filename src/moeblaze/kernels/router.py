@@ -8,7 +8,7 @@ tokens per GPU, host time the GPU waits for. Here, from the fp32 logits ``[T, E]
 
 * :func:`router_topk_kernel` (one program per ``BLOCK_T`` tokens): softmax probabilities, their
   logsumexp, the top-K ids (largest probability first, lowest id on ties, NaN never chosen over a
-  number) and weights (renormalised to sum 1 and scaled when asked), and per-block partial sums for the
+  number, where ``torch.topk`` ranks NaN first; a NaN logit makes its whole row NaN either way) and weights (renormalised to sum 1 and scaled when asked), and per-block partial sums for the
   losses: pairs per expert, summed probabilities per expert, summed squared logsumexp;
 * :func:`router_loss_kernel` (one program, fixed summation order, so the losses are bitwise
   reproducible): the totals, ``aux = c_aux * <counts, sum_t probs_t>`` (Switch eq. 4 with
@@ -18,7 +18,8 @@ tokens per GPU, host time the GPU waits for. Here, from the fp32 logits ``[T, E]
   Jacobian, ``daux * c_aux * counts_e`` on every probability, then the softmax backward
   ``p * (g - <g, p>)`` plus ``dz * 2 c_z lse_t * p``.
 
-Up to ``MAX_EXPERTS`` experts (a token's E probabilities stay in registers).
+Up to ``MAX_EXPERTS`` experts (a token's E probabilities stay in registers), ``MAX_TOP_K`` and fewer than
+``MAX_ELEMENTS`` logits; :class:`moeblaze.routing.Router` takes its PyTorch path beyond.
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ from .custom_ops import call_op
 from .direct import launch
 
 MAX_EXPERTS = 1024
+MAX_TOP_K = 16  # the top-K loop is unrolled: compile time grows with K (the dispatch index takes K <= 16 too)
+MAX_ELEMENTS = 2**31  # T * E: the kernels' offsets are int32
 # a NaN probability ranks below every number but above a chosen one (-inf)
 _NEG_MAX = tl.constexpr(-3.4028234663852886e38)
 
@@ -220,15 +223,19 @@ def router_topk(logits: torch.Tensor, top_k: int, renormalize: bool = False, sca
     ``z = z_c * sum_t lse_t^2`` (the module docstring gives the coefficients of the usual losses).
 
     Raises:
-        ValueError: ``logits`` not a 2-D fp32 tensor with unit column stride, E above ``MAX_EXPERTS``, or
-            ``top_k`` outside ``[1, E]``.
+        ValueError: ``logits`` not a 2-D fp32 tensor with unit column stride and fewer than ``MAX_ELEMENTS``
+            elements, E above ``MAX_EXPERTS``, or ``top_k`` outside ``[1, min(E, MAX_TOP_K)]``.
     """
     if logits.dim() != 2 or logits.dtype != torch.float32 or (logits.numel() and logits.stride(1) != 1):
         raise ValueError(f"router_topk: logits must be [T, E] fp32 with unit column stride, got "
                          f"{tuple(logits.shape)} {logits.dtype}")
     E = logits.shape[1]
-    if not 1 <= E <= MAX_EXPERTS or not 1 <= top_k <= E:
-        raise ValueError(f"router_topk: need 1 <= top_k <= E <= {MAX_EXPERTS}, got top_k={top_k}, E={E}")
+    if not 1 <= E <= MAX_EXPERTS or not 1 <= top_k <= min(E, MAX_TOP_K):
+        raise ValueError(f"router_topk: need 1 <= top_k <= E <= {MAX_EXPERTS} and top_k <= {MAX_TOP_K}, got "
+                         f"top_k={top_k}, E={E}")
+    if logits.numel() >= MAX_ELEMENTS:
+        raise ValueError(f"router_topk: logits must have fewer than {MAX_ELEMENTS} elements (int32 offsets), "
+                         f"got {tuple(logits.shape)}")
     return call_op(_router_topk_op, _router_topk_impl, logits, top_k, renormalize, scale, aux_c, z_c)
 
 
