@@ -298,14 +298,14 @@ def main() -> None:
                             cfg = replace(cfg, d=ARGS.cpu_dims, h=ARGS.cpu_dims)
                         direct._triton_launch_only = TRITON_LAUNCH_ONLY if launch == "direct" else lambda: True
                         got = measure(impl, cfg, layers, device, dtype)
-                        if launch != "direct":
-                            for r in got:
-                                r["mode"] = f"{r['mode']}-triton-launch"
-                                if r["mode"] == "eager-triton-launch":
-                                    r["note"] = "every Triton kernel launched through kernel[grid]"
                     except Exception as exc:  # OOM or an implementation failing on a shape: keep going
                         got = [{"shape": cfg0.name, "T": T, "layers": layers, "impl": impl, "mode": "eager",
                                 "status": "error", "note": f"{type(exc).__name__}: {exc}"[:160]}]
+                    if launch != "direct":
+                        for r in got:
+                            r["mode"] = f"{r['mode']}-triton-launch"
+                            if r["mode"] == "eager-triton-launch" and r["status"] == "ok":
+                                r["note"] = "every Triton kernel launched through kernel[grid]"
                     for r in got:
                         r.update(env)
                         print(" ".join(f"{k}={r[k]:.4g}" if isinstance(r.get(k), float) else f"{k}={r.get(k)}"
