@@ -146,7 +146,10 @@ def _bad(**kw):
 @pytest.mark.parametrize("kw,err,match", [
     (dict(token_idx=torch.tensor([0, 2, 1, 4], dtype=torch.int32)), ValueError, "token_idx must be ascending"),
     (dict(token_idx=torch.tensor([0, 1, 1, 6], dtype=torch.int32)), ValueError, r"token_idx holds tokens in \[0, 6\]"),
-    (dict(expert_idx=torch.tensor([0, 3, 1, 0], dtype=torch.int32)), ValueError, r"expert_idx holds expert ids"),
+    (dict(expert_idx=torch.tensor([0, 3, 1, 0], dtype=torch.int32)), ValueError,
+     r"expert_idx holds expert ids from 0 to 3; expected ids in \[0, 3\) \(id 3 marks .* foreign_experts=True\)"),
+    (dict(expert_idx=torch.tensor([0, -1, 1, 0], dtype=torch.int32)), ValueError,
+     r"expert_idx holds expert ids from -1 to 1; expected ids in \[0, 3\)$"),
     (dict(expert_idx=torch.tensor([0, 1, 0], dtype=torch.int32)), ValueError, r"expert_idx must have shape \[P=4\]"),
     (dict(pair_weights=torch.rand(5)), ValueError, r"pair_weights must have shape \[P=4\]"),
     (dict(pair_weights=torch.ones(4, dtype=torch.int64)), TypeError, "pair_weights must be a float tensor"),

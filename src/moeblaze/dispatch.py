@@ -285,7 +285,9 @@ def check_pairs(token_idx: torch.Tensor, expert_idx: torch.Tensor, num_tokens: i
         raise ValueError("token_idx must be ascending (sorted by token, so each token's pairs are contiguous)")
     e_lo, e_hi = (int(v) for v in torch.aminmax(expert_idx))
     if e_lo < 0 or (e_hi >= num_experts and not foreign_experts):
-        raise ValueError(f"expert_idx holds expert ids in [{e_lo}, {e_hi}]; expected ids in [0, {num_experts})")
+        raise ValueError(f"expert_idx holds expert ids from {e_lo} to {e_hi}; expected ids in [0, {num_experts})"
+                         + (f" (id {num_experts} marks a pair of no local expert, as round_tokens' dropped pairs: pass "
+                            "foreign_experts=True)" if e_lo >= 0 else ""))
 
 
 def build_dispatch_pairs(token_idx: torch.Tensor, expert_idx: torch.Tensor, num_tokens: int, num_experts: int,
