@@ -9,9 +9,12 @@ the constexpr arguments and, for the others, exactly what Triton specialises on 
 alignment of tensors; type, ``== 1`` and divisibility by 16 of integers) — keeps the compiled kernel Triton
 returned, and later launches of the same signature call its launcher directly with the arguments in order.
 
-The first launch of a signature (and every launch under the CPU interpreter, or while a Triton launch hook
-is installed, e.g. by a profiler) goes through ``kernel[grid]`` unchanged, so compilation, the compile cache
-and CUDA-graph capture behave as with Triton's own launch.
+The first launch of a signature goes through ``kernel[grid]`` unchanged, so compilation, the compile cache
+and CUDA-graph capture behave as with Triton's own launch; so does every launch under the CPU interpreter, in
+Triton's debug mode, while a launch hook is installed (e.g. by a profiler) or for a kernel with pre-run hooks
+(:func:`launch`). Measured on an H100 (2026-11-25, ``benchmarks/bench_host.py --launch direct,triton``, rows
+in ``docs/results-stack.csv``): 0.4-1.0 ms less host time per layer step in most runs, inside the run-to-run
+noise in others.
 """
 
 from __future__ import annotations
