@@ -13,8 +13,8 @@ The first launch of a signature goes through ``kernel[grid]`` unchanged, so comp
 and CUDA-graph capture behave as with Triton's own launch; so does every launch under the CPU interpreter, in
 Triton's debug mode, while a launch hook is installed (e.g. by a profiler) or for a kernel with pre-run hooks
 (:func:`launch`). Measured on an H100 (2026-11-25, ``benchmarks/bench_host.py --launch direct,triton``, rows
-in ``docs/results-stack.csv``): 0.4-1.0 ms less host time per layer step in most runs, inside the run-to-run
-noise in others.
+in ``docs/results-stack.csv``): 0.3-1.0 ms less host time per layer step in 9 of 14 same-call A/B pairs; the
+other 5 inside the run-to-run noise (about a quarter) or reversed.
 """
 
 from __future__ import annotations
