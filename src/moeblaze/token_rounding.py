@@ -188,10 +188,11 @@ def _dropped_pairs(pair_e: torch.Tensor, pair_w: torch.Tensor, counts: torch.Ten
     """
     P = pair_e.numel()
     by_w = torch.sort(pair_w, stable=True).indices
-    order = by_w[torch.sort(pair_e[by_w], stable=True).indices]  # by expert, then weight, then pair
+    experts, by_e = torch.sort(pair_e[by_w], stable=True)
+    order = by_w[by_e]  # by expert, then weight, then pair; `experts` is pair_e[order]
     start = torch.cumsum(counts, 0) - counts  # the expert's first position in `order`
     rank = torch.empty_like(order)
-    rank[order] = torch.arange(P, device=pair_e.device) - start[pair_e[order]]
+    rank[order] = torch.arange(P, device=pair_e.device) - start[experts]
     return rank < drop[pair_e]
 
 
