@@ -118,6 +118,17 @@ class _FusedTopK(torch.autograd.Function):
         return dlogits, None, None, None, None, None
 
 
+def _aux_coefficient(scale: float, num_experts: int, num_pairs: int, num_tokens: int) -> float:
+    """The factor of ``<counts, sum_t probs_t>`` in the load-balancing loss: ``scale * E / (T*K * T)`` (an
+    empty batch counts as 1 in the denominators). Shared by the PyTorch and the fused router."""
+    return scale * num_experts / (max(num_pairs, 1) * max(num_tokens, 1))
+
+
+def _z_coefficient(scale: float, num_tokens: int) -> float:
+    """The factor of ``sum_t lse_t^2`` in the z-loss: ``scale / T``. Shared by the PyTorch and the fused router."""
+    return scale / max(num_tokens, 1)
+
+
 def load_balancing_loss(probs: torch.Tensor, topk_ids: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
     """Switch load-balancing loss ``scale * E * sum_e f_e * P_e`` (1.0 at perfect balance, scale 1).
 
@@ -133,14 +144,14 @@ def load_balancing_loss(probs: torch.Tensor, topk_ids: torch.Tensor, scale: floa
     counts = torch.zeros(E, dtype=probs.dtype, device=probs.device)
     counts.index_add_(0, topk_ids.reshape(-1).long(),
                       torch.ones(topk_ids.numel(), dtype=probs.dtype, device=probs.device))
-    return (scale * E / (max(topk_ids.numel(), 1) * max(T, 1))) * torch.dot(counts, probs.sum(0))
+    return _aux_coefficient(scale, E, topk_ids.numel(), T) * torch.dot(counts, probs.sum(0))
 
 
 def router_z_loss(logits: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
     """ST-MoE z-loss ``scale * mean_t logsumexp(logits_t)^2`` on ``[T, E]`` fp32 logits (``scale``: the
     router's ``z_loss_coef``, folded into the one scalar product)."""
     lse = torch.logsumexp(logits, dim=-1)
-    return (scale / max(lse.numel(), 1)) * torch.dot(lse, lse)
+    return _z_coefficient(scale, lse.numel()) * torch.dot(lse, lse)
 
 
 @dataclass
@@ -318,8 +329,8 @@ class Router(nn.Module):
         """:meth:`forward` through :class:`_FusedTopK`: the same outputs (losses with the coefficients of
         :func:`load_balancing_loss` and :func:`router_z_loss`), exact zeros for losses that are off."""
         T, K, E = logits.shape[0], self.top_k, self.num_experts
-        aux_c = self.aux_loss_coef * E / (max(T * K, 1) * max(T, 1)) if self.aux_loss_coef and losses_on else 0.0
-        z_c = self.z_loss_coef / max(T, 1) if self.z_loss_coef and losses_on else 0.0
+        aux_c = _aux_coefficient(self.aux_loss_coef, E, T * K, T) if self.aux_loss_coef and losses_on else 0.0
+        z_c = _z_coefficient(self.z_loss_coef, T) if self.z_loss_coef and losses_on else 0.0
         ids, weights, scores, aux, z = _FusedTopK.apply(logits, K, bool(self.renormalize),
                                                         self.routed_scaling_factor, aux_c, z_c)
         if not aux_c or not z_c:
