@@ -248,14 +248,15 @@ def _router_topk_bwd_impl(probs: torch.Tensor, ids: torch.Tensor, dw: torch.Tens
     dlogits = torch.empty_like(probs)
     if T == 0:
         return dlogits
+    bt = _block_t(E)
     dummy = probs  # pointer of an absent input (its HAS_* flag is off)
-    launch(router_topk_bwd_kernel, (triton.cdiv(T, _block_t(E)),), probs_ptr=probs, ids_ptr=ids,
+    launch(router_topk_bwd_kernel, (triton.cdiv(T, bt),), probs_ptr=probs, ids_ptr=ids,
            dw_ptr=dw.float().contiguous() if dw is not None else dummy,
            dprobs_ptr=dprobs.float().contiguous() if dprobs is not None else dummy, counts_ptr=counts, lse_ptr=lse,
            daux_ptr=daux.float() if daux is not None else dummy, dz_ptr=dz.float() if dz is not None else dummy,
            dlogits_ptr=dlogits, T=T, E=E, scale=float(scale), aux_c=float(aux_c), z_c=float(z_c), K=K,
            KP=triton.next_power_of_2(K), RENORM=renormalize, HAS_DW=dw is not None, HAS_DPROBS=dprobs is not None,
-           HAS_DAUX=daux is not None, HAS_DZ=dz is not None, BLOCK_T=_block_t(E),
+           HAS_DAUX=daux is not None, HAS_DZ=dz is not None, BLOCK_T=bt,
            BLOCK_E=triton.next_power_of_2(E), num_warps=4)
     return dlogits
 
