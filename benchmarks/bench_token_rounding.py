@@ -208,12 +208,12 @@ def run_speed(args) -> int:
 
 def run_rounding(args) -> int:
     """Time :func:`moeblaze.round_tokens` alone (``nr``, tile 128) on softmax top-k routings of the issue's
-    shapes: median wall ms of 5 calls, and on the GPU its kernel time (:func:`kernel_ms`). On the CPU one
-    intra-op thread (a proxy of the work, not of GPU time)."""
+    shapes: wall ms by :func:`timer` (as the layer variants), and on the GPU its kernel time (:func:`kernel_ms`).
+    On the CPU one intra-op thread (a proxy of the work, not of GPU time)."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cpu":
         torch.set_num_threads(1)
-    rows = []
+    bench, rows = timer(device), []
     for T, _d, _h, E, K in SHAPES:
         gen = torch.Generator(device=device).manual_seed(0)
         scores = torch.softmax(torch.randn(T, E, device=device, generator=gen), -1)
@@ -223,20 +223,10 @@ def run_rounding(args) -> int:
         def step(scores=scores, ids=ids, w=w):
             round_tokens(scores, ids, w, 128, "nr")
 
-        step()
-        times = []
-        for _ in range(5):
-            if device == "cuda":
-                torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            step()
-            if device == "cuda":
-                torch.cuda.synchronize()
-            times.append(1e3 * (time.perf_counter() - t0))
-        gpu = kernel_ms(step)
+        ms, gpu = bench(step), kernel_ms(step)
         rows.append({"date": datetime.date.today().isoformat(),
                      "device": torch.cuda.get_device_name() if device == "cuda" else "cpu, 1 thread",
-                     "T": T, "E": E, "K": K, "tile": 128, "ms": round(statistics.median(times), 3),
+                     "T": T, "E": E, "K": K, "tile": 128, "ms": round(ms, 3),
                      "gpu_ms": "" if gpu is None else round(gpu, 4)})
         gtxt = "" if gpu is None else f", GPU {gpu:.4f} ms"
         print(f"round_tokens nr T={T} E={E} K={K}: {rows[-1]['ms']} ms{gtxt}", flush=True)
