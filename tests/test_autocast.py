@@ -284,6 +284,20 @@ def test_torch_compile_fullgraph_under_autocast():
     check_compiled_under_autocast(torch.float16)
 
 
+@interpreted
+def test_fused_router_under_autocast_checkpointing_and_compile(monkeypatch):
+    """The Triton router (the default on CUDA; forced here, in the interpreter) under autocast with fp32
+    weights: activation checkpointing bitwise equals the plain step, torch.compile(fullgraph) the eager step."""
+    calls = []
+    apply = moeblaze.routing._FusedTopK.apply
+    monkeypatch.setattr(moeblaze.routing._FusedTopK, "apply", lambda *a: calls.append(1) or apply(*a))
+    with moeblaze.settings.override(fused_router=True):
+        for save in SAVE_MODES:
+            test_activation_checkpointing_under_autocast_equals_the_plain_step("triton", torch.float16, save)
+        check_compiled_under_autocast(torch.float16)
+    assert calls  # the fused path ran
+
+
 # ------------------------------------------------------------------------------------------ GPU (bf16, TF32)
 
 gpu = pytest.mark.gpu
