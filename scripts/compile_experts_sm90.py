@@ -39,6 +39,7 @@ from moeblaze.kernels.grouped_gemm import (
     EPILOGUE_PLAIN,
     grouped_gemm_kernel,
 )
+from moeblaze.kernels.rounding import rounding_keys_kernel, rounding_select_kernel
 from moeblaze.kernels.router import _block_t, router_loss_kernel, router_topk_bwd_kernel, router_topk_kernel
 from moeblaze.kernels.tuning import act_bwd_configs, gather_sum_configs, gemm_configs, prune_gemm_configs, wgrad_configs
 from moeblaze.kernels.wgrad import grouped_wgrad_kernel
@@ -154,6 +155,7 @@ def main() -> None:
                         cfg.num_warps, cfg.num_stages,
                         f"combine limit={limited} csr={csr} {cfg.kwargs} w{cfg.num_warps}")
     compile_router()
+    compile_rounding()
     seg_ptrs = dict(src_ptr=T, scale_ptr="*fp32", offsets_ptr="*i32", indices_ptr="*i32", out_ptr=T)
     for gather in (False, True):
         cfg = triton.Config({"BLOCK_S": 32, "BLOCK_D": 128}, num_warps=4, num_stages=1)
@@ -179,6 +181,19 @@ def compile_router() -> None:
         compile_one(router_loss_kernel, dict(part_ptr=f32, counts_ptr=f32, aux_ptr=f32, z_ptr=f32, aux_c="fp32",
                                              z_c="fp32"), dict(BLOCK_B=32, BLOCK_E=min(128, be)), 4, 1,
                     f"router losses E={E}")
+
+
+def compile_rounding() -> None:
+    """Token rounding's two selection kernels (moeblaze.kernels.rounding) at the issue's shapes."""
+    for E, K, dt in ((128, 2, "*bf16"), (512, 10, "*fp32")):
+        be = triton.next_power_of_2(E)
+        compile_one(rounding_keys_kernel, dict(scores_ptr=dt, ids_ptr="*i32", weights_ptr=dt, counts_ptr="*i32",
+                                               target_ptr="*i32", keys_ptr="*i32"),
+                    dict(K=K, BLOCK_T=max(1, min(64, 8192 // be)), BLOCK_E=be), 4, 1, f"rounding keys E={E} K={K}")
+    for row, K in ((16384, 2), (65536, 10)):
+        compile_one(rounding_select_kernel, dict(keys_ptr="*i32", counts_ptr="*i32", target_ptr="*i32",
+                                                 ids_ptr="*i32", kept_ptr="*i32", pad_tok_ptr="*i32"),
+                    dict(K=K, BLOCK_T=row), max(4, min(32, row // 2048)), 1, f"rounding select T<={row} K={K}")
 
 
 if __name__ == "__main__":

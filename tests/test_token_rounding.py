@@ -5,8 +5,15 @@ import pytest
 import torch
 
 import moeblaze
-from moeblaze import MoE, moe_experts_general, round_tokens, tile_multiple
+from moeblaze import MoE, moe_experts_general, round_tokens, settings, tile_multiple
 from moeblaze.token_rounding import ROUNDING_MODES, round_counts
+
+
+@pytest.fixture(params=["torch", "kernels"])
+def selection(request):
+    """Token rounding's selections as PyTorch ops, or as the Triton kernels (in the interpreter)."""
+    with settings.override(fused_rounding=request.param == "kernels"):
+        yield request.param
 
 
 def routing(T, E, K, seed, renormalize=True):
@@ -42,7 +49,7 @@ def sonicmoe_reference(scores, ids, w, tile, ties):
 
 @pytest.mark.parametrize("mode", ROUNDING_MODES)
 @pytest.mark.parametrize("T,E,K,tile", [(50, 8, 2, 8), (300, 16, 4, 16), (40, 4, 2, 64), (64, 6, 3, 1)])
-def test_counts_are_tile_multiples_within_one_tile(mode, T, E, K, tile):
+def test_counts_are_tile_multiples_within_one_tile(mode, T, E, K, tile, selection):
     for seed in range(3):
         scores, ids, w = routing(T, E, K, seed)
         gen = torch.Generator().manual_seed(seed)
@@ -63,7 +70,7 @@ def test_counts_are_tile_multiples_within_one_tile(mode, T, E, K, tile):
 
 @pytest.mark.parametrize("renormalize", [True, False])
 @pytest.mark.parametrize("seed", range(4))
-def test_nr_rounds_as_sonicmoe_reference(renormalize, seed):
+def test_nr_rounds_as_sonicmoe_reference(renormalize, seed, selection):
     T, E, K, tile = 96, 8, 2, 16
     scores, ids, w = routing(T, E, K, seed, renormalize)
     f = torch.bincount(ids.flatten().long(), minlength=E)
@@ -71,6 +78,52 @@ def test_nr_rounds_as_sonicmoe_reference(renormalize, seed):
     assert ours == pytest.approx(sonicmoe_reference(scores, ids, w, tile, "drop"))
     if not bool((2 * (f % tile) == tile).any()):  # without ties, SonicMoE's torch.round agrees
         assert ours == pytest.approx(sonicmoe_reference(scores, ids, w, tile, "half_even"))
+
+
+def _fields(r):
+    return r.token_idx, r.expert_idx, r.pair_weights, r.counts
+
+
+@pytest.mark.parametrize("mode", ROUNDING_MODES)
+@pytest.mark.parametrize("T,E,K,tile,dtype", [(90, 8, 2, 8, torch.float32), (70, 6, 3, 16, torch.float16),
+                                               (1, 4, 2, 8, torch.float32), (12, 3, 3, 4, torch.float32),
+                                               (0, 4, 2, 8, torch.float32)])
+def test_kernel_selections_equal_torch_bitwise(mode, T, E, K, tile, dtype):
+    """The Triton selections (interpreter) and the PyTorch ones give the same pairs, weights and order,
+    with ties in weights and scores (the lower token first) and counts capped by T (T = 12, K = E = 3)."""
+    gen = torch.Generator().manual_seed(T + E)
+    scores = (torch.randn(T, E, generator=gen) * 2).round().div(2).sigmoid().to(dtype)  # many equal scores
+    w, ids = scores.float().topk(K, -1)
+    w = (w * 4).round().div(4).to(dtype)  # many equal weights
+    got = {}
+    for on in (False, True):
+        with settings.override(fused_rounding=on):
+            got[on] = _fields(round_tokens(scores, ids.int(), w, tile, mode,
+                                           generator=torch.Generator().manual_seed(5), scale=1.5))
+    for a, b in zip(got[False], got[True]):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+
+
+def test_kernel_pads_ascending_and_filler_spread():
+    from moeblaze.kernels.rounding import rounding_select
+
+    T, E, K, J = 64, 4, 1, 7
+    scores = torch.rand(T, E, generator=torch.Generator().manual_seed(3))
+    ids = torch.zeros(T, K, dtype=torch.int32)
+    ids[:5] = 1  # expert 1: 5 tokens, pads 3 to 8; expert 0: 59, drops 3 to 56; experts 2, 3: nothing
+    counts = torch.tensor([59, 5, 0, 0], dtype=torch.int32)
+    target = torch.tensor([56, 8, 0, 0], dtype=torch.int32)
+    kept, pad_tok = rounding_select(scores, ids, scores.gather(1, ids.long()), counts, target, J)
+    outside = scores[5:, 1]  # expert 1's tokens outside its top-k: 5..63
+    best = (outside.topk(3).indices + 5).sort().values
+    assert torch.equal(pad_tok[:3, 1], best.int())
+    j = torch.arange(J)
+    assert torch.equal(pad_tok[3:, 1], ((j[3:] * E + 1) % T).int())
+    for e in (0, 2, 3):
+        assert torch.equal(pad_tok[:, e], ((j * E + e) % T).int())
+    dropped = (kept[:, 0] == E).nonzero().flatten()
+    w0 = scores[5:, 0]
+    assert torch.equal(dropped, (w0.topk(3, largest=False).indices + 5).sort().values)
 
 
 def test_round_counts_rules():
@@ -172,6 +225,22 @@ def test_gpu_token_rounding_layer_bf16_no_host_sync(mode):
         assert err < 2e-2
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T,E,K,mode", [(16384, 128, 2, "nr"), (16384, 512, 10, "nr"), (5000, 64, 4, "up"),
+                                         (40000, 32, 8, "down")])
+def test_gpu_kernel_selections_equal_torch_bitwise(T, E, K, mode, dtype):
+    gen = torch.Generator(device="cuda").manual_seed(T + E)
+    scores = torch.softmax(torch.randn(T, E, device="cuda", generator=gen), -1).to(dtype)
+    w, ids = scores.topk(K, -1)
+    got = {}
+    for on in (False, True):
+        with settings.override(fused_rounding=on):
+            got[on] = _fields(round_tokens(scores, ids.int(), w, 128, mode))
+    for a, b in zip(got[False], got[True]):
+        assert torch.equal(a, b)
+
+
 def test_train_routing_flag(tmp_path):
     from moeblaze.cli import main
     from moeblaze.model import ModelConfig, MoETransformer, token_rounding_mode
@@ -209,6 +278,7 @@ def test_benchmark_script_smoke(stage, tmp_path):
         with open(tmp_path / "rounding.csv", newline="") as f:
             rows = list(csv.DictReader(f))
         assert [int(r["E"]) for r in rows] == [128, 256, 512] and all(float(r["ms"]) > 0 for r in rows)
+        assert {r["path"] for r in rows} == {"torch"}
     elif stage == "speed":
         lines = (tmp_path / "speed.csv").read_text().splitlines()
         assert lines[0].startswith("date,device,T,d,h,E,K,tile") and len(lines) == 1 + 2 * 5
@@ -221,7 +291,7 @@ def test_benchmark_script_smoke(stage, tmp_path):
         assert "token rounding nr" in proc.stdout and (tmp_path / "token_rounding_quality.png").exists()
 
 
-def test_token_rounding_layer_compiles_fullgraph(monkeypatch):
+def test_token_rounding_layer_compiles_fullgraph(monkeypatch, selection):
     """``torch.compile(fullgraph=True)`` over the layer with rounding (the general-routing custom ops' fakes)."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     torch.manual_seed(0)

@@ -14,6 +14,7 @@ so a variable set after import still counts (a dictionary read, ~0.2 µs, on the
 | ``dispatch`` | ``MOEBLAZE_DISPATCH`` | ``auto``, ``torch`` | index build: Triton on CUDA, or PyTorch |
 | ``compile_rounding`` | ``MOEBLAZE_COMPILE_ROUNDING`` | ``auto``, on, off | token rounding compiled (auto: CUDA) |
 | ``fused_router`` | ``MOEBLAZE_FUSED_ROUTER`` | ``auto``, on, off | softmax top-k router in Triton (auto: CUDA) |
+| ``fused_rounding`` | ``MOEBLAZE_FUSED_ROUNDING`` | ``auto``, on, off | rounding's selections in Triton (auto: CUDA) |
 
 ``TRITON_INTERPRET`` is Triton's own variable (read by Triton when it compiles); :func:`interpreting` reports it.
 torchrun's ``RANK``, ``WORLD_SIZE`` and ``LOCAL_RANK``: :func:`launcher_env`.
@@ -68,6 +69,7 @@ SETTINGS: dict[str, tuple[str, Callable[[str, str], Any], Any]] = {
     "dispatch": ("MOEBLAZE_DISPATCH", _choice("auto", "torch"), "auto"),
     "compile_rounding": ("MOEBLAZE_COMPILE_ROUNDING", _auto_bool, None),
     "fused_router": ("MOEBLAZE_FUSED_ROUTER", _auto_bool, None),
+    "fused_rounding": ("MOEBLAZE_FUSED_ROUNDING", _auto_bool, None),
 }
 
 _configured: dict[str, Any] = {}

@@ -130,6 +130,10 @@ def round_tokens(scores: torch.Tensor, topk_ids: torch.Tensor, topk_weights: tor
                  scale: float = 1.0) -> TokenRounding:
     """Token rounding of a top-k routing (SonicMoE §5 Alg. 4; rules and weights: module docstring).
 
+    The selections run as two Triton launches (:mod:`moeblaze.kernels.rounding`) where the ``fused_rounding``
+    setting says so (``auto``: CUDA scores) and T, K are within its limits, else as PyTorch ops; both give the
+    same pairs (ties: the lower token first).
+
     Args:
         scores: ``[T, E]`` float router scores (softmax probabilities or sigmoid scores), differentiable.
         topk_ids: ``[T, K]`` integer top-k experts (distinct per row). topk_weights: ``[T, K]`` float.
@@ -144,52 +148,95 @@ def round_tokens(scores: torch.Tensor, topk_ids: torch.Tensor, topk_weights: tor
     Raises:
         ValueError: unknown mode, ``tile < 1``, shapes that disagree.
     """
+    _check_args(scores, topk_ids, topk_weights, tile, mode)
+    return _round_tokens(scores, topk_ids, topk_weights, tile, mode, generator, scale, _use_kernels(scores, topk_ids))
+
+
+def _check_args(scores, topk_ids, topk_weights, tile, mode) -> None:
     _check_mode_tile(mode, tile)
     if scores.dim() != 2 or topk_ids.dim() != 2 or topk_ids.shape[0] != scores.shape[0]:
         raise ValueError(f"scores must be [T, E] and topk_ids [T, K], got {tuple(scores.shape)} and "
                          f"{tuple(topk_ids.shape)}")
     if tuple(topk_weights.shape) != tuple(topk_ids.shape):
         raise ValueError(f"topk_weights must have shape {tuple(topk_ids.shape)}, got {tuple(topk_weights.shape)}")
+
+
+def _use_kernels(scores: torch.Tensor, topk_ids: torch.Tensor) -> bool:
+    """The Triton selections serve this call: within their limits, the ``fused_rounding`` setting on (``auto``:
+    CUDA scores; on: CUDA or the interpreter)."""
+    from .kernels import rounding
+
+    if scores.shape[0] > rounding.MAX_TOKENS or not 1 <= topk_ids.shape[1] <= rounding.MAX_TOP_K:
+        return False
+    use = settings.get("fused_rounding")
+    return scores.is_cuda if use is None else (use and (scores.is_cuda or settings.interpreting()))
+
+
+def _round_tokens(scores, topk_ids, topk_weights, tile, mode, generator, scale, kernels: bool) -> TokenRounding:
     (T, E), K, dev = scores.shape, topk_ids.shape[1], scores.device
     ids = topk_ids.long()
     f = torch.zeros(E, dtype=torch.int32, device=dev).scatter_add_(
         0, ids.reshape(-1), torch.ones(T * K, dtype=torch.int32, device=dev))
     target = round_counts(f, tile, mode, T, generator)
-    drop, pad = (f - target).clamp_min(0), (target - f).clamp_min(0)  # both < tile
-    dropped = _dropped_pairs(ids.reshape(-1), topk_weights.detach().reshape(-1).float(), f, drop)
-    # padding candidates: per expert its best-scored tokens outside its top-k, on an [E, T] layout (top-J
-    # along the contiguous dimension: torch.topk over dim 0 of [T, E] walks strided rows)
     J = _max_pad(mode, tile, T)
-    high_tok = torch.zeros(0, E, dtype=torch.long, device=dev)
-    if J:
-        pair_e, pair_t = ids.t().reshape(-1), torch.arange(T, device=dev).repeat(K)  # the T*K chosen (e, t)
-        other = scores.detach().t().contiguous()
-        other.index_put_((pair_e, pair_t), other.new_full((), float("-inf")))  # a device scalar: no host copy
-        high_tok = other.topk(J, dim=1).indices.t()  # [J, E]
-    j = torch.arange(J, device=dev)[:, None]  # candidate ranks
+    if kernels:
+        from .kernels.rounding import rounding_select
+
+        kept, pad_tok = rounding_select(scores.detach().contiguous(), topk_ids.contiguous(),
+                                        topk_weights.detach().contiguous(), f, target, J)
+    else:
+        kept, pad_tok = _select_torch(scores.detach(), ids, topk_weights.detach(), f, target, J)
     experts = torch.arange(E, dtype=torch.int32, device=dev)
-    kept_ids = torch.where(dropped.view(T, K), E, ids).to(torch.int32)
-    pad_ids = torch.where(j < pad[None, :], experts[None, :], E).to(torch.int32)  # [J, E]
-    pad_w = (scores.gather(0, high_tok) * scale).to(topk_weights.dtype)
-    tok = torch.cat((torch.arange(T, dtype=torch.int32, device=dev).repeat_interleave(K),
-                     high_tok.reshape(-1).to(torch.int32)))
+    pad_ids = torch.where(torch.arange(J, device=dev)[:, None] < (target - f)[None, :], experts[None, :], E)
+    pad_w = (scores[pad_tok.long(), experts.long()[None, :]] * scale).to(topk_weights.dtype)
+    tok = torch.cat((torch.arange(T, dtype=torch.int32, device=dev).repeat_interleave(K), pad_tok.reshape(-1)))
     order = torch.sort(tok, stable=True).indices  # pairs of a token contiguous; top-k pairs first, in k order
-    return TokenRounding(tok[order], torch.cat((kept_ids.reshape(-1), pad_ids.reshape(-1)))[order],
+    return TokenRounding(tok[order], torch.cat((kept.reshape(-1), pad_ids.to(torch.int32).reshape(-1)))[order],
                          torch.cat((topk_weights.reshape(-1), pad_w.reshape(-1)))[order], target)
 
 
-def _dropped_pairs(pair_e: torch.Tensor, pair_w: torch.Tensor, counts: torch.Tensor,
-                   drop: torch.Tensor) -> torch.Tensor:
-    """``[T*K]`` bool: pair p is among the ``drop[e]`` lowest-weight top-k pairs of its expert ``e = pair_e[p]``
-    (SonicMoE orders an expert's top-k tokens by their top-k weights; equal weights: the lower pair first).
+_INELIGIBLE = -(2**31)
 
-    Two stable sorts of the T*K pairs (by weight, then by expert) give each pair its rank within its expert,
+
+def _order_key(x: torch.Tensor) -> torch.Tensor:
+    """int32 keys monotone in the float values (``-0.0`` as ``+0.0``; NaN above +inf), as the kernels'."""
+    bits = (x.float() + 0.0).view(torch.int32)
+    return torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+
+
+def _select_torch(scores, ids, weights, counts, target, J) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`moeblaze.kernels.rounding.rounding_select` in PyTorch ops: ``(kept [T, K], pad_tok [J, E])``."""
+    (T, E), K, dev = scores.shape, ids.shape[1], scores.device
+    drop = (counts - target).clamp_min(0)
+    dropped = _dropped_pairs(ids.reshape(-1), _order_key(weights).reshape(-1), counts, drop)
+    kept = torch.where(dropped.view(T, K), E, ids).to(torch.int32)
+    experts, j = torch.arange(E, device=dev), torch.arange(J, device=dev)
+    filler = (j[:, None] * E + experts[None, :]) % max(T, 1)
+    if not J:
+        return kept, filler.to(torch.int32)
+    # per expert its J best tokens outside its top-k by (key desc, token asc): one unique int64 per entry
+    key = _order_key(scores).clamp_min(_INELIGIBLE + 1).t().contiguous()  # [E, T]: topk along the contiguous dim
+    key.index_put_((ids.t().reshape(-1), torch.arange(T, device=dev).repeat(K)), key.new_full((), _INELIGIBLE))
+    tokens = torch.arange(T, device=dev)
+    best = (key.long() * T + (T - 1 - tokens)).topk(J, dim=1).indices  # [E, J]
+    pad = (target - counts).clamp_min(0)
+    used = j[None, :] < pad[:, None]
+    ascending = torch.where(used, best, T + j[None, :]).sort(dim=1).values  # the used tokens first, ascending
+    return kept, torch.where(used, ascending, filler.t()).t().contiguous().to(torch.int32)
+
+
+def _dropped_pairs(pair_e: torch.Tensor, pair_key: torch.Tensor, counts: torch.Tensor,
+                   drop: torch.Tensor) -> torch.Tensor:
+    """``[T*K]`` bool: pair p is among the ``drop[e]`` lowest-key top-k pairs of its expert ``e = pair_e[p]``
+    (SonicMoE orders an expert's top-k tokens by their top-k weights; equal keys: the lower pair first).
+
+    Two stable sorts of the T*K pairs (by key, then by expert) give each pair its rank within its expert,
     instead of a top-(tile-1) over an ``[E, T]`` matrix of weights: O(T*K) work, not O(E*T).
     """
     P = pair_e.numel()
-    by_w = torch.sort(pair_w, stable=True).indices
+    by_w = torch.sort(pair_key, stable=True).indices
     experts, by_e = torch.sort(pair_e[by_w], stable=True)
-    order = by_w[by_e]  # by expert, then weight, then pair; `experts` is pair_e[order]
+    order = by_w[by_e]  # by expert, then key, then pair; `experts` is pair_e[order]
     start = torch.cumsum(counts, 0) - counts  # the expert's first position in `order`
     rank = torch.empty_like(order)
     rank[order] = torch.arange(P, device=pair_e.device) - start[experts]
@@ -198,22 +245,24 @@ def _dropped_pairs(pair_e: torch.Tensor, pair_w: torch.Tensor, counts: torch.Ten
 
 @functools.cache
 def _compiled_round_tokens():
-    return torch.compile(round_tokens, fullgraph=True, dynamic=False)
+    return torch.compile(_round_tokens, fullgraph=True, dynamic=False)
 
 
 def round_tokens_fused(scores: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, tile: int,
                        mode: str = "nr", generator: torch.Generator | None = None,
                        scale: float = 1.0) -> TokenRounding:
-    """:func:`round_tokens` through ``torch.compile`` (Inductor fuses its ~40 small element-wise, gather and
-    scatter launches into a few; ``topk`` and ``sort`` stay library calls) where the ``compile_rounding``
-    setting says so (``auto``: on CUDA); the same result bitwise (integer selections; the padded weights
-    are one gather and one product). ``"sr"`` (a ``torch.Generator`` argument) and calls already inside
-    ``torch.compile`` run :func:`round_tokens` itself. The first call per shape compiles (seconds).
+    """:func:`round_tokens` through ``torch.compile`` (Inductor fuses its small element-wise, gather and
+    scatter launches into a few; the selections stay Triton custom ops or ``topk`` / ``sort`` library calls)
+    where the ``compile_rounding`` setting says so (``auto``: on CUDA); the same result bitwise (integer
+    selections; the padded weights are one gather and one product). ``"sr"`` (a ``torch.Generator``
+    argument) and calls already inside ``torch.compile`` run :func:`round_tokens` itself. The first call per
+    shape compiles (seconds).
     """
     if torch.compiler.is_compiling() or mode == "sr":  # settings.get reads a ContextVar: not traceable
         return round_tokens(scores, topk_ids, topk_weights, tile, mode, generator, scale)
     use = settings.get("compile_rounding")
     if scores.is_cuda if use is None else use:
-        _check_mode_tile(mode, tile)
-        return _compiled_round_tokens()(scores, topk_ids, topk_weights, tile, mode, None, scale)
+        _check_args(scores, topk_ids, topk_weights, tile, mode)
+        return _compiled_round_tokens()(scores, topk_ids, topk_weights, tile, mode, None, scale,
+                                        _use_kernels(scores, topk_ids))
     return round_tokens(scores, topk_ids, topk_weights, tile, mode, generator, scale)
