@@ -10,6 +10,9 @@ table: median step time over the steps after ``--warmup``, tokens/s, peak memory
 above the resident memory (gradients and activations), and the mean loss of the last 10 steps beside
 grouped_mm's.
 
+``moeblaze-input`` is moeblaze with ``save="input"`` (x and the index saved; the pre-activation
+recomputed in backward).
+
 Modes: ``bf16`` (bf16 weights, AdamW on them) and ``amp`` (fp32 weights under ``torch.autocast(bf16)``).
 SonicMoE: transformers' own ``"sonicmoe"`` loads its kernel from the hub; here SonicMoE 0.1.2 installed as
 a package (``.peers/install.sh``) is registered as ``"sonicmoe-local"``; skipped when not importable. Its
@@ -188,6 +191,8 @@ def append_rows(path: str, rows: list[dict]) -> None:
 def main(argv=None) -> None:
     args = parse_args(argv)
     ExpertsInterface.register("sonicmoe-local", sonicmoe_local_forward)
+    # moeblaze saving only x and the index (the up-projection recomputed in backward): less memory, more compute
+    ExpertsInterface.register("moeblaze-input", moeblaze.integrations.transformers.make_experts_forward(save="input"))
     corpus = load_corpus(args.data, min_bytes=args.seq_len + 2)
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")

@@ -19,6 +19,7 @@ measured). Rows go to a CSV, with ``share_of_ceiling = (t_topk / t_tr - 1) / (t_
 GPU times (the issue's target: >= 0.85).
 
 ``rounding``: :func:`moeblaze.round_tokens` alone at the same shapes (wall ms; GPU: kernel time too).
+``select``: the Triton selections alone per select-kernel warp count (GPU).
 
 ``quality``: ``moeblaze train`` twice, ``--routing topk`` and ``--routing token-rounding:nr``, same steps
 and seed; writes the train-loss and validation bits/byte curves (CSV) and a side-by-side plot (PNG).
@@ -33,6 +34,7 @@ from __future__ import annotations
 import argparse
 import csv
 import datetime
+import functools
 import re
 import statistics
 import sys
@@ -44,6 +46,7 @@ import torch
 
 from moeblaze import MoE, moe_experts, moe_experts_general, round_tokens, settings, tile_multiple
 from moeblaze.backends import get_backend
+from moeblaze.token_rounding import round_counts, round_tokens_fused
 
 SHAPES = [(16384, 1536, 1024, 128, 2), (16384, 4096, 1024, 256, 4), (16384, 2048, 512, 512, 10)]
 SMOKE_SHAPES = [(96, 32, 16, 4, 2), (80, 16, 8, 8, 3)]
@@ -82,7 +85,7 @@ def timer(device):
     return cpu
 
 
-def kernel_ms(step, reps: int = 10) -> float | None:
+def kernel_ms(step, reps: int = 10, table: int = 0) -> float | None:
     """GPU time of one step: the device time of every kernel (and copy) it runs, summed by torch.profiler over
     ``reps`` steps, per step. Host time between launches does not count: at these sizes a layer step's host
     path (~5-7 ms on the H100 machine, issue 24) is as long as its kernels, so wall time would compare the
@@ -97,10 +100,12 @@ def kernel_ms(step, reps: int = 10) -> float | None:
         for _ in range(reps):
             step()
         torch.cuda.synchronize()
+    if table:
+        print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=table), flush=True)
     return sum(e.self_device_time_total for e in prof.key_averages()) / reps / 1e3
 
 
-def layer_steps(shape, device, dtype, backend, tile=None):
+def layer_steps(shape, device, dtype, backend, tile=None, sonic=True):
     """``name -> step()`` of the layer variants (module docstring) and the compacted rounded pairs."""
     T, d, h, E, K = shape
     torch.manual_seed(0)
@@ -142,7 +147,7 @@ def layer_steps(shape, device, dtype, backend, tile=None):
 
     steps = {"topk": layer(None), "tr-nr": layer("nr"), "tr-nr-eager": layer("nr", False), "ceiling": ceiling,
              "pairs-moeblaze": pairs_moeblaze}
-    sonic = sonic_step(x, pairs, moe, dout, clear) if device == "cuda" else None
+    sonic = sonic_step(x, pairs, moe, dout, clear) if device == "cuda" and sonic else None
     if sonic is not None:
         steps["pairs-sonicmoe"] = sonic
     return steps, tile
@@ -182,10 +187,17 @@ def run_speed(args) -> int:
     backend = "torch" if args.smoke else "triton"
     bench = timer(device)
     rows = []
-    for shape in SMOKE_SHAPES if args.smoke else SHAPES:
-        steps, tile = layer_steps(shape, device, dtype, backend, tile=16 if args.smoke else None)
+    shapes = SMOKE_SHAPES if args.smoke else [SHAPES[int(i)] for i in args.shapes.split(",")]
+    for shape in shapes:
+        steps, tile = layer_steps(shape, device, dtype, backend, tile=16 if args.smoke else None,
+                                  sonic="pairs-sonicmoe" in args.variants.split(","))
+        steps = {k: v for k, v in steps.items() if k in ("topk", "tr-nr", "ceiling") or k in args.variants.split(",")}
         ms = {name: bench(step) for name, step in steps.items()}
-        gpu = {name: kernel_ms(step) for name, step in steps.items()}
+        gpu = {}
+        for name, step in steps.items():
+            if args.breakdown:
+                print(f"{shape} {name}: the kernels with the most GPU time", flush=True)
+            gpu[name] = kernel_ms(step, table=args.breakdown)
         t_ref = gpu if device == "cuda" else ms  # the share: GPU time where there is one
         gain = t_ref["topk"] / t_ref["ceiling"] - 1
         share = (t_ref["topk"] / t_ref["tr-nr"] - 1) / gain if gain else None
@@ -198,7 +210,7 @@ def run_speed(args) -> int:
                          "variant": name, "ms": round(t, 4), "vs_topk": round(ms["topk"] / t, 4),
                          "gpu_ms": "" if g is None else round(g, 4),
                          "gpu_vs_topk": "" if g is None else round(gpu["topk"] / g, 4),
-                         "share_of_ceiling": round(share, 3) if share is not None else ""})
+                         "share_of_ceiling": round(share, 3) if share is not None else "", "command": command()})
             gtxt = "" if g is None else f"   GPU {g:8.3f} ms  {gpu['topk'] / g:5.3f}x top-k"
             print(f"{shape} {name:>15}: wall {t:8.3f} ms  {ms['topk'] / t:5.3f}x top-k{gtxt}", flush=True)
         print(f"{shape} tr-nr keeps {share if share is None else round(share, 3)} of the ceiling's gain", flush=True)
@@ -207,29 +219,78 @@ def run_speed(args) -> int:
 
 
 def run_rounding(args) -> int:
-    """Time :func:`moeblaze.round_tokens` alone (``nr``, tile 128) on softmax top-k routings of the issue's
-    shapes: wall ms by :func:`timer` (as the layer variants), and on the GPU its kernel time (:func:`kernel_ms`).
-    On the CPU one intra-op thread (a proxy of the work, not of GPU time)."""
+    """Time token rounding alone (``nr``, tile 128) on softmax top-k routings of the issue's shapes, per path:
+    ``torch`` (:func:`moeblaze.round_tokens` with its PyTorch selections, ``fused_rounding=off``), and on the
+    GPU ``kernels`` (the Triton selections) and ``kernels-compiled`` (:func:`round_tokens_fused`: the rest
+    through ``torch.compile``): wall ms by :func:`timer` (as the layer variants), and on the GPU its kernel
+    time (:func:`kernel_ms`; ``--breakdown N`` prints the N kernels with the most time). On the CPU one
+    intra-op thread (a proxy of the work, not of GPU time)."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cpu":
         torch.set_num_threads(1)
     bench, rows = timer(device), []
+    paths = {"torch": (round_tokens, False)}
+    if device == "cuda":
+        paths.update({"kernels": (round_tokens, None), "kernels-compiled": (round_tokens_fused, None)})
     for T, _d, _h, E, K in SHAPES:
         gen = torch.Generator(device=device).manual_seed(0)
         scores = torch.softmax(torch.randn(T, E, device=device, generator=gen), -1)
         w, ids = scores.topk(K, -1)
         ids = ids.int()
+        for path, (fn, fused) in paths.items():
+            def step(scores=scores, ids=ids, w=w, fn=fn, fused=fused):
+                with settings.override(fused_rounding=fused):
+                    fn(scores, ids, w, 128, "nr")
 
-        def step(scores=scores, ids=ids, w=w):
-            round_tokens(scores, ids, w, 128, "nr")
+            ms, gpu = bench(step), kernel_ms(step, table=args.breakdown)
+            rows.append({"date": datetime.date.today().isoformat(),
+                         "device": torch.cuda.get_device_name() if device == "cuda" else "cpu, 1 thread",
+                         "T": T, "E": E, "K": K, "tile": 128, "path": path, "ms": round(ms, 3),
+                         "gpu_ms": "" if gpu is None else round(gpu, 4), "command": command()})
+            gtxt = "" if gpu is None else f", GPU {gpu:.4f} ms"
+            print(f"round_tokens nr {path} T={T} E={E} K={K}: {rows[-1]['ms']} ms{gtxt}", flush=True)
+    write_csv(args.out, rows)
+    return 0
 
-        ms, gpu = bench(step), kernel_ms(step)
-        rows.append({"date": datetime.date.today().isoformat(),
-                     "device": torch.cuda.get_device_name() if device == "cuda" else "cpu, 1 thread",
-                     "T": T, "E": E, "K": K, "tile": 128, "ms": round(ms, 3),
-                     "gpu_ms": "" if gpu is None else round(gpu, 4)})
-        gtxt = "" if gpu is None else f", GPU {gpu:.4f} ms"
-        print(f"round_tokens nr T={T} E={E} K={K}: {rows[-1]['ms']} ms{gtxt}", flush=True)
+
+def command() -> str:
+    """The command that produced a row: the MOEBLAZE_* environment and the script's arguments."""
+    import os
+
+    env = [f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith("MOEBLAZE_")]
+    return " ".join([*env, "python3", "benchmarks/bench_token_rounding.py", *sys.argv[1:]])
+
+
+def run_select(args) -> int:
+    """Time :func:`moeblaze.kernels.rounding.rounding_select` (both launches, ``nr``, tile 128) per select-kernel
+    warp count on softmax top-k routings of the issue's shapes (GPU, ``do_bench`` median); the selections must
+    be the same for every warp count."""
+    import triton
+
+    from moeblaze.kernels import rounding
+    from moeblaze.token_rounding import _max_pad
+
+    chosen, rows = rounding._select_warps, []
+    for T, _d, _h, E, K in SHAPES:
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        scores = torch.softmax(torch.randn(T, E, device="cuda", generator=gen), -1)
+        w, ids = scores.topk(K, -1)
+        ids = ids.int()
+        f = torch.bincount(ids.flatten(), minlength=E).int()
+        target = round_counts(f, 128, "nr", T)
+        ref = None
+        fn = functools.partial(rounding.rounding_select, scores, ids, w, f, target, _max_pad("nr", 128, T))
+        for warps in (int(x) for x in args.warps.split(",")):
+            rounding._select_warps = lambda row, w_=warps: w_
+            out = fn()
+            ref = ref or out
+            if not all(torch.equal(a, b) for a, b in zip(out, ref)):
+                raise AssertionError(f"select kernel with {warps} warps selects differently")
+            us = 1e3 * triton.testing.do_bench(fn, warmup=10, rep=100, return_mode="median")
+            rows.append({"date": datetime.date.today().isoformat(), "device": torch.cuda.get_device_name(),
+                         "T": T, "E": E, "K": K, "warps": warps, "us": round(us, 1), "command": command()})
+            print(f"rounding_select T={T} E={E} K={K} warps={warps}: {us:.1f} us", flush=True)
+    rounding._select_warps = chosen
     write_csv(args.out, rows)
     return 0
 
@@ -340,8 +401,16 @@ def main(argv: list[str] | None = None) -> int:
     sp = sub.add_parser("speed", help="layer step times: top-k, tr-nr, ceiling, pairs (moeblaze, SonicMoE)")
     sp.add_argument("--out", default=None, help="CSV file to append the rows to")
     sp.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (PyTorch backend): a pipeline check")
+    sp.add_argument("--breakdown", type=int, default=0, help="print each variant's N kernels with the most GPU time")
+    sp.add_argument("--shapes", default="0,1,2", help="which of SHAPES (indices, comma-separated)")
+    sp.add_argument("--variants", default="tr-nr-eager,pairs-moeblaze,pairs-sonicmoe",
+                    help="variants besides topk, tr-nr and ceiling (comma-separated)")
     rp = sub.add_parser("rounding", help="round_tokens alone at the issue's shapes (CPU: a proxy of its work)")
     rp.add_argument("--out", default=None, help="CSV file to append the rows to")
+    rp.add_argument("--breakdown", type=int, default=0, help="print the N kernels with the most GPU time")
+    sel = sub.add_parser("select", help="rounding_select per select-kernel warp count (GPU)")
+    sel.add_argument("--warps", default="4,8,16")
+    sel.add_argument("--out", default=None, help="CSV file to append the rows to")
     q = sub.add_parser("quality", help="train with top-k and with token rounding nr; curves and plot")
     q.add_argument("--out-dir", required=True)
     q.add_argument("--steps", type=int, default=800)
@@ -360,6 +429,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.stage == "rounding":
         return run_rounding(args)
+    if args.stage == "select":
+        return run_select(args)
     return run_speed(args) if args.stage == "speed" else run_quality(args)
 
 
