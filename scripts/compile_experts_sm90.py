@@ -39,8 +39,14 @@ from moeblaze.kernels.grouped_gemm import (
     EPILOGUE_PLAIN,
     grouped_gemm_kernel,
 )
-from moeblaze.kernels.rounding import rounding_keys_kernel, rounding_select_kernel
-from moeblaze.kernels.router import _block_t, router_loss_kernel, router_topk_bwd_kernel, router_topk_kernel
+from moeblaze.kernels.rounding import _select_warps, rounding_keys_kernel, rounding_select_kernel
+from moeblaze.kernels.router import (
+    _block_t,
+    _topk_warps,
+    router_loss_kernel,
+    router_topk_bwd_kernel,
+    router_topk_kernel,
+)
 from moeblaze.kernels.tuning import act_bwd_configs, gather_sum_configs, gemm_configs, prune_gemm_configs, wgrad_configs
 from moeblaze.kernels.wgrad import grouped_wgrad_kernel
 
@@ -173,14 +179,13 @@ def compile_router() -> None:
     for E, K in ((8, 2), (128, 8), (1024, 10)):
         bt, be, kp = _block_t(E), triton.next_power_of_2(E), triton.next_power_of_2(K)
         for renorm in (False, True):
-            compile_one(router_topk_kernel, topk_ptrs, dict(K=K, KP=kp, RENORM=renorm, BLOCK_T=bt, BLOCK_E=be), 4, 1,
-                        f"router top-k E={E} K={K} renorm={renorm}")
+            compile_one(router_topk_kernel, topk_ptrs, dict(K=K, KP=kp, RENORM=renorm, BLOCK_T=bt, BLOCK_E=be),
+                        _topk_warps(E, K), 1, f"router top-k E={E} K={K} renorm={renorm}")
             compile_one(router_topk_bwd_kernel, bwd_ptrs,
                         dict(K=K, KP=kp, RENORM=renorm, HAS_DW=True, HAS_DPROBS=renorm, HAS_DAUX=True, HAS_DZ=True,
                              BLOCK_T=bt, BLOCK_E=be), 4, 1, f"router backward E={E} K={K} renorm={renorm}")
-        compile_one(router_loss_kernel, dict(part_ptr=f32, counts_ptr=f32, aux_ptr=f32, z_ptr=f32, aux_c="fp32",
-                                             z_c="fp32"), dict(BLOCK_B=32, BLOCK_E=min(128, be)), 4, 1,
-                    f"router losses E={E}")
+        compile_one(router_loss_kernel, dict(part_ptr=f32, counts_ptr=f32, dot_ptr=f32, z_ptr=f32, z_c="fp32"),
+                    dict(BLOCK_B=32, BLOCK_E=min(32, be)), 4, 1, f"router losses E={E}")
 
 
 def compile_rounding() -> None:
@@ -193,7 +198,7 @@ def compile_rounding() -> None:
     for row, K in ((16384, 2), (65536, 10)):
         compile_one(rounding_select_kernel, dict(keys_ptr="*i32", counts_ptr="*i32", target_ptr="*i32",
                                                  ids_ptr="*i32", kept_ptr="*i32", pad_tok_ptr="*i32"),
-                    dict(K=K, BLOCK_T=row), max(4, min(32, row // 2048)), 1, f"rounding select T<={row} K={K}")
+                    dict(K=K, BLOCK_T=row), _select_warps(row), 1, f"rounding select T<={row} K={K}")
 
 
 if __name__ == "__main__":

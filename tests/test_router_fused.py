@@ -13,6 +13,7 @@ import torch
 
 import moeblaze
 from moeblaze import MoE, Router, settings
+from moeblaze.kernels import router as fused_router
 from moeblaze.kernels.router import MAX_EXPERTS, router_topk
 from moeblaze.testing import assert_close_to_reference
 
@@ -196,3 +197,22 @@ def test_gpu_fused_router_layer_matches_pytorch_router_bf16():
     assert (ids_f == ids_t).float().mean() > 0.99  # bf16 near-ties may order differently
     for g, w in zip(got, want):
         assert (g - w).norm() / w.norm() < 0.05
+
+
+def test_bench_router_smoke(tmp_path):
+    """``benchmarks/bench_router.py --smoke``: both paths (and a warp override) timed, rows written."""
+    import csv
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_router.py"
+    spec = importlib.util.spec_from_file_location("bench_router", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    default = fused_router._topk_warps
+    assert bench.main(["--smoke", "--warps", "8", "--out", str(tmp_path / "r.csv")]) == 0
+    assert fused_router._topk_warps is default
+    with open(tmp_path / "r.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert [r["path"] for r in rows] == ["torch", "fused", "fused-8-warps"]
+    assert all(float(r["wall_ms"]) > 0 for r in rows)

@@ -30,7 +30,7 @@ import triton.language as tl
 from .custom_ops import call_op
 from .direct import launch
 
-MAX_TOKENS = 65536  # 16 warps x 128 keys per thread
+MAX_TOKENS = 65536  # 16 warps x 128 keys per thread (a row in the registers of one program)
 MAX_TOP_K = 16  # the top-k loop is unrolled
 INELIGIBLE = -(2**31)  # below every eligible key (those are clamped to INELIGIBLE + 1)
 
@@ -118,10 +118,11 @@ def rounding_select_kernel(
 
 
 def _select_warps(row: int) -> int:
-    """Warps of the select kernel for a row of ``row`` keys: 128 keys per thread, 4 to 16 warps. At T 16384,
-    E 128 (H100, 2026-11-25, ``benchmarks/bench_token_rounding.py select``) both launches took 87 µs with 4
-    warps, 114 with 8, 106 with 16 and 159 with 32: each of the 32 serial reductions waits on every warp."""
-    return max(4, min(16, row // 4096))
+    """Warps of the select kernel for a row of ``row`` keys: 64 keys per thread, 4 to 16 warps. In the layer
+    (H100, 2026-11-25, ``benchmarks/bench_token_rounding.py speed --breakdown 8``) the kernel took 46.5 µs per
+    step with 8 warps and 69.1 µs with 4 at T 16384, E 128, and 252 against 353 µs at E 512; 32 warps were
+    the slowest in ``... select`` (each of the 32 serial reductions waits on every warp)."""
+    return max(4, min(16, row // 2048))
 
 
 def _select_impl(scores: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, counts: torch.Tensor,

@@ -1,5 +1,5 @@
-"""Fused softmax top-k router: softmax, top-K, weights and both auxiliary losses in two launches, and their
-backward in one (DESIGN.md §2; issue 24: fewer launches on the host path).
+"""Fused softmax top-k router: softmax, top-K, weights and both auxiliary losses in two launches (and a sum of
+a few per-block values), and their backward in one (DESIGN.md §2; issue 24: fewer launches on the host path).
 
 The PyTorch router (:class:`moeblaze.routing.Router`) takes about 14 operations forward and 20 backward
 for this (softmax, topk, renormalisation, the load-balancing loss's counts and sums, logsumexp for the
@@ -10,8 +10,9 @@ tokens per GPU, host time the GPU waits for. Here, from the fp32 logits ``[T, E]
   logsumexp, the top-K ids (largest probability first, lowest id on ties, NaN never chosen over a
   number, where ``torch.topk`` ranks NaN first; a NaN logit makes its whole row NaN either way) and weights (renormalised to sum 1 and scaled when asked), and per-block partial sums for the
   losses: pairs per expert, summed probabilities per expert, summed squared logsumexp;
-* :func:`router_loss_kernel` (one program, fixed summation order, so the losses are bitwise
-  reproducible): the totals, ``aux = c_aux * <counts, sum_t probs_t>`` (Switch eq. 4 with
+* :func:`router_loss_kernel` (one program per 32 experts and one for the z-loss; fixed summation orders, so
+  the losses are bitwise reproducible): the totals, ``aux = c_aux * <counts, sum_t probs_t>`` (its per-block
+  terms summed by one ``sum``) (Switch eq. 4 with
   ``c_aux = coef * E / (T*K * T)``) and ``z = c_z * sum_t lse_t^2`` (ST-MoE eq. 5, ``c_z = coef / T``);
 * :func:`router_topk_bwd_kernel`: ``dlogits`` from the gradients of the weights, the probabilities
   (used by token rounding), the aux loss and the z-loss: the top-K scatter, the renormalisation's
@@ -36,6 +37,14 @@ MAX_TOP_K = 16  # the top-K loop is unrolled: compile time grows with K (the dis
 MAX_ELEMENTS = 2**31  # T * E: the kernels' offsets are int32
 # a NaN probability ranks below every number but above a chosen one (-inf)
 _NEG_MAX = tl.constexpr(-3.4028234663852886e38)
+
+
+def _topk_warps(E: int, top_k: int) -> int:
+    """Warps of the top-k kernel: 4, or 8 from E 256 or K 4 on. The K-step argmax loop is unrolled, so its
+    ``[BLOCK_T, E]`` tiles stay live together; at T 16384, E 512, K 10 the kernel took 527 µs per step with
+    4 warps (H100, 2026-11-25, ``benchmarks/bench_token_rounding.py speed --breakdown 8``), where its 64 MB
+    of logits and probabilities need ~25 µs of memory time."""
+    return 8 if E >= 256 or top_k >= 4 else 4
 
 
 def _block_t(E: int) -> int:
@@ -95,31 +104,31 @@ def router_topk_kernel(
 def router_loss_kernel(
     part_ptr,    # [num_blocks, 2E + 1] fp32 per-block sums (router_topk_kernel)
     counts_ptr,  # [E] fp32 out: pairs per expert
-    aux_ptr,     # [] fp32 out: load-balancing loss
+    dot_ptr,     # [cdiv(E, BLOCK_E)] fp32 out: per column block, sum_e counts_e * (summed probabilities)_e
     z_ptr,       # [] fp32 out: z-loss
-    num_blocks, E, aux_c, z_c,
+    num_blocks, E, z_c,
     BLOCK_B: tl.constexpr, BLOCK_E: tl.constexpr,
 ):
+    pid = tl.program_id(0)
     bb = tl.arange(0, BLOCK_B)
-    ee = tl.arange(0, BLOCK_E)
     width = 2 * E + 1
-    dot = tl.zeros([BLOCK_E], dtype=tl.float32)
-    for e0 in range(0, E, BLOCK_E):
-        emask = e0 + ee < E
+    if pid * BLOCK_E < E:  # one column block of the partial sums
+        e = pid * BLOCK_E + tl.arange(0, BLOCK_E)
+        emask = e < E
         c = tl.zeros([BLOCK_E], dtype=tl.float32)
         ps = tl.zeros([BLOCK_E], dtype=tl.float32)
         for b0 in range(0, num_blocks, BLOCK_B):
             mask = (b0 + bb < num_blocks)[:, None] & emask[None, :]
-            tile = part_ptr + (b0 + bb)[:, None] * width + (e0 + ee)[None, :]
+            tile = part_ptr + (b0 + bb)[:, None] * width + e[None, :]
             c += tl.sum(tl.load(tile, mask=mask, other=0.0), axis=0)
             ps += tl.sum(tl.load(tile + E, mask=mask, other=0.0), axis=0)
-        tl.store(counts_ptr + e0 + ee, c, mask=emask)
-        dot += c * ps
-    zs = tl.zeros([BLOCK_B], dtype=tl.float32)
-    for b0 in range(0, num_blocks, BLOCK_B):
-        zs += tl.load(part_ptr + (b0 + bb) * width + 2 * E, mask=b0 + bb < num_blocks, other=0.0)
-    tl.store(aux_ptr, aux_c * tl.sum(dot, axis=0))
-    tl.store(z_ptr, z_c * tl.sum(zs, axis=0))
+        tl.store(counts_ptr + e, c, mask=emask)
+        tl.store(dot_ptr + pid, tl.sum(c * ps, axis=0))
+    else:  # the last program: the z-loss column
+        zs = tl.zeros([BLOCK_B], dtype=tl.float32)
+        for b0 in range(0, num_blocks, BLOCK_B):
+            zs += tl.load(part_ptr + (b0 + bb) * width + 2 * E, mask=b0 + bb < num_blocks, other=0.0)
+        tl.store(z_ptr, z_c * tl.sum(zs, axis=0))
 
 
 @triton.jit
@@ -180,8 +189,7 @@ def _router_topk_impl(logits: torch.Tensor, top_k: int, renormalize: bool, scale
     ids = torch.empty(T, top_k, dtype=torch.int32, device=dev)
     weights = torch.empty(T, top_k, dtype=f32, device=dev)
     probs, lse = torch.empty(T, E, dtype=f32, device=dev), torch.empty(T, dtype=f32, device=dev)
-    counts, aux, z = torch.empty(E, dtype=f32, device=dev), torch.empty((), dtype=f32, device=dev), torch.empty(
-        (), dtype=f32, device=dev)
+    counts, z = torch.empty(E, dtype=f32, device=dev), torch.empty((), dtype=f32, device=dev)
     bt = _block_t(E)
     blocks = triton.cdiv(T, bt)
     part = torch.empty(max(blocks, 1), 2 * E + 1, dtype=f32, device=dev)
@@ -191,10 +199,15 @@ def _router_topk_impl(logits: torch.Tensor, top_k: int, renormalize: bool, scale
         launch(router_topk_kernel, (blocks,), logits_ptr=logits, ids_ptr=ids, weights_ptr=weights, probs_ptr=probs,
                lse_ptr=lse, part_ptr=part, T=T, E=E, stride_l_t=logits.stride(0), scale=float(scale), K=top_k,
                KP=triton.next_power_of_2(top_k), RENORM=renormalize, BLOCK_T=bt,
-               BLOCK_E=triton.next_power_of_2(E), num_warps=4)
-    launch(router_loss_kernel, (1,), part_ptr=part, counts_ptr=counts, aux_ptr=aux, z_ptr=z,
-           num_blocks=part.shape[0], E=E, aux_c=float(aux_c), z_c=float(z_c), BLOCK_B=32,
-           BLOCK_E=min(128, triton.next_power_of_2(E)), num_warps=4)
+               BLOCK_E=triton.next_power_of_2(E), num_warps=_topk_warps(E, top_k))
+    # one program per 32 experts and one for the z-loss: a single program summing the [num_blocks, 2E+1]
+    # partials took 271 µs per step at T 16384, E 512 (H100, 2026-11-25, ``benchmarks/bench_token_rounding.py
+    # speed --breakdown 8``); the sum over column blocks is one fixed-order reduction (bitwise reproducible)
+    be = min(32, triton.next_power_of_2(E))
+    dot = torch.empty(triton.cdiv(E, be), dtype=f32, device=dev)
+    launch(router_loss_kernel, (dot.numel() + 1,), part_ptr=part, counts_ptr=counts, dot_ptr=dot, z_ptr=z,
+           num_blocks=part.shape[0], E=E, z_c=float(z_c), BLOCK_B=32, BLOCK_E=be, num_warps=4)
+    aux = dot.sum() * aux_c
     return ids, weights, probs, lse, counts, aux, z
 
 
