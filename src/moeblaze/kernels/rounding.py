@@ -93,13 +93,22 @@ def rounding_select_kernel(
     toks = tl.arange(0, BLOCK_T)
     if n > 0:
         key = tl.load(keys_ptr + e * T + toks, mask=toks < T, other=-2147483647 - 1)
-        # the n-th largest key v: the largest v with #(key >= v) >= n, bit by bit on key + 2^31 (unsigned)
+        # the n-th largest key v: the largest v with #(key >= v) >= n, two bits at a time on key + 2^31
+        # (unsigned): the counts at the three candidates of a step share one reduction, packed in 21-bit
+        # fields of an int64 (counts <= MAX_TOKENS < 2^21), so 16 serial reductions instead of 32
         v = tl.zeros((), dtype=tl.int64)
         one = tl.full((), 1, tl.int64)
-        for b in range(31, -1, -1):
-            cand = v | (one << b)
-            if tl.sum((key >= (cand - 2147483648).to(tl.int32)).to(tl.int32), axis=0) >= n:
-                v = cand
+        for step in range(16):
+            unit = one << (30 - 2 * step)  # the lower of the step's two bits
+            t1 = (v + unit - 2147483648).to(tl.int32)
+            t2 = (v + 2 * unit - 2147483648).to(tl.int32)
+            t3 = (v + 3 * unit - 2147483648).to(tl.int32)
+            packed = ((key >= t1).to(tl.int64) + ((key >= t2).to(tl.int64) << 21)
+                      + ((key >= t3).to(tl.int64) << 42))
+            total = tl.sum(packed, axis=0)
+            digit = ((total & 0x1FFFFF) >= n).to(tl.int64) + (((total >> 21) & 0x1FFFFF) >= n).to(tl.int64) \
+                + ((total >> 42) >= n).to(tl.int64)  # counts fall with the candidate: the digit is how many reach n
+            v += digit * unit
         v32 = (v - 2147483648).to(tl.int32)
         above = key > v32
         ties = key == v32
@@ -120,8 +129,8 @@ def rounding_select_kernel(
 def _select_warps(row: int) -> int:
     """Warps of the select kernel for a row of ``row`` keys: 64 keys per thread, 4 to 16 warps. In the layer
     (H100, 2026-11-25, ``benchmarks/bench_token_rounding.py speed --breakdown 8``) the kernel took 46.5 µs per
-    step with 8 warps and 69.1 µs with 4 at T 16384, E 128, and 252 against 353 µs at E 512; 32 warps were
-    the slowest in ``... select`` (each of the 32 serial reductions waits on every warp)."""
+    step with 8 warps and 69.1 µs with 4 at T 16384, E 128, and 252 against 353 µs at E 512; 32 warps timed
+    slowest of 2 to 32 at E 128 (``... select --warps 2,4,8,16,32``; each serial reduction waits on every warp)."""
     return max(4, min(16, row // 2048))
 
 
