@@ -189,9 +189,11 @@ def _round_tokens(scores, topk_ids, topk_weights, tile, mode, generator, scale, 
     experts = torch.arange(E, dtype=torch.int32, device=dev)
     pad_ids = torch.where(torch.arange(J, device=dev)[:, None] < (target - f)[None, :], experts[None, :], E)
     pad_w = (scores[pad_tok.long(), experts.long()[None, :]] * scale).to(topk_weights.dtype)
+    tok = torch.arange(T, dtype=torch.int32, device=dev).repeat_interleave(K)
+    if not J:  # no pad candidates ("down"): the top-k pairs as they are, already in token order
+        return TokenRounding(tok, kept.reshape(-1), topk_weights.reshape(-1).clone(), target)
     pos = _merged_positions(pad_tok.reshape(-1), T, K)
     P = T * K + pad_tok.numel()
-    tok = torch.arange(T, dtype=torch.int32, device=dev).repeat_interleave(K)
     return TokenRounding(_place(P, pos, tok, pad_tok.reshape(-1)),
                          _place(P, pos, kept.reshape(-1), pad_ids.to(torch.int32).reshape(-1)),
                          _place(P, pos, topk_weights.reshape(-1), pad_w.reshape(-1)), target)
