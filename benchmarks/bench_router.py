@@ -6,7 +6,8 @@ and its wall time (``do_bench`` median). ``--warps 4,8`` also times the fused pa
 each warp count (``moeblaze.kernels.router._topk_warps``). Rows go to a CSV.
 
     python3 benchmarks/bench_router.py --out router.csv            # GPU
-    python3 benchmarks/bench_router.py --smoke                     # CPU (interpreter), a pipeline check
+    TRITON_INTERPRET=1 python3 benchmarks/bench_router.py --smoke  # CPU, a pipeline check (the fused path
+                                                                   # runs in the interpreter only when it is set)
 """
 
 from __future__ import annotations
@@ -66,6 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     command = " ".join([*(f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith("MOEBLAZE_")),
                         "python3", "benchmarks/bench_router.py", *sys.argv[1:]])
     default_warps, rows = fused._topk_warps, []
+    device_cpu = "cpu (interpreter)" if settings.interpreting() else "cpu (fused path off: no TRITON_INTERPRET)"
     for T, d, E, K in SMOKE_SHAPES if args.smoke else SHAPES:
         torch.manual_seed(0)
         router = Router(d, E, K, aux_loss_coef=0.01, z_loss_coef=0.001, device=device, dtype=dtype)
@@ -84,11 +86,11 @@ def main(argv: list[str] | None = None) -> int:
 
             g, w = gpu_ms(step), wall_ms(step)
             rows.append({"date": datetime.date.today().isoformat(),
-                         "device": torch.cuda.get_device_name() if cuda else "cpu (interpreter)", "T": T, "d": d,
+                         "device": torch.cuda.get_device_name() if cuda else device_cpu, "T": T, "d": d,
                          "E": E, "K": K, "path": name, "gpu_ms": "" if g is None else round(g, 4),
                          "wall_ms": round(w, 4), "command": command})
-            print(f"router T={T} d={d} E={E} K={K} {name}: GPU {g if g is None else round(g, 4)} ms, wall "
-                  f"{w:.4f} ms", flush=True)
+            gtxt = "" if g is None else f"GPU {g:.4f} ms, "
+            print(f"router T={T} d={d} E={E} K={K} {name}: {gtxt}wall {w:.4f} ms", flush=True)
     fused._topk_warps = default_warps
     if args.out:
         new = not Path(args.out).exists()

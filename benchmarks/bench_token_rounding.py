@@ -270,6 +270,8 @@ def run_select(args) -> int:
     from moeblaze.kernels import rounding
     from moeblaze.token_rounding import _max_pad
 
+    if not torch.cuda.is_available():
+        sys.exit("bench_token_rounding.py select: needs a CUDA GPU (it times Triton kernels)")
     chosen, rows = rounding._select_warps, []
     for T, _d, _h, E, K in SHAPES:
         gen = torch.Generator(device="cuda").manual_seed(0)
@@ -409,7 +411,7 @@ def main(argv: list[str] | None = None) -> int:
     rp.add_argument("--out", default=None, help="CSV file to append the rows to")
     rp.add_argument("--breakdown", type=int, default=0, help="print the N kernels with the most GPU time")
     sel = sub.add_parser("select", help="rounding_select per select-kernel warp count (GPU)")
-    sel.add_argument("--warps", default="4,8,16")
+    sel.add_argument("--warps", default="4,8,16", help="select-kernel warp counts, comma-separated (default 4,8,16)")
     sel.add_argument("--out", default=None, help="CSV file to append the rows to")
     q = sub.add_parser("quality", help="train with top-k and with token rounding nr; curves and plot")
     q.add_argument("--out-dir", required=True)

@@ -454,3 +454,26 @@ def test_gpu_saved_bytes(save):
     assert saved <= bound, (saved, bound)
     out.float().sum().backward()
     assert x.grad is not None and w1.grad is not None and tw.grad is not None
+
+
+def test_act_bwd_skips_foreign_slots():
+    """``act_bwd_rows`` with ``local_slots``: rows at or past it (foreign slots, whole blocks of them returning at
+    once) are left as they were; the local rows equal a run over every row."""
+    from moeblaze.kernels.act_bwd import act_bwd_rows
+    from moeblaze.kernels.act_math import ACTIVATION_CODES
+
+    gen = torch.Generator().manual_seed(0)
+    N, h, local = 23, 8, 9  # interpreter blocks of 4 rows: 8..11 straddle the limit, 12.. are all foreign
+    dact0, pre0 = torch.randn(N, h, generator=gen), torch.randn(N, 2 * h, generator=gen)
+    scale = torch.rand(N, generator=gen)
+    outs = {}
+    for limit in (None, torch.tensor([local], dtype=torch.int32)):
+        dact, pre = dact0.clone(), pre0.clone()
+        dtw = torch.full((N,), 7.0)
+        act_bwd_rows(dact, pre, pre, scale, dtw, h=h, activation=ACTIVATION_CODES["swiglu"], store_wact=True,
+                     local_slots=limit)
+        outs[limit is None] = (dact, pre, dtw)
+    for full, limited, before in zip(outs[True], outs[False], (dact0, pre0, torch.full((N,), 7.0))):
+        assert torch.equal(limited[:local], full[:local])
+        assert torch.equal(limited[local:], before[local:])
+        assert not torch.equal(full[local:], before[local:])

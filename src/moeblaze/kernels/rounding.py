@@ -7,7 +7,8 @@ lowest-weighted top-k pairs or pads ``r_e - f_e`` of its highest-scored tokens o
 
 * :func:`rounding_keys_kernel` (one program per ``BLOCK_T`` tokens, all E): for a dropping expert the
   key of a top-k token is its weight's order key, inverted (the lowest weight ranks first); for a padding
-  expert the key of a token outside its top-k is its score's order key; every other entry is ``INELIGIBLE``.
+  expert the key of a token outside its top-k is its score's order key; every other entry is ``-2^31``
+  (ineligible: eligible keys are clamped to ``-2^31 + 1``).
   Rows of experts with nothing to select are not written.
 * :func:`rounding_select_kernel` (one program per expert, the row in registers): the n-th largest key by
   a 32-step binary search on its bits (counts of keys at or above a candidate), then the selection in token
@@ -32,7 +33,6 @@ from .direct import launch
 
 MAX_TOKENS = 65536  # 16 warps x 128 keys per thread (a row in the registers of one program)
 MAX_TOP_K = 16  # the top-k loop is unrolled
-INELIGIBLE = -(2**31)  # below every eligible key (those are clamped to INELIGIBLE + 1)
 
 
 @triton.jit
@@ -70,7 +70,7 @@ def rounding_keys_kernel(
     s = tl.load(scores_ptr + rows[:, None] * stride_s_t + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     drop_key = tl.maximum(_order_key(w) ^ -1, -2147483647)  # ~key: the lowest weight ranks first
     pad_key = tl.maximum(_order_key(s), -2147483647)
-    none = tl.full((BLOCK_T, BLOCK_E), -2147483647 - 1, tl.int32)  # INELIGIBLE
+    none = tl.full((BLOCK_T, BLOCK_E), -2147483647 - 1, tl.int32)  # ineligible
     key = tl.where((f > r)[None, :], tl.where(chosen, drop_key, none), tl.where(chosen, none, pad_key))
     tl.store(keys_ptr + cols[None, :] * T + rows[:, None], key, mask=mask & (f != r)[None, :])
 
