@@ -22,25 +22,11 @@ from pathlib import Path
 import torch
 
 from moeblaze import Router, settings
+from moeblaze.bench.runner import kernel_time_ms
 from moeblaze.kernels import router as fused
 
 SHAPES = [(16384, 1536, 128, 2), (16384, 2048, 128, 8), (16384, 4096, 256, 4), (16384, 2048, 512, 10)]
 SMOKE_SHAPES = [(64, 16, 8, 2)]
-
-
-def gpu_ms(step, reps: int = 10) -> float | None:
-    """Kernel time of one step, summed by torch.profiler (None on the CPU)."""
-    if not torch.cuda.is_available():
-        return None
-    from torch.profiler import ProfilerActivity, profile
-
-    step()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(reps):
-            step()
-        torch.cuda.synchronize()
-    return sum(e.self_device_time_total for e in prof.key_averages()) / reps / 1e3
 
 
 def wall_ms(step) -> float:
@@ -84,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
                     out = router(x)
                     (out.topk_weights.float().square().sum() + out.aux_loss + out.z_loss).backward()
 
-            g, w = gpu_ms(step), wall_ms(step)
+            g, w = kernel_time_ms(step), wall_ms(step)
             rows.append({"date": datetime.date.today().isoformat(),
                          "device": torch.cuda.get_device_name() if cuda else device_cpu, "T": T, "d": d,
                          "E": E, "K": K, "path": name, "gpu_ms": "" if g is None else round(g, 4),

@@ -14,9 +14,9 @@ timed step, per variant on the same weights and inputs:
 ``pairs-sonicmoe``  SonicMoE's ``moe_general_routing_inputs`` on the same pairs (skipped when not importable)
 
 Per variant: the wall time of a step (median of ``triton.testing.do_bench``; CPU ``--smoke``: perf_counter
-median) and its GPU time (:func:`kernel_ms`: kernel time summed by torch.profiler, as the issue's ceiling was
-measured). Rows go to a CSV, with ``share_of_ceiling = (t_topk / t_tr - 1) / (t_topk / t_ceiling - 1)`` on
-GPU times (the issue's target: >= 0.85).
+median) and its GPU time (:func:`moeblaze.bench.runner.kernel_time_ms`: kernel time summed by torch.profiler,
+as the issue's ceiling was measured). Rows go to a CSV, with
+``share_of_ceiling = (t_topk / t_tr - 1) / (t_topk / t_ceiling - 1)`` on GPU times (the issue's target: >= 0.85).
 
 ``rounding``: :func:`moeblaze.round_tokens` alone at the same shapes (wall ms; GPU: kernel time too).
 ``select``: the Triton selections alone per select-kernel warp count (GPU).
@@ -46,6 +46,7 @@ import torch
 
 from moeblaze import MoE, moe_experts, moe_experts_general, round_tokens, settings, tile_multiple
 from moeblaze.backends import get_backend
+from moeblaze.bench.runner import kernel_time_ms
 from moeblaze.token_rounding import round_counts, round_tokens_fused
 
 SHAPES = [(16384, 1536, 1024, 128, 2), (16384, 4096, 1024, 256, 4), (16384, 2048, 512, 512, 10)]
@@ -83,26 +84,6 @@ def timer(device):
         return statistics.median(times)
 
     return cpu
-
-
-def kernel_ms(step, reps: int = 10, table: int = 0) -> float | None:
-    """GPU time of one step: the device time of every kernel (and copy) it runs, summed by torch.profiler over
-    ``reps`` steps, per step. Host time between launches does not count: at these sizes a layer step's host
-    path (~5-7 ms on the H100 machine, issue 24) is as long as its kernels, so wall time would compare the
-    host paths. None on the CPU."""
-    if not torch.cuda.is_available():
-        return None
-    from torch.profiler import ProfilerActivity, profile
-
-    step()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(reps):
-            step()
-        torch.cuda.synchronize()
-    if table:
-        print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=table), flush=True)
-    return sum(e.self_device_time_total for e in prof.key_averages()) / reps / 1e3
 
 
 def layer_steps(shape, device, dtype, backend, tile=None, sonic=True):
@@ -197,7 +178,7 @@ def run_speed(args) -> int:
         for name, step in steps.items():
             if args.breakdown:
                 print(f"{shape} {name}: the kernels with the most GPU time", flush=True)
-            gpu[name] = kernel_ms(step, table=args.breakdown)
+            gpu[name] = kernel_time_ms(step, table=args.breakdown)
         t_ref = gpu if device == "cuda" else ms  # the share: GPU time where there is one
         gain = t_ref["topk"] / t_ref["ceiling"] - 1
         share = (t_ref["topk"] / t_ref["tr-nr"] - 1) / gain if gain else None
@@ -223,8 +204,8 @@ def run_rounding(args) -> int:
     ``torch`` (:func:`moeblaze.round_tokens` with its PyTorch selections, ``fused_rounding=off``), and on the
     GPU ``kernels`` (the Triton selections) and ``kernels-compiled`` (:func:`round_tokens_fused`: the rest
     through ``torch.compile``): wall ms by :func:`timer` (as the layer variants), and on the GPU its kernel
-    time (:func:`kernel_ms`; ``--breakdown N`` prints the N kernels with the most time). On the CPU one
-    intra-op thread (a proxy of the work, not of GPU time)."""
+    time (:func:`moeblaze.bench.runner.kernel_time_ms`; ``--breakdown N`` prints the N kernels with the most
+    time). On the CPU one intra-op thread (a proxy of the work, not of GPU time)."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cpu":
         torch.set_num_threads(1)
@@ -242,7 +223,7 @@ def run_rounding(args) -> int:
                 with settings.override(fused_rounding=fused):
                     fn(scores, ids, w, 128, "nr")
 
-            ms, gpu = bench(step), kernel_ms(step, table=args.breakdown)
+            ms, gpu = bench(step), kernel_time_ms(step, table=args.breakdown)
             rows.append({"date": datetime.date.today().isoformat(),
                          "device": torch.cuda.get_device_name() if device == "cuda" else "cpu, 1 thread",
                          "T": T, "E": E, "K": K, "tile": 128, "path": path, "ms": round(ms, 3),

@@ -35,7 +35,7 @@ from .baselines import Impl, ImplOptions, LayerWeights, make_weights
 from .configs import BenchConfig
 
 __all__ = ["Row", "RunOptions", "DTYPES", "ISOLATE_MODES", "measure_impl",
-           "layer_inputs", "flush_buffer", "oom_row", "cuda_time_ms", "require_cuda", "NoCudaError"]
+           "layer_inputs", "flush_buffer", "oom_row", "cuda_time_ms", "kernel_time_ms", "require_cuda", "NoCudaError"]
 
 MIB = 1 << 20
 ISOLATE_MODES = ("auto", "all", "none")
@@ -170,6 +170,26 @@ def cuda_time_ms(step: Callable[[], None], reps: int, flush: torch.Tensor | None
         e.record()
     torch.cuda.synchronize()
     return [s.elapsed_time(e) for s, e in zip(starts, ends)]
+
+
+def kernel_time_ms(step: Callable[[], None], reps: int = 10, table: int = 0) -> float | None:
+    """GPU time of one ``step``: the device time of every kernel (and copy) it runs, summed by torch.profiler
+    over ``reps`` steps, per step in ms. Host time between launches does not count (a layer step's host path
+    at a few thousand tokens is as long as its kernels, issue 24, so wall time would compare host paths).
+    ``table > 0`` prints the ``table`` kernels with the most GPU time. None without CUDA."""
+    if not torch.cuda.is_available():
+        return None
+    from torch.profiler import ProfilerActivity, profile
+
+    step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            step()
+        torch.cuda.synchronize()
+    if table:
+        print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=table), flush=True)
+    return sum(e.self_device_time_total for e in prof.key_averages()) / reps / 1e3
 
 
 def _make_step(fn: Callable, x: torch.Tensor, dout: torch.Tensor,
