@@ -186,17 +186,16 @@ def _round_tokens(scores, topk_ids, topk_weights, tile, mode, generator, scale, 
                                         topk_weights.detach().contiguous(), f, target, J)
     else:
         kept, pad_tok = _select_torch(scores.detach(), ids, topk_weights.detach(), f, target, J)
-    experts = torch.arange(E, dtype=torch.int32, device=dev)
-    pad_ids = torch.where(torch.arange(J, device=dev)[:, None] < (target - f)[None, :], experts[None, :], E)
-    pad_w = (scores[pad_tok.long(), experts.long()[None, :]] * scale).to(topk_weights.dtype)
     tok = torch.arange(T, dtype=torch.int32, device=dev).repeat_interleave(K)
     if not J:  # no pad candidates ("down"): the top-k pairs as they are, already in token order
         return TokenRounding(tok, kept.reshape(-1), topk_weights.reshape(-1).clone(), target)
+    experts = torch.arange(E, dtype=torch.int32, device=dev)
+    pad_ids = torch.where(torch.arange(J, device=dev)[:, None] < (target - f)[None, :], experts[None, :], E)
+    pad_w = (scores[pad_tok.long(), experts.long()[None, :]] * scale).to(topk_weights.dtype)
     pos = _merged_positions(pad_tok.reshape(-1), T, K)
-    P = T * K + pad_tok.numel()
-    return TokenRounding(_place(P, pos, tok, pad_tok.reshape(-1)),
-                         _place(P, pos, kept.reshape(-1), pad_ids.to(torch.int32).reshape(-1)),
-                         _place(P, pos, topk_weights.reshape(-1), pad_w.reshape(-1)), target)
+    return TokenRounding(_place(pos, tok, pad_tok.reshape(-1)),
+                         _place(pos, kept.reshape(-1), pad_ids.to(torch.int32).reshape(-1)),
+                         _place(pos, topk_weights.reshape(-1), pad_w.reshape(-1)), target)
 
 
 def _merged_positions(pad_tok: torch.Tensor, T: int, K: int) -> torch.Tensor:
@@ -217,10 +216,10 @@ def _merged_positions(pad_tok: torch.Tensor, T: int, K: int) -> torch.Tensor:
     return torch.cat((topk_pos, pad_pos))
 
 
-def _place(P: int, pos: torch.Tensor, topk_part: torch.Tensor, pad_part: torch.Tensor) -> torch.Tensor:
-    """``[P]``: the top-k part's and then the pad part's values at their positions ``pos`` (a permutation)."""
+def _place(pos: torch.Tensor, topk_part: torch.Tensor, pad_part: torch.Tensor) -> torch.Tensor:
+    """The top-k part's and then the pad part's values, each moved to its position ``pos`` (a permutation)."""
     values = torch.cat((topk_part, pad_part))
-    return values.new_empty(P).index_put_((pos,), values)
+    return torch.empty_like(values).index_put_((pos,), values)
 
 
 _INELIGIBLE = -(2**31)

@@ -11,9 +11,9 @@ tokens per GPU, host time the GPU waits for. Here, from the fp32 logits ``[T, E]
   number, where ``torch.topk`` ranks NaN first; a NaN logit makes its whole row NaN either way) and weights (renormalised to sum 1 and scaled when asked), and per-block partial sums for the
   losses: pairs per expert, summed probabilities per expert, summed squared logsumexp;
 * :func:`router_loss_kernel` (one program per 32 experts and one for the z-loss; fixed summation orders, so
-  the losses are bitwise reproducible): the totals, ``aux = c_aux * <counts, sum_t probs_t>`` (its per-block
-  terms summed by one ``sum``) (Switch eq. 4 with
-  ``c_aux = coef * E / (T*K * T)``) and ``z = c_z * sum_t lse_t^2`` (ST-MoE eq. 5, ``c_z = coef / T``);
+  the losses are bitwise reproducible): the totals, ``aux = c_aux * <counts, sum_t probs_t>`` (Switch eq. 4
+  with ``c_aux = coef * E / (T*K * T)``; its per-block terms summed by one ``sum``) and
+  ``z = c_z * sum_t lse_t^2`` (ST-MoE eq. 5, ``c_z = coef / T``);
 * :func:`router_topk_bwd_kernel`: ``dlogits`` from the gradients of the weights, the probabilities
   (used by token rounding), the aux loss and the z-loss: the top-K scatter, the renormalisation's
   Jacobian, ``daux * c_aux * counts_e`` on every probability, then the softmax backward
