@@ -22,6 +22,11 @@ first step compiles its GEMMs (minutes on an empty QuACK cache: carry QUACK_CACH
     python benchmarks/bench_hf.py --impls grouped_mm,moeblaze --modes bf16,amp --set num_hidden_layers=2 \
         --vocab-size 32000 --batch-size 2 --seq-len 4096 --out hf_amp.csv    # issue 27's model (b)
     python benchmarks/bench_hf.py --smoke --out /tmp/hf_smoke.csv           # CPU, tiny model, 3 steps
+    python benchmarks/bench_hf.py --plot-from docs/results-hf.csv --batch-size 32 --plot docs/plots/hf-loss.png
+
+``--plot`` draws the loss curves (a 10-step moving mean over the raw losses) of this run's implementations, or with
+``--plot-from`` those of each implementation's latest run in a CSV at ``--batch-size`` x ``--seq-len`` tokens per
+step (the rows of runs made in several calls side by side).
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.integrations.moe import ExpertsInterface
 
 import moeblaze.integrations.transformers  # noqa: F401  (registers "moeblaze")
+from moeblaze.bench.results import git_commit
 from moeblaze.data import get_batch, load_corpus
 
 FULL = dict(hidden_size=2048, num_hidden_layers=4, num_attention_heads=16, num_key_value_heads=4, head_dim=128,
@@ -47,7 +53,8 @@ FULL = dict(hidden_size=2048, num_hidden_layers=4, num_attention_heads=16, num_k
 SMOKE = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
              moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True)
 COLUMNS = ["date", "device", "impl", "mode", "step", "tokens", "loss", "step_ms", "peak_mib", "params", "note",
-           "resident_mib"]
+           "resident_mib", "commit", "command"]
+TAIL = 50  # steps over which the loss gap to grouped_mm is compared with grouped_mm's own step-to-step spread
 
 
 def sonicmoe_local_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
@@ -98,10 +105,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--vocab-size", type=int, default=256, help="embedding rows (the byte data uses 256 of them)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=INT", help="override a config field")
     p.add_argument("--data", help="text file or folder (default: the standard library's .py files)")
-    p.add_argument("--out", required=True, help="CSV path (rows appended; header written when new)")
+    p.add_argument("--out", help="CSV path (rows appended; header written when new)")
+    p.add_argument("--commit", help="code version recorded in the rows (default: git's HEAD here, +dirty)")
+    p.add_argument("--plot", help="PNG of the loss curves")
+    p.add_argument("--plot-from", help="only draw --plot from this CSV (each implementation's latest run at "
+                   "--batch-size x --seq-len tokens per step); no training")
     p.add_argument("--smoke", action="store_true", help="tiny model, 3 steps, on the CPU")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
+    if not args.out and not args.plot_from:
+        p.error("--out is required (unless --plot-from)")
+    if args.plot_from and not args.plot:
+        p.error("--plot-from needs --plot")
     if args.smoke:
         args.steps, args.warmup, args.batch_size, args.seq_len = 3, 1, 2, 32
     return args
@@ -155,11 +170,16 @@ def train(args, mode: str, impl: str, train_bytes) -> list[dict]:
     return rows
 
 
-def summary(rows: list[dict], warmup: int) -> list[str]:
-    """One printed line per (implementation, mode)."""
+def _runs(rows: list[dict]) -> dict[tuple[str, str], list[dict]]:
     runs: dict[tuple[str, str], list[dict]] = {}
     for r in rows:
         runs.setdefault((r["impl"], r["mode"]), []).append(r)
+    return runs
+
+
+def summary(rows: list[dict], warmup: int) -> list[str]:
+    """One printed line per (implementation, mode)."""
+    runs = _runs(rows)
     ref = {mode: statistics.mean(r["loss"] for r in rs[-10:] if r["note"] == "")
            for (impl, mode), rs in runs.items() if impl == "grouped_mm" and rs[0]["note"] == ""}
     lines = [f"{'impl':<16}{'mode':<6}{'step ms':>10}{'tokens/s':>12}{'peak MiB':>11}{'above resident':>16}"
@@ -175,7 +195,71 @@ def summary(rows: list[dict], warmup: int) -> list[str]:
         above = max(r["peak_mib"] - r["resident_mib"] for r in rs[1:] or rs)  # past the optimizer state's creation
         lines.append(f"{impl:<16}{mode:<6}{ms:>10.1f}{rs[0]['tokens'] / ms * 1e3:>12,.0f}"
                      f"{max(r['peak_mib'] for r in rs):>11,.0f}{above:>16,.0f}{loss:>14.4f}{gap:>15}")
+    return lines + comparisons(runs, warmup)
+
+
+def comparisons(runs: dict[tuple[str, str], list[dict]], warmup: int) -> list[str]:
+    """Issue 22's three targets per mode, for the implementations measured: moeblaze's peak as a share of
+    grouped_mm's, its step time against SonicMoE's (same call only: the rows passed in), and the mean loss gap
+    to grouped_mm over the last ``TAIL`` steps beside grouped_mm's own step-to-step standard deviation there."""
+    lines = []
+    ok = {k: rs for k, rs in runs.items() if rs[0]["note"] == ""}
+    for (impl, mode), rs in ok.items():
+        if not impl.startswith("moeblaze"):
+            continue
+        ref, sonic = ok.get(("grouped_mm", mode)), ok.get(("sonicmoe-local", mode))
+        peak = max(r["peak_mib"] for r in rs)
+        if ref and math.isfinite(peak):
+            lines.append(f"{impl} {mode}: peak {100 * peak / max(r['peak_mib'] for r in ref):.1f}% of grouped_mm's")
+        if sonic:
+            med = [statistics.median(r["step_ms"] for r in (x[warmup:] or x)) for x in (rs, sonic)]
+            lines.append(f"{impl} {mode}: step {med[0]:.1f} ms vs SonicMoE {med[1]:.1f} ms ({med[1] / med[0]:.3f}x)")
+        n = min(TAIL, len(rs), len(ref or [])) if ref else 0
+        if n >= 2:
+            gaps = [a["loss"] - b["loss"] for a, b in zip(rs[-n:], ref[-n:])]
+            noise = statistics.stdev(r["loss"] for r in ref[-n:])
+            lines.append(f"{impl} {mode}: loss gap to grouped_mm over the last {n} steps {statistics.mean(gaps):+.4f} "
+                         f"(grouped_mm's step-to-step std {noise:.4f})")
     return lines
+
+
+def plot_losses(rows: list[dict], path: str, title: str) -> None:
+    """Loss against step per (implementation, mode): raw losses faint, their 10-step moving mean drawn over them."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for (impl, mode), rs in _runs(rows).items():
+        if rs[0]["note"]:
+            continue
+        steps, losses = [r["step"] for r in rs], [r["loss"] for r in rs]
+        mean = [statistics.mean(losses[max(0, i - 9):i + 1]) for i in range(len(losses))]
+        (line,) = ax.plot(steps, mean, label=f"{impl} ({mode})")
+        ax.plot(steps, losses, color=line.get_color(), alpha=0.2, linewidth=0.8)
+    ax.set_xlabel("step")
+    ax.set_ylabel("training loss (LM + aux), nats")
+    ax.set_title(title, fontsize=9)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def latest_runs(path: str, tokens: int) -> list[dict]:
+    """From a CSV of this script, each (implementation, mode)'s latest run (by date) at ``tokens`` per step."""
+    with open(path, newline="") as f:
+        rows = [r for r in csv.DictReader(f) if r["step"] != "-1" and int(r["tokens"]) == tokens]
+    newest: dict[tuple[str, str], str] = {}
+    for r in rows:
+        key = (r["impl"], r["mode"])
+        newest[key] = max(newest.get(key, ""), r["date"])
+    out = [dict(r, step=int(r["step"]), loss=float(r["loss"]))
+           for r in rows if r["date"] == newest[(r["impl"], r["mode"])]]
+    if not out:
+        raise SystemExit(f"{path}: no rows at {tokens} tokens per step")
+    return out
 
 
 def append_rows(path: str, rows: list[dict]) -> None:
@@ -190,12 +274,21 @@ def append_rows(path: str, rows: list[dict]) -> None:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
+    if args.plot_from:
+        rows = latest_runs(args.plot_from, args.batch_size * args.seq_len)
+        dates = sorted({r["date"] for r in rows})
+        plot_losses(rows, args.plot, f"transformers Qwen3-MoE, {args.batch_size} x {args.seq_len} tokens per step, "
+                    f"{rows[0]['device']}, {dates[0]}{' to ' + dates[-1] if len(dates) > 1 else ''}")
+        print(f"wrote {args.plot}")
+        return
     ExpertsInterface.register("sonicmoe-local", sonicmoe_local_forward)
     # moeblaze saving only x and the index (the up-projection recomputed in backward): less memory, more compute
     ExpertsInterface.register("moeblaze-input", moeblaze.integrations.transformers.make_experts_forward(save="input"))
     corpus = load_corpus(args.data, min_bytes=args.seq_len + 2)
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    command = "python3 benchmarks/bench_hf.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    stamp = {"date": date, "device": device, "commit": args.commit or git_commit(), "command": command}
     print(f"{device}, torch {torch.__version__}, {args.batch_size} x {args.seq_len} tokens per step, {args.steps} "
           f"steps, {' '.join(sys.argv[1:])}")
     rows = []
@@ -213,11 +306,14 @@ def main(argv=None) -> None:
                 rows.append(dict(impl=impl, mode=mode, step=-1, tokens=0, loss=math.nan, step_ms=math.nan,
                                  peak_mib=math.nan, params=0, note=f"skipped: {why}", resident_mib=math.nan))
             mine = [r for r in rows if r["impl"] == impl and r["mode"] == mode]
-            print(summary(mine, args.warmup)[-1], flush=True)
-            append_rows(args.out, [{"date": date, "device": device, **r} for r in mine])  # a cut run keeps these
+            print(summary(mine, args.warmup)[1], flush=True)
+            append_rows(args.out, [{**stamp, **r} for r in mine])  # a cut run keeps these
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
     print("\n".join(summary(rows, args.warmup)))
+    if args.plot:
+        plot_losses(rows, args.plot, f"transformers Qwen3-MoE, {args.batch_size} x {args.seq_len} tokens per step, "
+                    f"{device}, {date}")
     print(f"rows appended to {args.out}")
 
 

@@ -15,6 +15,7 @@ so a variable set after import still counts (a dictionary read, ~0.2 µs, on the
 | ``compile_rounding`` | ``MOEBLAZE_COMPILE_ROUNDING`` | ``auto``, on, off | token rounding compiled (auto: CUDA) |
 | ``fused_router`` | ``MOEBLAZE_FUSED_ROUTER`` | ``auto``, on, off | softmax top-k router in Triton (auto: CUDA) |
 | ``fused_rounding`` | ``MOEBLAZE_FUSED_ROUNDING`` | ``auto``, on, off | rounding's selections in Triton (auto: CUDA) |
+| ``dx_chunk`` | ``MOEBLAZE_DX_CHUNK`` | ``auto``, ``off``, columns | B3's ``[N, d]`` buffer in column chunks |
 
 ``TRITON_INTERPRET`` is Triton's own variable (read by Triton when it compiles); :func:`interpreting` reports it.
 torchrun's ``RANK``, ``WORLD_SIZE`` and ``LOCAL_RANK``: :func:`launcher_env`.
@@ -59,6 +60,19 @@ def _auto_bool(name: str, raw: str) -> bool | None:
         raise ValueError(f"{name} must be auto or a boolean (1/0, true/false, on/off), got {raw!r}") from None
 
 
+def _chunk(name: str, raw: str) -> int | str:
+    """``auto``, ``off`` or a positive column count that is a multiple of 16 (16-byte aligned chunk starts)."""
+    if raw in ("auto", "off"):
+        return raw
+    try:
+        cols = int(raw)
+    except ValueError:
+        cols = 0
+    if cols <= 0 or cols % 16:
+        raise ValueError(f"{name} must be auto, off or a positive multiple of 16 (columns), got {raw!r}")
+    return cols
+
+
 # name -> (environment variable, parser of a string, default value)
 SETTINGS: dict[str, tuple[str, Callable[[str, str], Any], Any]] = {
     "backend": ("MOEBLAZE_BACKEND", _choice("auto", "torch", "triton"), "auto"),
@@ -70,6 +84,7 @@ SETTINGS: dict[str, tuple[str, Callable[[str, str], Any], Any]] = {
     "compile_rounding": ("MOEBLAZE_COMPILE_ROUNDING", _auto_bool, None),
     "fused_router": ("MOEBLAZE_FUSED_ROUTER", _auto_bool, None),
     "fused_rounding": ("MOEBLAZE_FUSED_ROUNDING", _auto_bool, None),
+    "dx_chunk": ("MOEBLAZE_DX_CHUNK", _chunk, "auto"),
 }
 
 _configured: dict[str, Any] = {}

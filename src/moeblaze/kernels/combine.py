@@ -68,7 +68,7 @@ _GATHER_SUM = Launchable(gather_sum_kernel, gather_sum_configs, key=["D", "K", "
 
 def gather_sum(src: torch.Tensor, token_index_map: torch.Tensor, weights: torch.Tensor | None,
                out_dtype: torch.dtype, local_slots: torch.Tensor | None = None,
-               pair_offsets: torch.Tensor | None = None) -> torch.Tensor:
+               pair_offsets: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """``out[t] = sum_k (weights[t, k] *) src[token_index_map[t, k]]`` in fp32, returned in ``out_dtype``.
 
     Args:
@@ -79,6 +79,8 @@ def gather_sum(src: torch.Tensor, token_index_map: torch.Tensor, weights: torch.
         local_slots: ``[1]`` int32 on the device; slots at or past it count as zero (foreign experts).
         pair_offsets: ``[T+1]`` int32 CSR of general routing: token t sums pairs
             ``pair_offsets[t]:pair_offsets[t+1]`` in order (``k = p - pair_offsets[t]``).
+        out: ``[T, D]`` in ``out_dtype`` with unit column stride to write into (e.g. a column slice of a wider
+            result: B5 over one column chunk of ``dx``); a new tensor when None.
     """
     csr = pair_offsets is not None
     if csr:
@@ -88,7 +90,8 @@ def gather_sum(src: torch.Tensor, token_index_map: torch.Tensor, weights: torch.
     else:
         T, K = token_index_map.shape
     D = src.shape[1]
-    out = torch.empty(T, D, dtype=out_dtype, device=src.device)
+    if out is None:
+        out = torch.empty(T, D, dtype=out_dtype, device=src.device)
     if T == 0 or D == 0:
         return out
     w = weights if weights is not None else token_index_map  # dummy pointer when HAS_W is off

@@ -30,6 +30,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .. import settings
 from ..activations import DEFAULT_ACT, GATED, ActArgs, check_activation
 from ..dispatch import DispatchIndex, with_schedule
 from ..shared_ops import bias_dot, slot_weights
@@ -39,7 +40,7 @@ from .bias_grad import segment_sum
 from .combine import gather_sum
 from .custom_ops import call_op
 from .grouped_gemm import B_DESC_INTERLEAVED, EPILOGUE_ACT_FWD
-from .launch import grouped_gemm, grouped_wgrad, interleaved_desc_ok, rounds_tf32
+from .launch import b_desc_mode, grouped_gemm, grouped_wgrad, interleaved_desc_ok, rounds_tf32
 from .tuning import block_m
 
 __all__ = ["up_forward", "up_backward", "down_forward", "down_backward", "bias_grad"]
@@ -313,6 +314,55 @@ def down_backward(dout: Tensor, pre: Tensor, w2: Tensor, topk_weights: Tensor, i
 
 # ---------------------------------------------------------------- B3-B5: up-projection backward
 
+# Chunking pays only where the [N, d] buffer is a real share of the backward's memory; below this the extra
+# launches (two per chunk) would only add host time, which dominates at few tokens (issue 24).
+_DX_CHUNK_MIN_BYTES = 256 * 2**20
+# Narrower chunks make B3 re-read its A operand (dpre) from memory once per chunk: at W columns a
+# 650 TF/s GEMM asks 650e12 / W bytes/s of it, 1.3 TB/s at W = 512, under half the H100's bandwidth.
+_DX_CHUNK_MIN_COLS = 512
+
+
+def dx_column_chunks(num_slots: int, d: int, rows: int, elem: int) -> list[tuple[int, int]]:
+    """Column ranges ``[(c0, c1), ...]`` of ``d`` in which B3 computes ``dx_slots`` and B5 sums it.
+
+    Setting ``dx_chunk``: ``off`` one chunk; a column count, chunks that wide; ``auto`` (default) chunks no
+    wider than ``max(512, rows // 2)`` (rounded down to 128) once the whole ``[N, d]`` buffer would reach
+    256 MiB. Why: that buffer (``2Nd`` bytes in 16-bit) is the largest transient of the backward when d > h
+    and sets its peak (Qwen3-30B-A3B's shape, d 2048, h 768: 4096N bytes against ``pre``'s 3072N); a chunk no
+    wider than h is no larger than the ``[N, h]`` buffer that B1 allocates anyway. Each chunk start is a
+    multiple of 16 columns (16-byte aligned TMA bases).
+    """
+    mode = settings.get("dx_chunk")
+    if mode == "off":
+        return [(0, d)]
+    if mode == "auto":
+        if num_slots * d * elem < _DX_CHUNK_MIN_BYTES:
+            return [(0, d)]
+        width = max(_DX_CHUNK_MIN_COLS, rows // 2 // 128 * 128)
+    else:
+        width = mode
+    return [(c, min(c + width, d)) for c in range(0, d, width)]
+
+
+def _dx_by_column_chunks(dpre, w1, offsets, indices, sched, token_index_map, foreign, pair_offsets, T):
+    """B3 ``dx_slots = dpre W1[e]`` and B5 ``dx[t] = sum_k dx_slots[map[t,k]]``, one column chunk of d at a time
+    through one ``[N, width]`` buffer (:func:`dx_column_chunks`); the same sums as one chunk of width d."""
+    N, rows, d = indices.numel(), w1.shape[1], w1.shape[2]
+    chunks = dx_column_chunks(N, d, rows, dpre.element_size())
+    # a column slice of w1 must keep its TMA weight reads (a transposed-view weight would fall to pointer loads)
+    if len(chunks) > 1 and b_desc_mode(w1[:, :, :chunks[0][1]], False, rows) != b_desc_mode(w1, False, rows):
+        chunks = [(0, d)]
+    dx = dpre.new_empty(T, d)
+    buf = dpre.new_empty(N, max(c1 - c0 for c0, c1 in chunks))
+    for c0, c1 in chunks:
+        out = buf[:, :c1 - c0]
+        grouped_gemm(dpre, w1[:, :, c0:c1], out, offsets, indices, sched, b_nk=False, n_cols=c1 - c0, k_dim=rows,
+                     gather_a=False, a_tf32=True)
+        gather_sum(out, token_index_map, None, dpre.dtype, _local_slots(offsets, foreign), pair_offsets,
+                   out=dx[:, c0:c1])
+    return dx  # the buffer is freed on return, before dW1 is allocated: off the backward's peak
+
+
 def _up_backward_impl(dpre, x, w1, offsets, indices, tile_expert, tile_row, num_tiles, token_index_map, foreign,
                       need_dx, need_dw, pair_offsets=None, dw_dtype=None):
     sched = (tile_expert, tile_row, num_tiles)
@@ -326,11 +376,7 @@ def _up_backward_impl(dpre, x, w1, offsets, indices, tile_expert, tile_row, num_
             grouped_gemm(dpre, w1, dx, offsets, indices, sched, b_nk=False, n_cols=d, k_dim=rows, gather_a=False,
                          scatter_c=True, a_tf32=True)
         else:
-            dx_slots = x.new_empty(indices.numel(), d)
-            grouped_gemm(dpre, w1, dx_slots, offsets, indices, sched, b_nk=False, n_cols=d, k_dim=rows,
-                         gather_a=False, a_tf32=True)
-            dx = gather_sum(dx_slots, token_index_map, None, x.dtype, _local_slots(offsets, foreign), pair_offsets)
-            del dx_slots  # freed before dW1 is allocated: N*d*2 bytes off the backward's peak
+            dx = _dx_by_column_chunks(dpre, w1, offsets, indices, sched, token_index_map, foreign, pair_offsets, T)
     if need_dw:
         # as dW1[e]^T = sum_s x[token]^T dpre[s]: the gathered operand on the A side (moeblaze.kernels.wgrad)
         flip = _stored_transposed(w1)  # [E, d, rows] storage (GPT-OSS): the plain products, viewed back
