@@ -130,8 +130,10 @@ def build(args, mode: str, impl: str) -> torch.nn.Module:
                                   output_router_logits=True, **fields)
     torch.manual_seed(args.seed)
     dtype = torch.bfloat16 if mode == "bf16" else torch.float32
-    model = AutoModelForCausalLM.from_config(config, dtype=dtype, experts_implementation=impl)
-    return model.to("cuda" if torch.cuda.is_available() else "cpu").train()
+    # built and initialised on the GPU: the 2.46B-parameter model's CPU initialisation took ~1 min per implementation
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, experts_implementation=impl)
+    return model.train()
 
 
 def train(args, mode: str, impl: str, train_bytes) -> list[dict]:

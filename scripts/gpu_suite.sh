@@ -72,7 +72,8 @@ PY
 }
 sonic_peers() {  # SonicMoE 0.1.2 from .peers/ (when present) with the QuACK kernel cache of an earlier call
   if [[ -f .peers/install.sh ]]; then source .peers/install.sh /tmp/peers >/dev/null; fi
-  export QUACK_COMPILE_WORKERS="${QUACK_COMPILE_WORKERS:-16}" QUACK_CACHE_DIR="${QUACK_CACHE_DIR:-/tmp/quack_cache}"
+  export QUACK_COMPILE_WORKERS="${QUACK_COMPILE_WORKERS:-16}" QUACK_CACHE_DIR="${QUACK_CACHE_DIR:-/tmp/quack_cache}" \
+    QUACK_CACHE_AUTOTUNING=1
   mkdir -p "$QUACK_CACHE_DIR"
   if [[ -f .peers/quack_cache.tgz ]]; then tar -xzf .peers/quack_cache.tgz -C "$QUACK_CACHE_DIR"; fi
 }
@@ -143,7 +144,8 @@ for stage in "$@"; do
       sonic_peers
       # shellcheck disable=SC2086
       run bench_hf timeout "${HF_TIMEOUT:-580}" python3 benchmarks/bench_hf.py ${HF_ARGS:---steps 150 --warmup 10} \
-        --out "$OUT/hf_train.csv" ;;
+        --out "$OUT/hf_train.csv"
+      if [[ -n "$(ls -A "$QUACK_CACHE_DIR")" ]]; then tar -czf "$FINAL/quack_cache.tgz" -C "$QUACK_CACHE_DIR" .; fi ;;
     trq) run tr_quality timeout "${TRAIN_TIMEOUT:-580}" python3 benchmarks/bench_token_rounding.py quality \
           --out-dir "$OUT/tr_quality" ;;
     *) echo "unknown stage $stage"; status=2 ;;
