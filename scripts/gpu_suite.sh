@@ -17,9 +17,9 @@
 #   tr         benchmarks/bench_token_rounding.py speed (token rounding vs top-k vs the ceiling, SonicMoE fed the same pairs)
 #   trq        benchmarks/bench_token_rounding.py quality (moeblaze train with top-k and with token rounding nr)
 #   rounding   benchmarks/bench_token_rounding.py rounding (round_tokens alone: wall and GPU kernel time)
-#   dxchunk    moeblaze bench with B3/B5 in one chunk and in column chunks (setting dx_chunk off / auto, alternating,
-#              fixed configs): layer time and peak at $DXCHUNK_CONFIGS (default qwen3-30b-a3b,olmoe-1b-7b,sonicmoe-7b)
-#              and $DXCHUNK_TOKENS tokens (default 65536)
+#   chunks    moeblaze bench with F2/F3 and B3/B5 in one chunk and in column chunks (setting chunk_cols off / auto, alternating,
+#              fixed configs): layer time and peak at $CHUNKS_CONFIGS (default qwen3-30b-a3b,olmoe-1b-7b,sonicmoe-7b)
+#              and $CHUNKS_TOKENS tokens (default 65536)
 #   hf         benchmarks/bench_hf.py $HF_ARGS (default: the transformers Qwen3-MoE with grouped_mm, SonicMoE and
 #              moeblaze, 150 steps; e.g. HF_ARGS="--impls grouped_mm,moeblaze --batch-size 32 --steps 20" for the
 #              peak memory at 32 x 2048 tokens per step), SonicMoE from .peers/ with its QuACK cache
@@ -133,11 +133,11 @@ for stage in "$@"; do
     tr)  # SonicMoE's moe_general_routing_inputs row needs .peers/ (and its QuACK cache, as the bench stage)
       sonic_peers
       run bench_tr timeout "${TR_TIMEOUT:-580}" python3 benchmarks/bench_token_rounding.py speed --out "$OUT/token_rounding.csv" ;;
-    dxchunk)
-      for spec in 1:off 2:auto 3:off 4:auto; do
-        run "bench_dxchunk_${spec/:/_}" env MOEBLAZE_DX_CHUNK="${spec#*:}" MOEBLAZE_AUTOTUNE=0 python3 -m moeblaze.cli \
-          bench --configs "${DXCHUNK_CONFIGS:-qwen3-30b-a3b,olmoe-1b-7b,sonicmoe-7b}" --tokens "${DXCHUNK_TOKENS:-65536}" \
-          --impls moeblaze --target-s 0.5 --out "$OUT/dxchunk_${spec/:/_}"
+    chunks)
+      for spec in ${CHUNKS_SPECS:-1:off 2:auto 3:off 4:auto}; do
+        run "bench_chunks_${spec/:/_}" env MOEBLAZE_CHUNK_COLS="${spec#*:}" MOEBLAZE_AUTOTUNE=0 python3 -m moeblaze.cli \
+          bench --configs "${CHUNKS_CONFIGS:-qwen3-30b-a3b,olmoe-1b-7b,sonicmoe-7b}" --tokens "${CHUNKS_TOKENS:-65536}" \
+          --impls moeblaze --target-s 0.5 --out "$OUT/chunks_${spec/:/_}"
       done ;;
     rounding) run bench_rounding python3 benchmarks/bench_token_rounding.py rounding --out "$OUT/rounding.csv" ;;
     hf)

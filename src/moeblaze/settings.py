@@ -15,7 +15,7 @@ so a variable set after import still counts (a dictionary read, ~0.2 µs, on the
 | ``compile_rounding`` | ``MOEBLAZE_COMPILE_ROUNDING`` | ``auto``, on, off | token rounding compiled (auto: CUDA) |
 | ``fused_router`` | ``MOEBLAZE_FUSED_ROUTER`` | ``auto``, on, off | softmax top-k router in Triton (auto: CUDA) |
 | ``fused_rounding`` | ``MOEBLAZE_FUSED_ROUNDING`` | ``auto``, on, off | rounding's selections in Triton (auto: CUDA) |
-| ``dx_chunk`` | ``MOEBLAZE_DX_CHUNK`` | ``auto``, ``off``, columns | B3's ``[N, d]`` buffer in column chunks |
+| ``chunk_cols`` | ``MOEBLAZE_CHUNK_COLS`` | ``auto``, ``off``, columns | F2's / B3's ``[N, d]`` in column chunks |
 
 ``TRITON_INTERPRET`` is Triton's own variable (read by Triton when it compiles); :func:`interpreting` reports it.
 torchrun's ``RANK``, ``WORLD_SIZE`` and ``LOCAL_RANK``: :func:`launcher_env`.
@@ -84,7 +84,7 @@ SETTINGS: dict[str, tuple[str, Callable[[str, str], Any], Any]] = {
     "compile_rounding": ("MOEBLAZE_COMPILE_ROUNDING", _auto_bool, None),
     "fused_router": ("MOEBLAZE_FUSED_ROUTER", _auto_bool, None),
     "fused_rounding": ("MOEBLAZE_FUSED_ROUNDING", _auto_bool, None),
-    "dx_chunk": ("MOEBLAZE_DX_CHUNK", _chunk, "auto"),
+    "chunk_cols": ("MOEBLAZE_CHUNK_COLS", _chunk, "auto"),
 }
 
 _configured: dict[str, Any] = {}

@@ -40,7 +40,7 @@ from .bias_grad import segment_sum
 from .combine import gather_sum
 from .custom_ops import call_op
 from .grouped_gemm import B_DESC_INTERLEAVED, EPILOGUE_ACT_FWD
-from .launch import b_desc_mode, grouped_gemm, grouped_wgrad, interleaved_desc_ok, rounds_tf32
+from .launch import grouped_gemm, grouped_wgrad, interleaved_desc_ok, rounds_tf32
 from .tuning import block_m
 
 __all__ = ["up_forward", "up_backward", "down_forward", "down_backward", "bias_grad"]
@@ -156,6 +156,58 @@ def up_forward(x: Tensor, w1: Tensor, index: DispatchIndex, activation: str, sto
     return (pre if store_pre else None), (act if store_act else None)
 
 
+# ---------------------------------------------------------------- [N, d] slot buffers in column chunks
+
+# Chunking pays only where an [N, d] buffer is a real share of a step's memory; below this the extra launches
+# (two per chunk) would only add host time, which dominates at few tokens (issue 24).
+_CHUNK_MIN_BYTES = 256 * 2**20
+# Narrower chunks make the GEMM re-read its A operand (act, dpre) from memory once per chunk: at W columns a
+# 650 TF/s GEMM asks 650e12 / W bytes/s of it, 1.3 TB/s at W = 512, under half the H100's bandwidth.
+_CHUNK_MIN_COLS = 512
+
+
+def column_chunks(num_slots: int, d: int, h: int, elem: int) -> list[tuple[int, int]]:
+    """Column ranges ``[(c0, c1), ...]`` of ``d`` in which F2 computes ``y`` (and F3 combines it) and B3 computes
+    ``dx_slots`` (and B5 sums it), through one ``[N, width]`` buffer instead of ``[N, d]``.
+
+    Setting ``chunk_cols``: ``off`` one chunk; a column count, chunks that wide; ``auto`` (default) chunks no
+    wider than ``max(512, h)`` (rounded down to 128) once the whole ``[N, d]`` buffer would reach 256 MiB.
+    Why: for d > h these buffers (``2Nd`` bytes in 16-bit) are the largest transients of the layer: ``y`` sits
+    beside ``act [N, h]`` and ``pre [N, 2h]`` in the forward, where a model's last layer holds every earlier
+    layer's activations (the peak of a 4-layer transformers Qwen3-MoE, d 2048, h 768); a chunk no wider than h
+    is no larger than the ``act`` / ``dact'`` buffers the layer has anyway. Chunk starts are multiples of 16
+    columns (16-byte aligned TMA bases). The sums are those of one chunk (each output column's reduction is
+    the same), so results do not depend on the chunking.
+    """
+    mode = settings.get("chunk_cols")
+    if mode == "off":
+        return [(0, d)]
+    if mode == "auto":
+        if num_slots * d * elem < _CHUNK_MIN_BYTES:
+            return [(0, d)]
+        width = max(_CHUNK_MIN_COLS, h // 128 * 128)
+    else:
+        width = mode
+    return [(c, min(c + width, d)) for c in range(0, d, width)]
+
+
+def _gemm_gather_sum(a, w, b_nk, k_dim, offsets, indices, sched, token_index_map, weights, foreign, pair_offsets,
+                     T, d, h, bias=None):
+    """``out[t] = sum_k (w[t,k] *) (a[s] @ W[e] (+ bias[e]))[map[t,k]]`` over column chunks of d
+    (:func:`column_chunks`): F2-F3 (``a = act``, weights and bias) and B3-B5 (``a = dpre``)."""
+    N = indices.numel()
+    chunks = column_chunks(N, d, h, a.element_size())
+    out = a.new_empty(T, d)
+    buf = a.new_empty(N, max(c1 - c0 for c0, c1 in chunks))
+    for c0, c1 in chunks:
+        slots = buf[:, :c1 - c0]
+        grouped_gemm(a, w, slots, offsets, indices, sched, b_nk=b_nk, n_cols=c1 - c0, k_dim=k_dim, gather_a=False,
+                     bias=None if bias is None else bias[:, c0:c1], a_tf32=True, n_start=c0)
+        gather_sum(slots, token_index_map, weights, a.dtype, _local_slots(offsets, foreign), pair_offsets,
+                   out=out[:, c0:c1])
+    return out  # the buffer is freed on return (B3: before dW1 is allocated, off the backward's peak)
+
+
 # ---------------------------------------------------------------- F2-F3: down-projection forward
 
 def _tokens_pairs(token_index_map: Tensor, pair_offsets: Tensor | None) -> tuple[int, int]:
@@ -184,10 +236,8 @@ def _down_forward_impl(act, w2, b2, topk_weights, offsets, indices, tile_expert,
                      scatter_c=True, scale=slot_weights(topk_weights, token_index_map, torch.float32), bias=bias,
                      a_tf32=True)
         return out
-    y = act.new_empty(act.shape[0], d)
-    grouped_gemm(act, w2, y, offsets, indices, sched, b_nk=True, n_cols=d, k_dim=h, gather_a=False, bias=bias,
-                 a_tf32=True)
-    return gather_sum(y, token_index_map, topk_weights, act.dtype, _local_slots(offsets, foreign), pair_offsets)
+    return _gemm_gather_sum(act, w2, True, h, offsets, indices, sched, token_index_map, topk_weights, foreign,
+                            pair_offsets, T, d, h, bias=bias)
 
 
 _down_forward_op = torch.library.custom_op(
@@ -314,55 +364,6 @@ def down_backward(dout: Tensor, pre: Tensor, w2: Tensor, topk_weights: Tensor, i
 
 # ---------------------------------------------------------------- B3-B5: up-projection backward
 
-# Chunking pays only where the [N, d] buffer is a real share of the backward's memory; below this the extra
-# launches (two per chunk) would only add host time, which dominates at few tokens (issue 24).
-_DX_CHUNK_MIN_BYTES = 256 * 2**20
-# Narrower chunks make B3 re-read its A operand (dpre) from memory once per chunk: at W columns a
-# 650 TF/s GEMM asks 650e12 / W bytes/s of it, 1.3 TB/s at W = 512, under half the H100's bandwidth.
-_DX_CHUNK_MIN_COLS = 512
-
-
-def dx_column_chunks(num_slots: int, d: int, rows: int, elem: int) -> list[tuple[int, int]]:
-    """Column ranges ``[(c0, c1), ...]`` of ``d`` in which B3 computes ``dx_slots`` and B5 sums it.
-
-    Setting ``dx_chunk``: ``off`` one chunk; a column count, chunks that wide; ``auto`` (default) chunks no
-    wider than ``max(512, rows // 2)`` (rounded down to 128) once the whole ``[N, d]`` buffer would reach
-    256 MiB. Why: that buffer (``2Nd`` bytes in 16-bit) is the largest transient of the backward when d > h
-    and sets its peak (Qwen3-30B-A3B's shape, d 2048, h 768: 4096N bytes against ``pre``'s 3072N); a chunk no
-    wider than h is no larger than the ``[N, h]`` buffer that B1 allocates anyway. Each chunk start is a
-    multiple of 16 columns (16-byte aligned TMA bases).
-    """
-    mode = settings.get("dx_chunk")
-    if mode == "off":
-        return [(0, d)]
-    if mode == "auto":
-        if num_slots * d * elem < _DX_CHUNK_MIN_BYTES:
-            return [(0, d)]
-        width = max(_DX_CHUNK_MIN_COLS, rows // 2 // 128 * 128)
-    else:
-        width = mode
-    return [(c, min(c + width, d)) for c in range(0, d, width)]
-
-
-def _dx_by_column_chunks(dpre, w1, offsets, indices, sched, token_index_map, foreign, pair_offsets, T):
-    """B3 ``dx_slots = dpre W1[e]`` and B5 ``dx[t] = sum_k dx_slots[map[t,k]]``, one column chunk of d at a time
-    through one ``[N, width]`` buffer (:func:`dx_column_chunks`); the same sums as one chunk of width d."""
-    N, rows, d = indices.numel(), w1.shape[1], w1.shape[2]
-    chunks = dx_column_chunks(N, d, rows, dpre.element_size())
-    # a column slice of w1 must keep its TMA weight reads (a transposed-view weight would fall to pointer loads)
-    if len(chunks) > 1 and b_desc_mode(w1[:, :, :chunks[0][1]], False, rows) != b_desc_mode(w1, False, rows):
-        chunks = [(0, d)]
-    dx = dpre.new_empty(T, d)
-    buf = dpre.new_empty(N, max(c1 - c0 for c0, c1 in chunks))
-    for c0, c1 in chunks:
-        out = buf[:, :c1 - c0]
-        grouped_gemm(dpre, w1[:, :, c0:c1], out, offsets, indices, sched, b_nk=False, n_cols=c1 - c0, k_dim=rows,
-                     gather_a=False, a_tf32=True)
-        gather_sum(out, token_index_map, None, dpre.dtype, _local_slots(offsets, foreign), pair_offsets,
-                   out=dx[:, c0:c1])
-    return dx  # the buffer is freed on return, before dW1 is allocated: off the backward's peak
-
-
 def _up_backward_impl(dpre, x, w1, offsets, indices, tile_expert, tile_row, num_tiles, token_index_map, foreign,
                       need_dx, need_dw, pair_offsets=None, dw_dtype=None):
     sched = (tile_expert, tile_row, num_tiles)
@@ -376,7 +377,8 @@ def _up_backward_impl(dpre, x, w1, offsets, indices, tile_expert, tile_row, num_
             grouped_gemm(dpre, w1, dx, offsets, indices, sched, b_nk=False, n_cols=d, k_dim=rows, gather_a=False,
                          scatter_c=True, a_tf32=True)
         else:
-            dx = _dx_by_column_chunks(dpre, w1, offsets, indices, sched, token_index_map, foreign, pair_offsets, T)
+            dx = _gemm_gather_sum(dpre, w1, False, rows, offsets, indices, sched, token_index_map, None, foreign,
+                                  pair_offsets, T, d, rows // 2)
     if need_dw:
         # as dW1[e]^T = sum_s x[token]^T dpre[s]: the gathered operand on the A side (moeblaze.kernels.wgrad)
         flip = _stored_transposed(w1)  # [E, d, rows] storage (GPT-OSS): the plain products, viewed back

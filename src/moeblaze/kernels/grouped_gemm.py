@@ -63,7 +63,7 @@ def tile_of(pid, max_tiles, num_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
-def _descriptors(a_ptr, b_ptr, A_ROWS, K_DIM, N_EXT, NUM_EXPERTS, stride_a_m, stride_b_k, stride_b_n,
+def _descriptors(a_ptr, b_ptr, A_ROWS, K_DIM, N_EXT, B_ROWS, NUM_EXPERTS, stride_a_m, stride_b_k, stride_b_n,
                  A_DESC: tl.constexpr, B_DESC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_K: tl.constexpr):
     """The TMA descriptors of A and B (each built once per program: building one writes 128 bytes of
@@ -71,7 +71,7 @@ def _descriptors(a_ptr, b_ptr, A_ROWS, K_DIM, N_EXT, NUM_EXPERTS, stride_a_m, st
     a_desc = a_ptr
     b_desc = b_ptr
     if B_DESC == B_DESC_NK:
-        b_desc = tl.make_tensor_descriptor(b_ptr, shape=[NUM_EXPERTS * N_EXT, K_DIM], strides=[stride_b_n, 1],
+        b_desc = tl.make_tensor_descriptor(b_ptr, shape=[B_ROWS, K_DIM], strides=[stride_b_n, 1],
                                            block_shape=[BLOCK_N, BLOCK_K])
     elif B_DESC == B_DESC_KN:
         b_desc = tl.make_tensor_descriptor(b_ptr, shape=[NUM_EXPERTS * K_DIM, N_EXT], strides=[stride_b_k, 1],
@@ -282,7 +282,8 @@ def grouped_gemm_kernel(
     tile_row_ptr,  # [max_tiles] int32 first slot of each M-tile
     num_tiles_ptr,  # [1] int32 number of valid M-tiles
     max_tiles, N_COLS, K_DIM,
-    N_EXT,  # the weight's extent along n (2h for the gated F1, else N_COLS)
+    N_EXT,  # the weight's extent along n (2h for the gated F1, else N_COLS; a column chunk's whole weight)
+    B_ROWS,  # rows of the B_DESC_NK descriptor from b_ptr: E * N_EXT, less n_start for a column chunk
     A_ROWS,  # rows of A (A_DESC: extent of its descriptor)
     UP_OFF,  # column of the up entry of n in pre / dpre, from its gate column (h, or 1 when interleaved)
     UP_SHIFT_B,  # element offset of the up rows of w_gate_up from the gate rows (DUAL only)
@@ -300,7 +301,7 @@ def grouped_gemm_kernel(
     # the pipeliner issue the next tile's first loads during this tile's epilogue. Else one program per
     # (M-tile of the static schedule length, N-tile); programs past num_tiles exit.
     a_desc, b_desc = _descriptors(
-        a_ptr=a_ptr, b_ptr=b_ptr, A_ROWS=A_ROWS, K_DIM=K_DIM, N_EXT=N_EXT, NUM_EXPERTS=NUM_EXPERTS,
+        a_ptr=a_ptr, b_ptr=b_ptr, A_ROWS=A_ROWS, K_DIM=K_DIM, N_EXT=N_EXT, B_ROWS=B_ROWS, NUM_EXPERTS=NUM_EXPERTS,
         stride_a_m=stride_a_m, stride_b_k=stride_b_k, stride_b_n=stride_b_n,
         A_DESC=A_DESC, B_DESC=B_DESC, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
     )

@@ -111,7 +111,7 @@ def interleaved_desc_ok(w1: torch.Tensor, k_dim: int) -> bool:
 def grouped_gemm(a, b, c, offsets, indices, sched, *, b_nk, n_cols, k_dim, gather_a, up_off=0,
                  scatter_c=False, scale=None, epilogue=EPILOGUE_PLAIN.value, activation=0, dual=False, store_pre=False,
                  aux=None, store_aux=False, bias=None, pre_step=1, up_shift_b=None, alpha=0.0, limit=0.0,
-                 weight_desc=True, b_mode=None, a_tf32=False):
+                 weight_desc=True, b_mode=None, a_tf32=False, n_start=0):
     """Launch :func:`grouped_gemm_kernel` (see its module for the epilogues).
 
     ``epilogue``: the ``.value`` of ``EPILOGUE_PLAIN`` or ``EPILOGUE_ACT_FWD`` (:mod:`.grouped_gemm`).
@@ -126,6 +126,10 @@ def grouped_gemm(a, b, c, offsets, indices, sched, *, b_nk, n_cols, k_dim, gathe
     no rounded copy (F2 on F1's ``act``, B3 on the activation backward's ``dpre``). The act epilogue stores
     ``act`` rounded whenever its GEMM runs TF32 (``TF32_ACT`` of the kernel).
 
+    ``n_start``: compute output columns ``n_start .. n_start + n_cols`` of ``b``'s n extent into ``c``'s columns
+    ``0 .. n_cols`` (a column chunk: the whole weight is passed and read in place, through its TMA descriptor where
+    it has one; plain epilogue of one weight only; ``bias`` is then the chunk's columns).
+
     ``a [rows, k_dim]`` (``gather_a``: rows are tokens; else slots, read through a TMA descriptor where
     :func:`tma_enabled` and its rows are 16-byte aligned), ``b`` a weight ``[E, n, k]`` (``b_nk``) or
     ``[E, k, n]`` read as ``B[e][k, n]``, ``c`` the main output (unit stride along columns).
@@ -137,7 +141,12 @@ def grouped_gemm(a, b, c, offsets, indices, sched, *, b_nk, n_cols, k_dim, gathe
     E = offsets.numel() - 1
     if N == 0 or n_cols == 0:
         return
+    if n_start and (epilogue != EPILOGUE_PLAIN.value or dual or up_shift_b is not None or b_mode is not None):
+        raise ValueError("grouped_gemm: n_start serves the plain epilogue of a single weight only")
     tf32 = rounds_tf32(a)
+    if tf32 and n_start:  # the TF32 copy below is then of the chunk's columns alone
+        b = b[:, n_start:n_start + n_cols] if b_nk else b[:, :, n_start:n_start + n_cols]
+        n_start = 0
     if tf32:  # TF32 operands, rounded, and a weight read along n copied K-major (kernels/tf32.py)
         a = a if a_tf32 else tf32_copy(a)
         if not b_nk and not dual and up_shift_b is None and b_mode is None and weight_desc:
@@ -155,6 +164,13 @@ def grouped_gemm(a, b, c, offsets, indices, sched, *, b_nk, n_cols, k_dim, gathe
     b_strides = (b.stride(0), b.stride(k_dim_b), b.stride(n_dim))
     if b_mode is None:
         b_mode = b_desc_mode(b, b_nk, k_dim, paired=dual and 2 * up_off == n_ext) if weight_desc else B_DESC_NONE.value
+    b_rows = E * n_ext  # of the NK descriptor: every expert's n rows
+    if n_start:  # b from the chunk's first column on (the NK descriptor's rows end where the weight ends)
+        b = b[:, n_start:] if b_nk else b[:, :, n_start:]
+        if b_mode == B_DESC_NK.value:  # rows e * n_ext + n from the new base: the extent stays, the rows end sooner
+            b_rows -= n_start
+        else:  # KN: the descriptor's column extent from the new base (pointers: unused)
+            n_ext -= n_start
     up_shift_b = up_off * b_strides[2] if up_shift_b is None else up_shift_b
     bias_t = bias if bias is not None else offsets  # dummy pointer when HAS_BIAS is off
     a_desc = _slot_rows_desc(a, gather_a)
@@ -169,7 +185,7 @@ def grouped_gemm(a, b, c, offsets, indices, sched, *, b_nk, n_cols, k_dim, gathe
     _GEMM.launch(a.dtype, grid,
         a_ptr=a, b_ptr=b, c_ptr=c, aux_ptr=aux, scale_ptr=scale, bias_ptr=bias_t, offsets_ptr=offsets,
         indices_ptr=indices, tile_expert_ptr=sched[0], tile_row_ptr=sched[1], num_tiles_ptr=sched[2],
-        max_tiles=max_tiles, N_COLS=n_cols, K_DIM=k_dim, N_EXT=n_ext, A_ROWS=a.shape[0], UP_OFF=up_off,
+        max_tiles=max_tiles, N_COLS=n_cols, K_DIM=k_dim, N_EXT=n_ext, B_ROWS=b_rows, A_ROWS=a.shape[0], UP_OFF=up_off,
         UP_SHIFT_B=up_shift_b, alpha=float(alpha), limit=float(limit),
         stride_a_m=a.stride(0), stride_a_k=a.stride(1), stride_b_e=b_strides[0], stride_b_k=b_strides[1],
         stride_b_n=b_strides[2], stride_c_m=c.stride(0), stride_aux_m=aux.stride(0), stride_bias_e=bias_t.stride(0),
