@@ -279,7 +279,7 @@ def main(argv=None) -> None:
     if args.plot_from:
         rows = latest_runs(args.plot_from, args.batch_size * args.seq_len)
         dates = sorted({r["date"] for r in rows})
-        plot_losses(rows, args.plot, f"transformers Qwen3-MoE, {args.batch_size} x {args.seq_len} tokens per step, "
+        plot_losses(rows, args.plot, f"transformers Qwen3-MoE, {args.batch_size} x {args.seq_len} tokens per step\n"
                     f"{rows[0]['device']}, {dates[0]}{' to ' + dates[-1] if len(dates) > 1 else ''}")
         print(f"wrote {args.plot}")
         return
@@ -314,7 +314,7 @@ def main(argv=None) -> None:
                 torch.cuda.empty_cache()
     print("\n".join(summary(rows, args.warmup)))
     if args.plot:
-        plot_losses(rows, args.plot, f"transformers Qwen3-MoE, {args.batch_size} x {args.seq_len} tokens per step, "
+        plot_losses(rows, args.plot, f"transformers Qwen3-MoE, {args.batch_size} x {args.seq_len} tokens per step\n"
                     f"{device}, {date}")
     print(f"rows appended to {args.out}")
 
