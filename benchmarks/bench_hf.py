@@ -34,8 +34,10 @@ from __future__ import annotations
 import argparse
 import csv
 import datetime
+import importlib.util
 import math
 import os
+import shlex
 import statistics
 import sys
 import time
@@ -117,6 +119,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--out is required (unless --plot-from)")
     if args.plot_from and not args.plot:
         p.error("--plot-from needs --plot")
+    if args.plot:  # before any training: a run's rows must not wait for a plot that cannot be drawn
+        if importlib.util.find_spec("matplotlib") is None:
+            p.error("--plot needs matplotlib (pip install matplotlib)")
+        if not os.path.isdir(os.path.dirname(os.path.abspath(args.plot))):
+            p.error(f"--plot: no folder {os.path.dirname(os.path.abspath(args.plot))}")
     if args.smoke:
         args.steps, args.warmup, args.batch_size, args.seq_len = 3, 1, 2, 32
     return args
@@ -216,7 +223,7 @@ def comparisons(runs: dict[tuple[str, str], list[dict]], warmup: int) -> list[st
         if sonic:
             med = [statistics.median(r["step_ms"] for r in (x[warmup:] or x)) for x in (rs, sonic)]
             lines.append(f"{impl} {mode}: step {med[0]:.1f} ms vs SonicMoE {med[1]:.1f} ms ({med[1] / med[0]:.3f}x)")
-        n = min(TAIL, len(rs), len(ref or [])) if ref else 0
+        n = min(TAIL, len(rs), len(ref)) if ref else 0
         if n >= 2:
             gaps = [a["loss"] - b["loss"] for a, b in zip(rs[-n:], ref[-n:])]
             noise = statistics.stdev(r["loss"] for r in ref[-n:])
@@ -250,23 +257,43 @@ def plot_losses(rows: list[dict], path: str, title: str) -> None:
 
 
 def latest_runs(path: str, tokens: int) -> list[dict]:
-    """From a CSV of this script, each (implementation, mode)'s latest run (by date) at ``tokens`` per step."""
-    with open(path, newline="") as f:
-        rows = [r for r in csv.DictReader(f) if r["step"] != "-1" and int(r["tokens"]) == tokens]
+    """From a CSV of this script, each (implementation, mode)'s latest run (by date) at ``tokens`` per step, of
+    the model (parameter count) of the newest such run: runs of another model at the same tokens never mix in."""
+    try:
+        with open(path, newline="") as f:
+            rows = [r for r in csv.DictReader(f) if r["step"] != "-1" and int(r["tokens"]) == tokens]
+    except OSError as e:
+        raise SystemExit(f"--plot-from: cannot read {path}: {e.strerror}") from None
+    if not rows:
+        raise SystemExit(f"{path}: no rows at {tokens} tokens per step")
+    params = max(rows, key=lambda r: r["date"])["params"]
+    rows = [r for r in rows if r["params"] == params]
     newest: dict[tuple[str, str], str] = {}
     for r in rows:
         key = (r["impl"], r["mode"])
         newest[key] = max(newest.get(key, ""), r["date"])
-    out = [dict(r, step=int(r["step"]), loss=float(r["loss"]))
-           for r in rows if r["date"] == newest[(r["impl"], r["mode"])]]
-    if not out:
-        raise SystemExit(f"{path}: no rows at {tokens} tokens per step")
-    return out
+    return [dict(r, step=int(r["step"]), loss=float(r["loss"]))
+            for r in rows if r["date"] == newest[(r["impl"], r["mode"])]]
+
+
+def csv_is_new(path: str) -> bool:
+    """Whether ``path`` has no rows yet (absent or empty).
+
+    Raises:
+        SystemExit: ``path`` holds rows of other columns (an older version of this script's file).
+    """
+    if not os.path.exists(path) or os.path.getsize(path) == 0:
+        return True
+    with open(path, newline="") as f:
+        header = next(csv.reader(f), [])
+    if header != COLUMNS:
+        raise SystemExit(f"{path}: its columns {header} are not this script's {COLUMNS}; append to another file")
+    return False
 
 
 def append_rows(path: str, rows: list[dict]) -> None:
-    """Append ``rows`` to the CSV at ``path`` (the header first when the file is new)."""
-    new = not os.path.exists(path)
+    """Append ``rows`` to the CSV at ``path`` (the header first when the file is new; see :func:`csv_is_new`)."""
+    new = csv_is_new(path)
     with open(path, "a", newline="") as f:
         w = csv.DictWriter(f, fieldnames=COLUMNS)
         if new:
@@ -278,18 +305,19 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     if args.plot_from:
         rows = latest_runs(args.plot_from, args.batch_size * args.seq_len)
-        dates = sorted({r["date"] for r in rows})
+        dates, devices = sorted({r["date"] for r in rows}), ", ".join(sorted({r["device"] for r in rows}))
         plot_losses(rows, args.plot, f"transformers Qwen3-MoE, {args.batch_size} x {args.seq_len} tokens per step\n"
-                    f"{rows[0]['device']}, {dates[0]}{' to ' + dates[-1] if len(dates) > 1 else ''}")
+                    f"{devices}, {dates[0]}{' to ' + dates[-1] if len(dates) > 1 else ''}")
         print(f"wrote {args.plot}")
         return
+    csv_is_new(args.out)  # an older file's columns stop the run before any training
     ExpertsInterface.register("sonicmoe-local", sonicmoe_local_forward)
     # moeblaze saving only x and the index (the up-projection recomputed in backward): less memory, more compute
     ExpertsInterface.register("moeblaze-input", moeblaze.integrations.transformers.make_experts_forward(save="input"))
     corpus = load_corpus(args.data, min_bytes=args.seq_len + 2)
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    command = "python3 benchmarks/bench_hf.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    command = shlex.join(["python3", "benchmarks/bench_hf.py", *(sys.argv[1:] if argv is None else argv)])
     stamp = {"date": date, "device": device, "commit": args.commit or git_commit(), "command": command}
     print(f"{device}, torch {torch.__version__}, {args.batch_size} x {args.seq_len} tokens per step, {args.steps} "
           f"steps, {' '.join(sys.argv[1:])}")

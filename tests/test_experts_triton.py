@@ -202,86 +202,6 @@ def test_persistent_and_per_tile_launches_bitwise_equal(monkeypatch):
     _persistent_vs_per_tile(inputs(90, 32, 16, 3, 1), monkeypatch)
 
 
-def _chunked_vs_whole(inp, activation="swiglu", save="preact", cols=16, **options):
-    """F2/F3 and B3/B5 in column chunks of ``cols`` (several, the last narrower) give every result of one chunk,
-    bitwise."""
-    dout = torch.randn(inp["x"].shape, dtype=inp["x"].dtype, device=DEVICE)
-    fn = lambda **kw: moe_experts(**kw, activation=activation, save=save, backend="triton", **options)  # noqa: E731
-    with moeblaze.settings.override(chunk_cols="off"):
-        whole = run_and_grad(fn, inp, dout)
-    with moeblaze.settings.override(chunk_cols=cols):
-        chunked = run_and_grad(fn, inp, dout)
-    for name, a, b in zip(NAMES, whole, chunked):
-        assert torch.equal(a, b), name
-    return chunked
-
-
-@pytest.mark.parametrize("save", ["preact", "input"])
-def test_column_chunks_bitwise_equal_one_chunk(save):
-    from moeblaze.kernels.experts import column_chunks
-
-    with moeblaze.settings.override(chunk_cols=16):
-        assert column_chunks(60, 40, 24, 4) == [(0, 16), (16, 32), (32, 40)]
-    _chunked_vs_whole(inputs(45, 48, 32, 5, 3, routing="zipf"), save=save)  # 2h = 64: B3 through the KN descriptor
-    with moeblaze.settings.override(chunk_cols=16):
-        check_against_reference(inputs(33, 40, 20, 4, 2, dtype=torch.float16), "swiglu", save)
-
-
-def test_column_chunks_biases_transposed_weights_foreign_experts_and_pairs():
-    """Chunks with expert biases and GPT-OSS's transposed, interleaved weights (the other TMA descriptor
-    layout: weight rows along d), foreign slots (counted as zero) and general routing's CSR pair lists."""
-    from test_expert_features import make_inputs
-
-    inp = make_inputs(30, 48, 16, 5, 2, "swiglu_clamped", torch.float32, interleaved=True, foreign=True)
-    _chunked_vs_whole(inp, "swiglu_clamped", gate_up_interleaved=True, foreign_experts=True)
-    inp = inputs(30, 48, 16, 6, 2)
-    inp["topk_ids"][::3, 0] = 6  # an expert of another rank: no contribution, no gradient
-    _chunked_vs_whole(inp, foreign_experts=True)
-    from moeblaze.general_routing import moe_experts_general
-
-    inp = inputs(25, 48, 16, 5, 1)
-    tok = torch.tensor([0, 0, 1, 3, 3, 3, 7, 20, 24, 24], dtype=torch.int32, device=DEVICE)
-    exp = torch.tensor([0, 4, 2, 1, 2, 3, 0, 4, 1, 3], dtype=torch.int32, device=DEVICE)
-    w = torch.rand(10, device=DEVICE)
-    dout = torch.randn(25, 48, device=DEVICE)
-    results = []
-    for chunk in ("off", 16):
-        x = inp["x"].detach().clone().requires_grad_()
-        with moeblaze.settings.override(chunk_cols=chunk):
-            out = moe_experts_general(x, tok, exp, w, inp["w_gate_up"], inp["w_down"], backend="triton")
-            results.append((out, torch.autograd.grad(out, x, dout)[0]))
-    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
-    assert torch.count_nonzero(results[1][1][2]) == 0  # token 2 has no pairs: zero gradient
-
-
-def test_column_chunks_rule():
-    """auto: one chunk below 256 MiB of [N, d] buffer; above, chunks no wider than max(512, h to 128)."""
-    from moeblaze.kernels.experts import column_chunks
-
-    assert column_chunks(4096 * 8, 2048, 768, 2) == [(0, 2048)]  # 128 MiB in bf16 (4k tokens, K 8)
-    N = 65536 * 8  # Qwen3-30B-A3B at 64k tokens: a 2 GiB buffer in bf16
-    assert column_chunks(N, 2048, 768, 2) == [(0, 768), (768, 1536), (1536, 2048)]
-    assert column_chunks(N, 1536, 256, 2) == [(0, 512), (512, 1024), (1024, 1536)]  # h 256: at least 512 wide
-    assert column_chunks(N, 2048, 8192, 2) == [(0, 2048)]  # h >= d: one chunk
-    with moeblaze.settings.override(chunk_cols="off"):
-        assert column_chunks(N, 2048, 768, 2) == [(0, 2048)]
-    for bad in (0, 24, "half", -16):
-        with pytest.raises(ValueError, match="chunk_cols"):
-            moeblaze.settings.configure(chunk_cols=bad)
-
-
-def test_n_start_refused_where_it_does_not_apply():
-    from moeblaze.kernels.grouped_gemm import EPILOGUE_ACT_FWD
-    from moeblaze.kernels.launch import grouped_gemm
-
-    idx = build_dispatch(torch.zeros(4, 1, dtype=torch.int64, device=DEVICE), 1)
-    with pytest.raises(ValueError, match="n_start"):
-        grouped_gemm(torch.ones(4, 8, device=DEVICE), torch.ones(1, 16, 8, device=DEVICE),
-                     torch.empty(4, 16, device=DEVICE), idx.expert_token_offsets, idx.expert_token_indices,
-                     (None, None, None), b_nk=True, n_cols=8, k_dim=8, gather_a=True,
-                     epilogue=EPILOGUE_ACT_FWD.value, n_start=8)
-
-
 def test_two_runs_bitwise_equal():
     inp = inputs(70, 48, 40, 5, 3, routing="zipf")
     dout = torch.randn(70, 48, device=DEVICE)
@@ -496,18 +416,6 @@ def test_gpu_tma_and_pointer_paths_bitwise(activation, monkeypatch):
                             monkeypatch)
     for name, x, y in zip(NAMES, a, b):
         assert torch.equal(x, y), name
-
-
-@gpu
-@needs_cuda
-@pytest.mark.parametrize("save", ["preact", "input"])
-def test_gpu_column_chunks_bf16(save):
-    """Chunked F2/F3 and B3/B5 on the GPU (TMA weight reads from a chunk's first column, 16-byte aligned chunk
-    starts): bitwise the one-chunk result in bf16, and within the DESIGN.md §7 rule of the float64 reference."""
-    inp = inputs(3000, 1024, 384, 16, 4, dtype=torch.bfloat16, routing="zipf")
-    _chunked_vs_whole(inp, save=save, cols=384)
-    with moeblaze.settings.override(chunk_cols=384):
-        check_against_reference(inp, "swiglu", save)
 
 
 @gpu

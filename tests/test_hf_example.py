@@ -40,7 +40,7 @@ def test_bench_hf_smoke(tmp_path):
     text.write_text("".join(f"class C{i}:\n    pass\n" for i in range(300)))
     out = tmp_path / "bench.csv"
     cmd = [sys.executable, str(EXAMPLE.parents[1] / "benchmarks" / "bench_hf.py"), "--smoke", "--data", str(text),
-           "--impls", "grouped_mm,sonicmoe-local,moeblaze", "--out", str(out)]
+           "--impls", "grouped_mm,sonicmoe-local,moeblaze", "--out", str(out), "--plot", str(tmp_path / "run.png")]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = list(csv.DictReader(out.open()))
@@ -50,3 +50,10 @@ def test_bench_hf_smoke(tmp_path):
     # same initial weights and batches: the first losses agree within bf16 rounding
     assert abs(float(by_impl["moeblaze"][0]["loss"]) - float(by_impl["grouped_mm"][0]["loss"])) < 0.02
     assert "tokens/s" in proc.stdout and "moeblaze" in proc.stdout
+    assert re.search(r"moeblaze bf16: loss gap to grouped_mm over the last 3 steps [-+][0-9.]+", proc.stdout)
+    assert (tmp_path / "run.png").stat().st_size > 0 and rows[0]["command"].startswith("python3 benchmarks/bench_hf.py")
+    # the plot again from the file: each implementation's latest run at 2 x 32 tokens per step
+    plot = [sys.executable, cmd[1], "--plot-from", str(out), "--batch-size", "2", "--seq-len", "32", "--plot",
+            str(tmp_path / "again.png")]
+    proc = subprocess.run(plot, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and (tmp_path / "again.png").stat().st_size > 0, proc.stderr[-2000:]

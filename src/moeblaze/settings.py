@@ -62,6 +62,7 @@ def _auto_bool(name: str, raw: str) -> bool | None:
 
 def _chunk(name: str, raw: str) -> int | str:
     """``auto``, ``off`` or a positive column count that is a multiple of 16 (16-byte aligned chunk starts)."""
+    raw = raw.strip().lower()
     if raw in ("auto", "off"):
         return raw
     try:

@@ -81,6 +81,9 @@ def gather_sum(src: torch.Tensor, token_index_map: torch.Tensor, weights: torch.
             ``pair_offsets[t]:pair_offsets[t+1]`` in order (``k = p - pair_offsets[t]``).
         out: ``[T, D]`` in ``out_dtype`` with unit column stride to write into (e.g. a column slice of a wider
             result: B5 over one column chunk of ``dx``); a new tensor when None.
+
+    Raises:
+        ValueError: ``out`` of another shape, dtype or device, or without unit column stride.
     """
     csr = pair_offsets is not None
     if csr:
@@ -92,6 +95,9 @@ def gather_sum(src: torch.Tensor, token_index_map: torch.Tensor, weights: torch.
     D = src.shape[1]
     if out is None:
         out = torch.empty(T, D, dtype=out_dtype, device=src.device)
+    elif out.shape != (T, D) or out.dtype != out_dtype or out.device != src.device or (D > 1 and out.stride(1) != 1):
+        raise ValueError(f"gather_sum: out must be [{T}, {D}] {out_dtype} on {src.device} with unit column stride, "
+                         f"got {tuple(out.shape)} {out.dtype} on {out.device} strides {out.stride()}")
     if T == 0 or D == 0:
         return out
     w = weights if weights is not None else token_index_map  # dummy pointer when HAS_W is off

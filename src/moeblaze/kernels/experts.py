@@ -158,8 +158,9 @@ def up_forward(x: Tensor, w1: Tensor, index: DispatchIndex, activation: str, sto
 
 # ---------------------------------------------------------------- [N, d] slot buffers in column chunks
 
-# Chunking pays only where an [N, d] buffer is a real share of a step's memory; below this the extra launches
-# (two per chunk) would only add host time, which dominates at few tokens (issue 24).
+# Chunking pays only where an [N, d] buffer is a real share of a step's memory. Below 256 MiB the step is short
+# and host-bound (issue 24: 2.6-4.2 ms of host time per layer step at 4,096 tokens on an H100), where the two
+# launches each extra chunk adds cost host time; at 256 MiB F2 alone is ~0.35 ms of GPU work (d 2048, h 768).
 _CHUNK_MIN_BYTES = 256 * 2**20
 # Narrower chunks make the GEMM re-read its A operand (act, dpre) from memory once per chunk: at W columns a
 # 650 TF/s GEMM asks 650e12 / W bytes/s of it, 1.3 TB/s at W = 512, under half the H100's bandwidth.
@@ -170,14 +171,20 @@ def column_chunks(num_slots: int, d: int, h: int, elem: int) -> list[tuple[int, 
     """Column ranges ``[(c0, c1), ...]`` of ``d`` in which F2 computes ``y`` (and F3 combines it) and B3 computes
     ``dx_slots`` (and B5 sums it), through one ``[N, width]`` buffer instead of ``[N, d]``.
 
+    ``h`` is the width the chunks may reach: F2 passes the expert dimension h, B3 half of ``dpre``'s row (h for
+    gated activations, h/2 otherwise).
+
     Setting ``chunk_cols``: ``off`` one chunk; a column count, chunks that wide; ``auto`` (default) chunks no
     wider than ``max(512, h)`` (rounded down to 128) once the whole ``[N, d]`` buffer would reach 256 MiB.
     Why: for d > h these buffers (``2Nd`` bytes in 16-bit) are the largest transients of the layer: ``y`` sits
     beside ``act [N, h]`` and ``pre [N, 2h]`` in the forward, where a model's last layer holds every earlier
     layer's activations (the peak of a 4-layer transformers Qwen3-MoE, d 2048, h 768); a chunk no wider than h
     is no larger than the ``act`` / ``dact'`` buffers the layer has anyway. Chunk starts are multiples of 16
-    columns (16-byte aligned TMA bases). The sums are those of one chunk (each output column's reduction is
-    the same), so results do not depend on the chunking.
+    columns (16-byte aligned TMA bases). Each output column is reduced as in one chunk: bitwise the one-chunk
+    result with fixed configs (``MOEBLAZE_AUTOTUNE=0``; tested in fp32 and bf16). Tuned, each chunk width picks
+    its own config (``N_COLS`` is in the autotune key): the same k order in 16-bit (every tuned 16-bit config has
+    BLOCK_K 64), possibly another BLOCK_K in fp32, so equal within rounding there. A batch whose buffer first
+    crosses 256 MiB tunes the chunk widths once.
     """
     mode = settings.get("chunk_cols")
     if mode == "off":
@@ -188,7 +195,7 @@ def column_chunks(num_slots: int, d: int, h: int, elem: int) -> list[tuple[int, 
         width = max(_CHUNK_MIN_COLS, h // 128 * 128)
     else:
         width = mode
-    return [(c, min(c + width, d)) for c in range(0, d, width)]
+    return [(c, min(c + width, d)) for c in range(0, d, width)] or [(0, d)]  # d = 0: one empty chunk
 
 
 def _gemm_gather_sum(a, w, b_nk, k_dim, offsets, indices, sched, token_index_map, weights, foreign, pair_offsets,

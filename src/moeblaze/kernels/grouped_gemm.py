@@ -282,8 +282,9 @@ def grouped_gemm_kernel(
     tile_row_ptr,  # [max_tiles] int32 first slot of each M-tile
     num_tiles_ptr,  # [1] int32 number of valid M-tiles
     max_tiles, N_COLS, K_DIM,
-    N_EXT,  # the weight's extent along n (2h for the gated F1, else N_COLS; a column chunk's whole weight)
-    B_ROWS,  # rows of the B_DESC_NK descriptor from b_ptr: E * N_EXT, less n_start for a column chunk
+    N_EXT,  # the weight's extent along n (2h for the gated F1, else N_COLS; NK: a column chunk's whole weight,
+            # KN: from b_ptr on, the descriptor's column extent)
+    B_ROWS,  # rows of the B_DESC_NK descriptor from b_ptr: E * N_EXT, less a column chunk's first column
     A_ROWS,  # rows of A (A_DESC: extent of its descriptor)
     UP_OFF,  # column of the up entry of n in pre / dpre, from its gate column (h, or 1 when interleaved)
     UP_SHIFT_B,  # element offset of the up rows of w_gate_up from the gate rows (DUAL only)

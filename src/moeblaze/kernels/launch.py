@@ -108,10 +108,33 @@ def interleaved_desc_ok(w1: torch.Tensor, k_dim: int) -> bool:
             and _rows_tma_ok(w1, w1.stride(2)) and k_dim % _K_QUANTUM == 0)
 
 
+def _check_chunk(b, b_nk: bool, n_start: int, n_cols: int, epilogue: int, other_weights: bool) -> None:
+    n_ext = b.shape[1 if b_nk else 2]
+    if epilogue != EPILOGUE_PLAIN.value or other_weights:
+        raise ValueError("grouped_gemm: n_start serves the plain epilogue of a single weight only")
+    if n_start < 0 or n_start % 16 or n_start + n_cols > n_ext:  # 16 columns: a 16-byte aligned base in any dtype
+        raise ValueError(f"grouped_gemm: columns {n_start}..{n_start + n_cols} of a weight with n extent {n_ext}; "
+                         "n_start must be a multiple of 16 inside it")
+
+
+def _from_column(b, b_nk: bool, b_mode: int, n_ext: int, E: int, n_start: int):
+    """``(b, N_EXT, B_ROWS)`` of a launch whose output column 0 is the weight's column ``n_start``: ``b`` from that
+    column on; NK: rows ``e * n_ext + n`` from the new base, so the extent stays and the descriptor's rows end
+    ``n_start`` sooner (where the weight ends); KN: the descriptor's column extent from the new base."""
+    b_rows = E * n_ext
+    if n_start:
+        b = b[:, n_start:] if b_nk else b[:, :, n_start:]
+        if b_mode == B_DESC_NK.value:
+            b_rows -= n_start
+        else:
+            n_ext -= n_start
+    return b, n_ext, b_rows
+
+
 def grouped_gemm(a, b, c, offsets, indices, sched, *, b_nk, n_cols, k_dim, gather_a, up_off=0,
                  scatter_c=False, scale=None, epilogue=EPILOGUE_PLAIN.value, activation=0, dual=False, store_pre=False,
                  aux=None, store_aux=False, bias=None, pre_step=1, up_shift_b=None, alpha=0.0, limit=0.0,
-                 weight_desc=True, b_mode=None, a_tf32=False, n_start=0):
+                 weight_desc=True, b_mode=None, a_tf32=False, n_start=None):
     """Launch :func:`grouped_gemm_kernel` (see its module for the epilogues).
 
     ``epilogue``: the ``.value`` of ``EPILOGUE_PLAIN`` or ``EPILOGUE_ACT_FWD`` (:mod:`.grouped_gemm`).
@@ -126,9 +149,9 @@ def grouped_gemm(a, b, c, offsets, indices, sched, *, b_nk, n_cols, k_dim, gathe
     no rounded copy (F2 on F1's ``act``, B3 on the activation backward's ``dpre``). The act epilogue stores
     ``act`` rounded whenever its GEMM runs TF32 (``TF32_ACT`` of the kernel).
 
-    ``n_start``: compute output columns ``n_start .. n_start + n_cols`` of ``b``'s n extent into ``c``'s columns
-    ``0 .. n_cols`` (a column chunk: the whole weight is passed and read in place, through its TMA descriptor where
-    it has one; plain epilogue of one weight only; ``bias`` is then the chunk's columns).
+    ``n_start`` (a column chunk; None: not one): compute output columns ``n_start .. n_start + n_cols`` of ``b``'s
+    n extent into ``c``'s columns ``0 .. n_cols``; the whole weight is passed and read in place, through its TMA
+    descriptor where it has one (plain epilogue of one weight only; ``bias`` is then the chunk's columns).
 
     ``a [rows, k_dim]`` (``gather_a``: rows are tokens; else slots, read through a TMA descriptor where
     :func:`tma_enabled` and its rows are 16-byte aligned), ``b`` a weight ``[E, n, k]`` (``b_nk``) or
@@ -136,17 +159,21 @@ def grouped_gemm(a, b, c, offsets, indices, sched, *, b_nk, n_cols, k_dim, gathe
     ``aux``/``scale``: see the kernel; outputs are written in place.
     ``sched``: ``(tile_expert, tile_row_start, num_tiles)`` of a tile schedule for ``block_m(N, E)`` (N slots,
     E local experts: ``indices``, ``offsets``).
+
+    Raises:
+        ValueError: a tile schedule of another BLOCK_M; ``n_start`` out of the weight's n extent, not a multiple of
+            16, or with another epilogue than the plain one of a single weight.
     """
     N = indices.numel()
     E = offsets.numel() - 1
     if N == 0 or n_cols == 0:
         return
-    if n_start and (epilogue != EPILOGUE_PLAIN.value or dual or up_shift_b is not None or b_mode is not None):
-        raise ValueError("grouped_gemm: n_start serves the plain epilogue of a single weight only")
     tf32 = rounds_tf32(a)
-    if tf32 and n_start:  # the TF32 copy below is then of the chunk's columns alone
-        b = b[:, n_start:n_start + n_cols] if b_nk else b[:, :, n_start:n_start + n_cols]
-        n_start = 0
+    if n_start is not None:
+        _check_chunk(b, b_nk, n_start, n_cols, epilogue, dual or up_shift_b is not None or b_mode is not None)
+        if tf32:  # the TF32 copy below is then of the chunk's columns alone
+            b = b[:, n_start:n_start + n_cols] if b_nk else b[:, :, n_start:n_start + n_cols]
+            n_start = None
     if tf32:  # TF32 operands, rounded, and a weight read along n copied K-major (kernels/tf32.py)
         a = a if a_tf32 else tf32_copy(a)
         if not b_nk and not dual and up_shift_b is None and b_mode is None and weight_desc:
@@ -164,13 +191,7 @@ def grouped_gemm(a, b, c, offsets, indices, sched, *, b_nk, n_cols, k_dim, gathe
     b_strides = (b.stride(0), b.stride(k_dim_b), b.stride(n_dim))
     if b_mode is None:
         b_mode = b_desc_mode(b, b_nk, k_dim, paired=dual and 2 * up_off == n_ext) if weight_desc else B_DESC_NONE.value
-    b_rows = E * n_ext  # of the NK descriptor: every expert's n rows
-    if n_start:  # b from the chunk's first column on (the NK descriptor's rows end where the weight ends)
-        b = b[:, n_start:] if b_nk else b[:, :, n_start:]
-        if b_mode == B_DESC_NK.value:  # rows e * n_ext + n from the new base: the extent stays, the rows end sooner
-            b_rows -= n_start
-        else:  # KN: the descriptor's column extent from the new base (pointers: unused)
-            n_ext -= n_start
+    b, n_ext, b_rows = _from_column(b, b_nk, b_mode, n_ext, E, n_start or 0)
     up_shift_b = up_off * b_strides[2] if up_shift_b is None else up_shift_b
     bias_t = bias if bias is not None else offsets  # dummy pointer when HAS_BIAS is off
     a_desc = _slot_rows_desc(a, gather_a)

@@ -1,0 +1,165 @@
+"""F2/F3 and B3/B5 in column chunks of d (setting ``chunk_cols``, ``moeblaze.kernels.experts.column_chunks``).
+
+Each chunk's GEMM reads its columns of the whole weight (``grouped_gemm(..., n_start=)``) into one ``[N, width]``
+buffer whose gather-sum fills those columns of ``out`` / ``dx``. CPU: the interpreter in fp32/fp16 (both TMA
+descriptor layouts, pointer loads, biases, GPT-OSS's transposed weights, foreign experts, pair lists); GPU
+(``-m gpu``): bf16.
+"""
+
+import pytest
+import torch
+
+import moeblaze
+from moeblaze import build_dispatch, moe_experts
+from moeblaze.kernels import launch
+from moeblaze.kernels.experts import column_chunks
+from moeblaze.kernels.grouped_gemm import B_DESC_KN, B_DESC_NK, EPILOGUE_ACT_FWD
+from moeblaze.testing import run_and_grad
+from test_experts_triton import DEVICE, NAMES, check_against_reference, gpu, inputs, kernels_runnable, needs_cuda
+
+pytestmark = kernels_runnable
+
+
+def chunked_vs_whole(inp, activation="swiglu", save="preact", cols=16, **options):
+    """Every result with chunks of ``cols`` columns (several, the last narrower) equals one chunk's, bitwise."""
+    dout = torch.randn(inp["x"].shape, dtype=inp["x"].dtype, device=DEVICE)
+    fn = lambda **kw: moe_experts(**kw, activation=activation, save=save, backend="triton", **options)  # noqa: E731
+    with moeblaze.settings.override(chunk_cols="off"):
+        whole = run_and_grad(fn, inp, dout)
+    with moeblaze.settings.override(chunk_cols=cols):
+        chunked = run_and_grad(fn, inp, dout)
+    for name, a, b in zip(NAMES, whole, chunked):
+        assert torch.equal(a, b), name
+    return chunked
+
+
+def record_weight_descriptors(monkeypatch) -> list[tuple[int, int, int]]:
+    """Check every grouped-GEMM launch that reads its weight through a TMA descriptor: the descriptor's base is
+    16-byte aligned, it ends inside the weight's storage, and it covers the columns the launch computes.
+    Returns ``(B_DESC, first element offset, N_COLS)`` per such launch."""
+    seen, real = [], launch._GEMM.launch
+
+    def checked(dtype, grid, **kw):
+        b, mode = kw["b_ptr"], kw["B_DESC"]
+        if mode in (B_DESC_NK.value, B_DESC_KN.value):
+            E, elem = kw["NUM_EXPERTS"], b.element_size()
+            if mode == B_DESC_NK.value:
+                rows, cols, stride = kw["B_ROWS"], kw["K_DIM"], kw["stride_b_n"]
+                assert (E - 1) * kw["N_EXT"] + kw["N_COLS"] <= rows  # every expert's chunk rows are inside
+            else:
+                rows, cols, stride = E * kw["K_DIM"], kw["N_EXT"], kw["stride_b_k"]
+                assert kw["N_COLS"] <= cols
+            storage = b.untyped_storage()
+            assert b.data_ptr() % 16 == 0
+            assert b.data_ptr() + ((rows - 1) * stride + cols) * elem <= storage.data_ptr() + storage.nbytes()
+            seen.append((mode, b.storage_offset(), kw["N_COLS"]))
+        return real(dtype, grid, **kw)
+
+    monkeypatch.setattr(launch._GEMM, "launch", checked)
+    return seen
+
+
+@pytest.mark.parametrize("save", ["preact", "input"])
+def test_chunks_bitwise_equal_one_chunk_both_descriptor_layouts(save, monkeypatch):
+    seen = record_weight_descriptors(monkeypatch)
+    # d 48 in chunks 16, 16, 16; 2h = 64: F2 reads w_down through the NK descriptor, B3 w_gate_up through KN
+    chunked_vs_whole(inputs(45, 48, 32, 5, 3, routing="zipf"), save=save)
+    starts = {(mode, off) for mode, off, _ in seen}
+    nk, kn = B_DESC_NK.value, B_DESC_KN.value
+    assert {(nk, 16 * 32), (nk, 32 * 32), (kn, 16), (kn, 32)} <= starts  # chunk starts 16 and 32 of both weights
+    with moeblaze.settings.override(chunk_cols=32):  # fp16, chunks 32 and 16, against the float64 reference
+        check_against_reference(inputs(33, 48, 32, 4, 2, dtype=torch.float16), "swiglu", save)
+
+
+def test_chunks_with_biases_transposed_weights_foreign_experts_and_pairs(monkeypatch):
+    """Biases and GPT-OSS's transposed, interleaved weights (B3 through the NK descriptor), foreign slots (counted
+    as zero), general routing's CSR pair lists (a token without pairs: zero output and gradient)."""
+    from test_expert_features import make_inputs
+
+    seen = record_weight_descriptors(monkeypatch)
+    inp = make_inputs(30, 48, 16, 5, 2, "swiglu_clamped", torch.float32, interleaved=True, foreign=True)
+    chunked_vs_whole(inp, "swiglu_clamped", gate_up_interleaved=True, foreign_experts=True)
+    assert any(mode == B_DESC_NK.value and off > 0 for mode, off, _ in seen)
+    inp = inputs(30, 48, 16, 6, 2)
+    inp["topk_ids"][::3, 0] = 6  # an expert of another rank
+    chunked_vs_whole(inp, foreign_experts=True)
+    from moeblaze.general_routing import moe_experts_general
+
+    inp = inputs(25, 48, 16, 5, 1)
+    tok = torch.tensor([0, 0, 1, 3, 3, 3, 7, 20, 24, 24], dtype=torch.int32, device=DEVICE)
+    exp = torch.tensor([0, 4, 2, 1, 2, 3, 0, 4, 1, 3], dtype=torch.int32, device=DEVICE)
+    w = torch.rand(10, device=DEVICE)
+    dout = torch.randn(25, 48, device=DEVICE)
+    results = []
+    for chunk in ("off", 16):
+        x = inp["x"].detach().clone().requires_grad_()
+        with moeblaze.settings.override(chunk_cols=chunk):
+            out = moe_experts_general(x, tok, exp, w, inp["w_gate_up"], inp["w_down"], backend="triton")
+            results.append((out, torch.autograd.grad(out, x, dout)[0]))
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
+    assert torch.count_nonzero(results[1][0][2]) == 0 and torch.count_nonzero(results[1][1][2]) == 0
+
+
+def test_chunk_rule():
+    """auto: one chunk below 256 MiB of [N, d] buffer; above, chunks no wider than max(512, h to 128)."""
+    assert column_chunks(4096 * 8, 2048, 768, 2) == [(0, 2048)]  # 128 MiB in bf16 (4k tokens, K 8)
+    N = 65536 * 8  # Qwen3-30B-A3B at 64k tokens: a 2 GiB buffer in bf16
+    assert column_chunks(N, 2048, 768, 2) == [(0, 768), (768, 1536), (1536, 2048)]
+    assert column_chunks(N, 1536, 256, 2) == [(0, 512), (512, 1024), (1024, 1536)]  # h 256: at least 512 wide
+    assert column_chunks(N, 2048, 8192, 2) == [(0, 2048)]  # h >= d: one chunk
+    with moeblaze.settings.override(chunk_cols="off"):
+        assert column_chunks(N, 2048, 768, 2) == [(0, 2048)]
+    with moeblaze.settings.override(chunk_cols=" 32 "):
+        assert column_chunks(10, 40, 8, 4) == [(0, 32), (32, 40)] and column_chunks(10, 0, 8, 4) == [(0, 0)]
+    for bad in (0, 24, "half", -16):
+        with pytest.raises(ValueError, match="chunk_cols"):
+            moeblaze.settings.configure(chunk_cols=bad)
+
+
+def test_bad_chunk_arguments_are_clear_errors():
+    from moeblaze.kernels.combine import gather_sum
+
+    idx = build_dispatch(torch.zeros(4, 1, dtype=torch.int64, device=DEVICE), 1)
+    x, w, c = torch.ones(4, 8, device=DEVICE), torch.ones(1, 48, 8, device=DEVICE), torch.empty(4, 16, device=DEVICE)
+    args = (x, w, c, idx.expert_token_offsets, idx.expert_token_indices, (None, None, None))
+    with pytest.raises(ValueError, match="plain epilogue"):
+        launch.grouped_gemm(*args, b_nk=True, n_cols=16, k_dim=8, gather_a=True, epilogue=EPILOGUE_ACT_FWD.value,
+                            n_start=16)
+    for start, cols in ((8, 16), (40, 16), (-16, 16)):
+        with pytest.raises(ValueError, match="multiple of 16 inside"):
+            launch.grouped_gemm(*args, b_nk=True, n_cols=cols, k_dim=8, gather_a=True, n_start=start)
+    src, tim = torch.ones(4, 8, device=DEVICE), idx.token_index_map
+    for out in (torch.empty(4, 6, device=DEVICE), torch.empty(4, 8, dtype=torch.float16, device=DEVICE),
+                torch.empty(8, 4, device=DEVICE).t()):
+        with pytest.raises(ValueError, match="gather_sum: out must be"):
+            gather_sum(src, tim, None, torch.float32, out=out)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("save", ["preact", "input"])
+def test_gpu_column_chunks_bf16(save):
+    """bf16 on the GPU (TMA weight reads from a chunk's first column): bitwise the one-chunk result, and within
+    the DESIGN.md §7 rule of the float64 reference."""
+    inp = inputs(3000, 1024, 384, 16, 4, dtype=torch.bfloat16, routing="zipf")
+    chunked_vs_whole(inp, save=save, cols=384)
+    with moeblaze.settings.override(chunk_cols=384):
+        check_against_reference(inp, "swiglu", save)
+
+
+def test_tf32_chunks_copy_only_their_columns(monkeypatch):
+    """fp32 at TF32 precision (the GPU path, forced here): the results are bitwise one chunk's, and each chunk's
+    rounded weight copy holds its own columns only."""
+    copies = []
+    real_copy, real_round = launch.tf32_copy, launch.round_tf32
+    monkeypatch.setattr(launch, "rounds_tf32", lambda a: a.dtype == torch.float32)
+    inp = inputs(40, 48, 32, 4, 2)
+    chunked_vs_whole(inp)
+    monkeypatch.setattr(launch, "tf32_copy", lambda t, **kw: copies.append(tuple(t.shape)) or real_copy(t, **kw))
+    monkeypatch.setattr(launch, "round_tf32", lambda t: copies.append(tuple(t.shape)) or real_round(t))
+    with moeblaze.settings.override(chunk_cols=16):
+        run_and_grad(lambda **kw: moe_experts(**kw, backend="triton"), inp, torch.randn(40, 48, device=DEVICE))
+    # F2 rounds w_down [4, 48, 32] as three [4, 16, 32] (B1 copies it whole, once); B3 copies w_gate_up
+    # [4, 64, 48] as three [4, 64, 16] (F1 rounds it whole, once)
+    assert copies.count((4, 16, 32)) == 3 and copies.count((4, 64, 16)) == 3
+    assert copies.count((4, 48, 32)) == 1 and copies.count((4, 64, 48)) == 1
