@@ -159,8 +159,9 @@ def up_forward(x: Tensor, w1: Tensor, index: DispatchIndex, activation: str, sto
 # ---------------------------------------------------------------- [N, d] slot buffers in column chunks
 
 # Chunking pays only where an [N, d] buffer is a real share of a step's memory. Below 256 MiB the step is short
-# and host-bound (issue 24: 2.6-4.2 ms of host time per layer step at 4,096 tokens on an H100), where the two
-# launches each extra chunk adds cost host time; at 256 MiB F2 alone is ~0.35 ms of GPU work (d 2048, h 768).
+# and host-bound (2.6-4.2 ms of host time per layer step at 4,096 tokens on an H100, benchmarks/bench_host.py),
+# where the two launches each extra chunk adds cost host time; at 256 MiB F2 alone is ~0.35 ms of GPU work
+# (2Ndh FLOPs at 600 TF/s, d 2048, h 768).
 _CHUNK_MIN_BYTES = 256 * 2**20
 # Narrower chunks make the GEMM re-read its A operand (act, dpre) from memory once per chunk: at W columns a
 # 650 TF/s GEMM asks 650e12 / W bytes/s of it, 1.3 TB/s at W = 512, under half the H100's bandwidth.
