@@ -232,8 +232,9 @@ def comparisons(runs: dict[tuple[str, str], list[dict]], warmup: int) -> list[st
     return lines
 
 
-def plot_losses(rows: list[dict], path: str, title: str) -> None:
-    """Loss against step per (implementation, mode): raw losses faint, their 10-step moving mean drawn over them."""
+def plot_losses(rows: list[dict], path: str, args: argparse.Namespace) -> None:
+    """Loss against step per (implementation, mode): raw losses faint, their 10-step moving mean drawn over them;
+    the title names the tokens per step and the rows' devices and dates."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -249,7 +250,9 @@ def plot_losses(rows: list[dict], path: str, title: str) -> None:
         ax.plot(steps, losses, color=line.get_color(), alpha=0.2, linewidth=0.8)
     ax.set_xlabel("step")
     ax.set_ylabel("training loss (LM + aux), nats")
-    ax.set_title(title, fontsize=9)
+    dates, devices = sorted({r["date"] for r in rows}), ", ".join(sorted({r["device"] for r in rows}))
+    ax.set_title(f"transformers Qwen3-MoE, {args.batch_size} x {args.seq_len} tokens per step\n{devices}, "
+                 f"{dates[0]}{' to ' + dates[-1] if len(dates) > 1 else ''}", fontsize=9)
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -304,10 +307,7 @@ def append_rows(path: str, rows: list[dict]) -> None:
 def main(argv=None) -> None:
     args = parse_args(argv)
     if args.plot_from:
-        rows = latest_runs(args.plot_from, args.batch_size * args.seq_len)
-        dates, devices = sorted({r["date"] for r in rows}), ", ".join(sorted({r["device"] for r in rows}))
-        plot_losses(rows, args.plot, f"transformers Qwen3-MoE, {args.batch_size} x {args.seq_len} tokens per step\n"
-                    f"{devices}, {dates[0]}{' to ' + dates[-1] if len(dates) > 1 else ''}")
+        plot_losses(latest_runs(args.plot_from, args.batch_size * args.seq_len), args.plot, args)
         print(f"wrote {args.plot}")
         return
     csv_is_new(args.out)  # an older file's columns stop the run before any training
@@ -342,8 +342,7 @@ def main(argv=None) -> None:
                 torch.cuda.empty_cache()
     print("\n".join(summary(rows, args.warmup)))
     if args.plot:
-        plot_losses(rows, args.plot, f"transformers Qwen3-MoE, {args.batch_size} x {args.seq_len} tokens per step\n"
-                    f"{device}, {date}")
+        plot_losses([{**stamp, **r} for r in rows], args.plot, args)
     print(f"rows appended to {args.out}")
 
 

@@ -17,7 +17,7 @@
 #   tr         benchmarks/bench_token_rounding.py speed (token rounding vs top-k vs the ceiling, SonicMoE fed the same pairs)
 #   trq        benchmarks/bench_token_rounding.py quality (moeblaze train with top-k and with token rounding nr)
 #   rounding   benchmarks/bench_token_rounding.py rounding (round_tokens alone: wall and GPU kernel time)
-#   chunks    moeblaze bench with F2/F3 and B3/B5 in one chunk and in column chunks (setting chunk_cols off / auto, alternating,
+#   chunks     moeblaze bench with F2/F3 and B3/B5 in one chunk and in column chunks (setting chunk_cols off / auto, alternating,
 #              fixed configs): layer time and peak at $CHUNKS_CONFIGS (default qwen3-30b-a3b,olmoe-1b-7b,sonicmoe-7b)
 #              and $CHUNKS_TOKENS tokens (default 65536)
 #   hf         benchmarks/bench_hf.py $HF_ARGS (default: the transformers Qwen3-MoE with grouped_mm, SonicMoE and
@@ -72,11 +72,15 @@ PY
 }
 sonic_peers() {  # SonicMoE 0.1.2 from .peers/ (when present) with the QuACK kernel cache of an earlier call
   if [[ -f .peers/install.sh ]]; then source .peers/install.sh /tmp/peers >/dev/null; fi
+  # SonicMoE's first step compiles for > 500 s on an empty QuACK cache (H200, 2026-11-24): reuse the cache of an
+  # earlier call (.peers/quack_cache.tgz, as save_quack_cache leaves it in $OUT). One directory named for QuACK
+  # holds both its compiled kernels and its autotuning results; its GEMM autotune compiles in parallel.
   export QUACK_COMPILE_WORKERS="${QUACK_COMPILE_WORKERS:-16}" QUACK_CACHE_DIR="${QUACK_CACHE_DIR:-/tmp/quack_cache}" \
     QUACK_CACHE_AUTOTUNING=1
   mkdir -p "$QUACK_CACHE_DIR"
   if [[ -f .peers/quack_cache.tgz ]]; then tar -xzf .peers/quack_cache.tgz -C "$QUACK_CACHE_DIR"; fi
 }
+save_quack_cache() { tar -czf "$FINAL/quack_cache.tgz" -C "$QUACK_CACHE_DIR" .; }  # for the next call's .peers/
 gpu_tests_parallel() {  # the gpu tests dealt round-robin to $TESTS_JOBS pytest processes on the one GPU
   # Most of a gpu test's time is Triton compiling on the CPU (16 cores), so processes side by side finish the
   # suite in a fraction of the time of one; each gets the whole timeout.
@@ -107,17 +111,10 @@ for stage in "$@"; do
     # shellcheck disable=SC2086
     precision) run bench_precision python3 benchmarks/bench_precision.py --out "$OUT/precision.csv" ${PRECISION_ARGS:-} ;;
     bench)  # BENCH_ARGS overrides what to run; SonicMoE is measured in a child process (--isolate auto)
-      if [[ -f .peers/install.sh ]]; then source .peers/install.sh /tmp/peers >/dev/null; fi
-      export QUACK_COMPILE_WORKERS="${QUACK_COMPILE_WORKERS:-16}"  # SonicMoE's GEMM autotune compiles in parallel
-      # SonicMoE's first step compiles for > 500 s on an empty QuACK cache (H200, 2026-11-24): reuse the cache of an
-      # earlier call (.peers/quack_cache.tgz, as this stage leaves it in $OUT) and leave the new one. One
-      # directory named for QuACK holds both its compiled kernels and its autotuning results.
-      export QUACK_CACHE_DIR="${QUACK_CACHE_DIR:-/tmp/quack_cache}" QUACK_CACHE_AUTOTUNING=1
-      mkdir -p "$QUACK_CACHE_DIR"
-      if [[ -f .peers/quack_cache.tgz ]]; then tar -xzf .peers/quack_cache.tgz -C "$QUACK_CACHE_DIR"; fi
+      sonic_peers
       # shellcheck disable=SC2086
       run bench python3 -m moeblaze.cli bench ${BENCH_ARGS:---suite all} --out "$OUT/bench"
-      tar -czf "$FINAL/quack_cache.tgz" -C "$QUACK_CACHE_DIR" . ;;
+      save_quack_cache ;;
     train)
       for b in ${TRAIN_BACKENDS:-torch triton}; do
         run "train_$b" timeout "${TRAIN_TIMEOUT:-600}" python3 -m moeblaze.cli train --device cuda --backend "$b" --no-progress --overwrite --out-dir "/tmp/run_$b"
@@ -145,7 +142,7 @@ for stage in "$@"; do
       # shellcheck disable=SC2086
       run bench_hf timeout "${HF_TIMEOUT:-580}" python3 benchmarks/bench_hf.py ${HF_ARGS:---steps 150 --warmup 10} \
         --out "$OUT/hf_train.csv"
-      if [[ -n "$(ls -A "$QUACK_CACHE_DIR")" ]]; then tar -czf "$FINAL/quack_cache.tgz" -C "$QUACK_CACHE_DIR" .; fi ;;
+      save_quack_cache ;;
     trq) run tr_quality timeout "${TRAIN_TIMEOUT:-580}" python3 benchmarks/bench_token_rounding.py quality \
           --out-dir "$OUT/tr_quality" ;;
     *) echo "unknown stage $stage"; status=2 ;;
