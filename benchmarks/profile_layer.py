@@ -15,7 +15,11 @@ averaged; compare with ``profile_kernels.py``, which times each launch alone), `
 time after the GPU idled 1.5 s against the time per step of 30 back-to-back steps, with the SM clock,
 power draw and clock-limit reasons that ``nvidia-smi`` reads during the back-to-back steps (a step
 slower when sustained than cold is a step the card's power limit slows down), ``--peak`` what was
-allocated at the step's memory peak, by allocating line (:mod:`moeblaze.bench.peak`).
+allocated at the step's memory peak, by allocating line (:mod:`moeblaze.bench.peak`), ``--api N`` the N host-side
+operations (ATen ops and CUDA runtime / driver calls: launches, copies, synchronisations) with the most CPU
+time of their own, ``--busy`` the host time of a step queued behind 100 ms of GPU work (``torch.cuda._sleep``):
+a step that only queues work returns in its usual host time, one that waits for the GPU anywhere inside
+(a synchronising call, a pageable copy) takes the 100 ms.
 
 Usage (GPU): ``python3 benchmarks/profile_layer.py --configs sweep-8k,smoke-olmoe --impls moeblaze,conventional``
 """
@@ -28,6 +32,7 @@ import io
 import pstats
 import subprocess
 import time
+from dataclasses import replace
 
 import torch
 from torch.autograd import DeviceType
@@ -104,6 +109,28 @@ def timeline(step, steps: int = 3) -> list[tuple[str, float]]:
             for i in range(per)]
 
 
+def host_ms_behind_busy_gpu(step, busy_ms: float = 100.0, reps: int = 5) -> tuple[float, float]:
+    """(median host ms of a step queued behind ``busy_ms`` of GPU work, the GPU work's measured ms)."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    cycles = 10_000_000
+    start.record()
+    torch.cuda._sleep(cycles)
+    end.record()
+    torch.cuda.synchronize()
+    cycles = int(cycles * busy_ms / start.elapsed_time(end))
+    host = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        start.record()
+        torch.cuda._sleep(cycles)
+        end.record()
+        t0 = time.perf_counter()
+        step()
+        host.append((time.perf_counter() - t0) * 1e3)
+    torch.cuda.synchronize()
+    return sorted(host)[reps // 2], start.elapsed_time(end)
+
+
 def gpu_state() -> str:
     """SM clock, power draw and active clock-limit reasons as ``nvidia-smi`` reads them (read only)."""
     query = "clocks.sm,power.draw,clocks_throttle_reasons.active"
@@ -150,13 +177,18 @@ def main() -> None:
     ap.add_argument("--cold", action="store_true",
                     help="print the step time after the GPU idled against back-to-back, with clock and power")
     ap.add_argument("--peak", action="store_true", help="print what was allocated at the step's memory peak")
+    ap.add_argument("--api", type=int, default=0, metavar="N",
+                    help="print the N host-side ops and CUDA API calls with the most CPU time of their own")
+    ap.add_argument("--busy", action="store_true",
+                    help="print the host time of a step queued behind 100 ms of GPU work")
+    ap.add_argument("--tokens", type=int, default=0, help="T of every config (0: the config's own)")
     args = ap.parse_args()
     torch.manual_seed(0)
     now = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     print(f"{torch.cuda.get_device_name()} | torch {torch.__version__} | {now}")
     print(f"{'config':<14} {'impl':<13} {'host ms':>8} {'step ms':>8} {'device ms':>9} {'kernels':>7}")
     for name in parse_list(args.configs):
-        cfg = CONFIGS[name]
+        cfg = replace(CONFIGS[name], T=args.tokens) if args.tokens else CONFIGS[name]
         w = make_weights(cfg, "cuda", torch.bfloat16)
         x = torch.randn(cfg.T, cfg.d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         dout = torch.randn_like(x)
@@ -170,6 +202,11 @@ def main() -> None:
             print(f"{name:<14} {impl_name:<13} {host:8.3f} {wall:8.3f} {dev:9.3f} {nk:7.0f}", flush=True)
             if args.kernels:
                 print(ev.table(sort_by="self_device_time_total", row_limit=15, max_name_column_width=60))
+            if args.api:
+                print(ev.table(sort_by="self_cpu_time_total", row_limit=args.api, max_name_column_width=60))
+            if args.busy:
+                busy_host, busy = host_ms_behind_busy_gpu(step)
+                print(f"  host ms behind {busy:.1f} ms of queued GPU work: {busy_host:.3f} (idle GPU: {host:.3f})")
             if args.timeline:
                 for kernel, ms in timeline(step):
                     print(f"    {ms:9.3f} ms  {kernel[:70]}")
