@@ -19,6 +19,9 @@ Commands::
     python3 benchmarks/bench_host.py --shapes qwen3-30b-a3b,olmoe-1b-7b --stack 8 \\
         --tokens 2048,4096,8192,16384,32768 --impls moeblaze,conventional,sonicmoe --graph \\
         --csv docs/results-stack.csv --plot docs/plots/stack-time-per-token.png
+    # host µs per call of the parts of a layer step (a queued launch, an ATen op, the router, the dispatch
+    # build, the forward, the step) on the GPU: where the host time goes without a profiler's overhead
+    python3 benchmarks/bench_host.py --parts --shapes qwen3-30b-a3b --tokens 512
     # the plot again from the file (every call's rows)
     python3 benchmarks/bench_host.py --plot-from docs/results-stack.csv --plot docs/plots/stack-time-per-token.png
 """
@@ -52,6 +55,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="Triton launch paths, comma-separated: direct (moeblaze.kernels.direct, the default path), "
                         "triton (kernel[grid] every launch); rows of the second have mode eager-triton-launch")
     p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--parts", action="store_true", help="host µs per call of the parts of one layer step (cuda)")
     p.add_argument("--profile", type=int, default=0, help="print cProfile's top N functions of the steps")
     p.add_argument("--cpu-dims", type=int, default=64,
                    help="--mode cpu: d and h of every shape (the host path does not depend on them; E and K kept)")
@@ -225,6 +229,60 @@ def measure(impl_name: str, cfg, layers: int, device, dtype) -> list[dict]:
     return rows
 
 
+def parts(cfg, device, dtype) -> list[tuple[str, float]]:
+    """Host µs per call of each part of an eager ``moeblaze.MoE`` step (``--parts``): 100 calls queued back to
+    back, then one synchronisation, median of 5 such runs. At a small T the GPU keeps up with every part but the
+    whole step's weight reads, so the figure is the host's: Python, autograd and the launch calls."""
+    import triton
+    import triton.language as tl
+
+    from moeblaze import build_dispatch
+
+    @triton.jit
+    def _one(x_ptr):  # a kernel of one store: the cost of a queued Triton launch
+        tl.store(x_ptr, 1.0)
+
+    moe = build_stack("moeblaze", cfg, 1, device, dtype)[0].layers[0]
+    x = torch.randn(cfg.T, cfg.d, device=device, dtype=dtype, requires_grad=True)
+    dout = torch.randn_like(x)
+    small = torch.zeros(16, device=device)
+    with torch.no_grad():
+        ids = moe.router(x).topk_ids
+
+    def router_step():
+        r = moe.router(x)
+        torch.autograd.backward([r.topk_weights, r.loss], [torch.ones_like(r.topk_weights), None])
+
+    def layer_step():
+        torch.autograd.backward([moe(x), moe.aux_loss], [dout, None])
+
+    def no_grad_forward():
+        with torch.no_grad():
+            moe(x)
+
+    cases = [("triton launch (direct, one store)", lambda: direct.launch(_one, (1,), x_ptr=small)),
+             ("aten add_ (16 floats)", lambda: small.add_(1.0)),
+             ("torch.empty (1 MiB)", lambda: torch.empty(2**18, device=device)),
+             ("router forward + backward", router_step),
+             ("dispatch build (validate=False)", lambda: build_dispatch(ids, cfg.E, validate=False)),
+             ("layer forward (no grad)", no_grad_forward),
+             ("layer forward + backward", layer_step)]
+    out = []
+    for name, fn in cases:
+        fn(), fn()
+        _sync(device)
+        runs = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            for _ in range(100):
+                fn()
+            _sync(device)
+            runs.append((time.perf_counter() - t0) * 1e4)  # µs per call: 1e6 / 100
+        out.append((name, statistics.median(runs)))
+        x.grad = None
+    return out
+
+
 def environment(device) -> dict:
     import triton
 
@@ -285,6 +343,14 @@ def main() -> None:
     elif not torch.cuda.is_available():
         sys.exit("bench_host: --mode cuda needs a GPU (use --mode cpu for the host path alone)")
     dtype = torch.bfloat16 if ARGS.mode == "cuda" else torch.float16
+    if ARGS.parts:
+        for cfg0 in get_configs(None, parse_list(ARGS.shapes)):
+            for T in (int(t) for t in ARGS.tokens.split(",")):
+                print(f"{cfg0.name} T {T}: host µs per call ({environment(device)['device']})")
+                cfg = replace(cfg0, T=T, **({"d": ARGS.cpu_dims, "h": ARGS.cpu_dims} if ARGS.mode == "cpu" else {}))
+                for name, us in parts(cfg, device, dtype):
+                    print(f"  {us:9.1f}  {name}", flush=True)
+        return
     env, rows = environment(device), []
     for cfg0 in get_configs(None, parse_list(ARGS.shapes)):
         for T in (int(t) for t in ARGS.tokens.split(",")):

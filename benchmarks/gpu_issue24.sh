@@ -4,12 +4,13 @@
 # host path, then the model-shaped sweep (rows appended as they come, so a cut run keeps what it measured).
 #   bash benchmarks/gpu_issue24.sh              # everything, writes under $OUT (default /tmp/issue24)
 #   PART=tests bash benchmarks/gpu_issue24.sh   # tests + profile only;  PART=sweep: the sweep only
+#   BUDGET=300 ...                              # seconds the script may take (default 560: one call alone)
 set -u
 OUT=${OUT:-/tmp/issue24}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH}
 start=$(date +%s)
-left() { echo $(( 560 - ($(date +%s) - start) )); }
+left() { echo $(( ${BUDGET:-560} - ($(date +%s) - start) )); }
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/device.txt"
 
 PART=${PART:-all}
