@@ -248,6 +248,7 @@ def parts(cfg, device, dtype) -> list[tuple[str, float]]:
     small = torch.zeros(16, device=device)
     with torch.no_grad():
         ids = moe.router(x).topk_ids
+    xd, wt = x.detach(), moe.router.weight.detach().t()
 
     def router_step():
         r = moe.router(x)
@@ -256,20 +257,28 @@ def parts(cfg, device, dtype) -> list[tuple[str, float]]:
     def layer_step():
         torch.autograd.backward([moe(x), moe.aux_loss], [dout, None])
 
-    def no_grad_forward():
+    def no_grad(fn=moe):
         with torch.no_grad():
-            moe(x)
+            fn(x)
 
     cases = [("triton launch (direct, one store)", lambda: direct.launch(_one, (1,), x_ptr=small)),
              ("aten add_ (16 floats)", lambda: small.add_(1.0)),
              ("torch.empty (1 MiB)", lambda: torch.empty(2**18, device=device)),
+             ("mm [T, d] x [d, E] bf16 -> fp32 (out_dtype=)", lambda: torch.mm(xd, wt, out_dtype=torch.float32)),
+             ("mm [T, d] x [d, E] bf16 -> bf16", lambda: torch.mm(xd, wt)),
+             ("mm fp32 of the casts (x.float() @ w.float().t())", lambda: xd.float() @ wt.float()),
+             ("router forward (no grad)", lambda: no_grad(moe.router)),
              ("router forward + backward", router_step),
              ("dispatch build (validate=False)", lambda: build_dispatch(ids, cfg.E, validate=False)),
-             ("layer forward (no grad)", no_grad_forward),
+             ("layer forward (no grad)", no_grad),
              ("layer forward + backward", layer_step)]
     out = []
     for name, fn in cases:
-        fn(), fn()
+        try:
+            fn(), fn()
+        except (RuntimeError, NotImplementedError) as exc:  # e.g. out_dtype= on the CPU
+            out.append((f"{name}: {type(exc).__name__}", float("nan")))
+            continue
         _sync(device)
         runs = []
         for _ in range(5):
