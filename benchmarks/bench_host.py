@@ -328,7 +328,14 @@ def plot(path: str, rows: list[dict]) -> None:
             if pts:
                 ax.plot(*zip(*pts), marker="o", label=f"{impl} {mode} L={layers}")
         ax.set(xscale="log", xlabel="tokens per GPU (T)", ylabel="µs per token (step)", title=shape)
+        ticks = sorted({r["T"] for r in rows if r["shape"] == shape})
+        ax.set_xticks(ticks, [f"{t / 1024:g}k" for t in ticks])
+        ax.minorticks_off()
         ax.legend(fontsize=7)
+    devices, dates = sorted({r.get("device", "") for r in rows}), sorted({r.get("date", "") for r in rows})
+    fixed = all("MOEBLAZE_AUTOTUNE=0" in r.get("command", "") for r in rows)
+    fig.suptitle(f"{', '.join(devices)}, {', '.join(dates)}" + (" (moeblaze: fixed kernel configs)" if fixed else ""),
+                 fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
