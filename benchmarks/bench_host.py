@@ -257,6 +257,12 @@ def parts(cfg, device, dtype) -> list[tuple[str, float]]:
     def layer_step():
         torch.autograd.backward([moe(x), moe.aux_loss], [dout, None])
 
+    def single_thread(fn):  # the backward on this thread instead of autograd's CUDA device thread
+        def run():
+            with torch.autograd.set_multithreading_enabled(False):
+                fn()
+        return run
+
     def no_grad(fn=moe):
         with torch.no_grad():
             fn(x)
@@ -271,7 +277,9 @@ def parts(cfg, device, dtype) -> list[tuple[str, float]]:
              ("router forward + backward", router_step),
              ("dispatch build (validate=False)", lambda: build_dispatch(ids, cfg.E, validate=False)),
              ("layer forward (no grad)", no_grad),
-             ("layer forward + backward", layer_step)]
+             ("layer forward + backward", layer_step),
+             ("router forward + backward, autograd multithreading off", single_thread(router_step)),
+             ("layer forward + backward, autograd multithreading off", single_thread(layer_step))]
     out = []
     for name, fn in cases:
         try:
