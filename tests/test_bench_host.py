@@ -24,3 +24,21 @@ def test_cpu_mode_times_the_host_path_and_appends_rows(tmp_path):
         assert r["shape"] == "olmoe-1b-7b" and (r["T"], r["d"], r["E"], r["K"]) == ("16", "16", "64", "8")
         assert float(r["host_us_per_layer"]) > 0 and "launches stubbed" in r["device"]
         assert " python3 " in f" {r['command']}" and "--mode cpu" in r["command"]  # MOEBLAZE_* variables first
+
+
+def test_cpu_parts_prints_the_host_cost_of_each_part():
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_host.py"), "--mode", "cpu", "--parts", "--shapes",
+           "olmoe-1b-7b", "--tokens", "16", "--cpu-dims", "16"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = proc.stdout.splitlines()
+    assert lines[0].startswith("olmoe-1b-7b T 16: host µs per call")
+    parts = {}
+    for line in lines[1:]:  # "   12.3  name" or "    nan  name: ErrorType"
+        value, name = line.strip().split("  ", 1)
+        parts[name.strip().split(":")[0]] = value
+    for name in ("router forward + backward", "dispatch build (validate=False)", "layer forward + backward"):
+        assert float(parts[name]) > 0, (name, proc.stdout)
+    # bf16 GEMMs with out_dtype= are CUDA-only: reported as such, not as a crash
+    assert parts["mm [T, d] x [d, E] bf16 -> fp32 (out_dtype=)"] == "nan"
