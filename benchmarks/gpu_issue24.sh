@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 24 on one GPU, in one call of at most ~9.5 minutes: the gpu tests of CUDA-graph capture and of the
 # small-T bucket (every failure printed), the expert-kernel regressions, a cProfile of one eager layer step's
-# host path, then the model-shaped sweep (rows appended as they come, so a cut run keeps what it measured).
+# host path and the host cost of each of its parts (bench_host.py --parts), then the model-shaped sweep (rows appended as they come, so a cut run keeps what it measured).
 #   bash benchmarks/gpu_issue24.sh              # everything, writes under $OUT (default /tmp/issue24)
 #   PART=tests bash benchmarks/gpu_issue24.sh   # tests + profile only;  PART=sweep: the sweep only
 #   BUDGET=300 ...                              # seconds the script may take (default 560: one call alone)
@@ -24,6 +24,10 @@ timeout $(( $(left) > 150 ? 150 : $(left) )) python3 -m pytest -q -m gpu -rf tes
 echo "== host path of one eager layer step (qwen3-30b-a3b, T 4096), cProfile"
 timeout 60 python3 benchmarks/bench_host.py --shapes qwen3-30b-a3b --tokens 4096 --steps 20 --profile 35 \
     2>&1 | tee "$OUT/profile.txt" | tail -45
+
+echo "== host µs per call of each part of a layer step (a launch, an ATen op, the router's GEMMs and backward, ...)"
+timeout 90 python3 benchmarks/bench_host.py --parts --shapes qwen3-30b-a3b,olmoe-1b-7b --tokens 512,4096 \
+    2>&1 | tee "$OUT/parts.txt"
 
 fi
 [ "$PART" = tests ] && exit 0
