@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Issue 24 on one GPU, in one call of at most ~9.5 minutes: the gpu tests of CUDA-graph capture and of the
 # small-T bucket (every failure printed), the expert-kernel regressions, a cProfile of one eager layer step's
-# host path and the host cost of each of its parts (bench_host.py --parts), then the model-shaped sweep (rows appended as they come, so a cut run keeps what it measured).
+# host path and the host cost of each of its parts (bench_host.py --parts), then the model-shaped sweep (rows
+# appended as they come, so a cut run keeps what it measured).
 #   bash benchmarks/gpu_issue24.sh              # everything, writes under $OUT (default /tmp/issue24)
 #   PART=tests bash benchmarks/gpu_issue24.sh   # tests + profile only;  PART=sweep: the sweep only
 #   BUDGET=300 ...                              # seconds the script may take (default 560: one call alone)
