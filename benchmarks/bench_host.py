@@ -61,6 +61,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="--mode cpu: d and h of every shape (the host path does not depend on them; E and K kept)")
     p.add_argument("--sort", default="tottime", help="cProfile sort key (tottime, cumulative)")
     p.add_argument("--csv", help="append rows to this CSV")
+    p.add_argument("--commit", help="code version recorded in the rows (default: git's HEAD here, +dirty; a device "
+                                    "machine's copy of the checkout may carry an older HEAD than its files)")
     p.add_argument("--plot", help="draw time per token against T into this PNG")
     p.add_argument("--plot-from", help="only draw --plot from the rows of this CSV (no measurement)")
     return p.parse_args(argv)
@@ -314,7 +316,8 @@ def environment(device) -> dict:
     now = time.gmtime()
     name = torch.cuda.get_device_name() if device.type == "cuda" else f"CPU, launches stubbed ({os.cpu_count()} cores)"
     return {"date": time.strftime("%Y-%m-%d", now), "time_utc": time.strftime("%H:%M", now), "device": name,
-            "commit": git_commit(Path(__file__).parent), "torch": torch.__version__, "triton": triton.__version__,
+            "commit": ARGS.commit or git_commit(Path(__file__).parent), "torch": torch.__version__,
+            "triton": triton.__version__,
             "command": " ".join([*(f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith("MOEBLAZE_")),
                                  "python3", *sys.argv])}
 

@@ -6,6 +6,7 @@
 #   bash benchmarks/gpu_issue24.sh              # everything, writes under $OUT (default /tmp/issue24)
 #   PART=tests bash benchmarks/gpu_issue24.sh   # tests + profile only;  PART=sweep: the sweep only
 #   BUDGET=300 ...                              # seconds the script may take (default 560: one call alone)
+#   COMMIT=abc1234 ...                          # the code version the rows record (git's HEAD otherwise)
 set -u
 OUT=${OUT:-/tmp/issue24}
 mkdir -p "$OUT"
@@ -37,7 +38,7 @@ echo "== sweep: L=8 stacks (deepseek-v3: one layer), eager and graph-replayed: m
 sweep() {  # shape impls: rows appended to $OUT/results-stack.csv as they are measured
     t=$(left); [ "$t" -lt 20 ] && return
     timeout "$t" python3 benchmarks/bench_host.py --shapes "$1" --stack 8 --tokens 2048,4096,8192,16384,32768 \
-        --impls "$2" --graph --steps 10 --csv "$OUT/results-stack.csv" 2>&1 | grep -v "^ " | tail -20
+        --impls "$2" --graph --steps 10 --csv "$OUT/results-stack.csv" ${COMMIT:+--commit "$COMMIT"} 2>&1 | grep -v "^ " | tail -20
 }
 for shape in qwen3-30b-a3b olmoe-1b-7b deepseek-v3; do sweep "$shape" moeblaze,conventional; done
 echo "== SonicMoE (first step compiles: QuACK's kernel cache from .peers/ as scripts/gpu_suite.sh bench does)"
