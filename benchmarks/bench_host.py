@@ -55,7 +55,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="Triton launch paths, comma-separated: direct (moeblaze.kernels.direct, the default path), "
                         "triton (kernel[grid] every launch); rows of the second have mode eager-triton-launch")
     p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--parts", action="store_true", help="host µs per call of the parts of one layer step (cuda)")
+    p.add_argument("--parts", action="store_true",
+                   help="host µs per call of the parts of one layer step (with --mode cpu: the stubbed path; "
+                        "CUDA-only GEMMs print nan)")
     p.add_argument("--profile", type=int, default=0, help="print cProfile's top N functions of the steps")
     p.add_argument("--cpu-dims", type=int, default=64,
                    help="--mode cpu: d and h of every shape (the host path does not depend on them; E and K kept)")
