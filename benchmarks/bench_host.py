@@ -368,6 +368,12 @@ def read_rows(path: str) -> list[dict]:
                 for r in csv.DictReader(f)]
 
 
+def shape_at(cfg, T: int):
+    """``cfg`` at ``T`` tokens; under ``--mode cpu`` with d = h = ``--cpu-dims`` (E and K kept)."""
+    cfg = replace(cfg, T=T)
+    return replace(cfg, d=ARGS.cpu_dims, h=ARGS.cpu_dims) if ARGS.mode == "cpu" else cfg
+
+
 def main() -> None:
     if ARGS.plot_from:
         plot(ARGS.plot, read_rows(ARGS.plot_from))
@@ -380,15 +386,14 @@ def main() -> None:
     elif not torch.cuda.is_available():
         sys.exit("bench_host: --mode cuda needs a GPU (use --mode cpu for the host path alone)")
     dtype = torch.bfloat16 if ARGS.mode == "cuda" else torch.float16
+    env, rows = environment(device), []
     if ARGS.parts:
         for cfg0 in get_configs(None, parse_list(ARGS.shapes)):
             for T in (int(t) for t in ARGS.tokens.split(",")):
-                print(f"{cfg0.name} T {T}: host µs per call ({environment(device)['device']})")
-                cfg = replace(cfg0, T=T, **({"d": ARGS.cpu_dims, "h": ARGS.cpu_dims} if ARGS.mode == "cpu" else {}))
-                for name, us in parts(cfg, device, dtype):
+                print(f"{cfg0.name} T {T}: host µs per call ({env['device']})")
+                for name, us in parts(shape_at(cfg0, T), device, dtype):
                     print(f"  {us:9.1f}  {name}", flush=True)
         return
-    env, rows = environment(device), []
     for cfg0 in get_configs(None, parse_list(ARGS.shapes)):
         for T in (int(t) for t in ARGS.tokens.split(",")):
             stacks = [1] if cfg0.name.startswith("deepseek") else sorted({int(s) for s in ARGS.stack.split(",")})
@@ -396,9 +401,7 @@ def main() -> None:
                 for impl, launch in [(i, a) for i in parse_list(ARGS.impls) for a in parse_list(ARGS.launch)
                                      if a == "direct" or i.startswith("moeblaze")]:
                     try:
-                        cfg = replace(cfg0, T=T)
-                        if ARGS.mode == "cpu":
-                            cfg = replace(cfg, d=ARGS.cpu_dims, h=ARGS.cpu_dims)
+                        cfg = shape_at(cfg0, T)
                         direct._triton_launch_only = TRITON_LAUNCH_ONLY if launch == "direct" else lambda: True
                         got = measure(impl, cfg, layers, device, dtype)
                     except Exception as exc:  # OOM or an implementation failing on a shape: keep going

@@ -42,12 +42,9 @@ sweep() {  # shape impls: rows appended to $OUT/results-stack.csv as they are me
 }
 for shape in qwen3-30b-a3b olmoe-1b-7b deepseek-v3; do sweep "$shape" moeblaze,conventional; done
 echo "== SonicMoE (first step compiles: QuACK's kernel cache from .peers/ as scripts/gpu_suite.sh bench does)"
-if [[ -f .peers/install.sh ]]; then source .peers/install.sh /tmp/peers >/dev/null; fi
-export QUACK_COMPILE_WORKERS="${QUACK_COMPILE_WORKERS:-16}" QUACK_CACHE_AUTOTUNING=1
-export QUACK_CACHE_DIR="${QUACK_CACHE_DIR:-/tmp/quack_cache}"
-mkdir -p "$QUACK_CACHE_DIR"
-if [[ -f .peers/quack_cache.tgz ]]; then tar -xzf .peers/quack_cache.tgz -C "$QUACK_CACHE_DIR"; fi
+source scripts/quack_cache.sh
+sonic_peers
 for shape in qwen3-30b-a3b olmoe-1b-7b; do sweep "$shape" sonicmoe; done
-tar -czf "$OUT/quack_cache.tgz" -C "$QUACK_CACHE_DIR" .
+save_quack_cache "$OUT"
 python3 benchmarks/bench_host.py --plot-from "$OUT/results-stack.csv" --plot "$OUT/stack-time-per-token.png" 2>&1 | tail -3
 ls -la "$OUT"

@@ -70,17 +70,7 @@ for name in ("train_1b_2gpu", "train_1b_2gpu_ep2"):
         print(f"{name}: {100 * rates[name] / one:.1f}% of the 1-GPU tokens/s per GPU (target >= 90%)")
 PY
 }
-sonic_peers() {  # SonicMoE 0.1.2 from .peers/ (when present) with the QuACK kernel cache of an earlier call
-  if [[ -f .peers/install.sh ]]; then source .peers/install.sh /tmp/peers >/dev/null; fi
-  # SonicMoE's first step compiles for > 500 s on an empty QuACK cache (H200, 2026-11-24): reuse the cache of an
-  # earlier call (.peers/quack_cache.tgz, as save_quack_cache leaves it in $OUT). One directory named for QuACK
-  # holds both its compiled kernels and its autotuning results; its GEMM autotune compiles in parallel.
-  export QUACK_COMPILE_WORKERS="${QUACK_COMPILE_WORKERS:-16}" QUACK_CACHE_DIR="${QUACK_CACHE_DIR:-/tmp/quack_cache}" \
-    QUACK_CACHE_AUTOTUNING=1
-  mkdir -p "$QUACK_CACHE_DIR"
-  if [[ -f .peers/quack_cache.tgz ]]; then tar -xzf .peers/quack_cache.tgz -C "$QUACK_CACHE_DIR"; fi
-}
-save_quack_cache() { tar -czf "$FINAL/quack_cache.tgz" -C "$QUACK_CACHE_DIR" .; }  # for the next call's .peers/
+source scripts/quack_cache.sh  # sonic_peers, save_quack_cache
 gpu_tests_parallel() {  # the gpu tests dealt round-robin to $TESTS_JOBS pytest processes on the one GPU
   # Most of a gpu test's time is Triton compiling on the CPU (16 cores), so processes side by side finish the
   # suite in a fraction of the time of one; each gets the whole timeout.
@@ -114,7 +104,7 @@ for stage in "$@"; do
       sonic_peers
       # shellcheck disable=SC2086
       run bench python3 -m moeblaze.cli bench ${BENCH_ARGS:---suite all} --out "$OUT/bench"
-      save_quack_cache ;;
+      save_quack_cache "$FINAL" ;;
     train)
       for b in ${TRAIN_BACKENDS:-torch triton}; do
         run "train_$b" timeout "${TRAIN_TIMEOUT:-600}" python3 -m moeblaze.cli train --device cuda --backend "$b" --no-progress --overwrite --out-dir "/tmp/run_$b"
@@ -142,7 +132,7 @@ for stage in "$@"; do
       # shellcheck disable=SC2086
       run bench_hf timeout "${HF_TIMEOUT:-580}" python3 benchmarks/bench_hf.py ${HF_ARGS:---steps 150 --warmup 10} \
         --out "$OUT/hf_train.csv"
-      save_quack_cache ;;
+      save_quack_cache "$FINAL" ;;
     trq) run tr_quality timeout "${TRAIN_TIMEOUT:-580}" python3 benchmarks/bench_token_rounding.py quality \
           --out-dir "$OUT/tr_quality" ;;
     *) echo "unknown stage $stage"; status=2 ;;
