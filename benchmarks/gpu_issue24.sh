@@ -3,10 +3,12 @@
 # small-T bucket (every failure printed), the expert-kernel regressions, a cProfile of one eager layer step's
 # host path and the host cost of each of its parts (bench_host.py --parts), then the model-shaped sweep (rows
 # appended as they come, so a cut run keeps what it measured).
-#   bash benchmarks/gpu_issue24.sh              # everything, writes under $OUT (default /tmp/issue24)
-#   PART=tests bash benchmarks/gpu_issue24.sh   # tests + profile only;  PART=sweep: the sweep only
-#   BUDGET=300 ...                              # seconds the script may take (default 560: one call alone)
-#   COMMIT=abc1234 ...                          # the code version the rows record (git's HEAD otherwise)
+#   bash benchmarks/gpu_issue24.sh                    # everything, writes under $OUT (default /tmp/issue24)
+#   PART="parts sweep" bash benchmarks/gpu_issue24.sh  # any of: tests (the gpu tests), parts (cProfile and
+#                                                     # --parts), sweep; PART=all is all three
+#   SHAPES=qwen3-30b-a3b,olmoe-1b-7b ...              # the sweep's shapes (default: those two and deepseek-v3)
+#   BUDGET=300 ...                                    # seconds the script may take (default 560: one call alone)
+#   COMMIT=abc1234 ...                                # the code version the rows record (git's HEAD otherwise)
 set -u
 OUT=${OUT:-/tmp/issue24}
 mkdir -p "$OUT"
@@ -14,37 +16,42 @@ export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH}
 start=$(date +%s)
 left() { echo $(( ${BUDGET:-560} - ($(date +%s) - start) )); }
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/device.txt"
-
 PART=${PART:-all}
-if [ "$PART" != sweep ]; then
+[ "$PART" = all ] && PART="tests parts sweep"
+has() { [[ " $PART " == *" $1 "* ]]; }
+
+if has tests; then
 echo "== capture + small-T gpu tests"
 timeout 240 python3 -m pytest -q -m gpu -rf tests/test_graphs.py tests/test_small_tokens.py 2>&1 | tee "$OUT/tests.log" | tail -40
 echo "== regressions (expert kernels, layer, routing)"
 timeout $(( $(left) > 150 ? 150 : $(left) )) python3 -m pytest -q -m gpu -rf tests/test_experts_triton.py tests/test_layer.py \
     tests/test_routing.py 2>&1 | tee "$OUT/regress.log" | tail -15
+fi
 
+if has parts; then
 echo "== host path of one eager layer step (qwen3-30b-a3b, T 4096), cProfile"
 timeout 60 python3 benchmarks/bench_host.py --shapes qwen3-30b-a3b --tokens 4096 --steps 20 --profile 35 \
     2>&1 | tee "$OUT/profile.txt" | tail -45
-
 echo "== host µs per call of each part of a layer step (a launch, an ATen op, the router's GEMMs and backward, ...)"
 timeout 90 python3 benchmarks/bench_host.py --parts --shapes qwen3-30b-a3b,olmoe-1b-7b --tokens 512,4096 \
     2>&1 | tee "$OUT/parts.txt"
-
 fi
-[ "$PART" = tests ] && exit 0
 
-echo "== sweep: L=8 stacks (deepseek-v3: one layer), eager and graph-replayed: moeblaze and the conventional layer"
+has sweep || exit 0
+# L=8 stacks (deepseek-v3: one layer), eager and graph-replayed; moeblaze, the conventional layer and SonicMoE
+# (autotuned; its first step compiles, with QuACK's kernel cache from .peers/ as scripts/gpu_suite.sh bench
+# does) side by side per shape
+source scripts/quack_cache.sh
+sonic_peers
 sweep() {  # shape impls: rows appended to $OUT/results-stack.csv as they are measured
     t=$(left); [ "$t" -lt 20 ] && return
+    echo "== sweep $1: $2 ($t s left)"
     timeout "$t" python3 benchmarks/bench_host.py --shapes "$1" --stack 8 --tokens 2048,4096,8192,16384,32768 \
         --impls "$2" --graph --steps 10 --csv "$OUT/results-stack.csv" ${COMMIT:+--commit "$COMMIT"} 2>&1 | grep -v "^ " | tail -20
 }
-for shape in qwen3-30b-a3b olmoe-1b-7b deepseek-v3; do sweep "$shape" moeblaze,conventional; done
-echo "== SonicMoE (first step compiles: QuACK's kernel cache from .peers/ as scripts/gpu_suite.sh bench does)"
-source scripts/quack_cache.sh
-sonic_peers
-for shape in qwen3-30b-a3b olmoe-1b-7b; do sweep "$shape" sonicmoe; done
+for shape in $(echo "${SHAPES:-qwen3-30b-a3b,olmoe-1b-7b,deepseek-v3}" | tr , ' '); do
+    case $shape in deepseek-v3) sweep "$shape" moeblaze,conventional ;; *) sweep "$shape" sonicmoe,moeblaze,conventional ;; esac
+done
 save_quack_cache "$OUT"
 python3 benchmarks/bench_host.py --plot-from "$OUT/results-stack.csv" --plot "$OUT/stack-time-per-token.png" 2>&1 | tail -3
 ls -la "$OUT"
