@@ -219,7 +219,8 @@ def test_launches_after_the_first_skip_the_autotuner(monkeypatch):
 
     tuned = []
     real = tuning.Launchable.tuner
-    monkeypatch.setattr(tuning.Launchable, "tuner", lambda self, dtype: tuned.append(self.fn) or real(self, dtype))
+    monkeypatch.setattr(tuning.Launchable, "tuner",
+                        lambda self, dtype, bucket=None: tuned.append(self.fn) or real(self, dtype, bucket))
     import moeblaze.kernels.act_bwd as ab
     import moeblaze.kernels.combine as cb
     import moeblaze.kernels.launch as ln

@@ -11,6 +11,7 @@ import os
 
 import pytest
 import torch
+import triton
 
 import moeblaze
 from moeblaze import moe_experts
@@ -55,6 +56,48 @@ def _check(T, d, h, E, K, dtype, activation="swiglu", save="preact", routing="un
     for name, a, r, b, b2 in zip(NAMES, got, ref, base, torch_backend):  # the worse plain-PyTorch baseline counts
         mag = router_weight_grad_magnitude(inputs, activation, dout) if name == "dtopk_weights" else None
         assert_close_to_reference(name, a, r, (b, b2), magnitude=mag)
+
+
+def test_tokens_bucket_is_a_power_of_four_of_slots_per_expert():
+    assert [tuning.tokens_bucket(n * 128, 128) for n in (1, 3, 4, 63, 64, 128, 255, 256, 1024, 2048, 4096)] == \
+        [1, 1, 4, 16, 64, 64, 64, 256, 1024, 1024, 4096]
+    assert tuning.tokens_bucket(0, 8) == 1 and tuning.tokens_bucket(5, 0) == 4  # never a division by zero
+
+
+class _Kernel:  # stands for a jitted kernel: records the launches, and whether the autotuner ran them
+    arg_names = ["a_ptr", "N_COLS", "ROWS"]
+
+    def __init__(self) -> None:
+        self.launched: list[dict] = []
+
+
+def test_a_new_tokens_bucket_tunes_afresh_and_a_known_one_does_not(monkeypatch):
+    """Each bucket gets its own autotuner (triton's keeps one config per key): a second bucket benchmarks,
+    a third launch in a known bucket takes the remembered config without the autotuner."""
+    kernel, tuned = _Kernel(), []
+    launchable = tuning.Launchable(kernel, lambda kind: [], key=["N_COLS"],
+                                   bucket=lambda a: tuning.tokens_bucket(a["ROWS"], 4))
+    monkeypatch.setattr(tuning, "autotune_enabled", lambda: True)
+    monkeypatch.setattr(tuning, "interpreting", lambda: False)
+
+    class Tuner:
+        def __init__(self, bucket):
+            self.bucket, self.best_config = bucket, None
+
+        def __getitem__(self, grid):
+            def run(**kwargs):
+                tuned.append(self.bucket)
+                self.best_config = triton.Config({"BLOCK_N": 64 * self.bucket})
+            return run
+
+    tuners = {}
+    monkeypatch.setattr(launchable, "tuner", lambda dtype, bucket: tuners.setdefault(bucket, Tuner(bucket)))
+    monkeypatch.setattr(launchable, "_go", lambda grid, args, kwargs, extra: kernel.launched.append(extra))
+    a = torch.empty(4, dtype=torch.bfloat16)
+    for rows in (4 * 64, 4 * 4, 4 * 100, 4 * 16):  # buckets 64, 4, 64, 16
+        launchable.launch(torch.bfloat16, (1,), a_ptr=a, N_COLS=32, ROWS=rows)
+    assert tuned == [64, 4, 16]
+    assert [k["BLOCK_N"] for k in kernel.launched] == [64 * 64]  # the third launch: bucket 64's, no autotuner
 
 
 @pytest.mark.parametrize("save", ["preact", "input"])

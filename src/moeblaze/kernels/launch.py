@@ -28,6 +28,7 @@ from .tuning import (
     prune_fp32_tiles,
     prune_gemm_configs,
     tma_enabled,
+    tokens_bucket,
     wgrad_configs,
 )
 from .wgrad import SLOT_PAD, grouped_wgrad_kernel
@@ -36,10 +37,13 @@ from .wgrad import SLOT_PAD, grouped_wgrad_kernel
 _GEMM_KEY = ["N_COLS", "K_DIM", "NUM_EXPERTS", "EPILOGUE", "GATHER_A", "SCATTER_C", "DUAL", "A_DESC", "B_DESC",
              "DOT_PREC", "BLOCK_M"]  # BLOCK_M: the token-count bucket (tuning.block_m)
 _EVEN = {"EVEN_K": lambda a: a["K_DIM"] % a["BLOCK_K"] == 0, "EVEN_N": lambda a: a["N_COLS"] % a["BLOCK_N"] == 0}
+# the token-count bucket of the tuning key: max_tiles = cdiv(N, BLOCK_M) + E bounds N from above by a tile per expert
 _GEMM = Launchable(grouped_gemm_kernel, gemm_configs, key=_GEMM_KEY, heuristics=_EVEN, prune=prune_gemm_configs,
-                   variant=persistent_mode)
+                   variant=persistent_mode,
+                   bucket=lambda a: tokens_bucket((a["max_tiles"] - a["NUM_EXPERTS"]) * a["BLOCK_M"], a["NUM_EXPERTS"]))
 _WGRAD = Launchable(grouped_wgrad_kernel, wgrad_configs, prune=prune_fp32_tiles,
-                    key=["P", "Q", "NUM_EXPERTS", "stride_c_p", "GATHER_A", "B_DESC", "DOT_PREC"])
+                    key=["P", "Q", "NUM_EXPERTS", "stride_c_p", "GATHER_A", "B_DESC", "DOT_PREC"],
+                    bucket=lambda a: tokens_bucket(a["ROWS"], a["NUM_EXPERTS"]))
 # Every BLOCK_K of gemm_configs divides this: a K_DIM multiple of it never reads past an expert (B_DESC_KN).
 _K_QUANTUM = 64
 

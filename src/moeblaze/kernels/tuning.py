@@ -1,8 +1,10 @@
 """Launch configurations of the expert kernels: autotuned on the GPU, fixed when asked or interpreted.
 
-Autotuning is keyed on the problem's (d, h, E) and the tensor dtypes — never on T (or N), so a new
-batch size never re-tunes. A key first launched inside a CUDA-graph capture is not tuned (the autotuner
-synchronises): it takes the fixed default configuration for good (:mod:`moeblaze.graphs`). Environment:
+Autotuning is keyed on the problem's (d, h, E), the tensor dtypes and, for the grouped GEMMs, a coarse
+bucket of the token count (:func:`tokens_bucket`: mean slots per expert rounded down to a power of 4), so a
+new batch size re-tunes only when it crosses a bucket. A key first launched inside a CUDA-graph capture is
+not tuned (the autotuner synchronises): it takes the fixed default configuration for good
+(:mod:`moeblaze.graphs`). Environment:
 
 ``MOEBLAZE_AUTOTUNE=0``  use one fixed default configuration per kernel (no benchmarking at first call).
 ``TRITON_INTERPRET=1``   (CPU interpreter) small fixed configurations; autotuning is always off.
@@ -92,6 +94,19 @@ def block_m(num_pairs: int | None = None, num_experts: int | None = None) -> int
     if num_pairs is None or num_experts is None:
         return base
     return base // 2 if num_pairs < (base // 2) * num_experts else base
+
+
+def tokens_bucket(num_pairs: int, num_experts: int) -> int:
+    """Autotune bucket of the grouped GEMMs: the mean slots per expert ``N / E`` rounded down to a power of 4
+    (at least 1), so 2k-32k tokens of Qwen3-30B-A3B (128-2,048 slots per expert) tune three times, not once.
+
+    Why: configs tuned at one token count lost 4% at another. Qwen3-30B-A3B at T 32,768, one layer
+    tuned at T 2,048 first: 16.56 ms per step against 15.82-15.92 ms tuned at 32,768 (OLMoE 19.94 against
+    19.16-19.27; H100, 2026-11-25, ``python3 benchmarks/bench_host.py --shapes qwen3-30b-a3b,olmoe-1b-7b
+    --stack 1 --tokens 2048,32768`` against ``--tokens 32768``).
+    """
+    per_expert = max(1, num_pairs // max(1, num_experts))
+    return 1 << (2 * ((per_expert.bit_length() - 1) // 2))
 
 
 def _cfg(num_warps: int, num_stages: int, **kw) -> triton.Config:
@@ -243,12 +258,14 @@ class Launchable:
         restore: arguments the kernel overwrites in place; autotuning restores them after each trial.
         variant: ``() -> str`` read at every launch (an environment switch), passed to ``configs`` as its
             second argument and made part of the kind: changing it picks other configs.
+        bucket: ``kwargs -> int`` of a keyword launch (e.g. :func:`tokens_bucket` of its slot count), made
+            part of the key; each bucket has an autotuner of its own, so a new bucket benchmarks afresh.
     """
 
     def __init__(self, fn, configs, key: list[str], heuristics: dict | None = None, prune=None,
-                 restore: list[str] | None = None, variant=None) -> None:
+                 restore: list[str] | None = None, variant=None, bucket=None) -> None:
         self.fn, self.configs, self.key, self.heuristics = fn, configs, key, heuristics or {}
-        self.prune, self.restore, self.variant = prune, restore, variant
+        self.prune, self.restore, self.variant, self.bucket = prune, restore, variant, bucket
         self._cache: dict[str, object] = {}
         self._best: dict[tuple, triton.Config] = {}
         self._ready: dict[tuple, tuple[triton.Config, dict]] = {}  # key -> (its config, the launch kwargs)
@@ -267,13 +284,14 @@ class Launchable:
             base = "tuned16" if autotune_enabled() else "fixed16"
         return (base, self.variant()) if self.variant else (base,)
 
-    def tuner(self, dtype: torch.dtype):
-        """The ``triton.autotune``-wrapped kernel for ``dtype``'s kind (``tuner(dtype)[grid](*args)``)."""
-        kind = self.kind(dtype)
+    def tuner(self, dtype: torch.dtype, bucket: int | None = None):
+        """The ``triton.autotune``-wrapped kernel for ``dtype``'s kind and the launch's ``bucket``
+        (``tuner(dtype, bucket)[grid](*args)``): one per pair, as triton's autotuner keeps one config per key."""
+        kind = (*self.kind(dtype), bucket)
         if kind not in self._cache:
             fn = triton.heuristics(self.heuristics)(self.fn) if self.heuristics else self.fn
             prune = {"early_config_prune": self.prune} if self.prune else None
-            self._cache[kind] = triton.autotune(configs=self.configs(*kind), key=self.key,
+            self._cache[kind] = triton.autotune(configs=self.configs(*kind[:-1]), key=self.key,
                                                 prune_configs_by=prune, restore_value=self.restore)(fn)
         return self._cache[kind]
 
@@ -282,10 +300,13 @@ class Launchable:
         return {k: (args[i] if i < len(args) else kwargs[k]) for k, i in self._key_pos}
 
     def tune_key(self, dtype: torch.dtype, args: tuple, kwargs: dict) -> tuple:
-        """The autotune key of a launch: kind, the key arguments' values and every tensor argument's dtype."""
+        """The autotune key of a launch: kind, the key arguments' values, every tensor argument's dtype and the
+        bucket (None without one)."""
         n = len(args)
         named = [args[i] if i < n else kwargs[k] for k, i in self._key_pos]
-        return (*self.kind(dtype), *named, *[(args[i] if i < n else kwargs[k]).dtype for k, i in self._ptr_pos])
+        bucket = self.bucket(kwargs) if self.bucket else None
+        return (*self.kind(dtype), *named, *[(args[i] if i < n else kwargs[k]).dtype for k, i in self._ptr_pos],
+                bucket)
 
     def default_config(self, dtype: torch.dtype, args: tuple, kwargs: dict) -> triton.Config:
         """The configuration a launch takes without autotuning: the first of the fixed list (``MOEBLAZE_AUTOTUNE=0``),
@@ -324,7 +345,7 @@ class Launchable:
         if config is None and _capturing(args, kwargs):  # no timing inside a CUDA-graph capture (moeblaze.graphs)
             config = self._best[key] = self.default_config(dtype, args, kwargs)
         if config is None:
-            tuner = self.tuner(dtype)
+            tuner = self.tuner(dtype, key[-1])
             tuner[grid](*args, **kwargs)
             self._best[key] = tuner.best_config
             return
