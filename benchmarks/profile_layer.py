@@ -209,7 +209,7 @@ def main() -> None:
                 print(f"  host ms behind {busy:.1f} ms of queued GPU work: {busy_host:.3f} (idle GPU: {host:.3f})")
             if args.timeline:
                 for kernel, ms in timeline(step):
-                    print(f"    {ms:9.3f} ms  {kernel[:70]}")
+                    print(f"    {ms:9.3f} ms  {kernel[:120]}")
             if args.cold:
                 cold, sustained, state = cold_and_sustained_ms(step)
                 print(f"  cold step {cold:.2f} ms, back to back {sustained:.2f} ms per step "
