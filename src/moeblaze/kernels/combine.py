@@ -65,10 +65,11 @@ def gather_sum_kernel(
             acc = _add_pair(acc, k, src_ptr, w_ptr, map_ptr, pair_row, local, t_mask, mask, offs_d, count,
                             stride_src_m, stride_w_t, stride_w_k, stride_map_t, stride_map_k, HAS_W, HAS_LIMIT, CSR)
     else:
-        # unrolled: the K slot-row loads of a tile are independent and go out together, where a loop waits for
-        # each pair's slot id, then its row (the loop took 0.507 ms against SonicMoE's 0.403 for the same sum,
-        # Qwen3-30B-A3B at T 32,768, H100, 2026-11-25, ``benchmarks/profile_layer.py --configs qwen3-30b-a3b
-        # --impls moeblaze,sonicmoe --timeline`` with ``MOEBLAZE_CHUNK_COLS=off``)
+        # unrolled: the K slot-row loads of a tile are independent and go out together, where a loop waited for
+        # each pair's slot id, then its row. Qwen3-30B-A3B at T 32,768, F3's three column chunks 0.442 ms
+        # against 0.532 looped, B5's 0.422 against 0.475; SonicMoE's one unchunked gather-sum 0.403 (H100,
+        # 2026-11-25, two calls, ``benchmarks/profile_layer.py --configs qwen3-30b-a3b --impls
+        # moeblaze,sonicmoe --timeline``)
         for k in tl.static_range(K):
             acc = _add_pair(acc, k, src_ptr, w_ptr, map_ptr, rows_t, local, t_mask, mask, offs_d, 0,
                             stride_src_m, stride_w_t, stride_w_k, stride_map_t, stride_map_k, HAS_W, HAS_LIMIT, CSR)

@@ -203,16 +203,10 @@ def wgrad_configs(kind: str) -> list[triton.Config]:
                                          (256, 128, 32, 8, 3), (64, 128, 32, 4, 4), (128, 64, 32, 4, 4),
                                          (64, 64, 16, 8, 2), (64, 32, 16, 4, 2), (32, 64, 16, 4, 2),
                                          (128, 64, 16, 8, 2))]
-    # Two-stage tiles: with few slots per expert (two or three BLOCK_K steps) a tile is mostly its prologue and
-    # its store, which only other CTAs on the SM can overlap; 48-64 KB of pipeline buffers let 3-4 of them
-    # share an SM where the 3-stage tiles fit two. Both weight gradients took 1.7-1.8x SonicMoE's time at
-    # Qwen3-30B-A3B, T 2,048 (B2 0.304 vs 0.182 ms, B4 0.615 vs 0.333-0.346; H100, 2026-11-25,
-    # ``benchmarks/profile_layer.py --configs qwen3-30b-a3b --tokens 2048 --impls moeblaze,sonicmoe --timeline``)
     return [
         _cfg(w, s, BLOCK_P=bp, BLOCK_Q=bq, BLOCK_K=64, GROUP_M=8)
         for bp, bq, w, s in ((128, 128, 8, 3), (128, 128, 8, 4), (128, 256, 8, 3), (128, 256, 8, 4),
-                             (256, 128, 8, 3), (64, 128, 4, 4), (128, 64, 4, 4),
-                             (128, 128, 8, 2), (64, 128, 4, 2), (128, 64, 4, 2), (64, 64, 4, 2))
+                             (256, 128, 8, 3), (64, 128, 4, 4), (128, 64, 4, 4))
     ]
 
 
