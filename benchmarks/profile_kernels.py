@@ -10,14 +10,21 @@ weights and wgrad slot rows read through pointers instead of TMA), for same-call
 In-place kernels (the activation backward) are replayed on their own outputs: the timing holds, the
 values do not matter.
 
+``--all-configs B2,B4`` replays the launches of those steps (prefixes of the step names) with every config
+of the tuned list as well, one line each: what the autotuner chose from, and by how much. ``--tokens T`` runs
+the configs at T tokens. The weight gradients' lines give the GB/s at which their ``[E, P, Q]`` output is
+written (at few slots per expert a tile is mostly its store).
+
 Usage (GPU): ``python3 benchmarks/profile_kernels.py --configs conf4-swiglu,olmoe-1b-7b --set B_DESC=0``;
-``--dtype fp32`` (TF32 at the default ``--fp32-precision high``) for the fp32 path.
+``--dtype fp32`` (TF32 at the default ``--fp32-precision high``) for the fp32 path;
+``--configs qwen3-30b-a3b --tokens 2048 --all-configs B2,B4`` for the weight gradients at few slots per expert.
 """
 
 from __future__ import annotations
 
 import argparse
 import time
+from dataclasses import replace
 
 import torch
 import triton
@@ -88,10 +95,40 @@ def config_str(c: triton.Config) -> str:
     return f"{dims} w{c.num_warps} s{c.num_stages}{' persistent' if k.get('PERSISTENT') else ''}"
 
 
-def profile_config(name: str, overrides: list[tuple[str, int]], dtype: torch.dtype = torch.bfloat16) -> None:
-    """Print the per-launch table of one bench config, then the whole step's time (the launches' sum falls
-    short of it by what runs outside the kernels: router, index build, casts, allocations)."""
-    cfg = CONFIGS[name]
+def out_rate(launchable, args, kwargs, ms: float) -> str:
+    """GB/s at which a weight gradient's ``[E, P, Q]`` output is written; empty for the other kernels."""
+    a = {**dict(zip(launchable.fn.arg_names, args)), **kwargs}
+    if launchable.fn.__name__ != "grouped_wgrad_kernel":
+        return ""
+    c = a["c_ptr"]
+    return f" {c.numel() * c.element_size() / ms / 1e6:5.0f} GB/s out"
+
+
+def tuned_list(launchable, dtype: torch.dtype, args, kwargs) -> list[triton.Config]:
+    """The configs the autotuner chooses from for this launch (the tuned kind, after the launch's pruning)."""
+    configs = launchable.configs(*launchable.kind(dtype))
+    if launchable.prune:
+        configs = launchable.prune(configs, {**dict(zip(launchable.fn.arg_names, args)), **kwargs}, **kwargs)
+    return configs
+
+
+def replay_all(launchable, grid, args, kwargs, dtype: torch.dtype, chosen: float) -> None:
+    """One line per tuned config: ms alone and against the chosen config's ``chosen`` ms."""
+    for c in tuned_list(launchable, dtype, args, kwargs):
+        try:
+            ms = replay_ms(launchable, grid, args, kwargs, c)
+        except Exception as exc:  # e.g. a tile that exceeds shared memory at this shape: say so, keep going
+            print(f"      {config_str(c):<28} failed: {type(exc).__name__}")
+            continue
+        print(f"      {config_str(c):<28} {ms:8.3f} ms ({ms / chosen:.3f}x){out_rate(launchable, args, kwargs, ms)}")
+
+
+def profile_config(name: str, overrides: list[tuple[str, int]], dtype: torch.dtype = torch.bfloat16,
+                   tokens: int = 0, sweep: tuple[str, ...] = ()) -> None:
+    """Print the per-launch table of one bench config (at ``tokens`` if given; the steps named by a prefix in
+    ``sweep`` with every tuned config too), then the whole step's time (the launches' sum falls short of it by
+    what runs outside the kernels: router, index build, casts, allocations)."""
+    cfg = replace(CONFIGS[name], T=tokens) if tokens else CONFIGS[name]
     w = make_weights(cfg, "cuda", dtype)
     x = torch.randn(cfg.T, cfg.d, device="cuda", dtype=dtype, requires_grad=True)
     dout = torch.randn_like(x)
@@ -112,12 +149,14 @@ def profile_config(name: str, overrides: list[tuple[str, int]], dtype: torch.dty
         ms = replay_ms(launchable, grid, a, kw, config)
         total += ms
         rate = f"{flops / ms / 1e9:6.0f} TF/s" if flops else " " * 11
-        line = f"  {label:<24} {ms:8.3f} ms {rate}  {config_str(config)}"
+        line = f"  {label:<24} {ms:8.3f} ms {rate}  {config_str(config)}{out_rate(launchable, a, kw, ms)}"
         for key, value in overrides:
             if key in kw:
                 other = replay_ms(launchable, grid, a, kw, config, {key: value})
                 line += f" | {key}={value}: {other:.3f} ms ({other / ms:.3f}x)"
         print(line, flush=True)
+        if any(label.startswith(p) for p in sweep):
+            replay_all(launchable, grid, a, kw, dtype, ms)
     print(f"  sum of the launches      {total:8.3f} ms")
     whole = triton.testing.do_bench(step, warmup=3, rep=200, return_mode="median")
     print(f"  whole step (do_bench)    {whole:8.3f} ms")
@@ -132,6 +171,9 @@ def main() -> None:
                     help="operand dtype; fp32 runs at --fp32-precision")
     ap.add_argument("--fp32-precision", choices=("highest", "high"), default="high",
                     help="torch.set_float32_matmul_precision for fp32 (high: TF32 tensor cores)")
+    ap.add_argument("--tokens", type=int, default=0, help="T of every config (0: the config's own)")
+    ap.add_argument("--all-configs", default="", metavar="STEPS",
+                    help="comma-separated step-name prefixes (e.g. B2,B4) replayed with every tuned config too")
     args = ap.parse_args()
     torch.set_float32_matmul_precision(args.fp32_precision)
     dtype = torch.float32 if args.dtype == "fp32" else torch.bfloat16
@@ -139,7 +181,7 @@ def main() -> None:
     print(f"{torch.cuda.get_device_name()} | torch {torch.__version__} | triton {triton.__version__} | "
           f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
     for name in parse_list(args.configs):
-        profile_config(name, overrides, dtype)
+        profile_config(name, overrides, dtype, args.tokens, tuple(parse_list(args.all_configs)))
         torch.cuda.empty_cache()
 
 
