@@ -189,25 +189,37 @@ def prune_gemm_configs(configs, named_args, **kwargs):
     return kept or configs
 
 
-def wgrad_configs(kind: str) -> list[triton.Config]:
-    """Weight-gradient configs (``BLOCK_P x BLOCK_Q`` output tile, ``BLOCK_K`` slots per step)."""
+def wgrad_persistent_mode() -> str:
+    """The ``wgrad_persistent`` setting (``MOEBLAZE_WGRAD_PERSISTENT``) as ``"1"``, ``"0"`` or ``"auto"``."""
+    mode = settings.get("wgrad_persistent")
+    return "auto" if mode is None else str(int(mode))
+
+
+def wgrad_configs(kind: str, persistent: str = "0") -> list[triton.Config]:
+    """Weight-gradient configs (``BLOCK_P x BLOCK_Q`` output tile, ``BLOCK_K`` slots per step); ``persistent``
+    the :func:`wgrad_persistent_mode` (``1``: the persistent launch of each 16-bit config, ``auto``: both, ``0``:
+    per tile; fp32 lists are per tile)."""
     if kind == "interpret":
-        return [_cfg(1, 1, BLOCK_P=64, BLOCK_Q=64, BLOCK_K=32, GROUP_M=4)]
-    if kind == "fixed32":  # IEEE-sized (see fp32_gemm_configs), right for TF32 too
-        return [_cfg(8, 2, BLOCK_P=64, BLOCK_Q=64, BLOCK_K=16, GROUP_M=8)]
-    if kind == "fixed16":
-        return [_cfg(8, 3, BLOCK_P=128, BLOCK_Q=128, BLOCK_K=64, GROUP_M=8)]
-    if kind == "tuned32":  # TF32: BLOCK_K 32 slots (the bytes of 64 in 16 bits); IEEE: BLOCK_K 16, small tiles
-        return [_cfg(w, s, BLOCK_P=bp, BLOCK_Q=bq, BLOCK_K=bk, GROUP_M=8)
+        base = [_cfg(1, 1, BLOCK_P=64, BLOCK_Q=64, BLOCK_K=32, GROUP_M=4)]
+    elif kind == "fixed32":  # IEEE-sized (see fp32_gemm_configs), right for TF32 too
+        return [_cfg(8, 2, BLOCK_P=64, BLOCK_Q=64, BLOCK_K=16, GROUP_M=8, PERSISTENT=False)]
+    elif kind == "fixed16":
+        base = [_cfg(8, 3, BLOCK_P=128, BLOCK_Q=128, BLOCK_K=64, GROUP_M=8)]
+    elif kind == "tuned32":  # TF32: BLOCK_K 32 slots (the bytes of 64 in 16 bits); IEEE: BLOCK_K 16, small tiles
+        return [_cfg(w, s, BLOCK_P=bp, BLOCK_Q=bq, BLOCK_K=bk, GROUP_M=8, PERSISTENT=False)
                 for bp, bq, bk, w, s in ((128, 128, 32, 8, 3), (128, 128, 32, 8, 4), (128, 256, 32, 8, 3),
                                          (256, 128, 32, 8, 3), (64, 128, 32, 4, 4), (128, 64, 32, 4, 4),
                                          (64, 64, 16, 8, 2), (64, 32, 16, 4, 2), (32, 64, 16, 4, 2),
                                          (128, 64, 16, 8, 2))]
-    return [
-        _cfg(w, s, BLOCK_P=bp, BLOCK_Q=bq, BLOCK_K=64, GROUP_M=8)
-        for bp, bq, w, s in ((128, 128, 8, 3), (128, 128, 8, 4), (128, 256, 8, 3), (128, 256, 8, 4),
-                             (256, 128, 8, 3), (64, 128, 4, 4), (128, 64, 4, 4))
-    ]
+    else:
+        base = [_cfg(w, s, BLOCK_P=bp, BLOCK_Q=bq, BLOCK_K=64, GROUP_M=8)
+                for bp, bq, w, s in ((128, 128, 8, 3), (128, 128, 8, 4), (128, 256, 8, 3), (128, 256, 8, 4),
+                                     (256, 128, 8, 3), (64, 128, 4, 4), (128, 64, 4, 4))]
+    flags = {"0": (False,), "1": (True,)}.get(persistent, (False, True))
+    if kind != "tuned16":  # one config (fixed, or the interpreter's): persistent only when asked for
+        flags = (persistent == "1",)
+    return [triton.Config({**c.kwargs, "PERSISTENT": f}, num_warps=c.num_warps, num_stages=c.num_stages)
+            for f in flags for c in base]
 
 
 def act_bwd_configs(kind: str) -> list[triton.Config]:
