@@ -149,33 +149,19 @@ def _persistent_tiles(a_ptr, b_ptr, c_ptr, offsets_ptr, indices_ptr, P, Q, ROWS,
                                            block_shape=[BLOCK_K, BLOCK_Q])
     offs_k = tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK_P, BLOCK_Q), dtype=tl.float32)
-    # the state of the tile being summed; k = -1 and n_k = 0 make the first step open this program's first tile
-    tile = pid - programs
-    k = pid * 0 - 1
-    n_k = pid * 0
-    e = pid * 0
-    start = pid * 0
-    end = pid * 0
-    pid_q = pid * 0
-    offs_p = tl.arange(0, BLOCK_P)
-    offs_q = tl.arange(0, BLOCK_Q)
+    tile, e, start, end, n_k, offs_p, offs_q, pid_q = _open_tile(offsets_ptr, pid, P, Q, num_p, num_q, per_e,
+                                                                NUM_EXPERTS, BLOCK_P, BLOCK_Q, BLOCK_K, GROUP_M)
+    k = pid * 0
+    # token ids one step ahead, as grouped_wgrad_kernel's loop: the gathered loads then depend on a loop-carried
+    # value, not on a load of the same step
+    next_tokens = tl.load(indices_ptr + start + offs_k, mask=start + offs_k < end, other=0)
     for _ in tl.range(0, total):
-        k = tl.where(k == n_k - 1, 0, k + 1)
-        if k == 0:  # open the next tile
-            tile += programs
-            e = tile // per_e
-            start = tl.load(offsets_ptr + e)
-            end = tl.load(offsets_ptr + e + 1)
-            n_k = tl.maximum(tl.cdiv(end - start, BLOCK_K), 1)
-            pid_p, pid_q = tile_of(tile % per_e, num_p, num_q, GROUP_M)
-            offs_p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
-            offs_q = pid_q * BLOCK_Q + tl.arange(0, BLOCK_Q)
         p_mask = offs_p < P
         q_mask = offs_q < Q
         s0 = start + k * BLOCK_K
         s = s0 + offs_k
         s_ok = s < end
-        tokens = tl.load(indices_ptr + s, mask=s_ok, other=0).to(tl.int64)
+        tokens = next_tokens.to(tl.int64)
         # A is zero on slots past the expert (an empty expert's one step: all of them), so B's rows there add
         # nothing: the next expert's through TMA, or row 0 through the clamped pointers
         a = tl.load(a_ptr + tokens[None, :] * stride_a_m + offs_p[:, None] * stride_a_p,
@@ -187,9 +173,29 @@ def _persistent_tiles(a_ptr, b_ptr, c_ptr, offsets_ptr, indices_ptr, P, Q, ROWS,
             b = tl.load(b_ptr + b_rows[:, None] * stride_b_m + offs_q[None, :] * stride_b_q, mask=q_mask[None, :],
                         other=0.0)
         acc = tl.dot(a, b, acc, input_precision=DOT_PREC)
-        if k == n_k - 1:  # the tile is summed: store it (see grouped_wgrad_kernel's store)
+        k += 1
+        if k == n_k:  # the tile is summed: store it (as grouped_wgrad_kernel does), open this program's next
             c_ptrs = (c_ptr + e.to(tl.int64) * stride_c_e + offs_p[:, None].to(tl.int64) * stride_c_p
                       + offs_q[None, :].to(tl.int64) * stride_c_q)
             dw = acc.to(b_ptr.dtype.element_ty).to(c_ptr.dtype.element_ty)
             tl.store(c_ptrs, dw, mask=p_mask[:, None] & q_mask[None, :])
             acc = tl.zeros((BLOCK_P, BLOCK_Q), dtype=tl.float32)
+            tile, e, start, end, n_k, offs_p, offs_q, pid_q = _open_tile(
+                offsets_ptr, tile + programs, P, Q, num_p, num_q, per_e, NUM_EXPERTS, BLOCK_P, BLOCK_Q, BLOCK_K,
+                GROUP_M)
+            k = k * 0
+        s_next = start + k * BLOCK_K + offs_k
+        next_tokens = tl.load(indices_ptr + s_next, mask=s_next < end, other=0)
+
+
+@triton.jit
+def _open_tile(offsets_ptr, tile, P, Q, num_p, num_q, per_e, NUM_EXPERTS, BLOCK_P: tl.constexpr,
+               BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+    """``(tile, e, start, end, steps, offs_p, offs_q, pid_q)`` of output tile ``tile`` (past the last tile: the
+    last expert's range, so that the loads after a program's last step stay in bounds)."""
+    e = tl.minimum(tile // per_e, NUM_EXPERTS - 1)
+    start = tl.load(offsets_ptr + e)
+    end = tl.load(offsets_ptr + e + 1)
+    pid_p, pid_q = tile_of(tile % per_e, num_p, num_q, GROUP_M)
+    return (tile, e, start, end, tl.maximum(tl.cdiv(end - start, BLOCK_K), 1),
+            pid_p * BLOCK_P + tl.arange(0, BLOCK_P), pid_q * BLOCK_Q + tl.arange(0, BLOCK_Q), pid_q)
