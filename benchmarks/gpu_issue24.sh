@@ -5,7 +5,8 @@
 # appended as they come, so a cut run keeps what it measured).
 #   bash benchmarks/gpu_issue24.sh                    # everything, writes under $OUT (default /tmp/issue24)
 #   PART="parts sweep" bash benchmarks/gpu_issue24.sh  # any of: tests (the gpu tests), parts (cProfile and
-#                                                     # --parts), sweep; PART=all is all three
+#                                                     # --parts), wgrad (the weight gradients per config,
+#                                                     # per tile and persistent), sweep; PART=all: all four
 #   SHAPES=qwen3-30b-a3b,olmoe-1b-7b ...              # the sweep's shapes (default: those two and deepseek-v3)
 #   BUDGET=300 ...                                    # seconds the script may take (default 560: one call alone)
 #   COMMIT=abc1234 ...                                # the code version the rows record (git's HEAD otherwise)
@@ -17,7 +18,7 @@ start=$(date +%s)
 left() { echo $(( ${BUDGET:-560} - ($(date +%s) - start) )); }
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/device.txt"
 PART=${PART:-all}
-[ "$PART" = all ] && PART="tests parts sweep"
+[ "$PART" = all ] && PART="tests parts wgrad sweep"
 has() { [[ " $PART " == *" $1 "* ]]; }
 
 if has tests; then
@@ -37,6 +38,14 @@ MOEBLAZE_AUTOTUNE=0 timeout 60 python3 benchmarks/bench_host.py --shapes qwen3-3
 echo "== host µs per call of each part of a layer step (a launch, an ATen op, the router's GEMMs and backward, ...)"
 MOEBLAZE_AUTOTUNE=0 timeout 120 python3 benchmarks/bench_host.py --parts --shapes qwen3-30b-a3b,olmoe-1b-7b \
     --tokens 512,4096 2>&1 | tee "$OUT/parts.txt"
+fi
+
+if has wgrad; then
+echo "== the weight gradients B2, B4 replayed with every tuned config, per tile and persistent (few and many slots per expert)"
+for T in 2048 32768; do
+    MOEBLAZE_WGRAD_PERSISTENT=auto timeout 150 python3 benchmarks/profile_kernels.py --configs qwen3-30b-a3b \
+        --tokens $T --all-configs B2,B4 2>&1 | tee "$OUT/wgrad-$T.txt" | grep -v "^      " | tail -25
+done
 fi
 
 has sweep || exit 0
