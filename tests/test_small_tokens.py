@@ -120,6 +120,27 @@ def test_persistent_weight_gradient_matches_reference(T, d, h, E, K, tma):
         _check(T, d, h, E, K, torch.float16)
 
 
+@pytest.mark.parametrize("T,d,h,E,K", [(3, 16, 8, 16, 4), (70, 80, 72, 3, 2)])
+def test_persistent_weight_gradient_tma_store_matches_reference(T, d, h, E, K, monkeypatch):
+    """The persistent launch's ``C_DESC`` store (a 3-D descriptor over dW, the tile transposed for B4), which
+    the autotuner tries on the GPU: the interpreter's one config made to take it."""
+    real = tuning.wgrad_configs
+
+    def with_store(kind, persistent="0"):
+        return [triton.Config({**c.kwargs, "C_DESC": c.kwargs["PERSISTENT"]}, num_warps=c.num_warps,
+                              num_stages=c.num_stages) for c in real(kind, persistent)]
+
+    from moeblaze.kernels import launch
+
+    monkeypatch.setattr(launch._WGRAD, "configs", with_store)
+    monkeypatch.setattr(launch._WGRAD, "_best", {})
+    monkeypatch.setattr(launch._WGRAD, "_cache", {})
+    with moeblaze.settings.override(wgrad_persistent=True):
+        _check(T, d, h, E, K, torch.float32)
+        _check(T, d, h, E, K, torch.float16)
+    assert {c.kwargs["C_DESC"] for c in launch._WGRAD._best.values()} == {True}
+
+
 def test_layer_builds_the_small_bucket_schedule_once(monkeypatch):
     """The layer asks the dispatch build for the bucket's schedule; the ops never rebuild it."""
     import moeblaze.dispatch as md

@@ -26,7 +26,8 @@ loads along the slots start aligned and need no slot mask, so they go as 16-byte
 ``PERSISTENT`` (16-bit operands, ``GATHER_A``): about one program per SM walks its output tiles
 (``t = pid, pid + programs, ...``) as one flat loop over (tile, slot step) pairs, each tile taking
 ``max(1, cdiv(slots, BLOCK_K))`` steps (an empty expert one masked step that stores zeros), so the pipeliner
-issues the next tile's first loads before this tile's store. Why: with few slots per expert a tile is two or
+issues the next tile's first loads before this tile's store; ``C_DESC`` (a config choice) stores the tile through
+a TMA descriptor, whose store drains while the next tile runs. Why: with few slots per expert a tile is two or
 three steps and its store, and the per-tile launch overlaps a store only with other CTAs of the SM (at
 Qwen3-30B-A3B, T 2,048, the two weight gradients wrote their output at ~1.3 TB/s against SonicMoE's ~2.3,
 whose persistent GEMM loads the next tile during the epilogue; H100, 2026-11-25, ``benchmarks/profile_layer.py
@@ -64,14 +65,15 @@ def grouped_wgrad_kernel(
     NUM_EXPERTS,
     GATHER_A: tl.constexpr, B_DESC: tl.constexpr, DOT_PREC: tl.constexpr,
     E_POW2: tl.constexpr,  # next power of 2 of NUM_EXPERTS (PERSISTENT: its step count, over all experts at once)
-    PERSISTENT: tl.constexpr,
+    TRANS_C: tl.constexpr,  # dW stored [E, Q, P] (stride_c_p 1): C_DESC stores the tile transposed
+    PERSISTENT: tl.constexpr, C_DESC: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     if PERSISTENT:
         tl.static_assert(GATHER_A, "the persistent weight gradient reads A through the index (16-bit operands)")
         _persistent_tiles(a_ptr, b_ptr, c_ptr, offsets_ptr, indices_ptr, P, Q, ROWS, stride_a_m, stride_a_p,
                           stride_b_m, stride_b_q, stride_c_e, stride_c_p, stride_c_q, NUM_EXPERTS,
-                          B_DESC, DOT_PREC, E_POW2, BLOCK_P, BLOCK_Q, BLOCK_K, GROUP_M)
+                          B_DESC, DOT_PREC, E_POW2, TRANS_C, C_DESC, BLOCK_P, BLOCK_Q, BLOCK_K, GROUP_M)
         return
     num_p = tl.cdiv(P, BLOCK_P)
     num_q = tl.cdiv(Q, BLOCK_Q)
@@ -128,9 +130,12 @@ def grouped_wgrad_kernel(
 @triton.jit
 def _persistent_tiles(a_ptr, b_ptr, c_ptr, offsets_ptr, indices_ptr, P, Q, ROWS, stride_a_m, stride_a_p,
                       stride_b_m, stride_b_q, stride_c_e, stride_c_p, stride_c_q, NUM_EXPERTS,
-                      B_DESC: tl.constexpr, DOT_PREC: tl.constexpr, E_POW2: tl.constexpr, BLOCK_P: tl.constexpr,
-                      BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
-    """``PERSISTENT`` of :func:`grouped_wgrad_kernel`: this program's tiles as one flat loop of slot steps."""
+                      B_DESC: tl.constexpr, DOT_PREC: tl.constexpr, E_POW2: tl.constexpr, TRANS_C: tl.constexpr,
+                      C_DESC: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr,
+                      GROUP_M: tl.constexpr):
+    """``PERSISTENT`` of :func:`grouped_wgrad_kernel`: this program's tiles as one flat loop of slot steps.
+    ``C_DESC``: each tile is stored through a 3-D TMA descriptor over dW (asynchronous: the store drains while the
+    next tile's steps run, as QuACK's epilogue does), else through pointers."""
     num_p = tl.cdiv(P, BLOCK_P)
     num_q = tl.cdiv(Q, BLOCK_Q)
     per_e = num_p * num_q
@@ -147,15 +152,24 @@ def _persistent_tiles(a_ptr, b_ptr, c_ptr, offsets_ptr, indices_ptr, P, Q, ROWS,
     if B_DESC:
         b_desc = tl.make_tensor_descriptor(b_ptr, shape=[ROWS, Q], strides=[stride_b_m, 1],
                                            block_shape=[BLOCK_K, BLOCK_Q])
+    if C_DESC:
+        if TRANS_C:
+            c_desc = tl.make_tensor_descriptor(c_ptr, shape=[NUM_EXPERTS, Q, P], strides=[stride_c_e, stride_c_q, 1],
+                                               block_shape=[1, BLOCK_Q, BLOCK_P])
+        else:
+            c_desc = tl.make_tensor_descriptor(c_ptr, shape=[NUM_EXPERTS, P, Q], strides=[stride_c_e, stride_c_p, 1],
+                                               block_shape=[1, BLOCK_P, BLOCK_Q])
     offs_k = tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK_P, BLOCK_Q), dtype=tl.float32)
-    tile, e, start, end, n_k, offs_p, offs_q, pid_q = _open_tile(offsets_ptr, pid, P, Q, num_p, num_q, per_e,
-                                                                NUM_EXPERTS, BLOCK_P, BLOCK_Q, BLOCK_K, GROUP_M)
+    tile, e, start, end, n_k, pid_p, pid_q = _open_tile(offsets_ptr, pid, num_p, num_q, per_e, NUM_EXPERTS,
+                                                       BLOCK_K, GROUP_M)
     k = pid * 0
     # token ids one step ahead, as grouped_wgrad_kernel's loop: the gathered loads then depend on a loop-carried
     # value, not on a load of the same step
     next_tokens = tl.load(indices_ptr + start + offs_k, mask=start + offs_k < end, other=0)
     for _ in tl.range(0, total):
+        offs_p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
+        offs_q = pid_q * BLOCK_Q + tl.arange(0, BLOCK_Q)
         p_mask = offs_p < P
         q_mask = offs_q < Q
         s0 = start + k * BLOCK_K
@@ -175,27 +189,30 @@ def _persistent_tiles(a_ptr, b_ptr, c_ptr, offsets_ptr, indices_ptr, P, Q, ROWS,
         acc = tl.dot(a, b, acc, input_precision=DOT_PREC)
         k += 1
         if k == n_k:  # the tile is summed: store it (as grouped_wgrad_kernel does), open this program's next
-            c_ptrs = (c_ptr + e.to(tl.int64) * stride_c_e + offs_p[:, None].to(tl.int64) * stride_c_p
-                      + offs_q[None, :].to(tl.int64) * stride_c_q)
             dw = acc.to(b_ptr.dtype.element_ty).to(c_ptr.dtype.element_ty)
-            tl.store(c_ptrs, dw, mask=p_mask[:, None] & q_mask[None, :])
+            if C_DESC:  # the descriptor clips at P and Q inside expert e
+                if TRANS_C:
+                    c_desc.store([e, pid_q * BLOCK_Q, pid_p * BLOCK_P], tl.trans(dw)[None, :, :])
+                else:
+                    c_desc.store([e, pid_p * BLOCK_P, pid_q * BLOCK_Q], dw[None, :, :])
+            else:
+                c_ptrs = (c_ptr + e.to(tl.int64) * stride_c_e + offs_p[:, None].to(tl.int64) * stride_c_p
+                          + offs_q[None, :].to(tl.int64) * stride_c_q)
+                tl.store(c_ptrs, dw, mask=p_mask[:, None] & q_mask[None, :])
             acc = tl.zeros((BLOCK_P, BLOCK_Q), dtype=tl.float32)
-            tile, e, start, end, n_k, offs_p, offs_q, pid_q = _open_tile(
-                offsets_ptr, tile + programs, P, Q, num_p, num_q, per_e, NUM_EXPERTS, BLOCK_P, BLOCK_Q, BLOCK_K,
-                GROUP_M)
+            tile, e, start, end, n_k, pid_p, pid_q = _open_tile(offsets_ptr, tile + programs, num_p, num_q, per_e,
+                                                               NUM_EXPERTS, BLOCK_K, GROUP_M)
             k = k * 0
         s_next = start + k * BLOCK_K + offs_k
         next_tokens = tl.load(indices_ptr + s_next, mask=s_next < end, other=0)
 
 
 @triton.jit
-def _open_tile(offsets_ptr, tile, P, Q, num_p, num_q, per_e, NUM_EXPERTS, BLOCK_P: tl.constexpr,
-               BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
-    """``(tile, e, start, end, steps, offs_p, offs_q, pid_q)`` of output tile ``tile`` (past the last tile: the
-    last expert's range, so that the loads after a program's last step stay in bounds)."""
+def _open_tile(offsets_ptr, tile, num_p, num_q, per_e, NUM_EXPERTS, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+    """``(tile, e, start, end, steps, pid_p, pid_q)`` of output tile ``tile`` (past the last tile: the last
+    expert's range, so that the loads after a program's last step stay in bounds)."""
     e = tl.minimum(tile // per_e, NUM_EXPERTS - 1)
     start = tl.load(offsets_ptr + e)
     end = tl.load(offsets_ptr + e + 1)
     pid_p, pid_q = tile_of(tile % per_e, num_p, num_q, GROUP_M)
-    return (tile, e, start, end, tl.maximum(tl.cdiv(end - start, BLOCK_K), 1),
-            pid_p * BLOCK_P + tl.arange(0, BLOCK_P), pid_q * BLOCK_Q + tl.arange(0, BLOCK_Q), pid_q)
+    return tile, e, start, end, tl.maximum(tl.cdiv(end - start, BLOCK_K), 1), pid_p, pid_q
