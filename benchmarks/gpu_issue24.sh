@@ -5,8 +5,8 @@
 # appended as they come, so a cut run keeps what it measured).
 #   bash benchmarks/gpu_issue24.sh                    # everything, writes under $OUT (default /tmp/issue24)
 #   PART="parts sweep" bash benchmarks/gpu_issue24.sh  # any of: tests (the gpu tests), parts (cProfile and
-#                                                     # --parts), wgrad (the weight gradients per config,
-#                                                     # per tile and persistent), sweep; PART=all: all four
+#                                                     # --parts), wgrad (the weight gradients timed with
+#                                                     # every tuned config), sweep; PART=all: all four
 #   SHAPES=qwen3-30b-a3b,olmoe-1b-7b ...              # the sweep's shapes (default: those two and deepseek-v3)
 #   BUDGET=300 ...                                    # seconds the script may take (default 560: one call alone)
 #   COMMIT=abc1234 ...                                # the code version the rows record (git's HEAD otherwise)
@@ -41,9 +41,9 @@ MOEBLAZE_AUTOTUNE=0 timeout 120 python3 benchmarks/bench_host.py --parts --shape
 fi
 
 if has wgrad; then
-echo "== the weight gradients B2, B4 replayed with every tuned config, per tile and persistent (few and many slots per expert)"
+echo "== the weight gradients B2, B4 replayed with every tuned config (few and many slots per expert)"
 for T in 2048 32768; do
-    MOEBLAZE_WGRAD_PERSISTENT=auto timeout 150 python3 benchmarks/profile_kernels.py --configs qwen3-30b-a3b \
+    timeout 150 python3 benchmarks/profile_kernels.py --configs qwen3-30b-a3b \
         --tokens $T --all-configs B2,B4 2>&1 | tee "$OUT/wgrad-$T.txt" | grep -v "^      " | tail -25
 done
 fi

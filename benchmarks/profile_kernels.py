@@ -92,8 +92,7 @@ def config_str(c: triton.Config) -> str:
     k = c.kwargs
     dims = "x".join(str(k[n]) for n in ("BLOCK_N", "BLOCK_P", "BLOCK_Q", "BLOCK_K", "BLOCK_R", "BLOCK_H", "BLOCK_T",
                                         "BLOCK_D") if n in k)
-    return (f"{dims} w{c.num_warps} s{c.num_stages}{' persistent' if k.get('PERSISTENT') else ''}"
-            f"{' tma-store' if k.get('C_DESC') else ''}")
+    return f"{dims} w{c.num_warps} s{c.num_stages}{' persistent' if k.get('PERSISTENT') else ''}"
 
 
 def out_rate(launchable, args, kwargs, ms: float) -> str:

@@ -25,12 +25,11 @@ from .tuning import (
     gemm_configs,
     num_programs,
     persistent_mode,
+    prune_fp32_tiles,
     prune_gemm_configs,
-    prune_wgrad_configs,
     tma_enabled,
     tokens_bucket,
     wgrad_configs,
-    wgrad_persistent_mode,
 )
 from .wgrad import SLOT_PAD, grouped_wgrad_kernel
 
@@ -42,9 +41,9 @@ _EVEN = {"EVEN_K": lambda a: a["K_DIM"] % a["BLOCK_K"] == 0, "EVEN_N": lambda a:
 _GEMM = Launchable(grouped_gemm_kernel, gemm_configs, key=_GEMM_KEY, heuristics=_EVEN, prune=prune_gemm_configs,
                    variant=persistent_mode,
                    bucket=lambda a: tokens_bucket((a["max_tiles"] - a["NUM_EXPERTS"]) * a["BLOCK_M"], a["NUM_EXPERTS"]))
-_WGRAD = Launchable(grouped_wgrad_kernel, wgrad_configs, prune=prune_wgrad_configs,
+_WGRAD = Launchable(grouped_wgrad_kernel, wgrad_configs, prune=prune_fp32_tiles,
                     key=["P", "Q", "NUM_EXPERTS", "stride_c_p", "GATHER_A", "B_DESC", "DOT_PREC"],
-                    variant=wgrad_persistent_mode, bucket=lambda a: tokens_bucket(a["ROWS"], a["NUM_EXPERTS"]))
+                    bucket=lambda a: tokens_bucket(a["ROWS"], a["NUM_EXPERTS"]))
 # Every BLOCK_K of gemm_configs divides this: a K_DIM multiple of it never reads past an expert (B_DESC_KN).
 _K_QUANTUM = 64
 
@@ -250,20 +249,13 @@ def grouped_wgrad(a, b, offsets, indices, *, p, q, out_dtype, transpose=False, s
         a, b = tf32_copy(a, rows=rows_a, transpose=True), tf32_copy(b, rows=rows_b, transpose=True)  # [p|q, Npad]
         a_strides, b_strides = (1, a.stride(0)), (1, b.stride(0))
     b_desc = gather_a and slot_desc and _slot_rows_desc(b, False)
-    if b_desc or wgrad_persistent_mode() != "0":  # descriptors built on the device: B's, and dW's (C_DESC)
+    if b_desc:
         triton.set_allocator(_scratch)
-    programs = num_programs(a.device)
-
-    def grid(meta):  # PERSISTENT (a config choice): one program per SM walks the tiles
-        tiles = E * triton.cdiv(p, meta["BLOCK_P"]) * triton.cdiv(q, meta["BLOCK_Q"])
-        return (min(tiles, programs) if meta["PERSISTENT"] else tiles,)
-
-    _WGRAD.launch(a.dtype, grid,
+    _WGRAD.launch(a.dtype, lambda meta: (E * triton.cdiv(p, meta["BLOCK_P"]) * triton.cdiv(q, meta["BLOCK_Q"]),),
         a_ptr=a, b_ptr=b, c_ptr=out, offsets_ptr=offsets, indices_ptr=indices, P=p, Q=q, ROWS=indices.numel(),
         stride_a_m=a_strides[0], stride_a_p=a_strides[1], stride_b_m=b_strides[0], stride_b_q=b_strides[1],
         stride_c_e=out.stride(0), stride_c_p=stride_c_p, stride_c_q=stride_c_q,
         NUM_EXPERTS=E,
-        GATHER_A=gather_a, B_DESC=b_desc, DOT_PREC=dot_precision(a.dtype), E_POW2=triton.next_power_of_2(E),
-        TRANS_C=transpose,
+        GATHER_A=gather_a, B_DESC=b_desc, DOT_PREC=dot_precision(a.dtype),
     )
     return out

@@ -189,53 +189,25 @@ def prune_gemm_configs(configs, named_args, **kwargs):
     return kept or configs
 
 
-def wgrad_persistent_mode() -> str:
-    """The ``wgrad_persistent`` setting (``MOEBLAZE_WGRAD_PERSISTENT``) as ``"1"``, ``"0"`` or ``"auto"``."""
-    mode = settings.get("wgrad_persistent")
-    return "auto" if mode is None else str(int(mode))
-
-
-def wgrad_configs(kind: str, persistent: str = "0") -> list[triton.Config]:
-    """Weight-gradient configs (``BLOCK_P x BLOCK_Q`` output tile, ``BLOCK_K`` slots per step); ``persistent``
-    the :func:`wgrad_persistent_mode` (``1``: the persistent launch of each 16-bit config, ``auto``: both, ``0``:
-    per tile; fp32 lists are per tile)."""
+def wgrad_configs(kind: str) -> list[triton.Config]:
+    """Weight-gradient configs (``BLOCK_P x BLOCK_Q`` output tile, ``BLOCK_K`` slots per step)."""
     if kind == "interpret":
-        base = [_cfg(1, 1, BLOCK_P=64, BLOCK_Q=64, BLOCK_K=32, GROUP_M=4)]
-    elif kind == "fixed32":  # IEEE-sized (see fp32_gemm_configs), right for TF32 too
-        return [_cfg(8, 2, BLOCK_P=64, BLOCK_Q=64, BLOCK_K=16, GROUP_M=8, PERSISTENT=False, C_DESC=False)]
-    elif kind == "fixed16":
-        base = [_cfg(8, 3, BLOCK_P=128, BLOCK_Q=128, BLOCK_K=64, GROUP_M=8)]
-    elif kind == "tuned32":  # TF32: BLOCK_K 32 slots (the bytes of 64 in 16 bits); IEEE: BLOCK_K 16, small tiles
-        return [_cfg(w, s, BLOCK_P=bp, BLOCK_Q=bq, BLOCK_K=bk, GROUP_M=8, PERSISTENT=False, C_DESC=False)
+        return [_cfg(1, 1, BLOCK_P=64, BLOCK_Q=64, BLOCK_K=32, GROUP_M=4)]
+    if kind == "fixed32":  # IEEE-sized (see fp32_gemm_configs), right for TF32 too
+        return [_cfg(8, 2, BLOCK_P=64, BLOCK_Q=64, BLOCK_K=16, GROUP_M=8)]
+    if kind == "fixed16":
+        return [_cfg(8, 3, BLOCK_P=128, BLOCK_Q=128, BLOCK_K=64, GROUP_M=8)]
+    if kind == "tuned32":  # TF32: BLOCK_K 32 slots (the bytes of 64 in 16 bits); IEEE: BLOCK_K 16, small tiles
+        return [_cfg(w, s, BLOCK_P=bp, BLOCK_Q=bq, BLOCK_K=bk, GROUP_M=8)
                 for bp, bq, bk, w, s in ((128, 128, 32, 8, 3), (128, 128, 32, 8, 4), (128, 256, 32, 8, 3),
                                          (256, 128, 32, 8, 3), (64, 128, 32, 4, 4), (128, 64, 32, 4, 4),
                                          (64, 64, 16, 8, 2), (64, 32, 16, 4, 2), (32, 64, 16, 4, 2),
                                          (128, 64, 16, 8, 2))]
-    else:
-        base = [_cfg(w, s, BLOCK_P=bp, BLOCK_Q=bq, BLOCK_K=64, GROUP_M=8)
-                for bp, bq, w, s in ((128, 128, 8, 3), (128, 128, 8, 4), (128, 256, 8, 3), (128, 256, 8, 4),
-                                     (256, 128, 8, 3), (64, 128, 4, 4), (128, 64, 4, 4))]
-    flags = {"0": (False,), "1": (True,)}.get(persistent, (False, True))
-    if kind != "tuned16":  # one config (fixed, or the interpreter's): persistent only when asked for
-        flags = (persistent == "1",)
-    # the persistent launch stores through pointers or a TMA descriptor (C_DESC; pruned where dW cannot take one)
-    launches = [(f, d) for f in flags for d in ((False, True) if f and kind == "tuned16" else (False,))]
-    return [triton.Config({**c.kwargs, "PERSISTENT": f, "C_DESC": d}, num_warps=c.num_warps, num_stages=c.num_stages)
-            for f, d in launches for c in base]
-
-
-def prune_wgrad_configs(configs, named_args, **kwargs):
-    """:func:`prune_fp32_tiles`, and no ``C_DESC`` store where dW cannot take a TMA descriptor (TMA off or
-    unavailable, a base or row not 16-byte aligned)."""
-    configs = prune_fp32_tiles(configs, named_args, **kwargs)
-    c = named_args.get("c_ptr", kwargs.get("c_ptr"))
-    ok = c is not None and tma_enabled(c.device) and c.data_ptr() % 16 == 0 and \
-        c.shape[-1] * c.element_size() % 16 == 0
-    if ok:
-        return configs
-    kept = [k for k in configs if not k.kwargs.get("C_DESC")]
-    return kept or [triton.Config({**k.kwargs, "C_DESC": False}, num_warps=k.num_warps, num_stages=k.num_stages)
-                    for k in configs]
+    return [
+        _cfg(w, s, BLOCK_P=bp, BLOCK_Q=bq, BLOCK_K=64, GROUP_M=8)
+        for bp, bq, w, s in ((128, 128, 8, 3), (128, 128, 8, 4), (128, 256, 8, 3), (128, 256, 8, 4),
+                             (256, 128, 8, 3), (64, 128, 4, 4), (128, 64, 4, 4))
+    ]
 
 
 def act_bwd_configs(kind: str) -> list[triton.Config]:

@@ -23,18 +23,6 @@ with the slots contiguous (``stride_a_m = stride_b_m = 1``: the K-major layout H
 and each expert's range zero-padded to a multiple of ``SLOT_PAD`` (``offsets`` are then the padded ones): the
 loads along the slots start aligned and need no slot mask, so they go as 16-byte vectors.
 
-``PERSISTENT`` (16-bit operands, ``GATHER_A``): about one program per SM walks its output tiles
-(``t = pid, pid + programs, ...``) as one flat loop over (tile, slot step) pairs, each tile taking
-``max(1, cdiv(slots, BLOCK_K))`` steps (an empty expert one masked step that stores zeros), so the pipeliner
-issues the next tile's first loads before this tile's store; ``C_DESC`` (a config choice) stores the tile through
-a TMA descriptor, whose store drains while the next tile runs. Why: with few slots per expert a tile is two or
-three steps and its store, and the per-tile launch overlaps a store only with other CTAs of the SM (at
-Qwen3-30B-A3B, T 2,048, the two weight gradients wrote their output at ~1.3 TB/s against SonicMoE's ~2.3,
-whose persistent GEMM loads the next tile during the epilogue; H100, 2026-11-25, ``benchmarks/profile_layer.py
---configs qwen3-30b-a3b --tokens 2048 --impls moeblaze,sonicmoe --timeline``). Triton's ``flatten=True`` needs
-inner bounds that do not change with the tile, hence the hand-flattened loop. Off unless the
-``wgrad_persistent`` setting asks for it: not yet measured on a GPU.
-
 ``B_DESC`` (sm90+): B's ``[BLOCK_K, BLOCK_Q]`` slab of slot rows comes through a TMA descriptor. A step's
 last rows may then belong to the next expert; A is masked to zero there, so they add exact zeros for
 finite values (a non-finite value of the neighbouring expert's rows would spread to this expert's
@@ -62,19 +50,10 @@ def grouped_wgrad_kernel(
     P, Q,
     ROWS,  # rows of B (N): extent of its descriptor
     stride_a_m, stride_a_p, stride_b_m, stride_b_q, stride_c_e, stride_c_p, stride_c_q,
-    NUM_EXPERTS,
+    NUM_EXPERTS,  # autotune key only
     GATHER_A: tl.constexpr, B_DESC: tl.constexpr, DOT_PREC: tl.constexpr,
-    E_POW2: tl.constexpr,  # next power of 2 of NUM_EXPERTS (PERSISTENT: its step count, over all experts at once)
-    TRANS_C: tl.constexpr,  # dW stored [E, Q, P] (stride_c_p 1): C_DESC stores the tile transposed
-    PERSISTENT: tl.constexpr, C_DESC: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
-    if PERSISTENT:
-        tl.static_assert(GATHER_A, "the persistent weight gradient reads A through the index (16-bit operands)")
-        _persistent_tiles(a_ptr, b_ptr, c_ptr, offsets_ptr, indices_ptr, P, Q, ROWS, stride_a_m, stride_a_p,
-                          stride_b_m, stride_b_q, stride_c_e, stride_c_p, stride_c_q, NUM_EXPERTS,
-                          B_DESC, DOT_PREC, E_POW2, TRANS_C, C_DESC, BLOCK_P, BLOCK_Q, BLOCK_K, GROUP_M)
-        return
     num_p = tl.cdiv(P, BLOCK_P)
     num_q = tl.cdiv(Q, BLOCK_Q)
     pid = tl.program_id(0)
@@ -125,94 +104,3 @@ def grouped_wgrad_kernel(
     # autocast call) is the 16-bit gradient upcast, stored in one pass instead of a 16-bit store and a cast
     dw = acc.to(b_ptr.dtype.element_ty).to(c_ptr.dtype.element_ty)
     tl.store(c_ptrs, dw, mask=p_mask[:, None] & q_mask[None, :])
-
-
-@triton.jit
-def _persistent_tiles(a_ptr, b_ptr, c_ptr, offsets_ptr, indices_ptr, P, Q, ROWS, stride_a_m, stride_a_p,
-                      stride_b_m, stride_b_q, stride_c_e, stride_c_p, stride_c_q, NUM_EXPERTS,
-                      B_DESC: tl.constexpr, DOT_PREC: tl.constexpr, E_POW2: tl.constexpr, TRANS_C: tl.constexpr,
-                      C_DESC: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr,
-                      GROUP_M: tl.constexpr):
-    """``PERSISTENT`` of :func:`grouped_wgrad_kernel`: this program's tiles as one flat loop of slot steps.
-    ``C_DESC``: each tile is stored through a 3-D TMA descriptor over dW (asynchronous: the store drains while the
-    next tile's steps run, as QuACK's epilogue does), else through pointers."""
-    num_p = tl.cdiv(P, BLOCK_P)
-    num_q = tl.cdiv(Q, BLOCK_Q)
-    per_e = num_p * num_q
-    pid = tl.program_id(0)
-    programs = tl.num_programs(0)
-    # steps of this program: its tiles of expert e are t = pid (mod programs) in [e * per_e, (e + 1) * per_e),
-    # cdiv(max(x - pid, 0), programs) of them below x; each takes max(1, cdiv(slots of e, BLOCK_K)) steps
-    es = tl.arange(0, E_POW2)
-    e_ok = es < NUM_EXPERTS
-    slots = tl.load(offsets_ptr + es + 1, mask=e_ok, other=0) - tl.load(offsets_ptr + es, mask=e_ok, other=0)
-    below = tl.cdiv(tl.maximum(es * per_e + per_e - pid, 0), programs) - tl.cdiv(tl.maximum(es * per_e - pid, 0),
-                                                                                 programs)
-    total = tl.sum(tl.where(e_ok, below * tl.maximum(tl.cdiv(slots, BLOCK_K), 1), 0), axis=0)
-    if B_DESC:
-        b_desc = tl.make_tensor_descriptor(b_ptr, shape=[ROWS, Q], strides=[stride_b_m, 1],
-                                           block_shape=[BLOCK_K, BLOCK_Q])
-    if C_DESC:
-        if TRANS_C:
-            c_desc = tl.make_tensor_descriptor(c_ptr, shape=[NUM_EXPERTS, Q, P], strides=[stride_c_e, stride_c_q, 1],
-                                               block_shape=[1, BLOCK_Q, BLOCK_P])
-        else:
-            c_desc = tl.make_tensor_descriptor(c_ptr, shape=[NUM_EXPERTS, P, Q], strides=[stride_c_e, stride_c_p, 1],
-                                               block_shape=[1, BLOCK_P, BLOCK_Q])
-    offs_k = tl.arange(0, BLOCK_K)
-    acc = tl.zeros((BLOCK_P, BLOCK_Q), dtype=tl.float32)
-    tile, e, start, end, n_k, pid_p, pid_q = _open_tile(offsets_ptr, pid, num_p, num_q, per_e, NUM_EXPERTS,
-                                                       BLOCK_K, GROUP_M)
-    k = pid * 0
-    # token ids one step ahead, as grouped_wgrad_kernel's loop: the gathered loads then depend on a loop-carried
-    # value, not on a load of the same step
-    next_tokens = tl.load(indices_ptr + start + offs_k, mask=start + offs_k < end, other=0)
-    for _ in tl.range(0, total):
-        offs_p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
-        offs_q = pid_q * BLOCK_Q + tl.arange(0, BLOCK_Q)
-        p_mask = offs_p < P
-        q_mask = offs_q < Q
-        s0 = start + k * BLOCK_K
-        s = s0 + offs_k
-        s_ok = s < end
-        tokens = next_tokens.to(tl.int64)
-        # A is zero on slots past the expert (an empty expert's one step: all of them), so B's rows there add
-        # nothing: the next expert's through TMA, or row 0 through the clamped pointers
-        a = tl.load(a_ptr + tokens[None, :] * stride_a_m + offs_p[:, None] * stride_a_p,
-                    mask=s_ok[None, :] & p_mask[:, None], other=0.0)
-        if B_DESC:
-            b = b_desc.load([s0, pid_q * BLOCK_Q])
-        else:
-            b_rows = tl.maximum(tl.minimum(s, end - 1), 0).to(tl.int64)
-            b = tl.load(b_ptr + b_rows[:, None] * stride_b_m + offs_q[None, :] * stride_b_q, mask=q_mask[None, :],
-                        other=0.0)
-        acc = tl.dot(a, b, acc, input_precision=DOT_PREC)
-        k += 1
-        if k == n_k:  # the tile is summed: store it (as grouped_wgrad_kernel does), open this program's next
-            dw = acc.to(b_ptr.dtype.element_ty).to(c_ptr.dtype.element_ty)
-            if C_DESC:  # the descriptor clips at P and Q inside expert e
-                if TRANS_C:
-                    c_desc.store([e, pid_q * BLOCK_Q, pid_p * BLOCK_P], tl.trans(dw)[None, :, :])
-                else:
-                    c_desc.store([e, pid_p * BLOCK_P, pid_q * BLOCK_Q], dw[None, :, :])
-            else:
-                c_ptrs = (c_ptr + e.to(tl.int64) * stride_c_e + offs_p[:, None].to(tl.int64) * stride_c_p
-                          + offs_q[None, :].to(tl.int64) * stride_c_q)
-                tl.store(c_ptrs, dw, mask=p_mask[:, None] & q_mask[None, :])
-            acc = tl.zeros((BLOCK_P, BLOCK_Q), dtype=tl.float32)
-            tile, e, start, end, n_k, pid_p, pid_q = _open_tile(offsets_ptr, tile + programs, num_p, num_q, per_e,
-                                                               NUM_EXPERTS, BLOCK_K, GROUP_M)
-            k = k * 0
-        s_next = start + k * BLOCK_K + offs_k
-        next_tokens = tl.load(indices_ptr + s_next, mask=s_next < end, other=0)
-
-
-@triton.jit
-def _open_tile(offsets_ptr, tile, num_p, num_q, per_e, NUM_EXPERTS, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
-    """``(tile, e, start, end, steps, pid_p, pid_q)`` of output tile ``tile`` (past the last tile: the last
-    expert's range, so that the loads after a program's last step stay in bounds)."""
-    e = tl.minimum(tile // per_e, NUM_EXPERTS - 1)
-    start = tl.load(offsets_ptr + e)
-    end = tl.load(offsets_ptr + e + 1)
-    pid_p, pid_q = tile_of(tile % per_e, num_p, num_q, GROUP_M)
-    return tile, e, start, end, tl.maximum(tl.cdiv(end - start, BLOCK_K), 1), pid_p, pid_q
