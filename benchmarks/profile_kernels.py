@@ -74,10 +74,15 @@ def replay_ms(launchable, grid, args, kwargs, config, overrides=None) -> float:
     return triton.testing.do_bench(go, warmup=10, rep=100, return_mode="median")
 
 
+def named_args(launchable, args, kwargs) -> dict:
+    """A recorded launch's arguments by name (positional ones through the kernel's argument names)."""
+    return {**dict(zip(launchable.fn.arg_names, args)), **kwargs}
+
+
 def describe(launchable, args, kwargs, seen_f2: bool = False) -> tuple[str, float | None]:
     """(step name, FLOPs of the launch or None for the memory-bound kernels); ``seen_f2``: F2 was among the
     launches before (the next GEMM over slot rows is B3: with TF32 both read their weight K-major)."""
-    a = {**dict(zip(launchable.fn.arg_names, args)), **kwargs, "seen_f2": seen_f2}
+    a = {**named_args(launchable, args, kwargs), "seen_f2": seen_f2}
     name = launchable.fn.__name__
     label = STEP_NAMES.get(name, lambda _: name)(a)
     n = a["indices_ptr"].numel() if "indices_ptr" in a else 0
@@ -97,10 +102,9 @@ def config_str(c: triton.Config) -> str:
 
 def out_rate(launchable, args, kwargs, ms: float) -> str:
     """GB/s at which a weight gradient's ``[E, P, Q]`` output is written; empty for the other kernels."""
-    a = {**dict(zip(launchable.fn.arg_names, args)), **kwargs}
     if launchable.fn.__name__ != "grouped_wgrad_kernel":
         return ""
-    c = a["c_ptr"]
+    c = named_args(launchable, args, kwargs)["c_ptr"]
     return f" {c.numel() * c.element_size() / ms / 1e6:5.0f} GB/s out"
 
 
@@ -108,7 +112,7 @@ def tuned_list(launchable, dtype: torch.dtype, args, kwargs) -> list[triton.Conf
     """The configs the autotuner chooses from for this launch (the tuned kind, after the launch's pruning)."""
     configs = launchable.configs(*launchable.kind(dtype))
     if launchable.prune:
-        configs = launchable.prune(configs, {**dict(zip(launchable.fn.arg_names, args)), **kwargs}, **kwargs)
+        configs = launchable.prune(configs, named_args(launchable, args, kwargs), **kwargs)
     return configs
 
 
