@@ -107,6 +107,33 @@ def test_small_bucket_matches_reference(T, E, K, save):
     _check(T, 16, 8, E, K, torch.float32, save=save)
 
 
+@pytest.mark.parametrize("tma", [True, False])
+@pytest.mark.parametrize("T,d,h,E,K", [(3, 16, 8, 16, 4), (70, 80, 72, 3, 2), (40, 48, 40, 8, 1)])
+def test_persistent_weight_gradient_matches_reference(T, d, h, E, K, tma):
+    """``wgrad_persistent``: a program walks several tiles of several experts (4 programs under the
+    interpreter), empty experts (T 3, E 16) store zeros, experts of more than one BLOCK_K step (T 70),
+    several P and Q tiles per expert (d 80, 2h 144); TMA and pointer reads of the slot rows."""
+    with moeblaze.settings.override(wgrad_persistent=True, tma=tma):
+        assert {c.kwargs["PERSISTENT"] for c in tuning.wgrad_configs("interpret", tuning.wgrad_persistent_mode())} \
+            == {True}
+        _check(T, d, h, E, K, torch.float32)
+        _check(T, d, h, E, K, torch.float16)
+
+
+def test_wgrad_persistent_setting_picks_the_launches():
+    """``auto`` tunes both launches of the 16-bit tiles, on/off one of them; fp32 lists stay per tile."""
+    both = {c.kwargs["PERSISTENT"] for c in tuning.wgrad_configs("tuned16", "auto")}
+    assert both == {False, True}
+    assert {c.kwargs["PERSISTENT"] for c in tuning.wgrad_configs("tuned16", "1")} == {True}
+    assert {c.kwargs["PERSISTENT"] for c in tuning.wgrad_configs("tuned16", "0")} == {False}
+    assert [c.kwargs["PERSISTENT"] for c in tuning.wgrad_configs("fixed16", "1")] == [True]
+    assert [c.kwargs["PERSISTENT"] for c in tuning.wgrad_configs("fixed16", "auto")] == [False]
+    for kind in ("tuned32", "fixed32"):
+        assert {c.kwargs["PERSISTENT"] for c in tuning.wgrad_configs(kind, "1")} == {False}
+    with moeblaze.settings.override(wgrad_persistent=None):
+        assert tuning.wgrad_persistent_mode() == "auto"
+
+
 def test_layer_builds_the_small_bucket_schedule_once(monkeypatch):
     """The layer asks the dispatch build for the bucket's schedule; the ops never rebuild it."""
     import moeblaze.dispatch as md
@@ -134,3 +161,23 @@ def test_gpu_bf16_small_bucket(T, d, h, E, K, activation, tma, monkeypatch):
     assert tuning.block_m(T * K, E) == 64
     for save in ("preact", "input"):
         _check(T, d, h, E, K, torch.bfloat16, activation=activation, save=save)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("tma", [True, False])
+@pytest.mark.parametrize("T,d,h,E,K", [(2048, 512, 384, 128, 8), (300, 256, 192, 64, 4), (40, 256, 128, 16, 2)])
+def test_gpu_persistent_weight_gradient_bf16(T, d, h, E, K, tma):
+    """The persistent weight gradient (``wgrad_persistent``) on the GPU: within the float64 reference's
+    tolerance, and bitwise the per-tile launch's gradients under fixed configurations (the same tile, the same
+    slot steps in the same order)."""
+    inputs = make_expert_inputs(T, d, h, E, K, "swiglu", torch.bfloat16, device=DEVICE)
+    dout = torch.randn(inputs["x"].shape, dtype=torch.bfloat16, device=DEVICE)
+    grads = {}
+    for persistent in (False, True):
+        with moeblaze.settings.override(wgrad_persistent=persistent, tma=tma, autotune=False):
+            grads[persistent] = run_and_grad(lambda **kw: moe_experts(**kw, backend="triton"), inputs, dout)
+    for name, a, b in zip(NAMES, grads[False], grads[True]):
+        assert torch.equal(a, b), name
+    with moeblaze.settings.override(wgrad_persistent=True, tma=tma):
+        _check(T, d, h, E, K, torch.bfloat16)

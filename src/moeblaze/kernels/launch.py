@@ -30,6 +30,7 @@ from .tuning import (
     tma_enabled,
     tokens_bucket,
     wgrad_configs,
+    wgrad_persistent_mode,
 )
 from .wgrad import SLOT_PAD, grouped_wgrad_kernel
 
@@ -43,7 +44,7 @@ _GEMM = Launchable(grouped_gemm_kernel, gemm_configs, key=_GEMM_KEY, heuristics=
                    bucket=lambda a: tokens_bucket((a["max_tiles"] - a["NUM_EXPERTS"]) * a["BLOCK_M"], a["NUM_EXPERTS"]))
 _WGRAD = Launchable(grouped_wgrad_kernel, wgrad_configs, prune=prune_fp32_tiles,
                     key=["P", "Q", "NUM_EXPERTS", "stride_c_p", "GATHER_A", "B_DESC", "DOT_PREC"],
-                    bucket=lambda a: tokens_bucket(a["ROWS"], a["NUM_EXPERTS"]))
+                    variant=wgrad_persistent_mode, bucket=lambda a: tokens_bucket(a["ROWS"], a["NUM_EXPERTS"]))
 # Every BLOCK_K of gemm_configs divides this: a K_DIM multiple of it never reads past an expert (B_DESC_KN).
 _K_QUANTUM = 64
 
@@ -251,11 +252,17 @@ def grouped_wgrad(a, b, offsets, indices, *, p, q, out_dtype, transpose=False, s
     b_desc = gather_a and slot_desc and _slot_rows_desc(b, False)
     if b_desc:
         triton.set_allocator(_scratch)
-    _WGRAD.launch(a.dtype, lambda meta: (E * triton.cdiv(p, meta["BLOCK_P"]) * triton.cdiv(q, meta["BLOCK_Q"]),),
+    programs = num_programs(a.device)
+
+    def grid(meta):  # PERSISTENT (a config choice): at most one program per SM, walking the tiles
+        tiles = E * triton.cdiv(p, meta["BLOCK_P"]) * triton.cdiv(q, meta["BLOCK_Q"])
+        return (min(tiles, programs) if meta["PERSISTENT"] else tiles,)
+
+    _WGRAD.launch(a.dtype, grid,
         a_ptr=a, b_ptr=b, c_ptr=out, offsets_ptr=offsets, indices_ptr=indices, P=p, Q=q, ROWS=indices.numel(),
         stride_a_m=a_strides[0], stride_a_p=a_strides[1], stride_b_m=b_strides[0], stride_b_q=b_strides[1],
         stride_c_e=out.stride(0), stride_c_p=stride_c_p, stride_c_q=stride_c_q,
         NUM_EXPERTS=E,
-        GATHER_A=gather_a, B_DESC=b_desc, DOT_PREC=dot_precision(a.dtype),
+        GATHER_A=gather_a, B_DESC=b_desc, DOT_PREC=dot_precision(a.dtype), E_POW2=triton.next_power_of_2(E),
     )
     return out

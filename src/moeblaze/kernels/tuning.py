@@ -189,25 +189,42 @@ def prune_gemm_configs(configs, named_args, **kwargs):
     return kept or configs
 
 
-def wgrad_configs(kind: str) -> list[triton.Config]:
-    """Weight-gradient configs (``BLOCK_P x BLOCK_Q`` output tile, ``BLOCK_K`` slots per step)."""
+def wgrad_persistent_mode() -> str:
+    """The ``wgrad_persistent`` setting (``MOEBLAZE_WGRAD_PERSISTENT``) as ``"1"``, ``"0"`` or ``"auto"``."""
+    mode = settings.get("wgrad_persistent")
+    return "auto" if mode is None else str(int(mode))
+
+
+def wgrad_configs(kind: str, persistent: str = "auto") -> list[triton.Config]:
+    """Weight-gradient configs (``BLOCK_P x BLOCK_Q`` output tile, ``BLOCK_K`` slots per step) of the
+    :func:`wgrad_persistent_mode` ``persistent``: ``auto`` lets the tuned 16-bit list hold both launches, ``1``
+    keeps the persistent ones (a one-config kind: made persistent), ``0`` the per-tile ones. fp32 lists are per
+    tile (the persistent loop reads A through the index: 16-bit operands only).
+
+    The persistent 16-bit tiles are the two that won on an H200 at few slots per expert (2026-11-25, Qwen3-30B-A3B
+    shape, T 2,048: 128x256 1.22-1.27x the per-tile best, 256x128 1.04-1.10x; 128x128 0.86-0.93x, not kept).
+    """
     if kind == "interpret":
-        return [_cfg(1, 1, BLOCK_P=64, BLOCK_Q=64, BLOCK_K=32, GROUP_M=4)]
-    if kind == "fixed32":  # IEEE-sized (see fp32_gemm_configs), right for TF32 too
-        return [_cfg(8, 2, BLOCK_P=64, BLOCK_Q=64, BLOCK_K=16, GROUP_M=8)]
-    if kind == "fixed16":
-        return [_cfg(8, 3, BLOCK_P=128, BLOCK_Q=128, BLOCK_K=64, GROUP_M=8)]
-    if kind == "tuned32":  # TF32: BLOCK_K 32 slots (the bytes of 64 in 16 bits); IEEE: BLOCK_K 16, small tiles
-        return [_cfg(w, s, BLOCK_P=bp, BLOCK_Q=bq, BLOCK_K=bk, GROUP_M=8)
+        base = [_cfg(1, 1, BLOCK_P=64, BLOCK_Q=64, BLOCK_K=32, GROUP_M=4, PERSISTENT=persistent == "1")]
+    elif kind == "fixed32":  # IEEE-sized (see fp32_gemm_configs), right for TF32 too
+        return [_cfg(8, 2, BLOCK_P=64, BLOCK_Q=64, BLOCK_K=16, GROUP_M=8, PERSISTENT=False)]
+    elif kind == "fixed16":
+        base = [_cfg(8, 3, BLOCK_P=128, BLOCK_Q=128, BLOCK_K=64, GROUP_M=8, PERSISTENT=persistent == "1")]
+    elif kind == "tuned32":  # TF32: BLOCK_K 32 slots (the bytes of 64 in 16 bits); IEEE: BLOCK_K 16, small tiles
+        return [_cfg(w, s, BLOCK_P=bp, BLOCK_Q=bq, BLOCK_K=bk, GROUP_M=8, PERSISTENT=False)
                 for bp, bq, bk, w, s in ((128, 128, 32, 8, 3), (128, 128, 32, 8, 4), (128, 256, 32, 8, 3),
                                          (256, 128, 32, 8, 3), (64, 128, 32, 4, 4), (128, 64, 32, 4, 4),
                                          (64, 64, 16, 8, 2), (64, 32, 16, 4, 2), (32, 64, 16, 4, 2),
                                          (128, 64, 16, 8, 2))]
-    return [
-        _cfg(w, s, BLOCK_P=bp, BLOCK_Q=bq, BLOCK_K=64, GROUP_M=8)
-        for bp, bq, w, s in ((128, 128, 8, 3), (128, 128, 8, 4), (128, 256, 8, 3), (128, 256, 8, 4),
-                             (256, 128, 8, 3), (64, 128, 4, 4), (128, 64, 4, 4))
-    ]
+    else:
+        per_tile = ((128, 128, 8, 3, False), (128, 128, 8, 4, False), (128, 256, 8, 3, False),
+                    (128, 256, 8, 4, False), (256, 128, 8, 3, False), (64, 128, 4, 4, False), (128, 64, 4, 4, False))
+        steady = ((128, 256, 8, 3, True), (128, 256, 8, 4, True), (256, 128, 8, 3, True))
+        base = [_cfg(w, s, BLOCK_P=bp, BLOCK_Q=bq, BLOCK_K=64, GROUP_M=8, PERSISTENT=f)
+                for bp, bq, w, s, f in per_tile + steady]
+        keep = {"0": (False,), "1": (True,)}.get(persistent, (False, True))
+        base = [c for c in base if c.kwargs["PERSISTENT"] in keep]
+    return base
 
 
 def act_bwd_configs(kind: str) -> list[triton.Config]:
