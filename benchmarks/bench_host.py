@@ -22,7 +22,7 @@ Commands::
     # host µs per call of the parts of a layer step (a queued launch, an ATen op, the router, the dispatch
     # build, the forward, the step) on the GPU: where the host time goes without a profiler's overhead
     python3 benchmarks/bench_host.py --parts --shapes qwen3-30b-a3b --tokens 512
-    # the plot again from the file (every call's rows)
+    # the plot again from the file (per shape, the rows of its latest run: one device, one code version)
     python3 benchmarks/bench_host.py --plot-from docs/results-stack.csv --plot docs/plots/stack-time-per-token.png
 """
 
@@ -333,7 +333,17 @@ def append_csv(path: str, rows: list[dict]) -> None:
         writer.writerows({k: (f"{v:.4g}" if isinstance(v, float) else v) for k, v in r.items()} for r in rows)
 
 
+def latest_run(rows: list[dict]) -> list[dict]:
+    """The rows of the latest run in ``rows`` (one ``date``, ``time_utc``, ``device`` and ``commit``): a file that
+    several calls appended to holds other devices and code versions, whose points must not share a line."""
+    run = max((r.get("date", ""), r.get("time_utc", ""), r.get("device", ""), r.get("commit", "")) for r in rows)
+    return [r for r in rows if (r.get("date", ""), r.get("time_utc", ""), r.get("device", ""), r.get("commit", ""))
+            == run]
+
+
 def plot(path: str, rows: list[dict]) -> None:
+    """µs per token against T, one panel per shape drawn from that shape's latest run (titled with its device,
+    date and code version)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -342,21 +352,21 @@ def plot(path: str, rows: list[dict]) -> None:
     shapes = sorted({r["shape"] for r in rows})
     fig, axes = plt.subplots(1, len(shapes), figsize=(5 * len(shapes), 4), squeeze=False)
     for ax, shape in zip(axes[0], shapes):
-        lines = sorted({(r["impl"], r["mode"], r["layers"]) for r in rows if r["shape"] == shape})
-        for impl, mode, layers in lines:
-            pts = sorted((r["T"], r["us_per_token"]) for r in rows if (r["shape"], r["impl"], r["mode"], r["layers"])
-                         == (shape, impl, mode, layers) and r["status"] == "ok")
+        run = latest_run([r for r in rows if r["shape"] == shape])
+        for impl, mode, layers in sorted({(r["impl"], r["mode"], r["layers"]) for r in run}):
+            pts = sorted((r["T"], r["us_per_token"]) for r in run
+                         if (r["impl"], r["mode"], r["layers"]) == (impl, mode, layers) and r["status"] == "ok")
             if pts:
                 ax.plot(*zip(*pts), marker="o", label=f"{impl} {mode} L={layers}")
-        ax.set(xscale="log", xlabel="tokens per GPU (T)", ylabel="µs per token (step)", title=shape)
-        ticks = sorted({r["T"] for r in rows if r["shape"] == shape})
+        first = run[0]
+        fixed = " (moeblaze: fixed configs)" if "MOEBLAZE_AUTOTUNE=0" in first.get("command", "") else ""
+        ax.set(xscale="log", xlabel="tokens per GPU (T)", ylabel="µs per token (step)")
+        ax.set_title(f"{shape}\n{first.get('device', '')}, {first.get('date', '')} {first.get('time_utc', '')}, "
+                     f"code {first.get('commit', '')}{fixed}", fontsize=8)
+        ticks = sorted({r["T"] for r in run})
         ax.set_xticks(ticks, [f"{t / 1024:g}k" for t in ticks])
         ax.minorticks_off()
         ax.legend(fontsize=7)
-    devices, dates = sorted({r.get("device", "") for r in rows}), sorted({r.get("date", "") for r in rows})
-    fixed = all("MOEBLAZE_AUTOTUNE=0" in r.get("command", "") for r in rows)
-    fig.suptitle(f"{', '.join(devices)}, {', '.join(dates)}" + (" (moeblaze: fixed kernel configs)" if fixed else ""),
-                 fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
