@@ -2,7 +2,9 @@
 # The GPU suite, in one device call: environment, GPU tests (bf16), dispatch and layer benchmarks.
 # Usage (repo root, on the GPU machine): scripts/gpu_suite.sh STAGE...   with STAGE in
 #   tests      pytest -m gpu $TESTS_ARGS (gpu-marked tests, all unless TESTS_ARGS names files; fixed
-#              kernel configs, MOEBLAZE_AUTOTUNE=0); TESTS_JOBS=n deals them to n pytest processes side by side
+#              kernel configs, MOEBLAZE_AUTOTUNE=0); TESTS_JOBS=n deals them to n pytest processes side by side;
+#              TESTS_SHARD=k/n keeps the k-th of n interleaved parts of them (the whole suite, 631 tests, needs
+#              more than one call's 10 minutes: most of a test is Triton compiling; H200, 2026-11-25)
 #   dispatch   benchmarks/bench_dispatch.py
 #   experts    benchmarks/bench_experts.py
 #   bench      moeblaze bench $BENCH_ARGS (default --suite all; peers installed from .peers/ when present, QuACK's
@@ -75,8 +77,10 @@ gpu_tests_parallel() {  # the gpu tests dealt round-robin to $TESTS_JOBS pytest 
   # Most of a gpu test's time is Triton compiling on the CPU (16 cores), so processes side by side finish the
   # suite in a fraction of the time of one; each gets the whole timeout.
   # shellcheck disable=SC2086
-  python3 -m pytest -m gpu -q --collect-only -p no:cacheprovider ${TESTS_ARGS:-} | grep '::' > /tmp/gpu_ids.txt
-  echo "=== gpu_tests: $(wc -l < /tmp/gpu_ids.txt) tests in $TESTS_JOBS processes"
+  python3 -m pytest -m gpu -q --collect-only -p no:cacheprovider ${TESTS_ARGS:-} | grep '::' > /tmp/gpu_all_ids.txt
+  local k=${TESTS_SHARD%/*} n=${TESTS_SHARD#*/}
+  awk -v k="$k" -v n="$n" '(NR - 1) % n == k - 1' /tmp/gpu_all_ids.txt > /tmp/gpu_ids.txt
+  echo "=== gpu_tests: $(wc -l < /tmp/gpu_ids.txt) tests (shard $TESTS_SHARD) in $TESTS_JOBS processes"
   local i pids=()
   for (( i = 0; i < TESTS_JOBS; i++ )); do
     awk -v n="$TESTS_JOBS" -v i="$i" '(NR - 1) % n == i' /tmp/gpu_ids.txt > "/tmp/gpu_ids_$i.txt"
@@ -93,7 +97,8 @@ gpu_tests_parallel() {  # the gpu tests dealt round-robin to $TESTS_JOBS pytest 
 for stage in "$@"; do
   case "$stage" in
     # shellcheck disable=SC2086
-    tests) if (( ${TESTS_JOBS:-1} > 1 )); then gpu_tests_parallel; else
+    tests) if (( ${TESTS_JOBS:-1} > 1 )) || [[ -n "${TESTS_SHARD:-}" ]]; then TESTS_JOBS=${TESTS_JOBS:-1} \
+          TESTS_SHARD=${TESTS_SHARD:-1/1} gpu_tests_parallel; else
           MOEBLAZE_AUTOTUNE=0 run gpu_tests timeout "${TESTS_TIMEOUT:-420}" python3 -m pytest -m gpu -q -rfEs \
           -p no:cacheprovider --durations=15 ${TESTS_ARGS:-}; fi ;;
     dispatch) run bench_dispatch python3 benchmarks/bench_dispatch.py --no-torch --out "$OUT/dispatch.csv" ;;
