@@ -14,8 +14,8 @@ and the transposed B4 at 682-742, against 595-651 for B4 as ``dpre^T x`` with th
 (1.064x slower in a same-call A/B on conf4). The transposed store (``stride_c_p = 1``) costs one layout
 conversion per output tile.
 
-Grid: ``E * cdiv(P, BLOCK_P) * cdiv(Q, BLOCK_Q)`` programs (``PERSISTENT``: at most one per SM), expert-major (the programs of one expert
-run together and share its rows in L2), grouped ordering inside an expert. The slot loop runs in a
+Grid: ``E * cdiv(P, BLOCK_P) * cdiv(Q, BLOCK_Q)`` programs (``PERSISTENT``: at most one per SM), expert-major
+(the programs of one expert run together and share its rows in L2), grouped ordering inside an expert. The slot loop runs in a
 fixed order with fp32 accumulation and no atomics; an empty expert stores zeros.
 
 ``GATHER_A=False`` (the TF32 path, :mod:`moeblaze.kernels.tf32`): A and B are copies gathered into slot order
@@ -33,8 +33,8 @@ Qwen3-30B-A3B shape, T 2,048, 128 slots per expert, ``python3 benchmarks/profile
 qwen3-30b-a3b --tokens 2048 --all-configs B2,B4``) the persistent 128x256 tile took 0.235 ms for B2 against the
 per-tile best 0.296, and 0.460 for B4 against 0.586. At T 32,768 (2,048 slots per expert) an experiment
 script of the same session timed the per-tile 128x256 launch faster, 1.54 against 1.90 ms for B2 (check with
-``--tokens 32768`` of the same command), so both launches stay in the tuned list, chosen per token bucket. Triton's
-``flatten=True`` needs inner bounds that do not change with the tile, hence the hand-flattened loop, in the
+``--tokens 32768`` of the same command), so both launches stay in the tuned list, chosen per token bucket.
+Triton's ``flatten=True`` needs inner bounds that do not change with the tile, hence the hand-flattened loop, in the
 order of Triton's persistent-matmul tutorial (the tile opened at the top of the step: opening it at the end of
 the previous step made the pipeliner fail, "Op used before defined", triton 3.6).
 
@@ -65,7 +65,7 @@ def grouped_wgrad_kernel(
     P, Q,
     ROWS,  # rows of B (N): extent of its descriptor
     stride_a_m, stride_a_p, stride_b_m, stride_b_q, stride_c_e, stride_c_p, stride_c_q,
-    NUM_EXPERTS,
+    NUM_EXPERTS,  # E: the autotune key's, and the persistent loop's tile count
     GATHER_A: tl.constexpr, B_DESC: tl.constexpr, DOT_PREC: tl.constexpr,
     E_POW2: tl.constexpr,  # next power of 2 of NUM_EXPERTS (PERSISTENT: the step count over all experts at once)
     PERSISTENT: tl.constexpr,
