@@ -15,8 +15,8 @@ and the transposed B4 at 682-742, against 595-651 for B4 as ``dpre^T x`` with th
 conversion per output tile.
 
 Grid: ``E * cdiv(P, BLOCK_P) * cdiv(Q, BLOCK_Q)`` programs (``PERSISTENT``: at most one per SM), expert-major
-(the programs of one expert run together and share its rows in L2), grouped ordering inside an expert. The slot loop runs in a
-fixed order with fp32 accumulation and no atomics; an empty expert stores zeros.
+(the programs of one expert run together and share its rows in L2), grouped ordering inside an expert. The
+slot loop runs in a fixed order with fp32 accumulation and no atomics; an empty expert stores zeros.
 
 ``GATHER_A=False`` (the TF32 path, :mod:`moeblaze.kernels.tf32`): A and B are copies gathered into slot order
 with the slots contiguous (``stride_a_m = stride_b_m = 1``: the K-major layout Hopper's TF32 ``wgmma`` takes)
