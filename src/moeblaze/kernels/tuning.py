@@ -204,7 +204,7 @@ def wgrad_configs(kind: str, persistent: str = "auto") -> list[triton.Config]:
     The persistent 16-bit tiles are those that beat the per-tile best on an H200 at few slots per expert
     (2026-11-25, Qwen3-30B-A3B shape, T 2,048, ``python3 benchmarks/profile_kernels.py --configs qwen3-30b-a3b
     --tokens 2048 --all-configs B2,B4``): 128x256 1.26x (B2) and 1.27x (B4), 256x128 1.06x and 1.10x. A persistent
-    128x128 tile was 0.86-0.93x in an experiment script of the same session: not kept.
+    128x128 tile was 0.86-0.93x (``benchmarks/lab/wgrad_variants.py`` on branch ``lab/wgrad-variants``): not kept.
     """
     if kind == "interpret":
         base = [_cfg(1, 1, BLOCK_P=64, BLOCK_Q=64, BLOCK_K=32, GROUP_M=4, PERSISTENT=persistent == "1")]

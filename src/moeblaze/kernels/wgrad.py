@@ -31,9 +31,10 @@ tile's loads in flight during the store. Why: with few slots per expert a tile i
 store, and the per-tile launch overlaps a store only with other CTAs of the SM. On an H200 (2026-11-25,
 Qwen3-30B-A3B shape, T 2,048, 128 slots per expert, ``python3 benchmarks/profile_kernels.py --configs
 qwen3-30b-a3b --tokens 2048 --all-configs B2,B4``) the persistent 128x256 tile took 0.235 ms for B2 against the
-per-tile best 0.296, and 0.460 for B4 against 0.586. At T 32,768 (2,048 slots per expert) an experiment
-script of the same session timed the per-tile 128x256 launch faster, 1.54 against 1.90 ms for B2 (check with
-``--tokens 32768`` of the same command), so both launches stay in the tuned list, chosen per token bucket.
+per-tile best 0.296, and 0.460 for B4 against 0.586. At T 32,768 (2,048 slots per expert) the per-tile
+128x256 launch was faster, 1.54 against 1.90 ms for B2 (the same H200 and day, ``benchmarks/lab/wgrad_variants.py``
+on branch ``lab/wgrad-variants``; ``--tokens 32768`` of the command above checks it with this code), so both
+launches stay in the tuned list, chosen per token bucket.
 Triton's ``flatten=True`` needs inner bounds that do not change with the tile, hence the hand-flattened loop, in the
 order of Triton's persistent-matmul tutorial (the tile opened at the top of the step: opening it at the end of
 the previous step made the pipeliner fail, "Op used before defined", triton 3.6).
