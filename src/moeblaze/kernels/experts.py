@@ -300,7 +300,7 @@ def _down_backward_impl(dout, pre, w2, b2, topk_weights, offsets, indices, tile_
     act_bwd_rows(dact, pre, pre, w_slot, dtw_slot, h=h, activation=ACTIVATION_CODES[activation],
                  store_wact=need_dw, alpha=alpha, limit=limit, interleaved=interleaved, local_slots=local,
                  tf32_dpre=rounds_tf32(pre))
-    dtw = _empty(topk_weights)
+    dtw = None if need_dtw else _empty(topk_weights)  # a placeholder only for an output not asked for
     if need_dtw:
         dtw = dtw_slot.index_select(0, token_index_map.reshape(-1).long()).view(token_index_map.shape)
         if foreign:  # foreign slots were never computed: their pairs get no gradient
@@ -309,7 +309,7 @@ def _down_backward_impl(dout, pre, w2, b2, topk_weights, offsets, indices, tile_
             tokens = indices.index_select(0, token_index_map.long()) if general else None
             dtw = dtw + bias_dot(dout, b2, token_expert_indices, tokens)
         dtw = dtw.to(topk_weights.dtype)
-    dw2 = _empty(w2)
+    dw2 = None if need_dw else _empty(w2)
     if need_dw:
         flip = _stored_transposed(w2)  # [E, h, d] storage: the transposed products, viewed back as [E, d, h]
         dw2 = grouped_wgrad(dout, dact, offsets, indices, p=d, q=h, out_dtype=dw_dtype or w2.dtype, transpose=flip,
@@ -378,7 +378,8 @@ def _up_backward_impl(dpre, x, w1, offsets, indices, tile_expert, tile_row, num_
     dpre, x = _rows_contig(dpre), _rows_contig(x)
     T, K = _tokens_pairs(token_index_map, pair_offsets)
     rows, d = w1.shape[1], w1.shape[2]
-    dx, dw1 = _empty(x), _empty(w1)
+    dx = None if need_dx else _empty(x)  # placeholders only for outputs not asked for
+    dw1 = None if need_dw else _empty(w1)
     if need_dx:
         if K == 1:  # B3 writes dx[token] directly: no [N, d] buffer, no gather-sum
             dx = x.new_zeros(T, d) if foreign else x.new_empty(T, d)  # foreign tokens: never written
