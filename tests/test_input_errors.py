@@ -65,6 +65,14 @@ def test_bad_flag_is_a_one_line_error_before_anything_runs(flags, name, tmp_path
     assert captured.out == "" and not out.exists()  # nothing loaded, built or created
 
 
+def test_replaced_dtype_flag_names_its_replacement(tmp_path, capsys):
+    out = tmp_path / "out"
+    assert run_cli("train", "--dtype", "bfloat16", "--out-dir", str(out), "--no-progress") == 2
+    err = capsys.readouterr().err
+    assert "--dtype was replaced by --precision" in err and "--precision bf16" in err, err
+    assert not out.exists()
+
+
 def test_backend_triton_on_cpu_is_a_clear_error(tmp_path, capsys, monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     assert run_cli("train", "--backend", "triton", "--device", "cpu", "--out-dir", str(tmp_path)) == 2

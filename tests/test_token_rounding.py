@@ -179,6 +179,22 @@ def test_moe_token_rounding_option(backend, monkeypatch):
     assert "token_rounding=nr" in repr(layer)
 
 
+def test_rounding_too_few_tokens_per_expert_warns():
+    """Under half a tile of pairs per expert on average, nearest / down / stochastic rounding drops most pairs
+    (zero MoE output for their tokens): the layer says so, from the shapes alone; ``up`` only pads."""
+    import warnings
+
+    torch.manual_seed(0)
+    x = torch.randn(37, 16)  # 37 * 2 / 8 = 9.25 pairs per expert, under 64 = half the torch backend's 128
+    for mode in ("nr", "down", "sr"):
+        with pytest.warns(UserWarning, match=r"9.25 pairs per expert on average, under half the tile \(128\)"):
+            MoE(16, 8, 8, 2, backend="torch", token_rounding=mode)(x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        MoE(16, 8, 8, 2, backend="torch", token_rounding="up")(x)
+        MoE(16, 8, 8, 2, backend="torch", token_rounding="nr", rounding_tile=16)(x)  # 9.25 >= 8
+
+
 def test_tile_multiple(monkeypatch):
     assert tile_multiple("torch") == 128 and tile_multiple("auto", "cpu") == 128
     monkeypatch.setenv("TRITON_INTERPRET", "1")

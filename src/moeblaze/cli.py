@@ -105,6 +105,17 @@ def _cmd_sample(args: argparse.Namespace) -> int:
     return 0
 
 
+class _Replaced(argparse.Action):
+    """A flag that was replaced: giving it is an error that names the flag to use instead (hidden from --help)."""
+
+    def __init__(self, option_strings, dest, replacement: str, **kwargs) -> None:
+        self.replacement = replacement
+        super().__init__(option_strings, dest, help=argparse.SUPPRESS, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        parser.error(f"{option_string} was replaced by {self.replacement}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``moeblaze`` argument parser; each subcommand sets ``func(args) -> int`` as its default."""
     parser = argparse.ArgumentParser(prog="moeblaze", description="Memory-lean Mixture-of-Experts training.")
@@ -119,6 +130,8 @@ def build_parser() -> argparse.ArgumentParser:
                               "for GPUs); flags given as well override it [default: small]")
     _add_dataclass_flags(p_train, TrainConfig)
     _add_dataclass_flags(p_train, ModelConfig, _MODEL_HELP)
+    p_train.add_argument("--dtype", action=_Replaced, default=argparse.SUPPRESS, dest="replaced_dtype",
+                         replacement="--precision {bf16-mixed,bf16,fp32} (--dtype bfloat16 is --precision bf16)")
     p_train.set_defaults(func=_cmd_train)
 
     p_sample = subparsers.add_parser("sample", help="generate text from a checkpoint")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 
 import torch
 import torch.nn as nn
@@ -220,6 +221,12 @@ class MoE(nn.Module):
     def _rounded_experts(self, x2: torch.Tensor, routing, topk_weights: torch.Tensor, biases: dict) -> torch.Tensor:
         """The experts over the token-rounded routing (no host synchronisation; :mod:`moeblaze.token_rounding`)."""
         tile = self.rounding_tile or tile_multiple(self.backend, x2.device)
+        pairs_per_expert = x2.shape[0] * self.top_k / self.num_experts  # shapes only: no host synchronisation
+        if self.token_rounding != "up" and pairs_per_expert < tile / 2 and not torch.compiler.is_compiling():
+            warnings.warn(f"token_rounding={self.token_rounding!r} with {pairs_per_expert:g} pairs per expert on "
+                          f"average, under half the tile ({tile}): most experts round to 0 pairs, and a token whose "
+                          "pairs are all dropped gets zero MoE output; use more tokens per step, a smaller "
+                          "rounding_tile, token_rounding='up' or top-k routing", stacklevel=3)
         gen = None
         if self.token_rounding == "sr":
             if self._rounding_gen is None or self._rounding_gen.device != x2.device:
