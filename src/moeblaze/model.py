@@ -1,6 +1,6 @@
 """A small decoder-only MoE transformer over bytes: the model ``moeblaze train`` trains.
 
-Pre-norm blocks ``x += attn(norm(x)); x += moe(norm(x))`` with RMSNorm, causal multi-head attention
+Pre-norm blocks ``x = x + attn(norm(x)); x = x + moe(norm(x))`` (out of place) with RMSNorm, causal multi-head attention
 through ``scaled_dot_product_attention`` with rotary positions (RoPE, Su et al. 2021), and a
 :class:`moeblaze.MoE` feed-forward layer in every block. Token embedding over 256 byte values; the
 output head is tied to the embedding by default.
