@@ -113,6 +113,18 @@ def interleaved_desc_ok(w1: torch.Tensor, k_dim: int) -> bool:
             and _rows_tma_ok(w1, w1.stride(2)) and k_dim % _K_QUANTUM == 0)
 
 
+def _tiles_grid(tiles, device: torch.device):
+    """The grid of a launch of ``tiles(meta)`` output tiles: one program per tile, or for a ``PERSISTENT`` config
+    (a config choice) at most one per SM, each walking its tiles."""
+    programs = num_programs(device)
+
+    def grid(meta):
+        n = tiles(meta)
+        return (min(n, programs) if meta["PERSISTENT"] else n,)
+
+    return grid
+
+
 def _check_chunk(b, b_nk: bool, n_start: int, n_cols: int, epilogue: int, other_weights: bool) -> None:
     n_ext = b.shape[1 if b_nk else 2]
     if epilogue != EPILOGUE_PLAIN.value or other_weights:
@@ -202,12 +214,7 @@ def grouped_gemm(a, b, c, offsets, indices, sched, *, b_nk, n_cols, k_dim, gathe
     a_desc = _slot_rows_desc(a, gather_a)
     if b_mode != B_DESC_NONE.value or a_desc:
         triton.set_allocator(_scratch)
-    programs = num_programs(a.device)
-
-    def grid(meta):  # PERSISTENT (a config choice): one program per SM walks the tiles
-        tiles = max_tiles * triton.cdiv(n_cols, meta["BLOCK_N"])
-        return (min(tiles, programs) if meta["PERSISTENT"] else tiles,)
-
+    grid = _tiles_grid(lambda meta: max_tiles * triton.cdiv(n_cols, meta["BLOCK_N"]), a.device)
     _GEMM.launch(a.dtype, grid,
         a_ptr=a, b_ptr=b, c_ptr=c, aux_ptr=aux, scale_ptr=scale, bias_ptr=bias_t, offsets_ptr=offsets,
         indices_ptr=indices, tile_expert_ptr=sched[0], tile_row_ptr=sched[1], num_tiles_ptr=sched[2],
@@ -252,12 +259,7 @@ def grouped_wgrad(a, b, offsets, indices, *, p, q, out_dtype, transpose=False, s
     b_desc = gather_a and slot_desc and _slot_rows_desc(b, False)
     if b_desc:
         triton.set_allocator(_scratch)
-    programs = num_programs(a.device)
-
-    def grid(meta):  # PERSISTENT (a config choice): at most one program per SM, walking the tiles
-        tiles = E * triton.cdiv(p, meta["BLOCK_P"]) * triton.cdiv(q, meta["BLOCK_Q"])
-        return (min(tiles, programs) if meta["PERSISTENT"] else tiles,)
-
+    grid = _tiles_grid(lambda meta: E * triton.cdiv(p, meta["BLOCK_P"]) * triton.cdiv(q, meta["BLOCK_Q"]), a.device)
     _WGRAD.launch(a.dtype, grid,
         a_ptr=a, b_ptr=b, c_ptr=out, offsets_ptr=offsets, indices_ptr=indices, P=p, Q=q, ROWS=indices.numel(),
         stride_a_m=a_strides[0], stride_a_p=a_strides[1], stride_b_m=b_strides[0], stride_b_q=b_strides[1],

@@ -60,10 +60,22 @@ def tma_enabled(device: torch.device) -> bool:
     return device.type == "cuda" and _sm90(device.index if device.index is not None else torch.cuda.current_device())
 
 
+def _launch_mode(setting: str) -> str:
+    """An ``auto``/on/off launch setting as ``"1"``, ``"0"`` or ``"auto"`` (a part of the autotune kind)."""
+    mode = settings.get(setting)
+    return "auto" if mode is None else str(int(mode))
+
+
+def _kept(configs: list[triton.Config], mode: str) -> list[triton.Config]:
+    """The configs of a tuned list holding both launches that launch mode ``mode`` keeps: ``1`` the persistent
+    ones, ``0`` the per-tile ones, ``auto`` all."""
+    keep = {"0": (False,), "1": (True,)}.get(mode, (False, True))
+    return [c for c in configs if c.kwargs["PERSISTENT"] in keep]
+
+
 def persistent_mode() -> str:
     """The ``persistent`` setting (``MOEBLAZE_PERSISTENT``) as ``"1"``, ``"0"`` or ``"auto"``."""
-    mode = settings.get("persistent")
-    return "auto" if mode is None else str(int(mode))
+    return _launch_mode("persistent")
 
 
 @functools.cache
@@ -141,8 +153,7 @@ def gemm_configs(kind: str, persistent: str = "auto") -> list[triton.Config]:
         # persistent: the large tiles only (one CTA per SM; these won a block-shape sweep of every GEMM,
         # H200, 2026-11-22, docs/benchmarks.md "Tried and dropped")
         steady = [_cfg(w, s, BLOCK_N=bn, BLOCK_K=64, GROUP_M=8, PERSISTENT=True) for bn, w, s in shapes[4:]]
-        keep = {"0": (False,), "1": (True,)}.get(persistent, (False, True))
-        return [c for c in per_tile + steady if c.kwargs["PERSISTENT"] in keep]
+        return _kept(per_tile + steady, persistent)
     flag = persistent == "1" or (persistent == "auto" and kind == "interpret")
     for c in base:
         c.kwargs["PERSISTENT"] = flag
@@ -164,8 +175,7 @@ def fp32_gemm_configs(persistent: str = "auto") -> list[triton.Config]:
     ieee = ((32, 16, 4, 2), (32, 16, 8, 2), (64, 16, 4, 2), (64, 16, 8, 2), (128, 16, 8, 2))
     per_tile = [_cfg(w, s, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, PERSISTENT=False) for bn, bk, w, s in tf32 + ieee]
     steady = [_cfg(w, s, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, PERSISTENT=True) for bn, bk, w, s in tf32[3:6]]
-    keep = {"0": (False,), "1": (True,)}.get(persistent, (False, True))
-    return [c for c in per_tile + steady if c.kwargs["PERSISTENT"] in keep]
+    return _kept(per_tile + steady, persistent)
 
 
 def prune_fp32_tiles(configs, named_args, **kwargs):
@@ -191,8 +201,7 @@ def prune_gemm_configs(configs, named_args, **kwargs):
 
 def wgrad_persistent_mode() -> str:
     """The ``wgrad_persistent`` setting (``MOEBLAZE_WGRAD_PERSISTENT``) as ``"1"``, ``"0"`` or ``"auto"``."""
-    mode = settings.get("wgrad_persistent")
-    return "auto" if mode is None else str(int(mode))
+    return _launch_mode("wgrad_persistent")
 
 
 def wgrad_configs(kind: str, persistent: str = "auto") -> list[triton.Config]:
@@ -222,10 +231,8 @@ def wgrad_configs(kind: str, persistent: str = "auto") -> list[triton.Config]:
         per_tile = ((128, 128, 8, 3, False), (128, 128, 8, 4, False), (128, 256, 8, 3, False),
                     (128, 256, 8, 4, False), (256, 128, 8, 3, False), (64, 128, 4, 4, False), (128, 64, 4, 4, False))
         steady = ((128, 256, 8, 3, True), (128, 256, 8, 4, True), (256, 128, 8, 3, True))
-        base = [_cfg(w, s, BLOCK_P=bp, BLOCK_Q=bq, BLOCK_K=64, GROUP_M=8, PERSISTENT=f)
-                for bp, bq, w, s, f in per_tile + steady]
-        keep = {"0": (False,), "1": (True,)}.get(persistent, (False, True))
-        base = [c for c in base if c.kwargs["PERSISTENT"] in keep]
+        base = _kept([_cfg(w, s, BLOCK_P=bp, BLOCK_Q=bq, BLOCK_K=64, GROUP_M=8, PERSISTENT=f)
+                      for bp, bq, w, s, f in per_tile + steady], persistent)
     return base
 
 
