@@ -1,8 +1,8 @@
 """Launch configurations of the expert kernels: autotuned on the GPU, fixed when asked or interpreted.
 
-Autotuning is keyed on the problem's (d, h, E), the tensor dtypes and, for the grouped GEMMs, a coarse
-bucket of the token count (:func:`tokens_bucket`: mean slots per expert rounded down to a power of 4), so a
-new batch size re-tunes only when it crosses a bucket. A key first launched inside a CUDA-graph capture is
+Autotuning is keyed on the problem's (d, h, E), the tensor dtypes and, for the grouped GEMMs and the weight
+gradients, a coarse bucket of the token count (:func:`tokens_bucket`: mean slots per expert rounded down to a
+power of 4), so a new batch size re-tunes only when it crosses a bucket. A key first launched inside a CUDA-graph capture is
 not tuned (the autotuner synchronises): it takes the fixed default configuration for good
 (:mod:`moeblaze.graphs`). Environment:
 
@@ -109,7 +109,7 @@ def block_m(num_pairs: int | None = None, num_experts: int | None = None) -> int
 
 
 def tokens_bucket(num_pairs: int, num_experts: int) -> int:
-    """Autotune bucket of the grouped GEMMs: the mean slots per expert ``N / E`` rounded down to a power of 4
+    """Autotune bucket of the grouped GEMMs and weight gradients: the mean slots per expert ``N / E`` rounded down to a power of 4
     (at least 1), so 2k-32k tokens of Qwen3-30B-A3B (128-2,048 slots per expert) tune three times, not once.
 
     Why: configs tuned at one token count lost 4% at another. Qwen3-30B-A3B at T 32,768, one layer
@@ -228,11 +228,11 @@ def wgrad_configs(kind: str, persistent: str = "auto") -> list[triton.Config]:
                                          (64, 64, 16, 8, 2), (64, 32, 16, 4, 2), (32, 64, 16, 4, 2),
                                          (128, 64, 16, 8, 2))]
     else:
-        per_tile = ((128, 128, 8, 3, False), (128, 128, 8, 4, False), (128, 256, 8, 3, False),
-                    (128, 256, 8, 4, False), (256, 128, 8, 3, False), (64, 128, 4, 4, False), (128, 64, 4, 4, False))
-        steady = ((128, 256, 8, 3, True), (128, 256, 8, 4, True), (256, 128, 8, 3, True))
+        per_tile = ((128, 128, 8, 3), (128, 128, 8, 4), (128, 256, 8, 3), (128, 256, 8, 4), (256, 128, 8, 3),
+                    (64, 128, 4, 4), (128, 64, 4, 4))
+        steady = ((128, 256, 8, 3), (128, 256, 8, 4), (256, 128, 8, 3))
         base = _kept([_cfg(w, s, BLOCK_P=bp, BLOCK_Q=bq, BLOCK_K=64, GROUP_M=8, PERSISTENT=f)
-                      for bp, bq, w, s, f in per_tile + steady], persistent)
+                      for f, tiles in ((False, per_tile), (True, steady)) for bp, bq, w, s in tiles], persistent)
     return base
 
 
