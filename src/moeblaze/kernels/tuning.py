@@ -2,8 +2,8 @@
 
 Autotuning is keyed on the problem's (d, h, E), the tensor dtypes and, for the grouped GEMMs and the weight
 gradients, a coarse bucket of the token count (:func:`tokens_bucket`: mean slots per expert rounded down to a
-power of 4), so a new batch size re-tunes only when it crosses a bucket. A key first launched inside a CUDA-graph capture is
-not tuned (the autotuner synchronises): it takes the fixed default configuration for good
+power of 4), so a new batch size re-tunes only when it crosses a bucket. A key first launched inside a CUDA-graph
+capture is not tuned (the autotuner synchronises): it takes the fixed default configuration for good
 (:mod:`moeblaze.graphs`). Environment:
 
 ``MOEBLAZE_AUTOTUNE=0``  use one fixed default configuration per kernel (no benchmarking at first call).
@@ -109,8 +109,8 @@ def block_m(num_pairs: int | None = None, num_experts: int | None = None) -> int
 
 
 def tokens_bucket(num_pairs: int, num_experts: int) -> int:
-    """Autotune bucket of the grouped GEMMs and weight gradients: the mean slots per expert ``N / E`` rounded down to a power of 4
-    (at least 1), so 2k-32k tokens of Qwen3-30B-A3B (128-2,048 slots per expert) tune three times, not once.
+    """Autotune bucket of the grouped GEMMs and weight gradients: the mean slots per expert ``N / E`` rounded down
+    to a power of 4 (at least 1), so 2k-32k tokens of Qwen3-30B-A3B (128-2,048 slots per expert) tune three times, not once.
 
     Why: configs tuned at one token count lost 4% at another. Qwen3-30B-A3B at T 32,768, one layer
     tuned at T 2,048 first: 16.56 ms per step against 15.82-15.92 ms tuned at 32,768 (OLMoE 19.94 against
