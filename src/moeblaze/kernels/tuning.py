@@ -110,7 +110,8 @@ def block_m(num_pairs: int | None = None, num_experts: int | None = None) -> int
 
 def tokens_bucket(num_pairs: int, num_experts: int) -> int:
     """Autotune bucket of the grouped GEMMs and weight gradients: the mean slots per expert ``N / E`` rounded down
-    to a power of 4 (at least 1), so 2k-32k tokens of Qwen3-30B-A3B (128-2,048 slots per expert) tune three times, not once.
+    to a power of 4 (at least 1), so 2k-32k tokens of Qwen3-30B-A3B (128-2,048 slots per expert) tune three
+    times, not once.
 
     Why: configs tuned at one token count lost 4% at another. Qwen3-30B-A3B at T 32,768, one layer
     tuned at T 2,048 first: 16.56 ms per step against 15.82-15.92 ms tuned at 32,768 (OLMoE 19.94 against
