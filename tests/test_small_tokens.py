@@ -196,7 +196,6 @@ def test_gpu_tuned_persistent_wgrad_configs_bitwise(T, d, h, E, K, b_desc):
     from moeblaze.kernels.wgrad import grouped_wgrad_kernel
 
     triton.set_allocator(launch._scratch)
-    programs = tuning.num_programs(torch.device(DEVICE))
     gen = torch.Generator(device=DEVICE).manual_seed(T)
     ids = torch.randn(T, E, device=DEVICE, generator=gen).topk(K, dim=1).indices.to(torch.int32)
     index = build_dispatch(ids, E)
@@ -208,14 +207,15 @@ def test_gpu_tuned_persistent_wgrad_configs_bitwise(T, d, h, E, K, b_desc):
         ref = torch.stack([a[indices[offsets[e]:offsets[e + 1]].long()].double().T
                            @ b[offsets[e]:offsets[e + 1]].double() for e in range(E)])
         ref = ref.transpose(1, 2) if transpose else ref
+        grid = launch._tiles_grid(lambda m, p=p, q=q: E * triton.cdiv(p, m["BLOCK_P"]) * triton.cdiv(q, m["BLOCK_Q"]),
+                                  a.device)
         for config in tuning.wgrad_configs("tuned16", "1"):
             outs = []
             for persistent in (False, True):
                 out = torch.full(ref.shape, float("nan"), dtype=a.dtype, device=DEVICE)
                 stride_c_p, stride_c_q = (out.stride(2), out.stride(1)) if transpose else out.stride()[1:]
                 meta = dict(config.kwargs, PERSISTENT=persistent)
-                tiles = E * triton.cdiv(p, meta["BLOCK_P"]) * triton.cdiv(q, meta["BLOCK_Q"])
-                grouped_wgrad_kernel[(min(tiles, programs) if persistent else tiles,)](
+                grouped_wgrad_kernel[grid(meta)](
                     a_ptr=a, b_ptr=b, c_ptr=out, offsets_ptr=offsets, indices_ptr=indices, P=p, Q=q, ROWS=N,
                     stride_a_m=a.stride(0), stride_a_p=1, stride_b_m=b.stride(0), stride_b_q=1,
                     stride_c_e=out.stride(0), stride_c_p=stride_c_p, stride_c_q=stride_c_q, NUM_EXPERTS=E,
