@@ -336,9 +336,11 @@ def append_csv(path: str, rows: list[dict]) -> None:
 def latest_run(rows: list[dict]) -> list[dict]:
     """The rows of the latest run in ``rows`` (one ``date``, ``time_utc``, ``device`` and ``commit``): a file that
     several calls appended to holds other devices and code versions, whose points must not share a line."""
-    run = max((r.get("date", ""), r.get("time_utc", ""), r.get("device", ""), r.get("commit", "")) for r in rows)
-    return [r for r in rows if (r.get("date", ""), r.get("time_utc", ""), r.get("device", ""), r.get("commit", ""))
-            == run]
+    def run_of(r: dict) -> tuple:
+        return tuple(r.get(k, "") for k in ("date", "time_utc", "device", "commit"))
+
+    latest = max(map(run_of, rows))
+    return [r for r in rows if run_of(r) == latest]
 
 
 def plot(path: str, rows: list[dict]) -> None:
