@@ -108,17 +108,9 @@ def out_rate(launchable, args, kwargs, ms: float) -> str:
     return f" {c.numel() * c.element_size() / ms / 1e6:5.0f} GB/s out"
 
 
-def tuned_list(launchable, dtype: torch.dtype, args, kwargs) -> list[triton.Config]:
-    """The configs the autotuner chooses from for this launch (the tuned kind, after the launch's pruning)."""
-    configs = launchable.configs(*launchable.kind(dtype))
-    if launchable.prune:
-        configs = launchable.prune(configs, named_args(launchable, args, kwargs), **kwargs)
-    return configs
-
-
 def replay_all(launchable, grid, args, kwargs, dtype: torch.dtype, chosen: float) -> None:
     """One line per tuned config: ms alone and against the chosen config's ``chosen`` ms."""
-    for c in tuned_list(launchable, dtype, args, kwargs):
+    for c in launchable.pruned(launchable.kind(dtype), args, kwargs):
         try:
             ms = replay_ms(launchable, grid, args, kwargs, c)
         except Exception as exc:  # e.g. a tile that exceeds shared memory at this shape: say so, keep going

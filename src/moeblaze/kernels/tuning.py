@@ -339,11 +339,15 @@ class Launchable:
         """The configuration a launch takes without autotuning: the first of the fixed list (``MOEBLAZE_AUTOTUNE=0``),
         after the pruning of the launch's arguments."""
         base = "fixed32" if dtype == torch.float32 else "fixed16"
-        configs = self.configs(base, self.variant()) if self.variant else self.configs(base)
+        return self.pruned((base, self.variant()) if self.variant else (base,), args, kwargs)[0]
+
+    def pruned(self, kind: tuple[str, ...], args: tuple, kwargs: dict) -> list[triton.Config]:
+        """The configs of ``kind`` (``(base, *variant)``, as :meth:`kind` returns) that a launch with these
+        arguments chooses from, after its pruning (``benchmarks/profile_kernels.py --all-configs`` replays them)."""
+        configs = self.configs(*kind)
         if self.prune:
-            named = {**dict(zip(self.fn.arg_names, args)), **kwargs}
-            configs = self.prune(configs, named, **kwargs)
-        return configs[0]
+            configs = self.prune(configs, {**dict(zip(self.fn.arg_names, args)), **kwargs}, **kwargs)
+        return configs
 
     def _launch_kwargs(self, config: triton.Config, args: tuple, kwargs: dict) -> dict:
         """The keyword arguments a config adds to a launch: its meta-parameters, options and heuristic flags."""
