@@ -113,7 +113,8 @@ class _Replaced(argparse.Action):
         super().__init__(option_strings, dest, help=argparse.SUPPRESS, **kwargs)
 
     def __call__(self, parser, namespace, values, option_string=None) -> None:
-        parser.error(f"{option_string} was replaced by {self.replacement}")
+        # one line, as the training command's other flag errors (argparse's error() prints the usage first)
+        parser.exit(2, f"{parser.prog}: error: {option_string} was replaced by {self.replacement}\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
