@@ -24,14 +24,13 @@ from __future__ import annotations
 
 import argparse
 import time
-from dataclasses import replace
 
 import torch
 import triton
 import triton.testing
 
 from moeblaze.bench.baselines import ImplOptions, make_weights, resolve_impl
-from moeblaze.bench.configs import CONFIGS, parse_list
+from moeblaze.bench.configs import config_named, parse_list
 from moeblaze.kernels import tuning
 from moeblaze.kernels.grouped_gemm import EPILOGUE_ACT_FWD
 
@@ -124,7 +123,7 @@ def profile_config(name: str, overrides: list[tuple[str, int]], dtype: torch.dty
     """Print the per-launch table of one bench config (at ``tokens`` if given; the steps named by a prefix in
     ``sweep`` with every tuned config too), then the whole step's time (the launches' sum falls short of it by
     what runs outside the kernels: router, index build, casts, allocations)."""
-    cfg = replace(CONFIGS[name], T=tokens) if tokens else CONFIGS[name]
+    cfg = config_named(name, tokens)
     w = make_weights(cfg, "cuda", dtype)
     x = torch.randn(cfg.T, cfg.d, device="cuda", dtype=dtype, requires_grad=True)
     dout = torch.randn_like(x)
@@ -160,7 +159,7 @@ def profile_config(name: str, overrides: list[tuple[str, int]], dtype: torch.dty
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--configs", default="conf4-swiglu", help="comma-separated bench config names")
+    ap.add_argument("--configs", default="conf4-swiglu", help="comma-separated bench config names or d:h:E:K shapes")
     ap.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
                     help="also replay launches taking constexpr NAME with this integer value (repeatable)")
     ap.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16",

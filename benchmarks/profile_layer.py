@@ -32,14 +32,13 @@ import io
 import pstats
 import subprocess
 import time
-from dataclasses import replace
 
 import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 from moeblaze.bench.baselines import ImplOptions, make_weights, resolve_impl
-from moeblaze.bench.configs import CONFIGS, parse_list
+from moeblaze.bench.configs import config_named, parse_list
 from moeblaze.bench.peak import peak_breakdown
 
 
@@ -167,7 +166,8 @@ def cold_and_sustained_ms(step, cold_reps: int = 4, reps: int = 30) -> tuple[flo
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--configs", default="sweep-8k,smoke-olmoe", help="comma-separated bench config names")
+    ap.add_argument("--configs", default="sweep-8k,smoke-olmoe",
+                    help="comma-separated bench config names or d:h:E:K shapes")
     ap.add_argument("--impls", default="moeblaze,conventional", help="comma-separated implementations")
     ap.add_argument("--kernels", action="store_true", help="print the kernel table of each row")
     ap.add_argument("--cprofile", type=int, default=0, metavar="N", help="print the N top Python functions")
@@ -188,7 +188,7 @@ def main() -> None:
     print(f"{torch.cuda.get_device_name()} | torch {torch.__version__} | {now}")
     print(f"{'config':<14} {'impl':<13} {'host ms':>8} {'step ms':>8} {'device ms':>9} {'kernels':>7}")
     for name in parse_list(args.configs):
-        cfg = replace(CONFIGS[name], T=args.tokens) if args.tokens else CONFIGS[name]
+        cfg = config_named(name, args.tokens)
         w = make_weights(cfg, "cuda", torch.bfloat16)
         x = torch.randn(cfg.T, cfg.d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         dout = torch.randn_like(x)

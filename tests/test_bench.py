@@ -11,7 +11,7 @@ from moeblaze import build_dispatch, moe_experts
 from moeblaze.bench import CONFIGS, SUITES, expected_saved_bytes, get_configs, layer_flops, memory_report
 from moeblaze.bench.baselines import IMPLS, conventional_experts, hf_loop_experts, sort_dispatch
 from moeblaze.bench.cli import register
-from moeblaze.bench.configs import BenchConfig, index_bytes, parse_tokens
+from moeblaze.bench.configs import BenchConfig, config_named, index_bytes, parse_tokens
 from moeblaze.bench.plots import plot_all
 from moeblaze.bench.report import markdown, read_csv, write_csv
 from moeblaze.bench.runner import Row, RunOptions
@@ -78,6 +78,16 @@ def test_config_filters_and_tokens():
         get_configs(None, ["no-such-*"])
     with pytest.raises(ValueError):
         BenchConfig("bad", "x", 8, 8, 8, 2, 3)  # K > E
+
+
+def test_config_named_takes_a_name_or_a_shape():
+    def dims(c):
+        return c.T, c.d, c.h, c.E, c.K, c.activation
+    assert dims(config_named("qwen3-30b-a3b", 2048)) == (2048, 2048, 768, 128, 8, "swiglu")
+    assert config_named("olmoe-1b-7b") == CONFIGS["olmoe-1b-7b"]
+    assert dims(config_named("1536:1024:128:2", 16384)) == (16384, 1536, 1024, 128, 2, "swiglu")
+    with pytest.raises(ValueError, match="unknown config 'nope'.*d:h:E:K"):
+        config_named("nope")
 
 
 def test_flop_formulas():

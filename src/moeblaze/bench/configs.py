@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass
 from ..activations import check_activation, is_gated
 
 __all__ = ["BenchConfig", "CONFIGS", "SUITES", "LAYER_SUITES", "get_configs", "filter_configs", "parse_list",
-           "parse_tokens", "parse_shape", "layer_flops", "expected_saved_bytes", "index_bytes"]
+           "parse_tokens", "parse_shape", "config_named", "layer_flops", "expected_saved_bytes", "index_bytes"]
 
 
 @dataclass(frozen=True)
@@ -199,6 +199,23 @@ def parse_shape(text: str, tokens: list[int] | None = None) -> list[BenchConfig]
         raise ValueError(f"bad shape {text!r}: expected d:h:E:K[:activation], e.g. 2048:1024:64:8:swiglu "
                          f"({exc})") from exc
     return [base.with_tokens(T) for T in tokens] if tokens else [base]
+
+
+def config_named(name: str, tokens: int = 0) -> BenchConfig:
+    """A config of ``CONFIGS`` by name, or a ``custom`` one from a ``"d:h:E:K[:activation]"`` shape; at
+    ``tokens`` tokens if given (else the config's own T; 32768 for a shape).
+
+    Raises:
+        ValueError: neither a known config name nor a shape (the message lists the names).
+    """
+    if name in CONFIGS:
+        cfg = CONFIGS[name]
+    elif ":" in name:
+        cfg = parse_shape(name)[0]
+    else:
+        raise ValueError(f"unknown config {name!r}: expected one of {', '.join(sorted(CONFIGS))} "
+                         "or a shape d:h:E:K[:activation]")
+    return cfg.with_tokens(tokens) if tokens else cfg
 
 
 def filter_configs(configs: list[BenchConfig], patterns: list[str] | None = None,
