@@ -215,6 +215,12 @@ def wgrad_configs(kind: str, persistent: str = "auto") -> list[triton.Config]:
     (2026-11-25, Qwen3-30B-A3B shape, T 2,048, ``python3 benchmarks/profile_kernels.py --configs qwen3-30b-a3b
     --tokens 2048 --all-configs B2,B4``): 128x256 1.26x (B2) and 1.27x (B4), 256x128 1.06x and 1.10x. A persistent
     128x128 tile was 0.86-0.93x (``benchmarks/lab/wgrad_variants.py`` on branch ``lab/wgrad-variants``): not kept.
+    The persistent 128x256 tile also runs 128 slots per step (two stages of 96 KiB): half the steps of a tile of
+    few slots, so half its per-step waits. H200, 2026-11-26, ``python3 benchmarks/profile_kernels.py --configs
+    1536:1024:128:2 --tokens 16384 --all-configs B2,B4`` (256 slots per expert): B2 0.316 against 0.351 ms at 64
+    slots per step, B4 0.615 against 0.684; ``--configs qwen3-30b-a3b --tokens 2048`` (128 slots): B2 0.220
+    against 0.237, B4 0.430 against 0.466. Launched per tile it ran at 0.79x (nothing hides its two-stage
+    prologue), and the 4-stage twin of the 64-slot tile matched the 3-stage one (0.997x): neither is listed.
     """
     if kind == "interpret":
         base = [_cfg(1, 1, BLOCK_P=64, BLOCK_Q=64, BLOCK_K=32, GROUP_M=4, PERSISTENT=persistent == "1")]
@@ -229,11 +235,11 @@ def wgrad_configs(kind: str, persistent: str = "auto") -> list[triton.Config]:
                                          (64, 64, 16, 8, 2), (64, 32, 16, 4, 2), (32, 64, 16, 4, 2),
                                          (128, 64, 16, 8, 2))]
     else:
-        per_tile = ((128, 128, 8, 3), (128, 128, 8, 4), (128, 256, 8, 3), (128, 256, 8, 4), (256, 128, 8, 3),
-                    (64, 128, 4, 4), (128, 64, 4, 4))
-        steady = ((128, 256, 8, 3), (128, 256, 8, 4), (256, 128, 8, 3))
-        base = _kept([_cfg(w, s, BLOCK_P=bp, BLOCK_Q=bq, BLOCK_K=64, GROUP_M=8, PERSISTENT=f)
-                      for f, tiles in ((False, per_tile), (True, steady)) for bp, bq, w, s in tiles], persistent)
+        per_tile = ((128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 256, 64, 8, 3), (128, 256, 64, 8, 4),
+                    (256, 128, 64, 8, 3), (64, 128, 64, 4, 4), (128, 64, 64, 4, 4))
+        steady = ((128, 256, 64, 8, 3), (128, 256, 128, 8, 2), (256, 128, 64, 8, 3))
+        base = _kept([_cfg(w, s, BLOCK_P=bp, BLOCK_Q=bq, BLOCK_K=bk, GROUP_M=8, PERSISTENT=f)
+                      for f, tiles in ((False, per_tile), (True, steady)) for bp, bq, bk, w, s in tiles], persistent)
     return base
 
 
