@@ -118,16 +118,28 @@ def grouped_wgrad_kernel(
         elif B_DESC:
             b = b_desc.load([s0, pid_q * BLOCK_Q])
         else:
-            b_rows = tl.minimum(s, end - 1).to(tl.int64)  # clamped: A's mask already zeroes these slots
-            b = tl.load(b_ptr + b_rows[:, None] * stride_b_m + offs_q[None, :] * stride_b_q, mask=q_mask[None, :],
-                        other=0.0)
+            b = _slot_rows(b_ptr, s, end, offs_q, Q, stride_b_m, stride_b_q)
         acc = tl.dot(a, b, acc, input_precision=DOT_PREC)
+    _store_tile(c_ptr, acc, e, offs_p, offs_q, P, Q, stride_c_e, stride_c_p, stride_c_q, b_ptr.dtype.element_ty)
+
+
+@triton.jit
+def _slot_rows(b_ptr, s, end, offs_q, Q, stride_b_m, stride_b_q):
+    """B's ``[BLOCK_K, BLOCK_Q]`` slot rows ``s`` through pointers, clamped into the expert's range: A's mask
+    zeroes the slots past ``end`` (an empty expert's step: all of them), so the rows read there add nothing."""
+    rows = tl.maximum(tl.minimum(s, end - 1), 0).to(tl.int64)
+    return tl.load(b_ptr + rows[:, None] * stride_b_m + offs_q[None, :] * stride_b_q, mask=(offs_q < Q)[None, :],
+                   other=0.0)
+
+
+@triton.jit
+def _store_tile(c_ptr, acc, e, offs_p, offs_q, P, Q, stride_c_e, stride_c_p, stride_c_q, op_ty: tl.constexpr):
+    """Store the summed ``[BLOCK_P, BLOCK_Q]`` tile of expert ``e``. Rounded to the operands' dtype ``op_ty``
+    first: an fp32 gradient of 16-bit operands (the master weights of an autocast call) is the 16-bit gradient
+    upcast, stored in one pass instead of a 16-bit store and a cast."""
     c_ptrs = (c_ptr + e.to(tl.int64) * stride_c_e + offs_p[:, None].to(tl.int64) * stride_c_p
               + offs_q[None, :].to(tl.int64) * stride_c_q)
-    # rounded to the operands' dtype first: an fp32 gradient of 16-bit operands (the master weights of an
-    # autocast call) is the 16-bit gradient upcast, stored in one pass instead of a 16-bit store and a cast
-    dw = acc.to(b_ptr.dtype.element_ty).to(c_ptr.dtype.element_ty)
-    tl.store(c_ptrs, dw, mask=p_mask[:, None] & q_mask[None, :])
+    tl.store(c_ptrs, acc.to(op_ty).to(c_ptr.dtype.element_ty), mask=(offs_p < P)[:, None] & (offs_q < Q)[None, :])
 
 
 @triton.jit
@@ -185,13 +197,9 @@ def _persistent_tiles(a_ptr, b_ptr, c_ptr, offsets_ptr, indices_ptr, P, Q, ROWS,
         if B_DESC:
             b = b_desc.load([s0, pid_q * BLOCK_Q])
         else:
-            b_rows = tl.maximum(tl.minimum(s, end - 1), 0).to(tl.int64)
-            b = tl.load(b_ptr + b_rows[:, None] * stride_b_m + offs_q[None, :] * stride_b_q,
-                        mask=offs_q[None, :] < Q, other=0.0)
+            b = _slot_rows(b_ptr, s, end, offs_q, Q, stride_b_m, stride_b_q)
         acc = tl.dot(a, b, acc, input_precision=DOT_PREC)
-        if k == n_k - 1:  # the tile is summed: stored as grouped_wgrad_kernel stores it
-            c_ptrs = (c_ptr + e.to(tl.int64) * stride_c_e + offs_p[:, None].to(tl.int64) * stride_c_p
-                      + offs_q[None, :].to(tl.int64) * stride_c_q)
-            dw = acc.to(b_ptr.dtype.element_ty).to(c_ptr.dtype.element_ty)
-            tl.store(c_ptrs, dw, mask=p_mask[:, None] & (offs_q < Q)[None, :])
+        if k == n_k - 1:  # the tile is summed
+            _store_tile(c_ptr, acc, e, offs_p, offs_q, P, Q, stride_c_e, stride_c_p, stride_c_q,
+                        b_ptr.dtype.element_ty)
             acc = tl.zeros((BLOCK_P, BLOCK_Q), dtype=tl.float32)
