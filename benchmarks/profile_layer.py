@@ -5,8 +5,14 @@ For each config and implementation of ``moeblaze bench`` (weights and inputs as 
 - *host ms*: wall time of one forward+backward call from Python, the GPU idle at the start
   (``synchronize`` before, none after): what the CPU spends submitting the step;
 - *step ms*: wall time per step of 20 back-to-back steps (``synchronize`` at the end);
-- *device ms*: sum of the step's kernel times (torch.profiler, three steps averaged), and the number
-  of kernels per step; ``--gaps N``: the GPU's idle time between kernels per step and the N longest gaps.
+- *device ms*: sum of the step's kernel times (torch.profiler, three steps averaged; ``--profiled-steps N``:
+  N back-to-back steps averaged), and the number of kernels per step; ``--gaps N``: the GPU's idle time
+  between kernels per step and the N longest gaps.
+
+Three steps are a burst: the card is still below its power limit and its clock high. Sustained, the kernels
+run longer (H200, 2026-11-26, Qwen3-30B-A3B shape, T 32,768: moeblaze's kernels summed to 13.38-13.53 ms per
+step over three steps against 14.97 over 30, which matched its 14.5-14.7 ms per back-to-back step; SonicMoE's
+13.38-13.59 against 13.55): compare implementations with ``--profiled-steps 30`` when the steps are long.
 
 A step is host-bound when *host ms* is close to *step ms* and above *device ms*. ``--kernels`` prints
 the profiler's kernel table, ``--cprofile N`` the N most expensive Python functions (cumulative),
@@ -182,7 +188,11 @@ def main() -> None:
     ap.add_argument("--busy", action="store_true",
                     help="print the host time of a step queued behind 100 ms of GPU work")
     ap.add_argument("--tokens", type=int, default=0, help="T of every config (0: the config's own)")
+    ap.add_argument("--profiled-steps", type=int, default=3, metavar="N",
+                    help="back-to-back steps averaged by the profiles (device ms, --timeline, --gaps; default 3)")
     args = ap.parse_args()
+    if args.profiled_steps < 1:
+        ap.error(f"--profiled-steps must be >= 1, got {args.profiled_steps}")
     torch.manual_seed(0)
     now = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     print(f"{torch.cuda.get_device_name()} | torch {torch.__version__} | {now}")
@@ -198,7 +208,7 @@ def main() -> None:
             for _ in range(5):  # warm-up: compilation and autotuning
                 step()
             host, wall = host_and_step_ms(step)
-            dev, nk, ev = device_profile(step)
+            dev, nk, ev = device_profile(step, args.profiled_steps)
             print(f"{name:<14} {impl_name:<13} {host:8.3f} {wall:8.3f} {dev:9.3f} {nk:7.0f}", flush=True)
             if args.kernels:
                 print(ev.table(sort_by="self_device_time_total", row_limit=15, max_name_column_width=60))
@@ -208,7 +218,7 @@ def main() -> None:
                 busy_host, busy = host_ms_behind_busy_gpu(step)
                 print(f"  host ms behind {busy:.1f} ms of queued GPU work: {busy_host:.3f} (idle GPU: {host:.3f})")
             if args.timeline:
-                for kernel, ms in timeline(step):
+                for kernel, ms in timeline(step, args.profiled_steps):
                     print(f"    {ms:9.3f} ms  {kernel[:120]}")
             if args.cold:
                 cold, sustained, state = cold_and_sustained_ms(step)
@@ -217,7 +227,7 @@ def main() -> None:
             if args.peak:
                 print(peak_breakdown(step).table())
             if args.gaps:
-                idle, longest = idle_gaps(step, args.gaps)
+                idle, longest = idle_gaps(step, args.gaps, args.profiled_steps)
                 print(f"  GPU idle between kernels: {idle:.3f} ms per step; longest gaps (us, before -> after):")
                 for us, before, after in longest:
                     print(f"    {us:9.1f}  {before} -> {after}")
