@@ -15,7 +15,8 @@ timed step, per variant on the same weights and inputs:
 
 Per variant: the wall time of a step (median of ``triton.testing.do_bench``; CPU ``--smoke``: perf_counter
 median) and its GPU time (:func:`moeblaze.bench.runner.kernel_time_ms`: kernel time summed by torch.profiler,
-as the issue's ceiling was measured). Rows go to a CSV, with
+as the issue's ceiling was measured; the median of ``--rounds`` rounds over the variants in turn). Rows go to
+a CSV, with
 ``share_of_ceiling = (t_topk / t_tr - 1) / (t_topk / t_ceiling - 1)`` on GPU times (the issue's target: >= 0.85).
 
 ``rounding``: :func:`moeblaze.round_tokens` alone at the same shapes (wall ms; GPU: kernel time too).
@@ -162,7 +163,23 @@ def sonic_step(x, pairs, moe, dout, clear):
     return step
 
 
+def gpu_times(steps: dict, rounds: int, breakdown: int, shape) -> dict:
+    """Each variant's GPU time (:func:`kernel_time_ms`), the median of ``rounds`` rounds that take the variants in
+    turn: the share of the ceiling is a ratio of differences of nearly equal times, and one measurement per
+    variant let it swing between calls (H200, 2026-11-25 and -26: 0.17 and -0.05 at the first shape, top-k itself
+    0.15 ms apart). None per variant without CUDA. ``breakdown`` prints the first round's kernel tables."""
+    runs: dict = {name: [] for name in steps}
+    for r in range(rounds):
+        for name, step in steps.items():
+            if breakdown and r == 0:
+                print(f"{shape} {name}: the kernels with the most GPU time", flush=True)
+            runs[name].append(kernel_time_ms(step, table=breakdown if r == 0 else 0))
+    return {name: None if None in t else statistics.median(t) for name, t in runs.items()}
+
+
 def run_speed(args) -> int:
+    if args.rounds < 1:
+        raise SystemExit(f"bench_token_rounding.py speed: --rounds must be >= 1, got {args.rounds}")
     device = "cpu" if args.smoke else "cuda"
     dtype = torch.float32 if args.smoke else torch.bfloat16
     backend = "torch" if args.smoke else "triton"
@@ -174,11 +191,7 @@ def run_speed(args) -> int:
                                   sonic="pairs-sonicmoe" in args.variants.split(","))
         steps = {k: v for k, v in steps.items() if k in ("topk", "tr-nr", "ceiling") or k in args.variants.split(",")}
         ms = {name: bench(step) for name, step in steps.items()}
-        gpu = {}
-        for name, step in steps.items():
-            if args.breakdown:
-                print(f"{shape} {name}: the kernels with the most GPU time", flush=True)
-            gpu[name] = kernel_time_ms(step, table=args.breakdown)
+        gpu = gpu_times(steps, args.rounds, args.breakdown, shape)
         t_ref = gpu if device == "cuda" else ms  # the share: GPU time where there is one
         gain = t_ref["topk"] / t_ref["ceiling"] - 1
         share = (t_ref["topk"] / t_ref["tr-nr"] - 1) / gain if gain else None
@@ -386,6 +399,8 @@ def main(argv: list[str] | None = None) -> int:
     sp.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (PyTorch backend): a pipeline check")
     sp.add_argument("--breakdown", type=int, default=0, help="print each variant's N kernels with the most GPU time")
     sp.add_argument("--shapes", default="0,1,2", help="which of SHAPES (indices, comma-separated)")
+    sp.add_argument("--rounds", type=int, default=3,
+                    help="GPU times: median of this many rounds over the variants in turn (default 3)")
     sp.add_argument("--variants", default="tr-nr-eager,pairs-moeblaze,pairs-sonicmoe",
                     help="variants besides topk, tr-nr and ceiling (comma-separated)")
     rp = sub.add_parser("rounding", help="round_tokens alone at the issue's shapes (CPU: a proxy of its work)")
