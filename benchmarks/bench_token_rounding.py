@@ -178,8 +178,6 @@ def gpu_times(steps: dict, rounds: int, breakdown: int, shape) -> dict:
 
 
 def run_speed(args) -> int:
-    if args.rounds < 1:
-        raise SystemExit(f"bench_token_rounding.py speed: --rounds must be >= 1, got {args.rounds}")
     device = "cpu" if args.smoke else "cuda"
     dtype = torch.float32 if args.smoke else torch.bfloat16
     backend = "torch" if args.smoke else "triton"
@@ -420,6 +418,8 @@ def main(argv: list[str] | None = None) -> int:
     q.add_argument("--summarise", action="store_true", help="only print the summary and plot of --out-dir")
     q.add_argument("--smoke", action="store_true", help="a tiny model for a few steps on the CPU")
     args = ap.parse_args(argv)
+    if args.stage == "speed" and args.rounds < 1:
+        sp.error(f"--rounds must be >= 1, got {args.rounds}")
     if args.stage == "quality" and args.smoke:
         args.steps = min(args.steps, 4)
     if args.stage == "quality" and args.summarise:
