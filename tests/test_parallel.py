@@ -110,6 +110,28 @@ def test_bench_ep_runs_on_cpu(tmp_path):
     assert float(rows[1]["out_rel_diff"]) < 1e-5 and all(float(r["fwd_bwd_ms"]) > 0 for r in rows)
 
 
+def test_runtime_keeps_the_callers_gpu_in_a_group_it_did_not_start(monkeypatch):
+    """A default group initialised by the caller (no torchrun, no LOCAL_RANK) keeps the CUDA device the caller
+    set; with LOCAL_RANK that GPU is taken. (Two spawned NCCL ranks both took GPU 0 before: "Duplicate GPU".)"""
+    import torch.distributed as dist
+
+    from moeblaze.parallel import init_distributed
+
+    chosen = []
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_rank", lambda: 1)
+    monkeypatch.setattr(dist, "get_world_size", lambda: 2)
+    monkeypatch.setattr(dist, "get_backend", lambda: "nccl")
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    env = init_distributed(device="cuda")
+    assert (env.rank, env.local_rank, env.device, chosen) == (1, 1, torch.device("cuda", 1), [1])
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    assert init_distributed(device="cuda").device == torch.device("cuda", 0) and chosen == [1, 0]
+
+
 def test_runtime_single_process(monkeypatch):
     """Without torchrun: rank 0 of 1, no process group, no mesh; bad torchrun variables are named."""
     from moeblaze.parallel import init_distributed, is_rank0, make_mesh, split_batch

@@ -46,7 +46,8 @@ def init_distributed(device: str | None = None, timeout_s: float = 600.0) -> Dis
 
     NCCL on CUDA (the process takes GPU ``LOCAL_RANK`` with ``torch.cuda.set_device``), gloo on the CPU.
     Without ``WORLD_SIZE`` (a plain ``python`` run) no process group is made: rank 0 of 1. An already
-    initialised default group is used as it is.
+    initialised default group is used as it is; without ``LOCAL_RANK`` the process then keeps its current
+    CUDA device (the one the caller set), not GPU 0.
 
     Args:
         device: ``"cuda"`` or ``"cpu"``; default CUDA when available.
@@ -60,7 +61,12 @@ def init_distributed(device: str | None = None, timeout_s: float = 600.0) -> Dis
     if kind not in ("cuda", "cpu"):
         raise ValueError(f"device must be 'cuda' or 'cpu', got {device!r}")
     env = settings.launcher_env()
-    local_rank = _env_int(env, "LOCAL_RANK", 0)
+    # A group the caller initialised without torchrun's LOCAL_RANK (torch.multiprocessing, a scheduler's own
+    # launcher) keeps the GPU the caller chose: taking GPU 0 there put every rank on one device, which NCCL
+    # refuses ("Duplicate GPU detected"; 2 H200s, 2026-11-26,
+    # tests/test_train_dist.py::test_train_two_gpus_matches_one).
+    keep_current = kind == "cuda" and "LOCAL_RANK" not in env and dist.is_initialized()
+    local_rank = torch.cuda.current_device() if keep_current else _env_int(env, "LOCAL_RANK", 0)
     if kind == "cuda":
         if not 0 <= local_rank < torch.cuda.device_count():
             raise ValueError(f"LOCAL_RANK={local_rank} but {torch.cuda.device_count()} CUDA devices are visible")
