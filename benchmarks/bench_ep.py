@@ -7,17 +7,19 @@ Launch with torchrun, one process per GPU (NCCL; gloo on the CPU with tiny shape
     torchrun --nproc-per-node 2 benchmarks/bench_ep.py --tokens 64 --d-model 32 --d-ff 16 --experts 8 --top-k 2 \\
         --dtype float32 --iters 2 --warmup 1                                      # CPU smoke run
 
-Both layers share the router and the expert weights, and route the same tokens, so they exchange the same
-split sizes. ``moeblaze``: :class:`moeblaze.MoE` with ``ep_group`` (dispatch index, send buffer gathered
-from x, fused kernels over the received rows, combine weights applied by the kernels). ``torchtitan-style``:
-argsort of the routing, gathered copy of x, the same all-to-alls, received rows regrouped by local expert
-(a second copy), ``grouped_mm`` for both projections, autograd through plain PyTorch ops.
+Both layers share the router and the expert weights and route the same tokens. ``moeblaze``:
+:class:`moeblaze.MoE` with ``ep_group`` (each token sent once per destination rank with its pairs, fused
+kernels over the received rows through a general routing index, each row's local experts combined before it
+goes back). ``torchtitan-style``: argsort of the routing, gathered copy of x with a row per (token, expert)
+pair, the all-to-alls, received rows regrouped by local expert (a second copy), ``grouped_mm`` for both
+projections, autograd through plain PyTorch ops.
 
 Per layer, rank 0 writes one CSV row: forward+backward time (median over ``--iters`` steps, the slowest
 rank; CUDA events on GPU), peak memory (``torch.cuda.max_memory_allocated``, the largest rank; empty on
 the CPU) and the step's own part of it (above the resident weights of both layers, x and dout; no
-gradient held between steps), the time of the step's all-to-alls replayed alone with the same split
-sizes and their share of the step, and the output's relative difference from the moeblaze layer.
+gradient held between steps), the rows each rank sends, the time of the step's all-to-alls replayed alone
+with the same split sizes and their share of the step, and the output's relative difference from the
+moeblaze layer.
 """
 
 from __future__ import annotations
@@ -79,15 +81,19 @@ class TitanStyleEP(nn.Module):
         return torch.zeros_like(x).index_add(0, token_idx, y)
 
 
-def _split_sizes(layer: moeblaze.MoE, x: torch.Tensor) -> tuple[list[int], list[int]]:
-    """The send / receive split sizes of ``x``'s routing (both layers route alike)."""
+def _split_sizes(layer: moeblaze.MoE, x: torch.Tensor, per_token: bool) -> tuple[list[int], list[int]]:
+    """The send / receive row counts of ``x``'s routing: one row per (token, expert) pair (torchtitan-style),
+    or with ``per_token`` one per (token, destination rank) as moeblaze sends (both layers route alike)."""
+    P, El = layer.ep.size, layer.ep.num_local_experts
     with torch.no_grad():
-        counts = torch.bincount(layer.router(x).topk_ids.reshape(-1).long(), minlength=layer.num_experts)
-    P = layer.ep.size
-    everyone = [torch.empty_like(counts) for _ in range(P)]
-    dist.all_gather(everyone, counts)
-    mine = slice(layer.ep.first_expert, layer.ep.first_expert + layer.ep.num_local_experts)
-    return counts.view(P, -1).sum(1).tolist(), [int(c[mine].sum()) for c in everyone]
+        ids = layer.router(x).topk_ids.long()
+    if per_token:
+        send = torch.zeros(ids.shape[0], P, dtype=torch.bool, device=x.device).scatter_(1, ids // El, True).sum(0)
+    else:
+        send = torch.bincount(ids.reshape(-1), minlength=layer.num_experts).view(P, El).sum(1)
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send)
+    return send.tolist(), recv.tolist()
 
 
 def _timed(fn, iters: int, warmup: int, device: torch.device) -> float:
@@ -113,19 +119,22 @@ def _timed(fn, iters: int, warmup: int, device: torch.device) -> float:
     return float(ms)
 
 
-def _comm_replay(x: torch.Tensor, K: int, send: list[int], recv: list[int], weights_too: bool):
-    """The step's all-to-alls alone: rows of d out and back in forward, the same two in backward
-    (and moeblaze's combine weights, [N] fp32, out in forward and back in backward)."""
-    rows = x.new_empty(x.shape[0] * K, x.shape[1])
+def _comm_replay(x: torch.Tensor, K: int, send: list[int], recv: list[int], pair_data: bool):
+    """The step's all-to-alls alone: rows of d out and back in forward, the same two in backward; with
+    ``pair_data`` (moeblaze) also each row's K weights (fp32) and K local expert ids (int32) out in forward,
+    and the weights' gradient back in backward."""
+    rows = x.new_empty(sum(send), x.shape[1])
     back = x.new_empty(sum(recv), x.shape[1])
-    w, wb = rows.new_empty(rows.shape[0], dtype=torch.float32), back.new_empty(back.shape[0], dtype=torch.float32)
+    w, wb = rows.new_empty(rows.shape[0], K, dtype=torch.float32), back.new_empty(back.shape[0], K, dtype=torch.float32)
+    ids, idb = w.to(torch.int32), wb.to(torch.int32)
 
     def run():
         for _ in range(2):
             dist.all_to_all_single(back, rows, recv, send)
             dist.all_to_all_single(rows, back, send, recv)
-        if weights_too:
+        if pair_data:
             dist.all_to_all_single(wb, w, recv, send)
+            dist.all_to_all_single(idb, ids, recv, send)
             dist.all_to_all_single(w, wb, send, recv)
     return run
 
@@ -165,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     gen = torch.Generator(device=device).manual_seed(1 + rank)
     x = torch.randn(args.tokens, args.d_model, device=device, dtype=dtype, generator=gen).requires_grad_()
     dout = torch.randn(args.tokens, args.d_model, device=device, dtype=dtype, generator=gen)
-    send, recv = _split_sizes(mb, x)
+    splits = {"moeblaze": _split_sizes(mb, x, per_token=True), "torchtitan-style": _split_sizes(mb, x, per_token=False)}
     with torch.no_grad():
         ref = mb(x).float()
         diff = float((titan(x).float() - ref).norm() / ref.norm().clamp_min(1e-30))
@@ -188,14 +197,14 @@ def main(argv: list[str] | None = None) -> int:
         if cuda:
             top = torch.cuda.max_memory_allocated(device)
             peak, step_peak = (_max_over_ranks(v / 2**20, device) for v in (top, top - resident))
-        comm = _timed(_comm_replay(x.detach(), args.top_k, send, recv, name == "moeblaze"), args.iters,
+        comm = _timed(_comm_replay(x.detach(), args.top_k, *splits[name], name == "moeblaze"), args.iters,
                       args.warmup, device)
         rows.append({"impl": name, "world": world, "device": torch.cuda.get_device_name(device) if cuda else "cpu",
                      "dtype": args.dtype, "tokens_per_rank": args.tokens, "d": args.d_model, "h": args.d_ff,
                      "E": args.experts, "K": args.top_k, "fwd_bwd_ms": round(ms, 4),
                      "peak_mib": None if peak is None else round(peak, 1),
                      "step_peak_mib": None if step_peak is None else round(step_peak, 1),
-                     "comm_ms": round(comm, 4), "comm_share": round(comm / ms, 4),
+                     "sent_rows": sum(splits[name][0]), "comm_ms": round(comm, 4), "comm_share": round(comm / ms, 4),
                      "out_rel_diff": diff if name != "moeblaze" else 0.0,
                      "date": datetime.date.today().isoformat(), "torch": torch.__version__})
     if rank == 0:

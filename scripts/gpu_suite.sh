@@ -14,7 +14,8 @@
 #   multigpu   2 GPUs: pytest -m multigpu (EP and FSDP2 equalities in bf16, NCCL), then benchmarks/bench_ep.py
 #              under torchrun --nproc-per-node 2 ($EP_BENCH_ARGS, default the Qwen3-30B-A3B shape) -> ep.csv,
 #              then moeblaze train --fsdp --preset 1b under torchrun on 1 GPU, 2 GPUs, 2 GPUs with --ep 2
-#              (16 sequences of 1024 bytes per GPU, $TRAIN_1B_STEPS steps) -> steady tokens/s per GPU, train_1b.txt
+#              (16 sequences of 1024 bytes per GPU, $TRAIN_1B_STEPS steps) -> steady tokens/s per GPU, train_1b.txt;
+#              time limits per part: TESTS_TIMEOUT, EP_BENCH_TIMEOUT, TRAIN_1B_TIMEOUT (seconds, default 420, 600, 600)
 #   multigpu_train  only that last part (fits one device call: three runs of ~1-3 min)
 #   tr         benchmarks/bench_token_rounding.py speed (token rounding vs top-k vs the ceiling, SonicMoE fed the same pairs)
 #   trq        benchmarks/bench_token_rounding.py quality (moeblaze train with top-k and with token rounding nr)
@@ -53,7 +54,7 @@ multigpu_train() {  # moeblaze train --fsdp --preset 1b on 1 and 2 GPUs under to
   for spec in "1 train_1b_1gpu" "2 train_1b_2gpu" "2 train_1b_2gpu_ep2 --ep 2"; do
     read -r n name extra <<< "$spec"
     # shellcheck disable=SC2086
-    run "$name" timeout 600 python3 -m torch.distributed.run --nproc-per-node "$n" -m moeblaze.cli train --fsdp \
+    run "$name" timeout "${TRAIN_1B_TIMEOUT:-600}" python3 -m torch.distributed.run --nproc-per-node "$n" -m moeblaze.cli train --fsdp \
       --preset 1b --batch-size $((16 * n)) --steps "${TRAIN_1B_STEPS:-30}" --warmup-steps 5 --eval-interval 100000 \
       --eval-tokens 16384 --checkpoint-interval 0 --checkpoint-minutes 0 --keep-checkpoints 1 --device cuda \
       --no-progress --overwrite --out-dir "/tmp/run_$name" $extra
@@ -118,7 +119,7 @@ for stage in "$@"; do
       MOEBLAZE_AUTOTUNE=0 run multigpu_tests timeout "${TESTS_TIMEOUT:-420}" python3 -m pytest -m multigpu -q -rfEs \
         -p no:cacheprovider tests/test_parallel.py tests/test_train_dist.py
       # shellcheck disable=SC2086
-      run bench_ep timeout 600 python3 -m torch.distributed.run --nproc-per-node 2 benchmarks/bench_ep.py ${EP_BENCH_ARGS:-} --out "$OUT/ep.csv"
+      run bench_ep timeout "${EP_BENCH_TIMEOUT:-600}" python3 -m torch.distributed.run --nproc-per-node 2 benchmarks/bench_ep.py ${EP_BENCH_ARGS:-} --out "$OUT/ep.csv"
       multigpu_train
       ;;
     multigpu_train) multigpu_train ;;

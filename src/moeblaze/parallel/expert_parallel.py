@@ -2,27 +2,32 @@
 
 A group of P ranks shares E experts: rank r owns experts ``[r*E/P, (r+1)*E/P)`` as its local
 ``w_gate_up [E/P, 2h, d]`` and ``w_down [E/P, d, h]``; ``router.weight [E, d]`` is replicated. Each rank
-routes its own tokens ``x [T, d]`` and gets their outputs back (the dataflow of GShard / Megatron-Core /
-torchtitan expert parallelism, on MoEBlaze's dispatch index):
+routes its own tokens ``x [T, d]`` and gets their outputs back. The dataflow is GShard / Megatron-Core
+expert parallelism with each token sent once per destination rank rather than once per (token, expert)
+pair, as DeepEP's dispatch does, and the experts' side on MoEBlaze's general routing index:
 
-1. router -> top-k ids over the global E -> :func:`moeblaze.build_dispatch` over E. Its slots are
-   grouped by expert, and a rank's experts are contiguous, so the slots are grouped by destination rank.
-2. per-expert counts ``[E]`` all-gathered over the group (``[P, E]``): they give the split sizes of both
-   all-to-alls and the global counts of the load-balancing loss.
-3. the send buffer ``x[expert_token_indices]`` (``[N, d]``, rows in slot order: the only copy of x) and
-   the combine weights in slot order ``[N]`` go out with ``all_to_all_single``.
-4. each received row is one (token, expert) pair: a local dispatch index over the received rows (K = 1,
-   local expert ids) feeds :func:`moeblaze.moe_experts`, which runs the fused kernels and scales each
-   row by its weight (so the weight gradient comes out of the kernels' backward, without saving y).
-5. reverse all-to-all -> ``out[t] = sum_k y[token_index_map[t, k]]`` at the source rank.
+1. router -> top-k ids over the global E; ``hit [T, P]``: which ranks hold one of a token's experts.
+2. per-expert pair counts ``[E]`` and per-rank token counts ``[P]`` all-gathered over the group: the split
+   sizes of the all-to-alls, the receiver's pair count and the global counts of the load-balancing loss.
+3. the send buffer ``x[send_tokens]`` (``[S, d]``, rows by destination rank, then token: the only copy of
+   x; ``S <= T * min(K, P)``) goes out with ``all_to_all_single``, and with each row its token's K pairs
+   as the destination's local expert ids (``E/P`` marks another rank's pair) and weights ``[S, K]``.
+4. the received rows' local pairs form a general routing input (:func:`moeblaze.moe_experts_general`):
+   the fused kernels read the received rows through its index and each row's output is the weighted sum
+   of its local experts, so one ``[R, d]`` row goes back per received token, not one per pair.
+5. reverse all-to-all -> ``out[t] = sum over t's destination ranks of y_back[row]`` at the source rank.
+
+At K 8 over 2 ranks (Qwen3-30B-A3B's E 128) a token's pairs reach at most 2 ranks, so the all-to-alls carry
+at most 2 rows per token where a row per pair carried 8.
 
 Backward mirrors it through autograd (the all-to-alls are ``all_to_all_single_autograd`` of
 ``torch.distributed._functional_collectives``; the gather of step 3 and the sum of step 5 are each other's
-adjoint, both atomic-free).
+adjoint, both atomic-free: fp32 sums over each token's rows in rank order).
 
-Host synchronisation: exactly one per forward — the 2P split sizes of the variable-size all-to-all are
-read to the host (``.tolist()``) after the count exchange, because ``all_to_all_single`` takes its splits
-as host integers and the receive buffer must be allocated with its size. The backward reuses them.
+Host synchronisation: exactly one per forward — the 2P split sizes of the variable-size all-to-all and the
+receiver's pair count are read to the host (``.tolist()``) after the count exchange, because
+``all_to_all_single`` takes its splits as host integers and the receive buffers are allocated with their
+sizes. The backward reuses them.
 """
 
 from __future__ import annotations
@@ -36,8 +41,7 @@ from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.device_mesh import DeviceMesh
 
 from ..backends import get_backend
-from ..dispatch import build_dispatch
-from ..experts import moe_experts
+from ..general_routing import moe_experts_general
 
 __all__ = ["EPConfig", "ExpertParallel", "expert_parallel_forward", "global_load_balancing_loss",
            "init_local_experts", "resolve_group", "shard_experts"]
@@ -132,18 +136,55 @@ class ExpertParallel:
                 f"{self.first_expert + self.num_local_experts}))")
 
 
-class _GatherSlots(torch.autograd.Function):
-    """``x [T, d]`` -> ``x[expert_token_indices] [N, d]`` (slot order); backward is the K-way slot sum."""
+class _SendPlan:
+    """Where this rank's tokens go: each token once per destination rank that holds one of its experts.
+
+    ``hit [T, P]``: token t has a pair on rank r. Send rows are ordered by destination rank, then token
+    (``send_tokens [S]``, ``send_rank [S]``: the all-to-all's contiguous blocks); ``row_offsets [T+1]`` and
+    ``token_rows [S]`` list each token's send rows in rank order (a CSR, for the sums over ranks). Built by
+    cumulative sums and ``searchsorted`` over the flattened ``hit``: no sort, no atomics, sizes from ``S``.
+    """
+
+    def __init__(self, hit: torch.Tensor, S: int) -> None:
+        T, P = hit.shape
+        dev = hit.device
+        want = torch.arange(1, S + 1, device=dev)
+        # rank-major: the j-th set entry of hit^T is send row j
+        q = torch.searchsorted(hit.t().reshape(-1).cumsum(0), want)  # [S] in [0, P*T)
+        self.send_rank, self.send_tokens = q // T, q % T
+        # token-major: the j-th set entry of hit is token t's next destination, in rank order
+        per_rank = hit.to(torch.int64).cumsum(0)  # [T, P]: rows of rank r up to token t
+        base = per_rank[-1:].cumsum(1) - per_rank[-1:] if T else per_rank.new_zeros(1, P)  # [1, P]
+        row_of = (base + per_rank - 1).reshape(-1)  # [T*P] send row of (t, r) where hit
+        self.token_rows = row_of.index_select(0, torch.searchsorted(hit.reshape(-1).cumsum(0), want))
+        self.row_offsets = torch.cat((hit.new_zeros(1, dtype=torch.int64), hit.sum(1).cumsum(0))).to(torch.int32)
+        self.token_rows = self.token_rows.to(torch.int32)
+        self.num_tokens = T
+
+
+def _sum_rows(rows: torch.Tensor, plan: _SendPlan) -> torch.Tensor:
+    """``out[t] = sum over t's send rows (rank order) of rows[row]``, fp32 sums, no atomics: the fused CSR
+    gather-sum on CUDA; an fp32 ``index_add_`` (sequential on the CPU, rows of a token in rank order) elsewhere."""
+    if rows.is_cuda and rows.dtype in (torch.float16, torch.bfloat16, torch.float32):
+        from ..kernels.combine import gather_sum
+
+        return gather_sum(rows.contiguous(), plan.token_rows, None, rows.dtype, pair_offsets=plan.row_offsets)
+    acc = torch.float64 if rows.dtype == torch.float64 else torch.float32
+    out = rows.new_zeros(plan.num_tokens, rows.shape[1], dtype=acc)
+    return out.index_add_(0, plan.send_tokens, rows.to(acc)).to(rows.dtype)
+
+
+class _GatherRows(torch.autograd.Function):
+    """``x [T, d]`` -> ``x[send_tokens] [S, d]``; backward sums each token's rows (:func:`_sum_rows`)."""
 
     @staticmethod
-    def forward(ctx, x, expert_token_indices, token_index_map):
-        ctx.save_for_backward(token_index_map)
-        return x.index_select(0, expert_token_indices.long())
+    def forward(ctx, x, plan):
+        ctx.plan = plan
+        return x.index_select(0, plan.send_tokens)
 
     @staticmethod
-    def backward(ctx, grad_slots):
-        (token_index_map,) = ctx.saved_tensors
-        return _sum_slots(grad_slots, token_index_map), None, None
+    def backward(ctx, grad_rows):
+        return _sum_rows(grad_rows, ctx.plan), None
 
 
 class _DivideGrad(torch.autograd.Function):
@@ -159,34 +200,21 @@ class _DivideGrad(torch.autograd.Function):
         return grad / ctx.divisor, None
 
 
-class _SumSlots(torch.autograd.Function):
-    """``y [N, d]`` (slot order) -> ``out[t] = sum_k y[token_index_map[t, k]]``; backward is the slot gather."""
+class _SumRows(torch.autograd.Function):
+    """``y [S, d]`` (send order) -> ``out [T, d]``, each token's rows summed; backward is the row gather."""
 
     @staticmethod
-    def forward(ctx, y, expert_token_indices, token_index_map):
-        ctx.save_for_backward(expert_token_indices)
-        return _sum_slots(y, token_index_map)
+    def forward(ctx, y, plan):
+        ctx.plan = plan
+        return _sum_rows(y, plan)
 
     @staticmethod
     def backward(ctx, dout):
-        (expert_token_indices,) = ctx.saved_tensors
-        return dout.index_select(0, expert_token_indices.long()), None, None
-
-
-def _sum_slots(y: torch.Tensor, token_index_map: torch.Tensor) -> torch.Tensor:
-    """``out[t] = sum_k y[token_index_map[t, k]]``, fp32 sums, no atomics: the fused gather-sum (F3 without
-    weights) on CUDA, so no ``[T, K, d]`` temporary (512 MiB at T 16384, K 8, d 2048 in bf16); a gather
-    and a sum over K elsewhere."""
-    if y.is_cuda and y.dtype in (torch.float16, torch.bfloat16, torch.float32):
-        from ..kernels.combine import gather_sum
-
-        return gather_sum(y.contiguous(), token_index_map, None, y.dtype)
-    T, K = token_index_map.shape
-    return y.index_select(0, token_index_map.reshape(-1).long()).view(T, K, y.shape[-1]).sum(1)
+        return dout.index_select(0, ctx.plan.send_tokens), None
 
 
 def _exchange_counts(counts: torch.Tensor, ep: ExpertParallel) -> torch.Tensor:
-    """All-gather this rank's per-expert pair counts ``[E]`` -> ``[P, E]`` (row i: rank i's counts)."""
+    """All-gather this rank's count vector ``[n]`` -> ``[P, n]`` (row i: rank i's counts)."""
     return funcol.wait_tensor(_all_gather(counts, 0, ep.group)).view(ep.size, counts.numel())
 
 
@@ -231,38 +259,45 @@ def expert_parallel_forward(moe, x: torch.Tensor, routing) -> tuple[torch.Tensor
     """
     ep: ExpertParallel = moe.ep
     E, P, El = moe.num_experts, ep.size, ep.num_local_experts
-    index = build_dispatch(routing.topk_ids, E, validate=False)
-    counts = torch.diff(index.expert_token_offsets).to(torch.int64)  # [E]
-    all_counts = _exchange_counts(counts, ep)  # [P, E]
-    recv_counts = all_counts[:, ep.first_expert:ep.first_expert + El]  # [P, El]: from rank i to my expert j
-    send_splits = counts.view(P, El).sum(1)
-    eti, tim = index.expert_token_indices, index.token_index_map
-    # The send buffers are queued before the host waits for the split sizes, so the device fills them meanwhile.
-    x_send = _GatherSlots.apply(x, eti, tim)  # [N, d], the only copy of x
+    ids = routing.topk_ids.to(torch.int64)  # [T, K] global expert ids
+    T, K = ids.shape
+    hit = torch.zeros(T, P, dtype=torch.bool, device=x.device).scatter_(1, ids // El, True)  # [T, P]
+    send_counts = hit.sum(0)  # [P] tokens this rank sends to each rank
+    expert_counts = torch.bincount(ids.reshape(-1), minlength=E)  # [E] pairs per expert (exact integer sums)
+    all_counts = _exchange_counts(torch.cat((expert_counts, send_counts)), ep)  # [P, E + P]
+    mine = slice(ep.first_expert, ep.first_expert + El)
+    # The one host synchronisation of the layer: all_to_all_single takes its split sizes as host ints, and the
+    # receive side's pair count sizes its pair list.
+    sizes = torch.cat((send_counts, all_counts[:, E + ep.rank], all_counts[:, mine].sum().view(1))).tolist()
+    send, recv, n_pairs = sizes[:P], sizes[P:2 * P], sizes[2 * P]
+    plan = _SendPlan(hit, sum(send))
     weights = routing.topk_weights.to(x.dtype) if x.dtype == torch.float64 else routing.topk_weights
-    w_send = weights.new_empty(tim.numel()).scatter(0, tim.reshape(-1).long(), weights.reshape(-1))  # slot order
-    # The one host synchronisation of the layer: all_to_all_single takes its split sizes as host ints.
-    sizes = torch.cat((send_splits, recv_counts.sum(1))).tolist()
-    send, recv = sizes[:P], sizes[P:]
+    # each send row carries its token's K pairs: the destination's local expert ids (El where the pair is
+    # another rank's) and the weights
+    local_ids = ids.index_select(0, plan.send_tokens) - (plan.send_rank * El).view(-1, 1)  # [S, K]
+    local_ids = torch.where((local_ids >= 0) & (local_ids < El), local_ids, El).to(torch.int32)
     group = ep.group
-    x_recv = _all_to_all(x_send, recv, send, group)  # [R, d]: by source rank, then expert
-    w_recv = _all_to_all(w_send, recv, send, group)  # [R]
-    R = sum(recv)
-    local_ids = torch.arange(El, dtype=torch.int32, device=x.device).repeat(P)
-    local_ids = local_ids.repeat_interleave(recv_counts.reshape(-1), output_size=R).view(R, 1)
-    local_index = get_backend(moe.backend, x_recv).plan(local_ids, El, validate=False)
+    x_recv = _all_to_all(_GatherRows.apply(x, plan), recv, send, group)  # [R, d], by source rank, then token
+    w_recv = _all_to_all(weights.index_select(0, plan.send_tokens), recv, send, group)  # [R, K]
+    ids_recv = funcol.wait_tensor(funcol.all_to_all_single(local_ids, recv, send, group))  # [R, K]
+    # the received rows' local pairs, row-major (token_idx ascending): the general routing input
+    valid = (ids_recv < El).reshape(-1)
+    pos = torch.searchsorted(valid.cumsum(0), torch.arange(1, n_pairs + 1, device=x.device))  # [n_pairs]
     w1, w2 = moe.w1, moe.w_down
     if ep.grad_divide != 1:
         w1, w2 = _DivideGrad.apply(w1, ep.grad_divide), _DivideGrad.apply(w2, ep.grad_divide)
-    y = moe_experts(x_recv, local_ids, w_recv.view(R, 1), w1, w2, activation=moe.activation,
-                    save=moe.save, backend=moe.backend, index=local_index)  # [R, d], weighted
-    y_back = _all_to_all(y, send, recv, group)  # [N, d], slot order
-    out = _SumSlots.apply(y_back, eti, tim)
+    token_idx, expert_idx = (pos // K).to(torch.int32), ids_recv.reshape(-1).index_select(0, pos)
+    # built here without its range checks (their host synchronisations): the pairs are in range by construction
+    index = get_backend(moe.backend, x_recv).plan_pairs(token_idx, expert_idx, x_recv.shape[0], El, validate=False)
+    y = moe_experts_general(x_recv, token_idx, expert_idx, w_recv.reshape(-1).index_select(0, pos), w1, w2,
+                            activation=moe.activation, save=moe.save, backend=moe.backend,
+                            index=index)  # [R, d]: each row's local pairs, weighted
+    out = _SumRows.apply(_all_to_all(y, send, recv, group), plan)  # [T, d]
 
     aux = routing.z_loss
     if moe.router.aux_loss_coef and moe.training:
         probs = _router_probs(moe, routing.logits)
-        aux = aux + moe.router.aux_loss_coef * global_load_balancing_loss(probs, all_counts.sum(0))
+        aux = aux + moe.router.aux_loss_coef * global_load_balancing_loss(probs, all_counts[:, :E].sum(0))
     return out, aux
 
 
