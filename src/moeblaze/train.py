@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import math
 import signal
+import statistics
 import time
 from dataclasses import asdict, fields, replace
 from pathlib import Path
@@ -363,7 +364,7 @@ def _loop(model, opt, corpus, cfg: TrainConfig, mcfg: ModelConfig, device, preci
     flops_per_token = mcfg.train_flops_per_token()
     tokens_per_step = cfg.batch_size * mcfg.seq_len
     saved, losses, val_bpb, train_time, mfu, tok_s, ckpt = 0, [], float("nan"), 0.0, None, 0.0, None
-    first_time = 0.0
+    step_times: list[float] = []
     last_save = time.monotonic()
     bar = tqdm(range(start, stop), initial=start, total=stop, disable=not cfg.progress, unit="step",
                dynamic_ncols=True, desc="train")
@@ -383,8 +384,8 @@ def _loop(model, opt, corpus, cfg: TrainConfig, mcfg: ModelConfig, device, preci
             raise NonFiniteLossError(f"step {step + 1}: {err}; stopped before the optimizer step, nothing written "
                                      f"(last checkpoint: {kept or 'none'})") from None
         saved = counter.bytes if counter is not None else saved
-        train_time += time.perf_counter() - t0
-        first_time = train_time if step == start else first_time
+        step_times.append(time.perf_counter() - t0)
+        train_time += step_times[-1]
         tok_s = (step + 1 - start) * tokens_per_step / train_time
         mfu = flops_per_token * tok_s / peak if peak else None
         bar.set_postfix_str(f"loss {losses[-1]:.3f} ({losses[-1] / math.log(2):.2f} bpb), {tok_s:,.0f} tok/s"
@@ -412,9 +413,11 @@ def _loop(model, opt, corpus, cfg: TrainConfig, mcfg: ModelConfig, device, preci
             return val_bpb, losses, saved, tok_s, mfu, name if signals.signum else "SIGTERM", str(ckpt)
     bar.close()
     tok_s = (stop - start) * tokens_per_step / train_time if train_time else 0.0
-    if stop - start > 1 and train_time > first_time:  # without the first step (kernel compilation, autotuning)
-        steady = (stop - start - 1) * tokens_per_step / (train_time - first_time)
-        log(f"steady state (steps after the first): {steady:,.0f} tokens/s"
+    if len(step_times) > 1:
+        # the median step after the first: kernel compilation and autotuning are not only in the first step
+        # when sizes change from step to step (expert parallelism's received rows, token rounding's pairs)
+        steady = tokens_per_step / statistics.median(step_times[1:])
+        log(f"steady state (median step after the first): {steady:,.0f} tokens/s"
             + (f", {steady / job.world:,.0f} tokens/s per {_unit(device)} over {job.world} processes"
                if job.distributed else ""))
     return val_bpb, losses, saved, tok_s, mfu, "done", str(ckpt)
