@@ -149,13 +149,15 @@ class _SendPlan:
         T, P = hit.shape
         dev = hit.device
         want = torch.arange(1, S + 1, device=dev)
-        # rank-major: the j-th set entry of hit^T is send row j
-        q = torch.searchsorted(hit.t().reshape(-1).cumsum(0), want)  # [S] in [0, P*T)
+        # rank-major: the j-th set entry of hit^T is send row j; its inclusive count at (r, t) is the rows of
+        # ranks below r plus rank r's up to token t. (One flat scan: a cumsum along dim 0 of [T, P] runs one
+        # thread per column, 1.5 ms at T 16384, P 2 on an H200 against microseconds flat; 2026-11-26,
+        # torch.profiler over moeblaze train --fsdp --ep 2 --preset 1b.)
+        rank_major = hit.t().reshape(-1).cumsum(0)  # [P*T]
+        q = torch.searchsorted(rank_major, want)  # [S] in [0, P*T)
         self.send_rank, self.send_tokens = q // T, q % T
         # token-major: the j-th set entry of hit is token t's next destination, in rank order
-        per_rank = hit.to(torch.int64).cumsum(0)  # [T, P]: rows of rank r up to token t
-        base = per_rank[-1:].cumsum(1) - per_rank[-1:] if T else per_rank.new_zeros(1, P)  # [1, P]
-        row_of = (base + per_rank - 1).reshape(-1)  # [T*P] send row of (t, r) where hit
+        row_of = (rank_major.view(P, T).t() - 1).reshape(-1)  # [T*P] send row of (t, r) where hit
         self.token_rows = row_of.index_select(0, torch.searchsorted(hit.reshape(-1).cumsum(0), want))
         self.row_offsets = torch.cat((hit.new_zeros(1, dtype=torch.int64), hit.sum(1).cumsum(0))).to(torch.int32)
         self.token_rows = self.token_rows.to(torch.int32)
