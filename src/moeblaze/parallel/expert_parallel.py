@@ -265,7 +265,9 @@ def expert_parallel_forward(moe, x: torch.Tensor, routing) -> tuple[torch.Tensor
     T, K = ids.shape
     hit = torch.zeros(T, P, dtype=torch.bool, device=x.device).scatter_(1, ids // El, True)  # [T, P]
     send_counts = hit.sum(0)  # [P] tokens this rank sends to each rank
-    expert_counts = torch.bincount(ids.reshape(-1), minlength=E)  # [E] pairs per expert (exact integer sums)
+    # [E] pairs per expert; integer sums are exact in any order. (torch.bincount would read its maximum to the
+    # host: a second synchronisation per layer.)
+    expert_counts = ids.new_zeros(E).scatter_add_(0, ids.reshape(-1), torch.ones_like(ids).reshape(-1))
     all_counts = _exchange_counts(torch.cat((expert_counts, send_counts)), ep)  # [P, E + P]
     mine = slice(ep.first_expert, ep.first_expert + El)
     # The one host synchronisation of the layer: all_to_all_single takes its split sizes as host ints, and the
