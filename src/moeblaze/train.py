@@ -32,6 +32,7 @@ from .checkpoint import resolve as resolve_checkpoint
 from .data import eval_windows, get_batch, load_corpus, unigram_entropy
 from .layer import aux_loss
 from .memory import SavedTensorCounter
+from .metrics_log import MetricsLog
 from .model import ModelConfig, MoETransformer
 from .parallel.job import Job, check_same_config, clip_grad_norm, start_job
 from .train_config import (
@@ -336,8 +337,10 @@ def _train(cfg: TrainConfig, model_cfg: ModelConfig | None, log, job: Job) -> Tr
     stop = min(cfg.steps, cfg.stop_after) if cfg.stop_after > 0 else cfg.steps
     log(_describe(total_params, mcfg, cfg, device, precision, threads, job)
         + (f"; resuming at step {start} from {resume_from}" if resume_from is not None else ""))
+    metrics = MetricsLog(cfg.out_dir, start if resume_from is not None else None, log, enabled=job.rank0)
     with checkpoint.StopOnSignal() as signals:
-        run = _loop(model, opt, corpus, cfg, mcfg, device, precision, amp_dtype, start, stop, signals, log, job)
+        run = _loop(model, opt, corpus, cfg, mcfg, device, precision, amp_dtype, start, stop, signals, log, job,
+                    metrics)
     val_bpb, losses, saved, tok_s, mfu, status, ckpt = run
     if status != "done":
         return TrainResult(start + len(losses), val_bpb, entropy, losses[-1] if losses else float("nan"), tok_s,
@@ -356,8 +359,9 @@ def _train(cfg: TrainConfig, model_cfg: ModelConfig | None, log, job: Job) -> Tr
 
 
 def _loop(model, opt, corpus, cfg: TrainConfig, mcfg: ModelConfig, device, precision: str,
-          amp_dtype: torch.dtype | None, start: int, stop: int, signals: checkpoint.StopOnSignal, log, job: Job):
-    """Steps ``start..stop-1`` with evaluation and checkpoints; returns
+          amp_dtype: torch.dtype | None, start: int, stop: int, signals: checkpoint.StopOnSignal, log, job: Job,
+          metrics: MetricsLog):
+    """Steps ``start..stop-1`` with evaluation, a metrics row per step, and checkpoints; returns
     ``(val_bpb, losses, saved bytes, tokens/s, mfu, status, last checkpoint folder)``."""
     peak = gpu_peak_flops(device, cfg, precision)
     peak = peak * job.world if peak else peak  # the job's GPUs together
@@ -396,9 +400,12 @@ def _loop(model, opt, corpus, cfg: TrainConfig, mcfg: ModelConfig, device, preci
                 "parameters excluded)")
         last = step + 1 == stop
         interrupted = checkpoint.agree(signals.signum is not None)
-        if not interrupted and ((step + 1) % cfg.eval_interval == 0 or last):
+        evaluated = not interrupted and ((step + 1) % cfg.eval_interval == 0 or last)
+        if evaluated:
             val_bpb = evaluate(model, corpus.val, cfg, device, amp_dtype, job)
             log(f"step {step + 1}: train loss {losses[-1]:.3f}, val {val_bpb:.3f} bits/byte, {tok_s:,.0f} tok/s")
+        # before the checkpoint: a run killed between the two resumes from the previous one, dropping this row
+        metrics.write(step + 1, losses[-1], lr_at(step, cfg), step_times[-1], tok_s, val_bpb if evaluated else None)
         timed = checkpoint.agree(cfg.checkpoint_minutes > 0
                                  and time.monotonic() - last_save >= 60 * cfg.checkpoint_minutes)
         if (last or interrupted or timed

@@ -1,0 +1,99 @@
+"""``<out_dir>/metrics.csv`` of ``moeblaze train``: a row per step, resume-safe, never fatal."""
+
+from __future__ import annotations
+
+import csv
+import math
+import sysconfig
+from pathlib import Path
+
+import pytest
+
+from moeblaze.metrics_log import COLUMNS, MetricsLog
+from moeblaze.train import TrainConfig, train
+from test_train import TINY, run_cli
+
+
+@pytest.fixture(scope="module")
+def text_file(tmp_path_factory) -> Path:
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    data = b"".join((stdlib / n).read_bytes() for n in ("textwrap.py", "string.py", "difflib.py"))
+    path = tmp_path_factory.mktemp("data") / "corpus.py"
+    path.write_bytes(data)
+    return path
+
+
+def _rows(out_dir: Path) -> list[dict[str, str]]:
+    with open(out_dir / "metrics.csv", newline="") as fh:
+        return list(csv.DictReader(fh))
+
+
+def test_a_row_per_step_with_the_losses_and_evaluations(text_file, tmp_path):
+    from moeblaze.model import ModelConfig
+
+    cfg = TrainConfig(data=str(text_file), out_dir=str(tmp_path), steps=7, batch_size=4, eval_interval=3,
+                      eval_tokens=256, warmup_steps=2, progress=False, threads=2)
+    mcfg = ModelConfig(seq_len=32, d_model=32, n_layers=1, n_heads=2, d_ff=32, num_experts=4, top_k=2)
+    result = train(cfg, mcfg, log=lambda *_: None)
+    rows = _rows(tmp_path)
+    assert tuple(rows[0]) == COLUMNS
+    assert [int(r["step"]) for r in rows] == list(range(1, 8))
+    assert [float(r["loss"]) for r in rows] == pytest.approx(result.losses, abs=1e-6)
+    assert all(float(r["bits_per_byte"]) == pytest.approx(float(r["loss"]) / math.log(2), abs=1e-5) for r in rows)
+    assert [r["step"] for r in rows if r["val_bpb"]] == ["3", "6", "7"]
+    assert float(rows[-1]["val_bpb"]) == pytest.approx(result.val_bpb, abs=1e-6)
+    assert all(float(r["step_s"]) > 0 and float(r["tokens_per_s"]) > 0 and float(r["lr"]) > 0 for r in rows)
+
+
+def test_resume_after_a_kill_keeps_each_step_once(text_file, tmp_path):
+    """Killed after step 5's row (checkpoint at 4) and in the middle of step 6's: the resumed run's file
+    holds steps 1-8 once each, with the losses of an uninterrupted run."""
+    full, split = tmp_path / "full", tmp_path / "split"
+    common = ["train", "--data", str(text_file), "--steps", "8", "--eval-interval", "3", *TINY]
+    assert run_cli(*common, "--out-dir", str(full)) == 0
+    assert run_cli(*common, "--out-dir", str(split), "--stop-after", "4") == 0
+    with open(split / "metrics.csv", "a") as fh:
+        fh.write("5,9.0,13.0,0.001,0.1,100.0,\n6,9.0,13")  # a lost step's row, then a row cut by the kill
+    assert run_cli("train", "--resume", "--out-dir", str(split), "--no-progress") == 0
+    a, b = _rows(full), _rows(split)
+    assert [int(r["step"]) for r in b] == list(range(1, 9))
+    assert [r["loss"] for r in a] == [r["loss"] for r in b]  # resume is bitwise, so are the printed losses
+    # the same evaluations, and one more: the --stop-after run evaluated at its last step, 4
+    assert [r["val_bpb"] for r in a if r["step"] != "4"] == [r["val_bpb"] for r in b if r["step"] != "4"]
+    assert b[3]["val_bpb"] and not a[3]["val_bpb"]
+
+
+def test_an_unwritable_file_warns_once_and_training_goes_on(text_file, tmp_path):
+    (tmp_path / "metrics.csv").mkdir()  # opening it for writing fails (IsADirectoryError, an OSError)
+    lines = []
+    from moeblaze.model import ModelConfig
+
+    cfg = TrainConfig(data=str(text_file), out_dir=str(tmp_path), steps=3, batch_size=4, eval_interval=100,
+                      eval_tokens=256, warmup_steps=1, progress=False, threads=2)
+    mcfg = ModelConfig(seq_len=32, d_model=32, n_layers=1, n_heads=2, d_ff=32, num_experts=4, top_k=2)
+    result = train(cfg, mcfg, log=lines.append)
+    assert result.status == "done" and len(result.losses) == 3
+    warnings = [m for m in lines if "metrics" in m and "warning" in m]
+    assert len(warnings) == 1 and "training goes on" in warnings[0]
+
+
+def test_a_failed_append_disables_the_log(tmp_path, monkeypatch):
+    lines = []
+    log = MetricsLog(tmp_path, None, lines.append)
+    log.write(1, 2.0, 1e-3, 0.5, 100.0)
+
+    def full_disk(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr("builtins.open", full_disk)
+    log.write(2, 2.0, 1e-3, 0.5, 100.0)
+    log.write(3, 2.0, 1e-3, 0.5, 100.0)
+    monkeypatch.undo()
+    assert not log.enabled and len(lines) == 1 and "No space left" in lines[0]
+    assert [r["step"] for r in _rows(tmp_path)] == ["1"]
+
+
+def test_other_ranks_write_nothing(tmp_path):
+    log = MetricsLog(tmp_path, None, print, enabled=False)
+    log.write(1, 2.0, 1e-3, 0.5, 100.0)
+    assert not (tmp_path / "metrics.csv").exists()
