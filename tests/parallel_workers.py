@@ -42,7 +42,7 @@ def _check(name: str, actual: torch.Tensor, ref64: torch.Tensor, baseline: torch
                                   magnitude=None if magnitude is None else magnitude.cpu())
 
 
-_EXPERT_WEIGHTS = ("w_gate_up", "w_up", "w_down")
+_EXPERT_WEIGHTS = ("w_gate_up", "w_up", "w_down", "b_gate_up", "b_up", "b_down")
 
 
 def _single_process(moe: moeblaze.MoE, x: torch.Tensor, dout: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -284,6 +284,22 @@ def runtime_checks(rank: int, world: int) -> None:
     assert torch.equal(split_batch(batch, env), batch[2 * rank:2 * rank + 2])
     with pytest.raises(ValueError, match="divisible by the world size"):
         split_batch(batch[:1], env)
+
+
+def ep_bias_checkpoint(rank: int, world: int, out_dir: str) -> None:
+    """An expert-parallel layer with expert biases, saved by every rank: the checkpoint holds the global
+    ``[E, ...]`` weights and biases (the test loads it into one process's full layer)."""
+    from moeblaze import checkpoint
+
+    torch.manual_seed(3)
+    full = moeblaze.MoE(12, 6, 4, 2, bias=True, dtype=torch.float64)
+    ep = moeblaze.MoE(12, 6, 4, 2, bias=True, dtype=torch.float64, ep_group=dist.group.WORLD)
+    sl = slice(ep.ep.first_expert, ep.ep.first_expert + ep.ep.num_local_experts)
+    with torch.no_grad():
+        for name, p in ep.named_parameters():
+            p.copy_(dict(full.named_parameters())[name][sl] if name in _EXPERT_WEIGHTS else
+                    dict(full.named_parameters())[name])
+    checkpoint.save(out_dir, 1, ep, torch.optim.AdamW(ep.parameters()), {"note": "ep biases"}, keep=1)
 
 
 def run_all(rank: int, world: int, calls: list[tuple[str, tuple]]) -> None:

@@ -22,6 +22,8 @@ CASES_2 = [
     {"tokens": [7, 5], "E": 4, "K": 2, "d": 16, "h": 8, "dtype": torch.float32},
     {"tokens": [6, 5], "E": 8, "K": 2, "d": 16, "h": 8, "score_func": "sigmoid", "n_group": 4, "topk_group": 2,
      "score_correction_bias": True, "routed_scaling_factor": 2.5, "shared_d_ff": 12},  # DeepSeek-V3 style
+    {"tokens": [5, 6], "E": 4, "K": 2, "d": 16, "h": 8, "bias": True, "activation": "swiglu_clamped"},  # GPT-OSS
+    {"tokens": [4, 3], "E": 4, "K": 2, "d": 12, "h": 6, "bias": True, "activation": "relu2"},  # non-gated biases
 ]
 CASES_4 = [
     {"tokens": [3, 0, 5, 1], "E": 8, "K": 3, "d": 16, "h": 8},
@@ -34,6 +36,7 @@ TRITON_CASES = [  # the fused kernels in the interpreter, with zero tokens / zer
     {"tokens": [5, 3], "E": 4, "K": 2, **_TRITON},
     {"tokens": [0, 3], "E": 4, "K": 2, **_TRITON},
     {"tokens": [3, 2], "E": 4, "K": 1, "one_remote_expert": True, **_TRITON},
+    {"tokens": [4, 5], "E": 4, "K": 2, "bias": True, **_TRITON},
 ]
 
 
@@ -49,6 +52,21 @@ def test_fsdp2_2_ranks():
     run_ranks(pw.run_all, 2, [("fsdp_equal", ((2,), ("dp_shard",))),
                               ("fsdp_equal", ((1, 2), ("dp_shard", "ep"))), ("fsdp_train", ()),
                               ("runtime_checks", ())])
+
+
+def test_ep_checkpoint_with_expert_biases_loads_in_one_process(tmp_path):
+    """Expert biases of an EP layer are per-expert state like its weights: saved as global ``[E, ...]`` tensors
+    on 2 ranks, they load into one process's full layer."""
+    import moeblaze
+    from moeblaze import checkpoint
+
+    run_ranks(pw.run_all, 2, [("ep_bias_checkpoint", (str(tmp_path),))], timeout=120)
+    torch.manual_seed(3)
+    full = moeblaze.MoE(12, 6, 4, 2, bias=True, dtype=torch.float64)
+    fresh = moeblaze.MoE(12, 6, 4, 2, bias=True, dtype=torch.float64)
+    checkpoint.load(checkpoint.find_latest(tmp_path), fresh, torch.optim.AdamW(fresh.parameters()))
+    for (name, a), b in zip(full.named_parameters(), fresh.parameters()):
+        assert torch.equal(a, b), name
 
 
 def test_ep_and_2d_mesh_4_ranks():

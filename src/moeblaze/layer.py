@@ -141,8 +141,6 @@ class MoE(nn.Module):
                                if shared_d_ff else None)
         rows = 2 * d_ff if is_gated(activation) else d_ff
         self._w1_name = "w_gate_up" if is_gated(activation) else "w_up"
-        if bias and ep_group is not None:
-            raise ValueError("bias=True with ep_group is not supported: expert biases run on one GPU or under FSDP2")
         if token_rounding is not None and ep_group is not None:
             raise ValueError("token_rounding with ep_group is not supported: token rounding runs on one GPU or "
                              "under FSDP2")
@@ -154,8 +152,8 @@ class MoE(nn.Module):
         self.has_bias = bool(bias)
         if self.has_bias:
             self._b1_name = "b_gate_up" if is_gated(activation) else "b_up"
-            self.register_parameter(self._b1_name, nn.Parameter(torch.empty(num_experts, rows, **kw)))
-            self.b_down = nn.Parameter(torch.empty(num_experts, d_model, **kw))
+            self.register_parameter(self._b1_name, nn.Parameter(torch.empty(n_local, rows, **kw)))
+            self.b_down = nn.Parameter(torch.empty(n_local, d_model, **kw))
         self.reset_parameters()
         self.aux_loss: torch.Tensor = torch.zeros(())
         self.last_topk_ids: torch.Tensor | None = None
@@ -169,12 +167,14 @@ class MoE(nn.Module):
         """Re-initialise the router and the experts (``U(-1/sqrt(fan_in), 1/sqrt(fan_in))``)."""
         self.router.reset_parameters()
         if self.ep is not None:
-            return _expert_parallel().init_local_experts(self)
-        nn.init.uniform_(self.w1, -1 / math.sqrt(self.d_model), 1 / math.sqrt(self.d_model))
-        nn.init.uniform_(self.w_down, -1 / math.sqrt(self.d_ff), 1 / math.sqrt(self.d_ff))
-        if self.has_bias:
-            nn.init.uniform_(getattr(self, self._b1_name), -1 / math.sqrt(self.d_model), 1 / math.sqrt(self.d_model))
-            nn.init.uniform_(self.b_down, -1 / math.sqrt(self.d_ff), 1 / math.sqrt(self.d_ff))
+            _expert_parallel().init_local_experts(self)
+        else:
+            nn.init.uniform_(self.w1, -1 / math.sqrt(self.d_model), 1 / math.sqrt(self.d_model))
+            nn.init.uniform_(self.w_down, -1 / math.sqrt(self.d_ff), 1 / math.sqrt(self.d_ff))
+            if self.has_bias:
+                bound = 1 / math.sqrt(self.d_model)
+                nn.init.uniform_(getattr(self, self._b1_name), -bound, bound)
+                nn.init.uniform_(self.b_down, -1 / math.sqrt(self.d_ff), 1 / math.sqrt(self.d_ff))
         if self.shared_experts is not None:
             for m in self.shared_experts.modules():
                 if isinstance(m, nn.Linear):

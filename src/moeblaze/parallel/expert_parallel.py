@@ -43,8 +43,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from ..backends import get_backend
 from ..general_routing import moe_experts_general
 
-__all__ = ["EPConfig", "ExpertParallel", "expert_parallel_forward", "global_load_balancing_loss",
-           "init_local_experts", "resolve_group", "shard_experts"]
+__all__ = ["EPConfig", "ExpertParallel", "expert_parallel_forward", "expert_parameter_names",
+           "global_load_balancing_loss", "init_local_experts", "resolve_group", "shard_experts"]
 
 # torch 2.13 renamed all_gather_tensor to all_gather_single (same arguments); the GPU machine runs 2.11.
 _all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
@@ -287,15 +287,17 @@ def expert_parallel_forward(moe, x: torch.Tensor, routing) -> tuple[torch.Tensor
     # the received rows' local pairs, row-major (token_idx ascending): the general routing input
     valid = (ids_recv < El).reshape(-1)
     pos = torch.searchsorted(valid.cumsum(0), torch.arange(1, n_pairs + 1, device=x.device))  # [n_pairs]
-    w1, w2 = moe.w1, moe.w_down
+    experts = {"w_gate_up": moe.w1, "w_down": moe.w_down}
+    if moe.has_bias:
+        experts.update(b_gate_up=getattr(moe, moe._b1_name), b_down=moe.b_down)
     if ep.grad_divide != 1:
-        w1, w2 = _DivideGrad.apply(w1, ep.grad_divide), _DivideGrad.apply(w2, ep.grad_divide)
+        experts = {k: _DivideGrad.apply(v, ep.grad_divide) for k, v in experts.items()}
     token_idx, expert_idx = (pos // K).to(torch.int32), ids_recv.reshape(-1).index_select(0, pos)
     # built here without its range checks (their host synchronisations): the pairs are in range by construction
     index = get_backend(moe.backend, x_recv).plan_pairs(token_idx, expert_idx, x_recv.shape[0], El, validate=False)
-    y = moe_experts_general(x_recv, token_idx, expert_idx, w_recv.reshape(-1).index_select(0, pos), w1, w2,
-                            activation=moe.activation, save=moe.save, backend=moe.backend,
-                            index=index)  # [R, d]: each row's local pairs, weighted
+    y = moe_experts_general(x_recv, token_idx, expert_idx, w_recv.reshape(-1).index_select(0, pos),
+                            activation=moe.activation, save=moe.save, backend=moe.backend, index=index,
+                            **experts)  # [R, d]: each row's local pairs, weighted (the down bias too)
     out = _SumRows.apply(_all_to_all(y, send, recv, group), plan)  # [T, d]
 
     aux = routing.z_loss
@@ -303,6 +305,11 @@ def expert_parallel_forward(moe, x: torch.Tensor, routing) -> tuple[torch.Tensor
         probs = _router_probs(moe, routing.logits)
         aux = aux + moe.router.aux_loss_coef * global_load_balancing_loss(probs, all_counts[:, :E].sum(0))
     return out, aux
+
+
+def expert_parameter_names(moe) -> tuple[str, ...]:
+    """Names of ``moe``'s per-expert parameters (``[E, ...]``; ``[E/P, ...]`` when expert-parallel)."""
+    return (moe._w1_name, "w_down") + ((moe._b1_name, "b_down") if moe.has_bias else ())
 
 
 def shard_experts(moe, group: dist.ProcessGroup | DeviceMesh) -> None:
@@ -317,11 +324,9 @@ def shard_experts(moe, group: dist.ProcessGroup | DeviceMesh) -> None:
     """
     if moe.ep is not None:
         raise ValueError(f"the MoE layer is already expert-parallel ({moe.ep})")
-    if getattr(moe, "has_bias", False):
-        raise ValueError("an MoE layer with expert biases (bias=True) cannot be made expert-parallel")
     ep = ExpertParallel(group, moe)
     sl = slice(ep.first_expert, ep.first_expert + ep.num_local_experts)
-    for name in (moe._w1_name, "w_down"):
+    for name in expert_parameter_names(moe):
         old = getattr(moe, name)
         setattr(moe, name, torch.nn.Parameter(old.detach()[sl].clone(), requires_grad=old.requires_grad))
     moe.ep = ep
@@ -335,7 +340,10 @@ def init_local_experts(moe) -> None:
     hold E distinct experts (drawing only the local E/P would give every rank the same ones).
     """
     ep: ExpertParallel = moe.ep
-    for w, fan_in in ((moe.w1, moe.d_model), (moe.w_down, moe.d_ff)):
+    pairs = [(moe.w1, moe.d_model), (moe.w_down, moe.d_ff)]
+    if moe.has_bias:
+        pairs += [(getattr(moe, moe._b1_name), moe.d_model), (moe.b_down, moe.d_ff)]
+    for w, fan_in in pairs:
         bound = fan_in ** -0.5
         draw = torch.empty(w.shape[1:], device=w.device, dtype=w.dtype)
         for e in range(moe.num_experts):

@@ -23,6 +23,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from ..layer import MoE
+from .expert_parallel import expert_parameter_names
 
 __all__ = ["ep_layout", "globalize_expert_state", "restore"]
 
@@ -92,7 +93,7 @@ def globalize_expert_state(model: nn.Module, model_sd: dict, optim_sd: dict | No
     for prefix, moe in model.named_modules():
         if not isinstance(moe, MoE) or moe.ep is None:
             continue
-        for pname in (moe._w1_name, "w_down"):
+        for pname in expert_parameter_names(moe):
             fqn = f"{prefix}.{pname}" if prefix else pname
             wrap = _wrapper(moe, fqn)
             if fqn in model_sd:
