@@ -134,6 +134,8 @@ def bad_config(rank: int, world: int) -> None:
         moeblaze.MoE(8 + rank, 4, 4, 2, ep_group=dist.group.WORLD)
     with pytest.raises(ValueError, match="disagree on the MoE configuration"):
         moeblaze.MoE(8, 4, 4, 1 + rank % 2, ep_group=dist.group.WORLD)
+    with pytest.raises(ValueError, match="disagree on the MoE configuration"):
+        moeblaze.MoE(8, 4, 4, 2, bias=rank == 0, ep_group=dist.group.WORLD)
     with pytest.raises(ValueError, match="divisible by the expert-parallel group size"):
         moeblaze.MoE(8, 4, world + 1, 1, ep_group=dist.group.WORLD)
     with pytest.raises(TypeError, match="ep_group must be"):

@@ -85,7 +85,7 @@ def test_ep_needs_initialised_distributed():
 @pytest.mark.gpu
 def test_fsdp2_bf16_one_gpu_matches_unwrapped():
     """FSDP2 with bf16 mixed precision on a 1-rank NCCL mesh; the EP layer's GPU path (functional
-    all-to-alls, Triton kernels over the received rows, fused slot sum) on a group of one, bf16."""
+    all-to-alls, Triton kernels over the received rows, fused sum of each token's rows) on a group of one, bf16."""
     cases = [{"tokens": [37], "E": 8, "K": 2, "d": 64, "h": 32, "dtype": torch.bfloat16, "backend": "triton"}]
     run_ranks(pw.run_all, 1, [("fsdp_bf16_matches_unwrapped", ()), ("ep_cases", (cases,))], backend="nccl",
               timeout=300)

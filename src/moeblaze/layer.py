@@ -144,12 +144,12 @@ class MoE(nn.Module):
         if token_rounding is not None and ep_group is not None:
             raise ValueError("token_rounding with ep_group is not supported: token rounding runs on one GPU or "
                              "under FSDP2")
+        self.has_bias = bool(bias)  # before the EP group compares the ranks' configurations
         self.ep = None if ep_group is None else _expert_parallel().ExpertParallel(ep_group, self)
         n_local = num_experts if self.ep is None else self.ep.num_local_experts
         kw = {"device": device, "dtype": dtype}
         self.register_parameter(self._w1_name, nn.Parameter(torch.empty(n_local, rows, d_model, **kw)))
         self.w_down = nn.Parameter(torch.empty(n_local, d_model, d_ff, **kw))
-        self.has_bias = bool(bias)
         if self.has_bias:
             self._b1_name = "b_gate_up" if is_gated(activation) else "b_up"
             self.register_parameter(self._b1_name, nn.Parameter(torch.empty(n_local, rows, **kw)))

@@ -1,10 +1,11 @@
 """Expert parallelism for :class:`moeblaze.MoE`: experts spread over the ranks of a process group.
 
 A group of P ranks shares E experts: rank r owns experts ``[r*E/P, (r+1)*E/P)`` as its local
-``w_gate_up [E/P, 2h, d]`` and ``w_down [E/P, d, h]``; ``router.weight [E, d]`` is replicated. Each rank
-routes its own tokens ``x [T, d]`` and gets their outputs back. The dataflow is GShard / Megatron-Core
-expert parallelism with each token sent once per destination rank rather than once per (token, expert)
-pair, as DeepEP's dispatch does, and the experts' side on MoEBlaze's general routing index:
+``w_gate_up [E/P, 2h, d]`` and ``w_down [E/P, d, h]`` (with ``bias=True`` also ``b_gate_up [E/P, 2h]`` and
+``b_down [E/P, d]``); ``router.weight [E, d]`` is replicated. Each rank routes its own tokens ``x [T, d]``
+and gets their outputs back. The dataflow is GShard / Megatron-Core expert parallelism with each token sent
+once per destination rank rather than once per (token, expert) pair, as DeepEP's dispatch does, and the
+experts' side on MoEBlaze's general routing index:
 
 1. router -> top-k ids over the global E; ``hit [T, P]``: which ranks hold one of a token's experts.
 2. per-expert pair counts ``[E]`` and per-rank token counts ``[P]`` all-gathered over the group: the split
@@ -81,6 +82,7 @@ class EPConfig:
     top_k: int
     activation: str
     score_func: str
+    bias: bool
     group_size: int
 
 
@@ -113,7 +115,7 @@ class ExpertParallel:
         self.size = dist.get_world_size(self.group)
         self.rank = dist.get_rank(self.group)
         config = EPConfig(moe.d_model, moe.d_ff, moe.num_experts, moe.top_k, moe.activation,
-                          moe.router.score_func, self.size)
+                          moe.router.score_func, moe.has_bias, self.size)
         gathered: list[EPConfig | None] = [None] * self.size
         dist.all_gather_object(gathered, config, group=self.group)  # before any check that could differ by rank
         if any(c != config for c in gathered):
@@ -140,15 +142,14 @@ class _SendPlan:
     """Where this rank's tokens go: each token once per destination rank that holds one of its experts.
 
     ``hit [T, P]``: token t has a pair on rank r. Send rows are ordered by destination rank, then token
-    (``send_tokens [S]``, ``send_rank [S]``: the all-to-all's contiguous blocks); ``row_offsets [T+1]`` and
-    ``token_rows [S]`` list each token's send rows in rank order (a CSR, for the sums over ranks). Built by
-    cumulative sums and ``searchsorted`` over the flattened ``hit``: no sort, no atomics, sizes from ``S``.
+    (``send_tokens [S]``, ``send_rank [S]``; ``send``: the P block sizes of the all-to-all); ``row_offsets [T+1]``
+    and ``token_rows [S]`` list each token's send rows in rank order (a CSR, for the sums over ranks). Built by
+    cumulative sums and ``searchsorted`` over the flattened ``hit``: no sort, no atomics, sizes from ``send``.
     """
 
-    def __init__(self, hit: torch.Tensor, S: int) -> None:
+    def __init__(self, hit: torch.Tensor, send: list[int]) -> None:
         T, P = hit.shape
-        dev = hit.device
-        want = torch.arange(1, S + 1, device=dev)
+        want = torch.arange(1, sum(send) + 1, device=hit.device)
         # rank-major: the j-th set entry of hit^T is send row j; its inclusive count at (r, t) is the rows of
         # ranks below r plus rank r's up to token t. (One flat scan: a cumsum along dim 0 of [T, P] runs one
         # thread per column, 1.5 ms at T 16384, P 2 on an H200 against microseconds flat; 2026-11-26,
@@ -158,35 +159,57 @@ class _SendPlan:
         self.send_rank, self.send_tokens = q // T, q % T
         # token-major: the j-th set entry of hit is token t's next destination, in rank order
         row_of = (rank_major.view(P, T).t() - 1).reshape(-1)  # [T*P] send row of (t, r) where hit
-        self.token_rows = row_of.index_select(0, torch.searchsorted(hit.reshape(-1).cumsum(0), want))
+        self.token_rows = row_of.index_select(0, torch.searchsorted(hit.reshape(-1).cumsum(0), want)).to(torch.int32)
         self.row_offsets = torch.cat((hit.new_zeros(1, dtype=torch.int64), hit.sum(1).cumsum(0))).to(torch.int32)
-        self.token_rows = self.token_rows.to(torch.int32)
-        self.num_tokens = T
+
+    def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """What the sums over a token's rows read: ``(send_tokens, token_rows, row_offsets)``."""
+        return self.send_tokens, self.token_rows, self.row_offsets
 
 
-def _sum_rows(rows: torch.Tensor, plan: _SendPlan) -> torch.Tensor:
-    """``out[t] = sum over t's send rows (rank order) of rows[row]``, fp32 sums, no atomics: the fused CSR
-    gather-sum on CUDA; an fp32 ``index_add_`` (sequential on the CPU, rows of a token in rank order) elsewhere."""
+def _sum_rows(rows: torch.Tensor, send_tokens: torch.Tensor, token_rows: torch.Tensor, row_offsets: torch.Tensor,
+              send: list[int]) -> torch.Tensor:
+    """``out[t] = sum over t's send rows (rank order) of rows[row]``, fp32 sums (fp64 for fp64), no atomics:
+    the fused CSR gather-sum on CUDA; elsewhere one ``index_add_`` per rank's block of rows (a token appears
+    once in a block, so the blocks add in rank order whatever the device)."""
+    T = row_offsets.numel() - 1
     if rows.is_cuda and rows.dtype in (torch.float16, torch.bfloat16, torch.float32):
         from ..kernels.combine import gather_sum
 
-        return gather_sum(rows.contiguous(), plan.token_rows, None, rows.dtype, pair_offsets=plan.row_offsets)
+        return gather_sum(rows.contiguous(), token_rows, None, rows.dtype, pair_offsets=row_offsets)
     acc = torch.float64 if rows.dtype == torch.float64 else torch.float32
-    out = rows.new_zeros(plan.num_tokens, rows.shape[1], dtype=acc)
-    return out.index_add_(0, plan.send_tokens, rows.to(acc)).to(rows.dtype)
+    out = rows.new_zeros(T, rows.shape[1], dtype=acc)
+    for tokens, block in zip(send_tokens.split(send), rows.split(send)):
+        out.index_add_(0, tokens, block.to(acc))
+    return out.to(rows.dtype)
 
 
 class _GatherRows(torch.autograd.Function):
     """``x [T, d]`` -> ``x[send_tokens] [S, d]``; backward sums each token's rows (:func:`_sum_rows`)."""
 
     @staticmethod
-    def forward(ctx, x, plan):
-        ctx.plan = plan
-        return x.index_select(0, plan.send_tokens)
+    def forward(ctx, x, send_tokens, token_rows, row_offsets, send):
+        ctx.save_for_backward(send_tokens, token_rows, row_offsets)
+        ctx.send = send
+        return x.index_select(0, send_tokens)
 
     @staticmethod
     def backward(ctx, grad_rows):
-        return _sum_rows(grad_rows, ctx.plan), None
+        return _sum_rows(grad_rows, *ctx.saved_tensors, ctx.send), None, None, None, None
+
+
+class _SumRows(torch.autograd.Function):
+    """``y [S, d]`` (send order) -> ``out [T, d]``, each token's rows summed; backward is the row gather."""
+
+    @staticmethod
+    def forward(ctx, y, send_tokens, token_rows, row_offsets, send):
+        ctx.save_for_backward(send_tokens)
+        return _sum_rows(y, send_tokens, token_rows, row_offsets, send)
+
+    @staticmethod
+    def backward(ctx, dout):
+        (send_tokens,) = ctx.saved_tensors
+        return dout.index_select(0, send_tokens), None, None, None, None
 
 
 class _DivideGrad(torch.autograd.Function):
@@ -200,19 +223,6 @@ class _DivideGrad(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return grad / ctx.divisor, None
-
-
-class _SumRows(torch.autograd.Function):
-    """``y [S, d]`` (send order) -> ``out [T, d]``, each token's rows summed; backward is the row gather."""
-
-    @staticmethod
-    def forward(ctx, y, plan):
-        ctx.plan = plan
-        return _sum_rows(y, plan)
-
-    @staticmethod
-    def backward(ctx, dout):
-        return dout.index_select(0, ctx.plan.send_tokens), None
 
 
 def _exchange_counts(counts: torch.Tensor, ep: ExpertParallel) -> torch.Tensor:
@@ -274,14 +284,15 @@ def expert_parallel_forward(moe, x: torch.Tensor, routing) -> tuple[torch.Tensor
     # receive side's pair count sizes its pair list.
     sizes = torch.cat((send_counts, all_counts[:, E + ep.rank], all_counts[:, mine].sum().view(1))).tolist()
     send, recv, n_pairs = sizes[:P], sizes[P:2 * P], sizes[2 * P]
-    plan = _SendPlan(hit, sum(send))
+    plan = _SendPlan(hit, send)
     weights = routing.topk_weights.to(x.dtype) if x.dtype == torch.float64 else routing.topk_weights
     # each send row carries its token's K pairs: the destination's local expert ids (El where the pair is
     # another rank's) and the weights
     local_ids = ids.index_select(0, plan.send_tokens) - (plan.send_rank * El).view(-1, 1)  # [S, K]
     local_ids = torch.where((local_ids >= 0) & (local_ids < El), local_ids, El).to(torch.int32)
     group = ep.group
-    x_recv = _all_to_all(_GatherRows.apply(x, plan), recv, send, group)  # [R, d], by source rank, then token
+    x_send = _GatherRows.apply(x, *plan.tensors(), send)  # [S, d]: the only copy of x
+    x_recv = _all_to_all(x_send, recv, send, group)  # [R, d], by source rank, then token
     w_recv = _all_to_all(weights.index_select(0, plan.send_tokens), recv, send, group)  # [R, K]
     ids_recv = funcol.wait_tensor(funcol.all_to_all_single(local_ids, recv, send, group))  # [R, K]
     # the received rows' local pairs, row-major (token_idx ascending): the general routing input
@@ -298,7 +309,7 @@ def expert_parallel_forward(moe, x: torch.Tensor, routing) -> tuple[torch.Tensor
     y = moe_experts_general(x_recv, token_idx, expert_idx, w_recv.reshape(-1).index_select(0, pos),
                             activation=moe.activation, save=moe.save, backend=moe.backend, index=index,
                             **experts)  # [R, d]: each row's local pairs, weighted (the down bias too)
-    out = _SumRows.apply(_all_to_all(y, send, recv, group), plan)  # [T, d]
+    out = _SumRows.apply(_all_to_all(y, send, recv, group), *plan.tensors(), send)  # [T, d]
 
     aux = routing.z_loss
     if moe.router.aux_loss_coef and moe.training:
