@@ -1,16 +1,15 @@
 """Expert-parallel weights in checkpoints: every rank's experts under one global ``[E, ...]`` name.
 
-An expert-parallel layer holds its experts as local ``w_gate_up [E/P, 2h, d]`` / ``w_down [E/P, d, h]`` (and
-with expert biases ``b_gate_up [E/P, 2h]`` / ``b_down [E/P, d]``; plain tensors, or under FSDP2 DTensors sharded
-over ``dp_shard`` only), under the same names on every rank. Saved that way, ``torch.distributed.checkpoint``
-(DCP) would see P different tensors claiming one name and one shape: it could neither reshard them to another
-P or world size nor keep the ranks from overwriting
-each other. So, as torchtitan does, the state dict presents each expert weight (and the AdamW moments of
-the same shape) as a DTensor of the global shape ``[E, ...]`` sharded by expert over the EP mesh
-dimension — and over ``dp_shard`` inside it under FSDP2 (``_StridedShard``, FSDP2's own placement for a
-dimension sharded first by another mesh dimension, here ``ep``). The DTensors wrap the local storage, so
-DCP saves from it and loads into it in place; the layer's kernels keep seeing plain local tensors. DCP
-then reshards between any two layouts (world sizes, P, with or without FSDP2, one process).
+An expert-parallel layer holds its experts as local ``w_gate_up [E/P, 2h, d]`` / ``w_down [E/P, d, h]`` (and with
+expert biases ``b_gate_up [E/P, 2h]`` / ``b_down [E/P, d]``; plain tensors, or under FSDP2 DTensors sharded over
+``dp_shard`` only), under the same names on every rank. Saved that way, ``torch.distributed.checkpoint`` (DCP)
+would see P different tensors claiming one name and one shape: it could neither reshard them to another P or world
+size nor keep the ranks from overwriting each other. So, as torchtitan does, the state dict presents each expert
+weight (and the AdamW moments of the same shape) as a DTensor of the global shape ``[E, ...]`` sharded by expert
+over the EP mesh dimension — and over ``dp_shard`` inside it under FSDP2 (``_StridedShard``, FSDP2's own placement
+for a dimension sharded first by another mesh dimension, here ``ep``). The DTensors wrap the local storage, so DCP
+saves from it and loads into it in place; the layer's kernels keep seeing plain local tensors. DCP then reshards
+between any two layouts (world sizes, P, with or without FSDP2, one process).
 """
 
 from __future__ import annotations
