@@ -93,6 +93,28 @@ def test_a_failed_append_disables_the_log(tmp_path, monkeypatch):
     assert [r["step"] for r in _rows(tmp_path)] == ["1"]
 
 
+def test_a_damaged_file_on_resume_keeps_its_good_rows(tmp_path):
+    """A non-UTF-8 byte, a row of too many or too few fields, a foreign row: dropped, not fatal."""
+    header = ",".join(COLUMNS)
+    good = ["1,2.0,2.885390,0.001,0.5,100.0,", "2,1.9,2.741120,0.001,0.5,100.0,7.5"]
+    (tmp_path / "metrics.csv").write_bytes(
+        "\n".join([header, good[0], "x,1,2", good[1], "3,1.8,2.6,0.001,0.5,100.0,,extra", "4,1.7"]).encode()
+        + b"\n5,1.6,\xff,0.001,0.5,100.0,\n6,1.5,2.1,0.001,0.5,100.0,\n")
+    lines = []
+    MetricsLog(tmp_path, 5, lines.append)
+    assert not lines and [r["step"] for r in _rows(tmp_path)] == ["1", "2"]
+    assert _rows(tmp_path)[1]["val_bpb"] == "7.5"
+
+
+def test_an_unreadable_file_on_resume_warns_and_training_goes_on(tmp_path):
+    (tmp_path / "metrics.csv").mkdir()
+    lines = []
+    log = MetricsLog(tmp_path, 3, lines.append)
+    log.write(4, 2.0, 1e-3, 0.5, 100.0)
+    assert not log.enabled and len(lines) == 1 and "training goes on" in lines[0]
+    assert not (tmp_path / "metrics.csv.tmp").exists()
+
+
 def test_other_ranks_write_nothing(tmp_path):
     log = MetricsLog(tmp_path, None, print, enabled=False)
     log.write(1, 2.0, 1e-3, 0.5, 100.0)

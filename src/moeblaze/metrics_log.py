@@ -13,6 +13,7 @@ through the run's log and the run trains on without it: the metrics never cost a
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import io
 import math
@@ -23,21 +24,34 @@ COLUMNS = ("step", "loss", "bits_per_byte", "lr", "step_s", "tokens_per_s", "val
 FILE_NAME = "metrics.csv"
 
 
-def _complete_rows(path: Path, up_to: int) -> list[dict[str, str]]:
-    """Rows of an earlier file with every column filled and ``step <= up_to`` (a cut last row is dropped)."""
+def _is_number(text: str) -> bool:
     try:
-        text = path.read_text()
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+def _complete_rows(path: Path, up_to: int) -> list[dict[str, str]]:
+    """Rows of an earlier file with exactly the columns of ``COLUMNS`` and ``step <= up_to`` (a cut last row,
+    a damaged or foreign row is dropped).
+
+    Raises:
+        OSError: the file exists but cannot be read.
+    """
+    try:
+        text = path.read_text(errors="replace")  # a damaged byte spoils its row, not the file
     except FileNotFoundError:
         return []
     if not text.endswith("\n"):  # the last row was being written when the run stopped
         text = text[: text.rfind("\n") + 1]
     rows = []
     for row in csv.DictReader(io.StringIO(text)):
-        try:
-            if None not in row.values() and int(row["step"]) <= up_to:
-                rows.append(row)
-        except (KeyError, ValueError):
+        if None in row or None in row.values() or tuple(row) != COLUMNS:  # too many or too few fields
             continue
+        numbers = all(_is_number(v) for v in row.values() if v)  # a damaged byte fails its number
+        if numbers and row["step"].isdigit() and int(row["step"]) <= up_to:
+            rows.append(row)
     return rows
 
 
@@ -57,15 +71,17 @@ class MetricsLog:
         self.log, self.enabled = log, enabled
         if not enabled:
             return
-        kept = _complete_rows(self.path, resume_step) if resume_step is not None else []
         tmp = self.path.with_name(FILE_NAME + ".tmp")
         try:
+            kept = _complete_rows(self.path, resume_step) if resume_step is not None else []
             with open(tmp, "w", newline="") as fh:
                 writer = csv.DictWriter(fh, fieldnames=COLUMNS)
                 writer.writeheader()
                 writer.writerows(kept)
             os.replace(tmp, self.path)
         except OSError as err:
+            with contextlib.suppress(OSError):
+                tmp.unlink(missing_ok=True)
             self._fail(err)
 
     def _fail(self, err: OSError) -> None:
