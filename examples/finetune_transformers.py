@@ -2,7 +2,8 @@
 
     python examples/finetune_transformers.py                          # a small Qwen3-MoE from its config
     python examples/finetune_transformers.py --model-type olmoe --set hidden_size=256 --set num_experts=16
-    python examples/finetune_transformers.py --model-path /path/to/Qwen3-30B-A3B --device cuda --dtype bfloat16
+    python examples/finetune_transformers.py --model-type deepseek_v3               # MLA, groups, shared expert
+    python examples/finetune_transformers.py --model-path /path/to/Qwen3-30B-A3B --device cuda --precision bf16
 
 Built from a config (no hub access), the model is byte-level (vocab_size 256) and trains on the same text
 as ``moeblaze train`` (``moeblaze.data``: the standard library's ``.py`` files, or ``--data PATH``). With
@@ -22,13 +23,24 @@ import numpy as np
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-import moeblaze.integrations.transformers  # noqa: F401  (registers experts_implementation="moeblaze")
+import moeblaze.integrations.transformers  # registers experts_implementation="moeblaze"
 from moeblaze.data import eval_windows, get_batch, load_corpus
 
-# A small Qwen3-MoE shape that trains on a laptop CPU; --set overrides any field.
+# A small shape that trains on a laptop CPU (Qwen3-MoE / OLMoE / Mixtral / GPT-OSS field names); --set overrides
+# any field.
 SMALL = dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
              moe_intermediate_size=128, intermediate_size=256, num_experts=8, num_local_experts=8,
              num_experts_per_tok=2, max_position_embeddings=1024, vocab_size=256, tie_word_embeddings=False)
+# Families that name their MoE fields otherwise: every layer an MoE layer, 8 routed experts, their attention
+# dimensions small and consistent (DeepSeek-V3's multi-head latent attention has its own head sizes).
+FAMILY = {
+    "deepseek_v3": dict(n_routed_experts=8, n_group=4, topk_group=2, n_shared_experts=1, first_k_dense_replace=0,
+                        q_lora_rank=64, kv_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32,
+                        head_dim=16, num_key_value_heads=4),
+    "glm4_moe": dict(n_routed_experts=8, n_group=2, topk_group=1, n_shared_experts=1, first_k_dense_replace=0),
+    "ernie4_5_moe": dict(moe_num_experts=8, moe_k=2, moe_num_shared_experts=1, moe_layer_start_index=0),
+}
+PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -46,7 +58,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--eval-tokens", type=int, default=16384)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--precision", default="fp32", choices=sorted(PRECISIONS),
+                   help="the model's parameter dtype (bf16: parameters and optimizer state in bf16)")
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
 
@@ -62,14 +75,22 @@ def _value(text: str):
 def build_model(args: argparse.Namespace) -> tuple[torch.nn.Module, AutoTokenizer | None]:
     """The model (experts on ``args.experts``, router logits on for the aux loss) and its tokenizer (None: bytes)."""
     overrides = {k: _value(v) for k, v in (s.split("=", 1) for s in args.set)}
-    dtype = getattr(torch, args.dtype)
+    dtype = PRECISIONS[args.precision]
     if args.model_path:
         model = AutoModelForCausalLM.from_pretrained(args.model_path, dtype=dtype, experts_implementation=args.experts,
                                                      **overrides)
-        return model, AutoTokenizer.from_pretrained(args.model_path)
-    config = AutoConfig.for_model(args.model_type, **{**SMALL, **overrides})
-    torch.manual_seed(args.seed)
-    return AutoModelForCausalLM.from_config(config, dtype=dtype, experts_implementation=args.experts), None
+        tokenizer = AutoTokenizer.from_pretrained(args.model_path)
+    else:
+        config = AutoConfig.for_model(args.model_type, **{**SMALL, **FAMILY.get(args.model_type, {}), **overrides})
+        torch.manual_seed(args.seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, experts_implementation=args.experts)
+        tokenizer = None
+    if not any(hasattr(m, "has_gate") for m in model.modules()):  # transformers' fused experts modules
+        raise SystemExit(f"{type(model).__name__} has no transformers experts module (no MoE layers with this "
+                         f"configuration): nothing would run on {args.experts}")
+    if args.experts == "moeblaze":
+        moeblaze.integrations.transformers.prepare(model)  # an experts module moeblaze cannot run fails now
+    return model, tokenizer
 
 
 def load_tokens(args: argparse.Namespace, tokenizer) -> tuple[np.ndarray, np.ndarray]:
@@ -99,7 +120,7 @@ def main(argv=None) -> list[float]:
     model.config.output_router_logits = True  # transformers adds router_aux_loss_coef * its aux loss to .loss
     n_params = sum(p.numel() for p in model.parameters())
     print(f"{type(model).__name__}: {n_params / 1e6:.2f}M parameters, experts_implementation="
-          f"{model.config._experts_implementation}, {args.dtype} on {args.device}")
+          f"{model.config._experts_implementation}, {args.precision} on {args.device}")
     train, val = load_tokens(args, tokenizer)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.95))
     losses, t0, tokens = [], time.perf_counter(), 0

@@ -32,6 +32,21 @@ def test_finetune_example_trains(tmp_path):
     assert re.search(r"validation loss [0-9.]+ nats = [0-9.]+ bits/byte", proc.stdout)
 
 
+@pytest.mark.parametrize("model_type, ok", [("deepseek_v3", True), ("llama", False)])
+def test_finetune_example_families(model_type, ok, tmp_path):
+    """DeepSeek-V3 builds small (its own MoE and attention fields) and trains; a model without experts modules
+    is refused with a message instead of training without moeblaze."""
+    text = tmp_path / "corpus.txt"
+    text.write_text("".join(f"x{i} = {i}\n" for i in range(500)))
+    cmd = [sys.executable, str(EXAMPLE), "--model-type", model_type, "--data", str(text), "--steps", "2",
+           "--batch-size", "2", "--seq-len", "16", "--log-every", "1", "--eval-tokens", "64", "--device", "cpu"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    if ok:
+        assert proc.returncode == 0 and "experts_implementation=moeblaze" in proc.stdout, proc.stderr[-3000:]
+    else:
+        assert proc.returncode != 0 and "has no transformers experts module" in proc.stderr, proc.stderr[-3000:]
+
+
 def test_bench_hf_smoke(tmp_path):
     """benchmarks/bench_hf.py --smoke: the CPU run of the GPU benchmark writes a CSV row per step and impl."""
     import csv
