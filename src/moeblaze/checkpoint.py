@@ -195,15 +195,17 @@ def _sha256(path: Path) -> str:
 
 
 def save(out_dir: str | os.PathLike, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-         state: dict, keep: int) -> Path:
+         state: dict | None = None, keep: int = 3) -> Path:
     """Write the checkpoint of ``step`` atomically (protocol in the module docstring); returns its folder.
 
     Args:
         out_dir: the run's folder (``checkpoints/`` is made under it).
         step: optimizer steps taken so far (>= 0).
         model, optimizer: saved through ``get_state_dict`` + DCP (sharded models: every rank's shards).
-        state: JSON-serialisable run state (RNG, configurations); stored with ``"step"`` in ``state.json``.
-        keep: how many newest checkpoints to keep (>= 1); older ones are deleted after this one is current.
+        state: JSON-serialisable run state (RNG, configurations; ``moeblaze train`` stores its own there);
+            stored with ``"step"`` in ``state.json`` (None: the step alone).
+        keep: how many newest checkpoints to keep (>= 1; default 3, as ``--keep-checkpoints``); older ones are
+            deleted after this one is current.
 
     Raises:
         OSError: the filesystem refused a write (the previous checkpoints are left as they were).
@@ -229,7 +231,7 @@ def save(out_dir: str | os.PathLike, step: int, model: torch.nn.Module, optimize
         _restore(model_sd, optim_sd, replaced)
     rank = _rank()
     if rank == 0:
-        _write_file(tmp / STATE, json.dumps({**state, "step": step}, indent=1).encode())
+        _write_file(tmp / STATE, json.dumps({**(state or {}), "step": step}, indent=1).encode())
     # each rank fsyncs and hashes the files it wrote (rank 0: also .metadata and state.json), so no rank
     # reads the whole checkpoint; rank 0 gathers the entries into the manifest
     mine = sorted(p for p in tmp.iterdir() if p.is_file() and _writer(p) == rank)
