@@ -178,6 +178,11 @@ def _load_final(out_dir: Path) -> tuple[dict, dict]:
     return model.state_dict(), opt.state_dict()["state"]
 
 
+def test_sample_refuses_negative_lengths(tmp_path, capsys):
+    assert run_cli("sample", "--checkpoint", str(tmp_path), "--max-new-tokens", "-5") == 2
+    assert "--max-new-tokens must be an integer >= 0, got -5" in capsys.readouterr().err
+
+
 def test_sample_from_checkpoint(text_file, tmp_path, capsys):
     assert run_cli("train", "--data", str(text_file), "--steps", "3", "--out-dir", str(tmp_path), *TINY) == 0
     capsys.readouterr()
@@ -215,9 +220,12 @@ def test_bad_device_and_nothing_to_resume_are_clear_errors(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("flags,message", [
-    (["--eval-interval", "0"], "eval-interval"),
-    (["--activation", "tanh"], "activation"),
-    (["--lr", "-1"], "lr"),
+    (["--eval-interval", "0"], "--eval-interval"),
+    (["--activation", "tanh"], "--activation must be one of"),
+    (["--routing", "foo"], "--routing must be"),
+    (["--d-ff", "0"], "--d-ff must be"),
+    (["--lr", "-1"], "--lr"),
+    (["--stepz", "2"], "moeblaze train: error: unrecognized arguments: --stepz 2"),
 ])
 def test_bad_options_exit_with_a_message(flags, message, tmp_path):
     proc = subprocess.run([sys.executable, "-m", "moeblaze.cli", "train", *flags, "--out-dir", str(tmp_path)],

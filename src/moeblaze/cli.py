@@ -87,7 +87,15 @@ def _configs(args: argparse.Namespace) -> tuple[TrainConfig, ModelConfig]:
     except ConfigError:
         raise
     except (TypeError, ValueError) as err:
-        raise ConfigError(str(err)) from None
+        raise ConfigError(_as_flag(str(err))) from None
+
+
+def _as_flag(message: str) -> str:
+    """A configuration error as the command line names it: ``routing must be ...`` -> ``--routing must be ...``."""
+    name = message.split(" ", 1)[0]
+    if name in {f.name for f in fields(TrainConfig) + fields(ModelConfig)}:
+        return "--" + name.replace("_", "-") + message[len(name):]
+    return message
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
@@ -158,7 +166,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> None:
     """Entry point of the ``moeblaze`` console script; exits with the command's status."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # named by the subcommand's parser, whose usage lists the flags it takes
+        commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        commands.choices[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
         status = args.func(args)
     except (ConfigError, DataError, CheckpointError) as err:
