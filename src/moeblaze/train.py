@@ -345,7 +345,8 @@ def _train(cfg: TrainConfig, model_cfg: ModelConfig | None, log, job: Job) -> Tr
     if status != "done":
         return TrainResult(start + len(losses), val_bpb, entropy, losses[-1] if losses else float("nan"), tok_s,
                            saved, losses, mfu, status, ckpt, job.world)
-    log(f"done: step {stop}, val {val_bpb:.3f} bits/byte vs unigram {entropy:.3f}; "
+    log(("done" if stop == cfg.steps else f"stopped at --stop-after {stop} of --steps {cfg.steps}")
+        + f": step {stop}, val {val_bpb:.3f} bits/byte vs unigram {entropy:.3f}; "
         f"{tok_s:,.0f} tokens/s" + (f" ({tok_s / job.world:,.0f} per {_unit(device)}, {job.world} processes)"
                                     if job.distributed else "")
         + (f"; MoE saved {saved / 2**20:.2f} MiB/step" if job.mesh is None else "") + f"; checkpoint {ckpt}")

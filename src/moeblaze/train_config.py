@@ -70,7 +70,8 @@ class TrainConfig:
     data: str | None = _f(None, "text file or directory to train on (default: the Python standard library)")
     out_dir: str = _f("moeblaze-out", "checkpoint directory")
     steps: int = _f(800, "total optimizer steps (the learning-rate schedule spans them)")
-    stop_after: int = _f(0, "stop (and checkpoint) after this many steps; 0 = run all --steps")
+    stop_after: int = _f(0, "stop (and checkpoint) once the run reaches this step, counted from its start as "
+                            "--steps and the checkpoints are (a resumed run too); 0 = run all --steps")
     batch_size: int = _f(16, "sequences per step (tokens per step = batch_size * seq_len)")
     lr: float = _f(3e-3, "peak learning rate")
     min_lr: float = _f(3e-4, "final learning rate of the cosine decay")
