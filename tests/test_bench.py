@@ -283,6 +283,7 @@ def test_memory_report_matches_saved_tensor_hooks():
     assert report.peak_bytes is None or HAS_CUDA
     table = report.table(max_depth=2)
     assert "blocks" in table and "saved for backward" in table and "norm1" not in table
+    assert str(report) == report.table()  # print(report) shows the whole table
 
 
 def test_memory_report_inputs_and_loss():

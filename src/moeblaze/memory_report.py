@@ -63,6 +63,9 @@ class MemoryReport:
     device: str = "cpu"
     notes: list[str] = field(default_factory=list)
 
+    def __str__(self) -> str:  # print(report) shows the table, not the dataclass fields
+        return self.table()
+
     def by_name(self) -> dict[str, ModuleMemory]:
         """Entries keyed by module name."""
         return {m.name: m for m in self.modules}
