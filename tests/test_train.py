@@ -178,6 +178,16 @@ def _load_final(out_dir: Path) -> tuple[dict, dict]:
     return model.state_dict(), opt.state_dict()["state"]
 
 
+def test_rounding_tile_reaches_the_layers():
+    cfg = ModelConfig(seq_len=16, d_model=16, n_layers=2, n_heads=2, d_ff=16, num_experts=4, top_k=2,
+                      routing="token-rounding:up", rounding_tile=8)
+    moes = [b.moe for b in MoETransformer(cfg).blocks]
+    assert [(m.token_rounding, m.rounding_tile) for m in moes] == [("up", 8), ("up", 8)]
+    assert MoETransformer(ModelConfig(routing="token-rounding")).blocks[0].moe.rounding_tile is None
+    with pytest.raises(ValueError, match="rounding_tile must be an int >= 0"):
+        ModelConfig(rounding_tile=-1)
+
+
 def test_sample_refuses_negative_lengths(tmp_path, capsys):
     assert run_cli("sample", "--checkpoint", str(tmp_path), "--max-new-tokens", "-5") == 2
     assert "--max-new-tokens must be an integer >= 0, got -5" in capsys.readouterr().err

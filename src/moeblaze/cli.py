@@ -45,6 +45,7 @@ _MODEL_HELP = {
     "aux_loss_coef": "load-balancing loss coefficient", "z_loss_coef": "router z-loss coefficient",
     "tie_embeddings": "share the embedding with the output head", "rope_base": "rotary frequency base",
     "routing": "topk, or token-rounding[:nr|up|down|sr] (SonicMoE token rounding in training; eval: top-k)",
+    "rounding_tile": "token rounding's multiple (0: the kernels' M tile, 128 on GPUs; smaller: few tokens per expert)",
 }
 
 

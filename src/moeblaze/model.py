@@ -39,6 +39,8 @@ class ModelConfig:
         rope_base: rotary frequency base.
         routing: ``"topk"`` or ``"token-rounding[:mode]"`` (mode ``nr`` (default), ``up``, ``down``, ``sr``):
             the MoE layers' ``token_rounding`` in training (:mod:`moeblaze.token_rounding`).
+        rounding_tile: the multiple token rounding rounds each expert's count to (0: the backend's M tile,
+            :func:`moeblaze.tile_multiple`; a smaller one keeps more pairs at few tokens per expert).
     """
 
     vocab_size: int = 256
@@ -58,6 +60,7 @@ class ModelConfig:
     tie_embeddings: bool = True
     rope_base: float = 10000.0
     routing: str = "topk"
+    rounding_tile: int = 0
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "seq_len", "d_model", "n_layers", "n_heads", "d_ff", "num_experts", "top_k"):
@@ -75,6 +78,8 @@ class ModelConfig:
         if self.top_k > self.num_experts:
             raise ValueError(f"top_k={self.top_k} must be <= num_experts={self.num_experts}")
         token_rounding_mode(self.routing)
+        if not isinstance(self.rounding_tile, int) or isinstance(self.rounding_tile, bool) or self.rounding_tile < 0:
+            raise ValueError(f"rounding_tile must be an int >= 0 (0: the backend's M tile), got {self.rounding_tile!r}")
         for name, allowed in (("activation", ACTIVATIONS), ("score_func", SCORE_FUNCS), ("save", SAVE_MODES),
                               ("backend", BACKENDS)):
             if getattr(self, name) not in allowed:
@@ -164,7 +169,7 @@ class Block(nn.Module):
         self.moe = MoE(cfg.d_model, cfg.d_ff, cfg.num_experts, cfg.top_k, activation=cfg.activation,
                        score_func=cfg.score_func, save=cfg.save, aux_loss_coef=cfg.aux_loss_coef,
                        z_loss_coef=cfg.z_loss_coef, backend=cfg.backend,
-                       token_rounding=token_rounding_mode(cfg.routing))
+                       token_rounding=token_rounding_mode(cfg.routing), rounding_tile=cfg.rounding_tile or None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.norm1(x))
