@@ -47,11 +47,11 @@ BAD_FLAGS = [
     (["--checkpoint-interval", "-3"], "--checkpoint-interval"),
     (["--keep-checkpoints", "0"], "--keep-checkpoints"),
     (["--peak-tflops", "inf"], "--peak-tflops"),
-    (["--rope-base", "0"], "rope_base"),
-    (["--rope-base", "nan"], "rope_base"),
-    (["--vocab-size", "100"], "vocab_size"),
-    (["--aux-loss-coef", "-0.01"], "aux_loss_coef"),
-    (["--z-loss-coef", "inf"], "z_loss_coef"),
+    (["--rope-base", "0"], "--rope-base"),
+    (["--rope-base", "nan"], "--rope-base"),
+    (["--vocab-size", "100"], "--vocab-size"),
+    (["--aux-loss-coef", "-0.01"], "--aux-loss-coef"),
+    (["--z-loss-coef", "inf"], "--z-loss-coef"),
     (["--resume", "--overwrite"], "--overwrite"),
 ]
 
