@@ -18,8 +18,8 @@ Per layer, rank 0 writes one CSV row: forward+backward time (median over ``--ite
 rank; CUDA events on GPU), peak memory (``torch.cuda.max_memory_allocated``, the largest rank; empty on
 the CPU) and the step's own part of it (above the resident weights of both layers, x and dout; no
 gradient held between steps), the rows each rank sends, the time of the step's all-to-alls replayed alone
-with the same split sizes and their share of the step, and the output's relative difference from the
-moeblaze layer.
+with the same split sizes and their share of the step, the output's relative difference from the
+moeblaze layer, and the code version and command.
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ from torch.distributed._functional_collectives import all_to_all_single_autograd
 
 import moeblaze
 from moeblaze.bench.baselines import _act, grouped_linear
+from moeblaze.bench.results import git_commit
 from moeblaze.parallel import init_distributed
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -156,6 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--out", help="append the CSV rows to this file")
+    p.add_argument("--commit", help="code version recorded in the rows (default: git's HEAD here, +dirty)")
     args = p.parse_args(argv)
 
     cuda = torch.cuda.is_available()
@@ -179,6 +181,8 @@ def main(argv: list[str] | None = None) -> int:
         ref = mb(x).float()
         diff = float((titan(x).float() - ref).norm() / ref.norm().clamp_min(1e-30))
 
+    command = " ".join([*(f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith("MOEBLAZE_")),
+                        f"torchrun --nproc-per-node {world}", *sys.argv])
     rows = []
     for name, layer in (("moeblaze", mb), ("torchtitan-style", titan)):
         def step(layer=layer):
@@ -206,7 +210,9 @@ def main(argv: list[str] | None = None) -> int:
                      "step_peak_mib": None if step_peak is None else round(step_peak, 1),
                      "sent_rows": sum(splits[name][0]), "comm_ms": round(comm, 4), "comm_share": round(comm / ms, 4),
                      "out_rel_diff": diff if name != "moeblaze" else 0.0,
-                     "date": datetime.date.today().isoformat(), "torch": torch.__version__})
+                     "date": datetime.date.today().isoformat(), "torch": torch.__version__,
+                     "commit": args.commit or git_commit(os.path.dirname(os.path.abspath(__file__))),
+                     "command": command})
     if rank == 0:
         for r in rows:
             print(", ".join(f"{k}={v}" for k, v in r.items()))
