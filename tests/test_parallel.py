@@ -126,7 +126,7 @@ def test_bench_ep_runs_on_cpu(tmp_path):
     rows = list(csv.DictReader(out.open()))
     assert [r["impl"] for r in rows] == ["moeblaze", "torchtitan-style"]
     assert float(rows[1]["out_rel_diff"]) < 1e-5 and all(float(r["fwd_bwd_ms"]) > 0 for r in rows)
-    assert rows[0]["command"].startswith("torchrun --nproc-per-node 2 benchmarks/bench_ep.py --tokens 24")
+    assert "torchrun --nproc-per-node 2 benchmarks/bench_ep.py --tokens 24" in rows[0]["command"]
 
 
 def test_runtime_keeps_the_callers_gpu_in_a_group_it_did_not_start(monkeypatch):
