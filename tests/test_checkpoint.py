@@ -507,3 +507,63 @@ def test_checkpoint_by_minutes_and_keep_the_newest(small_text, tmp_path):
                    "--checkpoint-minutes", "1e-9", "--keep-checkpoints", "2", "--out-dir", str(tmp_path), *MICRO) == 0
     assert [p.name for p in checkpoint.checkpoint_dirs(tmp_path)] == ["step-000002", "step-000003"]
     assert (tmp_path / "checkpoints" / "latest").read_text().strip() == "step-000003"
+
+
+# ----------------------------------------------------------------------------- the write protocol, step by step
+
+def _tiny_model():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    return model, torch.optim.AdamW(model.parameters())
+
+
+def test_write_order_makes_the_rename_the_commit(tmp_path, monkeypatch):
+    """Every file of the folder is fsynced, the manifest written and fsynced last, and the folder fsynced,
+    before the rename that makes the checkpoint visible; the ``latest`` pointer goes through its own fsynced
+    temporary file. (A kill cannot show a missing fsync or a reordered rename: the page cache survives it.)"""
+    ops = []
+    for name in ("_write_file", "_fsync", "_rename", "_mkdir"):
+        real = getattr(checkpoint, name)
+
+        def logged(*args, _name=name, _real=real):
+            ops.append((_name, *(Path(a).relative_to(tmp_path).as_posix() for a in args if isinstance(a, Path))))
+            return _real(*args)
+        monkeypatch.setattr(checkpoint, name, logged)
+    model, opt = _tiny_model()
+    final = checkpoint.save(tmp_path, 3, model, opt)
+    tmp, done = "checkpoints/.step-000003.tmp", "checkpoints/step-000003"
+    commit = ops.index(("_rename", tmp, done))
+    files = sorted(p.name for p in final.iterdir())
+    for f in files:  # fsynced under the temporary name, before the commit
+        assert ops.index(("_fsync", f"{tmp}/{f}")) < commit, f
+    manifest_write = ops.index(("_write_file", f"{tmp}/manifest.json"))
+    assert all(ops.index(("_fsync", f"{tmp}/{f}")) < manifest_write for f in files if f != "manifest.json")
+    assert manifest_write < ops.index(("_fsync", f"{tmp}/manifest.json")) < ops.index(("_fsync", tmp)) < commit
+    assert ops.index(("_fsync", "checkpoints"), commit) > commit  # the rename itself made durable
+    pointer = ops.index(("_rename", "checkpoints/.latest.tmp", "checkpoints/latest"))
+    assert commit < ops.index(("_fsync", "checkpoints/.latest.tmp")) < pointer
+
+
+def test_a_state_file_of_another_step_is_refused(tmp_path):
+    """A checkpoint assembled from two steps (step 2's state.json in step 4's folder, its manifest entry
+    rewritten to match) does not verify."""
+    model, opt = _tiny_model()
+    two, four = checkpoint.save(tmp_path, 2, model, opt, keep=2), checkpoint.save(tmp_path, 4, model, opt, keep=2)
+    (four / "state.json").write_bytes((two / "state.json").read_bytes())
+    manifest = json.loads((four / "manifest.json").read_text())
+    manifest["files"]["state.json"] = {"size": (four / "state.json").stat().st_size,
+                                       "sha256": checkpoint._sha256(four / "state.json")}
+    (four / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(checkpoint.CheckpointError, match="state.json: step 2, the manifest says 4"):
+        checkpoint.verify(four)
+
+
+def test_saving_an_older_step_removes_the_newer_ones(tmp_path):
+    """A run resumed from step 2 (step 4 did not verify) saves step 3: step 4 must go, or it would shadow the
+    new checkpoints as the newest."""
+    model, opt = _tiny_model()
+    for step in (2, 4):
+        checkpoint.save(tmp_path, step, model, opt, keep=5)
+    checkpoint.save(tmp_path, 3, model, opt, keep=5)
+    assert [p.name for p in checkpoint.checkpoint_dirs(tmp_path)] == ["step-000002", "step-000003"]
+    assert checkpoint.find_latest(tmp_path).name == "step-000003"
