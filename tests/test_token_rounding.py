@@ -126,12 +126,26 @@ def test_kernel_pads_ascending_and_filler_spread():
     assert torch.equal(dropped, (w0.topk(3, largest=False).indices + 5).sort().values)
 
 
+def test_padded_pairs_carry_the_scaled_score():
+    """Padded pairs weigh ``scores[t, e] * scale`` (routed_scaling_factor); kept top-k pairs keep their weights."""
+    T, E, K, tile = 64, 4, 1, 8
+    scores, ids, w = routing(T, E, K, 5)
+    plain, scaled = (active_pairs(round_tokens(scores, ids, w, tile, "up", scale=s), E) for s in (1.0, 2.5))
+    topk = {(t, int(e)) for t in range(T) for e in ids[t]}
+    padded = [p for p in plain if p not in topk]
+    assert padded and plain.keys() == scaled.keys()
+    for t, e in plain:
+        expected = float(scores[t, e]) * 2.5 if (t, e) not in topk else plain[(t, e)]
+        assert scaled[(t, e)] == pytest.approx(expected, rel=1e-6), (t, e)
+
+
 def test_round_counts_rules():
     f = torch.tensor([0, 3, 4, 5, 8, 12, 13, 20])
     assert round_counts(f, 8, "nr").tolist() == [0, 0, 0, 8, 8, 8, 16, 16]  # 4 and 12 are ties: drop
     assert round_counts(f, 8, "up").tolist() == [0, 8, 8, 8, 8, 16, 16, 24]
     assert round_counts(f, 8, "down").tolist() == [0, 0, 0, 0, 8, 8, 8, 16]
     assert round_counts(f, 8, "up", num_tokens=20).tolist() == [0, 8, 8, 8, 8, 16, 16, 16]  # 24 > T: drop
+    assert round_counts(torch.tensor([12]), 8, "up", num_tokens=16).tolist() == [16]  # exactly T: allowed
     draws = torch.stack([round_counts(f, 8, "sr", generator=torch.Generator().manual_seed(s)) for s in range(400)])
     assert bool(((draws == round_counts(f, 8, "down")) | (draws == round_counts(f, 8, "up"))).all())
     assert torch.allclose(draws.double().mean(0), f.double(), atol=1.0)  # unbiased: E[r] = f
