@@ -159,3 +159,15 @@ def _bad(**kw):
 def test_bad_pairs_raise_clear_errors(kw, err, match):
     with pytest.raises(err, match=match):
         _bad(**kw)
+
+
+def test_an_index_of_other_pairs_is_refused():
+    """An index built from another pair list (another P) or from a top-k routing does not fit these pairs."""
+    from moeblaze import build_dispatch
+
+    other = build_dispatch_pairs(torch.tensor([0, 1, 4], dtype=torch.int32), torch.tensor([0, 2, 1], dtype=torch.int32),
+                                 6, 3)
+    topk = build_dispatch(torch.tensor([[0], [2], [1], [0], [1], [2]], dtype=torch.int32), 3)
+    for index in (other, topk):
+        with pytest.raises(ValueError, match="index must be a build_dispatch_pairs index for E=3, T=6, P=4"):
+            _bad(index=index)
