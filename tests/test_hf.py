@@ -157,6 +157,19 @@ def test_expert_parallel_sentinels(monkeypatch):
     assert out[2].abs().max() == 0
 
 
+def test_expert_parallel_from_the_distributed_config():
+    """transformers' other expert-parallel switch, ``config.distributed_config.enable_expert_parallel``, also
+    makes ids >= E foreign."""
+    from types import SimpleNamespace
+
+    experts = tiny_model("gpt_oss", torch.float64).model.layers[0].mlp.experts
+    assert not mhf.experts_plan(experts).foreign_experts
+    experts.__dict__.pop("_moeblaze_plan", None)  # the plan is cached per module
+    experts.config = SimpleNamespace(**vars(experts.config), distributed_config=SimpleNamespace(
+        enable_expert_parallel=True))
+    assert mhf.experts_plan(experts).foreign_experts
+
+
 def test_plan_of_gpt_oss():
     """GPT-OSS: clamped SwiGLU on interleaved gate/up columns of transposed weights, with biases."""
     experts = tiny_model("gpt_oss").model.layers[0].mlp.experts
