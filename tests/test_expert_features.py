@@ -280,6 +280,22 @@ def test_foreign_dispatch_index():
     assert few.expert_token_offsets.tolist() == [0, 1, 3, 6]
 
 
+def test_foreign_index_checked_against_a_copy_of_its_ids():
+    """A foreign index passed with an equal copy of its ids (not the tensor it was built from) is accepted, the
+    foreign ids compared as the index clamps them; other ids are refused."""
+    E = 3
+    ids = torch.tensor([[0, 5], [1, 0], [3, 4], [2, 1]])
+    inp = make_expert_inputs(4, 8, 4, E, 2, seed=3)
+    index = build_dispatch(ids, E, foreign_experts=True)
+    args = (inp["x"], inp["topk_weights"], inp["w_gate_up"], inp["w_down"])
+
+    def run(i):
+        return moe_experts(args[0], i, *args[1:], backend="torch", index=index, foreign_experts=True)
+    assert torch.equal(run(ids.clone()), run(ids))
+    with pytest.raises(ValueError, match="index was built from other topk_ids"):
+        run(torch.tensor([[0, 5], [1, 0], [3, 4], [2, 0]]))
+
+
 def test_moe_layer_bias_and_new_activations():
     """``moeblaze.MoE(bias=True)``: expert biases as parameters, equal to the reference with the layer's routing."""
     torch.manual_seed(0)

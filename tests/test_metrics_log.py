@@ -115,6 +115,16 @@ def test_an_unreadable_file_on_resume_warns_and_training_goes_on(tmp_path):
     assert not (tmp_path / "metrics.csv.tmp").exists()
 
 
+def test_a_failed_rewrite_leaves_no_temporary_file(tmp_path, monkeypatch):
+    def refuse(*args):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr("moeblaze.metrics_log.os.replace", refuse)
+    lines = []
+    assert not MetricsLog(tmp_path, None, lines.append).enabled and len(lines) == 1
+    assert not (tmp_path / "metrics.csv.tmp").exists()
+
+
 def test_other_ranks_write_nothing(tmp_path):
     log = MetricsLog(tmp_path, None, print, enabled=False)
     log.write(1, 2.0, 1e-3, 0.5, 100.0)
