@@ -63,6 +63,19 @@ def test_losses_scaled_by_coefficients_and_off_in_eval():
     assert r(x).loss.item() == 0.0
 
 
+def test_sigmoid_router_aux_loss_uses_normalised_scores():
+    """Sigmoid routers balance with the scores normalised per token (the probabilities the loss assumes):
+    E * sum_e f_e * mean_t (s[t, e] / sum_e' s[t, e']), written out by hand."""
+    torch.manual_seed(1)
+    E, K, T = 6, 2, 20
+    r = Router(8, E, K, score_func="sigmoid", aux_loss_coef=1.0)
+    out = r(torch.randn(T, 8))
+    s = torch.sigmoid(out.logits.double())
+    p = (s / s.sum(-1, keepdim=True)).mean(0)
+    f = torch.bincount(out.topk_ids.flatten().long(), minlength=E).double() / (T * K)
+    assert out.aux_loss.item() == pytest.approx(E * float((f * p).sum()), rel=1e-5)
+
+
 def test_router_bad_arguments():
     with pytest.raises(ValueError, match="score_func"):
         Router(8, 4, 2, score_func="tanh")
