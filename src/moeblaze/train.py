@@ -422,8 +422,9 @@ def _loop(model, opt, corpus, cfg: TrainConfig, mcfg: ModelConfig, device, preci
     bar.close()
     tok_s = (stop - start) * tokens_per_step / train_time if train_time else 0.0
     if len(step_times) > 1:
-        # the median step after the first: kernel compilation and autotuning are not only in the first step
-        # when sizes change from step to step (expert parallelism's received rows, token rounding's pairs)
+        # the median step after the first: a step that compiles or autotunes is an outlier, and with sizes that
+        # change from step to step (expert parallelism's received rows, token rounding's pairs) such steps can
+        # come after the first (Triton specialises integer arguments, e.g. on divisibility by 16)
         steady = tokens_per_step / statistics.median(step_times[1:])
         log(f"steady state (median step after the first): {steady:,.0f} tokens/s"
             + (f", {steady / job.world:,.0f} tokens/s per {_unit(device)} over {job.world} processes"
