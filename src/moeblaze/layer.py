@@ -163,18 +163,26 @@ class MoE(nn.Module):
         """The up-projection weight: ``w_gate_up [E, 2h, d]`` or ``w_up [E, h, d]``."""
         return getattr(self, self._w1_name)
 
+    def expert_fan_ins(self) -> list[tuple[nn.Parameter, int]]:
+        """The per-expert parameters in initialisation order, each with the fan-in of its bound: the
+        up-projection (and its bias) d, the down-projection (and its bias) h."""
+        pairs = [(self.w1, self.d_model), (self.w_down, self.d_ff)]
+        if self.has_bias:
+            pairs += [(getattr(self, self._b1_name), self.d_model), (self.b_down, self.d_ff)]
+        return pairs
+
+    def bias_kwargs(self) -> dict[str, nn.Parameter]:
+        """The expert biases as :func:`moe_experts` takes them (``b_gate_up``, ``b_down``; empty without)."""
+        return {"b_gate_up": getattr(self, self._b1_name), "b_down": self.b_down} if self.has_bias else {}
+
     def reset_parameters(self) -> None:
         """Re-initialise the router and the experts (``U(-1/sqrt(fan_in), 1/sqrt(fan_in))``)."""
         self.router.reset_parameters()
         if self.ep is not None:
             _expert_parallel().init_local_experts(self)
         else:
-            nn.init.uniform_(self.w1, -1 / math.sqrt(self.d_model), 1 / math.sqrt(self.d_model))
-            nn.init.uniform_(self.w_down, -1 / math.sqrt(self.d_ff), 1 / math.sqrt(self.d_ff))
-            if self.has_bias:
-                bound = 1 / math.sqrt(self.d_model)
-                nn.init.uniform_(getattr(self, self._b1_name), -bound, bound)
-                nn.init.uniform_(self.b_down, -1 / math.sqrt(self.d_ff), 1 / math.sqrt(self.d_ff))
+            for w, fan_in in self.expert_fan_ins():
+                nn.init.uniform_(w, -1 / math.sqrt(fan_in), 1 / math.sqrt(fan_in))
         if self.shared_experts is not None:
             for m in self.shared_experts.modules():
                 if isinstance(m, nn.Linear):
@@ -203,7 +211,7 @@ class MoE(nn.Module):
         # fp32 router weights feed the kernels as they are; only a float64 run (the reference check)
         # upcasts them so that nothing in the layer rounds to fp32.
         topk_weights = routing.topk_weights.to(x.dtype) if x.dtype == torch.float64 else routing.topk_weights
-        biases = {"b_gate_up": getattr(self, self._b1_name), "b_down": self.b_down} if self.has_bias else {}
+        biases = self.bias_kwargs()
         if self.token_rounding is not None and self.training:
             out = self._rounded_experts(x2, routing, topk_weights, biases)
         else:

@@ -47,7 +47,7 @@ def _complete_rows(path: Path, up_to: int) -> list[dict[str, str]]:
         text = text[: text.rfind("\n") + 1]
     rows = []
     for row in csv.DictReader(io.StringIO(text)):
-        if None in row or None in row.values() or tuple(row) != COLUMNS:  # too many or too few fields
+        if tuple(row) != COLUMNS or None in row.values():  # too many fields (key None) or too few
             continue
         numbers = all(_is_number(v) for v in row.values() if v)  # a damaged byte fails its number
         if numbers and row["step"].isdigit() and int(row["step"]) <= up_to:

@@ -298,9 +298,7 @@ def expert_parallel_forward(moe, x: torch.Tensor, routing) -> tuple[torch.Tensor
     # the received rows' local pairs, row-major (token_idx ascending): the general routing input
     valid = (ids_recv < El).reshape(-1)
     pos = torch.searchsorted(valid.cumsum(0), torch.arange(1, n_pairs + 1, device=x.device))  # [n_pairs]
-    experts = {"w_gate_up": moe.w1, "w_down": moe.w_down}
-    if moe.has_bias:
-        experts.update(b_gate_up=getattr(moe, moe._b1_name), b_down=moe.b_down)
+    experts = {"w_gate_up": moe.w1, "w_down": moe.w_down, **moe.bias_kwargs()}
     if ep.grad_divide != 1:
         experts = {k: _DivideGrad.apply(v, ep.grad_divide) for k, v in experts.items()}
     token_idx, expert_idx = (pos // K).to(torch.int32), ids_recv.reshape(-1).index_select(0, pos)
@@ -351,10 +349,7 @@ def init_local_experts(moe) -> None:
     hold E distinct experts (drawing only the local E/P would give every rank the same ones).
     """
     ep: ExpertParallel = moe.ep
-    pairs = [(moe.w1, moe.d_model), (moe.w_down, moe.d_ff)]
-    if moe.has_bias:
-        pairs += [(getattr(moe, moe._b1_name), moe.d_model), (moe.b_down, moe.d_ff)]
-    for w, fan_in in pairs:
+    for w, fan_in in moe.expert_fan_ins():
         bound = fan_in ** -0.5
         draw = torch.empty(w.shape[1:], device=w.device, dtype=w.dtype)
         for e in range(moe.num_experts):
