@@ -175,11 +175,11 @@ def test_gpu_persistent_weight_gradient_bf16(T, d, h, E, K, tma):
     dout = torch.randn(inputs["x"].shape, dtype=torch.bfloat16, device=DEVICE)
     grads = {}
     for persistent in (False, True):
-        with moeblaze.settings.override(wgrad_persistent=persistent, tma=tma, autotune=False):
+        with moeblaze.settings.override(wgrad_persistent=persistent, tma=tma, autotune=False, ws_wgrad=False):
             grads[persistent] = run_and_grad(lambda **kw: moe_experts(**kw, backend="triton"), inputs, dout)
     for name, a, b in zip(NAMES, grads[False], grads[True]):
         assert torch.equal(a, b), name
-    with moeblaze.settings.override(wgrad_persistent=True, tma=tma):
+    with moeblaze.settings.override(wgrad_persistent=True, tma=tma, ws_wgrad=False):
         _check(T, d, h, E, K, torch.bfloat16)
 
 

@@ -31,6 +31,7 @@ from .tuning import (
     tokens_bucket,
     wgrad_configs,
     wgrad_persistent_mode,
+    ws_enabled,
 )
 from .wgrad import SLOT_PAD, grouped_wgrad_kernel
 
@@ -246,6 +247,9 @@ def grouped_wgrad(a, b, offsets, indices, *, p, q, out_dtype, transpose=False, s
     if indices.numel() == 0 or p == 0 or q == 0:
         return torch.zeros(shape, dtype=out_dtype, device=a.device)
     out = torch.empty(shape, dtype=out_dtype, device=a.device)
+    if k_major is None and slot_desc and ws_wgrad_ok(a, b, out_dtype):
+        grouped_wgrad_ws(a, b, out, offsets, indices, gather_a=not transpose)
+        return out
     stride_c_p, stride_c_q = (out.stride(2), out.stride(1)) if transpose else (out.stride(1), out.stride(2))
     gather_a = not (rounds_tf32(a) if k_major is None else k_major)
     if gather_a:
@@ -268,3 +272,44 @@ def grouped_wgrad(a, b, offsets, indices, *, p, q, out_dtype, transpose=False, s
         GATHER_A=gather_a, B_DESC=b_desc, DOT_PREC=dot_precision(a.dtype), E_POW2=triton.next_power_of_2(E),
     )
     return out
+
+
+# The warp-specialized weight gradient's configuration: a 128 x 256 output tile (the wgmma shape of the Triton
+# kernels' best tiles), 64 slots per step in 3 stages (3 x 48 KiB) plus the 64 KiB output tile: 208 KiB of
+# shared memory, one CTA per SM.
+WS_WGRAD_CONFIG = {"BLOCK_P": 128, "BLOCK_Q": 256, "BLOCK_K": 64, "NUM_STAGES": 3, "GROUP_M": 8}
+
+
+def _rows16(t: torch.Tensor) -> bool:
+    """Rows of 16-bit ``t`` are contiguous and start 16-byte aligned: whole 16-byte cp.async / TMA rows."""
+    return t.stride(1) == 1 and _rows_tma_ok(t, t.stride(0))
+
+
+def ws_wgrad_ok(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> bool:
+    """:func:`grouped_wgrad_ws` can serve ``grouped_wgrad(a, b, ...)``: :func:`ws_enabled`, 16-bit operands of
+    one dtype, an output in that dtype or fp32, aligned contiguous rows and ``a``'s width a multiple of 16
+    (its masked columns then go as whole 16-byte copies)."""
+    if a.dtype not in (torch.float16, torch.bfloat16) or b.dtype != a.dtype or out_dtype not in (a.dtype, torch.float32):
+        return False
+    return ws_enabled(a.device) and a.shape[1] % 16 == 0 and _rows16(a) and _rows16(b)
+
+
+def grouped_wgrad_ws(a, b, out, offsets, indices, *, gather_a: bool, config: dict | None = None) -> None:
+    """Launch :func:`moeblaze.kernels.ws_wgrad.ws_wgrad_kernel` into ``out`` (check :func:`ws_wgrad_ok` first):
+    ``out[e] = sum_s a[token(s)]^T b[s]`` (``[E, p, q]``, ``gather_a``) or its transpose ``sum_s b[s]^T a[token(s)]``
+    (``[E, q, p]``), contiguous. ``config``: overrides of :data:`WS_WGRAD_CONFIG` (block-size sweeps)."""
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from .ws_wgrad import MAX_REGS, ws_wgrad_kernel
+
+    cfg = {**WS_WGRAD_CONFIG, **(config or {})}
+    E, P, Q = out.shape
+    box = [cfg["BLOCK_K"], cfg["BLOCK_Q"] if gather_a else cfg["BLOCK_P"]]
+    dt = gl.bfloat16 if b.dtype == torch.bfloat16 else gl.float16
+    desc = TensorDescriptor.from_tensor(b, box, gl.NVMMASharedLayout.get_default_for(box, dt))
+    tiles = E * triton.cdiv(P, cfg["BLOCK_P"]) * triton.cdiv(Q, cfg["BLOCK_Q"])
+    ws_wgrad_kernel[(min(tiles, num_programs(a.device)),)](
+        a, desc, out, offsets, indices, P, Q, E, a.stride(0), out.stride(0), out.stride(1),
+        GATHER_A=gather_a, **cfg, num_warps=8, maxnreg=MAX_REGS,
+    )

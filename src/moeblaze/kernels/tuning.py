@@ -60,6 +60,22 @@ def tma_enabled(device: torch.device) -> bool:
     return device.type == "cuda" and _sm90(device.index if device.index is not None else torch.cuda.current_device())
 
 
+@functools.cache
+def _ws_supported(index: int) -> bool:
+    # Gluon's API is experimental and changed after triton 3.6 (tma.async_copy_global_to_shared was renamed in
+    # 3.9); wgmma exists on sm90 only (Blackwell has tcgen05 instead).
+    return triton.__version__.startswith("3.6.") and torch.cuda.get_device_capability(index) == (9, 0)
+
+
+def ws_enabled(device: torch.device) -> bool:
+    """The warp-specialized Gluon weight gradient (:mod:`moeblaze.kernels.ws_wgrad`) may run on ``device``: an
+    sm90 GPU, triton 3.6, not the interpreter, the ``ws_wgrad`` and ``tma`` settings on (it reads the slot rows
+    through TMA: ``MOEBLAZE_TMA=0`` measures the pointer path of the Triton kernel)."""
+    if device.type != "cuda" or interpreting() or not (settings.get("ws_wgrad") and settings.get("tma")):
+        return False
+    return _ws_supported(device.index if device.index is not None else torch.cuda.current_device())
+
+
 def _launch_mode(setting: str) -> str:
     """An ``auto``/on/off launch setting as ``"1"``, ``"0"`` or ``"auto"`` (a part of the autotune kind)."""
     mode = settings.get(setting)

@@ -1,0 +1,118 @@
+"""The warp-specialized Gluon weight gradient (``moeblaze.kernels.ws_wgrad``) against the float64 reference.
+
+It runs only on an sm90 GPU with triton 3.6 (Gluon kernels have no CPU interpreter), so apart from the gating
+checks these tests are ``gpu``-marked and skip elsewhere. Each GPU test asserts that the Gluon launcher ran.
+"""
+
+import pytest
+import torch
+
+import moeblaze
+from moeblaze.dispatch import build_dispatch
+from moeblaze.kernels import launch
+from moeblaze.kernels.tuning import ws_enabled
+
+HAS_CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if HAS_CUDA else "cpu"
+needs_ws = pytest.mark.skipif(not (HAS_CUDA and ws_enabled(torch.device("cuda"))),
+                              reason="needs an sm90 GPU and triton 3.6")
+
+
+def test_gating_on_cpu_and_by_setting():
+    """Never on the CPU; 16-bit operands of one dtype, an output in that dtype or fp32, a gathered width that is a
+    multiple of 16; the ``ws_wgrad`` and ``tma`` settings switch it off."""
+    a, b = torch.zeros(8, 64, dtype=torch.bfloat16), torch.zeros(16, 32, dtype=torch.bfloat16)
+    assert not ws_enabled(torch.device("cpu"))
+    assert not launch.ws_wgrad_ok(a, b, torch.bfloat16)
+    if HAS_CUDA and ws_enabled(torch.device("cuda")):
+        ac, bc = a.cuda(), b.cuda()
+        assert launch.ws_wgrad_ok(ac, bc, torch.bfloat16) and launch.ws_wgrad_ok(ac, bc, torch.float32)
+        assert not launch.ws_wgrad_ok(ac.float(), bc.float(), torch.float32)  # 16-bit only
+        assert not launch.ws_wgrad_ok(ac, bc.half(), torch.bfloat16)  # one dtype
+        assert not launch.ws_wgrad_ok(ac, bc, torch.float16)  # output: the operands' dtype or fp32
+        assert not launch.ws_wgrad_ok(ac[:, :56], bc, torch.bfloat16)  # gathered width % 16
+        assert not launch.ws_wgrad_ok(ac.t().contiguous().t(), bc, torch.bfloat16)  # rows not contiguous
+        for off in ({"ws_wgrad": False}, {"tma": False}):
+            with moeblaze.settings.override(**off):
+                assert not launch.ws_wgrad_ok(ac, bc, torch.bfloat16)
+
+
+def _routing(T, E, K, kind, gen):
+    scores = torch.rand(T, E, device=DEVICE, generator=gen)
+    if kind == "holes":  # every third expert gets no token: its gradient is a stored zero tile
+        scores[:, ::3] = -1.0
+    elif kind == "one_expert":
+        scores[:, 1] = 2.0
+    return scores.topk(K, dim=1).indices.to(torch.int32)
+
+
+CASES = {  # T, d, h, E, K, routing: tiles past P and Q, several tiles per program, empty experts, K = 1
+    "qwen3-like": (2048, 2048, 768, 128, 8, "random"),
+    "ragged": (300, 256, 200, 64, 4, "holes"),
+    "narrow": (1000, 144, 40, 16, 2, "one_expert"),
+    "tiny": (5, 64, 48, 8, 1, "random"),
+}
+
+
+@pytest.mark.gpu
+@needs_ws
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("dtype,out_dtype", [(torch.bfloat16, torch.bfloat16), (torch.float16, torch.float32)])
+def test_gpu_ws_wgrad_against_float64(case, dtype, out_dtype, monkeypatch):
+    """B2 (``dW_down``, gathered operand as A) and B4 (``dW_gate_up``, stored ``[E, 2h, d]``: gathered operand as
+    B) within rounding of the float64 sums; bitwise reproducible; the Triton kernel's results agree."""
+    T, d, h, E, K, kind = CASES[case]
+    gen = torch.Generator(device=DEVICE).manual_seed(T + E)
+    index = build_dispatch(_routing(T, E, K, kind, gen), E)
+    offsets, indices = index.expert_token_offsets, index.expert_token_indices
+    N = indices.numel()
+    ran = []
+    orig = launch.grouped_wgrad_ws
+    monkeypatch.setattr(launch, "grouped_wgrad_ws", lambda *a, **k: ran.append(1) or orig(*a, **k))
+    for q, transpose in ((h, False), (2 * h, True)):
+        a = torch.randn(T, d, device=DEVICE, dtype=dtype, generator=gen)
+        b = torch.randn(N, q, device=DEVICE, dtype=dtype, generator=gen)
+        ref = torch.stack([a[indices[offsets[e]:offsets[e + 1]].long()].double().T
+                           @ b[offsets[e]:offsets[e + 1]].double() for e in range(E)])
+        ref = ref.transpose(1, 2) if transpose else ref
+
+        def wgrad(ws):
+            with moeblaze.settings.override(ws_wgrad=ws, autotune=False):
+                return launch.grouped_wgrad(a, b, offsets, indices, p=d, q=q, out_dtype=out_dtype, transpose=transpose)
+
+        got, again, triton_out = wgrad(True), wgrad(True), wgrad(False)
+        assert got.shape == ref.shape and got.dtype == out_dtype and got.is_contiguous()
+        assert torch.equal(got, again)
+        # the 16-bit rounding of the stored gradient costs up to 2^-8 of the largest sum (fp16: 2^-11), plus
+        # the fp32 accumulation; a wrong slot, token or tile costs O(1)
+        scale = ref.abs().max()
+        assert (got.double() - ref).abs().max() <= 2 ** -7 * scale
+        assert (got.double() - triton_out.double()).abs().max() <= 2 ** -7 * scale
+        if kind == "holes":
+            assert got[0].abs().max() == 0 and got[3].abs().max() == 0
+    assert len(ran) == 4  # two calls of each product went through the Gluon launcher
+
+
+@pytest.mark.gpu
+@needs_ws
+@pytest.mark.parametrize("save", ["preact", "input"])
+def test_gpu_layer_with_ws_wgrad_bf16(save, monkeypatch):
+    """The layer's backward with the Gluon weight gradients: the expert-weight gradients against the float64
+    reference (DESIGN.md §7 rule) and the Triton kernel's."""
+    from test_experts_triton import NAMES, check_against_reference, inputs, triton_experts
+
+    from moeblaze.testing import run_and_grad
+
+    ran = []
+    orig = launch.grouped_wgrad_ws
+    monkeypatch.setattr(launch, "grouped_wgrad_ws", lambda *a, **k: ran.append(1) or orig(*a, **k))
+    inp = inputs(1024, 256, 192, 32, 4, dtype=torch.bfloat16)
+    check_against_reference(inp, "swiglu", save)
+    assert ran
+    dout = torch.randn_like(inp["x"])
+    runs = []
+    for ws in (True, False):
+        with moeblaze.settings.override(ws_wgrad=ws, autotune=False):
+            runs.append(run_and_grad(triton_experts("swiglu", save), inp, dout))
+    for name, x, y in zip(NAMES, *runs):
+        assert (x.double() - y.double()).abs().max() <= 2 ** -7 * y.double().abs().max(), name
