@@ -127,11 +127,15 @@ def test_ties_and_nan_logits_give_distinct_ids_in_range():
     logits[2, 4] = float("nan")
     logits[3] = -float("inf")
     logits[3, 2] = 0.0
-    ids, *_ = router_topk(logits, 4)
+    ids, w, probs, lse, counts, *_ = router_topk(logits, 4)
     for row in ids.tolist():
         assert len(set(row)) == 4 and all(0 <= e < 9 for e in row)
     assert ids[0].tolist() == [0, 1, 2, 3]  # equal probabilities: lowest ids first
     assert ids[3, 0].item() == 2
+    assert torch.isnan(w[1]).all() and torch.isnan(w[2]).all()  # a NaN logit: a NaN row, as torch.topk gives
+    assert torch.isfinite(w[[0, 3, 4, 5]]).all()
+    assert counts.sum().item() == 6 * 4
+    assert torch.equal(counts, torch.bincount(ids.flatten().long(), minlength=9).float())
 
 
 def test_empty_batch_and_bad_input():

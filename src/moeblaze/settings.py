@@ -11,7 +11,8 @@ so a variable set after import still counts (a dictionary read, ~0.2 µs, on the
 | ``tma`` | ``MOEBLAZE_TMA`` | on, off | weight reads through TMA descriptors on sm90+ |
 | ``persistent`` | ``MOEBLAZE_PERSISTENT`` | ``auto``, on, off | grouped-GEMM launch: tuned, persistent, per tile |
 | ``wgrad_persistent`` | ``MOEBLAZE_WGRAD_PERSISTENT`` | ``auto``, on, off | weight-gradient launch: the same choice |
-| ``ws_wgrad`` | ``MOEBLAZE_WS_WGRAD`` | on, off | weight gradients on the warp-specialized Gluon kernel (sm90, triton 3.6) |
+| ``ws_wgrad`` | ``MOEBLAZE_WS_WGRAD`` | on, off | weight gradients on a warp-specialized Gluon kernel (sm90) |
+| ``ws_gemm`` | ``MOEBLAZE_WS_GEMM`` | on, off | F2 and B3 on a warp-specialized Gluon GEMM (sm90) |
 | ``check_ids`` | ``MOEBLAZE_CHECK_IDS`` | on, off | ``build_dispatch``'s host-syncing id range check |
 | ``dispatch`` | ``MOEBLAZE_DISPATCH`` | ``auto``, ``torch`` | index build: Triton on CUDA, or PyTorch |
 | ``compile_rounding`` | ``MOEBLAZE_COMPILE_ROUNDING`` | ``auto``, on, off | token rounding compiled (auto: CUDA) |
@@ -84,6 +85,7 @@ SETTINGS: dict[str, tuple[str, Callable[[str, str], Any], Any]] = {
     "persistent": ("MOEBLAZE_PERSISTENT", _auto_bool, None),
     "wgrad_persistent": ("MOEBLAZE_WGRAD_PERSISTENT", _auto_bool, None),
     "ws_wgrad": ("MOEBLAZE_WS_WGRAD", _bool, True),
+    "ws_gemm": ("MOEBLAZE_WS_GEMM", _bool, True),
     "check_ids": ("MOEBLAZE_CHECK_IDS", _bool, True),
     "dispatch": ("MOEBLAZE_DISPATCH", _choice("auto", "torch"), "auto"),
     "compile_rounding": ("MOEBLAZE_COMPILE_ROUNDING", _auto_bool, None),

@@ -202,6 +202,11 @@ def grouped_gemm(a, b, c, offsets, indices, sched, *, b_nk, n_cols, k_dim, gathe
     max_tiles = sched[0].numel()
     if max_tiles != triton.cdiv(N, bm) + E:
         raise ValueError(f"grouped_gemm: the tile schedule has {max_tiles} entries; expected one for BLOCK_M={bm}")
+    plain = (epilogue == EPILOGUE_PLAIN.value and not (gather_a or scatter_c or dual or tf32) and scale is None
+             and bias is None and aux is None and up_shift_b is None and b_mode is None and weight_desc)
+    if plain and bm == 128 and ws_gemm_ok(a, b, c, b_nk, k_dim) and _ws_gemm_pays(max_tiles, n_cols, a.device):
+        grouped_gemm_ws(a, b, c, offsets, sched, b_nk=b_nk, n_cols=n_cols, k_dim=k_dim, n_start=n_start or 0)
+        return
     aux = aux if aux is not None else c
     scale = scale if scale is not None else offsets
     n_dim, k_dim_b = (1, 2) if b_nk else (2, 1)
@@ -312,4 +317,53 @@ def grouped_wgrad_ws(a, b, out, offsets, indices, *, gather_a: bool, config: dic
     ws_wgrad_kernel[(min(tiles, num_programs(a.device)),)](
         a, desc, out, offsets, indices, P, Q, E, a.stride(0), out.stride(0), out.stride(1),
         GATHER_A=gather_a, **cfg, num_warps=8, maxnreg=MAX_REGS,
+    )
+
+
+# The warp-specialized GEMM's configuration: the 128 x 256 tile and 64-column steps of the Triton kernels' best
+# configs, 3 stages (3 x 48 KiB) plus the 64 KiB output tile.
+WS_GEMM_CONFIG = {"BLOCK_N": 256, "BLOCK_K": 64, "NUM_STAGES": 3, "GROUP_M": 8}
+
+
+def _ws_gemm_pays(max_tiles: int, n_cols: int, device: torch.device) -> bool:
+    """The warp-specialized GEMM gets at least 4 output tiles per SM. Why: persistent, it needs several tiles per
+    CTA to overlap a tile's store with the next one's MMAs; against the Triton kernel (H200, 2026-11-26, CUDA-graph
+    replay, the measurement of ``python3 benchmarks/bench_ws.py``) F2 and B3 took 0.93-0.97x its time at 8k-32k tokens
+    of Qwen3-30B-A3B (17-50 tiles per SM), the same at 2k (6 per SM) and 1.13-1.14x at 1,500 tokens of (d 512,
+    h 320, E 16, K 2) (0.3 per SM)."""
+    return max_tiles * triton.cdiv(n_cols, WS_GEMM_CONFIG["BLOCK_N"]) >= 4 * num_programs(device)
+
+
+def ws_gemm_ok(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, b_nk: bool, k_dim: int) -> bool:
+    """:func:`grouped_gemm_ws` can serve a plain slot-row GEMM ``c = a @ b[e]``: :func:`ws_enabled` (``ws_gemm``),
+    16-bit operands and output of one dtype, a contiguous weight ``[E, n, k]`` (``b_nk``) or ``[E, k, n]``,
+    ``k_dim`` a multiple of 64 (whole TMA boxes along k, never into the next expert's weight) and aligned rows."""
+    if a.dtype not in (torch.float16, torch.bfloat16) or not (b.dtype == c.dtype == a.dtype):
+        return False
+    if not ws_enabled(a.device, "ws_gemm") or k_dim % 64 or a.shape[1] != k_dim or not b.is_contiguous():
+        return False
+    return b.shape[2 if b_nk else 1] == k_dim and _rows16(a) and _rows16(b[0]) and c.stride(1) == 1
+
+
+def grouped_gemm_ws(a, b, c, offsets, sched, *, b_nk: bool, n_cols: int, k_dim: int, n_start: int = 0,
+                    config: dict | None = None) -> None:
+    """Launch :func:`moeblaze.kernels.ws_gemm.ws_gemm_kernel` (check :func:`ws_gemm_ok` first): ``c[s, :n_cols] =
+    a[s] @ W[e][:, n_start:n_start + n_cols]`` over the 128-row tile schedule ``sched``. ``config``: overrides of
+    :data:`WS_GEMM_CONFIG` (block-size sweeps)."""
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from .ws_gemm import MAX_REGS, ws_gemm_kernel
+
+    cfg = {**WS_GEMM_CONFIG, **(config or {})}
+    E, n_ext = b.shape[0], b.shape[1 if b_nk else 2]
+    dt = gl.bfloat16 if a.dtype == torch.bfloat16 else gl.float16
+    a_box, w_box = [128, cfg["BLOCK_K"]], ([cfg["BLOCK_N"], cfg["BLOCK_K"]] if b_nk else [cfg["BLOCK_K"], cfg["BLOCK_N"]])
+    a_desc = TensorDescriptor.from_tensor(a, a_box, gl.NVMMASharedLayout.get_default_for(a_box, dt))
+    rows = b.reshape(E * b.shape[1], b.shape[2])
+    w_desc = TensorDescriptor.from_tensor(rows, w_box, gl.NVMMASharedLayout.get_default_for(w_box, dt))
+    tiles = sched[0].numel() * triton.cdiv(n_cols, cfg["BLOCK_N"])
+    ws_gemm_kernel[(min(tiles, num_programs(a.device)),)](
+        a_desc, w_desc, c, offsets, sched[0], sched[1], sched[2], k_dim, n_cols, n_ext, n_start, c.stride(0),
+        W_NK=b_nk, BLOCK_M=128, **cfg, num_warps=8, maxnreg=MAX_REGS,
     )

@@ -67,11 +67,11 @@ def _ws_supported(index: int) -> bool:
     return triton.__version__.startswith("3.6.") and torch.cuda.get_device_capability(index) == (9, 0)
 
 
-def ws_enabled(device: torch.device) -> bool:
-    """The warp-specialized Gluon weight gradient (:mod:`moeblaze.kernels.ws_wgrad`) may run on ``device``: an
-    sm90 GPU, triton 3.6, not the interpreter, the ``ws_wgrad`` and ``tma`` settings on (it reads the slot rows
-    through TMA: ``MOEBLAZE_TMA=0`` measures the pointer path of the Triton kernel)."""
-    if device.type != "cuda" or interpreting() or not (settings.get("ws_wgrad") and settings.get("tma")):
+def ws_enabled(device: torch.device, setting: str = "ws_wgrad") -> bool:
+    """A warp-specialized Gluon kernel may run on ``device``: an sm90 GPU, triton 3.6, not the interpreter, its
+    ``setting`` (``ws_wgrad``: :mod:`moeblaze.kernels.ws_wgrad`; ``ws_gemm``: :mod:`moeblaze.kernels.ws_gemm`) and
+    ``tma`` on (they read through TMA: ``MOEBLAZE_TMA=0`` measures the pointer paths of the Triton kernels)."""
+    if device.type != "cuda" or interpreting() or not (settings.get(setting) and settings.get("tma")):
         return False
     return _ws_supported(device.index if device.index is not None else torch.cuda.current_device())
 

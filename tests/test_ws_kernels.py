@@ -1,4 +1,5 @@
-"""The warp-specialized Gluon weight gradient (``moeblaze.kernels.ws_wgrad``) against the float64 reference.
+"""The warp-specialized Gluon kernels (``moeblaze.kernels.ws_wgrad``: B2, B4; ``moeblaze.kernels.ws_gemm``: F2, B3)
+against the float64 reference.
 
 It runs only on an sm90 GPU with triton 3.6 (Gluon kernels have no CPU interpreter), so apart from the gating
 checks these tests are ``gpu``-marked and skip elsewhere. Each GPU test asserts that the Gluon launcher ran.
@@ -76,7 +77,7 @@ def test_gpu_ws_wgrad_against_float64(case, dtype, out_dtype, monkeypatch):
                            @ b[offsets[e]:offsets[e + 1]].double() for e in range(E)])
         ref = ref.transpose(1, 2) if transpose else ref
 
-        def wgrad(ws):
+        def wgrad(ws, a=a, b=b, q=q, transpose=transpose):
             with moeblaze.settings.override(ws_wgrad=ws, autotune=False):
                 return launch.grouped_wgrad(a, b, offsets, indices, p=d, q=q, out_dtype=out_dtype, transpose=transpose)
 
@@ -97,22 +98,89 @@ def test_gpu_ws_wgrad_against_float64(case, dtype, out_dtype, monkeypatch):
 @needs_ws
 @pytest.mark.parametrize("save", ["preact", "input"])
 def test_gpu_layer_with_ws_wgrad_bf16(save, monkeypatch):
-    """The layer's backward with the Gluon weight gradients: the expert-weight gradients against the float64
-    reference (DESIGN.md §7 rule) and the Triton kernel's."""
+    """The layer with the Gluon kernels (F2, B3 and the weight gradients): outputs and gradients against the
+    float64 reference (DESIGN.md §7 rule) and the Triton kernels'."""
+    from moeblaze.testing import run_and_grad
     from test_experts_triton import NAMES, check_against_reference, inputs, triton_experts
 
-    from moeblaze.testing import run_and_grad
-
     ran = []
-    orig = launch.grouped_wgrad_ws
-    monkeypatch.setattr(launch, "grouped_wgrad_ws", lambda *a, **k: ran.append(1) or orig(*a, **k))
+    monkeypatch.setattr(launch, "_ws_gemm_pays", lambda *x: True)
+    for name in ("grouped_wgrad_ws", "grouped_gemm_ws"):
+        orig = getattr(launch, name)
+        monkeypatch.setattr(launch, name, lambda *a, _o=orig, _n=name, **k: ran.append(_n) or _o(*a, **k))
     inp = inputs(1024, 256, 192, 32, 4, dtype=torch.bfloat16)
     check_against_reference(inp, "swiglu", save)
-    assert ran
+    assert set(ran) == {"grouped_wgrad_ws", "grouped_gemm_ws"}
     dout = torch.randn_like(inp["x"])
     runs = []
     for ws in (True, False):
-        with moeblaze.settings.override(ws_wgrad=ws, autotune=False):
+        with moeblaze.settings.override(ws_wgrad=ws, ws_gemm=ws, autotune=False):
             runs.append(run_and_grad(triton_experts("swiglu", save), inp, dout))
     for name, x, y in zip(NAMES, *runs):
         assert (x.double() - y.double()).abs().max() <= 2 ** -7 * y.double().abs().max(), name
+
+
+def test_ws_gemm_gating_on_cpu_and_by_setting():
+    """Never on the CPU; 16-bit tensors of one dtype, a contiguous weight, k a multiple of 64; ``ws_gemm`` and
+    ``tma`` switch it off."""
+    a, c = torch.zeros(8, 64, dtype=torch.bfloat16), torch.zeros(8, 32, dtype=torch.bfloat16)
+    w = torch.zeros(2, 32, 64, dtype=torch.bfloat16)
+    assert not launch.ws_gemm_ok(a, w, c, True, 64)
+    if HAS_CUDA and ws_enabled(torch.device("cuda"), "ws_gemm"):
+        a, w, c = a.cuda(), w.cuda(), c.cuda()
+        assert launch.ws_gemm_ok(a, w, c, True, 64)
+        assert not launch.ws_gemm_ok(a.float(), w.float(), c.float(), True, 64)
+        assert not launch.ws_gemm_ok(a, w, c.half(), True, 64)
+        assert not launch.ws_gemm_ok(a[:, :48], w[..., :48], c, True, 48)  # k % 64
+        assert not launch.ws_gemm_ok(a, w.transpose(1, 2).contiguous().transpose(1, 2), c, True, 64)
+        for off in ({"ws_gemm": False}, {"tma": False}):
+            with moeblaze.settings.override(**off):
+                assert not launch.ws_gemm_ok(a, w, c, True, 64)
+
+
+GEMM_CASES = {  # T, k, n, E, K, routing: several M-tiles per expert, empty experts, partial N tiles
+    "qwen3-like": (2048, 768, 2048, 128, 8, "random"),
+    "ragged": (1500, 128, 320, 16, 2, "holes"),
+    "one_expert": (700, 256, 200, 8, 2, "one_expert"),
+}
+
+
+@pytest.mark.gpu
+@needs_ws
+@pytest.mark.parametrize("case", GEMM_CASES)
+@pytest.mark.parametrize("b_nk", [True, False])
+def test_gpu_ws_gemm_against_float64(case, b_nk, monkeypatch):
+    """``c[s] = a[s] @ W[e]`` for every slot (F2's ``[E, n, k]`` weight and B3's ``[E, k, n]``), whole and in column
+    chunks: within bf16 rounding of the float64 products; every slot row written, nothing past the chunk."""
+    T, k, n, E, K, kind = GEMM_CASES[case]
+    gen = torch.Generator(device=DEVICE).manual_seed(T + k)
+    index = build_dispatch(_routing(T, E, K, kind, gen), E, block_m=128)
+    offsets, indices, sched = index.expert_token_offsets, index.expert_token_indices, index.schedule
+    N = indices.numel()
+    a = torch.randn(N, k, device=DEVICE, dtype=torch.bfloat16, generator=gen)
+    w = torch.randn((E, n, k) if b_nk else (E, k, n), device=DEVICE, dtype=torch.bfloat16, generator=gen)
+    wk = w.transpose(1, 2) if b_nk else w  # [E, k, n]
+    bounds = offsets.tolist()
+    ref = torch.cat([a[bounds[e]:bounds[e + 1]].double() @ wk[e].double() for e in range(E)])
+    ran = []
+    orig = launch.grouped_gemm_ws
+    monkeypatch.setattr(launch, "grouped_gemm_ws", lambda *x, **kw: ran.append(1) or orig(*x, **kw))
+    monkeypatch.setattr(launch, "_ws_gemm_pays", lambda *x: True)  # small shapes take it too (fewer tiles than SMs)
+    sched_t = (sched.tile_expert, sched.tile_row_start, sched.num_tiles)
+    for c0, c1 in ((0, n), (0, 128), (128, n)):
+        c = torch.full((N, c1 - c0 + 8), float("nan"), device=DEVICE, dtype=torch.bfloat16)
+        with moeblaze.settings.override(autotune=False):
+            launch.grouped_gemm(a, w, c, offsets, indices, sched_t, b_nk=b_nk, n_cols=c1 - c0, k_dim=k,
+                                gather_a=False, n_start=c0 or None)
+        got = c[:, :c1 - c0]
+        assert torch.isnan(c[:, c1 - c0:]).all()  # nothing written past the chunk
+        scale = ref.abs().max()
+        assert (got.double() - ref[:, c0:c1]).abs().max() <= 2 ** -7 * scale, (c0, c1)
+    assert len(ran) == 3
+
+
+def test_ws_gemm_takes_shapes_of_several_tiles_per_sm(monkeypatch):
+    """The Gluon GEMM runs where it gets >= 4 output tiles per SM (below, the Triton kernel was faster)."""
+    monkeypatch.setattr(launch, "num_programs", lambda device: 132)
+    assert launch._ws_gemm_pays(264, 512, torch.device("cuda"))  # 264 M-tiles x 2 N-tiles = 4 per SM
+    assert not launch._ws_gemm_pays(263, 512, torch.device("cuda"))

@@ -1,0 +1,124 @@
+"""The warp-specialized Gluon kernels against the Triton ones they replace, same inputs, same call (sm90, triton 3.6).
+
+For each shape (T, d, h, E, K; random top-k routing, bf16): F2 (``act [N, h] @ w_down[e]^T`` in the layer's column
+chunks) and B3 (``dpre [N, 2h] @ w_gate_up[e]``) through ``launch.grouped_gemm``, and B2 / B4 (the weight gradients)
+through ``launch.grouped_wgrad``, once with the settings ``ws_gemm`` / ``ws_wgrad`` on and once off (the Triton
+kernels, autotuned). Each is timed as a CUDA-graph replay (``triton.testing.do_bench``, median), so the host's launch
+time is out of the figure; ``--check`` also compares both with the float64 sums on the first shape. One CSV row
+per kernel and shape.
+
+Usage (GPU): ``python3 benchmarks/bench_ws.py --out ws.csv`` (the shapes of issues 24 and 25 by default).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import os
+
+import torch
+import triton
+import triton.testing
+
+from moeblaze import build_dispatch, settings
+from moeblaze.kernels import launch
+from moeblaze.kernels.experts import column_chunks
+
+SHAPES = "2048:2048:768:128:8,8192:2048:768:128:8,32768:2048:768:128:8,16384:1536:1024:128:2,16384:2048:512:512:10"
+
+
+def _graph_ms(fn) -> float:
+    """Median ms of ``fn`` replayed from a CUDA graph (run once first: autotuning and compiling stay outside)."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    return triton.testing.do_bench(graph.replay, warmup=25, rep=100)
+
+
+def _steps(T, d, h, E, K, gen):
+    """(name, setting, run(out) -> out, float64 reference or None, flops) of F2, B3, B2 and B4 at one shape."""
+    ids = torch.rand(T, E, device="cuda", generator=gen).topk(K, dim=1).indices.to(torch.int32)
+    index = build_dispatch(ids, E, block_m=128)
+    off, ind, sc = index.expert_token_offsets, index.expert_token_indices, index.schedule
+    sched, N = (sc.tile_expert, sc.tile_row_start, sc.num_tiles), ind.numel()
+
+    def randn(*shape, std=1.0):
+        return torch.randn(*shape, device="cuda", dtype=torch.bfloat16, generator=gen) * std
+
+    act, dpre, x, dout = randn(N, h), randn(N, 2 * h), randn(T, d), randn(T, d)
+    w_down, w_gate_up = randn(E, d, h, std=0.03), randn(E, 2 * h, d, std=0.03)
+    chunks = column_chunks(N, d, h, 2)
+
+    def gemm(a, w, b_nk, k):
+        def run():
+            buf = a.new_empty(N, max(c1 - c0 for c0, c1 in chunks))
+            for c0, c1 in chunks:
+                launch.grouped_gemm(a, w, buf[:, :c1 - c0], off, ind, sched, b_nk=b_nk, n_cols=c1 - c0, k_dim=k,
+                                    gather_a=False, n_start=c0 or None)
+            return buf[:, :chunks[-1][1] - chunks[-1][0]]  # the last chunk's columns
+        return run
+
+    def wgrad(a, b, q, transpose):
+        return lambda: launch.grouped_wgrad(a, b, off, ind, p=d, q=q, out_dtype=torch.bfloat16, transpose=transpose)
+
+    bounds = off.tolist()
+    c0 = chunks[-1][0]
+
+    def ref_gemm(a, wk):  # wk [E, k, n]: the last chunk's columns of a[s] @ W[e]
+        return torch.cat([a[bounds[e]:bounds[e + 1]].double() @ wk[e, :, c0:].double() for e in range(E)])
+
+    def ref_wgrad(a, b, transpose):
+        out = torch.stack([a[ind[bounds[e]:bounds[e + 1]].long()].double().T @ b[bounds[e]:bounds[e + 1]].double()
+                           for e in range(E)])
+        return out.transpose(1, 2) if transpose else out
+
+    return [
+        ("F2", "ws_gemm", gemm(act, w_down, True, h), lambda: ref_gemm(act, w_down.transpose(1, 2)), 2 * N * h * d),
+        ("B3", "ws_gemm", gemm(dpre, w_gate_up, False, 2 * h), lambda: ref_gemm(dpre, w_gate_up), 4 * N * h * d),
+        ("B2", "ws_wgrad", wgrad(dout, act, h, False), lambda: ref_wgrad(dout, act, False), 2 * N * h * d),
+        ("B4", "ws_wgrad", wgrad(x, dpre, 2 * h, True), lambda: ref_wgrad(x, dpre, True), 4 * N * h * d),
+    ]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shapes", default=SHAPES, help="comma-separated T:d:h:E:K")
+    ap.add_argument("--check", action="store_true", help="compare both kernels with the float64 sums (first shape)")
+    ap.add_argument("--out", default="bench_ws.csv", help="CSV to append rows to")
+    args = ap.parse_args()
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    fields = ["date", "device", "torch", "triton", "T", "d", "h", "E", "K", "step", "triton_ms", "ws_ms", "speedup",
+              "triton_tflops", "ws_tflops", "err_triton", "err_ws"]
+    new = not os.path.exists(args.out)
+    with open(args.out, "a", newline="") as f:
+        out = csv.DictWriter(f, fieldnames=fields)
+        if new:
+            out.writeheader()
+        for i, spec in enumerate(args.shapes.split(",")):
+            T, d, h, E, K = map(int, spec.split(":"))
+            for name, setting, run, ref, flops in _steps(T, d, h, E, K, gen):
+                row = {"date": datetime.date.today().isoformat(), "device": torch.cuda.get_device_name(),
+                       "torch": torch.__version__, "triton": triton.__version__, "T": T, "d": d, "h": h, "E": E,
+                       "K": K, "step": name}
+                want = ref() if args.check and i == 0 else None
+                for on in (False, True):
+                    with settings.override(**{setting: on}):
+                        ms = _graph_ms(run)
+                        if want is not None:
+                            row["err_ws" if on else "err_triton"] = float((run().double() - want).abs().max()
+                                                                         / want.abs().max())
+                    row["ws_ms" if on else "triton_ms"] = round(ms, 4)
+                    row["ws_tflops" if on else "triton_tflops"] = round(flops / ms / 1e9, 1)
+                row["speedup"] = round(row["triton_ms"] / row["ws_ms"], 3)
+                out.writerow(row)
+                f.flush()
+                print(row, flush=True)
+
+
+if __name__ == "__main__":
+    main()
