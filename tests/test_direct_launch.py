@@ -83,6 +83,27 @@ def test_what_triton_specialises_on_makes_a_new_signature(fake_gpu, change):
     assert len(fn.compiled) == 2 and len(fn.launched) == 1
 
 
+class TensorDescriptor:  # the fields of a host tensor descriptor (Gluon's, triton.tools') that a launch reads
+    def __init__(self, base, block_shape, layout="nvmma128", padding="zero"):
+        self.base, self.block_shape, self.layout, self.padding = base, block_shape, layout, padding
+        self.shape, self.strides = list(base.shape), list(base.stride())
+
+
+@pytest.mark.parametrize("change", [{"block_shape": [32, 64]}, {"layout": "nvmma64"}, {"base": "half"}])
+def test_host_tensor_descriptors_launch_directly_keyed_on_their_type(fake_gpu, change):
+    """A descriptor argument (the warp-specialized Gluon kernels' TMA operands) launches directly; another block
+    shape, shared layout or dtype is another compiled kernel; another tensor of the same type is not."""
+    fn, x = _FakeJit(), torch.zeros(64, 64)
+    desc = TensorDescriptor(x, [64, 64])
+    direct.launch(fn, (1,), x_ptr=desc, n=64, scale=1.0, BLOCK=16)
+    direct.launch(fn, (1,), x_ptr=TensorDescriptor(torch.ones(128, 64), [64, 64]), n=64, scale=1.0, BLOCK=16)
+    assert len(fn.compiled) == 1 and fn.launched[0][9] is not desc  # the new descriptor reaches the launcher
+    kw = {"base": x, "block_shape": [64, 64], **change}
+    kw["base"] = x.half() if kw["base"] == "half" else kw["base"]
+    direct.launch(fn, (1,), x_ptr=TensorDescriptor(**kw), n=64, scale=1.0, BLOCK=16)
+    assert len(fn.compiled) == 2 and len(fn.launched) == 1
+
+
 def test_interpreter_and_launch_hooks_take_triton_s_launch(fake_gpu, monkeypatch):
     fn, x = _FakeJit(), torch.zeros(64)
     monkeypatch.setattr(direct.triton.knobs.runtime, "launch_enter_hook", lambda *a: None)  # Triton <= 3.6's form

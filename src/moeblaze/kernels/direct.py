@@ -50,10 +50,10 @@ class _Plan:
         self.kernels: dict[tuple, tuple] = {}  # signature -> (launcher, function, packed metadata)
 
     def layout(self, types: tuple) -> tuple | None:
-        """Getters of the constexpr values, the tensors and the integers of a launch with these argument
-        types (None: an argument of a type Triton specialises otherwise, e.g. a tensor descriptor)."""
+        """Getters of the constexpr values, the tensors, the integers and the host tensor descriptors of a launch
+        with these argument types (None: an argument of a type Triton specialises otherwise)."""
         if types not in self.layouts:
-            const, tensors, ints, other = [], [], [], False
+            const, tensors, ints, descs, other = [], [], [], [], False
             for i, (t, is_const) in enumerate(zip(types, self.constexpr)):
                 if is_const:
                     const.append(i)
@@ -61,9 +61,11 @@ class _Plan:
                     tensors.append(i)
                 elif t is int:
                     ints.append(i)
+                elif t.__name__ == "TensorDescriptor":  # Gluon's and triton.tools' host descriptors
+                    descs.append(i)
                 elif t not in (bool, float, type(None)):
                     other = True
-            self.layouts[types] = None if other else (_getter(const), _getter(tensors), _getter(ints))
+            self.layouts[types] = None if other else (_getter(const), _getter(tensors), _getter(ints), _getter(descs))
         return self.layouts[types]
 
 
@@ -73,15 +75,17 @@ _PLANS: dict[object, _Plan] = {}  # jitted function -> its plan
 def _signature(plan: _Plan, values: list, kwargs: dict, device: int) -> tuple:
     """The signature of a launch: what Triton specialises on — launch options, argument types, constexpr
     values, tensor dtypes and 16-byte alignment, integers' ``== 1``, divisibility by 16 and type (i32, i64,
-    u64 by range). ``()`` where no direct launch applies."""
+    u64 by range), and a host tensor descriptor's type (its base's dtype, block shape and shared layout: the
+    launcher reads its base, shape and strides at each launch). ``()`` where no direct launch applies."""
     types = tuple(map(type, values))
     layout = plan.layout(types)
     if layout is None:
         return ()
-    consts, tensors, ints = layout
+    consts, tensors, ints, descs = layout
     opts = frozenset((k, kwargs[k]) for k in kwargs.keys() - plan.name_set)
     return (device, opts, types, consts(values), tuple((t.dtype, t.data_ptr() % 16 == 0) for t in tensors(values)),
-            tuple((v == 1, v % 16 == 0, -_I32 <= v < _I32, v < _U64) for v in ints(values)))
+            tuple((v == 1, v % 16 == 0, -_I32 <= v < _I32, v < _U64) for v in ints(values)),
+            tuple((d.base.dtype, tuple(d.block_shape), d.layout, d.padding) for d in descs(values)))
 
 
 def _triton_launch_only() -> bool:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 import triton
 
+from . import direct
 from .grouped_gemm import (
     B_DESC_KN,
     B_DESC_NK,
@@ -314,8 +315,9 @@ def grouped_wgrad_ws(a, b, out, offsets, indices, *, gather_a: bool, config: dic
     dt = gl.bfloat16 if b.dtype == torch.bfloat16 else gl.float16
     desc = TensorDescriptor.from_tensor(b, box, gl.NVMMASharedLayout.get_default_for(box, dt))
     tiles = E * triton.cdiv(P, cfg["BLOCK_P"]) * triton.cdiv(Q, cfg["BLOCK_Q"])
-    ws_wgrad_kernel[(min(tiles, num_programs(a.device)),)](
-        a, desc, out, offsets, indices, P, Q, E, a.stride(0), out.stride(0), out.stride(1),
+    direct.launch(ws_wgrad_kernel, (min(tiles, num_programs(a.device)),),
+        g_ptr=a, r_desc=desc, c_ptr=out, offsets_ptr=offsets, indices_ptr=indices, P=P, Q=Q, NUM_EXPERTS=E,
+        stride_g_t=a.stride(0), stride_c_e=out.stride(0), stride_c_p=out.stride(1),
         GATHER_A=gather_a, **cfg, num_warps=8, maxnreg=MAX_REGS,
     )
 
@@ -363,7 +365,8 @@ def grouped_gemm_ws(a, b, c, offsets, sched, *, b_nk: bool, n_cols: int, k_dim: 
     rows = b.reshape(E * b.shape[1], b.shape[2])
     w_desc = TensorDescriptor.from_tensor(rows, w_box, gl.NVMMASharedLayout.get_default_for(w_box, dt))
     tiles = sched[0].numel() * triton.cdiv(n_cols, cfg["BLOCK_N"])
-    ws_gemm_kernel[(min(tiles, num_programs(a.device)),)](
-        a_desc, w_desc, c, offsets, sched[0], sched[1], sched[2], k_dim, n_cols, n_ext, n_start, c.stride(0),
+    direct.launch(ws_gemm_kernel, (min(tiles, num_programs(a.device)),),
+        a_desc=a_desc, w_desc=w_desc, c_ptr=c, offsets_ptr=offsets, tile_expert_ptr=sched[0], tile_row_ptr=sched[1],
+        num_tiles_ptr=sched[2], K_DIM=k_dim, N_COLS=n_cols, N_EXT=n_ext, N_START=n_start, stride_c_m=c.stride(0),
         W_NK=b_nk, BLOCK_M=128, **cfg, num_warps=8, maxnreg=MAX_REGS,
     )
