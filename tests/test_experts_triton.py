@@ -459,14 +459,17 @@ def test_gpu_saved_bytes(save):
 
 
 def test_act_bwd_skips_foreign_slots():
-    """``act_bwd_rows`` with ``local_slots``: rows at or past it (foreign slots, whole blocks of them returning at
-    once) are left as they were; the local rows equal a run over every row."""
-    from moeblaze.kernels.act_bwd import act_bwd_rows
+    """``act_bwd_rows`` with ``local_slots``: the first ``ZERO_TAIL`` foreign rows get zeros in ``w * act`` and
+    ``dpre`` (their router-weight gradient is left as it was), the rows past them (whole blocks returning at once)
+    are left as they were, NaN included; the local rows equal a run over every row."""
+    from moeblaze.kernels.act_bwd import ZERO_TAIL, act_bwd_rows
     from moeblaze.kernels.act_math import ACTIVATION_CODES
 
     gen = torch.Generator().manual_seed(0)
-    N, h, local = 23, 8, 9  # interpreter blocks of 4 rows: 8..11 straddle the limit, 12.. are all foreign
+    tail = ZERO_TAIL.value
+    N, h, local = 9 + tail + 14, 8, 9  # interpreter blocks of 4 rows: 8..11 straddle the limit
     dact0, pre0 = torch.randn(N, h, generator=gen), torch.randn(N, 2 * h, generator=gen)
+    dact0[local:], pre0[local:] = float("nan"), float("nan")  # foreign rows: never computed, any garbage
     scale = torch.rand(N, generator=gen)
     outs = {}
     for limit in (None, torch.tensor([local], dtype=torch.int32)):
@@ -475,7 +478,9 @@ def test_act_bwd_skips_foreign_slots():
         act_bwd_rows(dact, pre, pre, scale, dtw, h=h, activation=ACTIVATION_CODES["swiglu"], store_wact=True,
                      local_slots=limit)
         outs[limit is None] = (dact, pre, dtw)
-    for full, limited, before in zip(outs[True], outs[False], (dact0, pre0, torch.full((N,), 7.0))):
-        assert torch.equal(limited[:local], full[:local])
-        assert torch.equal(limited[local:], before[local:])
-        assert not torch.equal(full[local:], before[local:])
+    (dact, pre, dtw), full = outs[False], outs[True]
+    for got, want in zip((dact, pre, dtw), full):
+        assert torch.equal(got[:local], want[:local])
+    assert (dact[local:local + tail] == 0).all() and (pre[local:local + tail] == 0).all()
+    assert dact[local + tail:].isnan().all() and pre[local + tail:].isnan().all()
+    assert (dtw[local:] == 7.0).all()

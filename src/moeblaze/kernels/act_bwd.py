@@ -24,7 +24,10 @@ Every element is read before it is overwritten, by the same program: in-place is
 atomic (bitwise reproducible). ``pre``'s layout is F1's (``PRE_STEP``/``UP_OFF``: gate/up blocks, or the
 alternating columns of an interleaved ``w_gate_up``), and ``dpre`` is written in the same layout.
 ``HAS_LIMIT`` (an index with foreign experts): rows ``>= limit[0]`` (foreign slots, never computed by F1)
-are skipped. ``TF32_DPRE`` (fp32 at TF32 precision): ``dpre`` is stored rounded to TF32, the A operand of
+are skipped, except the first ``ZERO_TAIL`` of them, whose ``w * act`` and ``dpre`` are written as zeros: the
+weight gradients read whole 64-slot TMA boxes of these two, so the last local expert's box reaches that far into
+the foreign rows, where uninitialised values (a NaN times the gathered side's zeros) would spread
+(:mod:`moeblaze.kernels.ws_wgrad`). ``TF32_DPRE`` (fp32 at TF32 precision): ``dpre`` is stored rounded to TF32, the A operand of
 B3, which then reads it without a rounded copy (:mod:`moeblaze.kernels.tf32`; the expert-bias gradient
 ``db_gate_up``, a sum of ``dpre`` rows, sums the rounded values).
 """
@@ -38,6 +41,9 @@ import triton.language as tl
 from .act_math import FIRST_NON_GATED, act_backward, act_forward
 from .tf32 import round_tf32_values
 from .tuning import Launchable, act_bwd_configs
+
+# foreign rows after the last local slot whose w * act and dpre are zeroed (>= the weight gradients' slot step)
+ZERO_TAIL = tl.constexpr(64)
 
 
 @triton.jit
@@ -55,13 +61,15 @@ def act_bwd_rows_kernel(
 ):
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     row_mask = rows < N
+    store_mask = row_mask  # rows written: the computed ones and the zeroed tail
     if HAS_LIMIT:
         local = tl.load(limit_ptr)
         # a block of foreign slots only (token rounding's dropped and unused pairs: a fifth of the rows at
         # (16384, 4096, 1024, 256, 4)) returns at once instead of looping over h with every lane masked
-        if tl.program_id(0) * BLOCK_R >= local:
+        if tl.program_id(0) * BLOCK_R >= local + ZERO_TAIL:
             return
-        row_mask &= rows < local
+        store_mask &= rows < local + ZERO_TAIL
+        row_mask &= rows < local  # the tail's loads are masked to zeros, so every value stored there is 0
     rows64 = rows.to(tl.int64)[:, None]
     w = tl.load(scale_ptr + rows, mask=row_mask, other=0.0)[:, None]
     part = tl.zeros([BLOCK_R], tl.float32)
@@ -82,14 +90,15 @@ def act_bwd_rows_kernel(
             part += tl.sum(dact * act, axis=1)
         if STORE_WACT:  # rounded like the torch backend: (w * act.to(dtype)).to(dtype)
             wact = act.to(dact_ptr.dtype.element_ty).to(tl.float32) * w
-            tl.store(dact_ptrs, wact.to(dact_ptr.dtype.element_ty), mask=mask)
+            tl.store(dact_ptrs, wact.to(dact_ptr.dtype.element_ty), mask=store_mask[:, None] & (cols < H))
         dgate, dup = act_backward(dact * w, gate, up, alpha, limit, ACTIVATION)
         if TF32_DPRE:  # dpre is B3's A operand, read as it is (no rounded copy)
             dgate, dup = round_tf32_values(dgate), round_tf32_values(dup)
         dpre_ptrs = dpre_ptr + rows64 * stride_dpre_m + cols * PRE_STEP
-        tl.store(dpre_ptrs, dgate.to(dpre_ptr.dtype.element_ty), mask=mask)
+        out_mask = store_mask[:, None] & (cols < H)
+        tl.store(dpre_ptrs, dgate.to(dpre_ptr.dtype.element_ty), mask=out_mask)
         if ACTIVATION < FIRST_NON_GATED:
-            tl.store(dpre_ptrs + UP_OFF, dup.to(dpre_ptr.dtype.element_ty), mask=mask)
+            tl.store(dpre_ptrs + UP_OFF, dup.to(dpre_ptr.dtype.element_ty), mask=out_mask)
     if STORE_PART:
         tl.store(dtw_ptr + rows, part, mask=row_mask)
 
@@ -109,7 +118,8 @@ def act_bwd_rows(dact: torch.Tensor, pre: torch.Tensor, dpre: torch.Tensor, scal
             (may be one tensor); scale: ``[N]`` fp32 slot weights; dtw: ``[N]`` fp32 or None.
         All with unit column stride (checked by the callers).
         alpha, limit: the clamped SwiGLU's parameters. interleaved: gated ``pre`` alternates gate, up.
-        local_slots: ``[1]`` int32 on the device, rows at or past it are skipped (foreign slots), or None.
+        local_slots: ``[1]`` int32 on the device, rows at or past it are skipped (foreign slots; the first
+            ``ZERO_TAIL`` of them get zeros), or None.
         tf32_dpre: store ``dpre`` rounded to TF32 (fp32 ``dpre`` only).
     """
     N = dact.shape[0]

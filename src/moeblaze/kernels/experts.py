@@ -313,7 +313,7 @@ def _down_backward_impl(dout, pre, w2, b2, topk_weights, offsets, indices, tile_
     if need_dw:
         flip = _stored_transposed(w2)  # [E, h, d] storage: the transposed products, viewed back as [E, d, h]
         dw2 = grouped_wgrad(dout, dact, offsets, indices, p=d, q=h, out_dtype=dw_dtype or w2.dtype, transpose=flip,
-                            slot_desc=not foreign)
+                            slot_desc=not foreign, zero_tail=foreign)  # act_bwd_rows zeroed the tail (foreign)
         dw2 = dw2.transpose(1, 2) if flip else dw2
     return dw2, dtw
 
@@ -392,7 +392,7 @@ def _up_backward_impl(dpre, x, w1, offsets, indices, tile_expert, tile_row, num_
         # as dW1[e]^T = sum_s x[token]^T dpre[s]: the gathered operand on the A side (moeblaze.kernels.wgrad)
         flip = _stored_transposed(w1)  # [E, d, rows] storage (GPT-OSS): the plain products, viewed back
         dw1 = grouped_wgrad(x, dpre, offsets, indices, p=d, q=rows, out_dtype=dw_dtype or w1.dtype,
-                            transpose=not flip, slot_desc=not foreign)
+                            transpose=not flip, slot_desc=not foreign, zero_tail=foreign)
         dw1 = dw1.transpose(1, 2) if flip else dw1
     return dx, dw1
 

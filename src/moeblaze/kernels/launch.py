@@ -11,6 +11,7 @@ import torch
 import triton
 
 from . import direct
+from .act_bwd import ZERO_TAIL
 from .grouped_gemm import (
     B_DESC_KN,
     B_DESC_NK,
@@ -237,14 +238,17 @@ def grouped_gemm(a, b, c, offsets, indices, sched, *, b_nk, n_cols, k_dim, gathe
     )
 
 
-def grouped_wgrad(a, b, offsets, indices, *, p, q, out_dtype, transpose=False, slot_desc=True, k_major=None):
+def grouped_wgrad(a, b, offsets, indices, *, p, q, out_dtype, transpose=False, slot_desc=True, zero_tail=False,
+                  k_major=None):
     """Launch :func:`grouped_wgrad_kernel`: ``dW[e] = sum_s a[token(s)]^T b[s]`` in ``out_dtype``.
 
     ``a [T, p]`` (rows read through ``indices``), ``b [N, q]`` slot rows (through a TMA descriptor where
     :func:`tma_enabled` and its rows are 16-byte aligned), both with unit column stride. Returns
     ``[E, p, q]``, or ``[E, q, p]`` (the transposed products, stored through swapped strides) if ``transpose``.
     ``slot_desc=False`` reads ``b`` through clamped pointers: its rows past the last expert are never read
-    (they hold foreign slots, never computed, whose garbage times A's zeros could be NaN).
+    (they hold foreign slots, never computed, whose garbage times A's zeros could be NaN). ``zero_tail``: those
+    rows are foreign but the first ``act_bwd.ZERO_TAIL`` of them hold zeros (the activation backward wrote them),
+    which is all the warp-specialized kernel's whole TMA boxes read of them.
     ``k_major`` (default: fp32 operands of a TF32 GEMM on the GPU): read TF32-rounded copies of both operands,
     gathered into per-expert padded slot order with the slots contiguous (``GATHER_A=False`` of the kernel).
     """
@@ -253,7 +257,7 @@ def grouped_wgrad(a, b, offsets, indices, *, p, q, out_dtype, transpose=False, s
     if indices.numel() == 0 or p == 0 or q == 0:
         return torch.zeros(shape, dtype=out_dtype, device=a.device)
     out = torch.empty(shape, dtype=out_dtype, device=a.device)
-    if k_major is None and slot_desc and ws_wgrad_ok(a, b, out_dtype):
+    if k_major is None and (slot_desc or zero_tail) and ws_wgrad_ok(a, b, out_dtype):
         grouped_wgrad_ws(a, b, out, offsets, indices, gather_a=not transpose)
         return out
     stride_c_p, stride_c_q = (out.stride(2), out.stride(1)) if transpose else (out.stride(1), out.stride(2))
@@ -284,6 +288,7 @@ def grouped_wgrad(a, b, offsets, indices, *, p, q, out_dtype, transpose=False, s
 # kernels' best tiles), 64 slots per step in 3 stages (3 x 48 KiB) plus the 64 KiB output tile: 208 KiB of
 # shared memory, one CTA per SM.
 WS_WGRAD_CONFIG = {"BLOCK_P": 128, "BLOCK_Q": 256, "BLOCK_K": 64, "NUM_STAGES": 3, "GROUP_M": 8}
+assert WS_WGRAD_CONFIG["BLOCK_K"] <= ZERO_TAIL.value  # a box reads at most BLOCK_K - 1 rows past its expert
 
 
 def _rows16(t: torch.Tensor) -> bool:
