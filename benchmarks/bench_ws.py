@@ -16,12 +16,15 @@ import argparse
 import csv
 import datetime
 import os
+import sys
+from pathlib import Path
 
 import torch
 import triton
 import triton.testing
 
 from moeblaze import build_dispatch, settings
+from moeblaze.bench.results import git_commit
 from moeblaze.kernels import launch
 from moeblaze.kernels.experts import column_chunks
 
@@ -90,10 +93,13 @@ def main() -> None:
     ap.add_argument("--shapes", default=SHAPES, help="comma-separated T:d:h:E:K")
     ap.add_argument("--check", action="store_true", help="compare both kernels with the float64 sums (first shape)")
     ap.add_argument("--out", default="bench_ws.csv", help="CSV to append rows to")
+    ap.add_argument("--commit", help="code version the rows record (default: git's HEAD here, +dirty)")
     args = ap.parse_args()
+    commit = args.commit or git_commit(Path(__file__).parent)
+    command = " ".join(["python3", *sys.argv])
     gen = torch.Generator(device="cuda").manual_seed(0)
-    fields = ["date", "device", "torch", "triton", "T", "d", "h", "E", "K", "step", "triton_ms", "ws_ms", "speedup",
-              "triton_tflops", "ws_tflops", "err_triton", "err_ws"]
+    fields = ["date", "device", "commit", "torch", "triton", "command", "T", "d", "h", "E", "K", "step", "triton_ms",
+              "ws_ms", "speedup", "triton_tflops", "ws_tflops", "err_triton", "err_ws"]
     new = not os.path.exists(args.out)
     with open(args.out, "a", newline="") as f:
         out = csv.DictWriter(f, fieldnames=fields)
@@ -103,7 +109,8 @@ def main() -> None:
             T, d, h, E, K = map(int, spec.split(":"))
             for name, setting, run, ref, flops in _steps(T, d, h, E, K, gen):
                 row = {"date": datetime.date.today().isoformat(), "device": torch.cuda.get_device_name(),
-                       "torch": torch.__version__, "triton": triton.__version__, "T": T, "d": d, "h": h, "E": E,
+                       "commit": commit, "torch": torch.__version__, "triton": triton.__version__, "command": command,
+                       "T": T, "d": d, "h": h, "E": E,
                        "K": K, "step": name}
                 want = ref() if args.check and i == 0 else None
                 for on in (False, True):
