@@ -11,8 +11,8 @@ slot steps and a store, and in Triton one warp group both loads and multiplies: 
 products 1.4x faster on a contiguous copy (H200, 2026-11-26, docs/benchmarks.md "The weight gradient at
 128 slots per step"; Nsight: 37% of SM throughput, 7.4 cycles between issued instructions). Here one
 persistent CTA per SM runs three partitions over the same sequence of output tiles; against the autotuned Triton
-kernel this took 0.70-0.72x its time at 128 slots per expert (Qwen3-30B-A3B, T 2,048), 0.77-0.81x at 256-320 and
-0.92-0.94x at 2,048 (H200, 2026-11-26, the measurement of ``python3 benchmarks/bench_ws.py``):
+kernel this took 0.73-0.74x its time at 128 slots per expert (Qwen3-30B-A3B, T 2,048), 0.77-0.86x at 256-512 and
+0.88-0.89x at 2,048 (H200, 2026-11-26, ``python3 benchmarks/bench_ws.py``, rows in docs/results-ws.csv):
 
   mma      (8 warps, default)  two warp groups run ``wgmma`` into a ``[BLOCK_P, BLOCK_Q]`` fp32 accumulator
                                (one wgmma in flight), both operands read from shared memory with the slots
