@@ -28,14 +28,16 @@ from __future__ import annotations
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import (
-    mbarrier,
-    tma,
-    warpgroup_mma,
-    warpgroup_mma_wait,
-)
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
-from .ws_wgrad import EPILOGUE_WARPS, LOADER_WARPS, MAX_REGS, WORKER_REGS  # noqa: F401 (MAX_REGS: the launcher's)
+from .ws_wgrad import (  # noqa: F401 (MAX_REGS: the launcher's)
+    EPILOGUE_WARPS,
+    LOADER_WARPS,
+    MAX_REGS,
+    WORKER_REGS,
+    hand_over,
+    mma_step,
+)
 
 
 @gluon.jit
@@ -102,16 +104,10 @@ def _mma(sched, smem, bars, dims, W_NK: gl.constexpr, BLOCK_M: gl.constexpr, BLO
                 w = w_bufs.index(s).permute((1, 0))  # [BLOCK_N, BLOCK_K] rows n -> K-major [BLOCK_K, BLOCK_N]
             else:
                 w = w_bufs.index(s)
-            acc = warpgroup_mma(a_bufs.index(s), w, acc, is_async=True)
-            acc = warpgroup_mma_wait(1, deps=(acc,))
-            mbarrier.arrive(empty.index(prev), count=1, pred=k > 0)  # the previous stage's wgmma retired
+            acc = mma_step(a_bufs.index(s), w, acc, empty, prev, k > 0)
             prev = s
             it += 1
-        acc = warpgroup_mma_wait(0, deps=(acc,))
-        mbarrier.arrive(empty.index(prev), count=1)
-        mbarrier.wait(c_empty.index(0), (i_tile & 1) ^ 1)
-        c_smem.store(acc.to(c_smem.dtype))
-        mbarrier.arrive(c_ready.index(0), count=1)
+        hand_over(acc, empty, prev, c_smem, c_empty, c_ready, i_tile)
 
 
 @gluon.jit

@@ -75,6 +75,27 @@ def _range(offsets_ptr, t, num_p, num_q, NUM_EXPERTS):
 
 
 @gluon.jit
+def mma_step(a, b, acc, empty, prev, pred):
+    """``acc += a @ b`` issued asynchronously with one ``wgmma`` left in flight: the previous step's has retired, so
+    its stage ``prev`` goes back to the loader (``pred``: this tile had a previous step)."""
+    acc = warpgroup_mma(a, b, acc, is_async=True)
+    acc = warpgroup_mma_wait(1, deps=(acc,))
+    mbarrier.arrive(empty.index(prev), count=1, pred=pred)
+    return acc
+
+
+@gluon.jit
+def hand_over(acc, empty, prev, c_smem, c_empty, c_ready, i_tile):
+    """The tile's last ``wgmma`` retired and its stage released; the accumulator, rounded to ``c_smem``'s dtype,
+    into ``c_smem`` once the epilogue partition has stored the previous tile."""
+    acc = warpgroup_mma_wait(0, deps=(acc,))
+    mbarrier.arrive(empty.index(prev), count=1)
+    mbarrier.wait(c_empty.index(0), (i_tile & 1) ^ 1)
+    c_smem.store(acc.to(c_smem.dtype))
+    mbarrier.arrive(c_ready.index(0), count=1)
+
+
+@gluon.jit
 def _loader(ptrs, smem, bars, dims, GATHER_A: gl.constexpr, BLOCK_P: gl.constexpr, BLOCK_Q: gl.constexpr,
             BLOCK_K: gl.constexpr, NUM_STAGES: gl.constexpr, GROUP_M: gl.constexpr):
     """Fill stage ``s``: gathered rows by cp.async, slot rows by TMA; both complete on ``ready[s]``."""
@@ -159,16 +180,10 @@ def _mma(ptrs, smem, bars, dims, GATHER_A: gl.constexpr, BLOCK_P: gl.constexpr, 
             else:
                 a = r_bufs.index(s).permute((1, 0))
                 b = g_bufs.index(s)
-            acc = warpgroup_mma(a, b, acc, is_async=True)
-            acc = warpgroup_mma_wait(1, deps=(acc,))
-            mbarrier.arrive(empty.index(prev), count=1, pred=kk > 0)  # the previous stage's wgmma retired
+            acc = mma_step(a, b, acc, empty, prev, kk > 0)
             prev = s
             it += 1
-        acc = warpgroup_mma_wait(0, deps=(acc,))
-        mbarrier.arrive(empty.index(prev), count=1)
-        mbarrier.wait(c_empty.index(0), (i_tile & 1) ^ 1)
-        c_smem.store(acc.to(c_smem.dtype))
-        mbarrier.arrive(c_ready.index(0), count=1)
+        hand_over(acc, empty, prev, c_smem, c_empty, c_ready, i_tile)
         start = start_n
         end = end_n
 
