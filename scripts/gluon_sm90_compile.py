@@ -1,0 +1,109 @@
+"""Compile moeblaze's warp-specialized Gluon kernels for sm90 without a GPU (a developer's check before a device call).
+
+The GPU machine runs triton 3.6, whose Gluon API the kernels are written against; the workplace has no GPU. Triton
+compiles for a target it is told (``GPUTarget("cuda", 90, 32)``) and ships its own ``ptxas``, so a triton 3.6
+installed beside the project's (no torch needed) compiles the kernels to a cubin here: compile errors, shared memory,
+registers and spills show up without spending device time, and the TTGIR and PTX can be read. This is how the
+hang of ``ws_wgrad``'s first version was found: its mma partition's TTGIR no longer carried the next tile's slot
+range through the loop (docs/benchmarks.md, "Warp-specialized Gluon kernels").
+
+Usage (repo root)::
+
+    python3 -m venv /tmp/t36 && /tmp/t36/bin/pip install triton==3.6.0
+    /tmp/t36/bin/python scripts/gluon_sm90_compile.py [--dump DIR]
+
+Prints one line per compiled variant (shared memory bytes, registers, spill bytes); ``--dump DIR`` writes each
+variant's TTGIR and PTX there (compare two versions' PTX to check that a refactor compiles to the same code).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import subprocess
+import sys
+import tempfile
+import types
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon._runtime import GluonASTSource
+
+# the kernels' modules without the package's __init__ (which imports torch)
+_PKG = types.ModuleType("mbk")
+_PKG.__path__ = [os.path.join(os.path.dirname(__file__), "..", "src", "moeblaze", "kernels")]
+sys.modules["mbk"] = _PKG
+DIV16 = [["tt.divisibility", 16]]  # what the JIT specialises a 16-byte aligned pointer or a multiple of 16 to
+
+
+def _desc(dtype: str, block: list[int]) -> str:
+    layout = gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16 if dtype == "bf16" else gl.float16)
+    return f"tensordesc<{dtype}[{block[0]}, {block[1]}],{layout!r}>"
+
+
+def _compile(fn, sig: dict, consts: dict, divisible: list[str], max_regs: int):
+    names = list(sig)
+    src = GluonASTSource(fn, sig, {(names.index(k),): v for k, v in consts.items()},
+                         {(names.index(n),): DIV16 for n in divisible})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8, "maxnreg": max_regs})
+
+
+def variants():
+    """(name, compiled kernel) of the configurations the launchers use, bf16 operands."""
+    wg = importlib.import_module("mbk.ws_wgrad")
+    gm = importlib.import_module("mbk.ws_gemm")
+    for gather_a in (True, False):
+        for out in ("bf16", "fp32"):
+            sig = {"g_ptr": "*bf16", "r_desc": _desc("bf16", [64, 256 if gather_a else 128]), "c_ptr": f"*{out}",
+                   "offsets_ptr": "*i32", "indices_ptr": "*i32", "P": "i32", "Q": "i32", "NUM_EXPERTS": "i32",
+                   "stride_g_t": "i32", "stride_c_e": "i32", "stride_c_p": "i32"}
+            consts = dict(GATHER_A=gather_a, BLOCK_P=128, BLOCK_Q=256, BLOCK_K=64, NUM_STAGES=3, GROUP_M=8,
+                          num_warps=8)
+            sig.update(dict.fromkeys(consts, "constexpr"))
+            yield (f"ws_wgrad gather_a={gather_a} out={out}",
+                   _compile(wg.ws_wgrad_kernel, sig, consts, ["g_ptr", "c_ptr", "offsets_ptr", "indices_ptr", "P", "Q",
+                                                              "stride_g_t", "stride_c_e", "stride_c_p"], wg.MAX_REGS))
+    for w_nk in (True, False):
+        sig = {"a_desc": _desc("bf16", [128, 64]), "w_desc": _desc("bf16", [256, 64] if w_nk else [64, 256]),
+               "c_ptr": "*bf16", "offsets_ptr": "*i32", "tile_expert_ptr": "*i32", "tile_row_ptr": "*i32",
+               "num_tiles_ptr": "*i32", "K_DIM": "i32", "N_COLS": "i32", "N_EXT": "i32", "N_START": "i32",
+               "stride_c_m": "i32"}
+        consts = dict(W_NK=w_nk, BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, NUM_STAGES=3, GROUP_M=8, num_warps=8)
+        sig.update(dict.fromkeys(consts, "constexpr"))
+        yield (f"ws_gemm w_nk={w_nk}",
+               _compile(gm.ws_gemm_kernel, sig, consts, ["c_ptr", "offsets_ptr", "tile_expert_ptr", "tile_row_ptr",
+                                                         "num_tiles_ptr", "K_DIM", "N_COLS", "N_EXT", "stride_c_m"],
+                        gm.MAX_REGS))
+
+
+def _usage(cubin: bytes) -> str:
+    """ptxas's register and spill counts of a cubin, through the cuobjdump that ships with triton."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+        out = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+    return " ".join(w for line in out.splitlines() if "REG:" in line for w in line.split()
+                    if w.startswith(("REG:", "STACK:", "LOCAL:")))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--dump", help="folder for each variant's TTGIR and PTX")
+    args = ap.parse_args()
+    if not triton.__version__.startswith("3.6."):
+        sys.exit(f"needs triton 3.6 (the GPU machine's), found {triton.__version__}")
+    for name, kernel in variants():
+        print(f"{name}: shared {kernel.metadata.shared} bytes, {_usage(kernel.asm['cubin'])}")
+        if args.dump:
+            os.makedirs(args.dump, exist_ok=True)
+            stem = os.path.join(args.dump, name.replace(" ", "_").replace("=", "-"))
+            for ext in ("ttgir", "ptx"):
+                with open(f"{stem}.{ext}", "w") as f:
+                    f.write(kernel.asm[ext])
+
+
+if __name__ == "__main__":
+    main()
