@@ -75,7 +75,7 @@ def variants():
         yield (f"ws_gemm w_nk={w_nk}",
                _compile(gm.ws_gemm_kernel, sig, consts, ["c_ptr", "offsets_ptr", "tile_expert_ptr", "tile_row_ptr",
                                                          "num_tiles_ptr", "K_DIM", "N_COLS", "N_EXT", "stride_c_m"],
-                        gm.MAX_REGS))
+                        wg.MAX_REGS))
 
 
 def _usage(cubin: bytes) -> str:

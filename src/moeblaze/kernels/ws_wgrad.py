@@ -95,6 +95,36 @@ def hand_over(acc, empty, prev, c_smem, c_empty, c_ready, i_tile):
     mbarrier.arrive(c_ready.index(0), count=1)
 
 
+# The epilogue partition reads c_smem in 32 x 64 pieces over its 64 threads: 32 elements per thread.
+EPI_LAYOUT: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [EPILOGUE_WARPS.value, 1], [1, 0])
+EPI_ROWS: gl.constexpr = gl.constexpr(32)
+EPI_COLS: gl.constexpr = gl.constexpr(64)
+
+
+@gluon.jit
+def piece_lanes():
+    """Row and column offsets of an epilogue piece (made once per partition, outside its tile loop)."""
+    return (gl.arange(0, EPI_ROWS, layout=gl.SliceLayout(1, EPI_LAYOUT)),
+            gl.arange(0, EPI_COLS, layout=gl.SliceLayout(0, EPI_LAYOUT)))
+
+
+@gluon.jit
+def store_tile(c_smem, base, row0, col0, row_end, col_end, stride, r_in, c_in, BLOCK_R: gl.constexpr,
+               BLOCK_C: gl.constexpr):
+    """``c_smem [BLOCK_R, BLOCK_C]`` -> ``base[row0 + r, col0 + c]`` (row stride ``stride``, unit column stride) in
+    ``base``'s dtype, rows from ``row_end`` and columns from ``col_end`` on masked, piece by piece
+    (``r_in, c_in = piece_lanes()``)."""
+    for i in gl.static_range(BLOCK_R // EPI_ROWS):
+        rows = row0 + i * EPI_ROWS + r_in
+        piece = c_smem.slice(i * EPI_ROWS, EPI_ROWS, dim=0)
+        for j in gl.static_range(BLOCK_C // EPI_COLS):
+            col = col0 + j * EPI_COLS + c_in
+            v = piece.slice(j * EPI_COLS, EPI_COLS, dim=1).load(EPI_LAYOUT)
+            mask = (rows < row_end)[:, None] & (col < col_end)[None, :]
+            gl.store(base + rows.to(gl.int64)[:, None] * stride + col[None, :], v.to(base.dtype.element_ty),
+                     mask=mask)
+
+
 @gluon.jit
 def _loader(ptrs, smem, bars, dims, GATHER_A: gl.constexpr, BLOCK_P: gl.constexpr, BLOCK_Q: gl.constexpr,
             BLOCK_K: gl.constexpr, NUM_STAGES: gl.constexpr, GROUP_M: gl.constexpr):
@@ -117,7 +147,7 @@ def _loader(ptrs, smem, bars, dims, GATHER_A: gl.constexpr, BLOCK_P: gl.constexp
     tokens = gl.load(indices_ptr + start + ks, mask=start + ks < end, other=0)
     it = 0  # steps issued so far: stage it % NUM_STAGES, phase (it // NUM_STAGES) & 1
     for _ in range(gl.cdiv(NUM_EXPERTS * num_p * num_q - t, programs)):
-        e, pid_p, pid_q = _tile(t, num_p, num_q, GROUP_M)
+        _, pid_p, pid_q = _tile(t, num_p, num_q, GROUP_M)
         g0 = (pid_p * BLOCK_P) if GATHER_A else (pid_q * BLOCK_Q)
         r0 = (pid_q * BLOCK_Q) if GATHER_A else (pid_p * BLOCK_P)
         g_cols = g0 + cols
@@ -196,28 +226,16 @@ def _epilogue(ptrs, smem, bars, dims, GATHER_A: gl.constexpr, BLOCK_P: gl.conste
     g_bufs, r_bufs, c_smem = smem
     ready, empty, c_ready, c_empty = bars
     P, Q, NUM_EXPERTS, stride_g_t, stride_c_e, stride_c_p = dims
-    layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [EPILOGUE_WARPS, 1], [1, 0])
-    ROWS: gl.constexpr = 32  # 32 x 64 pieces over 64 threads: 32 elements per thread
-    COLS: gl.constexpr = 64
-    r_in = gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
-    c_in = gl.arange(0, COLS, layout=gl.SliceLayout(0, layout))
+    r_in, c_in = piece_lanes()
     num_p = gl.cdiv(P, BLOCK_P)
     num_q = gl.cdiv(Q, BLOCK_Q)
     programs = gl.num_programs(0)
     t = gl.program_id(0)
     for i_tile in range(gl.cdiv(NUM_EXPERTS * num_p * num_q - t, programs)):
         e, pid_p, pid_q = _tile(t, num_p, num_q, GROUP_M)
-        base = c_ptr + e.to(gl.int64) * stride_c_e
         mbarrier.wait(c_ready.index(0), i_tile & 1)
-        for i in gl.static_range(BLOCK_P // ROWS):
-            rows = pid_p * BLOCK_P + i * ROWS + r_in
-            piece = c_smem.slice(i * ROWS, ROWS, dim=0)
-            for j in gl.static_range(BLOCK_Q // COLS):
-                col = pid_q * BLOCK_Q + j * COLS + c_in
-                v = piece.slice(j * COLS, COLS, dim=1).load(layout)
-                mask = (rows < P)[:, None] & (col < Q)[None, :]
-                gl.store(base + rows.to(gl.int64)[:, None] * stride_c_p + col[None, :],
-                         v.to(c_ptr.dtype.element_ty), mask=mask)
+        store_tile(c_smem, c_ptr + e.to(gl.int64) * stride_c_e, pid_p * BLOCK_P, pid_q * BLOCK_Q, P, Q, stride_c_p,
+                   r_in, c_in, BLOCK_P, BLOCK_Q)
         mbarrier.arrive(c_empty.index(0), count=1)
         t += programs
 
