@@ -19,6 +19,15 @@ needs_ws = pytest.mark.skipif(not (HAS_CUDA and ws_enabled(torch.device("cuda"))
                               reason="needs an sm90 GPU and triton 3.6")
 
 
+def _spy(monkeypatch, *names: str) -> list[str]:
+    """Record each call of the named launchers of ``moeblaze.kernels.launch`` (by name), still launching."""
+    calls = []
+    for name in names:
+        orig = getattr(launch, name)
+        monkeypatch.setattr(launch, name, lambda *a, _o=orig, _n=name, **k: calls.append(_n) or _o(*a, **k))
+    return calls
+
+
 def test_gating_on_cpu_and_by_setting():
     """Never on the CPU; 16-bit operands of one dtype, an output in that dtype or fp32, a gathered width that is a
     multiple of 16; the ``ws_wgrad`` and ``tma`` settings switch it off."""
@@ -67,9 +76,7 @@ def test_gpu_ws_wgrad_against_float64(case, dtype, out_dtype, monkeypatch):
     index = build_dispatch(_routing(T, E, K, kind, gen), E)
     offsets, indices = index.expert_token_offsets, index.expert_token_indices
     N = indices.numel()
-    ran = []
-    orig = launch.grouped_wgrad_ws
-    monkeypatch.setattr(launch, "grouped_wgrad_ws", lambda *a, **k: ran.append(1) or orig(*a, **k))
+    ran = _spy(monkeypatch, "grouped_wgrad_ws")
     for q, transpose in ((h, False), (2 * h, True)):
         a = torch.randn(T, d, device=DEVICE, dtype=dtype, generator=gen)
         b = torch.randn(N, q, device=DEVICE, dtype=dtype, generator=gen)
@@ -103,11 +110,8 @@ def test_gpu_layer_with_ws_wgrad_bf16(save, monkeypatch):
     from moeblaze.testing import run_and_grad
     from test_experts_triton import NAMES, check_against_reference, inputs, triton_experts
 
-    ran = []
     monkeypatch.setattr(launch, "_ws_gemm_pays", lambda *x: True)
-    for name in ("grouped_wgrad_ws", "grouped_gemm_ws"):
-        orig = getattr(launch, name)
-        monkeypatch.setattr(launch, name, lambda *a, _o=orig, _n=name, **k: ran.append(_n) or _o(*a, **k))
+    ran = _spy(monkeypatch, "grouped_wgrad_ws", "grouped_gemm_ws")
     inp = inputs(1024, 256, 192, 32, 4, dtype=torch.bfloat16)
     check_against_reference(inp, "swiglu", save)
     assert set(ran) == {"grouped_wgrad_ws", "grouped_gemm_ws"}
@@ -162,9 +166,7 @@ def test_gpu_ws_gemm_against_float64(case, b_nk, monkeypatch):
     wk = w.transpose(1, 2) if b_nk else w  # [E, k, n]
     bounds = offsets.tolist()
     ref = torch.cat([a[bounds[e]:bounds[e + 1]].double() @ wk[e].double() for e in range(E)])
-    ran = []
-    orig = launch.grouped_gemm_ws
-    monkeypatch.setattr(launch, "grouped_gemm_ws", lambda *x, **kw: ran.append(1) or orig(*x, **kw))
+    ran = _spy(monkeypatch, "grouped_gemm_ws")
     monkeypatch.setattr(launch, "_ws_gemm_pays", lambda *x: True)  # small shapes take it too (fewer tiles than SMs)
     sched_t = (sched.tile_expert, sched.tile_row_start, sched.num_tiles)
     for c0, c1 in ((0, n), (0, 128), (128, n)):
@@ -184,3 +186,13 @@ def test_ws_gemm_takes_shapes_of_several_tiles_per_sm(monkeypatch):
     monkeypatch.setattr(launch, "num_programs", lambda device: 132)
     assert launch._ws_gemm_pays(792, 512, torch.device("cuda"))  # 792 M-tiles x 2 N-tiles = 12 per SM
     assert not launch._ws_gemm_pays(791, 512, torch.device("cuda"))
+
+
+def test_host_descriptor_layout_is_built_once_per_box_and_dtype():
+    """The launchers' TMA descriptors: the box and the layout ``wgmma`` reads (Gluon's default for the box), one
+    layout object per box and dtype across launches."""
+    gl = pytest.importorskip("triton.experimental.gluon.language")
+    t = torch.zeros(64, 256, dtype=torch.bfloat16)
+    d1, d2 = launch._tma_desc(t, [64, 128]), launch._tma_desc(t.clone(), [64, 128])
+    assert d1.block_shape == [64, 128] and d1.layout == gl.NVMMASharedLayout.get_default_for([64, 128], gl.bfloat16)
+    assert d2.layout is d1.layout and launch._tma_desc(t.half(), [64, 128]).layout is not d1.layout

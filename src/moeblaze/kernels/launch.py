@@ -7,6 +7,8 @@ static length (``cdiv(N, BLOCK_M) + E`` M-tiles; programs past ``num_tiles`` exi
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 
@@ -79,10 +81,15 @@ def _rows_tma_ok(t: torch.Tensor, row_stride: int) -> bool:
     return t.data_ptr() % 16 == 0 and row_stride * t.element_size() % 16 == 0
 
 
+def _rows_aligned(t: torch.Tensor) -> bool:
+    """Rows of ``t [rows, cols]`` are contiguous and 16-byte aligned: whole TMA rows, whole 16-byte cp.async."""
+    return t.stride(1) == 1 and _rows_tma_ok(t, t.stride(0))
+
+
 def _slot_rows_desc(t: torch.Tensor, gathered: bool) -> bool:
     """An activation operand ``t [rows, cols]`` is read through a TMA descriptor: not gathered (its rows are
     slots, in order), unit column stride, TMA enabled and aligned rows."""
-    return not gathered and t.stride(1) == 1 and tma_enabled(t.device) and _rows_tma_ok(t, t.stride(0))
+    return not gathered and tma_enabled(t.device) and _rows_aligned(t)
 
 
 def b_desc_mode(b: torch.Tensor, b_nk: bool, k_dim: int, paired: bool = False) -> int:
@@ -291,34 +298,39 @@ WS_WGRAD_CONFIG = {"BLOCK_P": 128, "BLOCK_Q": 256, "BLOCK_K": 64, "NUM_STAGES": 
 assert WS_WGRAD_CONFIG["BLOCK_K"] <= ZERO_TAIL.value  # a box reads at most BLOCK_K - 1 rows past its expert
 
 
-def _rows16(t: torch.Tensor) -> bool:
-    """Rows of 16-bit ``t`` are contiguous and start 16-byte aligned: whole 16-byte cp.async / TMA rows."""
-    return t.stride(1) == 1 and _rows_tma_ok(t, t.stride(0))
-
-
 def ws_wgrad_ok(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> bool:
     """:func:`grouped_wgrad_ws` can serve ``grouped_wgrad(a, b, ...)``: :func:`ws_enabled`, 16-bit operands of
     one dtype, an output in that dtype or fp32, aligned contiguous rows and ``a``'s width a multiple of 16
     (its masked columns then go as whole 16-byte copies)."""
     if a.dtype not in (torch.float16, torch.bfloat16) or b.dtype != a.dtype or out_dtype not in (a.dtype, torch.float32):
         return False
-    return ws_enabled(a.device) and a.shape[1] % 16 == 0 and _rows16(a) and _rows16(b)
+    return ws_enabled(a.device) and a.shape[1] % 16 == 0 and _rows_aligned(a) and _rows_aligned(b)
+
+
+@functools.cache
+def _nvmma_layout(box: tuple[int, ...], dtype: torch.dtype):
+    """The shared-memory layout ``wgmma`` reads a 16-bit ``box`` in (the same for every launch of a box and dtype)."""
+    from triton.experimental.gluon import language as gl
+
+    return gl.NVMMASharedLayout.get_default_for(list(box), gl.bfloat16 if dtype == torch.bfloat16 else gl.float16)
+
+
+def _tma_desc(t: torch.Tensor, box: list[int]):
+    """A host TMA descriptor over the rows of 16-bit ``t`` (aligned: :func:`_rows_aligned`), ``box`` per copy."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    return TensorDescriptor.from_tensor(t, box, _nvmma_layout(tuple(box), t.dtype))
 
 
 def grouped_wgrad_ws(a, b, out, offsets, indices, *, gather_a: bool, config: dict | None = None) -> None:
     """Launch :func:`moeblaze.kernels.ws_wgrad.ws_wgrad_kernel` into ``out`` (check :func:`ws_wgrad_ok` first):
     ``out[e] = sum_s a[token(s)]^T b[s]`` (``[E, p, q]``, ``gather_a``) or its transpose ``sum_s b[s]^T a[token(s)]``
     (``[E, q, p]``), contiguous. ``config``: overrides of :data:`WS_WGRAD_CONFIG` (block-size sweeps)."""
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
     from .ws_wgrad import MAX_REGS, ws_wgrad_kernel
 
     cfg = {**WS_WGRAD_CONFIG, **(config or {})}
     E, P, Q = out.shape
-    box = [cfg["BLOCK_K"], cfg["BLOCK_Q"] if gather_a else cfg["BLOCK_P"]]
-    dt = gl.bfloat16 if b.dtype == torch.bfloat16 else gl.float16
-    desc = TensorDescriptor.from_tensor(b, box, gl.NVMMASharedLayout.get_default_for(box, dt))
+    desc = _tma_desc(b, [cfg["BLOCK_K"], cfg["BLOCK_Q"] if gather_a else cfg["BLOCK_P"]])
     tiles = E * triton.cdiv(P, cfg["BLOCK_P"]) * triton.cdiv(Q, cfg["BLOCK_Q"])
     direct.launch(ws_wgrad_kernel, (min(tiles, num_programs(a.device)),),
         g_ptr=a, r_desc=desc, c_ptr=out, offsets_ptr=offsets, indices_ptr=indices, P=P, Q=Q, NUM_EXPERTS=E,
@@ -354,7 +366,7 @@ def ws_gemm_ok(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, b_nk: bool, k_
         return False
     if not ws_enabled(a.device, "ws_gemm") or k_dim % 64 or a.shape[1] != k_dim or not b.is_contiguous():
         return False
-    return b.shape[2 if b_nk else 1] == k_dim and _rows16(a) and _rows16(b[0]) and c.stride(1) == 1
+    return b.shape[2 if b_nk else 1] == k_dim and _rows_aligned(a) and _rows_aligned(b[0]) and c.stride(1) == 1
 
 
 def grouped_gemm_ws(a, b, c, offsets, sched, *, b_nk: bool, n_cols: int, k_dim: int, n_start: int = 0,
@@ -362,18 +374,14 @@ def grouped_gemm_ws(a, b, c, offsets, sched, *, b_nk: bool, n_cols: int, k_dim: 
     """Launch :func:`moeblaze.kernels.ws_gemm.ws_gemm_kernel` (check :func:`ws_gemm_ok` first): ``c[s, :n_cols] =
     a[s] @ W[e][:, n_start:n_start + n_cols]`` over the 128-row tile schedule ``sched``. ``config``: overrides of
     :data:`WS_GEMM_CONFIG` (block-size sweeps)."""
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
-    from .ws_gemm import MAX_REGS, ws_gemm_kernel
+    from .ws_gemm import ws_gemm_kernel
+    from .ws_wgrad import MAX_REGS
 
     cfg = {**WS_GEMM_CONFIG, **(config or {})}
     E, n_ext = b.shape[0], b.shape[1 if b_nk else 2]
-    dt = gl.bfloat16 if a.dtype == torch.bfloat16 else gl.float16
-    a_box, w_box = [128, cfg["BLOCK_K"]], ([cfg["BLOCK_N"], cfg["BLOCK_K"]] if b_nk else [cfg["BLOCK_K"], cfg["BLOCK_N"]])
-    a_desc = TensorDescriptor.from_tensor(a, a_box, gl.NVMMASharedLayout.get_default_for(a_box, dt))
-    rows = b.reshape(E * b.shape[1], b.shape[2])
-    w_desc = TensorDescriptor.from_tensor(rows, w_box, gl.NVMMASharedLayout.get_default_for(w_box, dt))
+    a_desc = _tma_desc(a, [128, cfg["BLOCK_K"]])
+    w_box = [cfg["BLOCK_N"], cfg["BLOCK_K"]] if b_nk else [cfg["BLOCK_K"], cfg["BLOCK_N"]]
+    w_desc = _tma_desc(b.reshape(E * b.shape[1], b.shape[2]), w_box)
     tiles = sched[0].numel() * triton.cdiv(n_cols, cfg["BLOCK_N"])
     direct.launch(ws_gemm_kernel, (min(tiles, num_programs(a.device)),),
         a_desc=a_desc, w_desc=w_desc, c_ptr=c, offsets_ptr=offsets, tile_expert_ptr=sched[0], tile_row_ptr=sched[1],
