@@ -28,9 +28,14 @@ from __future__ import annotations
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
+from triton.experimental.gluon.language.nvidia.hopper import (
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
 
-from .ws_wgrad import EPILOGUE_WARPS, LOADER_WARPS, WORKER_REGS, hand_over, mma_step, piece_lanes, store_tile
+from .ws_wgrad import EPILOGUE_WARPS, LOADER_WARPS, MAX_REGS, WORKER_REGS  # noqa: F401 (MAX_REGS: the launcher's)
 
 
 @gluon.jit
@@ -97,10 +102,16 @@ def _mma(sched, smem, bars, dims, W_NK: gl.constexpr, BLOCK_M: gl.constexpr, BLO
                 w = w_bufs.index(s).permute((1, 0))  # [BLOCK_N, BLOCK_K] rows n -> K-major [BLOCK_K, BLOCK_N]
             else:
                 w = w_bufs.index(s)
-            acc = mma_step(a_bufs.index(s), w, acc, empty, prev, k > 0)
+            acc = warpgroup_mma(a_bufs.index(s), w, acc, is_async=True)
+            acc = warpgroup_mma_wait(1, deps=(acc,))
+            mbarrier.arrive(empty.index(prev), count=1, pred=k > 0)  # the previous stage's wgmma retired
             prev = s
             it += 1
-        hand_over(acc, empty, prev, c_smem, c_empty, c_ready, i_tile)
+        acc = warpgroup_mma_wait(0, deps=(acc,))
+        mbarrier.arrive(empty.index(prev), count=1)
+        mbarrier.wait(c_empty.index(0), (i_tile & 1) ^ 1)
+        c_smem.store(acc.to(c_smem.dtype))
+        mbarrier.arrive(c_ready.index(0), count=1)
 
 
 @gluon.jit
@@ -110,14 +121,25 @@ def _epilogue(c_ptr, sched, smem, bars, dims, BLOCK_M: gl.constexpr, BLOCK_N: gl
     a_bufs, w_bufs, c_smem = smem
     ready, empty, c_ready, c_empty = bars
     K_DIM, N_COLS, N_EXT, N_START, stride_c_m = dims
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [EPILOGUE_WARPS, 1], [1, 0])
+    ROWS: gl.constexpr = 32  # 32 x 64 pieces over 64 threads: 32 elements per thread
+    COLS: gl.constexpr = 64
     num_tiles = gl.load(num_tiles_ptr)
     num_n = gl.cdiv(N_COLS, BLOCK_N)
-    r_in, c_in = piece_lanes()
+    r_in = gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
+    c_in = gl.arange(0, COLS, layout=gl.SliceLayout(0, layout))
     for i_tile in range(gl.cdiv(num_tiles * num_n - gl.program_id(0), gl.num_programs(0))):
         t = gl.program_id(0) + i_tile * gl.num_programs(0)
         pid_n, e, row0, row_end = _tile(t, num_tiles, num_n, tile_expert_ptr, tile_row_ptr, offsets_ptr, GROUP_M)
         mbarrier.wait(c_ready.index(0), i_tile & 1)
-        store_tile(c_smem, c_ptr, row0, pid_n * BLOCK_N, row_end, N_COLS, stride_c_m, r_in, c_in, BLOCK_M, BLOCK_N)
+        for i in gl.static_range(BLOCK_M // ROWS):
+            rows = row0 + i * ROWS + r_in
+            piece = c_smem.slice(i * ROWS, ROWS, dim=0)
+            for j in gl.static_range(BLOCK_N // COLS):
+                col = pid_n * BLOCK_N + j * COLS + c_in
+                v = piece.slice(j * COLS, COLS, dim=1).load(layout)
+                mask = (rows < row_end)[:, None] & (col < N_COLS)[None, :]
+                gl.store(c_ptr + rows.to(gl.int64)[:, None] * stride_c_m + col[None, :], v, mask=mask)
         mbarrier.arrive(c_empty.index(0), count=1)
 
 

@@ -11,8 +11,8 @@ slot steps and a store, and in Triton one warp group both loads and multiplies: 
 products 1.4x faster on a contiguous copy (H200, 2026-11-26, docs/benchmarks.md "The weight gradient at
 128 slots per step"; Nsight: 37% of SM throughput, 7.4 cycles between issued instructions). Here one
 persistent CTA per SM runs three partitions over the same sequence of output tiles; against the autotuned Triton
-kernel this took 0.73-0.74x its time at 128 slots per expert (Qwen3-30B-A3B, T 2,048), 0.77-0.86x at 256-512 and
-0.88-0.89x at 2,048 (H200, 2026-11-26, ``python3 benchmarks/bench_ws.py``, rows in docs/results-ws.csv):
+kernel this took 0.70-0.72x its time at 128 slots per expert (Qwen3-30B-A3B, T 2,048), 0.77-0.81x at 256-320 and
+0.92-0.94x at 2,048 (H200, 2026-11-26, the measurement of ``python3 benchmarks/bench_ws.py``):
 
   mma      (8 warps, default)  two warp groups run ``wgmma`` into a ``[BLOCK_P, BLOCK_Q]`` fp32 accumulator
                                (one wgmma in flight), both operands read from shared memory with the slots
@@ -75,57 +75,6 @@ def _range(offsets_ptr, t, num_p, num_q, NUM_EXPERTS):
 
 
 @gluon.jit
-def mma_step(a, b, acc, empty, prev, pred):
-    """``acc += a @ b`` issued asynchronously with one ``wgmma`` left in flight: the previous step's has retired, so
-    its stage ``prev`` goes back to the loader (``pred``: this tile had a previous step)."""
-    acc = warpgroup_mma(a, b, acc, is_async=True)
-    acc = warpgroup_mma_wait(1, deps=(acc,))
-    mbarrier.arrive(empty.index(prev), count=1, pred=pred)
-    return acc
-
-
-@gluon.jit
-def hand_over(acc, empty, prev, c_smem, c_empty, c_ready, i_tile):
-    """The tile's last ``wgmma`` retired and its stage released; the accumulator, rounded to ``c_smem``'s dtype,
-    into ``c_smem`` once the epilogue partition has stored the previous tile."""
-    acc = warpgroup_mma_wait(0, deps=(acc,))
-    mbarrier.arrive(empty.index(prev), count=1)
-    mbarrier.wait(c_empty.index(0), (i_tile & 1) ^ 1)
-    c_smem.store(acc.to(c_smem.dtype))
-    mbarrier.arrive(c_ready.index(0), count=1)
-
-
-# The epilogue partition reads c_smem in 32 x 64 pieces over its 64 threads: 32 elements per thread.
-EPI_LAYOUT: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [EPILOGUE_WARPS.value, 1], [1, 0])
-EPI_ROWS: gl.constexpr = gl.constexpr(32)
-EPI_COLS: gl.constexpr = gl.constexpr(64)
-
-
-@gluon.jit
-def piece_lanes():
-    """Row and column offsets of an epilogue piece (made once per partition, outside its tile loop)."""
-    return (gl.arange(0, EPI_ROWS, layout=gl.SliceLayout(1, EPI_LAYOUT)),
-            gl.arange(0, EPI_COLS, layout=gl.SliceLayout(0, EPI_LAYOUT)))
-
-
-@gluon.jit
-def store_tile(c_smem, base, row0, col0, row_end, col_end, stride, r_in, c_in, BLOCK_R: gl.constexpr,
-               BLOCK_C: gl.constexpr):
-    """``c_smem [BLOCK_R, BLOCK_C]`` -> ``base[row0 + r, col0 + c]`` (row stride ``stride``, unit column stride) in
-    ``base``'s dtype, rows from ``row_end`` and columns from ``col_end`` on masked, piece by piece
-    (``r_in, c_in = piece_lanes()``)."""
-    for i in gl.static_range(BLOCK_R // EPI_ROWS):
-        rows = row0 + i * EPI_ROWS + r_in
-        piece = c_smem.slice(i * EPI_ROWS, EPI_ROWS, dim=0)
-        for j in gl.static_range(BLOCK_C // EPI_COLS):
-            col = col0 + j * EPI_COLS + c_in
-            v = piece.slice(j * EPI_COLS, EPI_COLS, dim=1).load(EPI_LAYOUT)
-            mask = (rows < row_end)[:, None] & (col < col_end)[None, :]
-            gl.store(base + rows.to(gl.int64)[:, None] * stride + col[None, :], v.to(base.dtype.element_ty),
-                     mask=mask)
-
-
-@gluon.jit
 def _loader(ptrs, smem, bars, dims, GATHER_A: gl.constexpr, BLOCK_P: gl.constexpr, BLOCK_Q: gl.constexpr,
             BLOCK_K: gl.constexpr, NUM_STAGES: gl.constexpr, GROUP_M: gl.constexpr):
     """Fill stage ``s``: gathered rows by cp.async, slot rows by TMA; both complete on ``ready[s]``."""
@@ -147,7 +96,7 @@ def _loader(ptrs, smem, bars, dims, GATHER_A: gl.constexpr, BLOCK_P: gl.constexp
     tokens = gl.load(indices_ptr + start + ks, mask=start + ks < end, other=0)
     it = 0  # steps issued so far: stage it % NUM_STAGES, phase (it // NUM_STAGES) & 1
     for _ in range(gl.cdiv(NUM_EXPERTS * num_p * num_q - t, programs)):
-        _, pid_p, pid_q = _tile(t, num_p, num_q, GROUP_M)
+        e, pid_p, pid_q = _tile(t, num_p, num_q, GROUP_M)
         g0 = (pid_p * BLOCK_P) if GATHER_A else (pid_q * BLOCK_Q)
         r0 = (pid_q * BLOCK_Q) if GATHER_A else (pid_p * BLOCK_P)
         g_cols = g0 + cols
@@ -210,10 +159,16 @@ def _mma(ptrs, smem, bars, dims, GATHER_A: gl.constexpr, BLOCK_P: gl.constexpr, 
             else:
                 a = r_bufs.index(s).permute((1, 0))
                 b = g_bufs.index(s)
-            acc = mma_step(a, b, acc, empty, prev, kk > 0)
+            acc = warpgroup_mma(a, b, acc, is_async=True)
+            acc = warpgroup_mma_wait(1, deps=(acc,))
+            mbarrier.arrive(empty.index(prev), count=1, pred=kk > 0)  # the previous stage's wgmma retired
             prev = s
             it += 1
-        hand_over(acc, empty, prev, c_smem, c_empty, c_ready, i_tile)
+        acc = warpgroup_mma_wait(0, deps=(acc,))
+        mbarrier.arrive(empty.index(prev), count=1)
+        mbarrier.wait(c_empty.index(0), (i_tile & 1) ^ 1)
+        c_smem.store(acc.to(c_smem.dtype))
+        mbarrier.arrive(c_ready.index(0), count=1)
         start = start_n
         end = end_n
 
@@ -226,16 +181,28 @@ def _epilogue(ptrs, smem, bars, dims, GATHER_A: gl.constexpr, BLOCK_P: gl.conste
     g_bufs, r_bufs, c_smem = smem
     ready, empty, c_ready, c_empty = bars
     P, Q, NUM_EXPERTS, stride_g_t, stride_c_e, stride_c_p = dims
-    r_in, c_in = piece_lanes()
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [EPILOGUE_WARPS, 1], [1, 0])
+    ROWS: gl.constexpr = 32  # 32 x 64 pieces over 64 threads: 32 elements per thread
+    COLS: gl.constexpr = 64
+    r_in = gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
+    c_in = gl.arange(0, COLS, layout=gl.SliceLayout(0, layout))
     num_p = gl.cdiv(P, BLOCK_P)
     num_q = gl.cdiv(Q, BLOCK_Q)
     programs = gl.num_programs(0)
     t = gl.program_id(0)
     for i_tile in range(gl.cdiv(NUM_EXPERTS * num_p * num_q - t, programs)):
         e, pid_p, pid_q = _tile(t, num_p, num_q, GROUP_M)
+        base = c_ptr + e.to(gl.int64) * stride_c_e
         mbarrier.wait(c_ready.index(0), i_tile & 1)
-        store_tile(c_smem, c_ptr + e.to(gl.int64) * stride_c_e, pid_p * BLOCK_P, pid_q * BLOCK_Q, P, Q, stride_c_p,
-                   r_in, c_in, BLOCK_P, BLOCK_Q)
+        for i in gl.static_range(BLOCK_P // ROWS):
+            rows = pid_p * BLOCK_P + i * ROWS + r_in
+            piece = c_smem.slice(i * ROWS, ROWS, dim=0)
+            for j in gl.static_range(BLOCK_Q // COLS):
+                col = pid_q * BLOCK_Q + j * COLS + c_in
+                v = piece.slice(j * COLS, COLS, dim=1).load(layout)
+                mask = (rows < P)[:, None] & (col < Q)[None, :]
+                gl.store(base + rows.to(gl.int64)[:, None] * stride_c_p + col[None, :],
+                         v.to(c_ptr.dtype.element_ty), mask=mask)
         mbarrier.arrive(c_empty.index(0), count=1)
         t += programs
 
