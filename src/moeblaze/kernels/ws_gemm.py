@@ -35,7 +35,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from .ws_wgrad import EPILOGUE_WARPS, LOADER_WARPS, MAX_REGS, WORKER_REGS  # noqa: F401 (MAX_REGS: the launcher's)
+from .ws_wgrad import EPILOGUE_WARPS, LOADER_WARPS, WORKER_REGS
 
 
 @gluon.jit
