@@ -275,10 +275,14 @@ def gather_sum_configs(kind: str) -> list[triton.Config]:
     if kind == "interpret":
         return [_cfg(1, 1, BLOCK_T=8, BLOCK_D=32)]
     if kind in ("fixed32", "fixed16"):
-        return [_cfg(4, 1, BLOCK_T=16, BLOCK_D=256)]
-    # the fixed config streamed y at 2.9 TB/s on an H200 (olmoe shape, 0.41 ms for 1.2 GB)
+        return [_cfg(4, 1, BLOCK_T=8, BLOCK_D=256)]
+    # Fewer tokens per program keep more slot-row loads in flight per SM: at T 32768, K 8 (Qwen3-30B-A3B) one token
+    # by 1024 columns took 0.116 ms on a 768-column chunk and 0.286 on whole 2048-column rows, against 0.125 and
+    # 0.304 for the best of the first five configs; 8 x 256 (the fixed config) 0.117 and 0.292 (H200, 2026-11-26,
+    # CUDA-graph replay, ``python3 benchmarks/bench_small_kernels.py --kernels gather_sum``)
     return [_cfg(w, 1, BLOCK_T=t, BLOCK_D=bd)
-            for t, bd, w in ((16, 256, 4), (32, 256, 8), (8, 512, 4), (16, 512, 8), (64, 128, 8))]
+            for t, bd, w in ((16, 256, 4), (32, 256, 8), (8, 512, 4), (16, 512, 8), (64, 128, 8), (8, 256, 4),
+                             (4, 512, 4), (1, 1024, 4))]
 
 
 def _capturing(args: tuple, kwargs: dict) -> bool:

@@ -1,0 +1,141 @@
+"""Launch shapes of the two small kernels of a layer step: the fused router's top-k (forward) and backward kernels
+over tokens per program and warps, and the gather-sum (F3 combine / B5 ``dx``) over its block shapes.
+
+Each kernel is timed alone as a CUDA-graph replay (``triton.testing.do_bench`` median; the same method as
+``bench_ws.py``), so host time stays out of the figures. The router rows time ``router_topk`` (top-k and loss
+kernels) and ``router_topk_backward`` with ``moeblaze.kernels.router._block_t`` / ``_topk_warps`` /
+``_bwd_block_t`` replaced for the run; the gather-sum rows launch ``gather_sum_kernel`` directly with each
+config (the rows of every config are checked bitwise equal: the K pairs are summed in one order). One CSV row per
+kernel, shape and launch shape, with the commit and the command.
+
+Usage (GPU): ``python3 benchmarks/bench_small_kernels.py --out small.csv``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import itertools
+import os
+import sys
+from pathlib import Path
+
+import torch
+import triton
+import triton.testing
+
+from moeblaze.bench.results import git_commit
+from moeblaze.kernels import router as fused
+from moeblaze.kernels.combine import gather_sum_kernel
+
+ROUTER_SHAPES = [(32768, 128, 8), (4096, 128, 8), (16384, 128, 2), (16384, 512, 10)]  # T, E, K
+# T, D, K, N: F3/B5 over Qwen3-30B-A3B's 768-column chunks and whole rows at 32k tokens, 4k tokens, and the first
+# token-rounding shape (d 1536, K 2)
+GATHER_SHAPES = [(32768, 768, 8, 262144), (32768, 2048, 8, 262144), (4096, 768, 8, 32768), (16384, 1536, 2, 32768)]
+GATHER_CONFIGS = [(16, 256, 4), (32, 256, 8), (8, 512, 4), (16, 512, 8), (64, 128, 8), (4, 256, 4), (2, 512, 4),
+                  (4, 512, 4), (8, 256, 4), (1, 1024, 4), (2, 1024, 8), (4, 1024, 8), (8, 128, 4), (4, 128, 2)]
+
+
+def _graph_ms(fn) -> float:
+    """Median ms of ``fn`` replayed from a CUDA graph (run once first: compiling stays outside)."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    return triton.testing.do_bench(graph.replay, warmup=25, rep=100)
+
+
+def _router_ms(logits: torch.Tensor, K: int, gen: torch.Generator) -> tuple[float, float]:
+    """Forward (top-k and loss kernels) and backward ms of the fused router at the launch shape set now."""
+    def fwd():
+        return fused.router_topk(logits, K, True, 1.0, 0.01, 0.001)
+
+    ids, _, probs, lse, counts, _, _ = fwd()
+    dw, one = torch.randn(logits.shape[0], K, device="cuda", generator=gen), torch.ones((), device="cuda")
+    bwd_ms = _graph_ms(lambda: fused.router_topk_backward(probs, ids, dw, None, counts, lse, one, one, True, 1.0,
+                                                          0.01, 0.001))
+    return _graph_ms(fwd), bwd_ms
+
+
+def router_rows(gen: torch.Generator):
+    """Rows of the fused router for each tokens-per-program and warp count (both kernels take the tokens)."""
+    saved = fused._block_t, fused._topk_warps, fused._bwd_block_t
+    try:
+        for T, E, K in ROUTER_SHAPES:
+            logits = torch.randn(T, E, device="cuda", generator=gen)
+            default = (saved[0](E), saved[1](E, K))
+            for bt in (4, 8, 16, 32, 64):
+                for w in (1, 2, 4, 8):
+                    if not 32 * w <= bt * triton.next_power_of_2(E) <= 16384:
+                        continue
+                    fused._block_t = fused._bwd_block_t = lambda e, bt=bt: bt
+                    fused._topk_warps = lambda e, k, w=w: w
+                    fwd_ms, bwd_ms = _router_ms(logits, K, gen)
+                    yield dict(T=T, E=E, K=K, kernel="router", block_t=bt, warps=w, default=(bt, w) == default,
+                               ms=round(fwd_ms, 4), bwd_ms=round(bwd_ms, 4))
+    finally:
+        fused._block_t, fused._topk_warps, fused._bwd_block_t = saved
+
+
+def _gather_ms(src, wts, tmap, out, config) -> float:
+    """ms of one weighted gather-sum launch shape ``(BLOCK_T, BLOCK_D, warps)``."""
+    (T, K), D = tmap.shape, src.shape[1]
+    bt, bd, w = config
+    grid = (triton.cdiv(T, bt), triton.cdiv(D, bd))
+
+    def run():
+        gather_sum_kernel[grid](src, wts, tmap, out, tmap, tmap, T, D, src.stride(0), wts.stride(0), wts.stride(1),
+                                tmap.stride(0), tmap.stride(1), out.stride(0), K=K, HAS_W=True, HAS_LIMIT=False,
+                                CSR=False, BLOCK_T=bt, BLOCK_D=bd, num_warps=w, num_stages=1)
+
+    return _graph_ms(run)
+
+
+def gather_rows(gen: torch.Generator):
+    """Rows of the weighted gather-sum for each config, its result checked bitwise against the first config's."""
+    for T, D, K, N in GATHER_SHAPES:
+        src = torch.randn(N, D, device="cuda", dtype=torch.bfloat16, generator=gen)
+        tmap = torch.randperm(N, device="cuda", generator=gen)[: T * K].view(T, K).to(torch.int32)
+        wts = torch.rand(T, K, device="cuda", generator=gen)
+        out = torch.empty(T, D, device="cuda", dtype=torch.bfloat16)
+        first = None
+        for config in GATHER_CONFIGS:
+            ms = _gather_ms(src, wts, tmap, out, config)
+            first = out.clone() if first is None else first
+            if not torch.equal(out, first):
+                raise AssertionError(f"gather_sum config {config} differs from {GATHER_CONFIGS[0]}")
+            yield dict(T=T, D=D, K=K, kernel="gather_sum", block_t=config[0], block_d=config[1], warps=config[2],
+                       ms=round(ms, 4), gbs=round((T * K * D * 2 + T * D * 2) / ms / 1e6))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default="small_kernels.csv", help="CSV to append rows to")
+    ap.add_argument("--kernels", default="router,gather_sum")
+    args = ap.parse_args()
+    commit, command = git_commit(Path(__file__).parent), " ".join(["python3", *sys.argv])
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    fields = ["date", "device", "commit", "command", "kernel", "T", "E", "D", "K", "block_t", "block_d", "warps",
+              "default", "ms", "bwd_ms", "gbs"]
+    new = not os.path.exists(args.out)
+    with open(args.out, "a", newline="") as f:
+        out = csv.DictWriter(f, fieldnames=fields)
+        if new:
+            out.writeheader()
+        kinds = args.kernels.split(",")
+        rows = itertools.chain(router_rows(gen) if "router" in kinds else (),
+                               gather_rows(gen) if "gather_sum" in kinds else ())
+        for row in rows:
+            row.update(date=datetime.date.today().isoformat(), device=torch.cuda.get_device_name(), commit=commit,
+                       command=command)
+            out.writerow(row)
+            f.flush()
+            print(row, flush=True)
+
+
+if __name__ == "__main__":
+    main()
