@@ -29,12 +29,13 @@ from moeblaze.bench.results import git_commit
 from moeblaze.kernels import router as fused
 from moeblaze.kernels.combine import gather_sum_kernel
 
-ROUTER_SHAPES = [(32768, 128, 8), (4096, 128, 8), (16384, 128, 2), (16384, 512, 10)]  # T, E, K
+ROUTER_SHAPES = [(32768, 128, 8), (4096, 128, 8), (16384, 512, 10)]  # T, E, K
 # T, D, K, N: F3/B5 over Qwen3-30B-A3B's 768-column chunks and whole rows at 32k tokens, 4k tokens, and the first
 # token-rounding shape (d 1536, K 2)
-GATHER_SHAPES = [(32768, 768, 8, 262144), (32768, 2048, 8, 262144), (4096, 768, 8, 32768), (16384, 1536, 2, 32768)]
-GATHER_CONFIGS = [(16, 256, 4), (32, 256, 8), (8, 512, 4), (16, 512, 8), (64, 128, 8), (4, 256, 4), (2, 512, 4),
-                  (4, 512, 4), (8, 256, 4), (1, 1024, 4), (2, 1024, 8), (4, 1024, 8), (8, 128, 4), (4, 128, 2)]
+GATHER_SHAPES = [(32768, 768, 8, 262144), (32768, 2048, 8, 262144), (4096, 768, 8, 32768)]
+# (BLOCK_T, BLOCK_D, warps): the tuned list of moeblaze.kernels.tuning.gather_sum_configs and two more
+GATHER_CONFIGS = [(16, 256, 4), (32, 256, 8), (8, 512, 4), (16, 512, 8), (64, 128, 8), (8, 256, 4), (4, 512, 4),
+                  (1, 1024, 4), (4, 256, 4), (2, 1024, 8)]
 
 
 def _graph_ms(fn) -> float:
@@ -69,7 +70,7 @@ def router_rows(gen: torch.Generator):
             logits = torch.randn(T, E, device="cuda", generator=gen)
             default = (saved[0](E), saved[1](E, K))
             for bt in (4, 8, 16, 32, 64):
-                for w in (1, 2, 4, 8):
+                for w in (4, 8):
                     if not 32 * w <= bt * triton.next_power_of_2(E) <= 16384:
                         continue
                     fused._block_t = fused._bwd_block_t = lambda e, bt=bt: bt
