@@ -48,16 +48,16 @@ def _topk_warps(E: int, top_k: int) -> int:
 
 
 def _block_t(E: int) -> int:
-    """Tokens per program of the top-k kernel: about 4096 probabilities in registers (32 tokens at E 128, 8 at
-    E 512). Against 8192 (64 tokens at E 128): the top-k and loss kernels 0.025 against 0.035 ms at T 4096, E 128,
-    K 8, 0.1005 against 0.1028 at T 32768, the same at E 512 (H200, 2026-11-26, CUDA-graph replay,
-    ``python3 benchmarks/bench_small_kernels.py --kernels router``)."""
-    return max(1, min(64, 4096 // triton.next_power_of_2(E)))
+    """Tokens per program of the top-k kernel: about 4096 probabilities in registers up to E 256 (32 tokens at
+    E 128), 8192 beyond (16 at E 512). Against 8192 at E 128 (64 tokens): the top-k and loss kernels 0.025 against
+    0.035 ms at T 4096, K 8, 0.101 against 0.103 at T 32768; at E 512, K 10 16 tokens 0.199 ms, 8 tokens 0.202
+    (H200, 2026-11-26, CUDA-graph replay, ``python3 benchmarks/bench_small_kernels.py --kernels router``)."""
+    return max(1, min(64, (4096 if E <= 256 else 8192) // triton.next_power_of_2(E)))
 
 
 def _bwd_block_t(E: int) -> int:
     """Tokens per program of the backward kernel: about 1024 probabilities (8 tokens at E 128), at least 4 (4 at
-    E 512). Its 4 warps stream ``probs`` once; more programs hide the loads: 0.020 against 0.028 ms with 64 tokens
+    E 512). Its 4 warps stream ``probs`` once; more programs hide the loads: 0.021 against 0.028 ms with 64 tokens
     at T 32768, E 128, K 8, 0.038 against 0.052 with 16 at T 16384, E 512, K 10 (H200, 2026-11-26, same command)."""
     return max(4, min(64, 1024 // triton.next_power_of_2(E)))
 
