@@ -220,3 +220,38 @@ def test_bench_router_smoke(tmp_path):
         rows = list(csv.DictReader(f))
     assert [r["path"] for r in rows] == ["torch", "fused", "fused-8-warps"]
     assert all(float(r["wall_ms"]) > 0 for r in rows)
+
+
+def _split16_reference(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The four PyTorch operations the split kernel replaces."""
+    E = t.shape[1]
+    hl = t.new_empty(t.shape[0], 2 * E, dtype=dtype)
+    hl[:, :E] = t
+    hl[:, E:] = t - hl[:, :E].float()
+    return hl
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, pytest.param(torch.bfloat16, marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="the interpreter truncates to bf16")])])
+@pytest.mark.parametrize("T,E", [(1, 3), (37, 128), (5, 257)])
+def test_split16_equals_the_pytorch_split_bitwise(dtype, T, E):
+    """``[hi | lo]`` of the router's backward: bitwise the PyTorch split (rows, E not a power of two, tiny and huge
+    values, zeros); in bf16 (fp32's exponent range) ``hi + lo`` is within 2^-16 of t."""
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    t = torch.randn(T, E, device=dev) * torch.logspace(-6, 4, E, device=dev)
+    t[0, 0] = 0.0
+    hl = fused_router.split16(t, dtype)
+    assert hl.dtype == dtype and hl.shape == (T, 2 * E)
+    assert torch.equal(hl, _split16_reference(t, dtype))
+    if dtype == torch.bfloat16:
+        back = hl[:, :E].double() + hl[:, E:].double()
+        assert ((back - t.double()).abs() <= 2.0 ** -16 * t.double().abs()).all()
+
+
+def test_split16_bad_input():
+    with pytest.raises(ValueError, match="fp32"):
+        fused_router.split16(torch.zeros(4, 3, dtype=torch.float16), torch.bfloat16)
+    with pytest.raises(ValueError, match="dtype"):
+        fused_router.split16(torch.zeros(4, 3), torch.float32)
+    with pytest.raises(ValueError, match="unit column stride"):
+        fused_router.split16(torch.zeros(3, 4).t(), torch.bfloat16)

@@ -34,16 +34,6 @@ def _tensor_core_path(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype
 
 
-def _split16(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """fp32 ``t [T, E]`` as ``[hi | lo] [T, 2E]`` in ``dtype`` with ``t ~ hi + lo`` (bf16: 16 of fp32's 24
-    mantissa bits, relative error ~2^-16), side by side so that one GEMM over 2E sums both terms."""
-    E = t.shape[1]
-    hl = t.new_empty(t.shape[0], 2 * E, dtype=dtype)
-    hl[:, :E] = t
-    hl[:, E:] = t - hl[:, :E].float()
-    return hl
-
-
 class _RouterLogits(torch.autograd.Function):
     """``logits = x Wr^T`` in fp32 while saving ``x`` in its own dtype (no fp32 copy kept: 4Td bytes
     less than ``F.linear(x.float(), ...)``, and ``x`` is shared with the experts' saved input).
@@ -79,7 +69,7 @@ class _RouterLogits(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         dx = dw = None
         if _tensor_core_path(x, weight):  # one GEMM each: [hi | lo] against the weight stacked twice / x, fp32 sums
-            hl = _split16(dlogits, x.dtype)
+            hl = fused_router.split16(dlogits.contiguous(), x.dtype)  # [hi | lo]: K = 2E
             if ctx.needs_input_grad[0]:
                 dx = hl @ torch.cat((weight, weight))  # x.dtype out, rounded once from the fp32 sum
             if ctx.needs_input_grad[1]:

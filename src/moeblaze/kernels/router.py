@@ -307,3 +307,57 @@ def router_topk_backward(probs: torch.Tensor, ids: torch.Tensor, dw: torch.Tenso
     given its saved ``probs``, ``ids``, ``counts``, ``lse`` and the same options. One launch."""
     return call_op(_router_topk_bwd_op, _router_topk_bwd_impl, probs, ids, dw, dprobs, counts, lse, daux, dz,
                    renormalize, scale, aux_c, z_c)
+
+
+@triton.jit
+def split16_kernel(
+    t_ptr,   # [T, E] fp32, unit column stride
+    hl_ptr,  # [T, 2E] 16-bit out: hi | lo
+    T, E, stride_t_t,
+    BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = tl.arange(0, BLOCK_E)
+    mask = (rows < T)[:, None] & (cols < E)[None, :]
+    x = tl.load(t_ptr + rows[:, None] * stride_t_t + cols[None, :], mask=mask, other=0.0)
+    hi = x.to(hl_ptr.dtype.element_ty)
+    lo = (x - hi.to(tl.float32)).to(hl_ptr.dtype.element_ty)  # exact in fp32: hi is t rounded
+    out = hl_ptr + rows[:, None] * (2 * E) + cols[None, :]
+    tl.store(out, hi, mask=mask)
+    tl.store(out + E, lo, mask=mask)
+
+
+def _split16_impl(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    T, E = t.shape
+    hl = torch.empty(T, 2 * E, dtype=dtype, device=t.device)
+    if T:
+        be = triton.next_power_of_2(E)
+        bt = max(1, 4096 // be)
+        launch(split16_kernel, (triton.cdiv(T, bt),), t_ptr=t, hl_ptr=hl, T=T, E=E, stride_t_t=t.stride(0),
+               BLOCK_T=bt, BLOCK_E=be, num_warps=4)
+    return hl
+
+
+_split16_op = torch.library.custom_op("moeblaze::split16", _split16_impl, mutates_args=(),
+                                      schema="(Tensor t, ScalarType dtype) -> Tensor")
+
+
+@_split16_op.register_fake
+def _(t, dtype):
+    return t.new_empty(t.shape[0], 2 * t.shape[1], dtype=dtype)
+
+
+def split16(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """fp32 ``t [T, E]`` as ``[hi | lo] [T, 2E]`` in the 16-bit ``dtype``: ``hi = t`` rounded (to nearest even),
+    ``lo = t - hi`` rounded, so ``hi + lo`` keeps 16 of fp32's 24 mantissa bits in bf16 (relative error ~2^-16).
+    One launch for what took four operations (the router's backward GEMMs sum both terms over K = 2E:
+    :class:`moeblaze.routing._RouterLogits`); bitwise the result of ``hl[:, :E] = t; hl[:, E:] = t - hl[:, :E]``.
+
+    Raises:
+        ValueError: ``t`` not a 2-D fp32 tensor with unit column stride, or ``dtype`` not bf16 / fp16.
+    """
+    if t.dim() != 2 or t.dtype != torch.float32 or (t.numel() and t.stride(1) != 1):
+        raise ValueError(f"split16: t must be [T, E] fp32 with unit column stride, got {tuple(t.shape)} {t.dtype}")
+    if dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"split16: dtype must be torch.bfloat16 or torch.float16, got {dtype}")
+    return call_op(_split16_op, _split16_impl, t, dtype)
