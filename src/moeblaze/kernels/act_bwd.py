@@ -40,7 +40,7 @@ import triton.language as tl
 
 from .act_math import FIRST_NON_GATED, act_backward, act_forward
 from .tf32 import round_tf32_values
-from .tuning import Launchable, act_bwd_configs
+from .tuning import Launchable, act_bwd_configs, cdiv
 
 # foreign rows after the last local slot whose w * act and dpre are zeroed (>= the weight gradients' slot step)
 ZERO_TAIL = tl.constexpr(64)
@@ -127,7 +127,7 @@ def act_bwd_rows(dact: torch.Tensor, pre: torch.Tensor, dpre: torch.Tensor, scal
         return
     out = dtw if dtw is not None else scale
     limit_t = local_slots if local_slots is not None else scale  # dummy pointer when HAS_LIMIT is off
-    _ACT_BWD.launch(dact.dtype, lambda meta: (triton.cdiv(N, meta["BLOCK_R"]),),
+    _ACT_BWD.launch(dact.dtype, lambda meta: (cdiv(N, meta["BLOCK_R"]),),
         dact_ptr=dact, pre_ptr=pre, dpre_ptr=dpre, scale_ptr=scale, dtw_ptr=out, limit_ptr=limit_t, N=N, H=h,
         UP_OFF=1 if interleaved else h, alpha=float(alpha), limit=float(limit),
         stride_dact_m=dact.stride(0), stride_pre_m=pre.stride(0), stride_dpre_m=dpre.stride(0),

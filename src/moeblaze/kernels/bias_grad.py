@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .tuning import Launchable
+from .tuning import Launchable, cdiv
 
 
 @triton.jit
@@ -73,7 +73,7 @@ def segment_sum(src: torch.Tensor, offsets: torch.Tensor, indices: torch.Tensor,
     if E == 0 or D == 0:
         return out
     s = scale if scale is not None else offsets  # dummy pointer when SCALE is off
-    _SEGMENT_SUM.launch(src.dtype, lambda meta: (E, triton.cdiv(D, meta["BLOCK_D"])),
+    _SEGMENT_SUM.launch(src.dtype, lambda meta: (E, cdiv(D, meta["BLOCK_D"])),
         src_ptr=src, scale_ptr=s, offsets_ptr=offsets, indices_ptr=indices, out_ptr=out, D=D,
         stride_src_m=src.stride(0), stride_out_e=out.stride(0),
         GATHER=gather, SCALE=scale is not None,

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .tuning import Launchable, gather_sum_configs
+from .tuning import Launchable, cdiv, gather_sum_configs
 
 
 @triton.jit
@@ -121,7 +121,7 @@ def gather_sum(src: torch.Tensor, token_index_map: torch.Tensor, weights: torch.
     # column stride equal to the row stride.
     map_k = token_index_map.stride(0) if csr else token_index_map.stride(1)
     w_k = w.stride(0) if csr else w.stride(1)
-    _GATHER_SUM.launch(src.dtype, lambda meta: (triton.cdiv(T, meta["BLOCK_T"]), triton.cdiv(D, meta["BLOCK_D"])),
+    _GATHER_SUM.launch(src.dtype, lambda meta: (cdiv(T, meta["BLOCK_T"]), cdiv(D, meta["BLOCK_D"])),
         src_ptr=src, w_ptr=w, map_ptr=token_index_map, out_ptr=out, limit_ptr=limit, pair_off_ptr=offs,
         T=T, D=D, K=K,
         stride_src_m=src.stride(0), stride_w_t=w.stride(0), stride_w_k=w_k, stride_map_t=token_index_map.stride(0),

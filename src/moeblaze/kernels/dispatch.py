@@ -40,7 +40,7 @@ from .. import settings
 from ..index import DispatchIndex, TileSchedule
 from .custom_ops import call_op
 from .direct import launch
-from .tuning import sm_count
+from .tuning import cdiv, next_pow2, sm_count
 
 __all__ = ["build_dispatch_triton", "tile_schedule", "dispatch_plan", "MAX_EXPERTS", "MAX_TOP_K"]
 
@@ -321,9 +321,9 @@ def dispatch_plan(
     else:
         budget = max(num_pairs // 8, min(num_pairs, 1 << 20), 1 << 18)
         max_tiles = _programs_per_sm(num_pairs, num_experts) * max(1, num_sms) * _WARPS
-        P = max(triton.cdiv(num_pairs * num_experts, budget), triton.cdiv(num_pairs, max_tiles), 1)
-        P = min(triton.cdiv(P, _STEP) * _STEP, _MAX_TILE)
-    chunks = max(1, triton.cdiv(triton.cdiv(num_pairs, P), _WARPS))
+        P = max(cdiv(num_pairs * num_experts, budget), cdiv(num_pairs, max_tiles), 1)
+        P = min(cdiv(P, _STEP) * _STEP, _MAX_TILE)
+    chunks = max(1, cdiv(cdiv(num_pairs, P), _WARPS))
     return P, chunks * _WARPS, chunks
 
 
@@ -380,7 +380,7 @@ def build_dispatch_triton(topk_ids: torch.Tensor, num_experts: int, *, tile_pair
 
 def _max_tiles(num_pairs: int, num_experts: int, block_m: int) -> int:
     """Length of a tile schedule (0 when none is asked for: ``block_m == 0``)."""
-    return triton.cdiv(num_pairs, block_m) + num_experts if block_m else 0
+    return cdiv(num_pairs, block_m) + num_experts if block_m else 0
 
 
 def _build_dispatch_impl(topk_ids: torch.Tensor, num_experts: int, tile_pairs: int, block_m: int):
@@ -404,13 +404,13 @@ def _build_dispatch_impl(topk_ids: torch.Tensor, num_experts: int, tile_pairs: i
     ids_in = topk_ids if as_is else ids32  # [N] int32 ids the write pass reads (the count pass writes ids32)
     work = torch.empty((tiles + chunks + 1) * E, dtype=torch.int32, device=dev)
     tile_tab, chunk_tab = work[: tiles * E], work[tiles * E:]
-    onehot = triton.next_power_of_2(E) if E <= _ONEHOT_MAX_E else 0
+    onehot = next_pow2(E) if E <= _ONEHOT_MAX_E else 0
     common = dict(K=K, S=_STEP, G=_WARPS, BLOCK_E=_BLOCK_E, ONEHOT_E=onehot, num_warps=_WARPS, num_stages=1)
     launch(_count_kernel, (chunks,),
         ids_ptr=topk_ids, ids32_ptr=ids_in, tile_ptr=tile_tab, chunk_ptr=chunk_tab, N=N, E=E, P=P,
         stride_ids_t=topk_ids.stride(0), stride_ids_k=topk_ids.stride(1), WRITE_IDS=not as_is, **common)
-    be = min(_SCAN_BE, triton.next_power_of_2(E))
-    launch(_scan_kernel, (triton.cdiv(E, be),), chunk_ptr=chunk_tab, C=chunks, E=E, BR=_SCAN_ELEMS // be, BE=be, num_warps=4)
+    be = min(_SCAN_BE, next_pow2(E))
+    launch(_scan_kernel, (cdiv(E, be),), chunk_ptr=chunk_tab, C=chunks, E=E, BR=_SCAN_ELEMS // be, BE=be, num_warps=4)
     launch(_write_kernel, (chunks,),
         ids32_ptr=ids_in, tile_ptr=tile_tab, chunk_ptr=chunk_tab, offsets_ptr=offsets, indices_ptr=indices,
         map_ptr=index_map, tile_expert_ptr=sched[0], tile_row_ptr=sched[1], num_tiles_ptr=sched[2],
@@ -471,12 +471,12 @@ def tile_schedule(
     if N < 0:
         raise ValueError(f"num_pairs must be >= 0, got {N}")
     E = off.numel() - 1
-    max_tiles = triton.cdiv(N, int(block_m)) + E
+    max_tiles = cdiv(N, int(block_m)) + E
     off = off.contiguous()
     tile_expert = torch.empty(max_tiles, dtype=torch.int32, device=off.device)
     tile_row = torch.empty(max_tiles, dtype=torch.int32, device=off.device)
     num_tiles = torch.empty(1, dtype=torch.int32, device=off.device)
-    launch(_schedule_kernel, (triton.cdiv(max_tiles, _BLOCK_I),),
+    launch(_schedule_kernel, (cdiv(max_tiles, _BLOCK_I),),
         offsets_ptr=off, tile_expert_ptr=tile_expert, tile_row_ptr=tile_row, num_tiles_ptr=num_tiles, E=E,
         max_tiles=max_tiles, BLOCK_M=int(block_m), BLOCK_I=_BLOCK_I, BLOCK_E=_BLOCK_E, num_warps=4)
     return tile_expert, tile_row, num_tiles

@@ -26,7 +26,9 @@ from .tf32 import padded_slot_rows, round_tf32, tf32_copy
 from .tuning import (
     Launchable,
     block_m,
+    cdiv,
     gemm_configs,
+    next_pow2,
     num_programs,
     persistent_mode,
     prune_fp32_tiles,
@@ -209,7 +211,7 @@ def grouped_gemm(a, b, c, offsets, indices, sched, *, b_nk, n_cols, k_dim, gathe
             b = round_tf32(b)
     bm = block_m(N, E)
     max_tiles = sched[0].numel()
-    if max_tiles != triton.cdiv(N, bm) + E:
+    if max_tiles != cdiv(N, bm) + E:
         raise ValueError(f"grouped_gemm: the tile schedule has {max_tiles} entries; expected one for BLOCK_M={bm}")
     plain = (epilogue == EPILOGUE_PLAIN.value and not (gather_a or scatter_c or dual or tf32) and scale is None
              and bias is None and aux is None and up_shift_b is None and b_mode is None and weight_desc)
@@ -229,7 +231,7 @@ def grouped_gemm(a, b, c, offsets, indices, sched, *, b_nk, n_cols, k_dim, gathe
     a_desc = _slot_rows_desc(a, gather_a)
     if b_mode != B_DESC_NONE.value or a_desc:
         triton.set_allocator(_scratch)
-    grid = _tiles_grid(lambda meta: max_tiles * triton.cdiv(n_cols, meta["BLOCK_N"]), a.device)
+    grid = _tiles_grid(lambda meta: max_tiles * cdiv(n_cols, meta["BLOCK_N"]), a.device)
     _GEMM.launch(a.dtype, grid,
         a_ptr=a, b_ptr=b, c_ptr=c, aux_ptr=aux, scale_ptr=scale, bias_ptr=bias_t, offsets_ptr=offsets,
         indices_ptr=indices, tile_expert_ptr=sched[0], tile_row_ptr=sched[1], num_tiles_ptr=sched[2],
@@ -280,13 +282,13 @@ def grouped_wgrad(a, b, offsets, indices, *, p, q, out_dtype, transpose=False, s
     b_desc = gather_a and slot_desc and _slot_rows_desc(b, False)
     if b_desc:
         triton.set_allocator(_scratch)
-    grid = _tiles_grid(lambda meta: E * triton.cdiv(p, meta["BLOCK_P"]) * triton.cdiv(q, meta["BLOCK_Q"]), a.device)
+    grid = _tiles_grid(lambda meta: E * cdiv(p, meta["BLOCK_P"]) * cdiv(q, meta["BLOCK_Q"]), a.device)
     _WGRAD.launch(a.dtype, grid,
         a_ptr=a, b_ptr=b, c_ptr=out, offsets_ptr=offsets, indices_ptr=indices, P=p, Q=q, ROWS=indices.numel(),
         stride_a_m=a_strides[0], stride_a_p=a_strides[1], stride_b_m=b_strides[0], stride_b_q=b_strides[1],
         stride_c_e=out.stride(0), stride_c_p=stride_c_p, stride_c_q=stride_c_q,
         NUM_EXPERTS=E,
-        GATHER_A=gather_a, B_DESC=b_desc, DOT_PREC=dot_precision(a.dtype), E_POW2=triton.next_power_of_2(E),
+        GATHER_A=gather_a, B_DESC=b_desc, DOT_PREC=dot_precision(a.dtype), E_POW2=next_pow2(E),
     )
     return out
 
@@ -331,7 +333,7 @@ def grouped_wgrad_ws(a, b, out, offsets, indices, *, gather_a: bool, config: dic
     cfg = {**WS_WGRAD_CONFIG, **(config or {})}
     E, P, Q = out.shape
     desc = _tma_desc(b, [cfg["BLOCK_K"], cfg["BLOCK_Q"] if gather_a else cfg["BLOCK_P"]])
-    tiles = E * triton.cdiv(P, cfg["BLOCK_P"]) * triton.cdiv(Q, cfg["BLOCK_Q"])
+    tiles = E * cdiv(P, cfg["BLOCK_P"]) * cdiv(Q, cfg["BLOCK_Q"])
     direct.launch(ws_wgrad_kernel, (min(tiles, num_programs(a.device)),),
         g_ptr=a, r_desc=desc, c_ptr=out, offsets_ptr=offsets, indices_ptr=indices, P=P, Q=Q, NUM_EXPERTS=E,
         stride_g_t=a.stride(0), stride_c_e=out.stride(0), stride_c_p=out.stride(1),
@@ -355,7 +357,7 @@ def _ws_gemm_pays(max_tiles: int, n_cols: int, device: torch.device) -> bool:
     SM). At 2k-4k tokens the eager layer step is bound by host time (2.3-3.7 ms per layer step on the lent H200s,
     ``benchmarks/bench_host.py``), where a GPU gain of 1-4% of F2 and B3 is worth less than the launches' host time.
     """
-    return max_tiles * triton.cdiv(n_cols, WS_GEMM_CONFIG["BLOCK_N"]) >= 12 * num_programs(device)
+    return max_tiles * cdiv(n_cols, WS_GEMM_CONFIG["BLOCK_N"]) >= 12 * num_programs(device)
 
 
 def ws_gemm_ok(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, b_nk: bool, k_dim: int) -> bool:
@@ -382,7 +384,7 @@ def grouped_gemm_ws(a, b, c, offsets, sched, *, b_nk: bool, n_cols: int, k_dim: 
     a_desc = _tma_desc(a, [128, cfg["BLOCK_K"]])
     w_box = [cfg["BLOCK_N"], cfg["BLOCK_K"]] if b_nk else [cfg["BLOCK_K"], cfg["BLOCK_N"]]
     w_desc = _tma_desc(b.reshape(E * b.shape[1], b.shape[2]), w_box)
-    tiles = sched[0].numel() * triton.cdiv(n_cols, cfg["BLOCK_N"])
+    tiles = sched[0].numel() * cdiv(n_cols, cfg["BLOCK_N"])
     direct.launch(ws_gemm_kernel, (min(tiles, num_programs(a.device)),),
         a_desc=a_desc, w_desc=w_desc, c_ptr=c, offsets_ptr=offsets, tile_expert_ptr=sched[0], tile_row_ptr=sched[1],
         num_tiles_ptr=sched[2], K_DIM=k_dim, N_COLS=n_cols, N_EXT=n_ext, N_START=n_start, stride_c_m=c.stride(0),

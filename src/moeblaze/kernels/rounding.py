@@ -30,6 +30,7 @@ import triton.language as tl
 
 from .custom_ops import call_op
 from .direct import launch
+from .tuning import cdiv, next_pow2
 
 MAX_TOKENS = 65536  # 16 warps x 128 keys per thread (a row in the registers of one program)
 MAX_TOP_K = 16  # the top-k loop is unrolled
@@ -136,13 +137,13 @@ def _select_impl(scores: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
     if T == 0:
         return kept, pad_tok
     keys = torch.empty(E, T, dtype=torch.int32, device=scores.device)
-    block_e = triton.next_power_of_2(E)
+    block_e = next_pow2(E)
     block_t = max(1, min(64, 8192 // block_e))  # ~8192 entries per program
-    launch(rounding_keys_kernel, (triton.cdiv(T, block_t),), scores_ptr=scores, ids_ptr=ids, weights_ptr=weights,
+    launch(rounding_keys_kernel, (cdiv(T, block_t),), scores_ptr=scores, ids_ptr=ids, weights_ptr=weights,
            counts_ptr=counts, target_ptr=target, keys_ptr=keys, T=T, E=E, stride_s_t=scores.stride(0),
            stride_ids_t=ids.stride(0), stride_w_t=weights.stride(0), K=K, BLOCK_T=block_t, BLOCK_E=block_e,
            num_warps=4)
-    row = triton.next_power_of_2(max(T, J))
+    row = next_pow2(max(T, J))
     launch(rounding_select_kernel, (E,), keys_ptr=keys, counts_ptr=counts, target_ptr=target, ids_ptr=ids,
            kept_ptr=kept, pad_tok_ptr=pad_tok, T=T, E=E, J=J, stride_ids_t=ids.stride(0), K=K,
            BLOCK_T=row, num_warps=_select_warps(row))

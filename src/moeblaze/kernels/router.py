@@ -31,6 +31,7 @@ import triton.language as tl
 
 from .custom_ops import call_op
 from .direct import launch
+from .tuning import cdiv, next_pow2
 
 MAX_EXPERTS = 1024
 MAX_TOP_K = 16  # the top-K loop is unrolled: compile time grows with K (the dispatch index takes K <= 16 too)
@@ -52,14 +53,14 @@ def _block_t(E: int) -> int:
     E 128), 8192 beyond (16 at E 512). Against 8192 at E 128 (64 tokens): the top-k and loss kernels 0.025 against
     0.035 ms at T 4096, K 8, 0.101 against 0.103 at T 32768; at E 512, K 10 16 tokens 0.199 ms, 8 tokens 0.202
     (H200, 2026-11-26, CUDA-graph replay, ``python3 benchmarks/bench_small_kernels.py --kernels router``)."""
-    return max(1, min(64, (4096 if E <= 256 else 8192) // triton.next_power_of_2(E)))
+    return max(1, min(64, (4096 if E <= 256 else 8192) // next_pow2(E)))
 
 
 def _bwd_block_t(E: int) -> int:
     """Tokens per program of the backward kernel: about 1024 probabilities (8 tokens at E 128), at least 4 (4 at
     E 512). Its 4 warps stream ``probs`` once; more programs hide the loads: 0.021 against 0.028 ms with 64 tokens
     at T 32768, E 128, K 8, 0.038 against 0.052 with 16 at T 16384, E 512, K 10 (H200, 2026-11-26, same command)."""
-    return max(4, min(64, 1024 // triton.next_power_of_2(E)))
+    return max(4, min(64, 1024 // next_pow2(E)))
 
 
 @triton.jit
@@ -204,20 +205,20 @@ def _router_topk_impl(logits: torch.Tensor, top_k: int, renormalize: bool, scale
     probs, lse = torch.empty(T, E, dtype=f32, device=dev), torch.empty(T, dtype=f32, device=dev)
     counts, z = torch.empty(E, dtype=f32, device=dev), torch.empty((), dtype=f32, device=dev)
     bt = _block_t(E)
-    blocks = triton.cdiv(T, bt)
+    blocks = cdiv(T, bt)
     part = torch.empty(max(blocks, 1), 2 * E + 1, dtype=f32, device=dev)
     if T == 0:
         part.zero_()
     else:
         launch(router_topk_kernel, (blocks,), logits_ptr=logits, ids_ptr=ids, weights_ptr=weights, probs_ptr=probs,
                lse_ptr=lse, part_ptr=part, T=T, E=E, stride_l_t=logits.stride(0), scale=float(scale), K=top_k,
-               KP=triton.next_power_of_2(top_k), RENORM=renormalize, BLOCK_T=bt,
-               BLOCK_E=triton.next_power_of_2(E), num_warps=_topk_warps(E, top_k))
+               KP=next_pow2(top_k), RENORM=renormalize, BLOCK_T=bt,
+               BLOCK_E=next_pow2(E), num_warps=_topk_warps(E, top_k))
     # one program per 32 experts and one for the z-loss: a single program summing the [num_blocks, 2E+1]
     # partials took 271 µs per step at T 16384, E 512 (H100, 2026-11-25, ``benchmarks/bench_token_rounding.py
     # speed --breakdown 8``); the sum over column blocks is one fixed-order reduction (bitwise reproducible)
-    be = min(32, triton.next_power_of_2(E))
-    dot = torch.empty(triton.cdiv(E, be), dtype=f32, device=dev)
+    be = min(32, next_pow2(E))
+    dot = torch.empty(cdiv(E, be), dtype=f32, device=dev)
     launch(router_loss_kernel, (dot.numel() + 1,), part_ptr=part, counts_ptr=counts, dot_ptr=dot, z_ptr=z,
            num_blocks=part.shape[0], E=E, z_c=float(z_c), BLOCK_B=32, BLOCK_E=be, num_warps=4)
     aux = dot.sum() * aux_c
@@ -276,14 +277,14 @@ def _router_topk_bwd_impl(probs: torch.Tensor, ids: torch.Tensor, dw: torch.Tens
         return dlogits
     bt = _bwd_block_t(E)
     dummy = probs  # pointer of an absent input (its HAS_* flag is off)
-    launch(router_topk_bwd_kernel, (triton.cdiv(T, bt),), probs_ptr=probs, ids_ptr=ids,
+    launch(router_topk_bwd_kernel, (cdiv(T, bt),), probs_ptr=probs, ids_ptr=ids,
            dw_ptr=dw.float().contiguous() if dw is not None else dummy,
            dprobs_ptr=dprobs.float().contiguous() if dprobs is not None else dummy, counts_ptr=counts, lse_ptr=lse,
            daux_ptr=daux.float() if daux is not None else dummy, dz_ptr=dz.float() if dz is not None else dummy,
            dlogits_ptr=dlogits, T=T, E=E, scale=float(scale), aux_c=float(aux_c), z_c=float(z_c), K=K,
-           KP=triton.next_power_of_2(K), RENORM=renormalize, HAS_DW=dw is not None, HAS_DPROBS=dprobs is not None,
+           KP=next_pow2(K), RENORM=renormalize, HAS_DW=dw is not None, HAS_DPROBS=dprobs is not None,
            HAS_DAUX=daux is not None, HAS_DZ=dz is not None, BLOCK_T=bt,
-           BLOCK_E=triton.next_power_of_2(E), num_warps=4)
+           BLOCK_E=next_pow2(E), num_warps=4)
     return dlogits
 
 
@@ -331,9 +332,9 @@ def _split16_impl(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     T, E = t.shape
     hl = torch.empty(T, 2 * E, dtype=dtype, device=t.device)
     if T:
-        be = triton.next_power_of_2(E)
+        be = next_pow2(E)
         bt = max(1, 4096 // be)
-        launch(split16_kernel, (triton.cdiv(T, bt),), t_ptr=t, hl_ptr=hl, T=T, E=E, stride_t_t=t.stride(0),
+        launch(split16_kernel, (cdiv(T, bt),), t_ptr=t, hl_ptr=hl, T=T, E=E, stride_t_t=t.stride(0),
                BLOCK_T=bt, BLOCK_E=be, num_warps=4)
     return hl
 

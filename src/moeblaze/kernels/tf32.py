@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 
 from .direct import launch
+from .tuning import cdiv
 
 __all__ = ["padded_slot_rows", "round_tf32", "round_tf32_values", "tf32_copy"]
 
@@ -108,7 +109,7 @@ def tf32_copy(src: torch.Tensor, *, rows: torch.Tensor | None = None, transpose:
     if out.numel():
         # 64x64 fp32 tiles (16 KiB): the transposed store goes through shared memory at this size without
         # spilling; a memory-bound copy needs no more.
-        grid = (triton.cdiv(R, 64), triton.cdiv(C, 64), B)
+        grid = (cdiv(R, 64), cdiv(C, 64), B)
         launch(tf32_copy_kernel, grid,
             src_ptr=s3, dst_ptr=out, rows_ptr=rows if rows is not None else s3, R=R, C=C,
             stride_src_b=s3.stride(0), stride_src_r=s3.stride(1), stride_src_c=s3.stride(2),
@@ -135,7 +136,7 @@ def round_tf32(t: torch.Tensor) -> torch.Tensor:
     out = torch.empty_like(t)  # preserve_format: the same strides as a dense t
     if t.numel():
         src = t.permute(order).reshape(-1)  # a view of the storage (no copy: the permuted t is contiguous)
-        launch(round_tf32_kernel, (triton.cdiv(t.numel(), 4096),), src_ptr=src, dst_ptr=out.permute(order).reshape(-1),
+        launch(round_tf32_kernel, (cdiv(t.numel(), 4096),), src_ptr=src, dst_ptr=out.permute(order).reshape(-1),
                n=t.numel(), BLOCK=4096, num_warps=8)
     return out
 
