@@ -241,7 +241,7 @@ def parts(cfg, device, dtype) -> list[tuple[str, float]]:
     import triton.language as tl
 
     from moeblaze import build_dispatch
-    from moeblaze.routing import _split16
+    from moeblaze.kernels.router import split16
 
     @triton.jit
     def _one(x_ptr):  # a kernel of one store: the cost of a queued Triton launch
@@ -255,7 +255,7 @@ def parts(cfg, device, dtype) -> list[tuple[str, float]]:
         ids = moe.router(x).topk_ids
     xd, wt = x.detach(), moe.router.weight.detach().t()
     logits = xd.float() @ wt.float()  # [T, E] fp32, as the router's dlogits
-    hl = _split16(logits, dtype)  # [T, 2E]
+    hl = split16(logits, dtype)  # [T, 2E]
 
     def router_step():
         r = moe.router(x)
@@ -284,7 +284,8 @@ def parts(cfg, device, dtype) -> list[tuple[str, float]]:
               lambda: torch.mm(hl.t(), xd, out_dtype=torch.float32)),
              ("mm [2E, T] x [T, d] bf16 -> fp32, A made contiguous first",
               lambda: torch.mm(hl.t().contiguous(), xd, out_dtype=torch.float32)),
-             ("split of fp32 dlogits into [hi | lo] bf16 (the router's backward)", lambda: _split16(logits, dtype)),
+             ("split of fp32 dlogits into [hi | lo] bf16 (the router's backward, one launch)",
+              lambda: split16(logits, dtype)),
              ("router forward (no grad)", lambda: no_grad(moe.router)),
              ("router forward + backward", router_step),
              ("dispatch build (validate=False)", lambda: build_dispatch(ids, cfg.E, validate=False)),
