@@ -23,9 +23,9 @@ from pathlib import Path
 
 import torch
 import triton
-import triton.testing
 
 from moeblaze.bench.results import git_commit
+from moeblaze.bench.runner import graph_replay_ms
 from moeblaze.kernels import router as fused
 from moeblaze.kernels.combine import gather_sum_kernel
 
@@ -38,18 +38,6 @@ GATHER_CONFIGS = [(16, 256, 4), (32, 256, 8), (8, 512, 4), (16, 512, 8), (64, 12
                   (1, 1024, 4), (4, 256, 4), (2, 1024, 8)]
 
 
-def _graph_ms(fn) -> float:
-    """Median ms of ``fn`` replayed from a CUDA graph (run once first: compiling stays outside)."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    return triton.testing.do_bench(graph.replay, warmup=25, rep=100)
-
-
 def _router_ms(logits: torch.Tensor, K: int, gen: torch.Generator) -> tuple[float, float]:
     """Forward (top-k and loss kernels) and backward ms of the fused router at the launch shape set now."""
     def fwd():
@@ -57,9 +45,9 @@ def _router_ms(logits: torch.Tensor, K: int, gen: torch.Generator) -> tuple[floa
 
     ids, _, probs, lse, counts, _, _ = fwd()
     dw, one = torch.randn(logits.shape[0], K, device="cuda", generator=gen), torch.ones((), device="cuda")
-    bwd_ms = _graph_ms(lambda: fused.router_topk_backward(probs, ids, dw, None, counts, lse, one, one, True, 1.0,
+    bwd_ms = graph_replay_ms(lambda: fused.router_topk_backward(probs, ids, dw, None, counts, lse, one, one, True, 1.0,
                                                           0.01, 0.001))
-    return _graph_ms(fwd), bwd_ms
+    return graph_replay_ms(fwd), bwd_ms
 
 
 def router_rows(gen: torch.Generator):
@@ -93,7 +81,7 @@ def _gather_ms(src, wts, tmap, out, config) -> float:
                                 tmap.stride(0), tmap.stride(1), out.stride(0), K=K, HAS_W=True, HAS_LIMIT=False,
                                 CSR=False, BLOCK_T=bt, BLOCK_D=bd, num_warps=w, num_stages=1)
 
-    return _graph_ms(run)
+    return graph_replay_ms(run)
 
 
 def gather_rows(gen: torch.Generator):

@@ -21,26 +21,14 @@ from pathlib import Path
 
 import torch
 import triton
-import triton.testing
 
 from moeblaze import build_dispatch, settings
 from moeblaze.bench.results import git_commit
+from moeblaze.bench.runner import graph_replay_ms
 from moeblaze.kernels import launch
 from moeblaze.kernels.experts import column_chunks
 
 SHAPES = "2048:2048:768:128:8,8192:2048:768:128:8,32768:2048:768:128:8,16384:1536:1024:128:2,16384:2048:512:512:10"
-
-
-def _graph_ms(fn) -> float:
-    """Median ms of ``fn`` replayed from a CUDA graph (run once first: autotuning and compiling stay outside)."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    return triton.testing.do_bench(graph.replay, warmup=25, rep=100)
 
 
 def _steps(T, d, h, E, K, gen):
@@ -115,7 +103,7 @@ def main() -> None:
                 want = ref() if args.check and i == 0 else None
                 for on in (False, True):
                     with settings.override(**{setting: on}):
-                        ms = _graph_ms(run)
+                        ms = graph_replay_ms(run)
                         if want is not None:
                             row["err_ws" if on else "err_triton"] = float((run().double() - want).abs().max()
                                                                          / want.abs().max())

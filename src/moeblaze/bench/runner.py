@@ -192,6 +192,21 @@ def kernel_time_ms(step: Callable[[], None], reps: int = 10, table: int = 0) -> 
     return sum(e.self_device_time_total for e in prof.key_averages()) / reps / 1e3
 
 
+def graph_replay_ms(fn: Callable[[], object]) -> float:
+    """Median ms of ``fn`` replayed from a CUDA graph (``triton.testing.do_bench``: L2 flushed before each replay),
+    so host time stays out of the figure; ``fn`` runs once first, outside the capture (compiling, autotuning)."""
+    import triton.testing
+
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    return triton.testing.do_bench(graph.replay, warmup=25, rep=100)
+
+
 def _make_step(fn: Callable, x: torch.Tensor, dout: torch.Tensor,
                params: list[torch.Tensor]) -> tuple[Callable[[], None], Callable[[], None]]:
     """``(step, zero)``: one forward+backward with fresh gradients, and the gradient reset alone."""
