@@ -18,6 +18,8 @@ tokens per GPU, host time the GPU waits for. Here, from the fp32 logits ``[T, E]
   (used by token rounding), the aux loss and the z-loss: the top-K scatter, the renormalisation's
   Jacobian, ``daux * c_aux * counts_e`` on every probability, then the softmax backward
   ``p * (g - <g, p>)`` plus ``dz * 2 c_z lse_t * p``.
+* :func:`split16_kernel`: the router's backward GEMMs take ``dlogits`` as two 16-bit halves ``[hi | lo]``
+  (:func:`split16`, one launch);
 
 Up to ``MAX_EXPERTS`` experts (a token's E probabilities stay in registers), ``MAX_TOP_K`` and fewer than
 ``MAX_ELEMENTS`` logits; :class:`moeblaze.routing.Router` takes its PyTorch path beyond.
@@ -320,6 +322,7 @@ def split16_kernel(
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.arange(0, BLOCK_E)
     mask = (rows < T)[:, None] & (cols < E)[None, :]
+    rows = rows.to(tl.int64)  # [T, 2E] may pass 2^31 elements where the router's [T, E] does not
     x = tl.load(t_ptr + rows[:, None] * stride_t_t + cols[None, :], mask=mask, other=0.0)
     hi = x.to(hl_ptr.dtype.element_ty)
     lo = (x - hi.to(tl.float32)).to(hl_ptr.dtype.element_ty)  # exact in fp32: hi is t rounded
