@@ -335,18 +335,18 @@ def append_csv(path: str, rows: list[dict]) -> None:
 
 
 def latest_run(rows: list[dict]) -> list[dict]:
-    """The rows of the latest run in ``rows`` (one ``date``, ``time_utc``, ``device`` and ``commit``): a file that
-    several calls appended to holds other devices and code versions, whose points must not share a line."""
-    def run_of(r: dict) -> tuple:
-        return tuple(r.get(k, "") for k in ("date", "time_utc", "device", "commit"))
-
-    latest = max(map(run_of, rows))
-    return [r for r in rows if run_of(r) == latest]
+    """The rows of one run in ``rows`` (one ``date``, ``time_utc``, ``device`` and ``commit``): a file that several
+    calls appended to holds other devices and code versions, whose points must not share a line. The latest of the
+    runs with the most token counts: an A/B at two token counts appended after a sweep does not replace it."""
+    runs: dict[tuple, list[dict]] = {}
+    for r in rows:
+        runs.setdefault(tuple(r.get(k, "") for k in ("date", "time_utc", "device", "commit")), []).append(r)
+    return runs[max(runs, key=lambda run: (len({r["T"] for r in runs[run]}), run))]
 
 
 def plot(path: str, rows: list[dict]) -> None:
-    """µs per token against T, one panel per shape drawn from that shape's latest run (titled with its device,
-    date and code version)."""
+    """µs per token against T, one panel per shape drawn from that shape's latest sweep (:func:`latest_run`; titled
+    with its device, date and code version)."""
     import matplotlib
 
     matplotlib.use("Agg")

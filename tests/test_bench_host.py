@@ -42,3 +42,22 @@ def test_cpu_parts_prints_the_host_cost_of_each_part():
         assert float(parts[name]) > 0, (name, proc.stdout)
     # bf16 GEMMs with out_dtype= are CUDA-only: reported as such, not as a crash
     assert parts["mm [T, d] x [d, E] bf16 -> fp32 (out_dtype=)"] == "nan"
+
+
+def test_the_plot_takes_each_shape_s_latest_sweep(monkeypatch):
+    """A run at two token counts appended after a five-point sweep does not replace the sweep in the plot; a later
+    sweep does."""
+    import importlib.util
+
+    monkeypatch.setattr(sys, "argv", ["bench_host.py"])  # the script reads its arguments when loaded
+    spec = importlib.util.spec_from_file_location("bench_host", ROOT / "benchmarks" / "bench_host.py")
+    bench_host = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench_host)
+
+    def run(date, commit, tokens):
+        return [dict(date=date, time_utc="01:00", device="H200", commit=commit, T=t) for t in tokens]
+
+    sweep, ab = run("2026-11-25", "a", [2048, 4096, 8192, 16384, 32768]), run("2026-11-26", "b", [16384, 32768])
+    assert bench_host.latest_run(sweep + ab) == sweep
+    later = run("2026-11-27", "c", [2048, 4096, 8192, 16384, 32768])
+    assert bench_host.latest_run(sweep + ab + later) == later
