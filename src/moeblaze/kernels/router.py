@@ -198,6 +198,12 @@ def router_topk_bwd_kernel(
     tl.store(dlogits_ptr + tile, dl, mask=mask)
 
 
+def _check_rows(t: torch.Tensor, what: str) -> None:
+    """``t`` is ``[T, E]`` fp32 with unit column stride (the kernels' row addressing), else a ValueError naming it."""
+    if t.dim() != 2 or t.dtype != torch.float32 or (t.numel() and t.stride(1) != 1):
+        raise ValueError(f"{what} must be [T, E] fp32 with unit column stride, got {tuple(t.shape)} {t.dtype}")
+
+
 def _router_topk_impl(logits: torch.Tensor, top_k: int, renormalize: bool, scale: float, aux_c: float,
                       z_c: float) -> tuple[torch.Tensor, ...]:
     T, E = logits.shape
@@ -255,9 +261,7 @@ def router_topk(logits: torch.Tensor, top_k: int, renormalize: bool = False, sca
         ValueError: ``logits`` not a 2-D fp32 tensor with unit column stride and fewer than ``MAX_ELEMENTS``
             elements, E above ``MAX_EXPERTS``, or ``top_k`` outside ``[1, min(E, MAX_TOP_K)]``.
     """
-    if logits.dim() != 2 or logits.dtype != torch.float32 or (logits.numel() and logits.stride(1) != 1):
-        raise ValueError(f"router_topk: logits must be [T, E] fp32 with unit column stride, got "
-                         f"{tuple(logits.shape)} {logits.dtype}")
+    _check_rows(logits, "router_topk: logits")
     E = logits.shape[1]
     if not 1 <= E <= MAX_EXPERTS or not 1 <= top_k <= min(E, MAX_TOP_K):
         raise ValueError(f"router_topk: need 1 <= top_k <= E <= {MAX_EXPERTS} and top_k <= {MAX_TOP_K}, got "
@@ -360,8 +364,7 @@ def split16(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     Raises:
         ValueError: ``t`` not a 2-D fp32 tensor with unit column stride, or ``dtype`` not bf16 / fp16.
     """
-    if t.dim() != 2 or t.dtype != torch.float32 or (t.numel() and t.stride(1) != 1):
-        raise ValueError(f"split16: t must be [T, E] fp32 with unit column stride, got {tuple(t.shape)} {t.dtype}")
+    _check_rows(t, "split16: t")
     if dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"split16: dtype must be torch.bfloat16 or torch.float16, got {dtype}")
     return call_op(_split16_op, _split16_impl, t, dtype)
