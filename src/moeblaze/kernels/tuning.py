@@ -57,6 +57,11 @@ def autotune_enabled() -> bool:
     return settings.get("autotune") and not interpreting()
 
 
+def _index(device: torch.device) -> int:
+    """The CUDA device index of ``device`` (``cuda`` alone: the current device)."""
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 @functools.cache
 def _sm90(index: int) -> bool:
     return torch.cuda.get_device_capability(index)[0] >= 9
@@ -69,7 +74,7 @@ def tma_enabled(device: torch.device) -> bool:
         return False
     if interpreting():
         return True
-    return device.type == "cuda" and _sm90(device.index if device.index is not None else torch.cuda.current_device())
+    return device.type == "cuda" and _sm90(_index(device))
 
 
 @functools.cache
@@ -85,7 +90,7 @@ def ws_enabled(device: torch.device, setting: str = "ws_wgrad") -> bool:
     ``tma`` on (they read through TMA: ``MOEBLAZE_TMA=0`` measures the pointer paths of the Triton kernels)."""
     if device.type != "cuda" or interpreting() or not (settings.get(setting) and settings.get("tma")):
         return False
-    return _ws_supported(device.index if device.index is not None else torch.cuda.current_device())
+    return _ws_supported(_index(device))
 
 
 def _launch_mode(setting: str) -> str:
@@ -113,7 +118,7 @@ def _sm_count(index: int) -> int:
 
 def sm_count(device: torch.device) -> int:
     """Streaming multiprocessors of a CUDA ``device`` (its index, or the current device's; cached)."""
-    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    return _sm_count(_index(device))
 
 
 def num_programs(device: torch.device) -> int:
