@@ -39,7 +39,7 @@ from moeblaze.kernels.grouped_gemm import (
     EPILOGUE_PLAIN,
     grouped_gemm_kernel,
 )
-from moeblaze.kernels.rounding import _select_warps, rounding_keys_kernel, rounding_select_kernel
+from moeblaze.kernels.rounding import GROUP, _keys_block, _select_warps, rounding_keys_kernel, rounding_select_kernel
 from moeblaze.kernels.router import (
     _block_t,
     _topk_warps,
@@ -190,15 +190,16 @@ def compile_router() -> None:
 
 def compile_rounding() -> None:
     """Token rounding's two selection kernels (moeblaze.kernels.rounding) at the issue's shapes."""
-    for E, K, dt in ((128, 2, "*bf16"), (512, 10, "*fp32")):
-        be = triton.next_power_of_2(E)
-        compile_one(rounding_keys_kernel, dict(scores_ptr=dt, ids_ptr="*i32", weights_ptr=dt, counts_ptr="*i32",
-                                               target_ptr="*i32", keys_ptr="*i32"),
-                    dict(K=K, BLOCK_T=max(1, min(64, 8192 // be)), BLOCK_E=be), 4, 1, f"rounding keys E={E} K={K}")
-    for row, K in ((16384, 2), (65536, 10)):
-        compile_one(rounding_select_kernel, dict(keys_ptr="*i32", counts_ptr="*i32", target_ptr="*i32",
-                                                 ids_ptr="*i32", kept_ptr="*i32", pad_tok_ptr="*i32"),
-                    dict(K=K, BLOCK_T=row), _select_warps(row), 1, f"rounding select T<={row} K={K}")
+    for T, E, K, dt in ((16384, 128, 2, "*bf16"), (65536, 512, 10, "*fp32")):
+        nb = triton.cdiv(T, GROUP)
+        ptrs = dict(scores_ptr=dt, ids_ptr="*i32", weights_ptr=dt, counts_ptr="*i32", target_ptr="*i32",
+                    bmax_ptr="*i32", cand_ptr="*i32", kept_ptr="*i32", pad_tok_ptr="*i32")
+        bt, be = _keys_block(E, K)
+        compile_one(rounding_keys_kernel, ptrs, dict(K=K, GROUP=GROUP, BLOCK_T=bt, BLOCK_E=be), 4, 1,
+                    f"rounding keys E={E} K={K}")
+        compile_one(rounding_select_kernel, ptrs, dict(K=K, GROUP=GROUP, BLOCK_NB=triton.next_power_of_2(nb),
+                                                       CAND=256, BLOCK_J=64),
+                    _select_warps(nb), 1, f"rounding select T={T} K={K}")
 
 
 if __name__ == "__main__":

@@ -87,10 +87,12 @@ def _fields(r):
 @pytest.mark.parametrize("mode", ROUNDING_MODES)
 @pytest.mark.parametrize("T,E,K,tile,dtype", [(90, 8, 2, 8, torch.float32), (70, 6, 3, 16, torch.float16),
                                                (1, 4, 2, 8, torch.float32), (12, 3, 3, 4, torch.float32),
-                                               (0, 4, 2, 8, torch.float32)])
+                                               (0, 4, 2, 8, torch.float32), (700, 5, 2, 32, torch.float32)])
 def test_kernel_selections_equal_torch_bitwise(mode, T, E, K, tile, dtype):
     """The Triton selections (interpreter) and the PyTorch ones give the same pairs, weights and order,
-    with ties in weights and scores (the lower token first) and counts capped by T (T = 12, K = E = 3)."""
+    with ties in weights and scores (the lower token first) and counts capped by T (T = 12, K = E = 3); at
+    T = 700 the select kernel's group maxima tie across many of its 44 groups of 16 tokens (its candidates
+    beyond the first half of its candidate rows, where an expert drops or pads 16 to 31 tokens)."""
     gen = torch.Generator().manual_seed(T + E)
     scores = (torch.randn(T, E, generator=gen) * 2).round().div(2).sigmoid().to(dtype)  # many equal scores
     w, ids = scores.float().topk(K, -1)
@@ -113,7 +115,7 @@ def test_kernel_pads_ascending_and_filler_spread():
     ids[:5] = 1  # expert 1: 5 tokens, pads 3 to 8; expert 0: 59, drops 3 to 56; experts 2, 3: nothing
     counts = torch.tensor([59, 5, 0, 0], dtype=torch.int32)
     target = torch.tensor([56, 8, 0, 0], dtype=torch.int32)
-    kept, pad_tok = rounding_select(scores, ids, scores.gather(1, ids.long()), counts, target, J)
+    kept, pad_tok = rounding_select(scores, ids, scores.gather(1, ids.long()), counts, target, J, J)
     outside = scores[5:, 1]  # expert 1's tokens outside its top-k: 5..63
     best = (outside.topk(3).indices + 5).sort().values
     assert torch.equal(pad_tok[:3, 1], best.int())
@@ -124,6 +126,16 @@ def test_kernel_pads_ascending_and_filler_spread():
     dropped = (kept[:, 0] == E).nonzero().flatten()
     w0 = scores[5:, 0]
     assert torch.equal(dropped, (w0.topk(3, largest=False).indices + 5).sort().values)
+
+
+def test_given_counts_round_as_counted(selection):
+    """``counts`` (the router's pairs per expert, fp32) gives the rounding that counting topk_ids gives."""
+    scores, ids, w = routing(300, 6, 2, 11)
+    counts = torch.bincount(ids.flatten().long(), minlength=6).float()
+    for mode in ("nr", "up", "down"):
+        for a, b in zip(_fields(round_tokens(scores, ids, w, 16, mode)),
+                        _fields(round_tokens(scores, ids, w, 16, mode, counts=counts))):
+            assert torch.equal(a, b)
 
 
 def test_padded_pairs_carry_the_scaled_score():
@@ -172,8 +184,15 @@ def test_all_dropped_token_gets_zero_output_and_gradient():
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_moe_token_rounding_option(backend, monkeypatch):
+    """The layer's rounded routing equals round_tokens over its router's output; with the Triton router
+    (forced in the interpreter) the rounding takes the router's counts (``RouterOutput.counts``)."""
     if backend == "triton":
         monkeypatch.setenv("TRITON_INTERPRET", "1")
+    with settings.override(fused_router=backend == "triton"):
+        _check_moe_token_rounding_option(backend)
+
+
+def _check_moe_token_rounding_option(backend):
     torch.manual_seed(0)
     kw = dict(d_model=16, d_ff=8, num_experts=4, top_k=2, backend=backend, renormalize=True)
     layer, plain = MoE(**kw, token_rounding="nr", rounding_tile=8), MoE(**kw)
@@ -181,6 +200,7 @@ def test_moe_token_rounding_option(backend, monkeypatch):
     x = torch.randn(37, 16, requires_grad=True)
     out = layer(x)
     routing_out = layer.router(x)
+    assert (routing_out.counts is not None) == (backend == "triton")
     r = round_tokens(routing_out.scores, routing_out.topk_ids, routing_out.topk_weights, 8, "nr")
     expect = moe_experts_general(x, r.token_idx, r.expert_idx, r.pair_weights, layer.w1, layer.w_down,
                                  backend=backend, foreign_experts=True)
@@ -219,6 +239,7 @@ def test_tile_multiple(monkeypatch):
 @pytest.mark.parametrize("call,match", [
     (lambda: round_tokens(*routing(8, 4, 2, 0), 0, "nr"), r"tile \(the M tile to round to\) must be a positive int"),
     (lambda: round_tokens(*routing(8, 4, 2, 0), 8, "half"), "token rounding mode must be one of"),
+    (lambda: round_tokens(*routing(8, 4, 2, 0), 8, "nr", counts=torch.ones(5)), r"counts must have shape \(4,\)"),
     (lambda: round_counts(torch.tensor([3]), -1), "must be a positive int, got -1"),
     (lambda: MoE(8, 4, 4, 2, token_rounding="ceil"), "token_rounding must be None or one of"),
     (lambda: MoE(8, 4, 4, 2, token_rounding="nr", rounding_tile=0), "rounding_tile must be None or a positive int"),

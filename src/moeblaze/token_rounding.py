@@ -127,7 +127,7 @@ def _check_mode_tile(mode: str, tile: int) -> None:
 
 def round_tokens(scores: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, tile: int,
                  mode: str = "nr", generator: torch.Generator | None = None,
-                 scale: float = 1.0) -> TokenRounding:
+                 scale: float = 1.0, counts: torch.Tensor | None = None) -> TokenRounding:
     """Token rounding of a top-k routing (SonicMoE §5 Alg. 4; rules and weights: module docstring).
 
     The selections run as two Triton launches (:mod:`moeblaze.kernels.rounding`) where the ``fused_rounding``
@@ -139,7 +139,8 @@ def round_tokens(scores: torch.Tensor, topk_ids: torch.Tensor, topk_weights: tor
         topk_ids: ``[T, K]`` integer top-k experts (distinct per row). topk_weights: ``[T, K]`` float.
         tile: the M tile (:func:`tile_multiple`). mode: ``"nr"``, ``"up"``, ``"down"`` or ``"sr"``.
         generator: random source of ``"sr"`` (on ``scores``' device). scale: factor of the padded pairs'
-            weights (the router's ``routed_scaling_factor``).
+            weights (the router's ``routed_scaling_factor``). counts: ``[E]`` pairs per expert of ``topk_ids``
+            (e.g. :attr:`moeblaze.RouterOutput.counts`), any numeric dtype, exact integers; None: counted here.
 
     Returns:
         :class:`TokenRounding` with ``P = T*K + J*E`` pairs, ``J = min(T, (tile - 1) // 2)`` for ``nr``,
@@ -148,17 +149,20 @@ def round_tokens(scores: torch.Tensor, topk_ids: torch.Tensor, topk_weights: tor
     Raises:
         ValueError: unknown mode, ``tile < 1``, shapes that disagree.
     """
-    _check_args(scores, topk_ids, topk_weights, tile, mode)
-    return _round_tokens(scores, topk_ids, topk_weights, tile, mode, generator, scale, _use_kernels(scores, topk_ids))
+    _check_args(scores, topk_ids, topk_weights, tile, mode, counts)
+    return _round_tokens(scores, topk_ids, topk_weights, tile, mode, generator, scale, _use_kernels(scores, topk_ids),
+                         counts)
 
 
-def _check_args(scores, topk_ids, topk_weights, tile, mode) -> None:
+def _check_args(scores, topk_ids, topk_weights, tile, mode, counts=None) -> None:
     _check_mode_tile(mode, tile)
     if scores.dim() != 2 or topk_ids.dim() != 2 or topk_ids.shape[0] != scores.shape[0]:
         raise ValueError(f"scores must be [T, E] and topk_ids [T, K], got {tuple(scores.shape)} and "
                          f"{tuple(topk_ids.shape)}")
     if tuple(topk_weights.shape) != tuple(topk_ids.shape):
         raise ValueError(f"topk_weights must have shape {tuple(topk_ids.shape)}, got {tuple(topk_weights.shape)}")
+    if counts is not None and tuple(counts.shape) != (scores.shape[1],):
+        raise ValueError(f"counts must have shape ({scores.shape[1]},) (pairs per expert), got {tuple(counts.shape)}")
 
 
 def _use_kernels(scores: torch.Tensor, topk_ids: torch.Tensor) -> bool:
@@ -172,18 +176,22 @@ def _use_kernels(scores: torch.Tensor, topk_ids: torch.Tensor) -> bool:
     return scores.is_cuda if use is None else (use and (scores.is_cuda or settings.interpreting()))
 
 
-def _round_tokens(scores, topk_ids, topk_weights, tile, mode, generator, scale, kernels: bool) -> TokenRounding:
+def _round_tokens(scores, topk_ids, topk_weights, tile, mode, generator, scale, kernels: bool,
+                  counts=None) -> TokenRounding:
     (T, E), K, dev = scores.shape, topk_ids.shape[1], scores.device
     ids = topk_ids.long()
-    f = torch.zeros(E, dtype=torch.int32, device=dev).scatter_add_(
-        0, ids.reshape(-1), torch.ones(T * K, dtype=torch.int32, device=dev))
+    if counts is not None:  # the router's: a histogram with contended atomics less (7-26 µs per step at T 16384)
+        f = counts.to(torch.int32)
+    else:
+        f = torch.zeros(E, dtype=torch.int32, device=dev).scatter_add_(
+            0, ids.reshape(-1), torch.ones(T * K, dtype=torch.int32, device=dev))
     target = round_counts(f, tile, mode, T, generator)
     J = _max_pad(mode, tile, T)
     if kernels:
         from .kernels.rounding import rounding_select
 
         kept, pad_tok = rounding_select(scores.detach().contiguous(), topk_ids.contiguous(),
-                                        topk_weights.detach().contiguous(), f, target, J)
+                                        topk_weights.detach().contiguous(), f, target, J, tile - 1)
     else:
         kept, pad_tok = _select_torch(scores.detach(), ids, topk_weights.detach(), f, target, J)
     tok = torch.arange(T, dtype=torch.int32, device=dev).repeat_interleave(K)
@@ -277,7 +285,7 @@ def _compiled_round_tokens():
 
 def round_tokens_fused(scores: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, tile: int,
                        mode: str = "nr", generator: torch.Generator | None = None,
-                       scale: float = 1.0) -> TokenRounding:
+                       scale: float = 1.0, counts: torch.Tensor | None = None) -> TokenRounding:
     """:func:`round_tokens` through ``torch.compile`` (Inductor fuses its small element-wise, gather and
     scatter launches into a few; the selections stay Triton custom ops or ``topk`` / ``sort`` library calls)
     where the ``compile_rounding`` setting says so (``auto``: on CUDA); the same result bitwise (integer
@@ -286,10 +294,10 @@ def round_tokens_fused(scores: torch.Tensor, topk_ids: torch.Tensor, topk_weight
     shape compiles (seconds).
     """
     if torch.compiler.is_compiling() or mode == "sr":  # settings.get reads a ContextVar: not traceable
-        return round_tokens(scores, topk_ids, topk_weights, tile, mode, generator, scale)
+        return round_tokens(scores, topk_ids, topk_weights, tile, mode, generator, scale, counts)
     use = settings.get("compile_rounding")
     if scores.is_cuda if use is None else use:
-        _check_args(scores, topk_ids, topk_weights, tile, mode)
+        _check_args(scores, topk_ids, topk_weights, tile, mode, counts)
         return _compiled_round_tokens()(scores, topk_ids, topk_weights, tile, mode, None, scale,
-                                        _use_kernels(scores, topk_ids))
-    return round_tokens(scores, topk_ids, topk_weights, tile, mode, generator, scale)
+                                        _use_kernels(scores, topk_ids), counts)
+    return round_tokens(scores, topk_ids, topk_weights, tile, mode, generator, scale, counts)

@@ -1,25 +1,33 @@
 """Token rounding's per-expert selections in two launches (issue 25; SonicMoE §5 Alg. 4; rules:
 :mod:`moeblaze.token_rounding`).
 
-After top-k, expert e with ``f_e`` tokens and rounded target ``r_e`` either drops its ``f_e - r_e``
-lowest-weighted top-k pairs or pads ``r_e - f_e`` of its highest-scored tokens outside its top-k. Both are
-"the n largest keys of a row" of one ``[E, T]`` int32 matrix:
+After top-k, expert e with ``f_e`` tokens and rounded target ``r_e`` either drops its ``n = f_e - r_e``
+lowest-weighted top-k pairs or pads ``n = r_e - f_e`` of its highest-scored tokens outside its top-k. Both
+are "the n largest keys" of expert e's keys over the tokens: for a dropping expert the key of a top-k token
+is its weight's order key, inverted (the lowest weight ranks first); for a padding expert the key of a token
+outside its top-k is its score's order key; every other key is ``-2^31`` (ineligible: eligible keys are
+clamped to ``-2^31 + 1``). n is below the tile (``max_n``), a few dozen against T keys, so the keys are
+never written out whole:
 
-* :func:`rounding_keys_kernel` (one program per ``BLOCK_T`` tokens, all E): for a dropping expert the
-  key of a top-k token is its weight's order key, inverted (the lowest weight ranks first); for a padding
-  expert the key of a token outside its top-k is its score's order key; every other entry is ``-2^31``
-  (ineligible: eligible keys are clamped to ``-2^31 + 1``).
-  Rows of experts with nothing to select are not written.
-* :func:`rounding_select_kernel` (one program per expert, the row in registers): the n-th largest key by
-  a 32-step binary search on its bits (counts of keys at or above a candidate), then the selection in token
-  order: every key above it and, of the keys equal to it, the lowest tokens (ties: the lower token first, in
-  both selections). Dropped pairs get the expert id E in ``kept [T, K]``; padded tokens go, ascending, into
-  ``pad_tok [J, E]`` (its unused entries hold the spread filler ``(j*E + e) % T``).
+* :func:`rounding_keys_kernel` (one program per ``BLOCK_T`` tokens and ``BLOCK_E`` experts) computes the keys and writes the
+  largest key of each group of ``GROUP`` tokens per expert, ``bmax [E, ceil(T / GROUP)]`` (rows of experts
+  with ``f_e == r_e`` not written).
+* :func:`rounding_select_kernel` (one program per expert) finds the n-th largest group maximum ``L`` (a
+  32-step binary search on its bits). Every key at or above the n-th largest key is at or above ``L`` and
+  so in a group whose maximum is; the candidate groups are those above ``L`` and the first n equal to it
+  (ties among group maxima: the first n hold every tied key that can be selected), at most ``2n - 1``
+  groups. Their tokens' keys, recomputed from the scores, ids and weights, give the n-th largest key and
+  the selection in token order: every key above it and, of the keys equal to it, the lowest tokens (ties:
+  the lower token first, in both selections). Dropped pairs get the expert id E in ``kept [T, K]``; padded
+  tokens go, ascending, into ``pad_tok [J, E]`` (its unused entries hold the spread filler ``(j*E + e) % T``).
 
 No sort, no atomics, no host synchronisation. The order key of a float is its bit pattern as int32 with the
 lower 31 bits flipped for negative values (monotone in the value; ``-0.0`` is made ``+0.0`` first, NaN
 ranks above +inf). The PyTorch path of :func:`moeblaze.round_tokens` uses the same keys and tie rule, so
-both give the same pairs. Rows up to ``MAX_TOKENS`` tokens (a row lives in the registers of one program).
+both give the same pairs. The select kernel holds ``ceil(T / GROUP)`` group maxima and ``2 * max_n * GROUP``
+candidate keys in registers, where the first version held the whole row of T keys and searched it: 47 and
+264 µs per layer step at T 16384 with E 128, K 2 and E 512, K 10, the keys kernel 5 and 79 µs writing
+``[E, T]`` (H200, 2026-11-26, ``python3 benchmarks/bench_token_rounding.py speed --shapes 0,2 --breakdown 22``).
 """
 
 from __future__ import annotations
@@ -32,8 +40,10 @@ from .custom_ops import call_op
 from .direct import launch
 from .tuning import cdiv, next_pow2
 
-MAX_TOKENS = 65536  # 16 warps x 128 keys per thread (a row in the registers of one program)
-MAX_TOP_K = 16  # the top-k loop is unrolled
+MAX_TOKENS = 65536  # T; the select kernel holds T / GROUP group maxima (4,096 at most) in registers
+MAX_TOP_K = 16  # the top-k loops are unrolled
+GROUP = 16  # tokens per group maximum: T / 16 maxima to search, 16 keys per candidate group
+_INELIGIBLE = tl.constexpr(-2147483647 - 1)
 
 
 @triton.jit
@@ -44,18 +54,45 @@ def _order_key(x):
 
 
 @triton.jit
+def _drop_key(w):
+    """Key of a top-k pair of a dropping expert from its fp32 weight: ~key, the lowest weight ranks first."""
+    return tl.maximum(_order_key(w) ^ -1, -2147483647)
+
+
+@triton.jit
+def _pad_key(s):
+    """Key of a token outside a padding expert's top-k from its fp32 score."""
+    return tl.maximum(_order_key(s), -2147483647)
+
+
+@triton.jit
+def _nth_largest(key, n):
+    """The n-th largest of the int32 ``key`` (1 <= n <= key's size): the largest v with ``#(key >= v) >= n``,
+    bit by bit on key + 2^31 (unsigned), 32 counts. Two bits per step (three counts packed in one int64
+    reduction, 16 serial reductions) measured slower on a whole row: 41 against 35 µs at E 128 and 261 against
+    242 µs at E 512 (H100, 2026-11-25, ``python3 benchmarks/bench_token_rounding.py rounding``)."""
+    v = tl.zeros((), dtype=tl.int64)
+    one = tl.full((), 1, tl.int64)
+    for b in range(31, -1, -1):
+        cand = v | (one << b)
+        if tl.sum((key >= (cand - 2147483648).to(tl.int32)).to(tl.int32), axis=0) >= n:
+            v = cand
+    return (v - 2147483648).to(tl.int32)
+
+
+@triton.jit
 def rounding_keys_kernel(
     scores_ptr,   # [T, E] float router scores
     ids_ptr,      # [T, K] int top-k expert ids
     weights_ptr,  # [T, K] float top-k weights
     counts_ptr,   # [E] int32 top-k token counts f_e
     target_ptr,   # [E] int32 rounded counts r_e
-    keys_ptr,     # [E, T] int32 out: selection keys (rows of experts with f_e == r_e not written)
-    T, E, stride_s_t, stride_ids_t, stride_w_t,
-    K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
+    bmax_ptr,     # [E, NB] int32 out: largest key of each group of GROUP tokens (rows with f_e == r_e not written)
+    T, E, NB, stride_s_t, stride_ids_t, stride_w_t,
+    K: tl.constexpr, GROUP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    cols = tl.arange(0, BLOCK_E)
+    cols = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
     rmask, cmask = rows < T, cols < E
     f = tl.load(counts_ptr + cols, mask=cmask, other=0)
     r = tl.load(target_ptr + cols, mask=cmask, other=0)
@@ -69,113 +106,169 @@ def rounding_keys_kernel(
         w = tl.where(hit, wk[:, None], w)
     mask = rmask[:, None] & cmask[None, :]
     s = tl.load(scores_ptr + rows[:, None] * stride_s_t + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    drop_key = tl.maximum(_order_key(w) ^ -1, -2147483647)  # ~key: the lowest weight ranks first
-    pad_key = tl.maximum(_order_key(s), -2147483647)
-    none = tl.full((BLOCK_T, BLOCK_E), -2147483647 - 1, tl.int32)  # ineligible
-    key = tl.where((f > r)[None, :], tl.where(chosen, drop_key, none), tl.where(chosen, none, pad_key))
-    tl.store(keys_ptr + cols[None, :] * T + rows[:, None], key, mask=mask & (f != r)[None, :])
+    key = tl.where((f > r)[None, :], tl.where(chosen, _drop_key(w), _INELIGIBLE),
+                   tl.where(chosen, _INELIGIBLE, _pad_key(s)))
+    key = tl.where(mask, key, _INELIGIBLE)
+    gmax = tl.max(tl.reshape(key, (BLOCK_T // GROUP, GROUP, BLOCK_E)), axis=1)  # [BLOCK_T // GROUP, BLOCK_E]
+    g = tl.program_id(0) * (BLOCK_T // GROUP) + tl.arange(0, BLOCK_T // GROUP)
+    tl.store(bmax_ptr + cols[None, :] * NB + g[:, None], gmax, mask=(g < NB)[:, None] & (cmask & (f != r))[None, :])
+
+
+@triton.jit
+def _candidate_keys(toks, valid, e, dropping, scores_ptr, ids_ptr, weights_ptr, stride_s_t, stride_ids_t,
+                    stride_w_t, K: tl.constexpr):
+    """Expert e's keys of the tokens ``toks`` (as :func:`rounding_keys_kernel`'s) and, of a top-k token, the k
+    of its pair (``(key, kk)``, both int32, ``toks``' shape)."""
+    kk = tl.zeros_like(toks)
+    chosen = kk != 0
+    w = tl.zeros_like(toks).to(tl.float32)
+    for k in tl.static_range(K):
+        hit = tl.load(ids_ptr + toks * stride_ids_t + k, mask=valid, other=-1).to(tl.int32) == e
+        chosen = chosen | hit
+        kk = tl.where(hit, k, kk)
+        w = tl.where(hit, tl.load(weights_ptr + toks * stride_w_t + k, mask=hit, other=0.0).to(tl.float32), w)
+    if dropping:
+        key = tl.where(chosen, _drop_key(w), _INELIGIBLE)
+    else:
+        free = valid & ~chosen
+        s = tl.load(scores_ptr + toks * stride_s_t + e, mask=free, other=0.0).to(tl.float32)
+        key = tl.where(free, _pad_key(s), _INELIGIBLE)
+    return key, kk
+
+
+@triton.jit
+def _select_candidates(e, n, dropping, ncb, T, E, cand_ptr, scores_ptr, ids_ptr, weights_ptr, kept_ptr, pad_tok_ptr,
+                       stride_s_t, stride_ids_t, stride_w_t, K: tl.constexpr, GROUP: tl.constexpr,
+                       CAND: tl.constexpr, BLOCKS: tl.constexpr):
+    """The selection among the tokens of expert e's first ``ncb <= BLOCKS`` candidate groups (ascending in
+    ``cand_ptr``'s row e, so the candidates are in token order), and its stores."""
+    i = tl.arange(0, BLOCKS * GROUP)
+    c = i // GROUP
+    toks = tl.load(cand_ptr + e * CAND + c, mask=c < ncb, other=0) * GROUP + i % GROUP
+    valid = (c < ncb) & (toks < T)
+    key, kk = _candidate_keys(toks, valid, e, dropping, scores_ptr, ids_ptr, weights_ptr, stride_s_t, stride_ids_t,
+                              stride_w_t, K)
+    v = _nth_largest(key, n)
+    above = key > v
+    ties = key == v
+    need = n - tl.sum(above.to(tl.int32), axis=0)
+    sel = valid & (above | (ties & (tl.cumsum(ties.to(tl.int32), axis=0) <= need)))
+    if dropping:  # the pair (t, kk) of each selected token t
+        tl.store(kept_ptr + toks * K + kk, tl.full(toks.shape, E, tl.int32), mask=sel)
+    else:  # the selected tokens, ascending, at j = their rank
+        j = tl.cumsum(sel.to(tl.int32), axis=0) - 1
+        tl.store(pad_tok_ptr + j * E + e, toks, mask=sel)
 
 
 @triton.jit
 def rounding_select_kernel(
-    keys_ptr,     # [E, T] int32 selection keys (rounding_keys_kernel)
+    scores_ptr,   # [T, E] float router scores
+    ids_ptr,      # [T, K] int top-k expert ids
+    weights_ptr,  # [T, K] float top-k weights
+    bmax_ptr,     # [E, NB] int32 group maxima of the keys (rounding_keys_kernel)
+    cand_ptr,     # [E, CAND] int32 scratch: each expert's candidate groups, ascending
     counts_ptr,   # [E] int32 top-k token counts f_e
     target_ptr,   # [E] int32 rounded counts r_e
-    ids_ptr,      # [T, K] int top-k expert ids
     kept_ptr,     # [T, K] int32 in/out: the top-k ids; dropped pairs set to E
     pad_tok_ptr,  # [J, E] int32 out: padded tokens of each expert, ascending, then the filler
-    T, E, J, stride_ids_t,
-    K: tl.constexpr, BLOCK_T: tl.constexpr,
+    T, E, J, NB, stride_s_t, stride_ids_t, stride_w_t,
+    K: tl.constexpr, GROUP: tl.constexpr, BLOCK_NB: tl.constexpr, CAND: tl.constexpr, BLOCK_J: tl.constexpr,
 ):
     e = tl.program_id(0)
     f = tl.load(counts_ptr + e)
     r = tl.load(target_ptr + e)
     n = tl.abs(f - r)
-    toks = tl.arange(0, BLOCK_T)
     if n > 0:
-        key = tl.load(keys_ptr + e * T + toks, mask=toks < T, other=-2147483647 - 1)
-        # the n-th largest key v: the largest v with #(key >= v) >= n, bit by bit on key + 2^31 (unsigned).
-        # Two bits per step (three counts packed in one int64 reduction, 16 serial reductions) measured slower:
-        # 41 against 35 µs at E 128 and 261 against 242 µs at E 512 (H100, 2026-11-25, ``... rounding``)
-        v = tl.zeros((), dtype=tl.int64)
-        one = tl.full((), 1, tl.int64)
-        for b in range(31, -1, -1):
-            cand = v | (one << b)
-            if tl.sum((key >= (cand - 2147483648).to(tl.int32)).to(tl.int32), axis=0) >= n:
-                v = cand
-        v32 = (v - 2147483648).to(tl.int32)
-        above = key > v32
-        ties = key == v32
-        tie_rank = tl.cumsum(ties.to(tl.int32), axis=0) - 1
-        sel = above | (ties & (tie_rank < n - tl.sum(above.to(tl.int32), axis=0)))
-        if f > r:  # drop: the pair (t, k) of expert e of each selected token t
-            for k in tl.static_range(K):
-                idk = tl.load(ids_ptr + toks * stride_ids_t + k, mask=sel, other=-1).to(tl.int32)
-                tl.store(kept_ptr + toks * K + k, tl.full((BLOCK_T,), E, tl.int32), mask=sel & (idk == e))
-        else:  # pad: the selected tokens, ascending, at j = their rank
-            j = tl.cumsum(sel.to(tl.int32), axis=0) - 1
-            tl.store(pad_tok_ptr + j * E + e, toks, mask=sel)
+        b = tl.arange(0, BLOCK_NB)
+        bm = tl.load(bmax_ptr + e * NB + b, mask=b < NB, other=_INELIGIBLE)
+        lo = _nth_largest(bm, n)
+        eq = bm == lo
+        cand = (bm > lo) | (eq & (tl.cumsum(eq.to(tl.int32), axis=0) <= n))  # at most 2n - 1 groups
+        ncb = tl.sum(cand.to(tl.int32), axis=0)
+        tl.store(cand_ptr + e * CAND + tl.cumsum(cand.to(tl.int32), axis=0) - 1, b, mask=cand)
+        tl.debug_barrier()  # the row of candidates, written by all threads, read by all
+        if ncb <= CAND // 2:  # the usual case for nr (n < tile / 2): half the candidate keys to search
+            _select_candidates(e, n, f > r, ncb, T, E, cand_ptr, scores_ptr, ids_ptr, weights_ptr, kept_ptr,
+                               pad_tok_ptr, stride_s_t, stride_ids_t, stride_w_t, K, GROUP, CAND, CAND // 2)
+        else:
+            _select_candidates(e, n, f > r, ncb, T, E, cand_ptr, scores_ptr, ids_ptr, weights_ptr, kept_ptr,
+                               pad_tok_ptr, stride_s_t, stride_ids_t, stride_w_t, K, GROUP, CAND, CAND)
+    jj = tl.arange(0, BLOCK_J)
     padded = tl.where(r > f, n, 0)
-    filler = (toks * E + e) % T  # unused candidates spread over the tokens (no token gets them all)
-    tl.store(pad_tok_ptr + toks * E + e, filler, mask=(toks >= padded) & (toks < J))
+    filler = (jj * E + e) % T  # unused candidates spread over the tokens (no token gets them all)
+    tl.store(pad_tok_ptr + jj * E + e, filler, mask=(jj >= padded) & (jj < J))
 
 
-def _select_warps(row: int) -> int:
-    """Warps of the select kernel for a row of ``row`` keys: 64 keys per thread, 4 to 16 warps. In the layer
-    (H100, 2026-11-25, ``benchmarks/bench_token_rounding.py speed --breakdown 8``) the kernel took 46.5 µs per
-    step with 8 warps and 69.1 µs with 4 at T 16384, E 128, and 252 against 353 µs at E 512; 32 warps timed
-    slowest of 2 to 32 at E 128 (``... select --warps 2,4,8,16,32``; each serial reduction waits on every warp)."""
-    return max(4, min(16, row // 2048))
+def _select_warps(nb: int) -> int:
+    """Warps of the select kernel for ``nb`` group maxima."""
+    return 4 if nb <= 1024 else 8
+
+
+def _keys_block(E: int, K: int) -> tuple[int, int]:
+    """``(BLOCK_T, BLOCK_E)`` of the keys kernel: one group of tokens by at most ``384 / K`` experts (ptxas for
+    sm_90: 96 to 126 registers at K 2 to 10, where all E in one program took 255 and spilled, and took 80 µs
+    per layer step at T 16384, E 512, K 10 on an H200, 2026-11-26, ``python3
+    benchmarks/bench_token_rounding.py speed --shapes 0,2 --breakdown 22``: too few warps per SM to hide the
+    score loads)."""
+    cap = 1 << max(4, (384 // K).bit_length() - 1)
+    return GROUP, min(next_pow2(E), 128, cap)
 
 
 def _select_impl(scores: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, counts: torch.Tensor,
-                 target: torch.Tensor, J: int) -> tuple[torch.Tensor, torch.Tensor]:
+                 target: torch.Tensor, J: int, max_n: int) -> tuple[torch.Tensor, torch.Tensor]:
     T, E = scores.shape
     K = ids.shape[1]
     kept = torch.empty(T, K, dtype=torch.int32, device=scores.device).copy_(ids)
     pad_tok = torch.empty(J, E, dtype=torch.int32, device=scores.device)
     if T == 0:
         return kept, pad_tok
-    keys = torch.empty(E, T, dtype=torch.int32, device=scores.device)
-    block_e = next_pow2(E)
-    block_t = max(1, min(64, 8192 // block_e))  # ~8192 entries per program
-    launch(rounding_keys_kernel, (cdiv(T, block_t),), scores_ptr=scores, ids_ptr=ids, weights_ptr=weights,
-           counts_ptr=counts, target_ptr=target, keys_ptr=keys, T=T, E=E, stride_s_t=scores.stride(0),
-           stride_ids_t=ids.stride(0), stride_w_t=weights.stride(0), K=K, BLOCK_T=block_t, BLOCK_E=block_e,
-           num_warps=4)
-    row = next_pow2(max(T, J))
-    launch(rounding_select_kernel, (E,), keys_ptr=keys, counts_ptr=counts, target_ptr=target, ids_ptr=ids,
-           kept_ptr=kept, pad_tok_ptr=pad_tok, T=T, E=E, J=J, stride_ids_t=ids.stride(0), K=K,
-           BLOCK_T=row, num_warps=_select_warps(row))
+    nb = cdiv(T, GROUP)
+    bmax = torch.empty(E, nb, dtype=torch.int32, device=scores.device)
+    cand = max(2, next_pow2(2 * max(max_n, 1) - 1))  # the candidate groups of an expert: at most 2n - 1
+    cand_groups = torch.empty(E, cand, dtype=torch.int32, device=scores.device)
+    block_t, block_e = _keys_block(E, K)
+    launch(rounding_keys_kernel, (cdiv(T, block_t), cdiv(E, block_e)), scores_ptr=scores, ids_ptr=ids, weights_ptr=weights,
+           counts_ptr=counts, target_ptr=target, bmax_ptr=bmax, T=T, E=E, NB=nb, stride_s_t=scores.stride(0),
+           stride_ids_t=ids.stride(0), stride_w_t=weights.stride(0), K=K, GROUP=GROUP, BLOCK_T=block_t,
+           BLOCK_E=block_e, num_warps=4)
+    launch(rounding_select_kernel, (E,), scores_ptr=scores, ids_ptr=ids, weights_ptr=weights, bmax_ptr=bmax,
+           cand_ptr=cand_groups, counts_ptr=counts, target_ptr=target, kept_ptr=kept, pad_tok_ptr=pad_tok, T=T, E=E,
+           J=J, NB=nb, stride_s_t=scores.stride(0), stride_ids_t=ids.stride(0), stride_w_t=weights.stride(0), K=K,
+           GROUP=GROUP, BLOCK_NB=next_pow2(nb), CAND=cand, BLOCK_J=next_pow2(max(J, 1)),
+           num_warps=_select_warps(nb))
     return kept, pad_tok
 
 
 _select_op = torch.library.custom_op(
     "moeblaze::rounding_select", _select_impl, mutates_args=(),
-    schema="(Tensor scores, Tensor ids, Tensor weights, Tensor counts, Tensor target, int J) -> (Tensor, Tensor)")
+    schema="(Tensor scores, Tensor ids, Tensor weights, Tensor counts, Tensor target, int J, int max_n) -> "
+           "(Tensor, Tensor)")
 
 
 @_select_op.register_fake
-def _(scores, ids, weights, counts, target, J):
+def _(scores, ids, weights, counts, target, J, max_n):
     return ids.new_empty(ids.shape, dtype=torch.int32), ids.new_empty(J, scores.shape[1], dtype=torch.int32)
 
 
 def rounding_select(scores: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, counts: torch.Tensor,
-                    target: torch.Tensor, J: int) -> tuple[torch.Tensor, torch.Tensor]:
+                    target: torch.Tensor, J: int, max_n: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Token rounding's drops and pads (module docstring) in two launches.
 
     Args:
         scores: ``[T, E]`` float router scores (unit column stride). ids: ``[T, K]`` int top-k ids (unit column
             stride, distinct per row). weights: ``[T, K]`` float top-k weights (unit column stride).
         counts: ``[E]`` int32 ``f_e``. target: ``[E]`` int32 ``r_e`` with ``|r_e - f_e| <= J`` where padding,
-            ``r_e <= T``. J: pad candidates per expert.
+            ``r_e <= T``. J: pad candidates per expert. max_n: the most tokens one expert drops or pads,
+            ``|r_e - f_e| <= max_n`` for every e (``tile - 1`` serves every mode); the select kernel holds
+            ``2 * max_n * GROUP`` candidate keys.
 
     Returns:
         ``(kept [T, K] int32, pad_tok [J, E] int32)``: the ids with dropped pairs set to E; per expert its
         ``r_e - f_e`` padded tokens ascending in rows ``0..``, the filler ``(j*E + e) % T`` after them.
 
     Raises:
-        ValueError: shapes or dtypes other than above, T above ``MAX_TOKENS``, K above ``MAX_TOP_K``.
+        ValueError: shapes or dtypes other than above, T above ``MAX_TOKENS``, K above ``MAX_TOP_K``, ``max_n``
+            below 0.
     """
     T, E = scores.shape if scores.dim() == 2 else (-1, -1)
     if scores.dim() != 2 or ids.dim() != 2 or ids.shape[0] != T or tuple(weights.shape) != tuple(ids.shape):
@@ -189,4 +282,6 @@ def rounding_select(scores: torch.Tensor, ids: torch.Tensor, weights: torch.Tens
     if counts.shape != (E,) or target.shape != (E,) or counts.dtype != torch.int32 or target.dtype != torch.int32:
         raise ValueError(f"rounding_select: counts and target must be [E={E}] int32, got {tuple(counts.shape)} "
                          f"{counts.dtype} and {tuple(target.shape)} {target.dtype}")
-    return call_op(_select_op, _select_impl, scores, ids, weights, counts, target, J)
+    if max_n < 0:
+        raise ValueError(f"rounding_select: max_n (the most tokens one expert drops or pads) must be >= 0, got {max_n}")
+    return call_op(_select_op, _select_impl, scores, ids, weights, counts, target, J, max_n)
