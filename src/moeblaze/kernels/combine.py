@@ -46,7 +46,7 @@ def gather_sum_kernel(
     pair_off_ptr,  # [T + 1] int32 first pair of each token (CSR: general routing; map and w are then [P])
     T, D,
     stride_src_m, stride_w_t, stride_w_k, stride_map_t, stride_map_k, stride_out_t,
-    K: tl.constexpr,  # pairs per token (0 with CSR)
+    K: tl.constexpr,  # pairs per token (CSR: the first K pairs of each token unrolled, the rest looped)
     HAS_W: tl.constexpr, HAS_LIMIT: tl.constexpr, CSR: tl.constexpr, BLOCK_T: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
@@ -61,7 +61,14 @@ def gather_sum_kernel(
         first = tl.load(pair_off_ptr + rows_t, mask=t_mask, other=0)
         count = tl.load(pair_off_ptr + rows_t + 1, mask=t_mask, other=0) - first
         pair_row = first.to(tl.int64)
-        for k in range(tl.max(count, axis=0)):
+        # the first K pairs unrolled as below (their loads go out together), the rest one by one: token
+        # rounding's pairs (T*K top-k pairs and J*E pad entries, ~K + 0.5 per token) took 92 against 72 µs
+        # per layer step looped at T 16384, E 128, K 2, and 480 against 385 at E 512, K 10 (the ceiling's top-k
+        # layout; H200, 2026-11-26, ``python3 benchmarks/bench_token_rounding.py speed --shapes 0,2 --breakdown 22``)
+        for k in tl.static_range(K):
+            acc = _add_pair(acc, k, src_ptr, w_ptr, map_ptr, pair_row, local, t_mask, mask, offs_d, count,
+                            stride_src_m, stride_w_t, stride_w_k, stride_map_t, stride_map_k, HAS_W, HAS_LIMIT, CSR)
+        for k in range(K, tl.max(count, axis=0)):
             acc = _add_pair(acc, k, src_ptr, w_ptr, map_ptr, pair_row, local, t_mask, mask, offs_d, count,
                             stride_src_m, stride_w_t, stride_w_k, stride_map_t, stride_map_k, HAS_W, HAS_LIMIT, CSR)
     else:
@@ -101,7 +108,8 @@ def gather_sum(src: torch.Tensor, token_index_map: torch.Tensor, weights: torch.
     """
     csr = pair_offsets is not None
     if csr:
-        T, K = pair_offsets.numel() - 1, 0
+        T = pair_offsets.numel() - 1
+        K = min(16, token_index_map.numel() // max(T, 1))  # pairs unrolled: the mean per token, rounded down
         token_index_map = token_index_map.view(-1, 1)
         weights = weights.view(-1, 1) if weights is not None else None
     else:
