@@ -241,7 +241,8 @@ class MoE(nn.Module):
                 self._rounding_gen = torch.Generator(x2.device).manual_seed(self.rounding_seed)
             gen = self._rounding_gen
         r = round_tokens_fused(routing.scores, routing.topk_ids, topk_weights, tile, self.token_rounding, gen,
-                               self.router.routed_scaling_factor)
+                               self.router.routed_scaling_factor,
+                               routing.counts if x2.shape[0] * self.top_k < 2**24 else None)  # fp32: exact below
         index = get_backend(self.backend, x2).plan_pairs(r.token_idx, r.expert_idx, x2.shape[0], self.num_experts,
                                                          validate=False, foreign_experts=True)
         return moe_experts_general(x2, r.token_idx, r.expert_idx, r.pair_weights, self.w1, self.w_down,

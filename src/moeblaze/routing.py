@@ -87,20 +87,20 @@ class _FusedTopK(torch.autograd.Function):
     """Softmax, top-k, weights and both losses of fp32 ``logits [T, E]`` in Triton (two launches forward, one
     backward: :mod:`moeblaze.kernels.router`), instead of about 14 PyTorch operations forward and 20 backward
     (issue 24: a few thousand tokens per GPU leave the step bound by host time). Returns ``(ids, weights,
-    probs, aux, z)``; ids carry no gradient."""
+    probs, aux, z, counts)``; ids and counts carry no gradient."""
 
     @staticmethod
     def forward(ctx, logits, top_k, renormalize, scale, aux_c, z_c):
         ids, weights, probs, lse, counts, aux, z = fused_router.router_topk(logits, top_k, renormalize, scale, aux_c,
                                                                             z_c)
-        ctx.mark_non_differentiable(ids)
+        ctx.mark_non_differentiable(ids, counts)
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(probs, ids, lse, counts)
         ctx.options = (renormalize, scale, aux_c, z_c)
-        return ids, weights, probs, aux, z
+        return ids, weights, probs, aux, z, counts
 
     @staticmethod
-    def backward(ctx, _dids, dweights, dprobs, daux, dz):
+    def backward(ctx, _dids, dweights, dprobs, daux, dz, _dcounts):
         if dweights is None and dprobs is None and daux is None and dz is None:
             return None, None, None, None, None, None
         probs, ids, lse, counts = ctx.saved_tensors
@@ -156,6 +156,8 @@ class RouterOutput:
         z_loss: z-loss times its coefficient.
         scores: ``[T, E]`` fp32 router scores (softmax probabilities or sigmoid scores, differentiable): what
             token rounding pads with.
+        counts: ``[E]`` fp32 pairs routed to each expert where the fused router computed them (None otherwise):
+            token rounding's ``f_e`` without a histogram of its own.
     """
 
     topk_ids: torch.Tensor
@@ -164,6 +166,7 @@ class RouterOutput:
     aux_loss: torch.Tensor
     z_loss: torch.Tensor
     scores: torch.Tensor | None = None
+    counts: torch.Tensor | None = None
 
     @property
     def loss(self) -> torch.Tensor:
@@ -321,12 +324,12 @@ class Router(nn.Module):
         T, K, E = logits.shape[0], self.top_k, self.num_experts
         aux_c = _aux_coefficient(self.aux_loss_coef, E, T * K, T) if self.aux_loss_coef and losses_on else 0.0
         z_c = _z_coefficient(self.z_loss_coef, T) if self.z_loss_coef and losses_on else 0.0
-        ids, weights, scores, aux, z = _FusedTopK.apply(logits, K, bool(self.renormalize),
-                                                        self.routed_scaling_factor, aux_c, z_c)
+        ids, weights, scores, aux, z, counts = _FusedTopK.apply(logits, K, bool(self.renormalize),
+                                                                self.routed_scaling_factor, aux_c, z_c)
         if not aux_c or not z_c:
             zero = logits.new_zeros(())
             aux, z = (aux if aux_c else zero), (z if z_c else zero)
-        return RouterOutput(ids, weights, logits, aux, z, scores)
+        return RouterOutput(ids, weights, logits, aux, z, scores, counts)
 
     def extra_repr(self) -> str:
         return (f"d_model={self.d_model}, num_experts={self.num_experts}, top_k={self.top_k}, "
