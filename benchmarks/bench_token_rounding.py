@@ -256,10 +256,9 @@ def command() -> str:
 
 def run_select(args) -> int:
     """Time :func:`moeblaze.kernels.rounding.rounding_select` (both launches, ``nr``, tile 128) per select-kernel
-    warp count on softmax top-k routings of the issue's shapes (GPU, ``do_bench`` median); the selections must
-    be the same for every warp count."""
-    import triton
-
+    warp count on softmax top-k routings of the issue's shapes (GPU, CUDA-graph replay: the launches' host time
+    stays out); the selections must be the same for every warp count."""
+    from moeblaze.bench.runner import graph_replay_ms
     from moeblaze.kernels import rounding
     from moeblaze.token_rounding import _max_pad
 
@@ -274,14 +273,14 @@ def run_select(args) -> int:
         f = torch.bincount(ids.flatten(), minlength=E).int()
         target = round_counts(f, 128, "nr", T)
         ref = None
-        fn = functools.partial(rounding.rounding_select, scores, ids, w, f, target, _max_pad("nr", 128, T))
+        fn = functools.partial(rounding.rounding_select, scores, ids, w, f, target, _max_pad("nr", 128, T), 127)
         for warps in (int(x) for x in args.warps.split(",")):
-            rounding._select_warps = lambda row, w_=warps: w_
+            rounding._select_warps = lambda nb, w_=warps: w_
             out = fn()
             ref = ref or out
             if not all(torch.equal(a, b) for a, b in zip(out, ref)):
                 raise AssertionError(f"select kernel with {warps} warps selects differently")
-            us = 1e3 * triton.testing.do_bench(fn, warmup=10, rep=100, return_mode="median")
+            us = 1e3 * graph_replay_ms(fn)
             rows.append({"date": datetime.date.today().isoformat(), "device": torch.cuda.get_device_name(),
                          "T": T, "E": E, "K": K, "warps": warps, "us": round(us, 1), "command": command()})
             print(f"rounding_select T={T} E={E} K={K} warps={warps}: {us:.1f} us", flush=True)

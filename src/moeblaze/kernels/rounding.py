@@ -26,8 +26,9 @@ lower 31 bits flipped for negative values (monotone in the value; ``-0.0`` is ma
 ranks above +inf). The PyTorch path of :func:`moeblaze.round_tokens` uses the same keys and tie rule, so
 both give the same pairs. The select kernel holds ``ceil(T / GROUP)`` group maxima and ``2 * max_n * GROUP``
 candidate keys in registers, where the first version held the whole row of T keys and searched it: 47 and
-264 µs per layer step at T 16384 with E 128, K 2 and E 512, K 10, the keys kernel 5 and 79 µs writing
-``[E, T]`` (H200, 2026-11-26, ``python3 benchmarks/bench_token_rounding.py speed --shapes 0,2 --breakdown 22``).
+264 µs per layer step at T 16384 with E 128, K 2 and E 512, K 10 against 19 and 51 µs now, the keys kernel 5
+and 79 µs writing ``[E, T]`` against 6 and 39 now (H200, 2026-11-26, ``python3 benchmarks/bench_token_rounding.py
+speed --shapes 0,2 --breakdown 22``, same-day calls).
 """
 
 from __future__ import annotations
@@ -200,13 +201,14 @@ def rounding_select_kernel(
 
 
 def _select_warps(nb: int) -> int:
-    """Warps of the select kernel for ``nb`` group maxima."""
+    """Warps of the select kernel for ``nb`` group maxima: 4 to 16 warps moved ``rounding_select`` by under 10%
+    at T 4096-65536 (H200, 2026-11-26, ``python3 benchmarks/bench_token_rounding.py select``'s method)."""
     return 4 if nb <= 1024 else 8
 
 
 def _keys_block(E: int, K: int) -> tuple[int, int]:
-    """``(BLOCK_T, BLOCK_E)`` of the keys kernel: one group of tokens by at most ``384 / K`` experts (ptxas for
-    sm_90: 96 to 126 registers at K 2 to 10, where all E in one program took 255 and spilled, and took 80 µs
+    """``(BLOCK_T, BLOCK_E)`` of the keys kernel: one group of tokens by at most ``384 / K`` experts (triton 3.6's
+    ptxas for sm_90: 96 to 126 registers at K 2 to 10, where all E in one program took 255 and spilled, and took 80 µs
     per layer step at T 16384, E 512, K 10 on an H200, 2026-11-26, ``python3
     benchmarks/bench_token_rounding.py speed --shapes 0,2 --breakdown 22``: too few warps per SM to hide the
     score loads)."""
