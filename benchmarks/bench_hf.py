@@ -55,7 +55,7 @@ FULL = dict(hidden_size=2048, num_hidden_layers=4, num_attention_heads=16, num_k
 SMOKE = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
              moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True)
 COLUMNS = ["date", "device", "impl", "mode", "step", "tokens", "loss", "step_ms", "peak_mib", "params", "note",
-           "resident_mib", "commit", "command"]
+           "resident_mib", "commit", "command", "round"]
 TAIL = 50  # steps over which the loss gap to grouped_mm is compared with grouped_mm's own step-to-step spread
 
 
@@ -97,7 +97,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--modes", default="bf16", help="comma list of bf16 (bf16 weights) and amp (fp32 weights "
                    "under bf16 autocast)")
     p.add_argument("--steps", type=int, default=200)
-    p.add_argument("--warmup", type=int, default=10, help="steps left out of the median step time")
+    p.add_argument("--warmup", type=int, default=10, help="steps left out of the median step time (in each round)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="train every implementation this many times, the order of --impls reversed in every other "
+                        "round (A B, B A, ...): a card that clocks down as it warms slows whichever runs later, so "
+                        "step times are compared over rounds that put each implementation first as often")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=2048)
     p.add_argument("--lr", type=float, default=3e-4)
@@ -186,10 +190,21 @@ def _runs(rows: list[dict]) -> dict[tuple[str, str], list[dict]]:
     return runs
 
 
+def _timed(rs: list[dict], warmup: int) -> list[dict]:
+    """The rows past each round's first ``warmup`` steps (all of them if none is)."""
+    return [r for r in rs if r["step"] >= warmup] or rs
+
+
+def _first_round(rs: list[dict]) -> list[dict]:
+    """The rows of the first round among ``rs``: the loss curve (later rounds repeat it from the same seed)."""
+    first = min((r.get("round", 0) for r in rs), default=0)
+    return [r for r in rs if r.get("round", 0) == first]
+
+
 def summary(rows: list[dict], warmup: int) -> list[str]:
     """One printed line per (implementation, mode)."""
     runs = _runs(rows)
-    ref = {mode: statistics.mean(r["loss"] for r in rs[-10:] if r["note"] == "")
+    ref = {mode: statistics.mean(r["loss"] for r in _first_round(rs)[-10:] if r["note"] == "")
            for (impl, mode), rs in runs.items() if impl == "grouped_mm" and rs[0]["note"] == ""}
     lines = [f"{'impl':<16}{'mode':<6}{'step ms':>10}{'tokens/s':>12}{'peak MiB':>11}{'above resident':>16}"
              f"{'loss(last10)':>14}{'vs grouped_mm':>15}"]
@@ -197,11 +212,11 @@ def summary(rows: list[dict], warmup: int) -> list[str]:
         if rs[0]["note"]:
             lines.append(f"{impl:<16}{mode:<6}  {rs[0]['note']}")
             continue
-        timed = rs[warmup:] or rs
+        timed = _timed(rs, warmup)
         ms = statistics.median(r["step_ms"] for r in timed)
-        loss = statistics.mean(r["loss"] for r in rs[-10:])
+        loss = statistics.mean(r["loss"] for r in _first_round(rs)[-10:])
         gap = f"{loss - ref[mode]:+.4f}" if mode in ref else "-"
-        above = max(r["peak_mib"] - r["resident_mib"] for r in rs[1:] or rs)  # past the optimizer state's creation
+        above = max(r["peak_mib"] - r["resident_mib"] for r in _timed(rs, 1))  # past the optimizer state's creation
         lines.append(f"{impl:<16}{mode:<6}{ms:>10.1f}{rs[0]['tokens'] / ms * 1e3:>12,.0f}"
                      f"{max(r['peak_mib'] for r in rs):>11,.0f}{above:>16,.0f}{loss:>14.4f}{gap:>15}")
     return lines + comparisons(runs, warmup)
@@ -221,8 +236,9 @@ def comparisons(runs: dict[tuple[str, str], list[dict]], warmup: int) -> list[st
         if ref and math.isfinite(peak):
             lines.append(f"{impl} {mode}: peak {100 * peak / max(r['peak_mib'] for r in ref):.1f}% of grouped_mm's")
         if sonic:
-            med = [statistics.median(r["step_ms"] for r in (x[warmup:] or x)) for x in (rs, sonic)]
+            med = [statistics.median(r["step_ms"] for r in _timed(x, warmup)) for x in (rs, sonic)]
             lines.append(f"{impl} {mode}: step {med[0]:.1f} ms vs SonicMoE {med[1]:.1f} ms ({med[1] / med[0]:.3f}x)")
+        rs, ref = _first_round(rs), _first_round(ref) if ref else ref
         n = min(TAIL, len(rs), len(ref)) if ref else 0
         if n >= 2:
             gaps = [a["loss"] - b["loss"] for a, b in zip(rs[-n:], ref[-n:])]
@@ -242,7 +258,8 @@ def plot_losses(rows: list[dict], path: str, args: argparse.Namespace) -> None:
 
     fig, ax = plt.subplots(figsize=(8, 4.5))
     for (impl, mode), rs in _runs(rows).items():
-        if rs[0]["note"]:
+        rs = _first_round(rs)
+        if not rs or rs[0]["note"]:
             continue
         steps, losses = [r["step"] for r in rs], [r["loss"] for r in rs]
         mean = [statistics.mean(losses[max(0, i - 9):i + 1]) for i in range(len(losses))]
@@ -264,7 +281,8 @@ def latest_runs(path: str, tokens: int) -> list[dict]:
     the model (parameter count) of the newest such run: runs of another model at the same tokens never mix in."""
     try:
         with open(path, newline="") as f:
-            rows = [r for r in csv.DictReader(f) if r["step"] != "-1" and int(r["tokens"]) == tokens]
+            rows = [r for r in csv.DictReader(f)
+                    if r["step"] != "-1" and int(r["tokens"]) == tokens and r.get("round") in ("", "0", None)]
     except OSError as e:
         raise SystemExit(f"--plot-from: cannot read {path}: {e.strerror}") from None
     if not rows:
@@ -304,6 +322,25 @@ def append_rows(path: str, rows: list[dict]) -> None:
         w.writerows(rows)
 
 
+def run_one(args, mode: str, impl: str, rnd: int, train_bytes) -> list[dict]:
+    """The rows of one training run (round ``rnd``), or one row saying why it was skipped."""
+    why = sonic_unavailable() if impl == "sonicmoe-local" else None
+    rows = []
+    if why is None:
+        try:
+            rows = train(args, mode, impl, train_bytes)
+        except torch.OutOfMemoryError:
+            why = "out of memory"
+        except Exception as e:  # recorded, so that one implementation's failure leaves the others' rows
+            why = f"error: {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+    if why is not None:
+        rows = [dict(impl=impl, mode=mode, step=-1, tokens=0, loss=math.nan, step_ms=math.nan, peak_mib=math.nan,
+                     params=0, note=f"skipped: {why}", resident_mib=math.nan)]
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return [dict(r, round=rnd) for r in rows]
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     if args.plot_from:
@@ -323,23 +360,13 @@ def main(argv=None) -> None:
           f"steps, {' '.join(sys.argv[1:])}")
     rows = []
     for mode in args.modes.split(","):
-        for impl in args.impls.split(","):
-            why = sonic_unavailable() if impl == "sonicmoe-local" else None
-            if why is None:
-                try:
-                    rows += train(args, mode, impl, corpus.train)
-                except torch.OutOfMemoryError:
-                    why = "out of memory"
-                except Exception as e:  # recorded, so that one implementation's failure leaves the others' rows
-                    why = f"error: {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
-            if why is not None:
-                rows.append(dict(impl=impl, mode=mode, step=-1, tokens=0, loss=math.nan, step_ms=math.nan,
-                                 peak_mib=math.nan, params=0, note=f"skipped: {why}", resident_mib=math.nan))
-            mine = [r for r in rows if r["impl"] == impl and r["mode"] == mode]
-            print(summary(mine, args.warmup)[1], flush=True)
-            append_rows(args.out, [{**stamp, **r} for r in mine])  # a cut run keeps these
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
+        for rnd in range(args.rounds):
+            impls = args.impls.split(",")
+            for impl in impls[::-1] if rnd % 2 else impls:
+                run = run_one(args, mode, impl, rnd, corpus.train)
+                rows += run
+                print(summary(run, args.warmup)[1], flush=True)
+                append_rows(args.out, [{**stamp, **r} for r in run])  # a cut run keeps these
     print("\n".join(summary(rows, args.warmup)))
     if args.plot:
         plot_losses([{**stamp, **r} for r in rows], args.plot, args)

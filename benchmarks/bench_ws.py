@@ -1,10 +1,10 @@
 """The warp-specialized Gluon kernels against the Triton ones they replace, same inputs, same call (sm90, triton 3.6).
 
-For each shape (T, d, h, E, K; random top-k routing, bf16): F2 (``act [N, h] @ w_down[e]^T`` in the layer's column
-chunks) and B3 (``dpre [N, 2h] @ w_gate_up[e]``) through ``launch.grouped_gemm``, and B2 / B4 (the weight gradients)
-through ``launch.grouped_wgrad``, once with the settings ``ws_gemm`` / ``ws_wgrad`` on and once off (the Triton
-kernels, autotuned). Each is timed as a CUDA-graph replay (``triton.testing.do_bench``, median), so the host's launch
-time is out of the figure; ``--check`` also compares both with the float64 sums on the first shape. One CSV row
+For each shape (T, d, h, E, K; random top-k routing, bf16): F2 (``act [N, h] @ w_down[e]^T``) and B3 (``dpre [N, 2h] @
+w_gate_up[e]``), each in the layer's column chunks, through ``launch.grouped_gemm``, and B2 / B4 (the weight
+gradients) through ``launch.grouped_wgrad``, once with the settings ``ws_gemm`` / ``ws_wgrad`` on and once off (the
+Triton kernels, autotuned). Each is timed as a CUDA-graph replay (``triton.testing.do_bench``, median), so the host's
+launch time is out of the figure; ``--check`` also compares both with the float64 sums on the first shape. One CSV row
 per kernel and shape.
 
 Usage (GPU): ``python3 benchmarks/bench_ws.py --out ws.csv`` (the shapes of issues 24 and 25 by default).
@@ -43,9 +43,9 @@ def _steps(T, d, h, E, K, gen):
 
     act, dpre, x, dout = randn(N, h), randn(N, 2 * h), randn(T, d), randn(T, d)
     w_down, w_gate_up = randn(E, d, h, std=0.03), randn(E, 2 * h, d, std=0.03)
-    chunks = column_chunks(N, d, h, 2)
-
     def gemm(a, w, b_nk, k):
+        chunks = column_chunks(N, d, k, 2)  # as the layer: chunks no wider than the A operand's row (act, dpre)
+
         def run():
             buf = a.new_empty(N, max(c1 - c0 for c0, c1 in chunks))
             for c0, c1 in chunks:
@@ -58,9 +58,9 @@ def _steps(T, d, h, E, K, gen):
         return lambda: launch.grouped_wgrad(a, b, off, ind, p=d, q=q, out_dtype=torch.bfloat16, transpose=transpose)
 
     bounds = off.tolist()
-    c0 = chunks[-1][0]
 
     def ref_gemm(a, wk):  # wk [E, k, n]: the last chunk's columns of a[s] @ W[e]
+        c0 = column_chunks(N, d, a.shape[1], 2)[-1][0]
         return torch.cat([a[bounds[e]:bounds[e + 1]].double() @ wk[e, :, c0:].double() for e in range(E)])
 
     def ref_wgrad(a, b, transpose):

@@ -101,12 +101,16 @@ def test_chunks_with_biases_transposed_weights_foreign_experts_and_pairs(monkeyp
 
 
 def test_chunk_rule():
-    """auto: one chunk below 256 MiB of [N, d] buffer; above, chunks no wider than max(512, h to 128)."""
+    """auto: one chunk below 256 MiB of [N, d] buffer; above, the fewest chunks no wider than max(512, h to 128), of
+    equal widths rounded up to 128."""
     assert column_chunks(4096 * 8, 2048, 768, 2) == [(0, 2048)]  # 128 MiB in bf16 (4k tokens, K 8)
     N = 65536 * 8  # Qwen3-30B-A3B at 64k tokens: a 2 GiB buffer in bf16
     assert column_chunks(N, 2048, 768, 2) == [(0, 768), (768, 1536), (1536, 2048)]
     assert column_chunks(N, 1536, 256, 2) == [(0, 512), (512, 1024), (1024, 1536)]  # h 256: at least 512 wide
     assert column_chunks(N, 2048, 8192, 2) == [(0, 2048)]  # h >= d: one chunk
+    assert column_chunks(N, 2048, 1536, 2) == [(0, 1024), (1024, 2048)]  # B3's cap, dpre's row 2h: two equal chunks
+    assert column_chunks(N, 7168, 4096, 2) == [(0, 3584), (3584, 7168)]  # DeepSeek-V3's B3 (h 2048)
+    assert column_chunks(N, 2000, 1536, 2) == [(0, 1024), (1024, 2000)]  # d off the 128 grid: the last one narrower
     with moeblaze.settings.override(chunk_cols="off"):
         assert column_chunks(N, 2048, 768, 2) == [(0, 2048)]
     with moeblaze.settings.override(chunk_cols=" 32 "):

@@ -72,3 +72,23 @@ def test_bench_hf_smoke(tmp_path):
             str(tmp_path / "again.png")]
     proc = subprocess.run(plot, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and (tmp_path / "again.png").stat().st_size > 0, proc.stderr[-2000:]
+
+
+def test_bench_hf_rounds_alternate_order(tmp_path):
+    """``--rounds 2``: every implementation trains twice, the second round in reverse order (a card clocking down
+    as it warms must not favour whichever runs first); the rows say their round and the loss curve is round 0's."""
+    import csv
+
+    text = tmp_path / "corpus.txt"
+    text.write_text("".join(f"def f{i}(x):\n    return x\n" for i in range(300)))
+    out = tmp_path / "bench.csv"
+    cmd = [sys.executable, str(EXAMPLE.parents[1] / "benchmarks" / "bench_hf.py"), "--smoke", "--data", str(text),
+           "--impls", "grouped_mm,moeblaze", "--rounds", "2", "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = list(csv.DictReader(out.open()))
+    runs = [(r["round"], r["impl"]) for r in rows if r["step"] == "0"]
+    assert runs == [("0", "grouped_mm"), ("0", "moeblaze"), ("1", "moeblaze"), ("1", "grouped_mm")]
+    assert all(sum(1 for r in rows if (r["round"], r["impl"]) == run) == 3 for run in runs)
+    # the gap over the last steps compares round 0's curves (3 steps), not the two rounds run together (6)
+    assert re.search(r"moeblaze bf16: loss gap to grouped_mm over the last 3 steps", proc.stdout), proc.stdout

@@ -41,7 +41,7 @@ from .combine import gather_sum
 from .custom_ops import call_op
 from .grouped_gemm import B_DESC_INTERLEAVED, EPILOGUE_ACT_FWD
 from .launch import grouped_gemm, grouped_wgrad, interleaved_desc_ok, rounds_tf32
-from .tuning import block_m
+from .tuning import block_m, cdiv
 
 __all__ = ["up_forward", "up_backward", "down_forward", "down_backward", "bias_grad"]
 
@@ -172,16 +172,19 @@ def column_chunks(num_slots: int, d: int, h: int, elem: int) -> list[tuple[int, 
     """Column ranges ``[(c0, c1), ...]`` of ``d`` in which F2 computes ``y`` (and F3 combines it) and B3 computes
     ``dx_slots`` (and B5 sums it), through one ``[N, width]`` buffer instead of ``[N, d]``.
 
-    ``h`` is the width the chunks may reach: F2 passes the expert dimension h, B3 half of ``dpre``'s row (h for
-    gated activations, h/2 otherwise).
+    ``h`` is the width the chunks may reach: F2 passes the expert dimension h (``act``'s row), B3 ``dpre``'s row
+    (2h for gated activations, h otherwise).
 
-    Setting ``chunk_cols``: ``off`` one chunk; a column count, chunks that wide; ``auto`` (default) chunks no
-    wider than ``max(512, h)`` (rounded down to 128) once the whole ``[N, d]`` buffer would reach 256 MiB.
+    Setting ``chunk_cols``: ``off`` one chunk; a column count, chunks that wide; ``auto`` (default), once the whole
+    ``[N, d]`` buffer would reach 256 MiB, the fewest chunks no wider than ``max(512, h)`` (rounded down to 128),
+    of equal widths rounded up to 128 (d 2048: F2 at h 768 in 768 + 768 + 512 columns, B3 in 2 x 1024).
     Why: for d > h these buffers (``2Nd`` bytes in 16-bit) are the largest transients of the layer: ``y`` sits
     beside ``act [N, h]`` and ``pre [N, 2h]`` in the forward, where a model's last layer holds every earlier
-    layer's activations (the peak of a 4-layer transformers Qwen3-MoE, d 2048, h 768); a chunk no wider than h
-    is no larger than the ``act`` / ``dact'`` buffers the layer has anyway. Chunk starts are multiples of 16
-    columns (16-byte aligned TMA bases). Each output column is reduced as in one chunk: bitwise the one-chunk
+    layer's activations (the peak of a 4-layer transformers Qwen3-MoE, d 2048, h 768); a chunk no wider than the
+    GEMM's A operand (``act``, ``dpre``) is no larger than a buffer the layer holds at that moment anyway. Each
+    chunk more re-reads A and adds two launches: B3 in three 768-column chunks took 1.04x (T 32,768) and 1.08x
+    (T 65,536) the time of one chunk, F2 1.10x and 0.95x (Qwen3-30B-A3B, H200, 2026-11-26, CUDA-graph replay,
+    ``benchmarks/bench_ws.py --chunks``). Chunk starts are multiples of 16 columns (16-byte aligned TMA bases). Each output column is reduced as in one chunk: bitwise the one-chunk
     result with fixed configs (``MOEBLAZE_AUTOTUNE=0``; tested in fp32 and bf16). Tuned, each chunk width picks
     its own config (``N_COLS`` is in the autotune key): the same k order in 16-bit (every tuned 16-bit config has
     BLOCK_K 64), possibly another BLOCK_K in fp32, so equal within rounding there. A batch whose buffer first
@@ -193,7 +196,8 @@ def column_chunks(num_slots: int, d: int, h: int, elem: int) -> list[tuple[int, 
     if mode == "auto":
         if num_slots * d * elem < _CHUNK_MIN_BYTES:
             return [(0, d)]
-        width = max(_CHUNK_MIN_COLS, h // 128 * 128)
+        cap = max(_CHUNK_MIN_COLS, h // 128 * 128)
+        width = cdiv(cdiv(d, cdiv(d, cap)), 128) * 128  # as many chunks as width cap needs, of equal widths
     else:
         width = mode
     return [(c, min(c + width, d)) for c in range(0, d, width)] or [(0, d)]  # d = 0: one empty chunk
@@ -387,7 +391,7 @@ def _up_backward_impl(dpre, x, w1, offsets, indices, tile_expert, tile_row, num_
                          scatter_c=True, a_tf32=True)
         else:
             dx = _gemm_gather_sum(dpre, w1, False, rows, offsets, indices, sched, token_index_map, None, foreign,
-                                  pair_offsets, T, d, rows // 2)
+                                  pair_offsets, T, d, rows)
     if need_dw:
         # as dW1[e]^T = sum_s x[token]^T dpre[s]: the gathered operand on the A side (moeblaze.kernels.wgrad)
         flip = _stored_transposed(w1)  # [E, d, rows] storage (GPT-OSS): the plain products, viewed back
