@@ -19,6 +19,7 @@ a package (``.peers/install.sh``) is registered as ``"sonicmoe-local"``; skipped
 first step compiles its GEMMs (minutes on an empty QuACK cache: carry QUACK_CACHE_DIR as gpu_suite.sh does).
 
     python benchmarks/bench_hf.py --out hf_train.csv                       # GPU, the lead's run
+    python benchmarks/bench_hf.py --impls sonicmoe-local,moeblaze --rounds 2 --batch-size 32 --out hf.csv  # both orders
     python benchmarks/bench_hf.py --impls grouped_mm,moeblaze --modes bf16,amp --set num_hidden_layers=2 \
         --vocab-size 32000 --batch-size 2 --seq-len 4096 --out hf_amp.csv    # issue 27's model (b)
     python benchmarks/bench_hf.py --smoke --out /tmp/hf_smoke.csv           # CPU, tiny model, 3 steps
