@@ -179,17 +179,17 @@ def column_chunks(num_slots: int, d: int, h: int, elem: int) -> list[tuple[int, 
     ``[N, d]`` buffer would reach 256 MiB, the fewest chunks no wider than ``max(512, h)`` (rounded down to 128),
     of equal widths rounded up to 128 (d 2048: F2 at h 768 in 768 + 768 + 512 columns, B3 in 2 x 1024).
     Why: for d > h these buffers (``2Nd`` bytes in 16-bit) are the largest transients of the layer: ``y`` sits
-    beside ``act [N, h]`` and ``pre [N, 2h]`` in the forward, where a model's last layer holds every earlier
-    layer's activations (the peak of a 4-layer transformers Qwen3-MoE, d 2048, h 768); a chunk no wider than the
-    GEMM's A operand (``act``, ``dpre``) is no larger than a buffer the layer holds at that moment anyway. Each
-    chunk more re-reads A and adds two launches: a Qwen3-30B-A3B layer step at T 65,536 took 28.37 ms in one chunk
-    (peak 6,411 MiB), 28.55-28.60 with these chunks (5,225 MiB) and 28.63-28.70 with B3 in 768-column chunks too
-    (5,131 MiB) (H200, 2026-11-26, fixed configs, rows in docs/results.csv: ``CHUNKS_SPECS="1:768 2:auto 3:off 4:768
-    5:auto" CHUNKS_CONFIGS=qwen3-30b-a3b CHUNKS_TOKENS=32768,65536 scripts/gpu_suite.sh chunks``). Chunk starts are
-    multiples of 16 columns (16-byte aligned TMA bases). Each output column is reduced as in one chunk: bitwise the one-chunk
-    result with fixed configs (``MOEBLAZE_AUTOTUNE=0``; tested in fp32 and bf16). Tuned, each chunk width picks
-    its own config (``N_COLS`` is in the autotune key): the same k order in 16-bit (every tuned 16-bit config has
-    BLOCK_K 64), possibly another BLOCK_K in fp32, so equal within rounding there. A batch whose buffer first
+    beside ``act [N, h]`` and ``pre [N, 2h]`` in the forward, where a model's last layer holds every earlier layer's
+    activations (the peak of a 4-layer transformers Qwen3-MoE, d 2048, h 768); a chunk no wider than the GEMM's A
+    operand (``act``, ``dpre``) is no larger than a buffer the layer holds at that moment anyway. Each chunk more
+    re-reads A and adds two launches: a Qwen3-30B-A3B layer step at T 65,536 took 28.37 ms in one chunk (peak 6,411
+    MiB), 28.55-28.60 with these chunks (5,225 MiB) and 28.63-28.70 with B3 in 768-column chunks too (5,131 MiB)
+    (H200, 2026-11-26, fixed configs, rows in docs/results.csv: ``CHUNKS_SPECS="1:768 2:auto 3:off 4:768 5:auto"
+    CHUNKS_CONFIGS=qwen3-30b-a3b CHUNKS_TOKENS=32768,65536 scripts/gpu_suite.sh chunks``). Chunk starts are
+    multiples of 16 columns (16-byte aligned TMA bases). Each output column is reduced as in one chunk: bitwise the
+    one-chunk result with fixed configs (``MOEBLAZE_AUTOTUNE=0``; tested in fp32 and bf16). Tuned, each chunk width
+    picks its own config (``N_COLS`` is in the autotune key): the same k order in 16-bit (every tuned 16-bit config
+    has BLOCK_K 64), possibly another BLOCK_K in fp32, so equal within rounding there. A batch whose buffer first
     crosses 256 MiB tunes the chunk widths once.
     """
     mode = settings.get("chunk_cols")
