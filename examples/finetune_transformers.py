@@ -100,7 +100,14 @@ def load_tokens(args: argparse.Namespace, tokenizer) -> tuple[np.ndarray, np.nda
     if tokenizer is None:
         return corpus.train, corpus.val
     tok = lambda a: np.asarray(tokenizer(a.tobytes().decode("utf-8", "replace"))["input_ids"], dtype=np.int64)
-    return tok(corpus.train), tok(corpus.val)
+    train, val = tok(corpus.train), tok(corpus.val)
+    for name, tokens in (("train", train), ("validation", val)):
+        # transformers 5.17 loads a folder without tokenizer files as an empty tokenizer that maps text to no tokens
+        if len(tokens) < args.seq_len + 2:
+            raise SystemExit(f"--model-path {args.model_path}: its tokenizer made {len(tokens):,} tokens of the "
+                             f"{name} text, fewer than --seq-len + 2 = {args.seq_len + 2} (does the folder hold "
+                             f"the tokenizer's files?)")
+    return train, val
 
 
 @torch.no_grad()

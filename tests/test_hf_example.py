@@ -47,6 +47,23 @@ def test_finetune_example_families(model_type, ok, tmp_path):
         assert proc.returncode != 0 and "has no transformers experts module" in proc.stderr, proc.stderr[-3000:]
 
 
+def test_finetune_example_model_path_without_tokenizer(tmp_path):
+    """``--model-path`` to a folder of weights without tokenizer files: transformers loads an empty tokenizer, and the
+    example says so instead of failing later on an empty token array."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.for_model("qwen3_moe", hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                               num_key_value_heads=1, head_dim=16, moe_intermediate_size=16, num_experts=4,
+                               num_experts_per_tok=2, vocab_size=256)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path / "model")
+    text = tmp_path / "corpus.txt"
+    text.write_text("".join(f"x{i} = {i}\n" for i in range(500)))
+    cmd = [sys.executable, str(EXAMPLE), "--model-path", str(tmp_path / "model"), "--data", str(text), "--steps", "1",
+           "--batch-size", "2", "--seq-len", "16", "--device", "cpu"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    assert proc.returncode != 0 and "does the folder hold the tokenizer's files?" in proc.stderr, proc.stderr[-3000:]
+
+
 def test_bench_hf_smoke(tmp_path):
     """benchmarks/bench_hf.py --smoke: the CPU run of the GPU benchmark writes a CSV row per step and impl."""
     import csv
