@@ -4,11 +4,12 @@ Issue 22's GPU benchmark (and issue 27's benchmark (b) with ``--modes bf16,amp``
 4 layers, d 2048, E 128, K 8, h 768 (byte-level vocabulary 256, so the routed experts hold nearly all
 parameters) trains for ``--steps`` AdamW steps on the text of ``moeblaze train`` (``moeblaze.data``, the
 same batches for every implementation, from the same initial weights). Per implementation and mode it
-records each step's loss (aux loss included), time (CUDA-synchronised wall clock), peak memory of the step
-and the memory resident at its start (weights and optimizer state, no gradients), as CSV rows, and prints a
+records each step's loss (aux loss included), time (CUDA-synchronised wall clock), peak memory of the step,
+the memory resident at its start (weights and optimizer state, no gradients) and, where NVML can be read
+(``moeblaze.bench.power``), the GPU's energy in the step and its mean SM clock, as CSV rows, and prints a
 table: median step time over the steps after ``--warmup``, tokens/s, peak memory, the most a step added
-above the resident memory (gradients and activations), and the mean loss of the last 10 steps beside
-grouped_mm's.
+above the resident memory (gradients and activations), the mean loss of the last 10 steps beside
+grouped_mm's, and the median joules per step and SM clock.
 
 ``moeblaze-input`` is moeblaze with ``save="input"`` (x and the index saved; the pre-activation
 recomputed in backward).
@@ -33,6 +34,7 @@ step (the rows of runs made in several calls side by side).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import datetime
 import importlib.util
@@ -48,6 +50,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.integrations.moe import ExpertsInterface
 
 import moeblaze.integrations.transformers  # noqa: F401  (registers "moeblaze")
+from moeblaze.bench.power import EnergyMeter
 from moeblaze.bench.results import git_commit
 from moeblaze.data import get_batch, load_corpus
 
@@ -56,7 +59,7 @@ FULL = dict(hidden_size=2048, num_hidden_layers=4, num_attention_heads=16, num_k
 SMOKE = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
              moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True)
 COLUMNS = ["date", "device", "impl", "mode", "step", "tokens", "loss", "step_ms", "peak_mib", "params", "note",
-           "resident_mib", "commit", "command", "round"]
+           "resident_mib", "commit", "command", "round", "energy_j", "sm_clock_mhz"]
 TAIL = 50  # steps over which the loss gap to grouped_mm is compared with grouped_mm's own step-to-step spread
 
 
@@ -159,6 +162,7 @@ def train(args, mode: str, impl: str, train_bytes) -> list[dict]:
     if cuda:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
+    meter = EnergyMeter(torch.cuda.current_device()) if cuda and EnergyMeter.available() else None
     rows = []
     for step in range(args.steps):
         x, _ = get_batch(train_bytes, step, args.batch_size, args.seq_len, args.seed)
@@ -169,17 +173,21 @@ def train(args, mode: str, impl: str, train_bytes) -> list[dict]:
             resident = torch.cuda.memory_allocated() / 2**20  # weights + optimizer state (no gradients)
             torch.cuda.reset_peak_memory_stats()  # each row's peak is its own step's
         t0 = time.perf_counter()
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=mode == "amp"):
-            loss = model(input_ids=x, labels=x).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        if cuda:
-            torch.cuda.synchronize()
+        with meter or contextlib.nullcontext():
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=mode == "amp"):
+                loss = model(input_ids=x, labels=x).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            if cuda:
+                torch.cuda.synchronize()
         ms = (time.perf_counter() - t0) * 1e3
         peak = torch.cuda.max_memory_allocated() / 2**20 if cuda else float("nan")
+        power = meter.reading if meter else None  # joules and mean SM clock of the step (NVML), nan without
         rows.append(dict(impl=impl, mode=mode, step=step, tokens=x.numel(), loss=loss.item(), step_ms=ms,
-                         peak_mib=peak, params=params, note="", resident_mib=resident))
+                         peak_mib=peak, params=params, note="", resident_mib=resident,
+                         energy_j=power.joules if power else math.nan,
+                         sm_clock_mhz=power.sm_clock_mhz if power else math.nan))
     del model, opt
     return rows
 
@@ -208,7 +216,7 @@ def summary(rows: list[dict], warmup: int) -> list[str]:
     ref = {mode: statistics.mean(r["loss"] for r in _first_round(rs)[-10:] if r["note"] == "")
            for (impl, mode), rs in runs.items() if impl == "grouped_mm" and rs[0]["note"] == ""}
     lines = [f"{'impl':<16}{'mode':<6}{'step ms':>10}{'tokens/s':>12}{'peak MiB':>11}{'above resident':>16}"
-             f"{'loss(last10)':>14}{'vs grouped_mm':>15}"]
+             f"{'loss(last10)':>14}{'vs grouped_mm':>15}{'J/step':>9}{'SM MHz':>8}"]
     for (impl, mode), rs in runs.items():
         if rs[0]["note"]:
             lines.append(f"{impl:<16}{mode:<6}  {rs[0]['note']}")
@@ -218,8 +226,11 @@ def summary(rows: list[dict], warmup: int) -> list[str]:
         loss = statistics.mean(r["loss"] for r in _first_round(rs)[-10:])
         gap = f"{loss - ref[mode]:+.4f}" if mode in ref else "-"
         above = max(r["peak_mib"] - r["resident_mib"] for r in _timed(rs, 1))  # past the optimizer state's creation
+        joules, clock = (statistics.median(float(r.get("energy_j", math.nan)) for r in timed),
+                         statistics.median(float(r.get("sm_clock_mhz", math.nan)) for r in timed))
         lines.append(f"{impl:<16}{mode:<6}{ms:>10.1f}{rs[0]['tokens'] / ms * 1e3:>12,.0f}"
-                     f"{max(r['peak_mib'] for r in rs):>11,.0f}{above:>16,.0f}{loss:>14.4f}{gap:>15}")
+                     f"{max(r['peak_mib'] for r in rs):>11,.0f}{above:>16,.0f}{loss:>14.4f}{gap:>15}"
+                     f"{joules:>9.1f}{clock:>8.0f}")
     return lines + comparisons(runs, warmup)
 
 

@@ -14,18 +14,18 @@ run longer (H200, 2026-11-26, Qwen3-30B-A3B shape, T 32,768: moeblaze's kernels 
 step over three steps against 14.97 over 30, which matched its 14.5-14.7 ms per back-to-back step; SonicMoE's
 13.38-13.59 against 13.55): compare implementations with ``--profiled-steps 30`` when the steps are long.
 
-A step is host-bound when *host ms* is close to *step ms* and above *device ms*. ``--kernels`` prints
-the profiler's kernel table, ``--cprofile N`` the N most expensive Python functions (cumulative),
-``--timeline`` every kernel of one step in launch order with its time inside the step (three steps
-averaged; compare with ``profile_kernels.py``, which times each launch alone), ``--cold`` the step
-time after the GPU idled 1.5 s against the time per step of 30 back-to-back steps, with the SM clock,
-power draw and clock-limit reasons that ``nvidia-smi`` reads during the back-to-back steps (a step
-slower when sustained than cold is a step the card's power limit slows down), ``--peak`` what was
-allocated at the step's memory peak, by allocating line (:mod:`moeblaze.bench.peak`), ``--api N`` the N host-side
-operations (ATen ops and CUDA runtime / driver calls: launches, copies, synchronisations) with the most CPU
-time of their own, ``--busy`` the host time of a step queued behind 100 ms of GPU work (``torch.cuda._sleep``):
-a step that only queues work returns in its usual host time, one that waits for the GPU anywhere inside
-(a synchronising call, a pageable copy) takes the 100 ms.
+A step is host-bound when *host ms* is close to *step ms* and above *device ms*. ``--kernels`` prints the profiler's
+kernel table, ``--cprofile N`` the N most expensive Python functions (cumulative), ``--timeline`` every kernel of
+one step in launch order with its time inside the step (three steps averaged; compare with ``profile_kernels.py``,
+which times each launch alone), ``--energy N`` the GPU's joules per step, mean power and SM clock over N
+back-to-back steps (NVML, :mod:`moeblaze.bench.power`), ``--cold`` the step time after the GPU idled 1.5 s against
+the time per step of 30 back-to-back steps, with the SM clock, power draw and clock-limit reasons that
+``nvidia-smi`` reads during the back-to-back steps (a step slower when sustained than cold is a step the card's
+power limit slows down), ``--peak`` what was allocated at the step's memory peak, by allocating line
+(:mod:`moeblaze.bench.peak`), ``--api N`` the N host-side operations (ATen ops and CUDA runtime / driver calls:
+launches, copies, synchronisations) with the most CPU time of their own, ``--busy`` the host time of a step queued
+behind 100 ms of GPU work (``torch.cuda._sleep``): a step that only queues work returns in its usual host time, one
+that waits for the GPU anywhere inside (a synchronising call, a pageable copy) takes the 100 ms.
 
 Usage (GPU): ``python3 benchmarks/profile_layer.py --configs sweep-8k,smoke-olmoe --impls moeblaze,conventional``
 """
@@ -46,6 +46,7 @@ from torch.profiler import ProfilerActivity, profile
 from moeblaze.bench.baselines import ImplOptions, make_weights, resolve_impl
 from moeblaze.bench.configs import config_named, parse_list
 from moeblaze.bench.peak import peak_breakdown
+from moeblaze.bench.power import EnergyMeter
 
 
 def make_step(fn, x: torch.Tensor, dout: torch.Tensor, params: list[torch.Tensor]):
@@ -170,6 +171,20 @@ def cold_and_sustained_ms(step, cold_reps: int = 4, reps: int = 30) -> tuple[flo
     return sorted(cold)[cold_reps // 2], (time.perf_counter() - t0) / reps * 1e3, state
 
 
+def energy_per_step(step, reps: int) -> tuple[float, object]:
+    """(ms per step, :class:`moeblaze.bench.power.EnergyReading`) of ``reps`` back-to-back steps, synchronised only
+    at both ends (the GPU never waits for the host in between)."""
+    meter = EnergyMeter(torch.cuda.current_device())
+    torch.cuda.synchronize()
+    with meter:
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            step()
+        torch.cuda.synchronize()
+        ms = (time.perf_counter() - t0) / reps * 1e3
+    return ms, meter.reading
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--configs", default="sweep-8k,smoke-olmoe",
@@ -187,12 +202,16 @@ def main() -> None:
                     help="print the N host-side ops and CUDA API calls with the most CPU time of their own")
     ap.add_argument("--busy", action="store_true",
                     help="print the host time of a step queued behind 100 ms of GPU work")
+    ap.add_argument("--energy", type=int, default=0, metavar="N",
+                    help="time N back-to-back steps; print the GPU's joules per step, mean power, SM clock (NVML)")
     ap.add_argument("--tokens", type=int, default=0, help="T of every config (0: the config's own)")
     ap.add_argument("--profiled-steps", type=int, default=3, metavar="N",
                     help="back-to-back steps averaged by the profiles (device ms, --timeline, --gaps; default 3)")
     args = ap.parse_args()
     if args.profiled_steps < 1:
         ap.error(f"--profiled-steps must be >= 1, got {args.profiled_steps}")
+    if args.energy and not EnergyMeter.available():
+        ap.error("--energy reads NVML: install nvidia-ml-py (pynvml) on a machine with an NVIDIA driver")
     torch.manual_seed(0)
     now = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     print(f"{torch.cuda.get_device_name()} | torch {torch.__version__} | {now}")
@@ -224,6 +243,10 @@ def main() -> None:
                 cold, sustained, state = cold_and_sustained_ms(step)
                 print(f"  cold step {cold:.2f} ms, back to back {sustained:.2f} ms per step "
                       f"({sustained / cold:.3f}x); nvidia-smi then (SM clock, power, limit reasons): {state}")
+            if args.energy:
+                ms, e = energy_per_step(step, args.energy)
+                print(f"  {args.energy} back-to-back steps: {ms:.3f} ms per step, {e.joules / args.energy:.3f} J per "
+                      f"step, {e.watts:.0f} W of a {e.power_limit_w:.0f} W limit, SM clock {e.sm_clock_mhz:.0f} MHz")
             if args.peak:
                 print(peak_breakdown(step).table())
             if args.gaps:
