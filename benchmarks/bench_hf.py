@@ -104,7 +104,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=10, help="steps left out of the median step time (in each round)")
     p.add_argument("--rounds", type=int, default=1,
                    help="train every implementation this many times, the order of --impls reversed in every other "
-                        "round (A B, B A, ...): a card that clocks down as it warms slows whichever runs later, so "
+                        "round (A B, B A, ...): at its power limit the card's clock drifts with what ran before, so "
                         "step times are compared over rounds that put each implementation first as often")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=2048)

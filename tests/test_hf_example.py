@@ -93,8 +93,8 @@ def test_bench_hf_smoke(tmp_path):
 
 
 def test_bench_hf_rounds_alternate_order(tmp_path):
-    """``--rounds 2``: every implementation trains twice, the second round in reverse order (a card clocking down
-    as it warms must not favour whichever runs first); the rows say their round and the loss curve is round 0's."""
+    """``--rounds 2``: every implementation trains twice, the second round in reverse order (neither runs first on
+    the card every time); the rows say their round and the loss curve is round 0's."""
     import csv
 
     text = tmp_path / "corpus.txt"
