@@ -58,3 +58,16 @@ def test_no_nvml_is_reported(monkeypatch):
         power.EnergyMeter()
     monkeypatch.setitem(sys.modules, "pynvml", _fake_pynvml([], init_error=OSError("no driver")))
     assert power.nvml() is None
+
+
+def test_a_failed_read_costs_the_reading_not_the_run(monkeypatch):
+    fake = _fake_pynvml([0, 0, 5])  # two probes and the block's start; the end's read fails
+
+    def fail(handle):
+        raise OSError("driver gone")
+
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    meter = power.EnergyMeter(interval_s=60.0)
+    with pytest.warns(UserWarning, match="NVML read failed"), meter:
+        fake.nvmlDeviceGetTotalEnergyConsumption = fail
+    assert meter.reading is None

@@ -12,9 +12,11 @@ Used by ``benchmarks/bench_hf.py`` (joules per step) and ``benchmarks/profile_la
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import threading
 import time
+import warnings
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -55,8 +57,9 @@ class EnergyReading:
 
 class EnergyMeter:
     """``with meter: ...`` measures the GPU's energy and mean SM clock over the block; ``meter.reading`` then holds
-    an :class:`EnergyReading`. Synchronise the device before entering and before leaving the block, so that the
-    block's work and nothing else falls inside it.
+    an :class:`EnergyReading`, or None (with a warning) where NVML failed to answer at the block's end: a benchmark
+    loses that reading, not its run. Synchronise the device before entering and before leaving the block, so that
+    the block's work and nothing else falls inside it.
 
     Args:
         device_index: the NVML index of the GPU (the CUDA device index where ``CUDA_VISIBLE_DEVICES`` is unset).
@@ -84,7 +87,8 @@ class EnergyMeter:
 
     def _sample(self) -> None:
         while not self._stop.wait(self.interval_s):
-            self._clocks.append(self._nvml.nvmlDeviceGetClockInfo(self._handle, self._nvml.NVML_CLOCK_SM))
+            with contextlib.suppress(Exception):  # a failed read leaves a gap in the samples (nan if none is left)
+                self._clocks.append(self._nvml.nvmlDeviceGetClockInfo(self._handle, self._nvml.NVML_CLOCK_SM))
 
     def __enter__(self) -> EnergyMeter:
         self._clocks: list[int] = []
@@ -95,9 +99,15 @@ class EnergyMeter:
         return self
 
     def __exit__(self, *exc) -> None:
-        seconds, joules = time.perf_counter() - self._t0, (self._millijoules() - self._mj0) / 1e3
+        seconds = time.perf_counter() - self._t0
         self._stop.set()
         self._thread.join()
-        limit = self._nvml.nvmlDeviceGetEnforcedPowerLimit(self._handle) / 1e3  # milliwatts
+        try:
+            joules = (self._millijoules() - self._mj0) / 1e3
+            limit = self._nvml.nvmlDeviceGetEnforcedPowerLimit(self._handle) / 1e3  # milliwatts
+        except Exception as e:  # pynvml.NVMLError: the driver did not answer
+            warnings.warn(f"EnergyMeter: NVML read failed ({e}); no energy reading for this block", stacklevel=2)
+            self.reading = None
+            return
         clock = statistics.mean(self._clocks) if self._clocks else float("nan")
         self.reading = EnergyReading(joules, seconds, joules / seconds if seconds > 0 else float("nan"), clock, limit)
