@@ -172,8 +172,8 @@ def cold_and_sustained_ms(step, cold_reps: int = 4, reps: int = 30) -> tuple[flo
 
 
 def energy_per_step(step, reps: int) -> tuple[float, object]:
-    """(ms per step, :class:`moeblaze.bench.power.EnergyReading`) of ``reps`` back-to-back steps, synchronised only
-    at both ends (the GPU never waits for the host in between)."""
+    """(ms per step, :class:`moeblaze.bench.power.EnergyReading` or None where NVML failed) of ``reps`` back-to-back
+    steps, synchronised only at both ends (the GPU never waits for the host in between)."""
     meter = EnergyMeter(torch.cuda.current_device())
     torch.cuda.synchronize()
     with meter:
@@ -245,8 +245,10 @@ def main() -> None:
                       f"({sustained / cold:.3f}x); nvidia-smi then (SM clock, power, limit reasons): {state}")
             if args.energy:
                 ms, e = energy_per_step(step, args.energy)
-                print(f"  {args.energy} back-to-back steps: {ms:.3f} ms per step, {e.joules / args.energy:.3f} J per "
-                      f"step, {e.watts:.0f} W of a {e.power_limit_w:.0f} W limit, SM clock {e.sm_clock_mhz:.0f} MHz")
+                power = ("no energy reading (NVML failed; warned above)" if e is None else
+                         f"{e.joules / args.energy:.3f} J per step, {e.watts:.0f} W of a {e.power_limit_w:.0f} W "
+                         f"limit, SM clock {e.sm_clock_mhz:.0f} MHz")
+                print(f"  {args.energy} back-to-back steps: {ms:.3f} ms per step, {power}")
             if args.peak:
                 print(peak_breakdown(step).table())
             if args.gaps:
