@@ -35,7 +35,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from .ws_wgrad import EPILOGUE_WARPS, LOADER_WARPS, WORKER_REGS
+from .ws_wgrad import EPILOGUE_WARPS, LOADER_WARPS, WORKER_REGS, hand_off
 
 
 @gluon.jit
@@ -107,11 +107,7 @@ def _mma(sched, smem, bars, dims, W_NK: gl.constexpr, BLOCK_M: gl.constexpr, BLO
             mbarrier.arrive(empty.index(prev), count=1, pred=k > 0)  # the previous stage's wgmma retired
             prev = s
             it += 1
-        acc = warpgroup_mma_wait(0, deps=(acc,))
-        mbarrier.arrive(empty.index(prev), count=1)
-        mbarrier.wait(c_empty.index(0), (i_tile & 1) ^ 1)
-        c_smem.store(acc.to(c_smem.dtype))
-        mbarrier.arrive(c_ready.index(0), count=1)
+        hand_off(acc, prev, i_tile, empty, c_smem, c_ready, c_empty)
 
 
 @gluon.jit

@@ -126,13 +126,23 @@ def _loader(ptrs, smem, bars, dims, GATHER_A: gl.constexpr, BLOCK_P: gl.constexp
 
 
 @gluon.jit
-def _mma(ptrs, smem, bars, dims, GATHER_A: gl.constexpr, BLOCK_P: gl.constexpr, BLOCK_Q: gl.constexpr,
-         BLOCK_K: gl.constexpr, NUM_STAGES: gl.constexpr, num_warps: gl.constexpr):
+def hand_off(acc, prev, i_tile, empty, c_smem, c_ready, c_empty):
+    """The end of an mma partition's tile (here and in :mod:`moeblaze.kernels.ws_gemm`): wait for the last
+    wgmma, release its stage, and once the epilogue has stored the previous tile, round this one into
+    ``c_smem`` for it."""
+    acc = warpgroup_mma_wait(0, deps=(acc,))
+    mbarrier.arrive(empty.index(prev), count=1)
+    mbarrier.wait(c_empty.index(0), (i_tile & 1) ^ 1)
+    c_smem.store(acc.to(c_smem.dtype))
+    mbarrier.arrive(c_ready.index(0), count=1)
+
+
+@gluon.jit
+def _mma(offsets_ptr, smem, bars, P, Q, NUM_EXPERTS, GATHER_A: gl.constexpr, BLOCK_P: gl.constexpr,
+         BLOCK_Q: gl.constexpr, BLOCK_K: gl.constexpr, NUM_STAGES: gl.constexpr, num_warps: gl.constexpr):
     """``acc = sum_k A_k^T B_k`` over the stages (one wgmma in flight), then the tile into ``c_smem``."""
-    g_ptr, r_desc, c_ptr, offsets_ptr, indices_ptr = ptrs
     g_bufs, r_bufs, c_smem = smem
     ready, empty, c_ready, c_empty = bars
-    P, Q, NUM_EXPERTS, stride_g_t, stride_c_e, stride_c_p = dims
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                          instr_shape=[16, BLOCK_Q, 16])
     num_p = gl.cdiv(P, BLOCK_P)
@@ -164,11 +174,7 @@ def _mma(ptrs, smem, bars, dims, GATHER_A: gl.constexpr, BLOCK_P: gl.constexpr, 
             mbarrier.arrive(empty.index(prev), count=1, pred=kk > 0)  # the previous stage's wgmma retired
             prev = s
             it += 1
-        acc = warpgroup_mma_wait(0, deps=(acc,))
-        mbarrier.arrive(empty.index(prev), count=1)
-        mbarrier.wait(c_empty.index(0), (i_tile & 1) ^ 1)
-        c_smem.store(acc.to(c_smem.dtype))
-        mbarrier.arrive(c_ready.index(0), count=1)
+        hand_off(acc, prev, i_tile, empty, c_smem, c_ready, c_empty)
         start = start_n
         end = end_n
 
@@ -247,7 +253,8 @@ def ws_wgrad_kernel(
     dims = (P, Q, NUM_EXPERTS, stride_g_t, stride_c_e, stride_c_p)
     # constexprs go into the partitions' argument lists directly (a tuple variable would hold them as values)
     gl.warp_specialize([
-        (_mma, (ptrs, smem, bars, dims, GATHER_A, BLOCK_P, BLOCK_Q, BLOCK_K, NUM_STAGES, num_warps)),
+        (_mma, (offsets_ptr, smem, bars, P, Q, NUM_EXPERTS, GATHER_A, BLOCK_P, BLOCK_Q, BLOCK_K, NUM_STAGES,
+                num_warps)),
         (_loader, (ptrs, smem, bars, dims, GATHER_A, BLOCK_P, BLOCK_Q, BLOCK_K, NUM_STAGES, GROUP_M)),
         (_epilogue, (ptrs, smem, bars, dims, GATHER_A, BLOCK_P, BLOCK_Q, GROUP_M)),
     ], [LOADER_WARPS, EPILOGUE_WARPS], [WORKER_REGS, WORKER_REGS])
