@@ -12,7 +12,7 @@ import torch
 import moeblaze
 from moeblaze import build_dispatch, moe_experts
 from moeblaze.kernels import launch
-from moeblaze.kernels.experts import column_chunks
+from moeblaze.kernels.experts import column_chunks, peak_headroom
 from moeblaze.kernels.grouped_gemm import B_DESC_KN, B_DESC_NK, EPILOGUE_ACT_FWD
 from moeblaze.testing import run_and_grad
 from test_experts_triton import DEVICE, NAMES, check_against_reference, gpu, inputs, kernels_runnable, needs_cuda
@@ -118,6 +118,88 @@ def test_chunk_rule():
     for bad in (0, 24, "half", -16):
         with pytest.raises(ValueError, match="chunk_cols"):
             moeblaze.settings.configure(chunk_cols=bad)
+
+
+def test_chunk_rule_headroom():
+    """auto with the allocator's headroom: the fewest equal chunks whose buffer fits in it, never more than the capped
+    rule's; a GPU with no peak above the current allocation gets the capped chunks, a CPU tensor no headroom."""
+    N = 65536 * 8
+    capped = [(0, 768), (768, 1536), (1536, 2048)]
+    assert column_chunks(N, 2048, 768, 2, headroom=None) == capped
+    assert column_chunks(N, 2048, 768, 2, headroom=0) == capped
+    assert column_chunks(N, 2048, 768, 2, headroom=N * 2048 * 2) == [(0, 2048)]  # the whole buffer fits: one chunk
+    assert column_chunks(N, 2048, 768, 2, headroom=N * 2048 * 2 - 1) == [(0, 1024), (1024, 2048)]
+    assert column_chunks(N, 2048, 768, 2, headroom=N * 1024 * 2 - 1) == capped  # 3 chunks of 768 is the most
+    assert column_chunks(N, 2048, 1536, 2, headroom=10**15) == [(0, 2048)]
+    assert column_chunks(4096 * 8, 2048, 768, 2, headroom=0) == [(0, 2048)]  # under 256 MiB: one chunk regardless
+    with moeblaze.settings.override(chunk_cols="512"):
+        assert column_chunks(N, 2048, 768, 2, headroom=10**15) == [(0, 512), (512, 1024), (1024, 1536), (1536, 2048)]
+    assert peak_headroom(torch.device("cpu")) is None
+
+
+def test_slot_buffer_falls_back_to_capped_chunks_on_out_of_memory(monkeypatch):
+    """A wide buffer that fits the headroom but not the free memory falls back to the capped chunks; an
+    out-of-memory error of the capped buffer itself is not swallowed."""
+    from moeblaze.kernels import experts
+
+    N, d, h = 65536 * 8, 2048, 768
+    monkeypatch.setattr(experts, "peak_headroom", lambda device: 10**15)
+
+    class Fake:  # a tensor stand-in whose allocations over `limit` columns fail as the CUDA allocator would
+        def __init__(self, limit):
+            self.limit, self.device = limit, torch.device("cpu")
+
+        def element_size(self):
+            return 2
+
+        def new_empty(self, rows, cols):
+            if cols > self.limit:
+                raise torch.OutOfMemoryError("fake: out of memory")
+            return (rows, cols)
+
+    assert experts._slot_buffer(Fake(limit=4096), N, d, h) == ([(0, 2048)], (N, 2048))
+    capped = [(0, 768), (768, 1536), (1536, 2048)]
+    assert experts._slot_buffer(Fake(limit=1000), N, d, h) == (capped, (N, 768))
+    with pytest.raises(torch.OutOfMemoryError):
+        experts._slot_buffer(Fake(limit=100), N, d, h)
+
+
+@pytest.mark.gpu
+def test_gpu_chunks_never_raise_the_peak():
+    """F2-F3 under the headroom rule (T 65,536 at the Qwen3-30B-A3B shape, bf16, a 2 GiB [N, d] buffer): the capped
+    chunks where no earlier peak left room, one chunk (bitwise the same output) where one did, without raising the
+    peak by more than launch scratch."""
+    from moeblaze.kernels.experts import _gemm_gather_sum
+    T, d, h, E, K = 65536, 2048, 768, 128, 8
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    ids = torch.rand(T, E, device="cuda", generator=gen).topk(K, dim=1).indices.to(torch.int32)
+    idx = build_dispatch(ids, E, block_m=128)
+    act = torch.randn(T * K, h, device="cuda", dtype=torch.bfloat16, generator=gen)
+    w2 = torch.randn(E, d, h, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.03
+    weights = torch.rand(T, K, device="cuda", generator=gen).to(torch.bfloat16)
+    sched = (idx.schedule.tile_expert, idx.schedule.tile_row_start, idx.schedule.num_tiles)
+
+    def run():
+        return _gemm_gather_sum(act, w2, True, h, idx.expert_token_offsets, idx.expert_token_indices, sched,
+                                idx.token_index_map, weights, False, None, T, d, h)
+
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.max_memory_allocated()
+    first = run()  # no headroom yet: the capped chunks set the peak
+    peak = torch.cuda.max_memory_allocated()
+    assert peak - base < T * d * 2 + T * K * 1024 * 2  # out and a 768-column buffer, not a 2048-column one
+    del first
+    spare = torch.empty(T * K * d * 2, dtype=torch.uint8, device="cuda")  # a peak above: room for one chunk
+    del spare
+    with moeblaze.settings.override(chunk_cols="off"):
+        ref = run()
+    torch.cuda.reset_peak_memory_stats()
+    spare = torch.empty(T * K * d * 2 + T * d * 2, dtype=torch.uint8, device="cuda")
+    del spare
+    high = torch.cuda.max_memory_allocated()
+    assert torch.equal(run(), ref)  # one chunk now, bitwise the same
+    assert torch.cuda.max_memory_allocated() <= high + 2**20  # launch scratch at most
 
 
 def test_bad_chunk_arguments_are_clear_errors():

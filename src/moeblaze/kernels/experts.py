@@ -168,29 +168,44 @@ _CHUNK_MIN_BYTES = 256 * 2**20
 _CHUNK_MIN_COLS = 512
 
 
-def column_chunks(num_slots: int, d: int, h: int, elem: int) -> list[tuple[int, int]]:
+def peak_headroom(device: torch.device) -> int | None:
+    """Bytes the caching allocator can hand out now without raising its peak since the last
+    ``torch.cuda.reset_peak_memory_stats``: ``max_memory_allocated - memory_allocated`` on CUDA, None elsewhere."""
+    if device.type != "cuda":
+        return None
+    allocated = torch.cuda.memory_stats_as_nested_dict(device)["allocated_bytes"]["all"]
+    return allocated["peak"] - allocated["current"]
+
+
+def column_chunks(num_slots: int, d: int, h: int, elem: int, headroom: int | None = None) -> list[tuple[int, int]]:
     """Column ranges ``[(c0, c1), ...]`` of ``d`` in which F2 computes ``y`` (and F3 combines it) and B3 computes
     ``dx_slots`` (and B5 sums it), through one ``[N, width]`` buffer instead of ``[N, d]``.
 
     ``h`` is the width the chunks may reach: F2 passes the expert dimension h (``act``'s row), B3 ``dpre``'s row
-    (2h for gated activations, h otherwise).
+    (2h for gated activations, h otherwise). ``headroom``: bytes that may be allocated without raising the
+    step's memory peak (:func:`peak_headroom`; None: unknown).
 
     Setting ``chunk_cols``: ``off`` one chunk; a column count, chunks that wide; ``auto`` (default), once the whole
-    ``[N, d]`` buffer would reach 256 MiB, the fewest chunks no wider than ``max(512, h)`` (rounded down to 128),
-    of equal widths rounded up to 128 (d 2048: F2 at h 768 in 768 + 768 + 512 columns, B3 in 2 x 1024).
-    Why: for d > h these buffers (``2Nd`` bytes in 16-bit) are the largest transients of the layer: ``y`` sits
-    beside ``act [N, h]`` and ``pre [N, 2h]`` in the forward, where a model's last layer holds every earlier layer's
-    activations (the peak of a 4-layer transformers Qwen3-MoE, d 2048, h 768); a chunk no wider than the GEMM's A
-    operand (``act``, ``dpre``) is no larger than a buffer the layer holds at that moment anyway. Each chunk more
-    re-reads A and adds two launches: a Qwen3-30B-A3B layer step at T 65,536 took 28.37 ms in one chunk (peak 6,411
-    MiB), 28.55-28.60 with these chunks (5,225 MiB) and 28.63-28.70 with B3 in 768-column chunks too (5,131 MiB)
-    (H200, 2026-11-26, fixed configs, rows in docs/results.csv: ``CHUNKS_SPECS="1:768 2:auto 3:off 4:768 5:auto"
-    CHUNKS_CONFIGS=qwen3-30b-a3b CHUNKS_TOKENS=32768,65536 scripts/gpu_suite.sh chunks``). Chunk starts are
-    multiples of 16 columns (16-byte aligned TMA bases). Each output column is reduced as in one chunk: bitwise the
-    one-chunk result with fixed configs (``MOEBLAZE_AUTOTUNE=0``; tested in fp32 and bf16). Tuned, each chunk width
-    picks its own config (``N_COLS`` is in the autotune key): the same k order in 16-bit (every tuned 16-bit config
-    has BLOCK_K 64), possibly another BLOCK_K in fp32, so equal within rounding there. A batch whose buffer first
-    crosses 256 MiB tunes the chunk widths once.
+    ``[N, d]`` buffer would reach 256 MiB, chunks of equal widths rounded up to 128: the fewest whose buffer fits
+    in ``headroom``, and never more than the fewest no wider than ``max(512, h)`` (rounded down to 128) (d 2048
+    with no headroom: F2 at h 768 in 768 + 768 + 512 columns, B3 in 2 x 1024).
+    Why chunks: for d > h these buffers (``2Nd`` bytes in 16-bit) are the largest transients of the layer: ``y``
+    sits beside ``act [N, h]`` and ``pre [N, 2h]`` in the forward, where a model's last layer holds every earlier
+    layer's activations (the peak of a 4-layer transformers Qwen3-MoE, d 2048, h 768); a chunk no wider than the
+    GEMM's A operand (``act``, ``dpre``) is no larger than a buffer the layer holds at that moment anyway.
+    Why the headroom: each chunk more re-reads A and adds two launches, and the layers a step runs away from its
+    memory peak have room for wider ones; within the headroom a wider buffer cannot raise the peak
+    (``max_memory_allocated``), whose reference is the last ``torch.cuda.reset_peak_memory_stats``: a loop that
+    resets it every step gets the capped chunks in its forward. Measured (H200, 2026-11-26; docs/benchmarks.md,
+    "F2 and B3 under ncu; column chunks by the allocator's headroom"): F2 and B3 alone at T 32,768-65,536
+    (Qwen3-30B-A3B) in one chunk took 0.977-0.987x the capped chunks' time, B3 with 8-11% less energy per FLOP;
+    the transformers Qwen3-MoE of issue 22 (``benchmarks/bench_hf.py``, which resets the peak every step) stepped
+    in 285.8 / 286.3 ms with the headroom against 286.0 / 288.7 capped, peak unchanged (38,234 MiB), and in
+    291.4 ms with ``off`` against 297.9 capped on another card (peak 39,001 MiB). Chunk starts are multiples of 16 columns
+    (16-byte aligned TMA bases). Each output column is reduced as in one chunk: bitwise the one-chunk result with
+    fixed configs (``MOEBLAZE_AUTOTUNE=0``; tested in fp32 and bf16). Tuned, each chunk width picks its own config
+    (``N_COLS`` is in the autotune key): the same k order in 16-bit (every tuned 16-bit config has BLOCK_K 64),
+    possibly another BLOCK_K in fp32, so equal within rounding there.
     """
     mode = settings.get("chunk_cols")
     if mode == "off":
@@ -198,11 +213,37 @@ def column_chunks(num_slots: int, d: int, h: int, elem: int) -> list[tuple[int, 
     if mode == "auto":
         if num_slots * d * elem < _CHUNK_MIN_BYTES:
             return [(0, d)]
-        cap = max(_CHUNK_MIN_COLS, h // 128 * 128)
-        width = cdiv(cdiv(d, cdiv(d, cap)), 128) * 128  # as many chunks as width cap needs, of equal widths
+        most = cdiv(d, max(_CHUNK_MIN_COLS, h // 128 * 128))  # the capped rule's count
+        n = 1
+        while n < most and (headroom is None or num_slots * _equal_width(d, n) * elem > headroom):
+            n += 1
+        width = _equal_width(d, n)
     else:
         width = mode
     return [(c, min(c + width, d)) for c in range(0, d, width)] or [(0, d)]  # d = 0: one empty chunk
+
+
+def _equal_width(d: int, n: int) -> int:
+    """The width of ``n`` equal chunks of ``d`` columns, rounded up to 128."""
+    return cdiv(cdiv(d, n), 128) * 128
+
+
+def _slot_buffer(a: Tensor, N: int, d: int, h: int) -> tuple[list[tuple[int, int]], Tensor]:
+    """The column chunks of :func:`column_chunks` for an ``[N, d]`` slot buffer in ``a``'s dtype, and that buffer.
+
+    The allocator is read (host time) only where chunks can apply; a buffer that fits the headroom but finds no free
+    block (fragmented memory) falls back to the capped chunks, so the headroom never costs an out-of-memory error
+    that the capped chunks would have avoided."""
+    elem = a.element_size()
+    big = N * d * elem >= _CHUNK_MIN_BYTES
+    chunks = column_chunks(N, d, h, elem, peak_headroom(a.device) if big else None)
+    try:
+        return chunks, a.new_empty(N, max(c1 - c0 for c0, c1 in chunks))
+    except torch.OutOfMemoryError:
+        capped = column_chunks(N, d, h, elem)
+        if capped == chunks:
+            raise
+        return capped, a.new_empty(N, max(c1 - c0 for c0, c1 in capped))
 
 
 def _gemm_gather_sum(a, w, b_nk, k_dim, offsets, indices, sched, token_index_map, weights, foreign, pair_offsets,
@@ -210,9 +251,8 @@ def _gemm_gather_sum(a, w, b_nk, k_dim, offsets, indices, sched, token_index_map
     """``out[t] = sum_k (w[t,k] *) (a[s] @ W[e] (+ bias[e]))[map[t,k]]`` over column chunks of d
     (:func:`column_chunks`): F2-F3 (``a = act``, weights and bias) and B3-B5 (``a = dpre``)."""
     N = indices.numel()
-    chunks = column_chunks(N, d, h, a.element_size())
     out = a.new_empty(T, d)
-    buf = a.new_empty(N, max(c1 - c0 for c0, c1 in chunks))
+    chunks, buf = _slot_buffer(a, N, d, h)
     for c0, c1 in chunks:
         slots = buf[:, :c1 - c0]
         grouped_gemm(a, w, slots, offsets, indices, sched, b_nk=b_nk, n_cols=c1 - c0, k_dim=k_dim, gather_a=False,
