@@ -2,26 +2,28 @@
 
 Catches what the Triton interpreter does not (e.g. non-constexpr globals, type errors in loops) and
 reports, per variant, shared memory, whether ``wgmma`` and ``cp.async`` pipelining are used, and
-registers and spilled bytes as Triton's own ``ptxas -v`` reports them for sm_90a (a kernel that spills
-looks fine in the PTX: ptxas allocates the registers). Pointers and most integers are marked
-16-divisible, as Triton specialises them at launch when d and h are multiples of 16. Run without
+registers, stack frame and local memory (spills) of the cubin Triton built for sm_90a, as its bundled
+``cuobjdump`` reports them (a kernel that spills looks fine in the PTX: ptxas allocates the registers).
+Pointers and most integers are marked 16-divisible, as Triton specialises them at launch when d and h are
+multiples of 16. Run without
 TRITON_INTERPRET:
 
     env -u TRITON_INTERPRET python scripts/compile_experts_sm90.py [bf16|fp16|fp32] [--tuned] [--tf32]
+
+For the GPU machine's figures run it under that machine's triton (3.6), e.g. ``PYTHONPATH=src
+/tmp/t36/bin/python scripts/compile_experts_sm90.py`` in a venv with ``triton==3.6.0`` and a CPU torch: register
+allocation differs between triton versions (on 2026-11-26 triton 3.9 and 3.6 gave other stack frames).
 
 ``--tf32`` (with fp32): the TF32 variants (``DOT_PREC="tf32"``, F1's ``act`` and B1's ``dpre`` stored rounded).
 """
 
 from __future__ import annotations
 
-import os
-import re
-import subprocess
 import sys
-import tempfile
 import time
 
 import triton
+from gluon_sm90_compile import resource_usage  # this script's folder: sys.path[0] when run as a script
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
@@ -59,21 +61,6 @@ TARGET = GPUTarget("cuda", 90, 32)
 NOT_DIVISIBLE = {"max_tiles", "NUM_EXPERTS", "T", "K"}
 
 
-def ptxas_stats(ptx: str, arch: str) -> str:
-    """``regs=N spill=S`` (bytes stored to local memory) from ``ptxas -v`` of Triton's bundled ptxas."""
-    import triton.backends.nvidia as nv
-
-    ptxas = os.path.join(os.path.dirname(nv.__file__), "bin", "ptxas")
-    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
-        f.write(ptx)
-        f.flush()
-        out = subprocess.run([ptxas, f"-arch={arch}", "-v", f.name, "-o", os.devnull], capture_output=True,
-                             text=True, check=False).stderr
-    regs = re.search(r"Used (\d+) registers", out)
-    spill = re.search(r"(\d+) bytes spill stores", out)
-    return f"regs={regs.group(1) if regs else '?'} spill={spill.group(1) if spill else '?'}"
-
-
 def compile_one(fn, ptr_types, consts, num_warps, num_stages, label):
     sig = {n: "constexpr" if n in consts else ptr_types.get(n, "i32") for n in fn.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
@@ -83,7 +70,7 @@ def compile_one(fn, ptr_types, consts, num_warps, num_stages, label):
                        options={"num_warps": num_warps, "num_stages": num_stages})
     ptx = k.asm["ptx"]
     print(f"{label:<70} {time.time() - t:4.1f}s shared={k.metadata.shared:>6} wgmma={'wgmma' in ptx} "
-          f"cp.async={'cp.async' in ptx} {ptxas_stats(ptx, 'sm_90a')}", flush=True)
+          f"cp.async={'cp.async' in ptx} {resource_usage(k.asm['cubin'])}", flush=True)
 
 
 def main() -> None:
@@ -134,7 +121,7 @@ def main() -> None:
             compile_one(grouped_gemm_kernel, gemm_ptrs, {**c0, **cfg.kwargs}, cfg.num_warps, cfg.num_stages,
                         f"gemm {name} {cfg.kwargs} w{cfg.num_warps} s{cfg.num_stages}")
     wg_ptrs = dict(a_ptr=T, b_ptr=T, c_ptr=T, offsets_ptr="*i32", indices_ptr="*i32")
-    wbase = dict(DOT_PREC=prec, GATHER_A=True, stride_a_p=1, stride_b_q=1)
+    wbase = dict(DOT_PREC=prec, GATHER_A=True, stride_a_p=1, stride_b_q=1, E_POW2=128)
     slots_contiguous = dict(GATHER_A=False, B_DESC=False, stride_a_m=1, stride_b_m=1, stride_a_p=None,
                             stride_b_q=None)  # the padded TF32 copies
     for name, v in {"B4 (transposed store)": dict(B_DESC=True, stride_c_p=1), "B2": dict(B_DESC=True, stride_c_q=1),
@@ -142,6 +129,8 @@ def main() -> None:
                     "B2 padded copies": dict(stride_c_q=1, **slots_contiguous)}.items():
         consts = {k: val for k, val in {**wbase, **v}.items() if val is not None}
         for cfg in wgrad_configs(kind):
+            if cfg.kwargs["PERSISTENT"] and not consts["GATHER_A"]:  # the launcher never pairs them (16-bit only)
+                continue
             compile_one(grouped_wgrad_kernel, wg_ptrs, {**consts, **cfg.kwargs}, cfg.num_warps,
                         cfg.num_stages, f"wgrad {name} {cfg.kwargs} w{cfg.num_warps} s{cfg.num_stages}")
     rows_ptrs = dict(dact_ptr=T, pre_ptr=T, dpre_ptr=T, scale_ptr="*fp32", dtw_ptr="*fp32", limit_ptr="*i32",
@@ -157,9 +146,10 @@ def main() -> None:
         for cfg in gather_sum_configs(kind):
             compile_one(gather_sum_kernel, dict(src_ptr=T, w_ptr="*fp32", map_ptr="*i32", out_ptr=T,
                                                 limit_ptr="*i32", pair_off_ptr="*i32"),
-                        dict(HAS_W=True, HAS_LIMIT=limited, CSR=csr, stride_w_k=1, stride_map_k=1, **cfg.kwargs),
+                        dict(K=8, HAS_W=True, HAS_LIMIT=limited, CSR=csr, stride_w_k=1, stride_map_k=1,
+                             **cfg.kwargs),
                         cfg.num_warps, cfg.num_stages,
-                        f"combine limit={limited} csr={csr} {cfg.kwargs} w{cfg.num_warps}")
+                        f"combine K=8 limit={limited} csr={csr} {cfg.kwargs} w{cfg.num_warps}")
     compile_router()
     compile_rounding()
     seg_ptrs = dict(src_ptr=T, scale_ptr="*fp32", offsets_ptr="*i32", indices_ptr="*i32", out_ptr=T)

@@ -78,8 +78,9 @@ def variants():
                         wg.MAX_REGS))
 
 
-def _usage(cubin: bytes) -> str:
-    """ptxas's register and spill counts of a cubin, through the cuobjdump that ships with triton."""
+def resource_usage(cubin: bytes) -> str:
+    """Registers, stack frame and local memory (spills) of a cubin, through the cuobjdump that ships with triton
+    (also used by ``scripts/compile_experts_sm90.py``)."""
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
@@ -96,7 +97,7 @@ def main() -> None:
     if not triton.__version__.startswith("3.6."):
         sys.exit(f"needs triton 3.6 (the GPU machine's), found {triton.__version__}")
     for name, kernel in variants():
-        print(f"{name}: shared {kernel.metadata.shared} bytes, {_usage(kernel.asm['cubin'])}")
+        print(f"{name}: shared {kernel.metadata.shared} bytes, {resource_usage(kernel.asm['cubin'])}")
         if args.dump:
             os.makedirs(args.dump, exist_ok=True)
             stem = os.path.join(args.dump, name.replace(" ", "_").replace("=", "-"))
