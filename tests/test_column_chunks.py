@@ -122,18 +122,29 @@ def test_chunk_rule():
 
 def test_chunk_rule_headroom():
     """auto with the allocator's headroom: the fewest equal chunks whose buffer fits in it, never more than the capped
-    rule's; a GPU with no peak above the current allocation gets the capped chunks, a CPU tensor no headroom."""
+    rule's; a GPU with no peak above the current allocation gets the capped chunks, a CPU tensor no headroom. The
+    headroom is read only where auto chunks."""
     N = 65536 * 8
     capped = [(0, 768), (768, 1536), (1536, 2048)]
+
+    def room(n_bytes):
+        return lambda: n_bytes
+
+    def unread():
+        raise AssertionError("the headroom was read where no auto chunking applies")
+
     assert column_chunks(N, 2048, 768, 2, headroom=None) == capped
-    assert column_chunks(N, 2048, 768, 2, headroom=0) == capped
-    assert column_chunks(N, 2048, 768, 2, headroom=N * 2048 * 2) == [(0, 2048)]  # the whole buffer fits: one chunk
-    assert column_chunks(N, 2048, 768, 2, headroom=N * 2048 * 2 - 1) == [(0, 1024), (1024, 2048)]
-    assert column_chunks(N, 2048, 768, 2, headroom=N * 1024 * 2 - 1) == capped  # 3 chunks of 768 is the most
-    assert column_chunks(N, 2048, 1536, 2, headroom=10**15) == [(0, 2048)]
-    assert column_chunks(4096 * 8, 2048, 768, 2, headroom=0) == [(0, 2048)]  # under 256 MiB: one chunk regardless
+    assert column_chunks(N, 2048, 768, 2, headroom=room(None)) == capped
+    assert column_chunks(N, 2048, 768, 2, headroom=room(0)) == capped
+    assert column_chunks(N, 2048, 768, 2, headroom=room(N * 2048 * 2)) == [(0, 2048)]  # the whole buffer fits
+    assert column_chunks(N, 2048, 768, 2, headroom=room(N * 2048 * 2 - 1)) == [(0, 1024), (1024, 2048)]
+    assert column_chunks(N, 2048, 768, 2, headroom=room(N * 1024 * 2 - 1)) == capped  # 3 chunks of 768 is the most
+    assert column_chunks(N, 2048, 1536, 2, headroom=room(10**15)) == [(0, 2048)]
+    assert column_chunks(4096 * 8, 2048, 768, 2, headroom=unread) == [(0, 2048)]  # under 256 MiB: one chunk
     with moeblaze.settings.override(chunk_cols="512"):
-        assert column_chunks(N, 2048, 768, 2, headroom=10**15) == [(0, 512), (512, 1024), (1024, 1536), (1536, 2048)]
+        assert column_chunks(N, 2048, 768, 2, headroom=unread) == [(0, 512), (512, 1024), (1024, 1536), (1536, 2048)]
+    with moeblaze.settings.override(chunk_cols="off"):
+        assert column_chunks(N, 2048, 768, 2, headroom=unread) == [(0, 2048)]
     assert peak_headroom(torch.device("cpu")) is None
 
 

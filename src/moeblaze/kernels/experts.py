@@ -27,6 +27,8 @@ Dtypes: fp16, bf16 (fast paths) and fp32 (tests), all with fp32 accumulation.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
 
@@ -177,13 +179,15 @@ def peak_headroom(device: torch.device) -> int | None:
     return allocated["peak"] - allocated["current"]
 
 
-def column_chunks(num_slots: int, d: int, h: int, elem: int, headroom: int | None = None) -> list[tuple[int, int]]:
+def column_chunks(num_slots: int, d: int, h: int, elem: int,
+                  headroom: Callable[[], int | None] | None = None) -> list[tuple[int, int]]:
     """Column ranges ``[(c0, c1), ...]`` of ``d`` in which F2 computes ``y`` (and F3 combines it) and B3 computes
     ``dx_slots`` (and B5 sums it), through one ``[N, width]`` buffer instead of ``[N, d]``.
 
     ``h`` is the width the chunks may reach: F2 passes the expert dimension h (``act``'s row), B3 ``dpre``'s row
-    (2h for gated activations, h otherwise). ``headroom``: bytes that may be allocated without raising the
-    step's memory peak (:func:`peak_headroom`; None: unknown).
+    (2h for gated activations, h otherwise). ``headroom``: called, only where ``auto`` chunks, for the bytes that
+    may be allocated without raising the step's memory peak (e.g. :func:`peak_headroom`; None, or it returning
+    None: unknown).
 
     Setting ``chunk_cols``: ``off`` one chunk; a column count, chunks that wide; ``auto`` (default), once the whole
     ``[N, d]`` buffer would reach 256 MiB, chunks of equal widths rounded up to 128: the fewest whose buffer fits
@@ -214,8 +218,9 @@ def column_chunks(num_slots: int, d: int, h: int, elem: int, headroom: int | Non
         if num_slots * d * elem < _CHUNK_MIN_BYTES:
             return [(0, d)]
         most = cdiv(d, max(_CHUNK_MIN_COLS, h // 128 * 128))  # the capped rule's count
+        room = headroom() if headroom is not None else None  # the allocator read (host time) only here
         n = 1
-        while n < most and (headroom is None or num_slots * _equal_width(d, n) * elem > headroom):
+        while n < most and (room is None or num_slots * _equal_width(d, n) * elem > room):
             n += 1
         width = _equal_width(d, n)
     else:
@@ -231,12 +236,10 @@ def _equal_width(d: int, n: int) -> int:
 def _slot_buffer(a: Tensor, N: int, d: int, h: int) -> tuple[list[tuple[int, int]], Tensor]:
     """The column chunks of :func:`column_chunks` for an ``[N, d]`` slot buffer in ``a``'s dtype, and that buffer.
 
-    The allocator is read (host time) only where chunks can apply; a buffer that fits the headroom but finds no free
-    block (fragmented memory) falls back to the capped chunks, so the headroom never costs an out-of-memory error
-    that the capped chunks would have avoided."""
+    A buffer that fits the headroom but finds no free block (fragmented memory) falls back to the capped chunks, so
+    the headroom never costs an out-of-memory error that the capped chunks would have avoided."""
     elem = a.element_size()
-    big = N * d * elem >= _CHUNK_MIN_BYTES
-    chunks = column_chunks(N, d, h, elem, peak_headroom(a.device) if big else None)
+    chunks = column_chunks(N, d, h, elem, lambda: peak_headroom(a.device))
     try:
         return chunks, a.new_empty(N, max(c1 - c0 for c0, c1 in chunks))
     except torch.OutOfMemoryError:
