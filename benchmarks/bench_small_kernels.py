@@ -45,8 +45,8 @@ def _router_ms(logits: torch.Tensor, K: int, gen: torch.Generator) -> tuple[floa
 
     ids, _, probs, lse, counts, _, _ = fwd()
     dw, one = torch.randn(logits.shape[0], K, device="cuda", generator=gen), torch.ones((), device="cuda")
-    bwd_ms = graph_replay_ms(lambda: fused.router_topk_backward(probs, ids, dw, None, counts, lse, one, one, True, 1.0,
-                                                          0.01, 0.001))
+    bwd_ms = graph_replay_ms(lambda: fused.router_topk_backward(probs, ids, dw, None, counts, lse, one, one, True,
+                                                                1.0, 0.01, 0.001))
     return graph_replay_ms(fwd), bwd_ms
 
 

@@ -5,8 +5,7 @@ reports, per variant, shared memory, whether ``wgmma`` and ``cp.async`` pipelini
 registers, stack frame and local memory (spills) of the cubin Triton built for sm_90a, as its bundled
 ``cuobjdump`` reports them (a kernel that spills looks fine in the PTX: ptxas allocates the registers).
 Pointers and most integers are marked 16-divisible, as Triton specialises them at launch when d and h are
-multiples of 16. Run without
-TRITON_INTERPRET:
+multiples of 16. Run without TRITON_INTERPRET:
 
     env -u TRITON_INTERPRET python scripts/compile_experts_sm90.py [bf16|fp16|fp32] [--tuned] [--tf32]
 
