@@ -5,8 +5,8 @@ Issue 22's GPU benchmark (and issue 27's benchmark (b) with ``--modes bf16,amp``
 parameters) trains for ``--steps`` AdamW steps on the text of ``moeblaze train`` (``moeblaze.data``, the
 same batches for every implementation, from the same initial weights). Per implementation and mode it
 records each step's loss (aux loss included), time (CUDA-synchronised wall clock), peak memory (``--peak``),
-the memory resident at its start (weights and optimizer state, no gradients) and, where NVML can be read
-(``moeblaze.bench.power``), the GPU's energy in the step and its mean SM clock, as CSV rows, and prints a
+the memory resident at its start (weights and optimizer state, no gradients) and, with ``--energy`` where NVML
+can be read (``moeblaze.bench.power``), the GPU's energy in the step and its mean SM clock, as CSV rows, and prints a
 table: median step time over the steps after ``--warmup``, tokens/s, peak memory, the most a step added
 above the resident memory (gradients and activations), the mean loss of the last 10 steps beside
 grouped_mm's, and the median joules per step and SM clock.
@@ -130,6 +130,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "--batch-size x --seq-len tokens per step); no training")
     p.add_argument("--smoke", action="store_true", help="tiny model, 3 steps, on the CPU")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--energy", action="store_true",
+                   help="record each step's joules and mean SM clock (NVML); its clock-sampling thread lengthens "
+                   "the step (277.1 -> 283.8 ms for SonicMoE and moeblaze alike, H200, 2026-11-26)")
     p.add_argument("--peak", choices=("run", "step"), default="run",
                    help="reset the peak memory statistics once, before the first timed step (run), or every step")
     args = p.parse_args(argv)
@@ -172,7 +175,7 @@ def train(args, mode: str, impl: str, train_bytes) -> list[dict]:
     if cuda:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-    meter = EnergyMeter(torch.cuda.current_device()) if cuda and EnergyMeter.available() else None
+    meter = EnergyMeter(torch.cuda.current_device()) if cuda and args.energy and EnergyMeter.available() else None
     rows = []
     for step in range(args.steps):
         x, _ = get_batch(train_bytes, step, args.batch_size, args.seq_len, args.seed)

@@ -7,7 +7,11 @@ step time, and the energy per step says which of them spends more (docs/benchmar
 power limit"). NVML's total energy counter (millijoules since the driver loaded) gives the joules of a stretch; a
 thread reads the SM clock every ``interval_s`` meanwhile. Read-only: nothing of the card's settings is changed.
 
-Used by ``benchmarks/bench_hf.py`` (joules per step) and ``benchmarks/profile_layer.py --energy N``.
+Used by ``benchmarks/bench_hf.py --energy`` (joules per step) and ``benchmarks/profile_layer.py --energy N``.
+The sampling thread takes the GIL from the thread that queues the GPU's work: at the default interval it
+lengthened the transformers Qwen3-MoE step of ``bench_hf.py`` from 277.1 to 283.8 ms for SonicMoE and moeblaze
+alike (H200, 2026-11-26; ``--energy`` against without, one call), so a benchmark whose figure is step time
+leaves it off.
 """
 
 from __future__ import annotations
