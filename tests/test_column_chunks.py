@@ -175,6 +175,25 @@ def test_slot_buffer_falls_back_to_capped_chunks_on_out_of_memory(monkeypatch):
         experts._slot_buffer(Fake(limit=100), N, d, h)
 
 
+
+def test_chunk_widths_of_one_layer_share_the_gather_sum_tuning(monkeypatch):
+    """A chunk width first seen later in a run (the headroom widens the chunks from the second step on) finds the
+    gather-sums' tuning of the first width: they are keyed on the output's row width d, not on the chunk's."""
+    from moeblaze.kernels import combine, tuning
+
+    tuned = []
+    real = tuning.Launchable.tuner
+    monkeypatch.setattr(tuning.Launchable, "tuner",
+                        lambda self, dtype, bucket=None: tuned.append(self.fn) or real(self, dtype, bucket))
+    monkeypatch.setattr(combine._GATHER_SUM, "_best", {})  # forget earlier tests' keys
+    inp = inputs(40, 64, 24, 4, 2)
+    dout = torch.randn(40, 64, device=DEVICE)
+    fn = lambda **kw: moe_experts(**kw, backend="triton")  # noqa: E731
+    for cols in (32, 16, "off"):  # two chunk widths, then whole rows
+        with moeblaze.settings.override(chunk_cols=cols):
+            run_and_grad(fn, inp, dout)
+    assert tuned.count(combine.gather_sum_kernel) == 2  # F3 (weighted) and B5 (plain), once each
+
 @pytest.mark.gpu
 def test_gpu_chunks_never_raise_the_peak():
     """F2-F3 under the headroom rule (T 65,536 at the Qwen3-30B-A3B shape, bf16, a 2 GiB [N, d] buffer): the capped

@@ -84,7 +84,14 @@ def gather_sum_kernel(
              mask=mask)
 
 
-_GATHER_SUM = Launchable(gather_sum_kernel, gather_sum_configs, key=["D", "K", "HAS_W", "CSR"])
+# Keyed on the output's row stride, not D: F3 and B5 write each column chunk into a slice of the whole [T, d]
+# output, so every chunk width of a layer shares one tuning. Keyed on D, a chunk width first seen mid-run (the
+# allocator's headroom widens F2's chunks from the second step on: kernels.experts.column_chunks) tuned there, and
+# its ~2 s of autotuning landed in a timed step: the 8-layer Qwen3-30B-A3B stack at T 16,384 and 32,768 averaged
+# 152.1 and 214.8 ms per eager step against 62.4 and 119.1 replayed (H200, 2026-11-26, benchmarks/gpu_issue24.sh
+# PART=sweep). One config serves the widths: one token by 1,024 columns was the best on 768- and 2,048-column rows
+# (tuning.gather_sum_configs).
+_GATHER_SUM = Launchable(gather_sum_kernel, gather_sum_configs, key=["stride_out_t", "K", "HAS_W", "CSR"])
 
 
 def gather_sum(src: torch.Tensor, token_index_map: torch.Tensor, weights: torch.Tensor | None,

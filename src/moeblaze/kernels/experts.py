@@ -207,9 +207,10 @@ def column_chunks(num_slots: int, d: int, h: int, elem: int,
     in 285.8 / 286.3 ms with the headroom against 286.0 / 288.7 capped, peak unchanged (38,234 MiB), and in
     291.4 ms with ``off`` against 297.9 capped on another card (peak 39,001 MiB). Chunk starts are multiples of
     16 columns (16-byte aligned TMA bases). Each output column is reduced as in one chunk: bitwise the one-chunk result with
-    fixed configs (``MOEBLAZE_AUTOTUNE=0``; tested in fp32 and bf16). Tuned, each chunk width picks its own config
-    (``N_COLS`` is in the autotune key): the same k order in 16-bit (every tuned 16-bit config has BLOCK_K 64),
-    possibly another BLOCK_K in fp32, so equal within rounding there; a width first seen tunes once.
+    fixed configs (``MOEBLAZE_AUTOTUNE=0``; tested in fp32 and bf16). Tuned, the Triton GEMM (off the
+    warp-specialized path) picks a config per chunk width (``N_COLS`` is in its autotune key): the same k order in
+    16-bit (every tuned 16-bit config has BLOCK_K 64), possibly another BLOCK_K in fp32, so equal within rounding
+    there; a width first seen tunes once. The gather-sums tune once per row width d (:mod:`.combine`).
     """
     mode = settings.get("chunk_cols")
     if mode == "off":
