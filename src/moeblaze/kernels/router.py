@@ -38,24 +38,25 @@ from .tuning import cdiv, next_pow2
 MAX_EXPERTS = 1024
 MAX_TOP_K = 16  # the top-K loop is unrolled: compile time grows with K (the dispatch index takes K <= 16 too)
 MAX_ELEMENTS = 2**31  # T * E: the kernels' offsets are int32
-# a NaN probability ranks below every number but above a chosen one (-inf)
+# a NaN probability ranks below every number (as this negative float's key)
 _NEG_MAX = tl.constexpr(-3.4028234663852886e38)
+_NO_KEY = tl.constexpr(-(2**63))  # the key of a padding column: below every real one
 
 
 def _topk_warps(E: int, top_k: int) -> int:
-    """Warps of the top-k kernel: 4, or 8 from E 256 or K 4 on. The K-step argmax loop is unrolled, so its
-    ``[BLOCK_T, E]`` tiles stay live together; at T 16384, E 512, K 10 the kernel took 527 µs per step with
-    4 warps (H100, 2026-11-25, ``benchmarks/bench_token_rounding.py speed --breakdown 8``), where its 64 MB
-    of logits and probabilities need ~25 µs of memory time."""
-    return 8 if E >= 256 or top_k >= 4 else 4
+    """Warps of the top-k kernel: 4, or 8 from E 256 on (its bitonic top-K over ``[BLOCK_T, E]`` 64-bit keys). At
+    T 32768, E 128, K 8 16 tokens by 4 warps took 0.074 ms (top-k and loss kernels) against 0.092 by 8; at T 16384,
+    E 512, K 10 8 tokens by 8 warps 0.166 against 0.252 by 4 (H200, 2026-11-26, CUDA-graph replay, ``python3
+    benchmarks/bench_small_kernels.py --kernels router``)."""
+    return 8 if E >= 256 else 4
 
 
 def _block_t(E: int) -> int:
-    """Tokens per program of the top-k kernel: about 4096 probabilities in registers up to E 256 (32 tokens at
-    E 128), 8192 beyond (16 at E 512). Against 8192 at E 128 (64 tokens): the top-k and loss kernels 0.025 against
-    0.035 ms at T 4096, K 8, 0.101 against 0.103 at T 32768; at E 512, K 10 16 tokens 0.199 ms, 8 tokens 0.202
-    (H200, 2026-11-26, CUDA-graph replay, ``python3 benchmarks/bench_small_kernels.py --kernels router``)."""
-    return max(1, min(64, (4096 if E <= 256 else 8192) // next_pow2(E)))
+    """Tokens per program of the top-k kernel: about 2048 probabilities up to E 256 (16 tokens at E 128), 4096
+    beyond (8 at E 512). The K argmax reductions of the first kernel took 0.100 ms at T 32768, E 128, K 8 with
+    32 tokens per program and 0.199 at T 16384, E 512, K 10 with 16; the bitonic top-K takes 0.074 and 0.166 at
+    these launch shapes, 0.022 against 0.025 at T 4096 (same command, same call)."""
+    return max(1, min(64, (2048 if E <= 256 else 4096) // next_pow2(E)))
 
 
 def _bwd_block_t(E: int) -> int:
@@ -89,22 +90,23 @@ def router_topk_kernel(
     lse = m + tl.log(s)
     tl.store(probs_ptr + rows[:, None] * E + cols[None, :], probs, mask=mask)
     tl.store(lse_ptr + rows, lse, mask=rmask)
-    key = tl.where(cmask[None, :], tl.where(probs == probs, probs, _NEG_MAX), -float("inf"))
+    # One bitonic top-K (tl.topk) over 64-bit keys, the probability's bits above its inverted column: distinct
+    # keys, ordered by probability (non-negative floats order as their bits), ties to the lowest column, NaN (as
+    # _NEG_MAX, a negative float: a negative key) below every number, padding columns below all. K serial
+    # argmax reductions with their indices took 71 µs at T 32768, E 128, K 8 against SonicMoE's 10 (H200,
+    # 2026-11-26, ``python3 benchmarks/profile_layer.py --configs qwen3-30b-a3b --tokens 32768 --impls
+    # moeblaze,sonicmoe --timeline``).
+    pbits = tl.where(probs == probs, probs, _NEG_MAX).to(tl.int32, bitcast=True).to(tl.int64)
+    key = tl.where(cmask[None, :], (pbits << 32) | (BLOCK_E - 1 - cols)[None, :].to(tl.int64), _NO_KEY)
+    top = tl.topk(key, KP, dim=1)  # [BLOCK_T, KP], descending
     kk = tl.arange(0, KP)
-    ids = tl.zeros([BLOCK_T, KP], dtype=tl.int32)
-    w = tl.zeros([BLOCK_T, KP], dtype=tl.float32)
-    # One reduction per k, inside a row's warp: the max with its (lowest) index is the chosen probability itself.
-    # Summing the chosen probability out of the row and counting each step's picks across the rows took 8x more
-    # time than SonicMoE's top-k at T 32768, E 128, K 8 (155 µs against 21; H200, 2026-11-26, `python3
-    # benchmarks/profile_layer.py --configs qwen3-30b-a3b --tokens 32768 --impls moeblaze,sonicmoe --timeline`).
-    for k in tl.static_range(K):
-        best, idx = tl.max(key, axis=1, return_indices=True, return_indices_tie_break_left=True)  # [BLOCK_T]
-        wk = tl.where(best == _NEG_MAX, float("nan"), best)  # a NaN row: every probability NaN, as torch gives
-        ids = tl.where(kk[None, :] == k, idx[:, None], ids)
-        w = tl.where(kk[None, :] == k, wk[:, None], w)
-        key = tl.where(cols[None, :] == idx[:, None], -float("inf"), key)
-    # the chosen entries are the valid columns set to -inf: counted across the rows once
-    counts = tl.sum(tl.where((key == -float("inf")) & mask, 1.0, 0.0), axis=0)
+    ids = (BLOCK_E - 1 - (top & 0xFFFFFFFF)).to(tl.int32)
+    best = (top >> 32).to(tl.int32).to(tl.float32, bitcast=True)
+    w = tl.where(best == _NEG_MAX, float("nan"), best)  # a NaN row: every probability NaN, as torch gives
+    w = tl.where(kk[None, :] < K, w, 0.0)
+    # the chosen entries: keys at or above the K-th largest (keys are distinct), counted across the rows once
+    kth = tl.min(tl.where(kk[None, :] < K, top, 0x7FFFFFFFFFFFFFFF), axis=1)
+    counts = tl.sum(tl.where((key >= kth[:, None]) & mask, 1.0, 0.0), axis=0)
     if RENORM:
         w = w / tl.maximum(tl.sum(w, axis=1), 1e-20)[:, None]
     kmask = rmask[:, None] & (kk[None, :] < K)
@@ -224,11 +226,14 @@ def _router_topk_impl(logits: torch.Tensor, top_k: int, renormalize: bool, scale
                BLOCK_E=next_pow2(E), num_warps=_topk_warps(E, top_k))
     # one program per 32 experts and one for the z-loss: a single program summing the [num_blocks, 2E+1]
     # partials took 271 µs per step at T 16384, E 512 (H100, 2026-11-25, ``benchmarks/bench_token_rounding.py
-    # speed --breakdown 8``); the sum over column blocks is one fixed-order reduction (bitwise reproducible)
+    # speed --breakdown 8``); the sum over column blocks is one fixed-order reduction (bitwise reproducible);
+    # each program reads 256 block rows per step: with 32 it took 33 µs at T 32768, E 128
+    # (1,024 blocks, 32 dependent steps; H200, 2026-11-26, ``benchmarks/profile_layer.py ... --timeline``)
     be = min(32, next_pow2(E))
     dot = torch.empty(cdiv(E, be), dtype=f32, device=dev)
     launch(router_loss_kernel, (dot.numel() + 1,), part_ptr=part, counts_ptr=counts, dot_ptr=dot, z_ptr=z,
-           num_blocks=part.shape[0], E=E, z_c=float(z_c), BLOCK_B=32, BLOCK_E=be, num_warps=4)
+           num_blocks=part.shape[0], E=E, z_c=float(z_c), BLOCK_B=min(256, next_pow2(part.shape[0])), BLOCK_E=be,
+           num_warps=8)
     aux = dot.sum() * aux_c
     return ids, weights, probs, lse, counts, aux, z
 
