@@ -216,8 +216,10 @@ def _merged_positions(pad_tok: torch.Tensor, T: int, K: int) -> torch.Tensor:
     of them (at T 16384, K 2, E 128, J 63).
     """
     dev = pad_tok.device
-    sorted_tok, order = torch.sort(pad_tok, stable=True)
-    before = torch.searchsorted(sorted_tok, torch.arange(T, dtype=torch.int32, device=dev))  # pads of tokens < t
+    # 16-bit keys where the tokens fit: the CUDA radix sort makes one pass per 8 key bits, 2 instead of 4
+    key = pad_tok.to(torch.int16) if T <= 2**15 else pad_tok
+    sorted_tok, order = torch.sort(key, stable=True)
+    before = torch.searchsorted(sorted_tok, torch.arange(T, dtype=key.dtype, device=dev))  # pads of tokens < t
     topk_pos = (torch.arange(T * K, device=dev) + before.repeat_interleave(K)).long()
     pad_pos = torch.empty_like(order)
     pad_pos[order] = torch.arange(order.numel(), device=dev) + (sorted_tok.long() + 1) * K
