@@ -175,7 +175,6 @@ def test_slot_buffer_falls_back_to_capped_chunks_on_out_of_memory(monkeypatch):
         experts._slot_buffer(Fake(limit=100), N, d, h)
 
 
-
 def test_chunk_widths_of_one_layer_share_the_gather_sum_tuning(monkeypatch):
     """A chunk width first seen later in a run (the headroom widens the chunks from the second step on) finds the
     gather-sums' tuning of the first width: they are keyed on the output's row width d, not on the chunk's."""
@@ -193,6 +192,7 @@ def test_chunk_widths_of_one_layer_share_the_gather_sum_tuning(monkeypatch):
         with moeblaze.settings.override(chunk_cols=cols):
             run_and_grad(fn, inp, dout)
     assert tuned.count(combine.gather_sum_kernel) == 2  # F3 (weighted) and B5 (plain), once each
+
 
 @pytest.mark.gpu
 def test_gpu_chunks_never_raise_the_peak():
