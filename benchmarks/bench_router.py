@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
         paths = [("torch", False, None), ("fused", True, None)]
         paths += [(f"fused-{w}-warps", True, int(w)) for w in args.warps.split(",") if w]
         for name, on, warps in paths:
-            fused._topk_warps = default_warps if warps is None else (lambda E_, K_, w=warps: w)
+            fused._topk_warps = default_warps if warps is None else (lambda E_, w=warps: w)
 
             def step(on=on, router=router, x=x):
                 x.grad = None

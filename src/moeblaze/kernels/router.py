@@ -43,7 +43,7 @@ _NEG_MAX = tl.constexpr(-3.4028234663852886e38)
 _NO_KEY = tl.constexpr(-(2**63))  # the key of a padding column: below every real one
 
 
-def _topk_warps(E: int, top_k: int) -> int:
+def _topk_warps(E: int) -> int:
     """Warps of the top-k kernel: 4, or 8 from E 256 on (its bitonic top-K over ``[BLOCK_T, E]`` 64-bit keys). At
     T 32768, E 128, K 8 16 tokens by 4 warps took 0.074 ms (top-k and loss kernels) against 0.092 by 8; at T 16384,
     E 512, K 10 8 tokens by 8 warps 0.166 against 0.252 by 4 (H200, 2026-11-26, CUDA-graph replay, ``python3
@@ -223,7 +223,7 @@ def _router_topk_impl(logits: torch.Tensor, top_k: int, renormalize: bool, scale
         launch(router_topk_kernel, (blocks,), logits_ptr=logits, ids_ptr=ids, weights_ptr=weights, probs_ptr=probs,
                lse_ptr=lse, part_ptr=part, T=T, E=E, stride_l_t=logits.stride(0), scale=float(scale), K=top_k,
                KP=next_pow2(top_k), RENORM=renormalize, BLOCK_T=bt,
-               BLOCK_E=next_pow2(E), num_warps=_topk_warps(E, top_k))
+               BLOCK_E=next_pow2(E), num_warps=_topk_warps(E))
     # one program per 32 experts and one for the z-loss: a single program summing the [num_blocks, 2E+1]
     # partials took 271 µs per step at T 16384, E 512 (H100, 2026-11-25, ``benchmarks/bench_token_rounding.py
     # speed --breakdown 8``); the sum over column blocks is one fixed-order reduction (bitwise reproducible);
