@@ -203,7 +203,7 @@ def column_chunks(num_slots: int, d: int, h: int, elem: int,
     resets it every step gets the capped chunks in its forward. Measured (H200, 2026-11-26; docs/benchmarks.md,
     "F2 and B3 under ncu; column chunks by the allocator's headroom"): F2 and B3 alone at T 32,768-65,536
     (Qwen3-30B-A3B) in one chunk took 0.977-0.987x the capped chunks' time, B3 with 8-11% less energy per FLOP;
-    the transformers Qwen3-MoE of issue 22 (``benchmarks/bench_hf.py``, which resets the peak every step) stepped
+    the transformers Qwen3-MoE of issue 22 (``benchmarks/bench_hf.py --peak step``: the peak reset every step) stepped
     in 285.8 / 286.3 ms with the headroom against 286.0 / 288.7 capped, peak unchanged (38,234 MiB), and in
     291.4 ms with ``off`` against 297.9 capped on another card (peak 39,001 MiB). Chunk starts are multiples of
     16 columns (16-byte aligned TMA bases). Each output column is reduced as in one chunk: bitwise the one-chunk result with
