@@ -55,13 +55,17 @@ def variants():
     wg = importlib.import_module("mbk.ws_wgrad")
     gm = importlib.import_module("mbk.ws_gemm")
     for gather_a in (True, False):
-        for out in ("bf16", "fp32"):
-            sig = {"g_ptr": "*bf16", "r_desc": _desc("bf16", [64, 256 if gather_a else 128]), "c_ptr": f"*{out}",
+        for out in ("bf16", "bf16-tma", "fp32"):
+            tma_store = out.endswith("-tma")  # whole tiles by TMA: the 16-bit output's default
+            sig = {"g_ptr": "*bf16", "r_desc": _desc("bf16", [64, 256 if gather_a else 128]),
+                   "c_ptr": f"*{out[:4]}", "c_desc": _desc("bf16", [128, 64]) if tma_store else "constexpr",
                    "offsets_ptr": "*i32", "indices_ptr": "*i32", "P": "i32", "Q": "i32", "NUM_EXPERTS": "i32",
                    "stride_g_t": "i32", "stride_c_e": "i32", "stride_c_p": "i32"}
             consts = dict(GATHER_A=gather_a, BLOCK_P=128, BLOCK_Q=256, BLOCK_K=64, NUM_STAGES=3, GROUP_M=8,
-                          num_warps=8)
+                          TMA_STORE=tma_store, num_warps=8)
             sig.update(dict.fromkeys(consts, "constexpr"))
+            if not tma_store:
+                consts["c_desc"] = None
             yield (f"ws_wgrad gather_a={gather_a} out={out}",
                    _compile(wg.ws_wgrad_kernel, sig, consts, ["g_ptr", "c_ptr", "offsets_ptr", "indices_ptr", "P", "Q",
                                                               "stride_g_t", "stride_c_e", "stride_c_p"], wg.MAX_REGS))

@@ -58,6 +58,7 @@ def _routing(T, E, K, kind, gen):
 
 CASES = {  # T, d, h, E, K, routing: tiles past P and Q, several tiles per program, empty experts, K = 1
     "qwen3-like": (2048, 2048, 768, 128, 8, "random"),
+    "tma-clipped": (600, 256, 104, 16, 2, "holes"),  # B2 by TMA store with Q = 104 columns of a 256-column tile
     "ragged": (300, 256, 200, 64, 4, "holes"),
     "narrow": (1000, 144, 40, 16, 2, "one_expert"),
     "tiny": (5, 64, 48, 8, 1, "random"),
@@ -77,6 +78,9 @@ def test_gpu_ws_wgrad_against_float64(case, dtype, out_dtype, monkeypatch):
     offsets, indices = index.expert_token_offsets, index.expert_token_indices
     N = indices.numel()
     ran = _spy(monkeypatch, "grouped_wgrad_ws")
+    tma_store = []  # which store path each launch took
+    orig = launch.ws_wgrad_tma_store
+    monkeypatch.setattr(launch, "ws_wgrad_tma_store", lambda *a: tma_store.append(orig(*a)) or tma_store[-1])
     for q, transpose in ((h, False), (2 * h, True)):
         a = torch.randn(T, d, device=DEVICE, dtype=dtype, generator=gen)
         b = torch.randn(N, q, device=DEVICE, dtype=dtype, generator=gen)
@@ -99,6 +103,9 @@ def test_gpu_ws_wgrad_against_float64(case, dtype, out_dtype, monkeypatch):
         if kind == "holes":
             assert got[0].abs().max() == 0 and got[3].abs().max() == 0
     assert len(ran) == 4  # two calls of each product went through the Gluon launcher
+    # whole tiles by TMA where the output is 16-bit and P a multiple of the 128-row tile, else masked stores
+    want = [out_dtype == dtype and p % 128 == 0 for p in (d, 2 * h)]
+    assert tma_store == [want[0], want[0], want[1], want[1]]
 
 
 @pytest.mark.gpu

@@ -324,19 +324,30 @@ def _tma_desc(t: torch.Tensor, box: list[int]):
     return TensorDescriptor.from_tensor(t, box, _nvmma_layout(tuple(box), t.dtype))
 
 
+def ws_wgrad_tma_store(out: torch.Tensor, operand_dtype: torch.dtype, block_p: int) -> bool:
+    """The warp-specialized weight gradient stores whole tiles of ``out [E, P, Q]`` by TMA: ``out`` in the operands'
+    dtype (the tile leaves shared memory as it is), contiguous and 16-byte aligned, ``P % block_p == 0`` (a tile's
+    box never reaches the next expert's rows)."""
+    E, P, Q = out.shape
+    return out.dtype == operand_dtype and out.is_contiguous() and P % block_p == 0 and _rows_aligned(out.view(E * P, Q))
+
+
 def grouped_wgrad_ws(a, b, out, offsets, indices, *, gather_a: bool, config: dict | None = None) -> None:
     """Launch :func:`moeblaze.kernels.ws_wgrad.ws_wgrad_kernel` into ``out`` (check :func:`ws_wgrad_ok` first):
     ``out[e] = sum_s a[token(s)]^T b[s]`` (``[E, p, q]``, ``gather_a``) or its transpose ``sum_s b[s]^T a[token(s)]``
-    (``[E, q, p]``), contiguous. ``config``: overrides of :data:`WS_WGRAD_CONFIG` (block-size sweeps)."""
+    (``[E, q, p]``), contiguous. ``config``: overrides of :data:`WS_WGRAD_CONFIG` (block-size sweeps; ``TMA_STORE``
+    False keeps the masked stores where :func:`ws_wgrad_tma_store` allows TMA)."""
     from .ws_wgrad import MAX_REGS, ws_wgrad_kernel
 
-    cfg = {**WS_WGRAD_CONFIG, **(config or {})}
+    cfg = {**WS_WGRAD_CONFIG, "TMA_STORE": True, **(config or {})}
     E, P, Q = out.shape
     desc = _tma_desc(b, [cfg["BLOCK_K"], cfg["BLOCK_Q"] if gather_a else cfg["BLOCK_P"]])
+    cfg["TMA_STORE"] = cfg["TMA_STORE"] and ws_wgrad_tma_store(out, a.dtype, cfg["BLOCK_P"])
+    c_desc = _tma_desc(out.view(E * P, Q), [cfg["BLOCK_P"], 64]) if cfg["TMA_STORE"] else None
     tiles = E * cdiv(P, cfg["BLOCK_P"]) * cdiv(Q, cfg["BLOCK_Q"])
     direct.launch(ws_wgrad_kernel, (min(tiles, num_programs(a.device)),),
-        g_ptr=a, r_desc=desc, c_ptr=out, offsets_ptr=offsets, indices_ptr=indices, P=P, Q=Q, NUM_EXPERTS=E,
-        stride_g_t=a.stride(0), stride_c_e=out.stride(0), stride_c_p=out.stride(1),
+        g_ptr=a, r_desc=desc, c_ptr=out, c_desc=c_desc, offsets_ptr=offsets, indices_ptr=indices, P=P, Q=Q,
+        NUM_EXPERTS=E, stride_g_t=a.stride(0), stride_c_e=out.stride(0), stride_c_p=out.stride(1),
         GATHER_A=gather_a, **cfg, num_warps=8, maxnreg=MAX_REGS,
     )
 

@@ -107,7 +107,7 @@ def _mma(sched, smem, bars, dims, W_NK: gl.constexpr, BLOCK_M: gl.constexpr, BLO
             mbarrier.arrive(empty.index(prev), count=1, pred=k > 0)  # the previous stage's wgmma retired
             prev = s
             it += 1
-        hand_off(acc, prev, i_tile, empty, c_smem, c_ready, c_empty)
+        hand_off(acc, prev, i_tile, empty, c_smem, c_ready, c_empty, False)
 
 
 @gluon.jit

@@ -21,9 +21,13 @@ kernel this took 0.70-0.72x its time at 128 slots per expert (Qwen3-30B-A3B, T 2
   loader   (2 warps)           gathers ``G[token(s)]`` rows with 16-byte cp.async (masked past the expert:
                                zero-filled) and brings the slot rows with TMA, ``NUM_STAGES`` deep; the
                                next step's token ids are loaded one step ahead, across tiles;
-  epilogue (2 warps)           writes ``c_smem`` to ``C`` (in ``C``'s dtype: the 16-bit gradient upcast for
-                               fp32 master weights, as :mod:`moeblaze.kernels.wgrad` stores it) while the
-                               mma partition runs the next tile.
+  epilogue (2 warps)           writes ``c_smem`` to ``C`` while the mma partition runs the next tile: by TMA
+                               (``TMA_STORE``: a 16-bit ``C`` whose P is a multiple of ``BLOCK_P``), else by
+                               masked stores in ``C``'s dtype (the 16-bit gradient upcast for fp32 master
+                               weights, as :mod:`moeblaze.kernels.wgrad` stores it). The TMA store took
+                               0.95-1.00x the masked stores' time on B2 and B4 at 2k-65k tokens of Qwen3-30B-A3B
+                               and the token-rounding shapes (H200, 2026-11-26, bitwise equal; docs/benchmarks.md,
+                               "The weight gradient's tiles by TMA store").
 
 Every tile takes ``max(1, cdiv(slots, BLOCK_K))`` steps: an empty expert's one step reads zeros from the
 gathered side and stores a zero tile. A step's last slot rows may belong to the next expert (the TMA box is
@@ -78,7 +82,7 @@ def _range(offsets_ptr, t, num_p, num_q, NUM_EXPERTS):
 def _loader(ptrs, smem, bars, dims, GATHER_A: gl.constexpr, BLOCK_P: gl.constexpr, BLOCK_Q: gl.constexpr,
             BLOCK_K: gl.constexpr, NUM_STAGES: gl.constexpr, GROUP_M: gl.constexpr):
     """Fill stage ``s``: gathered rows by cp.async, slot rows by TMA; both complete on ``ready[s]``."""
-    g_ptr, r_desc, c_ptr, offsets_ptr, indices_ptr = ptrs
+    g_ptr, r_desc, c_ptr, c_desc, offsets_ptr, indices_ptr = ptrs
     g_bufs, r_bufs, c_smem = smem
     ready, empty, c_ready, c_empty = bars
     P, Q, NUM_EXPERTS, stride_g_t, stride_c_e, stride_c_p = dims
@@ -126,20 +130,23 @@ def _loader(ptrs, smem, bars, dims, GATHER_A: gl.constexpr, BLOCK_P: gl.constexp
 
 
 @gluon.jit
-def hand_off(acc, prev, i_tile, empty, c_smem, c_ready, c_empty):
+def hand_off(acc, prev, i_tile, empty, c_smem, c_ready, c_empty, TMA_STORE: gl.constexpr):
     """The end of an mma partition's tile (here and in :mod:`moeblaze.kernels.ws_gemm`): wait for the last
     wgmma, release its stage, and once the epilogue has stored the previous tile, round this one into
-    ``c_smem`` for it."""
+    ``c_smem`` for it (``TMA_STORE``: fenced, the epilogue's TMA store reads it through the async proxy)."""
     acc = warpgroup_mma_wait(0, deps=(acc,))
     mbarrier.arrive(empty.index(prev), count=1)
     mbarrier.wait(c_empty.index(0), (i_tile & 1) ^ 1)
     c_smem.store(acc.to(c_smem.dtype))
+    if TMA_STORE:
+        fence_async_shared()
     mbarrier.arrive(c_ready.index(0), count=1)
 
 
 @gluon.jit
 def _mma(offsets_ptr, smem, bars, P, Q, NUM_EXPERTS, GATHER_A: gl.constexpr, BLOCK_P: gl.constexpr,
-         BLOCK_Q: gl.constexpr, BLOCK_K: gl.constexpr, NUM_STAGES: gl.constexpr, num_warps: gl.constexpr):
+         BLOCK_Q: gl.constexpr, BLOCK_K: gl.constexpr, NUM_STAGES: gl.constexpr, TMA_STORE: gl.constexpr,
+         num_warps: gl.constexpr):
     """``acc = sum_k A_k^T B_k`` over the stages (one wgmma in flight), then the tile into ``c_smem``."""
     g_bufs, r_bufs, c_smem = smem
     ready, empty, c_ready, c_empty = bars
@@ -174,22 +181,24 @@ def _mma(offsets_ptr, smem, bars, P, Q, NUM_EXPERTS, GATHER_A: gl.constexpr, BLO
             mbarrier.arrive(empty.index(prev), count=1, pred=kk > 0)  # the previous stage's wgmma retired
             prev = s
             it += 1
-        hand_off(acc, prev, i_tile, empty, c_smem, c_ready, c_empty)
+        hand_off(acc, prev, i_tile, empty, c_smem, c_ready, c_empty, TMA_STORE)
         start = start_n
         end = end_n
 
 
 @gluon.jit
 def _epilogue(ptrs, smem, bars, dims, GATHER_A: gl.constexpr, BLOCK_P: gl.constexpr, BLOCK_Q: gl.constexpr,
-              GROUP_M: gl.constexpr):
-    """``c_smem`` -> ``C[e]`` in ``C``'s dtype, rows past P and columns past Q masked."""
-    g_ptr, r_desc, c_ptr, offsets_ptr, indices_ptr = ptrs
+              GROUP_M: gl.constexpr, TMA_STORE: gl.constexpr):
+    """``c_smem`` -> ``C[e]``: ``TMA_STORE``, whole ``[BLOCK_P, 64]`` boxes by TMA (``C`` in the operands' dtype,
+    ``P % BLOCK_P == 0``: a box never reaches the next expert's rows; columns past Q are clipped by the
+    descriptor); else masked stores in ``C``'s dtype, rows past P and columns past Q masked."""
+    g_ptr, r_desc, c_ptr, c_desc, offsets_ptr, indices_ptr = ptrs
     g_bufs, r_bufs, c_smem = smem
     ready, empty, c_ready, c_empty = bars
     P, Q, NUM_EXPERTS, stride_g_t, stride_c_e, stride_c_p = dims
     layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [EPILOGUE_WARPS, 1], [1, 0])
     ROWS: gl.constexpr = 32  # 32 x 64 pieces over 64 threads: 32 elements per thread
-    COLS: gl.constexpr = 64
+    COLS: gl.constexpr = 64  # also the TMA box's width: 128 bytes, the swizzle's span
     r_in = gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
     c_in = gl.arange(0, COLS, layout=gl.SliceLayout(0, layout))
     num_p = gl.cdiv(P, BLOCK_P)
@@ -198,17 +207,23 @@ def _epilogue(ptrs, smem, bars, dims, GATHER_A: gl.constexpr, BLOCK_P: gl.conste
     t = gl.program_id(0)
     for i_tile in range(gl.cdiv(NUM_EXPERTS * num_p * num_q - t, programs)):
         e, pid_p, pid_q = _tile(t, num_p, num_q, GROUP_M)
-        base = c_ptr + e.to(gl.int64) * stride_c_e
         mbarrier.wait(c_ready.index(0), i_tile & 1)
-        for i in gl.static_range(BLOCK_P // ROWS):
-            rows = pid_p * BLOCK_P + i * ROWS + r_in
-            piece = c_smem.slice(i * ROWS, ROWS, dim=0)
+        if TMA_STORE:
             for j in gl.static_range(BLOCK_Q // COLS):
-                col = pid_q * BLOCK_Q + j * COLS + c_in
-                v = piece.slice(j * COLS, COLS, dim=1).load(layout)
-                mask = (rows < P)[:, None] & (col < Q)[None, :]
-                gl.store(base + rows.to(gl.int64)[:, None] * stride_c_p + col[None, :],
-                         v.to(c_ptr.dtype.element_ty), mask=mask)
+                tma.async_copy_shared_to_global(c_desc, [e * P + pid_p * BLOCK_P, pid_q * BLOCK_Q + j * COLS],
+                                                c_smem.slice(j * COLS, COLS, dim=1))
+            tma.store_wait(0)  # c_smem read out (the writes drain on their own)
+        else:
+            base = c_ptr + e.to(gl.int64) * stride_c_e
+            for i in gl.static_range(BLOCK_P // ROWS):
+                rows = pid_p * BLOCK_P + i * ROWS + r_in
+                piece = c_smem.slice(i * ROWS, ROWS, dim=0)
+                for j in gl.static_range(BLOCK_Q // COLS):
+                    col = pid_q * BLOCK_Q + j * COLS + c_in
+                    v = piece.slice(j * COLS, COLS, dim=1).load(layout)
+                    mask = (rows < P)[:, None] & (col < Q)[None, :]
+                    gl.store(base + rows.to(gl.int64)[:, None] * stride_c_p + col[None, :],
+                             v.to(c_ptr.dtype.element_ty), mask=mask)
         mbarrier.arrive(c_empty.index(0), count=1)
         t += programs
 
@@ -218,13 +233,16 @@ def ws_wgrad_kernel(
     g_ptr,  # [T, G] 16-bit, unit column stride: the gathered operand (dout for B2, x for B4), rows via indices_ptr
     r_desc,  # TMA descriptor over the [N, R] slot rows (w act for B2, dpre for B4), box [BLOCK_K, BLOCK_R]
     c_ptr,  # [E, P, Q] dW (unit stride along Q): the operands' dtype or fp32
+    c_desc,  # TMA descriptor over C as [E*P, Q], box [BLOCK_P, 64] (TMA_STORE), else None
     offsets_ptr,  # [E+1] int32 expert_token_offsets
     indices_ptr,  # [N] int32 expert_token_indices (slot -> token)
     P, Q, NUM_EXPERTS,
     stride_g_t, stride_c_e, stride_c_p,
     GATHER_A: gl.constexpr,  # A (the P side) is the gathered operand; else B (the Q side) is
     BLOCK_P: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_K: gl.constexpr, NUM_STAGES: gl.constexpr,
-    GROUP_M: gl.constexpr, num_warps: gl.constexpr,
+    GROUP_M: gl.constexpr,
+    TMA_STORE: gl.constexpr,  # whole tiles leave by TMA (launch.ws_wgrad_tma_store)
+    num_warps: gl.constexpr,
 ):
     dtype: gl.constexpr = r_desc.dtype
     BLOCK_G: gl.constexpr = BLOCK_P if GATHER_A else BLOCK_Q
@@ -247,14 +265,14 @@ def ws_wgrad_kernel(
     mbarrier.init(c_ready.index(0), count=1)
     mbarrier.init(c_empty.index(0), count=1)
 
-    ptrs = (g_ptr, r_desc, c_ptr, offsets_ptr, indices_ptr)
+    ptrs = (g_ptr, r_desc, c_ptr, c_desc, offsets_ptr, indices_ptr)
     smem = (g_bufs, r_bufs, c_smem)
     bars = (ready, empty, c_ready, c_empty)
     dims = (P, Q, NUM_EXPERTS, stride_g_t, stride_c_e, stride_c_p)
     # constexprs go into the partitions' argument lists directly (a tuple variable would hold them as values)
     gl.warp_specialize([
         (_mma, (offsets_ptr, smem, bars, P, Q, NUM_EXPERTS, GATHER_A, BLOCK_P, BLOCK_Q, BLOCK_K, NUM_STAGES,
-                num_warps)),
+                TMA_STORE, num_warps)),
         (_loader, (ptrs, smem, bars, dims, GATHER_A, BLOCK_P, BLOCK_Q, BLOCK_K, NUM_STAGES, GROUP_M)),
-        (_epilogue, (ptrs, smem, bars, dims, GATHER_A, BLOCK_P, BLOCK_Q, GROUP_M)),
+        (_epilogue, (ptrs, smem, bars, dims, GATHER_A, BLOCK_P, BLOCK_Q, GROUP_M, TMA_STORE)),
     ], [LOADER_WARPS, EPILOGUE_WARPS], [WORKER_REGS, WORKER_REGS])
