@@ -10,7 +10,9 @@ timed step, per variant on the same weights and inputs:
                     multiple of the M tile with no imbalance (as equal as multiples of the tile allow): the
                     most rounding can give
 ``pairs-moeblaze``  ``moe_experts_general`` alone on the rounded pairs of one ``tr-nr`` step (compacted:
-                    dropped / unused pairs removed), routing excluded
+                    dropped / unused pairs removed), routing excluded; the pair index built in the step as the
+                    layer builds it (``plan_pairs(validate=False)``: no range check, no host read; SonicMoE's
+                    general routing inputs are not checked either)
 ``pairs-sonicmoe``  SonicMoE's ``moe_general_routing_inputs`` on the same pairs (skipped when not importable)
 
 Per variant: the wall time of a step (median of ``triton.testing.do_bench``; CPU ``--smoke``: perf_counter
@@ -123,9 +125,10 @@ def layer_steps(shape, device, dtype, backend, tile=None, sonic=True):
     pairs = (rt.token_idx[keep].contiguous(), rt.expert_idx[keep].contiguous(),
              rt.pair_weights[keep].float().contiguous().requires_grad_())
 
-    def pairs_moeblaze():
+    def pairs_moeblaze():  # the index built as the layer builds it: no range checks (no host read)
         clear()
-        moe_experts_general(x, *pairs, moe.w1, moe.w_down, backend=backend).backward(dout)
+        index = get_backend(backend, x).plan_pairs(pairs[0], pairs[1], T, E, validate=False)
+        moe_experts_general(x, *pairs, moe.w1, moe.w_down, backend=backend, index=index).backward(dout)
 
     steps = {"topk": layer(None), "tr-nr": layer("nr"), "tr-nr-eager": layer("nr", False), "ceiling": ceiling,
              "pairs-moeblaze": pairs_moeblaze}
