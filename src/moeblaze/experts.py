@@ -16,6 +16,7 @@ from .activations import GATED, SWIGLU_ALPHA, SWIGLU_LIMIT, ActArgs, check_activ
 from .amp import autocast_off, autocast_target
 from .backends import BACKENDS, Backend, get_backend
 from .dispatch import DispatchIndex, TileSchedule, check_index_matches
+from .input_grad import SharedInputGrad
 
 __all__ = ["moe_experts", "SAVE_MODES", "BACKENDS"]
 
@@ -50,8 +51,10 @@ class _UpProjection(torch.autograd.Function):
 
     @staticmethod
     @autocast_off
-    def forward(ctx, x, w1, b1, backend, activation, act_args, num_experts, block_m, foreign, *index_tensors):
+    def forward(ctx, x, w1, b1, backend, activation, act_args, num_experts, block_m, foreign, input_grad,
+                *index_tensors):
         index = _index_from(index_tensors, num_experts, block_m, foreign)
+        ctx.input_grad = input_grad.bind(x) if input_grad is not None else None
         w1c = w1.to(x.dtype)  # autocast's cast of the master weight (moeblaze.amp); else a no-op
         pre, act = backend.up_forward(x, w1c, index, activation, store_pre=True, store_act=True, b1=b1,
                                       act_args=act_args)
@@ -66,13 +69,15 @@ class _UpProjection(torch.autograd.Function):
     def backward(ctx, dpre, _dact):
         x, w1, *index_tensors = ctx.saved_tensors
         if dpre is None:  # the output does not depend on pre (grads are not materialised)
-            return (None,) * (9 + len(index_tensors))
+            return (None,) * (10 + len(index_tensors))
         index = _index_from(index_tensors, *ctx.index_args)
         need = ctx.needs_input_grad
         dpre = dpre.contiguous()
         db1 = ctx.backend.bias_grad(dpre, index) if need[2] else None
         dx, dw1 = ctx.backend.up_backward(dpre, x, w1, index, need[0], need[1], dw_dtype=ctx.dw_dtype)
-        return (dx, dw1, db1) + (None,) * (6 + len(index_tensors))
+        if ctx.input_grad is not None:
+            dx = ctx.input_grad.offer(dx)
+        return (dx, dw1, db1) + (None,) * (7 + len(index_tensors))
 
 
 class _DownProjection(torch.autograd.Function):
@@ -119,8 +124,9 @@ class _ExpertsRecompute(torch.autograd.Function):
     @staticmethod
     @autocast_off
     def forward(ctx, x, w1, b1, w2, b2, topk_weights, backend, activation, act_args, num_experts, block_m, foreign,
-                *index_tensors):
+                input_grad, *index_tensors):
         index = _index_from(index_tensors, num_experts, block_m, foreign)
+        ctx.input_grad = input_grad.bind(x) if input_grad is not None else None
         w1c, w2c = w1.to(x.dtype), w2.to(x.dtype)  # as in _UpProjection
         _, act = backend.up_forward(x, w1c, index, activation, store_pre=False, store_act=True, b1=b1,
                                     act_args=act_args)
@@ -146,7 +152,9 @@ class _ExpertsRecompute(torch.autograd.Function):
         del pre
         db1 = backend.bias_grad(dpre, index) if need[2] else None
         dx, dw1 = backend.up_backward(dpre, x, w1, index, need[0], need[1], dw_dtype=ctx.dw_dtypes[0])
-        return (dx, dw1, db1, dw2, db2, dtw) + (None,) * (6 + len(index_tensors))
+        if ctx.input_grad is not None:
+            dx = ctx.input_grad.offer(dx)
+        return (dx, dw1, db1, dw2, db2, dtw) + (None,) * (7 + len(index_tensors))
 
 
 def check_weight_dtypes(x, w1, w2, autocast: bool) -> None:
@@ -261,6 +269,7 @@ def moe_experts(
     swiglu_alpha: float = SWIGLU_ALPHA,
     swiglu_limit: float = SWIGLU_LIMIT,
     foreign_experts: bool = False,
+    input_grad: SharedInputGrad | None = None,
 ) -> torch.Tensor:
     """Routed experts of a dropless top-k MoE layer: ``out[t] = sum_k w[t,k] * FFN_e(x[t])``.
 
@@ -310,6 +319,9 @@ def moe_experts(
         foreign_experts: ids ``>= E`` are experts of other ranks (transformers' expert-parallel sentinel):
             they contribute nothing to ``out`` and get no gradient (``dtopk_weights`` 0 there). Without
             it such ids are an error.
+        input_grad: ``x``'s gradient shared with a router that reads the same ``x`` (a
+            :class:`moeblaze.input_grad.SharedInputGrad` passed to both; :class:`moeblaze.MoE` does this): the two
+            gradients are summed in place instead of by autograd's extra ``[T, d]`` addition. None: as usual.
 
     Returns:
         ``[T, d]`` tensor in ``x.dtype`` (under autocast: the autocast dtype).
@@ -335,19 +347,20 @@ def moe_experts(
         check_index_matches(index, topk_ids)
     act_args = ActArgs(float(swiglu_alpha), float(swiglu_limit), bool(gate_up_interleaved))
     return run_experts(x, topk_weights, w_gate_up, w_down, b_gate_up, b_down, index, activation, save, backend,
-                       act_args)
+                       act_args, input_grad)
 
 
 def run_experts(x: torch.Tensor, weights: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
                 b_gate_up: torch.Tensor | None, b_down: torch.Tensor | None, index: DispatchIndex, activation: str,
-                save: str, backend: str, act_args: ActArgs) -> torch.Tensor:
+                save: str, backend: str, act_args: ActArgs, input_grad: SharedInputGrad | None = None) -> torch.Tensor:
     """The autograd Functions over a checked index: shared by :func:`moe_experts` (``weights [T, K]``) and
-    :func:`moeblaze.general_routing.moe_experts_general` (``weights [P]``); inputs already validated."""
+    :func:`moeblaze.general_routing.moe_experts_general` (``weights [P]``); inputs already validated.
+    ``input_grad``: ``x``'s gradient shared with the router (:mod:`moeblaze.input_grad`), or None."""
     chosen: Backend = get_backend(backend, x)
     index = chosen.scheduled(index)  # the GEMMs' tile schedule, built once for the ops (if not planned with it)
     bm, idx = _index_args(index)
     common = (chosen, activation, act_args, w_down.shape[0], bm, index.foreign_experts)
     if save == "input":
-        return _ExpertsRecompute.apply(x, w_gate_up, b_gate_up, w_down, b_down, weights, *common, *idx)
-    pre, act = _UpProjection.apply(x, w_gate_up, b_gate_up, *common, *idx)
+        return _ExpertsRecompute.apply(x, w_gate_up, b_gate_up, w_down, b_down, weights, *common, input_grad, *idx)
+    pre, act = _UpProjection.apply(x, w_gate_up, b_gate_up, *common, input_grad, *idx)
     return _DownProjection.apply(pre, act, w_down, b_down, weights, *common, *idx)

@@ -13,6 +13,7 @@ from .amp import autocast_operands
 from .backends import BACKENDS, get_backend
 from .experts import SAVE_MODES, moe_experts
 from .general_routing import moe_experts_general
+from .input_grad import SharedInputGrad
 from .routing import Router
 from .token_rounding import ROUNDING_MODES, round_tokens_fused, tile_multiple
 
@@ -201,7 +202,11 @@ class MoE(nn.Module):
         # Under autocast: one cast of x for the router and the experts, so that its gradient sums in the
         # autocast dtype before the cast's backward, as in the layer on 16-bit copies.
         (x2,) = autocast_operands(x.reshape(-1, self.d_model))
-        routing = self.router(x2)
+        # x2's gradient summed in place by the router and the experts, not by autograd (moeblaze.input_grad); only
+        # where they are x2's only readers (x2 is a view of its own: the caller's other uses of x are not)
+        share = (SharedInputGrad() if x2.requires_grad and torch.is_grad_enabled() and self.ep is None
+                 and self.shared_experts is None and not torch.compiler.is_compiling() else None)
+        routing = self.router(x2, input_grad=share)
         if self.ep is not None:  # expert parallelism: the routed experts run on the ranks that hold them
             out, self.aux_loss = _expert_parallel().expert_parallel_forward(self, x2, routing)
             if self.shared_experts is not None:
@@ -213,20 +218,21 @@ class MoE(nn.Module):
         topk_weights = routing.topk_weights.to(x.dtype) if x.dtype == torch.float64 else routing.topk_weights
         biases = self.bias_kwargs()
         if self.token_rounding is not None and self.training:
-            out = self._rounded_experts(x2, routing, topk_weights, biases)
+            out = self._rounded_experts(x2, routing, topk_weights, biases, share)
         else:
             # Ids come from torch.topk over E scores: in range and distinct by construction, so the
             # host-synchronising range check is skipped. The build also writes the experts' tile schedule.
             index = get_backend(self.backend, x2).plan(routing.topk_ids, self.num_experts, validate=False)
             out = moe_experts(x2, routing.topk_ids, topk_weights, self.w1, self.w_down, activation=self.activation,
-                              save=self.save, backend=self.backend, index=index, **biases)
+                              save=self.save, backend=self.backend, index=index, input_grad=share, **biases)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x2)
         self.aux_loss = routing.loss
         self.last_topk_ids = routing.topk_ids.detach()
         return out.reshape(shape)
 
-    def _rounded_experts(self, x2: torch.Tensor, routing, topk_weights: torch.Tensor, biases: dict) -> torch.Tensor:
+    def _rounded_experts(self, x2: torch.Tensor, routing, topk_weights: torch.Tensor, biases: dict,
+                         share: SharedInputGrad | None) -> torch.Tensor:
         """The experts over the token-rounded routing (no host synchronisation; :mod:`moeblaze.token_rounding`)."""
         tile = self.rounding_tile or tile_multiple(self.backend, x2.device)
         pairs_per_expert = x2.shape[0] * self.top_k / self.num_experts  # shapes only: no host synchronisation
@@ -247,7 +253,7 @@ class MoE(nn.Module):
                                                          validate=False, foreign_experts=True)
         return moe_experts_general(x2, r.token_idx, r.expert_idx, r.pair_weights, self.w1, self.w_down,
                                    activation=self.activation, save=self.save, backend=self.backend, index=index,
-                                   foreign_experts=True, **biases)
+                                   foreign_experts=True, input_grad=share, **biases)
 
     def extra_repr(self) -> str:
         return (f"d_model={self.d_model}, d_ff={self.d_ff}, num_experts={self.num_experts}, "

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from . import settings
 from .amp import autocast_off, autocast_operands
+from .input_grad import SharedInputGrad
 from .kernels import router as fused_router
 
 SCORE_FUNCS = ("softmax", "sigmoid")
@@ -57,8 +58,9 @@ class _RouterLogits(torch.autograd.Function):
 
     @staticmethod
     @autocast_off
-    def forward(ctx, x, weight):
+    def forward(ctx, x, weight, input_grad=None):
         ctx.save_for_backward(x, weight)
+        ctx.input_grad = input_grad.bind(x) if input_grad is not None else None
         if _tensor_core_path(x, weight):
             return _mm_fp32(x, weight.t())
         return x.float() @ weight.float().t()
@@ -67,20 +69,25 @@ class _RouterLogits(torch.autograd.Function):
     @autocast_off
     def backward(ctx, dlogits):
         x, weight = ctx.saved_tensors
+        share = ctx.input_grad  # x's gradient shared with the experts (moeblaze.input_grad), or None
         dx = dw = None
         if _tensor_core_path(x, weight):  # one GEMM each: [hi | lo] against the weight stacked twice / x, fp32 sums
             hl = fused_router.split16(dlogits.contiguous(), x.dtype)  # [hi | lo]: K = 2E
             if ctx.needs_input_grad[0]:
-                dx = hl @ torch.cat((weight, weight))  # x.dtype out, rounded once from the fp32 sum
+                pending = share.take() if share is not None else None
+                if pending is not None:  # the experts' dx, plus this one in the GEMM's epilogue (beta = 1)
+                    pending.addmm_(hl, torch.cat((weight, weight)))
+                else:
+                    dx = hl @ torch.cat((weight, weight))  # x.dtype out, rounded once from the fp32 sum
             if ctx.needs_input_grad[1]:
                 E = weight.shape[0]
                 dw = _mm_fp32(hl.t(), x).view(2, E, -1).sum(0).to(weight.dtype)
-            return dx, dw
-        if ctx.needs_input_grad[0]:
-            dx = (dlogits @ weight.float()).to(x.dtype)
-        if ctx.needs_input_grad[1]:
-            dw = (dlogits.t() @ x.float()).to(weight.dtype)
-        return dx, dw
+        else:
+            if ctx.needs_input_grad[0]:
+                dx = (dlogits @ weight.float()).to(x.dtype)
+            if ctx.needs_input_grad[1]:
+                dw = (dlogits.t() @ x.float()).to(weight.dtype)
+        return (share.offer(dx) if share is not None else dx), dw, None
 
 
 class _FusedTopK(torch.autograd.Function):
@@ -280,9 +287,10 @@ class Router(nn.Module):
         bound = 1.0 / math.sqrt(self.d_model)
         nn.init.uniform_(self.weight, -bound, bound)
 
-    def forward(self, x: torch.Tensor) -> RouterOutput:
+    def forward(self, x: torch.Tensor, *, input_grad: SharedInputGrad | None = None) -> RouterOutput:
         """Route ``x [T, d]``: fp32 logits, scores, top-k ids and weights, and the scaled losses
-        (zero in eval mode or for an empty batch).
+        (zero in eval mode or for an empty batch). ``input_grad``: ``x``'s gradient shared with the experts
+        (:mod:`moeblaze.input_grad`; :class:`moeblaze.MoE` passes one), or None.
 
         Raises:
             ValueError: ``x`` is not ``[T, d]``.
@@ -292,7 +300,7 @@ class Router(nn.Module):
         if self.logits_dtype == "input":  # rounded to x's dtype as transformers computes them, then upcast
             logits = F.linear(x, self.weight.to(x.dtype)).float()
         else:
-            logits = _RouterLogits.apply(*autocast_operands(x, ("router.weight", self.weight)))
+            logits = _RouterLogits.apply(*autocast_operands(x, ("router.weight", self.weight)), input_grad)
         losses_on = self.training and x.shape[0] > 0  # means over zero tokens would be NaN
         if self._fused(logits):
             return self._fused_forward(logits, losses_on)
