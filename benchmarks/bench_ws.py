@@ -7,7 +7,9 @@ Triton kernels, autotuned). Each is timed as a CUDA-graph replay (``triton.testi
 launch time is out of the figure; ``--check`` also compares both with the float64 sums on the first shape. One CSV row
 per kernel and shape.
 
-Usage (GPU): ``python3 benchmarks/bench_ws.py --out ws.csv`` (the shapes of issues 24 and 25 by default).
+Usage (GPU): ``python3 benchmarks/bench_ws.py --out ws.csv`` (the shapes of issues 24 and 25 by default);
+``--set wgrad_tma_store=off`` times the weight gradients with masked tile stores instead of TMA stores (an A/B: run
+both in one call).
 """
 
 from __future__ import annotations
@@ -82,7 +84,11 @@ def main() -> None:
     ap.add_argument("--check", action="store_true", help="compare both kernels with the float64 sums (first shape)")
     ap.add_argument("--out", default="bench_ws.csv", help="CSV to append rows to")
     ap.add_argument("--commit", help="code version the rows record (default: git's HEAD here, +dirty)")
+    ap.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
+                    help="a moeblaze setting for the whole run, e.g. wgrad_tma_store=off (repeatable; in the rows' "
+                         "command)")
     args = ap.parse_args()
+    settings.configure(**dict(kv.split("=", 1) for kv in args.set))
     commit = args.commit or git_commit(Path(__file__).parent)
     command = " ".join(["python3", *sys.argv])
     gen = torch.Generator(device="cuda").manual_seed(0)

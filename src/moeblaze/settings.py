@@ -13,6 +13,7 @@ so a variable set after import still counts (a dictionary read, ~0.2 µs, on the
 | ``wgrad_persistent`` | ``MOEBLAZE_WGRAD_PERSISTENT`` | ``auto``, on, off | weight-gradient launch: the same choice |
 | ``ws_wgrad`` | ``MOEBLAZE_WS_WGRAD`` | on, off | weight gradients on a warp-specialized Gluon kernel (sm90) |
 | ``ws_gemm`` | ``MOEBLAZE_WS_GEMM`` | on, off | F2 and B3 on a warp-specialized Gluon GEMM (sm90) |
+| ``wgrad_tma_store`` | ``MOEBLAZE_WGRAD_TMA_STORE`` | on, off | that kernel stores whole 16-bit tiles by TMA |
 | ``check_ids`` | ``MOEBLAZE_CHECK_IDS`` | on, off | ``build_dispatch``'s host-syncing id range check |
 | ``dispatch`` | ``MOEBLAZE_DISPATCH`` | ``auto``, ``torch`` | index build: Triton on CUDA, or PyTorch |
 | ``compile_rounding`` | ``MOEBLAZE_COMPILE_ROUNDING`` | ``auto``, on, off | token rounding compiled (auto: CUDA) |
@@ -86,6 +87,7 @@ SETTINGS: dict[str, tuple[str, Callable[[str, str], Any], Any]] = {
     "wgrad_persistent": ("MOEBLAZE_WGRAD_PERSISTENT", _auto_bool, None),
     "ws_wgrad": ("MOEBLAZE_WS_WGRAD", _bool, True),
     "ws_gemm": ("MOEBLAZE_WS_GEMM", _bool, True),
+    "wgrad_tma_store": ("MOEBLAZE_WGRAD_TMA_STORE", _bool, True),
     "check_ids": ("MOEBLAZE_CHECK_IDS", _bool, True),
     "dispatch": ("MOEBLAZE_DISPATCH", _choice("auto", "torch"), "auto"),
     "compile_rounding": ("MOEBLAZE_COMPILE_ROUNDING", _auto_bool, None),

@@ -12,6 +12,7 @@ import functools
 import torch
 import triton
 
+from .. import settings
 from . import direct
 from .act_bwd import ZERO_TAIL
 from .grouped_gemm import (
@@ -335,11 +336,11 @@ def ws_wgrad_tma_store(out: torch.Tensor, operand_dtype: torch.dtype, block_p: i
 def grouped_wgrad_ws(a, b, out, offsets, indices, *, gather_a: bool, config: dict | None = None) -> None:
     """Launch :func:`moeblaze.kernels.ws_wgrad.ws_wgrad_kernel` into ``out`` (check :func:`ws_wgrad_ok` first):
     ``out[e] = sum_s a[token(s)]^T b[s]`` (``[E, p, q]``, ``gather_a``) or its transpose ``sum_s b[s]^T a[token(s)]``
-    (``[E, q, p]``), contiguous. ``config``: overrides of :data:`WS_WGRAD_CONFIG` (block-size sweeps; ``TMA_STORE``
-    False keeps the masked stores where :func:`ws_wgrad_tma_store` allows TMA)."""
+    (``[E, q, p]``), contiguous. ``config``: overrides of :data:`WS_WGRAD_CONFIG` (block-size sweeps). Whole tiles
+    leave by TMA where :func:`ws_wgrad_tma_store` allows and the setting ``wgrad_tma_store`` is on."""
     from .ws_wgrad import MAX_REGS, ws_wgrad_kernel
 
-    cfg = {**WS_WGRAD_CONFIG, "TMA_STORE": True, **(config or {})}
+    cfg = {**WS_WGRAD_CONFIG, "TMA_STORE": settings.get("wgrad_tma_store"), **(config or {})}
     E, P, Q = out.shape
     desc = _tma_desc(b, [cfg["BLOCK_K"], cfg["BLOCK_Q"] if gather_a else cfg["BLOCK_P"]])
     cfg["TMA_STORE"] = cfg["TMA_STORE"] and ws_wgrad_tma_store(out, a.dtype, cfg["BLOCK_P"])
