@@ -25,9 +25,9 @@ kernel this took 0.70-0.72x its time at 128 slots per expert (Qwen3-30B-A3B, T 2
                                (``TMA_STORE``: a 16-bit ``C`` whose P is a multiple of ``BLOCK_P``), else by
                                masked stores in ``C``'s dtype (the 16-bit gradient upcast for fp32 master
                                weights, as :mod:`moeblaze.kernels.wgrad` stores it). The TMA store took
-                               0.95-1.00x the masked stores' time on B2 and B4 at 2k-65k tokens of Qwen3-30B-A3B
-                               and the token-rounding shapes (H200, 2026-11-26, bitwise equal; docs/benchmarks.md,
-                               "The weight gradient's tiles by TMA store").
+                               0.964-1.005x the masked stores' time on B2 and B4 at 2k-32k tokens of
+                               Qwen3-30B-A3B and the token-rounding shapes, bitwise equal (H200, 2026-11-26,
+                               ``python3 benchmarks/bench_ws.py`` with and without ``--set wgrad_tma_store=off``).
 
 Every tile takes ``max(1, cdiv(slots, BLOCK_K))`` steps: an empty expert's one step reads zeros from the
 gathered side and stores a zero tile. A step's last slot rows may belong to the next expert (the TMA box is
