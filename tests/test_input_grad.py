@@ -134,3 +134,35 @@ def test_gpu_stack_peak_memory_not_raised(monkeypatch):
 
     peak(True)  # warm-up: kernels compiled, allocator blocks cached
     assert peak(True) <= peak(False)
+
+
+@pytest.mark.parametrize("mode", ["checkpoint", "checkpoint-reentrant", "accumulation", "autocast"])
+def test_shared_input_grad_under_training_wrappers(mode, monkeypatch):
+    """Activation checkpointing (both modes), two micro-batches into one .grad, and autocast over fp32 weights:
+    every gradient bitwise what autograd's own sum gives."""
+    from torch.utils.checkpoint import checkpoint
+
+    dtype = torch.float32 if mode == "autocast" else torch.float64
+    torch.manual_seed(0)
+    moe = moeblaze.MoE(D, H, E, K, backend="torch", dtype=dtype)
+    x = torch.randn(T, D, dtype=dtype, requires_grad=True)
+
+    def grads(share: bool):
+        if not share:
+            monkeypatch.setattr(moeblaze.layer, "SharedInputGrad", lambda: None)
+        x.grad = None
+        moe.zero_grad(set_to_none=True)
+        if mode.startswith("checkpoint"):
+            out = checkpoint(moe, x, use_reentrant=mode.endswith("reentrant"))
+        elif mode == "accumulation":
+            (moe(x[: T // 2]).square().sum() + moe.aux_loss).backward()
+            out = moe(x[T // 2:])
+        else:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                out = moe(x).float()
+        (out.square().sum() + moe.aux_loss).backward()
+        monkeypatch.undo()
+        return [x.grad.clone(), *(p.grad.clone() for p in moe.parameters())]
+
+    want, got = grads(False), grads(True)
+    assert all(torch.equal(a, b) for a, b in zip(got, want)) and want[0].abs().max() > 0
