@@ -558,6 +558,18 @@ def test_a_state_file_of_another_step_is_refused(tmp_path):
         checkpoint.verify(four)
 
 
+def test_verify_names_a_folder_that_is_not_a_step_folder(tmp_path):
+    """verify() of a run's output folder (or a copied checkpoint renamed) says which folder it wants, instead of
+    blaming the manifest."""
+    model, opt = _tiny_model()
+    step = checkpoint.save(tmp_path, 2, model, opt)
+    copy = shutil.copytree(step, tmp_path / "my-copy")
+    for folder in (tmp_path, copy):
+        with pytest.raises(checkpoint.CheckpointError, match="not a checkpoint folder .expected a step-\\* folder"):
+            checkpoint.verify(folder)
+    assert checkpoint.verify(step)["step"] == 2
+
+
 def test_saving_an_older_step_removes_the_newer_ones(tmp_path):
     """A run resumed from step 2 (step 4 did not verify) saves step 3: step 4 must go, or it would shadow the
     new checkpoints as the newest."""

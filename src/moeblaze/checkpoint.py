@@ -304,10 +304,12 @@ def verify(path: str | os.PathLike, share: tuple[int, int] = (0, 1)) -> dict:
         CheckpointError: the first problem found, naming the file.
     """
     path = Path(path)
-    manifest = _read_json(path / MANIFEST)
     m = _STEP_DIR.match(path.name)
+    if not m:
+        raise CheckpointError(f"{path}: not a checkpoint folder (expected a step-* folder of a run's output)")
+    manifest = _read_json(path / MANIFEST)
     files = manifest.get("files")
-    if manifest.get("format") != FORMAT or not isinstance(files, dict) or not m:
+    if manifest.get("format") != FORMAT or not isinstance(files, dict):
         raise CheckpointError(f"{path / MANIFEST}: not a moeblaze checkpoint manifest (format {FORMAT})")
     if manifest.get("step") != int(m.group(1)):
         raise CheckpointError(f"{path / MANIFEST}: step {manifest.get('step')} does not match the folder name")

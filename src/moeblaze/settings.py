@@ -44,7 +44,7 @@ def _bool(name: str, raw: str) -> bool:
         return True
     if low in ("0", "false", "off", "no"):
         return False
-    raise ValueError(f"{name} must be a boolean (1/0, true/false, on/off), got {raw!r}")
+    raise ValueError(f"{name} must be a boolean (1/0, true/false, on/off, yes/no), got {raw!r}")
 
 
 def _choice(*choices: str) -> Callable[[str, str], str]:

@@ -404,7 +404,8 @@ def _loop(model, opt, corpus, cfg: TrainConfig, mcfg: ModelConfig, device, preci
         evaluated = not interrupted and ((step + 1) % cfg.eval_interval == 0 or last)
         if evaluated:
             val_bpb = evaluate(model, corpus.val, cfg, device, amp_dtype, job)
-            log(f"step {step + 1}: train loss {losses[-1]:.3f}, val {val_bpb:.3f} bits/byte, {tok_s:,.0f} tok/s")
+            log(f"step {step + 1}: train loss {losses[-1]:.3f} nats/byte, val {val_bpb:.3f} bits/byte, "
+                f"{tok_s:,.0f} tok/s")
         # before the checkpoint: a run killed between the two resumes from the previous one, dropping this row
         metrics.write(step + 1, losses[-1], lr_at(step, cfg), step_times[-1], tok_s, val_bpb if evaluated else None)
         timed = checkpoint.agree(cfg.checkpoint_minutes > 0
