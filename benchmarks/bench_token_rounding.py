@@ -303,7 +303,7 @@ def write_csv(path, rows) -> None:
         writer.writerows(rows)
 
 
-_EVAL = re.compile(r"step (\d+): train loss ([\d.]+), val ([\d.]+) bits/byte")
+_EVAL = re.compile(r"step (\d+): train loss ([\d.]+) nats/byte, val ([\d.]+) bits/byte")
 
 
 def _preset_configs(preset: str, routing: str, args):
