@@ -74,11 +74,12 @@ class _RouterLogits(torch.autograd.Function):
         if _tensor_core_path(x, weight):  # one GEMM each: [hi | lo] against the weight stacked twice / x, fp32 sums
             hl = fused_router.split16(dlogits.contiguous(), x.dtype)  # [hi | lo]: K = 2E
             if ctx.needs_input_grad[0]:
+                w2 = torch.cat((weight, weight))
                 pending = share.take() if share is not None else None
                 if pending is not None:  # the experts' dx, plus this one in the GEMM's epilogue (beta = 1)
-                    pending.addmm_(hl, torch.cat((weight, weight)))
+                    pending.addmm_(hl, w2)
                 else:
-                    dx = hl @ torch.cat((weight, weight))  # x.dtype out, rounded once from the fp32 sum
+                    dx = hl @ w2  # x.dtype out, rounded once from the fp32 sum
             if ctx.needs_input_grad[1]:
                 E = weight.shape[0]
                 dw = _mm_fp32(hl.t(), x).view(2, E, -1).sum(0).to(weight.dtype)
