@@ -83,7 +83,7 @@ from moeblaze.bench.configs import get_configs, parse_list  # noqa: E402
 from moeblaze.bench.results import git_commit  # noqa: E402
 from moeblaze.kernels import direct  # noqa: E402
 
-TRITON_LAUNCH_ONLY = direct._triton_launch_only
+TRITON_LAUNCH_ONLY = direct._hooked
 
 
 def stub_launches() -> None:
@@ -256,6 +256,12 @@ def parts(cfg, device, dtype) -> list[tuple[str, float]]:
     xd, wt = x.detach(), moe.router.weight.detach().t()
     logits = xd.float() @ wt.float()  # [T, E] fp32, as the router's dlogits
     hl = split16(logits, dtype)  # [T, 2E]
+    from moeblaze.kernels.grouped_gemm import grouped_gemm_kernel as gemm  # a 51-argument launch's key
+
+    plan = direct._Plan(gemm)
+    gemm_args = [] if plan.interpreted else [1 if p.is_constexpr else small if p.name.endswith("_ptr") else 1234
+                                             for p in gemm.params]
+    gemm_kw = {**dict(zip(plan.names, gemm_args)), "num_warps": 8, "num_stages": 3}
 
     def router_step():
         r = moe.router(x)
@@ -275,6 +281,7 @@ def parts(cfg, device, dtype) -> list[tuple[str, float]]:
             fn(x)
 
     cases = [("triton launch (direct, one store)", lambda: direct.launch(_one, (1,), x_ptr=small)),
+             ("moeblaze.settings.get (an environment variable's look-up)", lambda: settings.get("tma")),
              ("aten add_ (16 floats)", lambda: small.add_(1.0)),
              ("torch.empty (1 MiB)", lambda: torch.empty(2**18, device=device)),
              ("mm [T, d] x [d, E] bf16 -> fp32 (out_dtype=)", lambda: torch.mm(xd, wt, out_dtype=torch.float32)),
@@ -293,6 +300,9 @@ def parts(cfg, device, dtype) -> list[tuple[str, float]]:
              ("layer forward + backward", layer_step),
              ("router forward + backward, autograd multithreading off", single_thread(router_step)),
              ("layer forward + backward, autograd multithreading off", single_thread(layer_step))]
+    if gemm_args:  # a jitted kernel (the interpreter's has no parameter list)
+        cases.insert(1, ("direct launch's key of the grouped GEMM's 51 arguments (no launch)",
+                         lambda: direct._fast_key(plan, gemm_args, gemm_kw, 0, len(gemm_args))))
     out = []
     for name, fn in cases:
         try:
@@ -415,7 +425,7 @@ def main() -> None:
                                      if a == "direct" or i.startswith("moeblaze")]:
                     try:
                         cfg = shape_at(cfg0, T)
-                        direct._triton_launch_only = TRITON_LAUNCH_ONLY if launch == "direct" else lambda: True
+                        direct._hooked = TRITON_LAUNCH_ONLY if launch == "direct" else lambda: True
                         got = measure(impl, cfg, layers, device, dtype)
                     except Exception as exc:  # OOM or an implementation failing on a shape: keep going
                         got = [{"shape": cfg0.name, "T": T, "layers": layers, "impl": impl, "mode": "eager",

@@ -42,7 +42,6 @@ class _FakeJit:
 
 @pytest.fixture
 def fake_gpu(monkeypatch):
-    monkeypatch.setattr(direct, "settings", types.SimpleNamespace(interpreting=lambda: False))
     monkeypatch.setattr(direct.torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(direct, "driver", types.SimpleNamespace(
         active=types.SimpleNamespace(get_current_stream=lambda device: 1234)))
@@ -104,7 +103,7 @@ def test_host_tensor_descriptors_launch_directly_keyed_on_their_type(fake_gpu, c
     assert len(fn.compiled) == 2 and len(fn.launched) == 1
 
 
-def test_interpreter_and_launch_hooks_take_triton_s_launch(fake_gpu, monkeypatch):
+def test_launch_hooks_take_triton_s_launch(fake_gpu, monkeypatch):
     fn, x = _FakeJit(), torch.zeros(64)
     monkeypatch.setattr(direct.triton.knobs.runtime, "launch_enter_hook", lambda *a: None)  # Triton <= 3.6's form
     for _ in range(3):
@@ -117,6 +116,48 @@ def test_integers_of_one_type_share_a_signature(fake_gpu):
     for n in (2**31 + 16, 2**33 + 32, 2**40):  # all i64, divisible by 16: one signature
         direct.launch(fn, (1,), x_ptr=x, n=n, scale=1.0, BLOCK=16)
     assert len(fn.compiled) == 1 and len(fn.launched) == 2 and direct.direct_signatures() == 1
+
+
+def test_repeated_integer_values_reuse_the_signature_through_a_bounded_fast_table(fake_gpu, monkeypatch):
+    """Each new integer value looks up Triton's signature once (no new compile), then hits the fast table; the
+    table starts afresh past MAX_FAST_KEYS (a token count that changes every step)."""
+    monkeypatch.setattr(direct, "MAX_FAST_KEYS", 4)
+    fn, x = _FakeJit(), torch.zeros(64)
+    for n in [64, 128, 192] * 2 + [16 * i for i in range(20, 30)]:
+        direct.launch(fn, (1,), x_ptr=x, n=n, scale=1.0, BLOCK=16)
+    plan = direct._PLANS[fn]
+    assert len(fn.compiled) == 1 and len(fn.launched) == 15 and len(plan.fast) <= 4
+
+
+class _FakeGluon(_FakeJit):
+    """A Gluon kernel: ``num_warps`` is one of its (constexpr) arguments as well as a launch option."""
+
+    arg_names = [*_FakeJit.arg_names, "num_warps"]
+    params = [*_FakeJit.params, _Param("num_warps", True)]
+
+
+def test_a_kernel_taking_num_warps_as_an_argument_launches_directly(fake_gpu):
+    fn, x = _FakeGluon(), torch.zeros(64)
+    for _ in range(3):
+        direct.launch(fn, (1,), x_ptr=x, n=64, scale=1.0, BLOCK=16, num_warps=8, maxnreg=168)
+    assert len(fn.compiled) == 1 and len(fn.launched) == 2
+    direct.launch(fn, (1,), x_ptr=x, n=64, scale=1.0, BLOCK=16, num_warps=4, maxnreg=168)
+    assert len(fn.compiled) == 2
+
+
+def test_an_unknown_keyword_and_interpreted_kernels_take_triton_s_launch(fake_gpu):
+    fn, x = _FakeJit(), torch.zeros(64)
+    for _ in range(2):
+        direct.launch(fn, (1,), x_ptr=x, n=64, scale=1.0, BLOCK=16, num_wraps=4)  # Triton reports the typo
+    assert len(fn.compiled) == 2 and fn.launched == []
+
+    class _FakeInterpreted(_FakeJit, direct.InterpretedFunction):
+        pass
+
+    fn = _FakeInterpreted()
+    for _ in range(2):
+        direct.launch(fn, (1,), x_ptr=x, n=64, scale=1.0, BLOCK=16)
+    assert len(fn.compiled) == 2 and fn.launched == [] and direct.direct_signatures() == 0
 
 
 def test_debug_mode_and_pre_run_hooks_take_triton_s_launch(fake_gpu, monkeypatch):
@@ -178,7 +219,7 @@ def test_gpu_layer_steps_launch_directly_and_match_triton_launch_bitwise(monkeyp
     step()  # the first launch of every signature: Triton's launch
     got = step()
     assert direct.direct_signatures() > 0, "no kernel was launched directly (Triton launcher convention?)"
-    monkeypatch.setattr(direct, "_triton_launch_only", lambda: True)  # every launch through Triton's path
+    monkeypatch.setattr(direct, "_hooked", lambda: True)  # every launch through Triton's path
     want = step()
     for g, w in zip(got, want):
         assert torch.equal(g, w)

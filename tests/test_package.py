@@ -4,6 +4,7 @@ benchmark, environment variables read in one module, ``python -m moeblaze`` as t
 from __future__ import annotations
 
 import ast
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -136,6 +137,21 @@ def test_settings_bad_environment(monkeypatch):
     monkeypatch.setenv("MOEBLAZE_TMA", "sometimes")
     with pytest.raises(ValueError, match="MOEBLAZE_TMA must be a boolean"):
         settings.get("tma")
+
+
+def test_environment_written_after_import_is_read_as_os_environ_reads_it(monkeypatch):
+    """settings reads os.environ's store (a fast path on POSIX): writes after import, removals and non-ASCII
+    values read as ``os.environ.get`` returns them."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert settings.interpreting()
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert not settings.interpreting()
+    monkeypatch.setenv("MOEBLAZE_BACKEND", "t\u00f8rch")
+    assert settings._getenv("MOEBLAZE_BACKEND") == os.environ.get("MOEBLAZE_BACKEND") == "t\u00f8rch"
+    with pytest.raises(ValueError, match="got 't\u00f8rch'"):
+        settings.get("backend")
+    monkeypatch.delenv("MOEBLAZE_BACKEND")
+    assert settings._getenv("MOEBLAZE_BACKEND") is None and settings.get("backend") == "auto"
 
 
 def test_override_routes_the_backend(monkeypatch):
