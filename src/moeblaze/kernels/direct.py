@@ -121,7 +121,7 @@ def _hooked() -> bool:
     or a launch hook installed (a hook, or in newer Tritons a non-empty ``HookChain``), whose calls the direct path
     would skip."""
     knobs = getattr(triton, "knobs", None)
-    if knobs is None or knobs.runtime.debug:
+    if knobs is None or getattr(knobs.runtime, "debug", False):
         return True
     hooks = (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook)
     return any(h is not None and bool(getattr(h, "calls", True)) for h in hooks)
