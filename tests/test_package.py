@@ -152,6 +152,8 @@ def test_environment_written_after_import_is_read_as_os_environ_reads_it(monkeyp
         settings.get("backend")
     monkeypatch.delenv("MOEBLAZE_BACKEND")
     assert settings._getenv("MOEBLAZE_BACKEND") is None and settings.get("backend") == "auto"
+    monkeypatch.setattr(os, "environ", {"MOEBLAZE_BACKEND": "torch"})  # a harness's plain mapping
+    assert settings.get("backend") == "torch"
 
 
 def test_override_routes_the_backend(monkeypatch):

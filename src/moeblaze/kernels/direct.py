@@ -84,6 +84,12 @@ class _Plan:
 _PLANS: dict[object, _Plan] = {}  # jitted function -> its plan
 
 
+def _desc_types(descs: tuple) -> tuple:
+    """What a launch's host tensor descriptors compile to: their base's dtype, block shape, shared layout and padding
+    (the launcher reads base, shape and strides at each launch)."""
+    return tuple([(d.base.dtype, tuple(d.block_shape), d.layout, d.padding) for d in descs])
+
+
 def _fast_key(plan: _Plan, values: list, kwargs: dict, device: int, given: int) -> tuple:
     """A key finer than :func:`_signature` at a third of its host time: the integers' values themselves instead of
     what Triton reads from them, the launch options by name. ``()`` where no direct launch applies: an argument of
@@ -100,7 +106,7 @@ def _fast_key(plan: _Plan, values: list, kwargs: dict, device: int, given: int) 
     ts = tensors(values)
     return (device, opts, types, consts(values), ints(values), tuple([t.dtype for t in ts]),
             tuple([t.data_ptr() & 15 for t in ts]),
-            tuple([(d.base.dtype, tuple(d.block_shape), d.layout, d.padding) for d in descs(values)]))
+            _desc_types(descs(values)))
 
 
 def _signature(plan: _Plan, values: list, kwargs: dict, device: int) -> tuple:
@@ -113,7 +119,7 @@ def _signature(plan: _Plan, values: list, kwargs: dict, device: int) -> tuple:
     return (device, tuple(map(kwargs.get, plan.options)), types, consts(values),
             tuple((t.dtype, t.data_ptr() % 16 == 0) for t in tensors(values)),
             tuple((v == 1, v % 16 == 0, -_I32 <= v < _I32, v < _U64) for v in ints(values)),
-            tuple((d.base.dtype, tuple(d.block_shape), d.layout, d.padding) for d in descs(values)))
+            _desc_types(descs(values)))
 
 
 def _hooked() -> bool:
