@@ -226,6 +226,11 @@ def test_gpu_torch_backend_capture_names_the_host_loop():
     x, dout = _inputs(0)
     x.requires_grad_(True)
     _step(moe, x, dout)  # warm-up
+    # The warm-up's aux loss keeps its graph, whose gradient accumulators are bound to the default stream: an
+    # accumulation from them inside the capture invalidates it, and capture_end's "operation failed due to a
+    # previous error during capture" then replaces the host loop's error (seen on a fresh H200, 2026-11-26).
+    torch.cuda.synchronize()
+    detach_aux_losses(moe)
     _clear(moe, x)
     graph = torch.cuda.CUDAGraph()
     with pytest.raises(RuntimeError, match="cannot run inside CUDA-graph capture"), torch.cuda.graph(graph):
