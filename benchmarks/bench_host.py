@@ -78,7 +78,7 @@ import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
 
 from moeblaze import MoE, aux_loss, detach_aux_losses, settings  # noqa: E402
-from moeblaze.bench.baselines import ImplOptions, make_weights, resolve_impl  # noqa: E402
+from moeblaze.bench.baselines import ImplOptions, make_weights, resolve_impl, step_params  # noqa: E402
 from moeblaze.bench.configs import get_configs, parse_list  # noqa: E402
 from moeblaze.bench.results import git_commit  # noqa: E402
 from moeblaze.kernels import direct  # noqa: E402
@@ -127,7 +127,7 @@ def build_stack(impl_name: str, cfg, layers: int, device, dtype) -> tuple[Stack,
         if isinstance(fn, MoE):
             fn.router.aux_loss_coef, fn.router.z_loss_coef = ARGS.aux, ARGS.aux / 10
         fns.append(fn)
-        params += w.params()
+        params += step_params(fn, w)
     stack = Stack(fns, cfg.d, device, dtype)
     return stack, params + list(stack.norms.parameters())
 

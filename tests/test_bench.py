@@ -9,7 +9,14 @@ import torch
 
 from moeblaze import build_dispatch, moe_experts
 from moeblaze.bench import CONFIGS, SUITES, expected_saved_bytes, get_configs, layer_flops, memory_report
-from moeblaze.bench.baselines import IMPLS, conventional_experts, hf_loop_experts, sort_dispatch
+from moeblaze.bench.baselines import (
+    IMPLS,
+    conventional_experts,
+    hf_loop_experts,
+    make_weights,
+    sort_dispatch,
+    step_params,
+)
 from moeblaze.bench.cli import register
 from moeblaze.bench.configs import BenchConfig, config_named, index_bytes, parse_tokens
 from moeblaze.bench.plots import plot_all
@@ -164,6 +171,25 @@ def test_runner_on_cpu_measures_and_reports_skips():
                          start=0.0)
     assert skipped[0].status == "skipped" and "budget" in skipped[0].note
     assert IMPLS["hf-loop"].unsupported(BenchConfig("big", "t", 1 << 20, 8, 8, 2, 1), opts.impl)
+
+
+def test_dense_reference_trains_its_own_weights_and_saves_only_activations():
+    """``dense`` (a dense gated MLP of width K*h, not an MoE) owns its weights: a step resets and fills their
+    gradients, and the bytes saved for backward leave them out as they leave out the shared weights."""
+    T, d, h, K = 48, 16, 24, 2
+    cfg = BenchConfig("tiny", "t", T, d, h, 4, K, "swiglu")
+    opts = RunOptions(dtype="fp32", device="cpu", flush_l2=False, min_reps=1, max_reps=2, target_s=0.01)
+    (row,) = run_layers([cfg], ["dense"], opts)
+    assert row.status == "ok" and row.time_ms > 0, row
+    # saved: the gate and up projections, SiLU(gate) and the product, each [T, K*h] fp32 (x and weights excluded)
+    assert row.saved_mib == pytest.approx(4 * T * K * h * 4 / 2**20)
+    w = make_weights(cfg, dtype=torch.float32)
+    fn = IMPLS["dense"].build(cfg, w, opts.impl)
+    params = step_params(fn, w)
+    assert params[:3] == w.params() and len(params) == 6  # the shared three, then gate_proj, up_proj, down_proj
+    fn(torch.randn(T, d)).sum().backward()
+    assert all(p.grad is not None for p in params[3:]) and all(p.grad is None for p in params[:3])
+    assert IMPLS["dense"].unsupported(BenchConfig("s", "t", T, d, h, 4, K, "silu"), opts.impl)
 
 
 def synthetic_rows():

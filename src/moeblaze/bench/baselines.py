@@ -11,6 +11,9 @@
 * ``liger`` — Liger-Kernel's ``LigerFusedMoEFunction`` (SwiGLU only), fed by the same router as ``conventional``.
 * ``sonicmoe`` — SonicMoE's ``moe_TC_softmax_topk_layer`` (GLU activations only), its own fused router,
   configured as top-k over softmax without renormalisation (the maths of every other row).
+* ``dense`` — not an MoE: a dense gated MLP of width ``K*h`` (the layer's active FLOPs per token, no router, no
+  dispatch; its own weights). The floor of a layer doing that work in eager PyTorch: the host time of three
+  ``nn.Linear`` and an activation, and the GPU time of dense GEMMs of the same FLOPs.
 
 All share the weights of :class:`LayerWeights` (layout of DESIGN.md §2; SonicMoE gets permuted views,
 zero-copy). Peers are optional: when not importable the row is skipped with a note. An implementation
@@ -34,7 +37,8 @@ from ..dispatch import DispatchIndex
 from .configs import BenchConfig
 
 __all__ = ["LayerWeights", "ImplOptions", "Impl", "IMPLS", "DEFAULT_IMPLS", "BASELINE_IMPL", "make_weights",
-           "resolve_impl", "torch_router", "conventional_experts", "hf_loop_experts", "sort_dispatch", "grouped_linear"]
+           "resolve_impl", "step_params", "torch_router", "conventional_experts", "hf_loop_experts", "sort_dispatch",
+           "grouped_linear"]
 
 BASELINE_IMPL = "conventional"
 PEERS_HINT = "install the peers: source .peers/install.sh /tmp/peers"
@@ -255,6 +259,21 @@ def _moeblaze(backend: str, save: str, token_rounding: str | None = None) -> Bui
     return build
 
 
+def _dense(cfg: BenchConfig, w: LayerWeights, opts: ImplOptions) -> nn.Module:
+    from ..layer import SharedExpert
+
+    return SharedExpert(cfg.d, cfg.K * cfg.h, cfg.activation, device=w.w1.device, dtype=w.w1.dtype)
+
+
+def step_params(fn: Callable, w: LayerWeights) -> list[torch.Tensor]:
+    """The parameters a training step of ``fn`` updates: the shared weights ``w``, then the parameters of ``fn``
+    itself (an ``nn.Module``'s) that are not among them, as ``dense``'s own weights."""
+    shared = w.params()
+    ids = {id(p) for p in shared}
+    own = fn.parameters() if isinstance(fn, nn.Module) else ()
+    return shared + [p for p in own if id(p) not in ids]
+
+
 def _liger(cfg: BenchConfig, w: LayerWeights, opts: ImplOptions):
     # Read once, when liger_kernel.ops.fused_moe is first imported.
     os.environ.setdefault("LIGER_FUSED_MOE_AUTOTUNE", "1" if opts.liger_autotune else "0")
@@ -301,6 +320,8 @@ IMPLS: dict[str, Impl] = {i.name: i for i in [
          activations=("swiglu",), needs_cuda=True),
     Impl("sonicmoe", "SonicMoE moe_TC_softmax_topk_layer (CuTe DSL)", _sonic, module="sonicmoe",
          activations=("swiglu", "geglu"), needs_cuda=True, isolate=True),
+    Impl("dense", "not an MoE: dense gated MLP of width K*h (the active FLOPs), no router", _dense,
+         activations=("swiglu", "geglu")),
 ]}
 DEFAULT_IMPLS = ["moeblaze", "moeblaze-torch", "conventional", "hf-loop", "liger", "sonicmoe"]
 

@@ -31,7 +31,7 @@ from dataclasses import asdict, dataclass, field, fields
 import torch
 
 from ..memory import SavedTensorCounter
-from .baselines import Impl, ImplOptions, LayerWeights, make_weights
+from .baselines import Impl, ImplOptions, LayerWeights, make_weights, step_params
 from .configs import BenchConfig
 
 __all__ = ["Row", "RunOptions", "DTYPES", "ISOLATE_MODES", "measure_impl",
@@ -256,7 +256,8 @@ def _measure(row: Row, cfg: BenchConfig, impl: Impl, w: LayerWeights, x: torch.T
              opts: RunOptions, flush: torch.Tensor | None) -> None:
     t0 = time.perf_counter()
     fn = impl.build(cfg, w, opts.impl)
-    step, zero = _make_step(fn, x, dout, w.params())
+    params = step_params(fn, w)
+    step, zero = _make_step(fn, x, dout, params)
     step()
     _sync()
     row.warmup_s = round(time.perf_counter() - t0, 3)
@@ -264,7 +265,7 @@ def _measure(row: Row, cfg: BenchConfig, impl: Impl, w: LayerWeights, x: torch.T
         row.status, row.note = "skipped", f"first step took {row.warmup_s:.0f} s > cap {opts.cap_s:.0f} s"
         return
     est_ms = cuda_time_ms(step, 1, flush)[0]
-    with SavedTensorCounter(exclude=[*w.params(), x]) as counter:
+    with SavedTensorCounter(exclude=[*params, x]) as counter:
         out = fn(x)
     del out
     row.saved_mib = counter.bytes / MIB
