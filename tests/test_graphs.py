@@ -10,6 +10,8 @@ trains like eager.
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 import torch.nn as nn
@@ -133,6 +135,12 @@ def _capture_and_compare(moe: MoE, static_x: torch.Tensor, static_dout: torch.Te
             _step(moe, static_x, static_dout)
     torch.cuda.current_stream().wait_stream(side)
     _clear(moe, static_x)
+    # Dead graphs of earlier tests (make_graphed_callables keeps its graphs in generated autograd Function
+    # classes, freed only by the cycle collector) must not be destroyed inside this capture: torch.cuda.graph
+    # no longer collects on entry, and a CUDAGraph's reset mid-capture invalidates it ("operation not permitted
+    # when stream is capturing (function reset)", then capture_end's "operation failed due to a previous error
+    # during capture"; the host-loop test below failed so on fresh H200 machines, 2026-11-26).
+    gc.collect()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         static_out = _step(moe, static_x, static_dout)
@@ -206,6 +214,7 @@ class _WithAux(nn.Module):
 def test_gpu_make_graphed_callables_equals_eager(activation, save):
     eager = _WithAux(_layer(activation, save))
     x0, _ = _inputs(0)
+    gc.collect()  # see _capture_and_compare
     graphed = torch.cuda.make_graphed_callables(_WithAux(eager.moe), (x0.requires_grad_(True),))
     for seed in (1, 2):
         x, dout = _inputs(seed)
@@ -226,12 +235,10 @@ def test_gpu_torch_backend_capture_names_the_host_loop():
     x, dout = _inputs(0)
     x.requires_grad_(True)
     _step(moe, x, dout)  # warm-up
-    # The warm-up's aux loss keeps its graph, whose gradient accumulators are bound to the default stream: an
-    # accumulation from them inside the capture invalidates it, and capture_end's "operation failed due to a
-    # previous error during capture" then replaces the host loop's error (seen on a fresh H200, 2026-11-26).
     torch.cuda.synchronize()
-    detach_aux_losses(moe)
+    detach_aux_losses(moe)  # moeblaze.graphs' recipe: no accumulators of the warm-up's graph in the capture
     _clear(moe, x)
+    gc.collect()  # see _capture_and_compare
     graph = torch.cuda.CUDAGraph()
     with pytest.raises(RuntimeError, match="cannot run inside CUDA-graph capture"), torch.cuda.graph(graph):
         _step(moe, x, dout)
