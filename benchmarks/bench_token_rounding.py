@@ -8,7 +8,7 @@ timed step, per variant on the same weights and inputs:
 ``tr-nr-eager``     the same with the rounding's PyTorch ops run eagerly (``compile_rounding=off``)
 ``ceiling``         the router runs, then the experts take a fixed routing whose every expert count is a
                     multiple of the M tile with no imbalance (as equal as multiples of the tile allow): the
-                    most rounding can give
+                    most rounding can give; x's gradient summed in place by both, as in the layer
 ``pairs-moeblaze``  ``moe_experts_general`` alone on the rounded pairs of one ``tr-nr`` step (compacted:
                     dropped / unused pairs removed), routing excluded; the pair index built in the step as the
                     layer builds it (``plan_pairs(validate=False)``: no range check, no host read; SonicMoE's
@@ -50,6 +50,7 @@ import torch
 from moeblaze import MoE, moe_experts, moe_experts_general, round_tokens, settings, tile_multiple
 from moeblaze.backends import get_backend
 from moeblaze.bench.runner import kernel_time_ms
+from moeblaze.input_grad import SharedInputGrad
 from moeblaze.token_rounding import round_counts, round_tokens_fused
 
 SHAPES = [(16384, 1536, 1024, 128, 2), (16384, 4096, 1024, 256, 4), (16384, 2048, 512, 512, 10)]
@@ -112,11 +113,13 @@ def layer_steps(shape, device, dtype, backend, tile=None, sonic=True):
                 moe(x).backward(dout)
         return step
 
-    def ceiling():
+    def ceiling():  # x's gradient summed in place by the router and the experts, as the layer does
         clear()
-        r = moe.router(x)
+        share = SharedInputGrad()
+        r = moe.router(x, input_grad=share)
         index = get_backend(backend, x).plan(ceil, E, validate=False)
-        moe_experts(x, ceil, r.topk_weights, moe.w1, moe.w_down, backend=backend, index=index).backward(dout)
+        moe_experts(x, ceil, r.topk_weights, moe.w1, moe.w_down, backend=backend, index=index,
+                    input_grad=share).backward(dout)
 
     with torch.no_grad():
         r = moe.router(x)
