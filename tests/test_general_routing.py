@@ -123,6 +123,11 @@ def test_pair_index_contract(foreign):
     assert torch.equal(idx.pair_offsets, torch.searchsorted(tok, torch.arange(T + 1, dtype=torch.int32)).int())
     tiles = (counts[:E] + 3).div(4, rounding_mode="floor").sum()
     assert idx.schedule is not None and int(idx.schedule.num_tiles) == int(tiles)
+    given = build_dispatch_pairs(tok, exp, T, E, block_m=4, foreign_experts=foreign, pair_offsets=idx.pair_offsets)
+    assert given.pair_offsets is idx.pair_offsets  # the caller's CSR (token rounding's), used as given
+    assert torch.equal(given.token_index_map, idx.token_index_map)
+    with pytest.raises(ValueError, match="pair_offsets must be"):
+        build_dispatch_pairs(tok, exp, T, E, foreign_experts=foreign, pair_offsets=idx.pair_offsets[:-1])
 
 
 def test_tokens_without_pairs_and_no_pairs_at_all():

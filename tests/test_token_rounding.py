@@ -106,7 +106,7 @@ def test_kernel_selections_equal_torch_bitwise(mode, T, E, K, tile, dtype):
         assert a.dtype == b.dtype and torch.equal(a, b)
 
 
-def test_kernel_pads_ascending_and_filler_spread():
+def test_kernel_selections_mark_the_best_pads_and_drop_the_lowest():
     from moeblaze.kernels.rounding import rounding_select
 
     T, E, K, J = 64, 4, 1, 7
@@ -115,17 +115,48 @@ def test_kernel_pads_ascending_and_filler_spread():
     ids[:5] = 1  # expert 1: 5 tokens, pads 3 to 8; expert 0: 59, drops 3 to 56; experts 2, 3: nothing
     counts = torch.tensor([59, 5, 0, 0], dtype=torch.int32)
     target = torch.tensor([56, 8, 0, 0], dtype=torch.int32)
-    kept, pad_tok = rounding_select(scores, ids, scores.gather(1, ids.long()), counts, target, J, J)
+    kept, pad_mask = rounding_select(scores, ids, scores.gather(1, ids.long()), counts, target, J)
+    assert pad_mask.dtype == torch.uint8 and pad_mask.shape == (T, E)
     outside = scores[5:, 1]  # expert 1's tokens outside its top-k: 5..63
     best = (outside.topk(3).indices + 5).sort().values
-    assert torch.equal(pad_tok[:3, 1], best.int())
-    j = torch.arange(J)
-    assert torch.equal(pad_tok[3:, 1], ((j[3:] * E + 1) % T).int())
-    for e in (0, 2, 3):
-        assert torch.equal(pad_tok[:, e], ((j * E + e) % T).int())
+    assert torch.equal(pad_mask[:, 1].nonzero().flatten(), best)
+    assert int(pad_mask[:, [0, 2, 3]].sum()) == 0
     dropped = (kept[:, 0] == E).nonzero().flatten()
     w0 = scores[5:, 0]
     assert torch.equal(dropped, (w0.topk(3, largest=False).indices + 5).sort().values)
+
+
+@pytest.mark.parametrize("T,E,K,J", [(64, 4, 1, 7), (5, 6, 2, 3), (1, 4, 2, 1), (37, 3, 3, 9), (0, 4, 2, 0)])
+def test_pair_list_layout(T, E, K, J):
+    """The pair list of kept and padded pairs: per token its K top-k pairs, its padded pairs in expert order, then
+    its share of the unused entries (expert E, weight index 0), spread evenly; the CSR delimits them; the kernels
+    (interpreter) give it bitwise as the PyTorch ops do."""
+    from moeblaze.kernels.rounding import rounding_place
+    from moeblaze.token_rounding import _place_torch
+
+    gen = torch.Generator().manual_seed(T * E + J)
+    kept = torch.randint(0, E + 1, (T, K), generator=gen, dtype=torch.int32)
+    pad_mask = torch.zeros(T, E, dtype=torch.uint8)
+    for e in range(E):  # at most J pads per expert, at random tokens
+        pad_mask[torch.randperm(T, generator=gen)[:int(torch.randint(0, J + 1, (), generator=gen))], e] = 1
+    got = _place_torch(kept, pad_mask, J)
+    for a, b in zip(got, rounding_place(kept, pad_mask, J)):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    token_idx, expert_idx, src, offsets = got
+    P = T * K + J * E
+    assert token_idx.shape == (P,) and int(offsets[-1]) == P and int(offsets[0]) == 0
+    unused = J * E - int(pad_mask.sum())
+    for t in range(T):
+        a, b = int(offsets[t]), int(offsets[t + 1])
+        assert bool((token_idx[a:b] == t).all())
+        experts = [int(e) for e in pad_mask[t].nonzero().flatten()]
+        assert expert_idx[a:a + K].tolist() == kept[t].tolist()
+        assert src[a:a + K].tolist() == [t * K + k for k in range(K)]
+        assert expert_idx[a + K:a + K + len(experts)].tolist() == experts
+        assert src[a + K:a + K + len(experts)].tolist() == [T * K + t * E + e for e in experts]
+        fill = b - a - K - len(experts)
+        assert fill == (unused * (t + 1)) // T - (unused * t) // T
+        assert bool((expert_idx[b - fill:b] == E).all()) and bool((src[b - fill:b] == 0).all())
 
 
 def test_given_counts_round_as_counted(selection):

@@ -72,12 +72,13 @@ class Backend:
         return build_dispatch(topk_ids, num_experts, validate=validate, block_m=bm, foreign_experts=foreign_experts)
 
     def plan_pairs(self, token_idx: torch.Tensor, expert_idx: torch.Tensor, num_tokens: int, num_experts: int, *,
-                   validate: bool = True, foreign_experts: bool = False) -> DispatchIndex:
+                   validate: bool = True, foreign_experts: bool = False,
+                   pair_offsets: torch.Tensor | None = None) -> DispatchIndex:
         """The index of general routing inputs (``[P]`` pairs) with this backend's tile schedule
         (:func:`moeblaze.dispatch.build_dispatch_pairs`; same arguments, errors and contract)."""
         bm = self.block_m(expert_idx.numel(), num_experts)
         return build_dispatch_pairs(token_idx, expert_idx, num_tokens, num_experts, validate=validate, block_m=bm,
-                                    foreign_experts=foreign_experts)
+                                    foreign_experts=foreign_experts, pair_offsets=pair_offsets)
 
     def scheduled(self, index: DispatchIndex) -> DispatchIndex:
         """``index`` with the tile schedule this backend's ops read (itself when it has it or needs none:

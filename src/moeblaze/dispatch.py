@@ -292,7 +292,7 @@ def check_pairs(token_idx: torch.Tensor, expert_idx: torch.Tensor, num_tokens: i
 
 def build_dispatch_pairs(token_idx: torch.Tensor, expert_idx: torch.Tensor, num_tokens: int, num_experts: int,
                          validate: bool = True, block_m: int | None = None,
-                         foreign_experts: bool = False) -> DispatchIndex:
+                         foreign_experts: bool = False, pair_offsets: torch.Tensor | None = None) -> DispatchIndex:
     """The dispatch index of general routing inputs (contract: :mod:`moeblaze.general_routing`; DESIGN.md §3).
 
     Same passes as :func:`moeblaze.build_dispatch` (Triton on CUDA, no sort, no atomics, no host
@@ -306,15 +306,21 @@ def build_dispatch_pairs(token_idx: torch.Tensor, expert_idx: torch.Tensor, num_
         block_m: also attach the grouped-GEMM tile schedule for M-tiles of ``block_m`` slots.
         foreign_experts: ids ``>= E`` are skipped (an extra last bucket, as ``build_dispatch``'s); token
             rounding marks its unused candidate pairs this way so that P stays static.
+        pair_offsets: the ``[T+1]`` int32 CSR of these pairs when the caller has it (token rounding's
+            :attr:`moeblaze.TokenRounding.pair_offsets`): used as given, no binary search.
 
     Returns:
         :class:`DispatchIndex` with ``token_expert_indices [P]``, ``token_index_map [P]``,
         ``expert_token_indices [P]`` (slot -> token) and ``pair_offsets [T+1]``, all int32.
 
     Raises:
-        TypeError, ValueError: see :func:`check_pairs`; ``block_m`` not a positive int.
+        TypeError, ValueError: see :func:`check_pairs`; ``block_m`` not a positive int; ``pair_offsets`` not
+            ``[T+1]`` int32.
     """
     check_pairs(token_idx, expert_idx, num_tokens, num_experts, check_range=validate, foreign_experts=foreign_experts)
+    if pair_offsets is not None and (pair_offsets.shape != (num_tokens + 1,) or pair_offsets.dtype != torch.int32):
+        raise ValueError(f"pair_offsets must be [num_tokens + 1 = {num_tokens + 1}] int32, got "
+                         f"{tuple(pair_offsets.shape)} {pair_offsets.dtype}")
     P = expert_idx.numel()
     if P == 0:  # no pairs: an index of zero slots (build_dispatch needs K >= 1 columns)
         dev = expert_idx.device
@@ -326,8 +332,9 @@ def build_dispatch_pairs(token_idx: torch.Tensor, expert_idx: torch.Tensor, num_
                               foreign_experts=foreign_experts)
     tok = token_idx.to(torch.int32)
     indices = tok.index_select(0, base.expert_token_indices.long())  # slot -> pair -> token
-    bounds = torch.arange(num_tokens + 1, dtype=torch.int32, device=tok.device)
-    pair_offsets = torch.searchsorted(tok, bounds, out_int32=True)  # first pair of each token (tok ascends)
+    if pair_offsets is None:
+        bounds = torch.arange(num_tokens + 1, dtype=torch.int32, device=tok.device)
+        pair_offsets = torch.searchsorted(tok, bounds, out_int32=True)  # first pair of each token (tok ascends)
     index = DispatchIndex(base.expert_token_offsets, indices, base.token_expert_indices.view(P),
                           base.token_index_map.view(P), num_experts, base.schedule, foreign_experts,
                           pair_offsets=pair_offsets)

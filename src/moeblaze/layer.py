@@ -250,7 +250,8 @@ class MoE(nn.Module):
                                self.router.routed_scaling_factor,
                                routing.counts if x2.shape[0] * self.top_k < 2**24 else None)  # fp32: exact below
         index = get_backend(self.backend, x2).plan_pairs(r.token_idx, r.expert_idx, x2.shape[0], self.num_experts,
-                                                         validate=False, foreign_experts=True)
+                                                         validate=False, foreign_experts=True,
+                                                         pair_offsets=r.pair_offsets)
         return moe_experts_general(x2, r.token_idx, r.expert_idx, r.pair_weights, self.w1, self.w_down,
                                    activation=self.activation, save=self.save, backend=self.backend, index=index,
                                    foreign_experts=True, input_grad=share, **biases)

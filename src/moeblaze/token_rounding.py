@@ -26,7 +26,9 @@ like the top-k weights. A token whose pairs are all dropped gets zero MoE output
 No host synchronisation and static shapes: the result always has ``P = T*K + J*E`` pairs with ``J``
 padding candidates per expert (the most one expert may pad: ``(tile - 1) // 2`` for ``nr``); dropped
 and unused pairs carry the expert id ``E`` (a foreign expert: the index puts them in its extra bucket,
-no GEMM computes them, they add nothing). Evaluation (``model.eval()``) routes with plain top-k.
+no GEMM computes them, they add nothing). Pairs are in token order: per token its K top-k pairs (k
+order), its padded pairs (expert order), then its share of the unused entries (spread evenly over the
+tokens: :mod:`moeblaze.kernels.rounding`). Evaluation (``model.eval()``) routes with plain top-k.
 """
 
 from __future__ import annotations
@@ -74,12 +76,15 @@ class TokenRounding:
         token_idx: ``[P]`` int32, ascending. expert_idx: ``[P]`` int32, E for dropped / unused pairs.
         pair_weights: ``[P]`` float combine weights (differentiable).
         counts: ``[E]`` int32 rounded token count of each expert (multiples of the tile).
+        pair_offsets: ``[T+1]`` int32 first pair of each token (the CSR of :mod:`moeblaze.general_routing`;
+            pass it to ``plan_pairs`` / :func:`moeblaze.build_dispatch_pairs` to skip their search).
     """
 
     token_idx: torch.Tensor
     expert_idx: torch.Tensor
     pair_weights: torch.Tensor
     counts: torch.Tensor
+    pair_offsets: torch.Tensor
 
 
 def round_counts(counts: torch.Tensor, tile: int, mode: str = "nr", num_tokens: int | None = None,
@@ -130,9 +135,9 @@ def round_tokens(scores: torch.Tensor, topk_ids: torch.Tensor, topk_weights: tor
                  scale: float = 1.0, counts: torch.Tensor | None = None) -> TokenRounding:
     """Token rounding of a top-k routing (SonicMoE §5 Alg. 4; rules and weights: module docstring).
 
-    The selections run as two Triton launches (:mod:`moeblaze.kernels.rounding`) where the ``fused_rounding``
-    setting says so (``auto``: CUDA scores) and T, K are within its limits, else as PyTorch ops; both give the
-    same pairs (ties: the lower token first).
+    The selections and the pair list run as four Triton launches (:mod:`moeblaze.kernels.rounding`) where the
+    ``fused_rounding`` setting says so (``auto``: CUDA scores) and T, K are within its limits, else as PyTorch
+    ops; both give the same pairs in the same order (ties: the lower token first).
 
     Args:
         scores: ``[T, E]`` float router scores (softmax probabilities or sigmoid scores), differentiable.
@@ -188,48 +193,51 @@ def _round_tokens(scores, topk_ids, topk_weights, tile, mode, generator, scale, 
     target = round_counts(f, tile, mode, T, generator)
     J = _max_pad(mode, tile, T)
     if kernels:
-        from .kernels.rounding import rounding_select
+        from .kernels.rounding import rounding_place, rounding_select
 
-        kept, pad_tok = rounding_select(scores.detach().contiguous(), topk_ids.contiguous(),
-                                        topk_weights.detach().contiguous(), f, target, J, tile - 1)
+        kept, pad_mask = rounding_select(scores.detach().contiguous(), topk_ids.contiguous(),
+                                         topk_weights.detach().contiguous(), f, target, tile - 1)
+        token_idx, expert_idx, src, pair_offsets = rounding_place(kept, pad_mask, J)
     else:
-        kept, pad_tok = _select_torch(scores.detach(), ids, topk_weights.detach(), f, target, J)
-    tok = torch.arange(T, dtype=torch.int32, device=dev).repeat_interleave(K)
+        kept, pad_mask = _select_torch(scores.detach(), ids, topk_weights.detach(), f, target, J)
+        token_idx, expert_idx, src, pair_offsets = _place_torch(kept, pad_mask, J)
     if not J:  # no pad candidates ("down"): the top-k pairs as they are, already in token order
-        return TokenRounding(tok, kept.reshape(-1), topk_weights.reshape(-1).clone(), target)
-    experts = torch.arange(E, dtype=torch.int32, device=dev)
-    pad_ids = torch.where(torch.arange(J, device=dev)[:, None] < (target - f)[None, :], experts[None, :], E)
-    pad_w = (scores[pad_tok.long(), experts.long()[None, :]] * scale).to(topk_weights.dtype)
-    pos = _merged_positions(pad_tok.reshape(-1), T, K)
-    return TokenRounding(_place(pos, tok, pad_tok.reshape(-1)),
-                         _place(pos, kept.reshape(-1), pad_ids.to(torch.int32).reshape(-1)),
-                         _place(pos, topk_weights.reshape(-1), pad_w.reshape(-1)), target)
+        return TokenRounding(token_idx, expert_idx, topk_weights.reshape(-1).clone(), target, pair_offsets)
+    return TokenRounding(token_idx, expert_idx, _pair_weights(src, topk_weights, scores, scale), target, pair_offsets)
 
 
-def _merged_positions(pad_tok: torch.Tensor, T: int, K: int) -> torch.Tensor:
-    """``[T*K + J*E]`` int64 position of each pair in the result (top-k pairs first, then the pad entries):
-    tokens ascending; within a token its K top-k pairs in k order, then its pad entries in (j, e) order.
-
-    Only the J*E pad entries are sorted (stable, by token); each top-k pair (t, k) goes to ``t*K + k`` plus the
-    pad entries of lower tokens (a binary search in the sorted pad tokens), and the i-th pad entry in that
-    order to ``i + (its token + 1) * K``: the stable sort of all ``T*K + J*E`` tokens, with a sort of a fifth
-    of them (at T 16384, K 2, E 128, J 63).
-    """
-    dev = pad_tok.device
-    # 16-bit keys where the tokens fit: the CUDA radix sort makes one pass per 8 key bits, 2 instead of 4
-    key = pad_tok.to(torch.int16) if T <= 2**15 else pad_tok
-    sorted_tok, order = torch.sort(key, stable=True)
-    before = torch.searchsorted(sorted_tok, torch.arange(T, dtype=key.dtype, device=dev))  # pads of tokens < t
-    topk_pos = (torch.arange(T * K, device=dev) + before.repeat_interleave(K)).long()
-    pad_pos = torch.empty_like(order)
-    pad_pos[order] = torch.arange(order.numel(), device=dev) + (sorted_tok.long() + 1) * K
-    return torch.cat((topk_pos, pad_pos))
+def _pair_weights(src: torch.Tensor, topk_weights: torch.Tensor, scores: torch.Tensor, scale: float) -> torch.Tensor:
+    """``[P]`` weights ``cat(topk_weights.flatten(), (scores * scale).flatten())[src]`` in topk_weights' dtype,
+    differentiable, without the ``[T*E]`` concatenation (unused entries take index 0: their gradient is 0)."""
+    tk = topk_weights.numel()
+    w_topk = topk_weights.reshape(-1)[src.clamp(max=max(tk - 1, 0))]
+    w_pad = (scores.reshape(-1)[(src - tk).clamp(min=0)] * scale).to(topk_weights.dtype)
+    return torch.where(src >= tk, w_pad, w_topk)
 
 
-def _place(pos: torch.Tensor, topk_part: torch.Tensor, pad_part: torch.Tensor) -> torch.Tensor:
-    """The top-k part's and then the pad part's values, each moved to its position ``pos`` (a permutation)."""
-    values = torch.cat((topk_part, pad_part))
-    return torch.empty_like(values).index_put_((pos,), values)
+def _place_torch(kept: torch.Tensor, pad_mask: torch.Tensor, J: int) -> tuple[torch.Tensor, ...]:
+    """:func:`moeblaze.kernels.rounding.rounding_place` in PyTorch ops (its layout and ``src``, bitwise)."""
+    (T, K), E, dev = kept.shape, pad_mask.shape[1], kept.device
+    P = T * K + J * E
+    pads = pad_mask.long().sum(1)
+    unused = J * E - pads.sum()
+    t = torch.arange(T + 1, device=dev)
+    fill_before = torch.div(unused * t, max(T, 1), rounding_mode="floor")
+    n = K + pads + fill_before.diff()
+    pair_offsets = torch.cat((n.new_zeros(1), n.cumsum(0)))
+    off = pair_offsets[:-1]
+    tokens = t[:-1]
+    token_idx = torch.repeat_interleave(tokens, n, output_size=P).to(torch.int32)
+    expert_idx = torch.full((P + 1,), E, dtype=torch.int32, device=dev)  # unused entries: expert E, index 0
+    src = torch.zeros(P + 1, dtype=torch.int64, device=dev)
+    topk_pos = (off[:, None] + torch.arange(K, device=dev)).reshape(-1)
+    expert_idx[topk_pos] = kept.reshape(-1)
+    src[topk_pos] = torch.arange(T * K, device=dev)
+    marked = pad_mask.bool()
+    pad_pos = torch.where(marked, off[:, None] + K + pad_mask.long().cumsum(1) - 1, P).reshape(-1)  # P: a dummy
+    expert_idx.index_put_((pad_pos,), torch.arange(E, dtype=torch.int32, device=dev).repeat(T))
+    src.index_put_((pad_pos,), T * K + torch.arange(T * E, device=dev))
+    return token_idx, expert_idx[:P], src[:P], pair_offsets.to(torch.int32)
 
 
 _INELIGIBLE = -(2**31)
@@ -242,24 +250,22 @@ def _order_key(x: torch.Tensor) -> torch.Tensor:
 
 
 def _select_torch(scores, ids, weights, counts, target, J) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`moeblaze.kernels.rounding.rounding_select` in PyTorch ops: ``(kept [T, K], pad_tok [J, E])``."""
+    """:func:`moeblaze.kernels.rounding.rounding_select` in PyTorch ops: ``(kept [T, K], pad_mask [T, E])``."""
     (T, E), K, dev = scores.shape, ids.shape[1], scores.device
     drop = (counts - target).clamp_min(0)
     dropped = _dropped_pairs(ids.reshape(-1), _order_key(weights).reshape(-1), counts, drop)
     kept = torch.where(dropped.view(T, K), E, ids).to(torch.int32)
-    experts, j = torch.arange(E, device=dev), torch.arange(J, device=dev)
-    filler = (j[:, None] * E + experts[None, :]) % max(T, 1)
+    pad_mask = torch.zeros(T * E + 1, dtype=torch.uint8, device=dev)  # + 1: a dummy for the unused candidates
     if not J:
-        return kept, filler.to(torch.int32)
+        return kept, pad_mask[:-1].view(T, E)
     # per expert its J best tokens outside its top-k by (key desc, token asc): one unique int64 per entry
     key = _order_key(scores).clamp_min(_INELIGIBLE + 1).t().contiguous()  # [E, T]: topk along the contiguous dim
     key.index_put_((ids.t().reshape(-1), torch.arange(T, device=dev).repeat(K)), key.new_full((), _INELIGIBLE))
-    tokens = torch.arange(T, device=dev)
+    tokens, experts = torch.arange(T, device=dev), torch.arange(E, device=dev)
     best = (key.long() * T + (T - 1 - tokens)).topk(J, dim=1).indices  # [E, J]
-    pad = (target - counts).clamp_min(0)
-    used = j[None, :] < pad[:, None]
-    ascending = torch.where(used, best, T + j[None, :]).sort(dim=1).values  # the used tokens first, ascending
-    return kept, torch.where(used, ascending, filler.t()).t().contiguous().to(torch.int32)
+    used = torch.arange(J, device=dev)[None, :] < (target - counts).clamp_min(0)[:, None]
+    pad_mask[torch.where(used, best * E + experts[:, None], T * E).reshape(-1)] = 1
+    return kept, pad_mask[:-1].view(T, E)
 
 
 def _dropped_pairs(pair_e: torch.Tensor, pair_key: torch.Tensor, counts: torch.Tensor,

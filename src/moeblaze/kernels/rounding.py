@@ -1,4 +1,4 @@
-"""Token rounding's per-expert selections in two launches (issue 25; SonicMoE §5 Alg. 4; rules:
+"""Token rounding's per-expert selections in two launches and its pair list in two more (issue 25; SonicMoE §5 Alg. 4; rules:
 :mod:`moeblaze.token_rounding`).
 
 After top-k, expert e with ``f_e`` tokens and rounded target ``r_e`` either drops its ``n = f_e - r_e``
@@ -19,7 +19,17 @@ never written out whole:
   groups. Their tokens' keys, recomputed from the scores, ids and weights, give the n-th largest key and
   the selection in token order: every key above it and, of the keys equal to it, the lowest tokens (ties:
   the lower token first, in both selections). Dropped pairs get the expert id E in ``kept [T, K]``; padded
-  tokens go, ascending, into ``pad_tok [J, E]`` (its unused entries hold the spread filler ``(j*E + e) % T``).
+  pairs are marked in ``pad_mask [T, E]`` (uint8, 1 where expert e pads token t).
+
+Then the pair list, in token order without a sort (:func:`rounding_place`): token t's pairs are its K top-k
+pairs, its padded pairs in expert order and ``fill_t`` unused entries, ``fill_t = floor(U (t+1) / T) - floor(U t
+/ T)`` spreading the ``U = J*E - sum(pad_mask)`` unused pad candidates over the tokens (a static ``P = T*K +
+J*E``; no token gets them all). :func:`rounding_pad_count_kernel` sums each block of tokens' padded pairs;
+:func:`rounding_place_kernel` adds the sums of the blocks before its own (at most ``T / 16`` of them), scans its
+tokens' pair counts and writes the pairs and the pair CSR ``pair_offsets [T+1]``. It replaces a stable radix sort
+of the ``J*E`` pad entries by token, a binary search per token and three scatters (issue 25: 40 µs of the 96
+by which ``nr`` trailed the ceiling at T 16384, E 128, K 2 on an H200, 2026-11-26, ``python3
+benchmarks/bench_token_rounding.py speed --shapes 0 --variants none --breakdown 45``).
 
 No sort, no atomics, no host synchronisation. The order key of a float is its bit pattern as int32 with the
 lower 31 bits flipped for negative values (monotone in the value; ``-0.0`` is made ``+0.0`` first, NaN
@@ -138,7 +148,7 @@ def _candidate_keys(toks, valid, e, dropping, scores_ptr, ids_ptr, weights_ptr, 
 
 
 @triton.jit
-def _select_candidates(e, n, dropping, ncb, T, E, cand_ptr, scores_ptr, ids_ptr, weights_ptr, kept_ptr, pad_tok_ptr,
+def _select_candidates(e, n, dropping, ncb, T, E, cand_ptr, scores_ptr, ids_ptr, weights_ptr, kept_ptr, pad_mask_ptr,
                        stride_s_t, stride_ids_t, stride_w_t, K: tl.constexpr, GROUP: tl.constexpr,
                        CAND: tl.constexpr, BLOCKS: tl.constexpr):
     """The selection among the tokens of expert e's first ``ncb <= BLOCKS`` candidate groups (ascending in
@@ -156,9 +166,8 @@ def _select_candidates(e, n, dropping, ncb, T, E, cand_ptr, scores_ptr, ids_ptr,
     sel = valid & (above | (ties & (tl.cumsum(ties.to(tl.int32), axis=0) <= need)))
     if dropping:  # the pair (t, kk) of each selected token t
         tl.store(kept_ptr + toks * K + kk, tl.full(toks.shape, E, tl.int32), mask=sel)
-    else:  # the selected tokens, ascending, at j = their rank
-        j = tl.cumsum(sel.to(tl.int32), axis=0) - 1
-        tl.store(pad_tok_ptr + j * E + e, toks, mask=sel)
+    else:
+        tl.store(pad_mask_ptr + toks * E + e, tl.full(toks.shape, 1, tl.uint8), mask=sel)
 
 
 @triton.jit
@@ -171,9 +180,9 @@ def rounding_select_kernel(
     counts_ptr,   # [E] int32 top-k token counts f_e
     target_ptr,   # [E] int32 rounded counts r_e
     kept_ptr,     # [T, K] int32 in/out: the top-k ids; dropped pairs set to E
-    pad_tok_ptr,  # [J, E] int32 out: padded tokens of each expert, ascending, then the filler
-    T, E, J, NB, stride_s_t, stride_ids_t, stride_w_t,
-    K: tl.constexpr, GROUP: tl.constexpr, BLOCK_NB: tl.constexpr, CAND: tl.constexpr, BLOCK_J: tl.constexpr,
+    pad_mask_ptr, # [T, E] uint8 in/out (zeros in): 1 where expert e pads token t
+    T, E, NB, stride_s_t, stride_ids_t, stride_w_t,
+    K: tl.constexpr, GROUP: tl.constexpr, BLOCK_NB: tl.constexpr, CAND: tl.constexpr,
 ):
     e = tl.program_id(0)
     f = tl.load(counts_ptr + e)
@@ -190,14 +199,10 @@ def rounding_select_kernel(
         tl.debug_barrier()  # the row of candidates, written by all threads, read by all
         if ncb <= CAND // 2:  # the usual case for nr (n < tile / 2): half the candidate keys to search
             _select_candidates(e, n, f > r, ncb, T, E, cand_ptr, scores_ptr, ids_ptr, weights_ptr, kept_ptr,
-                               pad_tok_ptr, stride_s_t, stride_ids_t, stride_w_t, K, GROUP, CAND, CAND // 2)
+                               pad_mask_ptr, stride_s_t, stride_ids_t, stride_w_t, K, GROUP, CAND, CAND // 2)
         else:
             _select_candidates(e, n, f > r, ncb, T, E, cand_ptr, scores_ptr, ids_ptr, weights_ptr, kept_ptr,
-                               pad_tok_ptr, stride_s_t, stride_ids_t, stride_w_t, K, GROUP, CAND, CAND)
-    jj = tl.arange(0, BLOCK_J)
-    padded = tl.where(r > f, n, 0)
-    filler = (jj * E + e) % T  # unused candidates spread over the tokens (no token gets them all)
-    tl.store(pad_tok_ptr + jj * E + e, filler, mask=(jj >= padded) & (jj < J))
+                               pad_mask_ptr, stride_s_t, stride_ids_t, stride_w_t, K, GROUP, CAND, CAND)
 
 
 def _select_warps(nb: int) -> int:
@@ -217,13 +222,13 @@ def _keys_block(E: int, K: int) -> tuple[int, int]:
 
 
 def _select_impl(scores: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, counts: torch.Tensor,
-                 target: torch.Tensor, J: int, max_n: int) -> tuple[torch.Tensor, torch.Tensor]:
+                 target: torch.Tensor, max_n: int) -> tuple[torch.Tensor, torch.Tensor]:
     T, E = scores.shape
     K = ids.shape[1]
     kept = torch.empty(T, K, dtype=torch.int32, device=scores.device).copy_(ids)
-    pad_tok = torch.empty(J, E, dtype=torch.int32, device=scores.device)
+    pad_mask = torch.zeros(T, E, dtype=torch.uint8, device=scores.device)
     if T == 0:
-        return kept, pad_tok
+        return kept, pad_mask
     nb = cdiv(T, GROUP)
     bmax = torch.empty(E, nb, dtype=torch.int32, device=scores.device)
     cand = max(2, next_pow2(2 * max(max_n, 1) - 1))  # the candidate groups of an expert: at most 2n - 1
@@ -234,39 +239,36 @@ def _select_impl(scores: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
            stride_ids_t=ids.stride(0), stride_w_t=weights.stride(0), K=K, GROUP=GROUP, BLOCK_T=block_t,
            BLOCK_E=block_e, num_warps=4)
     launch(rounding_select_kernel, (E,), scores_ptr=scores, ids_ptr=ids, weights_ptr=weights, bmax_ptr=bmax,
-           cand_ptr=cand_groups, counts_ptr=counts, target_ptr=target, kept_ptr=kept, pad_tok_ptr=pad_tok, T=T, E=E,
-           J=J, NB=nb, stride_s_t=scores.stride(0), stride_ids_t=ids.stride(0), stride_w_t=weights.stride(0), K=K,
-           GROUP=GROUP, BLOCK_NB=next_pow2(nb), CAND=cand, BLOCK_J=next_pow2(max(J, 1)),
-           num_warps=_select_warps(nb))
-    return kept, pad_tok
+           cand_ptr=cand_groups, counts_ptr=counts, target_ptr=target, kept_ptr=kept, pad_mask_ptr=pad_mask, T=T, E=E,
+           NB=nb, stride_s_t=scores.stride(0), stride_ids_t=ids.stride(0), stride_w_t=weights.stride(0), K=K,
+           GROUP=GROUP, BLOCK_NB=next_pow2(nb), CAND=cand, num_warps=_select_warps(nb))
+    return kept, pad_mask
 
 
 _select_op = torch.library.custom_op(
     "moeblaze::rounding_select", _select_impl, mutates_args=(),
-    schema="(Tensor scores, Tensor ids, Tensor weights, Tensor counts, Tensor target, int J, int max_n) -> "
-           "(Tensor, Tensor)")
+    schema="(Tensor scores, Tensor ids, Tensor weights, Tensor counts, Tensor target, int max_n) -> (Tensor, Tensor)")
 
 
 @_select_op.register_fake
-def _(scores, ids, weights, counts, target, J, max_n):
-    return ids.new_empty(ids.shape, dtype=torch.int32), ids.new_empty(J, scores.shape[1], dtype=torch.int32)
+def _(scores, ids, weights, counts, target, max_n):
+    return ids.new_empty(ids.shape, dtype=torch.int32), scores.new_empty(scores.shape, dtype=torch.uint8)
 
 
 def rounding_select(scores: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, counts: torch.Tensor,
-                    target: torch.Tensor, J: int, max_n: int) -> tuple[torch.Tensor, torch.Tensor]:
+                    target: torch.Tensor, max_n: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Token rounding's drops and pads (module docstring) in two launches.
 
     Args:
         scores: ``[T, E]`` float router scores (unit column stride). ids: ``[T, K]`` int top-k ids (unit column
             stride, distinct per row). weights: ``[T, K]`` float top-k weights (unit column stride).
-        counts: ``[E]`` int32 ``f_e``. target: ``[E]`` int32 ``r_e`` with ``|r_e - f_e| <= J`` where padding,
-            ``r_e <= T``. J: pad candidates per expert. max_n: the most tokens one expert drops or pads,
-            ``|r_e - f_e| <= max_n`` for every e (``tile - 1`` serves every mode); the select kernel holds
-            ``2 * max_n * GROUP`` candidate keys.
+        counts: ``[E]`` int32 ``f_e``. target: ``[E]`` int32 ``r_e``, ``r_e <= T``. max_n: the most tokens one
+            expert drops or pads, ``|r_e - f_e| <= max_n`` for every e (``tile - 1`` serves every mode); the
+            select kernel holds ``2 * max_n * GROUP`` candidate keys.
 
     Returns:
-        ``(kept [T, K] int32, pad_tok [J, E] int32)``: the ids with dropped pairs set to E; per expert its
-        ``r_e - f_e`` padded tokens ascending in rows ``0..``, the filler ``(j*E + e) % T`` after them.
+        ``(kept [T, K] int32, pad_mask [T, E] uint8)``: the ids with dropped pairs set to E; 1 where expert e
+        pads token t (``r_e - f_e`` ones in column e where that is positive), else 0.
 
     Raises:
         ValueError: shapes or dtypes other than above, T above ``MAX_TOKENS``, K above ``MAX_TOP_K``, ``max_n``
@@ -286,4 +288,127 @@ def rounding_select(scores: torch.Tensor, ids: torch.Tensor, weights: torch.Tens
                          f"{counts.dtype} and {tuple(target.shape)} {target.dtype}")
     if max_n < 0:
         raise ValueError(f"rounding_select: max_n (the most tokens one expert drops or pads) must be >= 0, got {max_n}")
-    return call_op(_select_op, _select_impl, scores, ids, weights, counts, target, J, max_n)
+    return call_op(_select_op, _select_impl, scores, ids, weights, counts, target, max_n)
+
+
+@triton.jit
+def rounding_pad_count_kernel(
+    pad_mask_ptr,  # [T, E] uint8: 1 where expert e pads token t
+    block_pads_ptr,  # [NBT] int32 out: padded pairs of each block of BLOCK_T tokens
+    T, E,
+    BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = tl.arange(0, BLOCK_E)
+    m = tl.load(pad_mask_ptr + rows[:, None] * E + cols[None, :], mask=(rows < T)[:, None] & (cols < E)[None, :],
+                other=0).to(tl.int32)
+    tl.store(block_pads_ptr + tl.program_id(0), tl.sum(tl.sum(m, axis=1), axis=0))
+
+
+@triton.jit
+def rounding_place_kernel(
+    kept_ptr,          # [T, K] int32: top-k ids, E where dropped
+    pad_mask_ptr,      # [T, E] uint8: 1 where expert e pads token t
+    block_pads_ptr,    # [NBT] int32: padded pairs per block of BLOCK_T tokens (rounding_pad_count_kernel)
+    token_idx_ptr,     # [P] int32 out: each pair's token, ascending
+    expert_idx_ptr,    # [P] int32 out: each pair's expert, E for dropped and unused pairs
+    src_ptr,           # [P] int64 out: t*K + k for top-k pairs, T*K + t*E + e for padded ones, 0 for unused
+    pair_offsets_ptr,  # [T+1] int32 out: first pair of each token; P at T
+    T, E, NBT, UNUSED_MAX, MAX_FILL,
+    K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_NBT: tl.constexpr,
+):
+    b = tl.program_id(0)
+    nbt = tl.arange(0, BLOCK_NBT)
+    block_pads = tl.load(block_pads_ptr + nbt, mask=nbt < NBT, other=0)
+    unused = (UNUSED_MAX - tl.sum(block_pads, axis=0)).to(tl.int64)  # U = J*E - padded pairs
+    rows = b * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = tl.arange(0, BLOCK_E)
+    rmask = rows < T
+    m = tl.load(pad_mask_ptr + rows[:, None] * E + cols[None, :], mask=rmask[:, None] & (cols < E)[None, :],
+                other=0).to(tl.int32)
+    pads = tl.sum(m, axis=1)
+    fill_before = (unused * rows) // T  # unused entries of the tokens before t (spread evenly)
+    fill = ((unused * (rows + 1)) // T - fill_before).to(tl.int32)
+    n = tl.where(rmask, K + pads + fill, 0)
+    first = b * BLOCK_T * K + tl.sum(tl.where(nbt < b, block_pads, 0), axis=0) + (unused * b * BLOCK_T) // T
+    off = (first + tl.cumsum(n, axis=0) - n).to(tl.int32)  # pair_offsets of this block's tokens
+    tl.store(pair_offsets_ptr + rows, off, mask=rmask)
+    tl.store(pair_offsets_ptr + rows + 1, off + n, mask=rows == T - 1)
+    for k in tl.static_range(K):  # the top-k pairs, in k order
+        tl.store(token_idx_ptr + off + k, rows, mask=rmask)
+        tl.store(expert_idx_ptr + off + k, tl.load(kept_ptr + rows * K + k, mask=rmask, other=0), mask=rmask)
+        tl.store(src_ptr + off + k, rows.to(tl.int64) * K + k, mask=rmask)
+    pos = off[:, None] + K + tl.cumsum(m, axis=1) - m  # then the padded pairs, in expert order
+    padded = m != 0
+    tl.store(token_idx_ptr + pos, tl.broadcast_to(rows[:, None], pos.shape), mask=padded)
+    tl.store(expert_idx_ptr + pos, tl.broadcast_to(cols[None, :], pos.shape), mask=padded)
+    tl.store(src_ptr + pos, T * K + rows[:, None].to(tl.int64) * E + cols[None, :], mask=padded)
+    for i in range(MAX_FILL):  # then the unused entries, expert E, weight index 0 (ceil(J*E / T): 1 at T 16384, E 128)
+        q = off + K + pads + i
+        use = rmask & (i < fill)
+        tl.store(token_idx_ptr + q, rows, mask=use)
+        tl.store(expert_idx_ptr + q, tl.full(q.shape, 0, tl.int32) + E, mask=use)
+        tl.store(src_ptr + q, tl.zeros(q.shape, tl.int64), mask=use)
+
+
+_PLACE_BLOCK_T = 16  # tokens per program: T / 16 block sums for each program to add up (4,096 at T 65536)
+
+
+def _place_impl(kept: torch.Tensor, pad_mask: torch.Tensor, J: int) -> tuple[torch.Tensor, ...]:
+    (T, K), E = kept.shape, pad_mask.shape[1]
+    P, dev = T * K + J * E, kept.device
+    token_idx = torch.empty(P, dtype=torch.int32, device=dev)
+    expert_idx = torch.empty(P, dtype=torch.int32, device=dev)
+    src = torch.empty(P, dtype=torch.int64, device=dev)
+    pair_offsets = torch.zeros(T + 1, dtype=torch.int32, device=dev)
+    if T == 0:
+        return token_idx, expert_idx, src, pair_offsets
+    nbt, block_e = cdiv(T, _PLACE_BLOCK_T), next_pow2(E)
+    block_pads = torch.empty(nbt, dtype=torch.int32, device=dev)
+    launch(rounding_pad_count_kernel, (nbt,), pad_mask_ptr=pad_mask, block_pads_ptr=block_pads, T=T, E=E,
+           BLOCK_T=_PLACE_BLOCK_T, BLOCK_E=block_e, num_warps=4)
+    launch(rounding_place_kernel, (nbt,), kept_ptr=kept, pad_mask_ptr=pad_mask, block_pads_ptr=block_pads,
+           token_idx_ptr=token_idx, expert_idx_ptr=expert_idx, src_ptr=src, pair_offsets_ptr=pair_offsets, T=T, E=E,
+           NBT=nbt, UNUSED_MAX=J * E, MAX_FILL=cdiv(J * E, T), K=K, BLOCK_T=_PLACE_BLOCK_T, BLOCK_E=block_e,
+           BLOCK_NBT=next_pow2(nbt), num_warps=4)
+    return token_idx, expert_idx, src, pair_offsets
+
+
+_place_op = torch.library.custom_op(
+    "moeblaze::rounding_place", _place_impl, mutates_args=(),
+    schema="(Tensor kept, Tensor pad_mask, int J) -> (Tensor, Tensor, Tensor, Tensor)")
+
+
+@_place_op.register_fake
+def _(kept, pad_mask, J):
+    P = kept.numel() + J * pad_mask.shape[1]
+    return (kept.new_empty(P), kept.new_empty(P), kept.new_empty(P, dtype=torch.int64),
+            kept.new_empty(kept.shape[0] + 1))
+
+
+def rounding_place(kept: torch.Tensor, pad_mask: torch.Tensor, J: int) -> tuple[torch.Tensor, ...]:
+    """Token rounding's pair list in token order (module docstring), in two launches, no host synchronisation.
+
+    Args:
+        kept: ``[T, K]`` int32 top-k ids with dropped pairs set to E (contiguous). pad_mask: ``[T, E]`` uint8,
+            1 where expert e pads token t (contiguous), at most J ones per column. J: pad candidates per expert.
+
+    Returns:
+        ``(token_idx [P] int32, expert_idx [P] int32, src [P] int64, pair_offsets [T+1] int32)``, ``P = T*K +
+        J*E``: per token its K top-k pairs, its padded pairs in expert order, then its share of the unused
+        entries (expert E); ``src`` indexes each pair's weight in ``cat(topk_weights.flatten(),
+        scores.flatten())`` (0 for unused entries); ``pair_offsets`` is the CSR of :mod:`moeblaze.general_routing`.
+
+    Raises:
+        ValueError: shapes or dtypes other than above.
+    """
+    if kept.dim() != 2 or pad_mask.dim() != 2 or pad_mask.shape[0] != kept.shape[0]:
+        raise ValueError(f"rounding_place: kept must be [T, K] and pad_mask [T, E], got {tuple(kept.shape)} and "
+                         f"{tuple(pad_mask.shape)}")
+    if kept.dtype != torch.int32 or pad_mask.dtype != torch.uint8 or not (kept.is_contiguous()
+                                                                          and pad_mask.is_contiguous()):
+        raise ValueError(f"rounding_place: kept must be contiguous int32 and pad_mask contiguous uint8, got "
+                         f"{kept.dtype} and {pad_mask.dtype}")
+    if not isinstance(J, int) or J < 0:
+        raise ValueError(f"rounding_place: J (pad candidates per expert) must be an int >= 0, got {J!r}")
+    return call_op(_place_op, _place_impl, kept, pad_mask, J)
