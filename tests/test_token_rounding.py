@@ -159,6 +159,30 @@ def test_pair_list_layout(T, E, K, J):
         assert bool((expert_idx[b - fill:b] == E).all()) and bool((src[b - fill:b] == 0).all())
 
 
+@pytest.mark.parametrize("mode", ["nr", "up"])
+def test_pair_weights_and_their_gradients(mode, selection):
+    """Top-k pairs (kept or dropped) weigh their top-k weight at ``pair_offsets[t] + k``, padded pairs the scaled
+    score; the gradients of both inputs are those of that gather (float64), unused entries add nothing."""
+    T, E, K, tile, scale = 80, 6, 2, 16, 1.5
+    scores, ids, w = routing(T, E, K, 9)
+    scores, w = scores.double().requires_grad_(), w.double().requires_grad_()
+    r = round_tokens(scores, ids, w, tile, mode, scale=scale)
+    P = r.token_idx.numel()
+    c = torch.randn(P, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    ds, dw = torch.autograd.grad((r.pair_weights * c).sum(), (scores, w))
+    topk_pos = (r.pair_offsets[:-1, None].long() + torch.arange(K)).flatten()
+    is_topk = torch.zeros(P, dtype=torch.bool)
+    is_topk[topk_pos] = True
+    pad = ~is_topk & (r.expert_idx < E)
+    tok, exp = r.token_idx.long(), r.expert_idx.long()
+    s2, w2 = scores.detach().requires_grad_(), w.detach().requires_grad_()
+    ref = torch.zeros(P, dtype=torch.float64).index_put((topk_pos,), w2.flatten())
+    ref = torch.where(pad, s2[tok, exp.clamp(max=E - 1)] * scale, ref)
+    assert torch.equal(r.pair_weights[is_topk | pad], ref[is_topk | pad])
+    ds_ref, dw_ref = torch.autograd.grad((ref * torch.where(is_topk | pad, c, 0)).sum(), (s2, w2))
+    assert torch.equal(dw, dw_ref) and torch.allclose(ds, ds_ref, rtol=0, atol=1e-15)
+
+
 def test_given_counts_round_as_counted(selection):
     """``counts`` (the router's pairs per expert, fp32) gives the rounding that counting topk_ids gives."""
     scores, ids, w = routing(300, 6, 2, 11)

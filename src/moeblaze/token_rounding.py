@@ -203,16 +203,41 @@ def _round_tokens(scores, topk_ids, topk_weights, tile, mode, generator, scale, 
         token_idx, expert_idx, src, pair_offsets = _place_torch(kept, pad_mask, J)
     if not J:  # no pad candidates ("down"): the top-k pairs as they are, already in token order
         return TokenRounding(token_idx, expert_idx, topk_weights.reshape(-1).clone(), target, pair_offsets)
-    return TokenRounding(token_idx, expert_idx, _pair_weights(src, topk_weights, scores, scale), target, pair_offsets)
+    w = _PairWeights.apply(topk_weights, scores, src, pair_offsets, scale)
+    return TokenRounding(token_idx, expert_idx, w, target, pair_offsets)
 
 
-def _pair_weights(src: torch.Tensor, topk_weights: torch.Tensor, scores: torch.Tensor, scale: float) -> torch.Tensor:
-    """``[P]`` weights ``cat(topk_weights.flatten(), (scores * scale).flatten())[src]`` in topk_weights' dtype,
-    differentiable, without the ``[T*E]`` concatenation (unused entries take index 0: their gradient is 0)."""
-    tk = topk_weights.numel()
-    w_topk = topk_weights.reshape(-1)[src.clamp(max=max(tk - 1, 0))]
-    w_pad = (scores.reshape(-1)[(src - tk).clamp(min=0)] * scale).to(topk_weights.dtype)
-    return torch.where(src >= tk, w_pad, w_topk)
+class _PairWeights(torch.autograd.Function):
+    """``[P]`` pair weights ``cat(topk_weights.flatten(), (scores * scale).flatten())[src]`` in topk_weights' dtype
+    (unused entries take index 0 and get no gradient). The backward reads the top-k pairs' gradients at their
+    positions ``pair_offsets[t] + k`` and writes the padded pairs' into a zero ``[T, E]``: no accumulation. Autograd's
+    own backward of the gathers accumulated into one element per unused branch, serialising atomics: 71 µs per step at
+    T 16384, E 128, K 2 (H200, 2026-11-26, ``python3 benchmarks/bench_token_rounding.py speed --shapes 0 --variants
+    none --breakdown 40``)."""
+
+    @staticmethod
+    def forward(ctx, topk_weights, scores, src, pair_offsets, scale):
+        tk = topk_weights.numel()
+        w_topk = topk_weights.reshape(-1)[src.clamp(max=max(tk - 1, 0))]
+        w_pad = (scores.reshape(-1)[(src - tk).clamp(min=0)] * scale).to(topk_weights.dtype)
+        ctx.save_for_backward(src, pair_offsets)
+        ctx.scale, ctx.topk_shape, ctx.scores_shape = scale, topk_weights.shape, scores.shape
+        ctx.scores_dtype = scores.dtype
+        return torch.where(src >= tk, w_pad, w_topk)
+
+    @staticmethod
+    def backward(ctx, dw):
+        src, pair_offsets = ctx.saved_tensors
+        (T, K), (_, E) = ctx.topk_shape, ctx.scores_shape
+        dtopk = dscores = None
+        if ctx.needs_input_grad[0]:  # top-k pair (t, k) sits at pair_offsets[t] + k
+            dtopk = dw[pair_offsets[:-1, None].long() + torch.arange(K, device=dw.device)]
+        if ctx.needs_input_grad[1]:
+            pad = src >= T * K
+            dscores = torch.zeros(T * E + 1, dtype=ctx.scores_dtype, device=dw.device)  # + 1: the others' dummy
+            dscores[torch.where(pad, src - T * K, T * E)] = dw.to(ctx.scores_dtype) * ctx.scale
+            dscores = dscores[:-1].view(T, E)
+        return dtopk, dscores, None, None, None
 
 
 def _place_torch(kept: torch.Tensor, pad_mask: torch.Tensor, J: int) -> tuple[torch.Tensor, ...]:

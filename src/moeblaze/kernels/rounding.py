@@ -99,6 +99,7 @@ def rounding_keys_kernel(
     counts_ptr,   # [E] int32 top-k token counts f_e
     target_ptr,   # [E] int32 rounded counts r_e
     bmax_ptr,     # [E, NB] int32 out: largest key of each group of GROUP tokens (rows with f_e == r_e not written)
+    pad_mask_ptr, # [T, E] uint8 out: zeros (the select kernel marks the pads; a memset launch fewer)
     T, E, NB, stride_s_t, stride_ids_t, stride_w_t,
     K: tl.constexpr, GROUP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
 ):
@@ -120,6 +121,7 @@ def rounding_keys_kernel(
     key = tl.where((f > r)[None, :], tl.where(chosen, _drop_key(w), _INELIGIBLE),
                    tl.where(chosen, _INELIGIBLE, _pad_key(s)))
     key = tl.where(mask, key, _INELIGIBLE)
+    tl.store(pad_mask_ptr + rows[:, None] * E + cols[None, :], tl.zeros((BLOCK_T, BLOCK_E), tl.uint8), mask=mask)
     gmax = tl.max(tl.reshape(key, (BLOCK_T // GROUP, GROUP, BLOCK_E)), axis=1)  # [BLOCK_T // GROUP, BLOCK_E]
     g = tl.program_id(0) * (BLOCK_T // GROUP) + tl.arange(0, BLOCK_T // GROUP)
     tl.store(bmax_ptr + cols[None, :] * NB + g[:, None], gmax, mask=(g < NB)[:, None] & (cmask & (f != r))[None, :])
@@ -226,7 +228,7 @@ def _select_impl(scores: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
     T, E = scores.shape
     K = ids.shape[1]
     kept = torch.empty(T, K, dtype=torch.int32, device=scores.device).copy_(ids)
-    pad_mask = torch.zeros(T, E, dtype=torch.uint8, device=scores.device)
+    pad_mask = torch.empty(T, E, dtype=torch.uint8, device=scores.device)  # zeroed by the keys kernel
     if T == 0:
         return kept, pad_mask
     nb = cdiv(T, GROUP)
@@ -235,7 +237,7 @@ def _select_impl(scores: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
     cand_groups = torch.empty(E, cand, dtype=torch.int32, device=scores.device)
     block_t, block_e = _keys_block(E, K)
     launch(rounding_keys_kernel, (cdiv(T, block_t), cdiv(E, block_e)), scores_ptr=scores, ids_ptr=ids, weights_ptr=weights,
-           counts_ptr=counts, target_ptr=target, bmax_ptr=bmax, T=T, E=E, NB=nb, stride_s_t=scores.stride(0),
+           counts_ptr=counts, target_ptr=target, bmax_ptr=bmax, pad_mask_ptr=pad_mask, T=T, E=E, NB=nb, stride_s_t=scores.stride(0),
            stride_ids_t=ids.stride(0), stride_w_t=weights.stride(0), K=K, GROUP=GROUP, BLOCK_T=block_t,
            BLOCK_E=block_e, num_warps=4)
     launch(rounding_select_kernel, (E,), scores_ptr=scores, ids_ptr=ids, weights_ptr=weights, bmax_ptr=bmax,
@@ -351,7 +353,12 @@ def rounding_place_kernel(
         tl.store(src_ptr + q, tl.zeros(q.shape, tl.int64), mask=use)
 
 
-_PLACE_BLOCK_T = 16  # tokens per program: T / 16 block sums for each program to add up (4,096 at T 65536)
+def _place_block_t(E: int) -> int:
+    """Tokens per program of the place kernels: ``[BLOCK_T, E]`` tiles of 8,192 mask bytes, 16 to 128 tokens (every
+    program adds the block sums before its own: T / BLOCK_T loads; 16-token blocks took 9.5 µs at T 16384, E 128 on
+    an H200, 2026-11-26, ``python3 benchmarks/bench_token_rounding.py speed --shapes 0 --variants none --breakdown
+    40``)."""
+    return max(16, min(128, 8192 // next_pow2(E)))
 
 
 def _place_impl(kept: torch.Tensor, pad_mask: torch.Tensor, J: int) -> tuple[torch.Tensor, ...]:
@@ -363,13 +370,14 @@ def _place_impl(kept: torch.Tensor, pad_mask: torch.Tensor, J: int) -> tuple[tor
     pair_offsets = torch.zeros(T + 1, dtype=torch.int32, device=dev)
     if T == 0:
         return token_idx, expert_idx, src, pair_offsets
-    nbt, block_e = cdiv(T, _PLACE_BLOCK_T), next_pow2(E)
+    block_t, block_e = _place_block_t(E), next_pow2(E)
+    nbt = cdiv(T, block_t)
     block_pads = torch.empty(nbt, dtype=torch.int32, device=dev)
     launch(rounding_pad_count_kernel, (nbt,), pad_mask_ptr=pad_mask, block_pads_ptr=block_pads, T=T, E=E,
-           BLOCK_T=_PLACE_BLOCK_T, BLOCK_E=block_e, num_warps=4)
+           BLOCK_T=block_t, BLOCK_E=block_e, num_warps=4)
     launch(rounding_place_kernel, (nbt,), kept_ptr=kept, pad_mask_ptr=pad_mask, block_pads_ptr=block_pads,
            token_idx_ptr=token_idx, expert_idx_ptr=expert_idx, src_ptr=src, pair_offsets_ptr=pair_offsets, T=T, E=E,
-           NBT=nbt, UNUSED_MAX=J * E, MAX_FILL=cdiv(J * E, T), K=K, BLOCK_T=_PLACE_BLOCK_T, BLOCK_E=block_e,
+           NBT=nbt, UNUSED_MAX=J * E, MAX_FILL=cdiv(J * E, T), K=K, BLOCK_T=block_t, BLOCK_E=block_e,
            BLOCK_NBT=next_pow2(nbt), num_warps=4)
     return token_idx, expert_idx, src, pair_offsets
 
