@@ -266,6 +266,7 @@ def run_select(args) -> int:
     stays out); the selections must be the same for every warp count."""
     from moeblaze.bench.runner import graph_replay_ms
     from moeblaze.kernels import rounding
+    from moeblaze.token_rounding import _max_pad
 
     if not torch.cuda.is_available():
         sys.exit("bench_token_rounding.py select: needs a CUDA GPU (it times Triton kernels)")
@@ -278,7 +279,7 @@ def run_select(args) -> int:
         f = torch.bincount(ids.flatten(), minlength=E).int()
         target = round_counts(f, 128, "nr", T)
         ref = None
-        fn = functools.partial(rounding.rounding_select, scores, ids, w, f, target, 127)
+        fn = functools.partial(rounding.rounding_select, scores, ids, w, f, target, _max_pad("nr", 128, T), 127)
         for warps in (int(x) for x in args.warps.split(",")):
             rounding._select_warps = lambda nb, w_=warps: w_
             out = fn()

@@ -115,12 +115,14 @@ def test_kernel_selections_mark_the_best_pads_and_drop_the_lowest():
     ids[:5] = 1  # expert 1: 5 tokens, pads 3 to 8; expert 0: 59, drops 3 to 56; experts 2, 3: nothing
     counts = torch.tensor([59, 5, 0, 0], dtype=torch.int32)
     target = torch.tensor([56, 8, 0, 0], dtype=torch.int32)
-    kept, pad_mask = rounding_select(scores, ids, scores.gather(1, ids.long()), counts, target, J)
-    assert pad_mask.dtype == torch.uint8 and pad_mask.shape == (T, E)
+    kept, pad_mask, pad_tok = rounding_select(scores, ids, scores.gather(1, ids.long()), counts, target, J, J)
+    assert pad_mask.dtype == torch.uint8 and pad_mask.shape == (T, E) and pad_tok.shape == (J, E)
     outside = scores[5:, 1]  # expert 1's tokens outside its top-k: 5..63
     best = (outside.topk(3).indices + 5).sort().values
     assert torch.equal(pad_mask[:, 1].nonzero().flatten(), best)
     assert int(pad_mask[:, [0, 2, 3]].sum()) == 0
+    assert torch.equal(pad_tok[:3, 1], best.int()) and bool((pad_tok[3:, 1] == -1).all())
+    assert bool((pad_tok[:, [0, 2, 3]] == -1).all())
     dropped = (kept[:, 0] == E).nonzero().flatten()
     w0 = scores[5:, 0]
     assert torch.equal(dropped, (w0.topk(3, largest=False).indices + 5).sort().values)
@@ -140,7 +142,11 @@ def test_pair_list_layout(T, E, K, J):
     for e in range(E):  # at most J pads per expert, at random tokens
         pad_mask[torch.randperm(T, generator=gen)[:int(torch.randint(0, J + 1, (), generator=gen))], e] = 1
     got = _place_torch(kept, pad_mask, J)
-    for a, b in zip(got, rounding_place(kept, pad_mask, J)):
+    pad_tok = torch.full((J, E), -1, dtype=torch.int32)
+    for e in range(E):
+        tokens = pad_mask[:, e].nonzero().flatten()
+        pad_tok[:tokens.numel(), e] = tokens.int()
+    for a, b in zip(got, rounding_place(kept, pad_mask, pad_tok)):
         assert a.dtype == b.dtype and torch.equal(a, b)
     token_idx, expert_idx, src, offsets = got
     P = T * K + J * E

@@ -195,9 +195,9 @@ def _round_tokens(scores, topk_ids, topk_weights, tile, mode, generator, scale, 
     if kernels:
         from .kernels.rounding import rounding_place, rounding_select
 
-        kept, pad_mask = rounding_select(scores.detach().contiguous(), topk_ids.contiguous(),
-                                         topk_weights.detach().contiguous(), f, target, tile - 1)
-        token_idx, expert_idx, src, pair_offsets = rounding_place(kept, pad_mask, J)
+        kept, pad_mask, pad_tok = rounding_select(scores.detach().contiguous(), topk_ids.contiguous(),
+                                                  topk_weights.detach().contiguous(), f, target, J, tile - 1)
+        token_idx, expert_idx, src, pair_offsets = rounding_place(kept, pad_mask, pad_tok)
     else:
         kept, pad_mask = _select_torch(scores.detach(), ids, topk_weights.detach(), f, target, J)
         token_idx, expert_idx, src, pair_offsets = _place_torch(kept, pad_mask, J)

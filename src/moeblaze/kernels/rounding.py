@@ -19,17 +19,21 @@ never written out whole:
   groups. Their tokens' keys, recomputed from the scores, ids and weights, give the n-th largest key and
   the selection in token order: every key above it and, of the keys equal to it, the lowest tokens (ties:
   the lower token first, in both selections). Dropped pairs get the expert id E in ``kept [T, K]``; padded
-  pairs are marked in ``pad_mask [T, E]`` (uint8, 1 where expert e pads token t).
+  pairs are marked in ``pad_mask [T, E]`` (uint8, 1 where expert e pads token t) and listed, ascending, in
+  ``pad_tok [J, E]`` (-1 after the last).
 
 Then the pair list, in token order without a sort (:func:`rounding_place`): token t's pairs are its K top-k
 pairs, its padded pairs in expert order and ``fill_t`` unused entries, ``fill_t = floor(U (t+1) / T) - floor(U t
 / T)`` spreading the ``U = J*E - sum(pad_mask)`` unused pad candidates over the tokens (a static ``P = T*K +
-J*E``; no token gets them all). :func:`rounding_pad_count_kernel` sums each block of tokens' padded pairs;
-:func:`rounding_place_kernel` adds the sums of the blocks before its own (at most ``T / 16`` of them), scans its
-tokens' pair counts and writes the pairs and the pair CSR ``pair_offsets [T+1]``. It replaces a stable radix sort
-of the ``J*E`` pad entries by token, a binary search per token and three scatters (issue 25: 40 µs of the 96
-by which ``nr`` trailed the ceiling at T 16384, E 128, K 2 on an H200, 2026-11-26, ``python3
-benchmarks/bench_token_rounding.py speed --shapes 0 --variants none --breakdown 45``).
+J*E``; no token gets them all). :func:`rounding_pad_count_kernel` counts each token's padded pairs (row sums of
+the mask) and each block's; :func:`rounding_place_kernel` adds the sums of the blocks before its own (at most
+``T / 16`` of them), scans its tokens' pair counts and writes the top-k pairs, the unused entries and the pair CSR
+``pair_offsets [T+1]``; :func:`rounding_pad_place_kernel` (one program per expert) puts each padded pair at its
+token's offset plus K plus the token's padded pairs of lower experts. This replaces a stable radix sort of the
+``J*E`` pad entries by token, a binary search per token and three scatters: ``nr`` went from 0.602 to 0.685 of the
+ceiling's gain at T 16384, E 128, K 2 with the first form of these kernels (one ``[T, E]`` scan in place of the
+per-expert one), against the old code in the same call (H200, 2026-11-26, ``python3
+benchmarks/bench_token_rounding.py speed --shapes 0 --variants none``).
 
 No sort, no atomics, no host synchronisation. The order key of a float is its bit pattern as int32 with the
 lower 31 bits flipped for negative values (monotone in the value; ``-0.0`` is made ``+0.0`` first, NaN
@@ -78,17 +82,25 @@ def _pad_key(s):
 
 @triton.jit
 def _nth_largest(key, n):
-    """The n-th largest of the int32 ``key`` (1 <= n <= key's size): the largest v with ``#(key >= v) >= n``,
-    bit by bit on key + 2^31 (unsigned), 32 counts. Two bits per step (three counts packed in one int64
-    reduction, 16 serial reductions) measured slower on a whole row: 41 against 35 µs at E 128 and 261 against
-    242 µs at E 512 (H100, 2026-11-25, ``python3 benchmarks/bench_token_rounding.py rounding``)."""
-    v = tl.zeros((), dtype=tl.int64)
-    one = tl.full((), 1, tl.int64)
-    for b in range(31, -1, -1):
-        cand = v | (one << b)
-        if tl.sum((key >= (cand - 2147483648).to(tl.int32)).to(tl.int32), axis=0) >= n:
-            v = cand
-    return (v - 2147483648).to(tl.int32)
+    """The n-th largest of the int32 ``key`` (1 <= n <= key's size): a radix select on ``key + 2^31`` (unsigned),
+    8 bits per round, 4 rounds of a 256-bin histogram of the digit among the keys that match the digits chosen so
+    far, where a bit-by-bit search takes 32 serial counts. Keys off the prefix count in bin 0, which never changes
+    the choice: bin 0 is taken only when no higher bin holds the n-th key, and the count above a bin excludes it."""
+    u = key.to(tl.int64) + 2147483648
+    bins = tl.arange(0, 256)
+    prefix = tl.zeros((), dtype=tl.int64)
+    need = n
+    for r in tl.static_range(4):
+        shift: tl.constexpr = 24 - 8 * r
+        digit = ((u >> shift) & 255).to(tl.int32)
+        if r > 0:
+            digit = tl.where((u >> (shift + 8)) == (prefix >> (shift + 8)), digit, 0)
+        h = tl.histogram(digit, 256)
+        above = tl.sum(h, axis=0) - tl.cumsum(h, axis=0)  # keys of the prefix with a digit above each bin
+        d = tl.max(tl.where(above + h >= need, bins, 0), axis=0)
+        need -= tl.sum(tl.where(bins == d, above, 0), axis=0)
+        prefix = prefix | (d.to(tl.int64) << shift)
+    return (prefix - 2147483648).to(tl.int32)
 
 
 @triton.jit
@@ -99,7 +111,6 @@ def rounding_keys_kernel(
     counts_ptr,   # [E] int32 top-k token counts f_e
     target_ptr,   # [E] int32 rounded counts r_e
     bmax_ptr,     # [E, NB] int32 out: largest key of each group of GROUP tokens (rows with f_e == r_e not written)
-    pad_mask_ptr, # [T, E] uint8 out: zeros (the select kernel marks the pads; a memset launch fewer)
     T, E, NB, stride_s_t, stride_ids_t, stride_w_t,
     K: tl.constexpr, GROUP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
 ):
@@ -121,7 +132,6 @@ def rounding_keys_kernel(
     key = tl.where((f > r)[None, :], tl.where(chosen, _drop_key(w), _INELIGIBLE),
                    tl.where(chosen, _INELIGIBLE, _pad_key(s)))
     key = tl.where(mask, key, _INELIGIBLE)
-    tl.store(pad_mask_ptr + rows[:, None] * E + cols[None, :], tl.zeros((BLOCK_T, BLOCK_E), tl.uint8), mask=mask)
     gmax = tl.max(tl.reshape(key, (BLOCK_T // GROUP, GROUP, BLOCK_E)), axis=1)  # [BLOCK_T // GROUP, BLOCK_E]
     g = tl.program_id(0) * (BLOCK_T // GROUP) + tl.arange(0, BLOCK_T // GROUP)
     tl.store(bmax_ptr + cols[None, :] * NB + g[:, None], gmax, mask=(g < NB)[:, None] & (cmask & (f != r))[None, :])
@@ -151,6 +161,7 @@ def _candidate_keys(toks, valid, e, dropping, scores_ptr, ids_ptr, weights_ptr, 
 
 @triton.jit
 def _select_candidates(e, n, dropping, ncb, T, E, cand_ptr, scores_ptr, ids_ptr, weights_ptr, kept_ptr, pad_mask_ptr,
+                       pad_tok_ptr,
                        stride_s_t, stride_ids_t, stride_w_t, K: tl.constexpr, GROUP: tl.constexpr,
                        CAND: tl.constexpr, BLOCKS: tl.constexpr):
     """The selection among the tokens of expert e's first ``ncb <= BLOCKS`` candidate groups (ascending in
@@ -170,6 +181,7 @@ def _select_candidates(e, n, dropping, ncb, T, E, cand_ptr, scores_ptr, ids_ptr,
         tl.store(kept_ptr + toks * K + kk, tl.full(toks.shape, E, tl.int32), mask=sel)
     else:
         tl.store(pad_mask_ptr + toks * E + e, tl.full(toks.shape, 1, tl.uint8), mask=sel)
+        tl.store(pad_tok_ptr + (tl.cumsum(sel.to(tl.int32), axis=0) - 1) * E + e, toks, mask=sel)  # ascending
 
 
 @triton.jit
@@ -183,8 +195,9 @@ def rounding_select_kernel(
     target_ptr,   # [E] int32 rounded counts r_e
     kept_ptr,     # [T, K] int32 in/out: the top-k ids; dropped pairs set to E
     pad_mask_ptr, # [T, E] uint8 in/out (zeros in): 1 where expert e pads token t
-    T, E, NB, stride_s_t, stride_ids_t, stride_w_t,
-    K: tl.constexpr, GROUP: tl.constexpr, BLOCK_NB: tl.constexpr, CAND: tl.constexpr,
+    pad_tok_ptr,  # [J, E] int32 out: the tokens expert e pads, ascending, then -1
+    T, E, J, NB, stride_s_t, stride_ids_t, stride_w_t,
+    K: tl.constexpr, GROUP: tl.constexpr, BLOCK_NB: tl.constexpr, CAND: tl.constexpr, BLOCK_J: tl.constexpr,
 ):
     e = tl.program_id(0)
     f = tl.load(counts_ptr + e)
@@ -201,10 +214,12 @@ def rounding_select_kernel(
         tl.debug_barrier()  # the row of candidates, written by all threads, read by all
         if ncb <= CAND // 2:  # the usual case for nr (n < tile / 2): half the candidate keys to search
             _select_candidates(e, n, f > r, ncb, T, E, cand_ptr, scores_ptr, ids_ptr, weights_ptr, kept_ptr,
-                               pad_mask_ptr, stride_s_t, stride_ids_t, stride_w_t, K, GROUP, CAND, CAND // 2)
+                               pad_mask_ptr, pad_tok_ptr, stride_s_t, stride_ids_t, stride_w_t, K, GROUP, CAND, CAND // 2)
         else:
             _select_candidates(e, n, f > r, ncb, T, E, cand_ptr, scores_ptr, ids_ptr, weights_ptr, kept_ptr,
-                               pad_mask_ptr, stride_s_t, stride_ids_t, stride_w_t, K, GROUP, CAND, CAND)
+                               pad_mask_ptr, pad_tok_ptr, stride_s_t, stride_ids_t, stride_w_t, K, GROUP, CAND, CAND)
+    jj = tl.arange(0, BLOCK_J)
+    tl.store(pad_tok_ptr + jj * E + e, tl.full(jj.shape, -1, tl.int32), mask=(jj >= tl.where(r > f, n, 0)) & (jj < J))
 
 
 def _select_warps(nb: int) -> int:
@@ -224,53 +239,59 @@ def _keys_block(E: int, K: int) -> tuple[int, int]:
 
 
 def _select_impl(scores: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, counts: torch.Tensor,
-                 target: torch.Tensor, max_n: int) -> tuple[torch.Tensor, torch.Tensor]:
+                 target: torch.Tensor, J: int, max_n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     T, E = scores.shape
     K = ids.shape[1]
     kept = torch.empty(T, K, dtype=torch.int32, device=scores.device).copy_(ids)
-    pad_mask = torch.empty(T, E, dtype=torch.uint8, device=scores.device)  # zeroed by the keys kernel
+    pad_mask = torch.zeros(T, E, dtype=torch.uint8, device=scores.device)
+    pad_tok = torch.empty(J, E, dtype=torch.int32, device=scores.device)
     if T == 0:
-        return kept, pad_mask
+        return kept, pad_mask, pad_tok
     nb = cdiv(T, GROUP)
     bmax = torch.empty(E, nb, dtype=torch.int32, device=scores.device)
     cand = max(2, next_pow2(2 * max(max_n, 1) - 1))  # the candidate groups of an expert: at most 2n - 1
     cand_groups = torch.empty(E, cand, dtype=torch.int32, device=scores.device)
     block_t, block_e = _keys_block(E, K)
     launch(rounding_keys_kernel, (cdiv(T, block_t), cdiv(E, block_e)), scores_ptr=scores, ids_ptr=ids, weights_ptr=weights,
-           counts_ptr=counts, target_ptr=target, bmax_ptr=bmax, pad_mask_ptr=pad_mask, T=T, E=E, NB=nb, stride_s_t=scores.stride(0),
+           counts_ptr=counts, target_ptr=target, bmax_ptr=bmax, T=T, E=E, NB=nb, stride_s_t=scores.stride(0),
            stride_ids_t=ids.stride(0), stride_w_t=weights.stride(0), K=K, GROUP=GROUP, BLOCK_T=block_t,
            BLOCK_E=block_e, num_warps=4)
     launch(rounding_select_kernel, (E,), scores_ptr=scores, ids_ptr=ids, weights_ptr=weights, bmax_ptr=bmax,
-           cand_ptr=cand_groups, counts_ptr=counts, target_ptr=target, kept_ptr=kept, pad_mask_ptr=pad_mask, T=T, E=E,
-           NB=nb, stride_s_t=scores.stride(0), stride_ids_t=ids.stride(0), stride_w_t=weights.stride(0), K=K,
-           GROUP=GROUP, BLOCK_NB=next_pow2(nb), CAND=cand, num_warps=_select_warps(nb))
-    return kept, pad_mask
+           cand_ptr=cand_groups, counts_ptr=counts, target_ptr=target, kept_ptr=kept, pad_mask_ptr=pad_mask,
+           pad_tok_ptr=pad_tok, T=T, E=E, J=J, NB=nb, stride_s_t=scores.stride(0), stride_ids_t=ids.stride(0),
+           stride_w_t=weights.stride(0), K=K, GROUP=GROUP, BLOCK_NB=next_pow2(nb), CAND=cand,
+           BLOCK_J=next_pow2(max(J, 1)), num_warps=_select_warps(nb))
+    return kept, pad_mask, pad_tok
 
 
 _select_op = torch.library.custom_op(
     "moeblaze::rounding_select", _select_impl, mutates_args=(),
-    schema="(Tensor scores, Tensor ids, Tensor weights, Tensor counts, Tensor target, int max_n) -> (Tensor, Tensor)")
+    schema="(Tensor scores, Tensor ids, Tensor weights, Tensor counts, Tensor target, int J, int max_n) -> "
+           "(Tensor, Tensor, Tensor)")
 
 
 @_select_op.register_fake
-def _(scores, ids, weights, counts, target, max_n):
-    return ids.new_empty(ids.shape, dtype=torch.int32), scores.new_empty(scores.shape, dtype=torch.uint8)
+def _(scores, ids, weights, counts, target, J, max_n):
+    return (ids.new_empty(ids.shape, dtype=torch.int32), scores.new_empty(scores.shape, dtype=torch.uint8),
+            ids.new_empty(J, scores.shape[1], dtype=torch.int32))
 
 
 def rounding_select(scores: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, counts: torch.Tensor,
-                    target: torch.Tensor, max_n: int) -> tuple[torch.Tensor, torch.Tensor]:
+                    target: torch.Tensor, J: int, max_n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Token rounding's drops and pads (module docstring) in two launches.
 
     Args:
         scores: ``[T, E]`` float router scores (unit column stride). ids: ``[T, K]`` int top-k ids (unit column
             stride, distinct per row). weights: ``[T, K]`` float top-k weights (unit column stride).
-        counts: ``[E]`` int32 ``f_e``. target: ``[E]`` int32 ``r_e``, ``r_e <= T``. max_n: the most tokens one
-            expert drops or pads, ``|r_e - f_e| <= max_n`` for every e (``tile - 1`` serves every mode); the
-            select kernel holds ``2 * max_n * GROUP`` candidate keys.
+        counts: ``[E]`` int32 ``f_e``. target: ``[E]`` int32 ``r_e`` with ``r_e - f_e <= J``, ``r_e <= T``.
+        J: pad candidates per expert. max_n: the most tokens one expert drops or pads, ``|r_e - f_e| <= max_n``
+            for every e (``tile - 1`` serves every mode); the select kernel holds ``2 * max_n * GROUP``
+            candidate keys.
 
     Returns:
-        ``(kept [T, K] int32, pad_mask [T, E] uint8)``: the ids with dropped pairs set to E; 1 where expert e
-        pads token t (``r_e - f_e`` ones in column e where that is positive), else 0.
+        ``(kept [T, K] int32, pad_mask [T, E] uint8, pad_tok [J, E] int32)``: the ids with dropped pairs set to
+        E; 1 where expert e pads token t (``r_e - f_e`` ones in column e where that is positive), else 0; the
+        tokens expert e pads in column e, ascending, then -1.
 
     Raises:
         ValueError: shapes or dtypes other than above, T above ``MAX_TOKENS``, K above ``MAX_TOP_K``, ``max_n``
@@ -290,12 +311,13 @@ def rounding_select(scores: torch.Tensor, ids: torch.Tensor, weights: torch.Tens
                          f"{counts.dtype} and {tuple(target.shape)} {target.dtype}")
     if max_n < 0:
         raise ValueError(f"rounding_select: max_n (the most tokens one expert drops or pads) must be >= 0, got {max_n}")
-    return call_op(_select_op, _select_impl, scores, ids, weights, counts, target, max_n)
+    return call_op(_select_op, _select_impl, scores, ids, weights, counts, target, J, max_n)
 
 
 @triton.jit
 def rounding_pad_count_kernel(
-    pad_mask_ptr,  # [T, E] uint8: 1 where expert e pads token t
+    pad_mask_ptr,    # [T, E] uint8: 1 where expert e pads token t
+    pads_ptr,        # [T] int32 out: padded pairs of each token
     block_pads_ptr,  # [NBT] int32 out: padded pairs of each block of BLOCK_T tokens
     T, E,
     BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
@@ -304,31 +326,30 @@ def rounding_pad_count_kernel(
     cols = tl.arange(0, BLOCK_E)
     m = tl.load(pad_mask_ptr + rows[:, None] * E + cols[None, :], mask=(rows < T)[:, None] & (cols < E)[None, :],
                 other=0).to(tl.int32)
-    tl.store(block_pads_ptr + tl.program_id(0), tl.sum(tl.sum(m, axis=1), axis=0))
+    pads = tl.sum(m, axis=1)
+    tl.store(pads_ptr + rows, pads, mask=rows < T)
+    tl.store(block_pads_ptr + tl.program_id(0), tl.sum(pads, axis=0))
 
 
 @triton.jit
 def rounding_place_kernel(
     kept_ptr,          # [T, K] int32: top-k ids, E where dropped
-    pad_mask_ptr,      # [T, E] uint8: 1 where expert e pads token t
-    block_pads_ptr,    # [NBT] int32: padded pairs per block of BLOCK_T tokens (rounding_pad_count_kernel)
-    token_idx_ptr,     # [P] int32 out: each pair's token, ascending
+    pads_ptr,          # [T] int32: padded pairs of each token
+    block_pads_ptr,    # [NBT] int32: padded pairs per block of BLOCK_T tokens
+    token_idx_ptr,     # [P] int32 out: each pair's token, ascending (padded pairs: rounding_pad_place_kernel)
     expert_idx_ptr,    # [P] int32 out: each pair's expert, E for dropped and unused pairs
     src_ptr,           # [P] int64 out: t*K + k for top-k pairs, T*K + t*E + e for padded ones, 0 for unused
     pair_offsets_ptr,  # [T+1] int32 out: first pair of each token; P at T
-    T, E, NBT, UNUSED_MAX, MAX_FILL,
-    K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_NBT: tl.constexpr,
+    T, NBT, UNUSED_MAX, MAX_FILL, UNUSED_E,
+    K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_NBT: tl.constexpr,
 ):
     b = tl.program_id(0)
     nbt = tl.arange(0, BLOCK_NBT)
     block_pads = tl.load(block_pads_ptr + nbt, mask=nbt < NBT, other=0)
     unused = (UNUSED_MAX - tl.sum(block_pads, axis=0)).to(tl.int64)  # U = J*E - padded pairs
     rows = b * BLOCK_T + tl.arange(0, BLOCK_T)
-    cols = tl.arange(0, BLOCK_E)
     rmask = rows < T
-    m = tl.load(pad_mask_ptr + rows[:, None] * E + cols[None, :], mask=rmask[:, None] & (cols < E)[None, :],
-                other=0).to(tl.int32)
-    pads = tl.sum(m, axis=1)
+    pads = tl.load(pads_ptr + rows, mask=rmask, other=0)
     fill_before = (unused * rows) // T  # unused entries of the tokens before t (spread evenly)
     fill = ((unused * (rows + 1)) // T - fill_before).to(tl.int32)
     n = tl.where(rmask, K + pads + fill, 0)
@@ -340,29 +361,46 @@ def rounding_place_kernel(
         tl.store(token_idx_ptr + off + k, rows, mask=rmask)
         tl.store(expert_idx_ptr + off + k, tl.load(kept_ptr + rows * K + k, mask=rmask, other=0), mask=rmask)
         tl.store(src_ptr + off + k, rows.to(tl.int64) * K + k, mask=rmask)
-    pos = off[:, None] + K + tl.cumsum(m, axis=1) - m  # then the padded pairs, in expert order
-    padded = m != 0
-    tl.store(token_idx_ptr + pos, tl.broadcast_to(rows[:, None], pos.shape), mask=padded)
-    tl.store(expert_idx_ptr + pos, tl.broadcast_to(cols[None, :], pos.shape), mask=padded)
-    tl.store(src_ptr + pos, T * K + rows[:, None].to(tl.int64) * E + cols[None, :], mask=padded)
-    for i in range(MAX_FILL):  # then the unused entries, expert E, weight index 0 (ceil(J*E / T): 1 at T 16384, E 128)
+    for i in range(MAX_FILL):  # after the padded pairs, the unused entries: expert E, weight index 0
         q = off + K + pads + i
         use = rmask & (i < fill)
         tl.store(token_idx_ptr + q, rows, mask=use)
-        tl.store(expert_idx_ptr + q, tl.full(q.shape, 0, tl.int32) + E, mask=use)
+        tl.store(expert_idx_ptr + q, tl.full(q.shape, 0, tl.int32) + UNUSED_E, mask=use)
         tl.store(src_ptr + q, tl.zeros(q.shape, tl.int64), mask=use)
 
 
+@triton.jit
+def rounding_pad_place_kernel(
+    pad_mask_ptr,      # [T, E] uint8: 1 where expert e pads token t
+    pad_tok_ptr,       # [J, E] int32: the tokens expert e pads, ascending, then -1
+    pair_offsets_ptr,  # [T+1] int32: first pair of each token (rounding_place_kernel)
+    token_idx_ptr,     # [P] int32 out: the padded pairs' tokens
+    expert_idx_ptr,    # [P] int32 out: the padded pairs' experts
+    src_ptr,           # [P] int64 out: T*K + t*E + e
+    T, E, J, K,
+    BLOCK_J: tl.constexpr, BLOCK_E: tl.constexpr,
+):
+    e = tl.program_id(0)
+    jj = tl.arange(0, BLOCK_J)
+    t = tl.load(pad_tok_ptr + jj * E + e, mask=jj < J, other=-1)
+    valid = t >= 0
+    cols = tl.arange(0, BLOCK_E)
+    before = tl.load(pad_mask_ptr + t[:, None] * E + cols[None, :], mask=valid[:, None] & (cols < e)[None, :],
+                     other=0).to(tl.int32)
+    pos = tl.load(pair_offsets_ptr + t, mask=valid, other=0) + K + tl.sum(before, axis=1)  # experts before e first
+    tl.store(token_idx_ptr + pos, t, mask=valid)
+    tl.store(expert_idx_ptr + pos, tl.full(pos.shape, 0, tl.int32) + e, mask=valid)
+    tl.store(src_ptr + pos, T * K + t.to(tl.int64) * E + e, mask=valid)
+
+
 def _place_block_t(E: int) -> int:
-    """Tokens per program of the place kernels: ``[BLOCK_T, E]`` tiles of 8,192 mask bytes, 16 to 128 tokens (every
-    program adds the block sums before its own: T / BLOCK_T loads; 16-token blocks took 9.5 µs at T 16384, E 128 on
-    an H200, 2026-11-26, ``python3 benchmarks/bench_token_rounding.py speed --shapes 0 --variants none --breakdown
-    40``)."""
+    """Tokens per program of the count kernel (``[BLOCK_T, E]`` tiles of 8,192 mask bytes, 16 to 128 tokens) and of
+    the place kernel, whose every program adds the block sums before its own (T / BLOCK_T loads)."""
     return max(16, min(128, 8192 // next_pow2(E)))
 
 
-def _place_impl(kept: torch.Tensor, pad_mask: torch.Tensor, J: int) -> tuple[torch.Tensor, ...]:
-    (T, K), E = kept.shape, pad_mask.shape[1]
+def _place_impl(kept: torch.Tensor, pad_mask: torch.Tensor, pad_tok: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    (T, K), (J, E) = kept.shape, pad_tok.shape
     P, dev = T * K + J * E, kept.device
     token_idx = torch.empty(P, dtype=torch.int32, device=dev)
     expert_idx = torch.empty(P, dtype=torch.int32, device=dev)
@@ -372,34 +410,40 @@ def _place_impl(kept: torch.Tensor, pad_mask: torch.Tensor, J: int) -> tuple[tor
         return token_idx, expert_idx, src, pair_offsets
     block_t, block_e = _place_block_t(E), next_pow2(E)
     nbt = cdiv(T, block_t)
+    pads = torch.empty(T, dtype=torch.int32, device=dev)
     block_pads = torch.empty(nbt, dtype=torch.int32, device=dev)
-    launch(rounding_pad_count_kernel, (nbt,), pad_mask_ptr=pad_mask, block_pads_ptr=block_pads, T=T, E=E,
-           BLOCK_T=block_t, BLOCK_E=block_e, num_warps=4)
-    launch(rounding_place_kernel, (nbt,), kept_ptr=kept, pad_mask_ptr=pad_mask, block_pads_ptr=block_pads,
-           token_idx_ptr=token_idx, expert_idx_ptr=expert_idx, src_ptr=src, pair_offsets_ptr=pair_offsets, T=T, E=E,
-           NBT=nbt, UNUSED_MAX=J * E, MAX_FILL=cdiv(J * E, T), K=K, BLOCK_T=block_t, BLOCK_E=block_e,
+    launch(rounding_pad_count_kernel, (nbt,), pad_mask_ptr=pad_mask, pads_ptr=pads, block_pads_ptr=block_pads, T=T,
+           E=E, BLOCK_T=block_t, BLOCK_E=block_e, num_warps=4)
+    launch(rounding_place_kernel, (nbt,), kept_ptr=kept, pads_ptr=pads, block_pads_ptr=block_pads,
+           token_idx_ptr=token_idx, expert_idx_ptr=expert_idx, src_ptr=src, pair_offsets_ptr=pair_offsets, T=T,
+           NBT=nbt, UNUSED_MAX=J * E, MAX_FILL=cdiv(J * E, T), UNUSED_E=E, K=K, BLOCK_T=block_t,
            BLOCK_NBT=next_pow2(nbt), num_warps=4)
+    if J:
+        launch(rounding_pad_place_kernel, (E,), pad_mask_ptr=pad_mask, pad_tok_ptr=pad_tok,
+               pair_offsets_ptr=pair_offsets, token_idx_ptr=token_idx, expert_idx_ptr=expert_idx, src_ptr=src, T=T,
+               E=E, J=J, K=K, BLOCK_J=next_pow2(J), BLOCK_E=block_e, num_warps=4)
     return token_idx, expert_idx, src, pair_offsets
 
 
 _place_op = torch.library.custom_op(
     "moeblaze::rounding_place", _place_impl, mutates_args=(),
-    schema="(Tensor kept, Tensor pad_mask, int J) -> (Tensor, Tensor, Tensor, Tensor)")
+    schema="(Tensor kept, Tensor pad_mask, Tensor pad_tok) -> (Tensor, Tensor, Tensor, Tensor)")
 
 
 @_place_op.register_fake
-def _(kept, pad_mask, J):
-    P = kept.numel() + J * pad_mask.shape[1]
+def _(kept, pad_mask, pad_tok):
+    P = kept.numel() + pad_tok.numel()
     return (kept.new_empty(P), kept.new_empty(P), kept.new_empty(P, dtype=torch.int64),
             kept.new_empty(kept.shape[0] + 1))
 
 
-def rounding_place(kept: torch.Tensor, pad_mask: torch.Tensor, J: int) -> tuple[torch.Tensor, ...]:
-    """Token rounding's pair list in token order (module docstring), in two launches, no host synchronisation.
+def rounding_place(kept: torch.Tensor, pad_mask: torch.Tensor, pad_tok: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Token rounding's pair list in token order (module docstring), in three launches, no host synchronisation.
 
     Args:
-        kept: ``[T, K]`` int32 top-k ids with dropped pairs set to E (contiguous). pad_mask: ``[T, E]`` uint8,
-            1 where expert e pads token t (contiguous), at most J ones per column. J: pad candidates per expert.
+        kept: ``[T, K]`` int32 top-k ids with dropped pairs set to E. pad_mask: ``[T, E]`` uint8, 1 where expert e
+            pads token t. pad_tok: ``[J, E]`` int32, the tokens of column e's ones, ascending, then -1 (J: pad
+            candidates per expert). All contiguous (:func:`rounding_select`'s outputs).
 
     Returns:
         ``(token_idx [P] int32, expert_idx [P] int32, src [P] int64, pair_offsets [T+1] int32)``, ``P = T*K +
@@ -410,13 +454,12 @@ def rounding_place(kept: torch.Tensor, pad_mask: torch.Tensor, J: int) -> tuple[
     Raises:
         ValueError: shapes or dtypes other than above.
     """
-    if kept.dim() != 2 or pad_mask.dim() != 2 or pad_mask.shape[0] != kept.shape[0]:
-        raise ValueError(f"rounding_place: kept must be [T, K] and pad_mask [T, E], got {tuple(kept.shape)} and "
-                         f"{tuple(pad_mask.shape)}")
-    if kept.dtype != torch.int32 or pad_mask.dtype != torch.uint8 or not (kept.is_contiguous()
-                                                                          and pad_mask.is_contiguous()):
-        raise ValueError(f"rounding_place: kept must be contiguous int32 and pad_mask contiguous uint8, got "
-                         f"{kept.dtype} and {pad_mask.dtype}")
-    if not isinstance(J, int) or J < 0:
-        raise ValueError(f"rounding_place: J (pad candidates per expert) must be an int >= 0, got {J!r}")
-    return call_op(_place_op, _place_impl, kept, pad_mask, J)
+    if kept.dim() != 2 or pad_mask.dim() != 2 or pad_tok.dim() != 2 or pad_mask.shape[0] != kept.shape[0] or \
+            pad_tok.shape[1] != pad_mask.shape[1]:
+        raise ValueError(f"rounding_place: kept must be [T, K], pad_mask [T, E] and pad_tok [J, E], got "
+                         f"{tuple(kept.shape)}, {tuple(pad_mask.shape)} and {tuple(pad_tok.shape)}")
+    if kept.dtype != torch.int32 or pad_mask.dtype != torch.uint8 or pad_tok.dtype != torch.int32 or not all(
+            t.is_contiguous() for t in (kept, pad_mask, pad_tok)):
+        raise ValueError(f"rounding_place: kept and pad_tok must be contiguous int32 and pad_mask contiguous uint8, "
+                         f"got {kept.dtype}, {pad_tok.dtype} and {pad_mask.dtype}")
+    return call_op(_place_op, _place_impl, kept, pad_mask, pad_tok)
