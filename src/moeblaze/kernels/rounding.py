@@ -91,7 +91,7 @@ def _nth_largest(key, n):
     prefix = tl.zeros((), dtype=tl.int64)
     need = n
     for r in tl.static_range(4):
-        shift: tl.constexpr = 24 - 8 * r
+        shift = 24 - 8 * r
         digit = ((u >> shift) & 255).to(tl.int32)
         if r > 0:
             digit = tl.where((u >> (shift + 8)) == (prefix >> (shift + 8)), digit, 0)
