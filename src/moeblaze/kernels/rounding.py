@@ -82,25 +82,19 @@ def _pad_key(s):
 
 @triton.jit
 def _nth_largest(key, n):
-    """The n-th largest of the int32 ``key`` (1 <= n <= key's size): a radix select on ``key + 2^31`` (unsigned),
-    8 bits per round, 4 rounds of a 256-bin histogram of the digit among the keys that match the digits chosen so
-    far, where a bit-by-bit search takes 32 serial counts. Keys off the prefix count in bin 0, which never changes
-    the choice: bin 0 is taken only when no higher bin holds the n-th key, and the count above a bin excludes it."""
-    u = key.to(tl.int64) + 2147483648
-    bins = tl.arange(0, 256)
-    prefix = tl.zeros((), dtype=tl.int64)
-    need = n
-    for r in tl.static_range(4):
-        shift = 24 - 8 * r
-        digit = ((u >> shift) & 255).to(tl.int32)
-        if r > 0:
-            digit = tl.where((u >> (shift + 8)) == (prefix >> (shift + 8)), digit, 0)
-        h = tl.histogram(digit, 256)
-        above = tl.sum(h, axis=0) - tl.cumsum(h, axis=0)  # keys of the prefix with a digit above each bin
-        d = tl.max(tl.where(above + h >= need, bins, 0), axis=0)
-        need -= tl.sum(tl.where(bins == d, above, 0), axis=0)
-        prefix = prefix | (d.to(tl.int64) << shift)
-    return (prefix - 2147483648).to(tl.int32)
+    """The n-th largest of the int32 ``key`` (1 <= n <= key's size): the largest v with ``#(key >= v) >= n``,
+    bit by bit on key + 2^31 (unsigned), 32 counts. Two bits per step (three counts packed in one int64
+    reduction, 16 serial reductions) measured slower on a whole row: 41 against 35 µs at E 128 and 261 against
+    242 µs at E 512 (H100, 2026-11-25, ``python3 benchmarks/bench_token_rounding.py rounding``); a radix select of
+    four 8-bit ``tl.histogram`` rounds took the select kernel from 17.6 to 44.4 µs at T 16384, E 128, K 2 (H200,
+    2026-11-26, ``... speed --shapes 0 --variants none --breakdown 40``)."""
+    v = tl.zeros((), dtype=tl.int64)
+    one = tl.full((), 1, tl.int64)
+    for b in range(31, -1, -1):
+        cand = v | (one << b)
+        if tl.sum((key >= (cand - 2147483648).to(tl.int32)).to(tl.int32), axis=0) >= n:
+            v = cand
+    return (v - 2147483648).to(tl.int32)
 
 
 @triton.jit
@@ -405,9 +399,9 @@ def _place_impl(kept: torch.Tensor, pad_mask: torch.Tensor, pad_tok: torch.Tenso
     token_idx = torch.empty(P, dtype=torch.int32, device=dev)
     expert_idx = torch.empty(P, dtype=torch.int32, device=dev)
     src = torch.empty(P, dtype=torch.int64, device=dev)
-    pair_offsets = torch.zeros(T + 1, dtype=torch.int32, device=dev)
     if T == 0:
-        return token_idx, expert_idx, src, pair_offsets
+        return token_idx, expert_idx, src, torch.zeros(1, dtype=torch.int32, device=dev)
+    pair_offsets = torch.empty(T + 1, dtype=torch.int32, device=dev)  # every entry written by the place kernel
     block_t, block_e = _place_block_t(E), next_pow2(E)
     nbt = cdiv(T, block_t)
     pads = torch.empty(T, dtype=torch.int32, device=dev)
