@@ -105,6 +105,7 @@ def rounding_keys_kernel(
     counts_ptr,   # [E] int32 top-k token counts f_e
     target_ptr,   # [E] int32 rounded counts r_e
     bmax_ptr,     # [E, NB] int32 out: largest key of each group of GROUP tokens (rows with f_e == r_e not written)
+    kept_ptr,     # [T, K] int32 out: the top-k ids (written by the first column of programs; the select drops)
     T, E, NB, stride_s_t, stride_ids_t, stride_w_t,
     K: tl.constexpr, GROUP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
 ):
@@ -117,6 +118,8 @@ def rounding_keys_kernel(
     w = tl.zeros((BLOCK_T, BLOCK_E), dtype=tl.float32)
     for k in tl.static_range(K):
         idk = tl.load(ids_ptr + rows * stride_ids_t + k, mask=rmask, other=-1).to(tl.int32)
+        if tl.program_id(1) == 0:
+            tl.store(kept_ptr + rows * K + k, idk, mask=rmask)
         wk = tl.load(weights_ptr + rows * stride_w_t + k, mask=rmask, other=0.0).to(tl.float32)
         hit = idk[:, None] == cols[None, :]
         chosen = chosen | hit
@@ -187,7 +190,7 @@ def rounding_select_kernel(
     cand_ptr,     # [E, CAND] int32 scratch: each expert's candidate groups, ascending
     counts_ptr,   # [E] int32 top-k token counts f_e
     target_ptr,   # [E] int32 rounded counts r_e
-    kept_ptr,     # [T, K] int32 in/out: the top-k ids; dropped pairs set to E
+    kept_ptr,     # [T, K] int32 in/out: the top-k ids (rounding_keys_kernel's copy); dropped pairs set to E
     pad_mask_ptr, # [T, E] uint8 in/out (zeros in): 1 where expert e pads token t
     pad_tok_ptr,  # [J, E] int32 out: the tokens expert e pads, ascending, then -1
     T, E, J, NB, stride_s_t, stride_ids_t, stride_w_t,
@@ -236,7 +239,7 @@ def _select_impl(scores: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                  target: torch.Tensor, J: int, max_n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     T, E = scores.shape
     K = ids.shape[1]
-    kept = torch.empty(T, K, dtype=torch.int32, device=scores.device).copy_(ids)
+    kept = torch.empty(T, K, dtype=torch.int32, device=scores.device)  # the keys kernel copies ids in
     pad_mask = torch.zeros(T, E, dtype=torch.uint8, device=scores.device)
     pad_tok = torch.empty(J, E, dtype=torch.int32, device=scores.device)
     if T == 0:
@@ -247,7 +250,7 @@ def _select_impl(scores: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
     cand_groups = torch.empty(E, cand, dtype=torch.int32, device=scores.device)
     block_t, block_e = _keys_block(E, K)
     launch(rounding_keys_kernel, (cdiv(T, block_t), cdiv(E, block_e)), scores_ptr=scores, ids_ptr=ids, weights_ptr=weights,
-           counts_ptr=counts, target_ptr=target, bmax_ptr=bmax, T=T, E=E, NB=nb, stride_s_t=scores.stride(0),
+           counts_ptr=counts, target_ptr=target, bmax_ptr=bmax, kept_ptr=kept, T=T, E=E, NB=nb, stride_s_t=scores.stride(0),
            stride_ids_t=ids.stride(0), stride_w_t=weights.stride(0), K=K, GROUP=GROUP, BLOCK_T=block_t,
            BLOCK_E=block_e, num_warps=4)
     launch(rounding_select_kernel, (E,), scores_ptr=scores, ids_ptr=ids, weights_ptr=weights, bmax_ptr=bmax,
