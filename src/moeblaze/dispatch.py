@@ -331,7 +331,7 @@ def build_dispatch_pairs(token_idx: torch.Tensor, expert_idx: torch.Tensor, num_
         base = build_dispatch(expert_idx.view(P, 1), num_experts, validate=False, block_m=block_m,
                               foreign_experts=foreign_experts)
     tok = token_idx.to(torch.int32)
-    indices = tok.index_select(0, base.expert_token_indices.long())  # slot -> pair -> token
+    indices = tok.index_select(0, base.expert_token_indices)  # slot -> pair -> token (int32 indices: no copy)
     if pair_offsets is None:
         bounds = torch.arange(num_tokens + 1, dtype=torch.int32, device=tok.device)
         pair_offsets = torch.searchsorted(tok, bounds, out_int32=True)  # first pair of each token (tok ascends)

@@ -27,7 +27,8 @@ alternating columns of an interleaved ``w_gate_up``), and ``dpre`` is written in
 are skipped, except the first ``ZERO_TAIL`` of them, whose ``w * act`` and ``dpre`` are written as zeros: the
 weight gradients read whole 64-slot TMA boxes of these two, so the last local expert's box reaches that far into
 the foreign rows, where uninitialised values (a NaN times the gathered side's zeros) would spread
-(:mod:`moeblaze.kernels.ws_wgrad`). ``TF32_DPRE`` (fp32 at TF32 precision): ``dpre`` is stored rounded to TF32, the A operand of
+(:mod:`moeblaze.kernels.ws_wgrad`); their ``dtw`` is written as 0 (the router-weight gradient of a pair of no
+local expert, gathered as it is). ``TF32_DPRE`` (fp32 at TF32 precision): ``dpre`` is stored rounded to TF32, the A operand of
 B3, which then reads it without a rounded copy (:mod:`moeblaze.kernels.tf32`; the expert-bias gradient
 ``db_gate_up``, a sum of ``dpre`` rows, sums the rounded values).
 """
@@ -67,6 +68,8 @@ def act_bwd_rows_kernel(
         # a block of foreign slots only (token rounding's dropped and unused pairs: a fifth of the rows at
         # (16384, 4096, 1024, 256, 4)) returns at once instead of looping over h with every lane masked
         if tl.program_id(0) * BLOCK_R >= local + ZERO_TAIL:
+            if STORE_PART:  # foreign slots' dtw is 0: the combine's gather needs no mask after it
+                tl.store(dtw_ptr + rows, tl.zeros([BLOCK_R], tl.float32), mask=rows < N)
             return
         store_mask &= rows < local + ZERO_TAIL
         row_mask &= rows < local  # the tail's loads are masked to zeros, so every value stored there is 0
@@ -99,8 +102,8 @@ def act_bwd_rows_kernel(
         tl.store(dpre_ptrs, dgate.to(dpre_ptr.dtype.element_ty), mask=out_mask)
         if ACTIVATION < FIRST_NON_GATED:
             tl.store(dpre_ptrs + UP_OFF, dup.to(dpre_ptr.dtype.element_ty), mask=out_mask)
-    if STORE_PART:
-        tl.store(dtw_ptr + rows, part, mask=row_mask)
+    if STORE_PART:  # 0 for the foreign rows (HAS_LIMIT)
+        tl.store(dtw_ptr + rows, tl.where(row_mask, part, 0.0), mask=rows < N)
 
 
 _ACT_BWD = Launchable(act_bwd_rows_kernel, act_bwd_configs, key=["H", "ACTIVATION", "STORE_WACT"],

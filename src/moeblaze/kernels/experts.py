@@ -352,9 +352,8 @@ def _down_backward_impl(dout, pre, w2, b2, topk_weights, offsets, indices, tile_
                  tf32_dpre=rounds_tf32(pre))
     dtw = None if need_dtw else _empty(topk_weights)  # a placeholder only for an output not asked for
     if need_dtw:
-        dtw = dtw_slot.index_select(0, token_index_map.reshape(-1).long()).view(token_index_map.shape)
-        if foreign:  # foreign slots were never computed: their pairs get no gradient
-            dtw = torch.where(token_index_map < local, dtw, 0.0)
+        # int32 indices (no int64 copy); foreign pairs read act_bwd_rows' zeros: they get no gradient
+        dtw = dtw_slot.index_select(0, token_index_map.reshape(-1)).view(token_index_map.shape)
         if b2 is not None:  # <dout[t], y> gains <dout[t], b2[e]>
             tokens = indices.index_select(0, token_index_map.long()) if general else None
             dtw = dtw + bias_dot(dout, b2, token_expert_indices, tokens)
