@@ -82,26 +82,18 @@ def _pad_key(s):
 
 @triton.jit
 def _nth_largest(key, n):
-    """The n-th largest of the int32 ``key`` (1 <= n <= key's size, below 2^16): the largest v with ``#(key >= v)
-    >= n``, two bits per step on key + 2^31 (unsigned): the counts at the three candidate values of the next two bits
-    packed in 16-bit fields of one int64 sum, 16 serial reductions where one bit per step takes 32. The select
-    kernel's reductions are over 1,024 to 4,096 keys, where the serial chain, not the comparisons, sets its time.
-    (On a whole row of T keys the packed form was slower: 41 against 35 µs at E 128, H100, 2026-11-25; a radix
-    select of four 8-bit ``tl.histogram`` rounds took the select kernel from 17.6 to 44.4 µs at T 16384, E 128, K 2,
-    H200, 2026-11-26, ``python3 benchmarks/bench_token_rounding.py speed --shapes 0 --variants none --breakdown
-    40``.)"""
+    """The n-th largest of the int32 ``key`` (1 <= n <= key's size): the largest v with ``#(key >= v) >= n``,
+    bit by bit on key + 2^31 (unsigned), 32 counts. Two bits per step (three counts packed in one int64
+    reduction, 16 serial reductions) measured slower on a whole row: 41 against 35 µs at E 128 and 261 against
+    242 µs at E 512 (H100, 2026-11-25, ``python3 benchmarks/bench_token_rounding.py rounding``); a radix select of
+    four 8-bit ``tl.histogram`` rounds took the select kernel from 17.6 to 44.4 µs at T 16384, E 128, K 2 (H200,
+    2026-11-26, ``... speed --shapes 0 --variants none --breakdown 40``)."""
     v = tl.zeros((), dtype=tl.int64)
     one = tl.full((), 1, tl.int64)
-    for b in range(30, -1, -2):
-        c1 = v | (one << b)
-        c2 = v | (one << (b + 1))
-        c3 = c1 | c2
-        packed = ((key >= (c1 - 2147483648).to(tl.int32)).to(tl.int64)
-                  + ((key >= (c2 - 2147483648).to(tl.int32)).to(tl.int64) << 16)
-                  + ((key >= (c3 - 2147483648).to(tl.int32)).to(tl.int64) << 32))
-        counts = tl.sum(packed, axis=0)
-        v = tl.where(((counts >> 32) & 0xFFFF) >= n, c3,
-                     tl.where(((counts >> 16) & 0xFFFF) >= n, c2, tl.where((counts & 0xFFFF) >= n, c1, v)))
+    for b in range(31, -1, -1):
+        cand = v | (one << b)
+        if tl.sum((key >= (cand - 2147483648).to(tl.int32)).to(tl.int32), axis=0) >= n:
+            v = cand
     return (v - 2147483648).to(tl.int32)
 
 
