@@ -200,6 +200,31 @@ def test_tile_schedule_from_routing(E, block_m, kind):
     assert te.tolist() == exp_e and tr.tolist() == exp_r and int(nt) == exp_n
 
 
+@pytest.mark.parametrize("foreign", [False, True])
+def test_pair_build_writes_tokens_and_the_local_schedule(foreign):
+    """General routing inputs (``[P, 1]`` ids): ``pair_tokens`` makes the write pass map slots to tokens, and
+    ``schedule_experts = E`` over an ``E + 1``-bucket build (foreign pairs last) schedules the local experts only:
+    bitwise the PyTorch build, its token gather and :func:`moeblaze.dispatch.with_schedule` on the local offsets."""
+    from moeblaze.dispatch import DispatchIndex, with_schedule
+
+    gen = torch.Generator().manual_seed(7)
+    P, T, E, bm = 300, 90, 6, 16
+    ids = torch.randint(0, E + foreign, (P, 1), generator=gen, dtype=torch.int32)
+    tok = torch.randint(0, T, (P,), generator=gen, dtype=torch.int32).sort().values
+    got = kd.build_dispatch_triton(ids.to(DEVICE), E + foreign, block_m=bm, pair_tokens=tok.to(DEVICE),
+                                   schedule_experts=E)
+    ref = build_dispatch_torch(ids, E + foreign)
+    ref = with_schedule(DispatchIndex(*ref.tensors(), E, foreign_experts=foreign), bm)
+    assert torch.equal(got.expert_token_indices.cpu(), tok[ref.expert_token_indices.long()])
+    for a, b in ((got.expert_token_offsets, ref.expert_token_offsets), (got.token_index_map, ref.token_index_map),
+                 *zip(got.schedule.tensors(), ref.schedule.tensors())):
+        assert torch.equal(a.cpu(), b)
+    with pytest.raises(ValueError, match="pair_tokens"):
+        kd.build_dispatch_triton(ids.to(DEVICE), E + foreign, pair_tokens=tok[:-1].to(DEVICE))
+    with pytest.raises(ValueError, match="schedule_experts"):
+        kd.build_dispatch_triton(ids.to(DEVICE), E + foreign, schedule_experts=E + 2)
+
+
 # ---------------------------------------------------------------------------------------------------
 # bad input: a clear error, and no kernel launched
 # ---------------------------------------------------------------------------------------------------

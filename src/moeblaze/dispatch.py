@@ -322,16 +322,15 @@ def build_dispatch_pairs(token_idx: torch.Tensor, expert_idx: torch.Tensor, num_
         raise ValueError(f"pair_offsets must be [num_tokens + 1 = {num_tokens + 1}] int32, got "
                          f"{tuple(pair_offsets.shape)} {pair_offsets.dtype}")
     P = expert_idx.numel()
+    tok = token_idx.to(torch.int32)
     if P == 0:  # no pairs: an index of zero slots (build_dispatch needs K >= 1 columns)
         dev = expert_idx.device
         base = DispatchIndex(torch.zeros(num_experts + 1 + foreign_experts, dtype=torch.int32, device=dev),
                              *(torch.zeros(0, dtype=torch.int32, device=dev) for _ in range(3)), num_experts,
                              foreign_experts=foreign_experts)
     else:
-        base = build_dispatch(expert_idx.view(P, 1), num_experts, validate=False, block_m=block_m,
-                              foreign_experts=foreign_experts)
-    tok = token_idx.to(torch.int32)
-    indices = tok.index_select(0, base.expert_token_indices)  # slot -> pair -> token (int32 indices: no copy)
+        base = _build_pairs(expert_idx.view(P, 1), tok, num_experts, block_m, foreign_experts)
+    indices = base.expert_token_indices  # slot -> token
     if pair_offsets is None:
         bounds = torch.arange(num_tokens + 1, dtype=torch.int32, device=tok.device)
         pair_offsets = torch.searchsorted(tok, bounds, out_int32=True)  # first pair of each token (tok ascends)
@@ -339,6 +338,28 @@ def build_dispatch_pairs(token_idx: torch.Tensor, expert_idx: torch.Tensor, num_
                           base.token_index_map.view(P), num_experts, base.schedule, foreign_experts,
                           pair_offsets=pair_offsets)
     return index if block_m is None or index.schedule is not None else with_schedule(index, block_m)
+
+
+def _build_pairs(ids: torch.Tensor, tok: torch.Tensor, num_experts: int, block_m: int | None,
+                 foreign_experts: bool) -> DispatchIndex:
+    """The index of ``[P, 1]`` pair ids with ``expert_token_indices`` mapping each slot to its pair's token.
+
+    On CUDA the Triton build writes the tokens and the schedule of the local experts in its write pass (the
+    index of the ids alone, a gather of the tokens and a schedule launch took 7.5 + 5 µs more at token rounding's
+    40,832 pairs: H200, 2026-11-26, ``python3 benchmarks/bench_token_rounding.py speed --shapes 0 --variants none
+    --breakdown 40``); elsewhere :func:`build_dispatch` and a gather.
+    """
+    E = num_experts + foreign_experts  # foreign pairs: one more bucket, last, left out of the schedule
+    if ids.is_cuda and _triton_dispatch_available():
+        from .kernels.dispatch import MAX_EXPERTS, build_dispatch_triton
+
+        if E <= MAX_EXPERTS:
+            built = build_dispatch_triton(ids.clamp(max=num_experts) if foreign_experts else ids, E, block_m=block_m,
+                                          pair_tokens=tok.contiguous(), schedule_experts=num_experts)
+            return DispatchIndex(*built.tensors(), num_experts, built.schedule, foreign_experts)
+    base = build_dispatch(ids, num_experts, validate=False, block_m=block_m, foreign_experts=foreign_experts)
+    return DispatchIndex(base.expert_token_offsets, tok.index_select(0, base.expert_token_indices),
+                         base.token_expert_indices, base.token_index_map, num_experts, base.schedule, foreign_experts)
 
 
 def _build(topk_ids: torch.Tensor, num_experts: int, block_m: int | None) -> DispatchIndex:

@@ -162,7 +162,7 @@ def _scan_kernel(
     tl.store(chunk_ptr + C.to(tl.int64) * E + e, carry, mask=em)
 
 
-@triton.jit(do_not_specialize=["N", "E", "C", "P", "max_tiles"])
+@triton.jit(do_not_specialize=["N", "E", "C", "P", "max_tiles", "SCHED_E"])
 def _write_kernel(
     ids32_ptr,  # [N] int32 expert id of each pair
     tile_ptr,  # [chunks * G, E] int32 in: in-chunk prefix; becomes the running slot of each tile
@@ -173,9 +173,11 @@ def _write_kernel(
     tile_expert_ptr,  # [max_tiles] int32 out (SCHED_M > 0): tile schedule, expert of each M-tile
     tile_row_ptr,  # [max_tiles] int32 out (SCHED_M > 0): first slot of each M-tile
     num_tiles_ptr,  # [1] int32 out (SCHED_M > 0)
+    tok_ptr,  # [N] int32 token of each pair (TOKEN_MAP: general routing inputs; else pair p's token is p // K)
     N, E, C, P, max_tiles,  # pairs, experts, chunks, pairs per tile, schedule length
+    SCHED_E,  # experts the schedule covers: E, or E - 1 leaving out a last bucket of foreign pairs
     K: tl.constexpr, S: tl.constexpr, G: tl.constexpr, BLOCK_E: tl.constexpr, ONEHOT_E: tl.constexpr,
-    SCHED_M: tl.constexpr, BLOCK_I: tl.constexpr,
+    SCHED_M: tl.constexpr, BLOCK_I: tl.constexpr, TOKEN_MAP: tl.constexpr,
 ):
     # ONEHOT_E > 0 (small E): ranks from a per-step one-hot cumsum, running slots kept in registers.
     c = tl.program_id(0)
@@ -200,7 +202,7 @@ def _write_kernel(
     if SCHED_M > 0:  # schedule blocks c, c + C, ... from the totals row (the same in every chunk)
         for i0 in range(c * BLOCK_I, max_tiles, C * BLOCK_I):
             num = _schedule_entries(chunk_ptr + C.to(tl.int64) * E, tile_expert_ptr, tile_row_ptr,
-                                    i0 + tl.arange(0, BLOCK_I), E, max_tiles, False, SCHED_M, BLOCK_E)
+                                    i0 + tl.arange(0, BLOCK_I), SCHED_E, max_tiles, False, SCHED_M, BLOCK_E)
             tl.store(num_tiles_ptr + one, num + one * 0, mask=one * 0 + i0 == 0)
     tl.debug_barrier()
     if ONEHOT_E > 0:  # running slots in registers [ONEHOT_E, G, 1]: no table round trip, no barrier
@@ -219,7 +221,10 @@ def _write_kernel(
             rank, last = _step_ranks(ids, S)
             slot = tl.load(rows + ids, mask=valid, other=0) + rank
         tl.store(map_ptr + p, slot, mask=valid)
-        tl.store(indices_ptr + slot, p // K, mask=valid)
+        if TOKEN_MAP:
+            tl.store(indices_ptr + slot, tl.load(tok_ptr + p, mask=valid, other=0), mask=valid)
+        else:
+            tl.store(indices_ptr + slot, p // K, mask=valid)
         if ONEHOT_E == 0:
             tl.debug_barrier()
             tl.store(rows + ids, slot + 1, mask=valid & last)
@@ -328,7 +333,8 @@ def dispatch_plan(
 
 
 def build_dispatch_triton(topk_ids: torch.Tensor, num_experts: int, *, tile_pairs: int | None = None,
-                          block_m: int | None = None) -> DispatchIndex:
+                          block_m: int | None = None, pair_tokens: torch.Tensor | None = None,
+                          schedule_experts: int | None = None) -> DispatchIndex:
     """Build the dispatch index on the GPU without sort, atomics or host sync (MoEBlaze §4.2).
 
     Three launches (count, scan, write); bitwise equal to :func:`moeblaze.dispatch.build_dispatch_torch`.
@@ -343,6 +349,10 @@ def build_dispatch_triton(topk_ids: torch.Tensor, num_experts: int, *, tile_pair
             and tuning; the result does not depend on it.
         block_m: also write the grouped-GEMM tile schedule for M-tiles of ``block_m`` slots (in the
             write launch; equal to :func:`moeblaze.dispatch.build_tile_schedule_torch`).
+        pair_tokens: ``[T*K]`` int32 (contiguous) token of each pair: ``expert_token_indices`` then maps each
+            slot to it instead of to the pair's row (general routing inputs, ``[P, 1]`` ids: no gather after).
+        schedule_experts: the schedule covers the first ``schedule_experts`` experts only (E - 1: a last
+            bucket of foreign pairs left out, as :func:`moeblaze.dispatch.with_schedule` on its local offsets).
 
     Returns:
         :class:`~moeblaze.dispatch.DispatchIndex`, all int32: ``expert_token_offsets [E+1]``,
@@ -350,8 +360,8 @@ def build_dispatch_triton(topk_ids: torch.Tensor, num_experts: int, *, tile_pair
         int32), ``token_index_map [T, K]`` and, with ``block_m``, ``schedule``.
 
     Raises:
-        TypeError: non-integer ids.  ValueError: wrong rank, device, E, K, ``block_m < 1`` or
-        N >= 2^31 - 2^24.
+        TypeError: non-integer ids.  ValueError: wrong rank, device, E, K, ``block_m < 1``,
+        N >= 2^31 - 2^24, ``pair_tokens`` not ``[T*K]`` int32 contiguous, ``schedule_experts`` outside ``[1, E]``.
     """
     if not isinstance(topk_ids, torch.Tensor) or topk_ids.dtype not in _ID_DTYPES:
         got = getattr(topk_ids, "dtype", type(topk_ids).__name__)
@@ -370,8 +380,16 @@ def build_dispatch_triton(topk_ids: torch.Tensor, num_experts: int, *, tile_pair
     N = T * K
     if N >= 2**31 - 2**24:
         raise ValueError(f"N = T*K = {N} pairs does not fit the int32 index")
+    if pair_tokens is not None and (pair_tokens.shape != (N,) or pair_tokens.dtype != torch.int32
+                                    or not pair_tokens.is_contiguous()):
+        raise ValueError(f"pair_tokens must be a contiguous [T*K = {N}] int32 tensor, got "
+                         f"{tuple(pair_tokens.shape)} {pair_tokens.dtype}")
+    sched_e = E if schedule_experts is None else int(schedule_experts)
+    if not 1 <= sched_e <= E:
+        raise ValueError(f"schedule_experts must be in [1, num_experts={E}], got {schedule_experts}")
     offsets, indices, index_map, ids32, *sched = call_op(_build_dispatch_op, _build_dispatch_impl, topk_ids, E,
-                                                         int(tile_pairs or 0), int(block_m or 0))
+                                                         int(tile_pairs or 0), int(block_m or 0), pair_tokens,
+                                                         sched_e)
     if ids32.numel() != N:  # not written: the input is contiguous int32, the id table itself
         ids32 = topk_ids
     schedule = TileSchedule(int(block_m), *sched) if block_m else None
@@ -383,9 +401,11 @@ def _max_tiles(num_pairs: int, num_experts: int, block_m: int) -> int:
     return cdiv(num_pairs, block_m) + num_experts if block_m else 0
 
 
-def _build_dispatch_impl(topk_ids: torch.Tensor, num_experts: int, tile_pairs: int, block_m: int):
+def _build_dispatch_impl(topk_ids: torch.Tensor, num_experts: int, tile_pairs: int, block_m: int,
+                         pair_tokens: torch.Tensor | None = None, sched_experts: int = 0):
     """The three launches; returns ``(offsets, indices, index_map, ids32 [N] or [0] when not written,
-    tile_expert, tile_row, num_tiles)`` (the schedule empty when ``block_m == 0``)."""
+    tile_expert, tile_row, num_tiles)`` (the schedule empty when ``block_m == 0``; over the first
+    ``sched_experts`` experts, 0: all)."""
     T, K = topk_ids.shape
     N, E, dev = T * K, num_experts, topk_ids.device
     sms = sm_count(dev) if topk_ids.is_cuda else 132
@@ -394,7 +414,8 @@ def _build_dispatch_impl(topk_ids: torch.Tensor, num_experts: int, tile_pairs: i
     new = lambda *shape: torch.empty(shape, dtype=torch.int32, device=dev)  # noqa: E731
     # separate buffers: a custom op's outputs may not alias each other or its input
     offsets, indices, index_map, ids32 = new(E + 1), new(N), new(T, K), new(0 if as_is else N)
-    max_tiles = _max_tiles(N, E, block_m)
+    sched_e = sched_experts or E
+    max_tiles = _max_tiles(N, sched_e, block_m)
     sched = (new(max_tiles), new(max_tiles), new(1 if block_m else 0))
     if N == 0:
         sched[0].fill_(-1)
@@ -414,7 +435,8 @@ def _build_dispatch_impl(topk_ids: torch.Tensor, num_experts: int, tile_pairs: i
     launch(_write_kernel, (chunks,),
         ids32_ptr=ids_in, tile_ptr=tile_tab, chunk_ptr=chunk_tab, offsets_ptr=offsets, indices_ptr=indices,
         map_ptr=index_map, tile_expert_ptr=sched[0], tile_row_ptr=sched[1], num_tiles_ptr=sched[2],
-        N=N, E=E, C=chunks, P=P, max_tiles=max_tiles, SCHED_M=block_m, BLOCK_I=_BLOCK_I, **common)
+        tok_ptr=ids_in if pair_tokens is None else pair_tokens, N=N, E=E, C=chunks, P=P, max_tiles=max_tiles,
+        SCHED_E=sched_e, SCHED_M=block_m, BLOCK_I=_BLOCK_I, TOKEN_MAP=pair_tokens is not None, **common)
     return offsets, indices, index_map, ids32, *sched
 
 
@@ -422,16 +444,16 @@ def _build_dispatch_impl(topk_ids: torch.Tensor, num_experts: int, tile_pairs: i
 # host-side planning (device properties, tile sizes); eager calls skip it (see custom_ops.call_op).
 _build_dispatch_op = torch.library.custom_op(
     "moeblaze::build_dispatch", _build_dispatch_impl, mutates_args=(),
-    schema="(Tensor topk_ids, int num_experts, int tile_pairs, int block_m) "
+    schema="(Tensor topk_ids, int num_experts, int tile_pairs, int block_m, Tensor? pair_tokens, int sched_experts) "
            "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")
 
 
 @_build_dispatch_op.register_fake
-def _(topk_ids, num_experts, tile_pairs, block_m):
+def _(topk_ids, num_experts, tile_pairs, block_m, pair_tokens, sched_experts):
     T, K = topk_ids.shape
     new = lambda *shape: topk_ids.new_empty(shape, dtype=torch.int32)
     as_is = topk_ids.dtype == torch.int32 and topk_ids.is_contiguous()
-    max_tiles = _max_tiles(T * K, num_experts, block_m)
+    max_tiles = _max_tiles(T * K, sched_experts or num_experts, block_m)
     return (new(num_experts + 1), new(T * K), new(T, K), new(0 if as_is else T * K),
             new(max_tiles), new(max_tiles), new(1 if block_m else 0))
 
