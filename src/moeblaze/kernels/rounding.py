@@ -1,5 +1,5 @@
-"""Token rounding's per-expert selections in two launches and its pair list in two more (issue 25; SonicMoE §5 Alg. 4; rules:
-:mod:`moeblaze.token_rounding`).
+"""Token rounding's per-expert selections in two launches and its pair list in three more (issue 25; SonicMoE §5
+Alg. 4; rules: :mod:`moeblaze.token_rounding`).
 
 After top-k, expert e with ``f_e`` tokens and rounded target ``r_e`` either drops its ``n = f_e - r_e``
 lowest-weighted top-k pairs or pads ``n = r_e - f_e`` of its highest-scored tokens outside its top-k. Both
@@ -30,10 +30,10 @@ the mask) and each block's; :func:`rounding_place_kernel` adds the sums of the b
 ``T / 16`` of them), scans its tokens' pair counts and writes the top-k pairs, the unused entries and the pair CSR
 ``pair_offsets [T+1]``; :func:`rounding_pad_place_kernel` (one program per expert) puts each padded pair at its
 token's offset plus K plus the token's padded pairs of lower experts. This replaces a stable radix sort of the
-``J*E`` pad entries by token, a binary search per token and three scatters: ``nr`` went from 0.602 to 0.685 of the
-ceiling's gain at T 16384, E 128, K 2 with the first form of these kernels (one ``[T, E]`` scan in place of the
-per-expert one), against the old code in the same call (H200, 2026-11-26, ``python3
-benchmarks/bench_token_rounding.py speed --shapes 0 --variants none``).
+``J*E`` pad entries by token, a binary search per token and three scatters: 6.3 µs per step for the three launches
+against 17.1 + 4.6 µs for the sort and the search plus Inductor's scatters at T 16384, E 128, K 2; a first form
+scanning ``[BLOCK_T, E]`` mask tiles for the pads' ranks in one launch took 9.5-10.4 µs (H200, 2026-11-26,
+``python3 benchmarks/bench_token_rounding.py speed --shapes 0 --variants none --breakdown 40``).
 
 No sort, no atomics, no host synchronisation. The order key of a float is its bit pattern as int32 with the
 lower 31 bits flipped for negative values (monotone in the value; ``-0.0`` is made ``+0.0`` first, NaN
