@@ -382,7 +382,7 @@ def rounding_pad_place_kernel(
     t = tl.load(pad_tok_ptr + jj * E + e, mask=jj < J, other=-1)
     valid = t >= 0
     rank = tl.zeros([BLOCK_J], tl.int32)  # the token's padded pairs of the experts before e
-    for c0 in range(0, e, CHUNK_E):  # 32-column chunks: 95 registers; a [64, E] tile spilled at E 512 (triton 3.6)
+    for c0 in range(0, e, CHUNK_E):  # 32-column chunks: 29 registers; a [64, E] tile spilled at E 512 (triton 3.6)
         cols = c0 + tl.arange(0, CHUNK_E)
         before = tl.load(pad_mask_ptr + t[:, None] * E + cols[None, :], mask=valid[:, None] & (cols < e)[None, :],
                          other=0)
