@@ -85,9 +85,11 @@ def _nth_largest(key, n):
     """The n-th largest of the int32 ``key`` (1 <= n <= key's size): the largest v with ``#(key >= v) >= n``,
     bit by bit on key + 2^31 (unsigned), 32 counts. Two bits per step (three counts packed in one int64
     reduction, 16 serial reductions) measured slower on a whole row: 41 against 35 µs at E 128 and 261 against
-    242 µs at E 512 (H100, 2026-11-25, ``python3 benchmarks/bench_token_rounding.py rounding``); a radix select of
-    four 8-bit ``tl.histogram`` rounds took the select kernel from 17.6 to 44.4 µs at T 16384, E 128, K 2 (H200,
-    2026-11-26, ``... speed --shapes 0 --variants none --breakdown 40``)."""
+    242 µs at E 512 (H100, 2026-11-25, ``python3 benchmarks/bench_token_rounding.py rounding``), and level on the
+    select kernel's 1,024-4,096 keys: 30.2 against 31.7 µs at E 128, 42.6 against 41.6 at E 256 (H200, 2026-11-26,
+    ``... select --warps 4``, both launches). A radix select of four 8-bit ``tl.histogram`` rounds took the select
+    kernel from 17.6 to 44.4 µs at T 16384, E 128, K 2 (H200, 2026-11-26, ``... speed --shapes 0 --variants none
+    --breakdown 40``)."""
     v = tl.zeros((), dtype=tl.int64)
     one = tl.full((), 1, tl.int64)
     for b in range(31, -1, -1):
