@@ -232,11 +232,7 @@ def build_dispatch(topk_ids: torch.Tensor, num_experts: int, validate: bool = Tr
     check_topk_ids(topk_ids, num_experts, check_range=validate, foreign_experts=foreign_experts)
     if block_m is not None:
         _check_block_m(block_m)
-    if foreign_experts:  # bucket E holds every foreign pair; the schedule (local offsets) leaves it out
-        full = _build(topk_ids.clamp(max=num_experts), num_experts + 1, None)
-        index = DispatchIndex(*full.tensors(), num_experts, foreign_experts=True)
-        return _record_source(index if block_m is None else with_schedule(index, block_m), topk_ids)
-    return _record_source(_build(topk_ids, num_experts, block_m), topk_ids)
+    return _record_source(_build(topk_ids, num_experts, block_m, foreign_experts), topk_ids)
 
 
 def check_pairs(token_idx: torch.Tensor, expert_idx: torch.Tensor, num_tokens: int, num_experts: int,
@@ -329,7 +325,7 @@ def build_dispatch_pairs(token_idx: torch.Tensor, expert_idx: torch.Tensor, num_
                              *(torch.zeros(0, dtype=torch.int32, device=dev) for _ in range(3)), num_experts,
                              foreign_experts=foreign_experts)
     else:
-        base = _build_pairs(expert_idx.view(P, 1), tok, num_experts, block_m, foreign_experts)
+        base = _build(expert_idx.view(P, 1), num_experts, block_m, foreign_experts, pair_tokens=tok.contiguous())
     indices = base.expert_token_indices  # slot -> token
     if pair_offsets is None:
         bounds = torch.arange(num_tokens + 1, dtype=torch.int32, device=tok.device)
@@ -340,36 +336,30 @@ def build_dispatch_pairs(token_idx: torch.Tensor, expert_idx: torch.Tensor, num_
     return index if block_m is None or index.schedule is not None else with_schedule(index, block_m)
 
 
-def _build_pairs(ids: torch.Tensor, tok: torch.Tensor, num_experts: int, block_m: int | None,
-                 foreign_experts: bool) -> DispatchIndex:
-    """The index of ``[P, 1]`` pair ids with ``expert_token_indices`` mapping each slot to its pair's token.
+def _build(topk_ids: torch.Tensor, num_experts: int, block_m: int | None, foreign_experts: bool = False,
+           pair_tokens: torch.Tensor | None = None) -> DispatchIndex:
+    """The build of a checked routing: Triton on CUDA within its limits, else PyTorch.
 
-    On CUDA the Triton build writes the tokens and the schedule of the local experts in its write pass (the
-    index of the ids alone, a gather of the tokens and a schedule launch took 7.5 + 5 µs more at token rounding's
-    40,832 pairs: H200, 2026-11-26, ``python3 benchmarks/bench_token_rounding.py speed --shapes 0 --variants none
-    --breakdown 40``); elsewhere :func:`build_dispatch` and a gather.
+    ``foreign_experts``: ids ``>= E`` go to a last bucket E that the schedule (over the local offsets) leaves out.
+    ``pair_tokens`` (``[T*K]`` int32, general routing inputs): ``expert_token_indices`` maps each slot to its pair's
+    token. On CUDA the Triton build writes both in its write pass (a gather of the tokens and a schedule launch
+    after it took 7.5 + 5 µs more at token rounding's 40,832 pairs: H200, 2026-11-26, ``python3
+    benchmarks/bench_token_rounding.py speed --shapes 0 --variants none --breakdown 40``).
     """
-    E = num_experts + foreign_experts  # foreign pairs: one more bucket, last, left out of the schedule
+    E = num_experts + foreign_experts
+    ids = topk_ids.clamp(max=num_experts) if foreign_experts else topk_ids
     if ids.is_cuda and _triton_dispatch_available():
-        from .kernels.dispatch import MAX_EXPERTS, build_dispatch_triton
-
-        if E <= MAX_EXPERTS:
-            built = build_dispatch_triton(ids.clamp(max=num_experts) if foreign_experts else ids, E, block_m=block_m,
-                                          pair_tokens=tok.contiguous(), schedule_experts=num_experts)
-            return DispatchIndex(*built.tensors(), num_experts, built.schedule, foreign_experts)
-    base = build_dispatch(ids, num_experts, validate=False, block_m=block_m, foreign_experts=foreign_experts)
-    return DispatchIndex(base.expert_token_offsets, tok.index_select(0, base.expert_token_indices),
-                         base.token_expert_indices, base.token_index_map, num_experts, base.schedule, foreign_experts)
-
-
-def _build(topk_ids: torch.Tensor, num_experts: int, block_m: int | None) -> DispatchIndex:
-    """The build of a checked routing: Triton on CUDA within its limits, else PyTorch."""
-    if topk_ids.is_cuda and _triton_dispatch_available():
         from .kernels.dispatch import MAX_EXPERTS, MAX_TOP_K, build_dispatch_triton
 
-        if num_experts <= MAX_EXPERTS and topk_ids.shape[1] <= min(MAX_TOP_K, num_experts):  # its register tiles
-            return build_dispatch_triton(topk_ids, num_experts, block_m=block_m)
-    index = build_dispatch_torch(topk_ids, num_experts)
+        if E <= MAX_EXPERTS and ids.shape[1] <= min(MAX_TOP_K, E):  # its register tiles
+            built = build_dispatch_triton(ids, E, block_m=block_m, pair_tokens=pair_tokens,
+                                          schedule_experts=num_experts)
+            return DispatchIndex(*built.tensors(), num_experts, built.schedule, foreign_experts)
+    built = build_dispatch_torch(ids, E)
+    indices = built.expert_token_indices if pair_tokens is None else pair_tokens.index_select(
+        0, built.expert_token_indices)
+    index = DispatchIndex(built.expert_token_offsets, indices, built.token_expert_indices, built.token_index_map,
+                          num_experts, foreign_experts=foreign_experts)
     return index if block_m is None else with_schedule(index, block_m)
 
 
