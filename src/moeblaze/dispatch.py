@@ -348,19 +348,27 @@ def _build(topk_ids: torch.Tensor, num_experts: int, block_m: int | None, foreig
     """
     E = num_experts + foreign_experts
     ids = topk_ids.clamp(max=num_experts) if foreign_experts else topk_ids
-    if ids.is_cuda and _triton_dispatch_available():
-        from .kernels.dispatch import MAX_EXPERTS, MAX_TOP_K, build_dispatch_triton
+    if _triton_serves(ids, E):
+        from .kernels.dispatch import build_dispatch_triton
 
-        if E <= MAX_EXPERTS and ids.shape[1] <= min(MAX_TOP_K, E):  # its register tiles
-            built = build_dispatch_triton(ids, E, block_m=block_m, pair_tokens=pair_tokens,
-                                          schedule_experts=num_experts)
-            return DispatchIndex(*built.tensors(), num_experts, built.schedule, foreign_experts)
+        built = build_dispatch_triton(ids, E, block_m=block_m, pair_tokens=pair_tokens, schedule_experts=num_experts)
+        return DispatchIndex(*built.tensors(), num_experts, built.schedule, foreign_experts)
     built = build_dispatch_torch(ids, E)
     indices = built.expert_token_indices if pair_tokens is None else pair_tokens.index_select(
         0, built.expert_token_indices)
     index = DispatchIndex(built.expert_token_offsets, indices, built.token_expert_indices, built.token_index_map,
                           num_experts, foreign_experts=foreign_experts)
     return index if block_m is None else with_schedule(index, block_m)
+
+
+def _triton_serves(ids: torch.Tensor, num_buckets: int) -> bool:
+    """The Triton build takes these ``[T, K]`` ids: CUDA, Triton importable, the buckets and K within its register
+    tiles (``benchmarks/bench_host.py --mode cpu`` replaces it to time that path's host side on the CPU)."""
+    if not (ids.is_cuda and _triton_dispatch_available()):
+        return False
+    from .kernels.dispatch import MAX_EXPERTS, MAX_TOP_K
+
+    return num_buckets <= MAX_EXPERTS and ids.shape[1] <= min(MAX_TOP_K, num_buckets)
 
 
 def _check_block_m(block_m) -> None:
