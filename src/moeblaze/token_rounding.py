@@ -244,7 +244,8 @@ def _place_torch(kept: torch.Tensor, pad_mask: torch.Tensor, J: int) -> tuple[to
     """:func:`moeblaze.kernels.rounding.rounding_place` in PyTorch ops (its layout and ``src``, bitwise)."""
     (T, K), E, dev = kept.shape, pad_mask.shape[1], kept.device
     P = T * K + J * E
-    pads = pad_mask.long().sum(1)
+    marks = pad_mask.long()
+    pads = marks.sum(1)
     unused = J * E - pads.sum()
     t = torch.arange(T + 1, device=dev)
     fill_before = torch.div(unused * t, max(T, 1), rounding_mode="floor")
@@ -258,8 +259,7 @@ def _place_torch(kept: torch.Tensor, pad_mask: torch.Tensor, J: int) -> tuple[to
     topk_pos = (off[:, None] + torch.arange(K, device=dev)).reshape(-1)
     expert_idx[topk_pos] = kept.reshape(-1)
     src[topk_pos] = torch.arange(T * K, device=dev)
-    marked = pad_mask.bool()
-    pad_pos = torch.where(marked, off[:, None] + K + pad_mask.long().cumsum(1) - 1, P).reshape(-1)  # P: a dummy
+    pad_pos = torch.where(marks != 0, off[:, None] + K + marks.cumsum(1) - 1, P).reshape(-1)  # P: a dummy
     expert_idx.index_put_((pad_pos,), torch.arange(E, dtype=torch.int32, device=dev).repeat(T))
     src.index_put_((pad_pos,), T * K + torch.arange(T * E, device=dev))
     return token_idx, expert_idx[:P], src[:P], pair_offsets.to(torch.int32)
