@@ -40,15 +40,18 @@ from moeblaze.kernels.grouped_gemm import (
     EPILOGUE_PLAIN,
     grouped_gemm_kernel,
 )
-from moeblaze.kernels.rounding import (
-    GROUP,
-    _keys_block,
+from moeblaze.kernels.pair_list import (
     _place_block_t,
-    _select_warps,
-    rounding_keys_kernel,
+    pair_weights_bwd_kernel,
     rounding_pad_count_kernel,
     rounding_pad_place_kernel,
     rounding_place_kernel,
+)
+from moeblaze.kernels.rounding import (
+    GROUP,
+    _keys_block,
+    _select_warps,
+    rounding_keys_kernel,
     rounding_select_kernel,
 )
 from moeblaze.kernels.router import (
@@ -188,13 +191,14 @@ def compile_router() -> None:
 
 
 def compile_rounding() -> None:
-    """Token rounding's selection and placement kernels (moeblaze.kernels.rounding) at the issue's shapes."""
+    """Token rounding's selection and placement kernels (moeblaze.kernels.rounding, .pair_list) at the issue's
+    shapes."""
     for T, E, K, dt in ((16384, 128, 2, "*bf16"), (16384, 256, 4, "*fp32"), (65536, 512, 10, "*fp32")):
         nb = triton.cdiv(T, GROUP)
         ptrs = dict(scores_ptr=dt, ids_ptr="*i32", weights_ptr=dt, counts_ptr="*i32", target_ptr="*i32",
                     bmax_ptr="*i32", cand_ptr="*i32", kept_ptr="*i32", pad_mask_ptr="*u8", pad_tok_ptr="*i32",
                     pads_ptr="*i32", block_pads_ptr="*i32", token_idx_ptr="*i32", expert_idx_ptr="*i32",
-                    src_ptr="*i64", pair_offsets_ptr="*i32")
+                    src_ptr="*i64", pair_offsets_ptr="*i32", dw_ptr=dt, dtopk_ptr=dt, dscores_ptr=dt, scale="fp32")
         bt, be = _keys_block(E, K)
         compile_one(rounding_keys_kernel, ptrs, dict(K=K, GROUP=GROUP, BLOCK_T=bt, BLOCK_E=be), 4, 1,
                     f"rounding keys E={E} K={K}")
@@ -203,8 +207,10 @@ def compile_rounding() -> None:
                     _select_warps(nb), 1, f"rounding select T={T} K={K}")
         pt, pe = _place_block_t(E), triton.next_power_of_2(E)
         compile_one(rounding_pad_count_kernel, ptrs, dict(BLOCK_T=pt, BLOCK_E=pe), 4, 1, f"rounding pad count E={E}")
-        compile_one(rounding_place_kernel, ptrs, dict(K=K, BLOCK_T=pt, BLOCK_NBT=triton.next_power_of_2(T // pt)),
-                    4, 1, f"rounding place T={T} K={K}")
+        compile_one(rounding_place_kernel, ptrs, dict(K=K, BLOCK_T=pt, BLOCK_NBT=triton.next_power_of_2(T // pt),
+                                                      BLOCK_TAIL=128), 4, 1, f"rounding place T={T} K={K}")
+        compile_one(pair_weights_bwd_kernel, ptrs, dict(K=K, BLOCK_T=max(1, min(128, 8192 // pe)), BLOCK_E=pe), 4, 1,
+                    f"pair weights backward E={E} K={K}")
         compile_one(rounding_pad_place_kernel, ptrs, dict(BLOCK_J=64, CHUNK_E=min(pe, 32)), 4, 1,
                     f"rounding pad place E={E}")
 

@@ -128,41 +128,71 @@ def test_kernel_selections_mark_the_best_pads_and_drop_the_lowest():
     assert torch.equal(dropped, (w0.topk(3, largest=False).indices + 5).sort().values)
 
 
-@pytest.mark.parametrize("T,E,K,J", [(64, 4, 1, 7), (5, 6, 2, 3), (1, 4, 2, 1), (37, 3, 3, 9), (0, 4, 2, 0)])
-def test_pair_list_layout(T, E, K, J):
-    """The pair list of kept and padded pairs: per token its K top-k pairs, its padded pairs in expert order, then
-    its share of the unused entries (expert E, weight index 0), spread evenly; the CSR delimits them; the kernels
-    (interpreter) give it bitwise as the PyTorch ops do."""
-    from moeblaze.kernels.rounding import rounding_place
-    from moeblaze.token_rounding import _place_torch
-
+def _pair_list_case(T, E, K, J):
+    """Kept ids (E where dropped), a pad mask with at most J pads per expert at random tokens, its pad_tok."""
     gen = torch.Generator().manual_seed(T * E + J)
     kept = torch.randint(0, E + 1, (T, K), generator=gen, dtype=torch.int32)
     pad_mask = torch.zeros(T, E, dtype=torch.uint8)
-    for e in range(E):  # at most J pads per expert, at random tokens
+    for e in range(E):
         pad_mask[torch.randperm(T, generator=gen)[:int(torch.randint(0, J + 1, (), generator=gen))], e] = 1
-    got = _place_torch(kept, pad_mask, J)
     pad_tok = torch.full((J, E), -1, dtype=torch.int32)
     for e in range(E):
         tokens = pad_mask[:, e].nonzero().flatten()
         pad_tok[:tokens.numel(), e] = tokens.int()
+    return kept, pad_mask, pad_tok
+
+
+@pytest.mark.parametrize("T,E,K,J", [(64, 4, 1, 7), (5, 6, 2, 3), (1, 4, 2, 1), (37, 3, 3, 9), (0, 4, 2, 0)])
+def test_pair_list_layout(T, E, K, J):
+    """The pair list of kept and padded pairs: per token its K top-k pairs, then its padded pairs in expert order;
+    the CSR delimits them; the unused entries (expert E, weight index 0, token T-1) follow as one tail past
+    ``pair_offsets[T]``; the kernels (interpreter) give it bitwise as the PyTorch ops do."""
+    from moeblaze.kernels.pair_list import rounding_place
+    from moeblaze.token_rounding import _place_torch
+
+    kept, pad_mask, pad_tok = _pair_list_case(T, E, K, J)
+    got = _place_torch(kept, pad_mask, J)
     for a, b in zip(got, rounding_place(kept, pad_mask, pad_tok)):
         assert a.dtype == b.dtype and torch.equal(a, b)
     token_idx, expert_idx, src, offsets = got
-    P = T * K + J * E
-    assert token_idx.shape == (P,) and int(offsets[-1]) == P and int(offsets[0]) == 0
-    unused = J * E - int(pad_mask.sum())
+    P, used = T * K + J * E, T * K + int(pad_mask.sum())
+    assert token_idx.shape == (P,) and int(offsets[-1]) == used and int(offsets[0]) == 0
     for t in range(T):
         a, b = int(offsets[t]), int(offsets[t + 1])
         assert bool((token_idx[a:b] == t).all())
         experts = [int(e) for e in pad_mask[t].nonzero().flatten()]
+        assert b - a == K + len(experts)
         assert expert_idx[a:a + K].tolist() == kept[t].tolist()
         assert src[a:a + K].tolist() == [t * K + k for k in range(K)]
-        assert expert_idx[a + K:a + K + len(experts)].tolist() == experts
-        assert src[a + K:a + K + len(experts)].tolist() == [T * K + t * E + e for e in experts]
-        fill = b - a - K - len(experts)
-        assert fill == (unused * (t + 1)) // T - (unused * t) // T
-        assert bool((expert_idx[b - fill:b] == E).all()) and bool((src[b - fill:b] == 0).all())
+        assert expert_idx[a + K:b].tolist() == experts
+        assert src[a + K:b].tolist() == [T * K + t * E + e for e in experts]
+    assert bool((token_idx[used:] == T - 1).all()) and bool((expert_idx[used:] == E).all())
+    assert bool((src[used:] == 0).all())
+
+
+# bf16 on the GPU only: the interpreter rounds fp32 -> bf16 toward zero, not to nearest as the GPU and torch do
+@pytest.mark.parametrize("dtype,device", [(torch.float32, "cpu"), (torch.float16, "cpu"),
+                                          pytest.param(torch.bfloat16, "cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("T,E,K,J", [(64, 4, 1, 7), (37, 3, 3, 9), (5, 6, 2, 3)])
+def test_pair_weights_backward_kernel_equals_torch(T, E, K, J, dtype, device):
+    """One launch writes the top-k gradients ``dw[pair_offsets[t] + k]`` and the padded pairs' ``dw * scale`` into
+    whole ``[T, E]`` rows (zeros elsewhere; the tail adds nothing), bitwise as the PyTorch ops."""
+    from moeblaze.kernels.pair_list import pair_weights_backward
+    from moeblaze.token_rounding import _pair_weights_backward_torch, _place_torch
+
+    kept, pad_mask, _ = (t.to(device) for t in _pair_list_case(T, E, K, J))
+    _, expert_idx, src, offsets = _place_torch(kept, pad_mask, J)
+    dw = torch.randn(expert_idx.numel(), generator=torch.Generator().manual_seed(T)).to(device, dtype)
+    got = pair_weights_backward(dw, offsets, expert_idx, K, E, 1.7, dtype)
+    want = _pair_weights_backward_torch(dw, offsets, expert_idx, K, E, 1.7, dtype)
+    for a, b in zip(got, want):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    pad = src >= T * K  # the padded pairs' gradients land at (t, e) = divmod(src - T*K, E)
+    dense = torch.zeros(T * E, dtype=dtype, device=device).index_put((src[pad] - T * K,),
+                                                                     (dw[pad].float() * 1.7).to(dtype))
+    assert torch.equal(got[1], dense.view(T, E))
+    with pytest.raises(ValueError, match="scores_dtype"):
+        pair_weights_backward(dw, offsets, expert_idx, K, E, 1.0, torch.float64)
 
 
 @pytest.mark.parametrize("mode", ["nr", "up"])
@@ -187,6 +217,20 @@ def test_pair_weights_and_their_gradients(mode, selection):
     assert torch.equal(r.pair_weights[is_topk | pad], ref[is_topk | pad])
     ds_ref, dw_ref = torch.autograd.grad((ref * torch.where(is_topk | pad, c, 0)).sum(), (s2, w2))
     assert torch.equal(dw, dw_ref) and torch.allclose(ds, ds_ref, rtol=0, atol=1e-15)
+
+
+def test_pair_weights_gradients_of_both_paths_are_bitwise_alike():
+    """fp32 routing: the Triton pair list and weights' backward (interpreter) give the PyTorch path's gradients."""
+    scores, ids, w = routing(90, 6, 2, 5)
+    grads = []
+    for fused in (False, True):
+        s, ww = scores.clone().requires_grad_(), w.clone().requires_grad_()
+        with settings.override(fused_rounding=fused):
+            r = round_tokens(s, ids, ww, 16, "nr", scale=2.5)
+        c = torch.randn(r.pair_weights.numel(), generator=torch.Generator().manual_seed(2))
+        grads.append(torch.autograd.grad((r.pair_weights * c).sum(), (s, ww)))
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+    assert int((grads[0][0] != 0).sum()) > 0  # some padded pairs carry a gradient to the scores
 
 
 def test_given_counts_round_as_counted(selection):

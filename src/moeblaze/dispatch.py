@@ -303,7 +303,9 @@ def build_dispatch_pairs(token_idx: torch.Tensor, expert_idx: torch.Tensor, num_
         foreign_experts: ids ``>= E`` are skipped (an extra last bucket, as ``build_dispatch``'s); token
             rounding marks its unused candidate pairs this way so that P stays static.
         pair_offsets: the ``[T+1]`` int32 CSR of these pairs when the caller has it (token rounding's
-            :attr:`moeblaze.TokenRounding.pair_offsets`): used as given, no binary search.
+            :attr:`moeblaze.TokenRounding.pair_offsets`): used as given, no binary search. Pairs past
+            ``pair_offsets[T]`` (a tail of foreign pairs, as token rounding's unused ones) are in no token's
+            combine.
 
     Returns:
         :class:`DispatchIndex` with ``token_expert_indices [P]``, ``token_index_map [P]``,

@@ -11,7 +11,8 @@ count / scan / write passes over ``expert_idx`` viewed as a ``[P, 1]`` routing (
 ``expert_token_offsets [E+1]`` and ``token_index_map [P]`` (pair -> slot) are those of that routing, and
 ``expert_token_indices [P]`` maps each slot to ``token_idx`` of its pair. ``pair_offsets [T+1]`` (a CSR:
 pairs of token t are ``pair_offsets[t]:pair_offsets[t+1]``, contiguous since ``token_idx`` ascends) drives
-the combines: ``out[t] = sum_{p of t} w_p y[slot(p)]`` in pair order. A top-k routing written as pairs
+the combines: ``out[t] = sum_{p of t} w_p y[slot(p)]`` in pair order (a tail of foreign pairs past
+``pair_offsets[T]``, as token rounding's unused ones, is in no token's sum). A top-k routing written as pairs
 (``token_idx = arange(T).repeat_interleave(K)``, ``expert_idx = topk_ids.flatten()``) gives the same slots
 and the same sums in the same order: bitwise the top-k result.
 """

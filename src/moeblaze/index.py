@@ -46,7 +46,8 @@ class DispatchIndex:
         num_experts: E.
         schedule: the grouped-GEMM tile schedule when the build was asked for one (``block_m``).
         pair_offsets: ``[T+1]`` int32 for an index of general routing inputs (pairs of token t are
-            ``pair_offsets[t]:pair_offsets[t+1]``; then the routing arrays are ``[P]``), else None.
+            ``pair_offsets[t]:pair_offsets[t+1]``; then the routing arrays are ``[P]``; pairs past
+            ``pair_offsets[T]`` are foreign and in no token's combine), else None.
         foreign_experts: the index has the extra bucket E of foreign pairs (offsets ``[E+2]``).
         built_from: ``(topk_ids, its version counter)`` recorded by :func:`build_dispatch` (None for an
             index built by hand or inside ``torch.compile``). :func:`moeblaze.moe_experts` accepts the index

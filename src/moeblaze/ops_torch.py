@@ -115,16 +115,18 @@ def pair_tokens(index: DispatchIndex) -> torch.Tensor:
 def sum_pairs(v: Tensor, index: DispatchIndex) -> Tensor:
     """Per token, the sum of its pairs' rows in pair order: ``v [T, K, d]`` (top-k) or ``[P, d]`` (a general
     index) -> ``[T, d]``. A general index is laid out as ``[T, Kmax, d]`` with zero rows after each token's
-    pairs (one host read of ``Kmax``) and summed as the top-k case, so ``P = T*K`` pairs sum bitwise alike."""
+    pairs (one host read of ``Kmax``) and summed as the top-k case, so ``P = T*K`` pairs sum bitwise alike. Pairs
+    past ``pair_offsets[T]`` (token rounding's unused tail) belong to no token's sum."""
     if not index.is_general:
         return v.sum(1)
     T, off = index.num_tokens, index.pair_offsets
     kmax = int((off[1:] - off[:-1]).max()) if T else 0
     tok = pair_tokens(index).long()
-    pos = torch.arange(tok.numel(), device=v.device) - off[tok]
-    padded = v.new_zeros(T, kmax, v.shape[-1])
+    p = torch.arange(tok.numel(), device=v.device)
+    pos = torch.where(p < off[-1], p - off[tok], kmax)  # the tail: a dummy column, left out of the sum
+    padded = v.new_zeros(T, kmax + 1, v.shape[-1])
     padded[tok, pos] = v
-    return padded.sum(1)
+    return padded[:, :kmax].sum(1)
 
 
 def _local_pairs(index: DispatchIndex) -> torch.Tensor | None:

@@ -27,8 +27,9 @@ No host synchronisation and static shapes: the result always has ``P = T*K + J*E
 padding candidates per expert (the most one expert may pad: ``(tile - 1) // 2`` for ``nr``); dropped
 and unused pairs carry the expert id ``E`` (a foreign expert: the index puts them in its extra bucket,
 no GEMM computes them, they add nothing). Pairs are in token order: per token its K top-k pairs (k
-order), its padded pairs (expert order), then its share of the unused entries (spread evenly over the
-tokens: :mod:`moeblaze.kernels.rounding`). Evaluation (``model.eval()``) routes with plain top-k.
+order) and its padded pairs (expert order); the unused entries follow as one tail past
+``pair_offsets[T]`` (token T-1: :mod:`moeblaze.kernels.pair_list`), which the combines never visit.
+Evaluation (``model.eval()``) routes with plain top-k.
 """
 
 from __future__ import annotations
@@ -77,7 +78,8 @@ class TokenRounding:
         pair_weights: ``[P]`` float combine weights (differentiable).
         counts: ``[E]`` int32 rounded token count of each expert (multiples of the tile).
         pair_offsets: ``[T+1]`` int32 first pair of each token (the CSR of :mod:`moeblaze.general_routing`;
-            pass it to ``plan_pairs`` / :func:`moeblaze.build_dispatch_pairs` to skip their search).
+            pass it to ``plan_pairs`` / :func:`moeblaze.build_dispatch_pairs` to skip their search);
+            ``pair_offsets[T]`` is the first of the unused tail's pairs.
     """
 
     token_idx: torch.Tensor
@@ -135,9 +137,10 @@ def round_tokens(scores: torch.Tensor, topk_ids: torch.Tensor, topk_weights: tor
                  scale: float = 1.0, counts: torch.Tensor | None = None) -> TokenRounding:
     """Token rounding of a top-k routing (SonicMoE §5 Alg. 4; rules and weights: module docstring).
 
-    The selections and the pair list run as four Triton launches (:mod:`moeblaze.kernels.rounding`) where the
-    ``fused_rounding`` setting says so (``auto``: CUDA scores) and T, K are within its limits, else as PyTorch
-    ops; both give the same pairs in the same order (ties: the lower token first).
+    The selections and the pair list run as five Triton launches (:mod:`moeblaze.kernels.rounding`,
+    :mod:`moeblaze.kernels.pair_list`) where the ``fused_rounding`` setting says so (``auto``: CUDA scores) and
+    T, K are within its limits, else as PyTorch ops; both give the same pairs in the same order (ties: the lower
+    token first).
 
     Args:
         scores: ``[T, E]`` float router scores (softmax probabilities or sigmoid scores), differentiable.
@@ -193,7 +196,8 @@ def _round_tokens(scores, topk_ids, topk_weights, tile, mode, generator, scale, 
     target = round_counts(f, tile, mode, T, generator)
     J = _max_pad(mode, tile, T)
     if kernels:
-        from .kernels.rounding import rounding_place, rounding_select
+        from .kernels.pair_list import rounding_place
+        from .kernels.rounding import rounding_select
 
         kept, pad_mask, pad_tok = rounding_select(scores.detach().contiguous(), topk_ids.contiguous(),
                                                   topk_weights.detach().contiguous(), f, target, J, tile - 1)
@@ -203,57 +207,73 @@ def _round_tokens(scores, topk_ids, topk_weights, tile, mode, generator, scale, 
         token_idx, expert_idx, src, pair_offsets = _place_torch(kept, pad_mask, J)
     if not J:  # no pad candidates ("down"): the top-k pairs as they are, already in token order
         return TokenRounding(token_idx, expert_idx, topk_weights.reshape(-1).clone(), target, pair_offsets)
-    w = _PairWeights.apply(topk_weights, scores, src, pair_offsets, scale)
+    w = _PairWeights.apply(topk_weights, scores, src, pair_offsets, expert_idx, scale, kernels)
     return TokenRounding(token_idx, expert_idx, w, target, pair_offsets)
 
 
 class _PairWeights(torch.autograd.Function):
     """``[P]`` pair weights ``cat(topk_weights.flatten(), (scores * scale).flatten())[src]`` in topk_weights' dtype
     (unused entries take index 0 and get no gradient). The backward reads the top-k pairs' gradients at their
-    positions ``pair_offsets[t] + k`` and writes the padded pairs' into a zero ``[T, E]``: no accumulation. Autograd's
-    own backward of the gathers accumulated into one element per unused branch, serialising atomics: 71 µs per step at
-    T 16384, E 128, K 2 (H200, 2026-11-26, ``python3 benchmarks/bench_token_rounding.py speed --shapes 0 --variants
-    none --breakdown 40``)."""
+    positions ``pair_offsets[t] + k`` and writes the padded pairs' (the rest of each token's range) into a zero
+    ``[T, E]``: no accumulation. Autograd's own backward of the gathers accumulated into one element per unused
+    branch, serialising atomics: 71 µs per step at T 16384, E 128, K 2 (H200, 2026-11-26, ``python3
+    benchmarks/bench_token_rounding.py speed --shapes 0 --variants none --breakdown 40``). With the Triton
+    selections both gradients come from one launch (:func:`moeblaze.kernels.pair_list.pair_weights_backward`)."""
 
     @staticmethod
-    def forward(ctx, topk_weights, scores, src, pair_offsets, scale):
+    def forward(ctx, topk_weights, scores, src, pair_offsets, expert_idx, scale, kernels):
         tk = topk_weights.numel()
         w_topk = topk_weights.reshape(-1)[src.clamp(max=max(tk - 1, 0))]
         w_pad = (scores.reshape(-1)[(src - tk).clamp(min=0)] * scale).to(topk_weights.dtype)
-        ctx.save_for_backward(src, pair_offsets)
+        ctx.save_for_backward(pair_offsets, expert_idx)
         ctx.scale, ctx.topk_shape, ctx.scores_shape = scale, topk_weights.shape, scores.shape
         ctx.scores_dtype = scores.dtype
+        ctx.kernels = kernels and scores.dtype in (torch.float16, torch.bfloat16, torch.float32)
         return torch.where(src >= tk, w_pad, w_topk)
 
     @staticmethod
     def backward(ctx, dw):
-        src, pair_offsets = ctx.saved_tensors
-        (T, K), (_, E) = ctx.topk_shape, ctx.scores_shape
-        dtopk = dscores = None
-        if ctx.needs_input_grad[0]:  # top-k pair (t, k) sits at pair_offsets[t] + k
-            dtopk = dw[pair_offsets[:-1, None].long() + torch.arange(K, device=dw.device)]
-        if ctx.needs_input_grad[1]:
-            pad = src >= T * K
-            dscores = torch.zeros(T * E + 1, dtype=ctx.scores_dtype, device=dw.device)  # + 1: the others' dummy
-            dscores[torch.where(pad, src - T * K, T * E)] = dw.to(ctx.scores_dtype) * ctx.scale
-            dscores = dscores[:-1].view(T, E)
-        return dtopk, dscores, None, None, None
+        pair_offsets, expert_idx = ctx.saved_tensors
+        (_, K), (_, E) = ctx.topk_shape, ctx.scores_shape
+        if ctx.kernels:
+            from .kernels.pair_list import pair_weights_backward
+
+            dtopk, dscores = pair_weights_backward(dw, pair_offsets, expert_idx, K, E, ctx.scale, ctx.scores_dtype)
+        else:
+            dtopk, dscores = _pair_weights_backward_torch(dw, pair_offsets, expert_idx, K, E, ctx.scale,
+                                                          ctx.scores_dtype)
+        return (dtopk if ctx.needs_input_grad[0] else None), (dscores if ctx.needs_input_grad[1] else None), \
+            None, None, None, None, None
+
+
+def _pair_weights_backward_torch(dw, pair_offsets, expert_idx, K, E, scale, scores_dtype):
+    """:func:`moeblaze.kernels.pair_list.pair_weights_backward` in PyTorch ops."""
+    T, dev = pair_offsets.numel() - 1, dw.device
+    off = pair_offsets.long()
+    dtopk = dw[off[:-1, None] + torch.arange(K, device=dev)]  # top-k pair (t, k) sits at pair_offsets[t] + k
+    # each pair's token, the unused tail as a token T (its entries scatter into the dummy)
+    tok = torch.repeat_interleave(torch.arange(T + 1, device=dev), torch.cat((off.diff(), dw.numel() - off[-1:])),
+                                  output_size=dw.numel())
+    pad = (torch.arange(dw.numel(), device=dev) - off[tok] >= K) & (tok < T)
+    dscores = torch.zeros(T * E + 1, dtype=scores_dtype, device=dev)  # + 1: the others' dummy
+    g = dw.to(scores_dtype)  # times scale in fp32 (fp64) and rounded once, as the kernel: the same on every device
+    g = (g.double() if scores_dtype == torch.float64 else g.float()) * scale
+    dscores[torch.where(pad, tok * E + expert_idx.long().clamp(max=E - 1), T * E)] = g.to(scores_dtype)
+    return dtopk, dscores[:-1].view(T, E)
 
 
 def _place_torch(kept: torch.Tensor, pad_mask: torch.Tensor, J: int) -> tuple[torch.Tensor, ...]:
-    """:func:`moeblaze.kernels.rounding.rounding_place` in PyTorch ops (its layout and ``src``, bitwise)."""
+    """:func:`moeblaze.kernels.pair_list.rounding_place` in PyTorch ops (its layout and ``src``, bitwise)."""
     (T, K), E, dev = kept.shape, pad_mask.shape[1], kept.device
     P = T * K + J * E
     marks = pad_mask.long()
-    pads = marks.sum(1)
-    unused = J * E - pads.sum()
-    t = torch.arange(T + 1, device=dev)
-    fill_before = torch.div(unused * t, max(T, 1), rounding_mode="floor")
-    n = K + pads + fill_before.diff()
+    n = K + marks.sum(1)
     pair_offsets = torch.cat((n.new_zeros(1), n.cumsum(0)))
     off = pair_offsets[:-1]
-    tokens = t[:-1]
-    token_idx = torch.repeat_interleave(tokens, n, output_size=P).to(torch.int32)
+    # the unused tail as a token T of its own, then given token T - 1: no host read of its length
+    tokens = torch.arange(T + 1, device=dev)
+    token_idx = torch.repeat_interleave(tokens, torch.cat((n, P - pair_offsets[-1:])), output_size=P)
+    token_idx = token_idx.clamp_(max=max(T - 1, 0)).to(torch.int32)
     expert_idx = torch.full((P + 1,), E, dtype=torch.int32, device=dev)  # unused entries: expert E, index 0
     src = torch.zeros(P + 1, dtype=torch.int64, device=dev)
     topk_pos = (off[:, None] + torch.arange(K, device=dev)).reshape(-1)
