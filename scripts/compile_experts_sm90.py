@@ -182,7 +182,7 @@ def compile_router() -> None:
         bt, be, kp = _block_t(E), triton.next_power_of_2(E), triton.next_power_of_2(K)
         for renorm in (False, True):
             compile_one(router_topk_kernel, topk_ptrs, dict(K=K, KP=kp, RENORM=renorm, BLOCK_T=bt, BLOCK_E=be),
-                        _topk_warps(E, K), 1, f"router top-k E={E} K={K} renorm={renorm}")
+                        _topk_warps(E), 1, f"router top-k E={E} K={K} renorm={renorm}")
             compile_one(router_topk_bwd_kernel, bwd_ptrs,
                         dict(K=K, KP=kp, RENORM=renorm, HAS_DW=True, HAS_DPROBS=renorm, HAS_DAUX=True, HAS_DZ=True,
                              BLOCK_T=bt, BLOCK_E=be), 4, 1, f"router backward E={E} K={K} renorm={renorm}")
