@@ -198,7 +198,8 @@ def compile_rounding() -> None:
         ptrs = dict(scores_ptr=dt, ids_ptr="*i32", weights_ptr=dt, counts_ptr="*i32", target_ptr="*i32",
                     bmax_ptr="*i32", cand_ptr="*i32", kept_ptr="*i32", pad_mask_ptr="*u8", pad_tok_ptr="*i32",
                     pads_ptr="*i32", block_pads_ptr="*i32", token_idx_ptr="*i32", expert_idx_ptr="*i32",
-                    src_ptr="*i64", pair_offsets_ptr="*i32", dw_ptr=dt, dtopk_ptr=dt, dscores_ptr=dt, scale="fp32")
+                    pair_offsets_ptr="*i32", dw_ptr=dt, dtopk_ptr=dt, dscores_ptr=dt, scale="fp32", topk_w_ptr=dt,
+                    w_ptr=dt)
         bt, be = _keys_block(E, K)
         compile_one(rounding_keys_kernel, ptrs, dict(K=K, GROUP=GROUP, BLOCK_T=bt, BLOCK_E=be), 4, 1,
                     f"rounding keys E={E} K={K}")

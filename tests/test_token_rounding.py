@@ -145,16 +145,20 @@ def _pair_list_case(T, E, K, J):
 @pytest.mark.parametrize("T,E,K,J", [(64, 4, 1, 7), (5, 6, 2, 3), (1, 4, 2, 1), (37, 3, 3, 9), (0, 4, 2, 0)])
 def test_pair_list_layout(T, E, K, J):
     """The pair list of kept and padded pairs: per token its K top-k pairs, then its padded pairs in expert order;
-    the CSR delimits them; the unused entries (expert E, weight index 0, token T-1) follow as one tail past
-    ``pair_offsets[T]``; the kernels (interpreter) give it bitwise as the PyTorch ops do."""
+    the CSR delimits them; the unused entries (expert E, weight 0, token T-1) follow as one tail past
+    ``pair_offsets[T]``; top-k pairs weigh their top-k weight, padded ones ``scores * scale``; the kernels
+    (interpreter) give it bitwise as the PyTorch ops do (fp32 and fp16)."""
     from moeblaze.kernels.pair_list import rounding_place
     from moeblaze.token_rounding import _place_torch
 
     kept, pad_mask, pad_tok = _pair_list_case(T, E, K, J)
-    got = _place_torch(kept, pad_mask, J)
-    for a, b in zip(got, rounding_place(kept, pad_mask, pad_tok)):
-        assert a.dtype == b.dtype and torch.equal(a, b)
-    token_idx, expert_idx, src, offsets = got
+    gen = torch.Generator().manual_seed(J)
+    topk_w, scores = torch.rand(T, K, generator=gen), torch.rand(T, E, generator=gen)
+    for dtype in (torch.float32, torch.float16):
+        got = _place_torch(kept, pad_mask, J, topk_w.to(dtype), scores.to(dtype), 1.3)
+        for a, b in zip(got, rounding_place(kept, pad_mask, pad_tok, topk_w.to(dtype), scores.to(dtype), 1.3)):
+            assert a.dtype == b.dtype and torch.equal(a, b)
+    token_idx, expert_idx, w, offsets = _place_torch(kept, pad_mask, J, topk_w, scores, 1.3)
     P, used = T * K + J * E, T * K + int(pad_mask.sum())
     assert token_idx.shape == (P,) and int(offsets[-1]) == used and int(offsets[0]) == 0
     for t in range(T):
@@ -162,12 +166,11 @@ def test_pair_list_layout(T, E, K, J):
         assert bool((token_idx[a:b] == t).all())
         experts = [int(e) for e in pad_mask[t].nonzero().flatten()]
         assert b - a == K + len(experts)
-        assert expert_idx[a:a + K].tolist() == kept[t].tolist()
-        assert src[a:a + K].tolist() == [t * K + k for k in range(K)]
+        assert expert_idx[a:a + K].tolist() == kept[t].tolist() and torch.equal(w[a:a + K], topk_w[t])
         assert expert_idx[a + K:b].tolist() == experts
-        assert src[a + K:b].tolist() == [T * K + t * E + e for e in experts]
+        assert torch.equal(w[a + K:b], scores[t, experts] * 1.3)
     assert bool((token_idx[used:] == T - 1).all()) and bool((expert_idx[used:] == E).all())
-    assert bool((src[used:] == 0).all())
+    assert bool((w[used:] == 0).all())
 
 
 # bf16 on the GPU only: the interpreter rounds fp32 -> bf16 toward zero, not to nearest as the GPU and torch do
@@ -181,15 +184,17 @@ def test_pair_weights_backward_kernel_equals_torch(T, E, K, J, dtype, device):
     from moeblaze.token_rounding import _pair_weights_backward_torch, _place_torch
 
     kept, pad_mask, _ = (t.to(device) for t in _pair_list_case(T, E, K, J))
-    _, expert_idx, src, offsets = _place_torch(kept, pad_mask, J)
+    token_idx, expert_idx, _, offsets = _place_torch(kept, pad_mask, J, torch.zeros(T, K, device=device),
+                                                     torch.zeros(T, E, device=device), 1.0)
     dw = torch.randn(expert_idx.numel(), generator=torch.Generator().manual_seed(T)).to(device, dtype)
     got = pair_weights_backward(dw, offsets, expert_idx, K, E, 1.7, dtype)
     want = _pair_weights_backward_torch(dw, offsets, expert_idx, K, E, 1.7, dtype)
     for a, b in zip(got, want):
         assert a.dtype == b.dtype and torch.equal(a, b)
-    pad = src >= T * K  # the padded pairs' gradients land at (t, e) = divmod(src - T*K, E)
-    dense = torch.zeros(T * E, dtype=dtype, device=device).index_put((src[pad] - T * K,),
-                                                                     (dw[pad].float() * 1.7).to(dtype))
+    p = torch.arange(dw.numel(), device=device)  # the padded pairs: past a token's K, before the tail
+    pad = (p < offsets[-1]) & (p - offsets[token_idx.long()] >= K)
+    dense = torch.zeros(T * E, dtype=dtype, device=device).index_put(
+        (token_idx[pad].long() * E + expert_idx[pad],), (dw[pad].float() * 1.7).to(dtype))
     assert torch.equal(got[1], dense.view(T, E))
     with pytest.raises(ValueError, match="scores_dtype"):
         pair_weights_backward(dw, offsets, expert_idx, K, E, 1.0, torch.float64)

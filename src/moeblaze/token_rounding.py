@@ -158,8 +158,8 @@ def round_tokens(scores: torch.Tensor, topk_ids: torch.Tensor, topk_weights: tor
         ValueError: unknown mode, ``tile < 1``, shapes that disagree.
     """
     _check_args(scores, topk_ids, topk_weights, tile, mode, counts)
-    return _round_tokens(scores, topk_ids, topk_weights, tile, mode, generator, scale, _use_kernels(scores, topk_ids),
-                         counts)
+    return _round_tokens(scores, topk_ids, topk_weights, tile, mode, generator, scale,
+                         _use_kernels(scores, topk_ids, topk_weights), counts)
 
 
 def _check_args(scores, topk_ids, topk_weights, tile, mode, counts=None) -> None:
@@ -173,12 +173,15 @@ def _check_args(scores, topk_ids, topk_weights, tile, mode, counts=None) -> None
         raise ValueError(f"counts must have shape ({scores.shape[1]},) (pairs per expert), got {tuple(counts.shape)}")
 
 
-def _use_kernels(scores: torch.Tensor, topk_ids: torch.Tensor) -> bool:
-    """The Triton selections serve this call: within their limits, the ``fused_rounding`` setting on (``auto``:
-    CUDA scores; on: CUDA or the interpreter)."""
+def _use_kernels(scores: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> bool:
+    """The Triton selections serve this call: within their limits (fp16/bf16/fp32 scores and weights: a float64
+    run, the reference check, takes the PyTorch ops), the ``fused_rounding`` setting on (``auto``: CUDA scores;
+    on: CUDA or the interpreter)."""
     from .kernels import rounding
 
     if scores.shape[0] > rounding.MAX_TOKENS or not 1 <= topk_ids.shape[1] <= rounding.MAX_TOP_K:
+        return False
+    if torch.float64 in (scores.dtype, topk_weights.dtype):
         return False
     use = settings.get("fused_rounding")
     return scores.is_cuda if use is None else (use and (scores.is_cuda or settings.interpreting()))
@@ -196,43 +199,47 @@ def _round_tokens(scores, topk_ids, topk_weights, tile, mode, generator, scale, 
     target = round_counts(f, tile, mode, T, generator)
     J = _max_pad(mode, tile, T)
     if kernels:
-        from .kernels.pair_list import rounding_place
         from .kernels.rounding import rounding_select
 
         kept, pad_mask, pad_tok = rounding_select(scores.detach().contiguous(), topk_ids.contiguous(),
                                                   topk_weights.detach().contiguous(), f, target, J, tile - 1)
-        token_idx, expert_idx, src, pair_offsets = rounding_place(kept, pad_mask, pad_tok)
     else:
-        kept, pad_mask = _select_torch(scores.detach(), ids, topk_weights.detach(), f, target, J)
-        token_idx, expert_idx, src, pair_offsets = _place_torch(kept, pad_mask, J)
-    if not J:  # no pad candidates ("down"): the top-k pairs as they are, already in token order
-        return TokenRounding(token_idx, expert_idx, topk_weights.reshape(-1).clone(), target, pair_offsets)
-    w = _PairWeights.apply(topk_weights, scores, src, pair_offsets, expert_idx, scale, kernels)
+        (kept, pad_mask), pad_tok = _select_torch(scores.detach(), ids, topk_weights.detach(), f, target, J), None
+    token_idx, expert_idx, w, pair_offsets = _PairList.apply(topk_weights, scores, kept, pad_mask, pad_tok, J, scale,
+                                                             kernels)
     return TokenRounding(token_idx, expert_idx, w, target, pair_offsets)
 
 
-class _PairWeights(torch.autograd.Function):
-    """``[P]`` pair weights ``cat(topk_weights.flatten(), (scores * scale).flatten())[src]`` in topk_weights' dtype
-    (unused entries take index 0 and get no gradient). The backward reads the top-k pairs' gradients at their
-    positions ``pair_offsets[t] + k`` and writes the padded pairs' (the rest of each token's range) into a zero
-    ``[T, E]``: no accumulation. Autograd's own backward of the gathers accumulated into one element per unused
-    branch, serialising atomics: 71 µs per step at T 16384, E 128, K 2 (H200, 2026-11-26, ``python3
-    benchmarks/bench_token_rounding.py speed --shapes 0 --variants none --breakdown 40``). With the Triton
-    selections both gradients come from one launch (:func:`moeblaze.kernels.pair_list.pair_weights_backward`)."""
+class _PairList(torch.autograd.Function):
+    """The pair list in token order and its ``[P]`` weights (top-k pairs: their top-k weights; padded pairs:
+    ``scores[t, e] * scale``; unused entries: 0), differentiable in ``topk_weights`` and ``scores``. The backward
+    reads the top-k pairs' gradients at their positions ``pair_offsets[t] + k`` and writes the padded pairs' (the
+    rest of each token's range) into a zero ``[T, E]``: no accumulation. Autograd's own backward of two gathers
+    accumulated into one element per unused branch, serialising atomics: 71 µs per step at T 16384, E 128, K 2
+    (H200, 2026-11-26, ``python3 benchmarks/bench_token_rounding.py speed --shapes 0 --variants none --breakdown
+    40``). With the Triton selections the place kernels write the weights and one launch writes both gradients
+    (:mod:`moeblaze.kernels.pair_list`), where the weights' gather had taken a launch of its own (1.6 µs per step
+    there)."""
 
     @staticmethod
-    def forward(ctx, topk_weights, scores, src, pair_offsets, expert_idx, scale, kernels):
-        tk = topk_weights.numel()
-        w_topk = topk_weights.reshape(-1)[src.clamp(max=max(tk - 1, 0))]
-        w_pad = (scores.reshape(-1)[(src - tk).clamp(min=0)] * scale).to(topk_weights.dtype)
+    def forward(ctx, topk_weights, scores, kept, pad_mask, pad_tok, J, scale, kernels):
+        if kernels:
+            from .kernels.pair_list import rounding_place
+
+            out = rounding_place(kept, pad_mask, pad_tok, topk_weights.contiguous(), scores.contiguous(), scale)
+        else:
+            out = _place_torch(kept, pad_mask, J, topk_weights, scores, scale)
+        token_idx, expert_idx, w, pair_offsets = out
+        ctx.mark_non_differentiable(token_idx, expert_idx, pair_offsets)
         ctx.save_for_backward(pair_offsets, expert_idx)
         ctx.scale, ctx.topk_shape, ctx.scores_shape = scale, topk_weights.shape, scores.shape
-        ctx.scores_dtype = scores.dtype
-        ctx.kernels = kernels and scores.dtype in (torch.float16, torch.bfloat16, torch.float32)
-        return torch.where(src >= tk, w_pad, w_topk)
+        ctx.scores_dtype, ctx.kernels, ctx.pads = scores.dtype, kernels, J > 0
+        return token_idx, expert_idx, w, pair_offsets
 
     @staticmethod
-    def backward(ctx, dw):
+    def backward(ctx, _dtokens, _dexperts, dw, _doffsets):
+        if dw is None:
+            return (None,) * 8
         pair_offsets, expert_idx = ctx.saved_tensors
         (_, K), (_, E) = ctx.topk_shape, ctx.scores_shape
         if ctx.kernels:
@@ -242,8 +249,9 @@ class _PairWeights(torch.autograd.Function):
         else:
             dtopk, dscores = _pair_weights_backward_torch(dw, pair_offsets, expert_idx, K, E, ctx.scale,
                                                           ctx.scores_dtype)
-        return (dtopk if ctx.needs_input_grad[0] else None), (dscores if ctx.needs_input_grad[1] else None), \
-            None, None, None, None, None
+        needs_scores = ctx.needs_input_grad[1] and ctx.pads  # "down" pads nothing: no gradient to the scores
+        return (dtopk if ctx.needs_input_grad[0] else None), (dscores if needs_scores else None), \
+            None, None, None, None, None, None
 
 
 def _pair_weights_backward_torch(dw, pair_offsets, expert_idx, K, E, scale, scores_dtype):
@@ -262,8 +270,9 @@ def _pair_weights_backward_torch(dw, pair_offsets, expert_idx, K, E, scale, scor
     return dtopk, dscores[:-1].view(T, E)
 
 
-def _place_torch(kept: torch.Tensor, pad_mask: torch.Tensor, J: int) -> tuple[torch.Tensor, ...]:
-    """:func:`moeblaze.kernels.pair_list.rounding_place` in PyTorch ops (its layout and ``src``, bitwise)."""
+def _place_torch(kept: torch.Tensor, pad_mask: torch.Tensor, J: int, topk_weights: torch.Tensor,
+                 scores: torch.Tensor, scale: float) -> tuple[torch.Tensor, ...]:
+    """:func:`moeblaze.kernels.pair_list.rounding_place` in PyTorch ops (its layout and weights, bitwise)."""
     (T, K), E, dev = kept.shape, pad_mask.shape[1], kept.device
     P = T * K + J * E
     marks = pad_mask.long()
@@ -274,15 +283,16 @@ def _place_torch(kept: torch.Tensor, pad_mask: torch.Tensor, J: int) -> tuple[to
     tokens = torch.arange(T + 1, device=dev)
     token_idx = torch.repeat_interleave(tokens, torch.cat((n, P - pair_offsets[-1:])), output_size=P)
     token_idx = token_idx.clamp_(max=max(T - 1, 0)).to(torch.int32)
-    expert_idx = torch.full((P + 1,), E, dtype=torch.int32, device=dev)  # unused entries: expert E, index 0
-    src = torch.zeros(P + 1, dtype=torch.int64, device=dev)
+    expert_idx = torch.full((P + 1,), E, dtype=torch.int32, device=dev)  # unused entries: expert E, weight 0
+    w = torch.zeros(P + 1, dtype=topk_weights.dtype, device=dev)
     topk_pos = (off[:, None] + torch.arange(K, device=dev)).reshape(-1)
     expert_idx[topk_pos] = kept.reshape(-1)
-    src[topk_pos] = torch.arange(T * K, device=dev)
+    w[topk_pos] = topk_weights.reshape(-1)
     pad_pos = torch.where(marks != 0, off[:, None] + K + marks.cumsum(1) - 1, P).reshape(-1)  # P: a dummy
     expert_idx.index_put_((pad_pos,), torch.arange(E, dtype=torch.int32, device=dev).repeat(T))
-    src.index_put_((pad_pos,), T * K + torch.arange(T * E, device=dev))
-    return token_idx, expert_idx[:P], src[:P], pair_offsets.to(torch.int32)
+    acc = torch.float64 if scores.dtype == torch.float64 else torch.float32  # times scale, then one rounding
+    w.index_put_((pad_pos,), (scores.to(acc) * scale).to(scores.dtype).to(w.dtype).reshape(-1))
+    return token_idx, expert_idx[:P], w[:P], pair_offsets.to(torch.int32)
 
 
 _INELIGIBLE = -(2**31)
@@ -352,5 +362,5 @@ def round_tokens_fused(scores: torch.Tensor, topk_ids: torch.Tensor, topk_weight
     if scores.is_cuda if use is None else use:
         _check_args(scores, topk_ids, topk_weights, tile, mode, counts)
         return _compiled_round_tokens()(scores, topk_ids, topk_weights, tile, mode, None, scale,
-                                        _use_kernels(scores, topk_ids), counts)
+                                        _use_kernels(scores, topk_ids, topk_weights), counts)
     return round_tokens(scores, topk_ids, topk_weights, tile, mode, generator, scale, counts)

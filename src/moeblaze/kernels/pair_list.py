@@ -61,13 +61,14 @@ def rounding_pad_count_kernel(
 @triton.jit
 def rounding_place_kernel(
     kept_ptr,          # [T, K] int32: top-k ids, E where dropped
+    topk_w_ptr,        # [T, K] float: top-k weights
     pads_ptr,          # [T] int32: padded pairs of each token
     block_pads_ptr,    # [NBT] int32: padded pairs per block of BLOCK_T tokens
     token_idx_ptr,     # [P] int32 out: each pair's token, ascending (padded pairs: rounding_pad_place_kernel)
     expert_idx_ptr,    # [P] int32 out: each pair's expert, E for dropped and unused pairs
-    src_ptr,           # [P] int64 out: t*K + k for top-k pairs, T*K + t*E + e for padded ones, 0 for unused
+    w_ptr,             # [P] out, topk_w's dtype: each pair's weight (top-k pairs: theirs; unused: 0)
     pair_offsets_ptr,  # [T+1] int32 out: first pair of each token; the pairs before the unused tail at T
-    T, NBT, P, TAIL_PER_BLOCK, UNUSED_E,
+    T, NBT, P, TAIL_PER_BLOCK, UNUSED_E, stride_w_t,
     K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_NBT: tl.constexpr, BLOCK_TAIL: tl.constexpr,
 ):
     b = tl.program_id(0)
@@ -84,7 +85,7 @@ def rounding_place_kernel(
     for k in tl.static_range(K):  # the top-k pairs, in k order
         tl.store(token_idx_ptr + off + k, rows, mask=rmask)
         tl.store(expert_idx_ptr + off + k, tl.load(kept_ptr + rows * K + k, mask=rmask, other=0), mask=rmask)
-        tl.store(src_ptr + off + k, rows.to(tl.int64) * K + k, mask=rmask)
+        tl.store(w_ptr + off + k, tl.load(topk_w_ptr + rows * stride_w_t + k, mask=rmask, other=0.0), mask=rmask)
     tail0 = T * K + tl.sum(block_pads, axis=0) + b * TAIL_PER_BLOCK  # this block's share of the unused tail
     for i in range(0, TAIL_PER_BLOCK, BLOCK_TAIL):
         j = i + tl.arange(0, BLOCK_TAIL)
@@ -92,7 +93,7 @@ def rounding_place_kernel(
         use = (j < TAIL_PER_BLOCK) & (q < P)
         tl.store(token_idx_ptr + q, tl.full(q.shape, 0, tl.int32) + (T - 1), mask=use)
         tl.store(expert_idx_ptr + q, tl.full(q.shape, 0, tl.int32) + UNUSED_E, mask=use)
-        tl.store(src_ptr + q, tl.zeros(q.shape, tl.int64), mask=use)
+        tl.store(w_ptr + q, tl.zeros(q.shape, w_ptr.dtype.element_ty), mask=use)
 
 
 @triton.jit
@@ -100,10 +101,11 @@ def rounding_pad_place_kernel(
     pad_mask_ptr,      # [T, E] uint8: 1 where expert e pads token t
     pad_tok_ptr,       # [J, E] int32: the tokens expert e pads, ascending, then -1
     pair_offsets_ptr,  # [T+1] int32: first pair of each token (rounding_place_kernel)
+    scores_ptr,        # [T, E] float router scores
     token_idx_ptr,     # [P] int32 out: the padded pairs' tokens
     expert_idx_ptr,    # [P] int32 out: the padded pairs' experts
-    src_ptr,           # [P] int64 out: T*K + t*E + e
-    T, E, J, K,
+    w_ptr,             # [P] out: the padded pairs' weights, scores[t, e] * scale
+    T, E, J, K, stride_s_t, scale,
     BLOCK_J: tl.constexpr, CHUNK_E: tl.constexpr,
 ):
     e = tl.program_id(0)
@@ -119,7 +121,10 @@ def rounding_pad_place_kernel(
     pos = tl.load(pair_offsets_ptr + t, mask=valid, other=0) + K + rank
     tl.store(token_idx_ptr + pos, t, mask=valid)
     tl.store(expert_idx_ptr + pos, tl.full(pos.shape, 0, tl.int32) + e, mask=valid)
-    tl.store(src_ptr + pos, T * K + t.to(tl.int64) * E + e, mask=valid)
+    s = tl.load(scores_ptr + t * stride_s_t + e, mask=valid, other=0.0)
+    # times scale in fp32 and rounded to the scores' dtype once, then to the weights': as the PyTorch path
+    w = (s.to(tl.float32) * scale).to(scores_ptr.dtype.element_ty).to(w_ptr.dtype.element_ty)
+    tl.store(w_ptr + pos, w, mask=valid)
 
 
 def _place_block_t(E: int) -> int:
@@ -128,14 +133,15 @@ def _place_block_t(E: int) -> int:
     return max(16, min(128, 8192 // next_pow2(E)))
 
 
-def _place_impl(kept: torch.Tensor, pad_mask: torch.Tensor, pad_tok: torch.Tensor) -> tuple[torch.Tensor, ...]:
+def _place_impl(kept: torch.Tensor, pad_mask: torch.Tensor, pad_tok: torch.Tensor, topk_weights: torch.Tensor,
+                scores: torch.Tensor, scale: float) -> tuple[torch.Tensor, ...]:
     (T, K), (J, E) = kept.shape, pad_tok.shape
     P, dev = T * K + J * E, kept.device
     token_idx = torch.empty(P, dtype=torch.int32, device=dev)
     expert_idx = torch.empty(P, dtype=torch.int32, device=dev)
-    src = torch.empty(P, dtype=torch.int64, device=dev)
+    w = torch.empty(P, dtype=topk_weights.dtype, device=dev)
     if T == 0:
-        return token_idx, expert_idx, src, torch.zeros(1, dtype=torch.int32, device=dev)
+        return token_idx, expert_idx, w, torch.zeros(1, dtype=torch.int32, device=dev)
     pair_offsets = torch.empty(T + 1, dtype=torch.int32, device=dev)  # every entry written by the place kernel
     block_t, block_e = _place_block_t(E), next_pow2(E)
     nbt = cdiv(T, block_t)
@@ -144,46 +150,52 @@ def _place_impl(kept: torch.Tensor, pad_mask: torch.Tensor, pad_tok: torch.Tenso
     launch(rounding_pad_count_kernel, (nbt,), pad_mask_ptr=pad_mask, pads_ptr=pads, block_pads_ptr=block_pads, T=T,
            E=E, BLOCK_T=block_t, BLOCK_E=block_e, num_warps=4)
     tail = cdiv(J * E, nbt)  # the unused tail's entries per block, at most (U <= J*E)
-    launch(rounding_place_kernel, (nbt,), kept_ptr=kept, pads_ptr=pads, block_pads_ptr=block_pads,
-           token_idx_ptr=token_idx, expert_idx_ptr=expert_idx, src_ptr=src, pair_offsets_ptr=pair_offsets, T=T,
-           NBT=nbt, P=P, TAIL_PER_BLOCK=tail, UNUSED_E=E, K=K, BLOCK_T=block_t, BLOCK_NBT=next_pow2(nbt),
+    launch(rounding_place_kernel, (nbt,), kept_ptr=kept, topk_w_ptr=topk_weights, pads_ptr=pads,
+           block_pads_ptr=block_pads, token_idx_ptr=token_idx, expert_idx_ptr=expert_idx, w_ptr=w,
+           pair_offsets_ptr=pair_offsets, T=T, NBT=nbt, P=P, TAIL_PER_BLOCK=tail, UNUSED_E=E,
+           stride_w_t=topk_weights.stride(0), K=K, BLOCK_T=block_t, BLOCK_NBT=next_pow2(nbt),
            BLOCK_TAIL=min(128, next_pow2(max(tail, 1))), num_warps=4)
     if J:
         launch(rounding_pad_place_kernel, (E,), pad_mask_ptr=pad_mask, pad_tok_ptr=pad_tok,
-               pair_offsets_ptr=pair_offsets, token_idx_ptr=token_idx, expert_idx_ptr=expert_idx, src_ptr=src, T=T,
-               E=E, J=J, K=K, BLOCK_J=next_pow2(J), CHUNK_E=min(block_e, 32), num_warps=4)
-    return token_idx, expert_idx, src, pair_offsets
+               pair_offsets_ptr=pair_offsets, scores_ptr=scores, token_idx_ptr=token_idx, expert_idx_ptr=expert_idx,
+               w_ptr=w, T=T, E=E, J=J, K=K, stride_s_t=scores.stride(0), scale=float(scale),
+               BLOCK_J=next_pow2(J), CHUNK_E=min(block_e, 32), num_warps=4)
+    return token_idx, expert_idx, w, pair_offsets
 
 
 _place_op = torch.library.custom_op(
     "moeblaze::rounding_place", _place_impl, mutates_args=(),
-    schema="(Tensor kept, Tensor pad_mask, Tensor pad_tok) -> (Tensor, Tensor, Tensor, Tensor)")
+    schema="(Tensor kept, Tensor pad_mask, Tensor pad_tok, Tensor topk_weights, Tensor scores, float scale) -> "
+           "(Tensor, Tensor, Tensor, Tensor)")
 
 
 @_place_op.register_fake
-def _(kept, pad_mask, pad_tok):
+def _(kept, pad_mask, pad_tok, topk_weights, scores, scale):
     P = kept.numel() + pad_tok.numel()
-    return (kept.new_empty(P), kept.new_empty(P), kept.new_empty(P, dtype=torch.int64),
-            kept.new_empty(kept.shape[0] + 1))
+    return (kept.new_empty(P), kept.new_empty(P), topk_weights.new_empty(P), kept.new_empty(kept.shape[0] + 1))
 
 
-def rounding_place(kept: torch.Tensor, pad_mask: torch.Tensor, pad_tok: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """Token rounding's pair list in token order (module docstring), in three launches, no host synchronisation.
+def rounding_place(kept: torch.Tensor, pad_mask: torch.Tensor, pad_tok: torch.Tensor, topk_weights: torch.Tensor,
+                   scores: torch.Tensor, scale: float = 1.0) -> tuple[torch.Tensor, ...]:
+    """Token rounding's pair list in token order and its weights (module docstring), in three launches, no host
+    synchronisation.
 
     Args:
         kept: ``[T, K]`` int32 top-k ids with dropped pairs set to E. pad_mask: ``[T, E]`` uint8, 1 where expert e
             pads token t. pad_tok: ``[J, E]`` int32, the tokens of column e's ones, ascending, then -1 (J: pad
-            candidates per expert). All contiguous (:func:`rounding_select`'s outputs).
+            candidates per expert). All contiguous (:func:`moeblaze.kernels.rounding.rounding_select`'s outputs).
+        topk_weights: ``[T, K]`` fp16/bf16/fp32 top-k weights, unit column stride. scores: ``[T, E]`` fp16/bf16/fp32
+            router scores, unit column stride. scale: the padded pairs' weight factor.
 
     Returns:
-        ``(token_idx [P] int32, expert_idx [P] int32, src [P] int64, pair_offsets [T+1] int32)``, ``P = T*K +
-        J*E``: per token its K top-k pairs and its padded pairs in expert order, then the unused entries as one
-        tail (token T-1, expert E); ``src`` indexes each pair's weight in ``cat(topk_weights.flatten(),
-        scores.flatten())`` (0 for unused entries); ``pair_offsets`` is the CSR of :mod:`moeblaze.general_routing`,
-        ``pair_offsets[T]`` the tail's first pair.
+        ``(token_idx [P] int32, expert_idx [P] int32, w [P], pair_offsets [T+1] int32)``, ``P = T*K + J*E``: per
+        token its K top-k pairs and its padded pairs in expert order, then the unused entries as one tail (token
+        T-1, expert E); ``w`` in topk_weights' dtype: a top-k pair's weight, a padded pair's ``scores[t, e] *
+        scale`` (in fp32, rounded to the scores' dtype once), 0 for unused entries; ``pair_offsets`` is the CSR of
+        :mod:`moeblaze.general_routing`, ``pair_offsets[T]`` the tail's first pair.
 
     Raises:
-        ValueError: shapes or dtypes other than above.
+        ValueError: shapes, dtypes or strides other than above.
     """
     if kept.dim() != 2 or pad_mask.dim() != 2 or pad_tok.dim() != 2 or pad_mask.shape[0] != kept.shape[0] or \
             pad_tok.shape[1] != pad_mask.shape[1]:
@@ -193,7 +205,13 @@ def rounding_place(kept: torch.Tensor, pad_mask: torch.Tensor, pad_tok: torch.Te
             t.is_contiguous() for t in (kept, pad_mask, pad_tok)):
         raise ValueError(f"rounding_place: kept and pad_tok must be contiguous int32 and pad_mask contiguous uint8, "
                          f"got {kept.dtype}, {pad_tok.dtype} and {pad_mask.dtype}")
-    return call_op(_place_op, _place_impl, kept, pad_mask, pad_tok)
+    floats = (torch.float16, torch.bfloat16, torch.float32)
+    if topk_weights.shape != kept.shape or scores.shape != pad_mask.shape or topk_weights.dtype not in floats or \
+            scores.dtype not in floats or any(t.numel() and t.stride(-1) != 1 for t in (topk_weights, scores)):
+        raise ValueError(f"rounding_place: topk_weights must be [T, K] and scores [T, E], fp16/bf16/fp32 with unit "
+                         f"column stride, got {tuple(topk_weights.shape)} {topk_weights.dtype} and "
+                         f"{tuple(scores.shape)} {scores.dtype}")
+    return call_op(_place_op, _place_impl, kept, pad_mask, pad_tok, topk_weights, scores, float(scale))
 
 
 @triton.jit
