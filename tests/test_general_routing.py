@@ -130,6 +130,33 @@ def test_pair_index_contract(foreign):
         build_dispatch_pairs(tok, exp, T, E, foreign_experts=foreign, pair_offsets=idx.pair_offsets[:-1])
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_foreign_tail_past_the_last_token_adds_nothing(backend, monkeypatch):
+    """Foreign pairs after ``pair_offsets[T]`` (token rounding's unused tail) are in no token's combine: output and
+    every gradient equal those of the list without them, bitwise (fp32)."""
+    _backend(backend, monkeypatch)
+    gen = torch.Generator().manual_seed(8)
+    T, E = 9, 4
+    tok, exp = ragged_pairs(T, E, gen)
+    inp = make_expert_inputs(T, 16, 8, E, 1, seed=3)
+    w = torch.rand(tok.numel(), generator=gen)
+    offsets = torch.searchsorted(tok, torch.arange(T + 1, dtype=torch.int32)).int()
+    tail = 5
+    tok_t = torch.cat((tok, torch.full((tail,), T - 1, dtype=torch.int32)))
+    exp_t = torch.cat((exp, torch.full((tail,), E, dtype=torch.int32)))
+    w_t = torch.cat((w, torch.rand(tail, generator=gen)))
+    results = []
+    for pairs, weights in (((tok, exp), w), ((tok_t, exp_t), w_t)):
+        x, w1, w2 = (inp[k].clone().requires_grad_() for k in ("x", "w_gate_up", "w_down"))
+        pw = weights.clone().requires_grad_()
+        index = build_dispatch_pairs(*pairs, T, E, block_m=4, foreign_experts=True, pair_offsets=offsets)
+        out = moe_experts_general(x, *pairs, pw, w1, w2, backend=backend, index=index, foreign_experts=True)
+        grads = torch.autograd.grad(out.square().sum(), (x, w1, w2, pw))
+        results.append((out, *grads[:3], grads[3][: tok.numel()]))
+    assert all(torch.equal(a, b) for a, b in zip(*results))
+    assert torch.equal(grads[3][tok.numel():], torch.zeros(tail))  # the tail's weights get no gradient
+
+
 def test_tokens_without_pairs_and_no_pairs_at_all():
     inp = make_expert_inputs(6, 16, 8, 3, 1, seed=2)
     x = inp["x"].requires_grad_()
