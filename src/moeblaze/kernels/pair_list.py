@@ -3,7 +3,7 @@
 
 Layout of the ``P = T*K + J*E`` pairs: token t's K top-k pairs (dropped ones with expert E), then its padded
 pairs in expert order; ``pair_offsets [T+1]`` delimits them, so ``pair_offsets[T] = T*K + (padded pairs)``. The
-``U = J*E - (padded pairs)`` unused pad candidates follow as one tail (token T-1, expert E, weight index 0): a
+``U = J*E - (padded pairs)`` unused pad candidates follow as one tail (token T-1, expert E, weight 0): a
 static P without a host synchronisation. The tail lies past ``pair_offsets[T]``, so the combines never loop over
 it; spread over the tokens as one or two entries each, it had cost the gather-sums (F3, B5) an iteration per
 token that held one: their time above the ceiling's went from 6.7 to 3.8-5.8 µs per step at T 16384, E 128, K 2
@@ -13,9 +13,9 @@ three calls; docs/benchmarks.md).
 * :func:`rounding_pad_count_kernel` counts each token's padded pairs (row sums of the ``[T, E]`` mask) and each
   block's.
 * :func:`rounding_place_kernel` adds the sums of the blocks before its own (at most ``T / 16`` of them), scans
-  its tokens' pair counts and writes the top-k pairs, ``pair_offsets`` and its share of the tail.
+  its tokens' pair counts and writes the top-k pairs with their weights, ``pair_offsets`` and its share of the tail.
 * :func:`rounding_pad_place_kernel` (one program per expert) puts each padded pair at its token's offset plus K
-  plus the token's padded pairs of lower experts.
+  plus the token's padded pairs of lower experts, with its weight ``scores[t, e] * scale``.
 
 This replaced a stable radix sort of the ``J*E`` pad entries by token, a binary search per token and three
 scatters: 6.3 µs per step for the three launches against 17.1 + 4.6 µs for the sort and the search plus
