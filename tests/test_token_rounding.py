@@ -238,6 +238,18 @@ def test_pair_weights_gradients_of_both_paths_are_bitwise_alike():
     assert int((grads[0][0] != 0).sum()) > 0  # some padded pairs carry a gradient to the scores
 
 
+def test_down_pair_weights_are_the_topk_weights_and_give_the_scores_no_gradient(selection):
+    """``down`` pads nothing: the pair list is the top-k pairs in order, their weights' gradient reaches
+    ``topk_weights`` as it is and the scores get none (no ``[T, E]`` rows written)."""
+    scores, ids, w = routing(90, 6, 2, 5)
+    s, ww = scores.clone().requires_grad_(), w.clone().requires_grad_()
+    r = round_tokens(s, ids, ww, 16, "down")
+    assert torch.equal(r.pair_weights, w.flatten())
+    c = torch.randn(r.pair_weights.numel(), generator=torch.Generator().manual_seed(2))
+    ds, dw = torch.autograd.grad((r.pair_weights * c).sum(), (s, ww), allow_unused=True)
+    assert ds is None and torch.equal(dw, c.view(90, 2))
+
+
 def test_given_counts_round_as_counted(selection):
     """``counts`` (the router's pairs per expert, fp32) gives the rounding that counting topk_ids gives."""
     scores, ids, w = routing(300, 6, 2, 11)

@@ -242,32 +242,48 @@ class _PairList(torch.autograd.Function):
             return (None,) * 8
         pair_offsets, expert_idx = ctx.saved_tensors
         (_, K), (_, E) = ctx.topk_shape, ctx.scores_shape
-        if ctx.kernels:
+        dscores = None
+        if not (ctx.needs_input_grad[1] and ctx.pads):  # "down" pads nothing: no [T, E] rows to write
+            dtopk = _topk_grads(dw, pair_offsets, K)
+        elif ctx.kernels:
             from .kernels.pair_list import pair_weights_backward
 
             dtopk, dscores = pair_weights_backward(dw, pair_offsets, expert_idx, K, E, ctx.scale, ctx.scores_dtype)
         else:
             dtopk, dscores = _pair_weights_backward_torch(dw, pair_offsets, expert_idx, K, E, ctx.scale,
                                                           ctx.scores_dtype)
-        needs_scores = ctx.needs_input_grad[1] and ctx.pads  # "down" pads nothing: no gradient to the scores
-        return (dtopk if ctx.needs_input_grad[0] else None), (dscores if needs_scores else None), \
-            None, None, None, None, None, None
+        return (dtopk if ctx.needs_input_grad[0] else None), dscores, None, None, None, None, None, None
+
+
+def _topk_grads(dw: torch.Tensor, pair_offsets: torch.Tensor, K: int) -> torch.Tensor:
+    """``[T, K]``: the gradients of the top-k pairs, pair (t, k) at ``pair_offsets[t] + k``."""
+    return dw[pair_offsets[:-1, None].long() + torch.arange(K, device=dw.device)]
+
+
+def _pair_tokens(pair_offsets: torch.Tensor, P: int) -> torch.Tensor:
+    """``[P]`` int64 token of each pair, the unused tail past ``pair_offsets[T]`` as a token T of its own (no host
+    read of its length)."""
+    T = pair_offsets.numel() - 1
+    counts = torch.cat((pair_offsets.diff(), P - pair_offsets[-1:])).long()
+    return torch.repeat_interleave(torch.arange(T + 1, device=pair_offsets.device), counts, output_size=P)
+
+
+def _scaled(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """``x * scale`` in fp32 (fp64 for float64 ``x``), rounded once to ``x``'s dtype: as the kernels compute it, and
+    the same on every device (a 16-bit tensor times a Python float rounds differently on the CPU)."""
+    return (x.to(torch.float64 if x.dtype == torch.float64 else torch.float32) * scale).to(x.dtype)
 
 
 def _pair_weights_backward_torch(dw, pair_offsets, expert_idx, K, E, scale, scores_dtype):
     """:func:`moeblaze.kernels.pair_list.pair_weights_backward` in PyTorch ops."""
     T, dev = pair_offsets.numel() - 1, dw.device
     off = pair_offsets.long()
-    dtopk = dw[off[:-1, None] + torch.arange(K, device=dev)]  # top-k pair (t, k) sits at pair_offsets[t] + k
-    # each pair's token, the unused tail as a token T (its entries scatter into the dummy)
-    tok = torch.repeat_interleave(torch.arange(T + 1, device=dev), torch.cat((off.diff(), dw.numel() - off[-1:])),
-                                  output_size=dw.numel())
+    tok = _pair_tokens(pair_offsets, dw.numel())  # the tail's entries (token T) scatter into the dummy
     pad = (torch.arange(dw.numel(), device=dev) - off[tok] >= K) & (tok < T)
     dscores = torch.zeros(T * E + 1, dtype=scores_dtype, device=dev)  # + 1: the others' dummy
-    g = dw.to(scores_dtype)  # times scale in fp32 (fp64) and rounded once, as the kernel: the same on every device
-    g = (g.double() if scores_dtype == torch.float64 else g.float()) * scale
-    dscores[torch.where(pad, tok * E + expert_idx.long().clamp(max=E - 1), T * E)] = g.to(scores_dtype)
-    return dtopk, dscores[:-1].view(T, E)
+    dscores[torch.where(pad, tok * E + expert_idx.long().clamp(max=E - 1), T * E)] = _scaled(dw.to(scores_dtype),
+                                                                                           scale)
+    return _topk_grads(dw, pair_offsets, K), dscores[:-1].view(T, E)
 
 
 def _place_torch(kept: torch.Tensor, pad_mask: torch.Tensor, J: int, topk_weights: torch.Tensor,
@@ -279,10 +295,7 @@ def _place_torch(kept: torch.Tensor, pad_mask: torch.Tensor, J: int, topk_weight
     n = K + marks.sum(1)
     pair_offsets = torch.cat((n.new_zeros(1), n.cumsum(0)))
     off = pair_offsets[:-1]
-    # the unused tail as a token T of its own, then given token T - 1: no host read of its length
-    tokens = torch.arange(T + 1, device=dev)
-    token_idx = torch.repeat_interleave(tokens, torch.cat((n, P - pair_offsets[-1:])), output_size=P)
-    token_idx = token_idx.clamp_(max=max(T - 1, 0)).to(torch.int32)
+    token_idx = _pair_tokens(pair_offsets, P).clamp_(max=max(T - 1, 0)).to(torch.int32)  # the tail: token T - 1
     expert_idx = torch.full((P + 1,), E, dtype=torch.int32, device=dev)  # unused entries: expert E, weight 0
     w = torch.zeros(P + 1, dtype=topk_weights.dtype, device=dev)
     topk_pos = (off[:, None] + torch.arange(K, device=dev)).reshape(-1)
@@ -290,8 +303,7 @@ def _place_torch(kept: torch.Tensor, pad_mask: torch.Tensor, J: int, topk_weight
     w[topk_pos] = topk_weights.reshape(-1)
     pad_pos = torch.where(marks != 0, off[:, None] + K + marks.cumsum(1) - 1, P).reshape(-1)  # P: a dummy
     expert_idx.index_put_((pad_pos,), torch.arange(E, dtype=torch.int32, device=dev).repeat(T))
-    acc = torch.float64 if scores.dtype == torch.float64 else torch.float32  # times scale, then one rounding
-    w.index_put_((pad_pos,), (scores.to(acc) * scale).to(scores.dtype).to(w.dtype).reshape(-1))
+    w.index_put_((pad_pos,), _scaled(scores, scale).to(w.dtype).reshape(-1))
     return token_idx, expert_idx[:P], w[:P], pair_offsets.to(torch.int32)
 
 

@@ -12,11 +12,12 @@ never written out whole:
 * :func:`rounding_keys_kernel` (one program per ``BLOCK_T`` tokens and ``BLOCK_E`` experts) computes the keys and writes the
   largest key of each group of ``GROUP`` tokens per expert, ``bmax [ceil(T / GROUP), E]`` (columns of experts
   with ``f_e == r_e`` not written).
-* :func:`rounding_select_kernel` (one program per expert) finds the n-th largest group maximum ``L`` (a
-  32-step binary search on its bits). Every key at or above the n-th largest key is at or above ``L`` and
-  so in a group whose maximum is; the candidate groups are those above ``L`` and the first n equal to it
-  (ties among group maxima: the first n hold every tied key that can be selected), at most ``2n - 1``
-  groups. Their tokens' keys, recomputed from the scores, ids and weights, give the n-th largest key and
+* :func:`rounding_select_kernel` (one program per expert) finds the n-th largest group maximum ``L`` to its top
+  16 bits (a binary search on its bits, one count per bit), ``lo <= L``. Every key at or above the n-th largest
+  key is at or above ``lo`` and so in a group whose maximum is; the candidate groups are those at or above ``lo``.
+  Where more than half the candidate rows would pass, it searches all 32 bits: the candidates are then the groups
+  above ``L`` and the first n equal to it (ties among group maxima: the first n hold every tied key that can be
+  selected), at most ``2n - 1`` groups. Their tokens' keys, recomputed from the scores, ids and weights, give the n-th largest key and
   the selection in token order: every key above it and, of the keys equal to it, the lowest tokens (ties:
   the lower token first, in both selections). Dropped pairs get the expert id E in ``kept [T, K]``; padded
   pairs are marked in ``pad_mask [T, E]`` (uint8, 1 where expert e pads token t) and listed, ascending, in
