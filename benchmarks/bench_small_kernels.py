@@ -1,5 +1,6 @@
 """Launch shapes of the two small kernels of a layer step: the fused router's top-k (forward) and backward kernels
-over tokens per program and warps, and the gather-sum (F3 combine / B5 ``dx``) over its block shapes.
+over tokens per program and warps, and the gather-sum (F3 combine / B5 ``dx``) over its block shapes; and
+(``--kernels pair_grads``) the router's backward from token rounding's pair gradients, dense or read in place.
 
 Each kernel is timed alone as a CUDA-graph replay (``triton.testing.do_bench`` median; the same method as
 ``bench_ws.py``), so host time stays out of the figures. The router rows time ``router_topk`` (top-k and loss
@@ -101,10 +102,45 @@ def gather_rows(gen: torch.Generator):
                        ms=round(ms, 4), gbs=round((T * K * D * 2 + T * D * 2) / ms / 1e6))
 
 
+PAIR_SHAPES = [(16384, 128, 2), (16384, 256, 4), (16384, 512, 10)]  # issue 25's T, E, K
+
+
+def _pair_grad_steps(T: int, E: int, K: int, gen: torch.Generator) -> dict:
+    """``dense``: the pair weights' backward writing ``[T, K]`` and ``[T, E]`` gradients and the router's backward
+    reading them (two launches); ``pairs``: the router's backward reading the pair gradient ``dw [P]`` where it lies
+    (one), over ``nr`` pairs at tile 128."""
+    from moeblaze.kernels.pair_list import pair_weights_backward
+    from moeblaze.token_rounding import round_tokens
+
+    logits = torch.randn(T, E, device="cuda", generator=gen)
+    ids, _, probs, lse, counts, _, _ = fused.router_topk(logits, K, False, 1.0, 0.01, 0.001)
+    rt = round_tokens(probs, ids, probs.gather(1, ids.long()), 128, "nr", counts=counts)
+    dw, one = torch.randn(rt.pair_weights.shape, device="cuda", generator=gen), torch.ones((), device="cuda")
+
+    def dense():
+        dtopk, dscores = pair_weights_backward(dw, rt.pair_offsets, rt.expert_idx, K, E, 1.0, torch.float32)
+        return fused.router_topk_backward(probs, ids, dtopk, dscores, counts, lse, one, one, False, 1.0, 0.1, 0.1)
+
+    def pairs():
+        return fused.router_topk_backward(probs, ids, dw, None, counts, lse, one, one, False, 1.0, 0.1, 0.1,
+                                          (rt.pair_offsets, rt.expert_idx))
+
+    return {"dense": dense, "pairs": pairs}
+
+
+def pair_grad_rows(gen: torch.Generator):
+    """Rows of the router's backward from token rounding's pair gradients, dense or in place
+    (:func:`_pair_grad_steps`)."""
+    for T, E, K in PAIR_SHAPES:
+        for path, fn in _pair_grad_steps(T, E, K, gen).items():
+            yield dict(T=T, E=E, K=K, kernel=f"router_backward_{path}", default=path == "pairs",
+                       ms=round(graph_replay_ms(fn), 5))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="small_kernels.csv", help="CSV to append rows to")
-    ap.add_argument("--kernels", default="router,gather_sum")
+    ap.add_argument("--kernels", default="router,gather_sum", help="any of router, gather_sum, pair_grads")
     args = ap.parse_args()
     commit, command = git_commit(Path(__file__).parent), " ".join(["python3", *sys.argv])
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -117,7 +153,8 @@ def main() -> None:
             out.writeheader()
         kinds = args.kernels.split(",")
         rows = itertools.chain(router_rows(gen) if "router" in kinds else (),
-                               gather_rows(gen) if "gather_sum" in kinds else ())
+                               gather_rows(gen) if "gather_sum" in kinds else (),
+                               pair_grad_rows(gen) if "pair_grads" in kinds else ())
         for row in rows:
             row.update(date=datetime.date.today().isoformat(), device=torch.cuda.get_device_name(), commit=commit,
                        command=command)

@@ -177,15 +177,17 @@ def compile_router() -> None:
     topk_ptrs = dict(logits_ptr=f32, ids_ptr="*i32", weights_ptr=f32, probs_ptr=f32, lse_ptr=f32, part_ptr=f32,
                      scale="fp32")
     bwd_ptrs = dict(probs_ptr=f32, ids_ptr="*i32", dw_ptr=f32, dprobs_ptr=f32, counts_ptr=f32, lse_ptr=f32,
-                    daux_ptr=f32, dz_ptr=f32, dlogits_ptr=f32, scale="fp32", aux_c="fp32", z_c="fp32")
+                    daux_ptr=f32, dz_ptr=f32, dlogits_ptr=f32, scale="fp32", aux_c="fp32", z_c="fp32",
+                    pair_offsets_ptr="*i32", expert_idx_ptr="*i32")
     for E, K in ((8, 2), (128, 8), (1024, 10)):
         bt, be, kp = _block_t(E), triton.next_power_of_2(E), triton.next_power_of_2(K)
         for renorm in (False, True):
             compile_one(router_topk_kernel, topk_ptrs, dict(K=K, KP=kp, RENORM=renorm, BLOCK_T=bt, BLOCK_E=be),
                         _topk_warps(E), 1, f"router top-k E={E} K={K} renorm={renorm}")
             compile_one(router_topk_bwd_kernel, bwd_ptrs,
-                        dict(K=K, KP=kp, RENORM=renorm, HAS_DW=True, HAS_DPROBS=renorm, HAS_DAUX=True, HAS_DZ=True,
-                             BLOCK_T=bt, BLOCK_E=be), 4, 1, f"router backward E={E} K={K} renorm={renorm}")
+                        dict(K=K, KP=kp, RENORM=renorm, HAS_DW=not renorm, PAIRS=renorm, PADS_UNROLLED=2,
+                             HAS_DPROBS=renorm, HAS_DAUX=True, HAS_DZ=True, BLOCK_T=bt, BLOCK_E=be), 4, 1,
+                        f"router backward E={E} K={K} renorm={renorm} pairs={renorm}")
         compile_one(router_loss_kernel, dict(part_ptr=f32, counts_ptr=f32, dot_ptr=f32, z_ptr=f32, z_c="fp32"),
                     dict(BLOCK_B=32, BLOCK_E=min(32, be)), 4, 1, f"router losses E={E}")
 
@@ -195,16 +197,17 @@ def compile_rounding() -> None:
     shapes."""
     for T, E, K, dt in ((16384, 128, 2, "*bf16"), (16384, 256, 4, "*fp32"), (65536, 512, 10, "*fp32")):
         nb = triton.cdiv(T, GROUP)
-        ptrs = dict(scores_ptr=dt, ids_ptr="*i32", weights_ptr=dt, counts_ptr="*i32", target_ptr="*i32",
+        ptrs = dict(scores_ptr=dt, ids_ptr="*i32", weights_ptr=dt, counts_ptr="*fp32", rand_ptr="*fp32",
+                    target_ptr="*i32",
                     bmax_ptr="*i32", cand_ptr="*i32", kept_ptr="*i32", pad_mask_ptr="*u8", pad_tok_ptr="*i32",
                     pads_ptr="*i32", block_pads_ptr="*i32", token_idx_ptr="*i32", expert_idx_ptr="*i32",
                     pair_offsets_ptr="*i32", dw_ptr=dt, dtopk_ptr=dt, dscores_ptr=dt, scale="fp32", topk_w_ptr=dt,
                     w_ptr=dt)
         bt, be = _keys_block(E, K)
-        compile_one(rounding_keys_kernel, ptrs, dict(K=K, GROUP=GROUP, BLOCK_T=bt, BLOCK_E=be), 4, 1,
+        compile_one(rounding_keys_kernel, ptrs, dict(MODE=0, K=K, GROUP=GROUP, BLOCK_T=bt, BLOCK_E=be), 4, 1,
                     f"rounding keys E={E} K={K}")
         compile_one(rounding_select_kernel, ptrs, dict(K=K, GROUP=GROUP, BLOCK_NB=triton.next_power_of_2(nb),
-                                                       CAND=256, BLOCK_J=64),
+                                                       CAND=256, BLOCK_J=64, MODE=3),
                     _select_warps(nb), 1, f"rounding select T={T} K={K}")
         pt, pe = _place_block_t(E), triton.next_power_of_2(E)
         compile_one(rounding_pad_count_kernel, ptrs, dict(BLOCK_T=pt, BLOCK_E=pe), 4, 1, f"rounding pad count E={E}")

@@ -225,19 +225,22 @@ def test_pair_build_writes_tokens_and_the_local_schedule(foreign):
         kd.build_dispatch_triton(ids.to(DEVICE), E + foreign, schedule_experts=E + 2)
 
 
-def test_foreign_topk_build_schedules_the_local_experts():
-    """A top-k routing with foreign ids (K 3, clamped into bucket E, as :func:`moeblaze.build_dispatch` builds it):
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+def test_foreign_topk_build_schedules_the_local_experts(dtype):
+    """A top-k routing with foreign ids (K 3, ids E and E+1; the count pass clamps them into bucket E):
     ``schedule_experts = E`` gives the schedule of ``with_schedule`` on the local offsets, bitwise, and the index of
-    the PyTorch build."""
+    the PyTorch build over the clamped ids (``token_expert_indices`` clamped; the input is left as it was)."""
     from moeblaze.dispatch import DispatchIndex, with_schedule
 
     T, K, E, bm = 120, 3, 7, 8
-    ids = routing(T, K, E + 2, "uniform", dtype=torch.int32, device="cpu").clamp(max=E)  # ids E, E+1: foreign
-    got = kd.build_dispatch_triton(ids.to(DEVICE), E + 1, block_m=bm, schedule_experts=E)
-    ref = build_dispatch_torch(ids, E + 1)
+    ids = routing(T, K, E + 2, "uniform", dtype=dtype, device="cpu")
+    given = ids.to(DEVICE)
+    got = kd.build_dispatch_triton(given, E + 1, block_m=bm, schedule_experts=E)
+    ref = build_dispatch_torch(ids.clamp(max=E), E + 1)
     ref = with_schedule(DispatchIndex(*ref.tensors(), E, foreign_experts=True), bm)
+    assert int((ids == E + 1).sum()) > 0 and torch.equal(given.cpu(), ids)
     for a, b in (*zip(got.tensors(), ref.tensors()), *zip(got.schedule.tensors(), ref.schedule.tensors())):
-        assert torch.equal(a.cpu(), b)
+        assert torch.equal(a.cpu(), b.to(a.dtype))
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -114,8 +114,9 @@ def test_kernel_selections_mark_the_best_pads_and_drop_the_lowest():
     ids = torch.zeros(T, K, dtype=torch.int32)
     ids[:5] = 1  # expert 1: 5 tokens, pads 3 to 8; expert 0: 59, drops 3 to 56; experts 2, 3: nothing
     counts = torch.tensor([59, 5, 0, 0], dtype=torch.int32)
-    target = torch.tensor([56, 8, 0, 0], dtype=torch.int32)
-    kept, pad_mask, pad_tok = rounding_select(scores, ids, scores.gather(1, ids.long()), counts, target, J, J)
+    kept, pad_mask, pad_tok, target = rounding_select(scores, ids, scores.gather(1, ids.long()), counts, 8, "nr",
+                                                      J, J)
+    assert torch.equal(target, torch.tensor([56, 8, 0, 0], dtype=torch.int32))  # nr at tile 8
     assert pad_mask.dtype == torch.uint8 and pad_mask.shape == (T, E) and pad_tok.shape == (J, E)
     outside = scores[5:, 1]  # expert 1's tokens outside its top-k: 5..63
     best = (outside.topk(3).indices + 5).sort().values

@@ -349,13 +349,13 @@ def _build(topk_ids: torch.Tensor, num_experts: int, block_m: int | None, foreig
     benchmarks/bench_token_rounding.py speed --shapes 0 --variants none --breakdown 40``).
     """
     E = num_experts + foreign_experts
-    ids = topk_ids.clamp(max=num_experts) if foreign_experts else topk_ids
-    if _triton_serves(ids, E):
+    if _triton_serves(topk_ids, E):  # foreign ids clamped into bucket E by the count pass
         from .kernels.dispatch import build_dispatch_triton
 
-        built = build_dispatch_triton(ids, E, block_m=block_m, pair_tokens=pair_tokens, schedule_experts=num_experts)
+        built = build_dispatch_triton(topk_ids, E, block_m=block_m, pair_tokens=pair_tokens,
+                                      schedule_experts=num_experts)
         return DispatchIndex(*built.tensors(), num_experts, built.schedule, foreign_experts)
-    built = build_dispatch_torch(ids, E)
+    built = build_dispatch_torch(topk_ids.clamp(max=num_experts) if foreign_experts else topk_ids, E)
     indices = built.expert_token_indices if pair_tokens is None else pair_tokens.index_select(
         0, built.expert_token_indices)
     index = DispatchIndex(built.expert_token_offsets, indices, built.token_expert_indices, built.token_index_map,

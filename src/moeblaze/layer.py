@@ -15,7 +15,7 @@ from .experts import SAVE_MODES, moe_experts
 from .general_routing import moe_experts_general
 from .input_grad import SharedInputGrad
 from .routing import Router
-from .token_rounding import ROUNDING_MODES, round_tokens_fused, tile_multiple
+from .token_rounding import ROUNDING_MODES, Rounding, round_tokens_fused, tile_multiple
 
 __all__ = ["MoE", "SharedExpert", "aux_loss", "detach_aux_losses"]
 
@@ -206,7 +206,9 @@ class MoE(nn.Module):
         # where they are x2's only readers (x2 is a view of its own: the caller's other uses of x are not)
         share = (SharedInputGrad() if x2.requires_grad and torch.is_grad_enabled() and self.ep is None
                  and self.shared_experts is None and not torch.compiler.is_compiling() else None)
-        routing = self.router(x2, input_grad=share)
+        rounding = self._rounding(x2) if self.token_rounding is not None and self.training else None
+        # float64 (the reference check) rounds with the PyTorch ops, after the router
+        routing = self.router(x2, input_grad=share, rounding=rounding if x2.dtype != torch.float64 else None)
         if self.ep is not None:  # expert parallelism: the routed experts run on the ranks that hold them
             out, self.aux_loss = _expert_parallel().expert_parallel_forward(self, x2, routing)
             if self.shared_experts is not None:
@@ -217,8 +219,8 @@ class MoE(nn.Module):
         # upcasts them so that nothing in the layer rounds to fp32.
         topk_weights = routing.topk_weights.to(x.dtype) if x.dtype == torch.float64 else routing.topk_weights
         biases = self.bias_kwargs()
-        if self.token_rounding is not None and self.training:
-            out = self._rounded_experts(x2, routing, topk_weights, biases, share)
+        if rounding is not None:
+            out = self._rounded_experts(x2, routing, topk_weights, biases, share, rounding)
         else:
             # Ids come from torch.topk over E scores: in range and distinct by construction, so the
             # host-synchronising range check is skipped. The build also writes the experts' tile schedule.
@@ -231,9 +233,8 @@ class MoE(nn.Module):
         self.last_topk_ids = routing.topk_ids.detach()
         return out.reshape(shape)
 
-    def _rounded_experts(self, x2: torch.Tensor, routing, topk_weights: torch.Tensor, biases: dict,
-                         share: SharedInputGrad | None) -> torch.Tensor:
-        """The experts over the token-rounded routing (no host synchronisation; :mod:`moeblaze.token_rounding`)."""
+    def _rounding(self, x2: torch.Tensor) -> Rounding:
+        """The token rounding request of a training step (warns where most experts would round to 0 pairs)."""
         tile = self.rounding_tile or tile_multiple(self.backend, x2.device)
         pairs_per_expert = x2.shape[0] * self.top_k / self.num_experts  # shapes only: no host synchronisation
         if self.token_rounding != "up" and pairs_per_expert < tile / 2 and not torch.compiler.is_compiling():
@@ -246,9 +247,17 @@ class MoE(nn.Module):
             if self._rounding_gen is None or self._rounding_gen.device != x2.device:
                 self._rounding_gen = torch.Generator(x2.device).manual_seed(self.rounding_seed)
             gen = self._rounding_gen
-        r = round_tokens_fused(routing.scores, routing.topk_ids, topk_weights, tile, self.token_rounding, gen,
-                               self.router.routed_scaling_factor,
-                               routing.counts if x2.shape[0] * self.top_k < 2**24 else None)  # fp32: exact below
+        return Rounding(self.token_rounding, tile, gen)
+
+    def _rounded_experts(self, x2: torch.Tensor, routing, topk_weights: torch.Tensor, biases: dict,
+                         share: SharedInputGrad | None, rounding: Rounding) -> torch.Tensor:
+        """The experts over the token-rounded routing (no host synchronisation; :mod:`moeblaze.token_rounding`):
+        the router's (:attr:`moeblaze.routing.RouterOutput.rounded`) or rounded here."""
+        r = routing.rounded
+        if r is None:
+            r = round_tokens_fused(routing.scores, routing.topk_ids, topk_weights, rounding.tile, rounding.mode,
+                                   rounding.generator, self.router.routed_scaling_factor,
+                                   routing.counts if x2.shape[0] * self.top_k < 2**24 else None)  # fp32: exact below
         index = get_backend(self.backend, x2).plan_pairs(r.token_idx, r.expert_idx, x2.shape[0], self.num_experts,
                                                          validate=False, foreign_experts=True,
                                                          pair_offsets=r.pair_offsets)

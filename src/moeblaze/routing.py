@@ -20,6 +20,7 @@ from . import settings
 from .amp import autocast_off, autocast_operands
 from .input_grad import SharedInputGrad
 from .kernels import router as fused_router
+from .token_rounding import Rounding, TokenRounding, route_rounded, route_rounded_serves
 
 SCORE_FUNCS = ("softmax", "sigmoid")
 LOGITS_DTYPES = ("fp32", "input")
@@ -166,6 +167,9 @@ class RouterOutput:
             token rounding pads with.
         counts: ``[E]`` fp32 pairs routed to each expert where the fused router computed them (None otherwise):
             token rounding's ``f_e`` without a histogram of its own.
+        rounded: the token-rounded routing (:class:`moeblaze.token_rounding.TokenRounding`) where a rounding was
+            asked for and the fused router and selections computed it in the router's autograd node; None
+            otherwise (the caller rounds: :func:`moeblaze.token_rounding.round_tokens`).
     """
 
     topk_ids: torch.Tensor
@@ -175,6 +179,7 @@ class RouterOutput:
     z_loss: torch.Tensor
     scores: torch.Tensor | None = None
     counts: torch.Tensor | None = None
+    rounded: TokenRounding | None = None
 
     @property
     def loss(self) -> torch.Tensor:
@@ -288,10 +293,13 @@ class Router(nn.Module):
         bound = 1.0 / math.sqrt(self.d_model)
         nn.init.uniform_(self.weight, -bound, bound)
 
-    def forward(self, x: torch.Tensor, *, input_grad: SharedInputGrad | None = None) -> RouterOutput:
+    def forward(self, x: torch.Tensor, *, input_grad: SharedInputGrad | None = None,
+                rounding: Rounding | None = None) -> RouterOutput:
         """Route ``x [T, d]``: fp32 logits, scores, top-k ids and weights, and the scaled losses
         (zero in eval mode or for an empty batch). ``input_grad``: ``x``'s gradient shared with the experts
-        (:mod:`moeblaze.input_grad`; :class:`moeblaze.MoE` passes one), or None.
+        (:mod:`moeblaze.input_grad`; :class:`moeblaze.MoE` passes one), or None. ``rounding``: token rounding
+        to compute with the routing where the fused router and selections serve (``RouterOutput.rounded``; one
+        autograd node, whose backward reads the pair weights' gradient where it lies), or None.
 
         Raises:
             ValueError: ``x`` is not ``[T, d]``.
@@ -304,7 +312,7 @@ class Router(nn.Module):
             logits = _RouterLogits.apply(*autocast_operands(x, ("router.weight", self.weight)), input_grad)
         losses_on = self.training and x.shape[0] > 0  # means over zero tokens would be NaN
         if self._fused(logits):
-            return self._fused_forward(logits, losses_on)
+            return self._fused_forward(logits, losses_on, rounding)
         if self.score_func == "softmax":
             scores = torch.softmax(logits, dim=-1)
             probs = scores
@@ -327,18 +335,23 @@ class Router(nn.Module):
             aux, z = (zero if aux is None else aux), (zero if z is None else z)
         return RouterOutput(topk_ids.to(torch.int32), topk_weights, logits, aux, z, scores)
 
-    def _fused_forward(self, logits: torch.Tensor, losses_on: bool) -> RouterOutput:
-        """:meth:`forward` through :class:`_FusedTopK`: the same outputs (losses with the coefficients of
-        :func:`load_balancing_loss` and :func:`router_z_loss`), exact zeros for losses that are off."""
+    def _fused_forward(self, logits: torch.Tensor, losses_on: bool, rounding: Rounding | None) -> RouterOutput:
+        """:meth:`forward` through :class:`_FusedTopK` (with ``rounding``: :func:`route_rounded` where it serves):
+        the same outputs (losses with the coefficients of :func:`load_balancing_loss` and :func:`router_z_loss`),
+        exact zeros for losses that are off."""
         T, K, E = logits.shape[0], self.top_k, self.num_experts
         aux_c = _aux_coefficient(self.aux_loss_coef, E, T * K, T) if self.aux_loss_coef and losses_on else 0.0
         z_c = _z_coefficient(self.z_loss_coef, T) if self.z_loss_coef and losses_on else 0.0
-        ids, weights, scores, aux, z, counts = _FusedTopK.apply(logits, K, bool(self.renormalize),
-                                                                self.routed_scaling_factor, aux_c, z_c)
+        options = (K, bool(self.renormalize), self.routed_scaling_factor, aux_c, z_c)
+        rounded = None
+        if rounding is not None and route_rounded_serves(logits, K):
+            (ids, weights, scores, aux, z, counts), rounded = route_rounded(logits, *options, rounding)
+        else:
+            ids, weights, scores, aux, z, counts = _FusedTopK.apply(logits, *options)
         if not aux_c or not z_c:
             zero = logits.new_zeros(())
             aux, z = (aux if aux_c else zero), (z if z_c else zero)
-        return RouterOutput(ids, weights, logits, aux, z, scores, counts)
+        return RouterOutput(ids, weights, logits, aux, z, scores, counts, rounded)
 
     def extra_repr(self) -> str:
         return (f"d_model={self.d_model}, num_experts={self.num_experts}, top_k={self.top_k}, "

@@ -112,7 +112,7 @@ def _count_kernel(
         tl.debug_barrier()
     for j in range(0, P // S):
         valid = p < N
-        ids = tl.where(valid, raw.to(tl.int32), -1)
+        ids = tl.where(valid, tl.minimum(raw.to(tl.int32), E - 1), -1)  # foreign ids (>= E - 1): the last bucket
         lim = N * (j + 1 < P // S).to(tl.int32)  # no next step after the last
         raw = _load_ids(ids_ptr, p + S, lim, stride_ids_t, stride_ids_k, K)  # next step
         if WRITE_IDS:
@@ -401,6 +401,14 @@ def _max_tiles(num_pairs: int, num_experts: int, block_m: int) -> int:
     return cdiv(num_pairs, block_m) + num_experts if block_m else 0
 
 
+def _ids_as_is(topk_ids: torch.Tensor, foreign: bool) -> bool:
+    """The write pass reads the caller's ids themselves: contiguous int32 without foreign ids. With foreign ids (the
+    last bucket's, ``schedule_experts < num_experts``) the count pass writes them clamped into that bucket, where a
+    clamp of its own took a launch (1.2 µs per step at token rounding's 40,832 pairs: H200, 2026-11-26, ``python3
+    benchmarks/bench_token_rounding.py speed --shapes 0 --variants none --breakdown 60``)."""
+    return topk_ids.dtype == torch.int32 and topk_ids.is_contiguous() and not foreign
+
+
 def _build_dispatch_impl(topk_ids: torch.Tensor, num_experts: int, tile_pairs: int, block_m: int,
                          pair_tokens: torch.Tensor | None = None, sched_experts: int = 0):
     """The three launches; returns ``(offsets, indices, index_map, ids32 [N] or [0] when not written,
@@ -410,11 +418,11 @@ def _build_dispatch_impl(topk_ids: torch.Tensor, num_experts: int, tile_pairs: i
     N, E, dev = T * K, num_experts, topk_ids.device
     sms = sm_count(dev) if topk_ids.is_cuda else 132
     P, tiles, chunks = dispatch_plan(N, E, tile_pairs or None, sms)
-    as_is = topk_ids.dtype == torch.int32 and topk_ids.is_contiguous()
+    sched_e = sched_experts or E
+    as_is = _ids_as_is(topk_ids, sched_e < E)
     new = lambda *shape: torch.empty(shape, dtype=torch.int32, device=dev)  # noqa: E731
     # separate buffers: a custom op's outputs may not alias each other or its input
     offsets, indices, index_map, ids32 = new(E + 1), new(N), new(T, K), new(0 if as_is else N)
-    sched_e = sched_experts or E
     max_tiles = _max_tiles(N, sched_e, block_m)
     sched = (new(max_tiles), new(max_tiles), new(1 if block_m else 0))
     if N == 0:
@@ -452,7 +460,7 @@ _build_dispatch_op = torch.library.custom_op(
 def _(topk_ids, num_experts, tile_pairs, block_m, pair_tokens, sched_experts):
     T, K = topk_ids.shape
     new = lambda *shape: topk_ids.new_empty(shape, dtype=torch.int32)
-    as_is = topk_ids.dtype == torch.int32 and topk_ids.is_contiguous()
+    as_is = _ids_as_is(topk_ids, 0 < sched_experts < num_experts)
     max_tiles = _max_tiles(T * K, sched_experts or num_experts, block_m)
     return (new(num_experts + 1), new(T * K), new(T, K), new(0 if as_is else T * K),
             new(max_tiles), new(max_tiles), new(1 if block_m else 0))

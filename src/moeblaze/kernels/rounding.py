@@ -9,9 +9,10 @@ outside its top-k is its score's order key; every other key is ``-2^31`` (inelig
 clamped to ``-2^31 + 1``). n is below the tile (``max_n``), a few dozen against T keys, so the keys are
 never written out whole:
 
-* :func:`rounding_keys_kernel` (one program per ``BLOCK_T`` tokens and ``BLOCK_E`` experts) computes the keys and writes the
-  largest key of each group of ``GROUP`` tokens per expert, ``bmax [ceil(T / GROUP), E]`` (columns of experts
-  with ``f_e == r_e`` not written).
+* :func:`rounding_keys_kernel` (one program per ``BLOCK_T`` tokens and ``BLOCK_E`` experts) computes the targets
+  ``r_e`` from the counts (:func:`moeblaze.token_rounding.round_counts`' rules; the select kernel recomputes its
+  own), the keys, and writes the largest key of each group of ``GROUP`` tokens per expert, ``bmax [ceil(T / GROUP),
+  E]`` (columns of experts with ``f_e == r_e`` not written).
 * :func:`rounding_select_kernel` (one program per expert) finds the n-th largest group maximum ``L`` to its top
   16 bits (a binary search on its bits, one count per bit), ``lo <= L``. Every key at or above the n-th largest
   key is at or above ``lo`` and so in a group whose maximum is; the candidate groups are those at or above ``lo``.
@@ -49,6 +50,8 @@ MAX_TOKENS = 65536  # T; the select kernel holds T / GROUP group maxima (4,096 a
 MAX_TOP_K = 16  # the top-k loops are unrolled
 GROUP = 16  # tokens per group maximum: T / 16 maxima to search, 16 keys per candidate group
 _INELIGIBLE = tl.constexpr(-2147483647 - 1)
+MODES = ("nr", "up", "down", "sr")  # the MODE constexpr of the kernels: the index here
+NR, UP, DOWN, SR = (tl.constexpr(i) for i in range(4))
 
 
 @triton.jit
@@ -112,22 +115,44 @@ def _nth_largest_above(key, n, lo):
 
 
 @triton.jit
+def _counts(counts_ptr, rand_ptr, e, emask, T, tile, MODE: tl.constexpr):
+    """``(f_e, r_e)`` int32 of the experts ``e``: the top-k count and its rounded target, as
+    :func:`moeblaze.token_rounding.round_counts` computes it (one launch fewer than its Inductor kernel: 0.8 µs per
+    step at T 16384, E 128, K 2)."""
+    f = tl.load(counts_ptr + e, mask=emask, other=0).to(tl.int32)
+    rem = f % tile
+    base = f - rem
+    if MODE == NR:
+        up = 2 * rem > tile
+    elif MODE == UP:
+        up = rem > 0
+    elif MODE == DOWN:
+        up = rem < 0
+    else:
+        up = tl.load(rand_ptr + e, mask=emask, other=1.0) * tile < rem.to(tl.float32)
+    r = base + tile * up.to(tl.int32)
+    return f, tl.where(r > T, base, r)
+
+
+@triton.jit
 def rounding_keys_kernel(
     scores_ptr,   # [T, E] float router scores
     ids_ptr,      # [T, K] int top-k expert ids
     weights_ptr,  # [T, K] float top-k weights
-    counts_ptr,   # [E] int32 top-k token counts f_e
-    target_ptr,   # [E] int32 rounded counts r_e
+    counts_ptr,   # [E] int32 or fp32 (exact integers) top-k token counts f_e
+    rand_ptr,     # [E] fp32 uniform draws of the stochastic mode (MODE == SR), else unused
+    target_ptr,   # [E] int32 out: rounded counts r_e (written by the first row of programs)
     bmax_ptr,     # [NB, E] int32 out: largest key of each group of GROUP tokens (columns with f_e == r_e not written)
     kept_ptr,     # [T, K] int32 out: the top-k ids (written by the first column of programs; the select drops)
-    T, E, NB, stride_s_t, stride_ids_t, stride_w_t,
-    K: tl.constexpr, GROUP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
+    T, E, NB, tile, stride_s_t, stride_ids_t, stride_w_t,
+    MODE: tl.constexpr, K: tl.constexpr, GROUP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
     rmask, cmask = rows < T, cols < E
-    f = tl.load(counts_ptr + cols, mask=cmask, other=0)
-    r = tl.load(target_ptr + cols, mask=cmask, other=0)
+    f, r = _counts(counts_ptr, rand_ptr, cols, cmask, T, tile, MODE)
+    if tl.program_id(0) == 0:
+        tl.store(target_ptr + cols, r, mask=cmask)
     chosen = tl.zeros((BLOCK_T, BLOCK_E), dtype=tl.int1)
     w = tl.zeros((BLOCK_T, BLOCK_E), dtype=tl.float32)
     for k in tl.static_range(K):
@@ -207,17 +232,17 @@ def rounding_select_kernel(
     weights_ptr,  # [T, K] float top-k weights
     bmax_ptr,     # [NB, E] int32 group maxima of the keys (rounding_keys_kernel)
     cand_ptr,     # [E, CAND] int32 scratch: each expert's candidate groups, ascending
-    counts_ptr,   # [E] int32 top-k token counts f_e
-    target_ptr,   # [E] int32 rounded counts r_e
+    counts_ptr,   # [E] int32 or fp32 (exact integers) top-k token counts f_e
+    rand_ptr,     # [E] fp32 uniform draws of the stochastic mode (MODE == SR), else unused
     kept_ptr,     # [T, K] int32 in/out: the top-k ids (rounding_keys_kernel's copy); dropped pairs set to E
     pad_mask_ptr, # [T, E] uint8 in/out (zeros in): 1 where expert e pads token t
     pad_tok_ptr,  # [J, E] int32 out: the tokens expert e pads, ascending, then -1
-    T, E, J, NB, stride_s_t, stride_ids_t, stride_w_t,
-    K: tl.constexpr, GROUP: tl.constexpr, BLOCK_NB: tl.constexpr, CAND: tl.constexpr, BLOCK_J: tl.constexpr,
+    T, E, J, NB, tile, stride_s_t, stride_ids_t, stride_w_t,
+    MODE: tl.constexpr, K: tl.constexpr, GROUP: tl.constexpr, BLOCK_NB: tl.constexpr, CAND: tl.constexpr,
+    BLOCK_J: tl.constexpr,
 ):
     e = tl.program_id(0)
-    f = tl.load(counts_ptr + e)
-    r = tl.load(target_ptr + e)
+    f, r = _counts(counts_ptr, rand_ptr, e, True, T, tile, MODE)
     n = tl.abs(f - r)
     if n > 0:
         b = tl.arange(0, BLOCK_NB)
@@ -266,63 +291,71 @@ def _keys_block(E: int, K: int) -> tuple[int, int]:
 
 
 def _select_impl(scores: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, counts: torch.Tensor,
-                 target: torch.Tensor, J: int, max_n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                 rand: torch.Tensor | None, tile: int, mode: str, J: int,
+                 max_n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     T, E = scores.shape
-    K = ids.shape[1]
-    kept = torch.empty(T, K, dtype=torch.int32, device=scores.device)  # the keys kernel copies ids in
-    pad_mask = torch.zeros(T, E, dtype=torch.uint8, device=scores.device)
-    pad_tok = torch.empty(J, E, dtype=torch.int32, device=scores.device)
-    if T == 0:
-        return kept, pad_mask, pad_tok
+    K, dev = ids.shape[1], scores.device
+    kept = torch.empty(T, K, dtype=torch.int32, device=dev)  # the keys kernel copies ids in
+    # zeros from a fill (1.4 µs per step at T 16384, E 128, K 2): the keys kernel storing them took 3.7 µs longer
+    # (H200, 2026-11-26, ``python3 benchmarks/bench_token_rounding.py speed --shapes 0 --variants none --breakdown 60``)
+    pad_mask = torch.zeros(T, E, dtype=torch.uint8, device=dev)
+    pad_tok = torch.empty(J, E, dtype=torch.int32, device=dev)
+    target = torch.empty(E, dtype=torch.int32, device=dev)
     nb = cdiv(T, GROUP)
-    bmax = torch.empty(nb, E, dtype=torch.int32, device=scores.device)
+    bmax = torch.empty(max(nb, 1), E, dtype=torch.int32, device=dev)
     cand = max(2, next_pow2(2 * max(max_n, 1) - 1))  # the candidate groups of an expert: at most 2n - 1
-    cand_groups = torch.empty(E, cand, dtype=torch.int32, device=scores.device)
+    cand_groups = torch.empty(E, cand, dtype=torch.int32, device=dev)
     block_t, block_e = _keys_block(E, K)
-    launch(rounding_keys_kernel, (cdiv(T, block_t), cdiv(E, block_e)), scores_ptr=scores, ids_ptr=ids, weights_ptr=weights,
-           counts_ptr=counts, target_ptr=target, bmax_ptr=bmax, kept_ptr=kept, T=T, E=E, NB=nb, stride_s_t=scores.stride(0),
-           stride_ids_t=ids.stride(0), stride_w_t=weights.stride(0), K=K, GROUP=GROUP, BLOCK_T=block_t,
-           BLOCK_E=block_e, num_warps=4)
-    launch(rounding_select_kernel, (E,), scores_ptr=scores, ids_ptr=ids, weights_ptr=weights, bmax_ptr=bmax,
-           cand_ptr=cand_groups, counts_ptr=counts, target_ptr=target, kept_ptr=kept, pad_mask_ptr=pad_mask,
-           pad_tok_ptr=pad_tok, T=T, E=E, J=J, NB=nb, stride_s_t=scores.stride(0), stride_ids_t=ids.stride(0),
-           stride_w_t=weights.stride(0), K=K, GROUP=GROUP, BLOCK_NB=next_pow2(nb), CAND=cand,
-           BLOCK_J=next_pow2(max(J, 1)), num_warps=_select_warps(nb))
-    return kept, pad_mask, pad_tok
+    rand = counts if rand is None else rand  # pointer of an absent input (MODE is not SR)
+    common = dict(scores_ptr=scores, ids_ptr=ids, weights_ptr=weights, counts_ptr=counts, rand_ptr=rand,
+                  kept_ptr=kept, T=T, E=E, NB=nb, tile=tile, stride_s_t=scores.stride(0),
+                  stride_ids_t=ids.stride(0), stride_w_t=weights.stride(0), MODE=MODES.index(mode), K=K, GROUP=GROUP)
+    launch(rounding_keys_kernel, (max(cdiv(T, block_t), 1), cdiv(E, block_e)), **common, target_ptr=target,
+           bmax_ptr=bmax, BLOCK_T=block_t, BLOCK_E=block_e, num_warps=4)
+    if T:
+        launch(rounding_select_kernel, (E,), **common, bmax_ptr=bmax, cand_ptr=cand_groups, pad_mask_ptr=pad_mask,
+               pad_tok_ptr=pad_tok, J=J,
+               BLOCK_NB=next_pow2(nb), CAND=cand, BLOCK_J=next_pow2(max(J, 1)), num_warps=_select_warps(nb))
+    return kept, pad_mask, pad_tok, target
 
 
 _select_op = torch.library.custom_op(
     "moeblaze::rounding_select", _select_impl, mutates_args=(),
-    schema="(Tensor scores, Tensor ids, Tensor weights, Tensor counts, Tensor target, int J, int max_n) -> "
-           "(Tensor, Tensor, Tensor)")
+    schema="(Tensor scores, Tensor ids, Tensor weights, Tensor counts, Tensor? rand, int tile, str mode, int J, "
+           "int max_n) -> (Tensor, Tensor, Tensor, Tensor)")
 
 
 @_select_op.register_fake
-def _(scores, ids, weights, counts, target, J, max_n):
+def _(scores, ids, weights, counts, rand, tile, mode, J, max_n):
+    E = scores.shape[1]
     return (ids.new_empty(ids.shape, dtype=torch.int32), scores.new_empty(scores.shape, dtype=torch.uint8),
-            ids.new_empty(J, scores.shape[1], dtype=torch.int32))
+            ids.new_empty(J, E, dtype=torch.int32), ids.new_empty(E, dtype=torch.int32))
 
 
 def rounding_select(scores: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, counts: torch.Tensor,
-                    target: torch.Tensor, J: int, max_n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Token rounding's drops and pads (module docstring) in two launches.
+                    tile: int, mode: str, J: int, max_n: int,
+                    rand: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Token rounding's targets, drops and pads (module docstring) in two launches.
 
     Args:
         scores: ``[T, E]`` float router scores (unit column stride). ids: ``[T, K]`` int top-k ids (unit column
             stride, distinct per row). weights: ``[T, K]`` float top-k weights (unit column stride).
-        counts: ``[E]`` int32 ``f_e``. target: ``[E]`` int32 ``r_e`` with ``r_e - f_e <= J``, ``r_e <= T``.
-        J: pad candidates per expert. max_n: the most tokens one expert drops or pads, ``|r_e - f_e| <= max_n``
-            for every e (``tile - 1`` serves every mode); the select kernel holds ``2 * max_n * GROUP``
-            candidate keys.
+        counts: ``[E]`` int32 or fp32 ``f_e`` (exact integers). tile: the M tile >= 1. mode: one of
+            :data:`MODES` (:func:`moeblaze.token_rounding.round_counts`' rules, capped at T).
+        J: pad candidates per expert, ``r_e - f_e <= J`` (:func:`moeblaze.token_rounding.round_tokens`' J).
+        max_n: the most tokens one expert drops or pads, ``|r_e - f_e| <= max_n`` for every e (``tile - 1``
+            serves every mode); the select kernel holds ``2 * max_n * GROUP`` candidate keys.
+        rand: ``[E]`` fp32 uniform draws of ``"sr"`` (expert e pads where ``rand[e] * tile < f_e % tile``), as
+            ``round_counts`` draws them; None for the other modes.
 
     Returns:
-        ``(kept [T, K] int32, pad_mask [T, E] uint8, pad_tok [J, E] int32)``: the ids with dropped pairs set to
-        E; 1 where expert e pads token t (``r_e - f_e`` ones in column e where that is positive), else 0; the
-        tokens expert e pads in column e, ascending, then -1.
+        ``(kept [T, K] int32, pad_mask [T, E] uint8, pad_tok [J, E] int32, target [E] int32)``: the ids with
+        dropped pairs set to E; 1 where expert e pads token t (``r_e - f_e`` ones in column e where that is
+        positive), else 0; the tokens expert e pads in column e, ascending, then -1; the rounded counts ``r_e``.
 
     Raises:
         ValueError: shapes or dtypes other than above, T above ``MAX_TOKENS``, K above ``MAX_TOP_K``, ``max_n``
-            below 0.
+            below 0, an unknown mode, ``tile < 1``, ``rand`` missing for ``"sr"``.
     """
     T, E = scores.shape if scores.dim() == 2 else (-1, -1)
     if scores.dim() != 2 or ids.dim() != 2 or ids.shape[0] != T or tuple(weights.shape) != tuple(ids.shape):
@@ -333,9 +366,15 @@ def rounding_select(scores: torch.Tensor, ids: torch.Tensor, weights: torch.Tens
                          f"K={ids.shape[1]}")
     if any(t.numel() and t.stride(-1) != 1 for t in (scores, ids, weights)):
         raise ValueError("rounding_select: scores, ids and weights need unit column stride")
-    if counts.shape != (E,) or target.shape != (E,) or counts.dtype != torch.int32 or target.dtype != torch.int32:
-        raise ValueError(f"rounding_select: counts and target must be [E={E}] int32, got {tuple(counts.shape)} "
-                         f"{counts.dtype} and {tuple(target.shape)} {target.dtype}")
-    if max_n < 0:
-        raise ValueError(f"rounding_select: max_n (the most tokens one expert drops or pads) must be >= 0, got {max_n}")
-    return call_op(_select_op, _select_impl, scores, ids, weights, counts, target, J, max_n)
+    if counts.shape != (E,) or counts.dtype not in (torch.int32, torch.float32):
+        raise ValueError(f"rounding_select: counts must be [E={E}] int32 or fp32, got {tuple(counts.shape)} "
+                         f"{counts.dtype}")
+    if mode not in MODES or tile < 1 or max_n < 0:
+        raise ValueError(f"rounding_select: need mode in {MODES}, tile >= 1 and max_n >= 0 (the most tokens one "
+                         f"expert drops or pads), got {mode!r}, {tile} and {max_n}")
+    if (mode == "sr") != (rand is not None) or (rand is not None and (rand.shape != (E,) or
+                                                                      rand.dtype != torch.float32)):
+        raise ValueError(f"rounding_select: rand must be [E={E}] fp32 for mode 'sr' and None otherwise, got "
+                         f"{None if rand is None else (tuple(rand.shape), rand.dtype)} for {mode!r}")
+    return call_op(_select_op, _select_impl, scores, ids, weights, counts.contiguous(), rand, int(tile), mode, J,
+                   max_n)

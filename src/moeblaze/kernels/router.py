@@ -17,7 +17,14 @@ tokens per GPU, host time the GPU waits for. Here, from the fp32 logits ``[T, E]
 * :func:`router_topk_bwd_kernel`: ``dlogits`` from the gradients of the weights, the probabilities
   (used by token rounding), the aux loss and the z-loss: the top-K scatter, the renormalisation's
   Jacobian, ``daux * c_aux * counts_e`` on every probability, then the softmax backward
-  ``p * (g - <g, p>)`` plus ``dz * 2 c_z lse_t * p``.
+  ``p * (g - <g, p>)`` plus ``dz * 2 c_z lse_t * p``. With ``PAIRS`` the weights' gradients are those of token
+  rounding's pair list (:mod:`moeblaze.kernels.pair_list`'s layout), read where they lie: each token's top-k pairs
+  and its padded pairs (``scale * p[t, e]`` each), the first ``PADS_UNROLLED`` of them in the tile, any further
+  ones as ``[BLOCK_T, 1]`` terms of ``<g, p>`` and a rewrite of their columns after the tile's store, so no loop
+  carries the tile. 11.1 against 14.8 µs for the pair weights' dense backward and this kernel reading its
+  ``[T, K]`` and ``[T, E]`` at T 16384, E 128, K 2; 45.5 against 53.4 at E 512, K 10 (H200, 2026-11-26,
+  ``python3 benchmarks/bench_small_kernels.py --kernels pair_grads``); a loop over the pads carrying the tile
+  took 13.0-14.0 and 52.2-57.3 in same-day calls timed the same way (64-128 registers against 48 at E 128).
 * :func:`split16_kernel`: the router's backward GEMMs take ``dlogits`` as two 16-bit halves ``[hi | lo]``
   (:func:`split16`, one launch);
 
@@ -150,10 +157,23 @@ def router_loss_kernel(
 
 
 @triton.jit
+def _add_pad_grad(g, j, off, pads, rmask, cols, dw_ptr, expert_idx_ptr, scale, K: tl.constexpr):
+    """``g [BLOCK_T, BLOCK_E]`` plus, for each token with a j-th padded pair (t, e), that pair's gradient times
+    ``scale`` at column e."""
+    has = rmask & (j < pads)
+    q = off + K + j
+    e = tl.load(expert_idx_ptr + q, mask=has, other=-1)
+    gp = tl.load(dw_ptr + q, mask=has, other=0.0).to(tl.float32) * scale
+    return g + tl.where(cols[None, :] == e, gp, 0.0)
+
+
+@triton.jit
 def router_topk_bwd_kernel(
     probs_ptr,    # [T, E] fp32 softmax probabilities
     ids_ptr,      # [T, K] int32 top-K ids
-    dw_ptr,       # [T, K] fp32 gradient of the combine weights (HAS_DW)
+    dw_ptr,       # [T, K] fp32 gradient of the combine weights (HAS_DW); PAIRS: [P], a pair list's weights'
+    pair_offsets_ptr,  # [T+1] int32 (PAIRS): token rounding's pair list, per token K top-k pairs, then its pads
+    expert_idx_ptr,    # [P] int32 (PAIRS): each pair's expert
     dprobs_ptr,   # [T, E] fp32 gradient of the probabilities (HAS_DPROBS)
     counts_ptr,   # [E] fp32 pairs per expert
     lse_ptr,      # [T] fp32 logsumexp
@@ -161,8 +181,9 @@ def router_topk_bwd_kernel(
     dz_ptr,       # [] fp32 gradient of the z-loss (HAS_DZ)
     dlogits_ptr,  # [T, E] fp32 out
     T, E, scale, aux_c, z_c,
-    K: tl.constexpr, KP: tl.constexpr, RENORM: tl.constexpr, HAS_DW: tl.constexpr, HAS_DPROBS: tl.constexpr,
-    HAS_DAUX: tl.constexpr, HAS_DZ: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
+    K: tl.constexpr, KP: tl.constexpr, RENORM: tl.constexpr, HAS_DW: tl.constexpr, PAIRS: tl.constexpr,
+    PADS_UNROLLED: tl.constexpr, HAS_DPROBS: tl.constexpr, HAS_DAUX: tl.constexpr, HAS_DZ: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
 ):
     pid = tl.program_id(0)
     rows = pid * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -174,14 +195,23 @@ def router_topk_bwd_kernel(
     g = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.float32)
     if HAS_DPROBS:
         g += tl.load(dprobs_ptr + tile, mask=mask, other=0.0)
+    if PAIRS:  # the padded pairs' weights are scale * probs[t, e]: their gradients, read where they lie
+        off = tl.load(pair_offsets_ptr + rows[:, None], mask=rmask[:, None], other=0)  # [BLOCK_T, 1]: g's layout
+        pads = tl.load(pair_offsets_ptr + rows[:, None] + 1, mask=rmask[:, None], other=0) - off - K
+        for j in tl.static_range(PADS_UNROLLED):  # unrolled: the loads go out together, not a round trip per pad
+            g = _add_pad_grad(g, j, off, pads, rmask[:, None], cols, dw_ptr, expert_idx_ptr, scale, K)
+        more = tl.max(tl.max(pads, axis=1), axis=0)  # pads past the unrolled ones: below
     if HAS_DAUX:
         counts = tl.load(counts_ptr + cols, mask=cmask, other=0.0)
         g += (tl.load(daux_ptr) * aux_c) * counts[None, :]
-    if HAS_DW:
+    if HAS_DW or PAIRS:
         kk = tl.arange(0, KP)
         kmask = rmask[:, None] & (kk[None, :] < K)
         ids = tl.load(ids_ptr + rows[:, None] * K + kk[None, :], mask=kmask, other=0)
-        dw = tl.load(dw_ptr + rows[:, None] * K + kk[None, :], mask=kmask, other=0.0)
+        if PAIRS:  # pair pair_offsets[t] + k is top-k pair (t, k), dropped or not
+            dw = tl.load(dw_ptr + off + kk[None, :], mask=kmask, other=0.0).to(tl.float32)
+        else:
+            dw = tl.load(dw_ptr + rows[:, None] * K + kk[None, :], mask=kmask, other=0.0)
         dsel = dw * scale
         if RENORM:  # w_k = scale * sel_k / max(S, 1e-20), S = sum_k sel_k
             sel = tl.load(probs_ptr + rows[:, None] * E + ids, mask=kmask, other=0.0)
@@ -193,11 +223,51 @@ def router_topk_bwd_kernel(
             idk = tl.sum(tl.where(kk[None, :] == k, ids, 0), axis=1)
             dk = tl.sum(tl.where(kk[None, :] == k, dsel, 0.0), axis=1)
             g += tl.where(cols[None, :] == idk[:, None], dk[:, None], 0.0)
-    dl = p * (g - tl.sum(g * p, axis=1)[:, None])
+    gp = tl.sum(g * p, axis=1)[:, None]  # [BLOCK_T, 1]
+    if PAIRS:  # the pads past the unrolled ones add to <g, p> per token (a [BLOCK_T, 1] loop, not the tile's)
+        for j in range(PADS_UNROLLED, more):
+            _, _, vp, _, _ = _pad_term(j, off, pads, rows, rmask, dw_ptr, expert_idx_ptr, probs_ptr, E, scale, K)
+            gp += vp
+    dl = p * (g - gp)
+    zc = tl.zeros([BLOCK_T, 1], dtype=tl.float32)
     if HAS_DZ:
-        lse = tl.load(lse_ptr + rows, mask=rmask, other=0.0)
-        dl += ((tl.load(dz_ptr) * 2.0 * z_c) * lse)[:, None] * p
+        zc = (tl.load(dz_ptr) * 2.0 * z_c) * tl.load(lse_ptr + rows[:, None], mask=rmask[:, None], other=0.0)
+        dl += zc * p
     tl.store(dlogits_ptr + tile, dl, mask=mask)
+    if PAIRS:  # noqa: SIM102 (``more`` exists only where the constexpr PAIRS is on: not one ``and``)
+        if more > PADS_UNROLLED:  # rare at issue 25's shapes: those pads' columns, over the tile's stores
+            tl.debug_barrier()
+            for j in range(PADS_UNROLLED, more):
+                _store_pad_column(j, off, pads, rows, rmask, gp, zc, dw_ptr, expert_idx_ptr, probs_ptr, dprobs_ptr,
+                                  counts_ptr, daux_ptr, dlogits_ptr, E, scale, aux_c, K, HAS_DPROBS, HAS_DAUX)
+
+
+@triton.jit
+def _pad_term(j, off, pads, rows, rmask, dw_ptr, expert_idx_ptr, probs_ptr, E, scale, K: tl.constexpr):
+    """The j-th padded pair of each token ``[BLOCK_T, 1]``: ``(has, e, v * p[t, e], v, p[t, e])``, v its gradient
+    times ``scale`` (0 where the token has none)."""
+    has = rmask[:, None] & (j < pads)
+    q = off + K + j
+    e = tl.load(expert_idx_ptr + q, mask=has, other=0)
+    v = tl.load(dw_ptr + q, mask=has, other=0.0).to(tl.float32) * scale
+    pe = tl.load(probs_ptr + rows[:, None] * E + e, mask=has, other=0.0)
+    return has, e, tl.where(has, v * pe, 0.0), v, pe
+
+
+@triton.jit
+def _store_pad_column(j, off, pads, rows, rmask, gp, zc, dw_ptr, expert_idx_ptr, probs_ptr, dprobs_ptr, counts_ptr,
+                      daux_ptr, dlogits_ptr, E, scale, aux_c, K: tl.constexpr, HAS_DPROBS: tl.constexpr,
+                      HAS_DAUX: tl.constexpr):
+    """``dlogits[t, e]`` of each token's j-th padded pair, its g summed as the tile's is (the top-k adds nothing
+    there: a padded expert is outside the token's top-k)."""
+    has, e, _, v, pe = _pad_term(j, off, pads, rows, rmask, dw_ptr, expert_idx_ptr, probs_ptr, E, scale, K)
+    ge = tl.zeros_like(v)
+    if HAS_DPROBS:
+        ge += tl.load(dprobs_ptr + rows[:, None] * E + e, mask=has, other=0.0)
+    ge += v
+    if HAS_DAUX:
+        ge += (tl.load(daux_ptr) * aux_c) * tl.load(counts_ptr + e, mask=has, other=0.0)
+    tl.store(dlogits_ptr + rows[:, None] * E + e, pe * (ge - gp) + zc * pe, mask=has)
 
 
 def _check_rows(t: torch.Tensor, what: str) -> None:
@@ -280,7 +350,8 @@ def router_topk(logits: torch.Tensor, top_k: int, renormalize: bool = False, sca
 def _router_topk_bwd_impl(probs: torch.Tensor, ids: torch.Tensor, dw: torch.Tensor | None,
                           dprobs: torch.Tensor | None, counts: torch.Tensor, lse: torch.Tensor,
                           daux: torch.Tensor | None, dz: torch.Tensor | None, renormalize: bool, scale: float,
-                          aux_c: float, z_c: float) -> torch.Tensor:
+                          aux_c: float, z_c: float, pair_offsets: torch.Tensor | None = None,
+                          expert_idx: torch.Tensor | None = None) -> torch.Tensor:
     T, E = probs.shape
     K = ids.shape[1]
     dlogits = torch.empty_like(probs)
@@ -288,12 +359,19 @@ def _router_topk_bwd_impl(probs: torch.Tensor, ids: torch.Tensor, dw: torch.Tens
         return dlogits
     bt = _bwd_block_t(E)
     dummy = probs  # pointer of an absent input (its HAS_* flag is off)
+    pairs = pair_offsets is not None
+    dw = None if dw is None else dw.contiguous() if pairs else dw.float().contiguous()
+    # pads read unrolled per token: 2, or 4 where the pad candidates average over one per token (P - T*K <= J*E)
+    unrolled = 4 if pairs and dw.numel() - T * K > T else 2
     launch(router_topk_bwd_kernel, (cdiv(T, bt),), probs_ptr=probs, ids_ptr=ids,
-           dw_ptr=dw.float().contiguous() if dw is not None else dummy,
+           dw_ptr=dw if dw is not None else dummy, pair_offsets_ptr=pair_offsets if pairs else dummy,
+           expert_idx_ptr=expert_idx if pairs else dummy,
            dprobs_ptr=dprobs.float().contiguous() if dprobs is not None else dummy, counts_ptr=counts, lse_ptr=lse,
            daux_ptr=daux.float() if daux is not None else dummy, dz_ptr=dz.float() if dz is not None else dummy,
            dlogits_ptr=dlogits, T=T, E=E, scale=float(scale), aux_c=float(aux_c), z_c=float(z_c), K=K,
-           KP=next_pow2(K), RENORM=renormalize, HAS_DW=dw is not None, HAS_DPROBS=dprobs is not None,
+           KP=next_pow2(K), RENORM=renormalize, HAS_DW=dw is not None and not pairs, PAIRS=pairs,
+           PADS_UNROLLED=unrolled,
+           HAS_DPROBS=dprobs is not None,
            HAS_DAUX=daux is not None, HAS_DZ=dz is not None, BLOCK_T=bt,
            BLOCK_E=next_pow2(E), num_warps=4)
     return dlogits
@@ -302,23 +380,35 @@ def _router_topk_bwd_impl(probs: torch.Tensor, ids: torch.Tensor, dw: torch.Tens
 _router_topk_bwd_op = torch.library.custom_op(
     "moeblaze::router_topk_backward", _router_topk_bwd_impl, mutates_args=(),
     schema="(Tensor probs, Tensor ids, Tensor? dw, Tensor? dprobs, Tensor counts, Tensor lse, Tensor? daux, "
-           "Tensor? dz, bool renormalize, float scale, float aux_c, float z_c) -> Tensor")
+           "Tensor? dz, bool renormalize, float scale, float aux_c, float z_c, Tensor? pair_offsets=None, "
+           "Tensor? expert_idx=None) -> Tensor")
 
 
 @_router_topk_bwd_op.register_fake
-def _(probs, ids, dw, dprobs, counts, lse, daux, dz, renormalize, scale, aux_c, z_c):
+def _(probs, ids, dw, dprobs, counts, lse, daux, dz, renormalize, scale, aux_c, z_c, pair_offsets=None,
+      expert_idx=None):
     return torch.empty_like(probs)
 
 
 def router_topk_backward(probs: torch.Tensor, ids: torch.Tensor, dw: torch.Tensor | None,
                          dprobs: torch.Tensor | None, counts: torch.Tensor, lse: torch.Tensor,
                          daux: torch.Tensor | None, dz: torch.Tensor | None, renormalize: bool, scale: float,
-                         aux_c: float, z_c: float) -> torch.Tensor:
+                         aux_c: float, z_c: float, pairs: tuple[torch.Tensor, torch.Tensor] | None = None
+                         ) -> torch.Tensor:
     """``dlogits [T, E]`` fp32 of :func:`router_topk` from the gradients of its weights ``dw [T, K]``,
     probabilities ``dprobs [T, E]``, losses ``daux`` and ``dz`` (0-dim; each may be None: no gradient),
-    given its saved ``probs``, ``ids``, ``counts``, ``lse`` and the same options. One launch."""
+    given its saved ``probs``, ``ids``, ``counts``, ``lse`` and the same options. One launch.
+
+    ``pairs = (pair_offsets [T+1] int32, expert_idx [P] int32)``: ``dw [P]`` (fp32 or 16-bit) is instead the
+    gradient of token rounding's pair weights (:func:`moeblaze.kernels.pair_list.rounding_place`'s layout: top-k
+    pair (t, k) at ``pair_offsets[t] + k``, then t's padded pairs, each weighing ``scale * probs[t, e]``), read
+    where it lies: no ``[T, K]`` and ``[T, E]`` gradients written and read back."""
+    if pairs is not None and (dw is None or dw.dim() != 1 or pairs[0].shape != (probs.shape[0] + 1,)
+                              or pairs[1].shape != dw.shape):
+        raise ValueError("router_topk_backward: with pairs, dw and expert_idx must be [P] and pair_offsets [T+1]")
+    pair_offsets, expert_idx = pairs if pairs is not None else (None, None)
     return call_op(_router_topk_bwd_op, _router_topk_bwd_impl, probs, ids, dw, dprobs, counts, lse, daux, dz,
-                   renormalize, scale, aux_c, z_c)
+                   renormalize, scale, aux_c, z_c, pair_offsets, expert_idx)
 
 
 @triton.jit
