@@ -97,28 +97,6 @@ def test_layer_rounds_in_the_router_node(mode, fused, monkeypatch):
         assert torch.equal(u, v)
 
 
-def test_router_node_compiles_fullgraph(fused):
-    """``torch.compile(fullgraph=True)`` over the layer whose router rounds (the ops' fakes, the node's backward).
-    Dynamo's cache is cleared after: its guards do not watch the settings, and later tests compile the same
-    ``forward`` with the PyTorch router."""
-    torch._dynamo.reset()
-    try:
-        _check_compiled_layer()
-    finally:
-        torch._dynamo.reset()
-
-
-def _check_compiled_layer():
-    torch.manual_seed(0)
-    layer = MoE(32, 16, 4, 2, backend="triton", token_rounding="nr", rounding_tile=8)
-    x = torch.randn(2, 19, 32, requires_grad=True)
-    ref = layer(x)
-    (gx_ref,) = torch.autograd.grad(ref.square().sum(), x)
-    out = torch.compile(layer, fullgraph=True, backend="aot_eager")(x)
-    (gx,) = torch.autograd.grad(out.square().sum(), x)
-    assert torch.equal(out, ref) and torch.equal(gx, gx_ref)
-
-
 @pytest.mark.parametrize("T,E,K,most,frac", [(13, 8, 2, 6, 1.0), (60, 8, 2, 5, 0.2), (40, 16, 3, 1, 1.0)])
 def test_router_backward_reads_pair_gradients_as_the_dense_path(T, E, K, most, frac):
     """``router_topk_backward(..., pairs=...)`` equals the pair weights' dense backward followed by the router's

@@ -465,16 +465,24 @@ def test_benchmark_script_smoke(stage, tmp_path):
         assert "token rounding nr" in proc.stdout and (tmp_path / "token_rounding_quality.png").exists()
 
 
-def test_token_rounding_layer_compiles_fullgraph(monkeypatch, selection):
-    """``torch.compile(fullgraph=True)`` over the layer with rounding (the general-routing custom ops' fakes)."""
+@pytest.mark.parametrize("fused_router", [False, True])
+def test_token_rounding_layer_compiles_fullgraph(monkeypatch, selection, fused_router):
+    """``torch.compile(fullgraph=True)`` over the layer with rounding (the general-routing custom ops' fakes; with
+    the fused router and selections, the router's node: :func:`moeblaze.token_rounding.route_rounded`). Dynamo's
+    cache is cleared around it: its guards do not watch the settings, and the cases compile the same ``forward``."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
+    torch._dynamo.reset()
     torch.manual_seed(0)
     layer = MoE(32, 16, 4, 2, backend="triton", token_rounding="nr", rounding_tile=8)
     x = torch.randn(2, 19, 32, requires_grad=True)
-    ref = layer(x)
-    (gx_ref,) = torch.autograd.grad(ref.square().sum(), x)
-    out = torch.compile(layer, fullgraph=True, backend="aot_eager")(x)
-    (gx,) = torch.autograd.grad(out.square().sum(), x)
+    try:
+        with settings.override(fused_router=fused_router):
+            ref = layer(x)
+            (gx_ref,) = torch.autograd.grad(ref.square().sum(), x)
+            out = torch.compile(layer, fullgraph=True, backend="aot_eager")(x)
+            (gx,) = torch.autograd.grad(out.square().sum(), x)
+    finally:
+        torch._dynamo.reset()
     assert torch.equal(out, ref) and torch.equal(gx, gx_ref)
 
 
