@@ -359,6 +359,13 @@ def test_tile_multiple(monkeypatch):
     assert moeblaze.tile_multiple is tile_multiple
 
 
+def _select(tile, mode, rand):
+    from moeblaze.kernels.rounding import rounding_select
+
+    scores, ids, w = routing(8, 4, 2, 0)
+    return rounding_select(scores, ids, w, torch.ones(4, dtype=torch.int32), tile, mode, 3, 3, rand)
+
+
 @pytest.mark.parametrize("call,match", [
     (lambda: round_tokens(*routing(8, 4, 2, 0), 0, "nr"), r"tile \(the M tile to round to\) must be a positive int"),
     (lambda: round_tokens(*routing(8, 4, 2, 0), 8, "half"), "token rounding mode must be one of"),
@@ -367,6 +374,10 @@ def test_tile_multiple(monkeypatch):
     (lambda: MoE(8, 4, 4, 2, token_rounding="ceil"), "token_rounding must be None or one of"),
     (lambda: MoE(8, 4, 4, 2, token_rounding="nr", rounding_tile=0), "rounding_tile must be None or a positive int"),
     (lambda: tile_multiple("cuda"), "backend must be one of"),
+    (lambda: _select(8, "sr", None), "rand must be \\[E=4\\] fp32 for mode 'sr'"),
+    (lambda: _select(8, "nr", torch.rand(4)), "rand must be .* None otherwise"),
+    (lambda: _select(8, "half", None), "need mode in"),
+    (lambda: _select(0, "nr", None), "tile >= 1"),
 ])
 def test_bad_rounding_input(call, match):
     with pytest.raises(ValueError, match=match):
