@@ -157,14 +157,14 @@ def router_loss_kernel(
 
 
 @triton.jit
-def _add_pad_grad(g, j, off, pads, rmask, cols, dw_ptr, expert_idx_ptr, scale, K: tl.constexpr):
-    """``g [BLOCK_T, BLOCK_E]`` plus, for each token with a j-th padded pair (t, e), that pair's gradient times
-    ``scale`` at column e."""
+def _pad_grad(j, off, pads, rmask, dw_ptr, expert_idx_ptr, scale, K: tl.constexpr):
+    """The j-th padded pair of each token, ``[BLOCK_T, 1]`` each (``off``, ``pads``, ``rmask`` in that shape):
+    ``(has, e, v)``, its expert (-1 where the token has none) and its gradient times ``scale`` (0 there)."""
     has = rmask & (j < pads)
     q = off + K + j
     e = tl.load(expert_idx_ptr + q, mask=has, other=-1)
-    gp = tl.load(dw_ptr + q, mask=has, other=0.0).to(tl.float32) * scale
-    return g + tl.where(cols[None, :] == e, gp, 0.0)
+    v = tl.load(dw_ptr + q, mask=has, other=0.0).to(tl.float32) * scale
+    return has, e, v
 
 
 @triton.jit
@@ -196,10 +196,12 @@ def router_topk_bwd_kernel(
     if HAS_DPROBS:
         g += tl.load(dprobs_ptr + tile, mask=mask, other=0.0)
     if PAIRS:  # the padded pairs' weights are scale * probs[t, e]: their gradients, read where they lie
-        off = tl.load(pair_offsets_ptr + rows[:, None], mask=rmask[:, None], other=0)  # [BLOCK_T, 1]: g's layout
-        pads = tl.load(pair_offsets_ptr + rows[:, None] + 1, mask=rmask[:, None], other=0) - off - K
+        rmask1 = rmask[:, None]  # [BLOCK_T, 1]: g's layout
+        off = tl.load(pair_offsets_ptr + rows[:, None], mask=rmask1, other=0)
+        pads = tl.load(pair_offsets_ptr + rows[:, None] + 1, mask=rmask1, other=0) - off - K
         for j in tl.static_range(PADS_UNROLLED):  # unrolled: the loads go out together, not a round trip per pad
-            g = _add_pad_grad(g, j, off, pads, rmask[:, None], cols, dw_ptr, expert_idx_ptr, scale, K)
+            _, e, v = _pad_grad(j, off, pads, rmask1, dw_ptr, expert_idx_ptr, scale, K)
+            g += tl.where(cols[None, :] == e, v, 0.0)
         more = tl.max(tl.max(pads, axis=1), axis=0)  # pads past the unrolled ones: below
     if HAS_DAUX:
         counts = tl.load(counts_ptr + cols, mask=cmask, other=0.0)
@@ -226,8 +228,8 @@ def router_topk_bwd_kernel(
     gp = tl.sum(g * p, axis=1)[:, None]  # [BLOCK_T, 1]
     if PAIRS:  # the pads past the unrolled ones add to <g, p> per token (a [BLOCK_T, 1] loop, not the tile's)
         for j in range(PADS_UNROLLED, more):
-            _, _, vp, _, _ = _pad_term(j, off, pads, rows, rmask, dw_ptr, expert_idx_ptr, probs_ptr, E, scale, K)
-            gp += vp
+            has, e, v = _pad_grad(j, off, pads, rmask1, dw_ptr, expert_idx_ptr, scale, K)
+            gp += v * tl.load(probs_ptr + rows[:, None] * E + e, mask=has, other=0.0)
     dl = p * (g - gp)
     zc = tl.zeros([BLOCK_T, 1], dtype=tl.float32)
     if HAS_DZ:
@@ -238,29 +240,18 @@ def router_topk_bwd_kernel(
         if more > PADS_UNROLLED:  # rare at issue 25's shapes: those pads' columns, over the tile's stores
             tl.debug_barrier()
             for j in range(PADS_UNROLLED, more):
-                _store_pad_column(j, off, pads, rows, rmask, gp, zc, dw_ptr, expert_idx_ptr, probs_ptr, dprobs_ptr,
+                _store_pad_column(j, off, pads, rows, rmask1, gp, zc, dw_ptr, expert_idx_ptr, probs_ptr, dprobs_ptr,
                                   counts_ptr, daux_ptr, dlogits_ptr, E, scale, aux_c, K, HAS_DPROBS, HAS_DAUX)
 
 
 @triton.jit
-def _pad_term(j, off, pads, rows, rmask, dw_ptr, expert_idx_ptr, probs_ptr, E, scale, K: tl.constexpr):
-    """The j-th padded pair of each token ``[BLOCK_T, 1]``: ``(has, e, v * p[t, e], v, p[t, e])``, v its gradient
-    times ``scale`` (0 where the token has none)."""
-    has = rmask[:, None] & (j < pads)
-    q = off + K + j
-    e = tl.load(expert_idx_ptr + q, mask=has, other=0)
-    v = tl.load(dw_ptr + q, mask=has, other=0.0).to(tl.float32) * scale
-    pe = tl.load(probs_ptr + rows[:, None] * E + e, mask=has, other=0.0)
-    return has, e, tl.where(has, v * pe, 0.0), v, pe
-
-
-@triton.jit
-def _store_pad_column(j, off, pads, rows, rmask, gp, zc, dw_ptr, expert_idx_ptr, probs_ptr, dprobs_ptr, counts_ptr,
+def _store_pad_column(j, off, pads, rows, rmask1, gp, zc, dw_ptr, expert_idx_ptr, probs_ptr, dprobs_ptr, counts_ptr,
                       daux_ptr, dlogits_ptr, E, scale, aux_c, K: tl.constexpr, HAS_DPROBS: tl.constexpr,
                       HAS_DAUX: tl.constexpr):
     """``dlogits[t, e]`` of each token's j-th padded pair, its g summed as the tile's is (the top-k adds nothing
     there: a padded expert is outside the token's top-k)."""
-    has, e, _, v, pe = _pad_term(j, off, pads, rows, rmask, dw_ptr, expert_idx_ptr, probs_ptr, E, scale, K)
+    has, e, v = _pad_grad(j, off, pads, rmask1, dw_ptr, expert_idx_ptr, scale, K)
+    pe = tl.load(probs_ptr + rows[:, None] * E + e, mask=has, other=0.0)
     ge = tl.zeros_like(v)
     if HAS_DPROBS:
         ge += tl.load(dprobs_ptr + rows[:, None] * E + e, mask=has, other=0.0)
@@ -370,10 +361,8 @@ def _router_topk_bwd_impl(probs: torch.Tensor, ids: torch.Tensor, dw: torch.Tens
            daux_ptr=daux.float() if daux is not None else dummy, dz_ptr=dz.float() if dz is not None else dummy,
            dlogits_ptr=dlogits, T=T, E=E, scale=float(scale), aux_c=float(aux_c), z_c=float(z_c), K=K,
            KP=next_pow2(K), RENORM=renormalize, HAS_DW=dw is not None and not pairs, PAIRS=pairs,
-           PADS_UNROLLED=unrolled,
-           HAS_DPROBS=dprobs is not None,
-           HAS_DAUX=daux is not None, HAS_DZ=dz is not None, BLOCK_T=bt,
-           BLOCK_E=next_pow2(E), num_warps=4)
+           PADS_UNROLLED=unrolled, HAS_DPROBS=dprobs is not None, HAS_DAUX=daux is not None, HAS_DZ=dz is not None,
+           BLOCK_T=bt, BLOCK_E=next_pow2(E), num_warps=4)
     return dlogits
 
 
