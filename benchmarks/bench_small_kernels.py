@@ -30,7 +30,7 @@ from moeblaze.bench.runner import graph_replay_ms
 from moeblaze.kernels import router as fused
 from moeblaze.kernels.combine import gather_sum_kernel
 
-ROUTER_SHAPES = [(32768, 128, 8), (4096, 128, 8), (16384, 512, 10)]  # T, E, K
+ROUTER_SHAPES = [(32768, 128, 8), (4096, 128, 8), (16384, 256, 4), (16384, 512, 10)]  # T, E, K
 # T, D, K, N: F3/B5 over Qwen3-30B-A3B's 768-column chunks and whole rows at 32k tokens, 4k tokens, and the first
 # token-rounding shape (d 1536, K 2)
 GATHER_SHAPES = [(32768, 768, 8, 262144), (32768, 2048, 8, 262144), (4096, 768, 8, 32768)]

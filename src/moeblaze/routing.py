@@ -92,6 +92,12 @@ class _RouterLogits(torch.autograd.Function):
         return (share.offer(dx) if share is not None else dx), dw, None
 
 
+def _off_losses(aux: torch.Tensor, z: torch.Tensor, aux_c: float, z_c: float) -> tuple[torch.Tensor, ...]:
+    """The fused router's losses that are off (coefficient 0: the kernel's exact zeros), to mark
+    non-differentiable: a loss that is off asks no backward of the router."""
+    return tuple(t for t, c in ((aux, aux_c), (z, z_c)) if not c)
+
+
 class _FusedTopK(torch.autograd.Function):
     """Softmax, top-k, weights and both losses of fp32 ``logits [T, E]`` in Triton (two launches forward, one
     backward: :mod:`moeblaze.kernels.router`), instead of about 14 PyTorch operations forward and 20 backward
@@ -102,7 +108,7 @@ class _FusedTopK(torch.autograd.Function):
     def forward(ctx, logits, top_k, renormalize, scale, aux_c, z_c):
         ids, weights, probs, lse, counts, aux, z = fused_router.router_topk(logits, top_k, renormalize, scale, aux_c,
                                                                             z_c)
-        ctx.mark_non_differentiable(ids, counts)
+        ctx.mark_non_differentiable(ids, counts, *_off_losses(aux, z, aux_c, z_c))
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(probs, ids, lse, counts)
         ctx.options = (renormalize, scale, aux_c, z_c)
@@ -170,6 +176,8 @@ class RouterOutput:
         rounded: the token-rounded routing (:class:`moeblaze.token_rounding.TokenRounding`) where a rounding was
             asked for and the fused router and selections computed it in the router's autograd node; None
             otherwise (the caller rounds: :func:`moeblaze.token_rounding.round_tokens`).
+        losses_on: whether ``(aux_loss, z_loss)`` are on; a loss that is off is an exact 0 and :attr:`loss`
+            adds nothing for it.
     """
 
     topk_ids: torch.Tensor
@@ -180,11 +188,16 @@ class RouterOutput:
     scores: torch.Tensor | None = None
     counts: torch.Tensor | None = None
     rounded: TokenRounding | None = None
+    losses_on: tuple[bool, bool] = (True, True)
 
     @property
     def loss(self) -> torch.Tensor:
-        """The router's total auxiliary loss, to add to the training loss."""
-        return self.aux_loss + self.z_loss
+        """The router's total auxiliary loss, to add to the training loss: the losses that are on (the zero of
+        ``aux_loss`` where neither is), so that no launch adds a zero."""
+        aux_on, z_on = self.losses_on
+        if aux_on and z_on:
+            return self.aux_loss + self.z_loss
+        return self.z_loss if z_on else self.aux_loss
 
 
 class Router(nn.Module):
@@ -330,15 +343,16 @@ class Router(nn.Module):
             topk_weights = topk_weights * self.routed_scaling_factor
         aux = load_balancing_loss(probs, topk_ids, self.aux_loss_coef) if self.aux_loss_coef and losses_on else None
         z = router_z_loss(logits, self.z_loss_coef) if self.z_loss_coef and losses_on else None
-        if aux is None or z is None:  # a zero only where a loss is off (one launch fewer per step otherwise)
+        on = (aux is not None, z is not None)
+        if not all(on):  # a zero only where a loss is off (one launch fewer per step otherwise)
             zero = logits.new_zeros(())
             aux, z = (zero if aux is None else aux), (zero if z is None else z)
-        return RouterOutput(topk_ids.to(torch.int32), topk_weights, logits, aux, z, scores)
+        return RouterOutput(topk_ids.to(torch.int32), topk_weights, logits, aux, z, scores, losses_on=on)
 
     def _fused_forward(self, logits: torch.Tensor, losses_on: bool, rounding: Rounding | None) -> RouterOutput:
         """:meth:`forward` through :class:`_FusedTopK` (with ``rounding``: :func:`route_rounded` where it serves):
         the same outputs (losses with the coefficients of :func:`load_balancing_loss` and :func:`router_z_loss`),
-        exact zeros for losses that are off."""
+        exact zeros for losses that are off, written by the loss kernel)."""
         T, K, E = logits.shape[0], self.top_k, self.num_experts
         aux_c = _aux_coefficient(self.aux_loss_coef, E, T * K, T) if self.aux_loss_coef and losses_on else 0.0
         z_c = _z_coefficient(self.z_loss_coef, T) if self.z_loss_coef and losses_on else 0.0
@@ -348,10 +362,7 @@ class Router(nn.Module):
             (ids, weights, scores, aux, z, counts), rounded = route_rounded(logits, *options, rounding)
         else:
             ids, weights, scores, aux, z, counts = _FusedTopK.apply(logits, *options)
-        if not aux_c or not z_c:
-            zero = logits.new_zeros(())
-            aux, z = (aux if aux_c else zero), (z if z_c else zero)
-        return RouterOutput(ids, weights, logits, aux, z, scores, counts, rounded)
+        return RouterOutput(ids, weights, logits, aux, z, scores, counts, rounded, losses_on=(bool(aux_c), bool(z_c)))
 
     def extra_repr(self) -> str:
         return (f"d_model={self.d_model}, num_experts={self.num_experts}, top_k={self.top_k}, "
