@@ -117,22 +117,23 @@ def router_topk_kernel(
     w = tl.where(kk[None, :] < K, w, 0.0)
     # the chosen entries: keys at or above the K-th largest (keys are distinct), counted across the rows once
     kth = tl.min(tl.where(kk[None, :] < K, top, 0x7FFFFFFFFFFFFFFF), axis=1)
-    counts = tl.sum(tl.where((key >= kth[:, None]) & mask, 1.0, 0.0), axis=0)
+    chosen = (key >= kth[:, None]) & mask
+    counts = tl.sum(tl.where(chosen, 1.0, 0.0), axis=0)
     if RENORM:
-        w = w / tl.maximum(tl.sum(w, axis=1), 1e-20)[:, None]
+        denom = tl.maximum(tl.sum(w, axis=1), 1e-20)
+        w = w / denom[:, None]
     kmask = rmask[:, None] & (kk[None, :] < K)
     w = w * scale
     tl.store(ids_ptr + rows[:, None] * K + kk[None, :], ids, mask=kmask)
     tl.store(weights_ptr + rows[:, None] * K + kk[None, :], w, mask=kmask)
     if ROUND_KEYS:  # the keys kernel's work on the tile in registers: its [T, E] scores are not read again
         tl.store(kept_ptr + rows[:, None] * K + kk[None, :], ids, mask=kmask)
-        wt = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.float32)
-        for k in tl.static_range(K):  # the stored weights' values (a sum of one value and zeros: exact)
-            idk = tl.sum(tl.where(kk[None, :] == k, ids, 0), axis=1)
-            wt = tl.where(cols[None, :] == idk[:, None], tl.sum(tl.where(kk[None, :] == k, w, 0.0), axis=1)[:, None],
-                          wt)
-        _store_key_maxima(bmax_ptr, (key >= kth[:, None]) & mask, wt, probs, mask, pid, cols, E, NB, GROUP, BLOCK_T,
-                          BLOCK_E)
+        # the chosen entries' weights as stored, bitwise (best is the probability; the same operations), on the
+        # tile: taking them from [BLOCK_T, KP] column by column spilled (1,888 stack bytes at E 128, triton 3.6)
+        wt = probs
+        if RENORM:
+            wt = probs / denom[:, None]
+        _store_key_maxima(bmax_ptr, chosen, wt * scale, probs, mask, pid, cols, E, NB, GROUP, BLOCK_T, BLOCK_E)
     part = part_ptr + pid * (2 * E + 1)
     tl.store(part + cols, counts, mask=cmask)
     tl.store(part + E + cols, tl.sum(probs, axis=0), mask=cmask)  # rows past T hold zeros
