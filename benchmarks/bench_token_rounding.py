@@ -51,7 +51,7 @@ from moeblaze import MoE, moe_experts, moe_experts_general, round_tokens, settin
 from moeblaze.backends import get_backend
 from moeblaze.bench.runner import kernel_time_ms
 from moeblaze.input_grad import SharedInputGrad
-from moeblaze.token_rounding import round_counts, round_tokens_fused
+from moeblaze.token_rounding import round_tokens_fused
 
 SHAPES = [(16384, 1536, 1024, 128, 2), (16384, 4096, 1024, 256, 4), (16384, 2048, 512, 512, 10)]
 SMOKE_SHAPES = [(96, 32, 16, 4, 2), (80, 16, 8, 8, 3)]
@@ -277,9 +277,8 @@ def run_select(args) -> int:
         w, ids = scores.topk(K, -1)
         ids = ids.int()
         f = torch.bincount(ids.flatten(), minlength=E).int()
-        target = round_counts(f, 128, "nr", T)
         ref = None
-        fn = functools.partial(rounding.rounding_select, scores, ids, w, f, target, _max_pad("nr", 128, T), 127)
+        fn = functools.partial(rounding.rounding_select, scores, ids, w, f, 128, "nr", _max_pad("nr", 128, T), 127)
         for warps in (int(x) for x in args.warps.split(",")):
             rounding._select_warps = lambda nb, w_=warps: w_
             out = fn()

@@ -57,7 +57,6 @@ from moeblaze.kernels.rounding import (
 from moeblaze.kernels.router import (
     _block_t,
     _topk_warps,
-    keys_fuse,
     router_loss_kernel,
     router_topk_bwd_kernel,
     router_topk_kernel,
@@ -176,17 +175,15 @@ def compile_router() -> None:
     """The fused router's three kernels (moeblaze.kernels.router) at E 8, 128 and 1024."""
     f32 = "*fp32"
     topk_ptrs = dict(logits_ptr=f32, ids_ptr="*i32", weights_ptr=f32, probs_ptr=f32, lse_ptr=f32, part_ptr=f32,
-                     kept_ptr="*i32", bmax_ptr="*i32", scale="fp32")
+                     scale="fp32")
     bwd_ptrs = dict(probs_ptr=f32, ids_ptr="*i32", dw_ptr=f32, dprobs_ptr=f32, counts_ptr=f32, lse_ptr=f32,
                     daux_ptr=f32, dz_ptr=f32, dlogits_ptr=f32, scale="fp32", aux_c="fp32", z_c="fp32",
                     pair_offsets_ptr="*i32", expert_idx_ptr="*i32")
     for E, K in ((8, 2), (128, 8), (256, 4), (1024, 10)):
         bt, be, kp = _block_t(E), triton.next_power_of_2(E), triton.next_power_of_2(K)
         for renorm in (False, True):
-            keys = renorm and keys_fuse(E)  # token rounding's keys from the tile
-            compile_one(router_topk_kernel, topk_ptrs, dict(K=K, KP=kp, RENORM=renorm, ROUND_KEYS=keys, GROUP=GROUP,
-                                                            BLOCK_T=bt, BLOCK_E=be),
-                        _topk_warps(E), 1, f"router top-k E={E} K={K} renorm={renorm} keys={keys}")
+            compile_one(router_topk_kernel, topk_ptrs, dict(K=K, KP=kp, RENORM=renorm, BLOCK_T=bt, BLOCK_E=be),
+                        _topk_warps(E), 1, f"router top-k E={E} K={K} renorm={renorm}")
             compile_one(router_topk_bwd_kernel, bwd_ptrs,
                         dict(K=K, KP=kp, RENORM=renorm, HAS_DW=not renorm, PAIRS=renorm, PADS_UNROLLED=2,
                              HAS_DPROBS=renorm, HAS_DAUX=True, HAS_DZ=True, BLOCK_T=bt, BLOCK_E=be), 4, 1,
@@ -208,7 +205,7 @@ def compile_rounding() -> None:
                     pair_offsets_ptr="*i32", dw_ptr=dt, dtopk_ptr=dt, dscores_ptr=dt, scale="fp32", topk_w_ptr=dt,
                     w_ptr=dt)
         bt, be = _keys_block(E, K)
-        compile_one(rounding_keys_kernel, ptrs, dict(K=K, GROUP=GROUP, BLOCK_T=bt, BLOCK_E=be), 4, 1,
+        compile_one(rounding_keys_kernel, ptrs, dict(MODE=0, K=K, GROUP=GROUP, BLOCK_T=bt, BLOCK_E=be), 4, 1,
                     f"rounding keys E={E} K={K}")
         compile_one(rounding_select_kernel, ptrs, dict(K=K, GROUP=GROUP, BLOCK_NB=triton.next_power_of_2(nb),
                                                        CAND=256, BLOCK_J=64, MODE=3),

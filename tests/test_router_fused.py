@@ -95,6 +95,28 @@ def test_only_the_weights_gradient_and_eval_mode():
     assert out.aux_loss.item() == 0.0 and out.z_loss.item() == 0.0 and not out.aux_loss.requires_grad
 
 
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("aux_c,z_c", [(0.3, 0.0), (0.0, 0.2), (0.0, 0.0), (0.3, 0.2)])
+def test_losses_that_are_off_are_exact_zeros_and_add_nothing(fused, aux_c, z_c):
+    """A loss whose coefficient is 0 is an exact 0 without a gradient, and ``loss`` is the other term itself (no
+    launch adds a zero); with both on, their sum; with both off, a zero. Logits of 1e30 make ``lse^2`` overflow:
+    the z-loss that is off stays 0, not ``0 * inf``."""
+    torch.manual_seed(5)
+    router = Router(8, 6, 2, aux_loss_coef=aux_c, z_loss_coef=z_c)
+    x = torch.randn(20, 8, requires_grad=True)
+    out = _route(router, x, fused)
+    for loss, c in ((out.aux_loss, aux_c), (out.z_loss, z_c)):
+        assert (loss.requires_grad and loss.item() > 0) if c else (loss.item() == 0.0 and not loss.requires_grad)
+    if aux_c and z_c:
+        assert torch.equal(out.loss, out.aux_loss + out.z_loss)
+    else:
+        assert out.loss is (out.z_loss if z_c else out.aux_loss)
+    if fused and not z_c:
+        with torch.no_grad():
+            router.weight.fill_(1e28)
+        assert _route(router, torch.ones(4, 8), fused).z_loss.item() == 0.0
+
+
 def test_backward_of_probabilities_alone_and_of_a_vanishing_renormalisation_sum():
     """The backward kernel's formula on given probabilities: only the scores get a gradient (token rounding's
     padded pairs), or only the weights, with rows whose chosen probabilities sum below the 1e-20 clamp of the

@@ -406,12 +406,15 @@ class _RoutedPairs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, top_k, renormalize, scale, aux_c, z_c, tile, mode, rand):
-        from .kernels.routed_pairs import routed_pairs
+        from .kernels.pair_list import rounding_place
+        from .kernels.rounding import rounding_select
+        from .kernels.router import router_topk
         from .routing import _off_losses
 
+        ids, weights, probs, lse, counts, aux, z = router_topk(logits, top_k, renormalize, scale, aux_c, z_c)
         J = _max_pad(mode, tile, logits.shape[0])
-        ids, weights, probs, lse, counts, aux, z, token_idx, expert_idx, w, pair_offsets, target = routed_pairs(
-            logits, top_k, renormalize, scale, aux_c, z_c, tile, mode, J, rand)
+        kept, pad_mask, pad_tok, target = rounding_select(probs, ids, weights, counts, tile, mode, J, tile - 1, rand)
+        token_idx, expert_idx, w, pair_offsets = rounding_place(kept, pad_mask, pad_tok, weights, probs, scale)
         ctx.mark_non_differentiable(ids, counts, token_idx, expert_idx, pair_offsets, target,
                                     *_off_losses(aux, z, aux_c, z_c))
         ctx.set_materialize_grads(False)

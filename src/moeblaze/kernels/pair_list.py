@@ -133,7 +133,7 @@ def _place_block_t(E: int) -> int:
     return max(16, min(128, 8192 // next_pow2(E)))
 
 
-def place_launch(kept: torch.Tensor, pad_mask: torch.Tensor, pad_tok: torch.Tensor, topk_weights: torch.Tensor,
+def _place_impl(kept: torch.Tensor, pad_mask: torch.Tensor, pad_tok: torch.Tensor, topk_weights: torch.Tensor,
                 scores: torch.Tensor, scale: float) -> tuple[torch.Tensor, ...]:
     (T, K), (J, E) = kept.shape, pad_tok.shape
     P, dev = T * K + J * E, kept.device
@@ -164,7 +164,7 @@ def place_launch(kept: torch.Tensor, pad_mask: torch.Tensor, pad_tok: torch.Tens
 
 
 _place_op = torch.library.custom_op(
-    "moeblaze::rounding_place", place_launch, mutates_args=(),
+    "moeblaze::rounding_place", _place_impl, mutates_args=(),
     schema="(Tensor kept, Tensor pad_mask, Tensor pad_tok, Tensor topk_weights, Tensor scores, float scale) -> "
            "(Tensor, Tensor, Tensor, Tensor)")
 
@@ -211,7 +211,7 @@ def rounding_place(kept: torch.Tensor, pad_mask: torch.Tensor, pad_tok: torch.Te
         raise ValueError(f"rounding_place: topk_weights must be [T, K] and scores [T, E], fp16/bf16/fp32 with unit "
                          f"column stride, got {tuple(topk_weights.shape)} {topk_weights.dtype} and "
                          f"{tuple(scores.shape)} {scores.dtype}")
-    return call_op(_place_op, place_launch, kept, pad_mask, pad_tok, topk_weights, scores, float(scale))
+    return call_op(_place_op, _place_impl, kept, pad_mask, pad_tok, topk_weights, scores, float(scale))
 
 
 @triton.jit

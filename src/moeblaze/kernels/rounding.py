@@ -9,13 +9,12 @@ outside its top-k is its score's order key; every other key is ``-2^31`` (inelig
 clamped to ``-2^31 + 1``). n is below the tile (``max_n``), a few dozen against T keys, so the keys are
 never written out whole:
 
-* :func:`rounding_keys_kernel` (one program per ``BLOCK_T`` tokens and ``BLOCK_E`` experts) writes the largest key
-  of each group of ``GROUP`` tokens per expert, both kinds, ``bmax [2, ceil(T / GROUP), E]``: the pad keys and the
-  drop keys (:func:`_store_key_maxima`), so it needs no counts. Up to E 256 the router's top-k kernel writes them
-  instead, from the tile it holds (:mod:`moeblaze.kernels.routed_pairs`).
-* :func:`rounding_select_kernel` (one program per expert) computes the target ``r_e`` from the counts
-  (:func:`moeblaze.token_rounding.round_counts`' rules) and finds, among its kind of keys, the n-th largest group
-  maximum ``L`` to its top 16 bits (a binary search on its bits, one count per bit), ``lo <= L``. Every key at or above the n-th largest
+* :func:`rounding_keys_kernel` (one program per ``BLOCK_T`` tokens and ``BLOCK_E`` experts) computes the targets
+  ``r_e`` from the counts (:func:`moeblaze.token_rounding.round_counts`' rules; the select kernel recomputes its
+  own), the keys, and writes the largest key of each group of ``GROUP`` tokens per expert, ``bmax [ceil(T / GROUP),
+  E]`` (columns of experts with ``f_e == r_e`` not written).
+* :func:`rounding_select_kernel` (one program per expert) finds the n-th largest group maximum ``L`` to its top
+  16 bits (a binary search on its bits, one count per bit), ``lo <= L``. Every key at or above the n-th largest
   key is at or above ``lo`` and so in a group whose maximum is; the candidate groups are those at or above ``lo``.
   Where more than half the candidate rows would pass, it searches all 32 bits: the candidates are then the groups
   above ``L`` and the first n equal to it (ties among group maxima: the first n hold every tied key that can be
@@ -137,38 +136,24 @@ def _counts(counts_ptr, rand_ptr, e, emask, T, tile, MODE: tl.constexpr):
 
 
 @triton.jit
-def _store_key_maxima(bmax_ptr, chosen, w, s, mask, pid, cols, E, NB, GROUP: tl.constexpr, BLOCK_T: tl.constexpr,
-                      BLOCK_E: tl.constexpr):
-    """The largest key of each group of ``GROUP`` tokens of program ``pid``'s ``BLOCK_T`` tokens, both kinds: into
-    ``bmax [2, NB, E]``, slot 0 the pad keys (scores ``s`` of the tokens outside the expert's top-k), slot 1 the drop
-    keys (top-k weights ``w`` of its top-k tokens). ``chosen``, ``w``, ``s``, ``mask``: ``[BLOCK_T, BLOCK_E]``.
-    Both kinds, so that the keys need no counts: the router's top-k kernel writes them (ROUND_KEYS)."""
-    pad = tl.where(mask & ~chosen, _pad_key(s), _INELIGIBLE)
-    drop = tl.where(mask & chosen, _drop_key(w), _INELIGIBLE)
-    g = pid * (BLOCK_T // GROUP) + tl.arange(0, BLOCK_T // GROUP)
-    # [NB, E]: a program's row of group maxima is one coalesced store, where [E, NB] stored each expert's value
-    # alone; the select kernel's strided column reads hit L2. 5.7 against 6.3 µs per step at T 16384, E 128, K 2
-    # (H200, 2026-11-26, ``python3 benchmarks/bench_token_rounding.py speed --shapes 0 --variants none --breakdown
-    # 45``, two calls)
-    out = bmax_ptr + g[:, None] * E + cols[None, :]
-    smask = (g < NB)[:, None] & (cols < E)[None, :]
-    tl.store(out, tl.max(tl.reshape(pad, (BLOCK_T // GROUP, GROUP, BLOCK_E)), axis=1), mask=smask)
-    tl.store(out + NB * E, tl.max(tl.reshape(drop, (BLOCK_T // GROUP, GROUP, BLOCK_E)), axis=1), mask=smask)
-
-
-@triton.jit
 def rounding_keys_kernel(
     scores_ptr,   # [T, E] float router scores
     ids_ptr,      # [T, K] int top-k expert ids
     weights_ptr,  # [T, K] float top-k weights
-    bmax_ptr,     # [2, NB, E] int32 out: largest pad key | drop key of each group of GROUP tokens
+    counts_ptr,   # [E] int32 or fp32 (exact integers) top-k token counts f_e
+    rand_ptr,     # [E] fp32 uniform draws of the stochastic mode (MODE == SR), else unused
+    target_ptr,   # [E] int32 out: rounded counts r_e (written by the first row of programs)
+    bmax_ptr,     # [NB, E] int32 out: largest key of each group of GROUP tokens (columns with f_e == r_e not written)
     kept_ptr,     # [T, K] int32 out: the top-k ids (written by the first column of programs; the select drops)
-    T, E, NB, stride_s_t, stride_ids_t, stride_w_t,
-    K: tl.constexpr, GROUP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
+    T, E, NB, tile, stride_s_t, stride_ids_t, stride_w_t,
+    MODE: tl.constexpr, K: tl.constexpr, GROUP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
     rmask, cmask = rows < T, cols < E
+    f, r = _counts(counts_ptr, rand_ptr, cols, cmask, T, tile, MODE)
+    if tl.program_id(0) == 0:
+        tl.store(target_ptr + cols, r, mask=cmask)
     chosen = tl.zeros((BLOCK_T, BLOCK_E), dtype=tl.int1)
     w = tl.zeros((BLOCK_T, BLOCK_E), dtype=tl.float32)
     for k in tl.static_range(K):
@@ -181,7 +166,16 @@ def rounding_keys_kernel(
         w = tl.where(hit, wk[:, None], w)
     mask = rmask[:, None] & cmask[None, :]
     s = tl.load(scores_ptr + rows[:, None] * stride_s_t + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    _store_key_maxima(bmax_ptr, chosen, w, s, mask, tl.program_id(0), cols, E, NB, GROUP, BLOCK_T, BLOCK_E)
+    key = tl.where((f > r)[None, :], tl.where(chosen, _drop_key(w), _INELIGIBLE),
+                   tl.where(chosen, _INELIGIBLE, _pad_key(s)))
+    key = tl.where(mask, key, _INELIGIBLE)
+    gmax = tl.max(tl.reshape(key, (BLOCK_T // GROUP, GROUP, BLOCK_E)), axis=1)  # [BLOCK_T // GROUP, BLOCK_E]
+    g = tl.program_id(0) * (BLOCK_T // GROUP) + tl.arange(0, BLOCK_T // GROUP)
+    # [NB, E]: a program's row of group maxima is one coalesced store, where [E, NB] stored each expert's value
+    # alone; the select kernel's strided column reads hit L2. 5.7 against 6.3 µs per step at T 16384, E 128, K 2
+    # (H200, 2026-11-26, ``python3 benchmarks/bench_token_rounding.py speed --shapes 0 --variants none --breakdown
+    # 45``, two calls)
+    tl.store(bmax_ptr + g[:, None] * E + cols[None, :], gmax, mask=(g < NB)[:, None] & (cmask & (f != r))[None, :])
 
 
 @triton.jit
@@ -237,12 +231,11 @@ def rounding_select_kernel(
     scores_ptr,   # [T, E] float router scores
     ids_ptr,      # [T, K] int top-k expert ids
     weights_ptr,  # [T, K] float top-k weights
-    bmax_ptr,     # [2, NB, E] int32 group maxima of the pad keys | drop keys (_store_key_maxima)
+    bmax_ptr,     # [NB, E] int32 group maxima of the keys (rounding_keys_kernel)
     cand_ptr,     # [E, CAND] int32 scratch: each expert's candidate groups, ascending
     counts_ptr,   # [E] int32 or fp32 (exact integers) top-k token counts f_e
     rand_ptr,     # [E] fp32 uniform draws of the stochastic mode (MODE == SR), else unused
-    target_ptr,   # [E] int32 out: rounded counts r_e
-    kept_ptr,     # [T, K] int32 in/out: the top-k ids (the keys' copy); dropped pairs set to E
+    kept_ptr,     # [T, K] int32 in/out: the top-k ids (rounding_keys_kernel's copy); dropped pairs set to E
     pad_mask_ptr, # [T, E] uint8 in/out (zeros in): 1 where expert e pads token t
     pad_tok_ptr,  # [J, E] int32 out: the tokens expert e pads, ascending, then -1
     T, E, J, NB, tile, stride_s_t, stride_ids_t, stride_w_t,
@@ -251,11 +244,10 @@ def rounding_select_kernel(
 ):
     e = tl.program_id(0)
     f, r = _counts(counts_ptr, rand_ptr, e, True, T, tile, MODE)
-    tl.store(target_ptr + e, r)
     n = tl.abs(f - r)
     if n > 0:
         b = tl.arange(0, BLOCK_NB)
-        bm = tl.load(bmax_ptr + (f > r).to(tl.int32) * (NB * E) + b * E + e, mask=b < NB, other=_INELIGIBLE)
+        bm = tl.load(bmax_ptr + b * E + e, mask=b < NB, other=_INELIGIBLE)
         # the n-th largest group maximum to 16 bits first (16 counts, not 32): lo = its value with the low bits
         # cleared. Every selected key is in a group whose maximum is >= lo, and a few more groups pass it (those
         # within 2^-7 of it, relatively, for positive floats). With the second search from the common prefix of
@@ -299,56 +291,33 @@ def _keys_block(E: int, K: int) -> tuple[int, int]:
     return GROUP, min(next_pow2(E), 128, cap)
 
 
-def rounding_keys(scores: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The keys kernel's launch (unchecked: :func:`rounding_select`'s arguments): ``(kept [T, K] int32, bmax [2,
-    ceil(T / GROUP), E] int32)``, a copy of the ids and both kinds of group maxima (:func:`_store_key_maxima`)."""
+def _select_impl(scores: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, counts: torch.Tensor,
+                 rand: torch.Tensor | None, tile: int, mode: str, J: int,
+                 max_n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     T, E = scores.shape
     K, dev = ids.shape[1], scores.device
-    kept = torch.empty(T, K, dtype=torch.int32, device=dev)
-    nb = cdiv(T, GROUP)
-    bmax = torch.empty(2, max(nb, 1), E, dtype=torch.int32, device=dev)
-    if T:
-        block_t, block_e = _keys_block(E, K)
-        launch(rounding_keys_kernel, (cdiv(T, block_t), cdiv(E, block_e)), scores_ptr=scores, ids_ptr=ids,
-               weights_ptr=weights, bmax_ptr=bmax, kept_ptr=kept, T=T, E=E, NB=nb, stride_s_t=scores.stride(0),
-               stride_ids_t=ids.stride(0), stride_w_t=weights.stride(0), K=K, GROUP=GROUP, BLOCK_T=block_t,
-               BLOCK_E=block_e, num_warps=4)
-    return kept, bmax
-
-
-def select_launch(scores: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, counts: torch.Tensor,
-                  rand: torch.Tensor | None, tile: int, mode: str, J: int, max_n: int,
-                  keys: tuple[torch.Tensor, torch.Tensor] | None = None
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`rounding_select`'s launches (unchecked). ``keys``: ``(kept, bmax)`` as :func:`rounding_keys` returns
-    them, from the router's top-k kernel (:func:`moeblaze.kernels.router.router_launch`), or None to launch the keys
-    kernel; ``kept`` is written in place (the drops) and returned."""
-    T, E = scores.shape
-    dev = scores.device
-    kept, bmax = rounding_keys(scores, ids, weights) if keys is None else keys
+    kept = torch.empty(T, K, dtype=torch.int32, device=dev)  # the keys kernel copies ids in
     # zeros from a fill (1.4 µs per step at T 16384, E 128, K 2): the keys kernel storing them took 3.7 µs longer
     # (H200, 2026-11-26, ``python3 benchmarks/bench_token_rounding.py speed --shapes 0 --variants none --breakdown 60``)
     pad_mask = torch.zeros(T, E, dtype=torch.uint8, device=dev)
     pad_tok = torch.empty(J, E, dtype=torch.int32, device=dev)
     target = torch.empty(E, dtype=torch.int32, device=dev)
-    if T == 0:  # every count 0, so every target
-        return kept, pad_mask, pad_tok, target.zero_()
     nb = cdiv(T, GROUP)
+    bmax = torch.empty(max(nb, 1), E, dtype=torch.int32, device=dev)
     cand = max(2, next_pow2(2 * max(max_n, 1) - 1))  # the candidate groups of an expert: at most 2n - 1
     cand_groups = torch.empty(E, cand, dtype=torch.int32, device=dev)
-    launch(rounding_select_kernel, (E,), scores_ptr=scores, ids_ptr=ids, weights_ptr=weights, bmax_ptr=bmax,
-           cand_ptr=cand_groups, counts_ptr=counts, rand_ptr=counts if rand is None else rand, target_ptr=target,
-           kept_ptr=kept, pad_mask_ptr=pad_mask, pad_tok_ptr=pad_tok, T=T, E=E, J=J, NB=nb, tile=tile,
-           stride_s_t=scores.stride(0), stride_ids_t=ids.stride(0), stride_w_t=weights.stride(0),
-           MODE=MODES.index(mode), K=ids.shape[1], GROUP=GROUP, BLOCK_NB=next_pow2(nb), CAND=cand,
-           BLOCK_J=next_pow2(max(J, 1)), num_warps=_select_warps(nb))
+    block_t, block_e = _keys_block(E, K)
+    rand = counts if rand is None else rand  # pointer of an absent input (MODE is not SR)
+    common = dict(scores_ptr=scores, ids_ptr=ids, weights_ptr=weights, counts_ptr=counts, rand_ptr=rand,
+                  kept_ptr=kept, T=T, E=E, NB=nb, tile=tile, stride_s_t=scores.stride(0),
+                  stride_ids_t=ids.stride(0), stride_w_t=weights.stride(0), MODE=MODES.index(mode), K=K, GROUP=GROUP)
+    launch(rounding_keys_kernel, (max(cdiv(T, block_t), 1), cdiv(E, block_e)), **common, target_ptr=target,
+           bmax_ptr=bmax, BLOCK_T=block_t, BLOCK_E=block_e, num_warps=4)
+    if T:
+        launch(rounding_select_kernel, (E,), **common, bmax_ptr=bmax, cand_ptr=cand_groups, pad_mask_ptr=pad_mask,
+               pad_tok_ptr=pad_tok, J=J,
+               BLOCK_NB=next_pow2(nb), CAND=cand, BLOCK_J=next_pow2(max(J, 1)), num_warps=_select_warps(nb))
     return kept, pad_mask, pad_tok, target
-
-
-def _select_impl(scores: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, counts: torch.Tensor,
-                 rand: torch.Tensor | None, tile: int, mode: str, J: int,
-                 max_n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    return select_launch(scores, ids, weights, counts, rand, tile, mode, J, max_n)
 
 
 _select_op = torch.library.custom_op(

@@ -40,7 +40,6 @@ import triton.language as tl
 
 from .custom_ops import call_op
 from .direct import launch
-from .rounding import GROUP, _store_key_maxima
 from .tuning import cdiv, next_pow2
 
 MAX_EXPERTS = 1024
@@ -61,9 +60,10 @@ def _topk_warps(E: int) -> int:
 
 def _block_t(E: int) -> int:
     """Tokens per program of the top-k kernel: about 2048 probabilities up to E 128 (16 tokens), 4096 beyond (16 at
-    E 256, 8 at E 512; up to E 256 a program holds whole groups of token rounding's keys, :func:`keys_fuse`). The
-    K argmax reductions of the first kernel took 0.100 ms at T 32768, E 128, K 8 with 32 tokens per program and 0.199 at T 16384, E 512, K 10 with 16; the bitonic top-K takes 0.074 and 0.166 at
-    these launch shapes, 0.022 against 0.025 at T 4096 (same command, same call)."""
+    E 256, 8 at E 512). The K argmax reductions of the first kernel took 0.100 ms at T 32768, E 128, K 8 with 32
+    tokens per program and 0.199 at T 16384, E 512, K 10 with 16; the bitonic top-K takes 0.074 and 0.166 at
+    these launch shapes, 0.022 against 0.025 at T 4096 (same command, same call). At T 16384, E 256, K 4 (8 warps)
+    16 tokens took 0.064 ms against 0.071 for 8 (H200, 2026-11-26, same command)."""
     return max(1, min(64, (2048 if E <= 128 else 4096) // next_pow2(E)))
 
 
@@ -82,11 +82,8 @@ def router_topk_kernel(
     probs_ptr,    # [T, E] fp32 out: softmax probabilities (the router's scores)
     lse_ptr,      # [T] fp32 out: logsumexp of the logits
     part_ptr,     # [num_blocks, 2E + 1] fp32 out: per block, pairs per expert | probabilities per expert | sum lse^2
-    kept_ptr,     # [T, K] int32 out (ROUND_KEYS): a copy of the ids, for token rounding's drops
-    bmax_ptr,     # [2, NB, E] int32 out (ROUND_KEYS): token rounding's group maxima of pad keys | drop keys
-    T, E, NB, stride_l_t, scale,
-    K: tl.constexpr, KP: tl.constexpr, RENORM: tl.constexpr, ROUND_KEYS: tl.constexpr, GROUP: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
+    T, E, stride_l_t, scale,
+    K: tl.constexpr, KP: tl.constexpr, RENORM: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
 ):
     pid = tl.program_id(0)
     rows = pid * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -117,23 +114,12 @@ def router_topk_kernel(
     w = tl.where(kk[None, :] < K, w, 0.0)
     # the chosen entries: keys at or above the K-th largest (keys are distinct), counted across the rows once
     kth = tl.min(tl.where(kk[None, :] < K, top, 0x7FFFFFFFFFFFFFFF), axis=1)
-    chosen = (key >= kth[:, None]) & mask
-    counts = tl.sum(tl.where(chosen, 1.0, 0.0), axis=0)
+    counts = tl.sum(tl.where((key >= kth[:, None]) & mask, 1.0, 0.0), axis=0)
     if RENORM:
-        denom = tl.maximum(tl.sum(w, axis=1), 1e-20)
-        w = w / denom[:, None]
+        w = w / tl.maximum(tl.sum(w, axis=1), 1e-20)[:, None]
     kmask = rmask[:, None] & (kk[None, :] < K)
-    w = w * scale
     tl.store(ids_ptr + rows[:, None] * K + kk[None, :], ids, mask=kmask)
-    tl.store(weights_ptr + rows[:, None] * K + kk[None, :], w, mask=kmask)
-    if ROUND_KEYS:  # the keys kernel's work on the tile in registers: its [T, E] scores are not read again
-        tl.store(kept_ptr + rows[:, None] * K + kk[None, :], ids, mask=kmask)
-        # the chosen entries' weights as stored, bitwise (best is the probability; the same operations), on the
-        # tile: taking them from [BLOCK_T, KP] column by column spilled (1,888 stack bytes at E 128, triton 3.6)
-        wt = probs
-        if RENORM:
-            wt = probs / denom[:, None]
-        _store_key_maxima(bmax_ptr, chosen, wt * scale, probs, mask, pid, cols, E, NB, GROUP, BLOCK_T, BLOCK_E)
+    tl.store(weights_ptr + rows[:, None] * K + kk[None, :], w * scale, mask=kmask)
     part = part_ptr + pid * (2 * E + 1)
     tl.store(part + cols, counts, mask=cmask)
     tl.store(part + E + cols, tl.sum(probs, axis=0), mask=cmask)  # rows past T hold zeros
@@ -145,7 +131,7 @@ def router_loss_kernel(
     part_ptr,    # [num_blocks, 2E + 1] fp32 per-block sums (router_topk_kernel)
     counts_ptr,  # [E] fp32 out: pairs per expert
     dot_ptr,     # [cdiv(E, BLOCK_E)] fp32 out: per column block, aux_c * sum_e counts_e * (summed probabilities)_e
-    aux_ptr,     # [] fp32 out: 0 where aux_c is 0 (else the sum of dot, by the caller)
+    aux_ptr,     # [] fp32 out: 0 where aux_c is 0 (else the caller sums dot)
     z_ptr,       # [] fp32 out: z-loss, 0 where z_c is 0
     num_blocks, E, aux_c, z_c,
     BLOCK_B: tl.constexpr, BLOCK_E: tl.constexpr,
@@ -169,7 +155,7 @@ def router_loss_kernel(
         zs = tl.zeros([BLOCK_B], dtype=tl.float32)
         for b0 in range(0, num_blocks, BLOCK_B):
             zs += tl.load(part_ptr + (b0 + bb) * width + 2 * E, mask=b0 + bb < num_blocks, other=0.0)
-        # a loss that is off is an exact 0 here, so the router needs no zeros of its own (a launch each)
+        # a loss that is off is an exact 0 here: the router needs no zero tensors of its own (a fill launch each)
         tl.store(z_ptr, tl.where(z_c != 0.0, z_c * tl.sum(zs, axis=0), 0.0))
         if aux_c == 0.0:
             tl.store(aux_ptr, 0.0)
@@ -286,39 +272,24 @@ def _check_rows(t: torch.Tensor, what: str) -> None:
         raise ValueError(f"{what} must be [T, E] fp32 with unit column stride, got {tuple(t.shape)} {t.dtype}")
 
 
-def keys_fuse(E: int) -> bool:
-    """Token rounding's keys come from :func:`router_topk_kernel` (``ROUND_KEYS``) at this E: where a program's
-    ``[BLOCK_T, E]`` tile holds whole groups of ``GROUP`` tokens (up to E 256); beyond, the keys kernel of
-    :func:`moeblaze.kernels.rounding.rounding_select` reads the scores again."""
-    return _block_t(E) % GROUP == 0
-
-
-def router_launch(logits: torch.Tensor, top_k: int, renormalize: bool, scale: float, aux_c: float, z_c: float,
-                  round_keys: bool = False) -> tuple[torch.Tensor | None, ...]:
-    """:func:`router_topk`'s two launches (unchecked): its outputs and, with ``round_keys`` (where
-    :func:`keys_fuse`), token rounding's ``kept [T, K]`` int32 and ``bmax [2, ceil(T / GROUP), E]`` int32 (as
-    :func:`moeblaze.kernels.rounding.rounding_keys` writes them), else two Nones."""
+def _router_topk_impl(logits: torch.Tensor, top_k: int, renormalize: bool, scale: float, aux_c: float,
+                      z_c: float) -> tuple[torch.Tensor, ...]:
     T, E = logits.shape
     dev, f32 = logits.device, torch.float32
     ids = torch.empty(T, top_k, dtype=torch.int32, device=dev)
     weights = torch.empty(T, top_k, dtype=f32, device=dev)
     probs, lse = torch.empty(T, E, dtype=f32, device=dev), torch.empty(T, dtype=f32, device=dev)
     counts, z = torch.empty(E, dtype=f32, device=dev), torch.empty((), dtype=f32, device=dev)
-    if round_keys and not keys_fuse(E):
-        raise ValueError(f"router_launch: round_keys needs keys_fuse(E), got E={E}")
     bt = _block_t(E)
-    blocks, nb = cdiv(T, bt), cdiv(T, GROUP)
+    blocks = cdiv(T, bt)
     part = torch.empty(max(blocks, 1), 2 * E + 1, dtype=f32, device=dev)
-    kept = torch.empty(T, top_k, dtype=torch.int32, device=dev) if round_keys else None
-    bmax = torch.empty(2, max(nb, 1), E, dtype=torch.int32, device=dev) if round_keys else None
     if T == 0:
         part.zero_()
     else:
         launch(router_topk_kernel, (blocks,), logits_ptr=logits, ids_ptr=ids, weights_ptr=weights, probs_ptr=probs,
-               lse_ptr=lse, part_ptr=part, kept_ptr=kept if round_keys else ids,
-               bmax_ptr=bmax if round_keys else ids, T=T, E=E, NB=nb, stride_l_t=logits.stride(0),
-               scale=float(scale), K=top_k, KP=next_pow2(top_k), RENORM=renormalize, ROUND_KEYS=round_keys,
-               GROUP=GROUP, BLOCK_T=bt, BLOCK_E=next_pow2(E), num_warps=_topk_warps(E))
+               lse_ptr=lse, part_ptr=part, T=T, E=E, stride_l_t=logits.stride(0), scale=float(scale), K=top_k,
+               KP=next_pow2(top_k), RENORM=renormalize, BLOCK_T=bt,
+               BLOCK_E=next_pow2(E), num_warps=_topk_warps(E))
     # one program per 32 experts and one for the z-loss: a single program summing the [num_blocks, 2E+1]
     # partials took 271 µs per step at T 16384, E 512 (H100, 2026-11-25, ``benchmarks/bench_token_rounding.py
     # speed --breakdown 8``); the sum over column blocks is one fixed-order reduction (bitwise reproducible);
@@ -331,24 +302,7 @@ def router_launch(logits: torch.Tensor, top_k: int, renormalize: bool, scale: fl
            BLOCK_B=min(256, next_pow2(part.shape[0])), BLOCK_E=be, num_warps=8)
     if aux_c:  # the coefficient is in dot's terms: one launch, where a product after the sum took a second
         aux = dot.sum()
-    return ids, weights, probs, lse, counts, aux, z, kept, bmax
-
-
-def check_logits(logits: torch.Tensor, top_k: int, caller: str) -> None:
-    """:func:`router_topk`'s argument checks (its Raises), the errors naming ``caller``."""
-    _check_rows(logits, f"{caller}: logits")
-    E = logits.shape[1]
-    if not 1 <= E <= MAX_EXPERTS or not 1 <= top_k <= min(E, MAX_TOP_K):
-        raise ValueError(f"{caller}: need 1 <= top_k <= E <= {MAX_EXPERTS} and top_k <= {MAX_TOP_K}, got "
-                         f"top_k={top_k}, E={E}")
-    if logits.numel() >= MAX_ELEMENTS:
-        raise ValueError(f"{caller}: logits must have fewer than {MAX_ELEMENTS} elements (int32 offsets), "
-                         f"got {tuple(logits.shape)}")
-
-
-def _router_topk_impl(logits: torch.Tensor, top_k: int, renormalize: bool, scale: float, aux_c: float,
-                      z_c: float) -> tuple[torch.Tensor, ...]:
-    return router_launch(logits, top_k, renormalize, scale, aux_c, z_c)[:7]
+    return ids, weights, probs, lse, counts, aux, z
 
 
 _router_topk_op = torch.library.custom_op(
@@ -380,7 +334,14 @@ def router_topk(logits: torch.Tensor, top_k: int, renormalize: bool = False, sca
         ValueError: ``logits`` not a 2-D fp32 tensor with unit column stride and fewer than ``MAX_ELEMENTS``
             elements, E above ``MAX_EXPERTS``, or ``top_k`` outside ``[1, min(E, MAX_TOP_K)]``.
     """
-    check_logits(logits, top_k, "router_topk")
+    _check_rows(logits, "router_topk: logits")
+    E = logits.shape[1]
+    if not 1 <= E <= MAX_EXPERTS or not 1 <= top_k <= min(E, MAX_TOP_K):
+        raise ValueError(f"router_topk: need 1 <= top_k <= E <= {MAX_EXPERTS} and top_k <= {MAX_TOP_K}, got "
+                         f"top_k={top_k}, E={E}")
+    if logits.numel() >= MAX_ELEMENTS:
+        raise ValueError(f"router_topk: logits must have fewer than {MAX_ELEMENTS} elements (int32 offsets), "
+                         f"got {tuple(logits.shape)}")
     return call_op(_router_topk_op, _router_topk_impl, logits, top_k, renormalize, scale, aux_c, z_c)
 
 
