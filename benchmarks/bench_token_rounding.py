@@ -22,7 +22,7 @@ a CSV, with
 ``share_of_ceiling = (t_topk / t_tr - 1) / (t_topk / t_ceiling - 1)`` on GPU times (the issue's target: >= 0.85).
 
 ``rounding``: :func:`moeblaze.round_tokens` alone at the same shapes (wall ms; GPU: kernel time too).
-``select``: the Triton selections alone per select-kernel warp count (GPU).
+``select``: the Triton selections alone per select-kernel warp count and keys-kernel launch shape (GPU).
 
 ``quality``: ``moeblaze train`` twice, ``--routing topk`` and ``--routing token-rounding:nr``, same steps
 and seed; writes the train-loss and validation bits/byte curves (CSV) and a side-by-side plot (PNG).
@@ -38,6 +38,7 @@ import argparse
 import csv
 import datetime
 import functools
+import itertools
 import re
 import statistics
 import sys
@@ -270,7 +271,9 @@ def run_select(args) -> int:
 
     if not torch.cuda.is_available():
         sys.exit("bench_token_rounding.py select: needs a CUDA GPU (it times Triton kernels)")
-    chosen, rows = rounding._select_warps, []
+    chosen, keys_block, rows = rounding._select_warps, rounding._keys_block, []
+    blocks = [None] if args.keys_blocks == "tuned" else [tuple(int(v) for v in b.split("x"))
+                                                          for b in args.keys_blocks.split(",")]
     for T, _d, _h, E, K in SHAPES:
         gen = torch.Generator(device="cuda").manual_seed(0)
         scores = torch.softmax(torch.randn(T, E, device="cuda", generator=gen), -1)
@@ -279,17 +282,20 @@ def run_select(args) -> int:
         f = torch.bincount(ids.flatten(), minlength=E).int()
         ref = None
         fn = functools.partial(rounding.rounding_select, scores, ids, w, f, 128, "nr", _max_pad("nr", 128, T), 127)
-        for warps in (int(x) for x in args.warps.split(",")):
+        for warps, block in itertools.product((int(x) for x in args.warps.split(",")), blocks):
             rounding._select_warps = lambda nb, w_=warps: w_
+            rounding._keys_block = keys_block if block is None else (lambda E_, K_, b_=block: b_)
             out = fn()
             ref = ref or out
             if not all(torch.equal(a, b) for a, b in zip(out, ref)):
-                raise AssertionError(f"select kernel with {warps} warps selects differently")
+                raise AssertionError(f"select kernel with {warps} warps, keys block {block} selects differently")
             us = 1e3 * graph_replay_ms(fn)
+            kb = "x".join(map(str, rounding._keys_block(E, K)))
             rows.append({"date": datetime.date.today().isoformat(), "device": torch.cuda.get_device_name(),
-                         "T": T, "E": E, "K": K, "warps": warps, "us": round(us, 1), "command": command()})
-            print(f"rounding_select T={T} E={E} K={K} warps={warps}: {us:.1f} us", flush=True)
-    rounding._select_warps = chosen
+                         "T": T, "E": E, "K": K, "warps": warps, "keys_block": kb, "us": round(us, 1),
+                         "command": command()})
+            print(f"rounding_select T={T} E={E} K={K} warps={warps} keys block {kb}: {us:.1f} us", flush=True)
+    rounding._select_warps, rounding._keys_block = chosen, keys_block
     write_csv(args.out, rows)
     return 0
 
@@ -409,8 +415,10 @@ def main(argv: list[str] | None = None) -> int:
     rp = sub.add_parser("rounding", help="round_tokens alone at the issue's shapes (CPU: a proxy of its work)")
     rp.add_argument("--out", default=None, help="CSV file to append the rows to")
     rp.add_argument("--breakdown", type=int, default=0, help="print the N kernels with the most GPU time")
-    sel = sub.add_parser("select", help="rounding_select per select-kernel warp count (GPU)")
+    sel = sub.add_parser("select", help="rounding_select per select-kernel warp count and keys launch shape (GPU)")
     sel.add_argument("--warps", default="4,8,16", help="select-kernel warp counts, comma-separated (default 4,8,16)")
+    sel.add_argument("--keys-blocks", default="tuned",
+                     help="keys-kernel launch shapes BLOCK_TxBLOCK_E, comma-separated (e.g. 16x32,16x128), or tuned")
     sel.add_argument("--out", default=None, help="CSV file to append the rows to")
     q = sub.add_parser("quality", help="train with top-k and with token rounding nr; curves and plot")
     q.add_argument("--out-dir", required=True)

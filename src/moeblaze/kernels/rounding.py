@@ -265,7 +265,13 @@ def rounding_select_kernel(
             ncb = tl.sum(cand.to(tl.int32), axis=0)
         tl.store(cand_ptr + e * CAND + tl.cumsum(cand.to(tl.int32), axis=0) - 1, b, mask=cand)
         tl.debug_barrier()  # the row of candidates, written by all threads, read by all
-        if ncb <= CAND // 2:  # the usual case for nr (n < tile / 2): half the candidate keys to search
+        # the usual case for nr (n < tile / 2): a quarter of the candidate keys to search, where half took both
+        # launches 28.1 against 27.3 µs at T 16384, E 128, K 2 and 40.3 against 36.8 at E 256, K 4 (H200, 2026-11-26,
+        # ``python3 benchmarks/bench_token_rounding.py select``'s method)
+        if ncb <= CAND // 4:
+            _select_candidates(e, n, lo, f > r, ncb, T, E, cand_ptr, scores_ptr, ids_ptr, weights_ptr, kept_ptr,
+                               pad_mask_ptr, pad_tok_ptr, stride_s_t, stride_ids_t, stride_w_t, K, GROUP, CAND, CAND // 4)
+        elif ncb <= CAND // 2:
             _select_candidates(e, n, lo, f > r, ncb, T, E, cand_ptr, scores_ptr, ids_ptr, weights_ptr, kept_ptr,
                                pad_mask_ptr, pad_tok_ptr, stride_s_t, stride_ids_t, stride_w_t, K, GROUP, CAND, CAND // 2)
         else:
@@ -282,13 +288,12 @@ def _select_warps(nb: int) -> int:
 
 
 def _keys_block(E: int, K: int) -> tuple[int, int]:
-    """``(BLOCK_T, BLOCK_E)`` of the keys kernel: one group of tokens by at most ``384 / K`` experts (triton 3.6's
-    ptxas for sm_90: 96 to 126 registers at K 2 to 10, where all E in one program took 255 and spilled, and took 80 µs
-    per layer step at T 16384, E 512, K 10 on an H200, 2026-11-26, ``python3
-    benchmarks/bench_token_rounding.py speed --shapes 0,2 --breakdown 22``: too few warps per SM to hide the
-    score loads)."""
-    cap = 1 << max(4, (384 // K).bit_length() - 1)
-    return GROUP, min(next_pow2(E), 128, cap)
+    """``(BLOCK_T, BLOCK_E)`` of the keys kernel: one group of tokens by up to 128 experts (triton 3.6's ptxas for
+    sm_90: 77 to 203 registers at K 2 to 16, no spills; all E in one program took 255 and spilled at E 512, K 10).
+    Both launches of :func:`rounding_select` took 90.6 against 105.5 µs at T 16384, E 512, K 10 and 38.7 against 40.6
+    at E 256, K 4 with 128 experts per program instead of ``384 / K`` (fewer programs reloading the ids and weights;
+    H200, 2026-11-26, ``python3 benchmarks/bench_token_rounding.py select --keys-blocks 16x32,16x128``'s method)."""
+    return GROUP, min(next_pow2(E), 128)
 
 
 def _select_impl(scores: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, counts: torch.Tensor,
