@@ -99,7 +99,7 @@ def test_only_the_weights_gradient_and_eval_mode():
 @pytest.mark.parametrize("aux_c,z_c", [(0.3, 0.0), (0.0, 0.2), (0.0, 0.0), (0.3, 0.2)])
 def test_losses_that_are_off_are_exact_zeros_and_add_nothing(fused, aux_c, z_c):
     """A loss whose coefficient is 0 is an exact 0 without a gradient, and ``loss`` is the other term itself (no
-    launch adds a zero); with both on, their sum; with both off, a zero. Logits of 1e30 make ``lse^2`` overflow:
+    launch adds a zero); with both on, their sum; with both off, a zero. Logits of 8e28 make ``lse^2`` overflow:
     the z-loss that is off stays 0, not ``0 * inf``."""
     torch.manual_seed(5)
     router = Router(8, 6, 2, aux_loss_coef=aux_c, z_loss_coef=z_c)

@@ -92,12 +92,6 @@ class _RouterLogits(torch.autograd.Function):
         return (share.offer(dx) if share is not None else dx), dw, None
 
 
-def _off_losses(aux: torch.Tensor, z: torch.Tensor, aux_c: float, z_c: float) -> tuple[torch.Tensor, ...]:
-    """The fused router's losses that are off (coefficient 0: the kernel's exact zeros), to mark
-    non-differentiable: a loss that is off asks no backward of the router."""
-    return tuple(t for t, c in ((aux, aux_c), (z, z_c)) if not c)
-
-
 class _FusedTopK(torch.autograd.Function):
     """Softmax, top-k, weights and both losses of fp32 ``logits [T, E]`` in Triton (two launches forward, one
     backward: :mod:`moeblaze.kernels.router`), instead of about 14 PyTorch operations forward and 20 backward
@@ -108,7 +102,7 @@ class _FusedTopK(torch.autograd.Function):
     def forward(ctx, logits, top_k, renormalize, scale, aux_c, z_c):
         ids, weights, probs, lse, counts, aux, z = fused_router.router_topk(logits, top_k, renormalize, scale, aux_c,
                                                                             z_c)
-        ctx.mark_non_differentiable(ids, counts, *_off_losses(aux, z, aux_c, z_c))
+        ctx.mark_non_differentiable(ids, counts, *fused_router.off_losses(aux, z, aux_c, z_c))
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(probs, ids, lse, counts)
         ctx.options = (renormalize, scale, aux_c, z_c)
@@ -352,7 +346,7 @@ class Router(nn.Module):
     def _fused_forward(self, logits: torch.Tensor, losses_on: bool, rounding: Rounding | None) -> RouterOutput:
         """:meth:`forward` through :class:`_FusedTopK` (with ``rounding``: :func:`route_rounded` where it serves):
         the same outputs (losses with the coefficients of :func:`load_balancing_loss` and :func:`router_z_loss`),
-        exact zeros for losses that are off, written by the loss kernel)."""
+        exact zeros for losses that are off (written by the loss kernel)."""
         T, K, E = logits.shape[0], self.top_k, self.num_experts
         aux_c = _aux_coefficient(self.aux_loss_coef, E, T * K, T) if self.aux_loss_coef and losses_on else 0.0
         z_c = _z_coefficient(self.z_loss_coef, T) if self.z_loss_coef and losses_on else 0.0

@@ -408,15 +408,14 @@ class _RoutedPairs(torch.autograd.Function):
     def forward(ctx, logits, top_k, renormalize, scale, aux_c, z_c, tile, mode, rand):
         from .kernels.pair_list import rounding_place
         from .kernels.rounding import rounding_select
-        from .kernels.router import router_topk
-        from .routing import _off_losses
+        from .kernels.router import off_losses, router_topk
 
         ids, weights, probs, lse, counts, aux, z = router_topk(logits, top_k, renormalize, scale, aux_c, z_c)
         J = _max_pad(mode, tile, logits.shape[0])
         kept, pad_mask, pad_tok, target = rounding_select(probs, ids, weights, counts, tile, mode, J, tile - 1, rand)
         token_idx, expert_idx, w, pair_offsets = rounding_place(kept, pad_mask, pad_tok, weights, probs, scale)
         ctx.mark_non_differentiable(ids, counts, token_idx, expert_idx, pair_offsets, target,
-                                    *_off_losses(aux, z, aux_c, z_c))
+                                    *off_losses(aux, z, aux_c, z_c))
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(probs, ids, lse, counts, pair_offsets, expert_idx)
         ctx.options = (renormalize, scale, aux_c, z_c)

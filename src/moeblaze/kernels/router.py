@@ -345,6 +345,12 @@ def router_topk(logits: torch.Tensor, top_k: int, renormalize: bool = False, sca
     return call_op(_router_topk_op, _router_topk_impl, logits, top_k, renormalize, scale, aux_c, z_c)
 
 
+def off_losses(aux: torch.Tensor, z: torch.Tensor, aux_c: float, z_c: float) -> tuple[torch.Tensor, ...]:
+    """Of :func:`router_topk`'s losses, those that are off (coefficient 0: exact zeros), for an autograd function to
+    mark non-differentiable: a loss that is off asks no backward of the router."""
+    return tuple(t for t, c in ((aux, aux_c), (z, z_c)) if not c)
+
+
 def _router_topk_bwd_impl(probs: torch.Tensor, ids: torch.Tensor, dw: torch.Tensor | None,
                           dprobs: torch.Tensor | None, counts: torch.Tensor, lse: torch.Tensor,
                           daux: torch.Tensor | None, dz: torch.Tensor | None, renormalize: bool, scale: float,
