@@ -284,13 +284,13 @@ def run_select(args) -> int:
         fn = functools.partial(rounding.rounding_select, scores, ids, w, f, 128, "nr", _max_pad("nr", 128, T), 127)
         for warps, block in itertools.product((int(x) for x in args.warps.split(",")), blocks):
             rounding._select_warps = lambda nb, w_=warps: w_
-            rounding._keys_block = keys_block if block is None else (lambda E_, K_, b_=block: b_)
+            rounding._keys_block = keys_block if block is None else (lambda E_, b_=block: b_)
             out = fn()
             ref = ref or out
             if not all(torch.equal(a, b) for a, b in zip(out, ref)):
                 raise AssertionError(f"select kernel with {warps} warps, keys block {block} selects differently")
             us = 1e3 * graph_replay_ms(fn)
-            kb = "x".join(map(str, rounding._keys_block(E, K)))
+            kb = "x".join(map(str, rounding._keys_block(E)))
             rows.append({"date": datetime.date.today().isoformat(), "device": torch.cuda.get_device_name(),
                          "T": T, "E": E, "K": K, "warps": warps, "keys_block": kb, "us": round(us, 1),
                          "command": command()})

@@ -204,7 +204,7 @@ def compile_rounding() -> None:
                     pads_ptr="*i32", block_pads_ptr="*i32", token_idx_ptr="*i32", expert_idx_ptr="*i32",
                     pair_offsets_ptr="*i32", dw_ptr=dt, dtopk_ptr=dt, dscores_ptr=dt, scale="fp32", topk_w_ptr=dt,
                     w_ptr=dt)
-        bt, be = _keys_block(E, K)
+        bt, be = _keys_block(E)
         compile_one(rounding_keys_kernel, ptrs, dict(MODE=0, K=K, GROUP=GROUP, BLOCK_T=bt, BLOCK_E=be), 4, 1,
                     f"rounding keys E={E} K={K}")
         compile_one(rounding_select_kernel, ptrs, dict(K=K, GROUP=GROUP, BLOCK_NB=triton.next_power_of_2(nb),

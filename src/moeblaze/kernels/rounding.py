@@ -287,7 +287,7 @@ def _select_warps(nb: int) -> int:
     return 4 if nb <= 1024 else 8
 
 
-def _keys_block(E: int, K: int) -> tuple[int, int]:
+def _keys_block(E: int) -> tuple[int, int]:
     """``(BLOCK_T, BLOCK_E)`` of the keys kernel: one group of tokens by up to 128 experts (triton 3.6's ptxas for
     sm_90: 77 to 203 registers at K 2 to 16, no spills; all E in one program took 255 and spilled at E 512, K 10).
     Both launches of :func:`rounding_select` took 90.6 against 105.5 µs at T 16384, E 512, K 10 and 38.7 against 40.6
@@ -311,7 +311,7 @@ def _select_impl(scores: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
     bmax = torch.empty(max(nb, 1), E, dtype=torch.int32, device=dev)
     cand = max(2, next_pow2(2 * max(max_n, 1) - 1))  # the candidate groups of an expert: at most 2n - 1
     cand_groups = torch.empty(E, cand, dtype=torch.int32, device=dev)
-    block_t, block_e = _keys_block(E, K)
+    block_t, block_e = _keys_block(E)
     rand = counts if rand is None else rand  # pointer of an absent input (MODE is not SR)
     common = dict(scores_ptr=scores, ids_ptr=ids, weights_ptr=weights, counts_ptr=counts, rand_ptr=rand,
                   kept_ptr=kept, T=T, E=E, NB=nb, tile=tile, stride_s_t=scores.stride(0),

@@ -131,7 +131,7 @@ def router_loss_kernel(
     part_ptr,    # [num_blocks, 2E + 1] fp32 per-block sums (router_topk_kernel)
     counts_ptr,  # [E] fp32 out: pairs per expert
     dot_ptr,     # [cdiv(E, BLOCK_E)] fp32 out: per column block, aux_c * sum_e counts_e * (summed probabilities)_e
-    aux_ptr,     # [] fp32 out: 0 where aux_c is 0 (else the caller sums dot)
+    aux_ptr,     # [] fp32 out: 0 where aux_c is 0 (else unused: the caller sums dot)
     z_ptr,       # [] fp32 out: z-loss, 0 where z_c is 0
     num_blocks, E, aux_c, z_c,
     BLOCK_B: tl.constexpr, BLOCK_E: tl.constexpr,
@@ -296,12 +296,13 @@ def _router_topk_impl(logits: torch.Tensor, top_k: int, renormalize: bool, scale
     # each program reads 256 block rows per step: with 32 it took 33 µs at T 32768, E 128
     # (1,024 blocks, 32 dependent steps; H200, 2026-11-26, ``benchmarks/profile_layer.py ... --timeline``)
     be = min(32, next_pow2(E))
-    dot, aux = torch.empty(cdiv(E, be), dtype=f32, device=dev), torch.empty((), dtype=f32, device=dev)
-    launch(router_loss_kernel, (dot.numel() + 1,), part_ptr=part, counts_ptr=counts, dot_ptr=dot, aux_ptr=aux,
-           z_ptr=z, num_blocks=part.shape[0], E=E, aux_c=float(aux_c), z_c=float(z_c),
-           BLOCK_B=min(256, next_pow2(part.shape[0])), BLOCK_E=be, num_warps=8)
-    if aux_c:  # the coefficient is in dot's terms: one launch, where a product after the sum took a second
-        aux = dot.sum()
+    dot = torch.empty(cdiv(E, be), dtype=f32, device=dev)
+    zero = None if aux_c else torch.empty((), dtype=f32, device=dev)  # the kernel's 0 where the aux loss is off
+    launch(router_loss_kernel, (dot.numel() + 1,), part_ptr=part, counts_ptr=counts, dot_ptr=dot,
+           aux_ptr=dot if zero is None else zero, z_ptr=z, num_blocks=part.shape[0], E=E, aux_c=float(aux_c),
+           z_c=float(z_c), BLOCK_B=min(256, next_pow2(part.shape[0])), BLOCK_E=be, num_warps=8)
+    # the coefficient is in dot's terms: one launch, where a product after the sum took a second
+    aux = dot.sum() if zero is None else zero
     return ids, weights, probs, lse, counts, aux, z
 
 
