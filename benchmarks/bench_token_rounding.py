@@ -267,6 +267,7 @@ def run_select(args) -> int:
     stays out); the selections must be the same for every warp count."""
     from moeblaze.bench.runner import graph_replay_ms
     from moeblaze.kernels import rounding
+    from moeblaze.token_rounding import _max_pad
 
     if not torch.cuda.is_available():
         sys.exit("bench_token_rounding.py select: needs a CUDA GPU (it times Triton kernels)")
@@ -280,7 +281,7 @@ def run_select(args) -> int:
         ids = ids.int()
         f = torch.bincount(ids.flatten(), minlength=E).int()
         ref = None
-        fn = functools.partial(rounding.rounding_select, scores, ids, w, f, 128, "nr", 127)
+        fn = functools.partial(rounding.rounding_select, scores, ids, w, f, 128, "nr", _max_pad("nr", 128, T), 127)
         for warps, block in itertools.product((int(x) for x in args.warps.split(",")), blocks):
             rounding._select_warps = lambda nb, w_=warps: w_
             rounding._keys_block = keys_block if block is None else (lambda E_, b_=block: b_)

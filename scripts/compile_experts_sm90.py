@@ -44,6 +44,7 @@ from moeblaze.kernels.pair_list import (
     _place_block_t,
     pair_weights_bwd_kernel,
     rounding_pad_count_kernel,
+    rounding_pad_place_kernel,
     rounding_place_kernel,
 )
 from moeblaze.kernels.rounding import (
@@ -199,7 +200,7 @@ def compile_rounding() -> None:
         nb = triton.cdiv(T, GROUP)
         ptrs = dict(scores_ptr=dt, ids_ptr="*i32", weights_ptr=dt, counts_ptr="*fp32", rand_ptr="*fp32",
                     target_ptr="*i32",
-                    bmax_ptr="*i32", cand_ptr="*i32", kept_ptr="*i32", pad_mask_ptr="*u8",
+                    bmax_ptr="*i32", cand_ptr="*i32", kept_ptr="*i32", pad_mask_ptr="*u8", pad_tok_ptr="*i32",
                     pads_ptr="*i32", block_pads_ptr="*i32", token_idx_ptr="*i32", expert_idx_ptr="*i32",
                     pair_offsets_ptr="*i32", dw_ptr=dt, dtopk_ptr=dt, dscores_ptr=dt, scale="fp32", topk_w_ptr=dt,
                     w_ptr=dt)
@@ -207,16 +208,18 @@ def compile_rounding() -> None:
         compile_one(rounding_keys_kernel, ptrs, dict(MODE=0, K=K, GROUP=GROUP, BLOCK_T=bt, BLOCK_E=be), 4, 1,
                     f"rounding keys E={E} K={K}")
         compile_one(rounding_select_kernel, ptrs, dict(K=K, GROUP=GROUP, BLOCK_NB=triton.next_power_of_2(nb),
-                                                       CAND=256, MODE=3,
+                                                       CAND=256, BLOCK_J=64, MODE=3,
                                                        BLOCK_Z=min(4096, triton.next_power_of_2(T))),
                     _select_warps(nb), 1, f"rounding select T={T} K={K}")
         pt, pe = _place_block_t(E), triton.next_power_of_2(E)
-        compile_one(rounding_pad_count_kernel, ptrs, dict(BLOCK_T=pt, BLOCK_E=pe), 4, 1, f"rounding pad count E={E}")
-        compile_one(rounding_place_kernel, ptrs, dict(K=K, BLOCK_T=pt, BLOCK_E=pe,
-                                                      BLOCK_NBT=triton.next_power_of_2(T // pt), BLOCK_TAIL=128), 4, 1,
-                    f"rounding place T={T} K={K}")
+        compile_one(rounding_pad_count_kernel, dict(ptrs, pad_rank_ptr="*i16"), dict(BLOCK_T=pt, BLOCK_E=pe), 8, 1,
+                    f"rounding pad count E={E}")
+        compile_one(rounding_place_kernel, ptrs, dict(K=K, BLOCK_T=pt, BLOCK_NBT=triton.next_power_of_2(T // pt),
+                                                      BLOCK_TAIL=128), 4, 1, f"rounding place T={T} K={K}")
         compile_one(pair_weights_bwd_kernel, ptrs, dict(K=K, BLOCK_T=max(1, min(128, 8192 // pe)), BLOCK_E=pe), 4, 1,
                     f"pair weights backward E={E} K={K}")
+        compile_one(rounding_pad_place_kernel, dict(ptrs, pad_rank_ptr="*i16"), dict(BLOCK_J=64), 4, 1,
+                    f"rounding pad place E={E}")
 
 if __name__ == "__main__":
     main()

@@ -114,32 +114,33 @@ def test_kernel_selections_mark_the_best_pads_and_drop_the_lowest():
     ids = torch.zeros(T, K, dtype=torch.int32)
     ids[:5] = 1  # expert 1: 5 tokens, pads 3 to 8; expert 0: 59, drops 3 to 56; experts 2, 3: nothing
     counts = torch.tensor([59, 5, 0, 0], dtype=torch.int32)
-    kept, pad_mask, target = rounding_select(scores, ids, scores.gather(1, ids.long()), counts, 8, "nr", J)
+    kept, pad_mask, pad_tok, target = rounding_select(scores, ids, scores.gather(1, ids.long()), counts, 8, "nr",
+                                                      J, J)
     assert torch.equal(target, torch.tensor([56, 8, 0, 0], dtype=torch.int32))  # nr at tile 8
-    assert pad_mask.dtype == torch.uint8 and pad_mask.shape == (T, E) and pad_mask.stride() == (1, T)
+    assert pad_mask.dtype == torch.uint8 and pad_mask.shape == (T, E) and pad_tok.shape == (J, E)
     outside = scores[5:, 1]  # expert 1's tokens outside its top-k: 5..63
     best = (outside.topk(3).indices + 5).sort().values
     assert torch.equal(pad_mask[:, 1].nonzero().flatten(), best)
     assert int(pad_mask[:, [0, 2, 3]].sum()) == 0
+    assert torch.equal(pad_tok[:3, 1], best.int()) and bool((pad_tok[3:, 1] == -1).all())
+    assert bool((pad_tok[:, [0, 2, 3]] == -1).all())
     dropped = (kept[:, 0] == E).nonzero().flatten()
     w0 = scores[5:, 0]
     assert torch.equal(dropped, (w0.topk(3, largest=False).indices + 5).sort().values)
 
 
 def _pair_list_case(T, E, K, J):
-    """Kept ids (E where dropped) and a pad mask with at most J pads per expert at random tokens (token 0: every
-    expert, where J > 0)."""
+    """Kept ids (E where dropped), a pad mask with at most J pads per expert at random tokens, its pad_tok."""
     gen = torch.Generator().manual_seed(T * E + J)
     kept = torch.randint(0, E + 1, (T, K), generator=gen, dtype=torch.int32)
     pad_mask = torch.zeros(T, E, dtype=torch.uint8)
     for e in range(E):
         pad_mask[torch.randperm(T, generator=gen)[:int(torch.randint(0, J + 1, (), generator=gen))], e] = 1
-    if T and J:
-        for e in range(E):
-            if pad_mask[:, e].sum() == J:
-                pad_mask[pad_mask[:, e].nonzero()[-1], e] = 0
-        pad_mask[0] = 1
-    return kept, pad_mask
+    pad_tok = torch.full((J, E), -1, dtype=torch.int32)
+    for e in range(E):
+        tokens = pad_mask[:, e].nonzero().flatten()
+        pad_tok[:tokens.numel(), e] = tokens.int()
+    return kept, pad_mask, pad_tok
 
 
 @pytest.mark.parametrize("T,E,K,J", [(64, 4, 1, 7), (5, 6, 2, 3), (1, 4, 2, 1), (37, 3, 3, 9), (0, 4, 2, 0)])
@@ -151,14 +152,13 @@ def test_pair_list_layout(T, E, K, J):
     from moeblaze.kernels.pair_list import rounding_place
     from moeblaze.token_rounding import _place_torch
 
-    kept, pad_mask = _pair_list_case(T, E, K, J)
+    kept, pad_mask, pad_tok = _pair_list_case(T, E, K, J)
     gen = torch.Generator().manual_seed(J)
     topk_w, scores = torch.rand(T, K, generator=gen), torch.rand(T, E, generator=gen)
     for dtype in (torch.float32, torch.float16):
         got = _place_torch(kept, pad_mask, J, topk_w.to(dtype), scores.to(dtype), 1.3)
-        for mask in (pad_mask, pad_mask.t().contiguous().t()):  # rows, and the select kernel's columns
-            for a, b in zip(got, rounding_place(kept, mask, topk_w.to(dtype), scores.to(dtype), J, 1.3)):
-                assert a.dtype == b.dtype and torch.equal(a, b)
+        for a, b in zip(got, rounding_place(kept, pad_mask, pad_tok, topk_w.to(dtype), scores.to(dtype), 1.3)):
+            assert a.dtype == b.dtype and torch.equal(a, b)
     token_idx, expert_idx, w, offsets = _place_torch(kept, pad_mask, J, topk_w, scores, 1.3)
     P, used = T * K + J * E, T * K + int(pad_mask.sum())
     assert token_idx.shape == (P,) and int(offsets[-1]) == used and int(offsets[0]) == 0
@@ -184,7 +184,7 @@ def test_pair_weights_backward_kernel_equals_torch(T, E, K, J, dtype, device):
     from moeblaze.kernels.pair_list import pair_weights_backward
     from moeblaze.token_rounding import _pair_weights_backward_torch, _place_torch
 
-    kept, pad_mask = (t.to(device) for t in _pair_list_case(T, E, K, J))
+    kept, pad_mask, _ = (t.to(device) for t in _pair_list_case(T, E, K, J))
     token_idx, expert_idx, _, offsets = _place_torch(kept, pad_mask, J, torch.zeros(T, K, device=device),
                                                      torch.zeros(T, E, device=device), 1.0)
     dw = torch.randn(expert_idx.numel(), generator=torch.Generator().manual_seed(T)).to(device, dtype)
@@ -363,7 +363,7 @@ def _select(tile, mode, rand):
     from moeblaze.kernels.rounding import rounding_select
 
     scores, ids, w = routing(8, 4, 2, 0)
-    return rounding_select(scores, ids, w, torch.ones(4, dtype=torch.int32), tile, mode, 3, rand)
+    return rounding_select(scores, ids, w, torch.ones(4, dtype=torch.int32), tile, mode, 3, 3, rand)
 
 
 @pytest.mark.parametrize("call,match", [

@@ -214,12 +214,14 @@ def _round_tokens(scores, topk_ids, topk_weights, tile, mode, generator, scale, 
         from .kernels.rounding import rounding_select
 
         rand = _draws(mode, E, generator, dev)
-        kept, pad_mask, target = rounding_select(scores.detach().contiguous(), topk_ids.contiguous(),
-                                                 topk_weights.detach().contiguous(), f, tile, mode, tile - 1, rand)
+        kept, pad_mask, pad_tok, target = rounding_select(scores.detach().contiguous(), topk_ids.contiguous(),
+                                                          topk_weights.detach().contiguous(), f, tile, mode, J,
+                                                          tile - 1, rand)
     else:
         target = round_counts(f, tile, mode, T, generator)
-        kept, pad_mask = _select_torch(scores.detach(), ids, topk_weights.detach(), f, target, J)
-    token_idx, expert_idx, w, pair_offsets = _PairList.apply(topk_weights, scores, kept, pad_mask, J, scale, kernels)
+        (kept, pad_mask), pad_tok = _select_torch(scores.detach(), ids, topk_weights.detach(), f, target, J), None
+    token_idx, expert_idx, w, pair_offsets = _PairList.apply(topk_weights, scores, kept, pad_mask, pad_tok, J, scale,
+                                                             kernels)
     return TokenRounding(token_idx, expert_idx, w, target, pair_offsets)
 
 
@@ -235,11 +237,11 @@ class _PairList(torch.autograd.Function):
     there)."""
 
     @staticmethod
-    def forward(ctx, topk_weights, scores, kept, pad_mask, J, scale, kernels):
+    def forward(ctx, topk_weights, scores, kept, pad_mask, pad_tok, J, scale, kernels):
         if kernels:
             from .kernels.pair_list import rounding_place
 
-            out = rounding_place(kept, pad_mask, topk_weights.contiguous(), scores.contiguous(), J, scale)
+            out = rounding_place(kept, pad_mask, pad_tok, topk_weights.contiguous(), scores.contiguous(), scale)
         else:
             out = _place_torch(kept, pad_mask, J, topk_weights, scores, scale)
         token_idx, expert_idx, w, pair_offsets = out
@@ -252,7 +254,7 @@ class _PairList(torch.autograd.Function):
     @staticmethod
     def backward(ctx, _dtokens, _dexperts, dw, _doffsets):
         if dw is None:
-            return (None,) * 7
+            return (None,) * 8
         pair_offsets, expert_idx = ctx.saved_tensors
         (_, K), (_, E) = ctx.topk_shape, ctx.scores_shape
         dscores = None
@@ -265,7 +267,7 @@ class _PairList(torch.autograd.Function):
         else:
             dtopk, dscores = _pair_weights_backward_torch(dw, pair_offsets, expert_idx, K, E, ctx.scale,
                                                           ctx.scores_dtype)
-        return (dtopk if ctx.needs_input_grad[0] else None), dscores, None, None, None, None, None
+        return (dtopk if ctx.needs_input_grad[0] else None), dscores, None, None, None, None, None, None
 
 
 def _topk_grads(dw: torch.Tensor, pair_offsets: torch.Tensor, K: int) -> torch.Tensor:
@@ -410,8 +412,8 @@ class _RoutedPairs(torch.autograd.Function):
 
         ids, weights, probs, lse, counts, aux, z = router_topk(logits, top_k, renormalize, scale, aux_c, z_c)
         J = _max_pad(mode, tile, logits.shape[0])
-        kept, pad_mask, target = rounding_select(probs, ids, weights, counts, tile, mode, tile - 1, rand)
-        token_idx, expert_idx, w, pair_offsets = rounding_place(kept, pad_mask, weights, probs, J, scale)
+        kept, pad_mask, pad_tok, target = rounding_select(probs, ids, weights, counts, tile, mode, J, tile - 1, rand)
+        token_idx, expert_idx, w, pair_offsets = rounding_place(kept, pad_mask, pad_tok, weights, probs, scale)
         ctx.mark_non_differentiable(ids, counts, token_idx, expert_idx, pair_offsets, target,
                                     *off_losses(aux, z, aux_c, z_c))
         ctx.set_materialize_grads(False)

@@ -11,11 +11,11 @@ token that held one: their time above the ceiling's went from 6.7 to 3.8-5.8 µs
 three calls; docs/benchmarks.md).
 
 * :func:`rounding_pad_count_kernel` counts each token's padded pairs (row sums of the mask, read as ``[E, T]``
-  rows) and each block's.
+  rows) and each block's, and ranks each padded pair among its token's (the padded pairs of lower experts).
 * :func:`rounding_place_kernel` adds the sums of the blocks before its own (at most ``T / 16`` of them), scans
-  its tokens' pair counts and writes ``pair_offsets``, the top-k pairs with their weights, the padded pairs in
-  expert order (one step per pad of its most padded token) with theirs, ``scores[t, e] * scale``, and its share
-  of the tail.
+  its tokens' pair counts and writes the top-k pairs with their weights, ``pair_offsets`` and its share of the tail.
+* :func:`rounding_pad_place_kernel` (one program per expert) puts each padded pair at its token's offset plus K
+  plus its rank, with its weight ``scores[t, e] * scale``.
 
 This replaced a stable radix sort of the ``J*E`` pad entries by token, a binary search per token and three
 scatters: 6.3 µs per step for the three launches against 17.1 + 4.6 µs for the sort and the search plus
@@ -44,6 +44,7 @@ from .tuning import cdiv, next_pow2
 @triton.jit
 def rounding_pad_count_kernel(
     pad_mask_ptr,    # [E, T] uint8: 1 where expert e pads token t
+    pad_rank_ptr,    # [E, T] int16 out, where the mask is 1: the token's padded pairs of lower experts
     pads_ptr,        # [T] int32 out: padded pairs of each token
     block_pads_ptr,  # [NBT] int32 out: padded pairs of each block of BLOCK_T tokens
     T, E,
@@ -51,9 +52,15 @@ def rounding_pad_count_kernel(
 ):
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.arange(0, BLOCK_E)
-    m = tl.load(pad_mask_ptr + cols[None, :] * T + rows[:, None], mask=(rows < T)[:, None] & (cols < E)[None, :],
-                other=0).to(tl.int32)
-    pads = tl.sum(m, axis=1)
+    at = cols[:, None] * T + rows[None, :]  # [BLOCK_E, BLOCK_T]: each expert's tokens contiguous
+    m = tl.load(pad_mask_ptr + at, mask=(cols < E)[:, None] & (rows < T)[None, :], other=0).to(tl.int32)
+    # the ranks along each token's row, here where the row is in registers: the pad-place kernel then reads one
+    # value per padded pair, where it had gathered the row's lower columns in 32-column steps (3.8 µs per step at
+    # T 16384, E 128, K 2; H200, 2026-11-26, ``python3 benchmarks/bench_token_rounding.py speed --shapes 0
+    # --variants none --breakdown 60``)
+    rank = tl.cumsum(m, axis=0) - m
+    tl.store(pad_rank_ptr + at, rank.to(tl.int16), mask=m != 0)
+    pads = tl.sum(m, axis=0)
     tl.store(pads_ptr + rows, pads, mask=rows < T)
     tl.store(block_pads_ptr + tl.program_id(0), tl.sum(pads, axis=0))
 
@@ -64,15 +71,12 @@ def rounding_place_kernel(
     topk_w_ptr,        # [T, K] float: top-k weights
     pads_ptr,          # [T] int32: padded pairs of each token
     block_pads_ptr,    # [NBT] int32: padded pairs per block of BLOCK_T tokens
-    pad_mask_ptr,      # [E, T] uint8: 1 where expert e pads token t
-    scores_ptr,        # [T, E] float router scores
-    token_idx_ptr,     # [P] int32 out: each pair's token, ascending
+    token_idx_ptr,     # [P] int32 out: each pair's token, ascending (padded pairs: rounding_pad_place_kernel)
     expert_idx_ptr,    # [P] int32 out: each pair's expert, E for dropped and unused pairs
-    w_ptr,             # [P] out, topk_w's dtype: each pair's weight (top-k: theirs; padded: score * scale; unused: 0)
+    w_ptr,             # [P] out, topk_w's dtype: each pair's weight (top-k pairs: theirs; unused: 0)
     pair_offsets_ptr,  # [T+1] int32 out: first pair of each token; the pairs before the unused tail at T
-    T, E, NBT, P, TAIL_PER_BLOCK, stride_w_t, stride_s_t, scale,
-    K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_NBT: tl.constexpr,
-    BLOCK_TAIL: tl.constexpr,
+    T, NBT, P, TAIL_PER_BLOCK, UNUSED_E, stride_w_t,
+    K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_NBT: tl.constexpr, BLOCK_TAIL: tl.constexpr,
 ):
     b = tl.program_id(0)
     nbt = tl.arange(0, BLOCK_NBT)
@@ -89,32 +93,43 @@ def rounding_place_kernel(
         tl.store(token_idx_ptr + off + k, rows, mask=rmask)
         tl.store(expert_idx_ptr + off + k, tl.load(kept_ptr + rows * K + k, mask=rmask, other=0), mask=rmask)
         tl.store(w_ptr + off + k, tl.load(topk_w_ptr + rows * stride_w_t + k, mask=rmask, other=0.0), mask=rmask)
-    # the padded pairs in expert order: each step takes the lowest expert left in every token's mask row (as many
-    # steps as the block's most padded token has pads), where a launch per expert had gathered each padded token's
-    # lower columns for its rank: 3.8 µs per step at T 16384, E 128, K 2 (H200, 2026-11-26, ``python3
-    # benchmarks/bench_token_rounding.py speed --shapes 0 --variants none --breakdown 60``)
-    cols = tl.arange(0, BLOCK_E)
-    m = tl.load(pad_mask_ptr + cols[None, :] * T + rows[:, None], mask=rmask[:, None] & (cols < E)[None, :],
-                other=0) != 0
-    for i in range(0, tl.max(pads, axis=0)):
-        e = tl.min(tl.where(m, cols[None, :], BLOCK_E), axis=1)
-        has = e < BLOCK_E
-        q = off + K + i
-        tl.store(token_idx_ptr + q, rows, mask=has)
-        tl.store(expert_idx_ptr + q, e, mask=has)
-        s = tl.load(scores_ptr + rows * stride_s_t + e, mask=has, other=0.0)
-        # times scale in fp32 and rounded to the scores' dtype once, then to the weights': as the PyTorch path
-        tl.store(w_ptr + q, (s.to(tl.float32) * scale).to(scores_ptr.dtype.element_ty).to(w_ptr.dtype.element_ty),
-                 mask=has)
-        m &= cols[None, :] != e[:, None]
     tail0 = T * K + tl.sum(block_pads, axis=0) + b * TAIL_PER_BLOCK  # this block's share of the unused tail
     for i in range(0, TAIL_PER_BLOCK, BLOCK_TAIL):
         j = i + tl.arange(0, BLOCK_TAIL)
         q = tail0 + j
         use = (j < TAIL_PER_BLOCK) & (q < P)
         tl.store(token_idx_ptr + q, tl.full(q.shape, 0, tl.int32) + (T - 1), mask=use)
-        tl.store(expert_idx_ptr + q, tl.full(q.shape, 0, tl.int32) + E, mask=use)
+        tl.store(expert_idx_ptr + q, tl.full(q.shape, 0, tl.int32) + UNUSED_E, mask=use)
         tl.store(w_ptr + q, tl.zeros(q.shape, w_ptr.dtype.element_ty), mask=use)
+
+
+@triton.jit
+def rounding_pad_place_kernel(
+    pad_rank_ptr,      # [E, T] int16: where expert e pads token t, the token's padded pairs of lower experts
+    pad_tok_ptr,       # [J, E] int32: the tokens expert e pads, ascending, then -1
+    pair_offsets_ptr,  # [T+1] int32: first pair of each token (rounding_place_kernel)
+    scores_ptr,        # [T, E] float router scores
+    token_idx_ptr,     # [P] int32 out: the padded pairs' tokens
+    expert_idx_ptr,    # [P] int32 out: the padded pairs' experts
+    w_ptr,             # [P] out: the padded pairs' weights, scores[t, e] * scale
+    T, E, J, K, stride_s_t, scale,
+    BLOCK_J: tl.constexpr,
+):
+    e = tl.program_id(0)
+    jj = tl.arange(0, BLOCK_J)
+    t = tl.load(pad_tok_ptr + jj * E + e, mask=jj < J, other=-1)
+    valid = t >= 0
+    rank = tl.load(pad_rank_ptr + e * T + t, mask=valid, other=0).to(tl.int32)
+    off = tl.load(pair_offsets_ptr + t, mask=valid, other=0)
+    # inside the token's own range even where pad_tok and the mask disagree (a caller's inputs): no stray store
+    valid &= (rank >= 0) & (K + rank < tl.load(pair_offsets_ptr + t + 1, mask=valid, other=0) - off)
+    pos = off + K + rank
+    tl.store(token_idx_ptr + pos, t, mask=valid)
+    tl.store(expert_idx_ptr + pos, tl.full(pos.shape, 0, tl.int32) + e, mask=valid)
+    s = tl.load(scores_ptr + t * stride_s_t + e, mask=valid, other=0.0)
+    # times scale in fp32 and rounded to the scores' dtype once, then to the weights': as the PyTorch path
+    w = (s.to(tl.float32) * scale).to(scores_ptr.dtype.element_ty).to(w_ptr.dtype.element_ty)
+    tl.store(w_ptr + pos, w, mask=valid)
 
 
 def _place_block_t(E: int) -> int:
@@ -123,10 +138,10 @@ def _place_block_t(E: int) -> int:
     return max(16, min(128, 8192 // next_pow2(E)))
 
 
-def _place_impl(kept: torch.Tensor, pad_mask: torch.Tensor, topk_weights: torch.Tensor, scores: torch.Tensor,
-                J: int, scale: float) -> tuple[torch.Tensor, ...]:
+def _place_impl(kept: torch.Tensor, pad_mask: torch.Tensor, pad_tok: torch.Tensor, topk_weights: torch.Tensor,
+                scores: torch.Tensor, scale: float) -> tuple[torch.Tensor, ...]:
     """The launches of :func:`rounding_place`, ``pad_mask`` as contiguous ``[E, T]`` rows."""
-    (T, K), E = kept.shape, pad_mask.shape[0]
+    (T, K), (J, E) = kept.shape, pad_tok.shape
     P, dev = T * K + J * E, kept.device
     token_idx = torch.empty(P, dtype=torch.int32, device=dev)
     expert_idx = torch.empty(P, dtype=torch.int32, device=dev)
@@ -138,42 +153,49 @@ def _place_impl(kept: torch.Tensor, pad_mask: torch.Tensor, topk_weights: torch.
     nbt = cdiv(T, block_t)
     pads = torch.empty(T, dtype=torch.int32, device=dev)
     block_pads = torch.empty(nbt, dtype=torch.int32, device=dev)
-    launch(rounding_pad_count_kernel, (nbt,), pad_mask_ptr=pad_mask, pads_ptr=pads, block_pads_ptr=block_pads, T=T,
-           E=E, BLOCK_T=block_t, BLOCK_E=block_e, num_warps=4)
+    pad_rank = torch.empty(E, T, dtype=torch.int16, device=dev)  # read only where the mask is 1 (written there)
+    # 8 warps: the ranks' scan over [E, BLOCK_T] took 148 / 254 registers at E 128 / 256 with 4 (100 / 128 with 8;
+    # triton 3.6, sm_90, ``scripts/compile_experts_sm90.py``'s compile_rounding)
+    launch(rounding_pad_count_kernel, (nbt,), pad_mask_ptr=pad_mask, pad_rank_ptr=pad_rank, pads_ptr=pads,
+           block_pads_ptr=block_pads, T=T, E=E, BLOCK_T=block_t, BLOCK_E=block_e, num_warps=8)
     tail = cdiv(J * E, nbt)  # the unused tail's entries per block, at most (U <= J*E)
     launch(rounding_place_kernel, (nbt,), kept_ptr=kept, topk_w_ptr=topk_weights, pads_ptr=pads,
-           block_pads_ptr=block_pads, pad_mask_ptr=pad_mask, scores_ptr=scores, token_idx_ptr=token_idx,
-           expert_idx_ptr=expert_idx, w_ptr=w, pair_offsets_ptr=pair_offsets, T=T, E=E, NBT=nbt, P=P,
-           TAIL_PER_BLOCK=tail, stride_w_t=topk_weights.stride(0), stride_s_t=scores.stride(0), scale=float(scale),
-           K=K, BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_NBT=next_pow2(nbt),
+           block_pads_ptr=block_pads, token_idx_ptr=token_idx, expert_idx_ptr=expert_idx, w_ptr=w,
+           pair_offsets_ptr=pair_offsets, T=T, NBT=nbt, P=P, TAIL_PER_BLOCK=tail, UNUSED_E=E,
+           stride_w_t=topk_weights.stride(0), K=K, BLOCK_T=block_t, BLOCK_NBT=next_pow2(nbt),
            BLOCK_TAIL=min(128, next_pow2(max(tail, 1))), num_warps=4)
+    if J:
+        launch(rounding_pad_place_kernel, (E,), pad_rank_ptr=pad_rank, pad_tok_ptr=pad_tok,
+               pair_offsets_ptr=pair_offsets, scores_ptr=scores, token_idx_ptr=token_idx, expert_idx_ptr=expert_idx,
+               w_ptr=w, T=T, E=E, J=J, K=K, stride_s_t=scores.stride(0), scale=float(scale),
+               BLOCK_J=next_pow2(J), num_warps=4)
     return token_idx, expert_idx, w, pair_offsets
 
 
 _place_op = torch.library.custom_op(
     "moeblaze::rounding_place", _place_impl, mutates_args=(),
-    schema="(Tensor kept, Tensor pad_mask, Tensor topk_weights, Tensor scores, int J, float scale) -> "
+    schema="(Tensor kept, Tensor pad_mask, Tensor pad_tok, Tensor topk_weights, Tensor scores, float scale) -> "
            "(Tensor, Tensor, Tensor, Tensor)")
 
 
 @_place_op.register_fake
-def _(kept, pad_mask, topk_weights, scores, J, scale):
-    P = kept.numel() + J * pad_mask.shape[0]
+def _(kept, pad_mask, pad_tok, topk_weights, scores, scale):
+    P = kept.numel() + pad_tok.numel()
     return (kept.new_empty(P), kept.new_empty(P), topk_weights.new_empty(P), kept.new_empty(kept.shape[0] + 1))
 
 
-def rounding_place(kept: torch.Tensor, pad_mask: torch.Tensor, topk_weights: torch.Tensor, scores: torch.Tensor,
-                   J: int, scale: float = 1.0) -> tuple[torch.Tensor, ...]:
-    """Token rounding's pair list in token order and its weights (module docstring), in two launches, no host
+def rounding_place(kept: torch.Tensor, pad_mask: torch.Tensor, pad_tok: torch.Tensor, topk_weights: torch.Tensor,
+                   scores: torch.Tensor, scale: float = 1.0) -> tuple[torch.Tensor, ...]:
+    """Token rounding's pair list in token order and its weights (module docstring), in three launches, no host
     synchronisation.
 
     Args:
-        kept: ``[T, K]`` int32 top-k ids with dropped pairs set to E, contiguous. pad_mask: ``[T, E]`` uint8, 1 where
-            expert e pads token t, any strides (read as ``[E, T]`` rows: copied unless its columns are contiguous,
-            as :func:`moeblaze.kernels.rounding.rounding_select` returns it), at most J ones per column.
+        kept: ``[T, K]`` int32 top-k ids with dropped pairs set to E. pad_mask: ``[T, E]`` uint8, 1 where expert e
+            pads token t, any strides (read as ``[E, T]`` rows: copied unless its columns are contiguous, as
+            :func:`moeblaze.kernels.rounding.rounding_select` returns it). pad_tok: ``[J, E]`` int32, the tokens of
+            column e's ones, ascending, then -1 (J: pad candidates per expert). kept and pad_tok contiguous.
         topk_weights: ``[T, K]`` fp16/bf16/fp32 top-k weights, unit column stride. scores: ``[T, E]`` fp16/bf16/fp32
-            router scores, unit column stride. J: pad candidates per expert (>= 0). scale: the padded pairs' weight
-            factor.
+            router scores, unit column stride. scale: the padded pairs' weight factor.
 
     Returns:
         ``(token_idx [P] int32, expert_idx [P] int32, w [P], pair_offsets [T+1] int32)``, ``P = T*K + J*E``: per
@@ -183,14 +205,16 @@ def rounding_place(kept: torch.Tensor, pad_mask: torch.Tensor, topk_weights: tor
         :mod:`moeblaze.general_routing`, ``pair_offsets[T]`` the tail's first pair.
 
     Raises:
-        ValueError: shapes, dtypes or strides other than above, J below 0.
+        ValueError: shapes, dtypes or strides other than above.
     """
-    if kept.dim() != 2 or pad_mask.dim() != 2 or pad_mask.shape[0] != kept.shape[0] or J < 0:
-        raise ValueError(f"rounding_place: kept must be [T, K], pad_mask [T, E] and J >= 0, got "
-                         f"{tuple(kept.shape)}, {tuple(pad_mask.shape)} and J={J}")
-    if kept.dtype != torch.int32 or pad_mask.dtype != torch.uint8 or not kept.is_contiguous():
-        raise ValueError(f"rounding_place: kept must be contiguous int32 and pad_mask uint8, "
-                         f"got {kept.dtype} and {pad_mask.dtype}")
+    if kept.dim() != 2 or pad_mask.dim() != 2 or pad_tok.dim() != 2 or pad_mask.shape[0] != kept.shape[0] or \
+            pad_tok.shape[1] != pad_mask.shape[1]:
+        raise ValueError(f"rounding_place: kept must be [T, K], pad_mask [T, E] and pad_tok [J, E], got "
+                         f"{tuple(kept.shape)}, {tuple(pad_mask.shape)} and {tuple(pad_tok.shape)}")
+    if kept.dtype != torch.int32 or pad_mask.dtype != torch.uint8 or pad_tok.dtype != torch.int32 or not all(
+            t.is_contiguous() for t in (kept, pad_tok)):
+        raise ValueError(f"rounding_place: kept and pad_tok must be contiguous int32 and pad_mask uint8, "
+                         f"got {kept.dtype}, {pad_tok.dtype} and {pad_mask.dtype}")
     floats = (torch.float16, torch.bfloat16, torch.float32)
     if topk_weights.shape != kept.shape or scores.shape != pad_mask.shape or topk_weights.dtype not in floats or \
             scores.dtype not in floats or any(t.numel() and t.stride(-1) != 1 for t in (topk_weights, scores)):
@@ -198,7 +222,7 @@ def rounding_place(kept: torch.Tensor, pad_mask: torch.Tensor, topk_weights: tor
                          f"column stride, got {tuple(topk_weights.shape)} {topk_weights.dtype} and "
                          f"{tuple(scores.shape)} {scores.dtype}")
     # the kernels read the mask as [E, T] rows: rounding_select's layout, so no copy there
-    return call_op(_place_op, _place_impl, kept, pad_mask.t().contiguous(), topk_weights, scores, int(J),
+    return call_op(_place_op, _place_impl, kept, pad_mask.t().contiguous(), pad_tok, topk_weights, scores,
                    float(scale))
 
 

@@ -22,7 +22,7 @@ never written out whole:
   the selection in token order: every key above it and, of the keys equal to it, the lowest tokens (ties:
   the lower token first, in both selections). Dropped pairs get the expert id E in ``kept [T, K]``; padded
   pairs are marked in ``pad_mask [T, E]`` (uint8, 1 where expert e pads token t; each expert's column
-  contiguous, written whole by its program).
+  contiguous, written whole by its program) and listed, ascending, in ``pad_tok [J, E]`` (-1 after the last).
 
 The pair list in token order is then written by :mod:`moeblaze.kernels.pair_list`.
 
@@ -202,7 +202,8 @@ def _candidate_keys(toks, valid, e, dropping, scores_ptr, ids_ptr, weights_ptr, 
 
 @triton.jit
 def _select_candidates(e, n, lo, dropping, ncb, T, E, cand_ptr, scores_ptr, ids_ptr, weights_ptr, kept_ptr,
-                       pad_mask_ptr, stride_s_t, stride_ids_t, stride_w_t, K: tl.constexpr, GROUP: tl.constexpr,
+                       pad_mask_ptr, pad_tok_ptr,
+                       stride_s_t, stride_ids_t, stride_w_t, K: tl.constexpr, GROUP: tl.constexpr,
                        CAND: tl.constexpr, BLOCKS: tl.constexpr):
     """The selection among the tokens of expert e's first ``ncb <= BLOCKS`` candidate groups (ascending in
     ``cand_ptr``'s row e, so the candidates are in token order), and its stores. ``lo``: at most their n-th
@@ -222,6 +223,7 @@ def _select_candidates(e, n, lo, dropping, ncb, T, E, cand_ptr, scores_ptr, ids_
         tl.store(kept_ptr + toks * K + kk, tl.full(toks.shape, E, tl.int32), mask=sel)
     else:
         tl.store(pad_mask_ptr + e * T + toks, tl.full(toks.shape, 1, tl.uint8), mask=sel)
+        tl.store(pad_tok_ptr + (tl.cumsum(sel.to(tl.int32), axis=0) - 1) * E + e, toks, mask=sel)  # ascending
 
 
 @triton.jit
@@ -235,9 +237,10 @@ def rounding_select_kernel(
     rand_ptr,     # [E] fp32 uniform draws of the stochastic mode (MODE == SR), else unused
     kept_ptr,     # [T, K] int32 in/out: the top-k ids (rounding_keys_kernel's copy); dropped pairs set to E
     pad_mask_ptr, # [E, T] uint8 out: 1 where expert e pads token t (program e writes row e whole)
-    T, E, NB, tile, stride_s_t, stride_ids_t, stride_w_t,
+    pad_tok_ptr,  # [J, E] int32 out: the tokens expert e pads, ascending, then -1
+    T, E, J, NB, tile, stride_s_t, stride_ids_t, stride_w_t,
     MODE: tl.constexpr, K: tl.constexpr, GROUP: tl.constexpr, BLOCK_NB: tl.constexpr, CAND: tl.constexpr,
-    BLOCK_Z: tl.constexpr,
+    BLOCK_J: tl.constexpr, BLOCK_Z: tl.constexpr,
 ):
     e = tl.program_id(0)
     # row e of the mask zeroed first, by coalesced stores that overlap the search below (the ones go in after
@@ -274,13 +277,15 @@ def rounding_select_kernel(
         # ``python3 benchmarks/bench_token_rounding.py select``'s method)
         if ncb <= CAND // 4:
             _select_candidates(e, n, lo, f > r, ncb, T, E, cand_ptr, scores_ptr, ids_ptr, weights_ptr, kept_ptr,
-                               pad_mask_ptr, stride_s_t, stride_ids_t, stride_w_t, K, GROUP, CAND, CAND // 4)
+                               pad_mask_ptr, pad_tok_ptr, stride_s_t, stride_ids_t, stride_w_t, K, GROUP, CAND, CAND // 4)
         elif ncb <= CAND // 2:
             _select_candidates(e, n, lo, f > r, ncb, T, E, cand_ptr, scores_ptr, ids_ptr, weights_ptr, kept_ptr,
-                               pad_mask_ptr, stride_s_t, stride_ids_t, stride_w_t, K, GROUP, CAND, CAND // 2)
+                               pad_mask_ptr, pad_tok_ptr, stride_s_t, stride_ids_t, stride_w_t, K, GROUP, CAND, CAND // 2)
         else:
             _select_candidates(e, n, lo, f > r, ncb, T, E, cand_ptr, scores_ptr, ids_ptr, weights_ptr, kept_ptr,
-                               pad_mask_ptr, stride_s_t, stride_ids_t, stride_w_t, K, GROUP, CAND, CAND)
+                               pad_mask_ptr, pad_tok_ptr, stride_s_t, stride_ids_t, stride_w_t, K, GROUP, CAND, CAND)
+    jj = tl.arange(0, BLOCK_J)
+    tl.store(pad_tok_ptr + jj * E + e, tl.full(jj.shape, -1, tl.int32), mask=(jj >= tl.where(r > f, n, 0)) & (jj < J))
 
 
 def _select_warps(nb: int) -> int:
@@ -299,8 +304,8 @@ def _keys_block(E: int) -> tuple[int, int]:
 
 
 def _select_impl(scores: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, counts: torch.Tensor,
-                 rand: torch.Tensor | None, tile: int, mode: str,
-                 max_n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                 rand: torch.Tensor | None, tile: int, mode: str, J: int,
+                 max_n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     T, E = scores.shape
     K, dev = ids.shape[1], scores.device
     kept = torch.empty(T, K, dtype=torch.int32, device=dev)  # the keys kernel copies ids in
@@ -308,6 +313,7 @@ def _select_impl(scores: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
     # storing a [T, E] mask's zeros took 3.7 µs longer than the fill's 1.4 (H200, 2026-11-26, ``python3
     # benchmarks/bench_token_rounding.py speed --shapes 0 --variants none --breakdown 60``)
     pad_mask = torch.empty(E, T, dtype=torch.uint8, device=dev)
+    pad_tok = torch.empty(J, E, dtype=torch.int32, device=dev)
     target = torch.empty(E, dtype=torch.int32, device=dev)
     nb = cdiv(T, GROUP)
     bmax = torch.empty(max(nb, 1), E, dtype=torch.int32, device=dev)
@@ -322,26 +328,28 @@ def _select_impl(scores: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
            bmax_ptr=bmax, BLOCK_T=block_t, BLOCK_E=block_e, num_warps=4)
     if T:
         launch(rounding_select_kernel, (E,), **common, bmax_ptr=bmax, cand_ptr=cand_groups, pad_mask_ptr=pad_mask,
-               BLOCK_NB=next_pow2(nb), CAND=cand, BLOCK_Z=min(4096, next_pow2(T)), num_warps=_select_warps(nb))
-    return kept, pad_mask.t(), target
+               pad_tok_ptr=pad_tok, J=J,
+               BLOCK_NB=next_pow2(nb), CAND=cand, BLOCK_J=next_pow2(max(J, 1)), BLOCK_Z=min(4096, next_pow2(T)),
+               num_warps=_select_warps(nb))
+    return kept, pad_mask.t(), pad_tok, target
 
 
 _select_op = torch.library.custom_op(
     "moeblaze::rounding_select", _select_impl, mutates_args=(),
-    schema="(Tensor scores, Tensor ids, Tensor weights, Tensor counts, Tensor? rand, int tile, str mode, "
-           "int max_n) -> (Tensor, Tensor, Tensor)")
+    schema="(Tensor scores, Tensor ids, Tensor weights, Tensor counts, Tensor? rand, int tile, str mode, int J, "
+           "int max_n) -> (Tensor, Tensor, Tensor, Tensor)")
 
 
 @_select_op.register_fake
-def _(scores, ids, weights, counts, rand, tile, mode, max_n):
+def _(scores, ids, weights, counts, rand, tile, mode, J, max_n):
     E = scores.shape[1]
     return (ids.new_empty(ids.shape, dtype=torch.int32), scores.new_empty(E, scores.shape[0], dtype=torch.uint8).t(),
-            ids.new_empty(E, dtype=torch.int32))
+            ids.new_empty(J, E, dtype=torch.int32), ids.new_empty(E, dtype=torch.int32))
 
 
 def rounding_select(scores: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, counts: torch.Tensor,
-                    tile: int, mode: str, max_n: int,
-                    rand: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                    tile: int, mode: str, J: int, max_n: int,
+                    rand: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Token rounding's targets, drops and pads (module docstring) in two launches.
 
     Args:
@@ -349,15 +357,16 @@ def rounding_select(scores: torch.Tensor, ids: torch.Tensor, weights: torch.Tens
             stride, distinct per row). weights: ``[T, K]`` float top-k weights (unit column stride).
         counts: ``[E]`` int32 or fp32 ``f_e`` (exact integers). tile: the M tile >= 1. mode: one of
             :data:`MODES` (:func:`moeblaze.token_rounding.round_counts`' rules, capped at T).
+        J: pad candidates per expert, ``r_e - f_e <= J`` (:func:`moeblaze.token_rounding.round_tokens`' J).
         max_n: the most tokens one expert drops or pads, ``|r_e - f_e| <= max_n`` for every e (``tile - 1``
             serves every mode); the select kernel holds ``2 * max_n * GROUP`` candidate keys.
         rand: ``[E]`` fp32 uniform draws of ``"sr"`` (expert e pads where ``rand[e] * tile < f_e % tile``), as
             ``round_counts`` draws them; None for the other modes.
 
     Returns:
-        ``(kept [T, K] int32, pad_mask [T, E] uint8, target [E] int32)``: the ids with dropped pairs set to E; 1
-        where expert e pads token t (``r_e - f_e`` ones in column e where that is positive), else 0, with strides
-        ``(1, T)`` (a transposed ``[E, T]``); the rounded counts ``r_e``.
+        ``(kept [T, K] int32, pad_mask [T, E] uint8, pad_tok [J, E] int32, target [E] int32)``: the ids with
+        dropped pairs set to E; 1 where expert e pads token t (``r_e - f_e`` ones in column e where that is
+        positive), else 0, with strides ``(1, T)`` (a transposed ``[E, T]``); the tokens expert e pads in column e, ascending, then -1; the rounded counts ``r_e``.
 
     Raises:
         ValueError: shapes or dtypes other than above, T above ``MAX_TOKENS``, K above ``MAX_TOP_K``, ``max_n``
@@ -382,5 +391,5 @@ def rounding_select(scores: torch.Tensor, ids: torch.Tensor, weights: torch.Tens
                                                                       rand.dtype != torch.float32)):
         raise ValueError(f"rounding_select: rand must be [E={E}] fp32 for mode 'sr' and None otherwise, got "
                          f"{None if rand is None else (tuple(rand.shape), rand.dtype)} for {mode!r}")
-    return call_op(_select_op, _select_impl, scores, ids, weights, counts.contiguous(), rand, int(tile), mode,
-                   int(max_n))
+    return call_op(_select_op, _select_impl, scores, ids, weights, counts.contiguous(), rand, int(tile), mode, J,
+                   max_n)
