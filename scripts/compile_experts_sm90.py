@@ -208,17 +208,15 @@ def compile_rounding() -> None:
         compile_one(rounding_keys_kernel, ptrs, dict(MODE=0, K=K, GROUP=GROUP, BLOCK_T=bt, BLOCK_E=be), 4, 1,
                     f"rounding keys E={E} K={K}")
         compile_one(rounding_select_kernel, ptrs, dict(K=K, GROUP=GROUP, BLOCK_NB=triton.next_power_of_2(nb),
-                                                       CAND=256, BLOCK_J=64, MODE=3,
-                                                       BLOCK_Z=min(4096, triton.next_power_of_2(T))),
+                                                       CAND=256, BLOCK_J=64, MODE=3),
                     _select_warps(nb), 1, f"rounding select T={T} K={K}")
         pt, pe = _place_block_t(E), triton.next_power_of_2(E)
-        compile_one(rounding_pad_count_kernel, dict(ptrs, pad_rank_ptr="*i16"), dict(BLOCK_T=pt, BLOCK_E=pe), 8, 1,
-                    f"rounding pad count E={E}")
+        compile_one(rounding_pad_count_kernel, ptrs, dict(BLOCK_T=pt, BLOCK_E=pe), 4, 1, f"rounding pad count E={E}")
         compile_one(rounding_place_kernel, ptrs, dict(K=K, BLOCK_T=pt, BLOCK_NBT=triton.next_power_of_2(T // pt),
                                                       BLOCK_TAIL=128), 4, 1, f"rounding place T={T} K={K}")
         compile_one(pair_weights_bwd_kernel, ptrs, dict(K=K, BLOCK_T=max(1, min(128, 8192 // pe)), BLOCK_E=pe), 4, 1,
                     f"pair weights backward E={E} K={K}")
-        compile_one(rounding_pad_place_kernel, dict(ptrs, pad_rank_ptr="*i16"), dict(BLOCK_J=64), 4, 1,
+        compile_one(rounding_pad_place_kernel, ptrs, dict(BLOCK_J=64, CHUNK_E=min(pe, 32)), 4, 1,
                     f"rounding pad place E={E}")
 
 if __name__ == "__main__":

@@ -10,12 +10,12 @@ token that held one: their time above the ceiling's went from 6.7 to 3.8-5.8 µs
 (H200, 2026-11-26, ``python3 benchmarks/bench_token_rounding.py speed --shapes 0 --variants none --breakdown 45``,
 three calls; docs/benchmarks.md).
 
-* :func:`rounding_pad_count_kernel` counts each token's padded pairs (row sums of the mask, read as ``[E, T]``
-  rows) and each block's, and ranks each padded pair among its token's (the padded pairs of lower experts).
+* :func:`rounding_pad_count_kernel` counts each token's padded pairs (row sums of the ``[T, E]`` mask) and each
+  block's.
 * :func:`rounding_place_kernel` adds the sums of the blocks before its own (at most ``T / 16`` of them), scans
   its tokens' pair counts and writes the top-k pairs with their weights, ``pair_offsets`` and its share of the tail.
 * :func:`rounding_pad_place_kernel` (one program per expert) puts each padded pair at its token's offset plus K
-  plus its rank, with its weight ``scores[t, e] * scale``.
+  plus the token's padded pairs of lower experts, with its weight ``scores[t, e] * scale``.
 
 This replaced a stable radix sort of the ``J*E`` pad entries by token, a binary search per token and three
 scatters: 6.3 µs per step for the three launches against 17.1 + 4.6 µs for the sort and the search plus
@@ -43,8 +43,7 @@ from .tuning import cdiv, next_pow2
 
 @triton.jit
 def rounding_pad_count_kernel(
-    pad_mask_ptr,    # [E, T] uint8: 1 where expert e pads token t
-    pad_rank_ptr,    # [E, T] int16 out, where the mask is 1: the token's padded pairs of lower experts
+    pad_mask_ptr,    # [T, E] uint8: 1 where expert e pads token t
     pads_ptr,        # [T] int32 out: padded pairs of each token
     block_pads_ptr,  # [NBT] int32 out: padded pairs of each block of BLOCK_T tokens
     T, E,
@@ -52,15 +51,9 @@ def rounding_pad_count_kernel(
 ):
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.arange(0, BLOCK_E)
-    at = cols[:, None] * T + rows[None, :]  # [BLOCK_E, BLOCK_T]: each expert's tokens contiguous
-    m = tl.load(pad_mask_ptr + at, mask=(cols < E)[:, None] & (rows < T)[None, :], other=0).to(tl.int32)
-    # the ranks along each token's row, here where the row is in registers: the pad-place kernel then reads one
-    # value per padded pair, where it had gathered the row's lower columns in 32-column steps (3.8 µs per step at
-    # T 16384, E 128, K 2; H200, 2026-11-26, ``python3 benchmarks/bench_token_rounding.py speed --shapes 0
-    # --variants none --breakdown 60``)
-    rank = tl.cumsum(m, axis=0) - m
-    tl.store(pad_rank_ptr + at, rank.to(tl.int16), mask=m != 0)
-    pads = tl.sum(m, axis=0)
+    m = tl.load(pad_mask_ptr + rows[:, None] * E + cols[None, :], mask=(rows < T)[:, None] & (cols < E)[None, :],
+                other=0).to(tl.int32)
+    pads = tl.sum(m, axis=1)
     tl.store(pads_ptr + rows, pads, mask=rows < T)
     tl.store(block_pads_ptr + tl.program_id(0), tl.sum(pads, axis=0))
 
@@ -105,7 +98,7 @@ def rounding_place_kernel(
 
 @triton.jit
 def rounding_pad_place_kernel(
-    pad_rank_ptr,      # [E, T] int16: where expert e pads token t, the token's padded pairs of lower experts
+    pad_mask_ptr,      # [T, E] uint8: 1 where expert e pads token t
     pad_tok_ptr,       # [J, E] int32: the tokens expert e pads, ascending, then -1
     pair_offsets_ptr,  # [T+1] int32: first pair of each token (rounding_place_kernel)
     scores_ptr,        # [T, E] float router scores
@@ -113,17 +106,19 @@ def rounding_pad_place_kernel(
     expert_idx_ptr,    # [P] int32 out: the padded pairs' experts
     w_ptr,             # [P] out: the padded pairs' weights, scores[t, e] * scale
     T, E, J, K, stride_s_t, scale,
-    BLOCK_J: tl.constexpr,
+    BLOCK_J: tl.constexpr, CHUNK_E: tl.constexpr,
 ):
     e = tl.program_id(0)
     jj = tl.arange(0, BLOCK_J)
     t = tl.load(pad_tok_ptr + jj * E + e, mask=jj < J, other=-1)
     valid = t >= 0
-    rank = tl.load(pad_rank_ptr + e * T + t, mask=valid, other=0).to(tl.int32)
-    off = tl.load(pair_offsets_ptr + t, mask=valid, other=0)
-    # inside the token's own range even where pad_tok and the mask disagree (a caller's inputs): no stray store
-    valid &= (rank >= 0) & (K + rank < tl.load(pair_offsets_ptr + t + 1, mask=valid, other=0) - off)
-    pos = off + K + rank
+    rank = tl.zeros([BLOCK_J], tl.int32)  # the token's padded pairs of the experts before e
+    for c0 in range(0, e, CHUNK_E):  # 32-column chunks: 29 registers; a [64, E] tile spilled at E 512 (triton 3.6)
+        cols = c0 + tl.arange(0, CHUNK_E)
+        before = tl.load(pad_mask_ptr + t[:, None] * E + cols[None, :], mask=valid[:, None] & (cols < e)[None, :],
+                         other=0)
+        rank += tl.sum(before.to(tl.int32), axis=1)
+    pos = tl.load(pair_offsets_ptr + t, mask=valid, other=0) + K + rank
     tl.store(token_idx_ptr + pos, t, mask=valid)
     tl.store(expert_idx_ptr + pos, tl.full(pos.shape, 0, tl.int32) + e, mask=valid)
     s = tl.load(scores_ptr + t * stride_s_t + e, mask=valid, other=0.0)
@@ -140,7 +135,6 @@ def _place_block_t(E: int) -> int:
 
 def _place_impl(kept: torch.Tensor, pad_mask: torch.Tensor, pad_tok: torch.Tensor, topk_weights: torch.Tensor,
                 scores: torch.Tensor, scale: float) -> tuple[torch.Tensor, ...]:
-    """The launches of :func:`rounding_place`, ``pad_mask`` as contiguous ``[E, T]`` rows."""
     (T, K), (J, E) = kept.shape, pad_tok.shape
     P, dev = T * K + J * E, kept.device
     token_idx = torch.empty(P, dtype=torch.int32, device=dev)
@@ -153,11 +147,8 @@ def _place_impl(kept: torch.Tensor, pad_mask: torch.Tensor, pad_tok: torch.Tenso
     nbt = cdiv(T, block_t)
     pads = torch.empty(T, dtype=torch.int32, device=dev)
     block_pads = torch.empty(nbt, dtype=torch.int32, device=dev)
-    pad_rank = torch.empty(E, T, dtype=torch.int16, device=dev)  # read only where the mask is 1 (written there)
-    # 8 warps: the ranks' scan over [E, BLOCK_T] took 148 / 254 registers at E 128 / 256 with 4 (100 / 128 with 8;
-    # triton 3.6, sm_90, ``scripts/compile_experts_sm90.py``'s compile_rounding)
-    launch(rounding_pad_count_kernel, (nbt,), pad_mask_ptr=pad_mask, pad_rank_ptr=pad_rank, pads_ptr=pads,
-           block_pads_ptr=block_pads, T=T, E=E, BLOCK_T=block_t, BLOCK_E=block_e, num_warps=8)
+    launch(rounding_pad_count_kernel, (nbt,), pad_mask_ptr=pad_mask, pads_ptr=pads, block_pads_ptr=block_pads, T=T,
+           E=E, BLOCK_T=block_t, BLOCK_E=block_e, num_warps=4)
     tail = cdiv(J * E, nbt)  # the unused tail's entries per block, at most (U <= J*E)
     launch(rounding_place_kernel, (nbt,), kept_ptr=kept, topk_w_ptr=topk_weights, pads_ptr=pads,
            block_pads_ptr=block_pads, token_idx_ptr=token_idx, expert_idx_ptr=expert_idx, w_ptr=w,
@@ -165,10 +156,10 @@ def _place_impl(kept: torch.Tensor, pad_mask: torch.Tensor, pad_tok: torch.Tenso
            stride_w_t=topk_weights.stride(0), K=K, BLOCK_T=block_t, BLOCK_NBT=next_pow2(nbt),
            BLOCK_TAIL=min(128, next_pow2(max(tail, 1))), num_warps=4)
     if J:
-        launch(rounding_pad_place_kernel, (E,), pad_rank_ptr=pad_rank, pad_tok_ptr=pad_tok,
+        launch(rounding_pad_place_kernel, (E,), pad_mask_ptr=pad_mask, pad_tok_ptr=pad_tok,
                pair_offsets_ptr=pair_offsets, scores_ptr=scores, token_idx_ptr=token_idx, expert_idx_ptr=expert_idx,
                w_ptr=w, T=T, E=E, J=J, K=K, stride_s_t=scores.stride(0), scale=float(scale),
-               BLOCK_J=next_pow2(J), num_warps=4)
+               BLOCK_J=next_pow2(J), CHUNK_E=min(block_e, 32), num_warps=4)
     return token_idx, expert_idx, w, pair_offsets
 
 
@@ -191,9 +182,8 @@ def rounding_place(kept: torch.Tensor, pad_mask: torch.Tensor, pad_tok: torch.Te
 
     Args:
         kept: ``[T, K]`` int32 top-k ids with dropped pairs set to E. pad_mask: ``[T, E]`` uint8, 1 where expert e
-            pads token t, any strides (read as ``[E, T]`` rows: copied unless its columns are contiguous, as
-            :func:`moeblaze.kernels.rounding.rounding_select` returns it). pad_tok: ``[J, E]`` int32, the tokens of
-            column e's ones, ascending, then -1 (J: pad candidates per expert). kept and pad_tok contiguous.
+            pads token t. pad_tok: ``[J, E]`` int32, the tokens of column e's ones, ascending, then -1 (J: pad
+            candidates per expert). All contiguous (:func:`moeblaze.kernels.rounding.rounding_select`'s outputs).
         topk_weights: ``[T, K]`` fp16/bf16/fp32 top-k weights, unit column stride. scores: ``[T, E]`` fp16/bf16/fp32
             router scores, unit column stride. scale: the padded pairs' weight factor.
 
@@ -212,8 +202,8 @@ def rounding_place(kept: torch.Tensor, pad_mask: torch.Tensor, pad_tok: torch.Te
         raise ValueError(f"rounding_place: kept must be [T, K], pad_mask [T, E] and pad_tok [J, E], got "
                          f"{tuple(kept.shape)}, {tuple(pad_mask.shape)} and {tuple(pad_tok.shape)}")
     if kept.dtype != torch.int32 or pad_mask.dtype != torch.uint8 or pad_tok.dtype != torch.int32 or not all(
-            t.is_contiguous() for t in (kept, pad_tok)):
-        raise ValueError(f"rounding_place: kept and pad_tok must be contiguous int32 and pad_mask uint8, "
+            t.is_contiguous() for t in (kept, pad_mask, pad_tok)):
+        raise ValueError(f"rounding_place: kept and pad_tok must be contiguous int32 and pad_mask contiguous uint8, "
                          f"got {kept.dtype}, {pad_tok.dtype} and {pad_mask.dtype}")
     floats = (torch.float16, torch.bfloat16, torch.float32)
     if topk_weights.shape != kept.shape or scores.shape != pad_mask.shape or topk_weights.dtype not in floats or \
@@ -221,9 +211,7 @@ def rounding_place(kept: torch.Tensor, pad_mask: torch.Tensor, pad_tok: torch.Te
         raise ValueError(f"rounding_place: topk_weights must be [T, K] and scores [T, E], fp16/bf16/fp32 with unit "
                          f"column stride, got {tuple(topk_weights.shape)} {topk_weights.dtype} and "
                          f"{tuple(scores.shape)} {scores.dtype}")
-    # the kernels read the mask as [E, T] rows: rounding_select's layout, so no copy there
-    return call_op(_place_op, _place_impl, kept, pad_mask.t().contiguous(), pad_tok, topk_weights, scores,
-                   float(scale))
+    return call_op(_place_op, _place_impl, kept, pad_mask, pad_tok, topk_weights, scores, float(scale))
 
 
 @triton.jit

@@ -21,8 +21,8 @@ never written out whole:
   selected), at most ``2n - 1`` groups. Their tokens' keys, recomputed from the scores, ids and weights, give the n-th largest key and
   the selection in token order: every key above it and, of the keys equal to it, the lowest tokens (ties:
   the lower token first, in both selections). Dropped pairs get the expert id E in ``kept [T, K]``; padded
-  pairs are marked in ``pad_mask [T, E]`` (uint8, 1 where expert e pads token t; each expert's column
-  contiguous, written whole by its program) and listed, ascending, in ``pad_tok [J, E]`` (-1 after the last).
+  pairs are marked in ``pad_mask [T, E]`` (uint8, 1 where expert e pads token t) and listed, ascending, in
+  ``pad_tok [J, E]`` (-1 after the last).
 
 The pair list in token order is then written by :mod:`moeblaze.kernels.pair_list`.
 
@@ -222,7 +222,7 @@ def _select_candidates(e, n, lo, dropping, ncb, T, E, cand_ptr, scores_ptr, ids_
     if dropping:  # the pair (t, kk) of each selected token t
         tl.store(kept_ptr + toks * K + kk, tl.full(toks.shape, E, tl.int32), mask=sel)
     else:
-        tl.store(pad_mask_ptr + e * T + toks, tl.full(toks.shape, 1, tl.uint8), mask=sel)
+        tl.store(pad_mask_ptr + toks * E + e, tl.full(toks.shape, 1, tl.uint8), mask=sel)
         tl.store(pad_tok_ptr + (tl.cumsum(sel.to(tl.int32), axis=0) - 1) * E + e, toks, mask=sel)  # ascending
 
 
@@ -236,20 +236,13 @@ def rounding_select_kernel(
     counts_ptr,   # [E] int32 or fp32 (exact integers) top-k token counts f_e
     rand_ptr,     # [E] fp32 uniform draws of the stochastic mode (MODE == SR), else unused
     kept_ptr,     # [T, K] int32 in/out: the top-k ids (rounding_keys_kernel's copy); dropped pairs set to E
-    pad_mask_ptr, # [E, T] uint8 out: 1 where expert e pads token t (program e writes row e whole)
+    pad_mask_ptr, # [T, E] uint8 in/out (zeros in): 1 where expert e pads token t
     pad_tok_ptr,  # [J, E] int32 out: the tokens expert e pads, ascending, then -1
     T, E, J, NB, tile, stride_s_t, stride_ids_t, stride_w_t,
     MODE: tl.constexpr, K: tl.constexpr, GROUP: tl.constexpr, BLOCK_NB: tl.constexpr, CAND: tl.constexpr,
-    BLOCK_J: tl.constexpr, BLOCK_Z: tl.constexpr,
+    BLOCK_J: tl.constexpr,
 ):
     e = tl.program_id(0)
-    # row e of the mask zeroed first, by coalesced stores that overlap the search below (the ones go in after
-    # the barrier that follows): a [T, E] mask took a fill launch of its own, 1.4-1.6 µs per step at T 16384,
-    # E 128, K 2 (H200, 2026-11-26, ``python3 benchmarks/bench_token_rounding.py speed --shapes 0 --variants none
-    # --breakdown 60``)
-    zz = tl.arange(0, BLOCK_Z)
-    for z0 in range(0, T, BLOCK_Z):
-        tl.store(pad_mask_ptr + e * T + z0 + zz, tl.zeros([BLOCK_Z], tl.uint8), mask=z0 + zz < T)
     f, r = _counts(counts_ptr, rand_ptr, e, True, T, tile, MODE)
     n = tl.abs(f - r)
     if n > 0:
@@ -271,7 +264,7 @@ def rounding_select_kernel(
             cand = (bm > lo) | (eq & (tl.cumsum(eq.to(tl.int32), axis=0) <= n))
             ncb = tl.sum(cand.to(tl.int32), axis=0)
         tl.store(cand_ptr + e * CAND + tl.cumsum(cand.to(tl.int32), axis=0) - 1, b, mask=cand)
-        tl.debug_barrier()  # the row of candidates, written by all threads, read by all (and the zeros before the ones)
+        tl.debug_barrier()  # the row of candidates, written by all threads, read by all
         # the usual case for nr (n < tile / 2): a quarter of the candidate keys to search, where half took both
         # launches 28.1 against 27.3 µs at T 16384, E 128, K 2 and 40.3 against 36.8 at E 256, K 4 (H200, 2026-11-26,
         # ``python3 benchmarks/bench_token_rounding.py select``'s method)
@@ -309,10 +302,9 @@ def _select_impl(scores: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
     T, E = scores.shape
     K, dev = ids.shape[1], scores.device
     kept = torch.empty(T, K, dtype=torch.int32, device=dev)  # the keys kernel copies ids in
-    # [E, T]: the select kernel's program e zeroes its row by coalesced stores (no fill launch); the keys kernel
-    # storing a [T, E] mask's zeros took 3.7 µs longer than the fill's 1.4 (H200, 2026-11-26, ``python3
-    # benchmarks/bench_token_rounding.py speed --shapes 0 --variants none --breakdown 60``)
-    pad_mask = torch.empty(E, T, dtype=torch.uint8, device=dev)
+    # zeros from a fill (1.4 µs per step at T 16384, E 128, K 2): the keys kernel storing them took 3.7 µs longer
+    # (H200, 2026-11-26, ``python3 benchmarks/bench_token_rounding.py speed --shapes 0 --variants none --breakdown 60``)
+    pad_mask = torch.zeros(T, E, dtype=torch.uint8, device=dev)
     pad_tok = torch.empty(J, E, dtype=torch.int32, device=dev)
     target = torch.empty(E, dtype=torch.int32, device=dev)
     nb = cdiv(T, GROUP)
@@ -329,9 +321,8 @@ def _select_impl(scores: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
     if T:
         launch(rounding_select_kernel, (E,), **common, bmax_ptr=bmax, cand_ptr=cand_groups, pad_mask_ptr=pad_mask,
                pad_tok_ptr=pad_tok, J=J,
-               BLOCK_NB=next_pow2(nb), CAND=cand, BLOCK_J=next_pow2(max(J, 1)), BLOCK_Z=min(4096, next_pow2(T)),
-               num_warps=_select_warps(nb))
-    return kept, pad_mask.t(), pad_tok, target
+               BLOCK_NB=next_pow2(nb), CAND=cand, BLOCK_J=next_pow2(max(J, 1)), num_warps=_select_warps(nb))
+    return kept, pad_mask, pad_tok, target
 
 
 _select_op = torch.library.custom_op(
@@ -343,7 +334,7 @@ _select_op = torch.library.custom_op(
 @_select_op.register_fake
 def _(scores, ids, weights, counts, rand, tile, mode, J, max_n):
     E = scores.shape[1]
-    return (ids.new_empty(ids.shape, dtype=torch.int32), scores.new_empty(E, scores.shape[0], dtype=torch.uint8).t(),
+    return (ids.new_empty(ids.shape, dtype=torch.int32), scores.new_empty(scores.shape, dtype=torch.uint8),
             ids.new_empty(J, E, dtype=torch.int32), ids.new_empty(E, dtype=torch.int32))
 
 
@@ -366,7 +357,7 @@ def rounding_select(scores: torch.Tensor, ids: torch.Tensor, weights: torch.Tens
     Returns:
         ``(kept [T, K] int32, pad_mask [T, E] uint8, pad_tok [J, E] int32, target [E] int32)``: the ids with
         dropped pairs set to E; 1 where expert e pads token t (``r_e - f_e`` ones in column e where that is
-        positive), else 0, with strides ``(1, T)`` (a transposed ``[E, T]``); the tokens expert e pads in column e, ascending, then -1; the rounded counts ``r_e``.
+        positive), else 0; the tokens expert e pads in column e, ascending, then -1; the rounded counts ``r_e``.
 
     Raises:
         ValueError: shapes or dtypes other than above, T above ``MAX_TOKENS``, K above ``MAX_TOP_K``, ``max_n``
