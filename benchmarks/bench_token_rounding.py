@@ -40,6 +40,7 @@ import datetime
 import functools
 import itertools
 import re
+import shutil
 import statistics
 import sys
 import tempfile
@@ -345,7 +346,10 @@ def run_quality(args) -> int:
     for routing in args.routings.split(","):
         cfg, mcfg = _preset_configs(args.preset, routing, args)
         lines = []
-        result = train(cfg, mcfg, log=lambda msg, lines=lines: (lines.append(str(msg)), print(msg, flush=True)))
+        try:
+            result = train(cfg, mcfg, log=lambda msg, lines=lines: (lines.append(str(msg)), print(msg, flush=True)))
+        finally:  # the run's checkpoints (a temporary folder) are not results
+            shutil.rmtree(cfg.out_dir, ignore_errors=True)
         evals = dict((int(m[1]), float(m[3])) for m in map(_EVAL.search, lines) if m)
         print(f"{routing}: final val {result.val_bpb:.4f} bits/byte", flush=True)
         path = out / f"curves-{routing.replace(':', '-')}.csv"

@@ -447,6 +447,7 @@ def test_train_routing_flag(tmp_path):
 
 @pytest.mark.parametrize("stage", ["speed", "quality", "rounding"])
 def test_benchmark_script_smoke(stage, tmp_path):
+    import os
     import subprocess
     import sys
     from pathlib import Path
@@ -455,8 +456,12 @@ def test_benchmark_script_smoke(stage, tmp_path):
     extra = {"speed": ["--smoke", "--out", str(tmp_path / "speed.csv")],
              "quality": ["--smoke", "--out-dir", str(tmp_path)],
              "rounding": ["--out", str(tmp_path / "rounding.csv")]}[stage]
-    proc = subprocess.run([sys.executable, str(script), stage, *extra], capture_output=True, text=True, timeout=300)
+    tmp = tmp_path / "tmp"  # the script's temporary folders, to check that it leaves none
+    tmp.mkdir()
+    proc = subprocess.run([sys.executable, str(script), stage, *extra], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "TMPDIR": str(tmp)})
     assert proc.returncode == 0, proc.stderr[-2000:]
+    assert not list(tmp.glob("tr_quality_*")), "the quality runs' checkpoint folders were left behind"
     if stage == "rounding":  # the issue's three shapes, timed on the CPU
         import csv
 
