@@ -46,11 +46,11 @@ import torch
 
 from . import settings
 from .backends import BACKENDS
+from .kernels.rounding import MODES as ROUNDING_MODES  # one tuple: the kernels' MODE constexpr is its index
 
 __all__ = ["ROUNDING_MODES", "Rounding", "TokenRounding", "round_counts", "round_tokens", "round_tokens_fused",
            "route_rounded", "tile_multiple"]
 
-ROUNDING_MODES = ("nr", "up", "down", "sr")
 _TORCH_TILE = 128  # the GPU kernels' M tile: the torch backend accepts any tile and defaults to the GPU's
 
 
