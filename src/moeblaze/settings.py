@@ -176,6 +176,10 @@ def override(**values: Any) -> Iterator[None]:
 
     Example: ``with moeblaze.settings.override(backend="torch", autotune=False): out = moe(x)``.
 
+    On CUDA, ``backward()`` runs the backward's kernels on autograd's device thread, which an override of the
+    calling thread does not reach: switches meant for the backward's kernels go through :func:`configure` or the
+    environment (on an H200, 2026-11-27, an override around ``loss.backward()`` did not switch a backward kernel).
+
     Raises:
         ValueError: an unknown setting or a value it does not take.
     """
