@@ -182,3 +182,51 @@ def test_host_cdiv_and_next_pow2_equal_triton_s():
         assert next_pow2(n) == triton.next_power_of_2(n), n
         for d in (1, 3, 64, 128, 4096):
             assert cdiv(n, d) == triton.cdiv(n, d), (n, d)
+
+
+def _backward_on_another_thread(loss, own: dict | None = None) -> None:
+    """``loss.backward()`` on a new thread, as autograd runs a CUDA backward on its device thread (this thread's
+    overrides do not reach it); ``own``: that thread's own override."""
+    import threading
+
+    errors = []
+
+    def run():
+        try:
+            with settings.override(**(own or {})):
+                loss.backward()
+        except Exception as err:  # noqa: BLE001 (re-raised on the test's thread)
+            errors.append(err)
+
+    worker = threading.Thread(target=run)
+    worker.start()
+    worker.join(timeout=120)
+    assert not worker.is_alive(), "backward did not finish"
+    if errors:
+        raise errors[0]
+
+
+def test_forward_overrides_govern_the_backward_on_another_thread(monkeypatch):
+    """An override in effect during the forward is what the backward's ops read, also where the backward runs on
+    another thread (autograd's device thread on CUDA); that thread's own override wins; none: the environment."""
+    import torch
+
+    from moeblaze.backends import get_backend
+
+    backend = get_backend("torch", torch.zeros(1))
+    seen = []
+    orig = backend.down_backward
+    spy = lambda *a, **k: seen.append(settings.get("autotune")) or orig(*a, **k)  # noqa: E731
+    monkeypatch.setattr(backend, "down_backward", spy)
+    monkeypatch.delenv("MOEBLAZE_AUTOTUNE", raising=False)
+    moe = moeblaze.MoE(16, 8, num_experts=4, top_k=2, backend="torch")
+    x = torch.randn(12, 16)
+    for forward_scope, own, expected in [({"autotune": False}, None, False), ({"autotune": False}, {"autotune": True},
+                                         True), ({}, None, True)]:
+        with settings.override(**forward_scope):
+            loss = moe(x).square().sum()
+        _backward_on_another_thread(loss, own)
+        assert seen.pop() is expected, (forward_scope, own)
+    with settings.override(autotune=False):  # the same thread: as before
+        moe(x).square().sum().backward()
+    assert seen.pop() is False

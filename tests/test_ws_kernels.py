@@ -131,6 +131,23 @@ def test_gpu_layer_with_ws_wgrad_bf16(save, monkeypatch):
         assert (x.double() - y.double()).abs().max() <= 2 ** -7 * y.double().abs().max(), name
 
 
+@pytest.mark.gpu
+@needs_ws
+def test_gpu_forward_override_reaches_the_backward(monkeypatch):
+    """``override(ws_wgrad=False)`` around the forward switches the Gluon weight gradient off in the backward, which
+    autograd runs on its CUDA device thread (settings.carried_to_backward); without it the backward takes it."""
+    ran = _spy(monkeypatch, "grouped_wgrad_ws")
+    torch.manual_seed(0)
+    moe = moeblaze.MoE(256, 192, num_experts=32, top_k=4).cuda().to(torch.bfloat16)
+    x = torch.randn(1024, 256, device="cuda", dtype=torch.bfloat16)
+    with moeblaze.settings.override(ws_wgrad=False):
+        loss = moe(x).float().square().sum()
+    loss.backward()
+    assert not ran
+    moe(x).float().square().sum().backward()
+    assert ran
+
+
 def test_ws_gemm_gating_on_cpu_and_by_setting():
     """Never on the CPU; 16-bit tensors of one dtype, a contiguous weight, k a multiple of 64; ``ws_gemm`` and
     ``tma`` switch it off."""

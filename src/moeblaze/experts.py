@@ -17,6 +17,7 @@ from .amp import autocast_off, autocast_target
 from .backends import BACKENDS, Backend, get_backend
 from .dispatch import DispatchIndex, TileSchedule, check_index_matches
 from .input_grad import SharedInputGrad
+from .settings import carried_to_backward
 
 __all__ = ["moe_experts", "SAVE_MODES", "BACKENDS"]
 
@@ -50,6 +51,7 @@ class _UpProjection(torch.autograd.Function):
     """
 
     @staticmethod
+    @carried_to_backward
     @autocast_off
     def forward(ctx, x, w1, b1, backend, activation, act_args, num_experts, block_m, foreign, input_grad,
                 *index_tensors):
@@ -65,6 +67,7 @@ class _UpProjection(torch.autograd.Function):
         return pre, act
 
     @staticmethod
+    @carried_to_backward
     @autocast_off
     def backward(ctx, dpre, _dact):
         x, w1, *index_tensors = ctx.saved_tensors
@@ -89,6 +92,7 @@ class _DownProjection(torch.autograd.Function):
     """
 
     @staticmethod
+    @carried_to_backward
     @autocast_off
     def forward(ctx, pre, act, w2, b2, topk_weights, backend, activation, act_args, num_experts, block_m, foreign,
                 *index_tensors):
@@ -101,6 +105,7 @@ class _DownProjection(torch.autograd.Function):
         return out
 
     @staticmethod
+    @carried_to_backward
     @autocast_off
     def backward(ctx, dout):
         pre, w2, b2, topk_weights, *index_tensors = ctx.saved_tensors
@@ -122,6 +127,7 @@ class _ExpertsRecompute(torch.autograd.Function):
     """
 
     @staticmethod
+    @carried_to_backward
     @autocast_off
     def forward(ctx, x, w1, b1, w2, b2, topk_weights, backend, activation, act_args, num_experts, block_m, foreign,
                 input_grad, *index_tensors):
@@ -138,6 +144,7 @@ class _ExpertsRecompute(torch.autograd.Function):
         return out
 
     @staticmethod
+    @carried_to_backward
     @autocast_off
     def backward(ctx, dout):
         x, w1, b1, w2, b2, topk_weights, *index_tensors = ctx.saved_tensors

@@ -20,6 +20,7 @@ from . import settings
 from .amp import autocast_off, autocast_operands
 from .input_grad import SharedInputGrad
 from .kernels import router as fused_router
+from .settings import carried_to_backward
 from .token_rounding import Rounding, TokenRounding, route_rounded, route_rounded_serves
 
 SCORE_FUNCS = ("softmax", "sigmoid")
@@ -58,6 +59,7 @@ class _RouterLogits(torch.autograd.Function):
     """
 
     @staticmethod
+    @carried_to_backward
     @autocast_off
     def forward(ctx, x, weight, input_grad=None):
         ctx.save_for_backward(x, weight)
@@ -67,6 +69,7 @@ class _RouterLogits(torch.autograd.Function):
         return x.float() @ weight.float().t()
 
     @staticmethod
+    @carried_to_backward
     @autocast_off
     def backward(ctx, dlogits):
         x, weight = ctx.saved_tensors
@@ -99,6 +102,7 @@ class _FusedTopK(torch.autograd.Function):
     probs, aux, z, counts)``; ids and counts carry no gradient."""
 
     @staticmethod
+    @carried_to_backward
     def forward(ctx, logits, top_k, renormalize, scale, aux_c, z_c):
         ids, weights, probs, lse, counts, aux, z = fused_router.router_topk(logits, top_k, renormalize, scale, aux_c,
                                                                             z_c)
@@ -109,6 +113,7 @@ class _FusedTopK(torch.autograd.Function):
         return ids, weights, probs, aux, z, counts
 
     @staticmethod
+    @carried_to_backward
     def backward(ctx, _dids, dweights, dprobs, daux, dz, _dcounts):
         if dweights is None and dprobs is None and daux is None and dz is None:
             return None, None, None, None, None, None

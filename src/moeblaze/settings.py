@@ -30,13 +30,14 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
-__all__ = ["SETTINGS", "configure", "get", "interpreting", "launcher_env", "override", "reset"]
+__all__ = ["SETTINGS", "carried_to_backward", "configure", "get", "interpreting", "launcher_env", "override", "reset"]
 
 
 def _bool(name: str, raw: str) -> bool:
@@ -176,9 +177,9 @@ def override(**values: Any) -> Iterator[None]:
 
     Example: ``with moeblaze.settings.override(backend="torch", autotune=False): out = moe(x)``.
 
-    On CUDA, ``backward()`` runs the backward's kernels on autograd's device thread, which an override of the
-    calling thread does not reach: switches meant for the backward's kernels go through :func:`configure` or the
-    environment (on an H200, 2026-11-27, an override around ``loss.backward()`` did not switch a backward kernel).
+    An override in effect during a forward also governs that graph's backward (:func:`carried_to_backward`); one
+    around the ``backward()`` call alone does not reach autograd's device thread, where CUDA backwards run (use
+    :func:`configure` or the environment for those).
 
     Raises:
         ValueError: an unknown setting or a value it does not take.
@@ -188,6 +189,34 @@ def override(**values: Any) -> Iterator[None]:
         yield
     finally:
         _scoped.reset(token)
+
+
+def carried_to_backward(method: Callable[..., Any]) -> Callable[..., Any]:
+    """Decorate an autograd Function's ``forward`` and ``backward`` (moeblaze's own): the :func:`override` values in
+    effect in the forward govern its backward too, below the backward thread's own overrides.
+
+    Why: on CUDA, ``loss.backward()`` runs the backward on autograd's device thread, which the calling thread's
+    overrides (a context variable) do not reach: on an H200 (2026-11-27) a backward inside ``override(...)`` still took
+    the kernel the override switched off. Without an override in the forward this adds one stored attribute and
+    enters nothing; under ``torch.compile`` it does nothing (the settings are those of the trace, as :func:`get` says).
+    """
+    forward = method.__name__ == "forward"
+
+    @functools.wraps(method)
+    def run(ctx, *args):
+        if forward:  # dynamo cannot trace ContextVar.get (see get): under compile the trace's settings hold
+            ctx.settings_scope = None if torch.compiler.is_compiling() else _scoped.get()
+            return method(ctx, *args)
+        saved = getattr(ctx, "settings_scope", None)
+        if not saved or torch.compiler.is_compiling():
+            return method(ctx, *args)
+        token = _scoped.set({**saved, **(_scoped.get() or {})})
+        try:
+            return method(ctx, *args)
+        finally:
+            _scoped.reset(token)
+
+    return run
 
 
 def interpreting() -> bool:

@@ -47,6 +47,7 @@ import torch
 from . import settings
 from .backends import BACKENDS
 from .kernels.rounding import MODES as ROUNDING_MODES  # one tuple: the kernels' MODE constexpr is its index
+from .settings import carried_to_backward
 
 __all__ = ["ROUNDING_MODES", "Rounding", "TokenRounding", "round_counts", "round_tokens", "round_tokens_fused",
            "route_rounded", "tile_multiple"]
@@ -237,6 +238,7 @@ class _PairList(torch.autograd.Function):
     there)."""
 
     @staticmethod
+    @carried_to_backward
     def forward(ctx, topk_weights, scores, kept, pad_mask, pad_tok, J, scale, kernels):
         if kernels:
             from .kernels.pair_list import rounding_place
@@ -252,6 +254,7 @@ class _PairList(torch.autograd.Function):
         return token_idx, expert_idx, w, pair_offsets
 
     @staticmethod
+    @carried_to_backward
     def backward(ctx, _dtokens, _dexperts, dw, _doffsets):
         if dw is None:
             return (None,) * 8
@@ -405,6 +408,7 @@ class _RoutedPairs(torch.autograd.Function):
     path."""
 
     @staticmethod
+    @carried_to_backward
     def forward(ctx, logits, top_k, renormalize, scale, aux_c, z_c, tile, mode, rand):
         from .kernels.pair_list import rounding_place
         from .kernels.rounding import rounding_select
@@ -422,6 +426,7 @@ class _RoutedPairs(torch.autograd.Function):
         return ids, weights, probs, aux, z, counts, token_idx, expert_idx, w, pair_offsets, target
 
     @staticmethod
+    @carried_to_backward
     def backward(ctx, _dids, dweights, dprobs, daux, dz, _dcounts, _dtok, _dexp, dw, _doffsets, _dtarget):
         from .kernels.pair_list import pair_weights_backward
         from .kernels.router import router_topk_backward

@@ -43,6 +43,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ..backends import get_backend
 from ..general_routing import moe_experts_general
+from ..settings import carried_to_backward
 
 __all__ = ["EPConfig", "ExpertParallel", "expert_parallel_forward", "expert_parameter_names",
            "global_load_balancing_loss", "init_local_experts", "resolve_group", "shard_experts"]
@@ -188,12 +189,14 @@ class _GatherRows(torch.autograd.Function):
     """``x [T, d]`` -> ``x[send_tokens] [S, d]``; backward sums each token's rows (:func:`_sum_rows`)."""
 
     @staticmethod
+    @carried_to_backward
     def forward(ctx, x, send_tokens, token_rows, row_offsets, send):
         ctx.save_for_backward(send_tokens, token_rows, row_offsets)
         ctx.send = send
         return x.index_select(0, send_tokens)
 
     @staticmethod
+    @carried_to_backward
     def backward(ctx, grad_rows):
         return _sum_rows(grad_rows, *ctx.saved_tensors, ctx.send), None, None, None, None
 
@@ -202,11 +205,13 @@ class _SumRows(torch.autograd.Function):
     """``y [S, d]`` (send order) -> ``out [T, d]``, each token's rows summed; backward is the row gather."""
 
     @staticmethod
+    @carried_to_backward
     def forward(ctx, y, send_tokens, token_rows, row_offsets, send):
         ctx.save_for_backward(send_tokens)
         return _sum_rows(y, send_tokens, token_rows, row_offsets, send)
 
     @staticmethod
+    @carried_to_backward
     def backward(ctx, dout):
         (send_tokens,) = ctx.saved_tensors
         return dout.index_select(0, send_tokens), None, None, None, None
@@ -216,11 +221,13 @@ class _DivideGrad(torch.autograd.Function):
     """Identity forward; the gradient divided by ``divisor`` in backward."""
 
     @staticmethod
+    @carried_to_backward
     def forward(ctx, w, divisor):
         ctx.divisor = divisor
         return w.view_as(w)
 
     @staticmethod
+    @carried_to_backward
     def backward(ctx, grad):
         return grad / ctx.divisor, None
 
