@@ -210,7 +210,10 @@ def carried_to_backward(method: Callable[..., Any]) -> Callable[..., Any]:
         saved = getattr(ctx, "settings_scope", None)
         if not saved or torch.compiler.is_compiling():
             return method(ctx, *args)
-        token = _scoped.set({**saved, **(_scoped.get() or {})})
+        own = _scoped.get()
+        if own is saved:  # the forward's scope is still on (the same thread, the same block): nothing to enter
+            return method(ctx, *args)
+        token = _scoped.set({**saved, **(own or {})})
         try:
             return method(ctx, *args)
         finally:
