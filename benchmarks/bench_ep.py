@@ -41,6 +41,7 @@ import moeblaze
 from moeblaze.bench.baselines import _act, grouped_linear
 from moeblaze.bench.results import git_commit
 from moeblaze.parallel import init_distributed
+from moeblaze.parallel.breakdown import gather, profile_steps, summary
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -157,6 +158,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--out", help="append the CSV rows to this file")
+    p.add_argument("--breakdown", type=int, default=0, metavar="STEPS",
+                   help="also profile this many steps of each layer and print where its time goes "
+                        "(moeblaze.parallel.breakdown)")
     p.add_argument("--commit", help="code version recorded in the rows (default: git's HEAD here, +dirty)")
     args = p.parse_args(argv)
 
@@ -173,26 +177,33 @@ def main(argv: list[str] | None = None) -> int:
     mb = moeblaze.MoE(args.d_model, args.d_ff, args.experts, args.top_k, aux_loss_coef=0.0, device=device, dtype=dtype,
                       ep_group=dist.group.WORLD)
     titan = TitanStyleEP(mb)
+    # the one-GPU layer on this rank's tokens alone (all E experts, no exchange): the floor the EP layer is held to
+    torch.manual_seed(0)
+    single = moeblaze.MoE(args.d_model, args.d_ff, args.experts, args.top_k, aux_loss_coef=0.0, device=device,
+                          dtype=dtype)
     gen = torch.Generator(device=device).manual_seed(1 + rank)
     x = torch.randn(args.tokens, args.d_model, device=device, dtype=dtype, generator=gen).requires_grad_()
     dout = torch.randn(args.tokens, args.d_model, device=device, dtype=dtype, generator=gen)
     splits = {"moeblaze": _split_sizes(mb, x, per_token=True), "torchtitan-style": _split_sizes(mb, x, per_token=False)}
     with torch.no_grad():
         ref = mb(x).float()
-        diff = float((titan(x).float() - ref).norm() / ref.norm().clamp_min(1e-30))
+        diffs = {"moeblaze": 0.0, **{name: float((layer(x).float() - ref).norm() / ref.norm().clamp_min(1e-30))
+                                     for name, layer in (("torchtitan-style", titan), ("moeblaze one GPU", single))}}
 
     command = " ".join([*(f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith("MOEBLAZE_")),
                         f"torchrun --nproc-per-node {world}", *sys.argv])
     rows = []
-    for name, layer in (("moeblaze", mb), ("torchtitan-style", titan)):
+    layers = (("moeblaze", mb), ("torchtitan-style", titan), ("moeblaze one GPU", single))
+    everything = [x, *mb.parameters(), *titan.parameters(), *single.parameters()]
+    for name, layer in layers:
         def step(layer=layer):
-            for q in (x, *mb.parameters(), *titan.parameters()):  # no gradient of the other layer held
+            for q in everything:  # no gradient of the other layer held
                 q.grad = None
             layer(x).backward(dout)
         peak = step_peak = None
         if cuda:
             step()  # autotuning and first-call allocations outside the measured peak
-            for q in (x, *mb.parameters(), *titan.parameters()):
+            for q in everything:
                 q.grad = None
             torch.cuda.empty_cache()
             resident = torch.cuda.memory_allocated(device)  # both layers' weights, x and dout
@@ -201,15 +212,19 @@ def main(argv: list[str] | None = None) -> int:
         if cuda:
             top = torch.cuda.max_memory_allocated(device)
             peak, step_peak = (_max_over_ranks(v / 2**20, device) for v in (top, top - resident))
-        comm = _timed(_comm_replay(x.detach(), args.top_k, *splits[name], name == "moeblaze"), args.iters,
-                      args.warmup, device)
+        if args.breakdown:
+            rows_bd = gather(profile_steps(step, args.breakdown, device))
+            if rank == 0:
+                print(f"{name}: {summary(rows_bd)}")
+        comm = (_timed(_comm_replay(x.detach(), args.top_k, *splits[name], name == "moeblaze"), args.iters,
+                       args.warmup, device) if name in splits else 0.0)
         rows.append({"impl": name, "world": world, "device": torch.cuda.get_device_name(device) if cuda else "cpu",
                      "dtype": args.dtype, "tokens_per_rank": args.tokens, "d": args.d_model, "h": args.d_ff,
                      "E": args.experts, "K": args.top_k, "fwd_bwd_ms": round(ms, 4),
                      "peak_mib": None if peak is None else round(peak, 1),
                      "step_peak_mib": None if step_peak is None else round(step_peak, 1),
-                     "sent_rows": sum(splits[name][0]), "comm_ms": round(comm, 4), "comm_share": round(comm / ms, 4),
-                     "out_rel_diff": diff if name != "moeblaze" else 0.0,
+                     "sent_rows": sum(splits[name][0]) if name in splits else 0, "comm_ms": round(comm, 4),
+                     "comm_share": round(comm / ms, 4), "out_rel_diff": diffs[name],
                      "date": datetime.date.today().isoformat(), "torch": torch.__version__,
                      "commit": args.commit or git_commit(os.path.dirname(os.path.abspath(__file__))),
                      "command": command})

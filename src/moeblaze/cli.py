@@ -81,7 +81,8 @@ def _configs(args: argparse.Namespace) -> tuple[TrainConfig, ModelConfig]:
             out_dir = given_t.get("out_dir", TrainConfig.out_dir)
             saved_t, saved_m, _ = load_run_config(out_dir)
             # Continue the stored run; per-invocation options start from their defaults.
-            base = replace(saved_t, stop_after=0, progress=TrainConfig.progress, overwrite=False, out_dir=out_dir)
+            base = replace(saved_t, stop_after=0, progress=TrainConfig.progress, overwrite=False, out_dir=out_dir,
+                           profile_steps=0)
             return replace(base, **given_t), replace(saved_m, **given_m)
         return (TrainConfig(**{**_split(argparse.Namespace(**preset), TrainConfig), **given_t}),
                 ModelConfig(**{**_split(argparse.Namespace(**preset), ModelConfig), **given_m}))

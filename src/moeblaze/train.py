@@ -17,6 +17,7 @@ import contextlib
 import math
 import signal
 import statistics
+import sys
 import time
 from dataclasses import asdict, fields, replace
 from pathlib import Path
@@ -34,6 +35,7 @@ from .layer import aux_loss
 from .memory import SavedTensorCounter
 from .metrics_log import MetricsLog
 from .model import ModelConfig, MoETransformer
+from .parallel.breakdown import StepBreakdown, StepProfiler, append_rows, gather, summary
 from .parallel.job import Job, check_same_config, clip_grad_norm, start_job
 from .train_config import (
     ConfigError,
@@ -371,9 +373,13 @@ def _loop(model, opt, corpus, cfg: TrainConfig, mcfg: ModelConfig, device, preci
     saved, losses, val_bpb, train_time, mfu, tok_s, ckpt = 0, [], float("nan"), 0.0, None, 0.0, None
     step_times: list[float] = []
     last_save = time.monotonic()
+    # profiled from the fourth step: the first ones autotune, compile and grow the allocator's pools
+    prof_from, profiler = (start + 3, None) if cfg.profile_steps else (None, None)
     bar = tqdm(range(start, stop), initial=start, total=stop, disable=not cfg.progress, unit="step",
                dynamic_ncols=True, desc="train")
     for step in bar:
+        if step == prof_from:
+            profiler = StepProfiler(device).start()
         t0 = time.perf_counter()
         x, y = (job.local_rows(t).to(device)
                 for t in get_batch(corpus.train, step, cfg.batch_size, mcfg.seq_len, cfg.seed))
@@ -390,6 +396,9 @@ def _loop(model, opt, corpus, cfg: TrainConfig, mcfg: ModelConfig, device, preci
                                      f"(last checkpoint: {kept or 'none'})") from None
         saved = counter.bytes if counter is not None else saved
         step_times.append(time.perf_counter() - t0)
+        if profiler is not None and step + 1 == prof_from + cfg.profile_steps:
+            _report_breakdown(profiler.stop(cfg.profile_steps), cfg, device, job, log)
+            profiler = None
         train_time += step_times[-1]
         tok_s = (step + 1 - start) * tokens_per_step / train_time
         mfu = flops_per_token * tok_s / peak if peak else None
@@ -431,6 +440,17 @@ def _loop(model, opt, corpus, cfg: TrainConfig, mcfg: ModelConfig, device, preci
             + (f", {steady / job.world:,.0f} tokens/s per {_unit(device)} over {job.world} processes"
                if job.distributed else ""))
     return val_bpb, losses, saved, tok_s, mfu, "done", str(ckpt)
+
+
+def _report_breakdown(row: StepBreakdown, cfg: TrainConfig, device: torch.device, job: Job, log) -> None:
+    """Gather every rank's step breakdown (:mod:`moeblaze.parallel.breakdown`), log its summary, append the rows to
+    ``OUT_DIR/breakdown.csv`` (rank 0)."""
+    rows = gather(row)
+    log(f"profiled {cfg.profile_steps} steps: {summary(rows)}")
+    if job.rank0:
+        name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+        append_rows(Path(cfg.out_dir) / "breakdown.csv", rows, device=f"{job.world}x {name}",
+                    layout=_layout_words(job.layout()), command=" ".join(sys.argv))
 
 
 def sample(checkpoint: str, prompt: str = "\n", max_new_tokens: int = 256, temperature: float = 0.8,

@@ -56,7 +56,8 @@ def _f(default, help: str, **kw):
 # it is allowed, exclusive upper bound or None). The seed feeds numpy's PCG64, which takes no negatives.
 _INT_RANGES = {"steps": (1, None), "batch_size": (1, None), "eval_interval": (1, None), "eval_tokens": (1, None),
                "stop_after": (0, None), "warmup_steps": (0, None), "checkpoint_interval": (0, None),
-               "threads": (0, None), "keep_checkpoints": (1, None), "ep": (1, None), "seed": (0, 2**63 - 1)}
+               "threads": (0, None), "keep_checkpoints": (1, None), "ep": (1, None), "profile_steps": (0, None),
+               "seed": (0, 2**63 - 1)}
 _FLOAT_RANGES = {"lr": (0.0, False, None), "min_lr": (0.0, True, None), "weight_decay": (0.0, True, None),
                  "beta1": (0.0, True, 1.0), "beta2": (0.0, True, 1.0), "grad_clip": (0.0, True, None),
                  "val_fraction": (0.0, False, 1.0), "peak_tflops": (0.0, True, None),
@@ -102,6 +103,9 @@ class TrainConfig:
     fsdp: bool = _f(False, "shard the model with FSDP2 over the processes torchrun started (torchrun "
                     "--nproc-per-node N -m moeblaze.cli train --fsdp); --batch-size is the global batch")
     ep: int = _f(1, "expert parallelism: spread each MoE layer's experts over groups of this many ranks (needs --fsdp)")
+    profile_steps: int = _f(0, "profile this many steps after the first three (torch.profiler): print how a step "
+                               "splits into compute, communication (and the part nothing hides), device idle and host "
+                               "syncs, per rank, and append the rows to OUT_DIR/breakdown.csv (0 = off)")
 
     def __post_init__(self) -> None:
         for name, (lo, hi) in _INT_RANGES.items():

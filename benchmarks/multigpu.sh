@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# Multi-GPU scaling of `moeblaze train --preset 1b` and the expert-parallel layer (benchmarks/bench_ep.py), with
+# each run's step breakdown (compute, communication, exposed communication, device idle, host syncs).
+#
+#   RESULTS=dir RUNS="1 fsdp2 fsdp4 ep4" STEPS=40 PROFILE=5 bash benchmarks/multigpu.sh train
+#   RESULTS=dir EP_WORLDS="2 4" bash benchmarks/multigpu.sh ep
+#
+# RUNS names runs: `1` (one GPU under torchrun --fsdp), `fsdpN` (N GPUs, FSDP2), `epP` (P GPUs, FSDP2 + --ep P),
+# `epP-N` (N GPUs, --ep P: a 2-D mesh); they run in the order given, so alternating them (`1 fsdp4 1 fsdp4`) shows
+# the spread. Each writes its log, metrics.csv and breakdown.csv under RESULTS/<run>-<i>/ and one line of
+# RESULTS/train.csv. EXTRA adds flags to every train run. NVLink multicast stays off.
+set -uo pipefail
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
+RESULTS=${RESULTS:?set RESULTS to a folder for the logs and CSVs}
+mkdir -p "$RESULTS"
+STEPS=${STEPS:-40}
+PROFILE=${PROFILE:-5}
+EXTRA=${EXTRA:-}
+
+train_run() {  # $1 run name, $2 index
+  local name=$1 i=$2 gpus ep=1
+  case $name in
+    1) gpus=1 ;;
+    fsdp*) gpus=${name#fsdp} ;;
+    ep*-*) ep=${name#ep}; gpus=${ep#*-}; ep=${ep%-*} ;;
+    ep*) ep=${name#ep}; gpus=$ep ;;
+    *) echo "unknown run $name"; return 1 ;;
+  esac
+  local dir="$RESULTS/$name-$i"
+  rm -rf "$dir"
+  local cmd="torchrun --nproc-per-node $gpus -m moeblaze.cli train --fsdp --preset 1b --batch-size $((16 * gpus))
+    --steps $STEPS --warmup-steps 5 --eval-interval 100000 --eval-tokens 16384 --checkpoint-interval 0
+    --checkpoint-minutes 0 --device cuda --no-progress --ep $ep --profile-steps $PROFILE --out-dir $dir $EXTRA"
+  echo "== $name ($i): $cmd"
+  timeout 900 $cmd > "$dir.log" 2>&1
+  local rc=$?
+  grep -E "profiled|steady state|Error|error:" "$dir.log" | tail -4
+  local steady
+  steady=$(grep -oE "[0-9,]+ tokens/s per GPU" "$dir.log" | tail -1 | tr -d ',' | cut -d' ' -f1)
+  echo "$(date +%F),$name,$i,$gpus,$ep,$STEPS,${steady:-},$rc,\"$(echo $cmd | tr -s ' ')\"" >> "$RESULTS/train.csv"
+}
+
+case ${1:-train} in
+  train)
+    [ -f "$RESULTS/train.csv" ] || echo "date,run,index,gpus,ep,steps,steady_tokens_per_s_per_gpu,rc,command" \
+      > "$RESULTS/train.csv"
+    i=0
+    for run in ${RUNS:-1 fsdp2 fsdp4 ep4}; do
+      i=$((i + 1))
+      train_run "$run" "$i"
+    done ;;
+  ep)
+    for w in ${EP_WORLDS:-2 4}; do
+      echo "== bench_ep on $w GPUs"
+      timeout 900 torchrun --nproc-per-node "$w" benchmarks/bench_ep.py --out "$RESULTS/ep.csv" \
+        --breakdown "$PROFILE" ${EP_FLAGS:-} 2>&1 | tee "$RESULTS/ep-$w.log" | grep -vE "^\s*$" | tail -8
+    done ;;
+  *) echo "usage: bash benchmarks/multigpu.sh train|ep"; exit 2 ;;
+esac
