@@ -84,6 +84,8 @@ def titan_matches_moeblaze(rank: int, world: int, spmd_backend: str, dtype: torc
     with torch.no_grad(), tt._context():
         _, ids_tt, _ = tt.moe.router(x.detach().reshape(1, T, d))
     assert torch.equal(ids_tt.reshape(T, K).sort(1).values.cpu(), ids.long().sort(1).values.cpu()), "routing differs"
+    with pytest.raises(ValueError, match=r"x \[T, d\]"):
+        tt(x.detach().reshape(1, T, d))
 
     xs, douts, all_ids = _gather(x.detach(), world), _gather(dout, world), _gather(ids.to(torch.int64), world)
     w1_all, w2_all = torch.cat(_gather(mb.w1.detach(), world)), torch.cat(_gather(mb.w_down.detach(), world))

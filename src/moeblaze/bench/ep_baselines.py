@@ -108,6 +108,8 @@ class TorchTitanEP(nn.Module):
         self._context = tt_utils.get_spmd_context(parallel_dims=parallel_dims)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() != 2:
+            raise ValueError(f"TorchTitanEP takes x [T, d], got shape {tuple(x.shape)}")
         T, d = x.shape
         before = self._utils.get_spmd_backend()
         self._utils.set_spmd_backend(self.spmd_backend)
