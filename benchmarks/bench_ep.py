@@ -1,4 +1,5 @@
-"""Expert-parallel MoE layer: moeblaze against a torchtitan-style EP layer on the same ranks (issue 23).
+"""Expert-parallel MoE layer: moeblaze against torchtitan 0.3.0's own EP MoE and a torchtitan-style EP layer on the
+same ranks (issues 23, 57).
 
 Launch with torchrun, one process per GPU (NCCL; gloo on the CPU with tiny shapes, for testing):
 
@@ -7,19 +8,26 @@ Launch with torchrun, one process per GPU (NCCL; gloo on the CPU with tiny shape
     torchrun --nproc-per-node 2 benchmarks/bench_ep.py --tokens 64 --d-model 32 --d-ff 16 --experts 8 --top-k 2 \\
         --dtype float32 --iters 2 --warmup 1                                      # CPU smoke run
 
-Both layers share the router and the expert weights and route the same tokens. ``moeblaze``:
-:class:`moeblaze.MoE` with ``ep_group`` (each token sent once per destination rank with its pairs, fused
-kernels over the received rows through a general routing index, each row's local experts combined before it
-goes back). ``torchtitan-style``: argsort of the routing, gathered copy of x with a row per (token, expert)
-pair, the all-to-alls, received rows regrouped by local expert (a second copy), ``grouped_mm`` for both
-projections, autograd through plain PyTorch ops.
+All layers share the router weight and the expert weights and route the same tokens (``--impls``, default all
+that can run here; :mod:`moeblaze.bench.ep_baselines` builds the baselines). ``moeblaze``: :class:`moeblaze.MoE`
+with ``ep_group`` (each token sent once per destination rank with its pairs, fused kernels over the received
+rows through a general routing index, each row's local experts combined before it goes back). ``torchtitan``:
+torchtitan 0.3.0's ``MoE`` (``TokenChoiceTopKRouter``, ``GroupedExperts`` on ``torch._grouped_mm``,
+``AllToAllTokenDispatcher``) parallelised by its own ``ParallelDims`` / ``moe_sharding`` / ``Module.parallelize``
+with its default ``spmd_types`` backend, whose uneven exchange is ``dist.all_to_all`` over split chunks (NCCL
+only); ``torchtitan-dtensor``: the same layer under its ``partial_dtensor`` backend (DTensor experts,
+``all_to_all_single``; runs on gloo too). Both need torchtitan importable (the wheels torchtitan==0.3.0, tyro,
+docstring_parser, spmd_types==0.2.3). ``torchtitan-style``: the same steps written in this repository (argsort
+of the routing, gathered copy of x with a row per (token, expert) pair, the all-to-alls, received rows
+regrouped by local expert, ``grouped_mm`` for both projections, autograd through plain PyTorch ops).
 
 Per layer, rank 0 writes one CSV row: forward+backward time (median over ``--iters`` steps, the slowest
 rank; CUDA events on GPU), peak memory (``torch.cuda.max_memory_allocated``, the largest rank; empty on
-the CPU) and the step's own part of it (above the resident weights of both layers, x and dout; no
+the CPU) and the step's own part of it (above the resident weights of all the layers built, x and dout; no
 gradient held between steps), the rows each rank sends, the time of the step's all-to-alls replayed alone
 with the same split sizes and their share of the step, the output's relative difference from the
-moeblaze layer, and the code version and command.
+moeblaze layer (the largest rank's; torchtitan computes its experts with bf16 operands whatever the dtype,
+so in float32 its difference is bf16 rounding), and the code version and command.
 """
 
 from __future__ import annotations
@@ -34,53 +42,14 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
-from torch.distributed._functional_collectives import all_to_all_single_autograd, wait_tensor
 
 import moeblaze
-from moeblaze.bench.baselines import _act, grouped_linear
+from moeblaze.bench.ep_baselines import TitanStyleEP, build_torchtitan_ep, torchtitan_available
 from moeblaze.bench.results import git_commit
 from moeblaze.parallel import init_distributed
 from moeblaze.parallel.breakdown import gather, profile_steps, summary
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-
-
-def _a2a(t: torch.Tensor, out_splits: list[int], in_splits: list[int]) -> torch.Tensor:
-    return wait_tensor(all_to_all_single_autograd(t, out_splits, in_splits, dist.group.WORLD))
-
-
-class TitanStyleEP(nn.Module):
-    """An expert-parallel layer written the way torchtitan writes it (argsort permute, gathered buffers,
-    grouped GEMMs, autograd), on the router and local expert weights of a moeblaze EP layer."""
-
-    def __init__(self, src: moeblaze.MoE) -> None:
-        super().__init__()
-        self.router = src.router
-        self.w_gate_up = nn.Parameter(src.w1.detach().clone())
-        self.w_down = nn.Parameter(src.w_down.detach().clone())
-        self.activation, self.E, self.P = src.activation, src.num_experts, src.ep.size
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        routing = self.router(x)
-        T, K = routing.topk_ids.shape
-        P, El = self.P, self.E // self.P
-        flat = routing.topk_ids.reshape(-1).long()
-        order = torch.argsort(flat, stable=True)  # slot -> pair, grouped by expert, hence by rank
-        token_idx = order // K
-        counts = torch.bincount(flat, minlength=self.E)
-        recv_counts = wait_tensor(all_to_all_single_autograd(counts, None, None, dist.group.WORLD))  # [P*El]
-        splits = torch.cat((counts.view(P, El).sum(1), recv_counts.view(P, El).sum(1))).tolist()
-        send, recv = splits[:P], splits[P:]
-        x_recv = _a2a(x[token_idx], recv, send)  # the gathered routing buffer [N, d], then [R, d]
-        local_ids = torch.arange(El, device=x.device).repeat(P).repeat_interleave(recv_counts, output_size=sum(recv))
-        perm = torch.argsort(local_ids, stable=True)  # received rows regrouped by local expert
-        ends = torch.cumsum(recv_counts.view(P, El).sum(0), 0).to(torch.int32)
-        y = grouped_linear(_act(grouped_linear(x_recv[perm], self.w_gate_up, ends), self.activation),
-                           self.w_down, ends)
-        y = torch.zeros_like(y).index_copy(0, perm, y)  # back to the received order
-        y = _a2a(y, send, recv) * routing.topk_weights.reshape(-1)[order].to(y.dtype)[:, None]
-        return torch.zeros_like(x).index_add(0, token_idx, y)
 
 
 def _split_sizes(layer: moeblaze.MoE, x: torch.Tensor, per_token: bool) -> tuple[list[int], list[int]]:
@@ -147,6 +116,42 @@ def _max_over_ranks(value: float, device: torch.device) -> float:
     return float(t)
 
 
+IMPLS = ("moeblaze", "torchtitan", "torchtitan-dtensor", "torchtitan-style", "one-gpu")
+TITAN_BACKENDS = {"torchtitan": "spmd_types", "torchtitan-dtensor": "partial_dtensor"}
+
+
+def _parse_impls(p: argparse.ArgumentParser, text: str | None, backend: str) -> list[str]:
+    """The layers to time, in ``IMPLS`` order; by default every one that can run here."""
+    if text is None:
+        titan = ["torchtitan" if backend == "nccl" else "torchtitan-dtensor"] if torchtitan_available() else []
+        return [n for n in IMPLS if n in ("moeblaze", "torchtitan-style", "one-gpu", *titan)]
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    bad = [n for n in names if n not in IMPLS]
+    if bad or not names:
+        p.error(f"--impls takes a comma-separated list of {', '.join(IMPLS)}; got {text!r}")
+    if "torchtitan" in names and backend != "nccl":
+        p.error("--impls torchtitan (its spmd_types backend) exchanges uneven chunks with dist.all_to_all, which "
+                "gloo cannot run; use torchtitan-dtensor (its partial_dtensor backend) on the CPU")
+    return [n for n in IMPLS if n in names]
+
+
+def _build(names: list[str], mb: moeblaze.MoE) -> dict[str, torch.nn.Module]:
+    """The layers of ``names`` on ``mb``'s router and expert weights (``mb`` itself for ``moeblaze``)."""
+    layers = {}
+    for name in names:
+        if name == "moeblaze":
+            layers[name] = mb
+        elif name == "torchtitan-style":
+            layers[name] = TitanStyleEP(mb)
+        elif name == "one-gpu":  # all E experts on this rank's own tokens, no exchange: the floor of the EP layer
+            torch.manual_seed(0)  # mb's draw: the same router and (all) experts
+            layers[name] = moeblaze.MoE(mb.d_model, mb.d_ff, mb.num_experts, mb.top_k, aux_loss_coef=0.0,
+                                        device=mb.w_down.device, dtype=mb.w_down.dtype)
+        else:
+            layers[name] = build_torchtitan_ep(mb, TITAN_BACKENDS[name])
+    return layers
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tokens", type=int, default=16384, help="tokens per rank (T)")
@@ -155,13 +160,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--experts", type=int, default=128, help="E, split over the ranks")
     p.add_argument("--top-k", type=int, default=8)
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
+    p.add_argument("--impls", help=f"comma-separated layers of {', '.join(IMPLS)} (default: moeblaze, "
+                   "torchtitan-style and, where torchtitan imports, torchtitan on NCCL or torchtitan-dtensor on gloo)")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--out", help="append the CSV rows to this file")
+    p.add_argument("--commit", help="code version recorded in the rows (default: git's HEAD here, +dirty)")
     p.add_argument("--breakdown", type=int, default=0, metavar="STEPS",
                    help="also profile this many steps of each layer and print where its time goes "
                         "(moeblaze.parallel.breakdown)")
-    p.add_argument("--commit", help="code version recorded in the rows (default: git's HEAD here, +dirty)")
     args = p.parse_args(argv)
 
     cuda = torch.cuda.is_available()
@@ -171,80 +178,88 @@ def main(argv: list[str] | None = None) -> int:
     env = init_distributed()
     if env.backend is None:
         p.error("launch with torchrun (e.g. torchrun --nproc-per-node 2 benchmarks/bench_ep.py)")
+    names = _parse_impls(p, args.impls, env.backend)
     device, rank, world = env.device, env.rank, env.world_size
     dtype = DTYPES[args.dtype]
     torch.manual_seed(0)  # the same router on every rank; each rank draws its own tokens below
     mb = moeblaze.MoE(args.d_model, args.d_ff, args.experts, args.top_k, aux_loss_coef=0.0, device=device, dtype=dtype,
                       ep_group=dist.group.WORLD)
-    titan = TitanStyleEP(mb)
-    # the one-GPU layer on this rank's tokens alone (all E experts, no exchange): the floor the EP layer is held to
-    torch.manual_seed(0)
-    single = moeblaze.MoE(args.d_model, args.d_ff, args.experts, args.top_k, aux_loss_coef=0.0, device=device,
-                          dtype=dtype)
+    layers = _build(names, mb)
+    params = [q for q in {id(q): q for m in (mb, *layers.values()) for q in m.parameters()}.values()]
     gen = torch.Generator(device=device).manual_seed(1 + rank)
     x = torch.randn(args.tokens, args.d_model, device=device, dtype=dtype, generator=gen).requires_grad_()
     dout = torch.randn(args.tokens, args.d_model, device=device, dtype=dtype, generator=gen)
-    splits = {"moeblaze": _split_sizes(mb, x, per_token=True), "torchtitan-style": _split_sizes(mb, x, per_token=False)}
+    pair_splits = _split_sizes(mb, x, per_token=False)  # the baselines send a row per (token, expert) pair
     with torch.no_grad():
         ref = mb(x).float()
-        diffs = {"moeblaze": 0.0, **{name: float((layer(x).float() - ref).norm() / ref.norm().clamp_min(1e-30))
-                                     for name, layer in (("torchtitan-style", titan), ("moeblaze one GPU", single))}}
+        diffs = {name: 0.0 if name == "moeblaze" else
+                 _max_over_ranks(float((layer(x).float() - ref).norm() / ref.norm().clamp_min(1e-30)), device)
+                 for name, layer in layers.items()}
 
     command = " ".join([*(f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith("MOEBLAZE_")),
                         f"torchrun --nproc-per-node {world}", *sys.argv])
     rows = []
-    layers = (("moeblaze", mb), ("torchtitan-style", titan), ("moeblaze one GPU", single))
-    everything = [x, *mb.parameters(), *titan.parameters(), *single.parameters()]
-    for name, layer in layers:
+    for name, layer in layers.items():
+        splits = _split_sizes(mb, x, per_token=True) if name == "moeblaze" else pair_splits
+
         def step(layer=layer):
-            for q in everything:  # no gradient of the other layer held
+            for q in (x, *params):  # no gradient of another layer held
                 q.grad = None
             layer(x).backward(dout)
         peak = step_peak = None
         if cuda:
             step()  # autotuning and first-call allocations outside the measured peak
-            for q in everything:
+            for q in (x, *params):
                 q.grad = None
             torch.cuda.empty_cache()
-            resident = torch.cuda.memory_allocated(device)  # both layers' weights, x and dout
+            resident = torch.cuda.memory_allocated(device)  # all the layers' weights, x and dout
             torch.cuda.reset_peak_memory_stats(device)
         ms = _timed(step, args.iters, args.warmup, device)
         if cuda:
             top = torch.cuda.max_memory_allocated(device)
             peak, step_peak = (_max_over_ranks(v / 2**20, device) for v in (top, top - resident))
         if args.breakdown:
-            rows_bd = gather(profile_steps(step, args.breakdown, device))
+            split = gather(profile_steps(step, args.breakdown, device))
             if rank == 0:
-                print(f"{name}: {summary(rows_bd)}")
-        comm = (_timed(_comm_replay(x.detach(), args.top_k, *splits[name], name == "moeblaze"), args.iters,
-                       args.warmup, device) if name in splits else 0.0)
+                print(f"{name}: {summary(split)}")
+        comm = 0.0 if name == "one-gpu" else _timed(_comm_replay(x.detach(), args.top_k, *splits, name == "moeblaze"),
+                                                    args.iters, args.warmup, device)
         rows.append({"impl": name, "world": world, "device": torch.cuda.get_device_name(device) if cuda else "cpu",
                      "dtype": args.dtype, "tokens_per_rank": args.tokens, "d": args.d_model, "h": args.d_ff,
                      "E": args.experts, "K": args.top_k, "fwd_bwd_ms": round(ms, 4),
                      "peak_mib": None if peak is None else round(peak, 1),
                      "step_peak_mib": None if step_peak is None else round(step_peak, 1),
-                     "sent_rows": sum(splits[name][0]) if name in splits else 0, "comm_ms": round(comm, 4),
-                     "comm_share": round(comm / ms, 4), "out_rel_diff": diffs[name],
+                     "sent_rows": 0 if name == "one-gpu" else sum(splits[0]), "comm_ms": round(comm, 4),
+                     "comm_share": round(comm / ms, 4),
+                     "out_rel_diff": diffs[name],
                      "date": datetime.date.today().isoformat(), "torch": torch.__version__,
                      "commit": args.commit or git_commit(os.path.dirname(os.path.abspath(__file__))),
                      "command": command})
     if rank == 0:
-        for r in rows:
-            print(", ".join(f"{k}={v}" for k, v in r.items()))
-        base, mine = rows[1], rows[0]
-        print(f"moeblaze speed-up {base['fwd_bwd_ms'] / mine['fwd_bwd_ms']:.3f}x"
-              + ("" if mine["peak_mib"] is None else
-                 f", peak memory {mine['peak_mib'] / base['peak_mib']:.1%} of torchtitan-style "
-                 f"(above the resident weights and inputs: {mine['step_peak_mib'] / base['step_peak_mib']:.1%})"))
-        if args.out:
-            new = not os.path.exists(args.out)
-            with open(args.out, "a", newline="") as fh:
-                writer = csv.DictWriter(fh, fieldnames=list(rows[0]))
-                if new:
-                    writer.writeheader()
-                writer.writerows(rows)
+        _report(rows, args.out)
     dist.destroy_process_group()
     return 0
+
+
+def _report(rows: list[dict], out: str | None) -> None:
+    """Print the rows and moeblaze's speed-up and peak memory against each baseline; append them to ``out``."""
+    for r in rows:
+        print(", ".join(f"{k}={v}" for k, v in r.items()))
+    mine = next((r for r in rows if r["impl"] == "moeblaze"), None)
+    for base in rows if mine is not None else []:
+        if base is mine:
+            continue
+        print(f"moeblaze speed-up over {base['impl']} {base['fwd_bwd_ms'] / mine['fwd_bwd_ms']:.3f}x"
+              + ("" if mine["peak_mib"] is None else
+                 f", peak memory {mine['peak_mib'] / base['peak_mib']:.1%} of {base['impl']}'s "
+                 f"(above the resident weights and inputs: {mine['step_peak_mib'] / base['step_peak_mib']:.1%})"))
+    if out:
+        new = not os.path.exists(out)
+        with open(out, "a", newline="") as fh:
+            writer = csv.DictWriter(fh, fieldnames=list(rows[0]))
+            if new:
+                writer.writeheader()
+            writer.writerows(rows)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,8 @@
 #              kernel cache taken from .peers/quack_cache.tgz and left in $OUT/quack_cache.tgz)
 #   precision  benchmarks/bench_precision.py $PRECISION_ARGS (AMP, fp32 TF32/IEEE, the train preset per --precision)
 #   train      moeblaze train on the GPU, torch vs triton backend loss curves ($TRAIN_BACKENDS: which of the two, default both)
-#   multigpu   2 GPUs: pytest -m multigpu (EP and FSDP2 equalities in bf16, NCCL), then benchmarks/bench_ep.py
+#   multigpu   2 GPUs: pytest -m multigpu (EP and FSDP2 equalities in bf16, NCCL; torchtitan's EP layer against
+#              moeblaze's where torchtitan imports: the wheels in .whl/ go to /tmp/site), then benchmarks/bench_ep.py
 #              under torchrun --nproc-per-node 2 ($EP_BENCH_ARGS, default the Qwen3-30B-A3B shape) -> ep.csv,
 #              then moeblaze train --fsdp --preset 1b under torchrun on 1 GPU, 2 GPUs, 2 GPUs with --ep 2
 #              (16 sequences of 1024 bytes per GPU, $TRAIN_1B_STEPS steps) -> steady tokens/s per GPU, train_1b.txt;
@@ -74,6 +75,11 @@ for name in ("train_1b_2gpu", "train_1b_2gpu_ep2"):
 PY
 }
 source scripts/quack_cache.sh  # sonic_peers, save_quack_cache
+titan_peer() {  # torchtitan 0.3.0 for bench_ep.py and tests/test_ep_baselines.py, from the wheels in .whl/ if there
+  compgen -G ".whl/torchtitan-*.whl" > /dev/null || { echo "=== no .whl/torchtitan-*.whl: torchtitan rows skipped"; return; }
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH="$PYTHONPATH:/tmp/site"
+}
 gpu_tests_parallel() {  # the gpu tests dealt round-robin to $TESTS_JOBS pytest processes on the one GPU
   # Most of a gpu test's time is Triton compiling on the CPU (16 cores), so processes side by side finish the
   # suite in a fraction of the time of one; each gets the whole timeout.
@@ -116,8 +122,9 @@ for stage in "$@"; do
         run "train_$b" timeout "${TRAIN_TIMEOUT:-600}" python3 -m moeblaze.cli train --device cuda --backend "$b" --no-progress --overwrite --out-dir "/tmp/run_$b"
       done ;;
     multigpu)
+      titan_peer
       MOEBLAZE_AUTOTUNE=0 run multigpu_tests timeout "${TESTS_TIMEOUT:-420}" python3 -m pytest -m multigpu -q -rfEs \
-        -p no:cacheprovider tests/test_parallel.py tests/test_train_dist.py
+        -p no:cacheprovider tests/test_parallel.py tests/test_train_dist.py tests/test_ep_baselines.py
       # shellcheck disable=SC2086
       run bench_ep timeout "${EP_BENCH_TIMEOUT:-600}" python3 -m torch.distributed.run --nproc-per-node 2 benchmarks/bench_ep.py ${EP_BENCH_ARGS:-} --out "$OUT/ep.csv"
       multigpu_train
