@@ -129,9 +129,10 @@ def test_bench_ep_runs_on_cpu(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = list(csv.DictReader(out.open()))
     titan = ["torchtitan-dtensor"] if torchtitan_available() else []
-    assert [r["impl"] for r in rows] == ["moeblaze", *titan, "torchtitan-style"]
+    assert [r["impl"] for r in rows] == ["moeblaze", *titan, "torchtitan-style", "one-gpu"]
     diffs = {r["impl"]: float(r["out_rel_diff"]) for r in rows}
     assert diffs["moeblaze"] == 0.0 and diffs["torchtitan-style"] < 1e-5 and diffs.get("torchtitan-dtensor", 0) < 2e-2
+    assert diffs["one-gpu"] < 1e-5  # the same router and experts on the rank's own tokens: the same function
     assert all(float(r["fwd_bwd_ms"]) > 0 for r in rows)
     assert "torchrun --nproc-per-node 2 benchmarks/bench_ep.py --tokens 24" in rows[0]["command"]
 
