@@ -10,7 +10,7 @@ Launch with torchrun, one process per GPU (NCCL; gloo on the CPU with tiny shape
 
 All layers share the router weight and the expert weights and route the same tokens (``--impls``, default all
 that can run here; :mod:`moeblaze.bench.ep_baselines` builds the baselines). ``moeblaze``: :class:`moeblaze.MoE`
-with ``ep_group`` (each token sent once per destination rank with its pairs, fused kernels over the received
+made expert-parallel (each token sent once per destination rank with its pairs, fused kernels over the received
 rows through a general routing index, each row's local experts combined before it goes back). ``torchtitan``:
 torchtitan 0.3.0's ``MoE`` (``TokenChoiceTopKRouter``, ``GroupedExperts`` on ``torch._grouped_mm``,
 ``AllToAllTokenDispatcher``) parallelised by its own ``ParallelDims`` / ``moe_sharding`` / ``Module.parallelize``
@@ -46,7 +46,7 @@ import torch.distributed as dist
 import moeblaze
 from moeblaze.bench.ep_baselines import TitanStyleEP, build_torchtitan_ep, torchtitan_available
 from moeblaze.bench.results import git_commit
-from moeblaze.parallel import init_distributed
+from moeblaze.parallel import EXCHANGES, expert_parallel, init_distributed
 from moeblaze.parallel.breakdown import gather, profile_steps, summary
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -166,6 +166,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--out", help="append the CSV rows to this file")
     p.add_argument("--commit", help="code version recorded in the rows (default: git's HEAD here, +dirty)")
+    p.add_argument("--exchange", choices=EXCHANGES, default="auto",
+                   help="the moeblaze layer's token exchange (moeblaze.parallel.exchange)")
     p.add_argument("--breakdown", type=int, default=0, metavar="STEPS",
                    help="also profile this many steps of each layer and print where its time goes "
                         "(moeblaze.parallel.breakdown)")
@@ -182,8 +184,8 @@ def main(argv: list[str] | None = None) -> int:
     device, rank, world = env.device, env.rank, env.world_size
     dtype = DTYPES[args.dtype]
     torch.manual_seed(0)  # the same router on every rank; each rank draws its own tokens below
-    mb = moeblaze.MoE(args.d_model, args.d_ff, args.experts, args.top_k, aux_loss_coef=0.0, device=device, dtype=dtype,
-                      ep_group=dist.group.WORLD)
+    mb = expert_parallel(moeblaze.MoE(args.d_model, args.d_ff, args.experts, args.top_k, aux_loss_coef=0.0,
+                                      device=device, dtype=dtype), dist.group.WORLD, args.exchange)
     layers = _build(names, mb)
     params = [q for q in {id(q): q for m in (mb, *layers.values()) for q in m.parameters()}.values()]
     gen = torch.Generator(device=device).manual_seed(1 + rank)

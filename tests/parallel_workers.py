@@ -20,12 +20,21 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 
 import moeblaze
 from moeblaze.model import ModelConfig, MoETransformer
-from moeblaze.parallel import init_distributed, is_rank0, make_mesh, parallelize, shard_experts, split_batch
+from moeblaze.parallel import (
+    expert_parallel,
+    init_distributed,
+    is_rank0,
+    make_mesh,
+    parallelize,
+    shard_experts,
+    split_batch,
+)
 from moeblaze.testing import assert_close_to_reference, rel_error
 
 
 def _device() -> torch.device:
-    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    return (torch.device("cuda", torch.cuda.current_device()) if "nccl" in str(dist.get_backend())
+            else torch.device("cpu"))
 
 
 def _check(name: str, actual: torch.Tensor, ref64: torch.Tensor, baseline: torch.Tensor | None,
@@ -56,6 +65,7 @@ def _single_process(moe: moeblaze.MoE, x: torch.Tensor, dout: torch.Tensor) -> d
 
 def ep_case(rank: int, world: int, tokens: list[int], E: int, K: int, d: int, h: int, seed: int,
             dtype: torch.dtype = torch.float64, backend: str = "torch", one_remote_expert: bool = False,
+            exchange: str = "all_to_all",
             **options) -> None:
     """EP layer over all ranks (``tokens[r]`` tokens on rank r) against one process on all tokens.
 
@@ -78,8 +88,8 @@ def ep_case(rank: int, world: int, tokens: list[int], E: int, K: int, d: int, h:
         low = _single_process(ref_low, x_all.to(dev, dtype), dout_all.to(dev))
     r64 = _single_process(ref, x_all, dout_all)
 
-    ep = moeblaze.MoE(d, h, E, ref.top_k, backend=backend, device=dev, dtype=dtype, ep_group=dist.group.WORLD,
-                      **kw)
+    ep = expert_parallel(moeblaze.MoE(d, h, E, ref.top_k, backend=backend, device=dev, dtype=dtype, **kw),
+                         dist.group.WORLD, exchange)
     sl = slice(ep.ep.first_expert, ep.ep.first_expert + ep.ep.num_local_experts)
     ref_params = dict(ref.named_parameters())
     with torch.no_grad():
@@ -123,31 +133,42 @@ def ep_case(rank: int, world: int, tokens: list[int], E: int, K: int, d: int, h:
 def ep_cases(rank: int, world: int, cases: list[dict]) -> None:
     for i, case in enumerate(cases):
         try:
-            ep_case(rank, world, seed=100 + i, **case)
+            ep_case(rank, world, **{"seed": 100 + i, **case})
         except AssertionError as err:
             raise AssertionError(f"case {case}: {err}") from err
 
 
 def bad_config(rank: int, world: int) -> None:
     """Mismatched configurations and E % P fail on every rank with a clear error (no hang)."""
+    group = dist.group.WORLD
     with pytest.raises(ValueError, match="disagree on the MoE configuration"):
-        moeblaze.MoE(8 + rank, 4, 4, 2, ep_group=dist.group.WORLD)
+        expert_parallel(moeblaze.MoE(8 + rank, 4, 4, 2), group)
     with pytest.raises(ValueError, match="disagree on the MoE configuration"):
-        moeblaze.MoE(8, 4, 4, 1 + rank % 2, ep_group=dist.group.WORLD)
+        expert_parallel(moeblaze.MoE(8, 4, 4, 1 + rank % 2), group)
     with pytest.raises(ValueError, match="disagree on the MoE configuration"):
-        moeblaze.MoE(8, 4, 4, 2, bias=rank == 0, ep_group=dist.group.WORLD)
+        expert_parallel(moeblaze.MoE(8, 4, 4, 2, bias=rank == 0), group)
+    with pytest.raises(ValueError, match="disagree on the MoE configuration"):
+        expert_parallel(moeblaze.MoE(8, 4, 4, 2), group, "padded" if rank else "all_to_all")
     with pytest.raises(ValueError, match="divisible by the expert-parallel group size"):
-        moeblaze.MoE(8, 4, world + 1, 1, ep_group=dist.group.WORLD)
-    with pytest.raises(TypeError, match="ep_group must be"):
-        moeblaze.MoE(8, 4, 4, 1, ep_group="world")
+        expert_parallel(moeblaze.MoE(8, 4, world + 1, 1), group)
+    with pytest.raises(TypeError, match="group must be"):
+        expert_parallel(moeblaze.MoE(8, 4, 4, 1), "world")
     with pytest.raises(ValueError, match="1-D DeviceMesh"):
-        moeblaze.MoE(8, 4, 4, 1, ep_group=init_device_mesh("cpu", (1, world), mesh_dim_names=("dp_shard", "ep")))
-    ep_layer = moeblaze.MoE(8, 4, 2 * world, 1, ep_group=dist.group.WORLD)
+        expert_parallel(moeblaze.MoE(8, 4, 4, 1), init_device_mesh("cpu", (1, world), mesh_dim_names=("dp", "ep")))
+    with pytest.raises(ValueError, match="exchange must be one of"):
+        expert_parallel(moeblaze.MoE(8, 4, 4, 1), group, "nccl")
+    with pytest.raises(ValueError, match="cannot run here: it needs CUDA"):
+        expert_parallel(moeblaze.MoE(8, 4, 4, 1), group, "nvshmem")
+    with pytest.raises(ValueError, match="found no moeblaze.MoE"):
+        expert_parallel(torch.nn.Linear(2, 2), group)
+    with pytest.raises(ValueError, match="token_rounding with expert parallelism"):
+        expert_parallel(moeblaze.MoE(8, 4, 4, 1, token_rounding="nr"), group)
+    ep_layer = expert_parallel(moeblaze.MoE(8, 4, 2 * world, 1), group)
     copied = copy.deepcopy(ep_layer)
     assert copied.ep is ep_layer.ep and copied.w1 is not ep_layer.w1
     with pytest.raises(ValueError, match="already expert-parallel"):
-        shard_experts(ep_layer, dist.group.WORLD)
-    model = torch.nn.Sequential(moeblaze.MoE(8, 4, 2 * world, 1, ep_group=dist.group.WORLD))
+        shard_experts(ep_layer, group)
+    model = expert_parallel(torch.nn.Sequential(moeblaze.MoE(8, 4, 2 * world, 1)), group)
     with pytest.raises(ValueError, match="pass a 2-D"):
         parallelize(model, init_device_mesh("cpu", (world,), mesh_dim_names=("dp_shard",)))
     with pytest.raises(ValueError, match="covers"):
@@ -295,7 +316,7 @@ def ep_bias_checkpoint(rank: int, world: int, out_dir: str) -> None:
 
     torch.manual_seed(3)
     full = moeblaze.MoE(12, 6, 4, 2, bias=True, dtype=torch.float64)
-    ep = moeblaze.MoE(12, 6, 4, 2, bias=True, dtype=torch.float64, ep_group=dist.group.WORLD)
+    ep = expert_parallel(moeblaze.MoE(12, 6, 4, 2, bias=True, dtype=torch.float64), dist.group.WORLD)
     sl = slice(ep.ep.first_expert, ep.ep.first_expert + ep.ep.num_local_experts)
     with torch.no_grad():
         for name, p in ep.named_parameters():

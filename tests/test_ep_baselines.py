@@ -20,6 +20,7 @@ import torch.nn.functional as F
 import moeblaze
 from dist_utils import run_ranks
 from moeblaze.bench.ep_baselines import TitanStyleEP, build_torchtitan_ep
+from moeblaze.parallel import expert_parallel
 from moeblaze.reference import moe_experts_reference
 from moeblaze.testing import assert_close_to_reference
 
@@ -68,7 +69,7 @@ def titan_matches_moeblaze(rank: int, world: int, spmd_backend: str, dtype: torc
     T, d, h, E, K = 40, 32, 16, 8, 2
     device = torch.device("cuda", rank) if dist.get_backend() == "nccl" else torch.device("cpu")
     torch.manual_seed(seed)  # the same router on every rank
-    mb = moeblaze.MoE(d, h, E, K, aux_loss_coef=0.0, device=device, dtype=dtype, ep_group=dist.group.WORLD)
+    mb = expert_parallel(moeblaze.MoE(d, h, E, K, aux_loss_coef=0.0, device=device, dtype=dtype), dist.group.WORLD)
     tt = build_torchtitan_ep(mb, spmd_backend)
     gen = torch.Generator(device="cpu").manual_seed(seed + 1 + rank)
     x = torch.randn(T, d, generator=gen).to(device, dtype).requires_grad_()
@@ -129,15 +130,17 @@ def test_torchtitan_ep_matches_moeblaze_bf16_two_gpus(spmd_backend):
 
 
 def bad_sources(rank: int, world: int, titan_missing: bool) -> None:
-    """Clear errors: a layer without ``ep_group``, an unknown backend, a configuration torchtitan does not
+    """Clear errors: a layer that is not expert-parallel, an unknown backend, a configuration torchtitan does not
     compute; without torchtitan, an ImportError naming what to install."""
     plain = moeblaze.MoE(16, 8, 4, 2)
-    ep = moeblaze.MoE(16, 8, 4, 2, ep_group=dist.group.WORLD)
-    for call, match in ((lambda: build_torchtitan_ep(plain), "ep_group"), (lambda: TitanStyleEP(plain), "ep_group"),
+    ep = expert_parallel(moeblaze.MoE(16, 8, 4, 2), dist.group.WORLD)
+    group = dist.group.WORLD
+    for call, match in ((lambda: build_torchtitan_ep(plain), "expert-parallel"),
+                        (lambda: TitanStyleEP(plain), "expert-parallel"),
                         (lambda: build_torchtitan_ep(ep, "full_dtensor"), "spmd_backend"),
-                        (lambda: build_torchtitan_ep(moeblaze.MoE(16, 8, 4, 2, activation="gelu",
-                                                                  ep_group=dist.group.WORLD)), "swiglu"),
-                        (lambda: build_torchtitan_ep(moeblaze.MoE(12, 8, 4, 2, ep_group=dist.group.WORLD)),
+                        (lambda: build_torchtitan_ep(expert_parallel(moeblaze.MoE(16, 8, 4, 2, activation="gelu"),
+                                                                     group)), "swiglu"),
+                        (lambda: build_torchtitan_ep(expert_parallel(moeblaze.MoE(12, 8, 4, 2), group)),
                          "multiples of 8")):
         with pytest.raises(ValueError, match=match):
             call()

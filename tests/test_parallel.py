@@ -40,10 +40,17 @@ TRITON_CASES = [  # the fused kernels in the interpreter, with zero tokens / zer
 ]
 
 
+def _padded(cases: list[dict]) -> list[dict]:
+    """The cases again over the sync-free exchange, each with the seed (the data) of its first run."""
+    return [{**c, "exchange": "padded", "seed": 100 + i} for i, c in enumerate(cases)]
+
+
 def test_ep_layer_2_ranks():
-    """EP layer = one process (edge cases, fp64/fp32, the Triton kernels in the interpreter); a mismatched
-    configuration or E % P != 0 fails on every rank."""
-    run_ranks(pw.run_all, 2, [("ep_cases", (CASES_2 + TRITON_CASES,)), ("bad_config", ())], timeout=240)
+    """EP layer = one process (edge cases, fp64/fp32, the Triton kernels in the interpreter), with the exchange
+    that reads the split sizes to the host and with the sync-free one (fixed capacities, rows past what a source
+    sent are foreign); a mismatched configuration or E % P != 0 fails on every rank."""
+    cases = CASES_2 + TRITON_CASES + _padded(CASES_2 + TRITON_CASES)
+    run_ranks(pw.run_all, 2, [("ep_cases", (cases,)), ("bad_config", ())], timeout=360)
 
 
 def test_fsdp2_2_ranks():
@@ -72,14 +79,16 @@ def test_ep_checkpoint_with_expert_biases_loads_in_one_process(tmp_path):
 def test_ep_and_2d_mesh_4_ranks():
     """EP over 4 ranks; FSDP2 + EP on a (2, 2) mesh: experts sharded over dp_shard inside each EP group,
     the router and a shared expert over the whole mesh."""
-    run_ranks(pw.run_all, 4, [("ep_cases", (CASES_4,)), ("fsdp_equal", ((2, 2), ("dp_shard", "ep"), 12))])
+    run_ranks(pw.run_all, 4, [("ep_cases", (CASES_4 + _padded(CASES_4),)),
+                              ("fsdp_equal", ((2, 2), ("dp_shard", "ep"), 12))])
 
 
 def test_ep_needs_initialised_distributed():
     import moeblaze
+    from moeblaze.parallel import expert_parallel
 
     with pytest.raises(RuntimeError, match="torch.distributed initialised"):
-        moeblaze.MoE(8, 4, 4, 2, ep_group=object())
+        expert_parallel(moeblaze.MoE(8, 4, 4, 2), object())
 
 
 @pytest.mark.gpu

@@ -75,9 +75,6 @@ class MoE(nn.Module):
         shared_d_ff: intermediate size of a :class:`SharedExpert` added to the output (0: none);
             shared_gate: scale it by ``sigmoid(x w)`` (Qwen2-MoE).
         bias: expert biases ``b_gate_up [E, 2h]`` (``b_up [E, h]``) and ``b_down [E, d]`` (as GPT-OSS).
-        ep_group: expert parallelism over a ``ProcessGroup`` or 1-D ``DeviceMesh`` of P ranks: this rank
-            holds experts ``[r*E/P, (r+1)*E/P)`` only and exchanges tokens with the others
-            (:mod:`moeblaze.parallel.expert_parallel`; construction is collective over the group).
         token_rounding: ``None`` (top-k) or a mode of :data:`moeblaze.token_rounding.ROUNDING_MODES`
             (``"nr"``, ``"up"``, ``"down"``, ``"sr"``): in training, round every expert's token count to a
             multiple of the M tile (SonicMoE §5; :mod:`moeblaze.token_rounding`); eval routes with top-k.
@@ -103,8 +100,10 @@ class MoE(nn.Module):
     for load statistics.
 
     Raises:
-        ValueError: bad configuration, or an input whose last dimension is not d; with ``ep_group``,
-            ``E % P != 0`` or ranks that disagree on the configuration.
+        ValueError: bad configuration, or an input whose last dimension is not d.
+
+    Expert parallelism is applied to a built layer (or a model holding layers) by
+    :func:`moeblaze.parallel.expert_parallel` (or :func:`moeblaze.parallel.parallelize` on a 2-D mesh).
     """
 
     def __init__(self, d_model: int, d_ff: int, num_experts: int, top_k: int, activation: str = "swiglu",
@@ -113,7 +112,7 @@ class MoE(nn.Module):
                  device=None, dtype=None, *, n_group: int = 1, topk_group: int | None = None,
                  score_correction_bias: bool = False, routed_scaling_factor: float = 1.0,
                  logits_dtype: str = "fp32", shared_d_ff: int = 0, shared_gate: bool = False,
-                 bias: bool = False, ep_group=None, token_rounding: str | None = None,
+                 bias: bool = False, token_rounding: str | None = None,
                  rounding_tile: int | None = None, rounding_seed: int = 0) -> None:
         super().__init__()
         if token_rounding is not None and token_rounding not in ROUNDING_MODES:
@@ -142,19 +141,17 @@ class MoE(nn.Module):
                                if shared_d_ff else None)
         rows = 2 * d_ff if is_gated(activation) else d_ff
         self._w1_name = "w_gate_up" if is_gated(activation) else "w_up"
-        if token_rounding is not None and ep_group is not None:
-            raise ValueError("token_rounding with ep_group is not supported: token rounding runs on one GPU or "
-                             "under FSDP2")
-        self.has_bias = bool(bias)  # before the EP group compares the ranks' configurations
-        self.ep = None if ep_group is None else _expert_parallel().ExpertParallel(ep_group, self)
-        n_local = num_experts if self.ep is None else self.ep.num_local_experts
+        self.has_bias = bool(bias)
+        # expert parallelism (moeblaze.parallel.expert_parallel) sets it: the layer then calls ep.forward for its
+        # routed experts and holds its rank's slice of the experts
+        self.ep = None
         kw = {"device": device, "dtype": dtype}
-        self.register_parameter(self._w1_name, nn.Parameter(torch.empty(n_local, rows, d_model, **kw)))
-        self.w_down = nn.Parameter(torch.empty(n_local, d_model, d_ff, **kw))
+        self.register_parameter(self._w1_name, nn.Parameter(torch.empty(num_experts, rows, d_model, **kw)))
+        self.w_down = nn.Parameter(torch.empty(num_experts, d_model, d_ff, **kw))
         if self.has_bias:
             self._b1_name = "b_gate_up" if is_gated(activation) else "b_up"
-            self.register_parameter(self._b1_name, nn.Parameter(torch.empty(n_local, rows, **kw)))
-            self.b_down = nn.Parameter(torch.empty(n_local, d_model, **kw))
+            self.register_parameter(self._b1_name, nn.Parameter(torch.empty(num_experts, rows, **kw)))
+            self.b_down = nn.Parameter(torch.empty(num_experts, d_model, **kw))
         self.reset_parameters()
         self.aux_loss: torch.Tensor = torch.zeros(())
         self.last_topk_ids: torch.Tensor | None = None
@@ -180,7 +177,7 @@ class MoE(nn.Module):
         """Re-initialise the router and the experts (``U(-1/sqrt(fan_in), 1/sqrt(fan_in))``)."""
         self.router.reset_parameters()
         if self.ep is not None:
-            _expert_parallel().init_local_experts(self)
+            self.ep.reset_experts(self)
         else:
             for w, fan_in in self.expert_fan_ins():
                 nn.init.uniform_(w, -1 / math.sqrt(fan_in), 1 / math.sqrt(fan_in))
@@ -210,7 +207,7 @@ class MoE(nn.Module):
         # float64 (the reference check) rounds with the PyTorch ops, after the router
         routing = self.router(x2, input_grad=share, rounding=rounding if x2.dtype != torch.float64 else None)
         if self.ep is not None:  # expert parallelism: the routed experts run on the ranks that hold them
-            out, self.aux_loss = _expert_parallel().expert_parallel_forward(self, x2, routing)
+            out, self.aux_loss = self.ep.forward(self, x2, routing)
             if self.shared_experts is not None:
                 out = out + self.shared_experts(x2)
             self.last_topk_ids = routing.topk_ids.detach()
@@ -270,14 +267,6 @@ class MoE(nn.Module):
                 f"top_k={self.top_k}, activation={self.activation}, save={self.save}, backend={self.backend}"
                 + (f", token_rounding={self.token_rounding}" if self.token_rounding else "")
                 + ("" if self.ep is None else f", ep={self.ep}"))
-
-
-def _expert_parallel():
-    """:mod:`moeblaze.parallel.expert_parallel`, imported on first use: :mod:`moeblaze.parallel` imports this
-    module (FSDP2 finds the MoE layers by their class), while the EP machinery itself needs only the experts."""
-    import moeblaze.parallel.expert_parallel as expert_parallel
-
-    return expert_parallel
 
 
 def aux_loss(model: nn.Module) -> torch.Tensor:

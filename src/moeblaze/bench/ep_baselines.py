@@ -1,4 +1,4 @@
-"""The expert-parallel (EP) layers ``benchmarks/bench_ep.py`` runs against :class:`moeblaze.MoE` with ``ep_group``
+"""The expert-parallel (EP) layers ``benchmarks/bench_ep.py`` runs against an expert-parallel :class:`moeblaze.MoE`
 (issue 57), each built on the router and the local expert weights of a moeblaze EP layer so that all of them
 compute the same function of the same tokens (DESIGN.md §2: softmax scores, top-k without renormalisation,
 SwiGLU experts, the weighted sum of the K expert outputs).
@@ -53,7 +53,8 @@ class TitanStyleEP(nn.Module):
     def __init__(self, src: MoE) -> None:
         super().__init__()
         if src.ep is None:
-            raise ValueError("TitanStyleEP needs a moeblaze.MoE built with ep_group, got one without")
+            raise ValueError("TitanStyleEP needs an expert-parallel moeblaze.MoE (moeblaze.parallel.expert_parallel), "
+                             "got one that is not")
         self.router = src.router
         self.w_gate_up = nn.Parameter(src.w1.detach().clone())
         self.w_down = nn.Parameter(src.w_down.detach().clone())
@@ -134,8 +135,9 @@ def _import_torchtitan():
 def _check_source(src: MoE) -> None:
     """The moeblaze configurations torchtitan's MoE computes alike; anything else is a ValueError."""
     if not isinstance(src, MoE) or src.ep is None:
-        got = "one without ep_group" if isinstance(src, MoE) else type(src).__name__
-        raise ValueError(f"build_torchtitan_ep needs a moeblaze.MoE built with ep_group, got {got}")
+        got = "one that is not" if isinstance(src, MoE) else type(src).__name__
+        raise ValueError(f"build_torchtitan_ep needs an expert-parallel moeblaze.MoE "
+                         f"(moeblaze.parallel.expert_parallel), got {got}")
     r = src.router
     plain = (src.activation == "swiglu" and r.score_func == "softmax" and not r.renormalize and r.n_group == 1
              and r.e_score_correction_bias is None and r.routed_scaling_factor == 1.0

@@ -8,11 +8,12 @@ produce are reduce-scattered back to shards. No code path of the layer knows abo
 Meshes (after torchtitan's layout for expert parallelism):
 
 - 1-D data-parallel mesh (any dimension name but ``ep``): every parameter sharded over it.
-- 2-D ``(dp_shard, ep)`` mesh: the MoE layers are expert-parallel over ``ep`` (``moeblaze.MoE(...,
-  ep_group=mesh["ep"])``, or converted here). Non-expert parameters (router included) are sharded over
-  the whole mesh; a layer's expert weights over ``dp_shard`` only, i.e. among the ranks that hold the
-  same experts. Expert gradients are divided by the whole mesh size, as the others are (FSDP's mean over
-  ``dp_shard`` and ``ExpertParallel.grad_divide = P``), so every gradient is the mean over all ranks' losses.
+- 2-D ``(dp_shard, ep)`` mesh: the MoE layers are expert-parallel over ``ep`` (made so here with
+  :func:`moeblaze.parallel.expert_parallel`, or before over ``mesh["ep"]``). Non-expert parameters (router
+  included) are sharded over the whole mesh; a layer's expert weights over ``dp_shard`` only, i.e. among the
+  ranks that hold the same experts. Expert gradients are divided by the whole mesh size, as the others are
+  (FSDP's mean over ``dp_shard`` and ``ExpertParallel.grad_divide = P``), so every gradient is the mean over all
+  ranks' losses.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from ..layer import MoE
 from ..routing import RouterOutput
-from .expert_parallel import shard_experts
+from .ep import shard_experts
 
 __all__ = ["parallelize"]
 
@@ -57,7 +58,8 @@ def _split_mesh(mesh: DeviceMesh, ep_dim: str) -> tuple[DeviceMesh, DeviceMesh, 
 
 
 def parallelize(model: nn.Module, mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy | None = None,
-                reshard_after_forward: bool = True, ep_dim: str = "ep") -> nn.Module:
+                reshard_after_forward: bool = True, ep_dim: str = "ep", exchange: str = "auto",
+                prefetch: bool = True) -> nn.Module:
     """Shard ``model`` with FSDP2 over ``mesh``, expert-parallel over its ``ep_dim`` dimension if it has one.
 
     Units of sharding (each one all-gather / reduce-scatter): every :class:`moeblaze.MoE` layer (its
@@ -73,8 +75,14 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, mp_policy: MixedPrecisionPol
             (``dp_shard`` may have size 1), covering the whole world.
         mp_policy: FSDP2 mixed precision, e.g. ``MixedPrecisionPolicy(param_dtype=torch.bfloat16,
             reduce_dtype=torch.float32)`` on GPU; default: compute in the parameters' dtype.
-        reshard_after_forward: free the gathered parameters after forward (re-gathered in backward).
+        reshard_after_forward: free the gathered parameters after forward (re-gathered in backward); False keeps
+            them from forward to backward (one all-gather per unit and step instead of two, as ZeRO-2; the root
+            and the last block are kept either way, their backward follows at once).
         ep_dim: the name of the expert-parallel mesh dimension.
+        exchange: the token exchange of the expert-parallel layers (:data:`moeblaze.parallel.EXCHANGES`).
+        prefetch: each block's units all-gather the next block's parameters in forward (the previous block's in
+            backward) as they start, so the gathers run under the current block's compute even when the host
+            launches just in time (FSDP2's own prefetch issues a gather only when the host reaches its unit).
 
     Raises:
         TypeError: ``mesh`` is not a ``DeviceMesh``.
@@ -92,7 +100,7 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, mp_policy: MixedPrecisionPol
             fully_shard(moe, mesh=flat, **kw)
             continue
         if moe.ep is None:
-            shard_experts(moe, ep_mesh)
+            shard_experts(moe, ep_mesh, exchange)
         elif dist.get_process_group_ranks(moe.ep.group) != dist.get_process_group_ranks(ep_mesh.get_group()):
             raise ValueError(f"MoE layer {name!r} is expert-parallel over ranks "
                              f"{dist.get_process_group_ranks(moe.ep.group)}, but mesh[{ep_dim!r}] here is ranks "
@@ -106,9 +114,27 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, mp_policy: MixedPrecisionPol
         # means over the whole mesh, as every other gradient. (FSDP2's set_gradient_divide_factor does this
         # too, but divides twice for a 1-rank dp_shard with an fp64/fp16 reduce dtype, torch 2.13.)
         moe.ep.grad_divide = ep_mesh.size()
+    blocks = []
     for mlist in [m for m in model.modules() if isinstance(m, nn.ModuleList)]:
-        for child in mlist:
+        for i, child in enumerate(mlist):
             if not isinstance(child, FSDPModule) and any(True for _ in child.parameters()):
-                fully_shard(child, mesh=flat, **kw)
-    fully_shard(model, mesh=flat, **kw)
+                last = i == len(mlist) - 1
+                fully_shard(child, mesh=flat, **{**kw, "reshard_after_forward": reshard_after_forward and not last})
+                blocks.append(child)
+    fully_shard(model, mesh=flat, **{**kw, "reshard_after_forward": False})
+    if prefetch:
+        _set_prefetch(blocks)
     return model
+
+
+def _units(block: nn.Module) -> list[FSDPModule]:
+    """The FSDP2 units of a block in forward order: the block itself, then the units nested in it."""
+    return [block, *(m for m in block.modules() if m is not block and isinstance(m, FSDPModule))]
+
+
+def _set_prefetch(blocks: list[nn.Module]) -> None:
+    """Explicit prefetch between consecutive blocks (``parallelize``'s ``prefetch``)."""
+    for prev, nxt in zip(blocks, blocks[1:]):
+        prev.set_modules_to_forward_prefetch(_units(nxt))
+        # in backward a block's own unit starts first (its outputs' gradients arrive before its MoE layer's)
+        nxt.set_modules_to_backward_prefetch(_units(prev))

@@ -44,7 +44,8 @@ def _env_int(env: dict[str, str], name: str, default: int) -> int:
 def init_distributed(device: str | None = None, timeout_s: float = 600.0) -> DistEnv:
     """Join the job torchrun started (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR/PORT``).
 
-    NCCL on CUDA (the process takes GPU ``LOCAL_RANK`` with ``torch.cuda.set_device``), gloo on the CPU.
+    NCCL on CUDA (the process takes GPU ``LOCAL_RANK`` with ``torch.cuda.set_device``) with gloo beside it for
+    host tensors (``cpu:gloo,cuda:nccl``), gloo on the CPU.
     Without ``WORLD_SIZE`` (a plain ``python`` run) no process group is made: rank 0 of 1. An already
     initialised default group is used as it is; without ``LOCAL_RANK`` the process then keeps its current
     CUDA device (the one the caller set), not GPU 0.
@@ -72,16 +73,19 @@ def init_distributed(device: str | None = None, timeout_s: float = 600.0) -> Dis
             raise ValueError(f"LOCAL_RANK={local_rank} but {torch.cuda.device_count()} CUDA devices are visible")
         torch.cuda.set_device(local_rank)
     dev = torch.device("cuda", local_rank) if kind == "cuda" else torch.device("cpu")
-    if dist.is_initialized():
-        return DistEnv(dist.get_rank(), dist.get_world_size(), local_rank, dev, dist.get_backend())
+    if dist.is_initialized():  # the device's backend ("nccl" for "cpu:gloo,cuda:nccl")
+        backend = "nccl" if "nccl" in str(dist.get_backend()) else str(dist.get_backend())
+        return DistEnv(dist.get_rank(), dist.get_world_size(), local_rank, dev, backend)
     world, rank = _env_int(env, "WORLD_SIZE", 1), _env_int(env, "RANK", 0)
     if world < 1 or not 0 <= rank < world:
         raise ValueError(f"RANK={rank} must be in [0, WORLD_SIZE={world})")
     if "WORLD_SIZE" not in env:
         return DistEnv(0, 1, local_rank, dev, None)
     backend = "nccl" if kind == "cuda" else "gloo"
-    dist.init_process_group(backend, rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s),
-                            device_id=dev if kind == "cuda" else None)
+    # CUDA: gloo beside NCCL, so that host integers (the expert-parallel exchange's capacity, a stop flag) are
+    # agreed on without a device round trip and its synchronisation
+    dist.init_process_group("cpu:gloo,cuda:nccl" if kind == "cuda" else backend, rank=rank, world_size=world,
+                            timeout=timedelta(seconds=timeout_s), device_id=dev if kind == "cuda" else None)
     return DistEnv(rank, world, local_rank, dev, backend)
 
 

@@ -23,7 +23,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from ..layer import MoE
-from .expert_parallel import expert_parameter_names
+from .ep import expert_parameter_names
 
 __all__ = ["ep_layout", "globalize_expert_state", "restore"]
 

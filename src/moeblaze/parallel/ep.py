@@ -1,0 +1,476 @@
+"""Expert parallelism for :class:`moeblaze.MoE`, applied as a wrapper: experts spread over a process group.
+
+``expert_parallel(model, group)`` turns every MoE layer of ``model`` expert-parallel in place (as ``fully_shard``
+does for FSDP2; :func:`moeblaze.parallel.parallelize` calls it on a 2-D mesh). A group of P ranks shares E experts:
+rank r keeps experts ``[r*E/P, (r+1)*E/P)`` as its local ``w_gate_up [E/P, 2h, d]`` and ``w_down [E/P, d, h]``
+(with expert biases also ``b_gate_up [E/P, 2h]``, ``b_down [E/P, d]``); the router is replicated. Each rank routes
+its own tokens ``x [T, d]`` and gets their outputs back. The dataflow is GShard / Megatron-Core expert parallelism
+with each token sent once per destination rank rather than once per (token, expert) pair, as DeepEP's dispatch:
+
+1. router -> top-k ids over the global E; ``hit [T, P]``: which ranks hold one of a token's experts.
+2. per-expert pair counts ``[E]`` and per-rank row counts ``[P]`` all-gathered over the group (device tensors): the
+   global counts of the load-balancing loss, and the split sizes of the ``all_to_all`` exchange.
+3. the send buffer: ``x[send_tokens]`` (rows by destination rank, then token: the only copy of x), each row with
+   its token's K pairs as the destination's local expert ids (``E/P`` marks another rank's pair) and weights,
+   packed into one byte row and sent in one exchange (:mod:`moeblaze.parallel.exchange`).
+4. the received rows are a top-k routing over the local experts with foreign pairs (``moe_experts(...,
+   foreign_experts=True)``; rows past what a source sent are all foreign): the fused kernels read the received
+   rows through its index, and each row's output is the weighted sum of its local experts, so one row goes back
+   per received token.
+5. the reverse exchange -> ``out[t] = sum over t's destination ranks of the returned rows`` (fp32, rank order).
+
+Backward mirrors it through autograd (the exchanges' own backward is the reverse exchange; the gather of step 3
+and the sum of step 5 are each other's adjoint, both atomic-free).
+
+Host synchronisation: none with a sync-free exchange (``nvshmem``, ``padded``): every shape is fixed by
+``T_cap``, the group's largest T, agreed on the host (:class:`moeblaze.parallel.exchange.Exchange`), and the
+buffers hold the worst case (a rank receives at most ``P * T_cap`` rows, its experts at most ``P * T_cap * K``
+pairs); so an EP layer step can be captured in a CUDA graph. With the ``all_to_all`` exchange, one per forward:
+the split sizes, read to the host; buffers are then exact.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from ..backends import get_backend
+from ..experts import moe_experts
+from ..layer import MoE
+from ..settings import carried_to_backward
+from .exchange import Exchange, Layout, get_exchange, resolve_exchange
+
+__all__ = ["EPConfig", "ExpertParallel", "expert_parallel", "expert_parameter_names", "global_load_balancing_loss",
+           "resolve_group", "shard_experts"]
+
+# torch 2.13 renamed all_gather_tensor to all_gather_single (same arguments); the GPU machine runs 2.11.
+_all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
+
+
+def resolve_group(group: dist.ProcessGroup | DeviceMesh) -> dist.ProcessGroup:
+    """The process group of ``group``: a ``ProcessGroup`` as is, or the group of a 1-D ``DeviceMesh``.
+
+    Raises:
+        RuntimeError: ``torch.distributed`` is not initialised.
+        TypeError: ``group`` is neither a ``ProcessGroup`` nor a ``DeviceMesh``.
+        ValueError: a ``DeviceMesh`` that is not 1-D (pass one dimension, e.g. ``mesh["ep"]``).
+    """
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("expert parallelism needs torch.distributed initialised (dist.init_process_group or "
+                           "torchrun)")
+    if isinstance(group, DeviceMesh):
+        if group.ndim != 1:
+            raise ValueError(f"group must be a 1-D DeviceMesh (one dimension, e.g. mesh['ep']), got a "
+                             f"{group.ndim}-D mesh {group.mesh_dim_names}")
+        return group.get_group()
+    if isinstance(group, dist.ProcessGroup):
+        return group
+    raise TypeError(f"group must be a torch.distributed ProcessGroup or a 1-D DeviceMesh, got {type(group).__name__}")
+
+
+@dataclass(frozen=True)
+class EPConfig:
+    """What every rank of an expert-parallel group must agree on (checked when the layer is sharded)."""
+
+    d_model: int
+    d_ff: int
+    num_experts: int
+    top_k: int
+    activation: str
+    score_func: str
+    bias: bool
+    group_size: int
+    exchange: str
+
+
+class ExpertParallel:
+    """The expert-parallel state of one :class:`moeblaze.MoE` (its ``ep`` attribute): group, slice of the experts,
+    exchange. Made by :func:`expert_parallel`; the layer calls :meth:`forward` for its routed experts.
+
+    Attributes:
+        group, size (P), rank (in the group), num_local_experts (E/P), first_expert (rank * E/P).
+        exchange: the :class:`moeblaze.parallel.exchange.Exchange` (shared by the layers of the group).
+        grad_divide: the expert weights' gradients are divided by it in backward (1: each is the sum over
+            the losses of every rank whose tokens reached the expert; :func:`moeblaze.parallel.parallelize`
+            sets P so that, after FSDP's mean over ``dp_shard``, they are means over all ranks as the
+            router's gradient is).
+        recv_rows: rows this rank's experts received, summed over forwards (a device tensor; reset by the reader).
+    """
+
+    def __init__(self, group: dist.ProcessGroup, config: EPConfig, exchange: Exchange) -> None:
+        self.group, self.config, self.exchange = group, config, exchange
+        self.size, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        self.num_local_experts = config.num_experts // self.size
+        self.first_expert = self.rank * self.num_local_experts
+        self.grad_divide = 1
+        self.mesh = None  # (DeviceMesh, dp dimension name or None): the experts' layout in checkpoints
+        self.recv_rows: torch.Tensor | None = None
+
+    def __deepcopy__(self, memo) -> ExpertParallel:
+        return self  # a copied layer (EMA weights, a reference model) exchanges tokens over the same group
+
+    def __repr__(self) -> str:
+        return (f"ExpertParallel(P={self.size}, rank={self.rank}, experts=[{self.first_expert}, "
+                f"{self.first_expert + self.num_local_experts}), exchange={self.exchange.kind})")
+
+    def forward(self, moe: MoE, x: torch.Tensor, routing) -> tuple[torch.Tensor, torch.Tensor]:
+        """The routed experts of ``moe`` on this rank's tokens ``x [T, d]`` (module docstring): ``(out [T, d],
+        aux_loss)``, the loss with the load-balancing term over the group's counts."""
+        return expert_parallel_forward(moe, x, routing)
+
+    @torch.no_grad()
+    def reset_experts(self, moe: MoE) -> None:
+        """Initialise the local experts (``U(-1/sqrt(fan_in), 1/sqrt(fan_in))``): every rank draws all E experts in
+        order from its RNG and keeps its own, so that ranks seeded alike hold the experts one process would."""
+        for w, fan_in in moe.expert_fan_ins():
+            bound = fan_in ** -0.5
+            draw = torch.empty(w.shape[1:], device=w.device, dtype=w.dtype)
+            for e in range(moe.num_experts):
+                draw.uniform_(-bound, bound)
+                if self.first_expert <= e < self.first_expert + self.num_local_experts:
+                    w[e - self.first_expert].copy_(draw)
+
+
+def expert_parameter_names(moe: MoE) -> tuple[str, ...]:
+    """Names of ``moe``'s per-expert parameters (``[E, ...]``; ``[E/P, ...]`` when expert-parallel)."""
+    return (moe._w1_name, "w_down") + ((moe._b1_name, "b_down") if moe.has_bias else ())
+
+
+def shard_experts(moe: MoE, group: dist.ProcessGroup | DeviceMesh, exchange: str = "auto") -> MoE:
+    """Make one :class:`moeblaze.MoE` holding all E experts expert-parallel over ``group``, in place.
+
+    Rank r keeps experts ``[r*E/P, (r+1)*E/P)`` of its current weights (so ranks that built the model with the
+    same seed hold one consistent set of experts); works on ``meta`` tensors too. Collective over ``group``: one
+    ``all_gather_object`` of the configuration, so that a mismatch raises on every rank instead of hanging in the
+    first exchange (every rank must shard its layers in the same order).
+
+    Args:
+        moe: the layer. group: a ``ProcessGroup`` or 1-D ``DeviceMesh`` of P ranks (NCCL: call
+            ``torch.cuda.set_device`` first). exchange: one of :data:`moeblaze.parallel.exchange.EXCHANGES`.
+
+    Raises:
+        TypeError: ``moe`` is not a :class:`moeblaze.MoE`; a bad ``group`` (see :func:`resolve_group`).
+        ValueError: the layer is already expert-parallel or rounds tokens; ``E % P != 0``; the ranks disagree on
+            the configuration (the message lists each rank's); an exchange that cannot run here.
+    """
+    if not isinstance(moe, MoE):
+        raise TypeError(f"shard_experts takes a moeblaze.MoE, got {type(moe).__name__}")
+    if moe.ep is not None:
+        raise ValueError(f"the MoE layer is already expert-parallel ({moe.ep})")
+    if moe.token_rounding is not None:
+        raise ValueError("token_rounding with expert parallelism is not supported: token rounding runs on one GPU "
+                         "or under FSDP2")
+    pg = resolve_group(group)
+    P = dist.get_world_size(pg)
+    device = moe.w_down.device if moe.w_down.device.type != "meta" else _group_device(pg)
+    kind = resolve_exchange(exchange, pg, device)
+    config = EPConfig(moe.d_model, moe.d_ff, moe.num_experts, moe.top_k, moe.activation, moe.router.score_func,
+                      moe.has_bias, P, kind)
+    gathered: list[EPConfig | None] = [None] * P
+    dist.all_gather_object(gathered, config, group=pg)  # before any check that could differ by rank
+    if any(c != config for c in gathered):
+        rows = "; ".join(f"rank {i}: {c}" for i, c in enumerate(gathered))
+        raise ValueError(f"expert-parallel ranks disagree on the MoE configuration: {rows}")
+    if config.num_experts % P:
+        raise ValueError(f"num_experts={config.num_experts} must be divisible by the expert-parallel group size P={P}")
+    ep = ExpertParallel(pg, config, get_exchange(pg, kind, device))
+    sl = slice(ep.first_expert, ep.first_expert + ep.num_local_experts)
+    for name in expert_parameter_names(moe):
+        old = getattr(moe, name)
+        setattr(moe, name, nn.Parameter(old.detach()[sl].clone(), requires_grad=old.requires_grad))
+    moe.ep = ep
+    return moe
+
+
+def _group_device(group: dist.ProcessGroup) -> torch.device:
+    """The device a group's collectives run on: the current CUDA device for NCCL groups, else the CPU."""
+    return torch.device("cuda", torch.cuda.current_device()) if "nccl" in str(dist.get_backend(group)) \
+        else torch.device("cpu")
+
+
+def expert_parallel(module: nn.Module, group: dist.ProcessGroup | DeviceMesh, exchange: str = "auto") -> nn.Module:
+    """Apply expert parallelism over ``group`` to every :class:`moeblaze.MoE` in ``module`` (``module`` itself
+    included), in place, with :func:`shard_experts`; returns ``module``.
+
+    Raises:
+        ValueError: ``module`` holds no MoE layer; as :func:`shard_experts`.
+    """
+    layers = [m for m in module.modules() if isinstance(m, MoE)]
+    if not layers:
+        raise ValueError(f"expert_parallel found no moeblaze.MoE layer in {type(module).__name__}")
+    for moe in layers:
+        shard_experts(moe, group, exchange)
+    return module
+
+
+# ----------------------------------------------------------------------------------------------- the forward
+
+class _SendPlan:
+    """Where this rank's tokens go: each token once per destination rank that holds one of its experts, at fixed
+    shapes (no host read).
+
+    ``hit [T, P]``: token t has a pair on rank r. Row of (t, r) in the send buffer: ``send_offsets[r]`` plus t's
+    index among rank r's tokens (ascending). ``send_tokens [rows]`` / ``send_rank [rows]``: each row's token and
+    destination (rows no token uses hold token T, a zero row appended to the gathered tensors, and rank 0; the
+    receivers treat them as foreign). ``row_offsets [T+1]`` and
+    ``token_rows [T*M]`` (M = min(K, P)): each token's rows in rank order (a CSR, for the sums over ranks). Built by
+    cumulative sums and scatters of unique indices: no sort, no atomics.
+    """
+
+    def __init__(self, hit: torch.Tensor, send_offsets: torch.Tensor, rows: int, M: int) -> None:
+        T, P = hit.shape
+        dev = hit.device
+        rank_major = hit.t().reshape(-1).to(torch.int64).cumsum(0).view(P, T)  # inclusive count, rank-major
+        counts = hit.sum(0)
+        start = rank_major[:, -1] - counts if T else counts  # rows of the ranks before r
+        row = send_offsets.view(P, 1) + rank_major - 1 - start.view(P, 1)  # [P, T] row of (t, r) where hit
+        row = torch.where(hit.t(), row, rows)  # a dump row for the pairs (t, r) with no hit
+        ids = torch.arange(T, device=dev).expand(P, T)
+        ranks = torch.arange(P, device=dev).view(P, 1).expand(P, T)
+        self.send_tokens = torch.full((rows + 1,), T, dtype=torch.int64, device=dev).scatter_(
+            0, row.reshape(-1), ids.reshape(-1))[:rows]
+        self.send_rank = hit.new_zeros(rows + 1, dtype=torch.int64).scatter_(0, row.reshape(-1),
+                                                                                ranks.reshape(-1))[:rows]
+        token_major = hit.reshape(-1)  # [T*P]: the j-th set entry of token t is its j-th destination in rank order
+        pos = torch.where(token_major, token_major.to(torch.int64).cumsum(0) - 1, T * M)
+        self.token_rows = hit.new_zeros(T * M + 1, dtype=torch.int64).scatter_(
+            0, pos, row.t().reshape(-1))[:T * M].to(torch.int32)
+        self.row_offsets = torch.cat((hit.new_zeros(1, dtype=torch.int64), hit.sum(1).cumsum(0))).to(torch.int32)
+        self.M = M
+
+    def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """What the sums over a token's rows read: ``(send_tokens, token_rows, row_offsets)``."""
+        return self.send_tokens, self.token_rows, self.row_offsets
+
+
+def _sum_rows(rows: torch.Tensor, token_rows: torch.Tensor, row_offsets: torch.Tensor, M: int) -> torch.Tensor:
+    """``out[t] = sum over t's rows (rank order) of rows[row]``, fp32 sums (fp64 for fp64), no atomics: the fused
+    CSR gather-sum on CUDA; elsewhere a gather of each token's (at most M) rows, masked, summed in order."""
+    T = row_offsets.numel() - 1
+    if rows.is_cuda and rows.dtype in (torch.float16, torch.bfloat16, torch.float32):
+        from ..kernels.combine import gather_sum
+
+        return gather_sum(rows.contiguous(), token_rows, None, rows.dtype, pair_offsets=row_offsets)
+    acc = torch.float64 if rows.dtype == torch.float64 else torch.float32
+    first = row_offsets[:-1].to(torch.int64).view(T, 1)
+    slot = first + torch.arange(M, device=rows.device)  # [T, M]: positions in token_rows
+    mask = slot < row_offsets[1:].to(torch.int64).view(T, 1)
+    picked = token_rows.to(torch.int64).index_select(0, slot.clamp(max=max(token_rows.numel() - 1, 0)).reshape(-1))
+    got = rows.index_select(0, picked).view(T, M, rows.shape[1]).to(acc)
+    out = torch.zeros(T, rows.shape[1], dtype=acc, device=rows.device)
+    for j in range(M):  # rank order, one add per position: the same order whatever the device
+        out += torch.where(mask[:, j:j + 1], got[:, j], 0)
+    return out.to(rows.dtype)
+
+
+def _take(t: torch.Tensor, rows: torch.Tensor, fill: float = 0) -> torch.Tensor:
+    """``t[rows]`` where ``rows`` may name row ``t.shape[0]``: a row of ``fill`` appended (the unused send rows')."""
+    return torch.cat((t, t.new_full((1, *t.shape[1:]), fill))).index_select(0, rows)
+
+
+class _GatherRows(torch.autograd.Function):
+    """``x [T, d]`` -> ``x[send_tokens] [rows, d]`` (unused rows zero); backward sums each token's rows
+    (:func:`_sum_rows`)."""
+
+    @staticmethod
+    @carried_to_backward
+    def forward(ctx, x, send_tokens, token_rows, row_offsets, M):
+        ctx.save_for_backward(token_rows, row_offsets)
+        ctx.M = M
+        return _take(x, send_tokens)
+
+    @staticmethod
+    @carried_to_backward
+    def backward(ctx, grad_rows):
+        return _sum_rows(grad_rows, *ctx.saved_tensors, ctx.M), None, None, None, None
+
+
+class _SumRows(torch.autograd.Function):
+    """``y [rows, d]`` (send layout) -> ``out [T, d]``, each token's rows summed; backward is the row gather."""
+
+    @staticmethod
+    @carried_to_backward
+    def forward(ctx, y, send_tokens, token_rows, row_offsets, M):
+        ctx.save_for_backward(send_tokens)
+        return _sum_rows(y, token_rows, row_offsets, M)
+
+    @staticmethod
+    @carried_to_backward
+    def backward(ctx, dout):
+        (send_tokens,) = ctx.saved_tensors
+        return _take(dout, send_tokens), None, None, None, None
+
+
+class _DivideGrad(torch.autograd.Function):
+    """Identity forward; the gradient divided by ``divisor`` in backward."""
+
+    @staticmethod
+    @carried_to_backward
+    def forward(ctx, w, divisor):
+        ctx.divisor = divisor
+        return w.view_as(w)
+
+    @staticmethod
+    @carried_to_backward
+    def backward(ctx, grad):
+        return grad / ctx.divisor, None
+
+
+class _Payload:
+    """The byte layout of an exchanged row: the row's ``[d]`` values, its ``[K]`` weights and ``[K]`` int32 local
+    expert ids, each section 16-byte aligned (so that each reads back as its dtype), the row a multiple of 64 bytes.
+    Gradients travel in the same layout (values and weights; the ids section unused); the combine uses the values
+    section alone."""
+
+    def __init__(self, d: int, K: int, x_dtype: torch.dtype, w_dtype: torch.dtype) -> None:
+        def up(n: int, a: int = 16) -> int:
+            return -(-n // a) * a
+        self.d, self.K, self.x_dtype, self.w_dtype = d, K, x_dtype, w_dtype
+        xe, we = torch.empty((), dtype=x_dtype).element_size(), torch.empty((), dtype=w_dtype).element_size()
+        self.x_end = d * xe
+        self.w_at = up(self.x_end)
+        self.w_end = self.w_at + K * we
+        self.id_at = up(self.w_end)
+        self.width = up(self.id_at + 4 * K, 64)
+
+    def values(self, buf: torch.Tensor) -> torch.Tensor:
+        return buf[:, :self.x_end].view(self.x_dtype)
+
+    def weights(self, buf: torch.Tensor) -> torch.Tensor:
+        return buf[:, self.w_at:self.w_end].view(self.w_dtype)
+
+    def ids(self, buf: torch.Tensor) -> torch.Tensor:
+        return buf[:, self.id_at:self.id_at + 4 * self.K].view(torch.int32)
+
+
+class _Dispatch(torch.autograd.Function):
+    """``(x_send [S, d], w_send [S, K], ids_send [S, K])`` -> ``(x_recv [R, d], w_recv [R, K], ids_recv [R, K])``
+    through one exchange of packed rows; backward: the gradients of values and weights back through the reverse
+    exchange."""
+
+    @staticmethod
+    @carried_to_backward
+    def forward(ctx, x_send, w_send, ids_send, exchange: Exchange, layout: Layout, payload: _Payload):
+        buf = exchange.buffer(layout.send_rows, payload.width, reverse=False)
+        payload.values(buf).copy_(x_send)
+        payload.weights(buf).copy_(w_send)
+        payload.ids(buf).copy_(ids_send)
+        got = exchange.rows(buf, layout)
+        ctx.exchange, ctx.layout, ctx.payload = exchange, layout, payload
+        ids = payload.ids(got).clone()
+        ctx.mark_non_differentiable(ids)
+        return payload.values(got).clone(), payload.weights(got).clone(), ids
+
+    @staticmethod
+    @carried_to_backward
+    def backward(ctx, grad_x, grad_w, _grad_ids):
+        exchange, layout, payload = ctx.exchange, ctx.layout, ctx.payload
+        buf = exchange.buffer(layout.recv_rows, payload.width, reverse=True)
+        for section, grad in ((payload.values(buf), grad_x), (payload.weights(buf), grad_w)):
+            section.copy_(grad) if grad is not None else section.zero_()
+        got = exchange.rows(buf, layout, reverse=True)
+        return payload.values(got).clone(), payload.weights(got).clone(), None, None, None, None
+
+
+class _Combine(torch.autograd.Function):
+    """``y [R, d]`` (receive layout) -> ``[S, d]`` (send layout) through the reverse exchange; backward: the
+    gradient through a forward exchange."""
+
+    @staticmethod
+    @carried_to_backward
+    def forward(ctx, y, exchange: Exchange, layout: Layout, payload: _Payload):
+        ctx.exchange, ctx.layout, ctx.payload = exchange, layout, payload
+        buf = exchange.buffer(layout.recv_rows, payload.width, reverse=True)
+        payload.values(buf).copy_(y)
+        return payload.values(exchange.rows(buf, layout, reverse=True)).clone()
+
+    @staticmethod
+    @carried_to_backward
+    def backward(ctx, grad):
+        exchange, layout, payload = ctx.exchange, ctx.layout, ctx.payload
+        buf = exchange.buffer(layout.send_rows, payload.width, reverse=False)
+        payload.values(buf).copy_(grad)
+        return payload.values(exchange.rows(buf, layout)).clone(), None, None, None
+
+
+def global_load_balancing_loss(probs: torch.Tensor, global_counts: torch.Tensor) -> torch.Tensor:
+    """Switch load-balancing loss with the group's expert counts: ``E * sum_e f_e * P_e``.
+
+    ``f_e`` is expert e's share of all pairs routed in the group (``global_counts [E]``, all ranks),
+    ``P_e`` the mean probability over this rank's tokens (``probs [T, E]`` fp32). For ranks with equal T
+    the mean of this loss over the group is the single-process loss on the concatenated tokens, so
+    averaging gradients over ranks (FSDP, DDP) gives the single-process gradient. 0 for T = 0.
+    """
+    f = global_counts.float() / global_counts.sum().clamp_min(1)
+    p_mean = probs.sum(0) / max(probs.shape[0], 1)
+    return probs.shape[1] * (f * p_mean).sum()
+
+
+def _router_probs(moe: MoE, logits: torch.Tensor) -> torch.Tensor:
+    """The routing probabilities of the load-balancing loss, as :class:`moeblaze.Router` defines them."""
+    if moe.router.score_func == "softmax":
+        return torch.softmax(logits, dim=-1)
+    scores = torch.sigmoid(logits)
+    return scores / scores.sum(-1, keepdim=True)
+
+
+def expert_parallel_forward(moe: MoE, x: torch.Tensor, routing) -> tuple[torch.Tensor, torch.Tensor]:
+    """The expert-parallel forward of ``moe`` on this rank's tokens (steps in the module docstring).
+
+    Args:
+        moe: a :class:`moeblaze.MoE` made expert-parallel (``moe.ep`` set; local expert weights).
+        x: ``[T, d]`` this rank's tokens (T may be 0).
+        routing: the :class:`moeblaze.RouterOutput` of ``moe.router(x)`` (global expert ids).
+
+    Returns:
+        ``(out [T, d] in x.dtype, aux_loss)``: ``aux_loss`` is the router's z-loss plus the load-balancing loss over
+        the group's counts (:func:`global_load_balancing_loss`), each times its coefficient.
+    """
+    ep: ExpertParallel = moe.ep
+    E, P, El = moe.num_experts, ep.size, ep.num_local_experts
+    ids = routing.topk_ids.to(torch.int64)  # [T, K] global expert ids
+    T, K = ids.shape
+    M = min(K, P)
+    hit = torch.zeros(T, P, dtype=torch.bool, device=x.device).scatter_(1, ids // El, True)  # [T, P]
+    send_counts = hit.sum(0)  # [P] rows this rank sends to each rank
+    # [E] pairs per expert; integer sums are exact in any order (torch.bincount would read its maximum to the host)
+    expert_counts = ids.new_zeros(E).scatter_add_(0, ids.reshape(-1), torch.ones_like(ids).reshape(-1))
+    all_counts = funcol.wait_tensor(_all_gather(torch.cat((expert_counts, send_counts)), 0, ep.group))
+    all_counts = all_counts.view(P, E + P)
+    layout = ep.exchange.layout(T, K, send_counts, all_counts)
+    if ep.exchange.sync_free and layout.T_cap == 0:  # no rank of the group holds a token: nothing to exchange
+        return x.new_zeros(x.shape), routing.z_loss
+    plan = _SendPlan(hit, layout.send_offsets, layout.send_rows, M)
+    weights = routing.topk_weights.to(x.dtype) if x.dtype == torch.float64 else routing.topk_weights
+    # each send row carries its token's K pairs: the destination's local expert ids (El: another rank's pair)
+    local_ids = _take(ids, plan.send_tokens, -1) - (plan.send_rank * El).view(-1, 1)  # [rows, K]
+    local_ids = torch.where((local_ids >= 0) & (local_ids < El), local_ids, El).to(torch.int32)
+    payload = _Payload(moe.d_model, K, x.dtype, weights.dtype)
+    x_send = _GatherRows.apply(x, *plan.tensors(), M)  # [rows, d]: the only copy of x
+    x_recv, w_recv, ids_recv = _Dispatch.apply(x_send, _take(weights, plan.send_tokens), local_ids,
+                                               ep.exchange, layout, payload)
+    valid = layout.recv_valid()
+    if valid is not None:  # rows past what a source sent: every pair foreign, weights zero (the buffer is garbage)
+        ids_recv = torch.where(valid.view(-1, 1), ids_recv, El)
+        w_recv = torch.where(valid.view(-1, 1), w_recv, 0)
+    rows = layout.recv_counts.sum()
+    ep.recv_rows = rows if ep.recv_rows is None else ep.recv_rows + rows
+    experts = {"w_gate_up": moe.w1, "w_down": moe.w_down, **moe.bias_kwargs()}
+    if ep.grad_divide != 1:
+        experts = {k: _DivideGrad.apply(v, ep.grad_divide) for k, v in experts.items()}
+    # built here without its range checks (their host synchronisations): the ids are in range by construction
+    index = get_backend(moe.backend, x_recv).plan(ids_recv, El, validate=False, foreign_experts=True)
+    y = moe_experts(x_recv, ids_recv, w_recv, activation=moe.activation, save=moe.save, backend=moe.backend,
+                    index=index, foreign_experts=True, **experts)  # [R, d]: each row's local pairs, weighted
+    out = _SumRows.apply(_Combine.apply(y, ep.exchange, layout, payload), *plan.tensors(), M)  # [T, d]
+
+    aux = routing.z_loss
+    if moe.router.aux_loss_coef and moe.training:
+        probs = _router_probs(moe, routing.logits)
+        aux = aux + moe.router.aux_loss_coef * global_load_balancing_loss(probs, all_counts[:, :E].sum(0))
+    return out, aux
