@@ -329,3 +329,25 @@ def run_all(rank: int, world: int, calls: list[tuple[str, tuple]]) -> None:
     """Several rank bodies in one spawn (``(name, args)`` each), to pay the process start-up once."""
     for name, args in calls:
         globals()[name](rank, world, *args)
+
+
+def kernel_agreement(rank: int, world: int) -> None:
+    """Each rank 'tuned' another configuration of one kernel key (and rank 1 a key of its own): after
+    agree_kernels every rank runs rank 0's choice for the shared key and rank 1's for its own."""
+    from moeblaze.kernels import tuning
+    from moeblaze.kernels.combine import _GATHER_SUM as lb
+    from moeblaze.parallel import agree_kernels
+
+    shared, own = ("tuned16", 4096, torch.bfloat16, None), ("tuned16", 8192, torch.bfloat16, None)
+    saved = dict(lb._best)
+    try:
+        lb._best[shared] = tuning.triton.Config({"BLOCK_N": 64 * (rank + 1)}, num_warps=4 + 4 * rank, num_stages=3)
+        if rank == 1:
+            lb._best[own] = tuning.triton.Config({"BLOCK_N": 256}, num_warps=8, num_stages=4)
+        changed = agree_kernels()
+        assert changed == 1, f"rank {rank}: {changed} keys changed"  # rank 0 takes 1's own key, 1 takes 0's shared one
+        assert lb._best[shared].kwargs == {"BLOCK_N": 64} and lb._best[shared].num_warps == 4
+        assert lb._best[own].kwargs == {"BLOCK_N": 256} and lb._best[own].num_stages == 4
+    finally:
+        lb._best.clear()
+        lb._best.update(saved)

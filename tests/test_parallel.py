@@ -55,10 +55,10 @@ def test_ep_layer_2_ranks():
 
 def test_fsdp2_2_ranks():
     """FSDP2 on a 1-D mesh and FSDP2 + EP on a (1, 2) mesh = one process; 5 AdamW steps track one process;
-    the runtime helpers (process group, meshes, batch split) inside a job."""
+    the runtime helpers (process group, meshes, batch split) inside a job; the ranks agree on tuned kernels."""
     run_ranks(pw.run_all, 2, [("fsdp_equal", ((2,), ("dp_shard",))),
                               ("fsdp_equal", ((1, 2), ("dp_shard", "ep"))), ("fsdp_train", ()),
-                              ("runtime_checks", ())])
+                              ("runtime_checks", ()), ("kernel_agreement", ())])
 
 
 def test_ep_checkpoint_with_expert_biases_loads_in_one_process(tmp_path):

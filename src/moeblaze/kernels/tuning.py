@@ -308,6 +308,36 @@ def _capturing(args: tuple, kwargs: dict) -> bool:
     return first is not None and capturing(first)
 
 
+# Every Launchable in creation order: module import order, the same in every process of a job, so (name, position)
+# names one across ranks (tuned_choices / adopt_choices).
+_LAUNCHABLES: list[Launchable] = []
+
+
+def tuned_choices() -> dict[tuple, tuple]:
+    """The configurations autotuning chose so far in this process: ``{(launchable, tune key): (kwargs, num_warps,
+    num_stages, num_ctas, maxnreg)}`` (picklable; :func:`adopt_choices` takes them)."""
+    return {(lb.name, key): (dict(c.kwargs), c.num_warps, c.num_stages, c.num_ctas, c.maxnreg)
+            for lb in _LAUNCHABLES for key, c in lb._best.items() if key[0].startswith("tuned")}
+
+
+def adopt_choices(choices: dict[tuple, tuple]) -> int:
+    """Take ``choices`` (another process's :func:`tuned_choices`) as this process's: later launches of those keys run
+    those configurations, without benchmarking. Returns how many keys changed."""
+    by_name = {lb.name: lb for lb in _LAUNCHABLES}
+    changed = 0
+    for (name, key), (kwargs, warps, stages, ctas, maxnreg) in choices.items():
+        lb = by_name.get(name)
+        if lb is None:
+            continue
+        old = lb._best.get(key)
+        if old is None or (dict(old.kwargs), old.num_warps, old.num_stages) != (kwargs, warps, stages):
+            lb._best[key] = triton.Config(dict(kwargs), num_warps=warps, num_stages=stages, num_ctas=ctas,
+                                          maxnreg=maxnreg)
+            lb._ready.pop(key, None)
+            changed += 1
+    return changed
+
+
 class Launchable:
     """A jitted kernel, autotuned on the first launch of each key and launched directly afterwards.
 
@@ -336,6 +366,8 @@ class Launchable:
                  restore: list[str] | None = None, variant=None, bucket=None) -> None:
         self.fn, self.configs, self.key, self.heuristics = fn, configs, key, heuristics or {}
         self.prune, self.restore, self.variant, self.bucket = prune, restore, variant, bucket
+        self.name = (fn.__name__, len(_LAUNCHABLES))
+        _LAUNCHABLES.append(self)
         self._cache: dict[str, object] = {}
         self._best: dict[tuple, triton.Config] = {}
         self._ready: dict[tuple, tuple[triton.Config, dict]] = {}  # key -> (its config, the launch kwargs)

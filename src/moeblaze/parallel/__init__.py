@@ -12,7 +12,7 @@
 from .ep import ExpertParallel, expert_parallel, global_load_balancing_loss, shard_experts
 from .exchange import EXCHANGES
 from .fsdp import parallelize
-from .runtime import DistEnv, init_distributed, is_rank0, make_mesh, print0, split_batch
+from .runtime import DistEnv, agree_kernels, init_distributed, is_rank0, make_mesh, print0, split_batch
 
-__all__ = ["EXCHANGES", "DistEnv", "ExpertParallel", "expert_parallel", "global_load_balancing_loss",
+__all__ = ["EXCHANGES", "DistEnv", "ExpertParallel", "agree_kernels", "expert_parallel", "global_load_balancing_loss",
            "init_distributed", "is_rank0", "make_mesh", "parallelize", "print0", "shard_experts", "split_batch"]

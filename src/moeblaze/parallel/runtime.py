@@ -16,7 +16,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from .. import settings
 
-__all__ = ["DistEnv", "init_distributed", "make_mesh", "split_batch", "is_rank0", "print0"]
+__all__ = ["DistEnv", "agree_kernels", "init_distributed", "make_mesh", "split_batch", "is_rank0", "print0"]
 
 
 @dataclass(frozen=True)
@@ -131,3 +131,31 @@ def print0(*args, **kwargs) -> None:
     """``print`` on rank 0 only (one log for the job)."""
     if is_rank0():
         print(*args, **kwargs)
+
+
+def agree_kernels(group: dist.ProcessGroup | None = None) -> int:
+    """Make every rank of ``group`` (default: the world) run the kernel configurations one rank chose.
+
+    Autotuning picks each kernel's configuration by timing it, in each process on its own, so ranks can pick
+    different ones and the slowest sets the pace of every collective. This all-gathers every rank's choices
+    (:func:`moeblaze.kernels.tuning.tuned_choices`, a few kB) and each rank adopts, for every tuned key, the choice
+    of the lowest rank that tuned it. Call it on every rank at the same point, after the steps that tuned (``moeblaze
+    train`` does after its first step); keys tuned later are each rank's own. Without Triton, or with autotuning off
+    (fixed configurations, the same everywhere), there is nothing to agree on.
+
+    Returns:
+        How many keys changed on this rank (0 in a single process).
+    """
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return 0
+    try:
+        from ..kernels import tuning
+    except ImportError:  # no Triton: no kernel was tuned, but every rank must still take part
+        tuning = None
+    mine = tuning.tuned_choices() if tuning is not None else {}
+    gathered: list[dict | None] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, mine, group=group)
+    merged: dict = {}
+    for table in reversed(gathered):  # lower ranks last: their choices win
+        merged.update(table or {})
+    return tuning.adopt_choices(merged) if tuning is not None else 0
