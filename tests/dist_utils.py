@@ -28,7 +28,10 @@ def _entry(rank: int, world: int, port: int, backend: str, fn, args) -> None:
     os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
     if backend == "nccl":
         torch.cuda.set_device(rank)
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+    # NCCL with gloo beside it for host tensors, as moeblaze.parallel.init_distributed sets it up (the sync-free
+    # expert-parallel exchanges agree on their capacity over the CPU backend)
+    dist.init_process_group("cpu:gloo,cuda:nccl" if backend == "nccl" else backend,
+                            init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=60))
     try:
         fn(rank, world, *args)

@@ -67,7 +67,7 @@ def titan_matches_moeblaze(rank: int, world: int, spmd_backend: str, dtype: torc
     gradient as close to the float64 reference as plain PyTorch in bf16 (torchtitan's experts take bf16
     operands whatever the dtype); the moeblaze layer as close as plain PyTorch in its own dtype."""
     T, d, h, E, K = 40, 32, 16, 8, 2
-    device = torch.device("cuda", rank) if dist.get_backend() == "nccl" else torch.device("cpu")
+    device = torch.device("cuda", rank) if "nccl" in str(dist.get_backend()) else torch.device("cpu")
     torch.manual_seed(seed)  # the same router on every rank
     mb = expert_parallel(moeblaze.MoE(d, h, E, K, aux_loss_coef=0.0, device=device, dtype=dtype), dist.group.WORLD)
     tt = build_torchtitan_ep(mb, spmd_backend)
