@@ -97,7 +97,8 @@ class MoE(nn.Module):
             the input's device). rounding_seed: seed of the ``"sr"`` random source.
 
     DeepSeek-V3's MoE block is ``MoE(d, h, E, 8, score_func="sigmoid", n_group=8, topk_group=4,
-    score_correction_bias=True, routed_scaling_factor=2.5, shared_d_ff=h * n_shared_experts)``.
+    score_correction_bias=True, routed_scaling_factor=2.5, shared_d_ff=h * n_shared_experts)``; trained as
+    DeepSeek-V3 was, add ``expert_bias_update_rate=1e-3, aux_loss_type="seq", aux_loss_coef=1e-4`` (§2.1.2, §4.2).
 
     Parameters (layout of DESIGN.md §2, HF transformers v5 fused experts): ``router.weight [E, d]``,
     ``w_gate_up [E, 2h, d]`` (gated; ``w_up [E, h, d]`` otherwise) and ``w_down [E, d, h]`` (and the

@@ -24,7 +24,6 @@ from .balance import (
     check_aux_loss_type,
     check_bias_rate,
     check_group,
-    expert_counts,
     global_batch_load_balancing_loss,
     sequence_load_balancing_loss,
 )
@@ -407,14 +406,13 @@ class Router(nn.Module):
         times its coefficient, or None where it is off (``switch``: compute the Switch loss here too; the fused
         router's kernel computes it). The global loss runs on every rank in training mode, with T = 0 too:
         its all-reduce is collective."""
-        counts = None
-        if self.training and self.tokens_per_expert is not None:
-            counts = expert_counts(topk_ids, self.num_experts)
-            self.tokens_per_expert.add_(counts)
+        if self.training and self.tokens_per_expert is not None:  # two launches: a ones fill and an index_add_
+            ids = topk_ids.reshape(-1)
+            self.tokens_per_expert.index_add_(0, ids, self.tokens_per_expert.new_ones(()).expand(ids.numel()))
         if not self.aux_loss_coef or not self.training:
             return None
         if self.aux_loss_type == "global":
-            return global_batch_load_balancing_loss(probs, topk_ids, self.aux_loss_coef, self.aux_loss_group, counts)
+            return global_batch_load_balancing_loss(probs, topk_ids, self.aux_loss_coef, self.aux_loss_group)
         if not losses_on:
             return None
         if self.aux_loss_type == "seq":
