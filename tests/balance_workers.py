@@ -8,6 +8,8 @@ The one-process reference runs in every rank's process, so its collectives get a
 from __future__ import annotations
 
 import copy
+from dataclasses import replace
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -19,6 +21,8 @@ import moeblaze
 from moeblaze.model import ModelConfig, MoETransformer
 from moeblaze.parallel import parallelize
 from moeblaze.testing import rel_error
+from moeblaze.train import train
+from train_workers import tiny_configs
 
 _EXPERT_WEIGHTS = ("w_gate_up", "w_down")
 
@@ -139,6 +143,20 @@ def fsdp_bias(rank: int, world: int, steps: int = 3) -> None:
     ref_bufs = dict(ref.named_buffers())
     for name, b in biases.items():
         assert torch.equal(b, ref_bufs[name]) and b.abs().sum() > 0, name
+
+
+def train_global(rank: int, world: int, data: str, tmp: str, results: dict) -> None:
+    """``moeblaze train --fsdp`` on 2 ranks with ``--aux-loss-type global --expert-bias-rate 0.01``: 8 steps,
+    and the same stopped at step 4 and resumed. Results land in ``results`` (a manager dict) from rank 0."""
+    cfg, mcfg = tiny_configs(data, str(Path(tmp) / "fsdp"), fsdp=True)
+    cfg = replace(cfg, steps=8, eval_interval=4)
+    mcfg = replace(mcfg, aux_loss_type="global", expert_bias_rate=0.01)
+    full = train(cfg, mcfg)
+    half = replace(cfg, out_dir=str(Path(tmp) / "half"))
+    assert train(replace(half, stop_after=4), mcfg).step == 4
+    resumed = train(replace(half, resume=True, overwrite=False), mcfg)
+    if rank == 0:
+        results.update(full=full.losses, full_val=full.val_bpb, resumed=resumed.losses, resumed_val=resumed.val_bpb)
 
 
 def run_all(rank: int, world: int, calls: list[str]) -> None:

@@ -5,18 +5,23 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
+import multiprocessing
 from dataclasses import asdict
 from pathlib import Path
 
 import pytest
 import torch
 
+import balance_workers as bw
 import moeblaze
+from dist_utils import run_ranks
 from moeblaze import checkpoint
 from moeblaze.model import ModelConfig, MoETransformer
-from moeblaze.train import load_checkpoint, make_optimizer, train_step
+from moeblaze.train import load_checkpoint, make_optimizer, train, train_step
 from moeblaze.train_config import ConfigError, TrainConfig
 from test_train import TINY, run_cli, text_file  # noqa: F401  (the fixture)
+from train_workers import tiny_configs
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -109,3 +114,29 @@ def test_a_checkpoint_written_before_the_new_fields_resumes(text_file, tmp_path,
     other = MoETransformer(ModelConfig(**{**asdict(mcfg), "aux_loss_type": "seq"}))
     with pytest.raises(ConfigError, match="aux_loss_type"):
         load_checkpoint(path, other, None, torch.device("cpu"))
+
+
+def _biases(out_dir: Path, mcfg: ModelConfig) -> dict[str, torch.Tensor]:
+    model = MoETransformer(mcfg)
+    checkpoint.load(checkpoint.find_latest(out_dir), model)
+    return {n: b for n, b in model.named_buffers() if n.endswith("e_score_correction_bias")}
+
+
+def test_fsdp_run_with_global_loss_and_biases_tracks_one_process_and_resumes_bitwise(text_file, tmp_path):  # noqa: F811
+    """2 gloo ranks under FSDP2 with the global-batch loss (frequencies over both ranks) and the bias update (counts
+    over both ranks): the one-process losses on the same global batch to 1e-4 and the same biases in the final
+    checkpoint (saved from replicated buffers by DCP); stopped at step 4 and resumed: bitwise the whole run."""
+    cfg, mcfg = tiny_configs(str(text_file), str(tmp_path / "one"))
+    cfg = TrainConfig(**{**asdict(cfg), "steps": 8, "eval_interval": 4})
+    mcfg = ModelConfig(**{**asdict(mcfg), "aux_loss_type": "global", "expert_bias_rate": 0.01})
+    one = train(cfg, mcfg, log=lambda *_: None)
+    with multiprocessing.Manager() as manager:
+        results = manager.dict()
+        run_ranks(bw.train_global, 2, str(text_file), str(tmp_path), results, timeout=240)
+        r = dict(results)
+    assert len(r["full"]) == 8 and all(math.isclose(a, b, rel_tol=1e-4) for a, b in zip(r["full"], one.losses)), \
+        (r["full"], one.losses)
+    assert math.isclose(r["full_val"], one.val_bpb, rel_tol=1e-4)
+    assert r["resumed"] == r["full"][4:] and r["resumed_val"] == r["full_val"]
+    ours, theirs = _biases(tmp_path / "fsdp", mcfg), _biases(tmp_path / "one", mcfg)
+    assert len(ours) == 2 and all(torch.equal(ours[n], theirs[n]) and ours[n].abs().sum() > 0 for n in ours)

@@ -144,10 +144,10 @@ def global_batch_load_balancing_loss(probs: torch.Tensor, topk_ids: torch.Tensor
 
 
 def _counting_routers(model: nn.Module) -> list[nn.Module]:
-    """The routers of ``model`` that count their tokens (``tokens_per_expert`` kept), in module order."""
-    from .routing import Router
-
-    return [m for m in model.modules() if isinstance(m, Router) and m.tokens_per_expert is not None]
+    """The routers of ``model`` that count their tokens (:class:`moeblaze.Router` s holding ``tokens_per_expert``),
+    in module order. Found by those attributes: :mod:`moeblaze.routing` imports this module."""
+    return [m for m in model.modules() if isinstance(getattr(m, "tokens_per_expert", None), torch.Tensor)
+            and hasattr(m, "expert_bias_update_rate")]
 
 
 def expert_load(model: nn.Module, group: dist.ProcessGroup | None = None, reset: bool = False) -> list[torch.Tensor]:
