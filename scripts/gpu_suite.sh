@@ -24,6 +24,9 @@
 #   chunks     moeblaze bench with F2/F3 and B3/B5 in one chunk and in column chunks (setting chunk_cols off / auto, alternating,
 #              fixed configs): layer time and peak at $CHUNKS_CONFIGS (default qwen3-30b-a3b,olmoe-1b-7b,sonicmoe-7b)
 #              and $CHUNKS_TOKENS tokens (default 65536)
+#   balance    issue 61: moeblaze train --preset 1b, $BALANCE_STEPS (1000) steps, auxiliary-loss-free (--expert-bias-rate
+#              1e-3 --aux-loss-coef 0) and with the Switch loss (0.01), then benchmarks/bench_balance.py -> balance.png,
+#              balance.txt and both metrics.csv (BALANCE_TIMEOUT per run, default 290 s: both fit one device call)
 #   hf         benchmarks/bench_hf.py $HF_ARGS (default: the transformers Qwen3-MoE with grouped_mm, SonicMoE and
 #              moeblaze, 150 steps; e.g. HF_ARGS="--impls grouped_mm,moeblaze --batch-size 32 --steps 20" for the
 #              peak memory at 32 x 2048 tokens per step), SonicMoE from .peers/ with its QuACK cache
@@ -146,6 +149,18 @@ for stage in "$@"; do
       run bench_hf timeout "${HF_TIMEOUT:-580}" python3 benchmarks/bench_hf.py ${HF_ARGS:---steps 150 --warmup 10} \
         --out "$OUT/hf_train.csv"
       save_quack_cache "$FINAL" ;;
+    balance)
+      for spec in "aux-free --expert-bias-rate 1e-3 --aux-loss-coef 0" "switch --aux-loss-type switch --aux-loss-coef 0.01"; do
+        read -r name flags <<< "$spec"
+        # shellcheck disable=SC2086
+        run "balance_$name" timeout "${BALANCE_TIMEOUT:-290}" python3 -m moeblaze.cli train --preset 1b --device cuda \
+          --steps "${BALANCE_STEPS:-1000}" --checkpoint-interval 0 --checkpoint-minutes 0 --keep-checkpoints 1 \
+          --no-progress --overwrite --out-dir "/tmp/balance/$name" $flags
+        cp "/tmp/balance/$name/metrics.csv" "$OUT/balance_${name}_metrics.csv"
+        rm -rf "/tmp/balance/$name/checkpoints"  # a 1B checkpoint with AdamW state is ~12.6 GB
+      done
+      run balance python3 benchmarks/bench_balance.py /tmp/balance/aux-free /tmp/balance/switch \
+        --labels "aux-free u=1e-3" "switch 0.01" --out "$OUT/balance.png" ;;
     trq) run tr_quality timeout "${TRAIN_TIMEOUT:-580}" python3 benchmarks/bench_token_rounding.py quality \
           --out-dir "$OUT/tr_quality" ;;
     *) echo "unknown stage $stage"; status=2 ;;

@@ -43,6 +43,23 @@ def test_a_row_per_step_with_the_losses_and_evaluations(text_file, tmp_path):
     assert [r["step"] for r in rows if r["val_bpb"]] == ["3", "6", "7"]
     assert float(rows[-1]["val_bpb"]) == pytest.approx(result.val_bpb, abs=1e-6)
     assert all(float(r["step_s"]) > 0 and float(r["tokens_per_s"]) > 0 and float(r["lr"]) > 0 for r in rows)
+    # the expert load of every step: max / mean tokens per expert (>= 1), experts without a token (of 4)
+    assert all(float(r["load_ratio_max"]) >= float(r["load_ratio_mean"]) >= 1.0 for r in rows)
+    assert all(float(r["load_ratio_max"]) <= 4.0 and 0 <= int(r["zero_load_experts"]) < 4 for r in rows)
+
+
+def test_rows_of_an_older_file_are_kept_with_empty_load_columns(tmp_path):
+    """A run resumed by this version from a file written before the load columns existed keeps its rows."""
+    (tmp_path / "metrics.csv").write_text("step,loss,bits_per_byte,lr,step_s,tokens_per_s,val_bpb\n"
+                                          "1,5.0,7.2,0.001,0.1,100.0,\n2,4.0,5.7,0.001,0.1,100.0,6.0\n"
+                                          "3,3.0,4.3,0.001,0.1,100.0,\n")
+    log = MetricsLog(tmp_path, 2, print)
+    log.write(3, 2.5, 1e-3, 0.1, 100.0, load=(1.75, 1.25, 2))
+    rows = _rows(tmp_path)
+    assert tuple(rows[0]) == COLUMNS and [r["step"] for r in rows] == ["1", "2", "3"]
+    assert [r["val_bpb"] for r in rows] == ["", "6.0", ""] and rows[1]["load_ratio_max"] == ""
+    assert (rows[2]["loss"], rows[2]["load_ratio_max"], rows[2]["load_ratio_mean"], rows[2]["zero_load_experts"]) \
+        == ("2.500000", "1.7500", "1.2500", "2")
 
 
 def test_resume_after_a_kill_keeps_each_step_once(text_file, tmp_path):
@@ -96,14 +113,14 @@ def test_a_failed_append_disables_the_log(tmp_path, monkeypatch):
 def test_a_damaged_file_on_resume_keeps_its_good_rows(tmp_path):
     """A non-UTF-8 byte, a row of too many or too few fields, a foreign row: dropped, not fatal."""
     header = ",".join(COLUMNS)
-    good = ["1,2.0,2.885390,0.001,0.5,100.0,", "2,1.9,2.741120,0.001,0.5,100.0,7.5"]
+    good = ["1,2.0,2.885390,0.001,0.5,100.0,,1.5,1.25,0", "2,1.9,2.741120,0.001,0.5,100.0,7.5,1.4,1.2,1"]
     (tmp_path / "metrics.csv").write_bytes(
-        "\n".join([header, good[0], "x,1,2", good[1], "3,1.8,2.6,0.001,0.5,100.0,,extra", "4,1.7"]).encode()
-        + b"\n5,1.6,\xff,0.001,0.5,100.0,\n6,1.5,2.1,0.001,0.5,100.0,\n")
+        "\n".join([header, good[0], "x,1,2", good[1], "3,1.8,2.6,0.001,0.5,100.0,,1.3,1.1,0,extra", "4,1.7"]).encode()
+        + b"\n5,1.6,\xff,0.001,0.5,100.0,,1.2,1.1,0\n6,1.5,2.1,0.001,0.5,100.0,,1.2,1.1,0\n")
     lines = []
     MetricsLog(tmp_path, 5, lines.append)
     assert not lines and [r["step"] for r in _rows(tmp_path)] == ["1", "2"]
-    assert _rows(tmp_path)[1]["val_bpb"] == "7.5"
+    assert _rows(tmp_path)[1]["val_bpb"] == "7.5" and _rows(tmp_path)[1]["zero_load_experts"] == "1"
 
 
 def test_an_unreadable_file_on_resume_warns_and_training_goes_on(tmp_path):

@@ -153,15 +153,20 @@ def test_training_loss_falls(text_file, tmp_path):
     assert checkpoint.find_latest(tmp_path).name == "step-000060"
 
 
-def test_resume_is_bitwise_identical(text_file, tmp_path):
+@pytest.mark.parametrize("balance", [[], ["--expert-bias-rate", "1e-2", "--aux-loss-type", "seq"]])
+def test_resume_is_bitwise_identical(text_file, tmp_path, balance):
+    """Also with the auxiliary-loss-free expert biases (buffers, saved by DCP with the weights) and the
+    sequence-wise loss."""
     full, split = tmp_path / "full", tmp_path / "split"
-    common = ["train", "--data", str(text_file), "--steps", "8", "--eval-interval", "3", *TINY]
+    common = ["train", "--data", str(text_file), "--steps", "8", "--eval-interval", "3", *TINY, *balance]
     assert run_cli(*common, "--out-dir", str(full)) == 0
     assert run_cli(*common, "--out-dir", str(split), "--stop-after", "4") == 0
     assert checkpoint.read_state(checkpoint.find_latest(split))["step"] == 4
     assert run_cli("train", "--resume", "--out-dir", str(split), "--no-progress") == 0
     (ma, oa), (mb, ob) = _load_final(full), _load_final(split)
     assert ma.keys() == mb.keys()
+    biases = [k for k in ma if k.endswith("e_score_correction_bias")]
+    assert len(biases) == (1 if balance else 0) and all(ma[k].abs().sum() > 0 for k in biases)
     for k in ma:
         assert torch.equal(ma[k], mb[k]), k
     for i in oa:

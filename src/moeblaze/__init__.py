@@ -3,11 +3,13 @@
 Public API: :class:`MoE` (router + experts module), :func:`moe_experts` (the routed experts),
 :func:`build_dispatch` / :class:`DispatchIndex` (zero-buffer dispatch), :func:`moe_experts_general`
 (general routing inputs: pair lists), :func:`round_tokens` / :func:`tile_multiple` (token rounding), :class:`Router`,
-:func:`aux_loss`, :func:`memory_report` (where activation memory goes) and
+:func:`aux_loss`, :func:`update_expert_biases` / :func:`expert_load` (auxiliary-loss-free balancing and the
+experts' load: :mod:`moeblaze.balance`), :func:`memory_report` (where activation memory goes) and
 :func:`moe_experts_reference` (float64 reference for tests).
 """
 
 from . import settings
+from .balance import expert_load, global_batch_load_balancing_loss, sequence_load_balancing_loss, update_expert_biases
 from .dispatch import DispatchIndex, TileSchedule, build_dispatch
 from .experts import moe_experts
 from .general_routing import build_dispatch_pairs, moe_experts_general
@@ -30,6 +32,8 @@ __all__ = [
     "detach_aux_losses",
     "build_dispatch",
     "build_dispatch_pairs",
+    "expert_load",
+    "global_batch_load_balancing_loss",
     "load_balancing_loss",
     "memory_report",
     "moe_experts",
@@ -37,6 +41,8 @@ __all__ = [
     "moe_experts_reference",
     "round_tokens",
     "router_z_loss",
+    "sequence_load_balancing_loss",
     "tile_multiple",
+    "update_expert_biases",
 ]
 __version__ = "0.1.0"

@@ -1,4 +1,4 @@
-"""The ``moeblaze`` command: ``moeblaze train`` and ``moeblaze sample`` (and ``bench``/``memory`` when present).
+"""The ``moeblaze`` command: ``moeblaze train``, ``sample`` and ``plot`` (and ``bench``/``memory`` when present).
 
 Every field of :class:`moeblaze.train.TrainConfig` and :class:`moeblaze.model.ModelConfig` is a flag
 (``steps`` -> ``--steps``, ``d_model`` -> ``--d-model``); a flag given on the command line overrides
@@ -42,7 +42,11 @@ _MODEL_HELP = {
     "activation": f"expert activation ({', '.join(ACTIVATIONS)})",
     "score_func": "router scores (softmax, sigmoid)",
     "save": "what the experts keep for backward (preact, input)", "backend": "expert backend (auto, torch, triton)",
-    "aux_loss_coef": "load-balancing loss coefficient", "z_loss_coef": "router z-loss coefficient",
+    "aux_loss_coef": "load-balancing loss coefficient (0: none)", "z_loss_coef": "router z-loss coefficient",
+    "aux_loss_type": "load-balancing loss: switch (each rank's batch), seq (DeepSeek-V3's per sequence) or global "
+                     "(Qwen's: expert frequencies summed over all ranks)",
+    "expert_bias_rate": "DeepSeek-V3's auxiliary-loss-free balancing: each step, every expert's routing bias moves "
+                        "by this much toward the mean load (1e-3 in DeepSeek-V3; 0: off)",
     "tie_embeddings": "share the embedding with the output head", "rope_base": "rotary frequency base",
     "routing": "topk, or token-rounding[:nr|up|down|sr] (SonicMoE token rounding in training; eval: top-k)",
     "rounding_tile": "token rounding's multiple (0: the kernels' M tile, 128 on GPUs; smaller: few tokens per expert)",
@@ -115,6 +119,14 @@ def _cmd_sample(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_plot(args: argparse.Namespace) -> int:
+    from .plot import plot_run
+
+    paths = plot_run(args.out_dir)
+    print(f"wrote {', '.join(p.name for p in paths)} in {paths[0].parent}")
+    return 0
+
+
 class _Replaced(argparse.Action):
     """A flag that was replaced: giving it is an error that names the flag to use instead (hidden from --help)."""
 
@@ -154,6 +166,12 @@ def build_parser() -> argparse.ArgumentParser:
     p_sample.add_argument("--seed", type=int, default=0, help="sampler seed [%(default)s]")
     p_sample.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N [%(default)s]")
     p_sample.set_defaults(func=_cmd_sample)
+
+    p_plot = subparsers.add_parser("plot", help="draw a run's loss and expert-load curves (metrics.csv) as PNG files",
+                                   description="Read OUT_DIR/metrics.csv of a moeblaze train run and write "
+                                               "loss.png and expert_load.png into OUT_DIR (needs matplotlib).")
+    p_plot.add_argument("out_dir", metavar="OUT_DIR", help="the --out-dir of a moeblaze train run")
+    p_plot.set_defaults(func=_cmd_plot)
 
     # ---- HOOK: more subcommands (`moeblaze bench`, `moeblaze memory`) live in moeblaze.bench.cli.
     # register(subparsers) adds parsers there; each must set_defaults(func=callable(args) -> int | None).

@@ -69,6 +69,18 @@ class MoE(nn.Module):
         renormalize: renormalise the top-k weights (default: False for softmax, True for sigmoid).
         save: ``"preact"`` or ``"input"`` — what the experts keep for backward (see :func:`moe_experts`).
         aux_loss_coef: load-balancing loss coefficient; z_loss_coef: router z-loss coefficient.
+        aux_loss_type: the load-balancing loss: ``"switch"`` (Switch Transformer, over this forward's tokens;
+            expert-parallel, over the expert-parallel group's counts), ``"seq"`` (DeepSeek-V3's sequence-wise loss,
+            arXiv 2412.19437 eq. 17-20: each sequence of ``x [..., S, d]`` on its own; a 2-D input is one
+            sequence) or ``"global"`` (Qwen's global-batch loss, arXiv 2501.11873: expert frequencies summed over
+            ``aux_loss_group``, default the world; every rank's training forward takes part). See
+            :mod:`moeblaze.balance`.
+        expert_bias_update_rate: u of DeepSeek-V3's auxiliary-loss-free balancing (§2.1.2; 1e-3 there, 0 = off):
+            the router keeps ``e_score_correction_bias [E]`` (fp32) for the choice of experts only and counts the
+            pairs routed to each expert over a step's training forwards; call :func:`moeblaze.update_expert_biases`
+            after ``optimizer.step()``.
+        track_expert_load: count those pairs without a bias update (for :func:`moeblaze.expert_load`).
+        aux_loss_group: the data-parallel ``ProcessGroup`` of ``aux_loss_type="global"`` (None: the world).
         backend: ``"auto"``, ``"torch"`` or ``"triton"``.
         n_group, topk_group, score_correction_bias, routed_scaling_factor, logits_dtype: the router's
             DeepSeek-V3 / GLM-4-MoE selection and its logits dtype (see :class:`moeblaze.Router`).
@@ -82,7 +94,8 @@ class MoE(nn.Module):
             the input's device). rounding_seed: seed of the ``"sr"`` random source.
 
     DeepSeek-V3's MoE block is ``MoE(d, h, E, 8, score_func="sigmoid", n_group=8, topk_group=4,
-    score_correction_bias=True, routed_scaling_factor=2.5, shared_d_ff=h * n_shared_experts)``.
+    score_correction_bias=True, routed_scaling_factor=2.5, shared_d_ff=h * n_shared_experts)``; trained as
+    DeepSeek-V3 was, add ``expert_bias_update_rate=1e-3, aux_loss_type="seq", aux_loss_coef=1e-4`` (§2.1.2, §4.2).
 
     Parameters (layout of DESIGN.md §2, HF transformers v5 fused experts): ``router.weight [E, d]``,
     ``w_gate_up [E, 2h, d]`` (gated; ``w_up [E, h, d]`` otherwise) and ``w_down [E, d, h]`` (and the
@@ -97,10 +110,13 @@ class MoE(nn.Module):
     After each training-mode forward, ``self.aux_loss`` holds the router's coefficient-weighted auxiliary
     loss (load balancing + z-loss, a 0-dim fp32 tensor in the graph); add it to the training loss, or use
     :func:`aux_loss` to sum it over a model. ``self.last_topk_ids [T, K]`` keeps the last routing (detached)
-    for load statistics.
+    for load statistics; ``self.router.tokens_per_expert [E]`` (int64) the pairs per expert since the last
+    reset, where counted.
 
     Raises:
-        ValueError: bad configuration, or an input whose last dimension is not d.
+        ValueError: bad configuration (e.g. an unknown ``aux_loss_type``, an ``expert_bias_update_rate`` that is
+            not a finite number >= 0), or an input whose last dimension is not d.
+        TypeError: ``aux_loss_group`` is not None or a ProcessGroup.
 
     Expert parallelism is applied to a built layer (or a model holding layers) by
     :func:`moeblaze.parallel.expert_parallel` (or :func:`moeblaze.parallel.parallelize` on a 2-D mesh).
@@ -113,7 +129,9 @@ class MoE(nn.Module):
                  score_correction_bias: bool = False, routed_scaling_factor: float = 1.0,
                  logits_dtype: str = "fp32", shared_d_ff: int = 0, shared_gate: bool = False,
                  bias: bool = False, token_rounding: str | None = None,
-                 rounding_tile: int | None = None, rounding_seed: int = 0) -> None:
+                 rounding_tile: int | None = None, rounding_seed: int = 0, aux_loss_type: str = "switch",
+                 expert_bias_update_rate: float = 0.0, track_expert_load: bool = False,
+                 aux_loss_group=None) -> None:
         super().__init__()
         if token_rounding is not None and token_rounding not in ROUNDING_MODES:
             raise ValueError(f"token_rounding must be None or one of {ROUNDING_MODES}, got {token_rounding!r}")
@@ -134,7 +152,9 @@ class MoE(nn.Module):
         self.router = Router(d_model, num_experts, top_k, score_func, renormalize, aux_loss_coef,
                              z_loss_coef, device=device, dtype=dtype, n_group=n_group, topk_group=topk_group,
                              score_correction_bias=score_correction_bias,
-                             routed_scaling_factor=routed_scaling_factor, logits_dtype=logits_dtype)
+                             routed_scaling_factor=routed_scaling_factor, logits_dtype=logits_dtype,
+                             aux_loss_type=aux_loss_type, expert_bias_update_rate=expert_bias_update_rate,
+                             track_expert_load=track_expert_load, aux_loss_group=aux_loss_group)
         if not isinstance(shared_d_ff, int) or shared_d_ff < 0:
             raise ValueError(f"shared_d_ff must be an int >= 0, got {shared_d_ff!r}")
         self.shared_experts = (SharedExpert(d_model, shared_d_ff, activation, shared_gate, device=device, dtype=dtype)
@@ -205,7 +225,8 @@ class MoE(nn.Module):
                  and self.shared_experts is None and not torch.compiler.is_compiling() else None)
         rounding = self._rounding(x2) if self.token_rounding is not None and self.training else None
         # float64 (the reference check) rounds with the PyTorch ops, after the router
-        routing = self.router(x2, input_grad=share, rounding=rounding if x2.dtype != torch.float64 else None)
+        routing = self.router(x2, input_grad=share, rounding=rounding if x2.dtype != torch.float64 else None,
+                              seq_len=shape[-2] if x.dim() >= 3 and shape[-2] else None)  # 2-D: one sequence
         if self.ep is not None:  # expert parallelism: the routed experts run on the ranks that hold them
             out, self.aux_loss = self.ep.forward(self, x2, routing)
             if self.shared_experts is not None:

@@ -2,12 +2,17 @@
 
 One row per finished step (written by rank 0, flushed at once): the step number (1-based, as the checkpoints
 count), the training loss in nats and in bits per byte, the learning rate, the step's wall seconds, the
-run's tokens per second so far, and the validation bits per byte on the steps that evaluated (empty
-otherwise). Plot it with any CSV reader, e.g. ``pandas.read_csv("moeblaze-out/metrics.csv")``.
+run's tokens per second so far, the validation bits per byte on the steps that evaluated (empty
+otherwise), and the step's expert load over every rank's tokens: ``load_ratio_max`` and ``load_ratio_mean``,
+the largest and the mean over the MoE layers of (max tokens per expert) / (mean tokens per expert), 1.0 when
+balanced, and ``zero_load_experts``, the experts that received no token, summed over the layers (three
+columns whatever the depth; empty where the model counts nothing). ``moeblaze plot OUT_DIR`` draws them
+(:mod:`moeblaze.plot`); any CSV reader works too, e.g. ``pandas.read_csv("moeblaze-out/metrics.csv")``.
 
 Faults: a resumed run first rewrites the file (a temporary file, then ``os.replace``) keeping the complete
 rows up to its checkpoint's step, so a kill between a checkpoint and the next one, or in the middle of a
-row, leaves each step once. A file that cannot be written (a full disk, a read-only folder) is named once
+row, leaves each step once. Rows of a file written before the load columns existed are kept, with those
+columns empty. A file that cannot be written (a full disk, a read-only folder) is named once
 through the run's log and the run trains on without it: the metrics never cost a step.
 """
 
@@ -20,7 +25,9 @@ import math
 import os
 from pathlib import Path
 
-COLUMNS = ("step", "loss", "bits_per_byte", "lr", "step_s", "tokens_per_s", "val_bpb")
+LOSS_COLUMNS = ("step", "loss", "bits_per_byte", "lr", "step_s", "tokens_per_s", "val_bpb")
+LOAD_COLUMNS = ("load_ratio_max", "load_ratio_mean", "zero_load_experts")
+COLUMNS = LOSS_COLUMNS + LOAD_COLUMNS
 FILE_NAME = "metrics.csv"
 
 
@@ -33,8 +40,8 @@ def _is_number(text: str) -> bool:
 
 
 def _complete_rows(path: Path, up_to: int) -> list[dict[str, str]]:
-    """Rows of an earlier file with exactly the columns of ``COLUMNS`` and ``step <= up_to`` (a cut last row,
-    a damaged or foreign row is dropped).
+    """Rows of an earlier file with exactly the columns of ``COLUMNS`` (or of ``LOSS_COLUMNS``, an older
+    version's) and ``step <= up_to`` (a cut last row, a damaged or foreign row is dropped).
 
     Raises:
         OSError: the file exists but cannot be read.
@@ -47,7 +54,7 @@ def _complete_rows(path: Path, up_to: int) -> list[dict[str, str]]:
         text = text[: text.rfind("\n") + 1]
     rows = []
     for row in csv.DictReader(io.StringIO(text)):
-        if tuple(row) != COLUMNS or None in row.values():  # too many fields (key None) or too few
+        if tuple(row) not in (COLUMNS, LOSS_COLUMNS) or None in row.values():  # too many fields (key None) or few
             continue
         numbers = all(_is_number(v) for v in row.values() if v)  # a damaged byte fails its number
         if numbers and row["step"].isdigit() and int(row["step"]) <= up_to:
@@ -75,7 +82,7 @@ class MetricsLog:
         try:
             kept = _complete_rows(self.path, resume_step) if resume_step is not None else []
             with open(tmp, "w", newline="") as fh:
-                writer = csv.DictWriter(fh, fieldnames=COLUMNS)
+                writer = csv.DictWriter(fh, fieldnames=COLUMNS, restval="")  # an older file's rows: load empty
                 writer.writeheader()
                 writer.writerows(kept)
             os.replace(tmp, self.path)
@@ -89,15 +96,19 @@ class MetricsLog:
         self.log(f"warning: cannot write {self.path} ({err}); training goes on without the metrics file")
 
     def write(self, step: int, loss: float, lr: float, step_s: float, tokens_per_s: float,
-              val_bpb: float | None = None) -> None:
-        """Append the row of finished step ``step`` (1-based); ``val_bpb`` when the step evaluated."""
+              val_bpb: float | None = None, load: tuple[float, float, int] | None = None) -> None:
+        """Append the row of finished step ``step`` (1-based); ``val_bpb`` when the step evaluated; ``load``:
+        ``(load_ratio_max, load_ratio_mean, zero_load_experts)`` (:func:`moeblaze.balance.load_summary`)."""
         if not self.enabled:
             return
         row = {"step": step, "loss": f"{loss:.6f}", "bits_per_byte": f"{loss / math.log(2):.6f}", "lr": f"{lr:.6g}",
                "step_s": f"{step_s:.6f}", "tokens_per_s": f"{tokens_per_s:.1f}",
                "val_bpb": "" if val_bpb is None else f"{val_bpb:.6f}"}
+        if load is not None:
+            row |= {"load_ratio_max": f"{load[0]:.4f}", "load_ratio_mean": f"{load[1]:.4f}",
+                    "zero_load_experts": str(int(load[2]))}
         try:
             with open(self.path, "a", newline="") as fh:
-                csv.DictWriter(fh, fieldnames=COLUMNS).writerow(row)
+                csv.DictWriter(fh, fieldnames=COLUMNS, restval="").writerow(row)
         except OSError as err:
             self._fail(err)

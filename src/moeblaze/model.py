@@ -9,13 +9,14 @@ output head is tied to the embedding by default.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from .activations import ACTIVATIONS, is_gated
+from .balance import AUX_LOSS_TYPES
 from .experts import BACKENDS, SAVE_MODES
 from .layer import MoE
 from .routing import SCORE_FUNCS
@@ -35,6 +36,10 @@ class ModelConfig:
         d_ff: h, each expert's intermediate size. num_experts: E. top_k: K.
         activation, score_func, save, backend: passed to :class:`moeblaze.MoE`.
         aux_loss_coef, z_loss_coef: router loss coefficients (per layer).
+        aux_loss_type: the load-balancing loss, ``switch``, ``seq`` or ``global`` (:class:`moeblaze.MoE`).
+        expert_bias_rate: u of DeepSeek-V3's auxiliary-loss-free balancing (0 = off): the MoE layers'
+            ``expert_bias_update_rate``; ``moeblaze train`` calls :func:`moeblaze.update_expert_biases` after
+            each optimizer step.
         tie_embeddings: share the embedding matrix with the output head.
         rope_base: rotary frequency base.
         routing: ``"topk"`` or ``"token-rounding[:mode]"`` (mode ``nr`` (default), ``up``, ``down``, ``sr``):
@@ -57,6 +62,8 @@ class ModelConfig:
     backend: str = "auto"
     aux_loss_coef: float = 0.01
     z_loss_coef: float = 0.001
+    aux_loss_type: str = field(default="switch", metadata={"choices": AUX_LOSS_TYPES})
+    expert_bias_rate: float = 0.0
     tie_embeddings: bool = True
     rope_base: float = 10000.0
     routing: str = "topk"
@@ -68,7 +75,8 @@ class ModelConfig:
                 raise ValueError(f"{name} must be a positive int, got {getattr(self, name)!r}")
         if self.vocab_size < 256:
             raise ValueError(f"vocab_size must be >= 256 (the model reads bytes 0..255), got {self.vocab_size}")
-        for name, lo, strict in (("rope_base", 1.0, True), ("aux_loss_coef", 0.0, False), ("z_loss_coef", 0.0, False)):
+        for name, lo, strict in (("rope_base", 1.0, True), ("aux_loss_coef", 0.0, False), ("z_loss_coef", 0.0, False),
+                                 ("expert_bias_rate", 0.0, False)):
             v = getattr(self, name)
             number = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
             if not number or v < lo or (strict and v == lo):
@@ -81,7 +89,7 @@ class ModelConfig:
         if not isinstance(self.rounding_tile, int) or isinstance(self.rounding_tile, bool) or self.rounding_tile < 0:
             raise ValueError(f"rounding_tile must be an int >= 0 (0: the backend's M tile), got {self.rounding_tile!r}")
         for name, allowed in (("activation", ACTIVATIONS), ("score_func", SCORE_FUNCS), ("save", SAVE_MODES),
-                              ("backend", BACKENDS)):
+                              ("backend", BACKENDS), ("aux_loss_type", AUX_LOSS_TYPES)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
 
@@ -169,7 +177,9 @@ class Block(nn.Module):
         self.moe = MoE(cfg.d_model, cfg.d_ff, cfg.num_experts, cfg.top_k, activation=cfg.activation,
                        score_func=cfg.score_func, save=cfg.save, aux_loss_coef=cfg.aux_loss_coef,
                        z_loss_coef=cfg.z_loss_coef, backend=cfg.backend,
-                       token_rounding=token_rounding_mode(cfg.routing), rounding_tile=cfg.rounding_tile or None)
+                       token_rounding=token_rounding_mode(cfg.routing), rounding_tile=cfg.rounding_tile or None,
+                       aux_loss_type=cfg.aux_loss_type, expert_bias_update_rate=cfg.expert_bias_rate,
+                       track_expert_load=True)  # the expert load of every step goes to metrics.csv
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.norm1(x))

@@ -3,8 +3,10 @@
 Score functions: ``softmax`` (softmax over E, then top-k, optional renormalisation — Switch/Mixtral/
 Qwen3 style) and ``sigmoid`` (DeepSeek-V3: sigmoid scores, top-k, renormalised to sum 1).
 Losses: the Switch Transformer load-balancing loss (Fedus et al. 2021, eq. 4)
-``E * sum_e f_e * P_e`` and the router z-loss (ST-MoE, Zoph et al. 2022, eq. 5)
-``mean_t logsumexp(logits_t)^2``.
+``E * sum_e f_e * P_e`` (or, ``aux_loss_type``, its per-sequence form of DeepSeek-V3 and its global-batch form
+of Qwen: :mod:`moeblaze.balance`) and the router z-loss (ST-MoE, Zoph et al. 2022, eq. 5)
+``mean_t logsumexp(logits_t)^2``. Auxiliary-loss-free balancing (DeepSeek-V3): the router's selection bias and
+its token counts, updated by :func:`moeblaze.update_expert_biases`.
 """
 
 from __future__ import annotations
@@ -18,6 +20,13 @@ import torch.nn.functional as F
 
 from . import settings
 from .amp import autocast_off, autocast_operands
+from .balance import (
+    check_aux_loss_type,
+    check_bias_rate,
+    check_group,
+    global_batch_load_balancing_loss,
+    sequence_load_balancing_loss,
+)
 from .input_grad import SharedInputGrad
 from .kernels import router as fused_router
 from .settings import carried_to_backward
@@ -216,7 +225,21 @@ class Router(nn.Module):
             scores, and the K experts are chosen within the ``topk_group`` best groups. ``n_group=1``: off.
         score_correction_bias: keep a buffer ``e_score_correction_bias [E]`` (fp32, zeros; DeepSeek-V3's
             auxiliary-loss-free balancing) added to the scores for the choice of experts only; the combine
-            weights are the scores themselves.
+            weights are the scores themselves. It stays fp32 when the module is cast to a 16-bit dtype (as
+            transformers keeps DeepSeek-V3's in fp32): steps of 1e-3 would round away in bf16.
+        aux_loss_type: the load-balancing loss ``aux_loss_coef`` weighs: ``"switch"`` (Switch Transformer, over
+            this call's tokens), ``"seq"`` (DeepSeek-V3's sequence-wise loss, arXiv 2412.19437 eq. 17-20, over
+            each sequence of ``seq_len`` tokens) or ``"global"`` (Qwen's global-batch loss, arXiv 2501.11873:
+            the expert frequencies summed over ``aux_loss_group``, one all-reduce of ``[E]`` per training
+            forward, collective). See :mod:`moeblaze.balance`.
+        expert_bias_update_rate: u of DeepSeek-V3's auxiliary-loss-free balancing (1e-3 there; 0 = off): keeps
+            ``e_score_correction_bias`` (as ``score_correction_bias=True``) and counts the tokens routed to each
+            expert; :func:`moeblaze.update_expert_biases` moves the bias by ``u * sign(mean_load - load_e)``.
+        track_expert_load: count the pairs routed to each expert in training-mode forwards into the buffer
+            ``tokens_per_expert [E]`` (int64, not saved in the state dict; read by :func:`moeblaze.expert_load`)
+            without a bias update; on whenever ``expert_bias_update_rate > 0``.
+        aux_loss_group: the data-parallel ``ProcessGroup`` of ``aux_loss_type="global"`` (None: the world where
+            torch.distributed is initialised).
         routed_scaling_factor: multiplies the K combine weights after renormalisation (DeepSeek-V3: 2.5).
         logits_dtype: ``"fp32"`` computes the logits in fp32 math; ``"input"`` computes them in the input's
             dtype and then upcasts (as transformers' Qwen/Mixtral routers do for a bf16 model), so that such a
@@ -231,15 +254,17 @@ class Router(nn.Module):
     data-sheet peak, next to a 15-18 ms layer step.
 
     Raises:
-        ValueError: bad ``top_k``, ``score_func``, group settings, ``logits_dtype``, a loss coefficient that
-            is not a finite number >= 0, or a wrong input shape.
+        ValueError: bad ``top_k``, ``score_func``, group settings, ``logits_dtype``, ``aux_loss_type``, a loss
+            coefficient or ``expert_bias_update_rate`` that is not a finite number >= 0, or a wrong input shape.
+        TypeError: ``aux_loss_group`` is not None or a ProcessGroup.
     """
 
     def __init__(self, d_model: int, num_experts: int, top_k: int, score_func: str = "softmax",
                  renormalize: bool | None = None, aux_loss_coef: float = 0.01, z_loss_coef: float = 0.0,
                  device=None, dtype=None, *, n_group: int = 1, topk_group: int | None = None,
                  score_correction_bias: bool = False, routed_scaling_factor: float = 1.0,
-                 logits_dtype: str = "fp32") -> None:
+                 logits_dtype: str = "fp32", aux_loss_type: str = "switch", expert_bias_update_rate: float = 0.0,
+                 track_expert_load: bool = False, aux_loss_group=None) -> None:
         super().__init__()
         for name, v in (("d_model", d_model), ("num_experts", num_experts), ("top_k", top_k)):
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
@@ -255,8 +280,16 @@ class Router(nn.Module):
         self.score_func = score_func
         self.renormalize = (score_func == "sigmoid") if renormalize is None else renormalize
         self.aux_loss_coef, self.z_loss_coef = aux_loss_coef, z_loss_coef
+        self.aux_loss_type = check_aux_loss_type(aux_loss_type)
+        self.expert_bias_update_rate = check_bias_rate(expert_bias_update_rate)
+        check_group(aux_loss_group)
+        self.aux_loss_group = aux_loss_group
         self.weight = nn.Parameter(torch.empty(num_experts, d_model, device=device, dtype=dtype))
-        self._init_deepseek(n_group, topk_group, score_correction_bias, routed_scaling_factor, logits_dtype, device)
+        self._init_deepseek(n_group, topk_group, score_correction_bias or self.expert_bias_update_rate > 0,
+                            routed_scaling_factor, logits_dtype, device)
+        counting = bool(track_expert_load) or self.expert_bias_update_rate > 0
+        counts = torch.zeros(num_experts, device=device, dtype=torch.int64) if counting else None
+        self.register_buffer("tokens_per_expert", counts, persistent=False)  # this step's, until reset
         self.reset_parameters()
 
     def _init_deepseek(self, n_group, topk_group, score_correction_bias, routed_scaling_factor, logits_dtype,
@@ -301,30 +334,49 @@ class Router(nn.Module):
         return logits.is_cuda if mode is None else (mode and (logits.is_cuda or settings.interpreting()))
 
     def reset_parameters(self) -> None:
-        """``U(-1/sqrt(d), 1/sqrt(d))``, as ``nn.Linear``."""
+        """``U(-1/sqrt(d), 1/sqrt(d))``, as ``nn.Linear``; the correction bias and the token counts to zero."""
         bound = 1.0 / math.sqrt(self.d_model)
         nn.init.uniform_(self.weight, -bound, bound)
+        with torch.no_grad():
+            for buf in (self.e_score_correction_bias, self.tokens_per_expert):
+                if buf is not None:
+                    buf.zero_()
+
+    def _apply(self, fn, recurse=True):
+        """As ``nn.Module._apply`` (``.to``, ``.half()``, ...), but a cast to a 16-bit dtype leaves the
+        correction bias fp32 (moved to the new device): its updates of ``u`` = 1e-3 would round away in bf16."""
+        bias = self.e_score_correction_bias
+        super()._apply(fn, recurse)
+        moved = self.e_score_correction_bias
+        if bias is not None and bias.dtype == torch.float32 and moved.dtype in (torch.bfloat16, torch.float16):
+            self.e_score_correction_bias = bias.to(moved.device)
+        return self
 
     def forward(self, x: torch.Tensor, *, input_grad: SharedInputGrad | None = None,
-                rounding: Rounding | None = None) -> RouterOutput:
+                rounding: Rounding | None = None, seq_len: int | None = None) -> RouterOutput:
         """Route ``x [T, d]``: fp32 logits, scores, top-k ids and weights, and the scaled losses
         (zero in eval mode or for an empty batch). ``input_grad``: ``x``'s gradient shared with the experts
         (:mod:`moeblaze.input_grad`; :class:`moeblaze.MoE` passes one), or None. ``rounding``: token rounding
         to compute with the routing where the fused router and selections serve (``RouterOutput.rounded``; one
-        autograd node, whose backward reads the pair weights' gradient where it lies), or None.
+        autograd node, whose backward reads the pair weights' gradient where it lies), or None. ``seq_len``:
+        the tokens per sequence of ``aux_loss_type="seq"`` (rows ``b*S .. (b+1)*S - 1`` form sequence b; None:
+        all T tokens are one sequence). In training mode, adds the top-k choice to ``tokens_per_expert`` where
+        counted.
 
         Raises:
-            ValueError: ``x`` is not ``[T, d]``.
+            ValueError: ``x`` is not ``[T, d]``, or ``seq_len`` does not divide T.
         """
         if x.dim() != 2 or x.shape[1] != self.d_model:
             raise ValueError(f"router input must have shape [T, d={self.d_model}], got {tuple(x.shape)}")
+        if seq_len is not None and (not isinstance(seq_len, int) or seq_len < 1 or x.shape[0] % seq_len):
+            raise ValueError(f"seq_len must be a positive divisor of the {x.shape[0]} tokens, got {seq_len!r}")
         if self.logits_dtype == "input":  # rounded to x's dtype as transformers computes them, then upcast
             logits = F.linear(x, self.weight.to(x.dtype)).float()
         else:
             logits = _RouterLogits.apply(*autocast_operands(x, ("router.weight", self.weight)), input_grad)
         losses_on = self.training and x.shape[0] > 0  # means over zero tokens would be NaN
         if self._fused(logits):
-            return self._fused_forward(logits, losses_on, rounding)
+            return self._fused_forward(logits, losses_on, rounding, seq_len)
         if self.score_func == "softmax":
             scores = torch.softmax(logits, dim=-1)
             probs = scores
@@ -340,7 +392,7 @@ class Router(nn.Module):
             topk_weights = topk_weights / topk_weights.sum(-1, keepdim=True).clamp_min(1e-20)
         if self.routed_scaling_factor != 1.0:
             topk_weights = topk_weights * self.routed_scaling_factor
-        aux = load_balancing_loss(probs, topk_ids, self.aux_loss_coef) if self.aux_loss_coef and losses_on else None
+        aux = self._balance(probs, topk_ids, seq_len, losses_on, switch=True)
         z = router_z_loss(logits, self.z_loss_coef) if self.z_loss_coef and losses_on else None
         on = (aux is not None, z is not None)
         if not all(on):  # a zero only where a loss is off (one launch fewer per step otherwise)
@@ -348,12 +400,34 @@ class Router(nn.Module):
             aux, z = (zero if aux is None else aux), (zero if z is None else z)
         return RouterOutput(topk_ids.to(torch.int32), topk_weights, logits, aux, z, scores, losses_on=on)
 
-    def _fused_forward(self, logits: torch.Tensor, losses_on: bool, rounding: Rounding | None) -> RouterOutput:
+    def _balance(self, probs: torch.Tensor, topk_ids: torch.Tensor, seq_len: int | None, losses_on: bool,
+                 switch: bool) -> torch.Tensor | None:
+        """Count the choice (training mode, where counted), and the load-balancing loss of ``aux_loss_type``
+        times its coefficient, or None where it is off (``switch``: compute the Switch loss here too; the fused
+        router's kernel computes it). The global loss runs on every rank in training mode, with T = 0 too:
+        its all-reduce is collective."""
+        if self.training and self.tokens_per_expert is not None:  # two launches: a ones fill and an index_add_
+            ids = topk_ids.reshape(-1)
+            self.tokens_per_expert.index_add_(0, ids, self.tokens_per_expert.new_ones(()).expand(ids.numel()))
+        if not self.aux_loss_coef or not self.training:
+            return None
+        if self.aux_loss_type == "global":
+            return global_batch_load_balancing_loss(probs, topk_ids, self.aux_loss_coef, self.aux_loss_group)
+        if not losses_on:
+            return None
+        if self.aux_loss_type == "seq":
+            return sequence_load_balancing_loss(probs, topk_ids, seq_len or probs.shape[0], self.aux_loss_coef)
+        return load_balancing_loss(probs, topk_ids, self.aux_loss_coef) if switch else None
+
+    def _fused_forward(self, logits: torch.Tensor, losses_on: bool, rounding: Rounding | None,
+                       seq_len: int | None) -> RouterOutput:
         """:meth:`forward` through :class:`_FusedTopK` (with ``rounding``: :func:`route_rounded` where it serves):
         the same outputs (losses with the coefficients of :func:`load_balancing_loss` and :func:`router_z_loss`),
-        exact zeros for losses that are off (written by the loss kernel)."""
+        exact zeros for losses that are off (written by the loss kernel). The kernel computes the Switch loss;
+        the sequence-wise and global losses are computed here from its probabilities."""
         T, K, E = logits.shape[0], self.top_k, self.num_experts
-        aux_c = _aux_coefficient(self.aux_loss_coef, E, T * K, T) if self.aux_loss_coef and losses_on else 0.0
+        switch_on = self.aux_loss_coef and losses_on and self.aux_loss_type == "switch"
+        aux_c = _aux_coefficient(self.aux_loss_coef, E, T * K, T) if switch_on else 0.0
         z_c = _z_coefficient(self.z_loss_coef, T) if self.z_loss_coef and losses_on else 0.0
         options = (K, bool(self.renormalize), self.routed_scaling_factor, aux_c, z_c)
         rounded = None
@@ -361,7 +435,10 @@ class Router(nn.Module):
             (ids, weights, scores, aux, z, counts), rounded = route_rounded(logits, *options, rounding)
         else:
             ids, weights, scores, aux, z, counts = _FusedTopK.apply(logits, *options)
-        return RouterOutput(ids, weights, logits, aux, z, scores, counts, rounded, losses_on=(bool(aux_c), bool(z_c)))
+        other = self._balance(scores, ids, seq_len, losses_on, switch=False)  # softmax: the scores are the probs
+        aux = aux if other is None else other
+        return RouterOutput(ids, weights, logits, aux, z, scores, counts, rounded,
+                            losses_on=(bool(aux_c) or other is not None, bool(z_c)))
 
     def extra_repr(self) -> str:
         return (f"d_model={self.d_model}, num_experts={self.num_experts}, top_k={self.top_k}, "
@@ -369,4 +446,7 @@ class Router(nn.Module):
                 + (f", n_group={self.n_group}, topk_group={self.topk_group}" if self.n_group > 1 else "")
                 + (", score_correction_bias=True" if self.e_score_correction_bias is not None else "")
                 + (f", routed_scaling_factor={self.routed_scaling_factor}" if self.routed_scaling_factor != 1 else "")
-                + (f", logits_dtype={self.logits_dtype}" if self.logits_dtype != "fp32" else ""))
+                + (f", logits_dtype={self.logits_dtype}" if self.logits_dtype != "fp32" else "")
+                + (f", aux_loss_type={self.aux_loss_type}" if self.aux_loss_type != "switch" else "")
+                + (f", expert_bias_update_rate={self.expert_bias_update_rate:g}"
+                   if self.expert_bias_update_rate else ""))

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from . import checkpoint, settings
+from .balance import expert_load, load_summary, update_expert_biases
 from .checkpoint import load as _load_state
 from .checkpoint import read_state as checkpoint_state
 from .checkpoint import resolve as resolve_checkpoint
@@ -127,9 +128,10 @@ def load_checkpoint(path: str | Path, model: MoETransformer, opt: torch.optim.Op
         moeblaze.checkpoint.CheckpointError: the folder cannot be loaded or holds non-finite weights.
     """
     state = checkpoint.read_state(path, check=False)
-    if state.get("model_config") != asdict(model.cfg):
-        diff = {k: (v, state.get("model_config", {}).get(k)) for k, v in asdict(model.cfg).items()
-                if state.get("model_config", {}).get(k) != v}
+    # a field added since the checkpoint was written takes its default (the behaviour of the older version)
+    saved = {f.name: f.default for f in fields(ModelConfig)} | state.get("model_config", {})
+    if saved != asdict(model.cfg):
+        diff = {k: (v, saved.get(k)) for k, v in asdict(model.cfg).items() if saved.get(k) != v}
         raise ConfigError(f"model config differs from the checkpoint in {path} (now, saved): {diff}")
     now = job.layout() if job is not None else {"world_size": 1, "fsdp": False, "ep": 1}
     saved = state.get("layout", {"world_size": 1, "fsdp": False, "ep": 1})
@@ -199,16 +201,21 @@ class NonFiniteLossError(RuntimeError):
 
 def train_step(model: MoETransformer, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor, lr: float,
                grad_clip: float, counter: SavedTensorCounter | None = None,
-               autocast: torch.dtype | None = None, job: Job | None = None) -> float:
-    """One optimizer step on a batch ``x, y [B, seq]`` (int64 bytes); returns the cross-entropy (nats).
+               autocast: torch.dtype | None = None, job: Job | None = None) -> tuple[float, tuple | None]:
+    """One optimizer step on a batch ``x, y [B, seq]`` (int64 bytes); returns the cross-entropy (nats) and the
+    step's expert load (:func:`moeblaze.balance.load_summary` as floats: the worst and the mean over the MoE
+    layers of max / mean tokens per expert, and the experts that received no token), or None without counts.
 
     The loss is cross-entropy plus the MoE layers' auxiliary losses; gradients are clipped to
     ``grad_clip`` (0: off). With ``counter``, the forward runs under it (bytes saved for backward). With
     ``autocast`` (mixed precision), the forward runs under ``torch.autocast(x.device.type, autocast)``; the
-    backward and the optimizer step run outside it, on the fp32 parameters.
+    backward and the optimizer step run outside it, on the fp32 parameters. After ``opt.step()``,
+    :func:`moeblaze.update_expert_biases` moves the routers' biases (``expert_bias_rate`` > 0) and resets
+    the counts, from the same all-reduced counts as the load (one all-reduce of ``[layers * E]`` int64).
     Reading the losses synchronises (once), so step timings are honest on CUDA too. With a ``job`` of
     several ranks (FSDP2), the losses returned and checked are means over the ranks and the gradient norm
-    is the global one (:func:`moeblaze.parallel.job.clip_grad_norm`), so every rank decides alike.
+    is the global one (:func:`moeblaze.parallel.job.clip_grad_norm`), so every rank decides alike; the load is
+    over every rank's tokens.
 
     Raises:
         NonFiniteLossError: the LM loss, the auxiliary loss or the gradient norm is NaN or inf; raised
@@ -221,6 +228,7 @@ def train_step(model: MoETransformer, opt: torch.optim.Optimizer, x: torch.Tenso
     ce = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
     aux = aux_loss(model).to(x.device)
     (ce + aux).backward()
+    load = expert_load(model)  # over the world's tokens where distributed (the routers are replicated)
     params = [p for p in model.parameters() if p.grad is not None]
     if job is not None and job.mesh is not None:
         norm = clip_grad_norm(params, grad_clip, job)
@@ -229,7 +237,9 @@ def train_step(model: MoETransformer, opt: torch.optim.Optimizer, x: torch.Tenso
         norm = torch.nn.utils.clip_grad_norm_(params, grad_clip)
     else:
         norm = torch.nn.utils.get_total_norm([p.grad for p in params])
-    values = torch.stack([ce.detach(), aux.detach().float(), norm.float().to(ce.device)]).tolist()
+    summary = [load_summary(load).to(ce.device)] if load else []  # read with the losses: one synchronisation
+    values = torch.cat([torch.stack([ce.detach(), aux.detach().float(), norm.float().to(ce.device)]),
+                        *summary]).tolist()
     for name, v in zip(("LM loss (cross-entropy)", "auxiliary loss (router load-balancing + z-loss)",
                         "gradient norm"), values):
         if not math.isfinite(v):
@@ -237,7 +247,8 @@ def train_step(model: MoETransformer, opt: torch.optim.Optimizer, x: torch.Tenso
             raise NonFiniteLossError(f"{name} is {v}")
     opt.step()
     opt.zero_grad(set_to_none=True)
-    return values[0]
+    update_expert_biases(model, load=load)  # the auxiliary-loss-free step (expert_bias_rate 0: only the reset)
+    return values[0], (values[3], values[4], int(values[5])) if load else None
 
 
 def _check_backend(mcfg: ModelConfig, device: torch.device) -> None:
@@ -388,7 +399,8 @@ def _loop(model, opt, corpus, cfg: TrainConfig, mcfg: ModelConfig, device, preci
         counter = (SavedTensorCounter(list(model.parameters())).track(model.moe_layers())
                    if step == start and job.mesh is None else None)
         try:
-            losses.append(train_step(model, opt, x, y, lr_at(step, cfg), cfg.grad_clip, counter, amp_dtype, job))
+            loss, load = train_step(model, opt, x, y, lr_at(step, cfg), cfg.grad_clip, counter, amp_dtype, job)
+            losses.append(loss)
         except NonFiniteLossError as err:
             bar.close()
             kept = checkpoint.find_latest(cfg.out_dir, warn=None)
@@ -414,9 +426,10 @@ def _loop(model, opt, corpus, cfg: TrainConfig, mcfg: ModelConfig, device, preci
         if evaluated:
             val_bpb = evaluate(model, corpus.val, cfg, device, amp_dtype, job)
             log(f"step {step + 1}: train loss {losses[-1]:.3f} nats/byte, val {val_bpb:.3f} bits/byte, "
-                f"{tok_s:,.0f} tok/s")
+                f"{tok_s:,.0f} tok/s" + (f", expert load max/mean {load[0]:.2f} (worst layer)" if load else ""))
         # before the checkpoint: a run killed between the two resumes from the previous one, dropping this row
-        metrics.write(step + 1, losses[-1], lr_at(step, cfg), step_times[-1], tok_s, val_bpb if evaluated else None)
+        metrics.write(step + 1, losses[-1], lr_at(step, cfg), step_times[-1], tok_s, val_bpb if evaluated else None,
+                      load)
         timed = checkpoint.agree(cfg.checkpoint_minutes > 0
                                  and time.monotonic() - last_save >= 60 * cfg.checkpoint_minutes)
         if (last or interrupted or timed

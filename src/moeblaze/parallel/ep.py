@@ -86,6 +86,8 @@ class EPConfig:
     bias: bool
     group_size: int
     exchange: str
+    aux_loss_type: str
+    expert_bias_update_rate: float
 
 
 class ExpertParallel:
@@ -170,7 +172,7 @@ def shard_experts(moe: MoE, group: dist.ProcessGroup | DeviceMesh, exchange: str
     device = moe.w_down.device if moe.w_down.device.type != "meta" else _group_device(pg)
     kind = resolve_exchange(exchange, pg, device)
     config = EPConfig(moe.d_model, moe.d_ff, moe.num_experts, moe.top_k, moe.activation, moe.router.score_func,
-                      moe.has_bias, P, kind)
+                      moe.has_bias, P, kind, moe.router.aux_loss_type, moe.router.expert_bias_update_rate)
     gathered: list[EPConfig | None] = [None] * P
     dist.all_gather_object(gathered, config, group=pg)  # before any check that could differ by rank
     if any(c != config for c in gathered):
@@ -428,8 +430,9 @@ def expert_parallel_forward(moe: MoE, x: torch.Tensor, routing) -> tuple[torch.T
         routing: the :class:`moeblaze.RouterOutput` of ``moe.router(x)`` (global expert ids).
 
     Returns:
-        ``(out [T, d] in x.dtype, aux_loss)``: ``aux_loss`` is the router's z-loss plus the load-balancing loss over
-        the group's counts (:func:`global_load_balancing_loss`), each times its coefficient.
+        ``(out [T, d] in x.dtype, aux_loss)``: with ``aux_loss_type="switch"`` the router's z-loss plus the
+        load-balancing loss over the group's counts (:func:`global_load_balancing_loss`), each times its
+        coefficient; with the other types the router's own loss (``routing.loss``).
     """
     ep: ExpertParallel = moe.ep
     E, P, El = moe.num_experts, ep.size, ep.num_local_experts
@@ -469,6 +472,8 @@ def expert_parallel_forward(moe: MoE, x: torch.Tensor, routing) -> tuple[torch.T
                     index=index, foreign_experts=True, **experts)  # [R, d]: each row's local pairs, weighted
     out = _SumRows.apply(_Combine.apply(y, ep.exchange, layout, payload), *plan.tensors(), M)  # [T, d]
 
+    if moe.router.aux_loss_type != "switch":
+        return out, routing.loss
     aux = routing.z_loss
     if moe.router.aux_loss_coef and moe.training:
         probs = _router_probs(moe, routing.logits)

@@ -6,7 +6,8 @@ full model from the same seed, then :func:`moeblaze.parallel.parallelize` shards
 weights; so a run starts from the weights a one-process run starts from. Each step every rank draws the
 same global batch (seeded by ``(seed, step)``) and keeps its rows (:func:`moeblaze.parallel.split_batch`);
 FSDP2 averages the gradients over ranks, so the step is the one-process step on the global batch (up to
-the load-balancing loss, which counts the experts of each rank's tokens — of the EP group's with EP).
+the load-balancing loss, which counts the experts of each rank's tokens — of the EP group's with EP, of every
+rank's with ``--aux-loss-type global``).
 Losses and validation sums are all-reduced; the gradient norm is summed over every rank's shards; only
 rank 0 logs. Without ``--fsdp`` and without torchrun nothing here communicates (a job of one rank).
 """

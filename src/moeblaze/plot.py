@@ -1,0 +1,115 @@
+"""``moeblaze plot OUT_DIR``: the curves of a ``moeblaze train`` run, from its ``metrics.csv``, as PNG files.
+
+``loss.png``: the training loss and the validation loss in bits per byte against the step. ``expert_load.png``
+(where the run logged the expert load, :mod:`moeblaze.metrics_log`): max / mean tokens per expert of the worst
+MoE layer and the mean over the layers, and the experts that received no token. matplotlib draws them without a
+display (``matplotlib.figure.Figure``, no pyplot state); ``benchmarks/bench_balance.py`` puts two runs side by
+side with the same functions.
+"""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+import os
+from pathlib import Path
+
+from .metrics_log import FILE_NAME, LOAD_COLUMNS
+from .train_config import ConfigError
+
+__all__ = ["draw_load", "draw_loss", "plot_run", "read_metrics"]
+
+
+def read_metrics(out_dir: str | os.PathLike) -> dict[str, list[float | None]]:
+    """The columns of ``<out_dir>/metrics.csv`` as lists of floats (None where a cell is empty), rows by step.
+
+    Raises:
+        ConfigError: no readable ``metrics.csv`` there, or one without rows.
+    """
+    path = Path(out_dir).expanduser() / FILE_NAME
+    try:
+        with open(path, newline="") as fh:
+            rows = list(csv.DictReader(fh))
+    except OSError as err:
+        raise ConfigError(f"cannot read {path} ({err.strerror or err}): pass the --out-dir of a moeblaze train "
+                          "run") from None
+    if not rows:
+        raise ConfigError(f"{path} holds no step yet")
+
+    def number(text: str | None) -> float | None:
+        try:
+            return float(text) if text else None
+        except ValueError:
+            return None
+
+    return {name: [number(r.get(name)) for r in rows] for name in rows[0]}
+
+
+def _series(metrics: dict, name: str) -> tuple[list[float], list[float]]:
+    """(steps, values) of the rows where column ``name`` has a value."""
+    pairs = [(s, v) for s, v in zip(metrics["step"], metrics.get(name, [])) if s is not None and v is not None]
+    return [p[0] for p in pairs], [p[1] for p in pairs]
+
+
+def draw_loss(ax, metrics: dict, label: str = "", color=None) -> None:
+    """Training (line) and validation (markers) bits per byte against the step on ``ax``."""
+    prefix = f"{label}: " if label else ""
+    ax.plot(*_series(metrics, "bits_per_byte"), lw=0.8, color=color, label=f"{prefix}train")
+    steps, val = _series(metrics, "val_bpb")
+    if steps:
+        ax.plot(steps, val, "o--", ms=4, color=color, label=f"{prefix}validation")
+    ax.set_xlabel("step")
+    ax.set_ylabel("bits per byte")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+
+
+def draw_load(ax, metrics: dict, label: str = "", color=None) -> None:
+    """Max / mean tokens per expert (worst layer: line; mean over layers: dotted) against the step on ``ax``."""
+    prefix = f"{label}: " if label else ""
+    ax.plot(*_series(metrics, "load_ratio_max"), lw=0.8, color=color, label=f"{prefix}worst layer")
+    ax.plot(*_series(metrics, "load_ratio_mean"), ":", lw=1.0, color=color, label=f"{prefix}mean over layers")
+    ax.axhline(1.0, color="grey", lw=0.5)
+    ax.set_xlabel("step")
+    ax.set_ylabel("max / mean tokens per expert")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+
+
+def has_load(metrics: dict) -> bool:
+    """The run logged the expert load on some step."""
+    return any(v is not None for name in LOAD_COLUMNS for v in metrics.get(name, []))
+
+
+def plot_run(out_dir: str | os.PathLike) -> list[Path]:
+    """Write ``loss.png`` (and ``expert_load.png`` where the load was logged) into ``out_dir``; returns the paths.
+
+    Raises:
+        ConfigError: no ``metrics.csv`` with rows in ``out_dir``, or matplotlib is not installed.
+    """
+    if importlib.util.find_spec("matplotlib") is None:
+        raise ConfigError("moeblaze plot needs matplotlib (pip install matplotlib)")
+    from matplotlib.figure import Figure
+
+    out = Path(out_dir).expanduser()
+    metrics = read_metrics(out)
+    fig = Figure(figsize=(7, 4.5), layout="constrained")
+    ax = fig.subplots()
+    draw_loss(ax, metrics)
+    ax.set_title(f"loss — {out.name}")
+    written = [out / "loss.png"]
+    fig.savefig(written[0], dpi=120)
+    if has_load(metrics):
+        fig = Figure(figsize=(11, 4.5), layout="constrained")
+        ratio, zeros = fig.subplots(1, 2)
+        draw_load(ratio, metrics)
+        ratio.set_title("expert load (tokens of every rank)")
+        zeros.plot(*_series(metrics, "zero_load_experts"), lw=0.8)
+        zeros.set_xlabel("step")
+        zeros.set_ylabel("experts without a token (sum over layers)")
+        zeros.set_ylim(bottom=0, top=max([1.0, *_series(metrics, "zero_load_experts")[1]]) * 1.05)
+        zeros.yaxis.get_major_locator().set_params(integer=True)
+        zeros.grid(alpha=0.3)
+        written.append(out / "expert_load.png")
+        fig.savefig(written[1], dpi=120)
+    return written
