@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor
 
 import moeblaze
 from moeblaze.model import ModelConfig, MoETransformer
-from moeblaze.parallel import parallelize
+from moeblaze.parallel import expert_parallel, parallelize
 from moeblaze.testing import rel_error
 from moeblaze.train import train
 from train_workers import tiny_configs
@@ -64,7 +64,7 @@ def global_loss(rank: int, world: int) -> None:
 
 
 def ep_bias(rank: int, world: int, steps: int = 3) -> None:
-    """An expert-parallel layer (``ep_group`` = the world) with the expert-bias update and each loss type, a few
+    """An expert-parallel layer (over the world) with the expert-bias update and each loss type, a few
     SGD steps: loads, biases (bitwise), outputs, losses and parameters equal one process on all sequences."""
     solo = _solo_group(rank, world)
     E, K, d, h, B, S = 4, 2, 12, 6, 4, 3  # B sequences of S tokens, B / world per rank
@@ -73,7 +73,7 @@ def ep_bias(rank: int, world: int, steps: int = 3) -> None:
         kw = {"aux_loss_coef": 0.05, "z_loss_coef": 0.01, "score_func": score_func, "aux_loss_type": aux_type,
               "expert_bias_update_rate": 0.01, "backend": "torch", "dtype": torch.float64}
         ref = moeblaze.MoE(d, h, E, K, aux_loss_group=solo, **kw)
-        ep = moeblaze.MoE(d, h, E, K, ep_group=dist.group.WORLD, **kw)
+        ep = expert_parallel(moeblaze.MoE(d, h, E, K, **kw), dist.group.WORLD)
         local = slice(ep.ep.first_expert, ep.ep.first_expert + ep.ep.num_local_experts)
         ref_params = dict(ref.named_parameters())
         with torch.no_grad():

@@ -224,7 +224,7 @@ def test_global_loss_over_two_ranks_equals_one_process():
 
 
 def test_expert_parallel_and_fsdp2_bias_update_equal_one_process():
-    """EP (ep_group = the world) with each loss type, and FSDP2 on a 1-D mesh: the all-reduced counts, the
+    """EP over the world with each loss type, and FSDP2 on a 1-D mesh: the all-reduced counts, the
     biases (bitwise), outputs, losses and weights after a few steps equal one process on all sequences."""
     run_ranks(bw.run_all, 2, ["ep_bias", "fsdp_bias"], timeout=240)
 
