@@ -127,31 +127,39 @@ _GPU_CASES = [dict(c, dtype=torch.bfloat16, backend="triton") for c in (
     {"tokens": [0, 80], "E": 8, "K": 2, "d": 64, "h": 32},  # a rank with no token, receiving none either
     {"tokens": [70, 30], "E": 8, "K": 1, "d": 64, "h": 32, "one_remote_expert": True},  # all to one remote expert
 )]
+_EXCHANGES = ("all_to_all", "padded", "nvshmem")
 
 
 @pytest.mark.multigpu
 @pytest.mark.skipif(not _gpus(2), reason="needs 2 CUDA GPUs")
-@pytest.mark.parametrize("exchange", ["all_to_all", "padded", "nvshmem"])
-def test_ep_exchange_bf16_two_gpus(exchange):
-    cases = [dict(c, exchange=exchange) for c in _GPU_CASES]
-    run_ranks(pw.ep_cases, 2, cases, backend="nccl", timeout=300)
+def test_ep_exchanges_two_gpus():
+    """2 GPUs, one spawn (the kernels compile once): every exchange against one process in bf16 (a rank with no
+    token, all tokens to one remote expert); the sync-free ones bitwise equal to the host-split one, without host
+    synchronisation, and a captured layer step replaying bitwise."""
+    cases = [dict(c, exchange=e) for e in _EXCHANGES for c in _GPU_CASES]
+    calls = [("ep_cases", (cases,)), ("exchanges_bitwise", ([128, 96], "triton", torch.bfloat16))]
+    calls += [(name, (e,)) for e in ("padded", "nvshmem") for name in ("no_host_sync", "graph_replay")]
+    run_ranks(_run_all, 2, calls, backend="nccl", timeout=500)
 
 
 @pytest.mark.multigpu
 @pytest.mark.skipif(not _gpus(4), reason="needs 4 CUDA GPUs")
-@pytest.mark.parametrize("exchange", ["all_to_all", "padded", "nvshmem"])
-def test_ep_exchange_bf16_four_gpus(exchange):
-    """4 GPUs: EP over all four; FSDP2 + EP on the 2-D (dp_shard 2, ep 2) mesh."""
+def test_ep_exchanges_four_gpus():
+    """4 GPUs: EP over all four with every exchange; FSDP2 + EP on the 2-D (dp_shard 2, ep 2) mesh."""
     cases = [{"tokens": [64, 0, 96, 32], "E": 8, "K": 3, "d": 64, "h": 32, "dtype": torch.bfloat16,
-              "backend": "triton", "exchange": exchange}]
-    run_ranks(pw.run_all, 4, [("ep_cases", (cases,)), ("fsdp_equal", ((2, 2), ("dp_shard", "ep"), 12))],
-              backend="nccl", timeout=400)
+              "backend": "triton", "exchange": e} for e in _EXCHANGES]
+    run_ranks(_run_all, 4, [("ep_cases", (cases,)), ("fsdp_equal", ((2, 2), ("dp_shard", "ep"), 12))],
+              backend="nccl", timeout=500)
 
 
-@pytest.mark.multigpu
-@pytest.mark.skipif(not _gpus(2), reason="needs 2 CUDA GPUs")
-def test_sync_free_exchanges_bitwise_two_gpus():
-    run_ranks(exchanges_bitwise, 2, [128, 96], "triton", torch.bfloat16, backend="nccl", timeout=300)
+def _run_all(rank: int, world: int, calls: list[tuple[str, tuple]]) -> None:
+    """Rank bodies of this file and of parallel_workers in one spawn."""
+    for name, args in calls:
+        fn = globals().get(name) or getattr(pw, name)
+        try:
+            fn(rank, world, *args)
+        except AssertionError as err:
+            raise AssertionError(f"{name}{args if name != 'ep_cases' else ''}: {err}") from err
 
 
 def no_host_sync(rank: int, world: int, exchange: str) -> None:
@@ -167,13 +175,6 @@ def no_host_sync(rank: int, world: int, exchange: str) -> None:
             (out.float().square().sum() + ep.aux_loss).backward()
         finally:
             torch.cuda.set_sync_debug_mode("default")
-
-
-@pytest.mark.multigpu
-@pytest.mark.skipif(not _gpus(2), reason="needs 2 CUDA GPUs")
-@pytest.mark.parametrize("exchange", ["padded", "nvshmem"])
-def test_ep_layer_has_no_host_sync_two_gpus(exchange):
-    run_ranks(no_host_sync, 2, exchange, backend="nccl", timeout=300)
 
 
 def graph_replay(rank: int, world: int, exchange: str) -> None:
@@ -226,10 +227,3 @@ def graph_replay(rank: int, world: int, exchange: str) -> None:
         want = [step(x, dout).detach(), x.grad, *(p.grad for p in ep.parameters())]
         for i, (g, w) in enumerate(zip(got, want)):
             assert torch.equal(g, w), f"rank {rank}, replay {seed}: tensor {i} differs from eager"
-
-
-@pytest.mark.multigpu
-@pytest.mark.skipif(not _gpus(2), reason="needs 2 CUDA GPUs")
-@pytest.mark.parametrize("exchange", ["padded", "nvshmem"])
-def test_ep_layer_cuda_graph_replays_bitwise_two_gpus(exchange):
-    run_ranks(graph_replay, 2, exchange, backend="nccl", timeout=300)
