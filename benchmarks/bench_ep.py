@@ -166,8 +166,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--out", help="append the CSV rows to this file")
     p.add_argument("--commit", help="code version recorded in the rows (default: git's HEAD here, +dirty)")
-    p.add_argument("--exchange", choices=EXCHANGES, default="auto",
-                   help="the moeblaze layer's token exchange (moeblaze.parallel.exchange)")
+    p.add_argument("--exchanges", default="auto",
+                   help=f"comma-separated token exchanges of the moeblaze layer, one layer each "
+                        f"({', '.join(EXCHANGES)}; moeblaze.parallel.exchange); the baselines are compared with the "
+                        "first")
     p.add_argument("--breakdown", type=int, default=0, metavar="STEPS",
                    help="also profile this many steps of each layer and print where its time goes "
                         "(moeblaze.parallel.breakdown)")
@@ -183,10 +185,17 @@ def main(argv: list[str] | None = None) -> int:
     names = _parse_impls(p, args.impls, env.backend)
     device, rank, world = env.device, env.rank, env.world_size
     dtype = DTYPES[args.dtype]
-    torch.manual_seed(0)  # the same router on every rank; each rank draws its own tokens below
-    mb = expert_parallel(moeblaze.MoE(args.d_model, args.d_ff, args.experts, args.top_k, aux_loss_coef=0.0,
-                                      device=device, dtype=dtype), dist.group.WORLD, args.exchange)
-    layers = _build(names, mb)
+    exchanges = [e.strip() for e in args.exchanges.split(",") if e.strip()]
+    if not exchanges or any(e not in EXCHANGES for e in exchanges):
+        p.error(f"--exchanges takes a comma-separated list of {', '.join(EXCHANGES)}; got {args.exchanges!r}")
+    ep_layers = {}
+    for i, kind in enumerate(exchanges):
+        torch.manual_seed(0)  # the same router and experts on every rank and in every layer
+        ep_layers["moeblaze" if i == 0 else f"moeblaze:{kind}"] = expert_parallel(
+            moeblaze.MoE(args.d_model, args.d_ff, args.experts, args.top_k, aux_loss_coef=0.0, device=device,
+                         dtype=dtype), dist.group.WORLD, kind)
+    mb = ep_layers["moeblaze"]
+    layers = {**ep_layers, **{k: v for k, v in _build(names, mb).items() if k != "moeblaze"}}
     params = [q for q in {id(q): q for m in (mb, *layers.values()) for q in m.parameters()}.values()]
     gen = torch.Generator(device=device).manual_seed(1 + rank)
     x = torch.randn(args.tokens, args.d_model, device=device, dtype=dtype, generator=gen).requires_grad_()
@@ -202,7 +211,8 @@ def main(argv: list[str] | None = None) -> int:
                         f"torchrun --nproc-per-node {world}", *sys.argv])
     rows = []
     for name, layer in layers.items():
-        splits = _split_sizes(mb, x, per_token=True) if name == "moeblaze" else pair_splits
+        ours = name.startswith("moeblaze")
+        splits = _split_sizes(mb, x, per_token=True) if ours else pair_splits
 
         def step(layer=layer):
             for q in (x, *params):  # no gradient of another layer held
@@ -221,12 +231,18 @@ def main(argv: list[str] | None = None) -> int:
             top = torch.cuda.max_memory_allocated(device)
             peak, step_peak = (_max_over_ranks(v / 2**20, device) for v in (top, top - resident))
         if args.breakdown:
-            split = gather(profile_steps(step, args.breakdown, device))
+            if ours:
+                layer.ep.recv_rows = None  # rows received per step, counted over the profiled steps
+            row = profile_steps(step, args.breakdown, device)
+            if ours:
+                row.recv_rows = int(layer.ep.recv_rows) // args.breakdown
+            split = gather(row)
             if rank == 0:
                 print(f"{name}: {summary(split)}")
-        comm = 0.0 if name == "one-gpu" else _timed(_comm_replay(x.detach(), args.top_k, *splits, name == "moeblaze"),
+        comm = 0.0 if name == "one-gpu" else _timed(_comm_replay(x.detach(), args.top_k, *splits, ours),
                                                     args.iters, args.warmup, device)
-        rows.append({"impl": name, "world": world, "device": torch.cuda.get_device_name(device) if cuda else "cpu",
+        rows.append({"impl": name, "exchange": layer.ep.exchange.kind if ours else "", "world": world,
+                     "device": torch.cuda.get_device_name(device) if cuda else "cpu",
                      "dtype": args.dtype, "tokens_per_rank": args.tokens, "d": args.d_model, "h": args.d_ff,
                      "E": args.experts, "K": args.top_k, "fwd_bwd_ms": round(ms, 4),
                      "peak_mib": None if peak is None else round(peak, 1),
