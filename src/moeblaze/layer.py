@@ -105,6 +105,8 @@ class MoE(nn.Module):
     Raises:
         ValueError: bad configuration, or an input whose last dimension is not d; with ``ep_group``,
             ``E % P != 0`` or ranks that disagree on the configuration.
+        TypeError: an input that is not a tensor, or of another dtype than the parameters (outside autocast);
+            ``renormalize`` not None or a bool, ``dtype`` not a floating-point dtype.
     """
 
     def __init__(self, d_model: int, d_ff: int, num_experts: int, top_k: int, activation: str = "swiglu",
@@ -196,6 +198,8 @@ class MoE(nn.Module):
         Raises:
             ValueError: the last dimension of ``x`` is not d.
         """
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"MoE input x must be a torch.Tensor [..., d_model={self.d_model}], got {type(x).__name__}")
         if x.dim() == 0 or x.shape[-1] != self.d_model:
             raise ValueError(f"MoE input must have last dimension d_model={self.d_model}, got {tuple(x.shape)}")
         shape = x.shape
