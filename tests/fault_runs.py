@@ -42,8 +42,16 @@ def _env(device: str) -> dict:
     return env
 
 
-def train_args(data: str, out_dir: str | Path, device: str = "cpu", extra: tuple = ()) -> list[str]:
-    return ["train", "--data", data, "--out-dir", str(out_dir), "--device", device, *MICRO, *extra]
+# GPU runs: the Triton kernels in bf16 on shapes they tile (d, h multiples of 64), one process or --fsdp
+GPU = ["--steps", "8", "--batch-size", "8", "--seq-len", "64", "--d-model", "128", "--n-layers", "2", "--n-heads", "4",
+       "--d-ff", "64", "--num-experts", "8", "--top-k", "2", "--eval-tokens", "1024", "--eval-interval", "8",
+       "--checkpoint-interval", "4", "--checkpoint-minutes", "0", "--warmup-steps", "2", "--backend", "triton",
+       "--precision", "bf16-mixed", "--no-progress"]
+
+
+def train_args(data: str, out_dir: str | Path, device: str = "cpu", extra: tuple = (),
+               sizes: list = MICRO) -> list[str]:
+    return ["train", "--data", data, "--out-dir", str(out_dir), "--device", device, *sizes, *extra]
 
 
 def torchrun(args: list[str], faults: tuple = (), world: int = 2, timeout: float = 240, device: str = "cpu",

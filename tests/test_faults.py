@@ -241,7 +241,7 @@ def test_a_silent_rank_is_named_soon_after_a_sigterm():
 # ----------------------------------------------------------------------------- GPUs
 
 def _gpu_args(text_file: str, out: Path, *extra: str) -> list[str]:
-    return fr.train_args(text_file, out, "cuda", ("--backend", "triton", "--precision", "bf16-mixed", *extra))
+    return fr.train_args(text_file, out, "cuda", ("--fsdp", *extra), sizes=fr.GPU)
 
 
 @pytest.mark.multigpu
@@ -250,14 +250,14 @@ def test_two_gpus_dead_rank_is_named_and_resume_continues(text_file, tmp_path):
     """NCCL: a survivor blocked in a collective with the dead rank exits (torchrun: within 10 s; ranks started
     alone: within --dist-timeout) with one line naming it; --resume then finishes the run."""
     out, logs = tmp_path / "torchrun", tmp_path / "logs"
-    proc, ended = fr.torchrun(_gpu_args(text_file, out), ("--kill-rank", "1", "--kill-step", "7"), device="cuda",
+    proc, ended = fr.torchrun(_gpu_args(text_file, out), ("--kill-rank", "1", "--kill-step", "6"), device="cuda",
                               log_dir=logs)
     assert proc.returncode != 0 and ended - fr.killed_at(out) < 10, ended - fr.killed_at(out)
     _one_line(fr.rank_log(logs, 0), "rank 1 of 2 is lost")
     proc, _ = fr.torchrun(_gpu_args(text_file, out, "--resume"), device="cuda")
-    assert proc.returncode == 0 and len(fr.losses(out)) == 12, proc.stderr[-3000:]
+    assert proc.returncode == 0 and len(fr.losses(out)) == 8, proc.stderr[-3000:]
     out = tmp_path / "alone"
-    runs = fr.srun(_gpu_args(text_file, out, "--dist-timeout", "30"), ("--kill-rank", "1", "--kill-step", "7"),
+    runs = fr.srun(_gpu_args(text_file, out, "--dist-timeout", "30"), ("--kill-rank", "1", "--kill-step", "6"),
                    device="cuda")
     (code0, _, err0, ended0), (code1, *_) = runs
     assert (code0, code1) == (3, -9) and ended0 - fr.killed_at(out) < 30, (code0, code1, err0[-3000:])

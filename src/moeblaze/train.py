@@ -8,7 +8,8 @@ Reproducibility: the batch of step ``s`` comes from a generator seeded by ``(see
 (:func:`moeblaze.data.get_batch`), and a checkpoint (:mod:`moeblaze.checkpoint`, written atomically)
 holds the weights and the AdamW state (``torch.distributed.checkpoint``), the step and the RNG state
 (JSON). So ``--steps 2N`` equals ``--steps 2N --stop-after N`` followed by ``--steps 2N --resume``,
-bitwise on CPU — also when the first run was stopped by SIGTERM/Ctrl-C or killed (from its last checkpoint).
+bitwise on CPU, on GPUs with ``--deterministic`` (:mod:`moeblaze.determinism`) — also when the first run was
+stopped by SIGTERM/Ctrl-C, killed, or lost a rank (from its last checkpoint).
 """
 
 from __future__ import annotations
@@ -271,7 +272,8 @@ def train(cfg: TrainConfig, model_cfg: ModelConfig | None = None, log=tqdm.write
 
     Under torchrun, ``cfg.fsdp`` (and ``cfg.ep``) make this process one rank of an FSDP2 (+ expert-parallel)
     job (:mod:`moeblaze.parallel.job`): every rank calls :func:`train` with the same configuration; rank 0
-    logs; the process group is destroyed at the end.
+    logs; the process group is destroyed at the end. A lost rank ends the process (exit status 3) with one line
+    (:mod:`moeblaze.parallel.heartbeat`). ``cfg.deterministic``: inside :func:`moeblaze.determinism.deterministic_mode`.
 
     Raises:
         ConfigError: bad device/precision/backend or out_dir, nothing to resume, resume with a different model;

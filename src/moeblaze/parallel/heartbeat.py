@@ -79,6 +79,15 @@ def _tcp_address(store: dist.Store) -> tuple[str, int] | None:
     return (store.host, store.port) if isinstance(store, dist.TCPStore) else None
 
 
+def _own_client(store: dist.Store) -> dist.Store:
+    """A client of ``store`` for this thread alone (``Store.clone``); the store itself where it cannot be cloned
+    (a FileStore or HashStore of a caller's own group: no connection for a blocked main thread to hold)."""
+    try:
+        return store.clone()
+    except (RuntimeError, NotImplementedError):
+        return store
+
+
 def _exit_with(line: str) -> None:
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
@@ -108,7 +117,7 @@ class PeerMonitor:
         base = store if store is not None else _default_store()
         prefix = f"moeblaze/peers/{next(_jobs)}"
         self._main = dist.PrefixStore(prefix, base)  # the main thread's, in close()
-        self._store = dist.PrefixStore(prefix, base.clone())  # the thread's own connection
+        self._store = dist.PrefixStore(prefix, _own_client(base))  # the thread's own connection
         self._store.set_timeout(timedelta(seconds=max(lost_after, ALARM_AFTER)))
         self._address = _tcp_address(base)
         self._stop = threading.Event()
