@@ -186,6 +186,25 @@ def test_export_of_a_two_rank_ep_checkpoint_loads_with_safetensors_alone(referen
     assert exit_info.value.code == 0 and capsys.readouterr().out.strip() == sample(str(files[0]), **kw).strip()
 
 
+def test_export_keeps_the_dtype_the_run_trained_in(text_file, tmp_path):
+    """--precision bf16 (bf16 parameters): bf16 tensors out, and back in."""
+    from dataclasses import replace
+
+    from safetensors.torch import load_file
+
+    import train_workers as tw
+    from moeblaze.export import export, load_model
+    from moeblaze.train import train
+
+    cfg, mcfg = tw.tiny_configs(text_file, str(tmp_path / "run"))
+    train(replace(cfg, steps=2, precision="bf16"), mcfg)
+    (file,) = export(tmp_path / "run", tmp_path / "out" / "bf16.safetensors")
+    tensors = load_file(str(file))
+    assert {t.dtype for t in tensors.values()} == {torch.bfloat16}
+    model = load_model(file)
+    assert all(torch.equal(p, tensors[n]) for n, p in model.named_parameters())
+
+
 @pytest.mark.parametrize("bad", ["model.bin", "8x"])
 def test_export_bad_arguments_are_one_line_errors(reference, tmp_path, capsys, bad):
     from moeblaze.cli import main

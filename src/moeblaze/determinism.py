@@ -31,7 +31,6 @@ software.
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Iterator
 
 import torch
@@ -70,9 +69,7 @@ def deterministic_mode(enabled: bool = True) -> Iterator[None]:
     if not enabled:
         yield
         return
-    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE)
-    for name, value in NCCL_ENV.items():
-        os.environ.setdefault(name, value)
+    settings.library_env_defaults({"CUBLAS_WORKSPACE_CONFIG": CUBLAS_WORKSPACE, **NCCL_ENV})
     before = settings.configured()
     flags = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
              torch.backends.cudnn.benchmark)

@@ -28,7 +28,8 @@ the rest of a training process (torch's deterministic algorithms, cuBLAS's works
 attention backend) is :func:`moeblaze.determinism.deterministic_mode`, which also switches this setting on.
 
 ``TRITON_INTERPRET`` is Triton's own variable (read by Triton when it compiles); :func:`interpreting` reports it.
-torchrun's ``RANK``, ``WORLD_SIZE`` and ``LOCAL_RANK``: :func:`launcher_env`.
+torchrun's ``RANK``, ``WORLD_SIZE`` and ``LOCAL_RANK``: :func:`launcher_env`; variables of cuBLAS and NCCL that
+``--deterministic`` sets: :func:`library_env_defaults`.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ from typing import Any
 import torch
 
 __all__ = ["SETTINGS", "carried_to_backward", "configure", "configured", "get", "interpreting", "launcher_env",
-           "override", "reset"]
+           "library_env_defaults", "override", "reset"]
 
 
 def _bool(name: str, raw: str) -> bool:
@@ -241,6 +242,15 @@ def interpreting() -> bool:
 
 def launcher_env() -> dict[str, str]:
     """The launcher's variables that are set in this process (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
-    ``LOCAL_WORLD_SIZE``: torchrun's own, not moeblaze switches; read by :func:`moeblaze.parallel.init_distributed`
-    and ``moeblaze train``)."""
-    return {k: os.environ[k] for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE") if k in os.environ}
+    ``LOCAL_WORLD_SIZE``, ``TORCHELASTIC_USE_AGENT_STORE``: torchrun's own, not moeblaze switches; read by
+    :func:`moeblaze.parallel.init_distributed`, :mod:`moeblaze.parallel.heartbeat` and ``moeblaze train``)."""
+    names = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "TORCHELASTIC_USE_AGENT_STORE")
+    return {k: os.environ[k] for k in names if k in os.environ}
+
+
+def library_env_defaults(values: dict[str, str]) -> None:
+    """Set environment variables that libraries below moeblaze read once (cuBLAS's ``CUBLAS_WORKSPACE_CONFIG``,
+    NCCL's ``NCCL_ALGO``, ...) where the process has not set them: values set before win
+    (:func:`moeblaze.determinism.deterministic_mode`)."""
+    for name, value in values.items():
+        os.environ.setdefault(name, value)

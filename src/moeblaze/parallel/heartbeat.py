@@ -48,6 +48,8 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from .. import settings
+
 __all__ = ["ALARM_AFTER", "EXIT_PEER_LOST", "PeerLostError", "PeerMonitor", "lost_after"]
 
 EXIT_PEER_LOST = 3
@@ -178,9 +180,16 @@ class PeerMonitor:
     # ------------------------------------------------------------------------- the thread
 
     def _run(self) -> None:
+        host = self._connect()
+        try:
+            self._watch(host)
+        finally:
+            if host is not None:
+                host.close()
+
+    def _watch(self, host: socket.socket | None) -> None:
         watched: int | None = (self.rank + 1) % self.world
         seen, changed = -1, time.monotonic()
-        host = self._connect()
         store_failed_at: float | None = None
         while not self._tick():
             now = time.monotonic()
@@ -206,8 +215,7 @@ class PeerMonitor:
                 store_failed_at = store_failed_at or now
                 if now - store_failed_at > self.lost_after:
                     return self._decide(f"the job's store is unreachable ({str(err).splitlines()[0]})")
-        if host is not None:
-            host.close()
+        return None
 
     def _tick(self) -> bool:
         """Wait one interval (woken by a signal or by close); True when the monitor is to stop."""
@@ -237,7 +245,7 @@ class PeerMonitor:
 
     def _host_gone(self) -> str:
         where = f"{self._address[0]}:{self._address[1]}"
-        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        if settings.launcher_env().get("TORCHELASTIC_USE_AGENT_STORE") == "True":
             return f"torchrun's agent, which holds the job's store at {where}, is gone"
         return f"rank 0 of {self.world} is lost: it held the job's store at {where}, which closed"
 
