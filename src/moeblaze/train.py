@@ -81,11 +81,10 @@ def evaluate(model: MoETransformer, data, cfg: TrainConfig, device: torch.device
 
 def save_checkpoint(out_dir: str, model: MoETransformer, opt: torch.optim.Optimizer, step: int,
                     cfg: TrainConfig, layout: dict | None = None, log=print) -> Path:
-    """Write the checkpoint of ``step`` atomically (:func:`moeblaze.checkpoint.save`): weights and AdamW
-    state through DCP, and ``state.json`` with the step, RNG state and both configurations; keeps the
-    newest ``cfg.keep_checkpoints``. Returns the checkpoint's folder. A write that finds the disk full deletes
-    the checkpoints older than the newest complete one (:func:`moeblaze.checkpoint.make_room`, said through
-    ``log``) and writes once more, so that the step is not lost while the space exists.
+    """Write the checkpoint of ``step`` atomically (:func:`moeblaze.checkpoint.save`): weights and AdamW state through
+    DCP, and ``state.json`` with the step, RNG state and both configurations; keeps the newest
+    ``cfg.keep_checkpoints``; returns its folder. A write that finds the disk full deletes the checkpoints older than
+    the newest complete one (:func:`moeblaze.checkpoint.make_room`, said through ``log``) and writes once more.
 
     Raises:
         moeblaze.checkpoint.CheckpointError: the filesystem refused a write (disk full, ...; the message names the
@@ -369,6 +368,8 @@ def _train(cfg: TrainConfig, model_cfg: ModelConfig | None, log, job: Job) -> Tr
         try:
             run = _loop(model, opt, corpus, cfg, mcfg, device, precision, amp_dtype, start, stop, signals, log, job,
                         metrics)
+        except _RAISED_ALIKE:
+            raise
         except Exception:  # with the handlers still in place: torchrun's SIGTERM must not end this rank unheard
             job.check_peers()
             raise
@@ -431,8 +432,7 @@ def _loop(model, opt, corpus, cfg: TrainConfig, mcfg: ModelConfig, device, preci
                 f"({saved / tokens_per_step:.0f} bytes/token, save={mcfg.save}; layer inputs included, "
                 "parameters excluded)")
         last = step + 1 == stop
-        # after a signal the decision is bounded: torchrun sends SIGTERM when a peer died, and a collective with a
-        # dead peer never ends (moeblaze.parallel.heartbeat ends this rank first, naming the peer)
+        # bounded after a signal: torchrun sends SIGTERM when a peer died (moeblaze.parallel.heartbeat names it)
         interrupted = checkpoint.agree(signals.signum is not None,
                                        timeout=cfg.dist_timeout if signals.signum is not None else None)
         evaluated = not interrupted and ((step + 1) % cfg.eval_interval == 0 or last)
