@@ -188,3 +188,49 @@ def test_index_check_accepts_the_same_routing():
     with torch.inference_mode():
         frozen = ids.clone()
         moe_experts(x, frozen, w, w1, w2, backend="torch", index=build_dispatch(frozen, 4))
+
+
+# ----------------------------------------------------------------------------- issue 58: the last six
+
+def _index_of_another_type():
+    x, ids, w, w1, w2 = _experts_inputs()
+    return moe_experts(x, ids, w, w1, w2, backend="torch", index=build_dispatch(ids, 4).tensors())
+
+
+def _one_expert_too_many():
+    x, ids, w, w1, _ = _experts_inputs()
+    return moe_experts(x, ids, w, w1, torch.randn(5, 8, 6), backend="torch")
+
+
+def _w_gate_up_off_the_index():
+    """With an index of E = 4, a w_gate_up of 5 experts is the odd one: named, not w_down."""
+    x, ids, w, _, w2 = _experts_inputs()
+    return moe_experts(x, ids, w, torch.randn(5, 12, 8), w2, backend="torch", index=build_dispatch(ids, 4))
+
+
+ISSUE_58 = {  # (call, error type, how the message starts: the argument it names)
+    "x as a list (moe_experts)": (lambda: moe_experts(*[a.tolist() if i == 0 else a for i, a in
+                                                        enumerate(_experts_inputs())], backend="torch"),
+                                  TypeError, "x must be a torch.Tensor"),
+    "x as a list (MoE)": (lambda: MoE(8, 6, 4, 2)([[0.0] * 8] * 3), TypeError, "MoE input x must be a torch.Tensor"),
+    "index of another type": (_index_of_another_type, TypeError, "index must be a DispatchIndex"),
+    "renormalize='no'": (lambda: MoE(8, 6, 4, 2, renormalize="no"), TypeError, "renormalize must be None, True or"),
+    "dtype=torch.int32": (lambda: MoE(8, 6, 4, 2, dtype=torch.int32), TypeError, "dtype must be None or a floating"),
+    "w_down with one expert too many": (_one_expert_too_many, ValueError, "w_down [E, d, h] must have E=4 experts"),
+    "w_gate_up off the index": (_w_gate_up_off_the_index, ValueError, "w_gate_up [E, 2h, d] must have E=4 experts"),
+    "fp64 x into an fp32 MoE": (lambda: MoE(8, 6, 4, 2)(torch.randn(3, 8, dtype=torch.float64)), TypeError,
+                                "x has dtype torch.float64; expected the weights' dtype torch.float32"),
+}
+
+
+@pytest.mark.parametrize("case", list(ISSUE_58))
+def test_issue_58_inputs_name_the_argument(case):
+    fn, kind, start = ISSUE_58[case]
+    with pytest.raises(kind) as exc:
+        fn()
+    assert type(exc.value) is kind and str(exc.value).startswith(start) and "\n" not in str(exc.value), str(exc.value)
+
+
+def test_renormalize_and_dtype_still_take_their_values():
+    assert MoE(8, 6, 4, 2, renormalize=True).router.renormalize is True
+    assert MoE(8, 6, 4, 2, dtype=torch.float64).w_down.dtype == torch.float64

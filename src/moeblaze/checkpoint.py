@@ -27,31 +27,28 @@ checkpoint behind); a folder that does not verify is named with its bad file and
 and skipped, so the previous complete checkpoint is used.
 
 Rank contract (``torch.distributed`` initialised, FSDP2 or expert-parallel models): **every rank**
-calls :func:`save`, :func:`find_latest`/:func:`resolve`, :func:`load`, :func:`tidy` and :func:`clear` with
-the same arguments, at the same step.
+calls :func:`save`, :func:`find_latest`/:func:`resolve`, :func:`load`, :func:`tidy`, :func:`clear` and
+:func:`make_room` with the same arguments, at the same step.
 Rank 0 alone creates and renames the folder, writes ``state.json``/``manifest.json``/``latest`` and
 deletes old checkpoints; every rank writes its own DCP shard file(s) through
 ``get_state_dict``/``set_state_dict`` (which gather/scatter sharded parameters themselves), fsyncs and
-hashes them, and sends their manifest entries to rank 0 (so no rank reads the whole checkpoint when
-saving); barriers separate the phases. ``out_dir`` must be one filesystem shared by all ranks (DCP's
-own requirement). :func:`find_latest` spreads the hashing over the ranks and gives all the same answer;
-:func:`agree` turns a per-rank flag (a signal seen, a time limit reached) into one decision so that all
-ranks checkpoint together.
+hashes them, and shares their manifest entries (so no rank reads the whole checkpoint when saving). Each
+phase ends with the ranks agreeing on its outcome (one ``all_gather_object``): a write that fails on one rank
+(a full disk, a quota) fails :func:`save` on every rank with the same one-line error, and no rank is left
+waiting in the next phase. A rank killed in the middle leaves a ``.step-*.tmp`` folder that nothing reads
+(the others are ended by :mod:`moeblaze.parallel.heartbeat`). ``out_dir`` must be one filesystem shared by
+all ranks (DCP's own requirement). :func:`find_latest` spreads the hashing over the ranks and gives all the
+same answer; :func:`agree` turns a per-rank flag (a signal seen, a time limit reached) into one decision so
+that all ranks checkpoint together.
 """
 
 from __future__ import annotations
 
-import base64
 import contextlib
-import hashlib
+import errno
 import json
 import os
-import re
 import shutil
-import signal
-import sys
-import tempfile
-import threading
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -60,6 +57,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_state_dict,
@@ -67,22 +65,27 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from .checkpoint_manifest import (  # re-exported: the folder's names and checks
+    _SHARD,
+    CHECKPOINTS,
+    FORMAT,
+    LATEST,
+    MANIFEST,
+    STATE,
+    CheckpointError,
+    _read_json,
+    _sha256,
+    _step_of,
+    checkpoint_dirs,
+    saved_dtype,
+    step_dir_name,
+    verify,
+)
+from .run_control import StopOnSignal, agree, check_writable, rng_state, set_rng_state  # re-exported
+
 __all__ = ["CheckpointError", "StopOnSignal", "agree", "check_writable", "checkpoint_dirs", "clear", "find_latest",
-           "load", "read_state", "resolve", "rng_state", "save", "set_rng_state", "tidy", "verify"]
-
-CHECKPOINTS = "checkpoints"
-LATEST = "latest"
-MANIFEST = "manifest.json"
-STATE = "state.json"
-FORMAT = 1
-_STEP_DIR = re.compile(r"^step-(\d+)$")
-_SHARD = re.compile(r"^__(\d+)_")
-_CHUNK = 1 << 24  # bytes hashed per read (16 MiB)
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that is missing, incomplete or corrupt; the message names the file and the problem."""
-
+           "load", "make_room", "read_state", "resolve", "rng_state", "save", "saved_dtype", "set_rng_state", "tidy",
+           "verify"]
 
 # ----------------------------------------------------------------------------- file operations
 # Every change the writer makes to the filesystem goes through one of these functions (and the DCP
@@ -154,45 +157,13 @@ def _broadcast(obj: Any) -> Any:
     return box[0]
 
 
-def _gather_to_rank0(entries: dict) -> dict:
-    """The union of every rank's ``entries`` on rank 0 (``{}`` on the others)."""
-    if not _distributed():
-        return entries
-    out = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-    dist.gather_object(entries, out, dst=0)
-    return {k: v for part in out for k, v in part.items()} if out is not None else {}
-
-
 def _writer(path: Path) -> int:
     """The rank that wrote a checkpoint file: DCP names shard files ``__{rank}_{i}.distcp``; the rest is rank 0's."""
     m = _SHARD.match(path.name)
     return int(m.group(1)) if m else 0
 
 
-def agree(flag: bool) -> bool:
-    """True on every rank when ``flag`` is true on any rank (an all-reduce of one int; ``flag`` alone in
-    a single process). Call it on all ranks at the same point of the loop."""
-    if not _distributed():
-        return bool(flag)
-    t = torch.tensor([int(bool(flag))], device="cuda" if dist.get_backend() == "nccl" else "cpu")
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return bool(t.item())
-
-
 # ----------------------------------------------------------------------------- writing
-
-def step_dir_name(step: int) -> str:
-    """``step-000600``: zero-padded so that names sort by step."""
-    return f"step-{step:06d}"
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            h.update(chunk)
-    return h.hexdigest()
-
 
 def save(out_dir: str | os.PathLike, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
          state: dict | None = None, keep: int = 3) -> Path:
@@ -208,53 +179,159 @@ def save(out_dir: str | os.PathLike, step: int, model: torch.nn.Module, optimize
             deleted after this one is current.
 
     Raises:
-        OSError: the filesystem refused a write (the previous checkpoints are left as they were).
+        CheckpointError: a write failed on some rank (a full disk, a quota, a read-only folder): raised on every rank
+            with one message naming the folder, the first failure and the space left (each phase ends with the
+            ranks agreeing on its outcome, so no rank waits on one that failed); the partial folder is removed,
+            the previous checkpoints are left as they were. Its ``no_space`` is True when the disk is full.
     """
     if keep < 1:
         raise ValueError(f"keep must be >= 1, got {keep}")
     root = Path(out_dir) / CHECKPOINTS
     final, tmp = root / step_dir_name(step), root / f".{step_dir_name(step)}.tmp"
-    if _rank() == 0:
-        _mkdir(root)
-        if tmp.exists():  # left by a process killed while writing this step
-            _remove_tree(tmp)
-        _mkdir(tmp)
-    _barrier()
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    # expert-parallel weights under their global [E, ...] shape, put back after the write: the optimizer's
-    # state dict shares its per-parameter dicts with the live optimizer, whose next step would otherwise
-    # read the global moments (a shape error at the first step after a mid-run checkpoint, --fsdp --ep 2)
-    replaced = _globalize(model, model_sd, optim_sd)
-    try:
-        _dcp_save({"model": model_sd, "optim": optim_sd}, tmp)  # collective; DCP's .metadata comes last
-    finally:
-        _restore(model_sd, optim_sd, replaced)
     rank = _rank()
+    try:
+        _agreed(lambda: _start(root, tmp) if rank == 0 else None)
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        # expert-parallel weights under their global [E, ...] shape, put back after the write: the optimizer's
+        # state dict shares its per-parameter dicts with the live optimizer, whose next step would otherwise
+        # read the global moments (a shape error at the first step after a mid-run checkpoint, --fsdp --ep 2)
+        replaced = _globalize(model, model_sd, optim_sd)
+        try:  # collective; DCP's .metadata comes last and DCP itself raises a failure on every rank
+            _agreed(lambda: _dcp_save({"model": model_sd, "optim": optim_sd}, tmp))
+        finally:
+            _restore(model_sd, optim_sd, replaced)
+        # each rank fsyncs and hashes the files it wrote (rank 0: also .metadata and state.json), so no rank
+        # reads the whole checkpoint; rank 0 writes the manifest from every rank's entries
+        files = _agreed(lambda: _own_files(tmp, rank, state, step))
+        _agreed(lambda: _commit(out_dir, root, tmp, final, step, files, keep) if rank == 0 else None)
+    except _Failed as failed:
+        if rank == 0:
+            _remove_tree(tmp)
+        raise _write_error(failed, root, step) from None
+    return final
+
+
+class _Failed(Exception):
+    """A phase of :func:`save` failed on some rank; ``str`` names the rank and the first line of the error."""
+
+    def __init__(self, what: str, errno_: int | None) -> None:
+        super().__init__(what)
+        self.errno = errno_
+
+
+def _describe_failure(err: BaseException) -> tuple[str, int | None]:
+    """``("rank r: first line", errno)`` of an exception; inside DCP's ``CheckpointException``, the first failing
+    rank's own."""
+    rank = _rank()
+    if isinstance(err, CheckpointException) and err.failures:
+        rank, (err, _) = min(err.failures.items(), key=lambda kv: kv[0])
+    text = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    return f"rank {rank}: {text}", getattr(err, "errno", None)
+
+
+def _agreed(phase: Callable[[], Any]) -> Any:
+    """Run one phase of :func:`save` on every rank and agree on its outcome: its result (every rank's, merged,
+    when results are dicts), or :class:`_Failed` raised on every rank for the first rank's failure."""
+    try:
+        result, failure = phase(), None
+    except (Exception, CheckpointException) as err:
+        result, failure = None, _describe_failure(err)
+    if not _distributed():
+        outcomes = [(result, failure)]
+    else:
+        outcomes = [None] * dist.get_world_size()
+        dist.all_gather_object(outcomes, (result, failure))
+    failures = [f for _, f in outcomes if f is not None]
+    if failures:
+        raise _Failed(*failures[0])
+    if all(isinstance(r, dict) for r, _ in outcomes):
+        return {k: v for r, _ in outcomes for k, v in r.items()}
+    return result
+
+
+def _start(root: Path, tmp: Path) -> None:
+    _mkdir(root)
+    if tmp.exists():  # left by a process killed while writing this step
+        _remove_tree(tmp)
+    _mkdir(tmp)
+
+
+def _own_files(tmp: Path, rank: int, state: dict | None, step: int) -> dict:
+    """Rank 0 writes ``state.json``; every rank fsyncs and hashes the files it wrote: ``{name: {size, sha256}}``."""
     if rank == 0:
         _write_file(tmp / STATE, json.dumps({**(state or {}), "step": step}, indent=1).encode())
-    # each rank fsyncs and hashes the files it wrote (rank 0: also .metadata and state.json), so no rank
-    # reads the whole checkpoint; rank 0 gathers the entries into the manifest
     mine = sorted(p for p in tmp.iterdir() if p.is_file() and _writer(p) == rank)
     for p in mine:
         _fsync(p)
-    files = _gather_to_rank0({p.name: {"size": p.stat().st_size, "sha256": _sha256(p)} for p in mine})
-    if rank == 0:
-        manifest = {"format": FORMAT, "step": step, "files": dict(sorted(files.items()))}
-        _write_file(tmp / MANIFEST, json.dumps(manifest, indent=1).encode())
-        _fsync(tmp / MANIFEST)
-        _fsync(tmp)
-        if final.exists():  # a checkpoint of this step that did not verify (resume went back past it)
-            _remove_tree(final)
-        _rename(tmp, final)
-        _fsync(root)
+    return {p.name: {"size": p.stat().st_size, "sha256": _sha256(p)} for p in mine}
+
+
+def _commit(out_dir, root: Path, tmp: Path, final: Path, step: int, files: dict, keep: int) -> None:
+    """Rank 0: the manifest, then the rename that makes the checkpoint current, the ``latest`` pointer and the
+    pruning. After the rename the checkpoint is complete: a failure to update the pointer (which nothing trusts,
+    :func:`tidy` repairs it) or to prune is not one of the checkpoint."""
+    manifest = {"format": FORMAT, "step": step, "files": dict(sorted(files.items()))}
+    _write_file(tmp / MANIFEST, json.dumps(manifest, indent=1).encode())
+    _fsync(tmp / MANIFEST)
+    _fsync(tmp)
+    if final.exists():  # a checkpoint of this step that did not verify (resume went back past it)
+        _remove_tree(final)
+    _rename(tmp, final)
+    _fsync(root)
+    try:
         _write_file(root / f".{LATEST}.tmp", (final.name + "\n").encode())
         _fsync(root / f".{LATEST}.tmp")
         _rename(root / f".{LATEST}.tmp", root / LATEST)
         _fsync(root)
-        for old in _to_prune(out_dir, step, keep):
-            _remove_tree(old)
+    except OSError:
+        (root / f".{LATEST}.tmp").unlink(missing_ok=True)
+    for old in _to_prune(out_dir, step, keep):
+        _remove_tree(old)
+
+
+def _size(n: float) -> str:
+    for unit in ("bytes", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "bytes" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def _write_error(failed: _Failed, root: Path, step: int) -> CheckpointError:
+    """The one-line error of a failed write (the same on every rank: rank 0's words, broadcast), with the space
+    left on the filesystem (after the partial folder was removed) and what the newest checkpoint takes."""
+    message, no_space = None, False
+    if _rank() == 0:
+        previous = checkpoint_dirs(root.parent)
+        need = sum(f.stat().st_size for f in previous[-1].iterdir() if f.is_file()) if previous else 0
+        try:
+            usage = shutil.disk_usage(root)
+            no_space = failed.errno in (errno.ENOSPC, errno.EDQUOT) or usage.free < max(need, 1 << 20)
+            space = f"{_size(usage.free)} free of {_size(usage.total)} on its filesystem"
+        except OSError as err:
+            no_space, space = failed.errno in (errno.ENOSPC, errno.EDQUOT), f"its free space unknown ({err})"
+        if previous:
+            space += f", {previous[-1].name} takes {_size(need)}"
+        message = (f"cannot write the checkpoint of step {step} in {root}: {'disk full: ' if no_space else ''}"
+                   f"{failed}; {space}; the earlier checkpoints are untouched")
+    message, no_space = _broadcast((message, no_space))
+    error = CheckpointError(message)
+    error.no_space = no_space
+    return error
+
+
+def make_room(out_dir: str | os.PathLike) -> list[str]:
+    """Delete every checkpoint older than the newest complete one (a write that found the disk full tries once
+    more in the space they held); returns their names. Call on every rank (rank 0 deletes)."""
+    newest = find_latest(out_dir, warn=None)
+    # rank 0's listing for every rank: one that listed after rank 0 deleted would see nothing to retry for
+    older = _broadcast([p.name for p in checkpoint_dirs(out_dir)
+                        if newest is not None and _step_of(p) < _step_of(newest)])
+    if _rank() == 0:
+        for name in older:
+            _remove_tree(Path(out_dir) / CHECKPOINTS / name)
     _barrier()
-    return final
+    return older
 
 
 def _to_prune(out_dir: str | os.PathLike, step: int, keep: int) -> list[Path]:
@@ -265,70 +342,7 @@ def _to_prune(out_dir: str | os.PathLike, step: int, keep: int) -> list[Path]:
     return older[:-keep] + [p for p in dirs if _step_of(p) > step]
 
 
-def _step_of(path: Path) -> int:
-    return int(_STEP_DIR.match(path.name).group(1))
-
-
 # ----------------------------------------------------------------------------- reading
-
-def checkpoint_dirs(out_dir: str | os.PathLike) -> list[Path]:
-    """The ``checkpoints/step-*`` folders of ``out_dir``, oldest first (not verified)."""
-    root = Path(out_dir) / CHECKPOINTS
-    if not root.is_dir():
-        return []
-    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_DIR.match(p.name)) and p.is_dir()]
-    return [p for _, p in sorted(found)]
-
-
-def _read_json(path: Path) -> dict:
-    try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise CheckpointError(f"{path}: missing") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise CheckpointError(f"{path}: unreadable ({type(err).__name__}: {err})") from None
-    if not isinstance(data, dict):
-        raise CheckpointError(f"{path}: expected a JSON object, got {type(data).__name__}")
-    return data
-
-
-def verify(path: str | os.PathLike, share: tuple[int, int] = (0, 1)) -> dict:
-    """Check a checkpoint folder against its manifest; returns its ``state.json`` contents.
-
-    Checks: ``manifest.json`` parses and names this folder's step; every listed file exists with the
-    listed size and SHA-256; DCP's ``.metadata`` and ``state.json`` are among them; ``state.json``
-    holds the same step. ``share=(i, n)`` hashes only every n-th file from the i-th (the other checks
-    cover all files): :func:`find_latest` spreads the hashing over the ranks this way.
-
-    Raises:
-        CheckpointError: the first problem found, naming the file.
-    """
-    path = Path(path)
-    m = _STEP_DIR.match(path.name)
-    if not m:
-        raise CheckpointError(f"{path}: not a checkpoint folder (expected a step-* folder of a run's output)")
-    manifest = _read_json(path / MANIFEST)
-    files = manifest.get("files")
-    if manifest.get("format") != FORMAT or not isinstance(files, dict):
-        raise CheckpointError(f"{path / MANIFEST}: not a moeblaze checkpoint manifest (format {FORMAT})")
-    if manifest.get("step") != int(m.group(1)):
-        raise CheckpointError(f"{path / MANIFEST}: step {manifest.get('step')} does not match the folder name")
-    for name in (".metadata", STATE):
-        if name not in files:
-            raise CheckpointError(f"{path / MANIFEST}: does not list {name}")
-    for i, (name, info) in enumerate(sorted(files.items())):
-        f = path / name
-        if not f.is_file():
-            raise CheckpointError(f"{f}: missing")
-        if f.stat().st_size != info.get("size"):
-            raise CheckpointError(f"{f}: {f.stat().st_size} bytes, the manifest says {info.get('size')}")
-        if i % share[1] == share[0] and _sha256(f) != info.get("sha256"):
-            raise CheckpointError(f"{f}: contents differ from the manifest's SHA-256 (corrupt)")
-    state = _read_json(path / STATE)
-    if state.get("step") != manifest["step"]:
-        raise CheckpointError(f"{path / STATE}: step {state.get('step')}, the manifest says {manifest['step']}")
-    return state
-
 
 def _warn(message: str) -> None:
     warnings.warn(message, stacklevel=3)
@@ -423,22 +437,6 @@ def resolve(path: str | os.PathLike) -> Path:
     raise CheckpointError(f"no checkpoint in {path} (no complete {CHECKPOINTS}/step-* folder){legacy}")
 
 
-def rng_state() -> dict:
-    """The CPU (and every CUDA device's) RNG state, base64-encoded for JSON."""
-    rng = {"torch": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode()}
-    if torch.cuda.is_available():
-        rng["cuda"] = [base64.b64encode(s.numpy().tobytes()).decode() for s in torch.cuda.get_rng_state_all()]
-    return rng
-
-
-def set_rng_state(rng: dict, device: torch.device) -> None:
-    """Restore what :func:`rng_state` returned (CUDA states only when ``device`` is a CUDA device)."""
-    torch.set_rng_state(torch.frombuffer(bytearray(base64.b64decode(rng["torch"])), dtype=torch.uint8))
-    if device.type == "cuda" and "cuda" in rng:
-        torch.cuda.set_rng_state_all([torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8)
-                                      for s in rng["cuda"]])
-
-
 def _globalize(model: torch.nn.Module, model_sd: dict, optim_sd: dict | None) -> dict:
     """Expert-parallel weights (and their AdamW moments) as global DTensors for DCP
     (:mod:`moeblaze.parallel.state_dict`); an expert sharding it cannot describe is a CheckpointError."""
@@ -457,9 +455,15 @@ def _restore(model_sd: dict, optim_sd: dict | None, replaced: dict) -> None:
 
 
 def _check_finite(model: torch.nn.Module, path: Path) -> None:
-    for name, p in model.named_parameters():
-        if p.is_floating_point() and not bool(torch.isfinite(p).all()):
-            raise CheckpointError(f"{path}: parameter {name} holds non-finite values (NaN or inf)")
+    """Every rank raises alike when some rank's shard of a parameter holds a NaN or an inf."""
+    bad = next((name for name, p in model.named_parameters()
+                if p.is_floating_point() and not bool(torch.isfinite(p).all())), None)
+    if _distributed():
+        found = [None] * dist.get_world_size()
+        dist.all_gather_object(found, bad)
+        bad = next((b for b in found if b is not None), None)
+    if bad is not None:
+        raise CheckpointError(f"{path}: parameter {bad} holds non-finite values (NaN or inf)")
 
 
 def load(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
@@ -488,59 +492,8 @@ def load(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim
                 dcp.load(sd, checkpoint_id=str(path), no_dist=not _distributed())
             _restore(model_sd, optim_sd, replaced)
             set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
-    except (RuntimeError, ValueError, KeyError, OSError) as err:
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    except (RuntimeError, ValueError, KeyError, OSError, CheckpointException) as err:
+        first = _describe_failure(err)[0] if isinstance(err, CheckpointException) else (
+            str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__)
         raise CheckpointError(f"{path}: cannot load model/optimizer state ({first})") from None
     _check_finite(model, path)
-
-
-# ----------------------------------------------------------------------------- run guards
-
-def check_writable(out_dir: str | os.PathLike) -> str | None:
-    """Create ``out_dir`` and write, fsync and delete a file in it; returns None, or what is wrong in words
-    (to be prefixed with the folder's name: "exists and is not a directory", "is not writable: ...")."""
-    out = Path(out_dir)
-    if out.exists() and not out.is_dir():
-        return "exists and is not a directory"
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=out, prefix=".write-test-") as f:
-            f.write(b"moeblaze")
-            f.flush()
-            os.fsync(f.fileno())
-    except OSError as err:
-        return f"is not writable: {err.strerror or err}"
-    return None
-
-
-class StopOnSignal:
-    """While active, the first SIGINT or SIGTERM only sets ``signum``: the loop finishes its step, writes a
-    checkpoint and stops. The handlers in place before are then restored, so a second Ctrl-C raises
-    KeyboardInterrupt at once and a second SIGTERM terminates. Signal handlers can only be set in the main
-    thread; elsewhere this does nothing."""
-
-    SIGNALS = (signal.SIGINT, signal.SIGTERM)
-
-    def __init__(self) -> None:
-        self.signum: int | None = None
-        self._old: dict = {}
-
-    def __enter__(self) -> StopOnSignal:
-        if threading.current_thread() is threading.main_thread():
-            self._old = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
-        return self
-
-    def _handle(self, signum, frame) -> None:
-        self.signum = signum
-        self._restore()
-        sys.stderr.write(f"moeblaze train: {signal.Signals(signum).name} received: finishing this step, then "
-                         "writing a checkpoint (Ctrl-C again to exit at once, without one)\n")
-        sys.stderr.flush()
-
-    def _restore(self) -> None:
-        for s, handler in self._old.items():
-            signal.signal(s, handler)
-        self._old = {}
-
-    def __exit__(self, *exc) -> None:
-        self._restore()

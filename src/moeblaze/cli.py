@@ -1,4 +1,5 @@
-"""The ``moeblaze`` command: ``moeblaze train``, ``sample`` and ``plot`` (and ``bench``/``memory`` when present).
+"""The ``moeblaze`` command: ``moeblaze train``, ``sample``, ``plot`` and ``export`` (and ``bench``/``memory`` when
+present).
 
 Every field of :class:`moeblaze.train.TrainConfig` and :class:`moeblaze.model.ModelConfig` is a flag
 (``steps`` -> ``--steps``, ``d_model`` -> ``--d-model``); a flag given on the command line overrides
@@ -6,8 +7,11 @@ the default — or, with ``--resume``, the configuration stored in the checkpoin
 Errors in the input (a missing ``--data`` path, an unknown device, nothing to resume, a bad flag or a
 checkpoint that cannot be loaded) print one line to stderr and exit with status 2, without a traceback.
 ``moeblaze train`` exits 0 when the run is complete (or was already complete), 1 on a non-finite loss,
-and 128 + the signal's number (130 for Ctrl-C, 143 for SIGTERM) when a signal stopped it after writing a
-checkpoint (a second Ctrl-C exits at once with 130, without one).
+128 + the signal's number (130 for Ctrl-C, 143 for SIGTERM) when a signal stopped it after writing a
+checkpoint (a second Ctrl-C exits at once with 130, without one), and 3 when another rank of the job was lost
+(:mod:`moeblaze.parallel.heartbeat`: one line names it; continue with ``--resume``).
+``moeblaze export --checkpoint OUT --out model.safetensors`` writes a checkpoint's weights as safetensors
+(:mod:`moeblaze.export`).
 """
 
 from __future__ import annotations
@@ -20,7 +24,9 @@ from dataclasses import MISSING, fields, replace
 from .activations import ACTIVATIONS
 from .checkpoint import CheckpointError
 from .data import DataError
+from .export import DEFAULT_MAX_SHARD_SIZE, export
 from .model import ModelConfig
+from .parallel.heartbeat import EXIT_PEER_LOST, PeerLostError
 from .train import ConfigError, NonFiniteLossError, TrainConfig, load_run_config, sample, train
 
 __all__ = ["PRESETS", "main"]
@@ -127,6 +133,13 @@ def _cmd_plot(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_export(args: argparse.Namespace) -> int:
+    size = int(args.max_shard_size) if args.max_shard_size.isdigit() else args.max_shard_size
+    for path in export(args.checkpoint, args.out, size):
+        print(f"wrote {path} ({path.stat().st_size:,} bytes)")
+    return 0
+
+
 class _Replaced(argparse.Action):
     """A flag that was replaced: giving it is an error that names the flag to use instead (hidden from --help)."""
 
@@ -158,7 +171,8 @@ def build_parser() -> argparse.ArgumentParser:
     p_train.set_defaults(func=_cmd_train)
 
     p_sample = subparsers.add_parser("sample", help="generate text from a checkpoint")
-    p_sample.add_argument("--checkpoint", default=TrainConfig.out_dir, help="checkpoint directory [%(default)s]")
+    p_sample.add_argument("--checkpoint", default=TrainConfig.out_dir,
+                          help="a run's --out-dir, a step-* folder, or exported .safetensors [%(default)s]")
     p_sample.add_argument("--prompt", default="def ", help="text to continue [%(default)r]")
     p_sample.add_argument("--max-new-tokens", type=int, default=256, help="bytes to generate [%(default)s]")
     p_sample.add_argument("--temperature", type=float, default=0.8, help="<= 0 for greedy [%(default)s]")
@@ -172,6 +186,17 @@ def build_parser() -> argparse.ArgumentParser:
                                                "loss.png and expert_load.png into OUT_DIR (needs matplotlib).")
     p_plot.add_argument("out_dir", metavar="OUT_DIR", help="the --out-dir of a moeblaze train run")
     p_plot.set_defaults(func=_cmd_plot)
+
+    p_export = subparsers.add_parser(
+        "export", help="write a checkpoint's weights as safetensors (one file, or shards and an index)",
+        description="Write the weights of a checkpoint (any number of ranks, any --ep) as safetensors with the model "
+                    "configuration in each file's metadata, as transformers' save_pretrained shards them.")
+    p_export.add_argument("--checkpoint", default=TrainConfig.out_dir,
+                          help="a run's --out-dir (its newest complete checkpoint) or a step-* folder [%(default)s]")
+    p_export.add_argument("--out", required=True, help="the .safetensors file to write (shards go beside it)")
+    p_export.add_argument("--max-shard-size", default=DEFAULT_MAX_SHARD_SIZE,
+                          help="bytes per file: an integer, or e.g. 5GB (1e9 bytes per GB), 2GiB [%(default)s]")
+    p_export.set_defaults(func=_cmd_export)
 
     # ---- HOOK: more subcommands (`moeblaze bench`, `moeblaze memory`) live in moeblaze.bench.cli.
     # register(subparsers) adds parsers there; each must set_defaults(func=callable(args) -> int | None).
@@ -199,6 +224,9 @@ def main(argv: list[str] | None = None) -> None:
     except NonFiniteLossError as err:
         print(f"moeblaze {args.command}: error: {err}", file=sys.stderr)
         sys.exit(1)
+    except PeerLostError as err:
+        print(f"moeblaze {args.command}: error: {err}", file=sys.stderr)
+        sys.exit(EXIT_PEER_LOST)
     except KeyboardInterrupt:
         print(f"moeblaze {args.command}: interrupted", file=sys.stderr)
         sys.exit(130)

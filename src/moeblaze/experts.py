@@ -166,13 +166,16 @@ class _ExpertsRecompute(torch.autograd.Function):
 
 def check_weight_dtypes(x, w1, w2, autocast: bool) -> None:
     """The weights share ``x``'s dtype; under autocast (``x`` already cast) they are the master weights the
-    Functions cast (any dtype :func:`moeblaze.amp.autocast_target` accepted)."""
+    Functions cast (any dtype :func:`moeblaze.amp.autocast_target` accepted). Weights that agree name ``x``."""
+    if not autocast and w1.dtype == w2.dtype != x.dtype:
+        raise TypeError(f"x has dtype {x.dtype}; expected the weights' dtype {w1.dtype} (w_gate_up and w_down): "
+                        f"cast x, or the weights (a MoE layer: .to({x.dtype}))")
     for name, t in (("w_gate_up", w1), ("w_down", w2)):
         if t.dtype != x.dtype and not autocast:
             raise TypeError(f"{name} has dtype {t.dtype}; expected x's dtype {x.dtype}")
 
 
-def _check_inputs(x, topk_ids, topk_weights, w1, w2, activation, save, autocast) -> None:
+def _check_inputs(x, topk_ids, topk_weights, w1, w2, activation, save, autocast, index=None) -> None:
     check_activation(activation)
     if save not in SAVE_MODES:
         raise ValueError(f"save must be one of {SAVE_MODES}, got {save!r}")
@@ -181,7 +184,7 @@ def _check_inputs(x, topk_ids, topk_weights, w1, w2, activation, save, autocast)
     T, d = x.shape
     if w1.dim() != 3 or w2.dim() != 3:
         raise ValueError(f"w_gate_up and w_down must be rank 3, got {tuple(w1.shape)} and {tuple(w2.shape)}")
-    _check_weight_shapes(x, w1, w2, activation)
+    _check_weight_shapes(x, w1, w2, activation, getattr(index, "num_experts", None))
     if topk_ids.dim() != 2 or topk_ids.shape[0] != T:
         raise ValueError(f"topk_ids must have shape [T={T}, K], got {tuple(topk_ids.shape)}")
     if tuple(topk_weights.shape) != tuple(topk_ids.shape) or not topk_weights.is_floating_point():
@@ -194,8 +197,9 @@ def _check_inputs(x, topk_ids, topk_weights, w1, w2, activation, save, autocast)
             raise ValueError(f"{name} is on {t.device}; expected x's device {x.device}")
 
 
-def _check_weight_shapes(x, w1, w2, activation) -> None:
-    """Name the tensor that is actually wrong: x when both weights agree on another d, else the weight."""
+def _check_weight_shapes(x, w1, w2, activation, num_experts: int | None = None) -> None:
+    """Name the tensor that is actually wrong: x when both weights agree on another d, else the weight (for E:
+    w_down, unless ``num_experts``, the E of a given index, sides with it)."""
     d = x.shape[1]
     w1_name = "w_gate_up [E, 2h, d]" if is_gated(activation) else "w_up [E, h, d]"
     if w1.shape[2] != d and w2.shape[1] != d and w1.shape[2] == w2.shape[1]:
@@ -211,9 +215,12 @@ def _check_weight_shapes(x, w1, w2, activation) -> None:
     if is_gated(activation) and rows % 2:
         raise ValueError(f"{w1_name} for activation {activation!r} needs an even number of rows (2h), "
                          f"got {tuple(w1.shape)}")
+    if w2.shape[0] != E and num_experts == w2.shape[0]:  # the index's E: w_gate_up is the odd one
+        raise ValueError(f"{w1_name} must have E={num_experts} experts in dimension 0 (the E of the index and "
+                         f"w_down), got {tuple(w1.shape)}")
     if w2.shape[0] != E:
-        raise ValueError(f"{w1_name.split()[0]} and w_down disagree on E (experts): {tuple(w1.shape)} and "
-                         f"{tuple(w2.shape)}")
+        raise ValueError(f"w_down [E, d, h] must have E={E} experts in dimension 0 (the E of {w1_name.split()[0]} "
+                         f"{tuple(w1.shape)}), got {tuple(w2.shape)}")
     if w2.shape[2] != h:
         raise ValueError(f"w_down [E, d, h] has h={w2.shape[2]} but {w1_name} {tuple(w1.shape)} has "
                          f"h={h} (activation {activation!r})")
@@ -241,6 +248,9 @@ def _check_options(x, w2, activation, b_gate_up, b_down, gate_up_interleaved, sw
             raise ValueError(f"{name} must be a finite float, got {v!r}")
     if swiglu_limit <= 0:
         raise ValueError(f"swiglu_limit must be > 0, got {swiglu_limit!r}")
+    if index is not None and not isinstance(index, DispatchIndex):
+        raise TypeError(f"index must be a DispatchIndex (from moeblaze.build_dispatch) or None, got "
+                        f"{type(index).__name__}")
     if index is not None and index.foreign_experts != bool(foreign_experts):
         raise ValueError(f"index was built with foreign_experts={index.foreign_experts}; "
                          f"expected foreign_experts={bool(foreign_experts)}")
@@ -251,6 +261,9 @@ def autocast_expert_operands(x, w_gate_up, w_down, b_gate_up, b_down):
     the autocast dtype (:func:`moeblaze.amp.autocast_operands`; biases that are None stay None), the weights
     checked but left to the experts' Functions to cast (:mod:`moeblaze.amp`), ``autocast`` True; outside
     autocast all unchanged and ``autocast`` False."""
+    for name, t in (("x", x), ("w_gate_up", w_gate_up), ("w_down", w_down)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     biases = [(n, b) for n, b in (("b_gate_up", b_gate_up), ("b_down", b_down)) if isinstance(b, torch.Tensor)]
     dtype = autocast_target(x, ("w_gate_up", w_gate_up), ("w_down", w_down), *biases)
     if dtype is None:
@@ -341,7 +354,7 @@ def moe_experts(
     """
     x, w_gate_up, w_down, b_gate_up, b_down, autocast = autocast_expert_operands(x, w_gate_up, w_down, b_gate_up,
                                                                                   b_down)
-    _check_inputs(x, topk_ids, topk_weights, w_gate_up, w_down, activation, save, autocast)
+    _check_inputs(x, topk_ids, topk_weights, w_gate_up, w_down, activation, save, autocast, index)
     _check_options(x, w_down, activation, b_gate_up, b_down, gate_up_interleaved, swiglu_alpha, swiglu_limit,
                    foreign_experts, index)
     E = w_down.shape[0]

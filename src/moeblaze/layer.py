@@ -116,7 +116,9 @@ class MoE(nn.Module):
     Raises:
         ValueError: bad configuration (e.g. an unknown ``aux_loss_type``, an ``expert_bias_update_rate`` that is
             not a finite number >= 0), or an input whose last dimension is not d.
-        TypeError: ``aux_loss_group`` is not None or a ProcessGroup.
+        TypeError: an input that is not a tensor, or of another dtype than the parameters (outside autocast);
+            ``renormalize`` not None or a bool, ``dtype`` not a floating-point dtype; ``aux_loss_group`` not None
+            or a ProcessGroup.
 
     Expert parallelism is applied to a built layer (or a model holding layers) by
     :func:`moeblaze.parallel.expert_parallel` (or :func:`moeblaze.parallel.parallelize` on a 2-D mesh).
@@ -213,6 +215,8 @@ class MoE(nn.Module):
         Raises:
             ValueError: the last dimension of ``x`` is not d.
         """
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"MoE input x must be a torch.Tensor [..., d_model={self.d_model}], got {type(x).__name__}")
         if x.dim() == 0 or x.shape[-1] != self.d_model:
             raise ValueError(f"MoE input must have last dimension d_model={self.d_model}, got {tuple(x.shape)}")
         shape = x.shape

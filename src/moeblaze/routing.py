@@ -256,7 +256,8 @@ class Router(nn.Module):
     Raises:
         ValueError: bad ``top_k``, ``score_func``, group settings, ``logits_dtype``, ``aux_loss_type``, a loss
             coefficient or ``expert_bias_update_rate`` that is not a finite number >= 0, or a wrong input shape.
-        TypeError: ``aux_loss_group`` is not None or a ProcessGroup.
+        TypeError: ``renormalize`` not None or a bool; ``dtype`` not None or a floating-point dtype;
+            ``aux_loss_group`` not None or a ProcessGroup.
     """
 
     def __init__(self, d_model: int, num_experts: int, top_k: int, score_func: str = "softmax",
@@ -276,6 +277,11 @@ class Router(nn.Module):
         for name, v in (("aux_loss_coef", aux_loss_coef), ("z_loss_coef", z_loss_coef)):
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
                 raise ValueError(f"{name} must be a finite number >= 0, got {v!r}")
+        if renormalize is not None and not isinstance(renormalize, bool):
+            raise TypeError(f"renormalize must be None, True or False, got {renormalize!r}")
+        if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+            raise TypeError(f"dtype must be None or a floating-point torch.dtype (torch.float32, torch.bfloat16, ...), "
+                            f"got {dtype!r}")
         self.d_model, self.num_experts, self.top_k = d_model, num_experts, top_k
         self.score_func = score_func
         self.renormalize = (score_func == "sigmoid") if renormalize is None else renormalize

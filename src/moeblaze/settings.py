@@ -21,9 +21,15 @@ H200 machine's: ``python3 benchmarks/bench_host.py --parts``).
 | ``fused_router`` | ``MOEBLAZE_FUSED_ROUTER`` | ``auto``, on, off | softmax top-k router in Triton (auto: CUDA) |
 | ``fused_rounding`` | ``MOEBLAZE_FUSED_ROUNDING`` | ``auto``, on, off | rounding's selections in Triton (auto: CUDA) |
 | ``chunk_cols`` | ``MOEBLAZE_CHUNK_COLS`` | ``auto``, ``off``, columns | F2's / B3's ``[N, d]`` in column chunks |
+| ``deterministic`` | ``MOEBLAZE_DETERMINISTIC`` | off, on | nothing chosen by timing (autotuning off) |
+
+``deterministic`` covers moeblaze's own kernels (their sums run in a fixed order once the configuration is fixed);
+the rest of a training process (torch's deterministic algorithms, cuBLAS's workspace, NCCL's algorithm, the
+attention backend) is :func:`moeblaze.determinism.deterministic_mode`, which also switches this setting on.
 
 ``TRITON_INTERPRET`` is Triton's own variable (read by Triton when it compiles); :func:`interpreting` reports it.
-torchrun's ``RANK``, ``WORLD_SIZE`` and ``LOCAL_RANK``: :func:`launcher_env`.
+torchrun's ``RANK``, ``WORLD_SIZE`` and ``LOCAL_RANK``: :func:`launcher_env`; variables of cuBLAS and NCCL that
+``--deterministic`` sets: :func:`library_env_defaults`.
 """
 
 from __future__ import annotations
@@ -37,7 +43,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["SETTINGS", "carried_to_backward", "configure", "get", "interpreting", "launcher_env", "override", "reset"]
+__all__ = ["SETTINGS", "carried_to_backward", "configure", "configured", "get", "interpreting", "launcher_env",
+           "library_env_defaults", "override", "reset"]
 
 
 def _bool(name: str, raw: str) -> bool:
@@ -96,6 +103,7 @@ SETTINGS: dict[str, tuple[str, Callable[[str, str], Any], Any]] = {
     "fused_router": ("MOEBLAZE_FUSED_ROUTER", _auto_bool, None),
     "fused_rounding": ("MOEBLAZE_FUSED_ROUNDING", _auto_bool, None),
     "chunk_cols": ("MOEBLAZE_CHUNK_COLS", _chunk, "auto"),
+    "deterministic": ("MOEBLAZE_DETERMINISTIC", _bool, False),
 }
 
 # os.environ's own store (_getenv): CPython's os._Environ keeps the process environment in ``_data`` (bytes keys on
@@ -165,6 +173,11 @@ def configure(**values: Any) -> None:
     _configured.update(_validate(values))
 
 
+def configured() -> dict[str, Any]:
+    """A copy of the values :func:`configure` set (not the environment's, not the overrides)."""
+    return dict(_configured)
+
+
 def reset(*names: str) -> None:
     """Forget :func:`configure`'s values of ``names`` (all when none are given): the environment applies again."""
     for name in names or list(_configured):
@@ -229,6 +242,15 @@ def interpreting() -> bool:
 
 def launcher_env() -> dict[str, str]:
     """The launcher's variables that are set in this process (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
-    ``LOCAL_WORLD_SIZE``: torchrun's own, not moeblaze switches; read by :func:`moeblaze.parallel.init_distributed`
-    and ``moeblaze train``)."""
-    return {k: os.environ[k] for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE") if k in os.environ}
+    ``LOCAL_WORLD_SIZE``, ``TORCHELASTIC_USE_AGENT_STORE``: torchrun's own, not moeblaze switches; read by
+    :func:`moeblaze.parallel.init_distributed`, :mod:`moeblaze.parallel.heartbeat` and ``moeblaze train``)."""
+    names = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "TORCHELASTIC_USE_AGENT_STORE")
+    return {k: os.environ[k] for k in names if k in os.environ}
+
+
+def library_env_defaults(values: dict[str, str]) -> None:
+    """Set environment variables that libraries below moeblaze read once (cuBLAS's ``CUBLAS_WORKSPACE_CONFIG``,
+    NCCL's ``NCCL_ALGO``, ...) where the process has not set them: values set before win
+    (:func:`moeblaze.determinism.deterministic_mode`)."""
+    for name, value in values.items():
+        os.environ.setdefault(name, value)

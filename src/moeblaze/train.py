@@ -8,7 +8,8 @@ Reproducibility: the batch of step ``s`` comes from a generator seeded by ``(see
 (:func:`moeblaze.data.get_batch`), and a checkpoint (:mod:`moeblaze.checkpoint`, written atomically)
 holds the weights and the AdamW state (``torch.distributed.checkpoint``), the step and the RNG state
 (JSON). So ``--steps 2N`` equals ``--steps 2N --stop-after N`` followed by ``--steps 2N --resume``,
-bitwise on CPU — also when the first run was stopped by SIGTERM/Ctrl-C or killed (from its last checkpoint).
+bitwise on CPU, on GPUs with ``--deterministic`` (:mod:`moeblaze.determinism`) — also when the first run was
+stopped by SIGTERM/Ctrl-C, killed, or lost a rank (from its last checkpoint).
 """
 
 from __future__ import annotations
@@ -28,10 +29,9 @@ from tqdm import tqdm
 
 from . import checkpoint, settings
 from .balance import expert_load, load_summary, update_expert_biases
-from .checkpoint import load as _load_state
-from .checkpoint import read_state as checkpoint_state
-from .checkpoint import resolve as resolve_checkpoint
-from .data import eval_windows, get_batch, load_corpus, unigram_entropy
+from .data import DataError, eval_windows, get_batch, load_corpus, unigram_entropy
+from .determinism import deterministic_mode
+from .export import load_model
 from .layer import aux_loss
 from .memory import SavedTensorCounter
 from .metrics_log import MetricsLog
@@ -83,22 +83,29 @@ def evaluate(model: MoETransformer, data, cfg: TrainConfig, device: torch.device
 # ----------------------------------------------------------------------------- checkpoints
 
 def save_checkpoint(out_dir: str, model: MoETransformer, opt: torch.optim.Optimizer, step: int,
-                    cfg: TrainConfig, layout: dict | None = None) -> Path:
-    """Write the checkpoint of ``step`` atomically (:func:`moeblaze.checkpoint.save`): weights and AdamW
-    state through DCP, and ``state.json`` with the step, RNG state and both configurations; keeps the
-    newest ``cfg.keep_checkpoints``. Returns the checkpoint's folder.
+                    cfg: TrainConfig, layout: dict | None = None, log=print) -> Path:
+    """Write the checkpoint of ``step`` atomically (:func:`moeblaze.checkpoint.save`): weights and AdamW state through
+    DCP, and ``state.json`` with the step, RNG state and both configurations; keeps the newest
+    ``cfg.keep_checkpoints``; returns its folder. A write that finds the disk full deletes the checkpoints older than
+    the newest complete one (:func:`moeblaze.checkpoint.make_room`, said through ``log``) and writes once more.
 
     Raises:
-        moeblaze.checkpoint.CheckpointError: the filesystem refused a write (disk full, ...); the earlier
-            checkpoints are untouched.
+        moeblaze.checkpoint.CheckpointError: the filesystem refused a write (disk full, ...; the message names the
+            folder, the error and the space); the earlier checkpoints are untouched. Raised on every rank alike.
     """
     state = {"model_config": asdict(model.cfg), "train_config": asdict(cfg), "rng": checkpoint.rng_state(),
              "layout": layout or {"world_size": 1, "fsdp": False, "ep": 1}}
     try:
         return checkpoint.save(out_dir, step, model, opt, state, keep=cfg.keep_checkpoints)
-    except OSError as err:
-        raise checkpoint.CheckpointError(f"cannot write the checkpoint of step {step} in {out_dir}: "
-                                         f"{err.strerror or err}; the earlier checkpoints are untouched") from None
+    except checkpoint.CheckpointError as err:
+        if not getattr(err, "no_space", False):
+            raise
+        freed = checkpoint.make_room(out_dir)
+        if not freed:
+            raise
+        log(f"disk full at the checkpoint of step {step}: deleted {', '.join(freed)} (older than the newest "
+            "complete checkpoint) and wrote it again")
+        return checkpoint.save(out_dir, step, model, opt, state, keep=cfg.keep_checkpoints)
 
 
 def load_run_config(out_dir: str) -> tuple[TrainConfig, ModelConfig, int]:
@@ -277,7 +284,8 @@ def train(cfg: TrainConfig, model_cfg: ModelConfig | None = None, log=tqdm.write
 
     Under torchrun, ``cfg.fsdp`` (and ``cfg.ep``) make this process one rank of an FSDP2 (+ expert-parallel)
     job (:mod:`moeblaze.parallel.job`): every rank calls :func:`train` with the same configuration; rank 0
-    logs; the process group is destroyed at the end.
+    logs; the process group is destroyed at the end. A lost rank ends the process (exit status 3) with one line
+    (:mod:`moeblaze.parallel.heartbeat`). ``cfg.deterministic``: inside :func:`moeblaze.determinism.deterministic_mode`.
 
     Raises:
         ConfigError: bad device/precision/backend or out_dir, nothing to resume, resume with a different model;
@@ -288,19 +296,37 @@ def train(cfg: TrainConfig, model_cfg: ModelConfig | None = None, log=tqdm.write
         NonFiniteLossError: a non-finite loss; nothing is written, the last checkpoint stays as it was.
     """
     device = resolve_device(cfg.device)
-    try:
-        job = start_job(cfg.fsdp, cfg.ep, device, cfg.batch_size)
-    except ValueError as err:
-        raise ConfigError(str(err)) from None
-    try:
+    if settings.get("deterministic") and not cfg.deterministic:  # MOEBLAZE_DETERMINISTIC=1: recorded as the flag
+        cfg = replace(cfg, deterministic=True)
+    with deterministic_mode(cfg.deterministic):  # before the process group: NCCL reads its variables there
         try:
-            check_same_config(job, train_config=asdict(cfg),
-                              model_config=asdict(model_cfg) if model_cfg is not None else {})
+            job = start_job(cfg.fsdp, cfg.ep, device, cfg.batch_size, cfg.dist_timeout,
+                            advice=f"; continue with `moeblaze train --resume --out-dir {cfg.out_dir}` (from its "
+                                   "newest complete checkpoint)")
         except ValueError as err:
             raise ConfigError(str(err)) from None
-        return _train(cfg, model_cfg, log if job.rank0 else (lambda *a, **k: None), job)
-    finally:
-        job.close()
+        finished = False
+        try:
+            try:
+                check_same_config(job, train_config=asdict(cfg),
+                                  model_config=asdict(model_cfg) if model_cfg is not None else {})
+            except ValueError as err:
+                raise ConfigError(str(err)) from None
+            result = _train(cfg, model_cfg, log if job.rank0 else (lambda *a, **k: None), job)
+            finished = True
+            return result
+        except _RAISED_ALIKE:
+            finished = True
+            raise
+        except Exception:
+            job.check_peers()  # a collective failed: a dead peer ends this process here, named
+            raise
+        finally:
+            job.close(finished)
+
+
+# Errors every rank raises alike (checked or agreed on every rank): the others are not lost.
+_RAISED_ALIKE = (ConfigError, DataError, checkpoint.CheckpointError, NonFiniteLossError)
 
 
 def _train(cfg: TrainConfig, model_cfg: ModelConfig | None, log, job: Job) -> TrainResult:
@@ -352,8 +378,14 @@ def _train(cfg: TrainConfig, model_cfg: ModelConfig | None, log, job: Job) -> Tr
         + (f"; resuming at step {start} from {resume_from}" if resume_from is not None else ""))
     metrics = MetricsLog(cfg.out_dir, start if resume_from is not None else None, log, enabled=job.rank0)
     with checkpoint.StopOnSignal() as signals:
-        run = _loop(model, opt, corpus, cfg, mcfg, device, precision, amp_dtype, start, stop, signals, log, job,
-                    metrics)
+        try:
+            run = _loop(model, opt, corpus, cfg, mcfg, device, precision, amp_dtype, start, stop, signals, log, job,
+                        metrics)
+        except _RAISED_ALIKE:
+            raise
+        except Exception:  # with the handlers still in place: torchrun's SIGTERM must not end this rank unheard
+            job.check_peers()
+            raise
     val_bpb, losses, saved, tok_s, mfu, status, ckpt = run
     if status != "done":
         return TrainResult(start + len(losses), val_bpb, entropy, losses[-1] if losses else float("nan"), tok_s,
@@ -421,7 +453,9 @@ def _loop(model, opt, corpus, cfg: TrainConfig, mcfg: ModelConfig, device, preci
                 f"({saved / tokens_per_step:.0f} bytes/token, save={mcfg.save}; layer inputs included, "
                 "parameters excluded)")
         last = step + 1 == stop
-        interrupted = checkpoint.agree(signals.signum is not None)
+        # bounded after a signal: torchrun sends SIGTERM when a peer died (moeblaze.parallel.heartbeat names it)
+        interrupted = checkpoint.agree(signals.signum is not None,
+                                       timeout=cfg.dist_timeout if signals.signum is not None else None)
         evaluated = not interrupted and ((step + 1) % cfg.eval_interval == 0 or last)
         if evaluated:
             val_bpb = evaluate(model, corpus.val, cfg, device, amp_dtype, job)
@@ -434,7 +468,7 @@ def _loop(model, opt, corpus, cfg: TrainConfig, mcfg: ModelConfig, device, preci
                                  and time.monotonic() - last_save >= 60 * cfg.checkpoint_minutes)
         if (last or interrupted or timed
                 or (cfg.checkpoint_interval and (step + 1) % cfg.checkpoint_interval == 0)):
-            ckpt = save_checkpoint(cfg.out_dir, model, opt, step + 1, cfg, job.layout())
+            ckpt = save_checkpoint(cfg.out_dir, model, opt, step + 1, cfg, job.layout(), log)
             last_save = time.monotonic()
         if interrupted:
             bar.close()
@@ -468,10 +502,11 @@ def _report_breakdown(row: StepBreakdown, cfg: TrainConfig, device: torch.device
 
 def sample(checkpoint: str, prompt: str = "\n", max_new_tokens: int = 256, temperature: float = 0.8,
            top_k: int | None = None, seed: int = 0, device: str = "auto") -> str:
-    """Generate text from a checkpoint directory written by :func:`train`.
+    """Generate text from a checkpoint directory written by :func:`train`, or from its exported weights.
 
     Args:
-        checkpoint: the run's ``out_dir`` (its newest complete checkpoint is used) or one ``step-*`` folder.
+        checkpoint: the run's ``out_dir`` (its newest complete checkpoint is used), one ``step-*`` folder, or a
+            ``.safetensors`` file (or index) written by ``moeblaze export`` (:func:`moeblaze.export.load_model`).
         prompt: UTF-8 text to continue (empty means ``"\\n"``).
         max_new_tokens: bytes to generate. temperature: ``<= 0`` for greedy. top_k: keep the k likeliest bytes.
         seed: seed of the sampler. device: as ``--device``.
@@ -489,11 +524,7 @@ def sample(checkpoint: str, prompt: str = "\n", max_new_tokens: int = 256, tempe
         raise ConfigError(f"--top-k must be a positive integer (or None / 0 on the command line for all bytes), "
                           f"got {top_k!r}")
     dev = resolve_device(device)
-    folder = resolve_checkpoint(checkpoint)
-    mcfg = ModelConfig(**checkpoint_state(folder, check=False)["model_config"])
-    model = MoETransformer(mcfg)
-    _load_state(folder, model)
-    model.to(dev).eval()
+    model = load_model(checkpoint, dev)
     data = (prompt or "\n").encode("utf-8")
     idx = torch.tensor([list(data)], dtype=torch.long, device=dev)
     gen = torch.Generator(device=dev).manual_seed(seed)

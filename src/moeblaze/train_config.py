@@ -61,7 +61,7 @@ _INT_RANGES = {"steps": (1, None), "batch_size": (1, None), "eval_interval": (1,
 _FLOAT_RANGES = {"lr": (0.0, False, None), "min_lr": (0.0, True, None), "weight_decay": (0.0, True, None),
                  "beta1": (0.0, True, 1.0), "beta2": (0.0, True, 1.0), "grad_clip": (0.0, True, None),
                  "val_fraction": (0.0, False, 1.0), "peak_tflops": (0.0, True, None),
-                 "checkpoint_minutes": (0.0, True, None)}
+                 "checkpoint_minutes": (0.0, True, None), "dist_timeout": (10.0, True, None)}
 
 
 @dataclass
@@ -106,6 +106,11 @@ class TrainConfig:
     profile_steps: int = _f(0, "profile this many steps after the first three (torch.profiler): print how a step "
                                "splits into compute, communication (and the part nothing hides), device idle and host "
                                "syncs, per rank, and append the rows to OUT_DIR/breakdown.csv (0 = off)")
+    deterministic: bool = _f(False, "bitwise reproducible on GPUs (fixed kernel configurations, torch's deterministic "
+                             "algorithms, NCCL's ring; moeblaze.determinism); CPU runs are bitwise reproducible "
+                             "without it")
+    dist_timeout: float = _f(300.0, "seconds a collective may wait for the other ranks (the process group's timeout; "
+                             "a rank silent for half of it, at most 30 s, counts as lost), >= 10")
 
     def __post_init__(self) -> None:
         for name, (lo, hi) in _INT_RANGES.items():

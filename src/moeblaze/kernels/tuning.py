@@ -6,7 +6,8 @@ power of 4), so a new batch size re-tunes only when it crosses a bucket. A key f
 capture is not tuned (the autotuner synchronises): it takes the fixed default configuration for good
 (:mod:`moeblaze.graphs`). Environment:
 
-``MOEBLAZE_AUTOTUNE=0``  use one fixed default configuration per kernel (no benchmarking at first call).
+``MOEBLAZE_AUTOTUNE=0``  use one fixed default configuration per kernel (no benchmarking at first call);
+                         ``MOEBLAZE_DETERMINISTIC=1`` (:mod:`moeblaze.determinism`) does the same.
 ``TRITON_INTERPRET=1``   (CPU interpreter) small fixed configurations; autotuning is always off.
 ``MOEBLAZE_PERSISTENT``  grouped-GEMM launch shape: ``1`` persistent (one program per SM walks the output
                          tiles), ``0`` one program per output tile; unset, the autotuner tries both
@@ -53,8 +54,9 @@ def next_pow2(n: int) -> int:
 
 
 def autotune_enabled() -> bool:
-    """Autotuning is on unless ``MOEBLAZE_AUTOTUNE=0`` or the interpreter runs."""
-    return settings.get("autotune") and not interpreting()
+    """Autotuning is on unless ``MOEBLAZE_AUTOTUNE=0``, the setting ``deterministic`` is on (the autotuner picks
+    configurations by timing, and the block sizes set the fp32 summation order) or the interpreter runs."""
+    return settings.get("autotune") and not interpreting() and not settings.get("deterministic")
 
 
 def _index(device: torch.device) -> int:

@@ -10,6 +10,10 @@ the load-balancing loss, which counts the experts of each rank's tokens — of t
 rank's with ``--aux-loss-type global``).
 Losses and validation sums are all-reduced; the gradient norm is summed over every rank's shards; only
 rank 0 logs. Without ``--fsdp`` and without torchrun nothing here communicates (a job of one rank).
+
+A job of several ranks runs a :class:`moeblaze.parallel.heartbeat.PeerMonitor`: a dead rank ends the others with
+one line naming it (within about 6 s under torchrun, within half of ``--dist-timeout`` under a launcher that
+starts each rank itself), instead of leaving them in a collective until the process group's timeout.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from torch.distributed.tensor import DTensor
 
 from .. import settings
 from .fsdp import parallelize
+from .heartbeat import PeerMonitor, lost_after
 from .runtime import DistEnv, init_distributed, make_mesh, split_batch
 
 __all__ = ["Job", "check_same_config", "clip_grad_norm", "start_job"]
@@ -38,12 +43,15 @@ class Job:
         env: rank, world size, device, backend (``None``: one process without a process group).
         mesh: the FSDP2 mesh (``None`` without ``--fsdp``). ep: the expert-parallel size P.
         owns_group: this job created the default process group (and destroys it in :meth:`close`).
+        monitor: the heartbeat of a job of several ranks (None otherwise); peers_checked: :meth:`check_peers` ran.
     """
 
     env: DistEnv
     mesh: DeviceMesh | None = None
     ep: int = 1
     owns_group: bool = False
+    monitor: PeerMonitor | None = None
+    peers_checked: bool = False
 
     @property
     def distributed(self) -> bool:
@@ -93,20 +101,36 @@ class Job:
             dist.all_reduce(values)
         return values
 
-    def close(self) -> None:
-        """Destroy the process group this job created (every rank; a no-op otherwise)."""
+    def check_peers(self) -> None:
+        """After a collective failed in this rank: if a peer is gone, the monitor ends the process with one line
+        naming it (waiting as long as that verdict takes, once per job); else return (the failure is this rank's)."""
+        if self.monitor is not None and not self.peers_checked:
+            self.peers_checked = True
+            self.monitor.check_after_failure()
+
+    def close(self, finished: bool = True) -> None:
+        """Stop the heartbeat and destroy the process group this job created (every rank; a no-op otherwise).
+        ``finished``: the rank leaves normally — done, or with an error every rank raised alike (:meth:`check_peers`
+        otherwise: its peers then see it as lost)."""
+        if self.monitor is not None:
+            self.monitor.close(finished)
+            self.monitor = None
         if self.owns_group and dist.is_initialized():
             dist.destroy_process_group()
         self.owns_group = False
 
 
-def start_job(fsdp: bool, ep: int, device: torch.device, batch_size: int) -> Job:
+def start_job(fsdp: bool, ep: int, device: torch.device, batch_size: int, timeout_s: float = 300.0,
+              advice: str = "") -> Job:
     """The job this process is part of: torchrun's (``--fsdp``: process group, mesh) or one process.
 
     Args:
         fsdp: shard with FSDP2 (needs torchrun, even for one process). ep: expert-parallel size P.
         device: the resolved ``--device`` (CUDA: each rank takes GPU ``LOCAL_RANK``; CPU: gloo).
         batch_size: the global batch (sequences per step), split over the ranks.
+        timeout_s: ``--dist-timeout``: the process group's collective timeout; a rank silent for
+            :func:`moeblaze.parallel.heartbeat.lost_after` of it counts as lost.
+        advice: appended to the line a survivor prints when a rank is lost (what to run next).
 
     Raises:
         ValueError: ``--ep`` > 1 without ``--fsdp``; several processes without ``--fsdp``; ``--fsdp``
@@ -125,8 +149,10 @@ def start_job(fsdp: bool, ep: int, device: torch.device, batch_size: int) -> Job
         raise ValueError("--fsdp needs torchrun (torchrun --nproc-per-node N -m moeblaze.cli train --fsdp ...); "
                          "to resume a --fsdp run in one process, pass --no-fsdp --ep 1")
     owns = not dist.is_initialized()
-    env = init_distributed(device.type)
+    env = init_distributed(device.type, timeout_s)
     job = Job(env, owns_group=owns, ep=ep)
+    if env.world_size > 1:
+        job.monitor = PeerMonitor(env.rank, env.world_size, lost_after(timeout_s), advice).start()
     try:
         if env.world_size % ep:
             raise ValueError(f"--ep {ep} must divide the number of processes {env.world_size}")
