@@ -368,7 +368,7 @@ class Launchable:
                  restore: list[str] | None = None, variant=None, bucket=None) -> None:
         self.fn, self.configs, self.key, self.heuristics = fn, configs, key, heuristics or {}
         self.prune, self.restore, self.variant, self.bucket = prune, restore, variant, bucket
-        self.name = (fn.__name__, len(_LAUNCHABLES))
+        self.name = (getattr(fn, "__name__", type(fn).__name__), len(_LAUNCHABLES))
         _LAUNCHABLES.append(self)
         self._cache: dict[str, object] = {}
         self._best: dict[tuple, triton.Config] = {}
