@@ -83,7 +83,7 @@ def test_train_step_updates_the_biases_after_the_step_and_reports_the_load():
     model = MoETransformer(mcfg)
     opt = make_optimizer(model, TrainConfig())
     x = torch.randint(0, 256, (4, 16))
-    _, load = train_step(model, opt, x, x.roll(-1, 1), 1e-3, 1.0)
+    _, load = train_step(model, opt, x, x.roll(-1, 1), 1e-3, 1.0).result()
     ratios = []
     for moe in model.moe_layers():
         counts = torch.bincount(moe.last_topk_ids.flatten().long(), minlength=4)

@@ -246,3 +246,29 @@ def test_bad_options_exit_with_a_message(flags, message, tmp_path):
     proc = subprocess.run([sys.executable, "-m", "moeblaze.cli", "train", *flags, "--out-dir", str(tmp_path)],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_train_step_skips_a_non_finite_step_on_the_device(monkeypatch):
+    """The step launches without reading its loss: fused AdamW's found_inf skips a non-finite step (weights and
+    AdamW state as before), the host learns of it when it reads the outcome, and a finite step then trains."""
+    from moeblaze.train import NonFiniteLossError, train_step
+
+    torch.manual_seed(0)
+    model = MoETransformer(ModelConfig(seq_len=8, d_model=16, n_layers=1, n_heads=2, d_ff=8, num_experts=4, top_k=2,
+                                       backend="torch"))
+    opt = make_optimizer(model, TrainConfig())
+    x = torch.randint(0, 256, (2, 8))
+    train_step(model, opt, x, x.roll(-1, 1), 1e-2, 1.0).result()  # a finite step: AdamW's state exists
+    before = [p.detach().clone() for p in model.parameters()]
+    state = [(s["step"].clone(), s["exp_avg"].clone()) for s in opt.state.values()]
+    real = MoETransformer.forward
+    monkeypatch.setattr(MoETransformer, "forward", lambda self, idx: real(self, idx) * math.nan)
+    outcome = train_step(model, opt, x, x.roll(-1, 1), 1e-2, 1.0)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert all(torch.equal(a, s["step"]) and torch.equal(m, s["exp_avg"]) for (a, m), s in zip(state,
+                                                                                               opt.state.values()))
+    with pytest.raises(NonFiniteLossError, match="LM loss"):
+        outcome.result()
+    monkeypatch.setattr(MoETransformer, "forward", real)
+    loss, _ = train_step(model, opt, x, x.roll(-1, 1), 1e-2, 1.0).result()
+    assert math.isfinite(loss) and not all(torch.equal(a, b) for a, b in zip(before, model.parameters()))

@@ -38,6 +38,7 @@ from .metrics_log import MetricsLog
 from .model import ModelConfig, MoETransformer
 from .parallel.breakdown import StepBreakdown, StepProfiler, append_rows, gather, summary
 from .parallel.job import Job, check_same_config, clip_grad_norm, start_job
+from .parallel.runtime import agree_kernels
 from .train_config import (
     ConfigError,
     TrainConfig,
@@ -206,12 +207,48 @@ class NonFiniteLossError(RuntimeError):
     """Training stopped at a non-finite loss or gradient norm; the optimizer did not step on it."""
 
 
+_VALUE_NAMES = ("LM loss (cross-entropy)", "auxiliary loss (router load-balancing + z-loss)", "gradient norm")
+
+
+class StepOutcome:
+    """A launched optimizer step whose figures travel to the host without stopping the device.
+
+    :func:`train_step` ends with a non-blocking copy of the step's losses, gradient norm and expert load into
+    pinned host memory and an event behind it; :meth:`result` waits for that event only (the copy, queued right
+    after the step's work), so the host can launch the next step first and keep the device fed.
+    """
+
+    def __init__(self, values: torch.Tensor, has_load: bool) -> None:
+        self._host = torch.empty(values.shape, dtype=values.dtype, pin_memory=values.is_cuda)
+        self._host.copy_(values, non_blocking=True)
+        self._event = torch.cuda.Event() if values.is_cuda else None
+        if self._event is not None:
+            self._event.record()
+        self.has_load = has_load
+
+    def result(self) -> tuple[float, tuple | None]:
+        """``(cross-entropy in nats, expert load or None)``, the load as :func:`train_step` describes it.
+
+        Raises:
+            NonFiniteLossError: the LM loss, the auxiliary loss or the gradient norm is NaN or inf (the optimizer
+                skipped the step: :func:`train_step`).
+        """
+        if self._event is not None:
+            self._event.synchronize()
+        values = self._host.tolist()
+        for name, v in zip(_VALUE_NAMES, values):
+            if not math.isfinite(v):
+                raise NonFiniteLossError(f"{name} is {v}")
+        return values[0], (values[3], values[4], int(values[5])) if self.has_load else None
+
+
 def train_step(model: MoETransformer, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor, lr: float,
                grad_clip: float, counter: SavedTensorCounter | None = None,
-               autocast: torch.dtype | None = None, job: Job | None = None) -> tuple[float, tuple | None]:
-    """One optimizer step on a batch ``x, y [B, seq]`` (int64 bytes); returns the cross-entropy (nats) and the
-    step's expert load (:func:`moeblaze.balance.load_summary` as floats: the worst and the mean over the MoE
-    layers of max / mean tokens per expert, and the experts that received no token), or None without counts.
+               autocast: torch.dtype | None = None, job: Job | None = None) -> StepOutcome:
+    """One optimizer step on a batch ``x, y [B, seq]`` (int64 bytes), launched without a host synchronisation;
+    :meth:`StepOutcome.result` gives the cross-entropy (nats) and the step's expert load
+    (:func:`moeblaze.balance.load_summary` as floats: the worst and the mean over the MoE layers of max / mean
+    tokens per expert, and the experts that received no token), or None without counts.
 
     The loss is cross-entropy plus the MoE layers' auxiliary losses; gradients are clipped to
     ``grad_clip`` (0: off). With ``counter``, the forward runs under it (bytes saved for backward). With
@@ -219,14 +256,15 @@ def train_step(model: MoETransformer, opt: torch.optim.Optimizer, x: torch.Tenso
     backward and the optimizer step run outside it, on the fp32 parameters. After ``opt.step()``,
     :func:`moeblaze.update_expert_biases` moves the routers' biases (``expert_bias_rate`` > 0) and resets
     the counts, from the same all-reduced counts as the load (one all-reduce of ``[layers * E]`` int64).
-    Reading the losses synchronises (once), so step timings are honest on CUDA too. With a ``job`` of
-    several ranks (FSDP2), the losses returned and checked are means over the ranks and the gradient norm
-    is the global one (:func:`moeblaze.parallel.job.clip_grad_norm`), so every rank decides alike; the load is
-    over every rank's tokens.
+    With a ``job`` of several ranks (FSDP2), the losses are means over the ranks and the gradient norm is the
+    global one (:func:`moeblaze.parallel.job.clip_grad_norm`), so every rank decides alike; the load is over
+    every rank's tokens.
 
-    Raises:
-        NonFiniteLossError: the LM loss, the auxiliary loss or the gradient norm is NaN or inf; raised
-            before ``opt.step()``, so the weights and the optimizer state are those of the previous step.
+    A non-finite loss or gradient norm is found on the device: a fused optimizer (:func:`make_optimizer`'s AdamW)
+    skips the step there (its ``found_inf``), so the weights and the optimizer state stay those of the previous
+    step, and :meth:`StepOutcome.result` raises :class:`NonFiniteLossError` when the host reads it. Another
+    optimizer has no such skip: the figures are then read before ``opt.step()`` (one synchronisation), which
+    raises before stepping.
     """
     for group in opt.param_groups:
         group["lr"] = lr
@@ -244,18 +282,21 @@ def train_step(model: MoETransformer, opt: torch.optim.Optimizer, x: torch.Tenso
         norm = torch.nn.utils.clip_grad_norm_(params, grad_clip)
     else:
         norm = torch.nn.utils.get_total_norm([p.grad for p in params])
-    summary = [load_summary(load).to(ce.device)] if load else []  # read with the losses: one synchronisation
-    values = torch.cat([torch.stack([ce.detach(), aux.detach().float(), norm.float().to(ce.device)]),
-                        *summary]).tolist()
-    for name, v in zip(("LM loss (cross-entropy)", "auxiliary loss (router load-balancing + z-loss)",
-                        "gradient norm"), values):
-        if not math.isfinite(v):
+    summary = [load_summary(load).to(ce.device)] if load else []
+    values = torch.cat([torch.stack([ce.detach(), aux.detach().float(), norm.float().to(ce.device)]), *summary])
+    outcome = StepOutcome(values, bool(load))
+    if opt.defaults.get("fused"):
+        opt.found_inf = (~torch.isfinite(values[:3]).all()).float()  # read by the fused kernel: skip the step
+    else:
+        try:
+            outcome.result()
+        except NonFiniteLossError:
             opt.zero_grad(set_to_none=True)
-            raise NonFiniteLossError(f"{name} is {v}")
+            raise
     opt.step()
     opt.zero_grad(set_to_none=True)
     update_expert_biases(model, load=load)  # the auxiliary-loss-free step (expert_bias_rate 0: only the reset)
-    return values[0], (values[3], values[4], int(values[5])) if load else None
+    return outcome
 
 
 def _check_backend(mcfg: ModelConfig, device: torch.device) -> None:
@@ -370,7 +411,7 @@ def _train(cfg: TrainConfig, model_cfg: ModelConfig | None, log, job: Job) -> Tr
     torch.manual_seed(cfg.seed)  # every rank builds the same full model; sharding keeps each rank's part
     model = MoETransformer(mcfg).to(device=device, dtype=dtype)
     total_params = sum(p.numel() for p in model.parameters())
-    model = job.shard(model, precision)
+    model = job.shard(model, precision, cfg.fsdp_reshard, cfg.fsdp_reduce_dtype, cfg.ep_exchange)
     opt = make_optimizer(model, cfg)
     start = load_checkpoint(resume_from, model, opt, device, job, log) if resume_from is not None else 0
     stop = min(cfg.steps, cfg.stop_after) if cfg.stop_after > 0 else cfg.steps
@@ -408,85 +449,143 @@ def _loop(model, opt, corpus, cfg: TrainConfig, mcfg: ModelConfig, device, preci
           amp_dtype: torch.dtype | None, start: int, stop: int, signals: checkpoint.StopOnSignal, log, job: Job,
           metrics: MetricsLog):
     """Steps ``start..stop-1`` with evaluation, a metrics row per step, and checkpoints; returns
-    ``(val_bpb, losses, saved bytes, tokens/s, mfu, status, last checkpoint folder)``."""
-    peak = gpu_peak_flops(device, cfg, precision)
-    peak = peak * job.world if peak else peak  # the job's GPUs together
-    flops_per_token = mcfg.train_flops_per_token()
-    tokens_per_step = cfg.batch_size * mcfg.seq_len
-    saved, losses, val_bpb, train_time, mfu, tok_s, ckpt = 0, [], float("nan"), 0.0, None, 0.0, None
-    step_times: list[float] = []
+    ``(val_bpb, losses, saved bytes, tokens/s, mfu, status, last checkpoint folder)``.
+
+    The host reads a step's figures (:class:`StepOutcome`) after launching the next step, so the device never
+    waits for the host between steps; a step that evaluates, checkpoints or stops is read at once."""
+    run = _Run(cfg, mcfg, device, precision, job, metrics, log)
     last_save = time.monotonic()
     # profiled from the fourth step: the first ones autotune, compile and grow the allocator's pools
     prof_from, profiler = (start + 3, None) if cfg.profile_steps else (None, None)
     bar = tqdm(range(start, stop), initial=start, total=stop, disable=not cfg.progress, unit="step",
                dynamic_ncols=True, desc="train")
+    run.bar = bar
+    pending = None
     for step in bar:
         if step == prof_from:
+            _recv_rows(model, 1)  # the counters restart with the window
             profiler = StepProfiler(device).start()
         t0 = time.perf_counter()
-        x, y = (job.local_rows(t).to(device)
+        x, y = (_to_device(job.local_rows(t), device)
                 for t in get_batch(corpus.train, step, cfg.batch_size, mcfg.seq_len, cfg.seed))
         # measure once; the hooks pass tensors through, so results do not change
         # (not under FSDP2: its gathered weights would count as saved tensors)
         counter = (SavedTensorCounter(list(model.parameters())).track(model.moe_layers())
                    if step == start and job.mesh is None else None)
-        try:
-            loss, load = train_step(model, opt, x, y, lr_at(step, cfg), cfg.grad_clip, counter, amp_dtype, job)
-            losses.append(loss)
-        except NonFiniteLossError as err:
-            bar.close()
-            kept = checkpoint.find_latest(cfg.out_dir, warn=None)
-            raise NonFiniteLossError(f"step {step + 1}: {err}; stopped before the optimizer step, nothing written "
-                                     f"(last checkpoint: {kept or 'none'})") from None
-        saved = counter.bytes if counter is not None else saved
-        step_times.append(time.perf_counter() - t0)
-        if profiler is not None and step + 1 == prof_from + cfg.profile_steps:
-            _report_breakdown(profiler.stop(cfg.profile_steps), cfg, device, job, log)
-            profiler = None
-        train_time += step_times[-1]
-        tok_s = (step + 1 - start) * tokens_per_step / train_time
-        mfu = flops_per_token * tok_s / peak if peak else None
-        bar.set_postfix_str(f"loss {losses[-1]:.3f} ({losses[-1] / math.log(2):.2f} bpb), {tok_s:,.0f} tok/s"
-                            + (f", MFU {100 * mfu:.1f}%" if mfu is not None else ""))
-        if step == start and job.mesh is None:
-            log(f"MoE layers saved for backward: {saved / 2**20:.2f} MiB per step "
-                f"({saved / tokens_per_step:.0f} bytes/token, save={mcfg.save}; layer inputs included, "
+        outcome = train_step(model, opt, x, y, lr_at(step, cfg), cfg.grad_clip, counter, amp_dtype, job)
+        if counter is not None:
+            run.saved = counter.bytes
+            log(f"MoE layers saved for backward: {run.saved / 2**20:.2f} MiB per step "
+                f"({run.saved / run.tokens_per_step:.0f} bytes/token, save={mcfg.save}; layer inputs included, "
                 "parameters excluded)")
+        if pending is not None:  # the previous step, read while this one runs
+            run.finish(*pending)
+        if step == start and job.distributed:  # after the first step, which autotuned: every rank runs rank 0's
+            agree_kernels()
+        if profiler is not None and step + 1 == prof_from + cfg.profile_steps:
+            _report_breakdown(profiler.stop(cfg.profile_steps, _recv_rows(model, cfg.profile_steps)), cfg, device,
+                              job, log)
+            profiler = None
+        pending = (step, outcome, t0)
         last = step + 1 == stop
         # bounded after a signal: torchrun sends SIGTERM when a peer died (moeblaze.parallel.heartbeat names it)
         interrupted = checkpoint.agree(signals.signum is not None,
                                        timeout=cfg.dist_timeout if signals.signum is not None else None)
         evaluated = not interrupted and ((step + 1) % cfg.eval_interval == 0 or last)
-        if evaluated:
-            val_bpb = evaluate(model, corpus.val, cfg, device, amp_dtype, job)
-            log(f"step {step + 1}: train loss {losses[-1]:.3f} nats/byte, val {val_bpb:.3f} bits/byte, "
-                f"{tok_s:,.0f} tok/s" + (f", expert load max/mean {load[0]:.2f} (worst layer)" if load else ""))
-        # before the checkpoint: a run killed between the two resumes from the previous one, dropping this row
-        metrics.write(step + 1, losses[-1], lr_at(step, cfg), step_times[-1], tok_s, val_bpb if evaluated else None,
-                      load)
         timed = checkpoint.agree(cfg.checkpoint_minutes > 0
                                  and time.monotonic() - last_save >= 60 * cfg.checkpoint_minutes)
-        if (last or interrupted or timed
-                or (cfg.checkpoint_interval and (step + 1) % cfg.checkpoint_interval == 0)):
-            ckpt = save_checkpoint(cfg.out_dir, model, opt, step + 1, cfg, job.layout(), log)
+        save = last or interrupted or timed or (cfg.checkpoint_interval and (step + 1) % cfg.checkpoint_interval == 0)
+        if not (evaluated or save):
+            continue
+        # before the checkpoint: a run killed between the two resumes from the previous one, dropping this row
+        run.finish(*pending, evaluate_now=evaluated, evaluate=lambda: evaluate(model, corpus.val, cfg, device,
+                                                                              amp_dtype, job))
+        pending = None
+        if save:
+            run.ckpt = save_checkpoint(cfg.out_dir, model, opt, step + 1, cfg, job.layout(), log)
             last_save = time.monotonic()
         if interrupted:
             bar.close()
             name = signal.Signals(signals.signum).name if signals.signum else "a signal on another rank"
-            log(f"stopped by {name} after step {step + 1}: checkpoint {ckpt} written; continue with "
+            log(f"stopped by {name} after step {step + 1}: checkpoint {run.ckpt} written; continue with "
                 f"`moeblaze train --resume --out-dir {cfg.out_dir}`")
-            return val_bpb, losses, saved, tok_s, mfu, name if signals.signum else "SIGTERM", str(ckpt)
+            return run.results(name if signals.signum else "SIGTERM")
     bar.close()
-    tok_s = (stop - start) * tokens_per_step / train_time if train_time else 0.0
-    if len(step_times) > 1:
+    if len(run.step_times) > 1:
         # the median step after the first: a step that compiles or autotunes is an outlier, and with sizes that
-        # change from step to step (expert parallelism's received rows, token rounding's pairs) such steps can
-        # come after the first (Triton specialises integer arguments, e.g. on divisibility by 16)
-        steady = tokens_per_step / statistics.median(step_times[1:])
+        # change from step to step (token rounding's pairs) such steps can come after the first (Triton specialises
+        # integer arguments, e.g. on divisibility by 16)
+        steady = run.tokens_per_step / statistics.median(run.step_times[1:])
         log(f"steady state (median step after the first): {steady:,.0f} tokens/s"
             + (f", {steady / job.world:,.0f} tokens/s per {_unit(device)} over {job.world} processes"
                if job.distributed else ""))
-    return val_bpb, losses, saved, tok_s, mfu, "done", str(ckpt)
+    return run.results("done")
+
+
+def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A batch on ``device``: on CUDA from pinned memory without blocking the host (a copy from pageable memory
+    would wait for the device's queue)."""
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)
+
+
+def _recv_rows(model: torch.nn.Module, steps: int) -> int | None:
+    """Rows the expert-parallel layers of ``model`` received per step since their counters were last read (reset
+    here), or None without expert parallelism."""
+    counts = [m.ep.recv_rows for m in model.modules() if getattr(m, "ep", None) is not None]
+    for m in model.modules():
+        if getattr(m, "ep", None) is not None:
+            m.ep.recv_rows = None
+    counts = [c for c in counts if c is not None]
+    return int(sum(counts)) // steps if counts else None
+
+
+class _Run:
+    """What :func:`_loop` accumulates: losses, step times, throughput, the last evaluation and checkpoint; and
+    :meth:`finish`, which reads a step's figures and writes its metrics row."""
+
+    def __init__(self, cfg: TrainConfig, mcfg: ModelConfig, device, precision: str, job: Job, metrics: MetricsLog,
+                 log) -> None:
+        self.cfg, self.job, self.metrics, self.log, self.bar = cfg, job, metrics, log, None
+        peak = gpu_peak_flops(device, cfg, precision)
+        self.peak = peak * job.world if peak else peak  # the job's GPUs together
+        self.flops_per_token = mcfg.train_flops_per_token()
+        self.tokens_per_step = cfg.batch_size * mcfg.seq_len
+        self.saved, self.losses, self.val_bpb, self.train_time = 0, [], float("nan"), 0.0
+        self.mfu, self.tok_s, self.ckpt, self.step_times, self._t_last = None, 0.0, None, [], None
+
+    def finish(self, step: int, outcome: StepOutcome, t0: float, evaluate_now: bool = False, evaluate=None) -> None:
+        """Read step ``step``'s figures (raising :class:`NonFiniteLossError` with the step named), time it (from its
+        launch, or the previous step's read when later: the steps overlap), evaluate if asked, write its row."""
+        try:
+            loss, load = outcome.result()
+        except NonFiniteLossError as err:
+            if self.bar is not None:
+                self.bar.close()
+            kept = checkpoint.find_latest(self.cfg.out_dir, warn=None)
+            raise NonFiniteLossError(f"step {step + 1}: {err}; the optimizer skipped that step and the run stopped, "
+                                     f"nothing written (last checkpoint: {kept or 'none'})") from None
+        now = time.perf_counter()
+        self.step_times.append(now - max(t0, self._t_last if self._t_last is not None else t0))
+        self.losses.append(loss)
+        self.train_time += self.step_times[-1]
+        done = len(self.losses)
+        self.tok_s = done * self.tokens_per_step / self.train_time
+        self.mfu = self.flops_per_token * self.tok_s / self.peak if self.peak else None
+        if self.bar is not None:
+            self.bar.set_postfix_str(f"loss {loss:.3f} ({loss / math.log(2):.2f} bpb), {self.tok_s:,.0f} tok/s"
+                                     + (f", MFU {100 * self.mfu:.1f}%" if self.mfu is not None else ""))
+        if evaluate_now:
+            self.val_bpb = evaluate()
+            self.log(f"step {step + 1}: train loss {loss:.3f} nats/byte, val {self.val_bpb:.3f} bits/byte, "
+                     f"{self.tok_s:,.0f} tok/s"
+                     + (f", expert load max/mean {load[0]:.2f} (worst layer)" if load else ""))
+        self.metrics.write(step + 1, loss, lr_at(step, self.cfg), self.step_times[-1], self.tok_s,
+                           self.val_bpb if evaluate_now else None, load)
+        self._t_last = time.perf_counter()
+
+    def results(self, status: str) -> tuple:
+        return (self.val_bpb, self.losses, self.saved, self.tok_s, self.mfu, status,
+                str(self.ckpt) if self.ckpt is not None else None)
 
 
 def _report_breakdown(row: StepBreakdown, cfg: TrainConfig, device: torch.device, job: Job, log) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import torch
 
@@ -103,6 +103,15 @@ class TrainConfig:
     fsdp: bool = _f(False, "shard the model with FSDP2 over the processes torchrun started (torchrun "
                     "--nproc-per-node N -m moeblaze.cli train --fsdp); --batch-size is the global batch")
     ep: int = _f(1, "expert parallelism: spread each MoE layer's experts over groups of this many ranks (needs --fsdp)")
+    ep_exchange: str = _f("auto", "the expert-parallel token exchange: nvshmem (symmetric memory, split sizes on the "
+                          "device), padded (all-to-all of fixed blocks, any backend), all_to_all (exact sizes read to "
+                          "the host once per layer); auto: nvshmem where it runs, else all_to_all",
+                          choices=("auto", "nvshmem", "padded", "all_to_all"))
+    fsdp_reshard: bool = _f(True, "free each block's gathered parameters after its forward (gathered again in "
+                            "backward); --no-fsdp-reshard keeps them until the backward: one all-gather per step "
+                            "instead of two, for models whose parameters fit unsharded")
+    fsdp_reduce_dtype: str = _f("fp32", "dtype of FSDP2's gradient reduce-scatter under bf16-mixed (bf16 halves its "
+                                "bytes)", choices=("fp32", "bf16"))
     profile_steps: int = _f(0, "profile this many steps after the first three (torch.profiler): print how a step "
                                "splits into compute, communication (and the part nothing hides), device idle and host "
                                "syncs, per rank, and append the rows to OUT_DIR/breakdown.csv (0 = off)")
@@ -124,6 +133,11 @@ class TrainConfig:
             if not (ok and (v >= lo if closed else v > lo) and (hi is None or v < hi)):
                 what = f"{'>=' if closed else '>'} {lo}" + (f" and < {hi}" if hi is not None else "")
                 raise ConfigError(f"--{name.replace('_', '-')} must be a finite number {what}, got {v!r}")
+        for f in fields(self):
+            choices = f.metadata.get("choices")
+            if choices and getattr(self, f.name) not in choices:
+                raise ConfigError(f"--{f.name.replace('_', '-')} must be one of {', '.join(choices)}, "
+                                  f"got {getattr(self, f.name)!r}")
         if self.min_lr > self.lr:
             raise ConfigError(f"--min-lr must be <= --lr, got min-lr={self.min_lr}, lr={self.lr}")
         if self.resume and self.overwrite:
@@ -205,11 +219,13 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
 
 
 def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
-    """AdamW with weight decay on matrices (ndim >= 2: embeddings, projections, experts, routers) only."""
+    """Fused AdamW with weight decay on matrices (ndim >= 2: embeddings, projections, experts, routers) only."""
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
               {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), foreach=True)
+    # fused: one kernel per device and dtype, and its found_inf lets the training step skip a non-finite step on the
+    # device instead of reading the loss on the host first (moeblaze.train.train_step)
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=True)
 
 
 def gpu_peak_flops(device: torch.device, cfg: TrainConfig, precision: str = "bf16") -> float | None:
