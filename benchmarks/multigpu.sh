@@ -29,7 +29,7 @@ train_run() {  # $1 run name, $2 index
   esac
   local dir="$RESULTS/$name-$i"
   rm -rf "$dir"
-  local cmd="torchrun --nproc-per-node $gpus -m moeblaze.cli train --fsdp --preset 1b --batch-size $((16 * gpus))
+  local cmd="torchrun --nproc-per-node $gpus -m moeblaze.cli train --fsdp --preset 1b --batch-size $((16 * gpus)) --no-final-checkpoint
     --steps $STEPS --warmup-steps 5 --eval-interval 100000 --eval-tokens 16384 --checkpoint-interval 0
     --checkpoint-minutes 0 --device cuda --no-progress --ep $ep --profile-steps $PROFILE --out-dir $dir $EXTRA"
   echo "== $name ($i): $cmd"

@@ -435,7 +435,8 @@ def _train(cfg: TrainConfig, model_cfg: ModelConfig | None, log, job: Job) -> Tr
         + f": step {stop}, val {val_bpb:.3f} bits/byte vs unigram {entropy:.3f}; "
         f"{tok_s:,.0f} tokens/s" + (f" ({tok_s / job.world:,.0f} per {_unit(device)}, {job.world} processes)"
                                     if job.distributed else "")
-        + (f"; MoE saved {saved / 2**20:.2f} MiB/step" if job.mesh is None else "") + f"; checkpoint {ckpt}")
+        + (f"; MoE saved {saved / 2**20:.2f} MiB/step" if job.mesh is None else "")
+        + (f"; checkpoint {ckpt}" if ckpt is not None else "; no final checkpoint"))
     if device.type == "cuda":
         peak = gpu_peak_flops(device, cfg, precision)
         log(f"MFU: {100 * mfu:.1f}% of {peak / 1e12:.0f} TFLOP/s ({mcfg.train_flops_per_token() / 1e6:.2f} "
@@ -494,8 +495,9 @@ def _loop(model, opt, corpus, cfg: TrainConfig, mcfg: ModelConfig, device, preci
         evaluated = not interrupted and ((step + 1) % cfg.eval_interval == 0 or last)
         timed = checkpoint.agree(cfg.checkpoint_minutes > 0
                                  and time.monotonic() - last_save >= 60 * cfg.checkpoint_minutes)
-        save = last or interrupted or timed or (cfg.checkpoint_interval and (step + 1) % cfg.checkpoint_interval == 0)
-        if not (evaluated or save):
+        save = ((last and cfg.final_checkpoint) or interrupted or timed
+                or (cfg.checkpoint_interval and (step + 1) % cfg.checkpoint_interval == 0))
+        if not (evaluated or save or last):
             continue
         # before the checkpoint: a run killed between the two resumes from the previous one, dropping this row
         run.finish(*pending, evaluate_now=evaluated, evaluate=lambda: evaluate(model, corpus.val, cfg, device,

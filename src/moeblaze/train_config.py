@@ -93,6 +93,8 @@ class TrainConfig:
     checkpoint_interval: int = _f(200, "checkpoint every this many steps (0 = off; the end of the run, "
                                   "SIGTERM and Ctrl-C always checkpoint)")
     checkpoint_minutes: float = _f(30.0, "also checkpoint when this many minutes passed since the last one (0 = off)")
+    final_checkpoint: bool = _f(True, "checkpoint when the run ends (--no-final-checkpoint: not, e.g. for benchmark "
+                                "runs; a stop by SIGTERM or Ctrl-C still writes one)")
     keep_checkpoints: int = _f(3, "keep the newest this many checkpoints (older ones are deleted)")
     val_fraction: float = _f(0.1, "share of files (or bytes, for a single file) held out for validation")
     resume: bool = _f(False, "continue the run checkpointed in --out-dir (from its newest complete checkpoint)")
