@@ -17,6 +17,10 @@ mkdir -p "$RESULTS"
 STEPS=${STEPS:-40}
 PROFILE=${PROFILE:-5}
 EXTRA=${EXTRA:-}
+if compgen -G ".whl/*.whl" > /dev/null; then  # the peers' wheels (torchtitan and what it needs), where present
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH="$PYTHONPATH:/tmp/site"
+fi
 
 train_run() {  # $1 run name, $2 index
   local name=$1 i=$2 gpus ep=1
@@ -53,8 +57,16 @@ case ${1:-train} in
   ep)
     for w in ${EP_WORLDS:-2 4}; do
       echo "== bench_ep on $w GPUs"
-      timeout 900 torchrun --nproc-per-node "$w" benchmarks/bench_ep.py --out "$RESULTS/ep.csv" \
+      timeout "${EP_TIMEOUT:-900}" torchrun --nproc-per-node "$w" benchmarks/bench_ep.py --out "$RESULTS/ep.csv" \
         --breakdown "$PROFILE" ${EP_FLAGS:-} 2>&1 | tee "$RESULTS/ep-$w.log" | grep -vE "^\s*$" | tail -8
     done ;;
-  *) echo "usage: bash benchmarks/multigpu.sh train|ep"; exit 2 ;;
+  tests)
+    last=$(( $(nvidia-smi -L | wc -l) - 1 ))
+    ( CUDA_VISIBLE_DEVICES=$last timeout "${GPU_TESTS_TIMEOUT:-240}" python3 -m pytest -q -m gpu -p no:cacheprovider \
+        -rfEs ${GPU_TESTS:-tests/test_balance.py tests/test_deterministic.py} > "$RESULTS/gpu_tests.log" 2>&1 ) &
+    timeout "${MG_TESTS_TIMEOUT:-300}" python3 -m pytest -q -m multigpu -p no:cacheprovider -rfEs \
+      ${MG_TESTS:-tests/test_ep_exchange.py} > "$RESULTS/multigpu_tests.log" 2>&1
+    wait
+    tail -n 4 "$RESULTS/multigpu_tests.log" "$RESULTS/gpu_tests.log" ;;
+  *) echo "usage: bash benchmarks/multigpu.sh train|ep|tests"; exit 2 ;;
 esac

@@ -409,7 +409,8 @@ def _train(cfg: TrainConfig, model_cfg: ModelConfig | None, log, job: Job) -> Tr
     log(f"baseline: order-0 (unigram) entropy of the validation bytes = {entropy:.3f} bits/byte")
 
     torch.manual_seed(cfg.seed)  # every rank builds the same full model; sharding keeps each rank's part
-    model = MoETransformer(mcfg).to(device=device, dtype=dtype)
+    with torch.device(device):  # drawn where it trains: on CUDA the host does not draw every rank's copy first
+        model = MoETransformer(mcfg).to(dtype=dtype)
     total_params = sum(p.numel() for p in model.parameters())
     model = job.shard(model, precision, cfg.fsdp_reshard, cfg.fsdp_reduce_dtype, cfg.ep_exchange)
     opt = make_optimizer(model, cfg)

@@ -13,8 +13,9 @@ result. Three kinds (:data:`EXCHANGES`):
 ``all_to_all``  ``all_to_all_single`` with the exact split sizes, read to the host: one host synchronisation per
                 layer forward (the fallback).
 
-``auto`` takes ``nvshmem`` on CUDA where NVSHMEM is available, the group also has a CPU backend (see below) and P is
-a power of two (the NVSHMEM kernel splits each peer's bytes evenly over its CTAs), else ``all_to_all``.
+``auto`` takes ``nvshmem`` on CUDA where NVSHMEM is available (and can still be made PyTorch's symmetric-memory
+backend in this process), the group also has a CPU backend (see below) and P is a power of two (the NVSHMEM kernel
+splits each peer's bytes evenly over its CTAs), else ``all_to_all``.
 
 Layouts. A forward (``dispatch``) sends ``send_counts[r]`` rows to rank r; rank r's rows start at
 ``send_offsets[r]`` of the send buffer. ``nvshmem`` and ``all_to_all`` pack them (offsets: exclusive prefix sum of
@@ -56,6 +57,21 @@ def _nvshmem_available() -> bool:
         return False
 
 
+def _use_nvshmem(device: torch.device) -> str | None:
+    """Make NVSHMEM PyTorch's symmetric-memory backend on ``device``; None when it is, else why it cannot be (the
+    backend is chosen once per process, before the first symmetric tensor; PyTorch's default is ``CUDA``)."""
+    import torch.distributed._symmetric_memory as symm_mem
+
+    backend = symm_mem.get_backend(device)
+    if backend == "NVSHMEM":
+        return None
+    try:
+        symm_mem.set_backend("NVSHMEM")
+    except RuntimeError as err:
+        return f"this process allocated symmetric memory with the {backend} backend already ({err})"
+    return None
+
+
 def resolve_exchange(kind: str, group: dist.ProcessGroup, device: torch.device) -> str:
     """The exchange a ``kind`` of :data:`EXCHANGES` means for ``group`` on ``device`` (``auto`` resolved).
 
@@ -69,7 +85,7 @@ def resolve_exchange(kind: str, group: dist.ProcessGroup, device: torch.device) 
     cpu_ok = _has_cpu_backend(group)
     if kind == "auto":
         fits = device.type == "cuda" and cpu_ok and P & (P - 1) == 0 and _nvshmem_available()
-        return "nvshmem" if fits else "all_to_all"
+        return "nvshmem" if fits and _use_nvshmem(device) is None else "all_to_all"
     if kind in ("nvshmem", "padded") and not cpu_ok:
         raise ValueError(f"exchange={kind!r} agrees on buffer sizes over the group's CPU backend, but the group runs "
                          f"{dist.get_backend(group)!r} only: initialise with backend 'cpu:gloo,cuda:nccl' "
@@ -77,7 +93,8 @@ def resolve_exchange(kind: str, group: dist.ProcessGroup, device: torch.device) 
     if kind == "nvshmem":
         why = ("it needs CUDA tensors" if device.type != "cuda" else
                f"P={P} is not a power of two" if P & (P - 1) else
-               "NVSHMEM is not available in this PyTorch build" if not _nvshmem_available() else None)
+               "NVSHMEM is not available in this PyTorch build" if not _nvshmem_available() else
+               _use_nvshmem(device))
         if why:
             raise ValueError(f"exchange='nvshmem' cannot run here: {why}; use 'padded' or 'all_to_all'")
     return kind
@@ -204,13 +221,7 @@ class _SymmWorkspace:
         import torch.distributed._symmetric_memory as symm_mem
 
         self.symm_mem, self.group, self.device = symm_mem, group, device
-        self.name = group.group_name
-        backend = symm_mem.get_backend(device)
-        if backend is None:
-            symm_mem.set_backend("NVSHMEM")
-        elif backend != "NVSHMEM":
-            raise ValueError(f"exchange='nvshmem' needs PyTorch's symmetric memory on NVSHMEM, but this process set "
-                             f"it to {backend!r}")
+        self.name = group.group_name  # resolve_exchange made NVSHMEM the backend
         if hasattr(symm_mem, "enable_symm_mem_for_group"):
             symm_mem.enable_symm_mem_for_group(self.name)
         self.slots: list[tuple[torch.Tensor, ...]] = []
