@@ -197,6 +197,10 @@ def build_torchtitan_ep(src: MoE, spmd_backend: str = "spmd_types") -> TorchTita
         raise ValueError(f"spmd_backend must be one of {SPMD_BACKENDS}, got {spmd_backend!r}")
     _check_source(src)
     tt_dims, tt_utils, tt_moe, tt_sharding, tt_dispatcher, Linear, set_default_dtype = _import_torchtitan()
+    if not hasattr(torch.compiler, "_is_non_strict_tracing"):
+        # torchtitan 0.3.0's token dispatcher asks this private function of torch >= 2.12 whether a non-strict
+        # trace runs; torch 2.11 has none, and no such trace runs here
+        torch.compiler._is_non_strict_tracing = lambda: False
     device, dtype, P, h = src.w_down.device, src.w_down.dtype, src.ep.size, src.d_ff
     # torchtitan takes "cuda" as its device type when it finds no accelerator; its meshes follow the layer's
     # device instead, so that the same code runs on gloo CPU ranks.
