@@ -34,11 +34,14 @@ __all__ = ["PRESETS", "main"]
 # ``--preset NAME``: default flag values for a model size (flags given on the command line still win).
 # "1b": about 1.05e9 parameters (168M active per token; d 1024, E 64, K 8, h 512, 10 layers, 1024-byte
 # context), for GPU runs and the multi-GPU throughput check of scripts/gpu_suite.sh multigpu; a lower peak
-# learning rate than the small default suits the larger model.
+# learning rate than the small default suits the larger model. Under --fsdp its 2 GB of bf16 parameters stay
+# gathered from forward to backward and gradients reduce in bf16: on 2 H200s 129,242 tokens/s per GPU against
+# 104,206 with FSDP2's defaults, one GPU 118,686-120,328 (docs/results-train-multigpu.csv, 2026-11-28,
+# RUNS="fsdp2 1" bash benchmarks/multigpu.sh train with and without EXTRA="--no-fsdp-reshard --fsdp-reduce-dtype bf16").
 PRESETS = {
     "small": {},
     "1b": {"d_model": 1024, "n_layers": 10, "n_heads": 16, "d_ff": 512, "num_experts": 64, "top_k": 8,
-           "seq_len": 1024, "lr": 1e-3, "min_lr": 1e-4},
+           "seq_len": 1024, "lr": 1e-3, "min_lr": 1e-4, "fsdp_reshard": False, "fsdp_reduce_dtype": "bf16"},
 }
 
 _MODEL_HELP = {
