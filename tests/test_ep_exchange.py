@@ -114,8 +114,8 @@ def exchanges_bitwise(rank: int, world: int, tokens: list[int], backend: str, dt
 
 
 def test_sync_free_exchange_bitwise_equals_host_split_on_cpu():
-    run_ranks(exchanges_bitwise, 2, [5, 0], "torch", torch.float64, timeout=120)
-    run_ranks(exchanges_bitwise, 3, [4, 2, 3], "torch", torch.float32, timeout=120)
+    """3 ranks (P not a power of two), one of them without tokens."""
+    run_ranks(exchanges_bitwise, 3, [4, 0, 3], "torch", torch.float32, timeout=120)
 
 
 def _gpus(n: int) -> bool:
