@@ -412,7 +412,7 @@ def _train(cfg: TrainConfig, model_cfg: ModelConfig | None, log, job: Job) -> Tr
     with torch.device(device):  # drawn where it trains: on CUDA the host does not draw every rank's copy first
         model = MoETransformer(mcfg).to(dtype=dtype)
     total_params = sum(p.numel() for p in model.parameters())
-    model = job.shard(model, precision, cfg.fsdp_reshard, cfg.fsdp_reduce_dtype, cfg.ep_exchange)
+    model = job.shard(model, precision, cfg.fsdp_reshard, cfg.fsdp_reduce_dtype, cfg.ep_exchange, cfg.fsdp_prefetch)
     opt = make_optimizer(model, cfg)
     start = load_checkpoint(resume_from, model, opt, device, job, log) if resume_from is not None else 0
     stop = min(cfg.steps, cfg.stop_after) if cfg.stop_after > 0 else cfg.steps

@@ -112,6 +112,9 @@ class TrainConfig:
     fsdp_reshard: bool = _f(True, "free each block's gathered parameters after its forward (gathered again in "
                             "backward); --no-fsdp-reshard keeps them until the backward: one all-gather per step "
                             "instead of two, for models whose parameters fit unsharded")
+    fsdp_prefetch: bool = _f(True, "each block all-gathers the next block's parameters as it starts (the previous "
+                             "block's in backward); --no-fsdp-prefetch leaves it to FSDP2, which gathers a unit when "
+                             "the host reaches it")
     fsdp_reduce_dtype: str = _f("fp32", "dtype of FSDP2's gradient reduce-scatter under bf16-mixed (bf16 halves its "
                                 "bytes)", choices=("fp32", "bf16"))
     profile_steps: int = _f(0, "profile this many steps after the first three (torch.profiler): print how a step "

@@ -74,11 +74,12 @@ class Job:
         return split_batch(batch, self.env) if self.distributed else batch
 
     def shard(self, model: torch.nn.Module, precision: str, reshard: bool = True, reduce_dtype: str = "fp32",
-              exchange: str = "auto") -> torch.nn.Module:
+              exchange: str = "auto", prefetch: bool = True) -> torch.nn.Module:
         """FSDP2 (+ EP) over the mesh; ``bf16-mixed`` -> ``MixedPrecisionPolicy(param_dtype=bfloat16,
         reduce_dtype=float32)`` (``reduce_dtype="bf16"``: bfloat16; the forward then runs without autocast), else
         compute in the parameters' dtype. ``reshard``: FSDP2's ``reshard_after_forward``; ``exchange``: the
-        expert-parallel layers' token exchange. Returns ``model`` unchanged without ``--fsdp``."""
+        expert-parallel layers' token exchange; ``prefetch``: :func:`parallelize`'s. Returns ``model`` unchanged
+        without ``--fsdp``."""
         if self.mesh is None:
             return model
         reduce = torch.bfloat16 if reduce_dtype == "bf16" else torch.float32
@@ -87,7 +88,8 @@ class Job:
         # The MoE layers return a view (a reshape of their output); the blocks add it out of place, which is
         # what FSDP2's warning about in-place ops on views asks for.
         warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDPMoE\) returned a view tensor")
-        return parallelize(model, self.mesh, mp_policy=policy, reshard_after_forward=reshard, exchange=exchange)
+        return parallelize(model, self.mesh, mp_policy=policy, reshard_after_forward=reshard, exchange=exchange,
+                           prefetch=prefetch)
 
     def all_mean(self, values: torch.Tensor) -> torch.Tensor:
         """The mean over ranks of a float tensor (the tensor itself in one process)."""
