@@ -21,6 +21,7 @@ import signal
 import sys
 from dataclasses import MISSING, fields, replace
 
+from . import __version__
 from .activations import ACTIVATIONS
 from .checkpoint import CheckpointError
 from .data import DataError
@@ -155,6 +156,7 @@ class _Replaced(argparse.Action):
 def build_parser() -> argparse.ArgumentParser:
     """The ``moeblaze`` argument parser; each subcommand sets ``func(args) -> int`` as its default."""
     parser = argparse.ArgumentParser(prog="moeblaze", description="Memory-lean Mixture-of-Experts training.")
+    parser.add_argument("--version", action="version", version=f"moeblaze {__version__}")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p_train = subparsers.add_parser(

@@ -28,7 +28,6 @@ from .balance import (
     sequence_load_balancing_loss,
 )
 from .input_grad import SharedInputGrad
-from .kernels import router as fused_router
 from .settings import carried_to_backward
 from .token_rounding import Rounding, TokenRounding, route_rounded, route_rounded_serves
 
@@ -85,7 +84,9 @@ class _RouterLogits(torch.autograd.Function):
         share = ctx.input_grad  # x's gradient shared with the experts (moeblaze.input_grad), or None
         dx = dw = None
         if _tensor_core_path(x, weight):  # one GEMM each: [hi | lo] against the weight stacked twice / x, fp32 sums
-            hl = fused_router.split16(dlogits.contiguous(), x.dtype)  # [hi | lo]: K = 2E
+            from .kernels.router import split16  # here: Triton is imported only where its kernels run
+
+            hl = split16(dlogits.contiguous(), x.dtype)  # [hi | lo]: K = 2E
             if ctx.needs_input_grad[0]:
                 w2 = torch.cat((weight, weight))
                 pending = share.take() if share is not None else None
@@ -113,6 +114,8 @@ class _FusedTopK(torch.autograd.Function):
     @staticmethod
     @carried_to_backward
     def forward(ctx, logits, top_k, renormalize, scale, aux_c, z_c):
+        from .kernels import router as fused_router
+
         ids, weights, probs, lse, counts, aux, z = fused_router.router_topk(logits, top_k, renormalize, scale, aux_c,
                                                                             z_c)
         ctx.mark_non_differentiable(ids, counts, *fused_router.off_losses(aux, z, aux_c, z_c))
@@ -126,8 +129,10 @@ class _FusedTopK(torch.autograd.Function):
     def backward(ctx, _dids, dweights, dprobs, daux, dz, _dcounts):
         if dweights is None and dprobs is None and daux is None and dz is None:
             return None, None, None, None, None, None
+        from .kernels.router import router_topk_backward
+
         probs, ids, lse, counts = ctx.saved_tensors
-        dlogits = fused_router.router_topk_backward(probs, ids, dweights, dprobs, counts, lse, daux, dz, *ctx.options)
+        dlogits = router_topk_backward(probs, ids, dweights, dprobs, counts, lse, daux, dz, *ctx.options)
         return dlogits, None, None, None, None, None
 
 
@@ -333,11 +338,13 @@ class Router(nn.Module):
         (or the interpreter running), and the ``fused_router`` setting on (``auto``: CUDA logits)."""
         if self.score_func != "softmax" or self.n_group > 1 or self.e_score_correction_bias is not None:
             return False
-        if (self.num_experts > fused_router.MAX_EXPERTS or self.top_k > fused_router.MAX_TOP_K
-                or logits.numel() >= fused_router.MAX_ELEMENTS):
-            return False
         mode = settings.get("fused_router")
-        return logits.is_cuda if mode is None else (mode and (logits.is_cuda or settings.interpreting()))
+        if not (logits.is_cuda if mode is None else (mode and (logits.is_cuda or settings.interpreting()))):
+            return False
+        # imported only where the kernels could run: a CPU install needs no Triton
+        from .kernels.router import MAX_ELEMENTS, MAX_EXPERTS, MAX_TOP_K
+
+        return self.num_experts <= MAX_EXPERTS and self.top_k <= MAX_TOP_K and logits.numel() < MAX_ELEMENTS
 
     def reset_parameters(self) -> None:
         """``U(-1/sqrt(d), 1/sqrt(d))``, as ``nn.Linear``; the correction bias and the token counts to zero."""
