@@ -150,11 +150,11 @@ def test_a_run_stopped_by_a_signal_in_its_last_step_evaluates_when_resumed(corpu
     mcfg = ModelConfig(seq_len=16, d_model=16, n_layers=1, n_heads=2, d_ff=16, num_experts=4, top_k=2)
     whole = train(replace(cfg, out_dir=str(tmp_path / "whole")), mcfg, log=lambda *a: None)
 
-    real_step, calls = train_mod.train_step, []
+    real_step, started = train_mod.train_step, []
 
     def step_then_sigint(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == 3:
+        started.append(1)
+        if len(started) == 3:
             os.kill(os.getpid(), signal.SIGINT)  # caught by the run (StopOnSignal): checkpoint and stop
         return real_step(*args, **kwargs)
 
@@ -262,21 +262,21 @@ def test_a_logger_without_its_package_is_a_one_line_error(logger, package, corpu
 
 
 def test_wandb_gets_the_metrics_rows_and_a_resumed_run_continues_its_run(corpus, tmp_path, monkeypatch):
-    """Against a recording stand-in for the ``wandb`` module (W&B needs an account or its offline files): the calls
-    moeblaze makes, their steps and numbers (those of metrics.csv), and the run id a resumed run passes back."""
-    calls = []
+    """Against a recording stand-in for the ``wandb`` module (W&B needs an account or its offline files): the run
+    moeblaze opens, the steps and numbers it logs (those of metrics.csv), and the run id a resumed run passes back."""
+    recorded = []
 
     class Run:
         id = "abc123"
 
         def log(self, values, step):
-            calls.append(("log", step, values))
+            recorded.append(("log", step, values))
 
         def finish(self):
-            calls.append(("finish",))
+            recorded.append(("finish",))
 
     def init(**kwargs):
-        calls.append(("init", kwargs))
+        recorded.append(("init", kwargs))
         return Run()
 
     monkeypatch.setitem(sys.modules, "wandb", type(sys)("wandb"))
@@ -285,17 +285,17 @@ def test_wandb_gets_the_metrics_rows_and_a_resumed_run_continues_its_run(corpus,
     args = ("train", "--data", str(corpus), "--steps", "4", "--eval-interval", "2", "--checkpoint-interval", "2",
             "--out-dir", str(out), "--logger", "wandb", "--no-progress", *MICRO)
     assert run_cli(*args, "--stop-after", "2") == 0
-    init_kw = calls[0][1]
+    init_kw = recorded[0][1]
     assert (init_kw["project"], init_kw["name"], init_kw["dir"], init_kw["id"]) == ("moeblaze", "wb", str(out), None)
     assert init_kw["config"]["steps"] == 4 and init_kw["config"]["d_model"] == 16
-    assert (out / "wandb-run-id").read_text() == "abc123" and calls[-1] == ("finish",)
+    assert (out / "wandb-run-id").read_text() == "abc123" and recorded[-1] == ("finish",)
     with open(out / "metrics.csv", newline="") as fh:
         rows = {int(r["step"]): r for r in csv.DictReader(fh)}
-    logged = {c[1]: c[2] for c in calls if c[0] == "log"}
+    logged = {c[1]: c[2] for c in recorded if c[0] == "log"}
     assert logged.keys() == rows.keys() == {1, 2} and "val_bpb" in logged[2] and "val_bpb" not in logged[1]
     for step, values in logged.items():
         assert all(abs(v - float(rows[step][k])) <= 1e-4 * max(1.0, abs(v)) for k, v in values.items())
-    calls.clear()
+    recorded.clear()
     assert run_cli("train", "--resume", "--out-dir", str(out), "--no-progress") == 0  # the logger is the run's
-    assert (calls[0][1]["id"], calls[0][1]["resume"]) == ("abc123", "allow")
-    assert [c[1] for c in calls if c[0] == "log"] == [3, 4]
+    assert (recorded[0][1]["id"], recorded[0][1]["resume"]) == ("abc123", "allow")
+    assert [c[1] for c in recorded if c[0] == "log"] == [3, 4]

@@ -40,6 +40,23 @@ def _mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.mm(a, b, out_dtype=torch.float32)
 
 
+_ROUTER_KERNELS = None
+
+
+def _kernels():
+    """:mod:`moeblaze.kernels.router`, imported on first use: only where its kernels run (CUDA tensors or Triton's
+    interpreter), so a CPU install needs no Triton. Kept in a global, as an import statement costs about 2 µs of host
+    time per use (``timeit`` of ``from moeblaze.kernels.router import MAX_EXPERTS``, 2-core x86-64 CPU) and the
+    router would pay it several times per layer and step (``functools.cache`` would do, but torch.compile warns
+    about it)."""
+    global _ROUTER_KERNELS
+    if _ROUTER_KERNELS is None:
+        from .kernels import router
+
+        _ROUTER_KERNELS = router
+    return _ROUTER_KERNELS
+
+
 def _tensor_core_path(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Both 16-bit of one dtype on CUDA: the router's GEMMs run on the tensor cores with fp32 sums."""
     return x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype
@@ -84,9 +101,7 @@ class _RouterLogits(torch.autograd.Function):
         share = ctx.input_grad  # x's gradient shared with the experts (moeblaze.input_grad), or None
         dx = dw = None
         if _tensor_core_path(x, weight):  # one GEMM each: [hi | lo] against the weight stacked twice / x, fp32 sums
-            from .kernels.router import split16  # here: Triton is imported only where its kernels run
-
-            hl = split16(dlogits.contiguous(), x.dtype)  # [hi | lo]: K = 2E
+            hl = _kernels().split16(dlogits.contiguous(), x.dtype)  # [hi | lo]: K = 2E
             if ctx.needs_input_grad[0]:
                 w2 = torch.cat((weight, weight))
                 pending = share.take() if share is not None else None
@@ -114,8 +129,7 @@ class _FusedTopK(torch.autograd.Function):
     @staticmethod
     @carried_to_backward
     def forward(ctx, logits, top_k, renormalize, scale, aux_c, z_c):
-        from .kernels import router as fused_router
-
+        fused_router = _kernels()
         ids, weights, probs, lse, counts, aux, z = fused_router.router_topk(logits, top_k, renormalize, scale, aux_c,
                                                                             z_c)
         ctx.mark_non_differentiable(ids, counts, *fused_router.off_losses(aux, z, aux_c, z_c))
@@ -129,10 +143,8 @@ class _FusedTopK(torch.autograd.Function):
     def backward(ctx, _dids, dweights, dprobs, daux, dz, _dcounts):
         if dweights is None and dprobs is None and daux is None and dz is None:
             return None, None, None, None, None, None
-        from .kernels.router import router_topk_backward
-
         probs, ids, lse, counts = ctx.saved_tensors
-        dlogits = router_topk_backward(probs, ids, dweights, dprobs, counts, lse, daux, dz, *ctx.options)
+        dlogits = _kernels().router_topk_backward(probs, ids, dweights, dprobs, counts, lse, daux, dz, *ctx.options)
         return dlogits, None, None, None, None, None
 
 
@@ -341,10 +353,9 @@ class Router(nn.Module):
         mode = settings.get("fused_router")
         if not (logits.is_cuda if mode is None else (mode and (logits.is_cuda or settings.interpreting()))):
             return False
-        # imported only where the kernels could run: a CPU install needs no Triton
-        from .kernels.router import MAX_ELEMENTS, MAX_EXPERTS, MAX_TOP_K
-
-        return self.num_experts <= MAX_EXPERTS and self.top_k <= MAX_TOP_K and logits.numel() < MAX_ELEMENTS
+        limits = _kernels()  # imported only where the kernels could run: a CPU install needs no Triton
+        return (self.num_experts <= limits.MAX_EXPERTS and self.top_k <= limits.MAX_TOP_K
+                and logits.numel() < limits.MAX_ELEMENTS)
 
     def reset_parameters(self) -> None:
         """``U(-1/sqrt(d), 1/sqrt(d))``, as ``nn.Linear``; the correction bias and the token counts to zero."""
