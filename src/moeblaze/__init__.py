@@ -8,6 +8,8 @@ experts' load: :mod:`moeblaze.balance`), :func:`memory_report` (where activation
 :func:`moe_experts_reference` (float64 reference for tests).
 """
 
+from importlib.metadata import PackageNotFoundError, version
+
 from . import settings
 from .balance import expert_load, global_batch_load_balancing_loss, sequence_load_balancing_loss, update_expert_biases
 from .dispatch import DispatchIndex, TileSchedule, build_dispatch
@@ -45,4 +47,7 @@ __all__ = [
     "tile_multiple",
     "update_expert_biases",
 ]
-__version__ = "0.1.0"
+try:  # the installed distribution's version (pyproject.toml's); a source tree that was never installed has none
+    __version__ = version("moeblaze")
+except PackageNotFoundError:
+    __version__ = "0+unknown"

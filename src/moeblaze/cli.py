@@ -2,8 +2,12 @@
 present).
 
 Every field of :class:`moeblaze.train.TrainConfig` and :class:`moeblaze.model.ModelConfig` is a flag
-(``steps`` -> ``--steps``, ``d_model`` -> ``--d-model``); a flag given on the command line overrides
-the default — or, with ``--resume``, the configuration stored in the checkpoint.
+(``steps`` -> ``--steps``, ``d_model`` -> ``--d-model``) and a key of ``--config FILE.toml``
+(:mod:`moeblaze.config_file`); a flag given on the command line overrides the file, and both override
+the default — or, with ``--resume``, the configuration stored in the checkpoint. ``--print-config`` writes the
+resolved configuration as TOML and exits. Without ``--out-dir`` each run goes to a new numbered folder
+``moeblaze-out/run_N``, and ``--resume``, ``sample``, ``export`` and ``plot`` take the newest
+(:mod:`moeblaze.run_dirs`). ``moeblaze --version`` prints the package's version.
 Errors in the input (a missing ``--data`` path, an unknown device, nothing to resume, a bad flag or a
 checkpoint that cannot be loaded) print one line to stderr and exit with status 2, without a traceback.
 ``moeblaze train`` exits 0 when the run is complete (or was already complete), 1 on a non-finite loss,
@@ -17,16 +21,20 @@ checkpoint (a second Ctrl-C exits at once with 130, without one), and 3 when ano
 from __future__ import annotations
 
 import argparse
+import contextlib
 import signal
 import sys
 from dataclasses import MISSING, fields, replace
 
+from . import __version__, settings
 from .activations import ACTIVATIONS
 from .checkpoint import CheckpointError
+from .config_file import dump_config, read_config
 from .data import DataError
 from .export import DEFAULT_MAX_SHARD_SIZE, export
 from .model import ModelConfig
 from .parallel.heartbeat import EXIT_PEER_LOST, PeerLostError
+from .run_dirs import ROOT, holds_metrics, new_run_dir, newest_run, resolve_run
 from .train import ConfigError, NonFiniteLossError, TrainConfig, load_run_config, sample, train
 
 __all__ = ["PRESETS", "main"]
@@ -72,7 +80,7 @@ def _add_dataclass_flags(parser: argparse.ArgumentParser, cls, helps: dict[str, 
         if f.metadata.get("choices"):
             kw["choices"] = f.metadata["choices"]
         flag = "--" + f.name.replace("_", "-")
-        if isinstance(default, bool):
+        if isinstance(default, bool) or str(f.type).startswith("bool"):  # `bool | None`: --x, --no-x or neither
             group.add_argument(flag, action=argparse.BooleanOptionalAction, **kw)
         else:
             group.add_argument(flag, type=type(default) if default is not None else str, metavar=f.name.upper(), **kw)
@@ -82,8 +90,16 @@ def _split(args: argparse.Namespace, cls) -> dict:
     return {f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)}
 
 
+def _given(args: argparse.Namespace) -> tuple[dict, dict]:
+    """The TrainConfig and ModelConfig values given: the ``--config`` file's, overridden by the flags given."""
+    file_t, file_m = read_config(args.config) if getattr(args, "config", None) else ({}, {})
+    return file_t | _split(args, TrainConfig), file_m | _split(args, ModelConfig)
+
+
 def _configs(args: argparse.Namespace) -> tuple[TrainConfig, ModelConfig]:
-    given_t, given_m = _split(args, TrainConfig), _split(args, ModelConfig)
+    """The run's configurations: defaults < ``--preset`` < given (:func:`_given`); with ``--resume``, the
+    checkpoint's < given."""
+    given_t, given_m = _given(args)
     preset = PRESETS[getattr(args, "preset", "small")]
     try:
         if given_t.get("resume"):
@@ -91,7 +107,7 @@ def _configs(args: argparse.Namespace) -> tuple[TrainConfig, ModelConfig]:
                 raise ConfigError("--resume and --overwrite exclude each other")
             if hasattr(args, "preset"):
                 raise ConfigError("--preset sets up a fresh run; --resume continues the checkpoint's configuration")
-            out_dir = given_t.get("out_dir", TrainConfig.out_dir)
+            out_dir = given_t["out_dir"] if "out_dir" in given_t else str(newest_run(ROOT))
             saved_t, saved_m, _ = load_run_config(out_dir)
             # Continue the stored run; per-invocation options start from their defaults.
             base = replace(saved_t, stop_after=0, progress=TrainConfig.progress, overwrite=False, out_dir=out_dir,
@@ -115,7 +131,25 @@ def _as_flag(message: str) -> str:
 
 def _cmd_train(args: argparse.Namespace) -> int:
     cfg, mcfg = _configs(args)
-    result = train(cfg, mcfg)
+    numbered = "out_dir" not in _given(args)[0] and not cfg.resume
+    if args.print_config:  # a numbered folder is chosen when the run starts: out_dir stays unset in the file
+        note = {"out_dir": f"a new numbered folder {ROOT}/run_N when the run starts"}
+        sys.stdout.write(dump_config(cfg, mcfg, omit=note if numbered else None))
+        return 0
+    claimed = None
+    if numbered:
+        # one process claims its folder (mkdir); the ranks of a job each name the same next number instead, and their
+        # configurations are compared before rank 0 creates it
+        single = int(settings.launcher_env().get("WORLD_SIZE", "1")) == 1
+        claimed = new_run_dir(ROOT, claim=single)
+        cfg = replace(cfg, out_dir=str(claimed))
+    try:
+        result = train(cfg, mcfg)
+    except BaseException:
+        if claimed is not None:  # the empty folder of a run that never started (a bad device, ...): not left behind
+            with contextlib.suppress(OSError):
+                claimed.rmdir()
+        raise
     if result.status in ("SIGINT", "SIGTERM"):
         return 128 + getattr(signal, result.status)
     return 0
@@ -123,7 +157,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
 def _cmd_sample(args: argparse.Namespace) -> int:
     top_k = args.top_k if args.top_k > 0 else None
-    text = sample(args.checkpoint, args.prompt, args.max_new_tokens, args.temperature, top_k, args.seed, args.device)
+    text = sample(resolve_run(args.checkpoint), args.prompt, args.max_new_tokens, args.temperature, top_k, args.seed,
+                  args.device)
     sys.stdout.write(text + "\n")
     return 0
 
@@ -131,14 +166,14 @@ def _cmd_sample(args: argparse.Namespace) -> int:
 def _cmd_plot(args: argparse.Namespace) -> int:
     from .plot import plot_run
 
-    paths = plot_run(args.out_dir)
+    paths = plot_run(resolve_run(args.out_dir, holds_metrics))
     print(f"wrote {', '.join(p.name for p in paths)} in {paths[0].parent}")
     return 0
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
     size = int(args.max_shard_size) if args.max_shard_size.isdigit() else args.max_shard_size
-    for path in export(args.checkpoint, args.out, size):
+    for path in export(resolve_run(args.checkpoint), args.out, size):
         print(f"wrote {path} ({path.stat().st_size:,} bytes)")
     return 0
 
@@ -158,6 +193,7 @@ class _Replaced(argparse.Action):
 def build_parser() -> argparse.ArgumentParser:
     """The ``moeblaze`` argument parser; each subcommand sets ``func(args) -> int`` as its default."""
     parser = argparse.ArgumentParser(prog="moeblaze", description="Memory-lean Mixture-of-Experts training.")
+    parser.add_argument("--version", action="version", version=f"moeblaze {__version__}")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p_train = subparsers.add_parser(
@@ -167,6 +203,11 @@ def build_parser() -> argparse.ArgumentParser:
     p_train.add_argument("--preset", choices=sorted(PRESETS), default=argparse.SUPPRESS,
                          help="model size: small (the CPU-friendly default) or 1b (~1B parameters, E 64, K 8, "
                               "for GPUs); flags given as well override it [default: small]")
+    p_train.add_argument("--config", metavar="FILE.toml", default=argparse.SUPPRESS,
+                         help="read the configuration from a TOML file of key = value lines, the keys being these "
+                              "flags' names with _ for - (steps = 100, d_model = 256); flags given as well override it")
+    p_train.add_argument("--print-config", action="store_true",
+                         help="write the resolved configuration as TOML (for --config) to stdout and exit")
     _add_dataclass_flags(p_train, TrainConfig)
     _add_dataclass_flags(p_train, ModelConfig, _MODEL_HELP)
     p_train.add_argument("--dtype", action=_Replaced, default=argparse.SUPPRESS, dest="replaced_dtype",
@@ -174,8 +215,9 @@ def build_parser() -> argparse.ArgumentParser:
     p_train.set_defaults(func=_cmd_train)
 
     p_sample = subparsers.add_parser("sample", help="generate text from a checkpoint")
-    p_sample.add_argument("--checkpoint", default=TrainConfig.out_dir,
-                          help="a run's --out-dir, a step-* folder, or exported .safetensors [%(default)s]")
+    p_sample.add_argument("--checkpoint", default=ROOT,
+                          help="a run's --out-dir, a step-* folder, or exported .safetensors; a folder of numbered "
+                               "runs: its newest run with a checkpoint [%(default)s]")
     p_sample.add_argument("--prompt", default="def ", help="text to continue [%(default)r]")
     p_sample.add_argument("--max-new-tokens", type=int, default=256, help="bytes to generate [%(default)s]")
     p_sample.add_argument("--temperature", type=float, default=0.8, help="<= 0 for greedy [%(default)s]")
@@ -187,15 +229,18 @@ def build_parser() -> argparse.ArgumentParser:
     p_plot = subparsers.add_parser("plot", help="draw a run's loss and expert-load curves (metrics.csv) as PNG files",
                                    description="Read OUT_DIR/metrics.csv of a moeblaze train run and write "
                                                "loss.png and expert_load.png into OUT_DIR (needs matplotlib).")
-    p_plot.add_argument("out_dir", metavar="OUT_DIR", help="the --out-dir of a moeblaze train run")
+    p_plot.add_argument("out_dir", metavar="OUT_DIR", nargs="?", default=ROOT,
+                        help="the --out-dir of a moeblaze train run; a folder of numbered runs: its newest run with "
+                             "a metrics.csv [%(default)s]")
     p_plot.set_defaults(func=_cmd_plot)
 
     p_export = subparsers.add_parser(
         "export", help="write a checkpoint's weights as safetensors (one file, or shards and an index)",
         description="Write the weights of a checkpoint (any number of ranks, any --ep) as safetensors with the model "
                     "configuration in each file's metadata, as transformers' save_pretrained shards them.")
-    p_export.add_argument("--checkpoint", default=TrainConfig.out_dir,
-                          help="a run's --out-dir (its newest complete checkpoint) or a step-* folder [%(default)s]")
+    p_export.add_argument("--checkpoint", default=ROOT,
+                          help="a run's --out-dir (its newest complete checkpoint) or a step-* folder; a folder of "
+                               "numbered runs: its newest run with a checkpoint [%(default)s]")
     p_export.add_argument("--out", required=True, help="the .safetensors file to write (shards go beside it)")
     p_export.add_argument("--max-shard-size", default=DEFAULT_MAX_SHARD_SIZE,
                           help="bytes per file: an integer, or e.g. 5GB (1e9 bytes per GB), 2GiB [%(default)s]")

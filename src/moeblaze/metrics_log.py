@@ -14,6 +14,14 @@ rows up to its checkpoint's step, so a kill between a checkpoint and the next on
 row, leaves each step once. Rows of a file written before the load columns existed are kept, with those
 columns empty. A file that cannot be written (a full disk, a read-only folder) is named once
 through the run's log and the run trains on without it: the metrics never cost a step.
+
+``--logger tensorboard`` / ``wandb`` sends each row's numbers (the columns but the step, as floats under the
+columns' names, at the row's step) to TensorBoard (``torch.utils.tensorboard.SummaryWriter``, event files in the
+run's folder: ``tensorboard --logdir moeblaze-out`` shows each run) or to Weights & Biases (``wandb.init(project=
+"moeblaze")``; a resumed run continues the W&B run whose id ``wandb-run-id`` keeps). A resumed run hides the
+TensorBoard events after its checkpoint's step (``purge_step``), as it drops those rows; a fresh run deletes the
+folder's earlier event files, as it starts the CSV afresh. A logger that fails is named once and dropped, as the
+file is.
 """
 
 from __future__ import annotations
@@ -25,10 +33,14 @@ import math
 import os
 from pathlib import Path
 
+from .train_config import LOGGERS, ConfigError
+
 LOSS_COLUMNS = ("step", "loss", "bits_per_byte", "lr", "step_s", "tokens_per_s", "val_bpb")
 LOAD_COLUMNS = ("load_ratio_max", "load_ratio_mean", "zero_load_experts")
 COLUMNS = LOSS_COLUMNS + LOAD_COLUMNS
 FILE_NAME = "metrics.csv"
+_WANDB_ID = "wandb-run-id"
+_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb"}  # --logger -> the package to install
 
 
 def _is_number(text: str) -> bool:
@@ -62,6 +74,58 @@ def _complete_rows(path: Path, up_to: int) -> list[dict[str, str]]:
     return rows
 
 
+def val_at(out_dir: str | os.PathLike, step: int) -> float | None:
+    """The validation bits per byte that ``<out_dir>/metrics.csv`` holds for ``step``, or None (no such row, a row
+    without it, or no readable file)."""
+    try:
+        rows = _complete_rows(Path(out_dir).expanduser() / FILE_NAME, step)
+    except OSError:
+        return None
+    vals = [float(r["val_bpb"]) for r in rows if int(r["step"]) == step and r["val_bpb"]]
+    return vals[-1] if vals else None
+
+
+def check_logger(name: str) -> None:
+    """``--logger name`` can run here: its library imports.
+
+    Raises:
+        ConfigError: an unknown name, or the library is not installed (one line naming the package to install).
+    """
+    if name not in LOGGERS:
+        raise ConfigError(f"--logger must be one of {', '.join(LOGGERS)}, got {name!r}")
+    if name == "none":
+        return
+    try:
+        if name == "tensorboard":
+            import torch.utils.tensorboard  # noqa: F401  (imports tensorboard, which it needs)
+        else:
+            import wandb  # noqa: F401
+    except ImportError as err:
+        raise ConfigError(f"--logger {name} needs the {_PACKAGES[name]} package, which does not import here ({err}); "
+                          f"pip install {_PACKAGES[name]}, or pass --logger none") from None
+
+
+def _open_logger(name: str, out: Path, resume_step: int | None, config: dict | None):
+    """The TensorBoard writer or the W&B run of ``--logger name`` (module docstring), or None for ``none``."""
+    if name == "tensorboard":
+        from torch.utils.tensorboard import SummaryWriter
+
+        if resume_step is None:
+            for old in out.glob("events.out.tfevents.*"):
+                old.unlink()
+        return SummaryWriter(log_dir=str(out), purge_step=None if resume_step is None else resume_step + 1)
+    if name == "wandb":
+        import wandb
+
+        id_file = out / _WANDB_ID
+        run_id = id_file.read_text().strip() if resume_step is not None and id_file.is_file() else None
+        run = wandb.init(project="moeblaze", name=out.name, dir=str(out), config=config, id=run_id,
+                         resume="allow" if run_id else None)
+        id_file.write_text(run.id)
+        return run
+    return None
+
+
 class MetricsLog:
     """``<out_dir>/metrics.csv`` of one run (module docstring).
 
@@ -71,13 +135,21 @@ class MetricsLog:
             None for a fresh run (the file starts empty).
         log: where the one warning of a failed write goes.
         enabled: False on ranks other than 0 (nothing is written).
+        logger: ``--logger`` (``none``, ``tensorboard``, ``wandb``: module docstring); :func:`check_logger` first.
+        config: the run's configuration, for W&B.
     """
 
-    def __init__(self, out_dir: str | os.PathLike, resume_step: int | None, log, enabled: bool = True) -> None:
+    def __init__(self, out_dir: str | os.PathLike, resume_step: int | None, log, enabled: bool = True,
+                 logger: str = "none", config: dict | None = None) -> None:
         self.path = Path(out_dir).expanduser() / FILE_NAME
-        self.log, self.enabled = log, enabled
+        self.log, self.enabled, self.logger = log, enabled, None
         if not enabled:
             return
+        try:
+            self.logger = _open_logger(logger, self.path.parent, resume_step, config)
+        except Exception as err:  # the logger's own errors (a W&B login, a full disk): a run without it
+            self.log(f"warning: --logger {logger} failed to start ({type(err).__name__}: {err}); training goes on "
+                     "without it")
         tmp = self.path.with_name(FILE_NAME + ".tmp")
         try:
             kept = _complete_rows(self.path, resume_step) if resume_step is not None else []
@@ -98,7 +170,13 @@ class MetricsLog:
     def write(self, step: int, loss: float, lr: float, step_s: float, tokens_per_s: float,
               val_bpb: float | None = None, load: tuple[float, float, int] | None = None) -> None:
         """Append the row of finished step ``step`` (1-based); ``val_bpb`` when the step evaluated; ``load``:
-        ``(load_ratio_max, load_ratio_mean, zero_load_experts)`` (:func:`moeblaze.balance.load_summary`)."""
+        ``(load_ratio_max, load_ratio_mean, zero_load_experts)`` (:func:`moeblaze.balance.load_summary`); and send
+        its numbers to the logger."""
+        if self.logger is not None:
+            values = {"loss": loss, "bits_per_byte": loss / math.log(2), "lr": lr, "step_s": step_s,
+                      "tokens_per_s": tokens_per_s, **({"val_bpb": val_bpb} if val_bpb is not None else {}),
+                      **dict(zip(LOAD_COLUMNS, load or ()))}
+            self._send(step, values)
         if not self.enabled:
             return
         row = {"step": step, "loss": f"{loss:.6f}", "bits_per_byte": f"{loss / math.log(2):.6f}", "lr": f"{lr:.6g}",
@@ -112,3 +190,28 @@ class MetricsLog:
                 csv.DictWriter(fh, fieldnames=COLUMNS, restval="").writerow(row)
         except OSError as err:
             self._fail(err)
+
+    def _send(self, step: int, values: dict[str, float]) -> None:
+        try:
+            if hasattr(self.logger, "add_scalar"):  # TensorBoard's SummaryWriter
+                for name, value in values.items():
+                    self.logger.add_scalar(name, float(value), step)
+            else:  # a W&B run
+                self.logger.log({k: float(v) for k, v in values.items()}, step=step)
+        except Exception as err:  # as the file: a failing logger never costs a step
+            self.log(f"warning: --logger stopped at step {step} ({type(err).__name__}: {err}); training goes on "
+                     "without it")
+            self.logger = None
+
+    def close(self) -> None:
+        """Flush and close the logger (the CSV is flushed row by row)."""
+        logger, self.logger = self.logger, None
+        if logger is None:
+            return
+        try:
+            if hasattr(logger, "add_scalar"):
+                logger.close()
+            else:
+                logger.finish()
+        except Exception as err:
+            self.log(f"warning: closing --logger failed ({type(err).__name__}: {err})")

@@ -28,7 +28,6 @@ from .balance import (
     sequence_load_balancing_loss,
 )
 from .input_grad import SharedInputGrad
-from .kernels import router as fused_router
 from .settings import carried_to_backward
 from .token_rounding import Rounding, TokenRounding, route_rounded, route_rounded_serves
 
@@ -39,6 +38,23 @@ LOGITS_DTYPES = ("fp32", "input")
 def _mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``a @ b`` of two 16-bit CUDA matrices on the tensor cores, fp32 products and sum, fp32 result."""
     return torch.mm(a, b, out_dtype=torch.float32)
+
+
+_ROUTER_KERNELS = None
+
+
+def _kernels():
+    """:mod:`moeblaze.kernels.router`, imported on first use: only where its kernels run (CUDA tensors or Triton's
+    interpreter), so a CPU install needs no Triton. Kept in a global, as an import statement costs about 2 µs of host
+    time per use (``timeit`` of ``from moeblaze.kernels.router import MAX_EXPERTS``, 2-core x86-64 CPU) and the
+    router would pay it several times per layer and step (``functools.cache`` would do, but torch.compile warns
+    about it)."""
+    global _ROUTER_KERNELS
+    if _ROUTER_KERNELS is None:
+        from .kernels import router
+
+        _ROUTER_KERNELS = router
+    return _ROUTER_KERNELS
 
 
 def _tensor_core_path(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -85,7 +101,7 @@ class _RouterLogits(torch.autograd.Function):
         share = ctx.input_grad  # x's gradient shared with the experts (moeblaze.input_grad), or None
         dx = dw = None
         if _tensor_core_path(x, weight):  # one GEMM each: [hi | lo] against the weight stacked twice / x, fp32 sums
-            hl = fused_router.split16(dlogits.contiguous(), x.dtype)  # [hi | lo]: K = 2E
+            hl = _kernels().split16(dlogits.contiguous(), x.dtype)  # [hi | lo]: K = 2E
             if ctx.needs_input_grad[0]:
                 w2 = torch.cat((weight, weight))
                 pending = share.take() if share is not None else None
@@ -113,6 +129,7 @@ class _FusedTopK(torch.autograd.Function):
     @staticmethod
     @carried_to_backward
     def forward(ctx, logits, top_k, renormalize, scale, aux_c, z_c):
+        fused_router = _kernels()
         ids, weights, probs, lse, counts, aux, z = fused_router.router_topk(logits, top_k, renormalize, scale, aux_c,
                                                                             z_c)
         ctx.mark_non_differentiable(ids, counts, *fused_router.off_losses(aux, z, aux_c, z_c))
@@ -127,7 +144,7 @@ class _FusedTopK(torch.autograd.Function):
         if dweights is None and dprobs is None and daux is None and dz is None:
             return None, None, None, None, None, None
         probs, ids, lse, counts = ctx.saved_tensors
-        dlogits = fused_router.router_topk_backward(probs, ids, dweights, dprobs, counts, lse, daux, dz, *ctx.options)
+        dlogits = _kernels().router_topk_backward(probs, ids, dweights, dprobs, counts, lse, daux, dz, *ctx.options)
         return dlogits, None, None, None, None, None
 
 
@@ -333,11 +350,12 @@ class Router(nn.Module):
         (or the interpreter running), and the ``fused_router`` setting on (``auto``: CUDA logits)."""
         if self.score_func != "softmax" or self.n_group > 1 or self.e_score_correction_bias is not None:
             return False
-        if (self.num_experts > fused_router.MAX_EXPERTS or self.top_k > fused_router.MAX_TOP_K
-                or logits.numel() >= fused_router.MAX_ELEMENTS):
-            return False
         mode = settings.get("fused_router")
-        return logits.is_cuda if mode is None else (mode and (logits.is_cuda or settings.interpreting()))
+        if not (logits.is_cuda if mode is None else (mode and (logits.is_cuda or settings.interpreting()))):
+            return False
+        limits = _kernels()  # imported only where the kernels could run: a CPU install needs no Triton
+        return (self.num_experts <= limits.MAX_EXPERTS and self.top_k <= limits.MAX_TOP_K
+                and logits.numel() < limits.MAX_ELEMENTS)
 
     def reset_parameters(self) -> None:
         """``U(-1/sqrt(d), 1/sqrt(d))``, as ``nn.Linear``; the correction bias and the token counts to zero."""

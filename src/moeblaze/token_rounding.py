@@ -46,7 +46,7 @@ import torch
 
 from . import settings
 from .backends import BACKENDS
-from .kernels.rounding import MODES as ROUNDING_MODES  # one tuple: the kernels' MODE constexpr is its index
+from .kernels import ROUNDING_MODES  # one tuple: the kernels' MODE constexpr is its index (no Triton import)
 from .settings import carried_to_backward
 
 __all__ = ["ROUNDING_MODES", "Rounding", "TokenRounding", "round_counts", "round_tokens", "round_tokens_fused",
@@ -193,12 +193,12 @@ def _kernels_serve(T: int, K: int, dtypes: tuple[torch.dtype, ...], cuda: bool) 
     """Within the Triton selections' limits (fp16/bf16/fp32 scores and weights: a float64 run, the reference
     check, takes the PyTorch ops), the ``fused_rounding`` setting on (``auto``: CUDA scores; on: CUDA or the
     interpreter)."""
-    from .kernels import rounding
-
-    if T > rounding.MAX_TOKENS or not 1 <= K <= rounding.MAX_TOP_K or torch.float64 in dtypes:
-        return False
     use = settings.get("fused_rounding")
-    return cuda if use is None else (use and (cuda or settings.interpreting()))
+    if torch.float64 in dtypes or not (cuda if use is None else (use and (cuda or settings.interpreting()))):
+        return False
+    from .kernels import rounding  # only where the kernels could run: a CPU install needs no Triton
+
+    return T <= rounding.MAX_TOKENS and 1 <= K <= rounding.MAX_TOP_K
 
 
 def _round_tokens(scores, topk_ids, topk_weights, tile, mode, generator, scale, kernels: bool,

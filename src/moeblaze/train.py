@@ -34,7 +34,7 @@ from .determinism import deterministic_mode
 from .export import load_model
 from .layer import aux_loss
 from .memory import SavedTensorCounter
-from .metrics_log import MetricsLog
+from .metrics_log import MetricsLog, check_logger, val_at
 from .model import ModelConfig, MoETransformer
 from .parallel.breakdown import StepBreakdown, StepProfiler, append_rows, gather, summary
 from .parallel.job import Job, check_same_config, clip_grad_norm, start_job
@@ -200,7 +200,7 @@ def _describe(total: int, mcfg: ModelConfig, cfg: TrainConfig, device, precision
             f"K={mcfg.top_k}, h={mcfg.d_ff}, seq={mcfg.seq_len}; {total / 1e6:.2f}M parameters, "
             f"{mcfg.active_params_per_token() / 1e6:.2f}M active per token\n"
             f"run: {cfg.steps} steps x {cfg.batch_size * mcfg.seq_len} tokens, lr {cfg.lr:g}, "
-            f"device {device}, precision {precision}, {threads} threads{where}")
+            f"device {device}, precision {precision}, {threads} threads{where}; out-dir {cfg.out_dir}")
 
 
 class NonFiniteLossError(RuntimeError):
@@ -329,7 +329,8 @@ def train(cfg: TrainConfig, model_cfg: ModelConfig | None = None, log=tqdm.write
     (:mod:`moeblaze.parallel.heartbeat`). ``cfg.deterministic``: inside :func:`moeblaze.determinism.deterministic_mode`.
 
     Raises:
-        ConfigError: bad device/precision/backend or out_dir, nothing to resume, resume with a different model;
+        ConfigError: bad device/precision/backend or out_dir, nothing to resume, resume with a different model, a
+            ``--logger`` whose package is missing;
             ``--fsdp`` outside torchrun, several processes without it, ``--ep`` not dividing the world size, a
             batch not divisible by it, ranks started with different configurations (raised on every rank).
         moeblaze.data.DataError: missing or unusable data.
@@ -376,20 +377,21 @@ def _train(cfg: TrainConfig, model_cfg: ModelConfig | None, log, job: Job) -> Tr
     precision, dtype, amp_dtype = resolve_precision(cfg.precision, device)
     if job.mesh is not None and precision == "bf16-mixed":
         amp_dtype = None  # FSDP2's MixedPrecisionPolicy casts the parameters to bf16 instead of autocast
-    cfg = replace(cfg, progress=cfg.progress and job.rank0)
+    cfg = replace(cfg, progress=cfg.progress if job.rank0 else False)  # progress None: a bar on a terminal only
     if model_cfg is not None:
         _check_backend(model_cfg, device)
-    resume_from = prepare_out_dir(cfg, log)
+    check_logger(cfg.logger)  # on every rank: a missing package fails them all before anything is built
+    resume_from, finished = prepare_out_dir(cfg, log), False
     if resume_from is not None:
         state = checkpoint.read_state(resume_from, check=False)  # verified by prepare_out_dir
         saved_mcfg, saved_step = ModelConfig(**state["model_config"]), int(state["step"])
         model_cfg = model_cfg or saved_mcfg
         if saved_step >= cfg.steps:
-            log(f"the run in {cfg.out_dir} already finished: its checkpoint {resume_from.name} is at step "
-                f"{saved_step} of --steps {cfg.steps}; nothing to do (pass a larger --steps to train on)")
-            return TrainResult(saved_step, float("nan"), float("nan"), float("nan"), 0.0, 0, [],
-                               status="finished", checkpoint=str(resume_from))
-        if 0 < cfg.stop_after <= saved_step:
+            val = val_at(cfg.out_dir, saved_step)  # the final evaluation; none when a signal stopped the last step
+            if val is not None:
+                return _already_finished(cfg, resume_from, saved_step, val, "metrics.csv", log)
+            finished = True  # evaluated below, once the checkpoint is loaded
+        elif 0 < cfg.stop_after <= saved_step:
             log(f"the checkpoint {resume_from.name} in {cfg.out_dir} is at step {saved_step}, at or past --stop-after "
                 f"{cfg.stop_after}; nothing to do (pass a larger --stop-after, or none, to train on)")
             return TrainResult(saved_step, float("nan"), float("nan"), float("nan"), 0.0, 0, [],
@@ -415,10 +417,14 @@ def _train(cfg: TrainConfig, model_cfg: ModelConfig | None, log, job: Job) -> Tr
     model = job.shard(model, precision, cfg.fsdp_reshard, cfg.fsdp_reduce_dtype, cfg.ep_exchange, cfg.fsdp_prefetch)
     opt = make_optimizer(model, cfg)
     start = load_checkpoint(resume_from, model, opt, device, job, log) if resume_from is not None else 0
+    if finished:
+        return _already_finished(cfg, resume_from, start, evaluate(model, corpus.val, cfg, device, amp_dtype, job),
+                                 "evaluated now", log, entropy)
     stop = min(cfg.steps, cfg.stop_after) if cfg.stop_after > 0 else cfg.steps
     log(_describe(total_params, mcfg, cfg, device, precision, threads, job)
         + (f"; resuming at step {start} from {resume_from}" if resume_from is not None else ""))
-    metrics = MetricsLog(cfg.out_dir, start if resume_from is not None else None, log, enabled=job.rank0)
+    metrics = MetricsLog(cfg.out_dir, start if resume_from is not None else None, log, enabled=job.rank0,
+                         logger=cfg.logger, config=asdict(cfg) | asdict(mcfg))
     with checkpoint.StopOnSignal() as signals:
         try:
             run = _loop(model, opt, corpus, cfg, mcfg, device, precision, amp_dtype, start, stop, signals, log, job,
@@ -428,6 +434,8 @@ def _train(cfg: TrainConfig, model_cfg: ModelConfig | None, log, job: Job) -> Tr
         except Exception:  # with the handlers still in place: torchrun's SIGTERM must not end this rank unheard
             job.check_peers()
             raise
+        finally:
+            metrics.close()
     val_bpb, losses, saved, tok_s, mfu, status, ckpt = run
     if status != "done":
         return TrainResult(start + len(losses), val_bpb, entropy, losses[-1] if losses else float("nan"), tok_s,
@@ -447,6 +455,14 @@ def _train(cfg: TrainConfig, model_cfg: ModelConfig | None, log, job: Job) -> Tr
                        status, ckpt, job.world)
 
 
+def _already_finished(cfg: TrainConfig, ckpt: Path, step: int, val_bpb: float, source: str, log,
+                      unigram: float = float("nan")) -> TrainResult:
+    """The result of resuming a run whose checkpoint is at ``--steps`` already: its final validation, said."""
+    log(f"the run in {cfg.out_dir} already finished: its checkpoint {ckpt.name} is at step {step} of --steps "
+        f"{cfg.steps}, val {val_bpb:.3f} bits/byte ({source}); nothing to do (pass a larger --steps to train on)")
+    return TrainResult(step, val_bpb, unigram, float("nan"), 0.0, 0, [], status="finished", checkpoint=str(ckpt))
+
+
 def _loop(model, opt, corpus, cfg: TrainConfig, mcfg: ModelConfig, device, precision: str,
           amp_dtype: torch.dtype | None, start: int, stop: int, signals: checkpoint.StopOnSignal, log, job: Job,
           metrics: MetricsLog):
@@ -459,7 +475,8 @@ def _loop(model, opt, corpus, cfg: TrainConfig, mcfg: ModelConfig, device, preci
     last_save = time.monotonic()
     # profiled from the fourth step: the first ones autotune, compile and grow the allocator's pools
     prof_from, profiler = (start + 3, None) if cfg.profile_steps else (None, None)
-    bar = tqdm(range(start, stop), initial=start, total=stop, disable=not cfg.progress, unit="step",
+    bar = tqdm(range(start, stop), initial=start, total=stop, unit="step",
+               disable=None if cfg.progress is None else not cfg.progress,  # None: tqdm's, a bar on a terminal only
                dynamic_ncols=True, desc="train")
     run.bar = bar
     pending = None

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, fields
 
 import torch
 
-__all__ = ["PRECISIONS", "ConfigError", "TrainConfig", "TrainResult", "autocast_context", "gpu_peak_flops",
+__all__ = ["LOGGERS", "PRECISIONS", "ConfigError", "TrainConfig", "TrainResult", "autocast_context", "gpu_peak_flops",
            "lr_at", "make_optimizer", "peak_tflops", "resolve_device", "resolve_precision", "set_threads"]
 
 
@@ -27,6 +27,7 @@ FP32_PEAK_TFLOPS = [("H100 PCIe", 51.0), ("H100 NVL", 60.0), ("H100", 67.0), ("H
                     ("A100", 19.5), ("L40S", 91.6), ("L4", 30.3), ("A10", 31.2)]
 
 PRECISIONS = ("auto", "bf16-mixed", "bf16", "fp32")
+LOGGERS = ("none", "tensorboard", "wandb")  # --logger (moeblaze.metrics_log)
 
 
 def peak_tflops(device_name: str, precision: str = "bf16") -> float | None:
@@ -69,7 +70,8 @@ class TrainConfig:
     """Everything about a run except the model's sizes (see :class:`moeblaze.model.ModelConfig`)."""
 
     data: str | None = _f(None, "text file or directory to train on (default: the Python standard library)")
-    out_dir: str = _f("moeblaze-out", "checkpoint directory")
+    out_dir: str = _f("moeblaze-out", "the run's folder (checkpoints, metrics.csv); not given: moeblaze train writes a "
+                      "new numbered moeblaze-out/run_N and --resume continues the newest (moeblaze.run_dirs)")
     steps: int = _f(800, "total optimizer steps (the learning-rate schedule spans them)")
     stop_after: int = _f(0, "stop (and checkpoint) once the run reaches this step, counted from its start as "
                             "--steps and the checkpoints are (a resumed run too); 0 = run all --steps")
@@ -99,7 +101,11 @@ class TrainConfig:
     val_fraction: float = _f(0.1, "share of files (or bytes, for a single file) held out for validation")
     resume: bool = _f(False, "continue the run checkpointed in --out-dir (from its newest complete checkpoint)")
     overwrite: bool = _f(False, "start afresh in an --out-dir that holds checkpoints (deletes them)")
-    progress: bool = _f(True, "show a progress bar")
+    progress: bool | None = _f(None, "show a progress bar (not given: only when stderr is a terminal, so a log file "
+                               "gets one line per evaluation and no bar frames)")
+    logger: str = _f("none", "also log each step's metrics.csv numbers to tensorboard (torch.utils.tensorboard, "
+                     "event files in --out-dir) or wandb (Weights & Biases, project moeblaze); needs that package",
+                     choices=LOGGERS)
     peak_tflops: float = _f(0.0, "GPU peak TFLOP/s for MFU (0 = look up the GPU's dense peak for the precision "
                                  "that runs)")
     fsdp: bool = _f(False, "shard the model with FSDP2 over the processes torchrun started (torchrun "

@@ -42,6 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import ROUNDING_MODES as MODES  # the MODE constexpr of the kernels: the index there
 from .custom_ops import call_op
 from .direct import launch
 from .tuning import cdiv, next_pow2
@@ -50,7 +51,6 @@ MAX_TOKENS = 65536  # T; the select kernel holds T / GROUP group maxima (4,096 a
 MAX_TOP_K = 16  # the top-k loops are unrolled
 GROUP = 16  # tokens per group maximum: T / 16 maxima to search, 16 keys per candidate group
 _INELIGIBLE = tl.constexpr(-2147483647 - 1)
-MODES = ("nr", "up", "down", "sr")  # the MODE constexpr of the kernels: the index here
 NR, UP, DOWN, SR = (tl.constexpr(i) for i in range(4))
 
 
