@@ -9,7 +9,7 @@ Switch loss explicitly, although it is the default):
         --out-dir runs/switch
     python benchmarks/bench_balance.py runs/aux-free runs/switch --labels "aux-free u=1e-3" "switch 0.01"
 
-It reads each folder's ``metrics.csv`` (:mod:`moeblaze.metrics_log`), draws the training / validation bits per
+It reads each folder's ``metrics.csv`` (:mod:`moeblaze.training.metrics_log`), draws the training / validation bits per
 byte and the max / mean tokens per expert (worst MoE layer and mean over layers) of both runs into one PNG
 (default ``docs/plots/balance.png``), and prints per run: the last step, the final training loss (mean of the
 last 10 steps, nats per byte) and validation bits per byte, the final (mean of the last 10 steps) and the mean
@@ -23,8 +23,8 @@ import statistics
 import sys
 from pathlib import Path
 
-from moeblaze.plot import draw_load, draw_loss, has_load, read_metrics
-from moeblaze.train_config import ConfigError
+from moeblaze.training.plot import draw_load, draw_loss, has_load, read_metrics
+from moeblaze.training.train_config import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
 TAIL = 10  # steps averaged for the "final" figures: one step's load is noisy

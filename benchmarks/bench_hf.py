@@ -2,7 +2,7 @@
 
 Issue 22's GPU benchmark (and issue 27's benchmark (b) with ``--modes bf16,amp``): a Qwen3-MoE of
 4 layers, d 2048, E 128, K 8, h 768 (byte-level vocabulary 256, so the routed experts hold nearly all
-parameters) trains for ``--steps`` AdamW steps on the text of ``moeblaze train`` (``moeblaze.data``, the
+parameters) trains for ``--steps`` AdamW steps on the text of ``moeblaze train`` (``moeblaze.training.data``, the
 same batches for every implementation, from the same initial weights). Per implementation and mode it
 records each step's loss (aux loss included), time (CUDA-synchronised wall clock), peak memory (``--peak``),
 the memory resident at its start (weights and optimizer state, no gradients) and, with ``--energy`` where NVML
@@ -60,7 +60,7 @@ from transformers.integrations.moe import ExpertsInterface
 import moeblaze.integrations.transformers  # noqa: F401  (registers "moeblaze")
 from moeblaze.bench.power import EnergyMeter
 from moeblaze.bench.results import git_commit
-from moeblaze.data import get_batch, load_corpus
+from moeblaze.training.data import get_batch, load_corpus
 
 FULL = dict(hidden_size=2048, num_hidden_layers=4, num_attention_heads=16, num_key_value_heads=4, head_dim=128,
             moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8, norm_topk_prob=True)

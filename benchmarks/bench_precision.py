@@ -39,9 +39,9 @@ import moeblaze
 from moeblaze.bench.baselines import conventional_experts, torch_router
 from moeblaze.bench.configs import layer_flops
 from moeblaze.bench.runner import cuda_time_ms
-from moeblaze.model import ModelConfig, MoETransformer
-from moeblaze.train import train_step
-from moeblaze.train_config import TrainConfig, make_optimizer, resolve_precision
+from moeblaze.training.model import ModelConfig, MoETransformer
+from moeblaze.training.train import train_step
+from moeblaze.training.train_config import TrainConfig, make_optimizer, resolve_precision
 
 PARTS = ("amp", "fp32", "train")
 QWEN3_30B = {"T": 32768, "d": 2048, "h": 768, "E": 128, "K": 8}

@@ -320,8 +320,8 @@ def _preset_configs(preset: str, routing: str, args):
     from dataclasses import fields
 
     from moeblaze.cli import PRESETS
-    from moeblaze.model import ModelConfig
-    from moeblaze.train import TrainConfig
+    from moeblaze.training.model import ModelConfig
+    from moeblaze.training.train import TrainConfig
 
     values = dict(PRESETS[preset])
     if args.smoke:
@@ -339,7 +339,7 @@ def _preset_configs(preset: str, routing: str, args):
 
 
 def run_quality(args) -> int:
-    from moeblaze.train import train
+    from moeblaze.training.train import train
 
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -6,7 +6,7 @@
     python examples/finetune_transformers.py --model-path /path/to/Qwen3-30B-A3B --device cuda --precision bf16
 
 Built from a config (no hub access), the model is byte-level (vocab_size 256) and trains on the same text
-as ``moeblaze train`` (``moeblaze.data``: the standard library's ``.py`` files, or ``--data PATH``). With
+as ``moeblaze train`` (``moeblaze.training.data``: the standard library's ``.py`` files, or ``--data PATH``). With
 ``--model-path`` the weights and tokenizer are loaded from that folder and the text is tokenized with it.
 Either way the routed experts run on moeblaze (``experts_implementation="moeblaze"``); transformers'
 router and its load-balancing loss (``output_router_logits=True``) are kept as they are.
@@ -24,7 +24,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 import moeblaze.integrations.transformers  # registers experts_implementation="moeblaze"
-from moeblaze.data import eval_windows, get_batch, load_corpus
+from moeblaze.training.data import eval_windows, get_batch, load_corpus
 
 # A small shape that trains on a laptop CPU (Qwen3-MoE / OLMoE / Mixtral / GPT-OSS field names); --set overrides
 # any field.

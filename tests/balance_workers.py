@@ -18,10 +18,10 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 import moeblaze
-from moeblaze.model import ModelConfig, MoETransformer
 from moeblaze.parallel import expert_parallel, parallelize
 from moeblaze.testing import rel_error
-from moeblaze.train import train
+from moeblaze.training.model import ModelConfig, MoETransformer
+from moeblaze.training.train import train
 from train_workers import tiny_configs
 
 _EXPERT_WEIGHTS = ("w_gate_up", "w_down")

@@ -108,7 +108,7 @@ def weights_digest(out_dir: str | Path) -> str:
     """SHA-256 over the names, dtypes and bytes of the final weights (the newest checkpoint, loaded in one process)."""
     import torch
 
-    from moeblaze.export import load_model
+    from moeblaze.training.export import load_model
 
     model = load_model(out_dir)
     h = hashlib.sha256()
@@ -128,7 +128,7 @@ def _disk_full(spec: dict) -> dict:
     step-8 checkpoint finds the disk full with nothing older to delete (``--keep-checkpoints 1``, a ballast file of
     one checkpoint's size beside it), then, ballast gone, a run of 12 steps keeping 2 whose step-12 checkpoint makes
     room by deleting step 4 and goes on."""
-    from moeblaze import checkpoint
+    from moeblaze.training import checkpoint
 
     mount, data = Path(spec["mount"]), spec["data"]
     found: dict = {}

@@ -30,7 +30,7 @@ def _die(out_dir: str) -> None:
 
 
 def _kill_at_step(out_dir: str, step: int) -> None:
-    import moeblaze.train as train_mod
+    import moeblaze.training.train as train_mod
 
     real, calls = train_mod.train_step, []
 
@@ -46,7 +46,7 @@ def _kill_at_step(out_dir: str, step: int) -> None:
 def _kill_in_save(out_dir: str, nth: int) -> None:
     import torch.distributed.checkpoint.filesystem as dcp_fs
 
-    from moeblaze import checkpoint
+    from moeblaze.training import checkpoint
 
     real_save, real_write, saves = checkpoint.save, dcp_fs._write_item, []
 
@@ -66,7 +66,7 @@ def _kill_in_save(out_dir: str, nth: int) -> None:
 
 
 def _save_logits(path: str) -> None:
-    import moeblaze.train as train_mod
+    import moeblaze.training.train as train_mod
 
     real = train_mod._loop
 

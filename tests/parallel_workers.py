@@ -19,7 +19,6 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 import moeblaze
-from moeblaze.model import ModelConfig, MoETransformer
 from moeblaze.parallel import (
     expert_parallel,
     init_distributed,
@@ -30,6 +29,7 @@ from moeblaze.parallel import (
     split_batch,
 )
 from moeblaze.testing import assert_close_to_reference, rel_error
+from moeblaze.training.model import ModelConfig, MoETransformer
 
 
 def _device() -> torch.device:
@@ -312,7 +312,7 @@ def runtime_checks(rank: int, world: int) -> None:
 def ep_bias_checkpoint(rank: int, world: int, out_dir: str) -> None:
     """An expert-parallel layer with expert biases, saved by every rank: the checkpoint holds the global
     ``[E, ...]`` weights and biases (the test loads it into one process's full layer)."""
-    from moeblaze import checkpoint
+    from moeblaze.training import checkpoint
 
     torch.manual_seed(3)
     full = moeblaze.MoE(12, 6, 4, 2, bias=True, dtype=torch.float64)

@@ -18,11 +18,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import moeblaze
-from moeblaze import checkpoint, moe_experts
 from moeblaze.activations import ACTIVATIONS
 from moeblaze.experts import SAVE_MODES
 from moeblaze.kernels.launch import dot_precision
-from moeblaze.model import ModelConfig
 from moeblaze.testing import (
     assert_close_to_reference,
     make_expert_inputs,
@@ -30,8 +28,10 @@ from moeblaze.testing import (
     rel_error,
     run_and_grad,
 )
-from moeblaze.train import train
-from moeblaze.train_config import ConfigError, TrainConfig, peak_tflops, resolve_precision
+from moeblaze.training import checkpoint, moe_experts
+from moeblaze.training.model import ModelConfig
+from moeblaze.training.train import train
+from moeblaze.training.train_config import ConfigError, TrainConfig, peak_tflops, resolve_precision
 
 HAS_CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if HAS_CUDA else "cpu"

@@ -12,7 +12,7 @@ import moeblaze
 from dist_utils import run_ranks
 from moeblaze import settings
 from moeblaze.balance import expert_counts, load_summary
-from moeblaze.model import ModelConfig
+from moeblaze.training.model import ModelConfig
 
 
 def _layer(E: int = 8, K: int = 2, d: int = 16, **kw) -> moeblaze.MoE:

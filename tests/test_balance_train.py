@@ -16,10 +16,10 @@ import torch
 import balance_workers as bw
 import moeblaze
 from dist_utils import run_ranks
-from moeblaze import checkpoint
-from moeblaze.model import ModelConfig, MoETransformer
-from moeblaze.train import load_checkpoint, make_optimizer, train, train_step
-from moeblaze.train_config import ConfigError, TrainConfig
+from moeblaze.training import checkpoint
+from moeblaze.training.model import ModelConfig, MoETransformer
+from moeblaze.training.train import load_checkpoint, make_optimizer, train, train_step
+from moeblaze.training.train_config import ConfigError, TrainConfig
 from test_train import TINY, run_cli, text_file  # noqa: F401  (the fixture)
 from train_workers import tiny_configs
 
@@ -69,7 +69,7 @@ def test_bench_balance_plots_two_runs_and_prints_the_summary(two_runs, tmp_path,
     lines = capsys.readouterr().out.splitlines()
     rows = {line.split()[0]: line.split()[1:] for line in lines if line.startswith(("aux-free", "switch"))}
     for label, run in zip(("aux-free", "switch"), two_runs):
-        s = bench.summary(moeblaze.plot.read_metrics(run))
+        s = bench.summary(moeblaze.training.plot.read_metrics(run))
         assert s["steps"] == 4 and s["final_load"] >= 1.0 and s["mean_load"] >= 1.0
         assert rows[label][:2] == ["4", f"{s['final_loss']:.4f}"]
         assert rows[label][3:5] == [f"{s['final_load']:.3f}", f"{s['mean_load']:.3f}"]

@@ -282,7 +282,7 @@ def test_clear_error_without_gpu(argv, tmp_path, monkeypatch):
 
 
 def tiny_model():
-    from moeblaze.model import ModelConfig, MoETransformer
+    from moeblaze.training.model import ModelConfig, MoETransformer
 
     torch.manual_seed(0)
     cfg = ModelConfig(seq_len=16, d_model=32, n_layers=2, n_heads=2, d_ff=48, num_experts=4, top_k=2)
@@ -340,12 +340,12 @@ def test_cli_memory_on_cpu(capsys):
 def test_dispatch_and_train_benchmarks_on_cpu():
     from moeblaze.bench.micro import DISPATCH_COLUMNS, TRAIN_COLUMNS, TrainSpec, run_dispatch, run_train
     from moeblaze.bench.report import dict_table
-    from moeblaze.train_config import peak_tflops
+    from moeblaze.training.train_config import peak_tflops
 
     rows = run_dispatch([(50, 6, 2)], reps=2, device="cpu")
     assert len(rows) == 3 and all(r["status"] == "ok" and r["note"] == "" for r in rows), rows
     assert rows[0]["speedup_vs_sort"] == 1.0
-    from moeblaze.model import ModelConfig
+    from moeblaze.training.model import ModelConfig
 
     small = ModelConfig(d_model=16, n_layers=1, n_heads=2, d_ff=16, num_experts=4, top_k=2, seq_len=8)
     spec = TrainSpec(model=small, batch=2, steps=1, warmup=1)

@@ -22,11 +22,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from moeblaze import checkpoint
-from moeblaze.checkpoint import CheckpointError, StopOnSignal
 from moeblaze.cli import main
-from moeblaze.model import MoETransformer
-from moeblaze.train import NonFiniteLossError, TrainConfig, load_run_config, make_optimizer, train
+from moeblaze.training import checkpoint
+from moeblaze.training.checkpoint import CheckpointError, StopOnSignal
+from moeblaze.training.model import MoETransformer
+from moeblaze.training.train import NonFiniteLossError, TrainConfig, load_run_config, make_optimizer, train
 
 MICRO = ["--seq-len", "16", "--d-model", "16", "--n-layers", "1", "--n-heads", "2", "--d-ff", "16",
          "--num-experts", "4", "--top-k", "2", "--batch-size", "4", "--eval-tokens", "64",
@@ -39,7 +39,7 @@ import json, multiprocessing, os, signal, sys
 from pathlib import Path
 
 import torch._dynamo  # noqa: F401  (imported lazily by the optimizer: once here, not in every child)
-from moeblaze import checkpoint
+from moeblaze.training import checkpoint
 from moeblaze.cli import main
 
 ctx = multiprocessing.get_context("fork")
@@ -51,7 +51,7 @@ def child(argv, log, kill_after=0, ops_log=None, signum=None):
     sys.stdout = sys.stderr = open(log, "a", buffering=1)
     count = 0
     if signum is not None:  # the signal arrives from outside while step 3 runs
-        import moeblaze.train as train_mod
+        import moeblaze.training.train as train_mod
 
         real_step, calls = train_mod.train_step, []
 
@@ -102,8 +102,8 @@ def run(argv, name, kill_after=0, ops_log=None, signum=None, timeout=120):
 
 def compare(a, b):
     import torch
-    from moeblaze.model import MoETransformer
-    from moeblaze.train import load_run_config, make_optimizer
+    from moeblaze.training.model import MoETransformer
+    from moeblaze.training.train import load_run_config, make_optimizer
 
     states = []
     for out_dir in (a, b):
@@ -353,7 +353,7 @@ def test_non_finite_weights_in_a_checkpoint_are_refused(finished_run, tmp_path, 
 def test_non_finite_loss_stops_without_writing(which, small_text, tmp_path, monkeypatch):
     """The first non-finite loss (at step 3) stops the run with the step and the loss named; the optimizer
     does not step on it and the step-2 checkpoint stays the newest, with finite weights."""
-    import moeblaze.train as train_mod
+    import moeblaze.training.train as train_mod
 
     calls = {"n": 0}
     real_aux, real_forward = train_mod.aux_loss, MoETransformer.forward
@@ -368,7 +368,7 @@ def test_non_finite_loss_stops_without_writing(which, small_text, tmp_path, monk
         monkeypatch.setattr(train_mod, "aux_loss", lambda model: poisoned(real_aux(model)))
     cfg = TrainConfig(data=str(small_text), out_dir=str(tmp_path), steps=5, checkpoint_interval=2, batch_size=4,
                       eval_interval=1000, eval_tokens=64, warmup_steps=2, progress=False, threads=1)
-    from moeblaze.model import ModelConfig
+    from moeblaze.training.model import ModelConfig
 
     mcfg = ModelConfig(seq_len=16, d_model=16, n_layers=1, n_heads=2, d_ff=16, num_experts=4, top_k=2)
     with pytest.raises(NonFiniteLossError, match=f"step 3: {which}") as exc:
@@ -392,7 +392,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from moeblaze import checkpoint
+from moeblaze.training import checkpoint
 
 root = Path(sys.argv[1])
 

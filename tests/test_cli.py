@@ -16,12 +16,12 @@ from pathlib import Path
 import pytest
 
 import moeblaze
-import moeblaze.train as train_mod
-from moeblaze import checkpoint
+import moeblaze.training.train as train_mod
 from moeblaze.cli import main
-from moeblaze.config_file import read_config
-from moeblaze.model import ModelConfig
-from moeblaze.train import TrainConfig, train
+from moeblaze.training import checkpoint
+from moeblaze.training.config_file import read_config
+from moeblaze.training.model import ModelConfig
+from moeblaze.training.train import TrainConfig, train
 
 MICRO = ["--seq-len", "16", "--d-model", "16", "--n-layers", "1", "--n-heads", "2", "--d-ff", "16",
          "--num-experts", "4", "--top-k", "2", "--batch-size", "4", "--eval-tokens", "64", "--warmup-steps", "1",

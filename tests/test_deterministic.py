@@ -14,9 +14,9 @@ import torch
 import fault_runs as fr
 import train_workers as tw
 from moeblaze import settings
-from moeblaze.determinism import ATTENTION_BACKENDS, deterministic_mode
 from moeblaze.kernels.tuning import autotune_enabled
-from moeblaze.train import train
+from moeblaze.training.determinism import ATTENTION_BACKENDS, deterministic_mode
+from moeblaze.training.train import train
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -87,7 +87,7 @@ def test_deterministic_changes_no_bit_on_the_cpu(backend, text_file, tmp_path, m
 
 
 def test_the_environment_switch_is_recorded_as_the_flag(text_file, tmp_path, monkeypatch):
-    from moeblaze.train import load_run_config
+    from moeblaze.training.train import load_run_config
 
     _forget_env(monkeypatch, "CUBLAS_WORKSPACE_CONFIG", "NCCL_ALGO", "NCCL_PROTO")
     monkeypatch.setenv("MOEBLAZE_DETERMINISTIC", "1")

@@ -20,7 +20,7 @@ import torch
 import fault_runs as fr
 from dist_utils import run_ranks
 from fault_worker import PROBE
-from moeblaze import checkpoint
+from moeblaze.training import checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -141,9 +141,9 @@ def test_export_of_a_two_rank_ep_checkpoint_loads_with_safetensors_alone(referen
     from safetensors.torch import load_file
 
     from moeblaze.cli import main
-    from moeblaze.export import export, load_model
-    from moeblaze.model import ModelConfig, MoETransformer
-    from moeblaze.train import sample
+    from moeblaze.training.export import export, load_model
+    from moeblaze.training.model import ModelConfig, MoETransformer
+    from moeblaze.training.train import sample
 
     files = export(reference["out"], tmp_path / "model.safetensors")
     assert files == [tmp_path / "model.safetensors"]
@@ -193,8 +193,8 @@ def test_export_keeps_the_dtype_the_run_trained_in(text_file, tmp_path):
     from safetensors.torch import load_file
 
     import train_workers as tw
-    from moeblaze.export import export, load_model
-    from moeblaze.train import train
+    from moeblaze.training.export import export, load_model
+    from moeblaze.training.train import train
 
     cfg, mcfg = tw.tiny_configs(text_file, str(tmp_path / "run"))
     train(replace(cfg, steps=2, precision="bf16"), mcfg)
@@ -226,8 +226,8 @@ def _silent_peer(rank: int, world: int, results) -> None:
 
     import torch.distributed as dist
 
-    from moeblaze.checkpoint import StopOnSignal
-    from moeblaze.parallel.heartbeat import PeerMonitor
+    from moeblaze.training.checkpoint import StopOnSignal
+    from moeblaze.training.heartbeat import PeerMonitor
 
     verdicts: list[str] = []
     monitor = PeerMonitor(rank, world, lost_after=30.0, on_lost=verdicts.append).start()
@@ -285,6 +285,6 @@ def test_two_gpus_dead_rank_is_named_and_resume_continues(text_file, tmp_path):
 
 def test_silence_that_marks_a_rank_lost():
     """Half of --dist-timeout, at most 30 s (the default 300 s: 30 s)."""
-    from moeblaze.parallel.heartbeat import lost_after
+    from moeblaze.training.heartbeat import lost_after
 
     assert lost_after(300.0) == 30.0 and lost_after(20.0) == 10.0 and math.isclose(lost_after(10.0), 5.0)

@@ -21,7 +21,7 @@ from moeblaze import MoE, aux_loss, detach_aux_losses, dispatch, ops_torch
 from moeblaze.activations import ACTIVATIONS
 from moeblaze.experts import SAVE_MODES
 from moeblaze.kernels import tuning
-from moeblaze.model import ModelConfig, MoETransformer
+from moeblaze.training.model import ModelConfig, MoETransformer
 
 # ---------------------------------------------------------------------------------------------- CPU
 

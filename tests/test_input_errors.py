@@ -14,7 +14,7 @@ import torch
 
 from moeblaze import MoE, build_dispatch, moe_experts
 from moeblaze.cli import main
-from moeblaze.data import DataError, load_corpus
+from moeblaze.training.data import DataError, load_corpus
 
 
 def run_cli(*args: str) -> int:
@@ -98,7 +98,7 @@ def test_data_folder_skips_fifos_and_other_non_regular_files(tmp_path):
     for i in range(12):
         (tmp_path / f"f{i:02d}.txt").write_bytes(b"hello world %d\n" % i * 200)
     os.mkfifo(tmp_path / "pipe.txt")
-    code = f"from moeblaze.data import load_corpus; print(load_corpus({str(tmp_path)!r}, 0.2).num_files)"
+    code = f"from moeblaze.training.data import load_corpus; print(load_corpus({str(tmp_path)!r}, 0.2).num_files)"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and proc.stdout.strip() == "12", proc.stderr
 

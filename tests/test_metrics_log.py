@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from moeblaze.metrics_log import COLUMNS, MetricsLog
-from moeblaze.train import TrainConfig, train
+from moeblaze.training.metrics_log import COLUMNS, MetricsLog
+from moeblaze.training.train import TrainConfig, train
 from test_train import TINY, run_cli
 
 
@@ -29,7 +29,7 @@ def _rows(out_dir: Path) -> list[dict[str, str]]:
 
 
 def test_a_row_per_step_with_the_losses_and_evaluations(text_file, tmp_path):
-    from moeblaze.model import ModelConfig
+    from moeblaze.training.model import ModelConfig
 
     cfg = TrainConfig(data=str(text_file), out_dir=str(tmp_path), steps=7, batch_size=4, eval_interval=3,
                       eval_tokens=256, warmup_steps=2, progress=False, threads=2)
@@ -83,7 +83,7 @@ def test_resume_after_a_kill_keeps_each_step_once(text_file, tmp_path):
 def test_an_unwritable_file_warns_once_and_training_goes_on(text_file, tmp_path):
     (tmp_path / "metrics.csv").mkdir()  # opening it for writing fails (IsADirectoryError, an OSError)
     lines = []
-    from moeblaze.model import ModelConfig
+    from moeblaze.training.model import ModelConfig
 
     cfg = TrainConfig(data=str(text_file), out_dir=str(tmp_path), steps=3, batch_size=4, eval_interval=100,
                       eval_tokens=256, warmup_steps=1, progress=False, threads=2)
@@ -136,7 +136,7 @@ def test_a_failed_rewrite_leaves_no_temporary_file(tmp_path, monkeypatch):
     def refuse(*args):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr("moeblaze.metrics_log.os.replace", refuse)
+    monkeypatch.setattr("moeblaze.training.metrics_log.os.replace", refuse)
     lines = []
     assert not MetricsLog(tmp_path, None, lines.append).enabled and len(lines) == 1
     assert not (tmp_path / "metrics.csv.tmp").exists()

@@ -27,7 +27,13 @@ def _imports(path: Path) -> set[str]:
     name = _module_name(path)
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    tree = ast.parse(path.read_text())
+    # annotations only (``if TYPE_CHECKING:``): nothing is imported when the module runs
+    typing_only = {id(n) for node in ast.walk(tree)
+                   if isinstance(node, ast.If) and ast.unparse(node.test) == "TYPE_CHECKING" for n in ast.walk(node)}
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
         if isinstance(node, ast.Import):
             found |= {a.name for a in node.names if a.name.startswith("moeblaze")}
         elif isinstance(node, ast.ImportFrom):
@@ -51,7 +57,7 @@ def _graph() -> dict[str, set[str]]:
         for dep in _imports(path):
             while dep and dep not in modules:  # `from .x import f` -> module x
                 dep = dep.rpartition(".")[0]
-            if dep and dep != name and dep != "moeblaze":
+            if dep and dep != name and not name.startswith(dep + "."):  # `from . import x`: x, not the package
                 deps.add(dep)
         graph[name] = deps
     return graph
@@ -74,6 +80,27 @@ def test_no_import_cycles():
     for module in sorted(graph):
         if module not in state:
             visit(module, [module])
+
+
+# The layers of the package, lowest first: a module imports only modules of its own layer or below. The layer itself
+# (routing, dispatch, experts and their kernels) at the bottom; parallelism wraps it; the training application uses
+# both; the command line and the benchmarks sit on top. A module not listed belongs to the layer of its package.
+_LAYERS = {"moeblaze.parallel": 1, "moeblaze.integrations": 1, "moeblaze.training": 2, "moeblaze.bench": 3,
+           "moeblaze.cli": 3, "moeblaze.__main__": 3}
+
+
+def _layer(module: str) -> int:
+    return max((v for k, v in _LAYERS.items() if module == k or module.startswith(k + ".")), default=0)
+
+
+def test_no_import_from_a_lower_layer_to_a_higher_one():
+    upward = sorted(f"{m} -> {d}" for m, deps in _graph().items() for d in deps if _layer(d) > _layer(m))
+    assert not upward, "imports from a lower layer to a higher one: " + "; ".join(upward)
+
+
+def test_the_router_does_not_import_token_rounding():
+    """Token rounding is opt-in: the router reaches it only through the request it is handed."""
+    assert "moeblaze.token_rounding" not in _graph()["moeblaze.routing"]
 
 
 def test_library_does_not_import_its_benchmark():

@@ -65,7 +65,7 @@ def test_ep_checkpoint_with_expert_biases_loads_in_one_process(tmp_path):
     """Expert biases of an EP layer are per-expert state like its weights: saved as global ``[E, ...]`` tensors
     on 2 ranks, they load into one process's full layer."""
     import moeblaze
-    from moeblaze import checkpoint
+    from moeblaze.training import checkpoint
 
     run_ranks(pw.run_all, 2, [("ep_bias_checkpoint", (str(tmp_path),))], timeout=120)
     torch.manual_seed(3)

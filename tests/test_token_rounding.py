@@ -428,7 +428,7 @@ def test_gpu_kernel_selections_equal_torch_bitwise(T, E, K, mode, dtype):
 
 def test_train_routing_flag(tmp_path):
     from moeblaze.cli import main
-    from moeblaze.model import ModelConfig, MoETransformer, token_rounding_mode
+    from moeblaze.training.model import ModelConfig, MoETransformer, token_rounding_mode
 
     data = tmp_path / "corpus.txt"
     data.write_text("def f(x):\n    return x + 1\n" * 400)

@@ -12,12 +12,12 @@ import numpy as np
 import pytest
 import torch
 
-from moeblaze import checkpoint
 from moeblaze.cli import main
-from moeblaze.data import DataError, eval_windows, get_batch, load_corpus, unigram_entropy
 from moeblaze.memory import SavedTensorCounter, saved_bytes
-from moeblaze.model import ModelConfig, MoETransformer
-from moeblaze.train import TrainConfig, load_run_config, make_optimizer, sample, train
+from moeblaze.training import checkpoint
+from moeblaze.training.data import DataError, eval_windows, get_batch, load_corpus, unigram_entropy
+from moeblaze.training.model import ModelConfig, MoETransformer
+from moeblaze.training.train import TrainConfig, load_run_config, make_optimizer, sample, train
 
 TINY = ["--seq-len", "32", "--d-model", "32", "--n-layers", "1", "--n-heads", "2", "--d-ff", "32",
         "--num-experts", "4", "--top-k", "2", "--batch-size", "8", "--eval-tokens", "512",
@@ -251,7 +251,7 @@ def test_bad_options_exit_with_a_message(flags, message, tmp_path):
 def test_train_step_skips_a_non_finite_step_on_the_device(monkeypatch):
     """The step launches without reading its loss: fused AdamW's found_inf skips a non-finite step (weights and
     AdamW state as before), the host learns of it when it reads the outcome, and a finite step then trains."""
-    from moeblaze.train import NonFiniteLossError, train_step
+    from moeblaze.training.train import NonFiniteLossError, train_step
 
     torch.manual_seed(0)
     model = MoETransformer(ModelConfig(seq_len=8, d_model=16, n_layers=1, n_heads=2, d_ff=8, num_experts=4, top_k=2,

@@ -17,7 +17,7 @@ import torch
 
 import train_workers as tw
 from dist_utils import free_port, run_ranks
-from moeblaze.train import train
+from moeblaze.training.train import train
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -76,7 +76,7 @@ def test_cli_under_torchrun_logs_once(text_file, tmp_path):
 
 def test_launch_errors(text_file, tmp_path, monkeypatch):
     """Several processes without --fsdp, --fsdp outside torchrun: one-line errors before anything runs."""
-    from moeblaze.train import ConfigError
+    from moeblaze.training.train import ConfigError
 
     cfg, mcfg = tw.tiny_configs(text_file, str(tmp_path / "r"))
     for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
@@ -93,7 +93,7 @@ def test_launch_errors(text_file, tmp_path, monkeypatch):
 def test_1b_preset(tmp_path, capsys):
     """``--preset 1b``: about 1e9 parameters (E 64, K 8), flags given still win; not with --resume."""
     from moeblaze.cli import _configs, build_parser, main
-    from moeblaze.model import MoETransformer
+    from moeblaze.training.model import MoETransformer
 
     cfg, mcfg = _configs(build_parser().parse_args(["train", "--preset", "1b", "--seq-len", "512"]))
     assert (mcfg.num_experts, mcfg.top_k, mcfg.d_model, mcfg.seq_len, cfg.lr) == (64, 8, 1024, 512, 1e-3)

@@ -1,5 +1,6 @@
 """Rank bodies of the multi-process ``moeblaze train`` tests (run by ``dist_utils.run_ranks``, gloo on the CPU,
-or NCCL on GPUs): :func:`moeblaze.train.train` with ``--fsdp`` / ``--ep`` inside an initialised process group."""
+or NCCL on GPUs): :func:`moeblaze.training.train.train` with ``--fsdp`` / ``--ep`` inside an initialised process
+group."""
 
 from __future__ import annotations
 
@@ -13,9 +14,9 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-import moeblaze.train as train_module
-from moeblaze.model import ModelConfig
-from moeblaze.train import ConfigError, TrainConfig, TrainResult, train
+import moeblaze.training.train as train_module
+from moeblaze.training.model import ModelConfig
+from moeblaze.training.train import ConfigError, TrainConfig, TrainResult, train
 
 
 def tiny_configs(data: str, out_dir: str, **train_kw) -> tuple[TrainConfig, ModelConfig]:

@@ -1,21 +1,21 @@
 """The ``moeblaze`` command: ``moeblaze train``, ``sample``, ``plot`` and ``export`` (and ``bench``/``memory`` when
 present).
 
-Every field of :class:`moeblaze.train.TrainConfig` and :class:`moeblaze.model.ModelConfig` is a flag
+Every field of :class:`moeblaze.training.train.TrainConfig` and :class:`moeblaze.training.model.ModelConfig` is a flag
 (``steps`` -> ``--steps``, ``d_model`` -> ``--d-model``) and a key of ``--config FILE.toml``
-(:mod:`moeblaze.config_file`); a flag given on the command line overrides the file, and both override
+(:mod:`moeblaze.training.config_file`); a flag given on the command line overrides the file, and both override
 the default — or, with ``--resume``, the configuration stored in the checkpoint. ``--print-config`` writes the
 resolved configuration as TOML and exits. Without ``--out-dir`` each run goes to a new numbered folder
 ``moeblaze-out/run_N``, and ``--resume``, ``sample``, ``export`` and ``plot`` take the newest
-(:mod:`moeblaze.run_dirs`). ``moeblaze --version`` prints the package's version.
+(:mod:`moeblaze.training.run_dirs`). ``moeblaze --version`` prints the package's version.
 Errors in the input (a missing ``--data`` path, an unknown device, nothing to resume, a bad flag or a
 checkpoint that cannot be loaded) print one line to stderr and exit with status 2, without a traceback.
 ``moeblaze train`` exits 0 when the run is complete (or was already complete), 1 on a non-finite loss,
 128 + the signal's number (130 for Ctrl-C, 143 for SIGTERM) when a signal stopped it after writing a
 checkpoint (a second Ctrl-C exits at once with 130, without one), and 3 when another rank of the job was lost
-(:mod:`moeblaze.parallel.heartbeat`: one line names it; continue with ``--resume``).
+(:mod:`moeblaze.training.heartbeat`: one line names it; continue with ``--resume``).
 ``moeblaze export --checkpoint OUT --out model.safetensors`` writes a checkpoint's weights as safetensors
-(:mod:`moeblaze.export`).
+(:mod:`moeblaze.training.export`).
 """
 
 from __future__ import annotations
@@ -28,14 +28,14 @@ from dataclasses import MISSING, fields, replace
 
 from . import __version__, settings
 from .activations import ACTIVATIONS
-from .checkpoint import CheckpointError
-from .config_file import dump_config, read_config
-from .data import DataError
-from .export import DEFAULT_MAX_SHARD_SIZE, export
-from .model import ModelConfig
-from .parallel.heartbeat import EXIT_PEER_LOST, PeerLostError
-from .run_dirs import ROOT, holds_metrics, new_run_dir, newest_run, resolve_run
-from .train import ConfigError, NonFiniteLossError, TrainConfig, load_run_config, sample, train
+from .training.checkpoint import CheckpointError
+from .training.config_file import dump_config, read_config
+from .training.data import DataError
+from .training.export import DEFAULT_MAX_SHARD_SIZE, export
+from .training.heartbeat import EXIT_PEER_LOST, PeerLostError
+from .training.model import ModelConfig
+from .training.run_dirs import ROOT, holds_metrics, new_run_dir, newest_run, resolve_run
+from .training.train import ConfigError, NonFiniteLossError, TrainConfig, load_run_config, sample, train
 
 __all__ = ["PRESETS", "main"]
 
@@ -164,7 +164,7 @@ def _cmd_sample(args: argparse.Namespace) -> int:
 
 
 def _cmd_plot(args: argparse.Namespace) -> int:
-    from .plot import plot_run
+    from .training.plot import plot_run
 
     paths = plot_run(resolve_run(args.out_dir, holds_metrics))
     print(f"wrote {', '.join(p.name for p in paths)} in {paths[0].parent}")

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
@@ -29,7 +30,9 @@ from .balance import (
 )
 from .input_grad import SharedInputGrad
 from .settings import carried_to_backward
-from .token_rounding import Rounding, TokenRounding, route_rounded, route_rounded_serves
+
+if TYPE_CHECKING:  # annotations only: token rounding is opt-in, reached through the Rounding request
+    from .token_rounding import Rounding, TokenRounding
 
 SCORE_FUNCS = ("softmax", "sigmoid")
 LOGITS_DTYPES = ("fp32", "input")
@@ -445,7 +448,7 @@ class Router(nn.Module):
 
     def _fused_forward(self, logits: torch.Tensor, losses_on: bool, rounding: Rounding | None,
                        seq_len: int | None) -> RouterOutput:
-        """:meth:`forward` through :class:`_FusedTopK` (with ``rounding``: :func:`route_rounded` where it serves):
+        """:meth:`forward` through :class:`_FusedTopK` (with ``rounding``: its ``route`` where it serves):
         the same outputs (losses with the coefficients of :func:`load_balancing_loss` and :func:`router_z_loss`),
         exact zeros for losses that are off (written by the loss kernel). The kernel computes the Switch loss;
         the sequence-wise and global losses are computed here from its probabilities."""
@@ -455,8 +458,8 @@ class Router(nn.Module):
         z_c = _z_coefficient(self.z_loss_coef, T) if self.z_loss_coef and losses_on else 0.0
         options = (K, bool(self.renormalize), self.routed_scaling_factor, aux_c, z_c)
         rounded = None
-        if rounding is not None and route_rounded_serves(logits, K):
-            (ids, weights, scores, aux, z, counts), rounded = route_rounded(logits, *options, rounding)
+        if rounding is not None and rounding.serves(logits, K):
+            (ids, weights, scores, aux, z, counts), rounded = rounding.route(logits, *options)
         else:
             ids, weights, scores, aux, z, counts = _FusedTopK.apply(logits, *options)
         other = self._balance(scores, ids, seq_len, losses_on, switch=False)  # softmax: the scores are the probs

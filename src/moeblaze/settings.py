@@ -25,7 +25,7 @@ H200 machine's: ``python3 benchmarks/bench_host.py --parts``).
 
 ``deterministic`` covers moeblaze's own kernels (their sums run in a fixed order once the configuration is fixed);
 the rest of a training process (torch's deterministic algorithms, cuBLAS's workspace, NCCL's algorithm, the
-attention backend) is :func:`moeblaze.determinism.deterministic_mode`, which also switches this setting on.
+attention backend) is :func:`moeblaze.training.determinism.deterministic_mode`, which also switches this setting on.
 
 ``TRITON_INTERPRET`` is Triton's own variable (read by Triton when it compiles); :func:`interpreting` reports it.
 torchrun's ``RANK``, ``WORLD_SIZE`` and ``LOCAL_RANK``: :func:`launcher_env`; variables of cuBLAS and NCCL that
@@ -243,7 +243,7 @@ def interpreting() -> bool:
 def launcher_env() -> dict[str, str]:
     """The launcher's variables that are set in this process (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
     ``LOCAL_WORLD_SIZE``, ``TORCHELASTIC_USE_AGENT_STORE``: torchrun's own, not moeblaze switches; read by
-    :func:`moeblaze.parallel.init_distributed`, :mod:`moeblaze.parallel.heartbeat` and ``moeblaze train``)."""
+    :func:`moeblaze.parallel.init_distributed`, :mod:`moeblaze.training.heartbeat` and ``moeblaze train``)."""
     names = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "TORCHELASTIC_USE_AGENT_STORE")
     return {k: os.environ[k] for k in names if k in os.environ}
 
@@ -251,6 +251,6 @@ def launcher_env() -> dict[str, str]:
 def library_env_defaults(values: dict[str, str]) -> None:
     """Set environment variables that libraries below moeblaze read once (cuBLAS's ``CUBLAS_WORKSPACE_CONFIG``,
     NCCL's ``NCCL_ALGO``, ...) where the process has not set them: values set before win
-    (:func:`moeblaze.determinism.deterministic_mode`)."""
+    (:func:`moeblaze.training.determinism.deterministic_mode`)."""
     for name, value in values.items():
         os.environ.setdefault(name, value)

@@ -373,11 +373,21 @@ def _dropped_pairs(pair_e: torch.Tensor, pair_key: torch.Tensor, counts: torch.T
 
 class Rounding(NamedTuple):
     """A token rounding request for :class:`moeblaze.routing.Router` (``forward(..., rounding=...)``): ``mode``
-    (``ROUNDING_MODES``), the M ``tile`` and ``"sr"``'s random source."""
+    (``ROUNDING_MODES``), the M ``tile`` and ``"sr"``'s random source. The router reaches token rounding only
+    through it (:meth:`serves`, :meth:`route`), so the router module does not import this one."""
 
     mode: str
     tile: int
     generator: torch.Generator | None = None
+
+    def serves(self, logits: torch.Tensor, top_k: int) -> bool:
+        """:func:`route_rounded` serves a fused router's call on these ``logits``."""
+        return route_rounded_serves(logits, top_k)
+
+    def route(self, logits: torch.Tensor, top_k: int, renormalize: bool, scale: float, aux_c: float,
+              z_c: float) -> tuple[tuple[torch.Tensor, ...], TokenRounding]:
+        """:func:`route_rounded` with this request."""
+        return route_rounded(logits, top_k, renormalize, scale, aux_c, z_c, self)
 
 
 def route_rounded_serves(logits: torch.Tensor, top_k: int) -> bool:

@@ -320,8 +320,8 @@ def _train_target(args: argparse.Namespace, device: str, dtype):
     import torch.nn.functional as F
 
     from ..layer import aux_loss
-    from ..model import ModelConfig, MoETransformer
-    from ..train_config import TrainConfig
+    from ..training.model import ModelConfig, MoETransformer
+    from ..training.train_config import TrainConfig
 
     cfg = ModelConfig() if args.seq_len is None else ModelConfig(seq_len=args.seq_len)
     B = args.batch_size or TrainConfig.batch_size

@@ -22,8 +22,8 @@ import torch
 import torch.nn.functional as F
 
 from ..dispatch import build_dispatch, build_dispatch_torch
-from ..model import ModelConfig
-from ..train_config import peak_tflops
+from ..training.model import ModelConfig
+from ..training.train_config import peak_tflops
 from .baselines import sort_dispatch
 from .runner import MIB, cuda_time_ms, require_cuda
 
@@ -106,7 +106,7 @@ class TrainSpec:
     """The model and batch of the training benchmark (see ``run_train``).
 
     Attributes:
-        model: a GPU-sized :class:`moeblaze.model.ModelConfig` (its ``backend`` is set per run).
+        model: a GPU-sized :class:`moeblaze.training.model.ModelConfig` (its ``backend`` is set per run).
         batch: sequences of ``model.seq_len`` tokens per step. steps: timed steps. warmup: untimed steps.
     """
 
@@ -119,7 +119,7 @@ class TrainSpec:
 
 def _train_row(spec: TrainSpec, backend: str, peak: float | None, device: str) -> dict:
     from ..layer import aux_loss
-    from ..model import MoETransformer
+    from ..training.model import MoETransformer
 
     cfg = dataclasses.replace(spec.model, backend=backend)
     cuda = device.startswith("cuda")

@@ -7,7 +7,7 @@ capture is not tuned (the autotuner synchronises): it takes the fixed default co
 (:mod:`moeblaze.graphs`). Environment:
 
 ``MOEBLAZE_AUTOTUNE=0``  use one fixed default configuration per kernel (no benchmarking at first call);
-                         ``MOEBLAZE_DETERMINISTIC=1`` (:mod:`moeblaze.determinism`) does the same.
+                         ``MOEBLAZE_DETERMINISTIC=1`` (:mod:`moeblaze.training.determinism`) does the same.
 ``TRITON_INTERPRET=1``   (CPU interpreter) small fixed configurations; autotuning is always off.
 ``MOEBLAZE_PERSISTENT``  grouped-GEMM launch shape: ``1`` persistent (one program per SM walks the output
                          tiles), ``0`` one program per output tile; unset, the autotuner tries both

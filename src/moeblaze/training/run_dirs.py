@@ -38,7 +38,7 @@ def new_run_dir(root: str | os.PathLike = ROOT, claim: bool = True) -> Path:
         claim: create the folder (``mkdir``, which fails when another process took the number first: then the next
             one is taken), so two runs started at once never share one. False for the ranks of one job, which must
             all name the same folder: each lists ``root`` before any rank creates it (the ranks' configurations are
-            compared, :func:`moeblaze.parallel.job.check_same_config`, before the run's folder is made).
+            compared, :func:`moeblaze.training.job.check_same_config`, before the run's folder is made).
 
     Raises:
         ConfigError: ``root`` cannot be created or written (the message names it).

@@ -8,7 +8,7 @@ Reproducibility: the batch of step ``s`` comes from a generator seeded by ``(see
 (:func:`moeblaze.data.get_batch`), and a checkpoint (:mod:`moeblaze.checkpoint`, written atomically)
 holds the weights and the AdamW state (``torch.distributed.checkpoint``), the step and the RNG state
 (JSON). So ``--steps 2N`` equals ``--steps 2N --stop-after N`` followed by ``--steps 2N --resume``,
-bitwise on CPU, on GPUs with ``--deterministic`` (:mod:`moeblaze.determinism`) — also when the first run was
+bitwise on CPU, on GPUs with ``--deterministic`` (:mod:`moeblaze.training.determinism`) — also when the first run was
 stopped by SIGTERM/Ctrl-C, killed, or lost a rank (from its last checkpoint).
 """
 
@@ -27,18 +27,19 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from . import checkpoint, settings
-from .balance import expert_load, load_summary, update_expert_biases
+from .. import settings
+from ..balance import expert_load, load_summary, update_expert_biases
+from ..layer import aux_loss
+from ..memory import SavedTensorCounter
+from ..parallel.breakdown import StepBreakdown, StepProfiler, append_rows, gather, summary
+from ..parallel.runtime import agree_kernels
+from . import checkpoint
 from .data import DataError, eval_windows, get_batch, load_corpus, unigram_entropy
 from .determinism import deterministic_mode
 from .export import load_model
-from .layer import aux_loss
-from .memory import SavedTensorCounter
+from .job import Job, check_same_config, clip_grad_norm, start_job
 from .metrics_log import MetricsLog, check_logger, val_at
 from .model import ModelConfig, MoETransformer
-from .parallel.breakdown import StepBreakdown, StepProfiler, append_rows, gather, summary
-from .parallel.job import Job, check_same_config, clip_grad_norm, start_job
-from .parallel.runtime import agree_kernels
 from .train_config import (
     ConfigError,
     TrainConfig,
@@ -257,7 +258,7 @@ def train_step(model: MoETransformer, opt: torch.optim.Optimizer, x: torch.Tenso
     :func:`moeblaze.update_expert_biases` moves the routers' biases (``expert_bias_rate`` > 0) and resets
     the counts, from the same all-reduced counts as the load (one all-reduce of ``[layers * E]`` int64).
     With a ``job`` of several ranks (FSDP2), the losses are means over the ranks and the gradient norm is the
-    global one (:func:`moeblaze.parallel.job.clip_grad_norm`), so every rank decides alike; the load is over
+    global one (:func:`moeblaze.training.job.clip_grad_norm`), so every rank decides alike; the load is over
     every rank's tokens.
 
     A non-finite loss or gradient norm is found on the device: a fused optimizer (:func:`make_optimizer`'s AdamW)
@@ -324,9 +325,10 @@ def train(cfg: TrainConfig, model_cfg: ModelConfig | None = None, log=tqdm.write
         A :class:`TrainResult` (final validation bits per byte, throughput, bytes saved, status, ...).
 
     Under torchrun, ``cfg.fsdp`` (and ``cfg.ep``) make this process one rank of an FSDP2 (+ expert-parallel)
-    job (:mod:`moeblaze.parallel.job`): every rank calls :func:`train` with the same configuration; rank 0
+    job (:mod:`moeblaze.training.job`): every rank calls :func:`train` with the same configuration; rank 0
     logs; the process group is destroyed at the end. A lost rank ends the process (exit status 3) with one line
-    (:mod:`moeblaze.parallel.heartbeat`). ``cfg.deterministic``: inside :func:`moeblaze.determinism.deterministic_mode`.
+    (:mod:`moeblaze.training.heartbeat`). ``cfg.deterministic``: inside
+    :func:`moeblaze.training.determinism.deterministic_mode`.
 
     Raises:
         ConfigError: bad device/precision/backend or out_dir, nothing to resume, resume with a different model, a
@@ -507,7 +509,7 @@ def _loop(model, opt, corpus, cfg: TrainConfig, mcfg: ModelConfig, device, preci
             profiler = None
         pending = (step, outcome, t0)
         last = step + 1 == stop
-        # bounded after a signal: torchrun sends SIGTERM when a peer died (moeblaze.parallel.heartbeat names it)
+        # bounded after a signal: torchrun sends SIGTERM when a peer died (moeblaze.training.heartbeat names it)
         interrupted = checkpoint.agree(signals.signum is not None,
                                        timeout=cfg.dist_timeout if signals.signum is not None else None)
         evaluated = not interrupted and ((step + 1) % cfg.eval_interval == 0 or last)

@@ -11,7 +11,7 @@ rank's with ``--aux-loss-type global``).
 Losses and validation sums are all-reduced; the gradient norm is summed over every rank's shards; only
 rank 0 logs. Without ``--fsdp`` and without torchrun nothing here communicates (a job of one rank).
 
-A job of several ranks runs a :class:`moeblaze.parallel.heartbeat.PeerMonitor`: a dead rank ends the others with
+A job of several ranks runs a :class:`moeblaze.training.heartbeat.PeerMonitor`: a dead rank ends the others with
 one line naming it (within about 6 s under torchrun, within half of ``--dist-timeout`` under a launcher that
 starts each rank itself), instead of leaving them in a collective until the process group's timeout.
 """
@@ -28,9 +28,9 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 
 from .. import settings
-from .fsdp import parallelize
+from ..parallel.fsdp import parallelize
+from ..parallel.runtime import DistEnv, init_distributed, make_mesh, split_batch
 from .heartbeat import PeerMonitor, lost_after
-from .runtime import DistEnv, init_distributed, make_mesh, split_batch
 
 __all__ = ["Job", "check_same_config", "clip_grad_norm", "start_job"]
 
@@ -134,7 +134,7 @@ def start_job(fsdp: bool, ep: int, device: torch.device, batch_size: int, timeou
         device: the resolved ``--device`` (CUDA: each rank takes GPU ``LOCAL_RANK``; CPU: gloo).
         batch_size: the global batch (sequences per step), split over the ranks.
         timeout_s: ``--dist-timeout``: the process group's collective timeout; a rank silent for
-            :func:`moeblaze.parallel.heartbeat.lost_after` of it counts as lost.
+            :func:`moeblaze.training.heartbeat.lost_after` of it counts as lost.
         advice: appended to the line a survivor prints when a rank is lost (what to run next).
 
     Raises:

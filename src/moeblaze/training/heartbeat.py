@@ -5,7 +5,7 @@ wait in their next collective — NCCL until its watchdog (the process group's t
 or the timeout passes — and a SIGTERM (torchrun sends one to the survivors) reaches Python only when the main
 thread comes back from that wait. The main thread cannot notice; a second thread can.
 
-Design (:class:`PeerMonitor`, one per rank, started by :func:`moeblaze.parallel.job.start_job`):
+Design (:class:`PeerMonitor`, one per rank, started by :func:`moeblaze.training.job.start_job`):
 
 * Every ``interval`` (1 s) a daemon thread adds 1 to ``beat/<rank>`` in the store the process group was made with,
   through a client connection of its own (``Store.clone``: a main thread blocked on the store never blocks it),

@@ -36,7 +36,7 @@ hashes them, and shares their manifest entries (so no rank reads the whole check
 phase ends with the ranks agreeing on its outcome (one ``all_gather_object``): a write that fails on one rank
 (a full disk, a quota) fails :func:`save` on every rank with the same one-line error, and no rank is left
 waiting in the next phase. A rank killed in the middle leaves a ``.step-*.tmp`` folder that nothing reads
-(the others are ended by :mod:`moeblaze.parallel.heartbeat`). ``out_dir`` must be one filesystem shared by
+(the others are ended by :mod:`moeblaze.training.heartbeat`). ``out_dir`` must be one filesystem shared by
 all ranks (DCP's own requirement). :func:`find_latest` spreads the hashing over the ranks and gives all the
 same answer; :func:`agree` turns a per-rank flag (a signal seen, a time limit reached) into one decision so
 that all ranks checkpoint together.
@@ -440,7 +440,7 @@ def resolve(path: str | os.PathLike) -> Path:
 def _globalize(model: torch.nn.Module, model_sd: dict, optim_sd: dict | None) -> dict:
     """Expert-parallel weights (and their AdamW moments) as global DTensors for DCP
     (:mod:`moeblaze.parallel.state_dict`); an expert sharding it cannot describe is a CheckpointError."""
-    from .parallel.state_dict import globalize_expert_state
+    from ..parallel.state_dict import globalize_expert_state
 
     try:
         return globalize_expert_state(model, model_sd, optim_sd)
@@ -449,7 +449,7 @@ def _globalize(model: torch.nn.Module, model_sd: dict, optim_sd: dict | None) ->
 
 
 def _restore(model_sd: dict, optim_sd: dict | None, replaced: dict) -> None:
-    from .parallel.state_dict import restore
+    from ..parallel.state_dict import restore
 
     restore(model_sd, optim_sd, replaced)
 

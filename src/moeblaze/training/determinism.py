@@ -36,7 +36,7 @@ from collections.abc import Iterator
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from . import settings
+from .. import settings
 
 __all__ = ["ATTENTION_BACKENDS", "CUBLAS_WORKSPACE", "NCCL_ENV", "deterministic_mode"]
 

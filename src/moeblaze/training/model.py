@@ -15,12 +15,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .activations import ACTIVATIONS, is_gated
-from .balance import AUX_LOSS_TYPES
-from .experts import BACKENDS, SAVE_MODES
-from .layer import MoE
-from .routing import SCORE_FUNCS
-from .token_rounding import ROUNDING_MODES
+from ..activations import ACTIVATIONS, is_gated
+from ..balance import AUX_LOSS_TYPES
+from ..experts import BACKENDS, SAVE_MODES
+from ..layer import MoE
+from ..routing import SCORE_FUNCS
+from ..token_rounding import ROUNDING_MODES
 
 __all__ = ["ModelConfig", "MoETransformer"]
 

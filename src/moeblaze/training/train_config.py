@@ -127,8 +127,8 @@ class TrainConfig:
                                "splits into compute, communication (and the part nothing hides), device idle and host "
                                "syncs, per rank, and append the rows to OUT_DIR/breakdown.csv (0 = off)")
     deterministic: bool = _f(False, "bitwise reproducible on GPUs (fixed kernel configurations, torch's deterministic "
-                             "algorithms, NCCL's ring; moeblaze.determinism); CPU runs are bitwise reproducible "
-                             "without it")
+                             "algorithms, NCCL's ring; moeblaze.training.determinism); CPU runs are bitwise "
+                             "reproducible without it")
     dist_timeout: float = _f(300.0, "seconds a collective may wait for the other ranks (the process group's timeout; "
                              "a rank silent for half of it, at most 30 s, counts as lost), >= 10")
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from .parallel.heartbeat import PeerLostError
+from .heartbeat import PeerLostError
 
 __all__ = ["StopOnSignal", "agree", "check_writable", "rng_state", "set_rng_state"]
 
@@ -31,7 +31,7 @@ def agree(flag: bool, timeout: float | None = None) -> bool:
     stays responsive (signal handlers run) and never blocks past the deadline.
 
     Raises:
-        moeblaze.parallel.heartbeat.PeerLostError: the other ranks did not join within ``timeout``.
+        moeblaze.training.heartbeat.PeerLostError: the other ranks did not join within ``timeout``.
     """
     if not (dist.is_available() and dist.is_initialized()):
         return bool(flag)
