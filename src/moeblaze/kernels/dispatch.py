@@ -23,7 +23,7 @@ Pair order equals token order inside an expert because a row's ids are distinct.
    ``expert_token_indices[slot]`` at its final place. Asked for a grouped-GEMM tile schedule
    (``block_m``), the chunks also write it, blocks of ``_BLOCK_I`` entries strided over the chunks, from
    the per-expert totals every chunk already holds: no fourth launch (each launch from Python costs
-   ~60-80 µs of host time on an H200's host, more than this whole build's device time at 8k tokens).
+   ~60-80 µs of host time (H200), more than this whole build's device time at 8k tokens).
 
 ``tile_schedule`` builds the same schedule in one small launch from ``expert_token_offsets`` alone
 (for an index that was built without one).
