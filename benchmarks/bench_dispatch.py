@@ -19,7 +19,7 @@ captured in one CUDA graph, replayed, divided by 10 (what a CUDA-graphed or comp
 the ids stay in L2 when they fit). The floor columns use ``graph_us``. ``launch_us`` is the graph time
 of three empty kernels, the least any three-launch build can take.
 
-    python benchmarks/bench_dispatch.py --out $OUT/dispatch.csv [--dtype int64|int32] [--no-torch]
+    python benchmarks/bench_dispatch.py --out results/dispatch.csv [--dtype int64|int32] [--no-torch]
 """
 
 from __future__ import annotations

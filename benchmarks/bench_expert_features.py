@@ -14,7 +14,7 @@ Variants on one shape (router excluded, one fixed uniform routing, dispatch incl
 Records the median time (``triton.testing.do_bench``) per variant and its ratio to ``plain`` as CSV rows.
 
 Usage (GPU): python3 benchmarks/bench_expert_features.py [--shape gpt-oss-20b] [--tokens 16384]
-             [--out $OUT/expert_features.csv]
+             [--out results/expert_features.csv]
 """
 
 from __future__ import annotations

@@ -17,9 +17,10 @@ recomputed in backward).
 Modes: ``bf16`` (bf16 weights, AdamW on them) and ``amp`` (fp32 weights under ``torch.autocast(bf16)``).
 SonicMoE: transformers' own ``"sonicmoe"`` loads its kernel from the hub; here SonicMoE 0.1.2 installed as
 a package (``.peers/install.sh``) is registered as ``"sonicmoe-local"``; skipped when not importable. Its
-first step compiles its GEMMs (minutes on an empty QuACK cache: carry QUACK_CACHE_DIR as gpu_suite.sh does).
+first step compiles its GEMMs (minutes on an empty QuACK cache: keep QUACK_CACHE_DIR from run to run, as
+scripts/quack_cache.sh does).
 
-    python benchmarks/bench_hf.py --out hf_train.csv                       # GPU, the lead's run
+    python benchmarks/bench_hf.py --out hf_train.csv                       # GPU, the default comparison
     python benchmarks/bench_hf.py --impls sonicmoe-local,moeblaze --rounds 2 --batch-size 32 --out hf.csv  # both orders
     python benchmarks/bench_hf.py --impls grouped_mm,moeblaze --modes bf16,amp --set num_hidden_layers=2 \
         --vocab-size 32000 --batch-size 2 --seq-len 4096 --out hf_amp.csv    # issue 27's model (b)
@@ -36,7 +37,7 @@ exceeds an earlier peak.
 
 ``--plot`` draws the loss curves (a 10-step moving mean over the raw losses) of this run's implementations, or with
 ``--plot-from`` those of each implementation's latest run in a CSV at ``--batch-size`` x ``--seq-len`` tokens per
-step (the rows of runs made in several calls side by side).
+step (the rows of runs made separately, side by side).
 """
 
 from __future__ import annotations
@@ -132,7 +133,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--energy", action="store_true",
                    help="record each step's joules and mean SM clock (NVML); its clock-sampling thread lengthens "
-                   "the step (277.1 -> 283.8 ms for SonicMoE and moeblaze alike, H200, 2026-11-26)")
+                   "the step (277.1 -> 283.8 ms for SonicMoE and moeblaze alike, H200)")
     p.add_argument("--peak", choices=("run", "step"), default="run",
                    help="reset the peak memory statistics once, before the first timed step (run), or every step")
     args = p.parse_args(argv)
@@ -250,7 +251,7 @@ def summary(rows: list[dict], warmup: int) -> list[str]:
 
 def comparisons(runs: dict[tuple[str, str], list[dict]], warmup: int) -> list[str]:
     """Issue 22's three targets per mode, for the implementations measured: moeblaze's peak as a share of
-    grouped_mm's, its step time against SonicMoE's (same call only: the rows passed in), and the mean loss gap
+    grouped_mm's, its step time against SonicMoE's (same run only: the rows passed in), and the mean loss gap
     to grouped_mm over the last ``TAIL`` steps beside grouped_mm's own step-to-step standard deviation there."""
     lines = []
     ok = {k: rs for k, rs in runs.items() if rs[0]["note"] == ""}

@@ -63,8 +63,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="--mode cpu: d and h of every shape (the host path does not depend on them; E and K kept)")
     p.add_argument("--sort", default="tottime", help="cProfile sort key (tottime, cumulative)")
     p.add_argument("--csv", help="append rows to this CSV")
-    p.add_argument("--commit", help="code version recorded in the rows (default: git's HEAD here, +dirty; a device "
-                                    "machine's copy of the checkout may carry an older HEAD than its files)")
+    p.add_argument("--commit", help="code version recorded in the rows (default: git's HEAD here, +dirty; a copy of "
+                                    "the checkout may hold an older HEAD than its files)")
     p.add_argument("--plot", help="draw time per token against T into this PNG")
     p.add_argument("--plot-from", help="only draw --plot from the rows of this CSV (no measurement)")
     return p.parse_args(argv)
@@ -345,7 +345,7 @@ def append_csv(path: str, rows: list[dict]) -> None:
 
 def latest_run(rows: list[dict]) -> list[dict]:
     """The rows of one run in ``rows`` (one ``date``, ``time_utc``, ``device`` and ``commit``): a file that several
-    calls appended to holds other devices and code versions, whose points must not share a line. The latest of the
+    runs appended to holds other devices and code versions, whose points must not share a line. The latest of the
     runs with the most token counts: an A/B at two token counts appended after a sweep does not replace it."""
     runs: dict[tuple, list[dict]] = {}
     for r in rows:

@@ -8,7 +8,7 @@ Parts (rows of one CSV, ``part`` column):
 ``fp32``    (c) fp32 parameters without autocast: at ``float32_matmul_precision("high")`` (TF32) against the bf16
             layer's TF/s (target >= 40%: TF32 tensor cores run at half the bf16 rate), and at ``"highest"`` (IEEE)
             against the conventional layer computing in fp32 (``moeblaze bench``'s per-expert fallback), in the
-            same call (target: at least as fast), at ``--ieee-tokens`` (default 8192, the issue's fp32 figure:
+            same run (target: at least as fast), at ``--ieee-tokens`` (default 8192, the issue's fp32 figure:
             IEEE fp32 runs without tensor cores, and autotuning tries each config several times).
 ``train``   the ``moeblaze train`` default preset (model and batch of ``TrainConfig``/``ModelConfig``), one
             optimizer step per ``--precision`` (fp32 at both matmul precisions): what the CUDA default should be.

@@ -27,8 +27,8 @@ a CSV, with
 ``quality``: ``moeblaze train`` twice, ``--routing topk`` and ``--routing token-rounding:nr``, same steps
 and seed; writes the train-loss and validation bits/byte curves (CSV) and a side-by-side plot (PNG).
 
-Usage (GPU):  python3 benchmarks/bench_token_rounding.py speed --out $OUT/token_rounding.csv
-              python3 benchmarks/bench_token_rounding.py quality --out-dir $OUT/tr_quality
+Usage (GPU):  python3 benchmarks/bench_token_rounding.py speed --out results/token_rounding.csv
+              python3 benchmarks/bench_token_rounding.py quality --out-dir results/tr_quality
 CPU check:    python3 benchmarks/bench_token_rounding.py speed --smoke; ... quality --smoke --out-dir /tmp/q
 """
 
@@ -174,7 +174,7 @@ def sonic_step(x, pairs, moe, dout, clear):
 def gpu_times(steps: dict, rounds: int, breakdown: int, shape) -> dict:
     """Each variant's GPU time (:func:`kernel_time_ms`), the median of ``rounds`` rounds that take the variants in
     turn: the share of the ceiling is a ratio of differences of nearly equal times, and one measurement per
-    variant let it swing between calls (H200, 2026-11-25 and -26, ``python3 benchmarks/bench_token_rounding.py speed
+    variant let it swing between runs (H200, ``python3 benchmarks/bench_token_rounding.py speed
     --shapes 0`` with one measurement each: 0.17 and -0.05 at the first shape, top-k itself 0.15 ms apart). None per
     variant without CUDA. ``breakdown`` prints the first round's kernel tables."""
     runs: dict = {name: [] for name in steps}

@@ -1,4 +1,4 @@
-"""The warp-specialized Gluon kernels against the Triton ones they replace, same inputs, same call (sm90, triton 3.6).
+"""The warp-specialized Gluon kernels against the Triton ones they replace, same inputs, same run (sm90, triton 3.6).
 
 For each shape (T, d, h, E, K; random top-k routing, bf16): F2 (``act [N, h] @ w_down[e]^T``) and B3 (``dpre [N, 2h] @
 w_gate_up[e]``), each in the layer's column chunks, through ``launch.grouped_gemm``, and B2 / B4 (the weight
@@ -9,7 +9,7 @@ per kernel and shape.
 
 Usage (GPU): ``python3 benchmarks/bench_ws.py --out ws.csv`` (the shapes of issues 24 and 25 by default);
 ``--set wgrad_tma_store=off`` times the weight gradients with masked tile stores instead of TMA stores (an A/B: run
-both in one call).
+both on the same GPU, one after the other).
 """
 
 from __future__ import annotations

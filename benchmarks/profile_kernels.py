@@ -6,7 +6,7 @@ the autotuner chose). Each launch is then replayed on its own with ``triton.test
 flushed, median): milliseconds, TFLOP/s of the GEMMs (2·rows·K·cols, twice for the dual-accumulator F1)
 and the chosen block sizes. ``--set NAME=VALUE`` replays every launch that takes the constexpr ``NAME``
 as a launch flag (not a block size of the config) once more with it overridden (e.g. ``B_DESC=0``: the
-weights and wgrad slot rows read through pointers instead of TMA), for same-call A/B comparisons.
+weights and wgrad slot rows read through pointers instead of TMA), for same-run A/B comparisons.
 In-place kernels (the activation backward) are replayed on their own outputs: the timing holds, the
 values do not matter.
 

@@ -10,7 +10,7 @@ For each config and implementation of ``moeblaze bench`` (weights and inputs as 
   between kernels per step and the N longest gaps.
 
 Three steps are a burst: the card is still below its power limit and its clock high. Sustained, the kernels
-run longer (H200, 2026-11-26, Qwen3-30B-A3B shape, T 32,768: moeblaze's kernels summed to 13.38-13.53 ms per
+run longer (H200, Qwen3-30B-A3B shape, T 32,768: moeblaze's kernels summed to 13.38-13.53 ms per
 step over three steps against 14.97 over 30, which matched its 14.5-14.7 ms per back-to-back step; SonicMoE's
 13.38-13.59 against 13.55): compare implementations with ``--profiled-steps 30`` when the steps are long.
 
@@ -89,7 +89,7 @@ def device_profile(step, steps: int = 3):
 def traced_kernels(step, steps: int = 3) -> list[tuple[float, float, str]]:
     """(start µs, end µs, name) of every kernel of ``steps`` back-to-back steps, in launch order. One more
     step runs first under the profiler and its kernels are dropped: the first kernels under a fresh
-    profiler start late (on an H200, 2026-11-23: gaps of 0.3-2.9 ms that no later step shows)."""
+    profiler start late (on an H200: gaps of 0.3-2.9 ms that no later step shows)."""
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(1 + steps):
             step()

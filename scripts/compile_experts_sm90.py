@@ -9,9 +9,9 @@ multiples of 16. Run without TRITON_INTERPRET:
 
     env -u TRITON_INTERPRET python scripts/compile_experts_sm90.py [bf16|fp16|fp32] [--tuned] [--tf32]
 
-For the GPU machine's figures run it under that machine's triton (3.6), e.g. ``PYTHONPATH=src
+For the figures of the GPU runs' triton (3.6) run it under that version, e.g. ``PYTHONPATH=src
 /tmp/t36/bin/python scripts/compile_experts_sm90.py`` in a venv with ``triton==3.6.0`` and a CPU torch: register
-allocation differs between triton versions (on 2026-11-26 triton 3.9 and 3.6 gave other stack frames).
+allocation differs between triton versions (triton 3.9 and 3.6 gave other stack frames).
 
 ``--tf32`` (with fp32): the TF32 variants (``DOT_PREC="tf32"``, F1's ``act`` and B1's ``dpre`` stored rounded).
 """

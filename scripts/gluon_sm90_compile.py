@@ -1,11 +1,11 @@
-"""Compile moeblaze's warp-specialized Gluon kernels for sm90 without a GPU (a developer's check before a device call).
+"""Compile moeblaze's warp-specialized Gluon kernels for sm90 without a GPU (a check before running them on one).
 
-The GPU machine runs triton 3.6, whose Gluon API the kernels are written against; the workplace has no GPU. Triton
-compiles for a target it is told (``GPUTarget("cuda", 90, 32)``) and ships its own ``ptxas``, so a triton 3.6
-installed beside the project's (no torch needed) compiles the kernels to a cubin here: compile errors, shared memory,
-registers and spills show up without spending device time, and the TTGIR and PTX can be read. This is how the
-hang of ``ws_wgrad``'s first version was found: its mma partition's TTGIR no longer carried the next tile's slot
-range through the loop (docs/benchmarks.md, "Warp-specialized Gluon kernels").
+The kernels are written against triton 3.6's Gluon API (the triton of the GPU measurements). Triton compiles for
+a target it is told (``GPUTarget("cuda", 90, 32)``) and ships its own ``ptxas``, so a triton 3.6 installed beside
+the project's (no torch needed) compiles the kernels to a cubin on a machine without a GPU: compile errors, shared
+memory, registers and spills show up without a GPU run, and the TTGIR and PTX can be read. This is how the hang of
+``ws_wgrad``'s first version was found: its mma partition's TTGIR no longer carried the next tile's slot range
+through the loop (the comment on ``pred`` in ``moeblaze.kernels.ws_wgrad``).
 
 Usage (repo root)::
 
@@ -99,7 +99,7 @@ def main() -> None:
     ap.add_argument("--dump", help="folder for each variant's TTGIR and PTX")
     args = ap.parse_args()
     if not triton.__version__.startswith("3.6."):
-        sys.exit(f"needs triton 3.6 (the GPU machine's), found {triton.__version__}")
+        sys.exit(f"needs triton 3.6 (the kernels' Gluon API), found {triton.__version__}")
     for name, kernel in variants():
         print(f"{name}: shared {kernel.metadata.shared} bytes, {resource_usage(kernel.asm['cubin'])}")
         if args.dump:

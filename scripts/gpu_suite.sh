@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
-# The GPU suite, in one device call: environment, GPU tests (bf16), dispatch and layer benchmarks.
-# Usage (repo root, on the GPU machine): scripts/gpu_suite.sh STAGE...   with STAGE in
+# The GPU suite: environment, GPU tests (bf16), dispatch and layer benchmarks.
+# Usage (repo root, on a GPU host): scripts/gpu_suite.sh STAGE...   with STAGE in
 #   tests      pytest -m gpu $TESTS_ARGS (gpu-marked tests, all unless TESTS_ARGS names files; fixed
 #              kernel configs, MOEBLAZE_AUTOTUNE=0); TESTS_JOBS=n deals them to n pytest processes side by side;
-#              TESTS_SHARD=k/n keeps the k-th of n interleaved parts of them (the whole suite, 631 tests, needs
-#              more than one call's 10 minutes: most of a test is Triton compiling; H200, 2026-11-25)
+#              TESTS_SHARD=k/n keeps the k-th of n interleaved parts of them (the whole suite, 631 tests, takes
+#              more than 10 minutes in one process: most of a test is Triton compiling; H200)
 #   dispatch   benchmarks/bench_dispatch.py
 #   experts    benchmarks/bench_experts.py
 #   bench      moeblaze bench $BENCH_ARGS (default --suite all; peers installed from .peers/ when present, QuACK's
-#              kernel cache taken from .peers/quack_cache.tgz and left in $OUT/quack_cache.tgz)
+#              kernel cache taken from .peers/quack_cache.tgz and left in $RESULTS/quack_cache.tgz)
 #   precision  benchmarks/bench_precision.py $PRECISION_ARGS (AMP, fp32 TF32/IEEE, the train preset per --precision)
 #   train      moeblaze train on the GPU, torch vs triton backend loss curves ($TRAIN_BACKENDS: which of the two, default both)
 #   multigpu   2 GPUs: pytest -m multigpu (EP and FSDP2 equalities in bf16, NCCL; torchtitan's EP layer against
@@ -17,7 +17,7 @@
 #              then moeblaze train --fsdp --preset 1b under torchrun on 1 GPU, 2 GPUs, 2 GPUs with --ep 2
 #              (16 sequences of 1024 bytes per GPU, $TRAIN_1B_STEPS steps) -> steady tokens/s per GPU, train_1b.txt;
 #              time limits per part: TESTS_TIMEOUT, EP_BENCH_TIMEOUT, TRAIN_1B_TIMEOUT (seconds, default 420, 600, 600)
-#   multigpu_train  only that last part (fits one device call: three runs of ~1-3 min)
+#   multigpu_train  only that last part (three runs of ~1-3 min)
 #   tr         benchmarks/bench_token_rounding.py speed (token rounding vs top-k vs the ceiling, SonicMoE fed the same pairs)
 #   trq        benchmarks/bench_token_rounding.py quality (moeblaze train with top-k and with token rounding nr)
 #   rounding   benchmarks/bench_token_rounding.py rounding (round_tokens alone: wall and GPU kernel time)
@@ -26,29 +26,30 @@
 #              and $CHUNKS_TOKENS tokens (default 65536)
 #   balance    issue 61: moeblaze train --preset 1b, $BALANCE_STEPS (1000) steps, auxiliary-loss-free (--expert-bias-rate
 #              1e-3 --aux-loss-coef 0) and with the Switch loss (0.01), then benchmarks/bench_balance.py -> balance.png,
-#              balance.txt and both metrics.csv (BALANCE_TIMEOUT per run, default 290 s: both fit one device call)
+#              balance.txt and both metrics.csv (BALANCE_TIMEOUT per run, default 290 s: both runs within 10 minutes)
 #   hf         benchmarks/bench_hf.py $HF_ARGS (default: the transformers Qwen3-MoE with grouped_mm, SonicMoE and
 #              moeblaze, 150 steps; e.g. HF_ARGS="--impls grouped_mm,moeblaze --batch-size 32 --steps 20" for the
 #              peak memory at 32 x 2048 tokens per step), SonicMoE from .peers/ with its QuACK cache
-# Logs, CSVs and plots go to /tmp/gpu_out, packed at the end into $OUT/gpu_results.tgz (the device
-# tool brings back at most 8 files).
+# Logs, CSVs and plots go to /tmp/gpu_out ($LOGS), packed at the end into one archive, $RESULTS/gpu_results.tgz
+# (RESULTS: a folder, default ./gpu_out); the bench and hf stages leave QuACK's kernel cache beside it.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-FINAL="${OUT:-./gpu_out}"
-OUT=/tmp/gpu_out
-rm -rf "$OUT"  # a warm machine keeps /tmp: no files of an earlier call in this one's results
-mkdir -p "$OUT" "$FINAL"
-trap 'tar -czf "$FINAL/gpu_results.tgz" -C "$OUT" .' EXIT
+RESULTS="${RESULTS:-./gpu_out}"
+LOGS=/tmp/gpu_out
+rm -rf "$LOGS"  # /tmp may hold an earlier run's files: none of them in this run's archive
+mkdir -p "$LOGS" "$RESULTS"
+trap 'tar -czf "$RESULTS/gpu_results.tgz" -C "$LOGS" .' EXIT
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1  # NVLink multicast stays off on the lent machines
+# NVLink multicast off: a fault in it can take the host's GPUs out of service
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; date -u
-} 2>&1 | tee "$OUT/env.txt"
+} 2>&1 | tee "$LOGS/env.txt"
 status=0
-run() {  # run NAME CMD...: tee the output to $OUT/NAME.txt, remember a failure
+run() {  # run NAME CMD...: tee the output to $LOGS/NAME.txt, remember a failure
   local name=$1; shift
   echo "=== $name: $*"
-  "$@" 2>&1 | tee "$OUT/$name.txt"
+  "$@" 2>&1 | tee "$LOGS/$name.txt"
   local rc=${PIPESTATUS[0]}
   echo "=== $name exit $rc"
   status=$(( status | rc ))
@@ -64,7 +65,7 @@ multigpu_train() {  # moeblaze train --fsdp --preset 1b on 1 and 2 GPUs under to
       --no-progress --overwrite --out-dir "/tmp/run_$name" $extra
     rm -rf "/tmp/run_$name"  # a 1B checkpoint with AdamW state is ~12.6 GB
   done
-  python3 - "$OUT" <<'PY' | tee "$OUT/train_1b.txt"
+  python3 - "$LOGS" <<'PY' | tee "$LOGS/train_1b.txt"
 import pathlib, re, sys
 rates = {}
 for f in sorted(pathlib.Path(sys.argv[1]).glob("train_1b_*.txt")):
@@ -95,12 +96,12 @@ gpu_tests_parallel() {  # the gpu tests dealt round-robin to $TESTS_JOBS pytest 
   for (( i = 0; i < TESTS_JOBS; i++ )); do
     awk -v n="$TESTS_JOBS" -v i="$i" '(NR - 1) % n == i' /tmp/gpu_ids.txt > "/tmp/gpu_ids_$i.txt"
     MOEBLAZE_AUTOTUNE=0 timeout "${TESTS_TIMEOUT:-420}" xargs -a "/tmp/gpu_ids_$i.txt" -d '\n' python3 -m pytest \
-      -m gpu -q -rfEs -p no:cacheprovider --durations=5 > "$OUT/gpu_tests_$i.txt" 2>&1 &
+      -m gpu -q -rfEs -p no:cacheprovider --durations=5 > "$LOGS/gpu_tests_$i.txt" 2>&1 &
     pids+=($!)
   done
   for (( i = 0; i < TESTS_JOBS; i++ )); do
     wait "${pids[$i]}"; local rc=$?
-    echo "=== gpu_tests_$i exit $rc: $(tail -n 1 "$OUT/gpu_tests_$i.txt")"
+    echo "=== gpu_tests_$i exit $rc: $(tail -n 1 "$LOGS/gpu_tests_$i.txt")"
     status=$(( status | rc ))
   done
 }
@@ -111,15 +112,15 @@ for stage in "$@"; do
           TESTS_SHARD=${TESTS_SHARD:-1/1} gpu_tests_parallel; else
           MOEBLAZE_AUTOTUNE=0 run gpu_tests timeout "${TESTS_TIMEOUT:-420}" python3 -m pytest -m gpu -q -rfEs \
           -p no:cacheprovider --durations=15 ${TESTS_ARGS:-}; fi ;;
-    dispatch) run bench_dispatch python3 benchmarks/bench_dispatch.py --no-torch --out "$OUT/dispatch.csv" ;;
-    experts) run bench_experts python3 benchmarks/bench_experts.py --out "$OUT/experts.csv" ;;
+    dispatch) run bench_dispatch python3 benchmarks/bench_dispatch.py --no-torch --out "$LOGS/dispatch.csv" ;;
+    experts) run bench_experts python3 benchmarks/bench_experts.py --out "$LOGS/experts.csv" ;;
     # shellcheck disable=SC2086
-    precision) run bench_precision python3 benchmarks/bench_precision.py --out "$OUT/precision.csv" ${PRECISION_ARGS:-} ;;
+    precision) run bench_precision python3 benchmarks/bench_precision.py --out "$LOGS/precision.csv" ${PRECISION_ARGS:-} ;;
     bench)  # BENCH_ARGS overrides what to run; SonicMoE is measured in a child process (--isolate auto)
       sonic_peers
       # shellcheck disable=SC2086
-      run bench python3 -m moeblaze.cli bench ${BENCH_ARGS:---suite all} --out "$OUT/bench"
-      save_quack_cache "$FINAL" ;;
+      run bench python3 -m moeblaze.cli bench ${BENCH_ARGS:---suite all} --out "$LOGS/bench"
+      save_quack_cache "$RESULTS" ;;
     train)
       for b in ${TRAIN_BACKENDS:-torch triton}; do
         run "train_$b" timeout "${TRAIN_TIMEOUT:-600}" python3 -m moeblaze.cli train --device cuda --backend "$b" --no-progress --overwrite --out-dir "/tmp/run_$b"
@@ -129,26 +130,26 @@ for stage in "$@"; do
       MOEBLAZE_AUTOTUNE=0 run multigpu_tests timeout "${TESTS_TIMEOUT:-420}" python3 -m pytest -m multigpu -q -rfEs \
         -p no:cacheprovider tests/test_parallel.py tests/test_train_dist.py tests/test_ep_baselines.py
       # shellcheck disable=SC2086
-      run bench_ep timeout "${EP_BENCH_TIMEOUT:-600}" python3 -m torch.distributed.run --nproc-per-node 2 benchmarks/bench_ep.py ${EP_BENCH_ARGS:-} --out "$OUT/ep.csv"
+      run bench_ep timeout "${EP_BENCH_TIMEOUT:-600}" python3 -m torch.distributed.run --nproc-per-node 2 benchmarks/bench_ep.py ${EP_BENCH_ARGS:-} --out "$LOGS/ep.csv"
       multigpu_train
       ;;
     multigpu_train) multigpu_train ;;
     tr)  # SonicMoE's moe_general_routing_inputs row needs .peers/ (and its QuACK cache, as the bench stage)
       sonic_peers
-      run bench_tr timeout "${TR_TIMEOUT:-580}" python3 benchmarks/bench_token_rounding.py speed --out "$OUT/token_rounding.csv" ;;
+      run bench_tr timeout "${TR_TIMEOUT:-580}" python3 benchmarks/bench_token_rounding.py speed --out "$LOGS/token_rounding.csv" ;;
     chunks)
       for spec in ${CHUNKS_SPECS:-1:off 2:auto 3:off 4:auto}; do
         run "bench_chunks_${spec/:/_}" env MOEBLAZE_CHUNK_COLS="${spec#*:}" MOEBLAZE_AUTOTUNE=0 python3 -m moeblaze.cli \
           bench --configs "${CHUNKS_CONFIGS:-qwen3-30b-a3b,olmoe-1b-7b,sonicmoe-7b}" --tokens "${CHUNKS_TOKENS:-65536}" \
-          --impls moeblaze --target-s 0.5 --out "$OUT/chunks_${spec/:/_}"
+          --impls moeblaze --target-s 0.5 --out "$LOGS/chunks_${spec/:/_}"
       done ;;
-    rounding) run bench_rounding python3 benchmarks/bench_token_rounding.py rounding --out "$OUT/rounding.csv" ;;
+    rounding) run bench_rounding python3 benchmarks/bench_token_rounding.py rounding --out "$LOGS/rounding.csv" ;;
     hf)
       sonic_peers
       # shellcheck disable=SC2086
       run bench_hf timeout "${HF_TIMEOUT:-580}" python3 benchmarks/bench_hf.py ${HF_ARGS:---steps 150 --warmup 10} \
-        --out "$OUT/hf_train.csv"
-      save_quack_cache "$FINAL" ;;
+        --out "$LOGS/hf_train.csv"
+      save_quack_cache "$RESULTS" ;;
     balance)
       for spec in "aux-free --expert-bias-rate 1e-3 --aux-loss-coef 0" "switch --aux-loss-type switch --aux-loss-coef 0.01"; do
         read -r name flags <<< "$spec"
@@ -156,13 +157,13 @@ for stage in "$@"; do
         run "balance_$name" timeout "${BALANCE_TIMEOUT:-290}" python3 -m moeblaze.cli train --preset 1b --device cuda \
           --steps "${BALANCE_STEPS:-1000}" --checkpoint-interval 0 --checkpoint-minutes 0 --keep-checkpoints 1 \
           --no-progress --overwrite --out-dir "/tmp/balance/$name" $flags
-        cp "/tmp/balance/$name/metrics.csv" "$OUT/balance_${name}_metrics.csv"
+        cp "/tmp/balance/$name/metrics.csv" "$LOGS/balance_${name}_metrics.csv"
         rm -rf "/tmp/balance/$name/checkpoints"  # a 1B checkpoint with AdamW state is ~12.6 GB
       done
       run balance python3 benchmarks/bench_balance.py /tmp/balance/aux-free /tmp/balance/switch \
-        --labels "aux-free u=1e-3" "switch 0.01" --out "$OUT/balance.png" ;;
+        --labels "aux-free u=1e-3" "switch 0.01" --out "$LOGS/balance.png" ;;
     trq) run tr_quality timeout "${TRAIN_TIMEOUT:-580}" python3 benchmarks/bench_token_rounding.py quality \
-          --out-dir "$OUT/tr_quality" ;;
+          --out-dir "$LOGS/tr_quality" ;;
     *) echo "unknown stage $stage"; status=2 ;;
   esac
 done

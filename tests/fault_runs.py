@@ -36,7 +36,8 @@ def free_port() -> int:
 
 def _env(device: str) -> dict:
     env = dict(os.environ, PYTHONPATH=str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    env.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast off (the device machines' rule)
+    # NVLink multicast off: a fault in it can take the host's GPUs out of service
+    env.setdefault("NCCL_NVLS_ENABLE", "0")
     if device == "cpu":
         env.pop("CUDA_VISIBLE_DEVICES", None)
     return env

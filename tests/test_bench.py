@@ -381,7 +381,7 @@ def test_cli_bench_end_to_end_on_cpu(tmp_path, capsys):
 
 
 def test_outputs_without_matplotlib(tmp_path, monkeypatch):
-    """The GPU machine may lack matplotlib: the run still writes its tables and says how to plot later."""
+    """A GPU host may lack matplotlib: the run still writes its tables and says how to plot later."""
     import sys
 
     from moeblaze.bench.report import write_outputs

@@ -1,4 +1,4 @@
-"""The results file (``moeblaze.bench.results``): appending a call's rows, picking same-call rows per config,
+"""The results file (``moeblaze.bench.results``): appending a run's rows, picking same-run rows per config,
 the README table rewritten in place between its markers, the plots, and both through ``moeblaze bench``."""
 
 import argparse
@@ -68,8 +68,8 @@ def test_append_creates_then_appends_and_reads_back(tmp_path):
 
 
 def _results():
-    """conf4: an older call with all three, a newer one without SonicMoE; conf7: two complete calls;
-    an H100 call that must not mix with the H200 rows."""
+    """conf4: an older run with all three, a newer one without SonicMoE; conf7: two complete runs;
+    an H100 run that must not mix with the H200 rows."""
     old, new, c7a, c7b = (_call("2026-11-23", "10:58"), _call("2026-11-24", "09:00"),
                           _call("2026-11-22", "10:00", "c7 a"), _call("2026-11-24", "12:16", "c7 b"))
     h100 = _call("2026-11-20", "08:00", "h100", device="NVIDIA H100")
@@ -84,21 +84,22 @@ def _results():
             (h100, _row("olmoe-1b-7b", "moeblaze", 30.0, group="models"))]
 
 
-def test_pick_rows_takes_the_latest_call_with_the_most_implementations():
+def test_pick_rows_takes_the_latest_run_with_the_most_implementations():
     picked = pick_rows(_results(), ["olmoe-1b-7b", "conf4-swiglu", "conf7-swiglu"])
     assert [(cfg, call.time_utc, sorted(rows)) for cfg, call, rows in picked] == [
         ("conf4-swiglu", "10:58", ["conventional", "moeblaze", "sonicmoe"]),
         ("conf7-swiglu", "12:16", ["conventional", "moeblaze", "sonicmoe"])]  # olmoe: H100 only
     assert [cfg for cfg, _, _ in pick_rows(_results(), ["olmoe-1b-7b"], device="NVIDIA H100")] == ["olmoe-1b-7b"]
-    # a later call on another device that measured moeblaze alone keeps the table on the complete calls' device
+    # a later run on another device that measured moeblaze alone keeps the table on the complete runs' device
     later = _call("2026-11-25", "12:18", "h100 later", device="NVIDIA H100")
     picked = pick_rows(_results() + [(later, _row("conf4-swiglu", "moeblaze", 60.0))], ["conf4-swiglu"])
     assert [(cfg, call.device, call.time_utc) for cfg, call, _ in picked] == [("conf4-swiglu", "NVIDIA H200", "10:58")]
 
 
-def test_readme_table_has_same_call_ratios_and_its_calls():
+def test_readme_table_has_same_run_ratios_and_its_runs():
     table = readme_table(pick_rows(_results(), ["conf4-swiglu", "conf7-swiglu"]))
     lines = table.splitlines()
+    assert lines[0].endswith("| run |")  # the column numbering the runs listed below the table
     assert lines[2].startswith("| paper conf4 (32768, 2048, 8192, 16, 4) | 70.00 ms · 514 TF/s | 87.50 ms")
     assert "| 0.90x | 1.25x | 8,648 / 15,301 / 12,757 | 1 |" in lines[2]  # 63/70, 87.5/70
     assert "| 0.95x | 1.19x |" in lines[3] and lines[3].endswith("| 2 |")  # 16.2/17, 20.2/17

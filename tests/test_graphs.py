@@ -139,7 +139,7 @@ def _capture_and_compare(moe: MoE, static_x: torch.Tensor, static_dout: torch.Te
     # classes, freed only by the cycle collector) must not be destroyed inside this capture: torch.cuda.graph
     # no longer collects on entry, and a CUDAGraph's reset mid-capture invalidates it ("operation not permitted
     # when stream is capturing (function reset)", then capture_end's "operation failed due to a previous error
-    # during capture"; the host-loop test below failed so on fresh H200 machines, 2026-11-26).
+    # during capture"; the host-loop test below failed so on an H200).
     gc.collect()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -187,7 +187,7 @@ def test_detach_aux_losses_keeps_values_and_drops_the_graph():
 def test_gpu_capture_after_eager_default_stream_steps():
     """Eager steps on the default stream, then PyTorch's recipe (side-stream warm-up, capture): with the stored
     aux losses detached first, the capture succeeds and its replay equals eager bitwise (without it the capture
-    failed at OLMoE's shape on an H100, 2026-11-25: the reused gradient accumulators ran on the legacy stream)."""
+    failed at OLMoE's shape on an H100: the reused gradient accumulators ran on the legacy stream)."""
     moe = _layer("swiglu", "preact")
     static_x, static_dout = _static_inputs()
     for _ in range(2):  # eager training on the default stream

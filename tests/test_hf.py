@@ -42,12 +42,12 @@ def run(model: nn.Module, impl: str, ids: torch.Tensor, family: str) -> dict[str
 
 # In float64, batched_mm can sum in eager's order and come out exactly equal to the reference, while any other
 # order pays eps times the sum's condition number: GPT-OSS's router.weight gradient (through the top-k softmax,
-# with cancellation) came out 4.6e-16 from eager, over the 2-eps floor (CPU, torch 2.13, 2026-11-25). 64 eps
+# with cancellation) came out 4.6e-16 from eager, over the 2-eps floor (CPU, torch 2.13). 64 eps
 # still fails any real error by orders of magnitude.
 FP64_FLOOR = 64 * torch.finfo(torch.float64).eps
 # Results of a few elements (the losses; GPT-OSS's per-head attention sinks, 4 numbers whose gradient sums the
 # softmax's terms with cancellation) hold too few roundings for a ratio to one baseline's error to mean anything:
-# the sinks' fp32 gradient came out 1.81e-6 from float64 against eager's 0.73e-6 (CPU, torch 2.13, 2026-11-25),
+# the sinks' fp32 gradient came out 1.81e-6 from float64 against eager's 0.73e-6 (CPU, torch 2.13),
 # with the logits and every expert gradient within the rule. They get a floor of 16 eps of their dtype.
 SMALL = 16
 
@@ -55,7 +55,7 @@ SMALL = 16
 def check(actual: dict, ref64: dict, baseline: dict, scalar_floor: float = 0.0) -> None:
     """DESIGN.md §7 on every output and gradient. ``scalar_floor``: the relative floor for one-element results
     (the losses; at least the ``SMALL`` floor) — one number's error against a baseline's is a lottery (the bf16
-    baseline's loss came out within 4e-5 of float64 by luck while ours was 2e-4 on an H200, 2026-11-25, with
+    baseline's loss came out within 4e-5 of float64 by luck while ours was 2e-4 on an H200, with
     logits and every gradient within the rule), so they are held to the model dtype's rounding instead."""
     assert actual.keys() == ref64.keys()
     for key, ref in ref64.items():
@@ -291,14 +291,14 @@ def test_register_under_another_name():
 def test_family_matches_eager_bf16_triton(family):
     """The same check in bf16 with the Triton kernels (backend "auto" on CUDA), on one decoder layer: with two,
     the second router sees the first layer's bf16 rounding, and a near-tie in its top-k flips experts between
-    the implementations (seen for OLMoE, Mixtral and Ernie-4.5 on an H200, 2026-11-25), which would compare
+    the implementations (seen for OLMoE, Mixtral and Ernie-4.5 on an H200), which would compare
     two routings rather than two experts implementations."""
     one_layer = {"num_hidden_layers": 1}
     if "layer_types" in FAMILIES[family]:
         one_layer["layer_types"] = FAMILIES[family]["layer_types"][-1:]
     if "layers_block_type" in FAMILIES[family]:
         # Nemotron-H has one MoE block already; alone (no attention block) transformers' cache has no
-        # attention layer to ask the sequence length (ValueError, transformers 5.17, H100, 2026-11-25)
+        # attention layer to ask the sequence length (ValueError, transformers 5.17, H100)
         one_layer = {}
     model = tiny_model(family, torch.bfloat16, **one_layer).cuda()
     ids = torch.randint(0, model.config.vocab_size, (2, 16), device="cuda")

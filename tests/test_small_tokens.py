@@ -224,5 +224,5 @@ def test_gpu_tuned_persistent_wgrad_configs_bitwise(T, d, h, E, K, b_desc):
                 outs.append(out)
             assert torch.equal(outs[0], outs[1]), config
             # bf16 output: rounding costs up to 2^-8 of the largest sum, plus the fp32 accumulation's error
-            # (this check as a script: 0.0021-0.0036 on an H200, 2026-11-25); a wrong slot or tile costs O(1)
+            # (this check as a script: 0.0021-0.0036 on an H200); a wrong slot or tile costs O(1)
             assert (outs[1].double() - ref).abs().max() <= 2 ** -7 * ref.abs().max(), config

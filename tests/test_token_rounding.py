@@ -518,7 +518,7 @@ def test_compiled_rounding_is_bitwise_eager():
 def test_benchmark_ceiling_sums_the_input_gradient_as_the_layer_does():
     """The ceiling variant of ``bench_token_rounding.py speed`` shares x's gradient between the router and the
     experts as ``moeblaze.MoE`` does: without it autograd's ``[T, d]`` addition (34 µs per step at T 16384, d 1536
-    on an H200, 2026-11-26, ``python3 benchmarks/bench_token_rounding.py speed --shapes 0 --variants none
+    on an H200, ``python3 benchmarks/bench_token_rounding.py speed --shapes 0 --variants none
     --breakdown 45``) made the ceiling slower than the layer it bounds, and the share of its gain too high."""
     import importlib.util
     from pathlib import Path

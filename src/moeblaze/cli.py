@@ -44,7 +44,7 @@ __all__ = ["PRESETS", "main"]
 # context), for GPU runs and the multi-GPU throughput check of scripts/gpu_suite.sh multigpu; a lower peak
 # learning rate than the small default suits the larger model. Under --fsdp its 2 GB of bf16 parameters stay
 # gathered from forward to backward and gradients reduce in bf16: on 2 H200s 129,242 tokens/s per GPU against
-# 104,206 with FSDP2's defaults, one GPU 118,686-120,328 (docs/results-train-multigpu.csv, 2026-11-28,
+# 104,206 with FSDP2's defaults, one GPU 118,686-120,328 (docs/results-train-multigpu.csv,
 # RUNS="fsdp2 1" bash benchmarks/multigpu.sh train with and without EXTRA="--no-fsdp-reshard --fsdp-reduce-dtype bf16").
 PRESETS = {
     "small": {},

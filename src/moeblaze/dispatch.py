@@ -345,7 +345,7 @@ def _build(topk_ids: torch.Tensor, num_experts: int, block_m: int | None, foreig
     ``foreign_experts``: ids ``>= E`` go to a last bucket E that the schedule (over the local offsets) leaves out.
     ``pair_tokens`` (``[T*K]`` int32, general routing inputs): ``expert_token_indices`` maps each slot to its pair's
     token. On CUDA the Triton build writes both in its write pass (a gather of the tokens and a schedule launch
-    after it took 7.5 + 5 µs more at token rounding's 40,832 pairs: H200, 2026-11-26, ``python3
+    after it took 7.5 + 5 µs more at token rounding's 40,832 pairs: H200, ``python3
     benchmarks/bench_token_rounding.py speed --shapes 0 --variants none --breakdown 40``).
     """
     E = num_experts + foreign_experts

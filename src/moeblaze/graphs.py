@@ -20,7 +20,7 @@ capture, and two things must be let go first:
   that starts inside a later capture, and destroying a graph invalidates the capture ("operation not
   permitted when stream is capturing (function reset)", then "operation failed due to a previous error during
   capture"). Call ``gc.collect()`` before capturing after such graphs were dropped (seen in
-  ``tests/test_graphs.py`` on fresh H200 machines, 2026-11-26).
+  ``tests/test_graphs.py`` on an H200).
 * ``backend="torch"``: capturable on its ``grouped_mm`` path (CUDA, bf16, d and h multiples of 8, no expert
   biases); its per-expert loops (other dtypes, the expert-bias gradients) read the expert offsets on the
   host and under capture raise ``RuntimeError`` naming the op.

@@ -2,7 +2,7 @@
 
 :class:`moeblaze.MoE` feeds the same ``x`` to the router's logits GEMM and to the experts' up-projection. Autograd
 gives each its own ``dx`` and then adds the two: an element-wise kernel that reads both and writes the sum, 3 x 2Td
-bytes in 16-bit (150 MB and 34 µs per step at T 16384, d 1536 on an H200, 2026-11-26: the largest kernel of the
+bytes in 16-bit (150 MB and 34 µs per step at T 16384, d 1536 on an H200: the largest kernel of the
 step outside the experts' and the router's GEMMs, ``python3 benchmarks/bench_token_rounding.py speed --shapes 0
 --breakdown 16``). With a :class:`SharedInputGrad` the first of the two backwards to run returns its ``dx`` as
 usual and keeps a reference to it; the second adds into that tensor in place and returns None, so autograd adds

@@ -309,7 +309,7 @@ def detach_aux_losses(model: nn.Module) -> None:
     default stream every later step — the side-stream warm-up and the capture included — accumulates on the
     legacy default stream, and ``torch.cuda.graph`` fails ("operation would make the legacy stream depend on
     a capturing blocking stream", then ``cudaErrorStreamCaptureInvalidated``: ``benchmarks/bench_host.py
-    --graph`` at OLMoE, T 4096, on an H100, 2026-11-25). Call it (and drop your own references to the last
+    --graph`` at OLMoE, T 4096, on an H100). Call it (and drop your own references to the last
     loss) before the warm-up that precedes a capture.
     """
     for m in model.modules():

@@ -76,9 +76,9 @@ class _RouterLogits(torch.autograd.Function):
     ``[hi | lo]`` and sums both in one GEMM per gradient (K = 2E), so the gradients keep ~16 mantissa bits
     of ``dlogits`` before their own rounding; ``dx`` comes out of the GEMM in x's dtype. Why one GEMM:
     two GEMMs with fp32 outputs, their sum and the cast took 0.52 ms of a T 32768, d 2048 step on an H200
-    (2026-11-23, ``benchmarks/profile_layer.py --configs qwen3-30b-a3b --timeline``: 0.075 + 0.075 + 0.188 +
+    (``benchmarks/profile_layer.py --configs qwen3-30b-a3b --timeline``: 0.075 + 0.075 + 0.188 +
     0.094 ms), 3% of a qwen3-30b layer step; the one-GEMM form made the layer step 1.008-1.014x faster
-    (H200, 2026-11-23, same-call step times of conf4, qwen3-30b and olmoe; ``moeblaze bench --configs
+    (H200, same-run step times of conf4, qwen3-30b and olmoe; ``moeblaze bench --configs
     conf4-swiglu,qwen3-30b-a3b,olmoe-1b-7b`` measures the step).
 
     Any other pair of dtypes takes the fp32 path (fp32 products, so TF32 where

@@ -2,8 +2,8 @@
 
 Precedence, highest first: :func:`override` (a ``with`` block, this thread/task only) > :func:`configure`
 (process-wide) > the environment variable > the built-in default. The environment is read at each look-up,
-so a variable set after import still counts (a :func:`get` takes 0.18 µs on the 2-core CPU, about 0.5 µs on the lent
-H200 machine's: ``python3 benchmarks/bench_host.py --parts``).
+so a variable set after import still counts (a :func:`get` takes 0.18 µs on a 2-core CPU, about 0.5 µs on an
+H200's host CPU: ``python3 benchmarks/bench_host.py --parts``).
 
 | setting | environment | values (default first) | what it does |
 |---|---|---|---|
@@ -108,8 +108,8 @@ SETTINGS: dict[str, tuple[str, Callable[[str, str], Any], Any]] = {
 
 # os.environ's own store (_getenv): CPython's os._Environ keeps the process environment in ``_data`` (bytes keys on
 # POSIX) and updates it on every os.environ write (monkeypatch.setenv included). A look-up through os.environ
-# encodes the key and decodes the value: 1.26 µs on the lent H200 machine's CPU (2026-11-26) against 0.04 µs for
-# the store's own dict read on the 2-core CPU, and a layer step makes ~70 look-ups (``python3
+# encodes the key and decodes the value: 1.26 µs on an H200's host CPU against 0.04 µs for
+# the store's own dict read on a 2-core CPU, and a layer step makes ~70 look-ups (``python3
 # benchmarks/bench_host.py --profile 60``); elsewhere (Windows) os.environ is read.
 _POSIX = os.name == "posix"
 
@@ -209,7 +209,7 @@ def carried_to_backward(method: Callable[..., Any]) -> Callable[..., Any]:
     effect in the forward govern its backward too, below the backward thread's own overrides.
 
     Why: on CUDA, ``loss.backward()`` runs the backward on autograd's device thread, which the calling thread's
-    overrides (a context variable) do not reach: on an H200 (2026-11-27) a backward inside ``override(...)`` still took
+    overrides (a context variable) do not reach: on an H200 a backward inside ``override(...)`` still took
     the kernel the override switched off. Without an override in the forward this adds one stored attribute and
     enters nothing; under ``torch.compile`` it does nothing (the settings are those of the trace, as :func:`get` says).
     """

@@ -232,7 +232,7 @@ class _PairList(torch.autograd.Function):
     reads the top-k pairs' gradients at their positions ``pair_offsets[t] + k`` and writes the padded pairs' (the
     rest of each token's range) into a zero ``[T, E]``: no accumulation. Autograd's own backward of two gathers
     accumulated into one element per unused branch, serialising atomics: 71 µs per step at T 16384, E 128, K 2
-    (H200, 2026-11-26, ``python3 benchmarks/bench_token_rounding.py speed --shapes 0 --variants none --breakdown
+    (H200, ``python3 benchmarks/bench_token_rounding.py speed --shapes 0 --variants none --breakdown
     40``). With the Triton selections the place kernels write the weights and one launch writes both gradients
     (:mod:`moeblaze.kernels.pair_list`), where the weights' gather had taken a launch of its own (1.6 µs per step
     there)."""
@@ -413,7 +413,7 @@ class _RoutedPairs(torch.autograd.Function):
     it lies (:func:`moeblaze.kernels.router.router_topk_backward` with ``pairs``): no ``[T, K]`` and ``[T, E]``
     gradients of the top-k weights and scores are written (:func:`moeblaze.kernels.pair_list.
     pair_weights_backward`) and read back by the router's backward: one launch of 11.1 µs against two of 14.8 at
-    T 16384, E 128, K 2 (H200, 2026-11-26, ``python3 benchmarks/bench_small_kernels.py --kernels pair_grads``).
+    T 16384, E 128, K 2 (H200, ``python3 benchmarks/bench_small_kernels.py --kernels pair_grads``).
     Gradients of the router's own weights and probabilities (a caller's other use of them) take that dense
     path."""
 

@@ -7,7 +7,7 @@ bytes allocated before it, finds the moment the most bytes were allocated, and g
 then by the line of code that allocated them (the innermost frame outside torch itself).
 :func:`peak_breakdown` runs one step on a CUDA device under the recorder and replays its trace.
 
-Used by ``benchmarks/profile_layer.py --peak``; docs/benchmarks.md reads conf7's peak with it (H200, 2026-11-24).
+Used by ``benchmarks/profile_layer.py --peak`` (what makes up a step's peak memory).
 """
 
 from __future__ import annotations

@@ -1,16 +1,16 @@
 """Energy and SM clock of the GPU over a stretch of steps, from NVML (``pynvml``, the ``nvidia-ml-py`` package).
 
 Why: a training step at tens of thousands of tokens keeps an H200 at its 700 W power limit, where the SM clock
-follows the energy of whatever runs (1,515-1,950 MHz while a transformers Qwen3-MoE trained, 2026-11-26; 1,380-1,470
+follows the energy of whatever runs (1,515-1,950 MHz while a transformers Qwen3-MoE trained; 1,380-1,470
 MHz with one GEMM replayed for seconds). There two implementations of equal kernel time at equal clocks can differ in
-step time, and the energy per step says which of them spends more (docs/benchmarks.md, "The transformers step at the
-power limit"). NVML's total energy counter (millijoules since the driver loaded) gives the joules of a stretch; a
+step time, and the energy per step says which of them spends more (docs/benchmarks.md, "Method": the
+power limit). NVML's total energy counter (millijoules since the driver loaded) gives the joules of a stretch; a
 thread reads the SM clock every ``interval_s`` meanwhile. Read-only: nothing of the card's settings is changed.
 
 Used by ``benchmarks/bench_hf.py --energy`` (joules per step) and ``benchmarks/profile_layer.py --energy N``.
 The sampling thread takes the GIL from the thread that queues the GPU's work: at the default interval it
 lengthened the transformers Qwen3-MoE step of ``bench_hf.py`` from 277.1 to 283.8 ms for SonicMoE and moeblaze
-alike (H200, 2026-11-26; ``--energy`` against without, one call), so a benchmark whose figure is step time
+alike (H200; ``--energy`` against without, one run), so a benchmark whose figure is step time
 leaves it off.
 """
 

@@ -1,16 +1,16 @@
 """The results file: every ``moeblaze bench`` measurement kept as data, and the README table and plots made from it.
 
-``docs/results.csv`` holds one row per (call, config, implementation): where and when it was measured
-(:data:`CALL_COLUMNS`: UTC day and time of the call, device, the commit of the code measured, torch and
+``docs/results.csv`` holds one row per (run, config, implementation): where and when it was measured
+(:data:`CALL_COLUMNS`: UTC day and time of the run, device, the commit of the code measured, torch and
 triton versions, the exact command) followed by the fields of :class:`moeblaze.bench.runner.Row`.
 
-* ``moeblaze bench ... --append-results docs/results.csv`` appends the rows of that call
+* ``moeblaze bench ... --append-results docs/results.csv`` appends the rows of that run
   (:func:`append_results`);
 * ``moeblaze bench --report docs/results.csv`` rewrites the README's performance table between the
   :data:`TABLE_START` / :data:`TABLE_END` markers and draws ``docs/plots/*.png`` (:func:`make_report`).
 
-The table shows, per config of :data:`README_CONFIGS`, the rows of one call — the latest call that measured
-the most of moeblaze, the conventional layer and SonicMoE — so every ratio in it is a same-call ratio.
+The table shows, per config of :data:`README_CONFIGS`, the rows of one run — the latest run that measured
+the most of moeblaze, the conventional layer and SonicMoE — so every ratio in it is a same-run ratio.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ class Call:
     """One ``moeblaze bench`` invocation: the columns :data:`CALL_COLUMNS` (ordered by date, then time)."""
 
     date: str  # UTC day, YYYY-MM-DD
-    time_utc: str  # HH:MM, when the call started
+    time_utc: str  # HH:MM, when the run started
     device: str
     commit: str  # short hash of the code measured, "" where unknown
     torch: str
@@ -87,7 +87,7 @@ def git_commit(where: str | Path | None = None) -> str:
 
 
 def append_results(path: str | Path, rows: Sequence[Row], call: Call) -> Path:
-    """Append ``rows`` of one call to the results file ``path`` (created with its header if absent).
+    """Append ``rows`` of one run to the results file ``path`` (created with its header if absent).
 
     Raises:
         ValueError: ``path`` exists and its header is not :data:`RESULT_COLUMNS`.
@@ -108,7 +108,7 @@ def append_results(path: str | Path, rows: Sequence[Row], call: Call) -> Path:
 
 
 def read_results(path: str | Path) -> list[tuple[Call, Row]]:
-    """Every row of a results file with its call.
+    """Every row of a results file with its run (:class:`Call`).
 
     Raises:
         FileNotFoundError: no such file. ValueError: a CSV without the columns :data:`RESULT_COLUMNS`.
@@ -129,19 +129,19 @@ def _ok(row: Row | None) -> bool:
 
 
 def _measured(rows: dict[str, Row]) -> int:
-    """How many of :data:`TABLE_IMPLS` a call measured (status ok) for one config."""
+    """How many of :data:`TABLE_IMPLS` a run measured (status ok) for one config."""
     return sum(_ok(rows.get(i)) for i in TABLE_IMPLS)
 
 
 def pick_rows(results: Sequence[tuple[Call, Row]], configs: Sequence[str] = README_CONFIGS,
               device: str | None = None) -> list[tuple[str, Call, dict[str, Row]]]:
-    """Per config, the rows of one call: the call with the most of :data:`TABLE_IMPLS` measured (status ok),
-    the latest of those; configs that no call measured with moeblaze are left out.
+    """Per config, the rows of one run: the run with the most of :data:`TABLE_IMPLS` measured (status ok),
+    the latest of those; configs that no run measured with moeblaze are left out.
 
     Args:
         results: :func:`read_results`. configs: config names, in table order.
-        device: keep only this device's calls (default: the device of the latest call among those that
-            measured the most implementations of one config: a later call of moeblaze alone on another device
+        device: keep only this device's runs (default: the device of the latest run among those that
+            measured the most implementations of one config: a later run of moeblaze alone on another device
             does not take the table over).
 
     Returns:
@@ -174,16 +174,16 @@ def _peak(r: Row | None) -> str:
 
 
 def _ratio(ours: Row, other: Row | None) -> str:
-    """How many times faster ``ours`` ran than ``other`` (same call)."""
+    """How many times faster ``ours`` ran than ``other`` (same run)."""
     return f"{other.time_ms / ours.time_ms:.2f}x" if _ok(other) else "—"
 
 
 def readme_table(picked: Sequence[tuple[str, Call, dict[str, Row]]]) -> str:
-    """The README's performance table (markdown) of :func:`pick_rows`, with a numbered list of the calls
+    """The README's performance table (markdown) of :func:`pick_rows`, with a numbered list of the runs
     (date, device, commit, command) that measured its rows."""
     calls: list[Call] = []
     lines = ["| config (T, d, h, E, K) | moeblaze | conventional | SonicMoE | speed vs SonicMoE | "
-             "speed vs conventional | peak MiB: moeblaze / conventional / SonicMoE | call |",
+             "speed vs conventional | peak MiB: moeblaze / conventional / SonicMoE | run |",
              "|---|---|---|---|---|---|---|---|"]
     for cfg, call, rows in picked:
         if call not in calls:
@@ -218,7 +218,7 @@ def rewrite_readme(path: str | Path, table: str) -> Path:
 def draw_plots(results: Sequence[tuple[Call, Row]], picked: Sequence[tuple[str, Call, dict[str, Row]]],
                out_dir: str | Path) -> list[Path]:
     """PNGs into ``out_dir``: ``speedup.png`` and ``memory.png`` of the table's rows, ``tokens.png`` (time and
-    peak memory against T) of the latest call of that device that measured one shape at >= 2 token counts.
+    peak memory against T) of the latest run of that device that measured one shape at >= 2 token counts.
 
     Raises:
         ImportError: matplotlib is not installed.

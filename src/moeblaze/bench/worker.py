@@ -6,9 +6,9 @@ tens of configs), which can take minutes and cannot be interrupted in-process, s
 
     python -m moeblaze.bench.worker --job '<json>' --out row.json --dump-after-s S
 
-in a new session (a fresh interpreter: no inherited CUDA context) and waits at most ``timeout_s``; past
-it the whole process group is killed (compile workers that the child spawned too) and the row says so;
-5 s before that the child prints every thread's Python stack (``faulthandler``), so the log kept under
+in a new process group that it leads (``setsid``; a fresh interpreter: no inherited CUDA context) and waits at
+most ``timeout_s``; past it the whole process group is killed (compile workers that the child spawned too) and the
+row says so; 5 s before that the child prints every thread's Python stack (``faulthandler``), so the log kept under
 ``RunOptions.child_log_dir`` says where it was.
 The child (:func:`main`) rebuilds the seeded weights and inputs of the config, runs
 :func:`moeblaze.bench.runner.measure_impl` and writes the :class:`~moeblaze.bench.runner.Row` as JSON.
@@ -80,7 +80,7 @@ def measure_isolated(cfg: BenchConfig, spec: str, opts: RunOptions, timeout_s: f
             except subprocess.TimeoutExpired:
                 rc = None
                 _kill(proc)
-            except BaseException:  # Ctrl-C: the child is in another session, take it down too
+            except BaseException:  # Ctrl-C: the child is in its own process group (setsid), take it down too
                 _kill(proc)
                 raise
         _keep_log(log, opts.child_log_dir, re.sub(r"[^\w.-]", "_", f"{cfg.name}-{name}") + ".log")
@@ -115,7 +115,7 @@ def _child_env() -> dict[str, str]:
 
 
 def _kill(proc: subprocess.Popen) -> None:
-    """SIGKILL the child's process group (it leads its own session), then reap it."""
+    """SIGKILL the child's process group (it leads its own, ``setsid``), then reap it."""
     with contextlib.suppress(ProcessLookupError, PermissionError):
         if hasattr(os, "killpg"):
             os.killpg(proc.pid, signal.SIGKILL)

@@ -1,16 +1,16 @@
 """B1 activation backward as a row-streaming kernel, after a plain-epilogue ``dact'`` GEMM (DESIGN.md §5).
 
 Why not in the GEMM's epilogue: loading ``pre`` and doing the activation math after the main loop, with
-one CTA per SM, overlaps with nothing. Measured on an H200 (2026-11-22, both forms in one call, olmoe shape
+one CTA per SM, overlaps with nothing. Measured on an H200 (both forms in one run, olmoe shape
 T 32768, d 2048, h 1024, E 64, K 8, bf16; ``python3 benchmarks/profile_layer.py --configs olmoe-1b-7b --impls
-moeblaze --kernels`` times today's two launches): the fused epilogue took 4.33 ms (2.3x F2's 1.87 ms for the same FLOPs,
+moeblaze --kernels`` times the two launches kept): the fused epilogue took 4.33 ms (2.3x F2's 1.87 ms for the same FLOPs,
 also with ``pre`` prefetched before the main loop); the plain GEMM 1.69 ms plus this kernel 1.08 ms, and
 the whole layer step 22.3 ms instead of 23.4 (qwen3-30b 19.2 vs 19.4, mixtral 136.7 vs 141.1, conf4
 81.8 vs 85.2). The GEMM stores ``dact' = dout[token(s)] W_down[e]`` (2 bytes per element, into the
 ``[N, h]`` buffer that B2 needs anyway for ``w * act``: no extra memory) and this kernel streams the
 rows at memory bandwidth, reading ``dact'``, ``pre`` and writing ``dpre``, ``w * act`` (12 bytes per
 element in 16-bit dtypes). A warp-specialized Gluon kernel whose 2-warp epilogue did this pass while the
-next tile's MMAs ran (H200, 2026-11-24, B1 alone by ``triton.testing.do_bench`` on conf4, conf7 and qwen3-30b;
+next tile's MMAs ran (H200, B1 alone by ``triton.testing.do_bench`` on conf4, conf7 and qwen3-30b;
 docs/benchmarks.md, "Tried and dropped") was correct but only 0.94-1.02x of these two launches: its gathered operand's loads, slowed by the epilogue's own traffic, then
 held the MMAs back.
 

@@ -64,7 +64,7 @@ def gather_sum_kernel(
         # the first K pairs unrolled as below (their loads go out together), the rest one by one: token
         # rounding's pairs (T*K top-k pairs and J*E pad entries, ~K + 0.5 per token) took 92 against 72 µs
         # per layer step looped at T 16384, E 128, K 2, and 480 against 385 at E 512, K 10 (the ceiling's top-k
-        # layout; H200, 2026-11-26, ``python3 benchmarks/bench_token_rounding.py speed --shapes 0,2 --breakdown 22``)
+        # layout; H200, ``python3 benchmarks/bench_token_rounding.py speed --shapes 0,2 --breakdown 22``)
         for k in tl.static_range(K):
             acc = _add_pair(acc, k, src_ptr, w_ptr, map_ptr, pair_row, local, t_mask, mask, offs_d, count,
                             stride_src_m, stride_w_t, stride_w_k, stride_map_t, stride_map_k, HAS_W, HAS_LIMIT, CSR)
@@ -75,7 +75,7 @@ def gather_sum_kernel(
         # unrolled: the K slot-row loads of a tile are independent and go out together, where a loop waited for
         # each pair's slot id, then its row. Qwen3-30B-A3B at T 32,768, F3's three column chunks 0.442 ms
         # against 0.532 looped, B5's 0.422 against 0.475; SonicMoE's one unchunked gather-sum 0.403 (H100,
-        # 2026-11-25, two calls, ``benchmarks/profile_layer.py --configs qwen3-30b-a3b --impls
+        # two runs, ``benchmarks/profile_layer.py --configs qwen3-30b-a3b --impls
         # moeblaze,sonicmoe --timeline``)
         for k in tl.static_range(K):
             acc = _add_pair(acc, k, src_ptr, w_ptr, map_ptr, rows_t, local, t_mask, mask, offs_d, 0,
@@ -88,7 +88,7 @@ def gather_sum_kernel(
 # output, so every chunk width of a layer shares one tuning. Keyed on D, a chunk width first seen mid-run (the
 # allocator's headroom widens F2's chunks from the second step on: kernels.experts.column_chunks) tuned there, and
 # its ~2 s of autotuning landed in a timed step: the 8-layer Qwen3-30B-A3B stack at T 16,384 and 32,768 averaged
-# 152.1 and 214.8 ms per eager step against 62.4 and 119.1 replayed (H200, 2026-11-26, benchmarks/gpu_issue24.sh
+# 152.1 and 214.8 ms per eager step against 62.4 and 119.1 replayed (H200, benchmarks/gpu_issue24.sh
 # PART=sweep). One config serves the widths: one token by 1,024 columns was the best on 768- and 2,048-column rows
 # (tuning.gather_sum_configs).
 _GATHER_SUM = Launchable(gather_sum_kernel, gather_sum_configs, key=["stride_out_t", "K", "HAS_W", "CSR"])

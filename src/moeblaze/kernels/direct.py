@@ -4,19 +4,19 @@
 options into a string for its cache key, checks the kernel's globals and only then calls the compiled
 kernel's C launcher. A layer step launches about 16 kernels of 10-45 arguments each, and on a GPU the step
 at a few thousand tokens is bound by that host time (issue 24: 4.6-7.7 ms per layer step on an H100,
-2026-11-25, ``benchmarks/bench_host.py``). :func:`launch` does that work once per *signature* — the values of
+``benchmarks/bench_host.py``). :func:`launch` does that work once per *signature* — the values of
 the constexpr arguments and, for the others, exactly what Triton specialises on (dtype and 16-byte
 alignment of tensors; type, ``== 1`` and divisibility by 16 of integers) — keeps the compiled kernel Triton
 returned, and later launches of the same signature call its launcher directly with the arguments in order.
 Repeats are found by a cheaper, finer key first (:func:`_fast_key`: the integers' values themselves): 9.5 µs
-against 17.8 µs per grouped-GEMM launch for the signature, on the lent H200 machine's CPU (2026-11-26,
-``python3 benchmarks/bench_host.py --parts`` prints the key's cost), 16 launches per layer step.
+against 17.8 µs per grouped-GEMM launch for the signature, on the host CPU of an H200
+(``python3 benchmarks/bench_host.py --parts`` prints the key's cost), 16 launches per layer step.
 
 The first launch of a signature goes through ``kernel[grid]`` unchanged, so compilation, the compile cache
 and CUDA-graph capture behave as with Triton's own launch; so does every launch under the CPU interpreter, in
 Triton's debug mode, while a launch hook is installed (e.g. by a profiler) or for a kernel with pre-run hooks
-(:func:`launch`). Measured on an H100 (2026-11-25, ``benchmarks/bench_host.py --launch direct,triton``, rows
-in ``docs/results-stack.csv``): 0.3-1.0 ms less host time per layer step in 9 of 14 same-call A/B pairs; the
+(:func:`launch`). Measured on an H100 (``benchmarks/bench_host.py --launch direct,triton``, rows
+in ``docs/results-stack.csv``): 0.3-1.0 ms less host time per layer step in 9 of 14 same-run A/B pairs; the
 other 5 inside the run-to-run noise (about a quarter) or reversed.
 """
 

@@ -23,7 +23,7 @@ Pair order equals token order inside an expert because a row's ids are distinct.
    ``expert_token_indices[slot]`` at its final place. Asked for a grouped-GEMM tile schedule
    (``block_m``), the chunks also write it, blocks of ``_BLOCK_I`` entries strided over the chunks, from
    the per-expert totals every chunk already holds: no fourth launch (each launch from Python costs
-   ~60-80 µs of host time on the H200 machine, more than this whole build's device time at 8k tokens).
+   ~60-80 µs of host time (H200), more than this whole build's device time at 8k tokens).
 
 ``tile_schedule`` builds the same schedule in one small launch from ``expert_token_offsets`` alone
 (for an index that was built without one).
@@ -300,7 +300,7 @@ def _check_device(t: torch.Tensor, name: str) -> None:
 
 
 def _programs_per_sm(num_pairs: int, num_experts: int) -> int:
-    """Chunks per SM when N is large. Measured on an H200 (2026-11-22, CUDA-graph time, 2M tokens):
+    """Chunks per SM when N is large. Measured on an H200 (CUDA-graph time, 2M tokens):
     the register path (E <= 16) is fastest with 8 (K=8: 309 µs vs 392 with 4); the table path wants
     more programs in flight only past ~8M pairs (K=8, E=256: 698 µs with 16 vs 982 with 4), and fewer,
     longer tiles below (1M pairs, E=64: 39 µs with 4 vs 46 with 16)."""
@@ -404,7 +404,7 @@ def _max_tiles(num_pairs: int, num_experts: int, block_m: int) -> int:
 def _ids_as_is(topk_ids: torch.Tensor, foreign: bool) -> bool:
     """The write pass reads the caller's ids themselves: contiguous int32 without foreign ids. With foreign ids (the
     last bucket's, ``schedule_experts < num_experts``) the count pass writes them clamped into that bucket, where a
-    clamp of its own took a launch (1.2 µs per step at token rounding's 40,832 pairs: H200, 2026-11-26, ``python3
+    clamp of its own took a launch (1.2 µs per step at token rounding's 40,832 pairs: H200, ``python3
     benchmarks/bench_token_rounding.py speed --shapes 0 --variants none --breakdown 60``)."""
     return topk_ids.dtype == torch.int32 and topk_ids.is_contiguous() and not foreign
 

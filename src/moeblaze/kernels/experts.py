@@ -200,17 +200,17 @@ def column_chunks(num_slots: int, d: int, h: int, elem: int,
     Why the headroom: each chunk more re-reads A and adds two launches, and the layers a step runs away from its
     memory peak have room for wider ones; within the headroom a wider buffer cannot raise the peak
     (``max_memory_allocated``), whose reference is the last ``torch.cuda.reset_peak_memory_stats``: a loop that
-    resets it every step gets the capped chunks in its forward. Measured (H200, 2026-11-26; docs/benchmarks.md,
-    "F2 and B3 under ncu; column chunks by the allocator's headroom"): F2 and B3 alone at T 32,768-65,536
+    resets it every step gets the capped chunks in its forward. Measured (H200): F2 and B3 alone at T 32,768-65,536
     (Qwen3-30B-A3B) in one chunk took 0.977-0.987x the capped chunks' time, B3 with 8-11% less energy per FLOP;
-    the transformers Qwen3-MoE of issue 22 (``benchmarks/bench_hf.py --peak step``: the peak reset every step) stepped
-    in 285.8 / 286.3 ms with the headroom against 286.0 / 288.7 capped, peak unchanged (38,234 MiB), and in
-    291.4 ms with ``off`` against 297.9 capped on another card (peak 39,001 MiB). Chunk starts are multiples of
-    16 columns (16-byte aligned TMA bases). Each output column is reduced as in one chunk: bitwise the one-chunk result with
-    fixed configs (``MOEBLAZE_AUTOTUNE=0``; tested in fp32 and bf16). Tuned, the Triton GEMM (off the
-    warp-specialized path) picks a config per chunk width (``N_COLS`` is in its autotune key): the same k order in
-    16-bit (every tuned 16-bit config has BLOCK_K 64), possibly another BLOCK_K in fp32, so equal within rounding
-    there; a width first seen tunes once. The gather-sums tune once per row width d (:mod:`.combine`).
+    the transformers Qwen3-MoE of issue 22 (``benchmarks/bench_hf.py --peak step``: the peak reset every step; rows
+    in docs/results-hf.csv) stepped in 285.8 / 286.3 ms with the headroom against 286.0 / 288.7 capped, peak
+    unchanged (38,234 MiB), and in 291.4 ms with ``off`` against 297.9 capped on another card (peak 39,001 MiB).
+    Chunk starts are multiples of 16 columns (16-byte aligned TMA bases). Each output column is reduced as in one
+    chunk: bitwise the one-chunk result with fixed configs (``MOEBLAZE_AUTOTUNE=0``; tested in fp32 and bf16).
+    Tuned, the Triton GEMM (off the warp-specialized path) picks a config per chunk width (``N_COLS`` is in its
+    autotune key): the same k order in 16-bit (every tuned 16-bit config has BLOCK_K 64), possibly another BLOCK_K
+    in fp32, so equal within rounding there; a width first seen tunes once. The gather-sums tune once per row width
+    d (:mod:`.combine`).
     """
     mode = settings.get("chunk_cols")
     if mode == "off":

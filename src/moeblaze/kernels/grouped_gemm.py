@@ -111,7 +111,7 @@ def _mainloop(a_ptr, b_ptr, a_desc, b_desc, a_rows, a_row0, e, pid_n, N_COLS, K_
     ``[BLOCK_K, 2*BLOCK_N]`` box of alternating gate/up columns ``2*n0 ...`` feeds one wide MMA whose
     accumulator columns alternate the same way; split after the loop. Same products and
     summation order as two dots: bitwise equal results, 1.01-1.04x faster on an H200 at the same config
-    and 1.06-1.08x with the persistent launch it makes worthwhile (2026-11-23, F1 of conf4, conf7, olmoe,
+    and 1.06-1.08x with the persistent launch it makes worthwhile (F1 of conf4, conf7, olmoe,
     qwen3-30b replayed alone, ``python3 benchmarks/profile_kernels.py --configs conf4-swiglu,conf7-swiglu``).
 
     ``A_DESC`` (A not gathered): A's ``[BLOCK_M, BLOCK_K]`` tile of slot rows from ``a_row0`` comes through

@@ -363,10 +363,10 @@ def _ws_gemm_pays(max_tiles: int, n_cols: int, device: torch.device) -> bool:
 
     Why: persistent, it needs several tiles per CTA to overlap a tile's store with the next one's MMAs, and each of
     its launches builds two host TMA descriptors (more host time than a Triton launch). Against the Triton kernel
-    (H200, 2026-11-26, CUDA-graph replay, ``python3 benchmarks/bench_ws.py``, rows in docs/results-ws.csv) F2 and B3
+    (H200, CUDA-graph replay, ``python3 benchmarks/bench_ws.py``, rows in docs/results-ws.csv) F2 and B3
     took 0.94-0.98x its time at 8k-32k tokens of Qwen3-30B-A3B (14-50 tiles per SM), 0.96-0.99x at 2k (6 per SM)
-    and, timed the same way in an earlier call, 1.14-1.15x at 1,500 tokens of (d 512, h 320, E 16, K 2) (0.3 per
-    SM). At 2k-4k tokens the eager layer step is bound by host time (2.3-3.7 ms per layer step on the lent H200s,
+    and, timed the same way in an earlier run, 1.14-1.15x at 1,500 tokens of (d 512, h 320, E 16, K 2) (0.3 per
+    SM). At 2k-4k tokens the eager layer step is bound by host time (2.3-3.7 ms per layer step on H200s,
     ``benchmarks/bench_host.py``), where a GPU gain of 1-4% of F2 and B3 is worth less than the launches' host time.
     """
     return max_tiles * cdiv(n_cols, WS_GEMM_CONFIG["BLOCK_N"]) >= 12 * num_programs(device)

@@ -7,8 +7,8 @@ pairs in expert order; ``pair_offsets [T+1]`` delimits them, so ``pair_offsets[T
 static P without a host synchronisation. The tail lies past ``pair_offsets[T]``, so the combines never loop over
 it; spread over the tokens as one or two entries each, it had cost the gather-sums (F3, B5) an iteration per
 token that held one: their time above the ceiling's went from 6.7 to 3.8-5.8 µs per step at T 16384, E 128, K 2
-(H200, 2026-11-26, ``python3 benchmarks/bench_token_rounding.py speed --shapes 0 --variants none --breakdown 45``,
-three calls; docs/benchmarks.md).
+(H200, ``python3 benchmarks/bench_token_rounding.py speed --shapes 0 --variants none --breakdown 45``,
+three runs; rows in docs/results-token-rounding.csv).
 
 * :func:`rounding_pad_count_kernel` counts each token's padded pairs (row sums of the ``[T, E]`` mask) and each
   block's.
@@ -20,12 +20,12 @@ three calls; docs/benchmarks.md).
 This replaced a stable radix sort of the ``J*E`` pad entries by token, a binary search per token and three
 scatters: 6.3 µs per step for the three launches against 17.1 + 4.6 µs for the sort and the search plus
 Inductor's scatters at T 16384, E 128, K 2; a first form scanning ``[BLOCK_T, E]`` mask tiles for the pads'
-ranks in one launch took 9.5-10.4 µs (H200, 2026-11-26, the command above).
+ranks in one launch took 9.5-10.4 µs (H200, the command above).
 
 :func:`pair_weights_backward` writes the gradients of the pair weights' two sources in one pass: the top-k
 pairs' at ``pair_offsets[t] + k`` into ``[T, K]``, and the padded pairs' into whole ``[T, E]`` rows (zeros
 elsewhere), where a zero fill, a scatter and a gather had taken three launches: 4.7 against 3.5 + 1.9 + 2.1 µs
-per step at T 16384, E 128, K 2 (H200, 2026-11-26, the command above). Its first form kept the rows in registers
+per step at T 16384, E 128, K 2 (H200, the command above). Its first form kept the rows in registers
 and set each padded pair with a compare over the row: 6.1 µs (102 registers at E 128); the zeros now go out
 first and the values over them.
 """

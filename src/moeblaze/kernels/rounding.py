@@ -32,8 +32,8 @@ ranks above +inf). The PyTorch path of :func:`moeblaze.round_tokens` uses the sa
 both give the same pairs. The select kernel holds ``ceil(T / GROUP)`` group maxima and ``2 * max_n * GROUP``
 candidate keys in registers, where the first version held the whole row of T keys and searched it: 47 and
 264 µs per layer step at T 16384 with E 128, K 2 and E 512, K 10 against 19 and 51 µs now, the keys kernel 5
-and 79 µs writing ``[E, T]`` against 6 and 39 now (H200, 2026-11-26, ``python3 benchmarks/bench_token_rounding.py
-speed --shapes 0,2 --breakdown 22``, same-day calls).
+and 79 µs writing ``[E, T]`` against 6 and 39 now (H200, ``python3 benchmarks/bench_token_rounding.py
+speed --shapes 0,2 --breakdown 22``).
 """
 
 from __future__ import annotations
@@ -79,10 +79,10 @@ def _search_bits(key, n, v, B_HI, B_LO):
     ``v`` in ``[0, 2^32)``): ``v`` holds the bits above ``B_HI`` and zeros below, with ``#(key >= v) >= n``
     already; one count (a reduction) per bit. Two bits per step (three counts packed in one int64 reduction, 16
     serial reductions) measured slower on a whole row: 41 against 35 µs at E 128 and 261 against 242 µs at E 512
-    (H100, 2026-11-25, ``python3 benchmarks/bench_token_rounding.py rounding``), and level on the select kernel's
-    1,024-4,096 keys: 30.2 against 31.7 µs at E 128, 42.6 against 41.6 at E 256 (H200, 2026-11-26, ``... select
+    (H100, ``python3 benchmarks/bench_token_rounding.py rounding``), and level on the select kernel's
+    1,024-4,096 keys: 30.2 against 31.7 µs at E 128, 42.6 against 41.6 at E 256 (H200, ``... select
     --warps 4``, both launches). A radix select of four 8-bit ``tl.histogram`` rounds took the select kernel from
-    17.6 to 44.4 µs at T 16384, E 128, K 2 (H200, 2026-11-26, ``... speed --shapes 0 --variants none --breakdown
+    17.6 to 44.4 µs at T 16384, E 128, K 2 (H200, ``... speed --shapes 0 --variants none --breakdown
     40``)."""
     one = tl.full((), 1, tl.int64)
     for b in range(B_HI, B_LO - 1, -1):
@@ -118,7 +118,7 @@ def _nth_largest_above(key, n, lo):
 def _counts(counts_ptr, rand_ptr, e, emask, T, tile, MODE: tl.constexpr):
     """``(f_e, r_e)`` int32 of the experts ``e``: the top-k count and its rounded target, as
     :func:`moeblaze.token_rounding.round_counts` computes it: one launch fewer than its Inductor kernel, 0.8-0.9 µs
-    per step at T 16384, E 128, K 2 (H200, 2026-11-26, ``python3 benchmarks/bench_token_rounding.py speed --shapes 0
+    per step at T 16384, E 128, K 2 (H200, ``python3 benchmarks/bench_token_rounding.py speed --shapes 0
     --variants none --breakdown 60``)."""
     f = tl.load(counts_ptr + e, mask=emask, other=0).to(tl.int32)
     rem = f % tile
@@ -173,8 +173,8 @@ def rounding_keys_kernel(
     g = tl.program_id(0) * (BLOCK_T // GROUP) + tl.arange(0, BLOCK_T // GROUP)
     # [NB, E]: a program's row of group maxima is one coalesced store, where [E, NB] stored each expert's value
     # alone; the select kernel's strided column reads hit L2. 5.7 against 6.3 µs per step at T 16384, E 128, K 2
-    # (H200, 2026-11-26, ``python3 benchmarks/bench_token_rounding.py speed --shapes 0 --variants none --breakdown
-    # 45``, two calls)
+    # (H200, ``python3 benchmarks/bench_token_rounding.py speed --shapes 0 --variants none --breakdown
+    # 45``, two runs)
     tl.store(bmax_ptr + g[:, None] * E + cols[None, :], gmax, mask=(g < NB)[:, None] & (cmask & (f != r))[None, :])
 
 
@@ -251,8 +251,8 @@ def rounding_select_kernel(
         # the n-th largest group maximum to 16 bits first (16 counts, not 32): lo = its value with the low bits
         # cleared. Every selected key is in a group whose maximum is >= lo, and a few more groups pass it (those
         # within 2^-7 of it, relatively, for positive floats). With the second search from the common prefix of
-        # its bounds: 15.4-16.4 against 18.7 µs per step at T 16384, E 128, K 2 (H200, 2026-11-26, ``python3
-        # benchmarks/bench_token_rounding.py speed --shapes 0 --variants none --breakdown 45``, four calls)
+        # its bounds: 15.4-16.4 against 18.7 µs per step at T 16384, E 128, K 2 (H200, ``python3
+        # benchmarks/bench_token_rounding.py speed --shapes 0 --variants none --breakdown 45``, four runs)
         v = _search_bits(bm, n, tl.zeros((), tl.int64), 31, 16)
         lo = (v - 2147483648).to(tl.int32)
         cand = bm >= lo
@@ -266,7 +266,7 @@ def rounding_select_kernel(
         tl.store(cand_ptr + e * CAND + tl.cumsum(cand.to(tl.int32), axis=0) - 1, b, mask=cand)
         tl.debug_barrier()  # the row of candidates, written by all threads, read by all
         # the usual case for nr (n < tile / 2): a quarter of the candidate keys to search, where half took both
-        # launches 28.1 against 27.3 µs at T 16384, E 128, K 2 and 40.3 against 36.8 at E 256, K 4 (H200, 2026-11-26,
+        # launches 28.1 against 27.3 µs at T 16384, E 128, K 2 and 40.3 against 36.8 at E 256, K 4 (H200,
         # ``python3 benchmarks/bench_token_rounding.py select``'s method)
         if ncb <= CAND // 4:
             _select_candidates(e, n, lo, f > r, ncb, T, E, cand_ptr, scores_ptr, ids_ptr, weights_ptr, kept_ptr,
@@ -283,7 +283,7 @@ def rounding_select_kernel(
 
 def _select_warps(nb: int) -> int:
     """Warps of the select kernel for ``nb`` group maxima: 4 to 16 warps moved ``rounding_select`` by under 10%
-    at T 4096-65536 (H200, 2026-11-26, ``python3 benchmarks/bench_token_rounding.py select``'s method)."""
+    at T 4096-65536 (H200, ``python3 benchmarks/bench_token_rounding.py select``'s method)."""
     return 4 if nb <= 1024 else 8
 
 
@@ -292,7 +292,7 @@ def _keys_block(E: int) -> tuple[int, int]:
     sm_90: 77 to 203 registers at K 2 to 16, no spills; all E in one program took 255 and spilled at E 512, K 10).
     Both launches of :func:`rounding_select` took 90.6 against 105.5 µs at T 16384, E 512, K 10 and 38.7 against 40.6
     at E 256, K 4 with 128 experts per program instead of ``384 / K`` (fewer programs reloading the ids and weights;
-    H200, 2026-11-26, ``python3 benchmarks/bench_token_rounding.py select --keys-blocks 16x32,16x128``'s method)."""
+    H200, ``python3 benchmarks/bench_token_rounding.py select --keys-blocks 16x32,16x128``'s method)."""
     return GROUP, min(next_pow2(E), 128)
 
 
@@ -303,7 +303,7 @@ def _select_impl(scores: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
     K, dev = ids.shape[1], scores.device
     kept = torch.empty(T, K, dtype=torch.int32, device=dev)  # the keys kernel copies ids in
     # zeros from a fill (1.4 µs per step at T 16384, E 128, K 2): the keys kernel storing them took 3.7 µs longer
-    # (H200, 2026-11-26, ``python3 benchmarks/bench_token_rounding.py speed --shapes 0 --variants none --breakdown 60``)
+    # (H200, ``python3 benchmarks/bench_token_rounding.py speed --shapes 0 --variants none --breakdown 60``)
     pad_mask = torch.zeros(T, E, dtype=torch.uint8, device=dev)
     pad_tok = torch.empty(J, E, dtype=torch.int32, device=dev)
     target = torch.empty(E, dtype=torch.int32, device=dev)

@@ -22,9 +22,9 @@ tokens per GPU, host time the GPU waits for. Here, from the fp32 logits ``[T, E]
   and its padded pairs (``scale * p[t, e]`` each), the first ``PADS_UNROLLED`` of them in the tile, any further
   ones as ``[BLOCK_T, 1]`` terms of ``<g, p>`` and a rewrite of their columns after the tile's store, so no loop
   carries the tile. 11.1 against 14.8 µs for the pair weights' dense backward and this kernel reading its
-  ``[T, K]`` and ``[T, E]`` at T 16384, E 128, K 2; 45.5 against 53.4 at E 512, K 10 (H200, 2026-11-26,
+  ``[T, K]`` and ``[T, E]`` at T 16384, E 128, K 2; 45.5 against 53.4 at E 512, K 10 (H200,
   ``python3 benchmarks/bench_small_kernels.py --kernels pair_grads``); a loop over the pads carrying the tile
-  took 13.0-14.0 and 52.2-57.3 in same-day calls timed the same way (64-128 registers against 48 at E 128).
+  took 13.0-14.0 and 52.2-57.3 in runs timed the same way (64-128 registers against 48 at E 128).
 * :func:`split16_kernel`: the router's backward GEMMs take ``dlogits`` as two 16-bit halves ``[hi | lo]``
   (:func:`split16`, one launch);
 
@@ -53,7 +53,7 @@ _NO_KEY = tl.constexpr(-(2**63))  # the key of a padding column: below every rea
 def _topk_warps(E: int) -> int:
     """Warps of the top-k kernel: 4, or 8 from E 256 on (its bitonic top-K over ``[BLOCK_T, E]`` 64-bit keys). At
     T 32768, E 128, K 8 16 tokens by 4 warps took 0.074 ms (top-k and loss kernels) against 0.092 by 8; at T 16384,
-    E 512, K 10 8 tokens by 8 warps 0.166 against 0.252 by 4 (H200, 2026-11-26, CUDA-graph replay, ``python3
+    E 512, K 10 8 tokens by 8 warps 0.166 against 0.252 by 4 (H200, CUDA-graph replay, ``python3
     benchmarks/bench_small_kernels.py --kernels router``)."""
     return 8 if E >= 256 else 4
 
@@ -62,15 +62,15 @@ def _block_t(E: int) -> int:
     """Tokens per program of the top-k kernel: about 2048 probabilities up to E 128 (16 tokens), 4096 beyond (16 at
     E 256, 8 at E 512). The K argmax reductions of the first kernel took 0.100 ms at T 32768, E 128, K 8 with 32
     tokens per program and 0.199 at T 16384, E 512, K 10 with 16; the bitonic top-K takes 0.074 and 0.166 at
-    these launch shapes, 0.022 against 0.025 at T 4096 (same command, same call). At T 16384, E 256, K 4 (8 warps)
-    16 tokens took 0.064 ms against 0.071 for 8 (H200, 2026-11-26, same command)."""
+    these launch shapes, 0.022 against 0.025 at T 4096 (same command, same run). At T 16384, E 256, K 4 (8 warps)
+    16 tokens took 0.064 ms against 0.071 for 8 (H200, same command)."""
     return max(1, min(64, (2048 if E <= 128 else 4096) // next_pow2(E)))
 
 
 def _bwd_block_t(E: int) -> int:
     """Tokens per program of the backward kernel: about 1024 probabilities (8 tokens at E 128), at least 4 (4 at
     E 512). Its 4 warps stream ``probs`` once; more programs hide the loads: 0.021 against 0.028 ms with 64 tokens
-    at T 32768, E 128, K 8, 0.038 against 0.052 with 16 at T 16384, E 512, K 10 (H200, 2026-11-26, same command)."""
+    at T 32768, E 128, K 8, 0.038 against 0.052 with 16 at T 16384, E 512, K 10 (H200, same command)."""
     return max(4, min(64, 1024 // next_pow2(E)))
 
 
@@ -102,7 +102,7 @@ def router_topk_kernel(
     # keys, ordered by probability (non-negative floats order as their bits), ties to the lowest column, NaN (as
     # _NEG_MAX, a negative float: a negative key) below every number, padding columns below all. K serial
     # argmax reductions with their indices took 71 µs at T 32768, E 128, K 8 against SonicMoE's 10 (H200,
-    # 2026-11-26, ``python3 benchmarks/profile_layer.py --configs qwen3-30b-a3b --tokens 32768 --impls
+    # ``python3 benchmarks/profile_layer.py --configs qwen3-30b-a3b --tokens 32768 --impls
     # moeblaze,sonicmoe --timeline``).
     pbits = tl.where(probs == probs, probs, _NEG_MAX).to(tl.int32, bitcast=True).to(tl.int64)
     key = tl.where(cmask[None, :], (pbits << 32) | (BLOCK_E - 1 - cols)[None, :].to(tl.int64), _NO_KEY)
@@ -291,10 +291,10 @@ def _router_topk_impl(logits: torch.Tensor, top_k: int, renormalize: bool, scale
                KP=next_pow2(top_k), RENORM=renormalize, BLOCK_T=bt,
                BLOCK_E=next_pow2(E), num_warps=_topk_warps(E))
     # one program per 32 experts and one for the z-loss: a single program summing the [num_blocks, 2E+1]
-    # partials took 271 µs per step at T 16384, E 512 (H100, 2026-11-25, ``benchmarks/bench_token_rounding.py
+    # partials took 271 µs per step at T 16384, E 512 (H100, ``benchmarks/bench_token_rounding.py
     # speed --breakdown 8``); the sum over column blocks is one fixed-order reduction (bitwise reproducible);
     # each program reads 256 block rows per step: with 32 it took 33 µs at T 32768, E 128
-    # (1,024 blocks, 32 dependent steps; H200, 2026-11-26, ``benchmarks/profile_layer.py ... --timeline``)
+    # (1,024 blocks, 32 dependent steps; H200, ``benchmarks/profile_layer.py ... --timeline``)
     be = min(32, next_pow2(E))
     dot = torch.empty(cdiv(E, be), dtype=f32, device=dev)
     zero = None if aux_c else torch.empty((), dtype=f32, device=dev)  # the kernel's 0 where the aux loss is off

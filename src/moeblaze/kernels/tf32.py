@@ -4,11 +4,11 @@ Two facts of Hopper's TF32 tensor cores shape the fp32 path:
 
 - they read an fp32 operand's TF32 bits by truncation, a bias toward zero that grows with the reduction
   length (the TF32 layer output of ``tests/test_autocast.py::test_gpu_fp32_follows_float32_matmul_precision``
-  had 4.5x the error of torch's TF32 matmul, whose cuBLAS rounds its operands, on an H200, 2026-11-25). So
+  had 4.5x the error of torch's TF32 matmul, whose cuBLAS rounds its operands, on an H200). So
   every operand is rounded to the nearest TF32 value (10 mantissa bits, ties to even) first;
 - ``wgmma`` takes 32-bit operands only K-major (the reduction dimension contiguous in memory). Operands
   stored the other way (the weights of B1 and B3, both operands of the weight gradients B2 and B4) ran at
-  58-122 TF/s against 275-313 for the K-major F1 and F2 (H100, 2026-11-25, ``python3
+  58-122 TF/s against 275-313 for the K-major F1 and F2 (H100, ``python3
   benchmarks/profile_kernels.py --configs qwen3-30b-a3b --dtype fp32``). So those are copied K-major; the
   weight gradients' copies also pad each expert's slot range to 32 slots (:func:`padded_slot_rows`), so that
   their loads along the slots are aligned 16-byte vectors: 305-324 TF/s against 74 unpadded (same command).

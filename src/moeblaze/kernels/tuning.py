@@ -43,7 +43,7 @@ def interpreting() -> bool:
 
 def cdiv(a: int, b: int) -> int:
     """``ceil(a / b)`` of host integers, as ``triton.cdiv``. Why not that one: since triton 3.5 it is a
-    ``ConstexprFunction`` whose call costs 1.5 µs of Python against 0.05 µs here (workplace CPU, ``python3 -m
+    ``ConstexprFunction`` whose call costs 1.5 µs of Python against 0.05 µs here (a 2-core CPU, ``python3 -m
     timeit``), and the launchers of a layer step call it a few dozen times."""
     return -(-a // b)
 
@@ -150,7 +150,7 @@ def tokens_bucket(num_pairs: int, num_experts: int) -> int:
 
     Why: configs tuned at one token count lost 4% at another. Qwen3-30B-A3B at T 32,768, one layer
     tuned at T 2,048 first: 16.56 ms per step against 15.82-15.92 ms tuned at 32,768 (OLMoE 19.94 against
-    19.16-19.27; H100, 2026-11-25, ``python3 benchmarks/bench_host.py --shapes qwen3-30b-a3b,olmoe-1b-7b
+    19.16-19.27; H100, ``python3 benchmarks/bench_host.py --shapes qwen3-30b-a3b,olmoe-1b-7b
     --stack 1 --tokens 2048,32768`` against ``--tokens 32768``).
     """
     per_expert = max(1, num_pairs // max(1, num_experts))
@@ -166,11 +166,11 @@ def gemm_configs(kind: str, persistent: str = "auto") -> list[triton.Config]:
     ``persistent`` the :func:`persistent_mode` (``PERSISTENT`` of the configs: ``1`` all, ``0`` none, ``auto``:
     the tuned list holds both launch shapes, fixed configs are per tile, the interpreter persistent).
 
-    Why both (H200, 2026-11-23, autotuned, ``benchmarks/profile_layer.py``): persistent GEMMs took
+    Why both (H200, autotuned, ``benchmarks/profile_layer.py``): persistent GEMMs took
     8.7 vs 9.6 ms per step on qwen3-30b (K_DIM 768-2048: the next tile's loads overlap this tile's
     epilogue) and 11.4 vs 11.9 ms on olmoe, but 43.0 vs 41.4 ms on conf4 (K_DIM 2048-16384). Since the
     gated F1 runs one wide MMA (``B_DESC_PAIRED``), the tuner picks its persistent launch on conf4, conf7, olmoe
-    and qwen3-30b (H200, 2026-11-23, ``python3 benchmarks/profile_kernels.py --configs conf4-swiglu`` prints the
+    and qwen3-30b (H200, ``python3 benchmarks/profile_kernels.py --configs conf4-swiglu`` prints the
     tuned config of each launch).
 
     ``tuned32`` / ``fixed32``: fp32 operands, see :func:`fp32_gemm_configs`.
@@ -187,7 +187,7 @@ def gemm_configs(kind: str, persistent: str = "auto") -> list[triton.Config]:
         shapes = ((64, 4, 4), (64, 8, 3), (64, 8, 4), (128, 4, 3), (128, 8, 3), (128, 8, 4), (256, 8, 3))
         per_tile = [_cfg(w, s, BLOCK_N=bn, BLOCK_K=64, GROUP_M=8, PERSISTENT=False) for bn, w, s in shapes]
         # persistent: the large tiles only (one CTA per SM; these won a block-shape sweep of every GEMM,
-        # H200, 2026-11-22, docs/benchmarks.md "Tried and dropped")
+        # H200, docs/benchmarks.md "Tried and dropped")
         steady = [_cfg(w, s, BLOCK_N=bn, BLOCK_K=64, GROUP_M=8, PERSISTENT=True) for bn, w, s in shapes[4:]]
         return _kept(per_tile + steady, persistent)
     flag = persistent == "1" or (persistent == "auto" and kind == "interpret")
@@ -247,11 +247,11 @@ def wgrad_configs(kind: str, persistent: str = "auto") -> list[triton.Config]:
     tile (the persistent loop reads A through the index: 16-bit operands only).
 
     The persistent 16-bit tiles are those that beat the per-tile best on an H200 at few slots per expert
-    (2026-11-25, Qwen3-30B-A3B shape, T 2,048, ``python3 benchmarks/profile_kernels.py --configs qwen3-30b-a3b
+    (Qwen3-30B-A3B shape, T 2,048, ``python3 benchmarks/profile_kernels.py --configs qwen3-30b-a3b
     --tokens 2048 --all-configs B2,B4``): 128x256 1.26x (B2) and 1.27x (B4), 256x128 1.06x and 1.10x. A persistent
-    128x128 tile was 0.86-0.93x (``benchmarks/lab/wgrad_variants.py`` on branch ``lab/wgrad-variants``): not kept.
+    128x128 tile was 0.86-0.93x (docs/benchmarks.md, "Tried and dropped"): not kept.
     The persistent 128x256 tile also runs 128 slots per step (two stages of 96 KiB): half the steps of a tile of
-    few slots, so half its per-step waits. H200, 2026-11-26, ``python3 benchmarks/profile_kernels.py --configs
+    few slots, so half its per-step waits. H200, ``python3 benchmarks/profile_kernels.py --configs
     1536:1024:128:2 --tokens 16384 --all-configs B2,B4`` (256 slots per expert): B2 0.316 against 0.351 ms at 64
     slots per step, B4 0.615 against 0.684; ``--configs qwen3-30b-a3b --tokens 2048`` (128 slots): B2 0.220
     against 0.237, B4 0.430 against 0.466. Launched per tile it ran at 0.79x (nothing hides its two-stage
@@ -297,7 +297,7 @@ def gather_sum_configs(kind: str) -> list[triton.Config]:
         return [_cfg(4, 1, BLOCK_T=8, BLOCK_D=256)]
     # Fewer tokens per program keep more slot-row loads in flight per SM: at T 32768, K 8 (Qwen3-30B-A3B) one token
     # by 1024 columns took 0.116 ms on a 768-column chunk and 0.286 on whole 2048-column rows, against 0.125 and
-    # 0.304 for the best of the first five configs; 8 x 256 (the fixed config) 0.117 and 0.292 (H200, 2026-11-26,
+    # 0.304 for the best of the first five configs; 8 x 256 (the fixed config) 0.117 and 0.292 (H200,
     # CUDA-graph replay, ``python3 benchmarks/bench_small_kernels.py --kernels gather_sum``)
     return [_cfg(w, 1, BLOCK_T=t, BLOCK_D=bd)
             for t, bd, w in ((16, 256, 4), (32, 256, 8), (8, 512, 4), (16, 512, 8), (64, 128, 8), (8, 256, 4),
@@ -347,7 +347,7 @@ class Launchable:
     ``triton.heuristics`` (built lazily, once per kind) the first time a key is seen, remembers the
     chosen config, and from then on calls the jitted kernel itself with that config and the heuristic
     flags computed here. Why: the two wrappers cost host time on every launch (about 40 µs per launch
-    under cProfile on the H200 machine, 14 launches per layer step: a quarter of the host time of a
+    under cProfile on an H200's host, 14 launches per layer step: a quarter of the host time of a
     step at 8k tokens, which is bound by host time).
 
     Args:

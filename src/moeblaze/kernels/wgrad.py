@@ -8,10 +8,10 @@ B2: ``dW_down[e]      = sum_s dout[token(s)]^T (w act)[s]``  (P = d, Q = h; stor
 B4: ``dW_gate_up[e]^T = sum_s x[token(s)]^T dpre[s]``        (P = d, Q = 2h|h; stored transposed)
 
 Why B4 is computed transposed: the gathered operand on the A side and the slot rows through TMA as B is
-the faster arrangement on an H200 (2026-11-23,
-``python3 benchmarks/profile_kernels.py --configs conf4-swiglu,qwen3-30b-a3b``): B2 ran at 670-735 TF/s
+the faster arrangement on an H200
+(``python3 benchmarks/profile_kernels.py --configs conf4-swiglu,qwen3-30b-a3b``): B2 ran at 670-735 TF/s
 and the transposed B4 at 682-742, against 595-651 for B4 as ``dpre^T x`` with the gathered operand as B
-(1.064x slower in a same-call A/B on conf4). The transposed store (``stride_c_p = 1``) costs one layout
+(1.064x slower in a same-run A/B on conf4). The transposed store (``stride_c_p = 1``) costs one layout
 conversion per output tile.
 
 Grid: ``E * cdiv(P, BLOCK_P) * cdiv(Q, BLOCK_Q)`` programs (``PERSISTENT``: at most one per SM), expert-major
@@ -28,12 +28,12 @@ loads along the slots start aligned and need no slot mask, so they go as 16-byte
 ``max(1, cdiv(slots, BLOCK_K))`` steps (an empty expert one masked step that stores zeros); a tile's
 coordinates are worked out at its first step and its store is issued at its last, so the pipeliner has the next
 tile's loads in flight during the store. Why: with few slots per expert a tile is two or three steps and a
-store, and the per-tile launch overlaps a store only with other CTAs of the SM. On an H200 (2026-11-25,
-Qwen3-30B-A3B shape, T 2,048, 128 slots per expert, ``python3 benchmarks/profile_kernels.py --configs
+store, and the per-tile launch overlaps a store only with other CTAs of the SM. On an H200
+(Qwen3-30B-A3B shape, T 2,048, 128 slots per expert, ``python3 benchmarks/profile_kernels.py --configs
 qwen3-30b-a3b --tokens 2048 --all-configs B2,B4``) the persistent 128x256 tile took 0.235 ms for B2 against the
 per-tile best 0.296, and 0.460 for B4 against 0.586. At T 32,768 (2,048 slots per expert) the per-tile
-128x256 launch was faster, 1.54 against 1.90 ms for B2 (the same H200 and day, ``benchmarks/lab/wgrad_variants.py``
-on branch ``lab/wgrad-variants``; ``--tokens 32768`` of the command above checks it with this code), so both
+128x256 launch was faster, 1.54 against 1.90 ms for B2 (the same H200;
+``--tokens 32768`` of the command above measures it with this code), so both
 launches stay in the tuned list, chosen per token bucket.
 Triton's ``flatten=True`` needs inner bounds that do not change with the tile, hence the hand-flattened loop, in the
 order of Triton's persistent-matmul tutorial (the tile opened at the top of the step: opening it at the end of

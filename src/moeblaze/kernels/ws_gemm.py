@@ -7,7 +7,8 @@ weight's n extent at a time. Both operands come by TMA; nothing is gathered.
 
 Why: these GEMMs are the plain ones of the layer step, where the Triton kernel (one warp group that both
 loads and multiplies, the store of a tile idling the tensor cores) stayed 5-20% behind SonicMoE's CUTLASS
-kernels (docs/benchmarks.md, "Kernel by kernel against SonicMoE"). One persistent CTA per SM runs three
+kernels (kernel by kernel: ``python3 benchmarks/profile_layer.py --configs C --impls moeblaze,sonicmoe --timeline``;
+this kernel's gain: docs/benchmarks.md, "Kernels"). One persistent CTA per SM runs three
 partitions over the same sequence of output tiles, as :mod:`moeblaze.kernels.ws_wgrad` does:
 
   mma      (8 warps, default)  ``wgmma`` into a 128 x ``BLOCK_N`` fp32 accumulator, one in flight; the tile goes

@@ -8,11 +8,10 @@ row-major ``[E, P, Q]`` with unit stride along Q, the layout of ``w_down [E, d, 
 
 Why: at a few hundred slots per expert an output tile of :mod:`moeblaze.kernels.wgrad` is two to four
 slot steps and a store, and in Triton one warp group both loads and multiplies: cuBLAS ran the same
-products 1.4x faster on a contiguous copy (H200, 2026-11-26, docs/benchmarks.md "The weight gradient at
-128 slots per step"; Nsight: 37% of SM throughput, 7.4 cycles between issued instructions). Here one
-persistent CTA per SM runs three partitions over the same sequence of output tiles; against the autotuned Triton
-kernel this took 0.70-0.72x its time at 128 slots per expert (Qwen3-30B-A3B, T 2,048), 0.77-0.81x at 256-320 and
-0.92-0.94x at 2,048 (H200, 2026-11-26, the measurement of ``python3 benchmarks/bench_ws.py``):
+products 1.4x faster on a contiguous copy (H200; Nsight: 37% of SM throughput, 7.4 cycles between issued
+instructions). Here one persistent CTA per SM runs three partitions over the same sequence of output tiles; against
+the autotuned Triton kernel this took 0.70-0.72x its time at 128 slots per expert (Qwen3-30B-A3B, T 2,048),
+0.77-0.81x at 256-320 and 0.92-0.94x at 2,048 (H200, the measurement of ``python3 benchmarks/bench_ws.py``):
 
   mma      (8 warps, default)  two warp groups run ``wgmma`` into a ``[BLOCK_P, BLOCK_Q]`` fp32 accumulator
                                (one wgmma in flight), both operands read from shared memory with the slots
@@ -26,7 +25,7 @@ kernel this took 0.70-0.72x its time at 128 slots per expert (Qwen3-30B-A3B, T 2
                                masked stores in ``C``'s dtype (the 16-bit gradient upcast for fp32 master
                                weights, as :mod:`moeblaze.kernels.wgrad` stores it). The TMA store took
                                0.964-1.005x the masked stores' time on B2 and B4 at 2k-32k tokens of
-                               Qwen3-30B-A3B and the token-rounding shapes, bitwise equal (H200, 2026-11-26,
+                               Qwen3-30B-A3B and the token-rounding shapes, bitwise equal (H200,
                                ``python3 benchmarks/bench_ws.py`` with and without ``--set wgrad_tma_store=off``).
 
 Every tile takes ``max(1, cdiv(slots, BLOCK_K))`` steps: an empty expert's one step reads zeros from the
@@ -167,7 +166,7 @@ def _mma(offsets_ptr, smem, bars, P, Q, NUM_EXPERTS, GATHER_A: gl.constexpr, BLO
             s = it % NUM_STAGES
             # pred is always true: it makes the carried range a value of the loop's body; used only by the inner
             # loop's bound, triton 3.6 dropped it from the carried values and every tile took the first tile's step
-            # count (a hang on an H200, 2026-11-26, with two or more tiles per program)
+            # count (a hang on an H200, with two or more tiles per program)
             mbarrier.wait(ready.index(s), (it // NUM_STAGES) & 1, pred=start <= end)
             fence_async_shared()  # the gathered rows came by cp.async (generic proxy); wgmma reads the async one
             if GATHER_A:

@@ -48,7 +48,7 @@ from .exchange import Exchange, Layout, get_exchange, resolve_exchange
 __all__ = ["EPConfig", "ExpertParallel", "expert_parallel", "expert_parameter_names", "global_load_balancing_loss",
            "resolve_group", "shard_experts"]
 
-# torch 2.13 renamed all_gather_tensor to all_gather_single (same arguments); the GPU machine runs 2.11.
+# torch 2.13 renamed all_gather_tensor to all_gather_single (same arguments); torch 2.11 has only the old name.
 _all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
 
 

@@ -64,7 +64,7 @@ def init_distributed(device: str | None = None, timeout_s: float = 600.0) -> Dis
     env = settings.launcher_env()
     # A group the caller initialised without torchrun's LOCAL_RANK (torch.multiprocessing, a scheduler's own
     # launcher) keeps the GPU the caller chose: taking GPU 0 there put every rank on one device, which NCCL
-    # refuses ("Duplicate GPU detected"; 2 H200s, 2026-11-26,
+    # refuses ("Duplicate GPU detected"; 2 H200s,
     # tests/test_train_dist.py::test_train_two_gpus_matches_one).
     keep_current = kind == "cuda" and "LOCAL_RANK" not in env and dist.is_initialized()
     local_rank = torch.cuda.current_device() if keep_current else _env_int(env, "LOCAL_RANK", 0)
