@@ -18,6 +18,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import moeblaze
+from moeblaze import moe_experts
 from moeblaze.activations import ACTIVATIONS
 from moeblaze.experts import SAVE_MODES
 from moeblaze.kernels.launch import dot_precision
@@ -28,7 +29,7 @@ from moeblaze.testing import (
     rel_error,
     run_and_grad,
 )
-from moeblaze.training import checkpoint, moe_experts
+from moeblaze.training import checkpoint
 from moeblaze.training.model import ModelConfig
 from moeblaze.training.train import train
 from moeblaze.training.train_config import ConfigError, TrainConfig, peak_tflops, resolve_precision
