@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="module")
 def text_file(tmp_path_factory) -> str:
     path = tmp_path_factory.mktemp("data") / "text.txt"
-    path.write_text((ROOT / "src" / "moeblaze" / "train.py").read_text()[:40000])
+    path.write_text((ROOT / "src" / "moeblaze" / "training" / "train.py").read_text()[:40000])
     return str(path)
 
 

@@ -9,6 +9,7 @@ numbered run folders (:mod:`.run_dirs`), weights exported as safetensors (:mod:`
 """
 
 from .export import load_model
-from .train import ConfigError, NonFiniteLossError, TrainConfig, TrainResult, sample, train
+from .train import ConfigError, NonFiniteLossError, TrainConfig, TrainResult, sample
 
-__all__ = ["ConfigError", "NonFiniteLossError", "TrainConfig", "TrainResult", "load_model", "sample", "train"]
+# the loop itself is moeblaze.training.train.train: a package-level ``train`` would hide that module
+__all__ = ["ConfigError", "NonFiniteLossError", "TrainConfig", "TrainResult", "load_model", "sample"]
