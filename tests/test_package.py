@@ -200,6 +200,35 @@ def test_override_routes_the_backend(monkeypatch):
         assert moeblaze.moe_experts(x, ids, w, w1, w2).shape == (4, 8)
 
 
+def test_backend_setting_picks_the_router_rounding_and_dispatch_kernels(monkeypatch):
+    """One rule (``settings.use_triton``) for the Triton router, token rounding's selections and the dispatch build:
+    ``auto`` on CUDA tensors, ``triton`` on CUDA tensors and, under the interpreter, CPU tensors, ``torch`` on none;
+    the rounding compiles on CUDA tensors unless ``torch``."""
+    import torch
+
+    from moeblaze import dispatch, token_rounding
+    from moeblaze.routing import Router
+
+    cpu = torch.zeros(4, 8)
+    router = Router(8, 8, 2)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    for backend, want in (("auto", False), ("triton", True), ("torch", False)):
+        with settings.override(backend=backend):
+            assert settings.use_triton(cpu) is want
+            assert router._fused(cpu) is want
+            assert token_rounding._kernels_serve(cpu, 2, (torch.float32,)) is want
+            assert dispatch._triton_serves(cpu[:, :2].int(), 8) is want
+            assert not token_rounding._compiles(cpu)
+    monkeypatch.delenv("TRITON_INTERPRET")
+    with settings.override(backend="triton"):
+        assert not settings.use_triton(cpu)  # CPU tensors without the interpreter: the PyTorch ops
+    if torch.cuda.is_available():
+        gpu = cpu.cuda()
+        for backend in ("auto", "triton", "torch"):
+            with settings.override(backend=backend):
+                assert settings.use_triton(gpu) is token_rounding._compiles(gpu) is (backend != "torch")
+
+
 def test_host_cdiv_and_next_pow2_equal_triton_s():
     """The launchers' integer helpers give ``triton.cdiv`` / ``triton.next_power_of_2``'s values (theirs cost
     ~1.5 µs of Python per call since triton 3.5)."""
