@@ -7,17 +7,17 @@ H200's host CPU: ``python3 benchmarks/bench_host.py --parts``).
 
 | setting | environment | values (default first) | what it does |
 |---|---|---|---|
-| ``backend`` | ``MOEBLAZE_BACKEND`` | ``auto``, ``torch``, ``triton`` | Triton or PyTorch (:func:`use_triton`) |
+| ``backend`` | ``MOEBLAZE_BACKEND`` | ``auto``, ``torch``, ``triton`` | Triton kernels or PyTorch ops (see below) |
 | ``autotune`` | ``MOEBLAZE_AUTOTUNE`` | on, off | Triton autotuning (off: one fixed config per kernel) |
-| ``tma`` | ``MOEBLAZE_TMA`` | on, off | weight reads through TMA descriptors on sm90+ |
-| ``persistent`` | ``MOEBLAZE_PERSISTENT`` | ``auto``, on, off | grouped-GEMM launch: tuned, persistent, per tile |
-| ``wgrad_persistent`` | ``MOEBLAZE_WGRAD_PERSISTENT`` | ``auto``, on, off | weight-gradient launch: the same choice |
-| ``ws_wgrad`` | ``MOEBLAZE_WS_WGRAD`` | on, off | weight gradients on a warp-specialized Gluon kernel (sm90) |
-| ``ws_gemm`` | ``MOEBLAZE_WS_GEMM`` | on, off | F2 and B3 on a warp-specialized Gluon GEMM (sm90) |
-| ``wgrad_tma_store`` | ``MOEBLAZE_WGRAD_TMA_STORE`` | on, off | that kernel stores whole 16-bit tiles by TMA |
+| ``deterministic`` | ``MOEBLAZE_DETERMINISTIC`` | off, on | nothing chosen by timing (autotuning off) |
 | ``check_ids`` | ``MOEBLAZE_CHECK_IDS`` | on, off | ``build_dispatch``'s host-syncing id range check |
 | ``chunk_cols`` | ``MOEBLAZE_CHUNK_COLS`` | ``auto``, ``off``, columns | F2's / B3's ``[N, d]`` in column chunks |
-| ``deterministic`` | ``MOEBLAZE_DETERMINISTIC`` | off, on | nothing chosen by timing (autotuning off) |
+
+``backend`` picks what ``backend="auto"`` expert calls run and, by the same rule, whether the router, token
+rounding's selections and the dispatch build run their Triton kernels (:func:`use_triton`): ``torch`` runs
+PyTorch ops everywhere, to compare with or debug the kernels. Kernel variants are no settings: the device and
+the shapes choose them (:mod:`moeblaze.kernels.tuning`: TMA reads on sm90+, the warp-specialized Gluon kernels
+on sm90 with triton 3.6, per-tile or persistent launches by the autotuner, the M tile by its ``block_m``).
 
 ``deterministic`` covers moeblaze's own kernels (their sums run in a fixed order once the configuration is fixed);
 the rest of a training process (torch's deterministic algorithms, cuBLAS's workspace, NCCL's algorithm, the
@@ -60,15 +60,6 @@ def _choice(*choices: str) -> Callable[[str, str], str]:
     return parse
 
 
-def _auto_bool(name: str, raw: str) -> bool | None:
-    if raw == "auto":
-        return None
-    try:
-        return _bool(name, raw)
-    except ValueError:
-        raise ValueError(f"{name} must be auto or a boolean (1/0, true/false, on/off), got {raw!r}") from None
-
-
 def _chunk(name: str, raw: str) -> int | str:
     """``auto``, ``off`` or a positive column count that is a multiple of 16 (16-byte aligned chunk starts)."""
     raw = raw.strip().lower()
@@ -87,12 +78,6 @@ def _chunk(name: str, raw: str) -> int | str:
 SETTINGS: dict[str, tuple[str, Callable[[str, str], Any], Any]] = {
     "backend": ("MOEBLAZE_BACKEND", _choice("auto", "torch", "triton"), "auto"),
     "autotune": ("MOEBLAZE_AUTOTUNE", _bool, True),
-    "tma": ("MOEBLAZE_TMA", _bool, True),
-    "persistent": ("MOEBLAZE_PERSISTENT", _auto_bool, None),
-    "wgrad_persistent": ("MOEBLAZE_WGRAD_PERSISTENT", _auto_bool, None),
-    "ws_wgrad": ("MOEBLAZE_WS_WGRAD", _bool, True),
-    "ws_gemm": ("MOEBLAZE_WS_GEMM", _bool, True),
-    "wgrad_tma_store": ("MOEBLAZE_WGRAD_TMA_STORE", _bool, True),
     "check_ids": ("MOEBLAZE_CHECK_IDS", _bool, True),
     "chunk_cols": ("MOEBLAZE_CHUNK_COLS", _chunk, "auto"),
     "deterministic": ("MOEBLAZE_DETERMINISTIC", _bool, False),
@@ -127,7 +112,7 @@ def _validate(values: dict[str, Any]) -> dict[str, Any]:
         if name not in SETTINGS:
             raise ValueError(f"unknown moeblaze setting {name!r}; known: {sorted(SETTINGS)}")
         env, parse, _ = SETTINGS[name]
-        raw = "auto" if value is None else str(int(value) if isinstance(value, bool) else value)
+        raw = str(int(value) if isinstance(value, bool) else value)
         out[name] = parse(f"setting {name!r}", raw)
     return out
 
