@@ -44,6 +44,23 @@ def test_block_m_buckets_depend_on_tokens_per_expert_only():
     assert get_backend("torch", x).block_m(5, 8) is None
 
 
+def test_one_function_chooses_the_m_tile(monkeypatch):
+    """``kernels.tuning.block_m`` is the only source of the M tile: under another rule (16 rows here) the backend's
+    plan, token rounding's tile, the ops' schedule and the launchers' ``BLOCK_M`` and check all follow it (a
+    caller with a rule of its own would fail the launcher's schedule check), and the results stay the reference's."""
+    from moeblaze.dispatch import build_dispatch
+    from moeblaze.kernels import experts as kernel_experts
+
+    T, E, K = 80, 2, 2  # 80 slots per expert: the large bucket's 128 (32 under the interpreter), not 16
+    assert tuning.block_m(T * K, E) == tuning.block_m() != 16
+    monkeypatch.setattr(tuning, "block_m", lambda num_pairs=None, num_experts=None: 16)
+    ids = torch.tensor([[0, 1]] * T, dtype=torch.int32, device=DEVICE)
+    assert get_backend("triton", ids.float()).plan(ids, E).schedule.block_m == 16
+    assert moeblaze.tile_multiple("triton", DEVICE) == 16
+    assert len(kernel_experts._schedule(build_dispatch(ids, E))[0]) == T * K // 16 + E  # cdiv(N, 16) + E entries
+    _check(T, 16, 8, E, K, torch.float32)
+
+
 def _check(T, d, h, E, K, dtype, activation="swiglu", save="preact", routing="uniform"):
     inputs = make_expert_inputs(T, d, h, E, K, activation, dtype, device=DEVICE, routing=routing)
     dout = torch.randn(inputs["x"].shape, dtype=dtype, device=DEVICE)

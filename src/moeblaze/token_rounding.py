@@ -69,10 +69,10 @@ def tile_multiple(backend: str = "auto", device: torch.device | str | None = Non
     cuda = device is not None and torch.device(device).type == "cuda"
     if backend == "triton" or (backend == "auto" and cuda):
         try:
-            from .kernels.tuning import block_m
+            from .kernels import tuning
         except ImportError:
             return _TORCH_TILE
-        return block_m()
+        return tuning.block_m()
     return _TORCH_TILE
 
 

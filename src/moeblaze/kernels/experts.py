@@ -36,6 +36,7 @@ from .. import settings
 from ..activations import DEFAULT_ACT, GATED, ActArgs, check_activation
 from ..dispatch import DispatchIndex, with_schedule
 from ..shared_ops import bias_dot, slot_weights
+from . import tuning
 from .act_bwd import act_bwd_rows
 from .act_math import ACTIVATION_CODES
 from .bias_grad import segment_sum
@@ -43,7 +44,7 @@ from .combine import gather_sum
 from .custom_ops import call_op
 from .grouped_gemm import B_DESC_INTERLEAVED, EPILOGUE_ACT_FWD
 from .launch import grouped_gemm, grouped_wgrad, interleaved_desc_ok, rounds_tf32
-from .tuning import block_m, cdiv
+from .tuning import cdiv
 
 __all__ = ["up_forward", "up_backward", "down_forward", "down_backward", "bias_grad"]
 
@@ -87,9 +88,10 @@ def _like_weight(w: Tensor, dtype: torch.dtype | None = None) -> Tensor:
 
 
 def _schedule(index: DispatchIndex) -> tuple[Tensor, Tensor, Tensor]:
-    """The index's tile schedule for the GEMMs' BLOCK_M; built here (one small launch per op) only for an
-    index that came without it (``moe_experts`` attaches it once per layer call)."""
-    return with_schedule(index, block_m(index.num_pairs, index.num_experts)).schedule.tensors()
+    """The index's tile schedule for the GEMMs' BLOCK_M (:func:`.tuning.block_m`, as the plan's); built here (one
+    small launch per op) only for an index that came without it (``moe_experts`` attaches it once per layer
+    call)."""
+    return with_schedule(index, tuning.block_m(index.num_pairs, index.num_experts)).schedule.tensors()
 
 
 # ---------------------------------------------------------------- F1: up-projection forward

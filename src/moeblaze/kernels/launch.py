@@ -25,7 +25,6 @@ from .grouped_gemm import (
 from .tf32 import padded_slot_rows, round_tf32, tf32_copy
 from .tuning import (
     Launchable,
-    block_m,
     cdiv,
     gemm_configs,
     next_pow2,
@@ -205,13 +204,14 @@ def grouped_gemm(a, b, c, offsets, indices, sched, *, b_nk, n_cols, k_dim, gathe
             b, b_nk = tf32_copy(b, transpose=True), True  # B1, B3: [E, k, n] -> [E, n, k]
         else:
             b = round_tf32(b)
-    bm = block_m(N, E)
+    bm = tuning.block_m(N, E)  # the plan's M tile (the schedule was built for it): checked, not chosen anew
     max_tiles = sched[0].numel()
     if max_tiles != cdiv(N, bm) + E:
         raise ValueError(f"grouped_gemm: the tile schedule has {max_tiles} entries; expected one for BLOCK_M={bm}")
     plain = (epilogue == EPILOGUE_PLAIN.value and not (gather_a or scatter_c or dual or tf32) and scale is None
              and bias is None and aux is None and up_shift_b is None and b_mode is None and weight_desc)
-    if plain and bm == 128 and ws_gemm_ok(a, b, c, b_nk, k_dim) and _ws_gemm_pays(max_tiles, n_cols, a.device):
+    ws = plain and bm == WS_GEMM_CONFIG["BLOCK_M"] and ws_gemm_ok(a, b, c, b_nk, k_dim)
+    if ws and _ws_gemm_pays(max_tiles, n_cols, a.device):
         grouped_gemm_ws(a, b, c, offsets, sched, b_nk=b_nk, n_cols=n_cols, k_dim=k_dim, n_start=n_start or 0)
         return
     aux = aux if aux is not None else c
@@ -351,8 +351,8 @@ def grouped_wgrad_ws(a, b, out, offsets, indices, *, gather_a: bool, config: dic
 
 
 # The warp-specialized GEMM's configuration: the 128 x 256 tile and 64-column steps of the Triton kernels' best
-# configs, 3 stages (3 x 48 KiB) plus the 64 KiB output tile.
-WS_GEMM_CONFIG = {"BLOCK_N": 256, "BLOCK_K": 64, "NUM_STAGES": 3, "GROUP_M": 8}
+# configs, 3 stages (3 x 48 KiB) plus the 64 KiB output tile. BLOCK_M: it runs schedules of the large M tile only.
+WS_GEMM_CONFIG = {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "NUM_STAGES": 3, "GROUP_M": 8}
 
 
 def _ws_gemm_pays(max_tiles: int, n_cols: int, device: torch.device) -> bool:
@@ -383,19 +383,19 @@ def ws_gemm_ok(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, b_nk: bool, k_
 def grouped_gemm_ws(a, b, c, offsets, sched, *, b_nk: bool, n_cols: int, k_dim: int, n_start: int = 0,
                     config: dict | None = None) -> None:
     """Launch :func:`moeblaze.kernels.ws_gemm.ws_gemm_kernel` (check :func:`ws_gemm_ok` first): ``c[s, :n_cols] =
-    a[s] @ W[e][:, n_start:n_start + n_cols]`` over the 128-row tile schedule ``sched``. ``config``: overrides of
-    :data:`WS_GEMM_CONFIG` (block-size sweeps)."""
+    a[s] @ W[e][:, n_start:n_start + n_cols]`` over the tile schedule ``sched`` of ``BLOCK_M`` (128) rows.
+    ``config``: overrides of :data:`WS_GEMM_CONFIG` (block-size sweeps)."""
     from .ws_gemm import ws_gemm_kernel
     from .ws_wgrad import MAX_REGS
 
     cfg = {**WS_GEMM_CONFIG, **(config or {})}
     E, n_ext = b.shape[0], b.shape[1 if b_nk else 2]
-    a_desc = _tma_desc(a, [128, cfg["BLOCK_K"]])
+    a_desc = _tma_desc(a, [cfg["BLOCK_M"], cfg["BLOCK_K"]])
     w_box = [cfg["BLOCK_N"], cfg["BLOCK_K"]] if b_nk else [cfg["BLOCK_K"], cfg["BLOCK_N"]]
     w_desc = _tma_desc(b.reshape(E * b.shape[1], b.shape[2]), w_box)
     tiles = sched[0].numel() * cdiv(n_cols, cfg["BLOCK_N"])
     direct.launch(ws_gemm_kernel, (min(tiles, num_programs(a.device)),),
         a_desc=a_desc, w_desc=w_desc, c_ptr=c, offsets_ptr=offsets, tile_expert_ptr=sched[0], tile_row_ptr=sched[1],
         num_tiles_ptr=sched[2], K_DIM=k_dim, N_COLS=n_cols, N_EXT=n_ext, N_START=n_start, stride_c_m=c.stride(0),
-        W_NK=b_nk, BLOCK_M=128, **cfg, num_warps=8, maxnreg=MAX_REGS,
+        W_NK=b_nk, **cfg, num_warps=8, maxnreg=MAX_REGS,
     )

@@ -131,7 +131,10 @@ def num_programs(device: torch.device) -> int:
 
 
 def block_m(num_pairs: int | None = None, num_experts: int | None = None) -> int:
-    """M-tile height (slots of one expert per program) for N = ``num_pairs`` slots over E = ``num_experts``.
+    """M-tile height (slots of one expert per program) for N = ``num_pairs`` slots over E = ``num_experts``: the
+    one function that chooses it. The Triton backend's plan (:meth:`moeblaze.backends.TritonBackend.block_m`),
+    the ops' schedule of an index that came without one, the launchers' ``BLOCK_M`` and token rounding's tile
+    (:func:`moeblaze.tile_multiple`) call it, through this module, so they never disagree.
 
     Two token-count buckets (never T itself, DESIGN.md §5): 128 (32 under the interpreter), and half of it
     when an expert gets fewer than half a tile on average (N < 64 E): few tokens per expert, where a 128-row
