@@ -13,6 +13,7 @@ import torch
 import moeblaze
 from moeblaze import build_dispatch, moe_experts, ops_torch
 from moeblaze.activations import ACTIVATIONS
+from moeblaze.kernels import tuning
 from moeblaze.memory import SavedTensorCounter
 from moeblaze.testing import (
     EDGE_CASES,
@@ -106,10 +107,7 @@ def test_non_contiguous_inputs(save):
 
 
 def pointer_reads(monkeypatch) -> None:
-    """The kernels read through pointers where TMA descriptors would serve (as on GPUs before sm90), and no Gluon
-    kernel runs (they read through TMA only): :func:`moeblaze.kernels.tuning.tma_enabled` replaced."""
-    from moeblaze.kernels import tuning
-
+    """Pointer reads where TMA would serve (as before sm90; no Gluon kernel either): ``tuning.tma_enabled`` off."""
     monkeypatch.setattr(tuning, "tma_enabled", lambda device: False)
 
 
@@ -186,8 +184,6 @@ def _persistent_vs_per_tile(inp, monkeypatch):
     """Both grouped-GEMM launch shapes (persistent: a program per SM walks the tiles; per tile: a program
     per output tile; the autotuner picks one, :func:`moeblaze.kernels.tuning._gemm_launch` forced here) on the
     same fixed configs: bitwise equal outputs and gradients, and the reference."""
-    from moeblaze.kernels import tuning
-
     monkeypatch.setenv("MOEBLAZE_AUTOTUNE", "0")  # same block sizes, hence the same summation order
     dout = torch.randn_like(inp["x"])
     runs = []
@@ -234,8 +230,6 @@ def test_launches_after_the_first_skip_the_autotuner(monkeypatch):
     """After a key's first launch, every kernel launches directly with the remembered config and the
     heuristic flags computed by the launcher (odd d, h: EVEN_K and EVEN_N false); the results are those
     of the first (autotuner) launch, bitwise, and match the reference."""
-    from moeblaze.kernels import tuning
-
     tuned = []
     real = tuning.Launchable.tuner
     monkeypatch.setattr(tuning.Launchable, "tuner",
