@@ -280,7 +280,7 @@ def parts(cfg, device, dtype) -> list[tuple[str, float]]:
             fn(x)
 
     cases = [("triton launch (direct, one store)", lambda: direct.launch(_one, (1,), x_ptr=small)),
-             ("moeblaze.settings.get (an environment variable's look-up)", lambda: settings.get("tma")),
+             ("moeblaze.settings.get (an environment variable's look-up)", lambda: settings.get("check_ids")),
              ("aten add_ (16 floats)", lambda: small.add_(1.0)),
              ("torch.empty (1 MiB)", lambda: torch.empty(2**18, device=device)),
              ("mm [T, d] x [d, E] bf16 -> fp32 (out_dtype=)", lambda: torch.mm(xd, wt, out_dtype=torch.float32)),

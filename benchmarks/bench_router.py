@@ -1,5 +1,6 @@
 """The router alone: forward + backward of ``moeblaze.Router`` (softmax top-k, aux and z losses), the fused
-Triton kernels against the PyTorch ops (setting ``fused_router``), at the shapes of the layer benchmarks.
+Triton kernels against the PyTorch ops (setting ``backend``: ``triton``, ``torch``), at the shapes of the layer
+benchmarks.
 
 Per (shape, path): GPU time of a step (kernel time summed by torch.profiler, as ``bench_token_rounding.py``)
 and its wall time (``do_bench`` median). ``--warps 4,8`` also times the fused path with the top-k kernel at
@@ -66,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
             def step(on=on, router=router, x=x):
                 x.grad = None
                 router.weight.grad = None
-                with settings.override(fused_router=on):
+                with settings.override(backend="triton" if on else "torch"):
                     out = router(x)
                     (out.topk_weights.float().square().sum() + out.aux_loss + out.z_loss).backward()
 

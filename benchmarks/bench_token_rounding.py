@@ -5,7 +5,8 @@ timed step, per variant on the same weights and inputs:
 
 ``topk``            the layer as it is (random top-k routing from its router)
 ``tr-nr``           the layer with ``token_rounding="nr"`` (router + rounding + general routing path)
-``tr-nr-eager``     the same with the rounding's PyTorch ops run eagerly (``compile_rounding=off``)
+``tr-nr-eager``     the same with the rounding's PyTorch ops run eagerly (where the layer rounds after its router;
+                    ``moeblaze.token_rounding._compiles`` replaced)
 ``ceiling``         the router runs, then the experts take a fixed routing whose every expert count is a
                     multiple of the M tile with no imbalance (as equal as multiples of the tile allow): the
                     most rounding can give; x's gradient summed in place by both, as in the layer
@@ -35,6 +36,7 @@ CPU check:    python3 benchmarks/bench_token_rounding.py speed --smoke; ... qual
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import datetime
 import functools
@@ -46,10 +48,11 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from unittest import mock
 
 import torch
 
-from moeblaze import MoE, moe_experts, moe_experts_general, round_tokens, settings, tile_multiple
+from moeblaze import MoE, moe_experts, moe_experts_general, round_tokens, settings, tile_multiple, token_rounding
 from moeblaze.backends import get_backend
 from moeblaze.bench.runner import kernel_time_ms
 from moeblaze.input_grad import SharedInputGrad
@@ -72,6 +75,14 @@ def ceiling_ids(T: int, E: int, K: int, tile: int, device) -> torch.Tensor:
         raise ValueError(f"no ceiling routing for T={T}, K={K}, E={E}, tile={tile}: T*K must be a multiple of the "
                          "tile and tile * ceil(T*K / (E*tile)) <= T")
     return ids.to(torch.int32).to(device)
+
+
+def eager_rounding(on: bool):
+    """A context in which :func:`moeblaze.token_rounding.round_tokens_fused` runs eagerly where ``on`` (else as it
+    chooses: compiled on CUDA): the A/B of the ``tr-nr-eager`` variant."""
+    if not on:
+        return contextlib.nullcontext()
+    return mock.patch.object(token_rounding, "_compiles", lambda scores: False)
 
 
 def timer(device):
@@ -107,11 +118,11 @@ def layer_steps(shape, device, dtype, backend, tile=None, sonic=True):
         for p in params:
             p.grad = None
 
-    def layer(mode, compiled=None):
+    def layer(mode, compiled=True):
         def step():
             clear()
             moe.token_rounding = mode
-            with settings.override(compile_rounding=compiled):
+            with eager_rounding(not compiled):
                 moe(x).backward(dout)
         return step
 
@@ -221,7 +232,7 @@ def run_speed(args) -> int:
 
 def run_rounding(args) -> int:
     """Time token rounding alone (``nr``, tile 128) on softmax top-k routings of the issue's shapes, per path:
-    ``torch`` (:func:`moeblaze.round_tokens` with its PyTorch selections, ``fused_rounding=off``), and on the
+    ``torch`` (:func:`moeblaze.round_tokens` with its PyTorch selections, ``backend="torch"``), and on the
     GPU ``kernels`` (the Triton selections) and ``kernels-compiled`` (:func:`round_tokens_fused`: the rest
     through ``torch.compile``): wall ms by :func:`timer` (as the layer variants), and on the GPU its kernel
     time (:func:`moeblaze.bench.runner.kernel_time_ms`; ``--breakdown N`` prints the N kernels with the most
@@ -230,17 +241,17 @@ def run_rounding(args) -> int:
     if device == "cpu":
         torch.set_num_threads(1)
     bench, rows = timer(device), []
-    paths = {"torch": (round_tokens, False)}
+    paths = {"torch": (round_tokens, "torch")}
     if device == "cuda":
-        paths.update({"kernels": (round_tokens, None), "kernels-compiled": (round_tokens_fused, None)})
+        paths.update({"kernels": (round_tokens, "auto"), "kernels-compiled": (round_tokens_fused, "auto")})
     for T, _d, _h, E, K in SHAPES:
         gen = torch.Generator(device=device).manual_seed(0)
         scores = torch.softmax(torch.randn(T, E, device=device, generator=gen), -1)
         w, ids = scores.topk(K, -1)
         ids = ids.int()
-        for path, (fn, fused) in paths.items():
-            def step(scores=scores, ids=ids, w=w, fn=fn, fused=fused):
-                with settings.override(fused_rounding=fused):
+        for path, (fn, backend) in paths.items():
+            def step(scores=scores, ids=ids, w=w, fn=fn, backend=backend):
+                with settings.override(backend=backend):
                     fn(scores, ids, w, 128, "nr")
 
             ms, gpu = bench(step), kernel_time_ms(step, table=args.breakdown)

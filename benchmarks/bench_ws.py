@@ -2,24 +2,27 @@
 
 For each shape (T, d, h, E, K; random top-k routing, bf16): F2 (``act [N, h] @ w_down[e]^T``) and B3 (``dpre [N, 2h] @
 w_gate_up[e]``), each in the layer's column chunks, through ``launch.grouped_gemm``, and B2 / B4 (the weight
-gradients) through ``launch.grouped_wgrad``, once with the settings ``ws_gemm`` / ``ws_wgrad`` on and once off (the
-Triton kernels, autotuned). Each is timed as a CUDA-graph replay (``triton.testing.do_bench``, median), so the host's
+gradients) through ``launch.grouped_wgrad``, once as the launchers choose (the Gluon kernels on an sm90 GPU with
+triton 3.6) and once with ``launch.ws_gemm_ok`` / ``launch.ws_wgrad_ok`` replaced by False (the Triton kernels,
+autotuned). Each is timed as a CUDA-graph replay (``triton.testing.do_bench``, median), so the host's
 launch time is out of the figure; ``--check`` also compares both with the float64 sums on the first shape. One CSV row
 per kernel and shape.
 
 Usage (GPU): ``python3 benchmarks/bench_ws.py --out ws.csv`` (the shapes of issues 24 and 25 by default);
-``--set wgrad_tma_store=off`` times the weight gradients with masked tile stores instead of TMA stores (an A/B: run
-both on the same GPU, one after the other).
+``--masked-store`` times the weight gradients with masked tile stores instead of TMA stores (an A/B: run both on
+the same GPU, one after the other).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import datetime
 import os
 import sys
 from pathlib import Path
+from unittest import mock
 
 import torch
 import triton
@@ -34,7 +37,8 @@ SHAPES = "2048:2048:768:128:8,8192:2048:768:128:8,32768:2048:768:128:8,16384:153
 
 
 def _steps(T, d, h, E, K, gen):
-    """(name, setting, run(out) -> out, float64 reference or None, flops) of F2, B3, B2 and B4 at one shape."""
+    """(name, the launcher's check of the Gluon kernel, run(out) -> out, float64 reference or None, flops) of F2, B3,
+    B2 and B4 at one shape."""
     ids = torch.rand(T, E, device="cuda", generator=gen).topk(K, dim=1).indices.to(torch.int32)
     index = build_dispatch(ids, E, block_m=128)
     off, ind, sc = index.expert_token_offsets, index.expert_token_indices, index.schedule
@@ -71,10 +75,10 @@ def _steps(T, d, h, E, K, gen):
         return out.transpose(1, 2) if transpose else out
 
     return [
-        ("F2", "ws_gemm", gemm(act, w_down, True, h), lambda: ref_gemm(act, w_down.transpose(1, 2)), 2 * N * h * d),
-        ("B3", "ws_gemm", gemm(dpre, w_gate_up, False, 2 * h), lambda: ref_gemm(dpre, w_gate_up), 4 * N * h * d),
-        ("B2", "ws_wgrad", wgrad(dout, act, h, False), lambda: ref_wgrad(dout, act, False), 2 * N * h * d),
-        ("B4", "ws_wgrad", wgrad(x, dpre, 2 * h, True), lambda: ref_wgrad(x, dpre, True), 4 * N * h * d),
+        ("F2", "ws_gemm_ok", gemm(act, w_down, True, h), lambda: ref_gemm(act, w_down.transpose(1, 2)), 2 * N * h * d),
+        ("B3", "ws_gemm_ok", gemm(dpre, w_gate_up, False, 2 * h), lambda: ref_gemm(dpre, w_gate_up), 4 * N * h * d),
+        ("B2", "ws_wgrad_ok", wgrad(dout, act, h, False), lambda: ref_wgrad(dout, act, False), 2 * N * h * d),
+        ("B4", "ws_wgrad_ok", wgrad(x, dpre, 2 * h, True), lambda: ref_wgrad(x, dpre, True), 4 * N * h * d),
     ]
 
 
@@ -85,10 +89,13 @@ def main() -> None:
     ap.add_argument("--out", default="bench_ws.csv", help="CSV to append rows to")
     ap.add_argument("--commit", help="code version the rows record (default: git's HEAD here, +dirty)")
     ap.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
-                    help="a moeblaze setting for the whole run, e.g. wgrad_tma_store=off (repeatable; in the rows' "
-                         "command)")
+                    help="a moeblaze setting for the whole run, e.g. autotune=off (repeatable; in the rows' command)")
+    ap.add_argument("--masked-store", action="store_true",
+                    help="the Gluon weight gradients store their tiles masked, not by TMA (in the rows' command)")
     args = ap.parse_args()
     settings.configure(**dict(kv.split("=", 1) for kv in args.set))
+    if args.masked_store:
+        mock.patch.object(launch, "ws_wgrad_tma_store", lambda *a: False).start()
     commit = args.commit or git_commit(Path(__file__).parent)
     command = " ".join(["python3", *sys.argv])
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -101,14 +108,14 @@ def main() -> None:
             out.writeheader()
         for i, spec in enumerate(args.shapes.split(",")):
             T, d, h, E, K = map(int, spec.split(":"))
-            for name, setting, run, ref, flops in _steps(T, d, h, E, K, gen):
+            for name, check, run, ref, flops in _steps(T, d, h, E, K, gen):
                 row = {"date": datetime.date.today().isoformat(), "device": torch.cuda.get_device_name(),
                        "commit": commit, "torch": torch.__version__, "triton": triton.__version__, "command": command,
                        "T": T, "d": d, "h": h, "E": E,
                        "K": K, "step": name}
                 want = ref() if args.check and i == 0 else None
                 for on in (False, True):
-                    with settings.override(**{setting: on}):
+                    with contextlib.nullcontext() if on else mock.patch.object(launch, check, lambda *a: False):
                         ms = graph_replay_ms(run)
                         if want is not None:
                             row["err_ws" if on else "err_triton"] = float((run().double() - want).abs().max()

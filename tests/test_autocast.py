@@ -292,7 +292,7 @@ def test_fused_router_under_autocast_checkpointing_and_compile(monkeypatch):
     calls = []
     apply = moeblaze.routing._FusedTopK.apply
     monkeypatch.setattr(moeblaze.routing._FusedTopK, "apply", lambda *a: calls.append(1) or apply(*a))
-    with moeblaze.settings.override(fused_router=True):
+    with moeblaze.settings.override(backend="triton"):
         for save in SAVE_MODES:
             test_activation_checkpointing_under_autocast_equals_the_plain_step("triton", torch.float16, save)
         check_compiled_under_autocast(torch.float16)

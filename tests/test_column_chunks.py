@@ -289,3 +289,27 @@ def test_tf32_chunks_copy_only_their_columns(monkeypatch):
     # [4, 64, 48] as three [4, 64, 16] (F1 rounds it whole, once)
     assert copies.count((4, 16, 32)) == 3 and copies.count((4, 64, 16)) == 3
     assert copies.count((4, 48, 32)) == 1 and copies.count((4, 64, 48)) == 1
+
+
+@gpu
+@needs_cuda
+def test_gpu_forward_override_reaches_the_backward(monkeypatch):
+    """``override(chunk_cols=64)`` around the forward reaches B3's chunks in the backward, which autograd runs on
+    its CUDA device thread (``settings.carried_to_backward``); without it the backward reads the default."""
+    from moeblaze.kernels import experts as kernel_experts
+
+    seen = []
+    real = kernel_experts.column_chunks
+    monkeypatch.setattr(kernel_experts, "column_chunks",
+                        lambda *a, **k: seen.append(moeblaze.settings.get("chunk_cols")) or real(*a, **k))
+    monkeypatch.delenv("MOEBLAZE_CHUNK_COLS", raising=False)
+    torch.manual_seed(0)
+    moe = moeblaze.MoE(256, 192, num_experts=32, top_k=4).cuda().to(torch.bfloat16)
+    x = torch.randn(1024, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    with moeblaze.settings.override(chunk_cols=64):
+        loss = moe(x).float().square().sum()
+    loss.backward()
+    assert seen == [64, 64]  # F2 in the forward, B3 in the backward
+    seen.clear()
+    moe(x).float().square().sum().backward()
+    assert seen == ["auto", "auto"]

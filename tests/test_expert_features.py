@@ -138,11 +138,13 @@ def test_kernels_gpt_oss(save, dtype):
 @pytest.mark.parametrize("tma", ["1", "0"])
 def test_kernels_gpt_oss_weight_reads(tma, monkeypatch):
     """d a multiple of 64: F1 reads GPT-OSS's ``[E, d, 2h]`` storage through one TMA box of alternating
-    gate/up columns (``B_DESC_INTERLEAVED``); ``MOEBLAZE_TMA=0``: the strided pointer loads. Both against the
-    reference."""
+    gate/up columns (``B_DESC_INTERLEAVED``); without TMA (GPUs before sm90): the strided pointer loads. Both
+    against the reference."""
     from moeblaze.kernels.launch import interleaved_desc_ok
+    from test_experts_triton import pointer_reads
 
-    monkeypatch.setenv("MOEBLAZE_TMA", tma)
+    if tma == "0":
+        pointer_reads(monkeypatch)
     inp = make_inputs(40, 64, 24, 3, 2, "swiglu_clamped", torch.float32, interleaved=True)
     assert interleaved_desc_ok(inp["w_gate_up"], 64) == (tma == "1")
     assert not interleaved_desc_ok(inp["w_gate_up"].contiguous(), 64)  # rows of d: no interleaved columns
@@ -345,7 +347,10 @@ def test_gpu_gpt_oss_and_foreign(save, shape, dtype):
 @needs_cuda
 @pytest.mark.parametrize("tma", ["1", "0"])
 def test_gpu_bias_and_foreign_both_weight_read_modes(tma, monkeypatch):
-    monkeypatch.setenv("MOEBLAZE_TMA", tma)
+    from test_experts_triton import pointer_reads
+
+    if tma == "0":
+        pointer_reads(monkeypatch)
     check(make_inputs(700, 128, 128, 4, 2, "swiglu", torch.bfloat16, foreign=True, device="cuda"), "swiglu", "preact",
           "triton")
 

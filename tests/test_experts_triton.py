@@ -13,6 +13,7 @@ import torch
 import moeblaze
 from moeblaze import build_dispatch, moe_experts, ops_torch
 from moeblaze.activations import ACTIVATIONS
+from moeblaze.kernels import tuning
 from moeblaze.memory import SavedTensorCounter
 from moeblaze.testing import (
     EDGE_CASES,
@@ -105,9 +106,14 @@ def test_non_contiguous_inputs(save):
     check_against_reference(non_contiguous(inputs(30, 16, 12, 5, 2)), "swiglu", save)
 
 
+def pointer_reads(monkeypatch) -> None:
+    """Pointer reads where TMA would serve (as before sm90; no Gluon kernel either): ``tuning.tma_enabled`` off."""
+    monkeypatch.setattr(tuning, "tma_enabled", lambda device: False)
+
+
 def test_weight_read_modes(monkeypatch):
     """Which weights the GEMMs read through TMA descriptors (sm90+ or the interpreter) and which through
-    pointers: misaligned rows, k not a multiple of 64 for rows along k, or ``MOEBLAZE_TMA=0``."""
+    pointers: misaligned rows, k not a multiple of 64 for rows along k, or no TMA (GPUs before sm90)."""
     from moeblaze.kernels.grouped_gemm import B_DESC_KN, B_DESC_NK, B_DESC_NONE, B_DESC_PAIRED
     from moeblaze.kernels.launch import b_desc_mode
 
@@ -124,15 +130,16 @@ def test_weight_read_modes(monkeypatch):
         assert b_desc_mode(torch.zeros(3 * 128 * 64 + 1, device=DEVICE)[1:].view(3, 128, 64), True, 64) == none
         assert b_desc_mode(w[:, ::2], True, 64) == nk  # every other row: still rows of one 2-D view
         assert b_desc_mode(torch.zeros(3, 130, 64, device=DEVICE)[:, :128], True, 64) == none  # gaps between experts
-    monkeypatch.setenv("MOEBLAZE_TMA", "0")
+    pointer_reads(monkeypatch)
     assert b_desc_mode(w, True, 64) == none
 
 
 @pytest.mark.parametrize("tma", ["1", "0"])
 def test_tma_and_pointer_weight_reads(tma, monkeypatch):
     """d and h multiples of 64: every GEMM and weight gradient has a descriptor path (``B_DESC_NK``, ``B_DESC_KN``, the
-    unpermuted wgrad operands); ``MOEBLAZE_TMA=0`` takes the pointer loads on the same shapes."""
-    monkeypatch.setenv("MOEBLAZE_TMA", tma)
+    unpermuted wgrad operands); without TMA (:func:`pointer_reads`) the pointer loads on the same shapes."""
+    if tma == "0":
+        pointer_reads(monkeypatch)
     check_against_reference(inputs(40, 64, 64, 3, 2, routing="zipf"), "swiglu", "preact")
     # transposed weight views swap the descriptor modes (the gated F1 reads gate and up along columns)
     check_against_reference(non_contiguous(inputs(24, 64, 32, 3, 2)), "swiglu", "input")
@@ -141,14 +148,17 @@ def test_tma_and_pointer_weight_reads(tma, monkeypatch):
 def _tma_vs_pointers(inp, activation, monkeypatch):
     """Outputs and gradients with the weights (and the wgrad slot rows) read through TMA descriptors and
     through pointers, same block sizes; the TMA run is also checked against the reference."""
+    from moeblaze.kernels import launch
+
     monkeypatch.setenv("MOEBLAZE_AUTOTUNE", "0")
-    monkeypatch.setenv("MOEBLAZE_WS_WGRAD", "0")  # the Gluon weight gradient reads through TMA only
+    monkeypatch.setattr(launch, "ws_wgrad_ok", lambda *a: False)  # the Gluon weight gradient reads through TMA only
     dout = torch.randn_like(inp["x"])
     runs = []
-    for tma in ("1", "0"):
-        monkeypatch.setenv("MOEBLAZE_TMA", tma)
-        runs.append(run_and_grad(triton_experts(activation, "preact"), inp, dout))
-    monkeypatch.setenv("MOEBLAZE_TMA", "1")
+    for tma in (True, False):
+        with monkeypatch.context() as m:
+            if not tma:
+                pointer_reads(m)
+            runs.append(run_and_grad(triton_experts(activation, "preact"), inp, dout))
     check_against_reference(inp, activation, "preact")
     return runs
 
@@ -172,12 +182,13 @@ def test_tma_and_pointer_paths_agree(activation, monkeypatch):
 
 def _persistent_vs_per_tile(inp, monkeypatch):
     """Both grouped-GEMM launch shapes (persistent: a program per SM walks the tiles; per tile: a program
-    per output tile) on the same fixed configs: bitwise equal outputs and gradients, and the reference."""
+    per output tile; the autotuner picks one, :func:`moeblaze.kernels.tuning._gemm_launch` forced here) on the
+    same fixed configs: bitwise equal outputs and gradients, and the reference."""
     monkeypatch.setenv("MOEBLAZE_AUTOTUNE", "0")  # same block sizes, hence the same summation order
     dout = torch.randn_like(inp["x"])
     runs = []
     for persistent in ("1", "0"):
-        monkeypatch.setenv("MOEBLAZE_PERSISTENT", persistent)
+        monkeypatch.setattr(tuning, "_gemm_launch", lambda mode=persistent: mode)
         check_against_reference(inp, "swiglu", "preact")
         runs.append(run_and_grad(triton_experts("swiglu", "preact"), inp, dout))
     for name, a, b in zip(NAMES, *runs):
@@ -185,8 +196,11 @@ def _persistent_vs_per_tile(inp, monkeypatch):
 
 
 def test_gemm_launch_shape_choices():
-    """MOEBLAZE_PERSISTENT: unset, the autotuner tries per-tile and persistent launches; 1 or 0 forces one."""
-    from moeblaze.kernels.tuning import gemm_configs
+    """``auto`` (the library's launch mode): the autotuner tries per-tile and persistent launches; ``1`` or ``0``
+    (tests) keeps one."""
+    from moeblaze.kernels.tuning import _gemm_launch, gemm_configs
+
+    assert _gemm_launch() == "auto"
 
     def shapes(kind, mode):
         return {c.kwargs["PERSISTENT"] for c in gemm_configs(kind, mode)}
@@ -216,8 +230,6 @@ def test_launches_after_the_first_skip_the_autotuner(monkeypatch):
     """After a key's first launch, every kernel launches directly with the remembered config and the
     heuristic flags computed by the launcher (odd d, h: EVEN_K and EVEN_N false); the results are those
     of the first (autotuner) launch, bitwise, and match the reference."""
-    from moeblaze.kernels import tuning
-
     tuned = []
     real = tuning.Launchable.tuner
     monkeypatch.setattr(tuning.Launchable, "tuner",
@@ -397,7 +409,8 @@ GPU_SHAPES = {  # T, d, h, E, K, routing
 @pytest.mark.parametrize("case", GPU_SHAPES)
 @pytest.mark.parametrize("tma", ["1", "0"])
 def test_gpu_bf16_bigger_shapes(case, tma, monkeypatch):
-    monkeypatch.setenv("MOEBLAZE_TMA", tma)  # weights through TMA descriptors (sm90+) and through pointers
+    if tma == "0":  # weights through TMA descriptors (sm90+) and through pointers
+        pointer_reads(monkeypatch)
     T, d, h, E, K, routing = GPU_SHAPES[case]
     check_against_reference(inputs(T, d, h, E, K, dtype=torch.bfloat16, routing=routing), "swiglu", "preact")
 

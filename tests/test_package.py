@@ -146,15 +146,16 @@ def test_settings_precedence(monkeypatch):
     assert settings.get("autotune") is False
     monkeypatch.delenv("MOEBLAZE_AUTOTUNE")
     assert settings.get("autotune") is True
-    monkeypatch.setenv("MOEBLAZE_PERSISTENT", "1")
-    assert settings.get("persistent") is True
-    monkeypatch.delenv("MOEBLAZE_PERSISTENT")
-    assert settings.get("persistent") is None
+    monkeypatch.setenv("MOEBLAZE_CHUNK_COLS", "512")
+    assert settings.get("chunk_cols") == 512
+    monkeypatch.delenv("MOEBLAZE_CHUNK_COLS")
+    assert settings.get("chunk_cols") == "auto"
 
 
 @pytest.mark.parametrize("call, match", [
     (lambda: settings.get("nope"), "unknown moeblaze setting 'nope'"),
-    (lambda: settings.configure(tma="maybe"), "setting 'tma' must be a boolean"),
+    (lambda: settings.configure(check_ids="maybe"), "setting 'check_ids' must be a boolean"),
+    (lambda: settings.configure(tma=False), "unknown moeblaze setting 'tma'"),  # chosen by the device (sm90+)
     (lambda: settings.configure(backend="cuda"), "setting 'backend' must be one of"),
 ])
 def test_settings_errors(call, match):
@@ -163,9 +164,25 @@ def test_settings_errors(call, match):
 
 
 def test_settings_bad_environment(monkeypatch):
-    monkeypatch.setenv("MOEBLAZE_TMA", "sometimes")
-    with pytest.raises(ValueError, match="MOEBLAZE_TMA must be a boolean"):
-        settings.get("tma")
+    monkeypatch.setenv("MOEBLAZE_CHECK_IDS", "sometimes")
+    with pytest.raises(ValueError, match="MOEBLAZE_CHECK_IDS must be a boolean"):
+        settings.get("check_ids")
+
+
+def test_five_settings_and_no_kernel_variant_switches():
+    """The switches a user changes; kernel variants are chosen by device and shape, the router's, rounding's and
+    dispatch's kernels by ``backend``: their former settings are unknown names."""
+    assert sorted(settings.SETTINGS) == ["autotune", "backend", "check_ids", "chunk_cols", "deterministic"]
+    gone = ("tma", "persistent", "wgrad_persistent", "ws_wgrad", "ws_gemm", "wgrad_tma_store", "dispatch",
+            "compile_rounding", "fused_router", "fused_rounding")
+    for name in gone:
+        with pytest.raises(ValueError, match=f"unknown moeblaze setting '{name}'"), settings.override(**{name: "1"}):
+            pass
+    variables = re.compile(r"MOEBLAZE_(?:" + "|".join(g.upper() for g in gone) + r")\b")
+    root = SRC.parents[1]
+    for path in [root / "README.md", *(p for d in ("src", "benchmarks", "scripts", "docs", "examples", "tests")
+                                        for p in (root / d).rglob("*") if p.suffix in (".py", ".md", ".sh"))]:
+        assert not variables.search(path.read_text()), f"{path} names a removed variable"
 
 
 def test_environment_written_after_import_is_read_as_os_environ_reads_it(monkeypatch):
@@ -198,6 +215,35 @@ def test_override_routes_the_backend(monkeypatch):
         moeblaze.moe_experts(x, ids, w, w1, w2)
     with settings.override(backend="torch"):
         assert moeblaze.moe_experts(x, ids, w, w1, w2).shape == (4, 8)
+
+
+def test_backend_setting_picks_the_router_rounding_and_dispatch_kernels(monkeypatch):
+    """One rule (``settings.use_triton``) for the Triton router, token rounding's selections and the dispatch build:
+    ``auto`` on CUDA tensors, ``triton`` on CUDA tensors and, under the interpreter, CPU tensors, ``torch`` on none;
+    the rounding compiles on CUDA tensors unless ``torch``."""
+    import torch
+
+    from moeblaze import dispatch, token_rounding
+    from moeblaze.routing import Router
+
+    cpu = torch.zeros(4, 8)
+    router = Router(8, 8, 2)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    for backend, want in (("auto", False), ("triton", True), ("torch", False)):
+        with settings.override(backend=backend):
+            assert settings.use_triton(cpu) is want
+            assert router._fused(cpu) is want
+            assert token_rounding._kernels_serve(cpu, 2, (torch.float32,)) is want
+            assert dispatch._triton_serves(cpu[:, :2].int(), 8) is want
+            assert not token_rounding._compiles(cpu)
+    monkeypatch.delenv("TRITON_INTERPRET")
+    with settings.override(backend="triton"):
+        assert not settings.use_triton(cpu)  # CPU tensors without the interpreter: the PyTorch ops
+    if torch.cuda.is_available():
+        gpu = cpu.cuda()
+        for backend in ("auto", "triton", "torch"):
+            with settings.override(backend=backend):
+                assert settings.use_triton(gpu) is token_rounding._compiles(gpu) is (backend != "torch")
 
 
 def test_host_cdiv_and_next_pow2_equal_triton_s():

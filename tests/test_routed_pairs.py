@@ -5,7 +5,7 @@ Triton selections (interpreter on CPU, fp32), whose backward writes the dense to
 import pytest
 import torch
 
-from moeblaze import MoE, moe_experts_general, round_tokens, settings
+from moeblaze import MoE, moe_experts_general, round_tokens, settings, token_rounding
 from moeblaze.routing import Router
 from moeblaze.testing import rel_error
 from moeblaze.token_rounding import ROUNDING_MODES, Rounding
@@ -13,7 +13,7 @@ from moeblaze.token_rounding import ROUNDING_MODES, Rounding
 
 @pytest.fixture
 def fused():
-    with settings.override(fused_router=True, fused_rounding=True):
+    with settings.override(backend="triton"):
         yield
 
 
@@ -66,10 +66,13 @@ def test_router_node_equals_route_then_round_bitwise(mode, renormalize, scale, o
             assert torch.equal(u, v), i
 
 
-def test_router_without_fused_selections_leaves_rounding_to_the_caller():
-    """Off the fused selections (here the PyTorch ones), ``rounded`` is None; eval-free callers round after."""
+def test_router_without_fused_selections_leaves_rounding_to_the_caller(monkeypatch):
+    """Off the fused selections (here the PyTorch ones: the Triton ones do not serve), ``rounded`` is None;
+    eval-free callers round after."""
+    monkeypatch.setattr(token_rounding, "_kernels_serve", lambda *a: False)
     router = Router(16, 8, 2)
-    with settings.override(fused_router=True, fused_rounding=False):
+    with settings.override(backend="triton"):
+        assert router._fused(torch.zeros(40, 8))  # the fused router serves, its selections do not
         assert router(torch.randn(40, 16), rounding=Rounding("nr", 8)).rounded is None
 
 

@@ -1,4 +1,4 @@
-"""The Triton softmax top-k router (``moeblaze.kernels.router``, ``fused_router`` setting) against the float64
+"""The Triton softmax top-k router (``moeblaze.kernels.router``; ``backend`` setting ``triton``) against the float64
 reference under the DESIGN.md §7 rule, with the PyTorch router in fp32 as the baseline.
 
 CPU: the kernels run in the interpreter (fp32 logits throughout, so nothing here meets the bf16 ``tl.dot``
@@ -33,7 +33,7 @@ def _reference(logits64: torch.Tensor, ids: torch.Tensor, K: int, renorm: bool, 
 
 
 def _route(router: Router, x: torch.Tensor, fused: bool):
-    with settings.override(fused_router=fused):
+    with settings.override(backend="triton" if fused else "torch"):
         return router(x)
 
 
@@ -179,27 +179,33 @@ def test_routers_the_kernels_do_not_serve_take_the_pytorch_path(monkeypatch):
     for E, K, kw in ((8, 2, dict(score_func="sigmoid")), (8, 2, dict(n_group=2, topk_group=1)),
                      (8, 2, dict(score_correction_bias=True)), (40, 17, {})):
         router = Router(8, E, K, **kw)
-        with settings.override(fused_router=True):
+        with settings.override(backend="triton"):
             out = router(torch.randn(5, 8))
         assert out.topk_ids.shape == (5, K) and calls == []
 
 
-def test_layer_with_token_rounding_uses_the_fused_scores():
-    """Token rounding pads with the router's scores: the layer trains the same with either router."""
+@pytest.mark.parametrize("selections", ["kernels", "torch"])
+def test_layer_with_token_rounding_uses_the_fused_scores(selections, monkeypatch):
+    """Token rounding pads with the router's scores: the layer trains the same with either router. The fused
+    router rounds in its own node with the Triton selections; without them (``torch``: they do not serve), the
+    layer rounds after the router, with the PyTorch selections on the fused router's scores."""
     torch.manual_seed(4)
     layer = MoE(16, 8, 4, 2, backend="torch", token_rounding="nr", rounding_tile=4, aux_loss_coef=0.1)
     x = torch.randn(23, 16)
 
-    def run(fused):
+    def run(backend):
         xx = x.clone().requires_grad_()
         for p in layer.parameters():
             p.grad = None
-        with settings.override(fused_router=fused):
+        with settings.override(backend=backend):
             (layer(xx).square().sum() + layer.aux_loss).backward()
         return [xx.grad] + [p.grad.clone() for p in layer.parameters()]
 
-    for got, want in zip(run(True), run(False)):
-        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    want = run("torch")
+    if selections == "torch":
+        monkeypatch.setattr(moeblaze.token_rounding, "_kernels_serve", lambda *a: False)
+    for got, w in zip(run("triton"), want):
+        torch.testing.assert_close(got, w, rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.gpu
@@ -213,7 +219,7 @@ def test_gpu_fused_router_layer_matches_pytorch_router_bf16():
         xx = x.clone().requires_grad_()
         for p in layer.parameters():
             p.grad = None
-        with settings.override(fused_router=fused):
+        with settings.override(backend="triton" if fused else "torch"):
             out = layer(xx)
             (out.float().square().mean() + layer.aux_loss).backward()
         return layer.last_topk_ids.clone(), [out.float(), xx.grad.float(), layer.router.weight.grad.float()]

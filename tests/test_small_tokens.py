@@ -44,6 +44,23 @@ def test_block_m_buckets_depend_on_tokens_per_expert_only():
     assert get_backend("torch", x).block_m(5, 8) is None
 
 
+def test_one_function_chooses_the_m_tile(monkeypatch):
+    """``kernels.tuning.block_m`` is the only source of the M tile: under another rule (16 rows here) the backend's
+    plan, token rounding's tile, the ops' schedule and the launchers' ``BLOCK_M`` and check all follow it (a
+    caller with a rule of its own would fail the launcher's schedule check), and the results stay the reference's."""
+    from moeblaze.dispatch import build_dispatch
+    from moeblaze.kernels import experts as kernel_experts
+
+    T, E, K = 80, 2, 2  # 80 slots per expert: the large bucket's 128 (32 under the interpreter), not 16
+    assert tuning.block_m(T * K, E) == tuning.block_m() != 16
+    monkeypatch.setattr(tuning, "block_m", lambda num_pairs=None, num_experts=None: 16)
+    ids = torch.tensor([[0, 1]] * T, dtype=torch.int32, device=DEVICE)
+    assert get_backend("triton", ids.float()).plan(ids, E).schedule.block_m == 16
+    assert moeblaze.tile_multiple("triton", DEVICE) == 16
+    assert len(kernel_experts._schedule(build_dispatch(ids, E))[0]) == T * K // 16 + E  # cdiv(N, 16) + E entries
+    _check(T, 16, 8, E, K, torch.float32)
+
+
 def _check(T, d, h, E, K, dtype, activation="swiglu", save="preact", routing="uniform"):
     inputs = make_expert_inputs(T, d, h, E, K, activation, dtype, device=DEVICE, routing=routing)
     dout = torch.randn(inputs["x"].shape, dtype=dtype, device=DEVICE)
@@ -107,21 +124,30 @@ def test_small_bucket_matches_reference(T, E, K, save):
     _check(T, 16, 8, E, K, torch.float32, save=save)
 
 
+def _launches(monkeypatch, wgrad: str | None = None, tma: bool = True) -> None:
+    """Force the weight gradients' launch mode (``"1"`` persistent, ``"0"`` per tile; None: the library's) and,
+    with ``tma`` off, pointer reads where TMA descriptors would serve (:mod:`moeblaze.kernels.tuning`)."""
+    if wgrad is not None:
+        monkeypatch.setattr(tuning, "_wgrad_launch", lambda: wgrad)
+    if not tma:
+        monkeypatch.setattr(tuning, "tma_enabled", lambda device: False)
+
+
 @pytest.mark.parametrize("tma", [True, False])
 @pytest.mark.parametrize("T,d,h,E,K", [(3, 16, 8, 16, 4), (70, 80, 72, 3, 2), (40, 48, 40, 8, 1)])
-def test_persistent_weight_gradient_matches_reference(T, d, h, E, K, tma):
-    """``wgrad_persistent``: a program walks several tiles of several experts (4 programs under the
+def test_persistent_weight_gradient_matches_reference(T, d, h, E, K, tma, monkeypatch):
+    """The persistent weight gradient: a program walks several tiles of several experts (4 programs under the
     interpreter), empty experts (T 3, E 16) store zeros, experts of more than one BLOCK_K step (T 70),
     several P and Q tiles per expert (d 80, 2h 144); TMA and pointer reads of the slot rows."""
-    with moeblaze.settings.override(wgrad_persistent=True, tma=tma):
-        assert {c.kwargs["PERSISTENT"] for c in tuning.wgrad_configs("interpret", tuning.wgrad_persistent_mode())} \
-            == {True}
-        _check(T, d, h, E, K, torch.float32)
-        _check(T, d, h, E, K, torch.float16)
+    _launches(monkeypatch, "1", tma)
+    assert {c.kwargs["PERSISTENT"] for c in tuning.wgrad_configs("interpret", tuning._wgrad_launch())} == {True}
+    _check(T, d, h, E, K, torch.float32)
+    _check(T, d, h, E, K, torch.float16)
 
 
-def test_wgrad_persistent_setting_picks_the_launches():
-    """``auto`` tunes both launches of the 16-bit tiles, on/off one of them; fp32 lists stay per tile."""
+def test_wgrad_launch_modes_pick_the_launches():
+    """``auto`` (the library's) tunes both launches of the 16-bit tiles, ``1`` / ``0`` one of them; fp32 lists
+    stay per tile."""
     both = {c.kwargs["PERSISTENT"] for c in tuning.wgrad_configs("tuned16", "auto")}
     assert both == {False, True}
     assert {c.kwargs["PERSISTENT"] for c in tuning.wgrad_configs("tuned16", "1")} == {True}
@@ -130,8 +156,7 @@ def test_wgrad_persistent_setting_picks_the_launches():
     assert [c.kwargs["PERSISTENT"] for c in tuning.wgrad_configs("fixed16", "auto")] == [False]
     for kind in ("tuned32", "fixed32"):
         assert {c.kwargs["PERSISTENT"] for c in tuning.wgrad_configs(kind, "1")} == {False}
-    with moeblaze.settings.override(wgrad_persistent=None):
-        assert tuning.wgrad_persistent_mode() == "auto"
+    assert tuning._wgrad_launch() == tuning._gemm_launch() == "auto"  # no setting: the autotuner picks
 
 
 def test_layer_builds_the_small_bucket_schedule_once(monkeypatch):
@@ -157,7 +182,7 @@ def test_layer_builds_the_small_bucket_schedule_once(monkeypatch):
 @pytest.mark.parametrize("T,d,h,E,K,activation", [(64, 256, 128, 16, 2, "swiglu"), (512, 512, 256, 128, 8, "swiglu"),
                                                   (200, 256, 192, 64, 4, "gelu"), (96, 512, 256, 32, 1, "swiglu")])
 def test_gpu_bf16_small_bucket(T, d, h, E, K, activation, tma, monkeypatch):
-    monkeypatch.setenv("MOEBLAZE_TMA", tma)
+    _launches(monkeypatch, tma=tma == "1")
     assert tuning.block_m(T * K, E) == 64
     for save in ("preact", "input"):
         _check(T, d, h, E, K, torch.bfloat16, activation=activation, save=save)
@@ -167,20 +192,24 @@ def test_gpu_bf16_small_bucket(T, d, h, E, K, activation, tma, monkeypatch):
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
 @pytest.mark.parametrize("tma", [True, False])
 @pytest.mark.parametrize("T,d,h,E,K", [(2048, 512, 384, 128, 8), (300, 256, 192, 64, 4), (40, 256, 128, 16, 2)])
-def test_gpu_persistent_weight_gradient_bf16(T, d, h, E, K, tma):
-    """The persistent weight gradient (``wgrad_persistent``) on the GPU: within the float64 reference's
-    tolerance, and bitwise the per-tile launch's gradients under fixed configurations (the same tile, the same
-    slot steps in the same order)."""
+def test_gpu_persistent_weight_gradient_bf16(T, d, h, E, K, tma, monkeypatch):
+    """The persistent weight gradient on the GPU (the Triton kernel: the Gluon one off): within the float64
+    reference's tolerance, and bitwise the per-tile launch's gradients under fixed configurations (the same tile,
+    the same slot steps in the same order)."""
+    from moeblaze.kernels import launch
+
+    monkeypatch.setattr(launch, "ws_wgrad_ok", lambda *a: False)
     inputs = make_expert_inputs(T, d, h, E, K, "swiglu", torch.bfloat16, device=DEVICE)
     dout = torch.randn(inputs["x"].shape, dtype=torch.bfloat16, device=DEVICE)
     grads = {}
-    for persistent in (False, True):
-        with moeblaze.settings.override(wgrad_persistent=persistent, tma=tma, autotune=False, ws_wgrad=False):
+    for persistent in ("0", "1"):
+        with monkeypatch.context() as m, moeblaze.settings.override(autotune=False):
+            _launches(m, persistent, tma)
             grads[persistent] = run_and_grad(lambda **kw: moe_experts(**kw, backend="triton"), inputs, dout)
-    for name, a, b in zip(NAMES, grads[False], grads[True]):
+    for name, a, b in zip(NAMES, grads["0"], grads["1"]):
         assert torch.equal(a, b), name
-    with moeblaze.settings.override(wgrad_persistent=True, tma=tma, ws_wgrad=False):
-        _check(T, d, h, E, K, torch.bfloat16)
+    _launches(monkeypatch, "1", tma)
+    _check(T, d, h, E, K, torch.bfloat16)
 
 
 @pytest.mark.gpu

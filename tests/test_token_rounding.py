@@ -12,7 +12,7 @@ from moeblaze.token_rounding import ROUNDING_MODES, round_counts
 @pytest.fixture(params=["torch", "kernels"])
 def selection(request):
     """Token rounding's selections as PyTorch ops, or as the Triton kernels (in the interpreter)."""
-    with settings.override(fused_rounding=request.param == "kernels"):
+    with settings.override(backend="triton" if request.param == "kernels" else "torch"):
         yield request.param
 
 
@@ -99,7 +99,7 @@ def test_kernel_selections_equal_torch_bitwise(mode, T, E, K, tile, dtype):
     w = (w * 4).round().div(4).to(dtype)  # many equal weights
     got = {}
     for on in (False, True):
-        with settings.override(fused_rounding=on):
+        with settings.override(backend="triton" if on else "torch"):
             got[on] = _fields(round_tokens(scores, ids.int(), w, tile, mode,
                                            generator=torch.Generator().manual_seed(5), scale=1.5))
     for a, b in zip(got[False], got[True]):
@@ -231,7 +231,7 @@ def test_pair_weights_gradients_of_both_paths_are_bitwise_alike():
     grads = []
     for fused in (False, True):
         s, ww = scores.clone().requires_grad_(), w.clone().requires_grad_()
-        with settings.override(fused_rounding=fused):
+        with settings.override(backend="triton" if fused else "torch"):
             r = round_tokens(s, ids, ww, 16, "nr", scale=2.5)
         c = torch.randn(r.pair_weights.numel(), generator=torch.Generator().manual_seed(2))
         grads.append(torch.autograd.grad((r.pair_weights * c).sum(), (s, ww)))
@@ -308,10 +308,13 @@ def test_all_dropped_token_gets_zero_output_and_gradient():
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_moe_token_rounding_option(backend, monkeypatch):
     """The layer's rounded routing equals round_tokens over its router's output; with the Triton router
-    (forced in the interpreter) the rounding takes the router's counts (``RouterOutput.counts``)."""
+    (forced in the interpreter) the rounding takes the router's counts (``RouterOutput.counts``). The Triton
+    selections do not serve here (the layer then rounds after its router: ``test_routed_pairs.py`` covers the
+    router's own rounding node)."""
     if backend == "triton":
         monkeypatch.setenv("TRITON_INTERPRET", "1")
-    with settings.override(fused_router=backend == "triton"):
+    monkeypatch.setattr(moeblaze.token_rounding, "_kernels_serve", lambda *a: False)
+    with settings.override(backend=backend):
         _check_moe_token_rounding_option(backend)
 
 
@@ -420,7 +423,7 @@ def test_gpu_kernel_selections_equal_torch_bitwise(T, E, K, mode, dtype):
     w, ids = scores.topk(K, -1)
     got = {}
     for on in (False, True):
-        with settings.override(fused_rounding=on):
+        with settings.override(backend="triton" if on else "torch"):
             got[on] = _fields(round_tokens(scores, ids.int(), w, 128, mode))
     for a, b in zip(got[False], got[True]):
         assert torch.equal(a, b)
@@ -481,18 +484,24 @@ def test_benchmark_script_smoke(stage, tmp_path):
         assert "token rounding nr" in proc.stdout and (tmp_path / "token_rounding_quality.png").exists()
 
 
-@pytest.mark.parametrize("fused_router", [False, True])
-def test_token_rounding_layer_compiles_fullgraph(monkeypatch, selection, fused_router):
+@pytest.mark.parametrize("router,selections", [("torch", "torch"), ("torch", "kernels"), ("triton", "torch"),
+                                               ("triton", "kernels")])
+def test_token_rounding_layer_compiles_fullgraph(monkeypatch, router, selections):
     """``torch.compile(fullgraph=True)`` over the layer with rounding (the general-routing custom ops' fakes; with
-    the fused router and selections, the router's node: :func:`moeblaze.token_rounding.route_rounded`). Dynamo's
-    cache is cleared around it: its guards do not watch the settings, and the cases compile the same ``forward``."""
+    the fused router and selections, the router's node: :func:`moeblaze.token_rounding.route_rounded`), each of
+    the router and the selections in Triton (interpreter) or PyTorch (``backend="torch"``, or where the other's
+    kernels serve, those that do not). Dynamo's cache is cleared around it: its guards do not watch the settings,
+    and the cases compile the same ``forward``."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
+    if router != selections:
+        monkeypatch.setattr(*((moeblaze.routing.Router, "_fused", lambda self, logits: False) if router == "torch"
+                              else (moeblaze.token_rounding, "_kernels_serve", lambda *a: False)))
     torch._dynamo.reset()
     torch.manual_seed(0)
     layer = MoE(32, 16, 4, 2, backend="triton", token_rounding="nr", rounding_tile=8)
     x = torch.randn(2, 19, 32, requires_grad=True)
     try:
-        with settings.override(fused_router=fused_router):
+        with settings.override(backend="torch" if router == selections == "torch" else "triton"):
             ref = layer(x)
             (gx_ref,) = torch.autograd.grad(ref.square().sum(), x)
             out = torch.compile(layer, fullgraph=True, backend="aot_eager")(x)
@@ -502,15 +511,16 @@ def test_token_rounding_layer_compiles_fullgraph(monkeypatch, selection, fused_r
     assert torch.equal(out, ref) and torch.equal(gx, gx_ref)
 
 
-def test_compiled_rounding_is_bitwise_eager():
-    """``compile_rounding`` (on by default on CUDA): the Inductor-compiled rounding equals the eager one."""
-    from moeblaze import settings
+def test_compiled_rounding_is_bitwise_eager(monkeypatch):
+    """:func:`round_tokens_fused` (compiled on CUDA; forced here on the CPU): the Inductor-compiled rounding equals
+    the eager one."""
     from moeblaze.token_rounding import round_tokens_fused
 
     scores, ids, w = routing(64, 8, 2, 4)
     eager = round_tokens(scores, ids, w, 8, "nr", scale=2.5)
-    with settings.override(compile_rounding=True):
-        fused = round_tokens_fused(scores, ids, w, 8, "nr", scale=2.5)
+    assert not moeblaze.token_rounding._compiles(scores)  # CPU scores: eager unless forced
+    monkeypatch.setattr(moeblaze.token_rounding, "_compiles", lambda scores: True)
+    fused = round_tokens_fused(scores, ids, w, 8, "nr", scale=2.5)
     for name in ("token_idx", "expert_idx", "pair_weights", "counts"):
         assert torch.equal(getattr(fused, name), getattr(eager, name)), name
 

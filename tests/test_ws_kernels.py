@@ -10,7 +10,7 @@ import torch
 
 import moeblaze
 from moeblaze.dispatch import build_dispatch
-from moeblaze.kernels import launch
+from moeblaze.kernels import launch, tuning
 from moeblaze.kernels.tuning import ws_enabled
 
 HAS_CUDA = torch.cuda.is_available()
@@ -28,9 +28,14 @@ def _spy(monkeypatch, *names: str) -> list[str]:
     return calls
 
 
-def test_gating_on_cpu_and_by_setting():
+# What switches the Gluon kernels off on a GPU that runs them: no TMA reads (the pointer paths), or a device or
+# triton version other than sm90 with triton 3.6.
+_OFF = (("tma_enabled", lambda device: False), ("_ws_supported", lambda index: False))
+
+
+def test_gating_on_cpu_and_by_device(monkeypatch):
     """Never on the CPU; 16-bit operands of one dtype, an output in that dtype or fp32, a gathered width that is a
-    multiple of 16; the ``ws_wgrad`` and ``tma`` settings switch it off."""
+    multiple of 16; without TMA reads or on another device or triton (:data:`_OFF`) it is off."""
     a, b = torch.zeros(8, 64, dtype=torch.bfloat16), torch.zeros(16, 32, dtype=torch.bfloat16)
     assert not ws_enabled(torch.device("cpu"))
     assert not launch.ws_wgrad_ok(a, b, torch.bfloat16)
@@ -42,8 +47,9 @@ def test_gating_on_cpu_and_by_setting():
         assert not launch.ws_wgrad_ok(ac, bc, torch.float16)  # output: the operands' dtype or fp32
         assert not launch.ws_wgrad_ok(ac[:, :56], bc, torch.bfloat16)  # gathered width % 16
         assert not launch.ws_wgrad_ok(ac.t().contiguous().t(), bc, torch.bfloat16)  # rows not contiguous
-        for off in ({"ws_wgrad": False}, {"tma": False}):
-            with moeblaze.settings.override(**off):
+        for name, off in _OFF:
+            with monkeypatch.context() as m:
+                m.setattr(tuning, name, off)
                 assert not launch.ws_wgrad_ok(ac, bc, torch.bfloat16)
 
 
@@ -89,7 +95,9 @@ def test_gpu_ws_wgrad_against_float64(case, dtype, out_dtype, monkeypatch):
         ref = ref.transpose(1, 2) if transpose else ref
 
         def wgrad(ws, a=a, b=b, q=q, transpose=transpose):
-            with moeblaze.settings.override(ws_wgrad=ws, autotune=False):
+            with monkeypatch.context() as m, moeblaze.settings.override(autotune=False):
+                if not ws:  # the Triton kernel
+                    m.setattr(launch, "ws_wgrad_ok", lambda *args: False)
                 return launch.grouped_wgrad(a, b, offsets, indices, p=d, q=q, out_dtype=out_dtype, transpose=transpose)
 
         got, again, triton_out = wgrad(True), wgrad(True), wgrad(False)
@@ -125,44 +133,30 @@ def test_gpu_layer_with_ws_wgrad_bf16(save, monkeypatch):
     dout = torch.randn_like(inp["x"])
     runs = []
     for ws in (True, False):
-        with moeblaze.settings.override(ws_wgrad=ws, ws_gemm=ws, autotune=False):
+        with monkeypatch.context() as m, moeblaze.settings.override(autotune=False):
+            if not ws:  # the Triton kernels
+                m.setattr(tuning, "ws_enabled", lambda device: False)
             runs.append(run_and_grad(triton_experts("swiglu", save), inp, dout))
     for name, x, y in zip(NAMES, *runs):
         assert (x.double() - y.double()).abs().max() <= 2 ** -7 * y.double().abs().max(), name
 
 
-@pytest.mark.gpu
-@needs_ws
-def test_gpu_forward_override_reaches_the_backward(monkeypatch):
-    """``override(ws_wgrad=False)`` around the forward switches the Gluon weight gradient off in the backward, which
-    autograd runs on its CUDA device thread (settings.carried_to_backward); without it the backward takes it."""
-    ran = _spy(monkeypatch, "grouped_wgrad_ws")
-    torch.manual_seed(0)
-    moe = moeblaze.MoE(256, 192, num_experts=32, top_k=4).cuda().to(torch.bfloat16)
-    x = torch.randn(1024, 256, device="cuda", dtype=torch.bfloat16)
-    with moeblaze.settings.override(ws_wgrad=False):
-        loss = moe(x).float().square().sum()
-    loss.backward()
-    assert not ran
-    moe(x).float().square().sum().backward()
-    assert ran
-
-
-def test_ws_gemm_gating_on_cpu_and_by_setting():
-    """Never on the CPU; 16-bit tensors of one dtype, a contiguous weight, k a multiple of 64; ``ws_gemm`` and
-    ``tma`` switch it off."""
+def test_ws_gemm_gating_on_cpu_and_by_device(monkeypatch):
+    """Never on the CPU; 16-bit tensors of one dtype, a contiguous weight, k a multiple of 64; without TMA reads or
+    on another device or triton (:data:`_OFF`) it is off."""
     a, c = torch.zeros(8, 64, dtype=torch.bfloat16), torch.zeros(8, 32, dtype=torch.bfloat16)
     w = torch.zeros(2, 32, 64, dtype=torch.bfloat16)
     assert not launch.ws_gemm_ok(a, w, c, True, 64)
-    if HAS_CUDA and ws_enabled(torch.device("cuda"), "ws_gemm"):
+    if HAS_CUDA and ws_enabled(torch.device("cuda")):
         a, w, c = a.cuda(), w.cuda(), c.cuda()
         assert launch.ws_gemm_ok(a, w, c, True, 64)
         assert not launch.ws_gemm_ok(a.float(), w.float(), c.float(), True, 64)
         assert not launch.ws_gemm_ok(a, w, c.half(), True, 64)
         assert not launch.ws_gemm_ok(a[:, :48], w[..., :48], c, True, 48)  # k % 64
         assert not launch.ws_gemm_ok(a, w.transpose(1, 2).contiguous().transpose(1, 2), c, True, 64)
-        for off in ({"ws_gemm": False}, {"tma": False}):
-            with moeblaze.settings.override(**off):
+        for name, off in _OFF:
+            with monkeypatch.context() as m:
+                m.setattr(tuning, name, off)
                 assert not launch.ws_gemm_ok(a, w, c, True, 64)
 
 

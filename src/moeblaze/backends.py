@@ -4,7 +4,8 @@ A backend does two things for :func:`moeblaze.moe_experts`:
 
 - **plans the dispatch**: ``plan(topk_ids, E)`` / ``plan_pairs(token_idx, expert_idx, T, E)`` build the
   zero-buffer index (:mod:`moeblaze.dispatch`) together with the grouped-GEMM tile schedule its kernels
-  read, the M tile (``block_m``) chosen here and nowhere else;
+  read, for the M tile of its ``block_m`` (the Triton backend's: :func:`moeblaze.kernels.tuning.block_m`, the
+  one function that chooses it);
 - **runs the five expert ops** the autograd Functions of :mod:`moeblaze.experts` call:
 
 ``up_forward(x, w1, index, activation, store_pre, store_act, *, b1, act_args) -> (pre | None, act | None)``  F1
@@ -110,12 +111,13 @@ class TritonBackend(Backend):
         from .kernels import experts, tuning
 
         super().__init__(experts)
-        self._block_m = tuning.block_m
+        self._tuning = tuning  # the module: its block_m is looked up at each call, as the kernels' launchers do
 
     def block_m(self, num_pairs: int | None = None, num_experts: int | None = None) -> int:
         """128 on the GPU (32 under the interpreter), half of it for few tokens per expert
-        (:func:`moeblaze.kernels.tuning.block_m`); without N and E the large bucket's."""
-        return self._block_m(num_pairs, num_experts)
+        (:func:`moeblaze.kernels.tuning.block_m`, which the ops and launchers call too); without N and E the
+        large bucket's."""
+        return self._tuning.block_m(num_pairs, num_experts)
 
 
 _INSTANCES: dict[str, Backend] = {}

@@ -186,13 +186,14 @@ def build_tile_schedule_torch(expert_token_offsets: torch.Tensor, num_pairs: int
 def with_schedule(index: DispatchIndex, block_m: int) -> DispatchIndex:
     """``index`` with a tile schedule for ``block_m`` (itself when it already has that one).
 
-    One small launch on CUDA (``kernels.dispatch.tile_schedule``), PyTorch ops elsewhere.
+    One small launch where the Triton build runs (``kernels.dispatch.tile_schedule``: CUDA by default), PyTorch
+    ops elsewhere.
     """
     _check_block_m(block_m)
     if index.schedule is not None and index.schedule.block_m == block_m:
         return index
     off, N = index.local_offsets, index.num_pairs  # no tiles for the foreign bucket
-    if off.is_cuda and _triton_dispatch_available():
+    if _triton_dispatch(off):
         from .kernels.dispatch import tile_schedule
 
         sched = TileSchedule(block_m, *tile_schedule(off, block_m, N))
@@ -206,8 +207,9 @@ def build_dispatch(topk_ids: torch.Tensor, num_experts: int, validate: bool = Tr
                    block_m: int | None = None, foreign_experts: bool = False) -> DispatchIndex:
     """Build the zero-buffer dispatch index of a top-k routing (MoEBlaze §4.1-4.2, DESIGN.md §3).
 
-    On CUDA tensors the atomic-free Triton build runs (when Triton is importable, E <= 1024 and
-    K <= 16); elsewhere the PyTorch build. Both give bitwise the same arrays.
+    On CUDA tensors the atomic-free Triton build runs (where the ``backend`` setting runs Triton:
+    :func:`moeblaze.settings.use_triton`; Triton importable, E <= 1024 and K <= 16); elsewhere the PyTorch
+    build. Both give bitwise the same arrays.
 
     Args:
         topk_ids: ``[T, K]`` int32/int64/int16/uint8 expert ids, distinct within each row, in ``[0, E)``.
@@ -364,9 +366,9 @@ def _build(topk_ids: torch.Tensor, num_experts: int, block_m: int | None, foreig
 
 
 def _triton_serves(ids: torch.Tensor, num_buckets: int) -> bool:
-    """The Triton build takes these ``[T, K]`` ids: CUDA, Triton importable, the buckets and K within its register
+    """The Triton build takes these ``[T, K]`` ids: :func:`_triton_dispatch`, the buckets and K within its register
     tiles (``benchmarks/bench_host.py --mode cpu`` replaces it to time that path's host side on the CPU)."""
-    if not (ids.is_cuda and _triton_dispatch_available()):
+    if not _triton_dispatch(ids):
         return False
     from .kernels.dispatch import MAX_EXPERTS, MAX_TOP_K
 
@@ -410,8 +412,10 @@ def check_index_matches(index: DispatchIndex, topk_ids: torch.Tensor) -> None:
         raise ValueError("index was built from other topk_ids than the ones passed; build it from these topk_ids")
 
 
-def _triton_dispatch_available() -> bool:
-    if settings.get("dispatch") == "torch":
+def _triton_dispatch(t: torch.Tensor) -> bool:
+    """The Triton build and tile schedule may run on ``t``: :func:`moeblaze.settings.use_triton` (CUDA by default)
+    and Triton importable."""
+    if not settings.use_triton(t):
         return False
     try:
         from .kernels import dispatch  # noqa: F401

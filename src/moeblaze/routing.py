@@ -349,12 +349,11 @@ class Router(nn.Module):
 
     def _fused(self, logits: torch.Tensor) -> bool:
         """The Triton router (:class:`_FusedTopK`) serves this call: softmax scores, no groups or correction
-        bias, within the kernels' limits (E, K and T*E: :mod:`moeblaze.kernels.router`), the logits on CUDA
-        (or the interpreter running), and the ``fused_router`` setting on (``auto``: CUDA logits)."""
+        bias, within the kernels' limits (E, K and T*E: :mod:`moeblaze.kernels.router`), on logits where the
+        ``backend`` setting runs Triton (:func:`moeblaze.settings.use_triton`: CUDA by default)."""
         if self.score_func != "softmax" or self.n_group > 1 or self.e_score_correction_bias is not None:
             return False
-        mode = settings.get("fused_router")
-        if not (logits.is_cuda if mode is None else (mode and (logits.is_cuda or settings.interpreting()))):
+        if not settings.use_triton(logits):
             return False
         limits = _kernels()  # imported only where the kernels could run: a CPU install needs no Triton
         return (self.num_experts <= limits.MAX_EXPERTS and self.top_k <= limits.MAX_TOP_K

@@ -7,21 +7,17 @@ H200's host CPU: ``python3 benchmarks/bench_host.py --parts``).
 
 | setting | environment | values (default first) | what it does |
 |---|---|---|---|
-| ``backend`` | ``MOEBLAZE_BACKEND`` | ``auto``, ``torch``, ``triton`` | experts backend of ``backend="auto"`` calls |
+| ``backend`` | ``MOEBLAZE_BACKEND`` | ``auto``, ``torch``, ``triton`` | Triton kernels or PyTorch ops (see below) |
 | ``autotune`` | ``MOEBLAZE_AUTOTUNE`` | on, off | Triton autotuning (off: one fixed config per kernel) |
-| ``tma`` | ``MOEBLAZE_TMA`` | on, off | weight reads through TMA descriptors on sm90+ |
-| ``persistent`` | ``MOEBLAZE_PERSISTENT`` | ``auto``, on, off | grouped-GEMM launch: tuned, persistent, per tile |
-| ``wgrad_persistent`` | ``MOEBLAZE_WGRAD_PERSISTENT`` | ``auto``, on, off | weight-gradient launch: the same choice |
-| ``ws_wgrad`` | ``MOEBLAZE_WS_WGRAD`` | on, off | weight gradients on a warp-specialized Gluon kernel (sm90) |
-| ``ws_gemm`` | ``MOEBLAZE_WS_GEMM`` | on, off | F2 and B3 on a warp-specialized Gluon GEMM (sm90) |
-| ``wgrad_tma_store`` | ``MOEBLAZE_WGRAD_TMA_STORE`` | on, off | that kernel stores whole 16-bit tiles by TMA |
-| ``check_ids`` | ``MOEBLAZE_CHECK_IDS`` | on, off | ``build_dispatch``'s host-syncing id range check |
-| ``dispatch`` | ``MOEBLAZE_DISPATCH`` | ``auto``, ``torch`` | index build: Triton on CUDA, or PyTorch |
-| ``compile_rounding`` | ``MOEBLAZE_COMPILE_ROUNDING`` | ``auto``, on, off | token rounding compiled (auto: CUDA) |
-| ``fused_router`` | ``MOEBLAZE_FUSED_ROUTER`` | ``auto``, on, off | softmax top-k router in Triton (auto: CUDA) |
-| ``fused_rounding`` | ``MOEBLAZE_FUSED_ROUNDING`` | ``auto``, on, off | rounding's selections in Triton (auto: CUDA) |
-| ``chunk_cols`` | ``MOEBLAZE_CHUNK_COLS`` | ``auto``, ``off``, columns | F2's / B3's ``[N, d]`` in column chunks |
 | ``deterministic`` | ``MOEBLAZE_DETERMINISTIC`` | off, on | nothing chosen by timing (autotuning off) |
+| ``check_ids`` | ``MOEBLAZE_CHECK_IDS`` | on, off | ``build_dispatch``'s host-syncing id range check |
+| ``chunk_cols`` | ``MOEBLAZE_CHUNK_COLS`` | ``auto``, ``off``, columns | F2's / B3's ``[N, d]`` in column chunks |
+
+``backend`` picks what ``backend="auto"`` expert calls run and, by the same rule, whether the router, token
+rounding's selections and the dispatch build run their Triton kernels (:func:`use_triton`): ``torch`` runs
+PyTorch ops everywhere, to compare with or debug the kernels. Kernel variants are no settings: the device and
+the shapes choose them (:mod:`moeblaze.kernels.tuning`: TMA reads on sm90+, the warp-specialized Gluon kernels
+on sm90 with triton 3.6, per-tile or persistent launches by the autotuner, the M tile by its ``block_m``).
 
 ``deterministic`` covers moeblaze's own kernels (their sums run in a fixed order once the configuration is fixed);
 the rest of a training process (torch's deterministic algorithms, cuBLAS's workspace, NCCL's algorithm, the
@@ -44,7 +40,7 @@ from typing import Any
 import torch
 
 __all__ = ["SETTINGS", "carried_to_backward", "configure", "configured", "get", "interpreting", "launcher_env",
-           "library_env_defaults", "override", "reset"]
+           "library_env_defaults", "override", "reset", "use_triton"]
 
 
 def _bool(name: str, raw: str) -> bool:
@@ -62,15 +58,6 @@ def _choice(*choices: str) -> Callable[[str, str], str]:
             raise ValueError(f"{name} must be one of {choices}, got {raw!r}")
         return raw
     return parse
-
-
-def _auto_bool(name: str, raw: str) -> bool | None:
-    if raw == "auto":
-        return None
-    try:
-        return _bool(name, raw)
-    except ValueError:
-        raise ValueError(f"{name} must be auto or a boolean (1/0, true/false, on/off), got {raw!r}") from None
 
 
 def _chunk(name: str, raw: str) -> int | str:
@@ -91,17 +78,7 @@ def _chunk(name: str, raw: str) -> int | str:
 SETTINGS: dict[str, tuple[str, Callable[[str, str], Any], Any]] = {
     "backend": ("MOEBLAZE_BACKEND", _choice("auto", "torch", "triton"), "auto"),
     "autotune": ("MOEBLAZE_AUTOTUNE", _bool, True),
-    "tma": ("MOEBLAZE_TMA", _bool, True),
-    "persistent": ("MOEBLAZE_PERSISTENT", _auto_bool, None),
-    "wgrad_persistent": ("MOEBLAZE_WGRAD_PERSISTENT", _auto_bool, None),
-    "ws_wgrad": ("MOEBLAZE_WS_WGRAD", _bool, True),
-    "ws_gemm": ("MOEBLAZE_WS_GEMM", _bool, True),
-    "wgrad_tma_store": ("MOEBLAZE_WGRAD_TMA_STORE", _bool, True),
     "check_ids": ("MOEBLAZE_CHECK_IDS", _bool, True),
-    "dispatch": ("MOEBLAZE_DISPATCH", _choice("auto", "torch"), "auto"),
-    "compile_rounding": ("MOEBLAZE_COMPILE_ROUNDING", _auto_bool, None),
-    "fused_router": ("MOEBLAZE_FUSED_ROUTER", _auto_bool, None),
-    "fused_rounding": ("MOEBLAZE_FUSED_ROUNDING", _auto_bool, None),
     "chunk_cols": ("MOEBLAZE_CHUNK_COLS", _chunk, "auto"),
     "deterministic": ("MOEBLAZE_DETERMINISTIC", _bool, False),
 }
@@ -135,7 +112,7 @@ def _validate(values: dict[str, Any]) -> dict[str, Any]:
         if name not in SETTINGS:
             raise ValueError(f"unknown moeblaze setting {name!r}; known: {sorted(SETTINGS)}")
         env, parse, _ = SETTINGS[name]
-        raw = "auto" if value is None else str(int(value) if isinstance(value, bool) else value)
+        raw = str(int(value) if isinstance(value, bool) else value)
         out[name] = parse(f"setting {name!r}", raw)
     return out
 
@@ -238,6 +215,22 @@ def carried_to_backward(method: Callable[..., Any]) -> Callable[..., Any]:
 def interpreting() -> bool:
     """True when Triton kernels run in Triton's CPU interpreter (``TRITON_INTERPRET=1``)."""
     return _getenv("TRITON_INTERPRET") == "1"
+
+
+def use_triton(t: torch.Tensor) -> bool:
+    """Whether moeblaze's Triton router, token-rounding selections and dispatch build may run on ``t`` (each
+    caller adds its kernels' own limits: shapes, dtypes, Triton importable), by the ``backend`` setting: ``auto``
+    on CUDA tensors; ``triton`` on CUDA tensors and, under ``TRITON_INTERPRET=1``, on CPU tensors; ``torch`` never
+    (PyTorch ops everywhere: to compare with or debug the kernels). The one rule of the three (why: one switch
+    that turns every kernel outside the experts on or off, rather than a switch per kernel).
+
+    Raises:
+        ValueError: ``MOEBLAZE_BACKEND`` holds a value the setting does not take.
+    """
+    backend = get("backend")
+    if backend == "torch":
+        return False
+    return t.is_cuda or (backend == "triton" and interpreting())
 
 
 def launcher_env() -> dict[str, str]:

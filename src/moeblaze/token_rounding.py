@@ -69,10 +69,10 @@ def tile_multiple(backend: str = "auto", device: torch.device | str | None = Non
     cuda = device is not None and torch.device(device).type == "cuda"
     if backend == "triton" or (backend == "auto" and cuda):
         try:
-            from .kernels.tuning import block_m
+            from .kernels import tuning
         except ImportError:
             return _TORCH_TILE
-        return block_m()
+        return tuning.block_m()
     return _TORCH_TILE
 
 
@@ -149,9 +149,9 @@ def round_tokens(scores: torch.Tensor, topk_ids: torch.Tensor, topk_weights: tor
     """Token rounding of a top-k routing (SonicMoE §5 Alg. 4; rules and weights: module docstring).
 
     The selections and the pair list run as five Triton launches (:mod:`moeblaze.kernels.rounding`,
-    :mod:`moeblaze.kernels.pair_list`) where the ``fused_rounding`` setting says so (``auto``: CUDA scores) and
-    T, K are within its limits, else as PyTorch ops; both give the same pairs in the same order (ties: the lower
-    token first).
+    :mod:`moeblaze.kernels.pair_list`) where the ``backend`` setting runs Triton (CUDA scores by default:
+    :func:`moeblaze.settings.use_triton`) and T, K are within their limits, else as PyTorch ops; both give the
+    same pairs in the same order (ties: the lower token first).
 
     Args:
         scores: ``[T, E]`` float router scores (softmax probabilities or sigmoid scores), differentiable.
@@ -186,19 +186,18 @@ def _check_args(scores, topk_ids, topk_weights, tile, mode, counts=None) -> None
 
 def _use_kernels(scores: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> bool:
     """The Triton selections serve this call (:func:`_kernels_serve`)."""
-    return _kernels_serve(scores.shape[0], topk_ids.shape[1], (scores.dtype, topk_weights.dtype), scores.is_cuda)
+    return _kernels_serve(scores, topk_ids.shape[1], (scores.dtype, topk_weights.dtype))
 
 
-def _kernels_serve(T: int, K: int, dtypes: tuple[torch.dtype, ...], cuda: bool) -> bool:
-    """Within the Triton selections' limits (fp16/bf16/fp32 scores and weights: a float64 run, the reference
-    check, takes the PyTorch ops), the ``fused_rounding`` setting on (``auto``: CUDA scores; on: CUDA or the
-    interpreter)."""
-    use = settings.get("fused_rounding")
-    if torch.float64 in dtypes or not (cuda if use is None else (use and (cuda or settings.interpreting()))):
+def _kernels_serve(scores: torch.Tensor, K: int, dtypes: tuple[torch.dtype, ...]) -> bool:
+    """The Triton selections serve ``scores [T, E]`` with K choices per token: where the ``backend`` setting runs
+    Triton (:func:`moeblaze.settings.use_triton`: CUDA by default), within their limits (T, K; fp16/bf16/fp32
+    scores and weights: a float64 run, the reference check, takes the PyTorch ops)."""
+    if torch.float64 in dtypes or not settings.use_triton(scores):
         return False
     from .kernels import rounding  # only where the kernels could run: a CPU install needs no Triton
 
-    return T <= rounding.MAX_TOKENS and 1 <= K <= rounding.MAX_TOP_K
+    return scores.shape[0] <= rounding.MAX_TOKENS and 1 <= K <= rounding.MAX_TOP_K
 
 
 def _round_tokens(scores, topk_ids, topk_weights, tile, mode, generator, scale, kernels: bool,
@@ -393,7 +392,7 @@ class Rounding(NamedTuple):
 def route_rounded_serves(logits: torch.Tensor, top_k: int) -> bool:
     """:func:`route_rounded` serves a fused router's call on fp32 ``logits [T, E]``: the Triton selections do
     (:func:`_kernels_serve`)."""
-    return _kernels_serve(logits.shape[0], top_k, (logits.dtype,), logits.is_cuda)
+    return _kernels_serve(logits, top_k, (logits.dtype,))
 
 
 def route_rounded(logits: torch.Tensor, top_k: int, renormalize: bool, scale: float, aux_c: float, z_c: float,
@@ -462,20 +461,25 @@ def _compiled_round_tokens():
     return torch.compile(_round_tokens, fullgraph=True, dynamic=False)
 
 
+def _compiles(scores: torch.Tensor) -> bool:
+    """:func:`round_tokens_fused` compiles for ``scores``: on CUDA, unless the ``backend`` setting is ``torch``
+    (eager PyTorch ops there, the plainest path to compare with or debug; a CPU step is not bound by launches)."""
+    return scores.is_cuda and settings.get("backend") != "torch"
+
+
 def round_tokens_fused(scores: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, tile: int,
                        mode: str = "nr", generator: torch.Generator | None = None,
                        scale: float = 1.0, counts: torch.Tensor | None = None) -> TokenRounding:
     """:func:`round_tokens` through ``torch.compile`` (Inductor fuses its small element-wise, gather and
     scatter launches into a few; the selections stay Triton custom ops or ``topk`` / ``sort`` library calls)
-    where the ``compile_rounding`` setting says so (``auto``: on CUDA); the same result bitwise (integer
-    selections; the padded weights are one gather and one product). ``"sr"`` (a ``torch.Generator``
-    argument) and calls already inside ``torch.compile`` run :func:`round_tokens` itself. The first call per
-    shape compiles (seconds).
+    on CUDA scores, except under ``backend="torch"`` (:mod:`moeblaze.settings`: eager there); the same result
+    bitwise (integer selections; the padded weights are one gather and one product). ``"sr"`` (a
+    ``torch.Generator`` argument) and calls already inside ``torch.compile`` run :func:`round_tokens` itself. The
+    first call per shape compiles (seconds). Arguments, result and errors: :func:`round_tokens`'s.
     """
     if torch.compiler.is_compiling() or mode == "sr":  # settings.get reads a ContextVar: not traceable
         return round_tokens(scores, topk_ids, topk_weights, tile, mode, generator, scale, counts)
-    use = settings.get("compile_rounding")
-    if scores.is_cuda if use is None else use:
+    if _compiles(scores):
         _check_args(scores, topk_ids, topk_weights, tile, mode, counts)
         return _compiled_round_tokens()(scores, topk_ids, topk_weights, tile, mode, None, scale,
                                         _use_kernels(scores, topk_ids, topk_weights), counts)

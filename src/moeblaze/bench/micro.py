@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from ..dispatch import build_dispatch, build_dispatch_torch
+from ..dispatch import _triton_dispatch, build_dispatch, build_dispatch_torch
 from ..training.model import ModelConfig
 from ..training.train_config import peak_tflops
 from .baselines import sort_dispatch
@@ -58,12 +58,7 @@ def run_dispatch(shapes: list[tuple[int, int, int]] | None = None, reps: int = 5
     """
     if device != "cpu":
         require_cuda("moeblaze bench --suite dispatch")
-    try:
-        from ..dispatch import _triton_dispatch_available
-
-        triton_build = _triton_dispatch_available()
-    except ImportError:
-        triton_build = False
+    triton_build = _triton_dispatch(torch.empty(0, device=device))  # what build_dispatch runs on this device
     builders = {"sort (argsort)": sort_dispatch,
                 "moeblaze" + (" (triton)" if triton_build else " (torch: no triton build)"):
                     lambda ids, E: build_dispatch(ids, E, validate=False),

@@ -36,6 +36,7 @@ from .. import settings
 from ..activations import DEFAULT_ACT, GATED, ActArgs, check_activation
 from ..dispatch import DispatchIndex, with_schedule
 from ..shared_ops import bias_dot, slot_weights
+from . import tuning
 from .act_bwd import act_bwd_rows
 from .act_math import ACTIVATION_CODES
 from .bias_grad import segment_sum
@@ -43,7 +44,6 @@ from .combine import gather_sum
 from .custom_ops import call_op
 from .grouped_gemm import B_DESC_INTERLEAVED, EPILOGUE_ACT_FWD
 from .launch import grouped_gemm, grouped_wgrad, interleaved_desc_ok, rounds_tf32
-from .tuning import block_m, cdiv
 
 __all__ = ["up_forward", "up_backward", "down_forward", "down_backward", "bias_grad"]
 
@@ -87,9 +87,9 @@ def _like_weight(w: Tensor, dtype: torch.dtype | None = None) -> Tensor:
 
 
 def _schedule(index: DispatchIndex) -> tuple[Tensor, Tensor, Tensor]:
-    """The index's tile schedule for the GEMMs' BLOCK_M; built here (one small launch per op) only for an
-    index that came without it (``moe_experts`` attaches it once per layer call)."""
-    return with_schedule(index, block_m(index.num_pairs, index.num_experts)).schedule.tensors()
+    """The index's tile schedule for the GEMMs' BLOCK_M (:func:`.tuning.block_m`, as the plan's); built here (one
+    small launch per op) only for an index that came without it (``moe_experts`` attaches it once per layer call)."""
+    return with_schedule(index, tuning.block_m(index.num_pairs, index.num_experts)).schedule.tensors()
 
 
 # ---------------------------------------------------------------- F1: up-projection forward
@@ -218,7 +218,7 @@ def column_chunks(num_slots: int, d: int, h: int, elem: int,
     if mode == "auto":
         if num_slots * d * elem < _CHUNK_MIN_BYTES:
             return [(0, d)]
-        most = cdiv(d, max(_CHUNK_MIN_COLS, h // 128 * 128))  # the capped rule's count
+        most = tuning.cdiv(d, max(_CHUNK_MIN_COLS, h // 128 * 128))  # the capped rule's count
         room = headroom() if headroom is not None else None  # the allocator read (host time) only here
         n = 1
         while n < most and (room is None or num_slots * _equal_width(d, n) * elem > room):
@@ -231,7 +231,7 @@ def column_chunks(num_slots: int, d: int, h: int, elem: int,
 
 def _equal_width(d: int, n: int) -> int:
     """The width of ``n`` equal chunks of ``d`` columns, rounded up to 128."""
-    return cdiv(cdiv(d, n), 128) * 128
+    return tuning.cdiv(tuning.cdiv(d, n), 128) * 128
 
 
 def _slot_buffer(a: Tensor, N: int, d: int, h: int) -> tuple[list[tuple[int, int]], Tensor]:

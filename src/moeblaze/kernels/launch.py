@@ -12,8 +12,7 @@ import functools
 import torch
 import triton
 
-from .. import settings
-from . import direct
+from . import direct, tuning
 from .act_bwd import ZERO_TAIL
 from .grouped_gemm import (
     B_DESC_KN,
@@ -26,19 +25,14 @@ from .grouped_gemm import (
 from .tf32 import padded_slot_rows, round_tf32, tf32_copy
 from .tuning import (
     Launchable,
-    block_m,
     cdiv,
     gemm_configs,
     next_pow2,
     num_programs,
-    persistent_mode,
     prune_fp32_tiles,
     prune_gemm_configs,
-    tma_enabled,
     tokens_bucket,
     wgrad_configs,
-    wgrad_persistent_mode,
-    ws_enabled,
 )
 from .wgrad import SLOT_PAD, grouped_wgrad_kernel
 
@@ -48,11 +42,11 @@ _GEMM_KEY = ["N_COLS", "K_DIM", "NUM_EXPERTS", "EPILOGUE", "GATHER_A", "SCATTER_
 _EVEN = {"EVEN_K": lambda a: a["K_DIM"] % a["BLOCK_K"] == 0, "EVEN_N": lambda a: a["N_COLS"] % a["BLOCK_N"] == 0}
 # the token-count bucket of the tuning key: max_tiles = cdiv(N, BLOCK_M) + E bounds N from above by a tile per expert
 _GEMM = Launchable(grouped_gemm_kernel, gemm_configs, key=_GEMM_KEY, heuristics=_EVEN, prune=prune_gemm_configs,
-                   variant=persistent_mode,
+                   variant=lambda: tuning._gemm_launch(),
                    bucket=lambda a: tokens_bucket((a["max_tiles"] - a["NUM_EXPERTS"]) * a["BLOCK_M"], a["NUM_EXPERTS"]))
 _WGRAD = Launchable(grouped_wgrad_kernel, wgrad_configs, prune=prune_fp32_tiles,
                     key=["P", "Q", "NUM_EXPERTS", "stride_c_p", "GATHER_A", "B_DESC", "DOT_PREC"],
-                    variant=wgrad_persistent_mode, bucket=lambda a: tokens_bucket(a["ROWS"], a["NUM_EXPERTS"]))
+                    variant=lambda: tuning._wgrad_launch(), bucket=lambda a: tokens_bucket(a["ROWS"], a["NUM_EXPERTS"]))
 # Every BLOCK_K of gemm_configs divides this: a K_DIM multiple of it never reads past an expert (B_DESC_KN).
 _K_QUANTUM = 64
 
@@ -92,7 +86,7 @@ def _rows_aligned(t: torch.Tensor) -> bool:
 def _slot_rows_desc(t: torch.Tensor, gathered: bool) -> bool:
     """An activation operand ``t [rows, cols]`` is read through a TMA descriptor: not gathered (its rows are
     slots, in order), unit column stride, TMA enabled and aligned rows."""
-    return not gathered and tma_enabled(t.device) and _rows_aligned(t)
+    return not gathered and tuning.tma_enabled(t.device) and _rows_aligned(t)
 
 
 def b_desc_mode(b: torch.Tensor, b_nk: bool, k_dim: int, paired: bool = False) -> int:
@@ -102,11 +96,11 @@ def b_desc_mode(b: torch.Tensor, b_nk: bool, k_dim: int, paired: bool = False) -
     as NK with the gate and up rows of a tile in one box (``paired``: the gated F1, up rows starting at half
     of ``b``'s n extent).
 
-    TMA needs an sm90+ GPU (or the interpreter), ``MOEBLAZE_TMA`` not ``0``, a unit-stride last storage
-    dimension with experts packed back to back (``stride_e = rows * row_stride``), 16-byte alignment,
+    TMA needs an sm90+ GPU or the interpreter (:func:`moeblaze.kernels.tuning.tma_enabled`), a unit-stride last
+    storage dimension with experts packed back to back (``stride_e = rows * row_stride``), 16-byte alignment,
     and for ``B_DESC_KN`` a ``k_dim`` multiple of 64 (tiles never run into the next expert's rows along k).
     """
-    if not tma_enabled(b.device):
+    if not tuning.tma_enabled(b.device):
         return B_DESC_NONE.value
     for dim in (2, 1):  # the unit-stride dimension is the descriptor's column
         other = 3 - dim
@@ -122,7 +116,7 @@ def interleaved_desc_ok(w1: torch.Tensor, k_dim: int) -> bool:
     """An interleaved ``w_gate_up [E, 2h, d]`` view can be read through a ``B_DESC_INTERLEAVED`` descriptor: its storage
     is ``[E, d, 2h]`` packed (GPT-OSS's ``gate_up_proj``), 16-byte aligned, ``d`` a multiple of 64 (k tiles
     never run into the next expert's rows), TMA enabled."""
-    return (tma_enabled(w1.device) and w1.stride(1) == 1 and w1.stride(0) == w1.shape[2] * w1.stride(2)
+    return (tuning.tma_enabled(w1.device) and w1.stride(1) == 1 and w1.stride(0) == w1.shape[2] * w1.stride(2)
             and _rows_tma_ok(w1, w1.stride(2)) and k_dim % _K_QUANTUM == 0)
 
 
@@ -184,7 +178,7 @@ def grouped_gemm(a, b, c, offsets, indices, sched, *, b_nk, n_cols, k_dim, gathe
     descriptor where it has one (plain epilogue of one weight only; ``bias`` is then the chunk's columns).
 
     ``a [rows, k_dim]`` (``gather_a``: rows are tokens; else slots, read through a TMA descriptor where
-    :func:`tma_enabled` and its rows are 16-byte aligned), ``b`` a weight ``[E, n, k]`` (``b_nk``) or
+    :func:`.tuning.tma_enabled` and its rows are 16-byte aligned), ``b`` a weight ``[E, n, k]`` (``b_nk``) or
     ``[E, k, n]`` read as ``B[e][k, n]``, ``c`` the main output (unit stride along columns).
     ``aux``/``scale``: see the kernel; outputs are written in place.
     ``sched``: ``(tile_expert, tile_row_start, num_tiles)`` of a tile schedule for ``block_m(N, E)`` (N slots,
@@ -210,13 +204,14 @@ def grouped_gemm(a, b, c, offsets, indices, sched, *, b_nk, n_cols, k_dim, gathe
             b, b_nk = tf32_copy(b, transpose=True), True  # B1, B3: [E, k, n] -> [E, n, k]
         else:
             b = round_tf32(b)
-    bm = block_m(N, E)
+    bm = tuning.block_m(N, E)  # the plan's M tile (the schedule was built for it): checked, not chosen anew
     max_tiles = sched[0].numel()
     if max_tiles != cdiv(N, bm) + E:
         raise ValueError(f"grouped_gemm: the tile schedule has {max_tiles} entries; expected one for BLOCK_M={bm}")
     plain = (epilogue == EPILOGUE_PLAIN.value and not (gather_a or scatter_c or dual or tf32) and scale is None
              and bias is None and aux is None and up_shift_b is None and b_mode is None and weight_desc)
-    if plain and bm == 128 and ws_gemm_ok(a, b, c, b_nk, k_dim) and _ws_gemm_pays(max_tiles, n_cols, a.device):
+    ws = plain and bm == WS_GEMM_CONFIG["BLOCK_M"] and ws_gemm_ok(a, b, c, b_nk, k_dim)
+    if ws and _ws_gemm_pays(max_tiles, n_cols, a.device):
         grouped_gemm_ws(a, b, c, offsets, sched, b_nk=b_nk, n_cols=n_cols, k_dim=k_dim, n_start=n_start or 0)
         return
     aux = aux if aux is not None else c
@@ -253,7 +248,7 @@ def grouped_wgrad(a, b, offsets, indices, *, p, q, out_dtype, transpose=False, s
     """Launch :func:`grouped_wgrad_kernel`: ``dW[e] = sum_s a[token(s)]^T b[s]`` in ``out_dtype``.
 
     ``a [T, p]`` (rows read through ``indices``), ``b [N, q]`` slot rows (through a TMA descriptor where
-    :func:`tma_enabled` and its rows are 16-byte aligned), both with unit column stride. Returns
+    :func:`.tuning.tma_enabled` and its rows are 16-byte aligned), both with unit column stride. Returns
     ``[E, p, q]``, or ``[E, q, p]`` (the transposed products, stored through swapped strides) if ``transpose``.
     ``slot_desc=False`` reads ``b`` through clamped pointers: its rows past the last expert are never read
     (they hold foreign slots, never computed, whose garbage times A's zeros could be NaN). ``zero_tail``: those
@@ -297,17 +292,19 @@ def grouped_wgrad(a, b, offsets, indices, *, p, q, out_dtype, transpose=False, s
 # The warp-specialized weight gradient's configuration: a 128 x 256 output tile (the wgmma shape of the Triton
 # kernels' best tiles), 64 slots per step in 3 stages (3 x 48 KiB) plus the 64 KiB output tile: 208 KiB of
 # shared memory, one CTA per SM.
-WS_WGRAD_CONFIG = {"BLOCK_P": 128, "BLOCK_Q": 256, "BLOCK_K": 64, "NUM_STAGES": 3, "GROUP_M": 8}
+# TMA_STORE: whole 16-bit tiles leave by TMA where ws_wgrad_tma_store allows (masked stores ran at 0.96-1.005x
+# its speed on an H200: docs/benchmarks.md, ``benchmarks/bench_ws.py --masked-store``).
+WS_WGRAD_CONFIG = {"BLOCK_P": 128, "BLOCK_Q": 256, "BLOCK_K": 64, "NUM_STAGES": 3, "GROUP_M": 8, "TMA_STORE": True}
 assert WS_WGRAD_CONFIG["BLOCK_K"] <= ZERO_TAIL.value  # a box reads at most BLOCK_K - 1 rows past its expert
 
 
 def ws_wgrad_ok(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> bool:
-    """:func:`grouped_wgrad_ws` can serve ``grouped_wgrad(a, b, ...)``: :func:`ws_enabled`, 16-bit operands of
+    """:func:`grouped_wgrad_ws` can serve ``grouped_wgrad(a, b, ...)``: :func:`.tuning.ws_enabled`, 16-bit operands of
     one dtype, an output in that dtype or fp32, aligned contiguous rows and ``a``'s width a multiple of 16
     (its masked columns then go as whole 16-byte copies)."""
     if a.dtype not in (torch.float16, torch.bfloat16) or b.dtype != a.dtype or out_dtype not in (a.dtype, torch.float32):
         return False
-    return ws_enabled(a.device) and a.shape[1] % 16 == 0 and _rows_aligned(a) and _rows_aligned(b)
+    return tuning.ws_enabled(a.device) and a.shape[1] % 16 == 0 and _rows_aligned(a) and _rows_aligned(b)
 
 
 @functools.cache
@@ -336,11 +333,11 @@ def ws_wgrad_tma_store(out: torch.Tensor, operand_dtype: torch.dtype, block_p: i
 def grouped_wgrad_ws(a, b, out, offsets, indices, *, gather_a: bool, config: dict | None = None) -> None:
     """Launch :func:`moeblaze.kernels.ws_wgrad.ws_wgrad_kernel` into ``out`` (check :func:`ws_wgrad_ok` first):
     ``out[e] = sum_s a[token(s)]^T b[s]`` (``[E, p, q]``, ``gather_a``) or its transpose ``sum_s b[s]^T a[token(s)]``
-    (``[E, q, p]``), contiguous. ``config``: overrides of :data:`WS_WGRAD_CONFIG` (block-size sweeps). Whole tiles
-    leave by TMA where :func:`ws_wgrad_tma_store` allows and the setting ``wgrad_tma_store`` is on."""
+    (``[E, q, p]``), contiguous. ``config``: overrides of :data:`WS_WGRAD_CONFIG` (block-size sweeps;
+    ``TMA_STORE=False``: masked stores). Whole tiles leave by TMA where :func:`ws_wgrad_tma_store` allows."""
     from .ws_wgrad import MAX_REGS, ws_wgrad_kernel
 
-    cfg = {**WS_WGRAD_CONFIG, "TMA_STORE": settings.get("wgrad_tma_store"), **(config or {})}
+    cfg = {**WS_WGRAD_CONFIG, **(config or {})}
     E, P, Q = out.shape
     desc = _tma_desc(b, [cfg["BLOCK_K"], cfg["BLOCK_Q"] if gather_a else cfg["BLOCK_P"]])
     cfg["TMA_STORE"] = cfg["TMA_STORE"] and ws_wgrad_tma_store(out, a.dtype, cfg["BLOCK_P"])
@@ -354,8 +351,8 @@ def grouped_wgrad_ws(a, b, out, offsets, indices, *, gather_a: bool, config: dic
 
 
 # The warp-specialized GEMM's configuration: the 128 x 256 tile and 64-column steps of the Triton kernels' best
-# configs, 3 stages (3 x 48 KiB) plus the 64 KiB output tile.
-WS_GEMM_CONFIG = {"BLOCK_N": 256, "BLOCK_K": 64, "NUM_STAGES": 3, "GROUP_M": 8}
+# configs, 3 stages (3 x 48 KiB) plus the 64 KiB output tile. BLOCK_M: it runs schedules of the large M tile only.
+WS_GEMM_CONFIG = {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "NUM_STAGES": 3, "GROUP_M": 8}
 
 
 def _ws_gemm_pays(max_tiles: int, n_cols: int, device: torch.device) -> bool:
@@ -373,12 +370,12 @@ def _ws_gemm_pays(max_tiles: int, n_cols: int, device: torch.device) -> bool:
 
 
 def ws_gemm_ok(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, b_nk: bool, k_dim: int) -> bool:
-    """:func:`grouped_gemm_ws` can serve a plain slot-row GEMM ``c = a @ b[e]``: :func:`ws_enabled` (``ws_gemm``),
+    """:func:`grouped_gemm_ws` can serve a plain slot-row GEMM ``c = a @ b[e]``: :func:`.tuning.ws_enabled`,
     16-bit operands and output of one dtype, a contiguous weight ``[E, n, k]`` (``b_nk``) or ``[E, k, n]``,
     ``k_dim`` a multiple of 64 (whole TMA boxes along k, never into the next expert's weight) and aligned rows."""
     if a.dtype not in (torch.float16, torch.bfloat16) or not (b.dtype == c.dtype == a.dtype):
         return False
-    if not ws_enabled(a.device, "ws_gemm") or k_dim % 64 or a.shape[1] != k_dim or not b.is_contiguous():
+    if not tuning.ws_enabled(a.device) or k_dim % 64 or a.shape[1] != k_dim or not b.is_contiguous():
         return False
     return b.shape[2 if b_nk else 1] == k_dim and _rows_aligned(a) and _rows_aligned(b[0]) and c.stride(1) == 1
 
@@ -386,19 +383,19 @@ def ws_gemm_ok(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, b_nk: bool, k_
 def grouped_gemm_ws(a, b, c, offsets, sched, *, b_nk: bool, n_cols: int, k_dim: int, n_start: int = 0,
                     config: dict | None = None) -> None:
     """Launch :func:`moeblaze.kernels.ws_gemm.ws_gemm_kernel` (check :func:`ws_gemm_ok` first): ``c[s, :n_cols] =
-    a[s] @ W[e][:, n_start:n_start + n_cols]`` over the 128-row tile schedule ``sched``. ``config``: overrides of
-    :data:`WS_GEMM_CONFIG` (block-size sweeps)."""
+    a[s] @ W[e][:, n_start:n_start + n_cols]`` over the tile schedule ``sched`` of ``BLOCK_M`` (128) rows.
+    ``config``: overrides of :data:`WS_GEMM_CONFIG` (block-size sweeps)."""
     from .ws_gemm import ws_gemm_kernel
     from .ws_wgrad import MAX_REGS
 
     cfg = {**WS_GEMM_CONFIG, **(config or {})}
     E, n_ext = b.shape[0], b.shape[1 if b_nk else 2]
-    a_desc = _tma_desc(a, [128, cfg["BLOCK_K"]])
+    a_desc = _tma_desc(a, [cfg["BLOCK_M"], cfg["BLOCK_K"]])
     w_box = [cfg["BLOCK_N"], cfg["BLOCK_K"]] if b_nk else [cfg["BLOCK_K"], cfg["BLOCK_N"]]
     w_desc = _tma_desc(b.reshape(E * b.shape[1], b.shape[2]), w_box)
     tiles = sched[0].numel() * cdiv(n_cols, cfg["BLOCK_N"])
     direct.launch(ws_gemm_kernel, (min(tiles, num_programs(a.device)),),
         a_desc=a_desc, w_desc=w_desc, c_ptr=c, offsets_ptr=offsets, tile_expert_ptr=sched[0], tile_row_ptr=sched[1],
         num_tiles_ptr=sched[2], K_DIM=k_dim, N_COLS=n_cols, N_EXT=n_ext, N_START=n_start, stride_c_m=c.stride(0),
-        W_NK=b_nk, BLOCK_M=128, **cfg, num_warps=8, maxnreg=MAX_REGS,
+        W_NK=b_nk, **cfg, num_warps=8, maxnreg=MAX_REGS,
     )

@@ -9,11 +9,11 @@ capture is not tuned (the autotuner synchronises): it takes the fixed default co
 ``MOEBLAZE_AUTOTUNE=0``  use one fixed default configuration per kernel (no benchmarking at first call);
                          ``MOEBLAZE_DETERMINISTIC=1`` (:mod:`moeblaze.training.determinism`) does the same.
 ``TRITON_INTERPRET=1``   (CPU interpreter) small fixed configurations; autotuning is always off.
-``MOEBLAZE_PERSISTENT``  grouped-GEMM launch shape: ``1`` persistent (one program per SM walks the output
-                         tiles), ``0`` one program per output tile; unset, the autotuner tries both
-                         (the fixed configurations take one program per tile).
-``MOEBLAZE_TMA=0``       read weights (and the unpermuted operand of the weight gradients) through pointers
-                         instead of TMA descriptors (A/B measurements; TMA needs an sm90+ GPU anyway).
+
+Chosen here by device and shape, with no setting: the launch shape of the grouped GEMMs and weight gradients
+(the autotuner tries per-tile and persistent launches: :func:`_gemm_launch`), TMA descriptor reads
+(:func:`tma_enabled`: sm90+), the warp-specialized Gluon kernels (:func:`ws_enabled`: sm90, triton 3.6) and
+the M tile (:func:`block_m`).
 
 Because the tuned block sizes change the fp32 summation order, results are bitwise reproducible run to
 run within a process (and across processes with ``MOEBLAZE_AUTOTUNE=0``), not across different tunings.
@@ -70,10 +70,9 @@ def _sm90(index: int) -> bool:
 
 
 def tma_enabled(device: torch.device) -> bool:
-    """Kernels may read through TMA descriptors on ``device``: an sm90+ GPU or the interpreter, unless
-    ``MOEBLAZE_TMA=0``."""
-    if not settings.get("tma"):
-        return False
+    """Kernels may read through TMA descriptors on ``device``: an sm90+ GPU or the interpreter (elsewhere they
+    read through pointers). Launchers look it up through this module: tests replace it to run the pointer paths
+    (and with them no Gluon kernel, :func:`ws_enabled`) where TMA would serve."""
     if interpreting():
         return True
     return device.type == "cuda" and _sm90(_index(device))
@@ -86,19 +85,26 @@ def _ws_supported(index: int) -> bool:
     return triton.__version__.startswith("3.6.") and torch.cuda.get_device_capability(index) == (9, 0)
 
 
-def ws_enabled(device: torch.device, setting: str = "ws_wgrad") -> bool:
-    """A warp-specialized Gluon kernel may run on ``device``: an sm90 GPU, triton 3.6, not the interpreter, its
-    ``setting`` (``ws_wgrad``: :mod:`moeblaze.kernels.ws_wgrad`; ``ws_gemm``: :mod:`moeblaze.kernels.ws_gemm`) and
-    ``tma`` on (they read through TMA: ``MOEBLAZE_TMA=0`` measures the pointer paths of the Triton kernels)."""
-    if device.type != "cuda" or interpreting() or not (settings.get(setting) and settings.get("tma")):
+def ws_enabled(device: torch.device) -> bool:
+    """The warp-specialized Gluon kernels (:mod:`moeblaze.kernels.ws_wgrad`, :mod:`moeblaze.kernels.ws_gemm`) may
+    run on ``device``: an sm90 GPU, triton 3.6, not the interpreter, and :func:`tma_enabled` (they read through
+    TMA only). Each launcher adds its shape checks (``kernels/launch.py``)."""
+    if device.type != "cuda" or interpreting() or not tma_enabled(device):
         return False
     return _ws_supported(_index(device))
 
 
-def _launch_mode(setting: str) -> str:
-    """An ``auto``/on/off launch setting as ``"1"``, ``"0"`` or ``"auto"`` (a part of the autotune kind)."""
-    mode = settings.get(setting)
-    return "auto" if mode is None else str(int(mode))
+def _gemm_launch() -> str:
+    """The grouped GEMMs' launch shapes, a part of their autotune kind: ``"auto"``, the tuned list holds per-tile
+    and persistent configs and the autotuner picks (the fixed configuration runs per tile, the interpreter's
+    persistent). Tests replace it (the launcher looks it up through this module) by ``"1"`` (persistent only)
+    or ``"0"`` (per tile only) to check both launches bitwise on the same configurations."""
+    return "auto"
+
+
+def _wgrad_launch() -> str:
+    """The weight gradients' launch shapes, as :func:`_gemm_launch` (fixed and interpreted configs: per tile)."""
+    return "auto"
 
 
 def _kept(configs: list[triton.Config], mode: str) -> list[triton.Config]:
@@ -106,11 +112,6 @@ def _kept(configs: list[triton.Config], mode: str) -> list[triton.Config]:
     ones, ``0`` the per-tile ones, ``auto`` all."""
     keep = {"0": (False,), "1": (True,)}.get(mode, (False, True))
     return [c for c in configs if c.kwargs["PERSISTENT"] in keep]
-
-
-def persistent_mode() -> str:
-    """The ``persistent`` setting (``MOEBLAZE_PERSISTENT``) as ``"1"``, ``"0"`` or ``"auto"``."""
-    return _launch_mode("persistent")
 
 
 @functools.cache
@@ -130,7 +131,10 @@ def num_programs(device: torch.device) -> int:
 
 
 def block_m(num_pairs: int | None = None, num_experts: int | None = None) -> int:
-    """M-tile height (slots of one expert per program) for N = ``num_pairs`` slots over E = ``num_experts``.
+    """M-tile height (slots of one expert per program) for N = ``num_pairs`` slots over E = ``num_experts``: the
+    one function that chooses it. The Triton backend's plan (:meth:`moeblaze.backends.TritonBackend.block_m`),
+    the ops' schedule of an index that came without one, the launchers' ``BLOCK_M`` and token rounding's tile
+    (:func:`moeblaze.tile_multiple`) call it, through this module, so they never disagree.
 
     Two token-count buckets (never T itself, DESIGN.md §5): 128 (32 under the interpreter), and half of it
     when an expert gets fewer than half a tile on average (N < 64 E): few tokens per expert, where a 128-row
@@ -163,8 +167,8 @@ def _cfg(num_warps: int, num_stages: int, **kw) -> triton.Config:
 
 def gemm_configs(kind: str, persistent: str = "auto") -> list[triton.Config]:
     """Grouped-GEMM configs; ``kind`` is ``tuned16``, ``tuned32``, ``fixed16``, ``fixed32`` or ``interpret``,
-    ``persistent`` the :func:`persistent_mode` (``PERSISTENT`` of the configs: ``1`` all, ``0`` none, ``auto``:
-    the tuned list holds both launch shapes, fixed configs are per tile, the interpreter persistent).
+    ``persistent`` the launch mode of :func:`_gemm_launch` (``PERSISTENT`` of the configs: ``1`` all, ``0`` none,
+    ``auto``: the tuned list holds both launch shapes, fixed configs are per tile, the interpreter persistent).
 
     Why both (H200, autotuned, ``benchmarks/profile_layer.py``): persistent GEMMs took
     8.7 vs 9.6 ms per step on qwen3-30b (K_DIM 768-2048: the next tile's loads overlap this tile's
@@ -235,14 +239,9 @@ def prune_gemm_configs(configs, named_args, **kwargs):
     return kept or configs
 
 
-def wgrad_persistent_mode() -> str:
-    """The ``wgrad_persistent`` setting (``MOEBLAZE_WGRAD_PERSISTENT``) as ``"1"``, ``"0"`` or ``"auto"``."""
-    return _launch_mode("wgrad_persistent")
-
-
 def wgrad_configs(kind: str, persistent: str = "auto") -> list[triton.Config]:
     """Weight-gradient configs (``BLOCK_P x BLOCK_Q`` output tile, ``BLOCK_K`` slots per step) of the
-    :func:`wgrad_persistent_mode` ``persistent``: ``auto`` lets the tuned 16-bit list hold both launches, ``1``
+    launch mode ``persistent`` (:func:`_wgrad_launch`): ``auto`` lets the tuned 16-bit list hold both launches, ``1``
     keeps the persistent ones (a one-config kind: made persistent), ``0`` the per-tile ones. fp32 lists are per
     tile (the persistent loop reads A through the index: 16-bit operands only).
 
@@ -358,8 +357,8 @@ class Launchable:
             values (e.g. ``EVEN_K`` from ``K_DIM`` and ``BLOCK_K``); may read nothing else.
         prune: ``early_config_prune(configs, named_args, **kwargs) -> configs`` of ``triton.autotune``.
         restore: arguments the kernel overwrites in place; autotuning restores them after each trial.
-        variant: ``() -> str`` read at every launch (an environment switch), passed to ``configs`` as its
-            second argument and made part of the kind: changing it picks other configs.
+        variant: ``() -> str`` read at every launch (the launch shapes, :func:`_gemm_launch`), passed to
+            ``configs`` as its second argument and made part of the kind: changing it picks other configs.
         bucket: ``kwargs -> int`` of a keyword launch (e.g. :func:`tokens_bucket` of its slot count), made
             part of the key; each bucket has an autotuner of its own, so a new bucket benchmarks afresh.
     """

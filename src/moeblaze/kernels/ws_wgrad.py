@@ -26,7 +26,7 @@ the autotuned Triton kernel this took 0.70-0.72x its time at 128 slots per exper
                                weights, as :mod:`moeblaze.kernels.wgrad` stores it). The TMA store took
                                0.964-1.005x the masked stores' time on B2 and B4 at 2k-32k tokens of
                                Qwen3-30B-A3B and the token-rounding shapes, bitwise equal (H200,
-                               ``python3 benchmarks/bench_ws.py`` with and without ``--set wgrad_tma_store=off``).
+                               ``python3 benchmarks/bench_ws.py`` with and without ``--masked-store``).
 
 Every tile takes ``max(1, cdiv(slots, BLOCK_K))`` steps: an empty expert's one step reads zeros from the
 gathered side and stores a zero tile. A step's last slot rows may belong to the next expert (the TMA box is
