@@ -6,13 +6,27 @@ from __future__ import annotations
 import pytest
 import torch
 
+import moeblaze
+from moeblaze import MoE, build_dispatch, moe_experts, moe_experts_general
+from moeblaze.experts import SAVE_MODES
 from moeblaze.fp8 import (
     E4M3,
     E4M3_MAX,
     GRANULARITIES,
     Float8Recipe,
+    check_fp8_backend,
     quantize_fp8,
     quantize_fp8_slots,
+)
+from moeblaze.general_routing import topk_to_pairs
+from moeblaze.memory import saved_bytes
+from moeblaze.reference import act_reference
+from moeblaze.testing import (
+    make_expert_inputs,
+    reference_outputs,
+    rel_error,
+    router_weight_grad_magnitude,
+    run_and_grad,
 )
 
 U = 2.0**-4  # unit roundoff of e4m3 (3 mantissa bits): the largest relative error of one rounding
@@ -179,3 +193,221 @@ def test_recipe_tiles(granularity):
     assert recipe.quantize_rows(torch.randn(4, 70)).scale.shape == ((4, 1) if rowwise else (4, 3))
     assert recipe.quantize_weight(w, reduce_cols=True).scale.shape == ((3, 70, 1) if rowwise else (3, 3, 2))
     assert recipe.quantize_weight(w, reduce_cols=False).scale.shape == ((3, 1, 50) if rowwise else (3, 3, 2))
+
+
+# ----------------------------------------------------------------------------- the emulated expert GEMMs
+
+NAMES = ("out", "dx", "dw_gate_up", "dw_down", "dtopk_weights")
+
+
+def e4m3_round(t: torch.Tensor) -> torch.Tensor:
+    """``t`` rounded to e4m3's precision, 4 significant bits (round half to even), in ``t``'s dtype — with no
+    scales and no range limits: the precision of the recipe without its blocks."""
+    mantissa, exponent = torch.frexp(t)  # mantissa in [0.5, 1)
+    return torch.ldexp(torch.round(mantissa * 16) / 16, exponent)
+
+
+def rounded_baseline(inputs: dict, dout: torch.Tensor, save: str) -> tuple[torch.Tensor, ...]:
+    """DESIGN.md §7's baseline for the recipe: plain PyTorch doing the same computation in the same precision.
+    ``(out, dx, dw_gate_up, dw_down, dtopk_weights)`` one expert at a time in float64, written out by hand
+    (no moeblaze.fp8), every GEMM operand rounded to 4 significant bits where the recipe quantizes it
+    (moeblaze.ops_fp8's table), ``pre`` rounded as kept for ``"preact"``."""
+    R = e4m3_round
+    x, w1, w2, tw = (inputs[k].detach().double() for k in ("x", "w_gate_up", "w_down", "topk_weights"))
+    ids, g = inputs["topk_ids"].long(), dout.double()
+    out, dx, dw1, dw2, dtw = (torch.zeros_like(t) for t in (x, x, w1, w2, tw))
+    xr = R(x)
+    for e in range(w1.shape[0]):
+        tok, k = torch.nonzero(ids == e, as_tuple=True)
+        if tok.numel() == 0:
+            continue
+        w = tw[tok, k][:, None]
+        pre = xr[tok] @ R(w1[e]).T  # F1
+        out.index_add_(0, tok, w * (R(act_reference("swiglu", pre)) @ R(w2[e]).T))  # F2, F3
+        kept = (R(pre) if save == "preact" else pre).requires_grad_()
+        act = act_reference("swiglu", kept)
+        dact = R(g[tok]) @ R(w2[e])  # B1
+        dtw[tok, k] = (dact * act).sum(-1).detach()
+        (dpre,) = torch.autograd.grad(act, kept, dact * w)
+        dw2[e] = R(g[tok]).T @ R(w * act.detach())  # B2
+        dx.index_add_(0, tok, R(dpre) @ R(w1[e]))  # B3, B5
+        dw1[e] = R(dpre).T @ xr[tok]  # B4
+    return out, dx, dw1, dw2, dtw
+
+
+def check_emulation(inputs: dict, recipe: Float8Recipe, save: str) -> None:
+    """Every output and gradient of ``moe_experts(fp8=recipe)`` against the float64 reference: error at most
+    2x the rounded baseline's plus a floor of 2 eps of the result's dtype — for ``dtopk_weights`` at least
+    e4m3's unit roundoff times the condition of its dot products (T = 1 has K of them: too few for the errors to
+    average out)."""
+    dout = torch.randn(inputs["x"].shape)
+    got = run_and_grad(lambda **kw: moe_experts(**kw, backend="torch", save=save, fp8=recipe), inputs, dout)
+    ref = reference_outputs(inputs, "swiglu", dout)
+    base = rounded_baseline(inputs, dout, save)
+    for name, a, r, b in zip(NAMES, got, ref, base):
+        assert a.dtype == inputs["topk_weights" if name == "dtopk_weights" else "x"].dtype, name
+        floor = 2 * torch.finfo(a.dtype).eps
+        if name == "dtopk_weights":
+            magnitude = router_weight_grad_magnitude(inputs, "swiglu", dout).norm() / r.norm()
+            floor = max(floor, U * float(magnitude))
+        err, base_err = rel_error(a, r), rel_error(b, r)
+        assert err <= 2 * base_err + floor, f"{name}: error {err:.3e} > 2 x e4m3 baseline {base_err:.3e} + {floor:.1e}"
+
+
+CASES = {  # (T, d, h, E, K, routing); with block_size 32, d = 72 and h = 40 end in short tiles
+    "T=1": (1, 256, 64, 4, 2, "uniform"),
+    "empty experts": (48, 64, 32, 8, 2, "empty_experts"),
+    "zipf": (128, 64, 32, 16, 4, "zipf"),
+    "short last tiles": (40, 72, 40, 4, 2, "uniform"),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("granularity", GRANULARITIES)
+@pytest.mark.parametrize("save", SAVE_MODES)
+def test_emulated_experts_within_the_e4m3_rule(case, granularity, save):
+    T, d, h, E, K, routing = CASES[case]
+    check_emulation(make_expert_inputs(T, d, h, E, K, routing=routing), Float8Recipe(granularity, 32), save)
+
+
+@pytest.mark.parametrize("granularity", GRANULARITIES)
+def test_default_blocks_power_of_two_scales_and_range(granularity):
+    """128-wide tiles (d = 160: a full one and a short one), power-of-two scales, tokens beyond e4m3's range and
+    a zero tile in every row."""
+    inputs = make_expert_inputs(64, 160, 96, 4, 2)
+    inputs["x"][:, :128] *= 1e3  # up to ~4000: scaled into e4m3's range
+    inputs["x"][:, 128:] = 0.0
+    check_emulation(inputs, Float8Recipe(granularity, pow2_scales=True), "preact")
+
+
+@pytest.mark.parametrize("granularity", GRANULARITIES)
+def test_autocast_is_the_call_on_bf16_casts(granularity):
+    """fp32 master weights under bf16 autocast: a bf16 output, fp32 weight gradients, bitwise the call on bf16 casts
+    outside autocast (the contract of moe_experts), the recipe quantizing the same 16-bit values."""
+    recipe = Float8Recipe(granularity, 32)
+    inputs = make_expert_inputs(24, 64, 32, 4, 2)
+    dout = torch.randn(24, 64).bfloat16()
+
+    def under_autocast(**kw):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return moe_experts(**kw, backend="torch", fp8=recipe)
+
+    got = run_and_grad(under_autocast, inputs, dout)
+    cast = {k: (v.bfloat16() if k in ("x", "w_gate_up", "w_down") else v) for k, v in inputs.items()}
+    want = run_and_grad(lambda **kw: moe_experts(**kw, backend="torch", fp8=recipe), cast, dout)
+    assert got[0].dtype == torch.bfloat16 and all(g.dtype == torch.float32 for g in got[1:])
+    for name, a, b in zip(NAMES, got, want):
+        assert torch.equal(a, b.to(a.dtype)), name
+
+
+# ----------------------------------------------------------------------------- what autograd keeps
+
+@pytest.mark.parametrize("save", SAVE_MODES)
+@pytest.mark.parametrize("granularity", GRANULARITIES)
+def test_kept_for_backward_in_e4m3(save, granularity):
+    """x (and pre for "preact") kept as float8_e4m3fn with fp32 scales, nothing of the layer's size in 16 bits:
+    T d + 4 T ceil(d / B) bytes for x, N 2h + 4 N ceil(2h / B) for pre (one scale per row rowwise)."""
+    T, d, h, E, K, B = 64, 96, 40, 4, 2, 32
+    N, recipe = T * K, Float8Recipe(granularity, B)
+    inputs = make_expert_inputs(T, d, h, E, K, dtype=torch.bfloat16)
+    leaves = [inputs[k].requires_grad_() for k in ("x", "w_gate_up", "w_down", "topk_weights")]
+    index = build_dispatch(inputs["topk_ids"], E)
+    kept = []
+
+    def keep(t):
+        kept.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+        out = moe_experts(**inputs, backend="torch", save=save, index=index, fp8=recipe)
+    e4m3 = sorted(tuple(t.shape) for t in kept if t.dtype == E4M3)
+    assert e4m3 == sorted([(T, d)] + ([(N, 2 * h)] if save == "preact" else []))
+    assert not [t for t in kept if t.dtype == torch.bfloat16 and t.shape[0] == N], "a 16-bit slot tensor is kept"
+    assert not [t for t in kept if t.dtype == torch.bfloat16 and t is not inputs["w_gate_up"]
+                and t is not inputs["w_down"]], "kept in bf16 beyond the weights"
+    out.float().sum().backward()  # the kept tensors serve the backward
+
+    def scale_bytes(rows, cols):
+        return 4 * rows * (1 if granularity == "rowwise" else -(-cols // B))
+
+    expect = T * d + scale_bytes(T, d) + (N * 2 * h + scale_bytes(N, 2 * h) if save == "preact" else 0)
+    got = saved_bytes(lambda: moe_experts(**inputs, backend="torch", save=save, index=index, fp8=recipe),
+                      exclude=[*leaves, *index.tensors()])
+    assert got == expect
+
+
+# ----------------------------------------------------------------------------- the API
+
+@pytest.mark.parametrize("save", SAVE_MODES)
+def test_fp8_none_is_the_path_without_it(save):
+    inputs = make_expert_inputs(30, 16, 12, 5, 2)
+    dout = torch.randn(30, 16)
+    with_none = run_and_grad(lambda **kw: moe_experts(**kw, backend="torch", save=save, fp8=None), inputs, dout)
+    without = run_and_grad(lambda **kw: moe_experts(**kw, backend="torch", save=save), inputs, dout)
+    assert all(torch.equal(a, b) for a, b in zip(with_none, without))
+
+
+@pytest.mark.parametrize("save", SAVE_MODES)
+def test_general_routing_is_the_top_k_result_bitwise(save):
+    recipe = Float8Recipe("blockwise", 16)
+    inputs = make_expert_inputs(40, 48, 24, 6, 3, routing="zipf")
+    dout = torch.randn(40, 48)
+    topk = run_and_grad(lambda **kw: moe_experts(**kw, backend="torch", save=save, fp8=recipe), inputs, dout)
+
+    def general(x, topk_ids, topk_weights, w_gate_up, w_down):
+        token_idx, expert_idx, pair_weights = topk_to_pairs(topk_ids, topk_weights)
+        return moe_experts_general(x, token_idx, expert_idx, pair_weights, w_gate_up, w_down, backend="torch",
+                                   save=save, fp8=recipe)
+
+    pairs = run_and_grad(general, inputs, dout)
+    assert all(torch.equal(a, b) for a, b in zip(topk, pairs))
+
+
+def test_moe_layer_runs_its_experts_under_the_recipe():
+    torch.manual_seed(0)
+    recipe = Float8Recipe("rowwise")
+    layer = MoE(32, 24, 4, 2, backend="torch", fp8=recipe).eval()
+    assert layer.fp8 is recipe and "fp8=Float8Recipe(granularity='rowwise'" in repr(layer)
+    x = torch.randn(20, 32)
+    routing = layer.router(x)
+    want = moe_experts(x, routing.topk_ids, routing.topk_weights, layer.w1, layer.w_down, backend="torch", fp8=recipe)
+    assert torch.equal(layer(x), want)
+    layer.fp8 = None  # an attribute: the layer runs without it from now on
+    assert torch.equal(layer(x), moe_experts(x, routing.topk_ids, routing.topk_weights, layer.w1, layer.w_down,
+                                             backend="torch"))
+    rounded = MoE(32, 24, 4, 2, backend="torch", token_rounding="up", rounding_tile=4, fp8=recipe).train()
+    out = rounded(x)  # token rounding: the general-routing path under the recipe
+    out.square().mean().backward()
+    assert torch.isfinite(out).all() and torch.isfinite(rounded.w_down.grad).all()
+
+
+def test_api_errors():
+    inputs = make_expert_inputs(8, 16, 8, 4, 2)
+    with pytest.raises(TypeError, match="fp8 must be None or a moeblaze.fp8.Float8Recipe"):
+        moe_experts(**inputs, fp8="blockwise")
+    with pytest.raises(TypeError, match="fp8 must be None"):
+        moe_experts_general(inputs["x"], *topk_to_pairs(inputs["topk_ids"], inputs["topk_weights"]),
+                            inputs["w_gate_up"], inputs["w_down"], fp8=True)
+    with pytest.raises(TypeError, match="fp8 must be None"):
+        MoE(16, 8, 4, 2, fp8="e4m3")
+    with pytest.raises(TypeError, match="fp8 quantizes fp32, fp16 or bf16 x; got torch.float64"):
+        moe_experts(**{k: (v.double() if v.is_floating_point() else v) for k, v in inputs.items()},
+                    backend="torch", fp8=Float8Recipe())
+    if not moeblaze.backends.triton_available():
+        return
+    with pytest.raises(NotImplementedError, match="backend='torch' runs the recipe's PyTorch emulation"):
+        moe_experts(**inputs, backend="triton", fp8=Float8Recipe())  # the interpreter on the CPU (conftest)
+
+
+@pytest.mark.parametrize("capability, error", [((8, 0), ValueError), ((8, 9), ValueError),
+                                               ((9, 0), NotImplementedError), ((10, 0), NotImplementedError)])
+def test_triton_backend_names_a_gpu_older_than_hopper(monkeypatch, capability, error):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
+    check_fp8_backend("torch", torch.bfloat16, torch.device("cuda", 0))  # the emulation runs anywhere
+    with pytest.raises(error) as info:
+        check_fp8_backend("triton", torch.bfloat16, torch.device("cuda", 0))
+    message = str(info.value)
+    assert "\n" not in message and "backend='torch'" in message
+    if error is ValueError:
+        assert f"cuda:0 is NVIDIA A100-SXM4-80GB (sm{capability[0]}{capability[1]})" in message

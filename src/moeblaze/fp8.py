@@ -223,7 +223,8 @@ def quantize_fp8(t: Tensor, block: tuple[int, int], pow2_scales: bool = False) -
     tiles = padded.view(*lead, nr, block[0], nc, block[1])
     scale = _scales(tiles.abs().amax(dim=(-3, -1)), pow2_scales)  # [..., nr, nc]
     data = _cast(tiles / scale[..., :, None, :, None]).view(*lead, nr * block[0], nc * block[1])
-    return Float8Tensor(data[..., :rows, :cols], scale, (block[0], block[1]))
+    # a copy where tiles were padded: a view would keep the padded storage alive (and saved for backward)
+    return Float8Tensor(data[..., :rows, :cols].contiguous(), scale, (block[0], block[1]))
 
 
 def slot_tiles(offsets: Tensor, num_slots: int, block: int | None) -> tuple[Tensor, int]:
