@@ -28,6 +28,10 @@ from moeblaze.testing import (
     router_weight_grad_magnitude,
     run_and_grad,
 )
+from moeblaze.training.model import ModelConfig
+from moeblaze.training.train import TrainConfig, train
+from moeblaze.training.train_config import fp8_recipe, resolve_precision
+from test_cli import MICRO, corpus, run_cli  # noqa: F401  (corpus: the fixture)
 
 U = 2.0**-4  # unit roundoff of e4m3 (3 mantissa bits): the largest relative error of one rounding
 SUBNORMAL_HALF_STEP = 2.0**-10  # half the spacing of e4m3's subnormals (2^-9), in units of the scale
@@ -411,3 +415,28 @@ def test_triton_backend_names_a_gpu_older_than_hopper(monkeypatch, capability, e
     assert "\n" not in message and "backend='torch'" in message
     if error is ValueError:
         assert f"cuda:0 is NVIDIA A100-SXM4-80GB (sm{capability[0]}{capability[1]})" in message
+
+
+# ----------------------------------------------------------------------------- moeblaze train --precision fp8-mixed
+
+def test_train_fp8_mixed_on_the_cpu(corpus, tmp_path, capsys):  # noqa: F811
+    """fp32 parameters, the model under bf16 autocast, the experts under the blockwise recipe (its emulation on the
+    CPU): the flag runs, every MoE layer gets the recipe, and the layers keep less for backward than in bf16-mixed."""
+    assert run_cli("train", "--data", str(corpus), "--steps", "2", "--no-progress", "--precision", "fp8-mixed",
+                   "--out-dir", str(tmp_path / "cli"), "--no-final-checkpoint", *MICRO) == 0
+    assert "precision fp8-mixed" in capsys.readouterr().out
+    assert resolve_precision("fp8-mixed", torch.device("cpu")) == ("fp8-mixed", torch.float32, torch.bfloat16)
+    assert fp8_recipe("fp8-mixed") == Float8Recipe("blockwise") and fp8_recipe("bf16-mixed") is None
+    mcfg = ModelConfig(seq_len=16, d_model=16, n_layers=1, n_heads=2, d_ff=16, num_experts=4, top_k=2)
+    saved = {}
+    for precision in ("bf16-mixed", "fp8-mixed"):
+        cfg = TrainConfig(data=str(corpus), out_dir=str(tmp_path / precision), steps=2, batch_size=4, warmup_steps=1,
+                          eval_tokens=64, threads=1, precision=precision, progress=False, final_checkpoint=False)
+        result = train(cfg, mcfg, log=lambda *_: None)
+        assert all(v == v for v in result.losses)  # no NaN
+        saved[precision] = result.moe_saved_bytes
+    assert 0 < saved["fp8-mixed"] < saved["bf16-mixed"]
+    # where the experts would run Triton (no FP8 kernels yet), said before anything is built
+    assert run_cli("train", "--data", str(corpus), "--steps", "2", "--no-progress", "--precision", "fp8-mixed",
+                   "--backend", "triton", "--out-dir", str(tmp_path / "triton"), *MICRO) == 2
+    assert "--precision fp8-mixed with --backend triton" in capsys.readouterr().err
