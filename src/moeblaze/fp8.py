@@ -41,7 +41,7 @@ import torch
 from torch import Tensor
 
 __all__ = ["E4M3", "E4M3_MAX", "GRANULARITIES", "Float8Recipe", "Float8Slots", "Float8Tensor", "quantize_fp8",
-           "quantize_fp8_slots", "check_fp8_backend", "check_fp8_recipe"]
+           "quantize_fp8_slots", "slot_tiles", "check_fp8_backend", "check_fp8_recipe"]
 
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
