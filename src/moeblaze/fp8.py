@@ -188,8 +188,8 @@ def _scales(amax: Tensor, pow2: bool) -> Tensor:
 
 
 def _cast(scaled: Tensor) -> Tensor:
-    """e4m3 of values already divided by their scale; clamped first, as the cast does not saturate (it gives NaN
-    past 448)."""
+    """e4m3 of values already divided by their scale, saturated at 448 explicitly: torch 2.13's cast saturates
+    on its own, but not every conversion does (Triton's interpreter wraps past 448), so it is part of the recipe."""
     return scaled.clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
 
 
