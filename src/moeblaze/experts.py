@@ -12,10 +12,12 @@ import math
 
 import torch
 
+from . import ops_fp8, ops_torch
 from .activations import GATED, SWIGLU_ALPHA, SWIGLU_LIMIT, ActArgs, check_activation, is_gated
 from .amp import autocast_off, autocast_target
 from .backends import BACKENDS, Backend, get_backend
 from .dispatch import DispatchIndex, TileSchedule, check_index_matches
+from .fp8 import Float8Recipe, Float8Tensor, check_fp8_backend, check_fp8_recipe
 from .input_grad import SharedInputGrad
 from .settings import carried_to_backward
 
@@ -164,6 +166,62 @@ class _ExpertsRecompute(torch.autograd.Function):
         return (dx, dw1, db1, dw2, db2, dtw) + (None,) * (7 + len(index_tensors))
 
 
+class _Float8Experts(torch.autograd.Function):
+    """The expert block under an FP8 recipe (:mod:`moeblaze.fp8`), both save modes, through the recipe's PyTorch
+    emulation (:mod:`moeblaze.ops_fp8`).
+
+    Saves ``x`` in e4m3 with its scales (F1's quantized operand itself: 1 byte per element), and for
+    ``save="preact"`` ``pre`` in e4m3 with scales in the same tiles; ``"input"`` runs F1 again in backward on
+    the kept e4m3 ``x`` (the forward's ``pre`` bitwise). The weights are kept as given (parameters: nothing
+    new) and cast again in backward.
+    """
+
+    @staticmethod
+    @carried_to_backward
+    @autocast_off
+    def forward(ctx, x, w1, b1, w2, b2, topk_weights, recipe, save, activation, act_args, num_experts, block_m,
+                foreign, input_grad, *index_tensors):
+        index = _index_from(index_tensors, num_experts, block_m, foreign)
+        ctx.input_grad = input_grad.bind(x) if input_grad is not None else None
+        # autocast's casts of the master weights (moeblaze.amp), quantized as the same call on 16-bit weights would
+        w1c, w2c = w1.to(x.dtype), w2.to(x.dtype)
+        xq = recipe.quantize_rows(x)
+        pre, act = ops_fp8.up_forward(recipe, xq, w1c, index, activation, b1=b1, act_args=act_args)
+        out = ops_fp8.down_forward(recipe, act, w2c, topk_weights, index, b2=b2).to(x.dtype)
+        pq = recipe.quantize_rows(pre) if save == "preact" else None
+        kept_pre = (pq.data, pq.scale) if pq is not None else (None, None)
+        ctx.save_for_backward(xq.data, xq.scale, *kept_pre, w1, b1, w2, b2, topk_weights, *index_tensors)
+        ctx.recipe, ctx.activation, ctx.act_args, ctx.dtype = recipe, activation, act_args, x.dtype
+        ctx.blocks = (xq.block, pq.block if pq is not None else None)
+        ctx.index_args = (num_experts, block_m, foreign)
+        return out
+
+    @staticmethod
+    @carried_to_backward
+    @autocast_off
+    def backward(ctx, dout):
+        x_data, x_scale, pre_data, pre_scale, w1, b1, w2, b2, topk_weights, *index_tensors = ctx.saved_tensors
+        index = _index_from(index_tensors, *ctx.index_args)
+        recipe, need, act_args, activation = ctx.recipe, ctx.needs_input_grad, ctx.act_args, ctx.activation
+        w1c, w2c = w1.to(ctx.dtype), w2.to(ctx.dtype)
+        xq = Float8Tensor(x_data, x_scale, ctx.blocks[0])
+        if pre_data is None:
+            pre, _ = ops_fp8.up_forward(recipe, xq, w1c, index, activation, b1=b1, act_args=act_args)
+        else:
+            pre = Float8Tensor(pre_data, pre_scale, ctx.blocks[1]).dequantize()
+        dout = dout.contiguous()
+        db2 = ops_torch.bias_grad(dout, index, topk_weights) if need[4] else None
+        dpre, dw2, dtw = ops_fp8.down_backward(recipe, dout, pre, w2c, topk_weights, index, activation, need[3],
+                                               need[5], b2=b2, act_args=act_args, dw_dtype=w2.dtype)
+        del pre
+        db1 = ops_torch.bias_grad(dpre, index).to(b1.dtype) if need[2] else None
+        dx, dw1 = ops_fp8.up_backward(recipe, dpre, xq, w1c, index, need[0], need[1], dw_dtype=w1.dtype)
+        dx = dx.to(ctx.dtype) if dx is not None else None
+        if ctx.input_grad is not None:
+            dx = ctx.input_grad.offer(dx)
+        return (dx, dw1, db1, dw2, db2, dtw) + (None,) * (8 + len(index_tensors))
+
+
 def check_weight_dtypes(x, w1, w2, autocast: bool) -> None:
     """The weights share ``x``'s dtype; under autocast (``x`` already cast) they are the master weights the
     Functions cast (any dtype :func:`moeblaze.amp.autocast_target` accepted). Weights that agree name ``x``."""
@@ -290,6 +348,7 @@ def moe_experts(
     swiglu_limit: float = SWIGLU_LIMIT,
     foreign_experts: bool = False,
     input_grad: SharedInputGrad | None = None,
+    fp8: Float8Recipe | None = None,
 ) -> torch.Tensor:
     """Routed experts of a dropless top-k MoE layer: ``out[t] = sum_k w[t,k] * FFN_e(x[t])``.
 
@@ -342,6 +401,10 @@ def moe_experts(
         input_grad: ``x``'s gradient shared with a router that reads the same ``x`` (a
             :class:`moeblaze.input_grad.SharedInputGrad` passed to both; :class:`moeblaze.MoE` does this): the two
             gradients are summed in place instead of by autograd's extra ``[T, d]`` addition. None: as usual.
+        fp8: a :class:`moeblaze.fp8.Float8Recipe`: every expert GEMM on e4m3 operands scaled along its reduction
+            dimension, fp32 sums, results in the dtypes above; ``x`` (and ``pre`` for ``"preact"``) kept for
+            backward in e4m3 with fp32 scales (DESIGN.md §8). The ``torch`` backend runs the recipe's PyTorch
+            emulation (:mod:`moeblaze.ops_fp8`); the Triton kernels are not written yet. None: no FP8.
 
     Returns:
         ``[T, d]`` tensor in ``x.dtype`` (under autocast: the autocast dtype).
@@ -350,8 +413,11 @@ def moe_experts(
         ValueError: bad shapes, devices, activation, save mode, backend or options; ids out of range; an index
             built from other ids; bfloat16 on the Triton backend under ``TRITON_INTERPRET=1``.
         TypeError: dtype mismatch between ``x`` and the weights or biases, non-integer ``topk_ids``, fp64 with
-            ``backend="triton"``, or an fp64 operand under autocast (autocast never casts fp64).
+            ``backend="triton"``, or an fp64 operand under autocast (autocast never casts fp64); ``fp8`` not a
+            recipe, or with fp64 ``x``.
+        NotImplementedError: ``fp8`` on the Triton backend (ValueError there on a CUDA GPU older than sm90).
     """
+    check_fp8_recipe(fp8)
     x, w_gate_up, w_down, b_gate_up, b_down, autocast = autocast_expert_operands(x, w_gate_up, w_down, b_gate_up,
                                                                                   b_down)
     _check_inputs(x, topk_ids, topk_weights, w_gate_up, w_down, activation, save, autocast, index)
@@ -367,18 +433,25 @@ def moe_experts(
         check_index_matches(index, topk_ids)
     act_args = ActArgs(float(swiglu_alpha), float(swiglu_limit), bool(gate_up_interleaved))
     return run_experts(x, topk_weights, w_gate_up, w_down, b_gate_up, b_down, index, activation, save, backend,
-                       act_args, input_grad)
+                       act_args, input_grad, fp8)
 
 
 def run_experts(x: torch.Tensor, weights: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
                 b_gate_up: torch.Tensor | None, b_down: torch.Tensor | None, index: DispatchIndex, activation: str,
-                save: str, backend: str, act_args: ActArgs, input_grad: SharedInputGrad | None = None) -> torch.Tensor:
+                save: str, backend: str, act_args: ActArgs, input_grad: SharedInputGrad | None = None,
+                fp8: Float8Recipe | None = None) -> torch.Tensor:
     """The autograd Functions over a checked index: shared by :func:`moe_experts` (``weights [T, K]``) and
     :func:`moeblaze.general_routing.moe_experts_general` (``weights [P]``); inputs already validated.
-    ``input_grad``: ``x``'s gradient shared with the router (:mod:`moeblaze.input_grad`), or None."""
+    ``input_grad``: ``x``'s gradient shared with the router (:mod:`moeblaze.input_grad`), or None.
+    ``fp8``: a recipe (:class:`_Float8Experts`), or None."""
     chosen: Backend = get_backend(backend, x)
+    if fp8 is not None:
+        check_fp8_backend(chosen.name, x.dtype, x.device)
     index = chosen.scheduled(index)  # the GEMMs' tile schedule, built once for the ops (if not planned with it)
     bm, idx = _index_args(index)
+    if fp8 is not None:
+        return _Float8Experts.apply(x, w_gate_up, b_gate_up, w_down, b_down, weights, fp8, save, activation,
+                                    act_args, w_down.shape[0], bm, index.foreign_experts, input_grad, *idx)
     common = (chosen, activation, act_args, w_down.shape[0], bm, index.foreign_experts)
     if save == "input":
         return _ExpertsRecompute.apply(x, w_gate_up, b_gate_up, w_down, b_down, weights, *common, input_grad, *idx)

@@ -32,6 +32,7 @@ from .experts import (
     check_weight_dtypes,
     run_experts,
 )
+from .fp8 import Float8Recipe, check_fp8_recipe
 from .input_grad import SharedInputGrad
 
 __all__ = ["build_dispatch_pairs", "check_pairs", "moe_experts_general", "topk_to_pairs"]
@@ -64,6 +65,7 @@ def moe_experts_general(
     swiglu_limit: float = SWIGLU_LIMIT,
     foreign_experts: bool = False,
     input_grad: SharedInputGrad | None = None,
+    fp8: Float8Recipe | None = None,
 ) -> torch.Tensor:
     """Routed experts over general routing inputs: ``out[t] = sum_{p: token_idx[p] = t} w_p FFN_{e_p}(x[t])``.
 
@@ -78,7 +80,7 @@ def moe_experts_general(
             swiglu_limit: as :func:`moeblaze.moe_experts`.
         index: a prebuilt :func:`build_dispatch_pairs` index of these pairs (built here when None).
         foreign_experts: ids ``>= E`` contribute nothing and get zero weight gradients.
-        input_grad: as :func:`moeblaze.moe_experts`.
+        input_grad, fp8: as :func:`moeblaze.moe_experts`.
 
     Returns:
         ``[T, d]`` in ``x.dtype`` (the autocast dtype under ``torch.autocast``).
@@ -87,6 +89,7 @@ def moe_experts_general(
         TypeError, ValueError: as :func:`moeblaze.moe_experts` and :func:`check_pairs`; an index of another
             E, T or P.
     """
+    check_fp8_recipe(fp8)
     x, w_gate_up, w_down, b_gate_up, b_down, autocast = autocast_expert_operands(x, w_gate_up, w_down, b_gate_up,
                                                                                   b_down)
     check_activation(activation)
@@ -114,4 +117,4 @@ def moe_experts_general(
         raise ValueError(f"index must be a build_dispatch_pairs index for E={E}, T={T}, P={token_idx.numel()}")
     act_args = ActArgs(float(swiglu_alpha), float(swiglu_limit), bool(gate_up_interleaved))
     return run_experts(x, pair_weights, w_gate_up, w_down, b_gate_up, b_down, index, activation, save, backend,
-                       act_args, input_grad)
+                       act_args, input_grad, fp8)

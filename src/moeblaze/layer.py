@@ -12,6 +12,7 @@ from .activations import check_activation, is_gated
 from .amp import autocast_operands
 from .backends import BACKENDS, get_backend
 from .experts import SAVE_MODES, moe_experts
+from .fp8 import Float8Recipe, check_fp8_recipe
 from .general_routing import moe_experts_general
 from .input_grad import SharedInputGrad
 from .routing import Router
@@ -92,6 +93,8 @@ class MoE(nn.Module):
             multiple of the M tile (SonicMoE §5; :mod:`moeblaze.token_rounding`); eval routes with top-k.
         rounding_tile: the tile to round to (default: :func:`moeblaze.tile_multiple` of the backend and
             the input's device). rounding_seed: seed of the ``"sr"`` random source.
+        fp8: a :class:`moeblaze.fp8.Float8Recipe` for the routed experts' GEMMs (see :func:`moe_experts`; the
+            router and the shared expert stay as they are), or None. An attribute: may be set on a built layer.
 
     DeepSeek-V3's MoE block is ``MoE(d, h, E, 8, score_func="sigmoid", n_group=8, topk_group=4,
     score_correction_bias=True, routed_scaling_factor=2.5, shared_d_ff=h * n_shared_experts)``; trained as
@@ -118,7 +121,7 @@ class MoE(nn.Module):
             not a finite number >= 0), or an input whose last dimension is not d.
         TypeError: an input that is not a tensor, or of another dtype than the parameters (outside autocast);
             ``renormalize`` not None or a bool, ``dtype`` not a floating-point dtype; ``aux_loss_group`` not None
-            or a ProcessGroup.
+            or a ProcessGroup; ``fp8`` not None or a recipe.
 
     Expert parallelism is applied to a built layer (or a model holding layers) by
     :func:`moeblaze.parallel.expert_parallel` (or :func:`moeblaze.parallel.parallelize` on a 2-D mesh).
@@ -133,8 +136,10 @@ class MoE(nn.Module):
                  bias: bool = False, token_rounding: str | None = None,
                  rounding_tile: int | None = None, rounding_seed: int = 0, aux_loss_type: str = "switch",
                  expert_bias_update_rate: float = 0.0, track_expert_load: bool = False,
-                 aux_loss_group=None) -> None:
+                 aux_loss_group=None, fp8: Float8Recipe | None = None) -> None:
         super().__init__()
+        check_fp8_recipe(fp8)
+        self.fp8 = fp8
         if token_rounding is not None and token_rounding not in ROUNDING_MODES:
             raise ValueError(f"token_rounding must be None or one of {ROUNDING_MODES}, got {token_rounding!r}")
         if rounding_tile is not None and (not isinstance(rounding_tile, int) or rounding_tile < 1):
@@ -248,7 +253,8 @@ class MoE(nn.Module):
             # host-synchronising range check is skipped. The build also writes the experts' tile schedule.
             index = get_backend(self.backend, x2).plan(routing.topk_ids, self.num_experts, validate=False)
             out = moe_experts(x2, routing.topk_ids, topk_weights, self.w1, self.w_down, activation=self.activation,
-                              save=self.save, backend=self.backend, index=index, input_grad=share, **biases)
+                              save=self.save, backend=self.backend, index=index, input_grad=share, fp8=self.fp8,
+                              **biases)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x2)
         self.aux_loss = routing.loss
@@ -285,12 +291,13 @@ class MoE(nn.Module):
                                                          pair_offsets=r.pair_offsets)
         return moe_experts_general(x2, r.token_idx, r.expert_idx, r.pair_weights, self.w1, self.w_down,
                                    activation=self.activation, save=self.save, backend=self.backend, index=index,
-                                   foreign_experts=True, input_grad=share, **biases)
+                                   foreign_experts=True, input_grad=share, fp8=self.fp8, **biases)
 
     def extra_repr(self) -> str:
         return (f"d_model={self.d_model}, d_ff={self.d_ff}, num_experts={self.num_experts}, "
                 f"top_k={self.top_k}, activation={self.activation}, save={self.save}, backend={self.backend}"
                 + (f", token_rounding={self.token_rounding}" if self.token_rounding else "")
+                + (f", fp8={self.fp8}" if self.fp8 is not None else "")
                 + ("" if self.ep is None else f", ep={self.ep}"))
 
 

@@ -469,7 +469,8 @@ def expert_parallel_forward(moe: MoE, x: torch.Tensor, routing) -> tuple[torch.T
     # built here without its range checks (their host synchronisations): the ids are in range by construction
     index = get_backend(moe.backend, x_recv).plan(ids_recv, El, validate=False, foreign_experts=True)
     y = moe_experts(x_recv, ids_recv, w_recv, activation=moe.activation, save=moe.save, backend=moe.backend,
-                    index=index, foreign_experts=True, **experts)  # [R, d]: each row's local pairs, weighted
+                    index=index, foreign_experts=True, fp8=moe.fp8,
+                    **experts)  # [R, d]: each row's local pairs, weighted
     out = _SumRows.apply(_Combine.apply(y, ep.exchange, layout, payload), *plan.tensors(), M)  # [T, d]
 
     if moe.router.aux_loss_type != "switch":

@@ -31,6 +31,7 @@ from .. import settings
 from ..parallel.fsdp import parallelize
 from ..parallel.runtime import DistEnv, init_distributed, make_mesh, split_batch
 from .heartbeat import PeerMonitor, lost_after
+from .train_config import MIXED
 
 __all__ = ["Job", "check_same_config", "clip_grad_norm", "start_job"]
 
@@ -75,16 +76,16 @@ class Job:
 
     def shard(self, model: torch.nn.Module, precision: str, reshard: bool = True, reduce_dtype: str = "fp32",
               exchange: str = "auto", prefetch: bool = True) -> torch.nn.Module:
-        """FSDP2 (+ EP) over the mesh; ``bf16-mixed`` -> ``MixedPrecisionPolicy(param_dtype=bfloat16,
-        reduce_dtype=float32)`` (``reduce_dtype="bf16"``: bfloat16; the forward then runs without autocast), else
-        compute in the parameters' dtype. ``reshard``: FSDP2's ``reshard_after_forward``; ``exchange``: the
-        expert-parallel layers' token exchange; ``prefetch``: :func:`parallelize`'s. Returns ``model`` unchanged
-        without ``--fsdp``."""
+        """FSDP2 (+ EP) over the mesh; ``bf16-mixed`` and ``fp8-mixed`` -> ``MixedPrecisionPolicy(
+        param_dtype=bfloat16, reduce_dtype=float32)`` (``reduce_dtype="bf16"``: bfloat16; the forward then runs
+        without autocast), else compute in the parameters' dtype. ``reshard``: FSDP2's ``reshard_after_forward``;
+        ``exchange``: the expert-parallel layers' token exchange; ``prefetch``: :func:`parallelize`'s. Returns
+        ``model`` unchanged without ``--fsdp``."""
         if self.mesh is None:
             return model
         reduce = torch.bfloat16 if reduce_dtype == "bf16" else torch.float32
         policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce)
-                  if precision == "bf16-mixed" else MixedPrecisionPolicy())
+                  if precision in MIXED else MixedPrecisionPolicy())
         # The MoE layers return a view (a reshape of their output); the blocks add it out of place, which is
         # what FSDP2's warning about in-place ops on views asks for.
         warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDPMoE\) returned a view tensor")

@@ -28,7 +28,9 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from .. import settings
+from ..backends import get_backend
 from ..balance import expert_load, load_summary, update_expert_biases
+from ..fp8 import check_fp8_backend
 from ..layer import aux_loss
 from ..memory import SavedTensorCounter
 from ..parallel.breakdown import StepBreakdown, StepProfiler, append_rows, gather, summary
@@ -41,10 +43,12 @@ from .job import Job, check_same_config, clip_grad_norm, start_job
 from .metrics_log import MetricsLog, check_logger, val_at
 from .model import ModelConfig, MoETransformer
 from .train_config import (
+    MIXED,
     ConfigError,
     TrainConfig,
     TrainResult,
     autocast_context,
+    fp8_recipe,
     gpu_peak_flops,
     lr_at,
     make_optimizer,
@@ -306,6 +310,19 @@ def _check_backend(mcfg: ModelConfig, device: torch.device) -> None:
                           "or auto, or set TRITON_INTERPRET=1 to run the kernels in Triton's (slow) CPU interpreter")
 
 
+def _check_fp8(precision: str, mcfg: ModelConfig, device: torch.device) -> None:
+    """``fp8-mixed`` only where the experts' backend runs the recipe (its emulation: ``--backend torch``), said
+    before anything is built rather than at the first forward."""
+    if fp8_recipe(precision) is None:
+        return
+    try:
+        # fp32: the backend the experts' dtype would choose on this device, without the interpreter's bf16 refusal
+        backend = get_backend(mcfg.backend, torch.empty(0, device=device)).name
+        check_fp8_backend(backend, torch.bfloat16, device)
+    except (ValueError, NotImplementedError) as err:
+        raise ConfigError(f"--precision fp8-mixed with --backend {mcfg.backend}: {err}") from None
+
+
 def train(cfg: TrainConfig, model_cfg: ModelConfig | None = None, log=tqdm.write) -> TrainResult:
     """Train a :class:`MoETransformer` as configured; checkpoint to ``cfg.out_dir``.
 
@@ -377,11 +394,12 @@ def _train(cfg: TrainConfig, model_cfg: ModelConfig | None, log, job: Job) -> Tr
     """:func:`train` inside its job (one process, or a rank of torchrun's)."""
     device = job.env.device if job.distributed else resolve_device(cfg.device)
     precision, dtype, amp_dtype = resolve_precision(cfg.precision, device)
-    if job.mesh is not None and precision == "bf16-mixed":
+    if job.mesh is not None and precision in MIXED:
         amp_dtype = None  # FSDP2's MixedPrecisionPolicy casts the parameters to bf16 instead of autocast
     cfg = replace(cfg, progress=cfg.progress if job.rank0 else False)  # progress None: a bar on a terminal only
     if model_cfg is not None:
         _check_backend(model_cfg, device)
+        _check_fp8(precision, model_cfg, device)
     check_logger(cfg.logger)  # on every rank: a missing package fails them all before anything is built
     resume_from, finished = prepare_out_dir(cfg, log), False
     if resume_from is not None:
@@ -400,6 +418,7 @@ def _train(cfg: TrainConfig, model_cfg: ModelConfig | None, log, job: Job) -> Tr
                                status="done", checkpoint=str(resume_from))
     mcfg = model_cfg or ModelConfig()
     _check_backend(mcfg, device)
+    _check_fp8(precision, mcfg, device)
     threads = set_threads(cfg, device)
     if job.distributed and device.type == "cpu" and not cfg.threads:  # the node's cores shared by its ranks
         threads = max(1, threads // int(settings.launcher_env().get("LOCAL_WORLD_SIZE", job.world)))
@@ -415,6 +434,8 @@ def _train(cfg: TrainConfig, model_cfg: ModelConfig | None, log, job: Job) -> Tr
     torch.manual_seed(cfg.seed)  # every rank builds the same full model; sharding keeps each rank's part
     with torch.device(device):  # drawn where it trains: on CUDA the host does not draw every rank's copy first
         model = MoETransformer(mcfg).to(dtype=dtype)
+    for moe in model.moe_layers():
+        moe.fp8 = fp8_recipe(precision)
     total_params = sum(p.numel() for p in model.parameters())
     model = job.shard(model, precision, cfg.fsdp_reshard, cfg.fsdp_reduce_dtype, cfg.ep_exchange, cfg.fsdp_prefetch)
     opt = make_optimizer(model, cfg)

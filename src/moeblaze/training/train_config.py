@@ -13,8 +13,11 @@ from dataclasses import dataclass, field, fields
 
 import torch
 
-__all__ = ["LOGGERS", "PRECISIONS", "ConfigError", "TrainConfig", "TrainResult", "autocast_context", "gpu_peak_flops",
-           "lr_at", "make_optimizer", "peak_tflops", "resolve_device", "resolve_precision", "set_threads"]
+from ..fp8 import Float8Recipe
+
+__all__ = ["LOGGERS", "MIXED", "PRECISIONS", "ConfigError", "TrainConfig", "TrainResult", "autocast_context",
+           "fp8_recipe", "gpu_peak_flops", "lr_at", "make_optimizer", "peak_tflops", "resolve_device",
+           "resolve_precision", "set_threads"]
 
 
 # Dense bf16 tensor-core peak (FLOP/s, no sparsity) from the vendors' data sheets, for MFU.
@@ -26,7 +29,8 @@ DENSE_BF16_PEAK_TFLOPS = [("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("H100", 98
 FP32_PEAK_TFLOPS = [("H100 PCIe", 51.0), ("H100 NVL", 60.0), ("H100", 67.0), ("H200", 67.0), ("GH200", 67.0),
                     ("A100", 19.5), ("L40S", 91.6), ("L4", 30.3), ("A10", 31.2)]
 
-PRECISIONS = ("auto", "bf16-mixed", "bf16", "fp32")
+PRECISIONS = ("auto", "bf16-mixed", "bf16", "fp32", "fp8-mixed")
+MIXED = ("bf16-mixed", "fp8-mixed")  # fp32 parameters and optimizer, the forward under bf16 autocast
 LOGGERS = ("none", "tensorboard", "wandb")  # --logger (moeblaze.metrics_log)
 
 
@@ -87,7 +91,9 @@ class TrainConfig:
     device: str = _f("auto", "auto (cuda if available, else cpu), cpu, cuda or cuda:N")
     precision: str = _f("auto", "Lightning's names: bf16-mixed = fp32 parameters and optimizer, forward under "
                         "torch.autocast(bfloat16); bf16 = bf16 parameters; fp32 = fp32 throughout (TF32 matmuls "
-                        "unless torch's float32 matmul precision is 'highest'); auto: bf16-mixed on cuda, fp32 on cpu",
+                        "unless torch's float32 matmul precision is 'highest'); fp8-mixed = bf16-mixed with the "
+                        "expert GEMMs in FP8 (moeblaze.fp8's blockwise recipe; its PyTorch emulation on "
+                        "--backend torch, so on the CPU); auto: bf16-mixed on cuda, fp32 on cpu",
                         choices=PRECISIONS)
     threads: int = _f(0, "CPU threads for torch (0 = all available cores)")
     eval_interval: int = _f(200, "evaluate validation bits-per-byte every this many steps")
@@ -198,14 +204,21 @@ def resolve_precision(name: str, device: torch.device) -> tuple[str, torch.dtype
     """``--precision`` -> ``(precision, parameter dtype, autocast dtype or None)``.
 
     ``auto`` is ``bf16-mixed`` on CUDA (not yet measured against ``bf16`` for the default preset:
-    ``benchmarks/bench_precision.py --parts train`` compares them) and ``fp32`` on CPU.
+    ``benchmarks/bench_precision.py --parts train`` compares them) and ``fp32`` on CPU. ``fp8-mixed`` is
+    ``bf16-mixed`` here; its expert recipe is :func:`fp8_recipe`'s.
     """
     if name == "auto":
         name = "bf16-mixed" if device.type == "cuda" else "fp32"
     if name not in PRECISIONS:
         raise ConfigError(f"unknown --precision {name!r} (use one of {', '.join(PRECISIONS)})")
     param = torch.bfloat16 if name == "bf16" else torch.float32
-    return name, param, (torch.bfloat16 if name == "bf16-mixed" else None)
+    return name, param, (torch.bfloat16 if name in MIXED else None)
+
+
+def fp8_recipe(precision: str) -> Float8Recipe | None:
+    """The FP8 recipe of the MoE layers' experts for a resolved ``--precision``: DeepSeek-V3's blockwise one
+    (1 x 128 activation tiles, 128 x 128 weight blocks; :mod:`moeblaze.fp8`) for ``fp8-mixed``, else None."""
+    return Float8Recipe("blockwise") if precision == "fp8-mixed" else None
 
 
 def autocast_context(device: torch.device, dtype: torch.dtype | None):

@@ -1,0 +1,103 @@
+"""The expert GEMMs under an FP8 recipe, emulated in PyTorch (DESIGN.md §8): quantize, dequantize, fp32 GEMM.
+
+Each GEMM of DESIGN.md §5 quantizes its two operands along its reduction dimension with the
+:class:`moeblaze.fp8.Float8Recipe` (e4m3 values, fp32 scales), dequantizes them to fp32 and multiplies in
+fp32; the rest (gather, activation, combine, router-weight gradient) is the ``torch`` backend's
+(:mod:`moeblaze.ops_torch`) on fp32 tensors. It defines what the FP8 kernels compute, up to the order of
+fp32 sums, and runs the recipe on any device.
+
+| GEMM | operand A, quantized along | operand B, quantized along |
+|---|---|---|
+| F1 ``pre = x[token(s)] w1[e]^T`` | x [T, d]: d | w1 [E, 2h, d]: d |
+| F2 ``y = act w2[e]^T`` | act [N, h]: h | w2 [E, d, h]: h |
+| B1 ``dact' = dout[token(s)] w2[e]`` | dout [T, d]: d | w2: d |
+| B2 ``dw2[e] = dout[token(s)]^T (w act)`` | dout gathered [N, d]: the expert's slots | w act [N, h]: slots |
+| B3 ``dx_slots = dpre w1[e]`` | dpre [N, 2h]: 2h | w1: 2h |
+| B4 ``dw1[e] = dpre^T x[token(s)]`` | dpre: slots | x (its e4m3 copy) gathered: slots |
+
+x is quantized once (F1's operand, also what is kept for backward); B4 reads that e4m3 copy, dequantized and
+scaled again along the slots, as a kernel reading the kept x would. ``dout`` reaches B1 and the down bias's
+share of ``dtopk_weights`` in e4m3, B2 quantized along the slots from its 16-bit values.
+
+Shapes as :mod:`moeblaze.ops_torch`; all results fp32 except the weight gradients, rounded through the
+weight's dtype into ``dw_dtype`` as there. Per-expert loops read the offsets on the host.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from . import ops_torch
+from .activations import DEFAULT_ACT, ActArgs, activation_forward
+from .dispatch import DispatchIndex
+from .fp8 import Float8Recipe, Float8Tensor
+from .shared_ops import slot_weights
+
+__all__ = ["up_forward", "down_forward", "down_backward", "up_backward"]
+
+
+def up_forward(recipe: Float8Recipe, xq: Float8Tensor, w1: Tensor, index: DispatchIndex, activation: str, *,
+               b1: Tensor | None = None, act_args: ActArgs = DEFAULT_ACT) -> tuple[Tensor, Tensor]:
+    """F1: ``pre = x[token(s)] w1[e]^T (+ b1[e])`` from the e4m3 ``xq`` (``x [T, d]`` in rows of the recipe's
+    tiles) and ``w1 [E, 2h | h, d]``; ``act = f(pre)``. Returns ``(pre [N, 2h | h], act [N, h])`` fp32."""
+    w = recipe.quantize_weight(w1, reduce_cols=True).dequantize()
+    pre, _ = ops_torch.up_forward(xq.dequantize(), w, index, activation, store_pre=True, store_act=False, b1=b1)
+    return pre, activation_forward(pre, activation, **act_args._asdict())
+
+
+def down_forward(recipe: Float8Recipe, act: Tensor, w2: Tensor, topk_weights: Tensor, index: DispatchIndex, *,
+                 b2: Tensor | None = None) -> Tensor:
+    """F2 ``y = act w2[e]^T (+ b2[e])`` and the fp32 combine F3: ``act [N, h]``, ``w2 [E, d, h]`` ->
+    ``out [T, d]`` fp32."""
+    a = recipe.quantize_rows(act).dequantize()
+    w = recipe.quantize_weight(w2, reduce_cols=True).dequantize()
+    return ops_torch.down_forward(a, w, topk_weights, index, b2=b2)
+
+
+def down_backward(recipe: Float8Recipe, dout: Tensor, pre: Tensor, w2: Tensor, topk_weights: Tensor,
+                  index: DispatchIndex, activation: str, need_dw: bool, need_dtw: bool, *, b2: Tensor | None = None,
+                  act_args: ActArgs = DEFAULT_ACT,
+                  dw_dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    """B1 ``dact' = dout[token(s)] w2[e]`` with ``act = f(pre)`` recomputed, ``dtopk_weights`` and ``dpre``;
+    B2 ``dw2[e] = dout[token(s)]^T (w act)``.
+
+    Args: ``dout [T, d]``, ``pre [N, 2h | h]`` (fp32, as kept), ``w2 [E, d, h]``, ``topk_weights [T, K]``.
+    Returns: ``(dpre [N, 2h | h] fp32, dw2 [E, d, h] in dw_dtype | None, dtopk_weights | None)``.
+    """
+    g = recipe.quantize_rows(dout).dequantize()
+    w = recipe.quantize_weight(w2, reduce_cols=False).dequantize()
+    dpre, _, dtw = ops_torch.down_backward(g, pre, w, topk_weights, index, activation, False, need_dtw, b2=b2,
+                                           act_args=act_args)
+    dw2 = None
+    if need_dw:
+        offsets = index.local_offsets
+        act = activation_forward(pre, activation, **act_args._asdict())
+        w_act = act * slot_weights(topk_weights, index.token_index_map, torch.float32)[:, None]
+        g_slots = dout.index_select(0, index.expert_token_indices.long())
+        a, b = (recipe.quantize_slots(t, offsets).dequantize() for t in (g_slots, w_act))
+        dw2 = ops_torch.grouped_weight_grad(a, b, offsets).to(w2.dtype).to(dw_dtype or w2.dtype)
+    return dpre, dw2, dtw
+
+
+def up_backward(recipe: Float8Recipe, dpre: Tensor, xq: Float8Tensor, w1: Tensor, index: DispatchIndex,
+                need_dx: bool, need_dw: bool, *,
+                dw_dtype: torch.dtype | None = None) -> tuple[Tensor | None, Tensor | None]:
+    """B3 ``dx_slots = dpre w1[e]`` with B5 ``dx[t] = sum_k dx_slots[map[t,k]]``, and B4
+    ``dw1[e] = dpre^T x[token(s)]`` from the kept e4m3 ``xq``.
+
+    Args: ``dpre [N, 2h | h]`` fp32, ``xq`` (``x [T, d]``), ``w1 [E, 2h | h, d]``.
+    Returns: ``(dx [T, d] fp32 | None, dw1 [E, 2h | h, d] in dw_dtype | None)``.
+    """
+    x = xq.dequantize()
+    dx = dw1 = None
+    if need_dx:
+        a = recipe.quantize_rows(dpre).dequantize()
+        w = recipe.quantize_weight(w1, reduce_cols=False).dequantize()
+        dx, _ = ops_torch.up_backward(a, x, w, index, True, False)
+    if need_dw:
+        offsets = index.local_offsets
+        xg = x.index_select(0, index.expert_token_indices.long())
+        a, b = (recipe.quantize_slots(t, offsets).dequantize() for t in (dpre, xg))
+        dw1 = ops_torch.grouped_weight_grad(a, b, offsets).to(w1.dtype).to(dw_dtype or w1.dtype)
+    return dx, dw1

@@ -1,0 +1,484 @@
+"""FP8 recipes (``moeblaze.fp8``): quantization round trips, the PyTorch emulation of the expert GEMMs against the
+float64 reference (DESIGN.md §7, §8), what autograd keeps, the API and its errors, ``--precision fp8-mixed``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import moeblaze
+from moeblaze import MoE, build_dispatch, moe_experts, moe_experts_general
+from moeblaze.experts import SAVE_MODES
+from moeblaze.fp8 import (
+    E4M3,
+    E4M3_MAX,
+    GRANULARITIES,
+    Float8Recipe,
+    check_fp8_backend,
+    quantize_fp8,
+    quantize_fp8_slots,
+)
+from moeblaze.general_routing import topk_to_pairs
+from moeblaze.memory import saved_bytes
+from moeblaze.reference import act_reference
+from moeblaze.testing import (
+    make_expert_inputs,
+    reference_outputs,
+    rel_error,
+    router_weight_grad_magnitude,
+    run_and_grad,
+)
+from moeblaze.training.model import ModelConfig
+from moeblaze.training.train import TrainConfig, train
+from moeblaze.training.train_config import fp8_recipe, resolve_precision
+from test_cli import MICRO, corpus, run_cli  # noqa: F401  (corpus: the fixture)
+
+U = 2.0**-4  # unit roundoff of e4m3 (3 mantissa bits): the largest relative error of one rounding
+SUBNORMAL_HALF_STEP = 2.0**-10  # half the spacing of e4m3's subnormals (2^-9), in units of the scale
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny matmuls and per-expert loops: threads only contend (several times slower on a loaded 2-core machine)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _tile_view(t: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """``t [..., R, C]`` zero-padded to whole tiles as ``[..., nR, rows, nC, cols]`` (a plain second reading)."""
+    *lead, R, C = t.shape
+    nr, nc = -(-R // block[0]), -(-C // block[1])
+    padded = t.new_zeros(*lead, nr * block[0], nc * block[1])
+    padded[..., :R, :C] = t
+    return padded.view(*lead, nr, block[0], nc, block[1])
+
+
+def _per_element(scale: torch.Tensor, block: tuple[int, int], shape: torch.Size) -> torch.Tensor:
+    """Each element's scale: ``scale [..., nR, nC]`` repeated over its tiles and cut to ``shape [..., R, C]``."""
+    s = scale.repeat_interleave(block[0], -2)[..., :shape[-2], :]
+    return s.repeat_interleave(block[1], -1)[..., :shape[-1]]
+
+
+# ----------------------------------------------------------------------------- quantization
+
+@pytest.mark.parametrize("shape, block", [
+    ((5, 200), (1, 128)),           # 1 x 128 activation tiles, a short last tile (72 columns)
+    ((3, 300, 260), (128, 128)),    # 128 x 128 weight blocks, short on both sides
+    ((7, 33), (1, 33)),             # one scale per row
+    ((2, 40, 24), (40, 1)),         # one scale per column
+])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_round_trip_within_one_e4m3_rounding(shape, block, dtype):
+    t = (torch.randn(shape) * torch.logspace(-3, 3, shape[-1])).to(dtype)  # magnitudes over 6 decades
+    q = quantize_fp8(t, block)
+    nr, nc = -(-shape[-2] // block[0]), -(-shape[-1] // block[1])
+    assert q.data.dtype == E4M3 and q.data.shape == t.shape
+    assert q.scale.dtype == torch.float32 and q.scale.shape == (*shape[:-2], nr, nc)
+    back, exact = q.dequantize(), t.float()
+    per_elem = _per_element(q.scale, block, t.shape)
+    assert ((back - exact).abs() <= U * exact.abs() + SUBNORMAL_HALF_STEP * per_elem * (1 + 1e-6)).all()
+    # every tile's largest magnitude lands on 448
+    assert torch.equal(_tile_view(q.data.float().abs(), block).amax(dim=(-3, -1)),
+                       torch.full_like(q.scale, E4M3_MAX))
+
+
+def test_short_last_tile_is_zero_padding():
+    """Sizes that are not multiples of the block: bitwise what zero padding to whole tiles and slicing gives."""
+    t = torch.randn(6, 200)
+    padded = torch.cat([t, t.new_zeros(6, 56)], dim=1)
+    for block in ((1, 128), (4, 128), (128, 128)):
+        q, qp = quantize_fp8(t, block), quantize_fp8(padded, block)
+        assert torch.equal(q.scale, qp.scale)
+        assert torch.equal(q.data.float(), qp.data[:, :200].float())
+
+
+def test_zeros_in_a_block_get_scale_one():
+    t = torch.randn(3, 384)
+    t[1, 128:256] = 0.0  # one zero tile
+    t[2, 256:] = 1e-42  # a subnormal fp32 tile: amax / 448 underflows
+    q = quantize_fp8(t, (1, 128))
+    assert q.scale[1, 1] == 1.0 and (q.data[1, 128:256].float() == 0).all()
+    assert q.scale[2, 2] == torch.finfo(torch.float32).tiny
+    back = q.dequantize()
+    assert torch.isfinite(back).all() and (back[1, 128:256] == 0).all()
+    assert torch.equal(back[0], quantize_fp8(t[:1], (1, 128)).dequantize()[0])  # other rows as on their own
+
+
+def test_values_near_and_beyond_448():
+    grid = torch.tensor([448.0, -448.0, 416.0, 384.0, 1.0, 0.5])  # e4m3 values: a tile with amax 448 has scale 1
+    q = quantize_fp8(grid[None], (1, 6))
+    assert q.scale.item() == 1.0 and torch.equal(q.dequantize()[0], grid)
+    big = torch.tensor([[1e6, -1e4, 7.0, -1e-3], [3e38, -3e38, 1.0, 0.0]])  # beyond e4m3's range: scaled into it
+    q = quantize_fp8(big, (1, 4))
+    assert torch.isfinite(q.dequantize()).all() and (q.data.float().abs().amax(1) == E4M3_MAX).all()
+    assert torch.allclose(q.dequantize()[:, :2], big[:, :2], rtol=U)
+    edge = torch.tensor([[448 * (1 + 2**-20), 448.0, 1.0]])  # division lands a hair past 448: clamped, not NaN
+    assert torch.isfinite(quantize_fp8(edge, (1, 3)).data.float()).all()
+
+
+def test_non_finite_block_is_nan_only_there():
+    t = torch.randn(2, 256)
+    t[0, 5], t[1, 200] = float("nan"), float("inf")
+    back = quantize_fp8(t, (1, 128)).dequantize()
+    assert back[0, :128].isnan().all() and back[1, 128:].isnan().all()
+    assert torch.isfinite(back[0, 128:]).all() and torch.isfinite(back[1, :128]).all()
+
+
+@pytest.mark.parametrize("block", [(1, 128), (128, 128), (1, 50)])
+def test_power_of_two_scales(block):
+    t = torch.randn(4, 100, 300) * 3
+    t[0, :, :128] = 0
+    q = quantize_fp8(t, block, pow2_scales=True)
+    mantissa, _ = torch.frexp(q.scale)
+    assert (mantissa == 0.5).all()  # powers of two
+    amax = _tile_view(t, block).abs().amax(dim=(-3, -1))
+    nonzero = amax > 0
+    bound = amax[nonzero] / E4M3_MAX
+    assert (q.scale[nonzero] >= bound).all() and (q.scale[nonzero] < 2 * bound).all()
+    assert (q.scale[~nonzero] == 1).all()
+    top = _tile_view(q.data.float().abs(), block).amax(dim=(-3, -1))[nonzero]
+    assert (top >= E4M3_MAX / 2).all() and (top <= E4M3_MAX).all()  # one bit of range given up, never more
+    # scaling by a power of two is exact: e4m3's rounding is the only one
+    per_elem = _per_element(q.scale, block, t.shape)
+    assert torch.equal(t / per_elem * per_elem, t)
+    assert torch.equal(q.dequantize(), (t / per_elem).to(E4M3).float() * per_elem)
+
+
+def test_slot_runs_stay_inside_one_expert():
+    """Weight-gradient operands: runs of ``block`` slots from each expert's first slot, empty experts, and the
+    slots past ``offsets[E]`` (another rank's experts) in a run of their own."""
+    offsets = torch.tensor([0, 5, 5, 9, 20], dtype=torch.int32)  # expert 1 empty; slots 20-22 foreign
+    t = torch.randn(23, 3) * torch.arange(1, 24)[:, None]
+    t[21] = float("nan")  # a foreign slot's garbage never reaches a local scale
+    for block in (4, None):
+        q = quantize_fp8_slots(t, offsets, block)
+        runs = []
+        for e in range(4):
+            lo, hi = int(offsets[e]), int(offsets[e + 1])
+            step = block or max(hi - lo, 1)
+            runs += [list(range(s, min(s + step, hi))) for s in range(lo, hi, step)]
+        runs.append([20, 21, 22])
+        assert len(set(q.tile.tolist())) == len(runs)
+        for run in runs:
+            assert len(set(q.tile[run].tolist())) == 1  # one run, one tile
+            if run[0] < 20:
+                expect = t[run].abs().amax(0) / E4M3_MAX
+                assert torch.equal(q.scale[q.tile[run[0]]], expect)
+        back = q.dequantize()
+        assert torch.isfinite(back[:20]).all()
+        assert ((back[:20] - t[:20]).abs() <= U * t[:20].abs() + 1e-6).all()
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    ({"granularity": "tensorwise"}, ValueError, "granularity"),
+    ({"block_size": 100}, ValueError, "block_size"),
+    ({"block_size": 8}, ValueError, "block_size"),
+    ({"block_size": 128.0}, TypeError, "block_size"),
+    ({"pow2_scales": 1}, TypeError, "pow2_scales"),
+])
+def test_recipe_errors_name_the_argument(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        Float8Recipe(**kwargs)
+
+
+def test_recipe_is_frozen_and_quantize_errors():
+    recipe = Float8Recipe()
+    assert (recipe.granularity, recipe.block_size, recipe.pow2_scales) == ("blockwise", 128, False)
+    with pytest.raises(AttributeError):
+        recipe.block_size = 64
+    with pytest.raises(TypeError, match="floating-point"):
+        quantize_fp8(torch.ones(2, 2, dtype=torch.int32), (1, 2))
+    with pytest.raises(ValueError, match="2 dimensions"):
+        quantize_fp8(torch.ones(4), (1, 2))
+    with pytest.raises(ValueError, match="block"):
+        quantize_fp8(torch.ones(2, 2), (0, 2))
+    with pytest.raises(ValueError, match=r"\[N, C\]"):
+        quantize_fp8_slots(torch.ones(2, 2, 2), torch.tensor([0, 2]), 16)
+
+
+@pytest.mark.parametrize("granularity", GRANULARITIES)
+def test_recipe_tiles(granularity):
+    recipe = Float8Recipe(granularity, block_size=32)
+    w = torch.randn(3, 70, 50)
+    rowwise = granularity == "rowwise"
+    assert recipe.quantize_rows(torch.randn(4, 70)).scale.shape == ((4, 1) if rowwise else (4, 3))
+    assert recipe.quantize_weight(w, reduce_cols=True).scale.shape == ((3, 70, 1) if rowwise else (3, 3, 2))
+    assert recipe.quantize_weight(w, reduce_cols=False).scale.shape == ((3, 1, 50) if rowwise else (3, 3, 2))
+
+
+# ----------------------------------------------------------------------------- the emulated expert GEMMs
+
+NAMES = ("out", "dx", "dw_gate_up", "dw_down", "dtopk_weights")
+
+
+def e4m3_round(t: torch.Tensor) -> torch.Tensor:
+    """``t`` rounded to e4m3's precision, 4 significant bits (round half to even), in ``t``'s dtype — with no
+    scales and no range limits: the precision of the recipe without its blocks."""
+    mantissa, exponent = torch.frexp(t)  # mantissa in [0.5, 1)
+    return torch.ldexp(torch.round(mantissa * 16) / 16, exponent)
+
+
+def rounded_baseline(inputs: dict, dout: torch.Tensor, save: str) -> tuple[torch.Tensor, ...]:
+    """DESIGN.md §7's baseline for the recipe: plain PyTorch doing the same computation in the same precision.
+    ``(out, dx, dw_gate_up, dw_down, dtopk_weights)`` one expert at a time in float64, written out by hand
+    (no moeblaze.fp8), every GEMM operand rounded to 4 significant bits where the recipe quantizes it
+    (moeblaze.ops_fp8's table), ``pre`` rounded as kept for ``"preact"``."""
+    R = e4m3_round
+    x, w1, w2, tw = (inputs[k].detach().double() for k in ("x", "w_gate_up", "w_down", "topk_weights"))
+    ids, g = inputs["topk_ids"].long(), dout.double()
+    out, dx, dw1, dw2, dtw = (torch.zeros_like(t) for t in (x, x, w1, w2, tw))
+    xr = R(x)
+    for e in range(w1.shape[0]):
+        tok, k = torch.nonzero(ids == e, as_tuple=True)
+        if tok.numel() == 0:
+            continue
+        w = tw[tok, k][:, None]
+        pre = xr[tok] @ R(w1[e]).T  # F1
+        out.index_add_(0, tok, w * (R(act_reference("swiglu", pre)) @ R(w2[e]).T))  # F2, F3
+        kept = (R(pre) if save == "preact" else pre).requires_grad_()
+        act = act_reference("swiglu", kept)
+        dact = R(g[tok]) @ R(w2[e])  # B1
+        dtw[tok, k] = (dact * act).sum(-1).detach()
+        (dpre,) = torch.autograd.grad(act, kept, dact * w)
+        dw2[e] = R(g[tok]).T @ R(w * act.detach())  # B2
+        dx.index_add_(0, tok, R(dpre) @ R(w1[e]))  # B3, B5
+        dw1[e] = R(dpre).T @ xr[tok]  # B4
+    return out, dx, dw1, dw2, dtw
+
+
+def check_emulation(inputs: dict, recipe: Float8Recipe, save: str) -> None:
+    """Every output and gradient of ``moe_experts(fp8=recipe)`` against the float64 reference: error at most
+    2x the rounded baseline's plus a floor of 2 eps of the result's dtype — for ``dtopk_weights`` at least
+    e4m3's unit roundoff times the condition of its dot products (T = 1 has K of them: too few for the errors to
+    average out)."""
+    dout = torch.randn(inputs["x"].shape)
+    got = run_and_grad(lambda **kw: moe_experts(**kw, backend="torch", save=save, fp8=recipe), inputs, dout)
+    ref = reference_outputs(inputs, "swiglu", dout)
+    base = rounded_baseline(inputs, dout, save)
+    for name, a, r, b in zip(NAMES, got, ref, base):
+        assert a.dtype == inputs["topk_weights" if name == "dtopk_weights" else "x"].dtype, name
+        floor = 2 * torch.finfo(a.dtype).eps
+        if name == "dtopk_weights":
+            magnitude = router_weight_grad_magnitude(inputs, "swiglu", dout).norm() / r.norm()
+            floor = max(floor, U * float(magnitude))
+        err, base_err = rel_error(a, r), rel_error(b, r)
+        assert err <= 2 * base_err + floor, f"{name}: error {err:.3e} > 2 x e4m3 baseline {base_err:.3e} + {floor:.1e}"
+
+
+CASES = {  # (T, d, h, E, K, routing); with block_size 32, d = 72 and h = 40 end in short tiles
+    "T=1": (1, 256, 64, 4, 2, "uniform"),
+    "empty experts": (48, 64, 32, 8, 2, "empty_experts"),
+    "zipf": (128, 64, 32, 16, 4, "zipf"),
+    "short last tiles": (40, 72, 40, 4, 2, "uniform"),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("granularity", GRANULARITIES)
+@pytest.mark.parametrize("save", SAVE_MODES)
+def test_emulated_experts_within_the_e4m3_rule(case, granularity, save):
+    T, d, h, E, K, routing = CASES[case]
+    check_emulation(make_expert_inputs(T, d, h, E, K, routing=routing), Float8Recipe(granularity, 32), save)
+
+
+@pytest.mark.parametrize("case", ["zipf", "short last tiles"])
+@pytest.mark.parametrize("granularity", GRANULARITIES)
+@pytest.mark.parametrize("save", SAVE_MODES)
+def test_power_of_two_scales_are_e4m3_rounding_at_every_operand(case, granularity, save):
+    """Scaling by a power of two commutes with rounding to 4 significant bits, so with ``pow2_scales`` the emulation
+    is the rounded baseline itself, up to e4m3 subnormals and fp32 sums (which may move a value across a rounding
+    tie: 2e-4 seen): every operand quantized where ops_fp8's table says, none twice, none missed (that would be a
+    1e-2 difference)."""
+    T, d, h, E, K, routing = CASES[case]
+    inputs = make_expert_inputs(T, d, h, E, K, routing=routing)
+    dout = torch.randn(T, d)
+    recipe = Float8Recipe(granularity, 32, pow2_scales=True)
+    got = run_and_grad(lambda **kw: moe_experts(**kw, backend="torch", save=save, fp8=recipe), inputs, dout)
+    for name, a, b in zip(NAMES, got, rounded_baseline(inputs, dout, save)):
+        assert rel_error(a, b) < 2e-3, f"{name}: {rel_error(a, b):.2e} from the e4m3-rounded baseline"
+
+
+@pytest.mark.parametrize("granularity", GRANULARITIES)
+def test_default_blocks_power_of_two_scales_and_range(granularity):
+    """128-wide tiles (d = 160: a full one and a short one), power-of-two scales, tokens beyond e4m3's range and
+    a zero tile in every row."""
+    inputs = make_expert_inputs(64, 160, 96, 4, 2)
+    inputs["x"][:, :128] *= 1e3  # up to ~4000: scaled into e4m3's range
+    inputs["x"][:, 128:] = 0.0
+    check_emulation(inputs, Float8Recipe(granularity, pow2_scales=True), "preact")
+
+
+@pytest.mark.parametrize("activation, options", [("swiglu_clamped", {"gate_up_interleaved": True}),
+                                                 ("gelu", {}), ("relu2", {})])
+def test_biases_and_other_activations(activation, options):
+    """GPT-OSS's clamped SwiGLU over interleaved rows and non-gated activations, with expert biases: every result
+    within 2 e4m3 unit roundoffs of float64 (0.07 at most seen), and db_down, a sum of the 16-bit dout, to fp32
+    precision."""
+    inputs = make_expert_inputs(64, 64, 32, 4, 2, activation=activation, bias=True)
+    dout = torch.randn(64, 64)
+    recipe = Float8Recipe("blockwise", 32)
+    got = run_and_grad(lambda **kw: moe_experts(**kw, activation=activation, backend="torch", fp8=recipe, **options),
+                       inputs, dout)
+    ref = reference_outputs(inputs, activation, dout, **options)
+    for name, a, r in zip((*NAMES, "db_gate_up", "db_down"), got, ref):
+        assert rel_error(a, r) < (1e-5 if name == "db_down" else 2 * U), name
+
+
+@pytest.mark.parametrize("granularity", GRANULARITIES)
+def test_autocast_is_the_call_on_bf16_casts(granularity):
+    """fp32 master weights under bf16 autocast: a bf16 output, fp32 weight gradients, bitwise the call on bf16 casts
+    outside autocast (the contract of moe_experts), the recipe quantizing the same 16-bit values."""
+    recipe = Float8Recipe(granularity, 32)
+    inputs = make_expert_inputs(24, 64, 32, 4, 2)
+    dout = torch.randn(24, 64).bfloat16()
+
+    def under_autocast(**kw):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return moe_experts(**kw, backend="torch", fp8=recipe)
+
+    got = run_and_grad(under_autocast, inputs, dout)
+    cast = {k: (v.bfloat16() if k in ("x", "w_gate_up", "w_down") else v) for k, v in inputs.items()}
+    want = run_and_grad(lambda **kw: moe_experts(**kw, backend="torch", fp8=recipe), cast, dout)
+    assert got[0].dtype == torch.bfloat16 and all(g.dtype == torch.float32 for g in got[1:])
+    for name, a, b in zip(NAMES, got, want):
+        assert torch.equal(a, b.to(a.dtype)), name
+
+
+# ----------------------------------------------------------------------------- what autograd keeps
+
+@pytest.mark.parametrize("save", SAVE_MODES)
+@pytest.mark.parametrize("granularity", GRANULARITIES)
+def test_kept_for_backward_in_e4m3(save, granularity):
+    """x (and pre for "preact") kept as float8_e4m3fn with fp32 scales, nothing of the layer's size in 16 bits:
+    T d + 4 T ceil(d / B) bytes for x, N 2h + 4 N ceil(2h / B) for pre (one scale per row rowwise)."""
+    T, d, h, E, K, B = 64, 96, 40, 4, 2, 32
+    N, recipe = T * K, Float8Recipe(granularity, B)
+    inputs = make_expert_inputs(T, d, h, E, K, dtype=torch.bfloat16)
+    leaves = [inputs[k].requires_grad_() for k in ("x", "w_gate_up", "w_down", "topk_weights")]
+    index = build_dispatch(inputs["topk_ids"], E)
+    kept = []
+
+    def keep(t):
+        kept.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+        out = moe_experts(**inputs, backend="torch", save=save, index=index, fp8=recipe)
+    e4m3 = sorted(tuple(t.shape) for t in kept if t.dtype == E4M3)
+    assert e4m3 == sorted([(T, d)] + ([(N, 2 * h)] if save == "preact" else []))
+    assert not [t for t in kept if t.dtype == torch.bfloat16 and t.shape[0] == N], "a 16-bit slot tensor is kept"
+    assert not [t for t in kept if t.dtype == torch.bfloat16 and t is not inputs["w_gate_up"]
+                and t is not inputs["w_down"]], "kept in bf16 beyond the weights"
+    out.float().sum().backward()  # the kept tensors serve the backward
+
+    def scale_bytes(rows, cols):
+        return 4 * rows * (1 if granularity == "rowwise" else -(-cols // B))
+
+    expect = T * d + scale_bytes(T, d) + (N * 2 * h + scale_bytes(N, 2 * h) if save == "preact" else 0)
+    got = saved_bytes(lambda: moe_experts(**inputs, backend="torch", save=save, index=index, fp8=recipe),
+                      exclude=[*leaves, *index.tensors()])
+    assert got == expect
+
+
+# ----------------------------------------------------------------------------- the API
+
+@pytest.mark.parametrize("save", SAVE_MODES)
+def test_fp8_none_is_the_path_without_it(save):
+    inputs = make_expert_inputs(30, 16, 12, 5, 2)
+    dout = torch.randn(30, 16)
+    with_none = run_and_grad(lambda **kw: moe_experts(**kw, backend="torch", save=save, fp8=None), inputs, dout)
+    without = run_and_grad(lambda **kw: moe_experts(**kw, backend="torch", save=save), inputs, dout)
+    assert all(torch.equal(a, b) for a, b in zip(with_none, without))
+
+
+@pytest.mark.parametrize("save", SAVE_MODES)
+def test_general_routing_is_the_top_k_result_bitwise(save):
+    recipe = Float8Recipe("blockwise", 16)
+    inputs = make_expert_inputs(40, 48, 24, 6, 3, routing="zipf")
+    dout = torch.randn(40, 48)
+    topk = run_and_grad(lambda **kw: moe_experts(**kw, backend="torch", save=save, fp8=recipe), inputs, dout)
+
+    def general(x, topk_ids, topk_weights, w_gate_up, w_down):
+        token_idx, expert_idx, pair_weights = topk_to_pairs(topk_ids, topk_weights)
+        return moe_experts_general(x, token_idx, expert_idx, pair_weights, w_gate_up, w_down, backend="torch",
+                                   save=save, fp8=recipe)
+
+    pairs = run_and_grad(general, inputs, dout)
+    assert all(torch.equal(a, b) for a, b in zip(topk, pairs))
+
+
+def test_moe_layer_runs_its_experts_under_the_recipe():
+    torch.manual_seed(0)
+    recipe = Float8Recipe("rowwise")
+    layer = MoE(32, 24, 4, 2, backend="torch", fp8=recipe).eval()
+    assert layer.fp8 is recipe and "fp8=Float8Recipe(granularity='rowwise'" in repr(layer)
+    x = torch.randn(20, 32)
+    routing = layer.router(x)
+    want = moe_experts(x, routing.topk_ids, routing.topk_weights, layer.w1, layer.w_down, backend="torch", fp8=recipe)
+    assert torch.equal(layer(x), want)
+    layer.fp8 = None  # an attribute: the layer runs without it from now on
+    assert torch.equal(layer(x), moe_experts(x, routing.topk_ids, routing.topk_weights, layer.w1, layer.w_down,
+                                             backend="torch"))
+    rounded = MoE(32, 24, 4, 2, backend="torch", token_rounding="up", rounding_tile=4, fp8=recipe).train()
+    out = rounded(x)  # token rounding: the general-routing path under the recipe
+    out.square().mean().backward()
+    assert torch.isfinite(out).all() and torch.isfinite(rounded.w_down.grad).all()
+
+
+def test_api_errors():
+    inputs = make_expert_inputs(8, 16, 8, 4, 2)
+    with pytest.raises(TypeError, match="fp8 must be None or a moeblaze.fp8.Float8Recipe"):
+        moe_experts(**inputs, fp8="blockwise")
+    with pytest.raises(TypeError, match="fp8 must be None"):
+        moe_experts_general(inputs["x"], *topk_to_pairs(inputs["topk_ids"], inputs["topk_weights"]),
+                            inputs["w_gate_up"], inputs["w_down"], fp8=True)
+    with pytest.raises(TypeError, match="fp8 must be None"):
+        MoE(16, 8, 4, 2, fp8="e4m3")
+    with pytest.raises(TypeError, match="fp8 quantizes fp32, fp16 or bf16 x; got torch.float64"):
+        moe_experts(**{k: (v.double() if v.is_floating_point() else v) for k, v in inputs.items()},
+                    backend="torch", fp8=Float8Recipe())
+    if not moeblaze.backends.triton_available():
+        return
+    with pytest.raises(NotImplementedError, match="backend='torch' runs the recipe's PyTorch emulation"):
+        moe_experts(**inputs, backend="triton", fp8=Float8Recipe())  # the interpreter on the CPU (conftest)
+
+
+@pytest.mark.parametrize("capability, error", [((8, 0), ValueError), ((8, 9), ValueError),
+                                               ((9, 0), NotImplementedError), ((10, 0), NotImplementedError)])
+def test_triton_backend_names_a_gpu_older_than_hopper(monkeypatch, capability, error):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
+    check_fp8_backend("torch", torch.bfloat16, torch.device("cuda", 0))  # the emulation runs anywhere
+    with pytest.raises(error) as info:
+        check_fp8_backend("triton", torch.bfloat16, torch.device("cuda", 0))
+    message = str(info.value)
+    assert "\n" not in message and "backend='torch'" in message
+    if error is ValueError:
+        assert f"cuda:0 is NVIDIA A100-SXM4-80GB (sm{capability[0]}{capability[1]})" in message
+
+
+# ----------------------------------------------------------------------------- moeblaze train --precision fp8-mixed
+
+def test_train_fp8_mixed_on_the_cpu(corpus, tmp_path, capsys):  # noqa: F811
+    """fp32 parameters, the model under bf16 autocast, the experts under the blockwise recipe (its emulation on the
+    CPU): the flag runs, every MoE layer gets the recipe, and the layers keep less for backward than in bf16-mixed."""
+    assert run_cli("train", "--data", str(corpus), "--steps", "2", "--no-progress", "--precision", "fp8-mixed",
+                   "--out-dir", str(tmp_path / "cli"), "--no-final-checkpoint", *MICRO) == 0
+    assert "precision fp8-mixed" in capsys.readouterr().out
+    assert resolve_precision("fp8-mixed", torch.device("cpu")) == ("fp8-mixed", torch.float32, torch.bfloat16)
+    assert fp8_recipe("fp8-mixed") == Float8Recipe("blockwise") and fp8_recipe("bf16-mixed") is None
+    mcfg = ModelConfig(seq_len=16, d_model=16, n_layers=1, n_heads=2, d_ff=16, num_experts=4, top_k=2)
+    saved = {}
+    for precision in ("bf16-mixed", "fp8-mixed"):
+        cfg = TrainConfig(data=str(corpus), out_dir=str(tmp_path / precision), steps=2, batch_size=4, warmup_steps=1,
+                          eval_tokens=64, threads=1, precision=precision, progress=False, final_checkpoint=False)
+        result = train(cfg, mcfg, log=lambda *_: None)
+        assert all(v == v for v in result.losses)  # no NaN
+        saved[precision] = result.moe_saved_bytes
+    assert 0 < saved["fp8-mixed"] < saved["bf16-mixed"]
+    # where the experts would run Triton (no FP8 kernels yet), said before anything is built
+    assert run_cli("train", "--data", str(corpus), "--steps", "2", "--no-progress", "--precision", "fp8-mixed",
+                   "--backend", "triton", "--out-dir", str(tmp_path / "triton"), *MICRO) == 2
+    assert "--precision fp8-mixed with --backend triton" in capsys.readouterr().err
