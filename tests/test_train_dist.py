@@ -4,6 +4,7 @@ on 2 with another expert-parallel size, and on 1; mismatched flags fail every ra
 
 from __future__ import annotations
 
+import argparse
 import math
 import multiprocessing
 import os
@@ -25,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="module")
 def text_file(tmp_path_factory) -> str:
     path = tmp_path_factory.mktemp("data") / "text.txt"
-    path.write_text((ROOT / "src" / "moeblaze" / "training" / "train.py").read_text()[:40000])
+    path.write_text(Path(argparse.__file__).read_text()[:40000])  # the standard library's: no edit here moves it
     return str(path)
 
 
@@ -51,8 +52,11 @@ def test_two_ranks_track_one_process_and_checkpoints_reshard(text_file, tmp_path
     assert math.isclose(r["ep_val"], one.val_bpb, rel_tol=1e-4)
     # Resume on the same 2-rank layout: bitwise the uninterrupted run.
     assert r["same"] == r["ep"][10:] and r["same_val"] == r["ep_val"]
-    # Resume with P = 1 (FSDP2 only) on 2 ranks, and in one process without FSDP2: DCP reshards the experts.
-    assert _close(r["other_p"], r["ep"][10:], 1e-4), (r["other_p"], r["ep"][10:])
+    # Resume with P = 1 (FSDP2 only) on 2 ranks, and in one process without FSDP2: DCP reshards the experts. The
+    # first resumed step is the EP run's (the resharded weights and moments); later ones drift a little, as the
+    # load-balancing loss of P = 1 counts each rank's own tokens (2.5e-4 relative by step 18 on this data).
+    assert _close(r["other_p"][:1], r["ep"][10:11], 1e-5), (r["other_p"], r["ep"][10:])
+    assert _close(r["other_p"], r["ep"][10:], 1e-3), (r["other_p"], r["ep"][10:])
     resumed = train(replace(cfg, out_dir=str(tmp_path / "half_1proc"), resume=True, overwrite=False), mcfg)
     assert _close(resumed.losses, one.losses[10:], 1e-4), (resumed.losses, one.losses[10:])
 

@@ -4,7 +4,7 @@ Some implementations compile their kernels on the first call (SonicMoE: CuTe-DSL
 tens of configs), which can take minutes and cannot be interrupted in-process, so ``RunOptions.cap_s``
 (checked after the first step) does not help. :func:`measure_isolated` (parent side) runs::
 
-    python -m moeblaze.bench.worker --job '<json>' --out row.json --dump-after-s S
+    python -m moeblaze.bench.worker --job '<json>' --out row.json --dump-at UNIX_TIME
 
 in a new process group that it leads (``setsid``; a fresh interpreter: no inherited CUDA context) and waits at
 most ``timeout_s``; past it the whole process group is killed (compile workers that the child spawned too) and the
@@ -71,7 +71,7 @@ def measure_isolated(cfg: BenchConfig, spec: str, opts: RunOptions, timeout_s: f
     with tempfile.TemporaryDirectory(prefix="moeblaze-bench-") as tmp:
         out, log = Path(tmp) / "row.json", Path(tmp) / "output.log"
         cmd = [sys.executable, "-m", "moeblaze.bench.worker", "--job", json.dumps(job), "--out", str(out),
-               "--dump-after-s", str(max(0.5, timeout_s - _DUMP_LEAD_S))]
+               "--dump-at", repr(time.time() + max(0.5, timeout_s - _DUMP_LEAD_S))]
         with open(log, "wb") as log_f:  # a file, not a pipe: compile workers may keep it open
             proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log_f, stderr=subprocess.STDOUT,
                                     env=_child_env(), start_new_session=True)
@@ -164,11 +164,11 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m moeblaze.bench.worker", description=__doc__.split("\n")[0])
     p.add_argument("--job", required=True, help="JSON: config fields, impl, RunOptions")
     p.add_argument("--out", required=True, help="file to write the Row to, as JSON")
-    p.add_argument("--dump-after-s", type=float, default=None,
-                   help="print every thread's Python stack to stderr after this many seconds (once)")
+    p.add_argument("--dump-at", type=float, default=None,
+                   help="print every thread's Python stack to stderr at this Unix time (once)")
     args = p.parse_args(argv)
-    if args.dump_after_s:
-        faulthandler.dump_traceback_later(args.dump_after_s, exit=False)
+    if args.dump_at:  # a time, not a delay: the imports before this line take seconds on a loaded machine
+        faulthandler.dump_traceback_later(max(0.1, args.dump_at - time.time()), exit=False)
     t0 = time.perf_counter()
     row = run_job(json.loads(args.job))
     part = Path(args.out + ".part")
