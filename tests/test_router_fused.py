@@ -53,9 +53,15 @@ def test_fused_router_matches_reference(T, E, K, renorm, scale):
     assert_close_to_reference("z", got.z_loss, z64, base.z_loss)
 
 
-@pytest.mark.parametrize("renorm", [False, True])
-@pytest.mark.parametrize("losses", [(0.3, 0.07), (0.0, 0.07), (0.3, 0.0)])
-@pytest.mark.parametrize("T,E,K", [(45, 10, 3), (70, 200, 5)])  # the second: 4 blocks of 16 tokens, E > 128
+# every (renorm, losses) pair at the small shape; at the second (4 blocks of 16 tokens, E > 128: 15 s a case in
+# the interpreter) each loss set once, both renorm values among them
+_LOSSES = [(0.3, 0.07), (0.0, 0.07), (0.3, 0.0)]
+
+
+@pytest.mark.parametrize("renorm, losses, T, E, K",
+                         [(r, lo, 45, 10, 3) for r in (False, True) for lo in _LOSSES]
+                         + [(False, _LOSSES[0], 70, 200, 5), (True, _LOSSES[1], 70, 200, 5),
+                            (False, _LOSSES[2], 70, 200, 5)])
 def test_fused_router_gradients_match_reference(renorm, losses, T, E, K):
     torch.manual_seed(int(renorm) + int(10 * losses[0]) + E)
     d = 16
