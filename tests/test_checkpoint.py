@@ -353,10 +353,10 @@ def test_non_finite_weights_in_a_checkpoint_are_refused(finished_run, tmp_path, 
 def test_non_finite_loss_stops_without_writing(which, small_text, tmp_path, monkeypatch):
     """The first non-finite loss (at step 3) stops the run with the step and the loss named; the optimizer
     does not step on it and the step-2 checkpoint stays the newest, with finite weights."""
-    import moeblaze.training.train as train_mod
+    import moeblaze.training.step as step_mod  # train_step, where aux_loss is looked up
 
     calls = {"n": 0}
-    real_aux, real_forward = train_mod.aux_loss, MoETransformer.forward
+    real_aux, real_forward = step_mod.aux_loss, MoETransformer.forward
 
     def poisoned(x):
         calls["n"] += 1
@@ -365,7 +365,7 @@ def test_non_finite_loss_stops_without_writing(which, small_text, tmp_path, monk
     if which == "LM loss":
         monkeypatch.setattr(MoETransformer, "forward", lambda self, idx: poisoned(real_forward(self, idx)))
     else:
-        monkeypatch.setattr(train_mod, "aux_loss", lambda model: poisoned(real_aux(model)))
+        monkeypatch.setattr(step_mod, "aux_loss", lambda model: poisoned(real_aux(model)))
     cfg = TrainConfig(data=str(small_text), out_dir=str(tmp_path), steps=5, checkpoint_interval=2, batch_size=4,
                       eval_interval=1000, eval_tokens=64, warmup_steps=2, progress=False, threads=1)
     from moeblaze.training.model import ModelConfig

@@ -31,11 +31,13 @@ from .activations import ACTIVATIONS
 from .training.checkpoint import CheckpointError
 from .training.config_file import dump_config, read_config
 from .training.data import DataError
+from .training.evaluate import sample
 from .training.export import DEFAULT_MAX_SHARD_SIZE, export
 from .training.heartbeat import EXIT_PEER_LOST, PeerLostError
 from .training.model import ModelConfig
+from .training.resume import load_run_config
 from .training.run_dirs import ROOT, holds_metrics, new_run_dir, newest_run, resolve_run
-from .training.train import ConfigError, NonFiniteLossError, TrainConfig, load_run_config, sample, train
+from .training.train import ConfigError, NonFiniteLossError, TrainConfig, train
 
 __all__ = ["PRESETS", "main"]
 

@@ -2,8 +2,8 @@
 a new ``moeblaze-out/run_N`` (the number after the highest one there, ``run_0`` first), so the same command can be
 run again without touching an earlier run; ``moeblaze train --resume`` without ``--out-dir``, and ``moeblaze
 sample``, ``export`` and ``plot`` by default, take the newest run. A folder of numbered runs given to those commands
-stands for its newest run too. An explicit ``moeblaze train --out-dir`` is used as it is (:mod:`moeblaze.train`
-refuses one that holds a checkpoint unless ``--resume`` or ``--overwrite``).
+stands for its newest run too. An explicit ``moeblaze train --out-dir`` is used as it is
+(:mod:`moeblaze.training.resume` refuses one that holds a checkpoint unless ``--resume`` or ``--overwrite``).
 """
 
 from __future__ import annotations

@@ -1,12 +1,16 @@
-"""``moeblaze train``: train the byte-level MoE transformer of :mod:`moeblaze.model` on real text.
+"""``moeblaze train``: the loop that trains the byte-level MoE transformer of :mod:`moeblaze.training.model` on real
+text.
 
-Read top to bottom (configuration, device set-up and learning-rate schedule: :mod:`moeblaze.train_config`):
-evaluation, checkpoints, then :func:`train` — the loop itself (AdamW, warmup + cosine learning rate,
-gradient clipping, loss = cross-entropy + the routers' auxiliary losses) — and :func:`sample`.
+Read top to bottom: the checks before anything is built, :func:`train` (the job of one process or of torchrun's
+ranks) and :func:`_train` (data, model, optimizer, resume), then :func:`_loop` — AdamW, warmup + cosine learning
+rate, evaluation, a metrics row per step, checkpoints — and :class:`_Run`, what it accumulates. Around it: the
+configuration, device set-up and learning-rate schedule (:mod:`moeblaze.training.train_config`), one optimizer step
+(:mod:`moeblaze.training.step`), the run folder and its checkpoints (:mod:`moeblaze.training.resume`), evaluation and
+``moeblaze sample`` (:mod:`moeblaze.training.evaluate`); their public names are importable from here too.
 
 Reproducibility: the batch of step ``s`` comes from a generator seeded by ``(seed, s)``
-(:func:`moeblaze.data.get_batch`), and a checkpoint (:mod:`moeblaze.checkpoint`, written atomically)
-holds the weights and the AdamW state (``torch.distributed.checkpoint``), the step and the RNG state
+(:func:`moeblaze.training.data.get_batch`), and a checkpoint (:mod:`moeblaze.training.checkpoint`, written
+atomically) holds the weights and the AdamW state (``torch.distributed.checkpoint``), the step and the RNG state
 (JSON). So ``--steps 2N`` equals ``--steps 2N --stop-after N`` followed by ``--steps 2N --resume``,
 bitwise on CPU, on GPUs with ``--deterministic`` (:mod:`moeblaze.training.determinism`) — also when the first run was
 stopped by SIGTERM/Ctrl-C, killed, or lost a rank (from its last checkpoint).
@@ -14,40 +18,37 @@ stopped by SIGTERM/Ctrl-C, killed, or lost a rank (from its last checkpoint).
 
 from __future__ import annotations
 
-import contextlib
 import math
 import signal
 import statistics
 import sys
 import time
-from dataclasses import asdict, fields, replace
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from tqdm import tqdm
 
 from .. import settings
 from ..backends import get_backend
-from ..balance import expert_load, load_summary, update_expert_biases
 from ..fp8 import check_fp8_backend
-from ..layer import aux_loss
 from ..memory import SavedTensorCounter
 from ..parallel.breakdown import StepBreakdown, StepProfiler, append_rows, gather, summary
 from ..parallel.runtime import agree_kernels
 from . import checkpoint
-from .data import DataError, eval_windows, get_batch, load_corpus, unigram_entropy
+from .data import DataError, get_batch, load_corpus, unigram_entropy
 from .determinism import deterministic_mode
-from .export import load_model
-from .job import Job, check_same_config, clip_grad_norm, start_job
+from .evaluate import evaluate, sample
+from .job import Job, check_same_config, start_job
 from .metrics_log import MetricsLog, check_logger, val_at
 from .model import ModelConfig, MoETransformer
+from .resume import already_finished, layout_words, load_checkpoint, load_run_config, prepare_out_dir, save_checkpoint
+from .step import NonFiniteLossError, StepOutcome, train_step
 from .train_config import (
     MIXED,
     ConfigError,
     TrainConfig,
     TrainResult,
-    autocast_context,
     fp8_recipe,
     gpu_peak_flops,
     lr_at,
@@ -57,146 +58,15 @@ from .train_config import (
     set_threads,
 )
 
+# ``sample`` and ``load_run_config`` (and ``train_step``, ``evaluate``, ``load_checkpoint``, ... used here) stay
+# importable from here; the tests patch ``train_step`` and ``_loop`` on this module, where the loop looks them up
 __all__ = ["ConfigError", "NonFiniteLossError", "TrainConfig", "TrainResult", "load_run_config", "sample",
            "train"]
-
-@torch.no_grad()
-def evaluate(model: MoETransformer, data, cfg: TrainConfig, device: torch.device,
-             autocast: torch.dtype | None = None, job: Job | None = None) -> float:
-    """Validation bits per byte: mean next-byte cross-entropy (nats) / ln 2 over fixed windows
-    (the forward under ``torch.autocast(autocast)`` when given, as in training).
-
-    In a job of several ranks (``job``) each rank runs its rows of every batch and the sums are all-reduced;
-    a rank left without rows runs the batch's first row with weight 0, as every rank must take part in
-    each sharded forward."""
-    model.eval()
-    total, count = torch.zeros((), dtype=torch.float64, device=device), 0
-    world, rank = (job.world, job.env.rank) if job is not None and job.distributed else (1, 0)
-    for x, y in eval_windows(data, cfg.eval_tokens, model.cfg.seq_len, cfg.batch_size):
-        rows = torch.tensor_split(torch.arange(x.shape[0]), world)[rank]
-        weight = 1.0 if len(rows) else 0.0
-        rows = rows if len(rows) else torch.zeros(1, dtype=torch.long)
-        with autocast_context(device, autocast):
-            logits = model(x[rows].to(device))
-        ce = F.cross_entropy(logits.float().flatten(0, 1), y[rows].to(device).flatten(), reduction="sum")
-        total += weight * ce.double()
-        count += y.numel()
-    total = job.all_sum(total) if job is not None else total
-    model.train()
-    return total.item() / count / math.log(2)
-
-
-# ----------------------------------------------------------------------------- checkpoints
-
-def save_checkpoint(out_dir: str, model: MoETransformer, opt: torch.optim.Optimizer, step: int,
-                    cfg: TrainConfig, layout: dict | None = None, log=print) -> Path:
-    """Write the checkpoint of ``step`` atomically (:func:`moeblaze.checkpoint.save`): weights and AdamW state through
-    DCP, and ``state.json`` with the step, RNG state and both configurations; keeps the newest
-    ``cfg.keep_checkpoints``; returns its folder. A write that finds the disk full deletes the checkpoints older than
-    the newest complete one (:func:`moeblaze.checkpoint.make_room`, said through ``log``) and writes once more.
-
-    Raises:
-        moeblaze.checkpoint.CheckpointError: the filesystem refused a write (disk full, ...; the message names the
-            folder, the error and the space); the earlier checkpoints are untouched. Raised on every rank alike.
-    """
-    state = {"model_config": asdict(model.cfg), "train_config": asdict(cfg), "rng": checkpoint.rng_state(),
-             "layout": layout or {"world_size": 1, "fsdp": False, "ep": 1}}
-    try:
-        return checkpoint.save(out_dir, step, model, opt, state, keep=cfg.keep_checkpoints)
-    except checkpoint.CheckpointError as err:
-        if not getattr(err, "no_space", False):
-            raise
-        freed = checkpoint.make_room(out_dir)
-        if not freed:
-            raise
-        log(f"disk full at the checkpoint of step {step}: deleted {', '.join(freed)} (older than the newest "
-            "complete checkpoint) and wrote it again")
-        return checkpoint.save(out_dir, step, model, opt, state, keep=cfg.keep_checkpoints)
-
-
-def load_run_config(out_dir: str) -> tuple[TrainConfig, ModelConfig, int]:
-    """Configurations and step of the newest complete checkpoint in ``out_dir`` (or of the checkpoint folder
-    ``out_dir``).
-
-    Raises:
-        moeblaze.checkpoint.CheckpointError: no checkpoint, or none that verifies (naming the file).
-        ConfigError: its ``state.json`` lacks a configuration field.
-    """
-    state = checkpoint.read_state(checkpoint.resolve(out_dir), check=False)  # resolve() verified it
-    known = {f.name for f in fields(TrainConfig)}
-    try:
-        tcfg = TrainConfig(**{k: v for k, v in state["train_config"].items() if k in known})
-        return tcfg, ModelConfig(**state["model_config"]), int(state["step"])
-    except (KeyError, TypeError) as err:
-        raise ConfigError(f"{out_dir}: state.json lacks or mangles a field ({err})") from None
-
-
-def load_checkpoint(path: str | Path, model: MoETransformer, opt: torch.optim.Optimizer | None,
-                    device: torch.device, job: Job | None = None, log=None) -> int:
-    """Restore weights, optimizer state and RNG from a checkpoint folder that :func:`moeblaze.checkpoint.verify`
-    accepted (as :func:`moeblaze.checkpoint.find_latest` returns it); returns the step to continue from.
-
-    Raises:
-        ConfigError: the checkpoint's model configuration differs from ``model.cfg``.
-        moeblaze.checkpoint.CheckpointError: the folder cannot be loaded or holds non-finite weights.
-    """
-    state = checkpoint.read_state(path, check=False)
-    # a field added since the checkpoint was written takes its default (the behaviour of the older version)
-    saved = {f.name: f.default for f in fields(ModelConfig)} | state.get("model_config", {})
-    if saved != asdict(model.cfg):
-        diff = {k: (v, saved.get(k)) for k, v in asdict(model.cfg).items() if saved.get(k) != v}
-        raise ConfigError(f"model config differs from the checkpoint in {path} (now, saved): {diff}")
-    now = job.layout() if job is not None else {"world_size": 1, "fsdp": False, "ep": 1}
-    saved = state.get("layout", {"world_size": 1, "fsdp": False, "ep": 1})
-    if saved != now and log is not None:
-        log(f"resharding the checkpoint: saved by {_layout_words(saved)}, loaded by {_layout_words(now)}")
-    checkpoint.load(path, model, opt)
-    checkpoint.set_rng_state(state["rng"], device)
-    return int(state["step"])
 
 
 def _unit(device: torch.device) -> str:
     return "GPU" if device.type == "cuda" else "process"
 
-
-def _layout_words(layout: dict) -> str:
-    return (f"{layout.get('world_size')} process(es)" + (", FSDP2" if layout.get("fsdp") else "")
-            + (f", expert parallelism over {layout.get('ep')}" if layout.get("ep", 1) > 1 else ""))
-
-
-def prepare_out_dir(cfg: TrainConfig, log=print) -> Path | None:
-    """Create ``--out-dir`` and prove it writable (a file written, fsynced, removed) before anything is built.
-
-    Returns:
-        The checkpoint folder to resume from (``cfg.resume``; newer ones that do not verify are named
-        through ``log`` and skipped), else None.
-
-    Raises:
-        ConfigError: not a directory or not writable; ``--resume`` with no complete checkpoint; a fresh run
-            into a directory holding checkpoints without ``--overwrite`` (with it, they are deleted).
-    """
-    out = Path(cfg.out_dir).expanduser()
-    problem = checkpoint.check_writable(out)
-    if problem:
-        raise ConfigError(f"--out-dir {cfg.out_dir} {problem}")
-    legacy = out / "state.json"
-    if cfg.resume:
-        found = checkpoint.find_latest(out, warn=lambda m: log(f"warning: {m}; trying the previous one"))
-        if found is None:
-            checkpoint.resolve(out)  # raises, naming what is wrong
-        checkpoint.tidy(out, found)
-        return found
-    if checkpoint.checkpoint_dirs(out) or legacy.is_file():
-        if not cfg.overwrite:
-            raise ConfigError(f"--out-dir {cfg.out_dir} holds a checkpoint of an earlier run; pass --resume to "
-                              "continue it, or --overwrite to delete it and start afresh")
-        checkpoint.clear(out)
-        for name in ("model.safetensors", "optimizer.pt", "state.json"):
-            (out / name).unlink(missing_ok=True)
-    return None
-
-
-# ----------------------------------------------------------------------------- training
 
 def _describe(total: int, mcfg: ModelConfig, cfg: TrainConfig, device, precision, threads, job: Job) -> str:
     where = (f"; {job.world} processes, FSDP2" + (f" + expert parallelism over {job.ep}" if job.ep > 1 else "")
@@ -206,102 +76,6 @@ def _describe(total: int, mcfg: ModelConfig, cfg: TrainConfig, device, precision
             f"{mcfg.active_params_per_token() / 1e6:.2f}M active per token\n"
             f"run: {cfg.steps} steps x {cfg.batch_size * mcfg.seq_len} tokens, lr {cfg.lr:g}, "
             f"device {device}, precision {precision}, {threads} threads{where}; out-dir {cfg.out_dir}")
-
-
-class NonFiniteLossError(RuntimeError):
-    """Training stopped at a non-finite loss or gradient norm; the optimizer did not step on it."""
-
-
-_VALUE_NAMES = ("LM loss (cross-entropy)", "auxiliary loss (router load-balancing + z-loss)", "gradient norm")
-
-
-class StepOutcome:
-    """A launched optimizer step whose figures travel to the host without stopping the device.
-
-    :func:`train_step` ends with a non-blocking copy of the step's losses, gradient norm and expert load into
-    pinned host memory and an event behind it; :meth:`result` waits for that event only (the copy, queued right
-    after the step's work), so the host can launch the next step first and keep the device fed.
-    """
-
-    def __init__(self, values: torch.Tensor, has_load: bool) -> None:
-        self._host = torch.empty(values.shape, dtype=values.dtype, pin_memory=values.is_cuda)
-        self._host.copy_(values, non_blocking=True)
-        self._event = torch.cuda.Event() if values.is_cuda else None
-        if self._event is not None:
-            self._event.record()
-        self.has_load = has_load
-
-    def result(self) -> tuple[float, tuple | None]:
-        """``(cross-entropy in nats, expert load or None)``, the load as :func:`train_step` describes it.
-
-        Raises:
-            NonFiniteLossError: the LM loss, the auxiliary loss or the gradient norm is NaN or inf (the optimizer
-                skipped the step: :func:`train_step`).
-        """
-        if self._event is not None:
-            self._event.synchronize()
-        values = self._host.tolist()
-        for name, v in zip(_VALUE_NAMES, values):
-            if not math.isfinite(v):
-                raise NonFiniteLossError(f"{name} is {v}")
-        return values[0], (values[3], values[4], int(values[5])) if self.has_load else None
-
-
-def train_step(model: MoETransformer, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor, lr: float,
-               grad_clip: float, counter: SavedTensorCounter | None = None,
-               autocast: torch.dtype | None = None, job: Job | None = None) -> StepOutcome:
-    """One optimizer step on a batch ``x, y [B, seq]`` (int64 bytes), launched without a host synchronisation;
-    :meth:`StepOutcome.result` gives the cross-entropy (nats) and the step's expert load
-    (:func:`moeblaze.balance.load_summary` as floats: the worst and the mean over the MoE layers of max / mean
-    tokens per expert, and the experts that received no token), or None without counts.
-
-    The loss is cross-entropy plus the MoE layers' auxiliary losses; gradients are clipped to
-    ``grad_clip`` (0: off). With ``counter``, the forward runs under it (bytes saved for backward). With
-    ``autocast`` (mixed precision), the forward runs under ``torch.autocast(x.device.type, autocast)``; the
-    backward and the optimizer step run outside it, on the fp32 parameters. After ``opt.step()``,
-    :func:`moeblaze.update_expert_biases` moves the routers' biases (``expert_bias_rate`` > 0) and resets
-    the counts, from the same all-reduced counts as the load (one all-reduce of ``[layers * E]`` int64).
-    With a ``job`` of several ranks (FSDP2), the losses are means over the ranks and the gradient norm is the
-    global one (:func:`moeblaze.training.job.clip_grad_norm`), so every rank decides alike; the load is over
-    every rank's tokens.
-
-    A non-finite loss or gradient norm is found on the device: a fused optimizer (:func:`make_optimizer`'s AdamW)
-    skips the step there (its ``found_inf``), so the weights and the optimizer state stay those of the previous
-    step, and :meth:`StepOutcome.result` raises :class:`NonFiniteLossError` when the host reads it. Another
-    optimizer has no such skip: the figures are then read before ``opt.step()`` (one synchronisation), which
-    raises before stepping.
-    """
-    for group in opt.param_groups:
-        group["lr"] = lr
-    with counter if counter is not None else contextlib.nullcontext(), autocast_context(x.device, autocast):
-        logits = model(x)
-    ce = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
-    aux = aux_loss(model).to(x.device)
-    (ce + aux).backward()
-    load = expert_load(model)  # over the world's tokens where distributed (the routers are replicated)
-    params = [p for p in model.parameters() if p.grad is not None]
-    if job is not None and job.mesh is not None:
-        norm = clip_grad_norm(params, grad_clip, job)
-        ce, aux = job.all_mean(torch.stack([ce.detach(), aux.detach().float()]))
-    elif grad_clip > 0:
-        norm = torch.nn.utils.clip_grad_norm_(params, grad_clip)
-    else:
-        norm = torch.nn.utils.get_total_norm([p.grad for p in params])
-    summary = [load_summary(load).to(ce.device)] if load else []
-    values = torch.cat([torch.stack([ce.detach(), aux.detach().float(), norm.float().to(ce.device)]), *summary])
-    outcome = StepOutcome(values, bool(load))
-    if opt.defaults.get("fused"):
-        opt.found_inf = (~torch.isfinite(values[:3]).all()).float()  # read by the fused kernel: skip the step
-    else:
-        try:
-            outcome.result()
-        except NonFiniteLossError:
-            opt.zero_grad(set_to_none=True)
-            raise
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-    update_expert_biases(model, load=load)  # the auxiliary-loss-free step (expert_bias_rate 0: only the reset)
-    return outcome
 
 
 def _check_backend(mcfg: ModelConfig, device: torch.device) -> None:
@@ -409,7 +183,7 @@ def _train(cfg: TrainConfig, model_cfg: ModelConfig | None, log, job: Job) -> Tr
         if saved_step >= cfg.steps:
             val = val_at(cfg.out_dir, saved_step)  # the final evaluation; none when a signal stopped the last step
             if val is not None:
-                return _already_finished(cfg, resume_from, saved_step, val, "metrics.csv", log)
+                return already_finished(cfg, resume_from, saved_step, val, "metrics.csv", log)
             finished = True  # evaluated below, once the checkpoint is loaded
         elif 0 < cfg.stop_after <= saved_step:
             log(f"the checkpoint {resume_from.name} in {cfg.out_dir} is at step {saved_step}, at or past --stop-after "
@@ -441,7 +215,7 @@ def _train(cfg: TrainConfig, model_cfg: ModelConfig | None, log, job: Job) -> Tr
     opt = make_optimizer(model, cfg)
     start = load_checkpoint(resume_from, model, opt, device, job, log) if resume_from is not None else 0
     if finished:
-        return _already_finished(cfg, resume_from, start, evaluate(model, corpus.val, cfg, device, amp_dtype, job),
+        return already_finished(cfg, resume_from, start, evaluate(model, corpus.val, cfg, device, amp_dtype, job),
                                  "evaluated now", log, entropy)
     stop = min(cfg.steps, cfg.stop_after) if cfg.stop_after > 0 else cfg.steps
     log(_describe(total_params, mcfg, cfg, device, precision, threads, job)
@@ -476,14 +250,6 @@ def _train(cfg: TrainConfig, model_cfg: ModelConfig | None, log, job: Job) -> Tr
             else "MFU: unknown GPU peak; pass --peak-tflops")
     return TrainResult(stop, val_bpb, entropy, losses[-1] if losses else float("nan"), tok_s, saved, losses, mfu,
                        status, ckpt, job.world)
-
-
-def _already_finished(cfg: TrainConfig, ckpt: Path, step: int, val_bpb: float, source: str, log,
-                      unigram: float = float("nan")) -> TrainResult:
-    """The result of resuming a run whose checkpoint is at ``--steps`` already: its final validation, said."""
-    log(f"the run in {cfg.out_dir} already finished: its checkpoint {ckpt.name} is at step {step} of --steps "
-        f"{cfg.steps}, val {val_bpb:.3f} bits/byte ({source}); nothing to do (pass a larger --steps to train on)")
-    return TrainResult(step, val_bpb, unigram, float("nan"), 0.0, 0, [], status="finished", checkpoint=str(ckpt))
 
 
 def _loop(model, opt, corpus, cfg: TrainConfig, mcfg: ModelConfig, device, precision: str,
@@ -639,36 +405,4 @@ def _report_breakdown(row: StepBreakdown, cfg: TrainConfig, device: torch.device
     if job.rank0:
         name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
         append_rows(Path(cfg.out_dir) / "breakdown.csv", rows, device=f"{job.world}x {name}",
-                    layout=_layout_words(job.layout()), command=" ".join(sys.argv))
-
-
-def sample(checkpoint: str, prompt: str = "\n", max_new_tokens: int = 256, temperature: float = 0.8,
-           top_k: int | None = None, seed: int = 0, device: str = "auto") -> str:
-    """Generate text from a checkpoint directory written by :func:`train`, or from its exported weights.
-
-    Args:
-        checkpoint: the run's ``out_dir`` (its newest complete checkpoint is used), one ``step-*`` folder, or a
-            ``.safetensors`` file (or index) written by ``moeblaze export`` (:func:`moeblaze.export.load_model`).
-        prompt: UTF-8 text to continue (empty means ``"\\n"``).
-        max_new_tokens: bytes to generate. temperature: ``<= 0`` for greedy. top_k: keep the k likeliest bytes.
-        seed: seed of the sampler. device: as ``--device``.
-
-    Returns:
-        The prompt followed by the generated bytes, decoded as UTF-8 (invalid bytes replaced).
-
-    Raises:
-        ConfigError: a bad device, ``max_new_tokens < 0`` or ``top_k < 1``. moeblaze.checkpoint.CheckpointError: no
-            usable checkpoint.
-    """
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
-        raise ConfigError(f"--max-new-tokens must be an integer >= 0, got {max_new_tokens!r}")
-    if top_k is not None and (not isinstance(top_k, int) or top_k < 1):
-        raise ConfigError(f"--top-k must be a positive integer (or None / 0 on the command line for all bytes), "
-                          f"got {top_k!r}")
-    dev = resolve_device(device)
-    model = load_model(checkpoint, dev)
-    data = (prompt or "\n").encode("utf-8")
-    idx = torch.tensor([list(data)], dtype=torch.long, device=dev)
-    gen = torch.Generator(device=dev).manual_seed(seed)
-    out = model.generate(idx, max_new_tokens, temperature=temperature, top_k=top_k, generator=gen)
-    return bytes(out[0].tolist()).decode("utf-8", errors="replace")
+                    layout=layout_words(job.layout()), command=" ".join(sys.argv))

@@ -1,7 +1,7 @@
 """Configuration of ``moeblaze train``: the run's fields (:class:`TrainConfig`, one flag each in
 :mod:`moeblaze.cli`), its result (:class:`TrainResult`), and the set-up they drive — device, precision
 (Lightning's names), CPU threads, the warmup + cosine learning rate, AdamW, and the data-sheet peaks behind
-the MFU printout. The loop itself is :mod:`moeblaze.train`.
+the MFU printout. The loop itself is :mod:`moeblaze.training.train`.
 """
 
 from __future__ import annotations
@@ -248,7 +248,7 @@ def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Adam
     groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
               {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
     # fused: one kernel per device and dtype, and its found_inf lets the training step skip a non-finite step on the
-    # device instead of reading the loss on the host first (moeblaze.train.train_step)
+    # device instead of reading the loss on the host first (moeblaze.training.step.train_step)
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=True)
 
 
