@@ -237,6 +237,16 @@ def _train(cfg: TrainConfig, model_cfg: ModelConfig | None, log, job: Job) -> Tr
     if status != "done":
         return TrainResult(start + len(losses), val_bpb, entropy, losses[-1] if losses else float("nan"), tok_s,
                            saved, losses, mfu, status, ckpt, job.world)
+    _report_done(cfg, mcfg, stop, run, entropy, device, precision, job, log)
+    return TrainResult(stop, val_bpb, entropy, losses[-1] if losses else float("nan"), tok_s, saved, losses, mfu,
+                       status, ckpt, job.world)
+
+
+def _report_done(cfg: TrainConfig, mcfg: ModelConfig, stop: int, run, entropy: float, device: torch.device,
+                 precision: str, job: Job, log) -> None:
+    """The finished run's last lines: validation against the unigram baseline, tokens/s, saved bytes, the final
+    checkpoint, and on CUDA the MFU."""
+    val_bpb, _, saved, tok_s, mfu, _, ckpt = run
     log(("done" if stop == cfg.steps else f"stopped at --stop-after {stop} of --steps {cfg.steps}")
         + f": step {stop}, val {val_bpb:.3f} bits/byte vs unigram {entropy:.3f}; "
         f"{tok_s:,.0f} tokens/s" + (f" ({tok_s / job.world:,.0f} per {_unit(device)}, {job.world} processes)"
@@ -248,8 +258,6 @@ def _train(cfg: TrainConfig, model_cfg: ModelConfig | None, log, job: Job) -> Tr
         log(f"MFU: {100 * mfu:.1f}% of {peak / 1e12:.0f} TFLOP/s ({mcfg.train_flops_per_token() / 1e6:.2f} "
             "MFLOP/token = 6 x active params + 12 x layers x d x seq)" if mfu is not None
             else "MFU: unknown GPU peak; pass --peak-tflops")
-    return TrainResult(stop, val_bpb, entropy, losses[-1] if losses else float("nan"), tok_s, saved, losses, mfu,
-                       status, ckpt, job.world)
 
 
 def _loop(model, opt, corpus, cfg: TrainConfig, mcfg: ModelConfig, device, precision: str,
