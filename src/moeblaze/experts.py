@@ -206,7 +206,7 @@ class _Float8Experts(torch.autograd.Function):
         w1c, w2c = w1.to(ctx.dtype), w2.to(ctx.dtype)
         xq = Float8Tensor(x_data, x_scale, ctx.blocks[0])
         if pre_data is None:
-            pre, _ = ops_fp8.up_forward(recipe, xq, w1c, index, activation, b1=b1, act_args=act_args)
+            pre, _ = ops_fp8.up_forward(recipe, xq, w1c, index, activation, store_act=False, b1=b1)
         else:
             pre = Float8Tensor(pre_data, pre_scale, ctx.blocks[1]).dequantize()
         dout = dout.contiguous()

@@ -38,12 +38,14 @@ __all__ = ["up_forward", "down_forward", "down_backward", "up_backward"]
 
 
 def up_forward(recipe: Float8Recipe, xq: Float8Tensor, w1: Tensor, index: DispatchIndex, activation: str, *,
-               b1: Tensor | None = None, act_args: ActArgs = DEFAULT_ACT) -> tuple[Tensor, Tensor]:
+               store_act: bool = True, b1: Tensor | None = None,
+               act_args: ActArgs = DEFAULT_ACT) -> tuple[Tensor, Tensor | None]:
     """F1: ``pre = x[token(s)] w1[e]^T (+ b1[e])`` from the e4m3 ``xq`` (``x [T, d]`` in rows of the recipe's
-    tiles) and ``w1 [E, 2h | h, d]``; ``act = f(pre)``. Returns ``(pre [N, 2h | h], act [N, h])`` fp32."""
+    tiles) and ``w1 [E, 2h | h, d]``; ``act = f(pre)`` with ``store_act``. Returns ``(pre [N, 2h | h],
+    act [N, h] | None)`` fp32."""
     w = recipe.quantize_weight(w1, reduce_cols=True).dequantize()
-    pre, _ = ops_torch.up_forward(xq.dequantize(), w, index, activation, store_pre=True, store_act=False, b1=b1)
-    return pre, activation_forward(pre, activation, **act_args._asdict())
+    return ops_torch.up_forward(xq.dequantize(), w, index, activation, store_pre=True, store_act=store_act, b1=b1,
+                                act_args=act_args)
 
 
 def down_forward(recipe: Float8Recipe, act: Tensor, w2: Tensor, topk_weights: Tensor, index: DispatchIndex, *,
