@@ -1,4 +1,4 @@
-"""Two finished ``moeblaze train`` runs side by side: loss curves and expert load (issue 61).
+"""Finished ``moeblaze train`` runs side by side: loss curves and expert load (issue 61).
 
 The comparison it was written for (one GPU, 1,000 steps of the 1B preset; the second run's flags name the
 Switch loss explicitly, although it is the default):
@@ -27,6 +27,7 @@ from moeblaze.training.plot import draw_load, draw_loss, has_load, read_metrics
 from moeblaze.training.train_config import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
+COLORS = ("#d62728", "#1f77b4", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b")
 TAIL = 10  # steps averaged for the "final" figures: one step's load is noisy
 
 
@@ -50,11 +51,15 @@ def _fmt(v: float | None, spec: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("runs", nargs=2, metavar="RUN_DIR", help="the --out-dir of two finished moeblaze train runs")
-    p.add_argument("--labels", nargs=2, metavar="LABEL", help="legend names (default: the folders' names)")
+    p.add_argument("runs", nargs="+", metavar="RUN_DIR", help="the --out-dir of finished moeblaze train runs")
+    p.add_argument("--labels", nargs="+", metavar="LABEL", help="legend names, one per run (default: folder names)")
     p.add_argument("--out", default=str(ROOT / "docs" / "plots" / "balance.png"), help="the PNG to write [%(default)s]")
     args = p.parse_args(argv)
     labels = args.labels or [Path(r).name for r in args.runs]
+    if len(labels) != len(args.runs):
+        p.error(f"--labels needs one name per run ({len(args.runs)}), got {len(labels)}")
+    if len(args.runs) > len(COLORS):
+        p.error(f"at most {len(COLORS)} runs fit one plot, got {len(args.runs)}")
     try:
         runs = [read_metrics(r) for r in args.runs]
     except ConfigError as err:
@@ -63,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
 
     fig = Figure(figsize=(12, 4.5), layout="constrained")
     loss_ax, load_ax = fig.subplots(1, 2)
-    for metrics, label, color in zip(runs, labels, ("#d62728", "#1f77b4")):
+    for metrics, label, color in zip(runs, labels, COLORS):
         draw_loss(loss_ax, metrics, label, color)
         if has_load(metrics):
             draw_load(load_ax, metrics, label, color)

@@ -76,6 +76,19 @@ def test_bench_balance_plots_two_runs_and_prints_the_summary(two_runs, tmp_path,
     assert lines[-1] == f"wrote {png}"
 
 
+def test_bench_balance_takes_more_runs_and_names_a_label_mismatch(two_runs, tmp_path, capsys):
+    spec = importlib.util.spec_from_file_location("bench_balance", ROOT / "benchmarks" / "bench_balance.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    png = tmp_path / "three.png"
+    runs = [*map(str, two_runs), str(two_runs[0])]
+    assert bench.main([*runs, "--labels", "a", "b", "c", "--out", str(png)]) == 0
+    assert png.exists() and [ln.split()[0] for ln in capsys.readouterr().out.splitlines()[1:4]] == ["a", "b", "c"]
+    with pytest.raises(SystemExit):
+        bench.main([*runs, "--labels", "a", "b", "--out", str(png)])
+    assert "--labels needs one name per run (3), got 2" in capsys.readouterr().err
+
+
 def test_train_step_updates_the_biases_after_the_step_and_reports_the_load():
     torch.manual_seed(0)
     mcfg = ModelConfig(seq_len=16, d_model=16, n_layers=2, n_heads=2, d_ff=16, num_experts=4, top_k=2,
