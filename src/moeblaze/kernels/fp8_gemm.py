@@ -1,0 +1,244 @@
+"""FP8 grouped GEMM of the up-projection F1 under the blockwise recipe (DESIGN.md §8, issue 59).
+
+``pre[s] = x[token(s)] W1[e(s)]^T`` over the dispatch index's slots and ``act = f(pre)`` in the epilogue, as
+:func:`moeblaze.kernels.grouped_gemm.grouped_gemm_kernel` computes F1 in 16 bits, but from e4m3 operands:
+
+- ``x [T, d]`` e4m3 with fp32 scales ``[T, ceil(d/B)]``, one per 1 x B tile along d (the reduction dimension);
+- ``W1 [E, 2h|h, d]`` e4m3 with fp32 scales ``[E, ceil(2h/B), ceil(d/B)]``, one per B x B block.
+
+The K step is one scale block (``BLOCK_K = B``, 128 by default): each step's partial product comes from a fresh
+``tl.dot`` on the e4m3 tiles (fp32 sums) and is added to the fp32 accumulator times
+``x_scale[row, kb] * w_scale[e, n // B, kb]`` — DeepSeek-V3's promotion (arXiv 2412.19437 §3.3.2, DeepGEMM):
+scales are constant over every sum the tensor cores form, and the cross-block sum is in full fp32. The weight
+scale is loaded as a vector over the tile's columns, so a tile of up rows that straddles two weight blocks (``h``
+not a multiple of B) is right, and ``BLOCK_N`` need not divide B. Gather fused into the A loads (rows of ``x``
+read through ``expert_token_indices``; no gathered copy), as in the 16-bit kernel. A short last K block reads
+zeros past ``d`` (masked loads): its scale is the padded block's, the one :func:`moeblaze.fp8.quantize_fp8` gives.
+
+Not yet here (they need a GPU to test): quantization of ``act`` / ``pre`` in this epilogue (the interpreter's
+casts to e4m3 are wrong, DESIGN.md §7), TMA reads of the weight, autotuned tiles, interleaved ``w_gate_up``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from ..activations import DEFAULT_ACT, GATED, ActArgs, check_activation
+from ..dispatch import DispatchIndex, with_schedule
+from ..fp8 import E4M3, Float8Tensor
+from . import direct, tuning
+from .act_math import ACTIVATION_CODES
+from .grouped_gemm import _epilogue_act_fwd, tile_of
+from .tuning import cdiv
+
+__all__ = ["fp8_up_forward", "up_forward_fp8", "FP8_GEMM_CONFIG"]
+
+# Fixed launch configuration (not tuned yet: GPU work). The interpreter's is small so the tests stay fast; the
+# GPU's is DeepGEMM's usual FP8 tile (128-wide N, one 128-deep scale block per K step).
+FP8_GEMM_CONFIG = {"BLOCK_N": 128, "GROUP_M": 8, "num_warps": 8, "num_stages": 4}
+FP8_GEMM_CONFIG_INTERPRET = {"BLOCK_N": 32, "GROUP_M": 4, "num_warps": 4, "num_stages": 1}
+
+
+@triton.jit
+def _fp8_mainloop(x_ptr, xs_ptr, w_ptr, ws_ptr, a_rows, e, offs_n, n_mask, UP_OFF, K_DIM,
+                  stride_x_m, stride_xs_m, stride_w_e, stride_w_n, stride_ws_e, stride_ws_n,
+                  DUAL: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_K: tl.constexpr):
+    """``acc[m, n] = sum_kb xs[m, kb] ws[n, kb] (xq[m, kb-block] . wq[n, kb-block])`` for the gate columns ``n``
+    and, if ``DUAL``, ``acc2`` for the up columns ``UP_OFF + n``. ``a_rows`` [BLOCK_M]: rows of ``x`` (tokens)."""
+    offs_k = tl.arange(0, BLOCK_K)
+    e64 = e.to(tl.int64)
+    n_up = offs_n + UP_OFF
+    a_ptrs = x_ptr + a_rows[:, None] * stride_x_m + offs_k[None, :]
+    b_ptrs = w_ptr + e64 * stride_w_e + offs_k[:, None] + offs_n[None, :].to(tl.int64) * stride_w_n
+    b2_ptrs = w_ptr + e64 * stride_w_e + offs_k[:, None] + n_up[None, :].to(tl.int64) * stride_w_n
+    xs_ptrs = xs_ptr + a_rows * stride_xs_m
+    # the weight block of each column: the gate and up columns of a tile may lie in different blocks
+    ws_ptrs = ws_ptr + e64 * stride_ws_e + (offs_n // BLOCK_K) * stride_ws_n
+    ws2_ptrs = ws_ptr + e64 * stride_ws_e + (n_up // BLOCK_K) * stride_ws_n
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kb in range(0, tl.cdiv(K_DIM, BLOCK_K)):
+        k_ok = offs_k < K_DIM - kb * BLOCK_K
+        if EVEN_K:
+            a = tl.load(a_ptrs)
+        else:  # the short last block: zeros past d, as the quantizer's zero padding
+            a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
+        b_mask = k_ok[:, None] & n_mask[None, :]
+        b = tl.load(b_ptrs, mask=b_mask, other=0.0)
+        a_scale = tl.load(xs_ptrs + kb)  # [BLOCK_M]
+        b_scale = tl.load(ws_ptrs + kb, mask=n_mask, other=0.0)  # [BLOCK_N]
+        # a fresh dot per scale block, promoted into the fp32 accumulator with its two scales
+        acc += tl.dot(a, b) * a_scale[:, None] * b_scale[None, :]
+        if DUAL:
+            b2 = tl.load(b2_ptrs, mask=b_mask, other=0.0)
+            b2_scale = tl.load(ws2_ptrs + kb, mask=n_mask, other=0.0)
+            acc2 += tl.dot(a, b2) * a_scale[:, None] * b2_scale[None, :]
+            b2_ptrs += BLOCK_K
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K
+    return acc, acc2
+
+
+@triton.jit
+def fp8_up_kernel(
+    x_ptr,  # [T, K_DIM] e4m3, unit column stride (rows read through indices: the gather)
+    xs_ptr,  # [T, cdiv(K_DIM, BLOCK_K)] fp32 scales of x's 1 x BLOCK_K tiles, unit column stride
+    w_ptr,  # [E, 2h|h, K_DIM] e4m3 w_gate_up, unit stride along K_DIM
+    ws_ptr,  # [E, cdiv(2h|h, BLOCK_K), cdiv(K_DIM, BLOCK_K)] fp32 scales of its BLOCK_K x BLOCK_K blocks
+    pre_ptr,  # [N, 2h|h] pre (STORE_PRE), unit column stride; gate columns then up columns
+    act_ptr,  # [N, h] act = f(pre) (STORE_ACT), unit column stride
+    bias_ptr,  # [E, 2h|h] bias in w_gate_up's row order (HAS_BIAS); else a dummy
+    offsets_ptr,  # [E+1] int32 expert_token_offsets
+    indices_ptr,  # [N] int32 expert_token_indices (slot -> token)
+    tile_expert_ptr,  # [max_tiles] int32 expert of each M-tile
+    tile_row_ptr,  # [max_tiles] int32 first slot of each M-tile
+    num_tiles_ptr,  # [1] int32 valid M-tiles
+    max_tiles, N_COLS, K_DIM,  # N_COLS: h (the columns of act; pre has 2h when DUAL)
+    UP_OFF,  # column of the up entry of n from its gate column: h (DUAL)
+    alpha, limit,  # fp32 parameters of the clamped SwiGLU
+    stride_x_m, stride_xs_m, stride_w_e, stride_w_n, stride_ws_e, stride_ws_n, stride_pre_m, stride_act_m,
+    stride_bias_e,
+    ACTIVATION: tl.constexpr, DUAL: tl.constexpr, STORE_PRE: tl.constexpr, STORE_ACT: tl.constexpr,
+    HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    # One program per (M-tile of the static schedule length, N-tile); programs past num_tiles exit.
+    num_n = tl.cdiv(N_COLS, BLOCK_N)
+    pid_m, pid_n = tile_of(tl.program_id(0), max_tiles, num_n, GROUP_M)
+    if pid_m < tl.load(num_tiles_ptr):
+        e = tl.load(tile_expert_ptr + pid_m)
+        row_end = tl.load(offsets_ptr + e + 1)
+        slots = tl.load(tile_row_ptr + pid_m) + tl.arange(0, BLOCK_M)
+        row_mask = slots < row_end
+        rows = tl.minimum(slots, row_end - 1).to(tl.int64)  # clamped: the main loop's loads need no row mask
+        tokens = tl.load(indices_ptr + rows).to(tl.int64)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < N_COLS
+        acc, acc2 = _fp8_mainloop(
+            x_ptr=x_ptr, xs_ptr=xs_ptr, w_ptr=w_ptr, ws_ptr=ws_ptr, a_rows=tokens, e=e, offs_n=offs_n,
+            n_mask=n_mask, UP_OFF=UP_OFF, K_DIM=K_DIM, stride_x_m=stride_x_m, stride_xs_m=stride_xs_m,
+            stride_w_e=stride_w_e, stride_w_n=stride_w_n, stride_ws_e=stride_ws_e, stride_ws_n=stride_ws_n,
+            DUAL=DUAL, EVEN_K=EVEN_K, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+        )
+        # the 16-bit kernel's epilogue: bias in fp32, pre rounded to its dtype, act from the rounded pre
+        _epilogue_act_fwd(
+            pre_ptr=pre_ptr, act_ptr=act_ptr, bias_ptr=bias_ptr, acc=acc, acc2=acc2, e=e, rows=rows,
+            mask=row_mask[:, None] & n_mask[None, :], offs_n=offs_n, n_mask=n_mask, UP_OFF=UP_OFF,
+            alpha=alpha, limit=limit, stride_pre_m=stride_pre_m, stride_act_m=stride_act_m,
+            stride_bias_e=stride_bias_e, ACTIVATION=ACTIVATION, DUAL=DUAL, STORE_PRE=STORE_PRE,
+            STORE_ACT=STORE_ACT, HAS_BIAS=HAS_BIAS, PRE_STEP=1, TF32_ACT=False,
+        )
+
+
+def _unit_last(t: Tensor) -> bool:
+    """The kernel steps along ``t``'s last dimension by 1 (a dimension of one element has any stride)."""
+    return t.shape[-1] <= 1 or t.stride(-1) == 1
+
+
+def _check_operands(xq: Tensor, x_scale: Tensor, wq: Tensor, w_scale: Tensor, block: int, gated: bool) -> None:
+    """The e4m3 operands and their scales agree with the blockwise recipe (ValueError/TypeError naming each)."""
+    for name, t, dims in (("x", xq, 2), ("w1", wq, 3)):
+        if t.dtype != E4M3:
+            raise TypeError(f"fp8_up_forward: {name} must be float8_e4m3fn (quantize with moeblaze.fp8), got {t.dtype}")
+        if t.dim() != dims or not _unit_last(t):
+            raise ValueError(f"fp8_up_forward: {name} must be {dims}-D with unit stride along d, got shape "
+                             f"{tuple(t.shape)} strides {t.stride()}")
+    if block < 16 or block & (block - 1):
+        raise ValueError(f"fp8_up_forward: block must be a power of two >= 16 (a tl.dot depth), got {block}")
+    (T, d), (E, rows, d_w) = xq.shape, wq.shape
+    if d_w != d:
+        raise ValueError(f"fp8_up_forward: w1 {tuple(wq.shape)} reduces over {d_w}, x {tuple(xq.shape)} over {d}")
+    if gated and rows % 2:
+        raise ValueError(f"fp8_up_forward: a gated activation needs an even number of w1 rows, got {rows}")
+    for name, s, shape in (("x_scale", x_scale, (T, cdiv(d, block))),
+                           ("w_scale", w_scale, (E, cdiv(rows, block), cdiv(d, block)))):
+        if s.dtype != torch.float32:
+            raise TypeError(f"fp8_up_forward: {name} must be fp32, got {s.dtype}")
+        if tuple(s.shape) != shape or not _unit_last(s):
+            raise ValueError(f"fp8_up_forward: {name} must be {shape} with unit last stride (tiles of {block} "
+                             f"along d), got shape {tuple(s.shape)} strides {s.stride()}")
+    for name, t in (("x_scale", x_scale), ("w1", wq), ("w_scale", w_scale)):
+        if t.device != xq.device:
+            raise ValueError(f"fp8_up_forward: {name} is on {t.device}; x on {xq.device}")
+
+
+def fp8_up_forward(xq: Tensor, x_scale: Tensor, wq: Tensor, w_scale: Tensor, offsets: Tensor, indices: Tensor,
+                   sched: tuple[Tensor, Tensor, Tensor], *, activation: str, store_pre: bool, store_act: bool,
+                   out_dtype: torch.dtype, bias: Tensor | None = None, alpha: float = 0.0, limit: float = 0.0,
+                   block: int = 128) -> tuple[Tensor, Tensor]:
+    """Launch :func:`fp8_up_kernel`: F1 from e4m3 ``xq [T, d]`` (scales ``x_scale [T, ceil(d/block)]``) and
+    ``wq [E, 2h|h, d]`` (scales ``w_scale [E, ceil(2h/block), ceil(d/block)]``) over the slots of
+    ``offsets [E+1]`` / ``indices [N]`` (int32) and the tile schedule ``sched`` of :func:`.tuning.block_m` rows.
+
+    Returns ``(pre [N, 2h|h], act [N, h])`` in ``out_dtype`` (fp16, bf16 or fp32); an output not asked for is an
+    empty tensor. Rows of slots the schedule does not cover (foreign experts) are left unwritten.
+
+    Raises:
+        TypeError: operands not e4m3, scales not fp32, an unsupported ``out_dtype`` or bias dtype.
+        ValueError: shapes that disagree (naming the argument), an unknown activation, a tile schedule of
+            another BLOCK_M, tensors on different devices.
+    """
+    check_activation(activation)
+    gated = activation in GATED
+    _check_operands(xq, x_scale, wq, w_scale, block, gated)
+    if out_dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise TypeError(f"fp8_up_forward: out_dtype must be fp16, bf16 or fp32, got {out_dtype}")
+    E, rows, d = wq.shape
+    if offsets.numel() != E + 1:
+        raise ValueError(f"fp8_up_forward: offsets has {offsets.numel()} entries; w1 has {E} experts (E + 1 expected)")
+    if bias is not None and (tuple(bias.shape) != (E, rows) or bias.stride(-1) != 1 or not bias.is_floating_point()):
+        raise ValueError(f"fp8_up_forward: bias must be a float [E, rows] = {(E, rows)} with unit column stride, "
+                         f"got {tuple(bias.shape)} {bias.dtype}")
+    N, h = indices.numel(), rows // 2 if gated else rows
+    pre = xq.new_empty((N, rows) if store_pre else (0,), dtype=out_dtype)
+    act = xq.new_empty((N, h) if store_act else (0,), dtype=out_dtype)
+    if N == 0 or h == 0 or not (store_pre or store_act):
+        return pre, act
+    bm = tuning.block_m(N, E)  # the M tile the schedule was built for: checked, not chosen anew
+    max_tiles = sched[0].numel()
+    if max_tiles != cdiv(N, bm) + E:
+        raise ValueError(f"fp8_up_forward: the tile schedule has {max_tiles} entries; expected one for BLOCK_M={bm}")
+    cfg = dict(FP8_GEMM_CONFIG_INTERPRET if tuning.interpreting() else FP8_GEMM_CONFIG)
+    c = pre if store_pre else act  # the epilogue rounds pre to c's dtype even when it stores act only
+    bias_t = bias if bias is not None else offsets  # a dummy pointer when HAS_BIAS is off
+    direct.launch(fp8_up_kernel, (max_tiles * cdiv(h, cfg["BLOCK_N"]),),
+        x_ptr=xq, xs_ptr=x_scale, w_ptr=wq, ws_ptr=w_scale, pre_ptr=c, act_ptr=act if store_act else c,
+        bias_ptr=bias_t, offsets_ptr=offsets, indices_ptr=indices, tile_expert_ptr=sched[0], tile_row_ptr=sched[1],
+        num_tiles_ptr=sched[2], max_tiles=max_tiles, N_COLS=h, K_DIM=d, UP_OFF=h, alpha=float(alpha),
+        limit=float(limit), stride_x_m=xq.stride(0), stride_xs_m=x_scale.stride(0), stride_w_e=wq.stride(0),
+        stride_w_n=wq.stride(1), stride_ws_e=w_scale.stride(0), stride_ws_n=w_scale.stride(1),
+        stride_pre_m=c.stride(0), stride_act_m=(act if store_act else c).stride(0), stride_bias_e=bias_t.stride(0),
+        ACTIVATION=ACTIVATION_CODES[activation], DUAL=gated, STORE_PRE=store_pre, STORE_ACT=store_act,
+        HAS_BIAS=bias is not None, EVEN_K=d % block == 0, BLOCK_M=bm, BLOCK_K=block, **cfg,
+    )
+    return pre, act
+
+
+def up_forward_fp8(xq: Float8Tensor, w1q: Float8Tensor, index: DispatchIndex, activation: str, *,
+                   store_pre: bool = True, store_act: bool = True, out_dtype: torch.dtype = torch.bfloat16,
+                   b1: Tensor | None = None, act_args: ActArgs = DEFAULT_ACT) -> tuple[Tensor | None, Tensor | None]:
+    """F1 of the FP8 path: ``pre = x[token(s)] w1[e]^T (+ b1[e])`` and ``act = f(pre)`` in ``out_dtype`` from the
+    blockwise-quantized ``xq`` (``recipe.quantize_rows(x)``, 1 x B tiles) and ``w1q``
+    (``recipe.quantize_weight(w1, reduce_cols=True)``, B x B blocks) — what :func:`moeblaze.ops_fp8.up_forward`
+    emulates, up to the order of fp32 sums. Returns ``(pre | None, act | None)`` as asked.
+
+    Raises:
+        ValueError: tiles other than the blockwise recipe's (``xq.block`` ``(1, B)``, ``w1q.block`` ``(B, B)``), an
+            interleaved ``w_gate_up`` (not supported yet), or the launcher's errors (:func:`fp8_up_forward`).
+    """
+    B = xq.block[1]
+    if xq.block != (1, B) or w1q.block != (B, B):
+        raise ValueError(f"up_forward_fp8: blockwise tiles expected, x in (1, B) and w1 in (B, B); got {xq.block} "
+                         f"and {w1q.block} (the rowwise recipe has no kernel yet)")
+    if act_args.interleaved:
+        raise ValueError("up_forward_fp8: an interleaved w_gate_up has no FP8 kernel yet")
+    sched = with_schedule(index, tuning.block_m(index.num_pairs, index.num_experts)).schedule.tensors()
+    pre, act = fp8_up_forward(xq.data, xq.scale, w1q.data, w1q.scale, index.local_offsets,
+                              index.expert_token_indices, sched, activation=activation, store_pre=store_pre,
+                              store_act=store_act, out_dtype=out_dtype, bias=b1, alpha=act_args.alpha,
+                              limit=act_args.limit, block=B)
+    return (pre if store_pre else None), (act if store_act else None)
