@@ -136,9 +136,9 @@ def test_f1_errors_name_the_argument():
         fp8_up_forward(x, xq.scale, wq.data, wq.scale, *args, **kw)
     with pytest.raises(ValueError, match="x_scale must be"):
         fp8_up_forward(xq.data, xq.scale[:, :0], wq.data, wq.scale, *args, **kw)
-    with pytest.raises(ValueError, match="w_scale must be"):
+    with pytest.raises(ValueError, match="w1_scale must be"):
         fp8_up_forward(xq.data, xq.scale, wq.data, wq.scale[:1], *args, **kw)
-    with pytest.raises(TypeError, match="w_scale must be fp32"):
+    with pytest.raises(TypeError, match="w1_scale must be fp32"):
         fp8_up_forward(xq.data, xq.scale, wq.data, wq.scale.double(), *args, **kw)
     with pytest.raises(ValueError, match="reduces over"):
         fp8_up_forward(xq.data[:, :64], xq.scale, wq.data, wq.scale, *args, **kw)

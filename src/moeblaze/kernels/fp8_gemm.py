@@ -43,22 +43,23 @@ FP8_GEMM_CONFIG_INTERPRET = {"BLOCK_N": 32, "GROUP_M": 4, "num_warps": 4, "num_s
 
 
 @triton.jit
-def _fp8_mainloop(x_ptr, xs_ptr, w_ptr, ws_ptr, a_rows, e, offs_n, n_mask, UP_OFF, K_DIM,
-                  stride_x_m, stride_xs_m, stride_w_e, stride_w_n, stride_ws_e, stride_ws_n,
+def _fp8_mainloop(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, a_rows, e, offs_n, n_mask, UP_OFF, K_DIM,
+                  stride_a_m, stride_a_scale_m, stride_b_e, stride_b_n, stride_b_scale_e, stride_b_scale_n,
                   DUAL: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   BLOCK_K: tl.constexpr):
-    """``acc[m, n] = sum_kb xs[m, kb] ws[n, kb] (xq[m, kb-block] . wq[n, kb-block])`` for the gate columns ``n``
-    and, if ``DUAL``, ``acc2`` for the up columns ``UP_OFF + n``. ``a_rows`` [BLOCK_M]: rows of ``x`` (tokens)."""
+    """``acc[m, n] = sum_kb sa[m, kb] sb[e, n // BLOCK_K, kb] (a[m, kb block] . b[e][n, kb block])`` with ``a``'s
+    rows ``a_rows`` [BLOCK_M] (tokens: the gather; or slots) and, if ``DUAL``, ``acc2`` for the up columns
+    ``UP_OFF + n`` (F1). ``a [rows, K_DIM]``, ``b [E, n, K_DIM]`` e4m3; ``sa``, ``sb`` their fp32 scales."""
     offs_k = tl.arange(0, BLOCK_K)
     e64 = e.to(tl.int64)
     n_up = offs_n + UP_OFF
-    a_ptrs = x_ptr + a_rows[:, None] * stride_x_m + offs_k[None, :]
-    b_ptrs = w_ptr + e64 * stride_w_e + offs_k[:, None] + offs_n[None, :].to(tl.int64) * stride_w_n
-    b2_ptrs = w_ptr + e64 * stride_w_e + offs_k[:, None] + n_up[None, :].to(tl.int64) * stride_w_n
-    xs_ptrs = xs_ptr + a_rows * stride_xs_m
+    a_ptrs = a_ptr + a_rows[:, None] * stride_a_m + offs_k[None, :]
+    b_ptrs = b_ptr + e64 * stride_b_e + offs_k[:, None] + offs_n[None, :].to(tl.int64) * stride_b_n
+    b2_ptrs = b_ptr + e64 * stride_b_e + offs_k[:, None] + n_up[None, :].to(tl.int64) * stride_b_n
+    a_scale_ptrs = a_scale_ptr + a_rows * stride_a_scale_m
     # the weight block of each column: the gate and up columns of a tile may lie in different blocks
-    ws_ptrs = ws_ptr + e64 * stride_ws_e + (offs_n // BLOCK_K) * stride_ws_n
-    ws2_ptrs = ws_ptr + e64 * stride_ws_e + (n_up // BLOCK_K) * stride_ws_n
+    b_scale_ptrs = b_scale_ptr + e64 * stride_b_scale_e + (offs_n // BLOCK_K) * stride_b_scale_n
+    bs2_ptrs = b_scale_ptr + e64 * stride_b_scale_e + (n_up // BLOCK_K) * stride_b_scale_n
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for kb in range(0, tl.cdiv(K_DIM, BLOCK_K)):
@@ -69,13 +70,13 @@ def _fp8_mainloop(x_ptr, xs_ptr, w_ptr, ws_ptr, a_rows, e, offs_n, n_mask, UP_OF
             a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
         b_mask = k_ok[:, None] & n_mask[None, :]
         b = tl.load(b_ptrs, mask=b_mask, other=0.0)
-        a_scale = tl.load(xs_ptrs + kb)  # [BLOCK_M]
-        b_scale = tl.load(ws_ptrs + kb, mask=n_mask, other=0.0)  # [BLOCK_N]
+        a_scale = tl.load(a_scale_ptrs + kb)  # [BLOCK_M]
+        b_scale = tl.load(b_scale_ptrs + kb, mask=n_mask, other=0.0)  # [BLOCK_N]
         # a fresh dot per scale block, promoted into the fp32 accumulator with its two scales
         acc += tl.dot(a, b) * a_scale[:, None] * b_scale[None, :]
         if DUAL:
             b2 = tl.load(b2_ptrs, mask=b_mask, other=0.0)
-            b2_scale = tl.load(ws2_ptrs + kb, mask=n_mask, other=0.0)
+            b2_scale = tl.load(bs2_ptrs + kb, mask=n_mask, other=0.0)
             acc2 += tl.dot(a, b2) * a_scale[:, None] * b2_scale[None, :]
             b2_ptrs += BLOCK_K
         a_ptrs += BLOCK_K
@@ -119,9 +120,9 @@ def fp8_up_kernel(
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         n_mask = offs_n < N_COLS
         acc, acc2 = _fp8_mainloop(
-            x_ptr=x_ptr, xs_ptr=xs_ptr, w_ptr=w_ptr, ws_ptr=ws_ptr, a_rows=tokens, e=e, offs_n=offs_n,
-            n_mask=n_mask, UP_OFF=UP_OFF, K_DIM=K_DIM, stride_x_m=stride_x_m, stride_xs_m=stride_xs_m,
-            stride_w_e=stride_w_e, stride_w_n=stride_w_n, stride_ws_e=stride_ws_e, stride_ws_n=stride_ws_n,
+            a_ptr=x_ptr, a_scale_ptr=xs_ptr, b_ptr=w_ptr, b_scale_ptr=ws_ptr, a_rows=tokens, e=e, offs_n=offs_n,
+            n_mask=n_mask, UP_OFF=UP_OFF, K_DIM=K_DIM, stride_a_m=stride_x_m, stride_a_scale_m=stride_xs_m,
+            stride_b_e=stride_w_e, stride_b_n=stride_w_n, stride_b_scale_e=stride_ws_e, stride_b_scale_n=stride_ws_n,
             DUAL=DUAL, EVEN_K=EVEN_K, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
         )
         # the 16-bit kernel's epilogue: bias in fp32, pre rounded to its dtype, act from the rounded pre
@@ -139,31 +140,52 @@ def _unit_last(t: Tensor) -> bool:
     return t.shape[-1] <= 1 or t.stride(-1) == 1
 
 
-def _check_operands(xq: Tensor, x_scale: Tensor, wq: Tensor, w_scale: Tensor, block: int, gated: bool) -> None:
-    """The e4m3 operands and their scales agree with the blockwise recipe (ValueError/TypeError naming each)."""
-    for name, t, dims in (("x", xq, 2), ("w1", wq, 3)):
+def _check_operands(op: str, names: tuple[str, str], a: Tensor, a_scale: Tensor, b: Tensor, b_scale: Tensor,
+                    block: int) -> None:
+    """The e4m3 operands ``a [rows, k]``, ``b [E, n, k]`` (called ``names``) and their fp32 scales agree with the
+    blockwise recipe: TypeError/ValueError naming the argument (``op``: the launcher)."""
+    for name, t, dims in ((names[0], a, 2), (names[1], b, 3)):
         if t.dtype != E4M3:
-            raise TypeError(f"fp8_up_forward: {name} must be float8_e4m3fn (quantize with moeblaze.fp8), got {t.dtype}")
+            raise TypeError(f"{op}: {name} must be float8_e4m3fn (quantize with moeblaze.fp8), got {t.dtype}")
         if t.dim() != dims or not _unit_last(t):
-            raise ValueError(f"fp8_up_forward: {name} must be {dims}-D with unit stride along d, got shape "
+            raise ValueError(f"{op}: {name} must be {dims}-D with unit stride along its last dimension, got shape "
                              f"{tuple(t.shape)} strides {t.stride()}")
     if block < 16 or block & (block - 1):
-        raise ValueError(f"fp8_up_forward: block must be a power of two >= 16 (a tl.dot depth), got {block}")
-    (T, d), (E, rows, d_w) = xq.shape, wq.shape
-    if d_w != d:
-        raise ValueError(f"fp8_up_forward: w1 {tuple(wq.shape)} reduces over {d_w}, x {tuple(xq.shape)} over {d}")
-    if gated and rows % 2:
-        raise ValueError(f"fp8_up_forward: a gated activation needs an even number of w1 rows, got {rows}")
-    for name, s, shape in (("x_scale", x_scale, (T, cdiv(d, block))),
-                           ("w_scale", w_scale, (E, cdiv(rows, block), cdiv(d, block)))):
+        raise ValueError(f"{op}: block must be a power of two >= 16 (a tl.dot depth), got {block}")
+    (rows, k), (E, n, k_b) = a.shape, b.shape
+    if k_b != k:
+        raise ValueError(f"{op}: {names[1]} {tuple(b.shape)} reduces over {k_b}, {names[0]} {tuple(a.shape)} over {k}")
+    for name, s, shape in ((f"{names[0]}_scale", a_scale, (rows, cdiv(k, block))),
+                           (f"{names[1]}_scale", b_scale, (E, cdiv(n, block), cdiv(k, block)))):
         if s.dtype != torch.float32:
-            raise TypeError(f"fp8_up_forward: {name} must be fp32, got {s.dtype}")
+            raise TypeError(f"{op}: {name} must be fp32, got {s.dtype}")
         if tuple(s.shape) != shape or not _unit_last(s):
-            raise ValueError(f"fp8_up_forward: {name} must be {shape} with unit last stride (tiles of {block} "
-                             f"along d), got shape {tuple(s.shape)} strides {s.stride()}")
-    for name, t in (("x_scale", x_scale), ("w1", wq), ("w_scale", w_scale)):
-        if t.device != xq.device:
-            raise ValueError(f"fp8_up_forward: {name} is on {t.device}; x on {xq.device}")
+            raise ValueError(f"{op}: {name} must be {shape} with unit last stride (tiles of {block} along the "
+                             f"reduction), got shape {tuple(s.shape)} strides {s.stride()}")
+    for name, t in ((f"{names[0]}_scale", a_scale), (names[1], b), (f"{names[1]}_scale", b_scale)):
+        if t.device != a.device:
+            raise ValueError(f"{op}: {name} is on {t.device}; {names[0]} on {a.device}")
+
+
+def _launch_checks(op: str, out_dtype: torch.dtype, offsets: Tensor, E: int, N: int, sched, bias: Tensor | None,
+                   bias_cols: int) -> int:
+    """Checks shared by the launchers; returns the schedule's BLOCK_M (:func:`.tuning.block_m`, checked, not chosen)."""
+    if out_dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise TypeError(f"{op}: out_dtype must be fp16, bf16 or fp32, got {out_dtype}")
+    if offsets.numel() != E + 1:
+        raise ValueError(f"{op}: offsets has {offsets.numel()} entries; the weight has {E} experts (E + 1 expected)")
+    if bias is not None and (tuple(bias.shape) != (E, bias_cols) or not _unit_last(bias)
+                             or not bias.is_floating_point()):
+        raise ValueError(f"{op}: bias must be a float {(E, bias_cols)} with unit column stride, "
+                         f"got {tuple(bias.shape)} {bias.dtype}")
+    bm = tuning.block_m(N, E)
+    if sched[0].numel() != cdiv(N, bm) + E:
+        raise ValueError(f"{op}: the tile schedule has {sched[0].numel()} entries; expected one for BLOCK_M={bm}")
+    return bm
+
+
+def _config() -> dict:
+    return dict(FP8_GEMM_CONFIG_INTERPRET if tuning.interpreting() else FP8_GEMM_CONFIG)
 
 
 def fp8_up_forward(xq: Tensor, x_scale: Tensor, wq: Tensor, w_scale: Tensor, offsets: Tensor, indices: Tensor,
@@ -184,25 +206,18 @@ def fp8_up_forward(xq: Tensor, x_scale: Tensor, wq: Tensor, w_scale: Tensor, off
     """
     check_activation(activation)
     gated = activation in GATED
-    _check_operands(xq, x_scale, wq, w_scale, block, gated)
-    if out_dtype not in (torch.float16, torch.bfloat16, torch.float32):
-        raise TypeError(f"fp8_up_forward: out_dtype must be fp16, bf16 or fp32, got {out_dtype}")
+    op = "fp8_up_forward"
+    _check_operands(op, ("x", "w1"), xq, x_scale, wq, w_scale, block)
     E, rows, d = wq.shape
-    if offsets.numel() != E + 1:
-        raise ValueError(f"fp8_up_forward: offsets has {offsets.numel()} entries; w1 has {E} experts (E + 1 expected)")
-    if bias is not None and (tuple(bias.shape) != (E, rows) or bias.stride(-1) != 1 or not bias.is_floating_point()):
-        raise ValueError(f"fp8_up_forward: bias must be a float [E, rows] = {(E, rows)} with unit column stride, "
-                         f"got {tuple(bias.shape)} {bias.dtype}")
+    if gated and rows % 2:
+        raise ValueError(f"{op}: a gated activation needs an even number of w1 rows, got {rows}")
     N, h = indices.numel(), rows // 2 if gated else rows
+    bm = _launch_checks(op, out_dtype, offsets, E, N, sched, bias, rows)
     pre = xq.new_empty((N, rows) if store_pre else (0,), dtype=out_dtype)
     act = xq.new_empty((N, h) if store_act else (0,), dtype=out_dtype)
     if N == 0 or h == 0 or not (store_pre or store_act):
         return pre, act
-    bm = tuning.block_m(N, E)  # the M tile the schedule was built for: checked, not chosen anew
-    max_tiles = sched[0].numel()
-    if max_tiles != cdiv(N, bm) + E:
-        raise ValueError(f"fp8_up_forward: the tile schedule has {max_tiles} entries; expected one for BLOCK_M={bm}")
-    cfg = dict(FP8_GEMM_CONFIG_INTERPRET if tuning.interpreting() else FP8_GEMM_CONFIG)
+    max_tiles, cfg = sched[0].numel(), _config()
     c = pre if store_pre else act  # the epilogue rounds pre to c's dtype even when it stores act only
     bias_t = bias if bias is not None else offsets  # a dummy pointer when HAS_BIAS is off
     direct.launch(fp8_up_kernel, (max_tiles * cdiv(h, cfg["BLOCK_N"]),),
