@@ -16,7 +16,7 @@ from moeblaze.activations import DEFAULT_ACT
 from moeblaze.dispatch import with_schedule
 from moeblaze.fp8 import E4M3, Float8Recipe
 from moeblaze.kernels import fp8_gemm, tuning
-from moeblaze.kernels.fp8_gemm import fp8_up_forward, up_forward_fp8
+from moeblaze.kernels.fp8_gemm import down_forward_fp8, fp8_down_slots, fp8_up_forward, up_forward_fp8
 from moeblaze.reference import act_reference
 from moeblaze.testing import assert_close_to_reference, make_expert_inputs, rel_error
 
@@ -149,3 +149,62 @@ def test_f1_errors_name_the_argument():
     with pytest.raises(ValueError, match="interleaved"):
         up_forward_fp8(xq, wq, index, "swiglu", act_args=DEFAULT_ACT._replace(interleaved=True))
     assert xq.data.dtype == E4M3 and fp8_gemm.FP8_GEMM_CONFIG["BLOCK_N"] % 16 == 0
+
+
+# ----------------------------------------------------------------------------- F2-F3
+
+def _check_f2(inp, index, b2=None):
+    """F2-F3 from the emulation's act (fp32, quantized here): against ops_fp8.down_forward (fp32 sums) and the
+    float64 reference of the same act (§7 rule); returns the relative errors (emulation, reference)."""
+    x, w2, tw = inp["x"], inp["w_down"], inp["topk_weights"]
+    xq = RECIPE.quantize_rows(x)
+    _, act = ops_fp8.up_forward(RECIPE, xq, inp["w_gate_up"], index, "swiglu")
+    actq, w2q = RECIPE.quantize_rows(act), RECIPE.quantize_weight(w2, reduce_cols=True)
+    out = down_forward_fp8(actq, w2q, tw, index, b2=b2, out_dtype=torch.float32)
+    out_em = ops_fp8.down_forward(RECIPE, act, w2, tw, index, b2=b2)
+    assert float((out - out_em).abs().max() / out_em.abs().max()) <= FP32_SUM_TOL
+    expert = torch.repeat_interleave(torch.arange(w2.shape[0]), index.local_offsets.long().diff())
+    y64 = torch.einsum("sh,sdh->sd", act.double(), w2.double()[expert])
+    if b2 is not None:
+        y64 += b2.double()[expert]
+    out64 = (y64[index.token_index_map.long()] * tw.double()[..., None]).sum(1)
+    assert_close_to_reference("out", out, out64, out_em)
+    return rel_error(out, out_em), rel_error(out, out64)
+
+
+@pytest.mark.parametrize("T, d, h, E, K, routing", [
+    (64, 256, 128, 4, 2, "uniform"),       # whole blocks along h and d
+    (1, 256, 64, 4, 2, "uniform"),         # T = 1
+    (1, 200, 72, 4, 1, "uniform"),         # K = 1: scattered into out[token] with the router weight
+    (48, 200, 72, 5, 2, "empty_experts"),  # d, h not multiples of 128 (short blocks), empty experts
+    (80, 136, 160, 6, 3, "zipf"),          # skewed routing, h = 128 + 32
+])
+def test_f2_matches_emulation_and_reference(T, d, h, E, K, routing):
+    inp = make_expert_inputs(T, d, h, E, K, routing=routing)
+    _check_f2(inp, build_dispatch(inp["topk_ids"], E))
+
+
+@pytest.mark.parametrize("K", [1, 2])
+def test_f2_bias(K):
+    inp = make_expert_inputs(24, 160, 48, 3, K, bias=True)
+    _check_f2(inp, build_dispatch(inp["topk_ids"], 3), b2=inp["b_down"])
+
+
+def test_f2_errors_name_the_argument():
+    inp = make_expert_inputs(8, 128, 32, 2, 2)
+    index = build_dispatch(inp["topk_ids"], 2)
+    act = torch.randn(index.num_pairs, 32)
+    aq, wq = RECIPE.quantize_rows(act), RECIPE.quantize_weight(inp["w_down"], reduce_cols=True)
+    sched = with_schedule(index, tuning.block_m(index.num_pairs, 2)).schedule.tensors()
+    args = (index.local_offsets, index.expert_token_indices, sched)
+    y = torch.empty(index.num_pairs, 128)
+    with pytest.raises(TypeError, match="act must be float8_e4m3fn"):
+        fp8_down_slots(act, aq.scale, wq.data, wq.scale, *args, y)
+    with pytest.raises(ValueError, match="act has 3 rows"):
+        fp8_down_slots(aq.data[:3], aq.scale[:3], wq.data, wq.scale, *args, y)
+    with pytest.raises(ValueError, match="c must be"):
+        fp8_down_slots(aq.data, aq.scale, wq.data, wq.scale, *args, y[:, :64])
+    with pytest.raises(ValueError, match="scale must be fp32"):
+        fp8_down_slots(aq.data, aq.scale, wq.data, wq.scale, *args, y, scale=torch.ones(3))
+    with pytest.raises(ValueError, match="blockwise tiles"):
+        down_forward_fp8(aq, Float8Recipe("rowwise").quantize_weight(inp["w_down"], True), inp["topk_weights"], index)

@@ -29,12 +29,14 @@ from torch import Tensor
 from ..activations import DEFAULT_ACT, GATED, ActArgs, check_activation
 from ..dispatch import DispatchIndex, with_schedule
 from ..fp8 import E4M3, Float8Tensor
+from ..shared_ops import slot_weights
 from . import direct, tuning
 from .act_math import ACTIVATION_CODES
-from .grouped_gemm import _epilogue_act_fwd, tile_of
+from .combine import gather_sum
+from .grouped_gemm import _epilogue_act_fwd, _epilogue_plain, tile_of
 from .tuning import cdiv
 
-__all__ = ["fp8_up_forward", "up_forward_fp8", "FP8_GEMM_CONFIG"]
+__all__ = ["fp8_up_forward", "up_forward_fp8", "fp8_down_slots", "down_forward_fp8", "FP8_GEMM_CONFIG"]
 
 # Fixed launch configuration (not tuned yet: GPU work). The interpreter's is small so the tests stay fast; the
 # GPU's is DeepGEMM's usual FP8 tile (128-wide N, one 128-deep scale block per K step).
@@ -132,6 +134,53 @@ def fp8_up_kernel(
             alpha=alpha, limit=limit, stride_pre_m=stride_pre_m, stride_act_m=stride_act_m,
             stride_bias_e=stride_bias_e, ACTIVATION=ACTIVATION, DUAL=DUAL, STORE_PRE=STORE_PRE,
             STORE_ACT=STORE_ACT, HAS_BIAS=HAS_BIAS, PRE_STEP=1, TF32_ACT=False,
+        )
+
+
+@triton.jit
+def fp8_down_kernel(
+    a_ptr,  # [N, K_DIM] e4m3 act in slot order, unit column stride
+    as_ptr,  # [N, cdiv(K_DIM, BLOCK_K)] fp32 scales of act's 1 x BLOCK_K tiles
+    w_ptr,  # [E, N_COLS, K_DIM] e4m3 w_down [E, d, h], unit stride along K_DIM = h
+    ws_ptr,  # [E, cdiv(N_COLS, BLOCK_K), cdiv(K_DIM, BLOCK_K)] fp32 scales of its BLOCK_K x BLOCK_K blocks
+    c_ptr,  # [N, N_COLS] y (slot rows) or [T, N_COLS] out (SCATTER_C: K = 1), unit column stride
+    scale_ptr,  # [N] fp32 router weight of each slot (SCALE_C)
+    bias_ptr,  # [E, N_COLS] bias (HAS_BIAS); else a dummy
+    offsets_ptr,  # [E+1] int32 expert_token_offsets
+    indices_ptr,  # [N] int32 expert_token_indices (slot -> token: SCATTER_C)
+    tile_expert_ptr,  # [max_tiles] int32 expert of each M-tile
+    tile_row_ptr,  # [max_tiles] int32 first slot of each M-tile
+    num_tiles_ptr,  # [1] int32 valid M-tiles
+    max_tiles, N_COLS, K_DIM,  # N_COLS: d, K_DIM: h
+    stride_a_m, stride_as_m, stride_w_e, stride_w_n, stride_ws_e, stride_ws_n, stride_c_m, stride_bias_e,
+    SCATTER_C: tl.constexpr, SCALE_C: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    # F2 y = act W_down[e]^T: as fp8_up_kernel without the gather; the 16-bit kernel's plain epilogue (bias,
+    # router weight, scatter to out[token] when K = 1).
+    num_n = tl.cdiv(N_COLS, BLOCK_N)
+    pid_m, pid_n = tile_of(tl.program_id(0), max_tiles, num_n, GROUP_M)
+    if pid_m < tl.load(num_tiles_ptr):
+        e = tl.load(tile_expert_ptr + pid_m)
+        row_end = tl.load(offsets_ptr + e + 1)
+        slots = tl.load(tile_row_ptr + pid_m) + tl.arange(0, BLOCK_M)
+        row_mask = slots < row_end
+        rows = tl.minimum(slots, row_end - 1).to(tl.int64)
+        tokens = rows
+        if SCATTER_C:
+            tokens = tl.load(indices_ptr + rows).to(tl.int64)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < N_COLS
+        acc, _ = _fp8_mainloop(
+            a_ptr=a_ptr, a_scale_ptr=as_ptr, b_ptr=w_ptr, b_scale_ptr=ws_ptr, a_rows=rows, e=e, offs_n=offs_n,
+            n_mask=n_mask, UP_OFF=0, K_DIM=K_DIM, stride_a_m=stride_a_m, stride_a_scale_m=stride_as_m,
+            stride_b_e=stride_w_e, stride_b_n=stride_w_n, stride_b_scale_e=stride_ws_e, stride_b_scale_n=stride_ws_n,
+            DUAL=False, EVEN_K=EVEN_K, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+        )
+        _epilogue_plain(
+            c_ptr=c_ptr, scale_ptr=scale_ptr, bias_ptr=bias_ptr, acc=acc, e=e, rows=rows, tokens=tokens,
+            mask=row_mask[:, None] & n_mask[None, :], offs_n=offs_n, n_mask=n_mask, stride_c_m=stride_c_m,
+            stride_bias_e=stride_bias_e, SCATTER_C=SCATTER_C, SCALE_C=SCALE_C, HAS_BIAS=HAS_BIAS,
         )
 
 
@@ -257,3 +306,70 @@ def up_forward_fp8(xq: Float8Tensor, w1q: Float8Tensor, index: DispatchIndex, ac
                               store_act=store_act, out_dtype=out_dtype, bias=b1, alpha=act_args.alpha,
                               limit=act_args.limit, block=B)
     return (pre if store_pre else None), (act if store_act else None)
+
+
+def fp8_down_slots(aq: Tensor, a_scale: Tensor, wq: Tensor, w_scale: Tensor, offsets: Tensor, indices: Tensor,
+                   sched: tuple[Tensor, Tensor, Tensor], c: Tensor, *, scatter: bool = False,
+                   scale: Tensor | None = None, bias: Tensor | None = None, block: int = 128) -> None:
+    """Launch :func:`fp8_down_kernel` into ``c``: F2 ``c[s] = (act[s] W2[e]^T + bias[e]) (* scale[s])`` from e4m3
+    ``aq [N, h]`` (scales ``a_scale [N, ceil(h/block)]``) and ``wq [E, d, h]`` (scales
+    ``w_scale [E, ceil(d/block), ceil(h/block)]``); ``c [N, d]``, or ``[T, d]`` at rows ``token(s)`` with
+    ``scatter`` (K = 1), unit column stride, fp16/bf16/fp32. Raises as :func:`fp8_up_forward`."""
+    op = "fp8_down_slots"
+    _check_operands(op, ("act", "w2"), aq, a_scale, wq, w_scale, block)
+    E, d, h = wq.shape
+    N = indices.numel()
+    if aq.shape[0] != N:
+        raise ValueError(f"{op}: act has {aq.shape[0]} rows; the index has {N} slots")
+    if c.dim() != 2 or c.shape[1] != d or not _unit_last(c) or (not scatter and c.shape[0] != N):
+        raise ValueError(f"{op}: c must be [{'T' if scatter else N}, {d}] with unit column stride, got "
+                         f"{tuple(c.shape)} strides {c.stride()}")
+    if scale is not None and (scale.dtype != torch.float32 or tuple(scale.shape) != (N,)):
+        raise ValueError(f"{op}: scale must be fp32 [{N}], got {scale.dtype} {tuple(scale.shape)}")
+    bm = _launch_checks(op, c.dtype, offsets, E, N, sched, bias, d)
+    if N == 0 or d == 0:
+        return
+    max_tiles, cfg = sched[0].numel(), _config()
+    bias_t = bias if bias is not None else offsets  # dummy pointers for the flags that are off
+    direct.launch(fp8_down_kernel, (max_tiles * cdiv(d, cfg["BLOCK_N"]),),
+        a_ptr=aq, as_ptr=a_scale, w_ptr=wq, ws_ptr=w_scale, c_ptr=c, scale_ptr=scale if scale is not None else offsets,
+        bias_ptr=bias_t, offsets_ptr=offsets, indices_ptr=indices, tile_expert_ptr=sched[0], tile_row_ptr=sched[1],
+        num_tiles_ptr=sched[2], max_tiles=max_tiles, N_COLS=d, K_DIM=h, stride_a_m=aq.stride(0),
+        stride_as_m=a_scale.stride(0), stride_w_e=wq.stride(0), stride_w_n=wq.stride(1), stride_ws_e=w_scale.stride(0),
+        stride_ws_n=w_scale.stride(1), stride_c_m=c.stride(0), stride_bias_e=bias_t.stride(0),
+        SCATTER_C=scatter, SCALE_C=scale is not None, HAS_BIAS=bias is not None, EVEN_K=h % block == 0,
+        BLOCK_M=bm, BLOCK_K=block, **cfg,
+    )
+
+
+def down_forward_fp8(actq: Float8Tensor, w2q: Float8Tensor, topk_weights: Tensor, index: DispatchIndex, *,
+                     b2: Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16) -> Tensor:
+    """F2-F3 of the FP8 path: ``out[t] = sum_k topk_weights[t, k] (act W2[e]^T + b2[e])[map[t, k]]`` in
+    ``out_dtype``, from the blockwise-quantized ``actq`` (``recipe.quantize_rows(act)``, ``[N, h]``) and ``w2q``
+    (``recipe.quantize_weight(w2, reduce_cols=True)``, ``[E, d, h]``) — what :func:`moeblaze.ops_fp8.down_forward`
+    emulates. The slot rows ``y`` are fp32 (the combine sums them in fp32); K = 1 writes ``w * y`` straight into
+    ``out[token]``. Top-k indices only (general routing's CSR pairs: not yet).
+
+    Raises:
+        ValueError: tiles other than the blockwise recipe's, a general-routing index, or the launcher's errors.
+    """
+    B = actq.block[1]
+    if actq.block != (1, B) or w2q.block != (B, B):
+        raise ValueError(f"down_forward_fp8: blockwise tiles expected, act in (1, B) and w2 in (B, B); got "
+                         f"{actq.block} and {w2q.block} (the rowwise recipe has no kernel yet)")
+    if index.pair_offsets is not None:
+        raise ValueError("down_forward_fp8: a general-routing index (pair_offsets) has no FP8 kernel yet")
+    sched = with_schedule(index, tuning.block_m(index.num_pairs, index.num_experts)).schedule.tensors()
+    T, K = index.token_index_map.shape
+    d = w2q.data.shape[1]
+    args = (actq.data, actq.scale, w2q.data, w2q.scale, index.local_offsets, index.expert_token_indices, sched)
+    if K == 1:  # no [N, d] buffer and no combine; tokens of foreign experts are never written: zeros
+        new = actq.data.new_zeros if index.foreign_experts else actq.data.new_empty
+        out = new(T, d, dtype=out_dtype)
+        w = slot_weights(topk_weights, index.token_index_map, torch.float32)
+        fp8_down_slots(*args, out, scatter=True, scale=w, bias=b2, block=B)
+        return out
+    y = actq.data.new_empty(index.num_pairs, d, dtype=torch.float32)
+    fp8_down_slots(*args, y, bias=b2, block=B)
+    local = index.local_offsets[-1:] if index.foreign_experts else None
+    return gather_sum(y, index.token_index_map, topk_weights, out_dtype, local)
