@@ -1,4 +1,4 @@
-"""FP8 grouped GEMM of the up-projection F1 under the blockwise recipe (DESIGN.md §8, issue 59).
+"""FP8 grouped GEMMs of the forward, F1 and F2, under the blockwise recipe (DESIGN.md §8, issue 59).
 
 ``pre[s] = x[token(s)] W1[e(s)]^T`` over the dispatch index's slots and ``act = f(pre)`` in the epilogue, as
 :func:`moeblaze.kernels.grouped_gemm.grouped_gemm_kernel` computes F1 in 16 bits, but from e4m3 operands:
@@ -15,8 +15,13 @@ not a multiple of B) is right, and ``BLOCK_N`` need not divide B. Gather fused i
 read through ``expert_token_indices``; no gathered copy), as in the 16-bit kernel. A short last K block reads
 zeros past ``d`` (masked loads): its scale is the padded block's, the one :func:`moeblaze.fp8.quantize_fp8` gives.
 
-Not yet here (they need a GPU to test): quantization of ``act`` / ``pre`` in this epilogue (the interpreter's
-casts to e4m3 are wrong, DESIGN.md §7), TMA reads of the weight, autotuned tiles, interleaved ``w_gate_up``.
+F2 (:func:`fp8_down_kernel`) is the same main loop on ``act [N, h]`` e4m3 in slot order (no gather) and
+``W2 [E, d, h]``, with the 16-bit kernel's plain epilogue (bias, router weight, scatter to ``out[token]`` when
+K = 1); for K > 1 the fp32 slot rows go through the fp32 combine (:func:`moeblaze.kernels.combine.gather_sum`).
+
+Neither is wired into autograd or the layer yet. Not yet here (they need a GPU to test): quantization of
+``act`` / ``pre`` in F1's epilogue (the interpreter's casts to e4m3 are wrong, DESIGN.md §7), TMA reads of the
+weight, autotuned tiles, a persistent launch, interleaved ``w_gate_up``, general routing, column chunks of F2's ``[N, d]`` buffer.
 """
 
 from __future__ import annotations
