@@ -21,7 +21,8 @@ K = 1); for K > 1 the fp32 slot rows go through the fp32 combine (:func:`moeblaz
 
 Neither is wired into autograd or the layer yet. Not yet here (they need a GPU to test): quantization of
 ``act`` / ``pre`` in F1's epilogue (the interpreter's casts to e4m3 are wrong, DESIGN.md §7), TMA reads of the
-weight, autotuned tiles, a persistent launch, interleaved ``w_gate_up``, general routing, column chunks of F2's ``[N, d]`` buffer.
+weight, autotuned tiles, a persistent launch, interleaved ``w_gate_up``, general routing, column chunks of
+F2's ``[N, d]`` buffer.
 """
 
 from __future__ import annotations
