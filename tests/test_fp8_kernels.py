@@ -1,0 +1,210 @@
+"""The FP8 Triton kernels (``moeblaze.kernels.fp8_gemm``) against the PyTorch emulation of the same recipe
+(``moeblaze.ops_fp8``: equal up to the order of fp32 sums) and the float64 reference under DESIGN.md §7's rule.
+
+Operands are quantized with torch (``moeblaze.fp8``): the interpreter's in-kernel casts to e4m3 are wrong
+(DESIGN.md §7), while its e4m3 loads and ``tl.dot`` on them are exact. Outputs are fp32 in the interpreter, where
+``tl.dot`` results feed a bf16 store through a path that the GPU tests, not this file.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moeblaze import build_dispatch, ops_fp8
+from moeblaze.activations import DEFAULT_ACT
+from moeblaze.dispatch import with_schedule
+from moeblaze.fp8 import E4M3, Float8Recipe
+from moeblaze.kernels import fp8_gemm, tuning
+from moeblaze.kernels.fp8_gemm import down_forward_fp8, fp8_down_slots, fp8_up_forward, up_forward_fp8
+from moeblaze.reference import act_reference
+from moeblaze.testing import assert_close_to_reference, make_expert_inputs, rel_error
+
+RECIPE = Float8Recipe("blockwise")
+# Agreement with the emulation: both sum the same fp32 products of exact e4m3 values, in another order.
+FP32_SUM_TOL = 1e-5
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Small matmuls on a shared 2-core machine: threads only contend."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _f1_case(T, d, h, E, K, activation="swiglu", routing="uniform", zero_blocks=False, bias=False):
+    inp = make_expert_inputs(T, d, h, E, K, activation, routing=routing, bias=bias)
+    x, w1 = inp["x"], inp["w_gate_up"]
+    if zero_blocks:  # a tile of x and a block of w1 all zeros: their scale is 1 (never 0/0)
+        x[0, :128] = 0.0
+        w1[0, :128, :128] = 0.0
+    index = build_dispatch(inp["topk_ids"], E)
+    return inp, x, w1, index
+
+
+def _kernel_f1(x, w1, index, activation, out_dtype=torch.float32, b1=None):
+    xq, wq = RECIPE.quantize_rows(x), RECIPE.quantize_weight(w1, reduce_cols=True)
+    return up_forward_fp8(xq, wq, index, activation, out_dtype=out_dtype, b1=b1), xq
+
+
+def _check_f1(x, w1, index, activation, b1=None):
+    """The kernel's (pre, act) against the emulation (fp32 sums) and the float64 reference (§7 rule); returns
+    the relative errors (emulation, reference) of pre."""
+    (pre, act), xq = _kernel_f1(x, w1, index, activation, b1=b1)
+    pre_em, act_em = ops_fp8.up_forward(RECIPE, xq, w1, index, activation, b1=b1)
+    scale = pre_em.abs().max().clamp_min(1e-30)
+    assert float((pre - pre_em).abs().max() / scale) <= FP32_SUM_TOL
+    assert float((act - act_em).abs().max() / act_em.abs().max().clamp_min(1e-30)) <= FP32_SUM_TOL
+    tokens = index.expert_token_indices.long()
+    expert = torch.repeat_interleave(torch.arange(w1.shape[0]), index.local_offsets.long().diff())
+    pre64 = torch.einsum("sd,snd->sn", x.double()[tokens], w1.double()[expert])
+    if b1 is not None:
+        pre64 += b1.double()[expert]
+    # the exact GEMM of the dequantized operands: the kernel differs by its fp32 sums only
+    wq = RECIPE.quantize_weight(w1, reduce_cols=True)
+    deq64 = torch.einsum("sd,snd->sn", xq.dequantize().double()[tokens], wq.dequantize().double()[expert])
+    if b1 is not None:
+        deq64 += b1.double()[expert]
+    assert rel_error(pre, deq64) <= FP32_SUM_TOL / 10
+    assert_close_to_reference("pre", pre, pre64, pre_em)
+    assert_close_to_reference("act", act, act_reference(activation, pre64), act_em)
+    return rel_error(pre, pre_em), rel_error(pre, pre64)
+
+
+@pytest.mark.parametrize("T, d, h, E, K, routing", [
+    (64, 256, 64, 4, 2, "uniform"),        # whole 128 blocks along d and 2h
+    (1, 256, 64, 4, 2, "uniform"),         # T = 1: one row in one tile per expert, the rest empty
+    (48, 200, 72, 5, 2, "empty_experts"),  # d, 2h not multiples of 128: short last blocks; empty experts
+    (80, 136, 40, 6, 3, "zipf"),           # skewed routing: one expert takes most slots (several M tiles)
+])
+def test_f1_matches_emulation_and_reference(T, d, h, E, K, routing):
+    _check_f1(*_f1_case(T, d, h, E, K, routing=routing)[1:], "swiglu")
+
+
+def test_f1_zero_blocks_get_scale_one():
+    _, x, w1, index = _f1_case(16, 256, 64, 2, 2, zero_blocks=True)
+    xq, wq = RECIPE.quantize_rows(x), RECIPE.quantize_weight(w1, reduce_cols=True)
+    assert xq.scale[0, 0] == 1.0 and wq.scale[0, 0, 0] == 1.0
+    _check_f1(x, w1, index, "swiglu")
+
+
+def test_f1_outliers_and_values_near_448():
+    """A 30x outlier channel costs precision in its 128-wide tile only; each block's largest element lands on
+    e4m3's largest value, 448."""
+    _, x, w1, index = _f1_case(32, 256, 64, 3, 2)
+    x[:, 5] *= 30.0
+    w1[1, 7, 200] = 4.0 * w1[1].abs().max()  # its block's amax: it lands on 448
+    xq, wq = RECIPE.quantize_rows(x), RECIPE.quantize_weight(w1, reduce_cols=True)
+    assert xq.data.float().abs().max() == 448.0 and wq.data.float().abs().max() == 448.0
+    _check_f1(x, w1, index, "swiglu")
+
+
+@pytest.mark.parametrize("activation", ["gelu", "swiglu_clamped"])
+def test_f1_other_activations_and_bias(activation):
+    inp, x, w1, index = _f1_case(24, 160, 48, 3, 2, activation=activation, bias=True)
+    _check_f1(x, w1, index, activation, b1=inp["b_gate_up"])
+
+
+def test_f1_store_flags_and_fp16_output():
+    _, x, w1, index = _f1_case(20, 128, 32, 3, 2)
+    xq, wq = RECIPE.quantize_rows(x), RECIPE.quantize_weight(w1, reduce_cols=True)
+    pre32, act32 = up_forward_fp8(xq, wq, index, "swiglu", out_dtype=torch.float32)
+    pre16, none = up_forward_fp8(xq, wq, index, "swiglu", store_act=False, out_dtype=torch.float16)
+    none2, act16 = up_forward_fp8(xq, wq, index, "swiglu", store_pre=False, out_dtype=torch.float16)
+    assert none is None and none2 is None and pre16.dtype == act16.dtype == torch.float16
+    # fp16 rounding of the same fp32 sums (act from the rounded pre, as the 16-bit kernel does)
+    torch.testing.assert_close(pre16.float(), pre32, rtol=2**-10, atol=1e-6)
+    torch.testing.assert_close(act16.float(), act32, rtol=2 * 2**-10, atol=1e-5)
+
+
+def test_f1_no_slots():
+    _, x, w1, _ = _f1_case(4, 128, 32, 3, 1)
+    index = build_dispatch(torch.empty(0, 1, dtype=torch.int32), 3)
+    pre, act = up_forward_fp8(RECIPE.quantize_rows(x[:0]), RECIPE.quantize_weight(w1, True), index, "swiglu")
+    assert pre.shape == (0, 64) and act.shape == (0, 32)
+
+
+def test_f1_errors_name_the_argument():
+    _, x, w1, index = _f1_case(8, 128, 32, 2, 1)
+    xq, wq = RECIPE.quantize_rows(x), RECIPE.quantize_weight(w1, reduce_cols=True)
+    sched = with_schedule(index, tuning.block_m(index.num_pairs, 2)).schedule.tensors()
+    args = (index.local_offsets, index.expert_token_indices, sched)
+    kw = dict(activation="swiglu", store_pre=True, store_act=True, out_dtype=torch.float32)
+    with pytest.raises(TypeError, match="x must be float8_e4m3fn"):
+        fp8_up_forward(x, xq.scale, wq.data, wq.scale, *args, **kw)
+    with pytest.raises(ValueError, match="x_scale must be"):
+        fp8_up_forward(xq.data, xq.scale[:, :0], wq.data, wq.scale, *args, **kw)
+    with pytest.raises(ValueError, match="w1_scale must be"):
+        fp8_up_forward(xq.data, xq.scale, wq.data, wq.scale[:1], *args, **kw)
+    with pytest.raises(TypeError, match="w1_scale must be fp32"):
+        fp8_up_forward(xq.data, xq.scale, wq.data, wq.scale.double(), *args, **kw)
+    with pytest.raises(ValueError, match="reduces over"):
+        fp8_up_forward(xq.data[:, :64], xq.scale, wq.data, wq.scale, *args, **kw)
+    with pytest.raises(TypeError, match="out_dtype"):
+        fp8_up_forward(xq.data, xq.scale, wq.data, wq.scale, *args, **{**kw, "out_dtype": torch.float64})
+    with pytest.raises(ValueError, match="blockwise tiles"):
+        up_forward_fp8(xq, Float8Recipe("rowwise").quantize_weight(w1, True), index, "swiglu")
+    with pytest.raises(ValueError, match="interleaved"):
+        up_forward_fp8(xq, wq, index, "swiglu", act_args=DEFAULT_ACT._replace(interleaved=True))
+    assert xq.data.dtype == E4M3 and fp8_gemm.FP8_GEMM_CONFIG["BLOCK_N"] % 16 == 0
+
+
+# ----------------------------------------------------------------------------- F2-F3
+
+def _check_f2(inp, index, b2=None):
+    """F2-F3 from the emulation's act (fp32, quantized here): against ops_fp8.down_forward (fp32 sums) and the
+    float64 reference of the same act (§7 rule); returns the relative errors (emulation, reference)."""
+    x, w2, tw = inp["x"], inp["w_down"], inp["topk_weights"]
+    xq = RECIPE.quantize_rows(x)
+    _, act = ops_fp8.up_forward(RECIPE, xq, inp["w_gate_up"], index, "swiglu")
+    actq, w2q = RECIPE.quantize_rows(act), RECIPE.quantize_weight(w2, reduce_cols=True)
+    out = down_forward_fp8(actq, w2q, tw, index, b2=b2, out_dtype=torch.float32)
+    out_em = ops_fp8.down_forward(RECIPE, act, w2, tw, index, b2=b2)
+    assert float((out - out_em).abs().max() / out_em.abs().max()) <= FP32_SUM_TOL
+    expert = torch.repeat_interleave(torch.arange(w2.shape[0]), index.local_offsets.long().diff())
+    y64 = torch.einsum("sh,sdh->sd", act.double(), w2.double()[expert])
+    if b2 is not None:
+        y64 += b2.double()[expert]
+    out64 = (y64[index.token_index_map.long()] * tw.double()[..., None]).sum(1)
+    assert_close_to_reference("out", out, out64, out_em)
+    return rel_error(out, out_em), rel_error(out, out64)
+
+
+@pytest.mark.parametrize("T, d, h, E, K, routing", [
+    (64, 256, 128, 4, 2, "uniform"),       # whole blocks along h and d
+    (1, 256, 64, 4, 2, "uniform"),         # T = 1
+    (1, 200, 72, 4, 1, "uniform"),         # K = 1: scattered into out[token] with the router weight
+    (48, 200, 72, 5, 2, "empty_experts"),  # d, h not multiples of 128 (short blocks), empty experts
+    (80, 136, 160, 6, 3, "zipf"),          # skewed routing, h = 128 + 32
+])
+def test_f2_matches_emulation_and_reference(T, d, h, E, K, routing):
+    inp = make_expert_inputs(T, d, h, E, K, routing=routing)
+    _check_f2(inp, build_dispatch(inp["topk_ids"], E))
+
+
+@pytest.mark.parametrize("K", [1, 2])
+def test_f2_bias(K):
+    inp = make_expert_inputs(24, 160, 48, 3, K, bias=True)
+    _check_f2(inp, build_dispatch(inp["topk_ids"], 3), b2=inp["b_down"])
+
+
+def test_f2_errors_name_the_argument():
+    inp = make_expert_inputs(8, 128, 32, 2, 2)
+    index = build_dispatch(inp["topk_ids"], 2)
+    act = torch.randn(index.num_pairs, 32)
+    aq, wq = RECIPE.quantize_rows(act), RECIPE.quantize_weight(inp["w_down"], reduce_cols=True)
+    sched = with_schedule(index, tuning.block_m(index.num_pairs, 2)).schedule.tensors()
+    args = (index.local_offsets, index.expert_token_indices, sched)
+    y = torch.empty(index.num_pairs, 128)
+    with pytest.raises(TypeError, match="act must be float8_e4m3fn"):
+        fp8_down_slots(act, aq.scale, wq.data, wq.scale, *args, y)
+    with pytest.raises(ValueError, match="act has 3 rows"):
+        fp8_down_slots(aq.data[:3], aq.scale[:3], wq.data, wq.scale, *args, y)
+    with pytest.raises(ValueError, match="c must be"):
+        fp8_down_slots(aq.data, aq.scale, wq.data, wq.scale, *args, y[:, :64])
+    with pytest.raises(ValueError, match="scale must be fp32"):
+        fp8_down_slots(aq.data, aq.scale, wq.data, wq.scale, *args, y, scale=torch.ones(3))
+    with pytest.raises(ValueError, match="blockwise tiles"):
+        down_forward_fp8(aq, Float8Recipe("rowwise").quantize_weight(inp["w_down"], True), inp["topk_weights"], index)
