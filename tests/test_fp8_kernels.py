@@ -3,10 +3,13 @@
 
 Operands are quantized with torch (``moeblaze.fp8``): the interpreter's in-kernel casts to e4m3 are wrong
 (DESIGN.md §7), while its e4m3 loads and ``tl.dot`` on them are exact. Outputs are fp32 in the interpreter, where
-``tl.dot`` results feed a bf16 store through a path that the GPU tests, not this file.
+``tl.dot`` results feed a bf16 store through a path that only the GPU tests (``-m gpu``, bf16 on the device) run;
+on a CUDA host the interpreter tests skip.
 """
 
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
@@ -25,9 +28,21 @@ RECIPE = Float8Recipe("blockwise")
 FP32_SUM_TOL = 1e-5
 
 
+HAS_CUDA = torch.cuda.is_available()
+pytestmark = pytest.mark.skipif(not HAS_CUDA and os.environ.get("TRITON_INTERPRET") != "1",
+                                reason="Triton kernels need CUDA or TRITON_INTERPRET=1")
+# bf16 outputs against the fp32 emulation: the kernel's store and the emulation's bf16 GEMM each round once (2^-9
+# of a value); the sums' order adds far less. Measured 2.5e-3 to 3.6e-3 of the largest output on an H200
+# (docs/results-fp8-kernels.csv, python3 benchmarks/bench_fp8_kernels.py).
+BF16_OUT_TOL = 2.0 ** -7
+
+
 @pytest.fixture(autouse=True)
-def one_thread():
-    """Small matmuls on a shared 2-core machine: threads only contend."""
+def one_thread(request):
+    """Small matmuls on a shared 2-core machine: threads only contend. The interpreter's tests build CPU tensors:
+    on a CUDA host only the ``gpu`` ones run."""
+    if HAS_CUDA and "gpu" not in request.keywords:
+        pytest.skip("an interpreter test (CPU tensors); the gpu tests run the kernels on the device")
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
@@ -208,3 +223,33 @@ def test_f2_errors_name_the_argument():
         fp8_down_slots(aq.data, aq.scale, wq.data, wq.scale, *args, y, scale=torch.ones(3))
     with pytest.raises(ValueError, match="blockwise tiles"):
         down_forward_fp8(aq, Float8Recipe("rowwise").quantize_weight(inp["w_down"], True), inp["topk_weights"], index)
+
+
+# ----------------------------------------------------------------------------- GPU (bf16)
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T, d, h, E, K, routing", [
+    (512, 256, 128, 8, 2, "uniform"),
+    (300, 200, 72, 5, 2, "empty_experts"),  # short scale blocks along d and h
+    (1, 256, 64, 4, 1, "uniform"),         # T = 1, K = 1: F2 scatters into out[token]
+    (2048, 512, 384, 16, 4, "zipf"),       # several tiles per expert, skewed
+])
+def test_gpu_bf16_f1_f2_match_emulation_and_reference(T, d, h, E, K, routing):
+    inp = make_expert_inputs(T, d, h, E, K, dtype=torch.bfloat16, device="cuda", routing=routing)
+    x, w1, w2, tw = inp["x"], inp["w_gate_up"], inp["w_down"], inp["topk_weights"]
+    index = build_dispatch(inp["topk_ids"], E)
+    xq = RECIPE.quantize_rows(x)
+    pre, act = up_forward_fp8(xq, RECIPE.quantize_weight(w1, reduce_cols=True), index, "swiglu")
+    pre_em, act_em = ops_fp8.up_forward(RECIPE, xq, w1, index, "swiglu")
+    assert pre.dtype == act.dtype == torch.bfloat16
+    assert rel_error(pre, pre_em) <= BF16_OUT_TOL and rel_error(act, act_em) <= BF16_OUT_TOL
+    tokens = index.expert_token_indices.long()
+    expert = torch.repeat_interleave(torch.arange(E, device="cuda"), index.local_offsets.long().diff())
+    pre64 = torch.einsum("sd,snd->sn", x.double()[tokens], w1.double()[expert])
+    assert_close_to_reference("pre", pre, pre64, pre_em)
+    out = down_forward_fp8(RECIPE.quantize_rows(act), RECIPE.quantize_weight(w2, reduce_cols=True), tw, index)
+    out_em = ops_fp8.down_forward(RECIPE, act, w2, tw, index)
+    assert out.dtype == torch.bfloat16 and rel_error(out, out_em) <= BF16_OUT_TOL
+    y64 = torch.einsum("sh,sdh->sd", act_reference("swiglu", pre64), w2.double()[expert])
+    out64 = (y64[index.token_index_map.long()] * tw.double()[..., None]).sum(1)
+    assert_close_to_reference("out", out, out64, out_em)

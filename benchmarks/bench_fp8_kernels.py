@@ -1,0 +1,104 @@
+"""The FP8 forward kernels F1 and F2-F3 (``moeblaze.kernels.fp8_gemm``, blockwise e4m3) against the bf16 ones.
+
+Per shape (T, d, h, E, K; uniform top-k routing, SwiGLU, bf16 inputs from ``moeblaze.testing.make_expert_inputs``):
+the largest difference of each FP8 kernel's output from the PyTorch emulation of the same recipe
+(``moeblaze.ops_fp8``: the same e4m3 operands and scales, fp32 sums; relative to the largest output, so the bf16
+rounding of the stored output is what remains), how far FP8's ``pre`` lies from the bf16 kernel's (the recipe's own
+rounding), and the median time of each kernel (``triton.testing.do_bench``; quantization of the operands not timed)
+with its TFLOP/s (F1 4·N·d·h, F2 2·N·d·h, N = T·K). Both kernels run in this process on the same inputs.
+
+Usage (a GPU of sm90 or newer): python3 benchmarks/bench_fp8_kernels.py [--configs small,qwen3-30b-a3b] [--out F.csv]
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import sys
+from pathlib import Path
+
+import torch
+import triton
+
+from moeblaze import build_dispatch, ops_fp8
+from moeblaze.bench.results import git_commit
+from moeblaze.fp8 import Float8Recipe
+from moeblaze.kernels import experts as bf16_kernels
+from moeblaze.kernels.fp8_gemm import down_forward_fp8, up_forward_fp8
+from moeblaze.testing import make_expert_inputs
+
+CONFIGS = {  # name: (T, d, h, E, K)
+    "small": (512, 256, 128, 8, 2),
+    "odd": (300, 200, 72, 5, 2),  # d and h not multiples of the 128-wide scale blocks
+    "qwen3-30b-a3b": (16384, 2048, 768, 128, 8),
+    "olmoe-1b-7b": (16384, 2048, 1024, 64, 8),
+    "deepseek-v3": (16384, 7168, 2048, 256, 8),
+}
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30))
+
+
+def measure(name: str, recipe: Float8Recipe) -> dict:
+    """One shape's row (see the module docstring)."""
+    T, d, h, E, K = CONFIGS[name]
+    inp = make_expert_inputs(T, d, h, E, K, dtype=torch.bfloat16, device="cuda", seed=0)
+    x, w1, w2, tw = inp["x"], inp["w_gate_up"], inp["w_down"], inp["topk_weights"]
+    index = build_dispatch(inp["topk_ids"], E)
+    xq, w1q, w2q = recipe.quantize_rows(x), recipe.quantize_weight(w1, True), recipe.quantize_weight(w2, True)
+    pre, act = up_forward_fp8(xq, w1q, index, "swiglu")
+    pre_em, _ = ops_fp8.up_forward(recipe, xq, w1, index, "swiglu")
+    actq = recipe.quantize_rows(act)
+    out = down_forward_fp8(actq, w2q, tw, index)
+    out_em = ops_fp8.down_forward(recipe, act, w2, tw, index)
+    pre16, act16 = bf16_kernels.up_forward(x, w1, index, "swiglu", True, True)
+    times = {
+        "f1_fp8": lambda: up_forward_fp8(xq, w1q, index, "swiglu"),
+        "f1_bf16": lambda: bf16_kernels.up_forward(x, w1, index, "swiglu", True, True),
+        "f2_fp8": lambda: down_forward_fp8(actq, w2q, tw, index),
+        "f2_bf16": lambda: bf16_kernels.down_forward(act16, w2, tw, index),
+    }
+    ms = {k: triton.testing.do_bench(fn, warmup=50, rep=300) for k, fn in times.items()}
+    flop = {"f1": 4 * T * K * d * h, "f2": 2 * T * K * d * h}
+    row = {"config": name, "T": T, "d": d, "h": h, "E": E, "K": K, "recipe": recipe.granularity,
+           "f1_rel_err_vs_emulation": f"{_rel(pre, pre_em):.2e}", "f2_rel_err_vs_emulation": f"{_rel(out, out_em):.2e}",
+           "f1_rel_diff_vs_bf16": f"{_rel(pre, pre16):.2e}"}
+    for k, v in ms.items():
+        row[f"{k}_ms"] = f"{v:.4f}"
+        row[f"{k}_tflops"] = f"{flop[k[:2]] / v / 1e9:.0f}"
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated names [%(default)s]")
+    p.add_argument("--out", help="append the rows to this CSV (header written when new)")
+    args = p.parse_args(argv)
+    names = args.configs.split(",")
+    unknown = [n for n in names if n not in CONFIGS]
+    if unknown:
+        p.error(f"--configs: unknown {unknown}; known: {', '.join(CONFIGS)}")
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0):
+        p.error("needs a CUDA GPU of compute capability 9.0 or newer (e4m3 tensor cores)")
+    args_given = argv if argv is not None else sys.argv[1:]
+    meta = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
+            "device": torch.cuda.get_device_name(), "commit": git_commit(), "torch": torch.__version__,
+            "triton": triton.__version__,
+            "command": " ".join(["python3 benchmarks/bench_fp8_kernels.py", *args_given])}
+    for name in names:
+        row = {**meta, **measure(name, Float8Recipe("blockwise"))}
+        print(row, flush=True)
+        if args.out:
+            new = not Path(args.out).exists()
+            with open(args.out, "a", newline="") as f:
+                writer = csv.DictWriter(f, fieldnames=list(row))
+                if new:
+                    writer.writeheader()
+                writer.writerow(row)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
