@@ -27,6 +27,8 @@
 #   balance    issue 61: moeblaze train --preset 1b, $BALANCE_STEPS (1000) steps, auxiliary-loss-free (--expert-bias-rate
 #              1e-3 --aux-loss-coef 0) and with the Switch loss (0.01), then benchmarks/bench_balance.py -> balance.png,
 #              balance.txt and both metrics.csv (BALANCE_TIMEOUT per run, default 290 s: both runs within 10 minutes)
+#   fp8        the FP8 kernels: pytest -m gpu tests/test_fp8_kernels.py tests/test_fp8.py, then
+#              benchmarks/bench_fp8_kernels.py $FP8_ARGS -> fp8_kernels.csv (FP8_TIMEOUT, default 420 s)
 #   hf         benchmarks/bench_hf.py $HF_ARGS (default: the transformers Qwen3-MoE with grouped_mm, SonicMoE and
 #              moeblaze, 150 steps; e.g. HF_ARGS="--impls grouped_mm,moeblaze --batch-size 32 --steps 20" for the
 #              peak memory at 32 x 2048 tokens per step), SonicMoE from .peers/ with its QuACK cache
@@ -143,6 +145,11 @@ for stage in "$@"; do
           bench --configs "${CHUNKS_CONFIGS:-qwen3-30b-a3b,olmoe-1b-7b,sonicmoe-7b}" --tokens "${CHUNKS_TOKENS:-65536}" \
           --impls moeblaze --target-s 0.5 --out "$LOGS/chunks_${spec/:/_}"
       done ;;
+    fp8)
+      MOEBLAZE_AUTOTUNE=0 run fp8_tests timeout "${TESTS_TIMEOUT:-420}" python3 -m pytest -m gpu -q -rfEs -p no:cacheprovider \
+        tests/test_fp8_kernels.py tests/test_fp8.py
+      # shellcheck disable=SC2086
+      run bench_fp8 timeout "${FP8_TIMEOUT:-420}" python3 benchmarks/bench_fp8_kernels.py ${FP8_ARGS:-} --out "$LOGS/fp8_kernels.csv" ;;
     rounding) run bench_rounding python3 benchmarks/bench_token_rounding.py rounding --out "$LOGS/rounding.csv" ;;
     hf)
       sonic_peers
