@@ -233,12 +233,17 @@ def check_weight_dtypes(x, w1, w2, autocast: bool) -> None:
             raise TypeError(f"{name} has dtype {t.dtype}; expected x's dtype {x.dtype}")
 
 
+def check_tokens(x: torch.Tensor) -> None:
+    """``x`` is a floating-point ``[T, d]`` tensor (the experts' tokens)."""
+    if not x.is_floating_point() or x.dim() != 2:
+        raise ValueError(f"x must be a floating-point tensor of shape [T, d], got {x.dtype} {tuple(x.shape)}")
+
+
 def _check_inputs(x, topk_ids, topk_weights, w1, w2, activation, save, autocast, index=None) -> None:
     check_activation(activation)
     if save not in SAVE_MODES:
         raise ValueError(f"save must be one of {SAVE_MODES}, got {save!r}")
-    if not x.is_floating_point() or x.dim() != 2:
-        raise ValueError(f"x must be a floating-point tensor of shape [T, d], got {x.dtype} {tuple(x.shape)}")
+    check_tokens(x)
     T, d = x.shape
     if w1.dim() != 3 or w2.dim() != 3:
         raise ValueError(f"w_gate_up and w_down must be rank 3, got {tuple(w1.shape)} and {tuple(w2.shape)}")
@@ -424,35 +429,43 @@ def moe_experts(
     _check_options(x, w_down, activation, b_gate_up, b_down, gate_up_interleaved, swiglu_alpha, swiglu_limit,
                    foreign_experts, index)
     E = w_down.shape[0]
-    if index is None:
-        index = get_backend(backend, x).plan(topk_ids, E, foreign_experts=foreign_experts)
-    elif index.num_experts != E or tuple(index.token_index_map.shape) != tuple(topk_ids.shape):
-        raise ValueError(f"index was built for E={index.num_experts}, [T, K]={tuple(index.token_index_map.shape)}; "
-                         f"expected E={E}, [T, K]={tuple(topk_ids.shape)}")
-    else:
+    if index is not None:
+        if index.num_experts != E or tuple(index.token_index_map.shape) != tuple(topk_ids.shape):
+            raise ValueError(f"index was built for E={index.num_experts}, [T, K]={tuple(index.token_index_map.shape)}; "
+                             f"expected E={E}, [T, K]={tuple(topk_ids.shape)}")
         check_index_matches(index, topk_ids)
+    chosen = get_backend(backend, x)  # resolved once: it plans the index and runs the ops
+    if index is None:
+        index = chosen.plan(topk_ids, E, foreign_experts=foreign_experts)
     act_args = ActArgs(float(swiglu_alpha), float(swiglu_limit), bool(gate_up_interleaved))
-    return run_experts(x, topk_weights, w_gate_up, w_down, b_gate_up, b_down, index, activation, save, backend,
+    return run_experts(x, topk_weights, w_gate_up, w_down, b_gate_up, b_down, index, activation, save, chosen,
                        act_args, input_grad, fp8)
 
 
 def run_experts(x: torch.Tensor, weights: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
                 b_gate_up: torch.Tensor | None, b_down: torch.Tensor | None, index: DispatchIndex, activation: str,
-                save: str, backend: str, act_args: ActArgs, input_grad: SharedInputGrad | None = None,
+                save: str, backend: Backend, act_args: ActArgs, input_grad: SharedInputGrad | None = None,
                 fp8: Float8Recipe | None = None) -> torch.Tensor:
-    """The autograd Functions over a checked index: shared by :func:`moe_experts` (``weights [T, K]``) and
-    :func:`moeblaze.general_routing.moe_experts_general` (``weights [P]``); inputs already validated.
-    ``input_grad``: ``x``'s gradient shared with the router (:mod:`moeblaze.input_grad`), or None.
-    ``fp8``: a recipe (:class:`_Float8Experts`), or None."""
-    chosen: Backend = get_backend(backend, x)
+    """The autograd Functions over a checked index: what :func:`moe_experts` (``weights [T, K]``),
+    :func:`moeblaze.general_routing.moe_experts_general` (``weights [P]``) and :class:`moeblaze.MoE` run after
+    their own checks. Nothing is checked or cast again here: ``x [T, d]`` is already in the compute dtype (the
+    autocast dtype under autocast, ``b_gate_up`` and ``b_down`` with it), the weights in it or the fp32 master
+    weights the Functions cast (:mod:`moeblaze.amp`), and ``backend`` the resolved :class:`Backend` (its
+    :func:`get_backend` of ``x``). ``input_grad``: ``x``'s gradient shared with the router
+    (:mod:`moeblaze.input_grad`), or None. ``fp8``: a recipe (:class:`_Float8Experts`), or None.
+
+    Raises:
+        TypeError, ValueError, NotImplementedError: ``fp8`` on a backend or dtype it cannot run
+            (:func:`moeblaze.fp8.check_fp8_backend`).
+    """
     if fp8 is not None:
-        check_fp8_backend(chosen.name, x.dtype, x.device)
-    index = chosen.scheduled(index)  # the GEMMs' tile schedule, built once for the ops (if not planned with it)
+        check_fp8_backend(backend.name, x.dtype, x.device)
+    index = backend.scheduled(index)  # the GEMMs' tile schedule, built once for the ops (if not planned with it)
     bm, idx = _index_args(index)
     if fp8 is not None:
         return _Float8Experts.apply(x, w_gate_up, b_gate_up, w_down, b_down, weights, fp8, save, activation,
                                     act_args, w_down.shape[0], bm, index.foreign_experts, input_grad, *idx)
-    common = (chosen, activation, act_args, w_down.shape[0], bm, index.foreign_experts)
+    common = (backend, activation, act_args, w_down.shape[0], bm, index.foreign_experts)
     if save == "input":
         return _ExpertsRecompute.apply(x, w_gate_up, b_gate_up, w_down, b_down, weights, *common, input_grad, *idx)
     pre, act = _UpProjection.apply(x, w_gate_up, b_gate_up, *common, input_grad, *idx)

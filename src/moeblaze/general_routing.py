@@ -109,12 +109,12 @@ def moe_experts_general(
             raise ValueError(f"{name} is on {t.device}; expected x's device {x.device}")
     T, E = x.shape[0], w_down.shape[0]
     check_pairs(token_idx, expert_idx, T, E, pair_weights, check_range=index is None, foreign_experts=foreign_experts)
-    if index is None:
-        index = get_backend(backend, x).plan_pairs(token_idx, expert_idx, T, E, validate=False,
-                                                   foreign_experts=foreign_experts)
-    elif (not index.is_general or index.num_experts != E or index.num_tokens != T
-          or index.num_pairs != token_idx.numel()):
+    if index is not None and (not index.is_general or index.num_experts != E or index.num_tokens != T
+                              or index.num_pairs != token_idx.numel()):
         raise ValueError(f"index must be a build_dispatch_pairs index for E={E}, T={T}, P={token_idx.numel()}")
+    chosen = get_backend(backend, x)  # resolved once: it plans the index and runs the ops
+    if index is None:
+        index = chosen.plan_pairs(token_idx, expert_idx, T, E, validate=False, foreign_experts=foreign_experts)
     act_args = ActArgs(float(swiglu_alpha), float(swiglu_limit), bool(gate_up_interleaved))
-    return run_experts(x, pair_weights, w_gate_up, w_down, b_gate_up, b_down, index, activation, save, backend,
+    return run_experts(x, pair_weights, w_gate_up, w_down, b_gate_up, b_down, index, activation, save, chosen,
                        act_args, input_grad, fp8)

@@ -8,12 +8,12 @@ import warnings
 import torch
 import torch.nn as nn
 
-from .activations import check_activation, is_gated
-from .amp import autocast_operands
-from .backends import BACKENDS, get_backend
-from .experts import SAVE_MODES, moe_experts
+from .activations import DEFAULT_ACT, check_activation, is_gated
+from .amp import autocast_target
+from .backends import BACKENDS, Backend, get_backend
+from .dispatch import DispatchIndex
+from .experts import SAVE_MODES, check_tokens, check_weight_dtypes, run_experts
 from .fp8 import Float8Recipe, check_fp8_recipe
-from .general_routing import moe_experts_general
 from .input_grad import SharedInputGrad
 from .routing import Router
 from .token_rounding import ROUNDING_MODES, Rounding, round_tokens_fused, tile_multiple
@@ -225,9 +225,13 @@ class MoE(nn.Module):
         if x.dim() == 0 or x.shape[-1] != self.d_model:
             raise ValueError(f"MoE input must have last dimension d_model={self.d_model}, got {tuple(x.shape)}")
         shape = x.shape
-        # Under autocast: one cast of x for the router and the experts, so that its gradient sums in the
-        # autocast dtype before the cast's backward, as in the layer on 16-bit copies.
-        (x2,) = autocast_operands(x.reshape(-1, self.d_model))
+        # The layer's one autocast step (moeblaze.amp): one cast of x for the router and the experts, so that its
+        # gradient sums in the autocast dtype before the cast's backward, as in the layer on 16-bit copies; the
+        # expert biases are cast with the same dtype (_expert_operands), the expert weights inside the experts'
+        # Functions, the router's weight by the router.
+        x_flat = x.reshape(-1, self.d_model)
+        dtype = autocast_target(x_flat)  # None outside autocast
+        x2 = x_flat if dtype is None else x_flat.to(dtype)
         # x2's gradient summed in place by the router and the experts, not by autograd (moeblaze.input_grad); only
         # where they are x2's only readers (x2 is a view of its own: the caller's other uses of x are not)
         share = (SharedInputGrad() if x2.requires_grad and torch.is_grad_enabled() and self.ep is None
@@ -245,16 +249,15 @@ class MoE(nn.Module):
         # fp32 router weights feed the kernels as they are; only a float64 run (the reference check)
         # upcasts them so that nothing in the layer rounds to fp32.
         topk_weights = routing.topk_weights.to(x.dtype) if x.dtype == torch.float64 else routing.topk_weights
-        biases = self.bias_kwargs()
+        backend, biases = self._expert_operands(x2, dtype)
         if rounding is not None:
-            out = self._rounded_experts(x2, routing, topk_weights, biases, share, rounding)
+            index, weights = self._rounded_pairs(x2, routing, topk_weights, backend, rounding)
         else:
             # Ids come from torch.topk over E scores: in range and distinct by construction, so the
             # host-synchronising range check is skipped. The build also writes the experts' tile schedule.
-            index = get_backend(self.backend, x2).plan(routing.topk_ids, self.num_experts, validate=False)
-            out = moe_experts(x2, routing.topk_ids, topk_weights, self.w1, self.w_down, activation=self.activation,
-                              save=self.save, backend=self.backend, index=index, input_grad=share, fp8=self.fp8,
-                              **biases)
+            index, weights = backend.plan(routing.topk_ids, self.num_experts, validate=False), topk_weights
+        out = run_experts(x2, weights, self.w1, self.w_down, *biases, index, self.activation, self.save, backend,
+                          DEFAULT_ACT, share, self.fp8)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x2)
         self.aux_loss = routing.loss
@@ -277,21 +280,38 @@ class MoE(nn.Module):
             gen = self._rounding_gen
         return Rounding(self.token_rounding, tile, gen)
 
-    def _rounded_experts(self, x2: torch.Tensor, routing, topk_weights: torch.Tensor, biases: dict,
-                         share: SharedInputGrad | None, rounding: Rounding) -> torch.Tensor:
-        """The experts over the token-rounded routing (no host synchronisation; :mod:`moeblaze.token_rounding`):
-        the router's (:attr:`moeblaze.routing.RouterOutput.rounded`) or rounded here."""
+    def _expert_operands(self, x2: torch.Tensor, dtype: torch.dtype | None) -> tuple[Backend, tuple]:
+        """The routed experts' checks and operands, once per forward: the backend resolved for ``x2 [T, d]`` and
+        the expert biases ``(b_gate_up [E, 2h | h] | None, b_down [E, d] | None)`` cast to the autocast ``dtype``
+        (None: as they are). The router has checked ``x2``'s shape; the parameters' shapes and the options hold by
+        construction, so what :func:`moe_experts` checks beyond is left out (``fp8`` is checked: an attribute that
+        may be set on a built layer).
+
+        Raises:
+            ValueError, TypeError: as :func:`moeblaze.backends.get_backend`; ``x2`` not floating point, or outside
+                autocast of another dtype than the expert weights; ``fp8`` not a recipe.
+        """
+        backend = get_backend(self.backend, x2)
+        check_fp8_recipe(self.fp8)
+        check_tokens(x2)
+        check_weight_dtypes(x2, self.w1, self.w_down, dtype is not None)
+        biases = self.bias_kwargs()
+        return backend, tuple(b if b is None or dtype is None else b.to(dtype)
+                              for b in (biases.get("b_gate_up"), biases.get("b_down")))
+
+    def _rounded_pairs(self, x2: torch.Tensor, routing, topk_weights: torch.Tensor, backend: Backend,
+                       rounding: Rounding) -> tuple[DispatchIndex, torch.Tensor]:
+        """The token-rounded routing (no host synchronisation; :mod:`moeblaze.token_rounding`), the router's
+        (:attr:`moeblaze.routing.RouterOutput.rounded`) or rounded here: its pair index (foreign pairs: the unused
+        tail) and ``pair_weights [P]``."""
         r = routing.rounded
         if r is None:
             r = round_tokens_fused(routing.scores, routing.topk_ids, topk_weights, rounding.tile, rounding.mode,
                                    rounding.generator, self.router.routed_scaling_factor,
                                    routing.counts if x2.shape[0] * self.top_k < 2**24 else None)  # fp32: exact below
-        index = get_backend(self.backend, x2).plan_pairs(r.token_idx, r.expert_idx, x2.shape[0], self.num_experts,
-                                                         validate=False, foreign_experts=True,
-                                                         pair_offsets=r.pair_offsets)
-        return moe_experts_general(x2, r.token_idx, r.expert_idx, r.pair_weights, self.w1, self.w_down,
-                                   activation=self.activation, save=self.save, backend=self.backend, index=index,
-                                   foreign_experts=True, input_grad=share, fp8=self.fp8, **biases)
+        index = backend.plan_pairs(r.token_idx, r.expert_idx, x2.shape[0], self.num_experts, validate=False,
+                                   foreign_experts=True, pair_offsets=r.pair_offsets)
+        return index, r.pair_weights
 
     def extra_repr(self) -> str:
         return (f"d_model={self.d_model}, d_ff={self.d_ff}, num_experts={self.num_experts}, "
