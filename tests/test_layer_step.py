@@ -94,6 +94,31 @@ def test_one_forward_resolves_checks_and_casts_once(step, calls):
     assert x.grad is not None and m.w_down.grad is not None
 
 
+def test_expert_parallel_forward_resolves_and_checks_once(calls):
+    """An expert-parallel layer (one gloo rank in this process) runs its received rows with the layer's backend:
+    one resolution, the layer's checks only, and the biases cast once under autocast."""
+    import torch.distributed as dist
+
+    from dist_utils import free_port
+    from moeblaze.parallel import expert_parallel
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        m = expert_parallel(MoE(16, 8, 4, 2, backend="torch", bias=True), dist.group.WORLD, exchange="padded")
+        x = torch.randn(24, 16, requires_grad=True)
+        calls.clear()
+        with torch.autocast("cpu", torch.bfloat16):
+            out = m(x)
+        assert out.dtype == torch.bfloat16 and calls["get_backend"] == 1
+        assert calls["check_tokens"] == calls["check_weight_dtypes"] == 1
+        assert calls["_check_inputs"] == calls["_check_options"] == calls["autocast_expert_operands"] == 0
+        out.float().sum().backward()
+        assert x.grad is not None and m.b_down.grad is not None
+    finally:
+        dist.destroy_process_group()
+
+
 def test_autocast_casts_each_operand_once():
     """Under autocast with fp32 parameters, each fp32 operand is cast to bf16 once per forward: ``x`` for the router
     and the experts, the router weight, the expert weights (inside the experts' Functions) and the biases."""

@@ -227,7 +227,7 @@ class MoE(nn.Module):
         shape = x.shape
         # The layer's one autocast step (moeblaze.amp): one cast of x for the router and the experts, so that its
         # gradient sums in the autocast dtype before the cast's backward, as in the layer on 16-bit copies; the
-        # expert biases are cast with the same dtype (_expert_operands), the expert weights inside the experts'
+        # expert biases are cast with the same dtype (expert_biases), the expert weights inside the experts'
         # Functions, the router's weight by the router.
         x_flat = x.reshape(-1, self.d_model)
         dtype = autocast_target(x_flat)  # None outside autocast
@@ -240,8 +240,9 @@ class MoE(nn.Module):
         # float64 (the reference check) rounds with the PyTorch ops, after the router
         routing = self.router(x2, input_grad=share, rounding=rounding if x2.dtype != torch.float64 else None,
                               seq_len=shape[-2] if x.dim() >= 3 and shape[-2] else None)  # 2-D: one sequence
+        backend = self._expert_backend(x2, dtype)
         if self.ep is not None:  # expert parallelism: the routed experts run on the ranks that hold them
-            out, self.aux_loss = self.ep.forward(self, x2, routing)
+            out, self.aux_loss = self.ep.forward(self, x2, routing, backend, dtype)
             if self.shared_experts is not None:
                 out = out + self.shared_experts(x2)
             self.last_topk_ids = routing.topk_ids.detach()
@@ -249,15 +250,14 @@ class MoE(nn.Module):
         # fp32 router weights feed the kernels as they are; only a float64 run (the reference check)
         # upcasts them so that nothing in the layer rounds to fp32.
         topk_weights = routing.topk_weights.to(x.dtype) if x.dtype == torch.float64 else routing.topk_weights
-        backend, biases = self._expert_operands(x2, dtype)
         if rounding is not None:
             index, weights = self._rounded_pairs(x2, routing, topk_weights, backend, rounding)
         else:
             # Ids come from torch.topk over E scores: in range and distinct by construction, so the
             # host-synchronising range check is skipped. The build also writes the experts' tile schedule.
             index, weights = backend.plan(routing.topk_ids, self.num_experts, validate=False), topk_weights
-        out = run_experts(x2, weights, self.w1, self.w_down, *biases, index, self.activation, self.save, backend,
-                          DEFAULT_ACT, share, self.fp8)
+        out = run_experts(x2, weights, self.w1, self.w_down, *self.expert_biases(dtype), index, self.activation,
+                          self.save, backend, DEFAULT_ACT, share, self.fp8)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x2)
         self.aux_loss = routing.loss
@@ -280,12 +280,11 @@ class MoE(nn.Module):
             gen = self._rounding_gen
         return Rounding(self.token_rounding, tile, gen)
 
-    def _expert_operands(self, x2: torch.Tensor, dtype: torch.dtype | None) -> tuple[Backend, tuple]:
-        """The routed experts' checks and operands, once per forward: the backend resolved for ``x2 [T, d]`` and
-        the expert biases ``(b_gate_up [E, 2h | h] | None, b_down [E, d] | None)`` cast to the autocast ``dtype``
-        (None: as they are). The router has checked ``x2``'s shape; the parameters' shapes and the options hold by
-        construction, so what :func:`moe_experts` checks beyond is left out (``fp8`` is checked: an attribute that
-        may be set on a built layer).
+    def _expert_backend(self, x2: torch.Tensor, dtype: torch.dtype | None) -> Backend:
+        """The routed experts' checks, once per forward, and the backend resolved for ``x2 [T, d]``. The router
+        has checked ``x2``'s shape; the parameters' shapes and the options hold by construction, so what
+        :func:`moe_experts` checks beyond is left out (``fp8`` is checked: an attribute that may be set on a built
+        layer). ``dtype``: the autocast dtype, or None outside autocast.
 
         Raises:
             ValueError, TypeError: as :func:`moeblaze.backends.get_backend`; ``x2`` not floating point, or outside
@@ -295,9 +294,19 @@ class MoE(nn.Module):
         check_fp8_recipe(self.fp8)
         check_tokens(x2)
         check_weight_dtypes(x2, self.w1, self.w_down, dtype is not None)
+        return backend
+
+    def expert_biases(self, dtype: torch.dtype | None, grad_scale=None) -> tuple:
+        """``(b_gate_up [E, 2h | h] | None, b_down [E, d] | None)`` cast to the autocast ``dtype`` (None: as they
+        are); ``grad_scale``, a function applied to each bias parameter before the cast (expert parallelism's
+        gradient scaling), or None."""
         biases = self.bias_kwargs()
-        return backend, tuple(b if b is None or dtype is None else b.to(dtype)
-                              for b in (biases.get("b_gate_up"), biases.get("b_down")))
+        out = []
+        for b in (biases.get("b_gate_up"), biases.get("b_down")):
+            if b is not None and grad_scale is not None:
+                b = grad_scale(b)
+            out.append(b if b is None or dtype is None else b.to(dtype))
+        return tuple(out)
 
     def _rounded_pairs(self, x2: torch.Tensor, routing, topk_weights: torch.Tensor, backend: Backend,
                        rounding: Rounding) -> tuple[DispatchIndex, torch.Tensor]:

@@ -39,8 +39,9 @@ import torch.distributed._functional_collectives as funcol
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from ..backends import get_backend
-from ..experts import moe_experts
+from ..activations import DEFAULT_ACT
+from ..backends import Backend
+from ..experts import run_experts
 from ..layer import MoE
 from ..settings import carried_to_backward
 from .exchange import Exchange, Layout, get_exchange, resolve_exchange
@@ -120,10 +121,12 @@ class ExpertParallel:
         return (f"ExpertParallel(P={self.size}, rank={self.rank}, experts=[{self.first_expert}, "
                 f"{self.first_expert + self.num_local_experts}), exchange={self.exchange.kind})")
 
-    def forward(self, moe: MoE, x: torch.Tensor, routing) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, moe: MoE, x: torch.Tensor, routing, backend: Backend,
+                dtype: torch.dtype | None) -> tuple[torch.Tensor, torch.Tensor]:
         """The routed experts of ``moe`` on this rank's tokens ``x [T, d]`` (module docstring): ``(out [T, d],
-        aux_loss)``, the loss with the load-balancing term over the group's counts."""
-        return expert_parallel_forward(moe, x, routing)
+        aux_loss)``, the loss with the load-balancing term over the group's counts. ``backend``, ``dtype``: the
+        layer's resolved backend and autocast dtype (None outside autocast)."""
+        return expert_parallel_forward(moe, x, routing, backend, dtype)
 
     @torch.no_grad()
     def reset_experts(self, moe: MoE) -> None:
@@ -421,13 +424,16 @@ def _router_probs(moe: MoE, logits: torch.Tensor) -> torch.Tensor:
     return scores / scores.sum(-1, keepdim=True)
 
 
-def expert_parallel_forward(moe: MoE, x: torch.Tensor, routing) -> tuple[torch.Tensor, torch.Tensor]:
+def expert_parallel_forward(moe: MoE, x: torch.Tensor, routing, backend: Backend,
+                            dtype: torch.dtype | None) -> tuple[torch.Tensor, torch.Tensor]:
     """The expert-parallel forward of ``moe`` on this rank's tokens (steps in the module docstring).
 
     Args:
         moe: a :class:`moeblaze.MoE` made expert-parallel (``moe.ep`` set; local expert weights).
         x: ``[T, d]`` this rank's tokens (T may be 0).
         routing: the :class:`moeblaze.RouterOutput` of ``moe.router(x)`` (global expert ids).
+        backend: the layer's resolved :class:`moeblaze.backends.Backend` for ``x`` (checked once by the layer).
+        dtype: the autocast dtype (``x`` already in it), or None outside autocast.
 
     Returns:
         ``(out [T, d] in x.dtype, aux_loss)``: with ``aux_loss_type="switch"`` the router's z-loss plus the
@@ -463,14 +469,12 @@ def expert_parallel_forward(moe: MoE, x: torch.Tensor, routing) -> tuple[torch.T
         w_recv = torch.where(valid.view(-1, 1), w_recv, 0)
     rows = layout.recv_counts.sum()
     ep.recv_rows = rows if ep.recv_rows is None else ep.recv_rows + rows
-    experts = {"w_gate_up": moe.w1, "w_down": moe.w_down, **moe.bias_kwargs()}
-    if ep.grad_divide != 1:
-        experts = {k: _DivideGrad.apply(v, ep.grad_divide) for k, v in experts.items()}
+    scale = None if ep.grad_divide == 1 else (lambda w: _DivideGrad.apply(w, ep.grad_divide))
+    w1, w2 = (moe.w1, moe.w_down) if scale is None else (scale(moe.w1), scale(moe.w_down))
     # built here without its range checks (their host synchronisations): the ids are in range by construction
-    index = get_backend(moe.backend, x_recv).plan(ids_recv, El, validate=False, foreign_experts=True)
-    y = moe_experts(x_recv, ids_recv, w_recv, activation=moe.activation, save=moe.save, backend=moe.backend,
-                    index=index, foreign_experts=True, fp8=moe.fp8,
-                    **experts)  # [R, d]: each row's local pairs, weighted
+    index = backend.plan(ids_recv, El, validate=False, foreign_experts=True)
+    y = run_experts(x_recv, w_recv, w1, w2, *moe.expert_biases(dtype, scale), index, moe.activation, moe.save,
+                    backend, DEFAULT_ACT, None, moe.fp8)  # [R, d]: each row's local pairs, weighted
     out = _SumRows.apply(_Combine.apply(y, ep.exchange, layout, payload), *plan.tensors(), M)  # [T, d]
 
     if moe.router.aux_loss_type != "switch":
