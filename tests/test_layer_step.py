@@ -89,7 +89,7 @@ def test_one_forward_resolves_checks_and_casts_once(step, calls):
                  "moe_experts_general", "autocast_expert_operands"):
         assert calls[name] == 0, name
     assert calls["check_pairs"] == (rounding is not None)  # the pair index's build checks its shapes, once
-    assert calls["autocast_target"] == 2  # the layer's (x, the expert biases) and the router's (its weight)
+    assert calls["autocast_target"] == 2  # the layer's (x and the expert parameters) and the router's (its weight)
     out.float().sum().backward()
     assert x.grad is not None and m.w_down.grad is not None
 
@@ -167,3 +167,16 @@ def test_layer_errors_name_the_input():
     m.fp8 = "blockwise"  # an attribute: checked at each forward
     with pytest.raises(TypeError, match="fp8 must be None or a moeblaze.fp8.Float8Recipe"):
         m(torch.randn(3, 16))
+
+
+def test_layer_checks_its_expert_parameters_once_too():
+    """What the public functions checked and the layer must still catch: fp64 expert parameters under autocast
+    (autocast never casts fp64; with logits_dtype="input" the router does not look at them) and, outside
+    autocast, a bias in another dtype (a checkpoint loaded with assign=True, say)."""
+    m = MoE(16, 32, 4, 2, dtype=torch.float64, logits_dtype="input", backend="torch")
+    with torch.autocast("cpu", torch.bfloat16), pytest.raises(TypeError, match=r"w_gate_up torch.float64.*never fp64"):
+        m(torch.randn(6, 16))
+    m = MoE(16, 32, 4, 2, bias=True, backend="torch")
+    m.b_down.data = m.b_down.data.double()
+    with pytest.raises(TypeError, match="b_down has dtype torch.float64; expected x's dtype torch.float32"):
+        m(torch.randn(6, 16))

@@ -233,6 +233,18 @@ def check_weight_dtypes(x, w1, w2, autocast: bool) -> None:
             raise TypeError(f"{name} has dtype {t.dtype}; expected x's dtype {x.dtype}")
 
 
+def check_placement(x: torch.Tensor, autocast: bool, *named: tuple[str, torch.Tensor | None]) -> None:
+    """Each ``(name, tensor)`` of ``named`` (None: absent) is on ``x``'s device and, outside autocast, in its dtype
+    (under autocast the Functions cast them: :func:`moeblaze.amp.autocast_target` checked what they may be)."""
+    for name, t in named:
+        if t is None:
+            continue
+        if t.dtype != x.dtype and not autocast:
+            raise TypeError(f"{name} has dtype {t.dtype}; expected x's dtype {x.dtype}")
+        if t.device != x.device:
+            raise ValueError(f"{name} is on {t.device}; expected x's device {x.device}")
+
+
 def check_tokens(x: torch.Tensor) -> None:
     """``x`` is a floating-point ``[T, d]`` tensor (the experts' tokens)."""
     if not x.is_floating_point() or x.dim() != 2:
@@ -300,10 +312,7 @@ def _check_options(x, w2, activation, b_gate_up, b_down, gate_up_interleaved, sw
         if not isinstance(b, torch.Tensor) or tuple(b.shape) != shape:
             got = tuple(b.shape) if isinstance(b, torch.Tensor) else type(b).__name__
             raise ValueError(f"{name} for activation {activation!r} must have shape {shape}, got {got}")
-        if b.dtype != x.dtype:
-            raise TypeError(f"{name} has dtype {b.dtype}; expected x's dtype {x.dtype}")
-        if b.device != x.device:
-            raise ValueError(f"{name} is on {b.device}; expected x's device {x.device}")
+        check_placement(x, False, (name, b))  # under autocast the biases are cast already
     if gate_up_interleaved and not is_gated(activation):
         raise ValueError(f"gate_up_interleaved=True needs a gated activation {GATED}, got {activation!r}")
     for name, v in (("swiglu_alpha", swiglu_alpha), ("swiglu_limit", swiglu_limit)):

@@ -12,7 +12,7 @@ from .activations import DEFAULT_ACT, check_activation, is_gated
 from .amp import autocast_target
 from .backends import BACKENDS, Backend, get_backend
 from .dispatch import DispatchIndex
-from .experts import SAVE_MODES, check_tokens, check_weight_dtypes, run_experts
+from .experts import SAVE_MODES, check_placement, check_tokens, check_weight_dtypes, run_experts
 from .fp8 import Float8Recipe, check_fp8_recipe
 from .input_grad import SharedInputGrad
 from .routing import Router
@@ -230,7 +230,8 @@ class MoE(nn.Module):
         # expert biases are cast with the same dtype (expert_biases), the expert weights inside the experts'
         # Functions, the router's weight by the router.
         x_flat = x.reshape(-1, self.d_model)
-        dtype = autocast_target(x_flat)  # None outside autocast
+        # None outside autocast; under it, parameters autocast would not cast (fp64) are an error here
+        dtype = autocast_target(x_flat, ("w_gate_up", self.w1), ("w_down", self.w_down), *self.bias_kwargs().items())
         x2 = x_flat if dtype is None else x_flat.to(dtype)
         # x2's gradient summed in place by the router and the experts, not by autograd (moeblaze.input_grad); only
         # where they are x2's only readers (x2 is a view of its own: the caller's other uses of x are not)
@@ -287,13 +288,16 @@ class MoE(nn.Module):
         layer). ``dtype``: the autocast dtype, or None outside autocast.
 
         Raises:
-            ValueError, TypeError: as :func:`moeblaze.backends.get_backend`; ``x2`` not floating point, or outside
-                autocast of another dtype than the expert weights; ``fp8`` not a recipe.
+            ValueError, TypeError: as :func:`moeblaze.backends.get_backend`; ``x2`` not floating point; an expert
+                weight or bias on another device than ``x2`` or, outside autocast, in another dtype; ``fp8`` not a
+                recipe.
         """
         backend = get_backend(self.backend, x2)
         check_fp8_recipe(self.fp8)
         check_tokens(x2)
         check_weight_dtypes(x2, self.w1, self.w_down, dtype is not None)
+        check_placement(x2, dtype is not None, ("w_gate_up", self.w1), ("w_down", self.w_down),
+                        *self.bias_kwargs().items())
         return backend
 
     def expert_biases(self, dtype: torch.dtype | None, grad_scale=None) -> tuple:
