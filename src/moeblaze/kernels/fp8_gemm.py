@@ -93,6 +93,16 @@ def _fp8_mainloop(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, a_rows, e, offs_n, n_m
 
 
 @triton.jit
+def _tile_rows(pid_m, tile_expert_ptr, tile_row_ptr, offsets_ptr, BLOCK_M: tl.constexpr):
+    """The M-tile ``pid_m`` of the schedule: its expert ``e``, ``row_mask`` [BLOCK_M] (slots inside the expert)
+    and ``rows`` [BLOCK_M] int64, clamped to the expert's last slot so the main loop's loads need no row mask."""
+    e = tl.load(tile_expert_ptr + pid_m)
+    row_end = tl.load(offsets_ptr + e + 1)
+    slots = tl.load(tile_row_ptr + pid_m) + tl.arange(0, BLOCK_M)
+    return e, slots < row_end, tl.minimum(slots, row_end - 1).to(tl.int64)
+
+
+@triton.jit
 def fp8_up_kernel(
     x_ptr,  # [T, K_DIM] e4m3, unit column stride (rows read through indices: the gather)
     xs_ptr,  # [T, cdiv(K_DIM, BLOCK_K)] fp32 scales of x's 1 x BLOCK_K tiles, unit column stride
@@ -119,11 +129,7 @@ def fp8_up_kernel(
     num_n = tl.cdiv(N_COLS, BLOCK_N)
     pid_m, pid_n = tile_of(tl.program_id(0), max_tiles, num_n, GROUP_M)
     if pid_m < tl.load(num_tiles_ptr):
-        e = tl.load(tile_expert_ptr + pid_m)
-        row_end = tl.load(offsets_ptr + e + 1)
-        slots = tl.load(tile_row_ptr + pid_m) + tl.arange(0, BLOCK_M)
-        row_mask = slots < row_end
-        rows = tl.minimum(slots, row_end - 1).to(tl.int64)  # clamped: the main loop's loads need no row mask
+        e, row_mask, rows = _tile_rows(pid_m, tile_expert_ptr, tile_row_ptr, offsets_ptr, BLOCK_M)
         tokens = tl.load(indices_ptr + rows).to(tl.int64)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         n_mask = offs_n < N_COLS
@@ -167,11 +173,7 @@ def fp8_down_kernel(
     num_n = tl.cdiv(N_COLS, BLOCK_N)
     pid_m, pid_n = tile_of(tl.program_id(0), max_tiles, num_n, GROUP_M)
     if pid_m < tl.load(num_tiles_ptr):
-        e = tl.load(tile_expert_ptr + pid_m)
-        row_end = tl.load(offsets_ptr + e + 1)
-        slots = tl.load(tile_row_ptr + pid_m) + tl.arange(0, BLOCK_M)
-        row_mask = slots < row_end
-        rows = tl.minimum(slots, row_end - 1).to(tl.int64)
+        e, row_mask, rows = _tile_rows(pid_m, tile_expert_ptr, tile_row_ptr, offsets_ptr, BLOCK_M)
         tokens = rows
         if SCATTER_C:
             tokens = tl.load(indices_ptr + rows).to(tl.int64)
