@@ -233,16 +233,20 @@ def check_weight_dtypes(x, w1, w2, autocast: bool) -> None:
             raise TypeError(f"{name} has dtype {t.dtype}; expected x's dtype {x.dtype}")
 
 
+def check_devices(x: torch.Tensor, *named: tuple[str, object]) -> None:
+    """Each tensor of the ``(name, value)`` pairs ``named`` is on ``x``'s device (other values are not looked at)."""
+    for name, t in named:
+        if isinstance(t, torch.Tensor) and t.device != x.device:
+            raise ValueError(f"{name} is on {t.device}; expected x's device {x.device}")
+
+
 def check_placement(x: torch.Tensor, autocast: bool, *named: tuple[str, torch.Tensor | None]) -> None:
     """Each ``(name, tensor)`` of ``named`` (None: absent) is on ``x``'s device and, outside autocast, in its dtype
     (under autocast the Functions cast them: :func:`moeblaze.amp.autocast_target` checked what they may be)."""
     for name, t in named:
-        if t is None:
-            continue
-        if t.dtype != x.dtype and not autocast:
+        if t is not None and t.dtype != x.dtype and not autocast:
             raise TypeError(f"{name} has dtype {t.dtype}; expected x's dtype {x.dtype}")
-        if t.device != x.device:
-            raise ValueError(f"{name} is on {t.device}; expected x's device {x.device}")
+        check_devices(x, (name, t))
 
 
 def check_tokens(x: torch.Tensor) -> None:
@@ -266,10 +270,7 @@ def _check_inputs(x, topk_ids, topk_weights, w1, w2, activation, save, autocast,
         raise ValueError(f"topk_weights must be a float tensor of shape {tuple(topk_ids.shape)}, "
                          f"got {topk_weights.dtype} {tuple(topk_weights.shape)}")
     check_weight_dtypes(x, w1, w2, autocast)
-    for name, t in (("topk_ids", topk_ids), ("topk_weights", topk_weights), ("w_gate_up", w1),
-                    ("w_down", w2)):
-        if t.device != x.device:
-            raise ValueError(f"{name} is on {t.device}; expected x's device {x.device}")
+    check_devices(x, ("topk_ids", topk_ids), ("topk_weights", topk_weights), ("w_gate_up", w1), ("w_down", w2))
 
 
 def _check_weight_shapes(x, w1, w2, activation, num_experts: int | None = None) -> None:

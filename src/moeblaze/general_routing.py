@@ -29,6 +29,7 @@ from .experts import (
     _check_options,
     _check_weight_shapes,
     autocast_expert_operands,
+    check_devices,
     check_weight_dtypes,
     run_experts,
 )
@@ -103,10 +104,8 @@ def moe_experts_general(
     _check_options(x, w_down, activation, b_gate_up, b_down, gate_up_interleaved, swiglu_alpha, swiglu_limit,
                    foreign_experts, index)
     check_weight_dtypes(x, w_gate_up, w_down, autocast)
-    for name, t in (("token_idx", token_idx), ("expert_idx", expert_idx), ("pair_weights", pair_weights),
-                    ("w_gate_up", w_gate_up), ("w_down", w_down)):
-        if isinstance(t, torch.Tensor) and t.device != x.device:
-            raise ValueError(f"{name} is on {t.device}; expected x's device {x.device}")
+    check_devices(x, ("token_idx", token_idx), ("expert_idx", expert_idx), ("pair_weights", pair_weights),
+                  ("w_gate_up", w_gate_up), ("w_down", w_down))
     T, E = x.shape[0], w_down.shape[0]
     check_pairs(token_idx, expert_idx, T, E, pair_weights, check_range=index is None, foreign_experts=foreign_experts)
     if index is not None and (not index.is_general or index.num_experts != E or index.num_tokens != T

@@ -12,7 +12,7 @@ from .activations import DEFAULT_ACT, check_activation, is_gated
 from .amp import autocast_target
 from .backends import BACKENDS, Backend, get_backend
 from .dispatch import DispatchIndex
-from .experts import SAVE_MODES, check_placement, check_tokens, check_weight_dtypes, run_experts
+from .experts import SAVE_MODES, check_devices, check_placement, check_tokens, check_weight_dtypes, run_experts
 from .fp8 import Float8Recipe, check_fp8_recipe
 from .input_grad import SharedInputGrad
 from .routing import Router
@@ -296,8 +296,8 @@ class MoE(nn.Module):
         check_fp8_recipe(self.fp8)
         check_tokens(x2)
         check_weight_dtypes(x2, self.w1, self.w_down, dtype is not None)
-        check_placement(x2, dtype is not None, ("w_gate_up", self.w1), ("w_down", self.w_down),
-                        *self.bias_kwargs().items())
+        check_devices(x2, ("w_gate_up", self.w1), ("w_down", self.w_down))
+        check_placement(x2, dtype is not None, *self.bias_kwargs().items())
         return backend
 
     def expert_biases(self, dtype: torch.dtype | None, grad_scale=None) -> tuple:
