@@ -193,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.manual_seed(0)  # the same router and experts on every rank and in every layer
         ep_layers["moeblaze" if i == 0 else f"moeblaze:{kind}"] = expert_parallel(
             moeblaze.MoE(args.d_model, args.d_ff, args.experts, args.top_k, aux_loss_coef=0.0, device=device,
-                         dtype=dtype), dist.group.WORLD, kind)
+                         dtype=dtype), dist.group.WORLD, kind, max_tokens=args.tokens)  # T known to every rank
     mb = ep_layers["moeblaze"]
     layers = {**ep_layers, **{k: v for k, v in _build(names, mb).items() if k != "moeblaze"}}
     params = [q for q in {id(q): q for m in (mb, *layers.values()) for q in m.parameters()}.values()]

@@ -65,10 +65,10 @@ def _single_process(moe: moeblaze.MoE, x: torch.Tensor, dout: torch.Tensor) -> d
 
 def ep_case(rank: int, world: int, tokens: list[int], E: int, K: int, d: int, h: int, seed: int,
             dtype: torch.dtype = torch.float64, backend: str = "torch", one_remote_expert: bool = False,
-            exchange: str = "all_to_all",
-            **options) -> None:
+            exchange: str = "all_to_all", max_tokens: int | None = None, **options) -> None:
     """EP layer over all ranks (``tokens[r]`` tokens on rank r) against one process on all tokens.
 
+    ``max_tokens``: :func:`expert_parallel`'s (the sync-free exchanges then agree on nothing: checked).
     ``options``: more :class:`moeblaze.MoE` arguments (activation, score function, save mode, router
     options, a shared expert)."""
     dev = _device()
@@ -89,7 +89,10 @@ def ep_case(rank: int, world: int, tokens: list[int], E: int, K: int, d: int, h:
     r64 = _single_process(ref, x_all, dout_all)
 
     ep = expert_parallel(moeblaze.MoE(d, h, E, ref.top_k, backend=backend, device=dev, dtype=dtype, **kw),
-                         dist.group.WORLD, exchange)
+                         dist.group.WORLD, exchange, max_tokens)
+    agreed: list[int] = []  # the T of each host agreement on T_cap
+    agree = ep.ep.exchange.tokens_cap
+    ep.ep.exchange.tokens_cap = lambda t: agreed.append(t) or agree(t)
     sl = slice(ep.ep.first_expert, ep.ep.first_expert + ep.ep.num_local_experts)
     ref_params = dict(ref.named_parameters())
     with torch.no_grad():
@@ -105,6 +108,8 @@ def ep_case(rank: int, world: int, tokens: list[int], E: int, K: int, d: int, h:
     # Weighting rank r's aux loss by T_r / T makes the sum over ranks the single-process loss exactly.
     aux_w = tokens[rank] / T
     torch.autograd.backward([out, ep.aux_loss], [dout_all[mine].to(dev, dtype), torch.full_like(ep.aux_loss, aux_w)])
+    del ep.ep.exchange.tokens_cap  # the exchange is shared by later cases
+    assert len(agreed) == (ep.ep.exchange.sync_free and max_tokens is None), agreed
     aux = (ep.aux_loss.detach().double() * aux_w).reshape(1)
     dist.all_reduce(aux)
 
@@ -149,6 +154,14 @@ def bad_config(rank: int, world: int) -> None:
         expert_parallel(moeblaze.MoE(8, 4, 4, 2, bias=rank == 0), group)
     with pytest.raises(ValueError, match="disagree on the MoE configuration"):
         expert_parallel(moeblaze.MoE(8, 4, 4, 2), group, "padded" if rank else "all_to_all")
+    with pytest.raises(ValueError, match="disagree on the MoE configuration"):
+        expert_parallel(moeblaze.MoE(8, 4, 4, 2), group, "padded", max_tokens=8 + rank)
+    for bad in (0, -3, 2.5, True, "8"):
+        with pytest.raises(ValueError, match="max_tokens must be a positive int or None"):
+            expert_parallel(moeblaze.MoE(8, 4, 4, 2), group, "padded", max_tokens=bad)
+    capped = expert_parallel(moeblaze.MoE(8, 4, 2 * world, 1), group, "padded", max_tokens=2)
+    with pytest.raises(ValueError, match="3 tokens on rank .*more than max_tokens=2"):  # on every rank: no hang
+        capped(torch.randn(3, 8))
     with pytest.raises(ValueError, match="divisible by the expert-parallel group size"):
         expert_parallel(moeblaze.MoE(8, 4, world + 1, 1), group)
     with pytest.raises(TypeError, match="group must be"):

@@ -41,8 +41,10 @@ TRITON_CASES = [  # the fused kernels in the interpreter, with zero tokens / zer
 
 
 def _padded(cases: list[dict]) -> list[dict]:
-    """The cases again over the sync-free exchange, each with the seed (the data) of its first run."""
-    return [{**c, "exchange": "padded", "seed": 100 + i} for i, c in enumerate(cases)]
+    """The cases again over the sync-free exchange, each with the seed (the data) of its first run; every other one
+    with ``max_tokens`` (no agreement on T_cap), two above the largest T (blocks padded past the group's T)."""
+    return [{**c, "exchange": "padded", "seed": 100 + i, **({"max_tokens": max(c["tokens"]) + 2} if i % 2 else {})}
+            for i, c in enumerate(cases)]
 
 
 def test_ep_layer_2_ranks():

@@ -15,6 +15,7 @@ import pytest
 import torch.distributed as dist
 
 import moeblaze.training.train as train_module
+from moeblaze.parallel import exchange
 from moeblaze.training.model import ModelConfig
 from moeblaze.training.train import ConfigError, TrainConfig, TrainResult, train
 
@@ -54,10 +55,18 @@ def runs(rank: int, world: int, data: str, tmp: str, results: dict) -> None:
     dist.barrier()
     same = train(replace(ep_cfg, out_dir=str(tmp / "half"), resume=True, overwrite=False), mcfg)
     other_p = train(replace(ep_cfg, out_dir=str(tmp / "half_p1"), resume=True, overwrite=False, ep=1), mcfg)
+    # the sync-free exchange, whose T_cap the loop gives (rows per rank x seq_len): no host agreement on it
+    agree = exchange.Exchange.tokens_cap
+    exchange.Exchange.tokens_cap = lambda self, T: pytest.fail(f"the ranks agreed on T_cap (T={T})")
+    try:
+        padded = train(replace(ep_cfg, out_dir=str(tmp / "padded"), ep_exchange="padded"), mcfg)
+    finally:
+        exchange.Exchange.tokens_cap = agree
     _same_on_all_ranks((ep.losses, ep.val_bpb))
     if rank == 0:
         results.update(fsdp=fsdp.losses, fsdp_val=fsdp.val_bpb, ep=ep.losses, ep_val=ep.val_bpb,
-                       same=same.losses, same_val=same.val_bpb, other_p=other_p.losses, world=ep.world_size)
+                       same=same.losses, same_val=same.val_bpb, other_p=other_p.losses, world=ep.world_size,
+                       padded=padded.losses, padded_val=padded.val_bpb)
 
 
 def faults(rank: int, world: int, data: str, tmp: str) -> None:

@@ -23,10 +23,10 @@ Backward mirrors it through autograd (the exchanges' own backward is the reverse
 and the sum of step 5 are each other's adjoint, both atomic-free).
 
 Host synchronisation: none with a sync-free exchange (``nvshmem``, ``padded``): every shape is fixed by
-``T_cap``, the group's largest T, agreed on the host (:class:`moeblaze.parallel.exchange.Exchange`), and the
-buffers hold the worst case (a rank receives at most ``P * T_cap`` rows, its experts at most ``P * T_cap * K``
-pairs); so an EP layer step can be captured in a CUDA graph. With the ``all_to_all`` exchange, one per forward:
-the split sizes, read to the host; buffers are then exact.
+``T_cap``, the group's largest T (``max_tokens`` when given, else agreed on the hosts in each layer forward:
+:class:`moeblaze.parallel.exchange.Exchange`), and the buffers hold the worst case (a rank receives at most
+``P * T_cap`` rows, its experts at most ``P * T_cap * K`` pairs); so an EP layer step can be captured in a CUDA
+graph. With the ``all_to_all`` exchange, one per forward: the split sizes, read to the host; buffers are then exact.
 """
 
 from __future__ import annotations
@@ -89,6 +89,7 @@ class EPConfig:
     exchange: str
     aux_loss_type: str
     expert_bias_update_rate: float
+    max_tokens: int | None
 
 
 class ExpertParallel:
@@ -98,6 +99,8 @@ class ExpertParallel:
     Attributes:
         group, size (P), rank (in the group), num_local_experts (E/P), first_expert (rank * E/P).
         exchange: the :class:`moeblaze.parallel.exchange.Exchange` (shared by the layers of the group).
+        max_tokens: the most tokens any rank of the group passes to the layer in one forward, known to every rank
+            (the sync-free exchanges' ``T_cap`` then needs no agreement between the hosts), or None.
         grad_divide: the expert weights' gradients are divided by it in backward (1: each is the sum over
             the losses of every rank whose tokens reached the expert; :func:`moeblaze.parallel.parallelize`
             sets P so that, after FSDP's mean over ``dp_shard``, they are means over all ranks as the
@@ -110,6 +113,7 @@ class ExpertParallel:
         self.size, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.num_local_experts = config.num_experts // self.size
         self.first_expert = self.rank * self.num_local_experts
+        self.max_tokens = config.max_tokens
         self.grad_divide = 1
         self.mesh = None  # (DeviceMesh, dp dimension name or None): the experts' layout in checkpoints
         self.recv_rows: torch.Tensor | None = None
@@ -146,7 +150,8 @@ def expert_parameter_names(moe: MoE) -> tuple[str, ...]:
     return (moe._w1_name, "w_down") + ((moe._b1_name, "b_down") if moe.has_bias else ())
 
 
-def shard_experts(moe: MoE, group: dist.ProcessGroup | DeviceMesh, exchange: str = "auto") -> MoE:
+def shard_experts(moe: MoE, group: dist.ProcessGroup | DeviceMesh, exchange: str = "auto",
+                  max_tokens: int | None = None) -> MoE:
     """Make one :class:`moeblaze.MoE` holding all E experts expert-parallel over ``group``, in place.
 
     Rank r keeps experts ``[r*E/P, (r+1)*E/P)`` of its current weights (so ranks that built the model with the
@@ -157,11 +162,18 @@ def shard_experts(moe: MoE, group: dist.ProcessGroup | DeviceMesh, exchange: str
     Args:
         moe: the layer. group: a ``ProcessGroup`` or 1-D ``DeviceMesh`` of P ranks (NCCL: call
             ``torch.cuda.set_device`` first). exchange: one of :data:`moeblaze.parallel.exchange.EXCHANGES`.
+        max_tokens: the most tokens any rank will pass to the layer in one forward (``x``'s T; the same value on
+            every rank), or None. Given, the sync-free exchanges size their buffers by it with no communication;
+            None, the ranks agree on the group's largest T in every forward (an all-reduce of a host integer over
+            the group's CPU backend, which holds each host at the slowest one's). The ``padded`` exchange sends
+            every block at this size, so give the real bound (the training loop gives its rows per rank times
+            the sequence length). A forward with more tokens raises ``ValueError`` on that rank.
 
     Raises:
         TypeError: ``moe`` is not a :class:`moeblaze.MoE`; a bad ``group`` (see :func:`resolve_group`).
-        ValueError: the layer is already expert-parallel or rounds tokens; ``E % P != 0``; the ranks disagree on
-            the configuration (the message lists each rank's); an exchange that cannot run here.
+        ValueError: the layer is already expert-parallel or rounds tokens; ``E % P != 0``; ``max_tokens`` not a
+            positive int or None; the ranks disagree on the configuration (the message lists each rank's); an
+            exchange that cannot run here.
     """
     if not isinstance(moe, MoE):
         raise TypeError(f"shard_experts takes a moeblaze.MoE, got {type(moe).__name__}")
@@ -170,12 +182,15 @@ def shard_experts(moe: MoE, group: dist.ProcessGroup | DeviceMesh, exchange: str
     if moe.token_rounding is not None:
         raise ValueError("token_rounding with expert parallelism is not supported: token rounding runs on one GPU "
                          "or under FSDP2")
+    if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1):
+        raise ValueError(f"max_tokens must be a positive int or None, got {max_tokens!r}")
     pg = resolve_group(group)
     P = dist.get_world_size(pg)
     device = moe.w_down.device if moe.w_down.device.type != "meta" else _group_device(pg)
     kind = resolve_exchange(exchange, pg, device)
     config = EPConfig(moe.d_model, moe.d_ff, moe.num_experts, moe.top_k, moe.activation, moe.router.score_func,
-                      moe.has_bias, P, kind, moe.router.aux_loss_type, moe.router.expert_bias_update_rate)
+                      moe.has_bias, P, kind, moe.router.aux_loss_type, moe.router.expert_bias_update_rate,
+                      max_tokens)
     gathered: list[EPConfig | None] = [None] * P
     dist.all_gather_object(gathered, config, group=pg)  # before any check that could differ by rank
     if any(c != config for c in gathered):
@@ -198,9 +213,10 @@ def _group_device(group: dist.ProcessGroup) -> torch.device:
         else torch.device("cpu")
 
 
-def expert_parallel(module: nn.Module, group: dist.ProcessGroup | DeviceMesh, exchange: str = "auto") -> nn.Module:
+def expert_parallel(module: nn.Module, group: dist.ProcessGroup | DeviceMesh, exchange: str = "auto",
+                    max_tokens: int | None = None) -> nn.Module:
     """Apply expert parallelism over ``group`` to every :class:`moeblaze.MoE` in ``module`` (``module`` itself
-    included), in place, with :func:`shard_experts`; returns ``module``.
+    included), in place, with :func:`shard_experts` (``exchange``, ``max_tokens``: its); returns ``module``.
 
     Raises:
         ValueError: ``module`` holds no MoE layer; as :func:`shard_experts`.
@@ -209,7 +225,7 @@ def expert_parallel(module: nn.Module, group: dist.ProcessGroup | DeviceMesh, ex
     if not layers:
         raise ValueError(f"expert_parallel found no moeblaze.MoE layer in {type(module).__name__}")
     for moe in layers:
-        shard_experts(moe, group, exchange)
+        shard_experts(moe, group, exchange, max_tokens)
     return module
 
 
@@ -444,6 +460,9 @@ def expert_parallel_forward(moe: MoE, x: torch.Tensor, routing, backend: Backend
     E, P, El = moe.num_experts, ep.size, ep.num_local_experts
     ids = routing.topk_ids.to(torch.int64)  # [T, K] global expert ids
     T, K = ids.shape
+    if ep.max_tokens is not None and ep.max_tokens < T:
+        raise ValueError(f"x holds {T} tokens on rank {ep.rank}, more than max_tokens={ep.max_tokens} given to "
+                         "expert_parallel (the most any rank passes to an expert-parallel layer in one forward)")
     M = min(K, P)
     hit = torch.zeros(T, P, dtype=torch.bool, device=x.device).scatter_(1, ids // El, True)  # [T, P]
     send_counts = hit.sum(0)  # [P] rows this rank sends to each rank
@@ -451,7 +470,7 @@ def expert_parallel_forward(moe: MoE, x: torch.Tensor, routing, backend: Backend
     expert_counts = ids.new_zeros(E).scatter_add_(0, ids.reshape(-1), torch.ones_like(ids).reshape(-1))
     all_counts = funcol.wait_tensor(_all_gather(torch.cat((expert_counts, send_counts)), 0, ep.group))
     all_counts = all_counts.view(P, E + P)
-    layout = ep.exchange.layout(T, K, send_counts, all_counts)
+    layout = ep.exchange.layout(T, K, send_counts, all_counts, ep.max_tokens)
     if ep.exchange.sync_free and layout.T_cap == 0:  # no rank of the group holds a token: nothing to exchange
         return x.new_zeros(x.shape), routing.z_loss
     plan = _SendPlan(hit, layout.send_offsets, layout.send_rows, M)
