@@ -13,8 +13,9 @@ import moeblaze
 import parallel_workers as pw
 from dist_utils import run_ranks
 from moeblaze.parallel import expert_parallel
-from moeblaze.parallel.ep import _Payload, _SendPlan, _sum_rows
+from moeblaze.parallel.ep import _Payload
 from moeblaze.parallel.exchange import Layout
+from moeblaze.parallel.send_plan import SendPlan, sum_rows
 
 
 def _hit(T: int, P: int, K: int, gen: torch.Generator) -> torch.Tensor:
@@ -34,7 +35,7 @@ def test_send_plan_matches_a_plain_loop(T, P, K, blocked):
     M = min(K, P)
     offsets = (torch.arange(P) * T if blocked else counts.cumsum(0) - counts).to(torch.int64)
     rows = P * T if blocked else T * M
-    plan = _SendPlan(hit, offsets, rows, M)
+    plan = SendPlan(hit, offsets, rows, M)
     want_tokens, want_rank = [T] * rows, [0] * rows
     token_rows: list[list[int]] = [[] for _ in range(T)]
     for r in range(P):
@@ -55,10 +56,10 @@ def test_sum_rows_matches_a_plain_loop():
     gen = torch.Generator().manual_seed(1)
     hit = _hit(11, 3, 2, gen)
     counts = hit.sum(0)
-    plan = _SendPlan(hit, counts.cumsum(0) - counts, 22, 2)
+    plan = SendPlan(hit, counts.cumsum(0) - counts, 22, 2)
     rows = torch.randn(22, 5, dtype=torch.float64, generator=gen)
     rows[int(counts.sum()):] = float("nan")  # unused rows are never read
-    got = _sum_rows(rows, plan.token_rows, plan.row_offsets, 2)
+    got = sum_rows(rows, plan.token_rows, plan.row_offsets, 2)
     for t in range(11):
         a, b = int(plan.row_offsets[t]), int(plan.row_offsets[t + 1])
         want = sum((rows[int(plan.token_rows[j])] for j in range(a, b)), torch.zeros(5, dtype=torch.float64))

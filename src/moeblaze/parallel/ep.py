@@ -11,8 +11,9 @@ with each token sent once per destination rank rather than once per (token, expe
 2. per-expert pair counts ``[E]`` and per-rank row counts ``[P]`` all-gathered over the group (device tensors): the
    global counts of the load-balancing loss, and the split sizes of the ``all_to_all`` exchange.
 3. the send buffer: ``x[send_tokens]`` (rows by destination rank, then token: the only copy of x), each row with
-   its token's K pairs as the destination's local expert ids (``E/P`` marks another rank's pair) and weights,
-   packed into one byte row and sent in one exchange (:mod:`moeblaze.parallel.exchange`).
+   its token's K pairs as the destination's local expert ids (``E/P`` marks another rank's pair) and weights:
+   the rows' own bytes and a small exchange of the pairs, or for symmetric buffers (nvshmem) one packed byte row
+   each (:func:`_exchange`, :mod:`moeblaze.parallel.exchange`).
 4. the received rows are a top-k routing over the local experts with foreign pairs (``moe_experts(...,
    foreign_experts=True)``; rows past what a source sent are all foreign): the fused kernels read the received
    rows through its index, and each row's output is the weighted sum of its local experts, so one row goes back
@@ -45,6 +46,7 @@ from ..experts import run_experts
 from ..layer import MoE
 from ..settings import carried_to_backward
 from .exchange import Exchange, Layout, get_exchange, resolve_exchange
+from .send_plan import GatherRows, SendPlan, SumRows, take
 
 __all__ = ["EPConfig", "ExpertParallel", "expert_parallel", "expert_parameter_names", "global_load_balancing_loss",
            "resolve_group", "shard_experts"]
@@ -231,102 +233,6 @@ def expert_parallel(module: nn.Module, group: dist.ProcessGroup | DeviceMesh, ex
 
 # ----------------------------------------------------------------------------------------------- the forward
 
-class _SendPlan:
-    """Where this rank's tokens go: each token once per destination rank that holds one of its experts, at fixed
-    shapes (no host read).
-
-    ``hit [T, P]``: token t has a pair on rank r. Row of (t, r) in the send buffer: ``send_offsets[r]`` plus t's
-    index among rank r's tokens (ascending). ``send_tokens [rows]`` / ``send_rank [rows]``: each row's token and
-    destination (rows no token uses hold token T, a zero row appended to the gathered tensors, and rank 0; the
-    receivers treat them as foreign). ``row_offsets [T+1]`` and
-    ``token_rows [T*M]`` (M = min(K, P)): each token's rows in rank order (a CSR, for the sums over ranks). Built by
-    cumulative sums and scatters of unique indices: no sort, no atomics.
-    """
-
-    def __init__(self, hit: torch.Tensor, send_offsets: torch.Tensor, rows: int, M: int) -> None:
-        T, P = hit.shape
-        dev = hit.device
-        rank_major = hit.t().reshape(-1).to(torch.int64).cumsum(0).view(P, T)  # inclusive count, rank-major
-        counts = hit.sum(0)
-        start = rank_major[:, -1] - counts if T else counts  # rows of the ranks before r
-        row = send_offsets.view(P, 1) + rank_major - 1 - start.view(P, 1)  # [P, T] row of (t, r) where hit
-        row = torch.where(hit.t(), row, rows)  # a dump row for the pairs (t, r) with no hit
-        ids = torch.arange(T, device=dev).expand(P, T)
-        ranks = torch.arange(P, device=dev).view(P, 1).expand(P, T)
-        self.send_tokens = torch.full((rows + 1,), T, dtype=torch.int64, device=dev).scatter_(
-            0, row.reshape(-1), ids.reshape(-1))[:rows]
-        self.send_rank = hit.new_zeros(rows + 1, dtype=torch.int64).scatter_(0, row.reshape(-1),
-                                                                                ranks.reshape(-1))[:rows]
-        token_major = hit.reshape(-1)  # [T*P]: the j-th set entry of token t is its j-th destination in rank order
-        pos = torch.where(token_major, token_major.to(torch.int64).cumsum(0) - 1, T * M)
-        self.token_rows = hit.new_zeros(T * M + 1, dtype=torch.int64).scatter_(
-            0, pos, row.t().reshape(-1))[:T * M].to(torch.int32)
-        self.row_offsets = torch.cat((hit.new_zeros(1, dtype=torch.int64), hit.sum(1).cumsum(0))).to(torch.int32)
-        self.M = M
-
-    def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """What the sums over a token's rows read: ``(send_tokens, token_rows, row_offsets)``."""
-        return self.send_tokens, self.token_rows, self.row_offsets
-
-
-def _sum_rows(rows: torch.Tensor, token_rows: torch.Tensor, row_offsets: torch.Tensor, M: int) -> torch.Tensor:
-    """``out[t] = sum over t's rows (rank order) of rows[row]``, fp32 sums (fp64 for fp64), no atomics: the fused
-    CSR gather-sum on CUDA; elsewhere a gather of each token's (at most M) rows, masked, summed in order."""
-    T = row_offsets.numel() - 1
-    if rows.is_cuda and rows.dtype in (torch.float16, torch.bfloat16, torch.float32):
-        from ..kernels.combine import gather_sum
-
-        return gather_sum(rows.contiguous(), token_rows, None, rows.dtype, pair_offsets=row_offsets)
-    acc = torch.float64 if rows.dtype == torch.float64 else torch.float32
-    first = row_offsets[:-1].to(torch.int64).view(T, 1)
-    slot = first + torch.arange(M, device=rows.device)  # [T, M]: positions in token_rows
-    mask = slot < row_offsets[1:].to(torch.int64).view(T, 1)
-    picked = token_rows.to(torch.int64).index_select(0, slot.clamp(max=max(token_rows.numel() - 1, 0)).reshape(-1))
-    got = rows.index_select(0, picked).view(T, M, rows.shape[1]).to(acc)
-    out = torch.zeros(T, rows.shape[1], dtype=acc, device=rows.device)
-    for j in range(M):  # rank order, one add per position: the same order whatever the device
-        out += torch.where(mask[:, j:j + 1], got[:, j], 0)
-    return out.to(rows.dtype)
-
-
-def _take(t: torch.Tensor, rows: torch.Tensor, fill: float = 0) -> torch.Tensor:
-    """``t[rows]`` where ``rows`` may name row ``t.shape[0]``: a row of ``fill`` appended (the unused send rows')."""
-    return torch.cat((t, t.new_full((1, *t.shape[1:]), fill))).index_select(0, rows)
-
-
-class _GatherRows(torch.autograd.Function):
-    """``x [T, d]`` -> ``x[send_tokens] [rows, d]`` (unused rows zero); backward sums each token's rows
-    (:func:`_sum_rows`)."""
-
-    @staticmethod
-    @carried_to_backward
-    def forward(ctx, x, send_tokens, token_rows, row_offsets, M):
-        ctx.save_for_backward(token_rows, row_offsets)
-        ctx.M = M
-        return _take(x, send_tokens)
-
-    @staticmethod
-    @carried_to_backward
-    def backward(ctx, grad_rows):
-        return _sum_rows(grad_rows, *ctx.saved_tensors, ctx.M), None, None, None, None
-
-
-class _SumRows(torch.autograd.Function):
-    """``y [rows, d]`` (send layout) -> ``out [T, d]``, each token's rows summed; backward is the row gather."""
-
-    @staticmethod
-    @carried_to_backward
-    def forward(ctx, y, send_tokens, token_rows, row_offsets, M):
-        ctx.save_for_backward(send_tokens)
-        return _sum_rows(y, token_rows, row_offsets, M)
-
-    @staticmethod
-    @carried_to_backward
-    def backward(ctx, dout):
-        (send_tokens,) = ctx.saved_tensors
-        return _take(dout, send_tokens), None, None, None, None
-
-
 class _DivideGrad(torch.autograd.Function):
     """Identity forward; the gradient divided by ``divisor`` in backward."""
 
@@ -343,10 +249,10 @@ class _DivideGrad(torch.autograd.Function):
 
 
 class _Payload:
-    """The byte layout of an exchanged row: the row's ``[d]`` values, its ``[K]`` weights and ``[K]`` int32 local
-    expert ids, each section 16-byte aligned (so that each reads back as its dtype), the row a multiple of 64 bytes.
-    Gradients travel in the same layout (values and weights; the ids section unused); the combine uses the values
-    section alone."""
+    """The byte layout of a row packed for an exchange: the row's ``[d]`` values, its ``[K]`` weights and ``[K]`` int32
+    local expert ids, each section 16-byte aligned (so that each reads back as its dtype), the row a multiple of 64
+    bytes. ``d = 0``: the pairs alone (the values then travel in their own bytes, :func:`_exchange`). Gradients
+    travel in the same layout (values and weights; the ids section unused)."""
 
     def __init__(self, d: int, K: int, x_dtype: torch.dtype, w_dtype: torch.dtype) -> None:
         def up(n: int, a: int = 16) -> int:
@@ -369,33 +275,61 @@ class _Payload:
         return buf[:, self.id_at:self.id_at + 4 * self.K].view(torch.int32)
 
 
+def _exchange(exchange: Exchange, layout: Layout, payload: _Payload, values: torch.Tensor | None,
+              weights: torch.Tensor | None = None, ids: torch.Tensor | None = None, reverse: bool = False):
+    """Rows through one exchange of ``layout`` (``reverse``: receive layout back to send layout): ``values [S, d]``
+    and, with ``weights``, each row's ``[S, K]`` weights and local expert ids (None: zeros). Returns the received
+    ``(values, weights or None, ids or None)``.
+
+    Symmetric buffers (``nvshmem``; ``payload.d == d``) take one packed byte row per token. The other exchanges
+    (``payload.d == 0``) send the values' own bytes, which saves a copy in and a copy out of ``[S, d]`` per exchange,
+    and the pairs in a second exchange of ``payload.width`` bytes per row."""
+    if payload.d:
+        rows = layout.recv_rows if reverse else layout.send_rows
+        buf = exchange.buffer(rows, payload.width, reverse=reverse)
+        sections = [(payload.values(buf), values)]
+        if weights is not None:
+            sections += [(payload.weights(buf), weights), (payload.ids(buf), ids)]
+        for section, t in sections:
+            section.copy_(t) if t is not None else section.zero_()
+        got = exchange.rows(buf, layout, reverse)
+        if weights is None:
+            return payload.values(got).clone(), None, None
+        return payload.values(got).clone(), payload.weights(got).clone(), payload.ids(got).clone()
+    got = exchange.rows(values.contiguous().view(torch.uint8), layout, reverse).view(values.dtype)
+    if weights is None:
+        return got, None, None
+    buf = exchange.buffer(weights.shape[0], payload.width, reverse=reverse)
+    payload.weights(buf).copy_(weights)
+    payload.ids(buf).copy_(ids) if ids is not None else payload.ids(buf).zero_()
+    pairs = exchange.rows(buf, layout, reverse)
+    return got, payload.weights(pairs).contiguous(), payload.ids(pairs).contiguous()
+
+
 class _Dispatch(torch.autograd.Function):
     """``(x_send [S, d], w_send [S, K], ids_send [S, K])`` -> ``(x_recv [R, d], w_recv [R, K], ids_recv [R, K])``
-    through one exchange of packed rows; backward: the gradients of values and weights back through the reverse
-    exchange."""
+    through the exchange (:func:`_exchange`); backward: the gradients of values and weights back through the
+    reverse exchange."""
 
     @staticmethod
     @carried_to_backward
     def forward(ctx, x_send, w_send, ids_send, exchange: Exchange, layout: Layout, payload: _Payload):
-        buf = exchange.buffer(layout.send_rows, payload.width, reverse=False)
-        payload.values(buf).copy_(x_send)
-        payload.weights(buf).copy_(w_send)
-        payload.ids(buf).copy_(ids_send)
-        got = exchange.rows(buf, layout)
-        ctx.exchange, ctx.layout, ctx.payload = exchange, layout, payload
-        ids = payload.ids(got).clone()
+        ctx.exchange, ctx.layout, ctx.payload, ctx.d = exchange, layout, payload, x_send.shape[1]
+        x_recv, w_recv, ids = _exchange(exchange, layout, payload, x_send, w_send, ids_send)
         ctx.mark_non_differentiable(ids)
-        return payload.values(got).clone(), payload.weights(got).clone(), ids
+        return x_recv, w_recv, ids
 
     @staticmethod
     @carried_to_backward
     def backward(ctx, grad_x, grad_w, _grad_ids):
-        exchange, layout, payload = ctx.exchange, ctx.layout, ctx.payload
-        buf = exchange.buffer(layout.recv_rows, payload.width, reverse=True)
-        for section, grad in ((payload.values(buf), grad_x), (payload.weights(buf), grad_w)):
-            section.copy_(grad) if grad is not None else section.zero_()
-        got = exchange.rows(buf, layout, reverse=True)
-        return payload.values(got).clone(), payload.weights(got).clone(), None, None, None, None
+        if grad_x is None:
+            grad_x = torch.zeros(ctx.layout.recv_rows, ctx.d, dtype=ctx.payload.x_dtype,
+                                 device=ctx.exchange.device)
+        if grad_w is None:
+            grad_w = torch.zeros(ctx.layout.recv_rows, ctx.payload.K, dtype=ctx.payload.w_dtype,
+                                 device=ctx.exchange.device)
+        dx, dw, _ = _exchange(ctx.exchange, ctx.layout, ctx.payload, grad_x, grad_w, reverse=True)
+        return dx, dw, None, None, None, None
 
 
 class _Combine(torch.autograd.Function):
@@ -406,17 +340,12 @@ class _Combine(torch.autograd.Function):
     @carried_to_backward
     def forward(ctx, y, exchange: Exchange, layout: Layout, payload: _Payload):
         ctx.exchange, ctx.layout, ctx.payload = exchange, layout, payload
-        buf = exchange.buffer(layout.recv_rows, payload.width, reverse=True)
-        payload.values(buf).copy_(y)
-        return payload.values(exchange.rows(buf, layout, reverse=True)).clone()
+        return _exchange(exchange, layout, payload, y, reverse=True)[0]
 
     @staticmethod
     @carried_to_backward
     def backward(ctx, grad):
-        exchange, layout, payload = ctx.exchange, ctx.layout, ctx.payload
-        buf = exchange.buffer(layout.send_rows, payload.width, reverse=False)
-        payload.values(buf).copy_(grad)
-        return payload.values(exchange.rows(buf, layout)).clone(), None, None, None
+        return _exchange(ctx.exchange, ctx.layout, ctx.payload, grad)[0], None, None, None
 
 
 def global_load_balancing_loss(probs: torch.Tensor, global_counts: torch.Tensor) -> torch.Tensor:
@@ -473,14 +402,14 @@ def expert_parallel_forward(moe: MoE, x: torch.Tensor, routing, backend: Backend
     layout = ep.exchange.layout(T, K, send_counts, all_counts, ep.max_tokens)
     if ep.exchange.sync_free and layout.T_cap == 0:  # no rank of the group holds a token: nothing to exchange
         return x.new_zeros(x.shape), routing.z_loss
-    plan = _SendPlan(hit, layout.send_offsets, layout.send_rows, M)
+    plan = SendPlan(hit, layout.send_offsets, layout.send_rows, M)
     weights = routing.topk_weights.to(x.dtype) if x.dtype == torch.float64 else routing.topk_weights
     # each send row carries its token's K pairs: the destination's local expert ids (El: another rank's pair)
-    local_ids = _take(ids, plan.send_tokens, -1) - (plan.send_rank * El).view(-1, 1)  # [rows, K]
+    local_ids = take(ids, plan.send_tokens, -1) - (plan.send_rank * El).view(-1, 1)  # [rows, K]
     local_ids = torch.where((local_ids >= 0) & (local_ids < El), local_ids, El).to(torch.int32)
-    payload = _Payload(moe.d_model, K, x.dtype, weights.dtype)
-    x_send = _GatherRows.apply(x, *plan.tensors(), M)  # [rows, d]: the only copy of x
-    x_recv, w_recv, ids_recv = _Dispatch.apply(x_send, _take(weights, plan.send_tokens), local_ids,
+    payload = _Payload(moe.d_model if ep.exchange.symmetric else 0, K, x.dtype, weights.dtype)
+    x_send = GatherRows.apply(x, *plan.tensors(), M)  # [rows, d]: the only copy of x
+    x_recv, w_recv, ids_recv = _Dispatch.apply(x_send, take(weights, plan.send_tokens), local_ids,
                                                ep.exchange, layout, payload)
     valid = layout.recv_valid()
     if valid is not None:  # rows past what a source sent: every pair foreign, weights zero (the buffer is garbage)
@@ -494,7 +423,7 @@ def expert_parallel_forward(moe: MoE, x: torch.Tensor, routing, backend: Backend
     index = backend.plan(ids_recv, El, validate=False, foreign_experts=True)
     y = run_experts(x_recv, w_recv, w1, w2, *moe.expert_biases(dtype, scale), index, moe.activation, moe.save,
                     backend, DEFAULT_ACT, None, moe.fp8)  # [R, d]: each row's local pairs, weighted
-    out = _SumRows.apply(_Combine.apply(y, ep.exchange, layout, payload), *plan.tensors(), M)  # [T, d]
+    out = SumRows.apply(_Combine.apply(y, ep.exchange, layout, payload), *plan.tensors(), M)  # [T, d]
 
     if moe.router.aux_loss_type != "switch":
         return out, routing.loss

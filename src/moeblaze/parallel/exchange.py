@@ -144,12 +144,15 @@ class Exchange:
 
     Attributes:
         kind: ``nvshmem``, ``padded`` or ``all_to_all``. group, size (P), rank. sync_free: no host synchronisation.
+        symmetric: rows must be packed into :meth:`buffer` (symmetric memory); else any contiguous ``[rows, width]``
+        uint8 tensor can be sent as is.
     """
 
     def __init__(self, group: dist.ProcessGroup, kind: str, device: torch.device) -> None:
         self.group, self.kind, self.device = group, kind, device
         self.size, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.sync_free = kind != "all_to_all"
+        self.symmetric = kind == "nvshmem"
         self._symm = _SymmWorkspace(group, device) if kind == "nvshmem" else None
 
     def layout(self, T: int, K: int, send_counts: torch.Tensor, all_counts: torch.Tensor | None = None,
@@ -192,10 +195,11 @@ class Exchange:
         return torch.empty(rows, width, dtype=torch.uint8, device=self.device)
 
     def rows(self, buf: torch.Tensor, layout: Layout, reverse: bool = False) -> torch.Tensor:
-        """Exchange ``buf`` (from :meth:`buffer`): a dispatch (send layout -> receive layout; sets
-        ``layout.recv_counts`` / ``recv_offsets`` for the sync-free kinds), or with ``reverse`` the way back.
-        Returns the received ``[recv_rows or send_rows, width]`` uint8 rows (a buffer of the exchange's own for
-        ``nvshmem``: copy out what must outlive the next exchange)."""
+        """Exchange ``buf`` (from :meth:`buffer`, or any contiguous uint8 rows unless :attr:`symmetric`): a
+        dispatch (send layout -> receive layout; sets ``layout.recv_counts`` / ``recv_offsets`` for the sync-free
+        kinds when the layout came without them), or with ``reverse`` the way back. Returns the received
+        ``[recv_rows or send_rows, width]`` uint8 rows (a buffer of the exchange's own for ``nvshmem``: copy out
+        what must outlive the next exchange)."""
         out_rows = layout.send_rows if reverse else layout.recv_rows
         if self.kind == "all_to_all":
             send, recv = layout.splits
