@@ -50,8 +50,10 @@ def _padded(cases: list[dict]) -> list[dict]:
 def test_ep_layer_2_ranks():
     """EP layer = one process (edge cases, fp64/fp32, the Triton kernels in the interpreter), with the exchange
     that reads the split sizes to the host and with the sync-free one (fixed capacities, rows past what a source
-    sent are foreign); a mismatched configuration or E % P != 0 fails on every rank."""
-    cases = CASES_2 + TRITON_CASES + _padded(CASES_2 + TRITON_CASES)
+    sent are foreign), and the packed rows of the symmetric-memory exchange; a mismatched configuration or
+    E % P != 0 fails on every rank."""
+    symmetric = [{**c, "symmetric": True} for c in _padded(CASES_2[:4] + TRITON_CASES[:2])]
+    cases = CASES_2 + TRITON_CASES + _padded(CASES_2 + TRITON_CASES) + symmetric
     run_ranks(pw.run_all, 2, [("ep_cases", (cases,)), ("bad_config", ())], timeout=360)
 
 

@@ -411,8 +411,10 @@ def expert_parallel_forward(moe: MoE, x: torch.Tensor, routing, backend: Backend
     x_send = GatherRows.apply(x, *plan.tensors(), M)  # [rows, d]: the only copy of x
     x_recv, w_recv, ids_recv = _Dispatch.apply(x_send, take(weights, plan.send_tokens), local_ids,
                                                ep.exchange, layout, payload)
-    valid = layout.recv_valid()
-    if valid is not None:  # rows past what a source sent: every pair foreign, weights zero (the buffer is garbage)
+    # Rows past what a source sent: the padded exchange's carry the sender's unused rows (every pair foreign, weight
+    # 0: take's fills); a symmetric buffer's hold whatever was there, so they are masked.
+    valid = layout.recv_valid() if ep.exchange.symmetric else None
+    if valid is not None:
         ids_recv = torch.where(valid.view(-1, 1), ids_recv, El)
         w_recv = torch.where(valid.view(-1, 1), w_recv, 0)
     rows = layout.recv_counts.sum()
