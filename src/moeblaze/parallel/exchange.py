@@ -112,7 +112,7 @@ class Layout:
     ``T_cap``: the largest T over the group, or a bound of it every rank knows (sync-free kinds), or this rank's T.
     ``send_rows`` / ``recv_rows``: the rows of the send and receive buffers. ``send_counts [P]`` (device): rows to
     each rank; ``send_offsets [P]``: where they start. ``recv_counts`` / ``recv_offsets [P]``: the same by source
-    rank (sync-free kinds: from the all-gathered counts, or set by the dispatch). ``splits``: ``(send, recv)`` host
+    rank (padded: from the all-gathered counts; nvshmem: set by the dispatch). ``splits``: ``(send, recv)`` host
     lists of the ``all_to_all`` kind, else None.
     """
 
@@ -155,19 +155,19 @@ class Exchange:
         self.symmetric = kind == "nvshmem"
         self._symm = _SymmWorkspace(group, device) if kind == "nvshmem" else None
 
-    def layout(self, T: int, K: int, send_counts: torch.Tensor, all_counts: torch.Tensor | None = None,
+    def layout(self, T: int, K: int, send_counts: torch.Tensor, all_counts: torch.Tensor,
                tokens_cap: int | None = None) -> Layout:
         """The step's :class:`Layout` for T local tokens of K pairs, ``send_counts [P]`` (device int64).
 
         ``all_counts [P, n]`` (the all-gathered count vectors, whose last P columns are every rank's send counts):
         the ``all_to_all`` kind reads its split sizes from it (its one host synchronisation), the ``padded`` kind
-        its receive counts (without it, the dispatch exchanges them). ``tokens_cap``: ``T_cap`` as every rank of
-        the group knows it (``T <= tokens_cap`` on each); None: agreed on here (:meth:`tokens_cap`).
+        its receive counts. ``tokens_cap``: ``T_cap`` as every rank of the group knows it (``T <= tokens_cap`` on
+        each); None: agreed on here (:meth:`tokens_cap`).
         """
         P = self.size
         counts = send_counts.to(torch.int64)
+        recv = all_counts[:, -P + self.rank].to(torch.int64)  # [P] rows each rank sends here
         if not self.sync_free:
-            recv = all_counts[:, -P + self.rank] if all_counts is not None else None
             sizes = torch.cat((counts, recv)).tolist()  # the host synchronisation of this kind
             send, got = sizes[:P], sizes[P:]
             off = torch.tensor([0, *torch.tensor(send).cumsum(0).tolist()[:-1]], device=counts.device)
@@ -177,8 +177,7 @@ class Exchange:
         t_cap = self.tokens_cap(T) if tokens_cap is None else tokens_cap
         if self.kind == "padded":
             off = torch.arange(P, device=counts.device, dtype=torch.int64) * t_cap
-            recv = all_counts[:, -P + self.rank].to(torch.int64) if all_counts is not None else None
-            return Layout(t_cap, P * t_cap, P * t_cap, counts, off, recv, None if recv is None else off)
+            return Layout(t_cap, P * t_cap, P * t_cap, counts, off, recv, off)
         return Layout(t_cap, t_cap * min(K, P), P * t_cap, counts, _exclusive(counts))
 
     def tokens_cap(self, T: int) -> int:
@@ -196,8 +195,8 @@ class Exchange:
 
     def rows(self, buf: torch.Tensor, layout: Layout, reverse: bool = False) -> torch.Tensor:
         """Exchange ``buf`` (from :meth:`buffer`, or any contiguous uint8 rows unless :attr:`symmetric`): a
-        dispatch (send layout -> receive layout; sets ``layout.recv_counts`` / ``recv_offsets`` for the sync-free
-        kinds when the layout came without them), or with ``reverse`` the way back. Returns the received
+        dispatch (send layout -> receive layout; sets ``layout.recv_counts`` / ``recv_offsets`` for ``nvshmem``),
+        or with ``reverse`` the way back. Returns the received
         ``[recv_rows or send_rows, width]`` uint8 rows (a buffer of the exchange's own for ``nvshmem``: copy out
         what must outlive the next exchange)."""
         out_rows = layout.send_rows if reverse else layout.recv_rows
@@ -209,10 +208,6 @@ class Exchange:
         if self.kind == "padded":
             out = torch.empty_like(buf)
             dist.all_to_all_single(out, buf, group=self.group)
-            if not reverse and layout.recv_counts is None:
-                recv = torch.empty_like(layout.send_counts)
-                dist.all_to_all_single(recv, layout.send_counts, group=self.group)
-                layout.recv_counts, layout.recv_offsets = recv, layout.send_offsets
             return out
         counts = layout.recv_counts if reverse else layout.send_counts
         out, got = self._symm.exchange(counts)
