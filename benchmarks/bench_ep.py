@@ -170,9 +170,6 @@ def main(argv: list[str] | None = None) -> int:
                    help=f"comma-separated token exchanges of the moeblaze layer, one layer each "
                         f"({', '.join(EXCHANGES)}; moeblaze.parallel.exchange); the baselines are compared with the "
                         "first")
-    p.add_argument("--chunks", default="1",
-                   help="comma-separated token chunk counts of the moeblaze layer (expert_parallel's chunks: each "
-                        "chunk's exchanges overlap another's experts), one layer per exchange and count")
     p.add_argument("--breakdown", type=int, default=0, metavar="STEPS",
                    help="also profile this many steps of each layer and print where its time goes "
                         "(moeblaze.parallel.breakdown)")
@@ -191,19 +188,12 @@ def main(argv: list[str] | None = None) -> int:
     exchanges = [e.strip() for e in args.exchanges.split(",") if e.strip()]
     if not exchanges or any(e not in EXCHANGES for e in exchanges):
         p.error(f"--exchanges takes a comma-separated list of {', '.join(EXCHANGES)}; got {args.exchanges!r}")
-    try:
-        chunk_counts = [int(c) for c in args.chunks.split(",")]
-    except ValueError:
-        chunk_counts = []
-    if not chunk_counts or min(chunk_counts) < 1:
-        p.error(f"--chunks takes a comma-separated list of positive integers; got {args.chunks!r}")
     ep_layers = {}
-    for i, (kind, n) in enumerate((k, n) for k in exchanges for n in chunk_counts):
+    for i, kind in enumerate(exchanges):
         torch.manual_seed(0)  # the same router and experts on every rank and in every layer
-        name = "moeblaze" if i == 0 else f"moeblaze:{kind}" + (f":{n}" if len(chunk_counts) > 1 else "")
-        ep_layers[name] = expert_parallel(  # max_tokens: T known to every rank
+        ep_layers["moeblaze" if i == 0 else f"moeblaze:{kind}"] = expert_parallel(
             moeblaze.MoE(args.d_model, args.d_ff, args.experts, args.top_k, aux_loss_coef=0.0, device=device,
-                         dtype=dtype), dist.group.WORLD, kind, max_tokens=args.tokens, chunks=n)
+                         dtype=dtype), dist.group.WORLD, kind, max_tokens=args.tokens)  # T known to every rank
     mb = ep_layers["moeblaze"]
     layers = {**ep_layers, **{k: v for k, v in _build(names, mb).items() if k != "moeblaze"}}
     params = [q for q in {id(q): q for m in (mb, *layers.values()) for q in m.parameters()}.values()]
@@ -251,8 +241,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{name}: {summary(split)}")
         comm = 0.0 if name == "one-gpu" else _timed(_comm_replay(x.detach(), args.top_k, *splits, ours),
                                                     args.iters, args.warmup, device)
-        rows.append({"impl": name, "exchange": layer.ep.exchange.kind if ours else "",
-                     "chunks": layer.ep.chunks if ours else "", "world": world,
+        rows.append({"impl": name, "exchange": layer.ep.exchange.kind if ours else "", "world": world,
                      "device": torch.cuda.get_device_name(device) if cuda else "cpu",
                      "dtype": args.dtype, "tokens_per_rank": args.tokens, "d": args.d_model, "h": args.d_ff,
                      "E": args.experts, "K": args.top_k, "fwd_bwd_ms": round(ms, 4),

@@ -66,11 +66,10 @@ def _single_process(moe: moeblaze.MoE, x: torch.Tensor, dout: torch.Tensor) -> d
 def ep_case(rank: int, world: int, tokens: list[int], E: int, K: int, d: int, h: int, seed: int,
             dtype: torch.dtype = torch.float64, backend: str = "torch", one_remote_expert: bool = False,
             exchange: str = "all_to_all", max_tokens: int | None = None, symmetric: bool = False,
-            chunks: int = 1, **options) -> None:
+            **options) -> None:
     """EP layer over all ranks (``tokens[r]`` tokens on rank r) against one process on all tokens.
 
-    ``max_tokens``, ``chunks``: :func:`expert_parallel`'s (with ``max_tokens`` the sync-free exchanges agree on
-    nothing: checked).
+    ``max_tokens``: :func:`expert_parallel`'s (the sync-free exchanges then agree on nothing: checked).
     ``symmetric``: the padded exchange moves the packed rows of a symmetric-memory exchange (the nvshmem kind's
     data path, which needs CUDA, emulated: one packed byte row per token, rows past what a source sent masked).
     ``options``: more :class:`moeblaze.MoE` arguments (activation, score function, save mode, router
@@ -93,8 +92,8 @@ def ep_case(rank: int, world: int, tokens: list[int], E: int, K: int, d: int, h:
     r64 = _single_process(ref, x_all, dout_all)
 
     ep = expert_parallel(moeblaze.MoE(d, h, E, ref.top_k, backend=backend, device=dev, dtype=dtype, **kw),
-                         dist.group.WORLD, exchange, max_tokens, chunks)
-    ep.ep.exchange.symmetric = symmetric  # the exchange is shared by later cases: set back below
+                         dist.group.WORLD, exchange, max_tokens)
+    ep.ep.exchange.symmetric |= symmetric  # the exchange is shared by later cases: set back below
     agreed: list[int] = []  # the T of each host agreement on T_cap
     agree = ep.ep.exchange.tokens_cap
     ep.ep.exchange.tokens_cap = lambda t: agreed.append(t) or agree(t)

@@ -13,9 +13,9 @@ import moeblaze
 import parallel_workers as pw
 from dist_utils import run_ranks
 from moeblaze.parallel import expert_parallel
+from moeblaze.parallel.ep import _Payload
 from moeblaze.parallel.exchange import Layout
 from moeblaze.parallel.send_plan import SendPlan, sum_rows
-from moeblaze.parallel.transfer import Payload
 
 
 def _hit(T: int, P: int, K: int, gen: torch.Generator) -> torch.Tensor:
@@ -81,7 +81,7 @@ def test_recv_valid_packed_and_blocked():
                                                                                         16, 1)])
 def test_payload_round_trip(x_dtype, w_dtype, d, K):
     """Values, weights and ids packed into one byte row read back bitwise (odd d: aligned sections)."""
-    pay = Payload(d, K, x_dtype, w_dtype)
+    pay = _Payload(d, K, x_dtype, w_dtype)
     assert pay.width % 64 == 0 and pay.w_at % 16 == 0 and pay.id_at % 16 == 0
     x, w = torch.randn(6, d).to(x_dtype), torch.rand(6, K, dtype=w_dtype)
     ids = torch.randint(0, 9, (6, K), dtype=torch.int32)
@@ -119,53 +119,6 @@ def test_sync_free_exchange_bitwise_equals_host_split_on_cpu():
     run_ranks(exchanges_bitwise, 3, [4, 0, 3], "torch", torch.float32, timeout=120)
 
 
-def overlap_order(rank: int, world: int) -> None:
-    """The exchanges of a 2-chunk layer step, in the order the host issues and waits for them: each chunk's experts
-    run while the other chunk's rows are in flight, forward and backward."""
-    from moeblaze.parallel import ep as ep_module
-    from moeblaze.parallel import transfer
-
-    log, layouts = [], []
-    send, wait, experts = transfer.Transfer.send, transfer._InFlight.wait, ep_module.run_experts
-
-    def logged_send(self, *args, reverse=False, **kw):
-        flight = send(self, *args, reverse=reverse, **kw)
-        if id(self.layout) not in layouts:
-            layouts.append(id(self.layout))
-        flight.name = (f"{'combine' if self.reverse else 'dispatch'}{layouts.index(id(self.layout))}"
-                       f"{'-bwd' if reverse != self.reverse else ''}")
-        log.append(f"send {flight.name}")
-        return flight
-
-    def logged_wait(self):
-        log.append(f"wait {self.name}")
-        return wait(self)
-
-    def logged_experts(*args, **kw):
-        log.append("experts")
-        return experts(*args, **kw)
-
-    transfer.Transfer.send, transfer._InFlight.wait, ep_module.run_experts = logged_send, logged_wait, logged_experts
-    try:
-        torch.manual_seed(0)
-        moe = expert_parallel(moeblaze.MoE(16, 8, 4, 2), dist.group.WORLD, "padded", max_tokens=8, chunks=2)
-        x = torch.randn(8, 16, requires_grad=True)
-        out = moe(x)
-        log.append("backward")
-        out.square().sum().backward()
-    finally:
-        transfer.Transfer.send, transfer._InFlight.wait, ep_module.run_experts = send, wait, experts
-    assert log == ["send dispatch0", "send dispatch1", "wait dispatch0", "experts", "send combine0", "wait dispatch1",
-                   "experts", "send combine1", "wait combine0", "wait combine1", "backward",
-                   # chunk 1's expert backward runs between its wait and its dispatch's reverse: chunk 0 in flight
-                   "send combine1-bwd", "send combine0-bwd", "wait combine1-bwd", "send dispatch1-bwd",
-                   "wait combine0-bwd", "send dispatch0-bwd", "wait dispatch1-bwd", "wait dispatch0-bwd"], log
-
-
-def test_chunks_overlap_exchanges_with_experts():
-    run_ranks(overlap_order, 2, timeout=120)
-
-
 def _gpus(n: int) -> bool:
     return torch.cuda.is_available() and torch.cuda.device_count() >= n
 
@@ -185,10 +138,8 @@ def test_ep_exchanges_two_gpus():
     token, all tokens to one remote expert); the sync-free ones bitwise equal to the host-split one, without host
     synchronisation, and a captured layer step replaying bitwise."""
     cases = [dict(c, exchange=e) for e in _EXCHANGES for c in _GPU_CASES]
-    cases += [dict(c, exchange=e, chunks=2) for e in ("all_to_all", "padded") for c in _GPU_CASES]
     calls = [("ep_cases", (cases,)), ("exchanges_bitwise", ([128, 96], "triton", torch.bfloat16))]
-    calls += [(name, (e, n)) for e, n in (("padded", 1), ("nvshmem", 1), ("padded", 2))
-              for name in ("no_host_sync", "graph_replay")]
+    calls += [(name, (e,)) for e in ("padded", "nvshmem") for name in ("no_host_sync", "graph_replay")]
     run_ranks(_run_all, 2, calls, backend="nccl", timeout=500)
 
 
@@ -212,12 +163,11 @@ def _run_all(rank: int, world: int, calls: list[tuple[str, tuple]]) -> None:
             raise AssertionError(f"{name}{args if name != 'ep_cases' else ''}: {err}") from err
 
 
-def no_host_sync(rank: int, world: int, exchange: str, chunks: int = 1) -> None:
+def no_host_sync(rank: int, world: int, exchange: str) -> None:
     """Forward and backward of an EP layer with a sync-free exchange under ``set_sync_debug_mode("error")``."""
     dev = pw._device()
     torch.manual_seed(3)
-    ep = expert_parallel(moeblaze.MoE(64, 32, 8, 2, device=dev, dtype=torch.bfloat16), dist.group.WORLD, exchange,
-                         chunks=chunks)
+    ep = expert_parallel(moeblaze.MoE(64, 32, 8, 2, device=dev, dtype=torch.bfloat16), dist.group.WORLD, exchange)
     x = torch.randn(128, 64, device=dev, dtype=torch.bfloat16, requires_grad=True)
     for check in (False, True):  # the first step compiles and tunes (which synchronise)
         torch.cuda.set_sync_debug_mode("error" if check else "default")
@@ -228,14 +178,13 @@ def no_host_sync(rank: int, world: int, exchange: str, chunks: int = 1) -> None:
             torch.cuda.set_sync_debug_mode("default")
 
 
-def graph_replay(rank: int, world: int, exchange: str, chunks: int = 1) -> None:
+def graph_replay(rank: int, world: int, exchange: str) -> None:
     """A captured forward + backward of an EP layer replays bitwise equal to eager steps on fresh inputs."""
     import gc
 
     dev = pw._device()
     torch.manual_seed(4)
-    ep = expert_parallel(moeblaze.MoE(64, 32, 8, 2, device=dev, dtype=torch.bfloat16), dist.group.WORLD, exchange,
-                         chunks=chunks)
+    ep = expert_parallel(moeblaze.MoE(64, 32, 8, 2, device=dev, dtype=torch.bfloat16), dist.group.WORLD, exchange)
 
     def inputs(seed):
         gen = torch.Generator(device=dev).manual_seed(seed * 10 + rank)

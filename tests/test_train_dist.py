@@ -50,7 +50,7 @@ def test_two_ranks_track_one_process_and_checkpoints_reshard(text_file, tmp_path
     # EP over both ranks: the load-balancing loss counts the group's (= all) tokens, as one process does.
     assert _close(r["ep"], one.losses, 1e-4), (r["ep"], one.losses)
     assert math.isclose(r["ep_val"], one.val_bpb, rel_tol=1e-4)
-    # The sync-free exchange with the loop's token bound, in 2 chunks, moves the same rows: the same run.
+    # The sync-free exchange with the loop's token bound moves the same rows: the same run.
     assert _close(r["padded"], r["ep"], 1e-6) and math.isclose(r["padded_val"], r["ep_val"], rel_tol=1e-6)
     # Resume on the same 2-rank layout: bitwise the uninterrupted run.
     assert r["same"] == r["ep"][10:] and r["same_val"] == r["ep_val"]

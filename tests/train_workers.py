@@ -55,12 +55,11 @@ def runs(rank: int, world: int, data: str, tmp: str, results: dict) -> None:
     dist.barrier()
     same = train(replace(ep_cfg, out_dir=str(tmp / "half"), resume=True, overwrite=False), mcfg)
     other_p = train(replace(ep_cfg, out_dir=str(tmp / "half_p1"), resume=True, overwrite=False, ep=1), mcfg)
-    # the sync-free exchange, whose T_cap the loop gives (rows per rank x seq_len): no host agreement on it; in
-    # 2 chunks whose exchanges overlap (--ep-chunks)
+    # the sync-free exchange, whose T_cap the loop gives (rows per rank x seq_len): no host agreement on it
     agree = exchange.Exchange.tokens_cap
     exchange.Exchange.tokens_cap = lambda self, T: pytest.fail(f"the ranks agreed on T_cap (T={T})")
     try:
-        padded = train(replace(ep_cfg, out_dir=str(tmp / "padded"), ep_exchange="padded", ep_chunks=2), mcfg)
+        padded = train(replace(ep_cfg, out_dir=str(tmp / "padded"), ep_exchange="padded"), mcfg)
     finally:
         exchange.Exchange.tokens_cap = agree
     _same_on_all_ranks((ep.losses, ep.val_bpb))

@@ -44,9 +44,8 @@ from ..backends import Backend
 from ..experts import run_experts
 from ..layer import MoE
 from ..settings import carried_to_backward
-from .exchange import Exchange, get_exchange, resolve_exchange
+from .exchange import Exchange, Layout, get_exchange, resolve_exchange
 from .send_plan import GatherRows, SendPlan, SumRows, take
-from .transfer import Payload, Transfer, finish, start, transfer
 
 # torch 2.13 renamed all_gather_into_tensor to all_gather_single (same arguments) and deprecates the old name; torch
 # 2.11 has only the old one
@@ -93,7 +92,6 @@ class EPConfig:
     aux_loss_type: str
     expert_bias_update_rate: float
     max_tokens: int | None
-    chunks: int
 
 
 class ExpertParallel:
@@ -105,8 +103,6 @@ class ExpertParallel:
         exchange: the :class:`moeblaze.parallel.exchange.Exchange` (shared by the layers of the group).
         max_tokens: the most tokens any rank of the group passes to the layer in one forward, known to every rank
             (the sync-free exchanges' ``T_cap`` then needs no agreement between the hosts), or None.
-        chunks: the layer step's tokens go in this many chunks, each chunk's exchanges running under another's
-            experts (1: no overlap).
         grad_divide: the expert weights' gradients are divided by it in backward (1: each is the sum over
             the losses of every rank whose tokens reached the expert; :func:`moeblaze.parallel.parallelize`
             sets P so that, after FSDP's mean over ``dp_shard``, they are means over all ranks as the
@@ -119,7 +115,7 @@ class ExpertParallel:
         self.size, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.num_local_experts = config.num_experts // self.size
         self.first_expert = self.rank * self.num_local_experts
-        self.max_tokens, self.chunks = config.max_tokens, config.chunks
+        self.max_tokens = config.max_tokens
         self.grad_divide = 1
         self.mesh = None  # (DeviceMesh, dp dimension name or None): the experts' layout in checkpoints
         self.recv_rows: torch.Tensor | None = None
@@ -157,7 +153,7 @@ def expert_parameter_names(moe: MoE) -> tuple[str, ...]:
 
 
 def shard_experts(moe: MoE, group: dist.ProcessGroup | DeviceMesh, exchange: str = "auto",
-                  max_tokens: int | None = None, chunks: int = 1) -> MoE:
+                  max_tokens: int | None = None) -> MoE:
     """Make one :class:`moeblaze.MoE` holding all E experts expert-parallel over ``group``, in place.
 
     Rank r keeps experts ``[r*E/P, (r+1)*E/P)`` of its current weights (so ranks that built the model with the
@@ -174,16 +170,12 @@ def shard_experts(moe: MoE, group: dist.ProcessGroup | DeviceMesh, exchange: str
             the group's CPU backend, which holds each host at the slowest one's). The ``padded`` exchange sends
             every block at this size, so give the real bound (the training loop gives its rows per rank times
             the sequence length). A forward with more tokens raises ``ValueError`` on that rank.
-        chunks: split each layer step's tokens into this many chunks (the same on every rank), so that one
-            chunk's exchanges run under another's expert kernels, forward and backward (as Megatron-Core's and
-            DeepEP's overlap); each chunk costs its own launches and exchanges (host time). 1: no overlap.
-            ``nvshmem`` runs on the compute stream and does not overlap.
 
     Raises:
         TypeError: ``moe`` is not a :class:`moeblaze.MoE`; a bad ``group`` (see :func:`resolve_group`).
         ValueError: the layer is already expert-parallel or rounds tokens; ``E % P != 0``; ``max_tokens`` not a
-            positive int or None; ``chunks`` not a positive int; the ranks disagree on the configuration (the
-            message lists each rank's); an exchange that cannot run here.
+            positive int or None; the ranks disagree on the configuration (the message lists each rank's); an
+            exchange that cannot run here.
     """
     if not isinstance(moe, MoE):
         raise TypeError(f"shard_experts takes a moeblaze.MoE, got {type(moe).__name__}")
@@ -194,15 +186,13 @@ def shard_experts(moe: MoE, group: dist.ProcessGroup | DeviceMesh, exchange: str
                          "or under FSDP2")
     if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1):
         raise ValueError(f"max_tokens must be a positive int or None, got {max_tokens!r}")
-    if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
-        raise ValueError(f"chunks must be a positive int, got {chunks!r}")
     pg = resolve_group(group)
     P = dist.get_world_size(pg)
     device = moe.w_down.device if moe.w_down.device.type != "meta" else _group_device(pg)
     kind = resolve_exchange(exchange, pg, device)
     config = EPConfig(moe.d_model, moe.d_ff, moe.num_experts, moe.top_k, moe.activation, moe.router.score_func,
                       moe.has_bias, P, kind, moe.router.aux_loss_type, moe.router.expert_bias_update_rate,
-                      max_tokens, chunks)
+                      max_tokens)
     gathered: list[EPConfig | None] = [None] * P
     dist.all_gather_object(gathered, config, group=pg)  # before any check that could differ by rank
     if any(c != config for c in gathered):
@@ -226,9 +216,9 @@ def _group_device(group: dist.ProcessGroup) -> torch.device:
 
 
 def expert_parallel(module: nn.Module, group: dist.ProcessGroup | DeviceMesh, exchange: str = "auto",
-                    max_tokens: int | None = None, chunks: int = 1) -> nn.Module:
+                    max_tokens: int | None = None) -> nn.Module:
     """Apply expert parallelism over ``group`` to every :class:`moeblaze.MoE` in ``module`` (``module`` itself
-    included), in place, with :func:`shard_experts` (``exchange``, ``max_tokens``, ``chunks``: its); returns ``module``.
+    included), in place, with :func:`shard_experts` (``exchange``, ``max_tokens``: its); returns ``module``.
 
     Raises:
         ValueError: ``module`` holds no MoE layer; as :func:`shard_experts`.
@@ -237,7 +227,7 @@ def expert_parallel(module: nn.Module, group: dist.ProcessGroup | DeviceMesh, ex
     if not layers:
         raise ValueError(f"expert_parallel found no moeblaze.MoE layer in {type(module).__name__}")
     for moe in layers:
-        shard_experts(moe, group, exchange, max_tokens, chunks)
+        shard_experts(moe, group, exchange, max_tokens)
     return module
 
 
@@ -256,6 +246,106 @@ class _DivideGrad(torch.autograd.Function):
     @carried_to_backward
     def backward(ctx, grad):
         return grad / ctx.divisor, None
+
+
+class _Payload:
+    """The byte layout of a row packed for an exchange: the row's ``[d]`` values, its ``[K]`` weights and ``[K]`` int32
+    local expert ids, each section 16-byte aligned (so that each reads back as its dtype), the row a multiple of 64
+    bytes. ``d = 0``: the pairs alone (the values then travel in their own bytes, :func:`_exchange`). Gradients
+    travel in the same layout (values and weights; the ids section unused)."""
+
+    def __init__(self, d: int, K: int, x_dtype: torch.dtype, w_dtype: torch.dtype) -> None:
+        def up(n: int, a: int = 16) -> int:
+            return -(-n // a) * a
+        self.d, self.K, self.x_dtype, self.w_dtype = d, K, x_dtype, w_dtype
+        xe, we = torch.empty((), dtype=x_dtype).element_size(), torch.empty((), dtype=w_dtype).element_size()
+        self.x_end = d * xe
+        self.w_at = up(self.x_end)
+        self.w_end = self.w_at + K * we
+        self.id_at = up(self.w_end)
+        self.width = up(self.id_at + 4 * K, 64)
+
+    def values(self, buf: torch.Tensor) -> torch.Tensor:
+        return buf[:, :self.x_end].view(self.x_dtype)
+
+    def weights(self, buf: torch.Tensor) -> torch.Tensor:
+        return buf[:, self.w_at:self.w_end].view(self.w_dtype)
+
+    def ids(self, buf: torch.Tensor) -> torch.Tensor:
+        return buf[:, self.id_at:self.id_at + 4 * self.K].view(torch.int32)
+
+
+def _exchange(exchange: Exchange, layout: Layout, payload: _Payload, values: torch.Tensor | None,
+              weights: torch.Tensor | None = None, ids: torch.Tensor | None = None, reverse: bool = False):
+    """Rows through one exchange of ``layout`` (``reverse``: receive layout back to send layout): ``values [S, d]``
+    and, with ``weights``, each row's ``[S, K]`` weights and local expert ids (None: zeros). Returns the received
+    ``(values, weights or None, ids or None)``.
+
+    Symmetric buffers (``nvshmem``; ``payload.d == d``) take one packed byte row per token. The other exchanges
+    (``payload.d == 0``) send the values' own bytes, which saves a copy in and a copy out of ``[S, d]`` per exchange,
+    and the pairs in a second exchange of ``payload.width`` bytes per row."""
+    if payload.d:
+        rows = layout.recv_rows if reverse else layout.send_rows
+        buf = exchange.buffer(rows, payload.width, reverse=reverse)
+        sections = [(payload.values(buf), values)]
+        if weights is not None:
+            sections += [(payload.weights(buf), weights), (payload.ids(buf), ids)]
+        for section, t in sections:
+            section.copy_(t) if t is not None else section.zero_()
+        got = exchange.rows(buf, layout, reverse)
+        if weights is None:
+            return payload.values(got).clone(), None, None
+        return payload.values(got).clone(), payload.weights(got).clone(), payload.ids(got).clone()
+    got = exchange.rows(values.contiguous().view(torch.uint8), layout, reverse).view(values.dtype)
+    if weights is None:
+        return got, None, None
+    buf = exchange.buffer(weights.shape[0], payload.width, reverse=reverse)
+    payload.weights(buf).copy_(weights)
+    payload.ids(buf).copy_(ids) if ids is not None else payload.ids(buf).zero_()
+    pairs = exchange.rows(buf, layout, reverse)
+    return got, payload.weights(pairs).contiguous(), payload.ids(pairs).contiguous()
+
+
+class _Dispatch(torch.autograd.Function):
+    """``(x_send [S, d], w_send [S, K], ids_send [S, K])`` -> ``(x_recv [R, d], w_recv [R, K], ids_recv [R, K])``
+    through the exchange (:func:`_exchange`); backward: the gradients of values and weights back through the
+    reverse exchange."""
+
+    @staticmethod
+    @carried_to_backward
+    def forward(ctx, x_send, w_send, ids_send, exchange: Exchange, layout: Layout, payload: _Payload):
+        ctx.exchange, ctx.layout, ctx.payload, ctx.d = exchange, layout, payload, x_send.shape[1]
+        x_recv, w_recv, ids = _exchange(exchange, layout, payload, x_send, w_send, ids_send)
+        ctx.mark_non_differentiable(ids)
+        return x_recv, w_recv, ids
+
+    @staticmethod
+    @carried_to_backward
+    def backward(ctx, grad_x, grad_w, _grad_ids):
+        if grad_x is None:
+            grad_x = torch.zeros(ctx.layout.recv_rows, ctx.d, dtype=ctx.payload.x_dtype,
+                                 device=ctx.exchange.device)
+        if grad_w is None:
+            grad_w = torch.zeros(ctx.layout.recv_rows, ctx.payload.K, dtype=ctx.payload.w_dtype,
+                                 device=ctx.exchange.device)
+        dx, dw, _ = _exchange(ctx.exchange, ctx.layout, ctx.payload, grad_x, grad_w, reverse=True)
+        return dx, dw, None, None, None, None
+
+
+class _Combine(torch.autograd.Function):
+    """``y [R, d]`` (receive layout) -> ``[S, d]`` (send layout) through the reverse exchange; backward: the
+    gradient through a forward exchange."""
+
+    @staticmethod
+    @carried_to_backward
+    def forward(ctx, y, exchange: Exchange, layout: Layout, payload: _Payload):
+        ctx.exchange, ctx.layout, ctx.payload = exchange, layout, payload
+        return _exchange(exchange, layout, payload, y, reverse=True)[0]
+
+    @staticmethod
+    @carried_to_backward
+    def backward(ctx, grad):
+        return _exchange(ctx.exchange, ctx.layout, ctx.payload, grad)[0], None, None, None
 
 
 def global_load_balancing_loss(probs: torch.Tensor, global_counts: torch.Tensor) -> torch.Tensor:
@@ -279,61 +369,9 @@ def _router_probs(moe: MoE, logits: torch.Tensor) -> torch.Tensor:
     return scores / scores.sum(-1, keepdim=True)
 
 
-@dataclass
-class _Chunk:
-    """One chunk of a layer step's tokens in flight: its send plan, the exchange under way (``tr``) and what it
-    returned, or with overlap the token of its start (``sent``)."""
-
-    plan: SendPlan
-    tr: Transfer
-    sent: object
-
-
-def _send(ep: ExpertParallel, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, hit: torch.Tensor,
-          recv_counts: torch.Tensor, t_cap: int | None, payload: Payload, overlap: bool) -> _Chunk:
-    """Steps 3 and 4 of the module docstring for one chunk of tokens (``x [Tc, d]``, ``ids`` / ``weights [Tc, K]``,
-    ``hit [Tc, P]``; ``recv_counts [P]`` rows each rank sends here): the layout, the send rows and their dispatch,
-    whole or (``overlap``) started."""
-    El, M = ep.num_local_experts, min(ids.shape[1], ep.size)
-    layout = ep.exchange.layout(x.shape[0], ids.shape[1], hit.sum(0), recv_counts, t_cap)
-    plan = SendPlan(hit, layout.send_offsets, layout.send_rows, M)
-    # each send row carries its token's K pairs: the destination's local expert ids (El: another rank's pair)
-    local_ids = take(ids, plan.send_tokens, -1) - (plan.send_rank * El).view(-1, 1)  # [rows, K]
-    local_ids = torch.where((local_ids >= 0) & (local_ids < El), local_ids, El).to(torch.int32)
-    x_send = GatherRows.apply(x, *plan.tensors(), M)  # [rows, d]: the only copy of x
-    tr = Transfer(ep.exchange, layout, payload, x.shape[1], reverse=False)
-    args = (tr, x_send, take(weights, plan.send_tokens), local_ids)
-    return _Chunk(plan, tr, start(*args) if overlap else transfer(*args))
-
-
-def _local_experts(ep: ExpertParallel, moe: MoE, x_recv: torch.Tensor, w_recv: torch.Tensor, ids_recv: torch.Tensor,
-                   layout, experts: tuple, backend: Backend) -> torch.Tensor:
-    """The received rows ``x_recv [R, d]`` through this rank's experts: each row's local pairs, weighted."""
-    El = ep.num_local_experts
-    # Rows past what a source sent: the padded exchange's carry the sender's unused rows (every pair foreign, weight
-    # 0: take's fills); a symmetric buffer's hold whatever was there, so they are masked.
-    valid = layout.recv_valid() if ep.exchange.symmetric else None
-    if valid is not None:
-        ids_recv = torch.where(valid.view(-1, 1), ids_recv, El)
-        w_recv = torch.where(valid.view(-1, 1), w_recv, 0)
-    rows = layout.recv_counts.sum()
-    ep.recv_rows = rows if ep.recv_rows is None else ep.recv_rows + rows
-    # built here without its range checks (their host synchronisations): the ids are in range by construction
-    index = backend.plan(ids_recv, El, validate=False, foreign_experts=True)
-    return run_experts(x_recv, w_recv, *experts, index, moe.activation, moe.save, backend, DEFAULT_ACT, None,
-                       moe.fp8)
-
-
-def _chunks(T: int, C: int) -> list[tuple[int, int]]:
-    """``C`` contiguous token ranges of at most ``ceil(T / C)`` tokens (empty ones where ``T < C``)."""
-    n = -(-T // C)
-    return [(min(c * n, T), min((c + 1) * n, T)) for c in range(C)]
-
-
 def expert_parallel_forward(moe: MoE, x: torch.Tensor, routing, backend: Backend,
                             dtype: torch.dtype | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The expert-parallel forward of ``moe`` on this rank's tokens (steps in the module docstring), in
-    ``ep.chunks`` chunks of tokens whose exchanges overlap the other chunks' experts.
+    """The expert-parallel forward of ``moe`` on this rank's tokens (steps in the module docstring).
 
     Args:
         moe: a :class:`moeblaze.MoE` made expert-parallel (``moe.ep`` set; local expert weights).
@@ -348,46 +386,50 @@ def expert_parallel_forward(moe: MoE, x: torch.Tensor, routing, backend: Backend
         coefficient; with the other types the router's own loss (``routing.loss``).
     """
     ep: ExpertParallel = moe.ep
-    E, P, El, C = moe.num_experts, ep.size, ep.num_local_experts, ep.chunks
+    E, P, El = moe.num_experts, ep.size, ep.num_local_experts
     ids = routing.topk_ids.to(torch.int64)  # [T, K] global expert ids
     T, K = ids.shape
     if ep.max_tokens is not None and ep.max_tokens < T:
         raise ValueError(f"x holds {T} tokens on rank {ep.rank}, more than max_tokens={ep.max_tokens} given to "
                          "expert_parallel (the most any rank passes to an expert-parallel layer in one forward)")
+    M = min(K, P)
     hit = torch.zeros(T, P, dtype=torch.bool, device=x.device).scatter_(1, ids // El, True)  # [T, P]
-    spans = _chunks(T, C)
-    # [E] pairs per expert, then [P] rows to each rank per chunk; integer sums are exact in any order
-    # (torch.bincount would read its maximum to the host)
+    send_counts = hit.sum(0)  # [P] rows this rank sends to each rank
+    # [E] pairs per expert; integer sums are exact in any order (torch.bincount would read its maximum to the host)
     expert_counts = ids.new_zeros(E).scatter_add_(0, ids.reshape(-1), torch.ones_like(ids).reshape(-1))
-    counts = torch.cat([expert_counts] + [hit[lo:hi].sum(0) for lo, hi in spans])
+    counts = torch.cat((expert_counts, send_counts))
     # c10d's all-gather, not the functional one: its result tensor subclass cost ~0.3 ms of host time per layer
     # forward in a host trace (torch.profiler, moeblaze train --fsdp --preset 1b --ep 2, 2 x H200)
     all_counts = counts.new_empty(P * counts.numel())
     _all_gather(all_counts, counts, group=ep.group)
-    all_counts = all_counts.view(P, E + C * P)
-    t_cap = ep.max_tokens
-    if ep.exchange.sync_free and t_cap is None:
-        t_cap = ep.exchange.tokens_cap(T)
-        if t_cap == 0:  # no rank of the group holds a token: nothing to exchange
-            return x.new_zeros(x.shape), routing.z_loss
-    chunk_cap = None if t_cap is None else -(-t_cap // C)
+    all_counts = all_counts.view(P, E + P)
+    layout = ep.exchange.layout(T, K, send_counts, all_counts, ep.max_tokens)
+    if ep.exchange.sync_free and layout.T_cap == 0:  # no rank of the group holds a token: nothing to exchange
+        return x.new_zeros(x.shape), routing.z_loss
+    plan = SendPlan(hit, layout.send_offsets, layout.send_rows, M)
     weights = routing.topk_weights.to(x.dtype) if x.dtype == torch.float64 else routing.topk_weights
-    payload = Payload(moe.d_model if ep.exchange.symmetric else 0, K, x.dtype, weights.dtype)
+    # each send row carries its token's K pairs: the destination's local expert ids (El: another rank's pair)
+    local_ids = take(ids, plan.send_tokens, -1) - (plan.send_rank * El).view(-1, 1)  # [rows, K]
+    local_ids = torch.where((local_ids >= 0) & (local_ids < El), local_ids, El).to(torch.int32)
+    payload = _Payload(moe.d_model if ep.exchange.symmetric else 0, K, x.dtype, weights.dtype)
+    x_send = GatherRows.apply(x, *plan.tensors(), M)  # [rows, d]: the only copy of x
+    x_recv, w_recv, ids_recv = _Dispatch.apply(x_send, take(weights, plan.send_tokens), local_ids,
+                                               ep.exchange, layout, payload)
+    # Rows past what a source sent: the padded exchange's carry the sender's unused rows (every pair foreign, weight
+    # 0: take's fills); a symmetric buffer's hold whatever was there, so they are masked.
+    valid = layout.recv_valid() if ep.exchange.symmetric else None
+    if valid is not None:
+        ids_recv = torch.where(valid.view(-1, 1), ids_recv, El)
+        w_recv = torch.where(valid.view(-1, 1), w_recv, 0)
+    rows = layout.recv_counts.sum()
+    ep.recv_rows = rows if ep.recv_rows is None else ep.recv_rows + rows
     scale = None if ep.grad_divide == 1 else (lambda w: _DivideGrad.apply(w, ep.grad_divide))
     w1, w2 = (moe.w1, moe.w_down) if scale is None else (scale(moe.w1), scale(moe.w_down))
-    experts = (w1, w2, *moe.expert_biases(dtype, scale))
-    overlap = C > 1
-    # chunk c's receive counts: what each rank sends here in its chunk c
-    chunks = [_send(ep, x[lo:hi], ids[lo:hi], weights[lo:hi], hit[lo:hi], all_counts[:, E + c * P + ep.rank],
-                    chunk_cap, payload, overlap) for c, (lo, hi) in enumerate(spans)]
-    for ch in chunks:  # chunk c's experts run while chunk c+1's rows arrive and chunk c-1's go back
-        x_recv, w_recv, ids_recv = finish(ch.tr, ch.sent) if overlap else ch.sent
-        y = _local_experts(ep, moe, x_recv, w_recv, ids_recv, ch.tr.layout, experts, backend)  # [R, d]
-        ch.tr = Transfer(ep.exchange, ch.tr.layout, payload, moe.d_model, reverse=True)
-        ch.sent = start(ch.tr, y) if overlap else transfer(ch.tr, y)
-    outs = [SumRows.apply(finish(ch.tr, ch.sent) if overlap else ch.sent, *ch.plan.tensors(), ch.plan.M)
-            for ch in chunks]
-    out = torch.cat(outs) if overlap else outs[0]  # [T, d]
+    # built here without its range checks (their host synchronisations): the ids are in range by construction
+    index = backend.plan(ids_recv, El, validate=False, foreign_experts=True)
+    y = run_experts(x_recv, w_recv, w1, w2, *moe.expert_biases(dtype, scale), index, moe.activation, moe.save,
+                    backend, DEFAULT_ACT, None, moe.fp8)  # [R, d]: each row's local pairs, weighted
+    out = SumRows.apply(_Combine.apply(y, ep.exchange, layout, payload), *plan.tensors(), M)  # [T, d]
 
     if moe.router.aux_loss_type != "switch":
         return out, routing.loss

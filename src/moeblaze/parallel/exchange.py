@@ -155,15 +155,18 @@ class Exchange:
         self.symmetric = kind == "nvshmem"
         self._symm = _SymmWorkspace(group, device) if kind == "nvshmem" else None
 
-    def layout(self, T: int, K: int, send_counts: torch.Tensor, recv_counts: torch.Tensor,
+    def layout(self, T: int, K: int, send_counts: torch.Tensor, all_counts: torch.Tensor,
                tokens_cap: int | None = None) -> Layout:
-        """The step's :class:`Layout` for T local tokens of K pairs: ``send_counts [P]`` rows to each rank,
-        ``recv_counts [P]`` rows each rank sends here (device int64, from the all-gathered counts: the
-        ``all_to_all`` kind reads both to the host, its one host synchronisation). ``tokens_cap``: ``T_cap`` as
-        every rank of the group knows it (``T <= tokens_cap`` on each); None: agreed on here (:meth:`tokens_cap`).
+        """The step's :class:`Layout` for T local tokens of K pairs, ``send_counts [P]`` (device int64).
+
+        ``all_counts [P, n]`` (the all-gathered count vectors, whose last P columns are every rank's send counts):
+        the ``all_to_all`` kind reads its split sizes from it (its one host synchronisation), the ``padded`` kind
+        its receive counts. ``tokens_cap``: ``T_cap`` as every rank of the group knows it (``T <= tokens_cap`` on
+        each); None: agreed on here (:meth:`tokens_cap`).
         """
         P = self.size
-        counts, recv = send_counts.to(torch.int64), recv_counts.to(torch.int64)
+        counts = send_counts.to(torch.int64)
+        recv = all_counts[:, -P + self.rank].to(torch.int64)  # [P] rows each rank sends here
         if not self.sync_free:
             sizes = torch.cat((counts, recv)).tolist()  # the host synchronisation of this kind
             send, got = sizes[:P], sizes[P:]
@@ -190,26 +193,27 @@ class Exchange:
             return self._symm.next_input(rows, width)
         return torch.empty(rows, width, dtype=torch.uint8, device=self.device)
 
-    def rows(self, buf: torch.Tensor, layout: Layout, reverse: bool = False,
-             async_op: bool = False) -> tuple[torch.Tensor, dist.Work | None]:
+    def rows(self, buf: torch.Tensor, layout: Layout, reverse: bool = False) -> torch.Tensor:
         """Exchange ``buf`` (from :meth:`buffer`, or any contiguous uint8 rows unless :attr:`symmetric`): a
         dispatch (send layout -> receive layout; sets ``layout.recv_counts`` / ``recv_offsets`` for ``nvshmem``),
-        or with ``reverse`` the way back. Returns the received ``[recv_rows or send_rows, width]`` uint8 rows (a
-        buffer of the exchange's own for ``nvshmem``: copy out what must outlive the next exchange) and, with
-        ``async_op``, the work to wait for before reading them (None: ready in stream order; ``nvshmem`` runs on
-        the current stream)."""
+        or with ``reverse`` the way back. Returns the received
+        ``[recv_rows or send_rows, width]`` uint8 rows (a buffer of the exchange's own for ``nvshmem``: copy out
+        what must outlive the next exchange)."""
         out_rows = layout.send_rows if reverse else layout.recv_rows
-        if self.kind != "nvshmem":
+        if self.kind == "all_to_all":
+            send, recv = layout.splits
             out = buf.new_empty(out_rows, buf.shape[1])
-            send, recv = layout.splits if self.kind == "all_to_all" else (None, None)
-            work = dist.all_to_all_single(out, buf, send if reverse else recv, recv if reverse else send,
-                                          group=self.group, async_op=async_op)
-            return out, work
+            dist.all_to_all_single(out, buf, send if reverse else recv, recv if reverse else send, group=self.group)
+            return out
+        if self.kind == "padded":
+            out = torch.empty_like(buf)
+            dist.all_to_all_single(out, buf, group=self.group)
+            return out
         counts = layout.recv_counts if reverse else layout.send_counts
         out, got = self._symm.exchange(counts)
         if not reverse:
             layout.recv_counts, layout.recv_offsets = got[0].clone(), got[1].clone()
-        return out[:out_rows], None
+        return out[:out_rows]
 
 
 class _SymmWorkspace:

@@ -59,7 +59,7 @@ def _split_mesh(mesh: DeviceMesh, ep_dim: str) -> tuple[DeviceMesh, DeviceMesh, 
 
 def parallelize(model: nn.Module, mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy | None = None,
                 reshard_after_forward: bool = True, ep_dim: str = "ep", exchange: str = "auto",
-                prefetch: bool = True, max_tokens: int | None = None, ep_chunks: int = 1) -> nn.Module:
+                prefetch: bool = True, max_tokens: int | None = None) -> nn.Module:
     """Shard ``model`` with FSDP2 over ``mesh``, expert-parallel over its ``ep_dim`` dimension if it has one.
 
     Units of sharding (each one all-gather / reduce-scatter): every :class:`moeblaze.MoE` layer (its
@@ -82,8 +82,6 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, mp_policy: MixedPrecisionPol
         exchange: the token exchange of the expert-parallel layers (:data:`moeblaze.parallel.EXCHANGES`).
         max_tokens: the most tokens a rank passes to an MoE layer in one forward, the same on every rank
             (:func:`moeblaze.parallel.shard_experts`: the exchanges then need no agreement between the hosts).
-        ep_chunks: the expert-parallel layers' token chunks (:func:`moeblaze.parallel.shard_experts`'s
-            ``chunks``: each chunk's exchanges overlap another chunk's experts).
         prefetch: each block's units all-gather the next block's parameters in forward (the previous block's in
             backward) as they start, so the gathers run under the current block's compute even when the host
             launches just in time (FSDP2's own prefetch issues a gather only when the host reaches its unit).
@@ -104,7 +102,7 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, mp_policy: MixedPrecisionPol
             fully_shard(moe, mesh=flat, **kw)
             continue
         if moe.ep is None:
-            shard_experts(moe, ep_mesh, exchange, max_tokens, ep_chunks)
+            shard_experts(moe, ep_mesh, exchange, max_tokens)
         elif dist.get_process_group_ranks(moe.ep.group) != dist.get_process_group_ranks(ep_mesh.get_group()):
             raise ValueError(f"MoE layer {name!r} is expert-parallel over ranks "
                              f"{dist.get_process_group_ranks(moe.ep.group)}, but mesh[{ep_dim!r}] here is ranks "

@@ -61,8 +61,8 @@ def _f(default, help: str, **kw):
 # it is allowed, exclusive upper bound or None). The seed feeds numpy's PCG64, which takes no negatives.
 _INT_RANGES = {"steps": (1, None), "batch_size": (1, None), "eval_interval": (1, None), "eval_tokens": (1, None),
                "stop_after": (0, None), "warmup_steps": (0, None), "checkpoint_interval": (0, None),
-               "threads": (0, None), "keep_checkpoints": (1, None), "ep": (1, None), "ep_chunks": (1, None),
-               "profile_steps": (0, None), "seed": (0, 2**63 - 1)}
+               "threads": (0, None), "keep_checkpoints": (1, None), "ep": (1, None), "profile_steps": (0, None),
+               "seed": (0, 2**63 - 1)}
 _FLOAT_RANGES = {"lr": (0.0, False, None), "min_lr": (0.0, True, None), "weight_decay": (0.0, True, None),
                  "beta1": (0.0, True, 1.0), "beta2": (0.0, True, 1.0), "grad_clip": (0.0, True, None),
                  "val_fraction": (0.0, False, 1.0), "peak_tflops": (0.0, True, None),
@@ -121,8 +121,6 @@ class TrainConfig:
                           "device), padded (all-to-all of fixed blocks, any backend), all_to_all (exact sizes read to "
                           "the host once per layer); auto: nvshmem where it runs, else all_to_all",
                           choices=("auto", "nvshmem", "padded", "all_to_all"))
-    ep_chunks: int = _f(1, "split each expert-parallel layer step's tokens into this many chunks, so that one chunk's "
-                        "exchanges run under another chunk's experts (forward and backward); 1: no overlap")
     fsdp_reshard: bool = _f(True, "free each block's gathered parameters after its forward (gathered again in "
                             "backward); --no-fsdp-reshard keeps them until the backward: one all-gather per step "
                             "instead of two, for models whose parameters fit unsharded")
