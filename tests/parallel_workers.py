@@ -16,7 +16,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
+from torch.distributed.tensor import DTensor, Shard
 
 import moeblaze
 from moeblaze.parallel import (
@@ -227,8 +228,10 @@ def fsdp_equal(rank: int, world: int, shape: tuple[int, ...], names: tuple[str, 
     idx_all = torch.randint(0, 256, (world * seqs_per_rank, 9), device=dev)
     idx = idx_all[rank * seqs_per_rank:(rank + 1) * seqs_per_rank]
     parallelize(model, mesh)
+    _check_units(model, mesh)
     loss = _loss(model, idx)
     loss.backward()
+    _check_units(model, mesh)  # the hooks gave back the parameters they swapped for the forward
     loss_ref = _loss(ref, idx_all)
     loss_ref.backward()
     mean_loss = loss.detach().reshape(1).clone()
@@ -243,6 +246,56 @@ def fsdp_equal(rank: int, world: int, shape: tuple[int, ...], names: tuple[str, 
             n_local = grad.shape[0]
             want = want[ep_rank * n_local:(ep_rank + 1) * n_local]
         _check(f"grad {name}", grad, want, None)
+
+
+def _check_units(model: torch.nn.Module, mesh) -> None:
+    """FSDP2's units as ``parallelize`` documents them: one per block with its MoE layer (router and shared expert
+    included); on a 2-D mesh the experts a DTensor ``Shard(0)`` over ``dp_shard``, a unit of their own only where
+    ``dp_shard`` has more than one rank (then the router and shared expert too)."""
+    dp = mesh["dp_shard"]
+    separate = mesh.ndim == 2 and dp.size() > 1
+    for block in model.blocks:
+        assert isinstance(block, FSDPModule), "a block is an FSDP2 unit"
+        moe = block.moe
+        assert isinstance(moe, FSDPModule) == separate, f"MoE layer an FSDP2 unit: {isinstance(moe, FSDPModule)}"
+        assert isinstance(moe.router, FSDPModule) == separate
+        for p in moe.router.parameters():
+            assert isinstance(p, DTensor) and p.device_mesh.size() == mesh.size(), "router sharded over the mesh"
+        if mesh.ndim == 2:
+            for name in ("w_gate_up", "w_down"):
+                w = getattr(moe, name)
+                assert isinstance(w, torch.nn.Parameter) and isinstance(w, DTensor), f"{name}: {type(w).__name__}"
+                assert w.device_mesh == dp and w.placements == (Shard(0),), f"{name}: {w.device_mesh} {w.placements}"
+
+
+def fsdp_mixed_precision(rank: int, world: int) -> None:
+    """FSDP2 + EP on a (1, P) mesh under ``MixedPrecisionPolicy(param_dtype=float32)`` over float64 parameters:
+    the experts kept out of FSDP2 compute in float32 as the sharded units do, their gradients come back in float64
+    on their DTensors, and loss and gradients stay near the float64 run (float32 rounding can move a near-tied top-k
+    choice of this tiny model: 7e-4 seen on a gradient; a missing or doubled scale would be off by 50% or more)."""
+    dev = _device()
+    mesh = init_device_mesh(dev.type, (1, world), mesh_dim_names=("dp_shard", "ep"))
+    torch.manual_seed(5)
+    model = MoETransformer(_tiny_config(aux=True)).to(dev, torch.float64)
+    ref = copy.deepcopy(model)
+    parallelize(model, mesh, mp_policy=MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float64))
+    parallelize(ref, mesh)
+    seen = []
+    model.blocks[0].moe.register_forward_pre_hook(lambda m, args: seen.append(m.w_down.dtype))  # after the swap
+    model.blocks[0].moe.register_forward_hook(lambda m, args, out: seen.append(out.dtype))
+    idx = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(rank)).to(dev)
+    losses = []
+    for m in (model, ref):
+        loss = _loss(m, idx)
+        loss.backward()
+        losses.append(loss.detach())
+    assert seen == [torch.float32, torch.float32], f"expert weights / output dtype in forward: {seen}"
+    assert rel_error(losses[0], losses[1]) < 1e-5, f"loss {losses[0].item()} vs {losses[1].item()}"
+    ref_params = dict(ref.named_parameters())
+    for name, p in model.named_parameters():
+        assert p.grad is not None and p.grad.dtype == torch.float64, f"grad {name}: {p.grad}"
+        err = rel_error(p.grad.to_local(), ref_params[name].grad.to_local())
+        assert err < 1e-2, f"grad {name}: relative error {err:.2e} against the float64 run"
 
 
 def fsdp_train(rank: int, world: int, steps: int = 5) -> None:

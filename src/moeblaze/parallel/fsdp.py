@@ -13,20 +13,28 @@ Meshes (after torchtitan's layout for expert parallelism):
   included) are sharded over the whole mesh; a layer's expert weights over ``dp_shard`` only, i.e. among the
   ranks that hold the same experts. Expert gradients are divided by the whole mesh size, as the others are
   (FSDP's mean over ``dp_shard`` and ``ExpertParallel.grad_divide = P``), so every gradient is the mean over all
-  ranks' losses.
+  ranks' losses. With a 1-rank ``dp_shard`` (``--ep N`` on N GPUs) the experts have nothing to shard or reduce:
+  they stay out of FSDP2 (DTensors on ``dp_shard`` all the same, so checkpoints, the optimizer and the gradient
+  norm see the layout FSDP2 would give them), cast to the compute dtype once per forward by a hook.
+
+Units (one all-gather / reduce-scatter and four host hooks each per step): a block of the model (an element of an
+``nn.ModuleList``) is one unit with its MoE layer's router, shared expert and, except on a 2-D mesh with
+``dp_shard`` > 1, its experts, because every unit costs host time that the layer step cannot hide.
 """
 
 from __future__ import annotations
 
+import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.utils._pytree as pytree
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor, Shard
 
 from ..layer import MoE
 from ..routing import RouterOutput
-from .ep import shard_experts
+from .ep import expert_parameter_names, shard_experts
 
 __all__ = ["parallelize"]
 
@@ -62,10 +70,11 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, mp_policy: MixedPrecisionPol
                 prefetch: bool = True, max_tokens: int | None = None) -> nn.Module:
     """Shard ``model`` with FSDP2 over ``mesh``, expert-parallel over its ``ep_dim`` dimension if it has one.
 
-    Units of sharding (each one all-gather / reduce-scatter): every :class:`moeblaze.MoE` layer (its
-    experts; on a 2-D mesh its router and its shared expert are units of their own), every element of
-    every ``nn.ModuleList`` (the transformer blocks of the usual layout), then the root with what is left.
-    Modifies ``model`` in place and returns it; its parameters become sharded DTensors.
+    Units of sharding (each one all-gather / reduce-scatter): every element of every ``nn.ModuleList`` (the
+    transformer blocks of the usual layout) with the MoE layers in it, then the root with what is left. On a 2-D
+    mesh with ``dp_shard`` > 1 each MoE layer's experts are a unit over ``dp_shard``, and its router and shared
+    expert units over the whole mesh; with a 1-rank ``dp_shard`` the experts stay out of FSDP2 (module docstring).
+    Modifies ``model`` in place and returns it; its parameters become DTensors.
 
     Args:
         model: a module holding :class:`moeblaze.MoE` layers (any of them may be expert-parallel already,
@@ -92,41 +101,71 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, mp_policy: MixedPrecisionPol
             without ``ep_dim`` or over another group than ``mesh[ep_dim]``; as :class:`ExpertParallel`.
     """
     flat, dp_mesh, ep_mesh = _split_mesh(mesh, ep_dim)
-    kw = {"mp_policy": mp_policy or MixedPrecisionPolicy(), "reshard_after_forward": reshard_after_forward}
-    _register_router_output()
+    policy = mp_policy or MixedPrecisionPolicy()
+    kept: set[nn.Parameter] = set()  # expert weights left out of FSDP2 (a 1-rank dp_shard)
     for name, moe in ((n, m) for n, m in model.named_modules() if isinstance(m, MoE)):
         if ep_mesh is None:
             if moe.ep is not None:
                 raise ValueError(f"MoE layer {name!r} is expert-parallel ({moe.ep}); pass a 2-D (dp_shard, "
                                  f"{ep_dim!r}) mesh")
-            fully_shard(moe, mesh=flat, **kw)
-            continue
+            continue  # sharded with its block
         if moe.ep is None:
             shard_experts(moe, ep_mesh, exchange, max_tokens)
         elif dist.get_process_group_ranks(moe.ep.group) != dist.get_process_group_ranks(ep_mesh.get_group()):
             raise ValueError(f"MoE layer {name!r} is expert-parallel over ranks "
                              f"{dist.get_process_group_ranks(moe.ep.group)}, but mesh[{ep_dim!r}] here is ranks "
                              f"{dist.get_process_group_ranks(ep_mesh.get_group())}")
-        for replicated in (moe.router, moe.shared_experts):  # the same on every EP rank: sharded over all
-            if replicated is not None:
-                fully_shard(replicated, mesh=flat, **kw)
-        fully_shard(moe, mesh=dp_mesh, **kw)
         moe.ep.mesh = (mesh, dp_mesh.mesh_dim_names[0])  # the experts' layout in checkpoints (state_dict.py)
         # FSDP averages the expert gradients over dp_shard only; dividing them by P in the layer makes them
         # means over the whole mesh, as every other gradient. (FSDP2's set_gradient_divide_factor does this
         # too, but divides twice for a 1-rank dp_shard with an fp64/fp16 reduce dtype, torch 2.13.)
         moe.ep.grad_divide = ep_mesh.size()
+        if dp_mesh.size() == 1:
+            kept |= _keep_experts(moe, dp_mesh, policy.param_dtype)
+            continue
+        _register_router_output()
+        for replicated in (moe.router, moe.shared_experts):  # the same on every EP rank: sharded over all
+            if replicated is not None:
+                fully_shard(replicated, mesh=flat, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+        fully_shard(moe, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+    kw = {"mesh": flat, "mp_policy": policy, "ignored_params": kept or None}
     blocks = []
     for mlist in [m for m in model.modules() if isinstance(m, nn.ModuleList)]:
         for i, child in enumerate(mlist):
             if not isinstance(child, FSDPModule) and any(True for _ in child.parameters()):
                 last = i == len(mlist) - 1
-                fully_shard(child, mesh=flat, **{**kw, "reshard_after_forward": reshard_after_forward and not last})
+                fully_shard(child, reshard_after_forward=reshard_after_forward and not last, **kw)
                 blocks.append(child)
-    fully_shard(model, mesh=flat, **{**kw, "reshard_after_forward": False})
+    fully_shard(model, reshard_after_forward=False, **kw)
     if prefetch:
         _set_prefetch(blocks)
     return model
+
+
+def _keep_experts(moe: MoE, dp_mesh: DeviceMesh, param_dtype: torch.dtype | None) -> set[nn.Parameter]:
+    """Leave an expert-parallel layer's expert weights out of FSDP2 (a 1-rank ``dp_shard``): each becomes a DTensor
+    ``Shard(0)`` over ``dp_mesh`` (FSDP2's layout, the same storage), and a forward pre-hook hands the layer its
+    local tensor in ``param_dtype`` (the cast's backward brings the gradient back in the parameter's dtype).
+    Returns the parameters, for ``fully_shard``'s ``ignored_params``."""
+    names = expert_parameter_names(moe)
+    for name in names:
+        p = getattr(moe, name)
+        setattr(moe, name, nn.Parameter(DTensor.from_local(p.detach(), dp_mesh, [Shard(0)], run_check=False),
+                                        requires_grad=p.requires_grad))
+
+    def to_local(module: MoE, args):
+        # the parameters are stashed on the module, not in this closure, so that a deep copy restores its own
+        module._kept_experts = {n: module._parameters[n] for n in names}
+        for n, p in module._kept_experts.items():
+            local = p.to_local()
+            module._parameters[n] = local.to(param_dtype) if param_dtype is not None else local
+
+    def restore(module: MoE, args, out):
+        module._parameters.update(module.__dict__.pop("_kept_experts", {}))
+
+    moe.register_forward_pre_hook(to_local)
+    moe.register_forward_hook(restore, always_call=True)
+    return {getattr(moe, n) for n in names}
 
 
 def _units(block: nn.Module) -> list[FSDPModule]:
