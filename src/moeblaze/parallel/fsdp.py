@@ -19,7 +19,9 @@ Meshes (after torchtitan's layout for expert parallelism):
 
 Units (one all-gather / reduce-scatter and four host hooks each per step): a block of the model (an element of an
 ``nn.ModuleList``) is one unit with its MoE layer's router, shared expert and, except on a 2-D mesh with
-``dp_shard`` > 1, its experts, because every unit costs host time that the layer step cannot hide.
+``dp_shard`` > 1, its experts. The training step is bound by the host's launches, and fewer units gave 10% (FSDP2) to
+16-23% (``--ep 4`` / ``--ep 2``) more tokens/s per GPU than three units per block on 4 H200s
+(``RUNS="1 ep4 fsdp4" bash benchmarks/multigpu.sh train`` with both layouts; docs/results-train-multigpu.csv).
 """
 
 from __future__ import annotations
