@@ -365,8 +365,13 @@ def fsdp_bf16_matches_unwrapped(rank: int, world: int, steps: int = 3) -> None:
 
 
 def runtime_checks(rank: int, world: int) -> None:
-    """moeblaze.parallel.runtime inside a job: env from the process group, meshes, batch split."""
+    """moeblaze.parallel.runtime inside a job: env from the process group, meshes, batch split; what ``auto``
+    means for the exchange (``padded`` on CUDA, the group having a CPU backend; ``all_to_all`` on the CPU)."""
+    from moeblaze.parallel.exchange import resolve_exchange
+
     env = init_distributed(device="cpu")
+    assert resolve_exchange("auto", dist.group.WORLD, torch.device("cpu")) == "all_to_all"
+    assert resolve_exchange("auto", dist.group.WORLD, torch.device("cuda", 0)) == "padded"  # resolution only
     assert (env.rank, env.world_size, env.backend) == (rank, world, "gloo")
     assert is_rank0() == (rank == 0)
     mesh = make_mesh(env, ep=world)

@@ -30,6 +30,7 @@ from transformers.integrations.moe import ExpertsInterface
 
 from ..backends import BACKENDS, get_backend
 from ..experts import SAVE_MODES, moe_experts
+from ..fp8 import Float8Recipe, check_fp8_recipe
 
 __all__ = ["UnsupportedExpertsError", "ExpertsPlan", "experts_plan", "make_experts_forward",
            "moeblaze_experts_forward", "prepare", "register"]
@@ -195,12 +196,16 @@ def _weights(module: nn.Module, plan: ExpertsPlan) -> tuple[torch.Tensor, torch.
     return w1, w2
 
 
-def make_experts_forward(save: str = "preact", backend: str = "auto") -> Callable[..., torch.Tensor]:
+def make_experts_forward(save: str = "preact", backend: str = "auto",
+                         fp8: Float8Recipe | None = None) -> Callable[..., torch.Tensor]:
     """An experts function for ``ExpertsInterface`` running :func:`moeblaze.moe_experts` with these options.
 
     Args:
         save: ``"preact"`` or ``"input"`` (see :func:`moeblaze.moe_experts`).
         backend: ``"auto"``, ``"torch"`` or ``"triton"``.
+        fp8: a :class:`moeblaze.fp8.Float8Recipe` for the expert GEMMs (e4m3 operands with DeepSeek-V3's tile
+            scales or rowwise ones, x and ``pre`` saved in FP8), or None for the model's dtype (see
+            :func:`moeblaze.moe_experts`; the ``"torch"`` backend emulates the recipe).
 
     Returns:
         ``fn(module, hidden_states [T, d], top_k_index [T, K], top_k_weights [T, K]) -> [T, d]`` in
@@ -208,11 +213,13 @@ def make_experts_forward(save: str = "preact", backend: str = "auto") -> Callabl
 
     Raises:
         ValueError: bad ``save`` or ``backend``.
+        TypeError: ``fp8`` neither None nor a recipe.
     """
     if save not in SAVE_MODES:
         raise ValueError(f"save must be one of {SAVE_MODES}, got {save!r}")
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    check_fp8_recipe(fp8)
 
     def experts_forward(module: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                         top_k_weights: torch.Tensor) -> torch.Tensor:
@@ -240,10 +247,11 @@ def make_experts_forward(save: str = "preact", backend: str = "auto") -> Callabl
         else:  # ids from transformers' routers come from top-k over E scores: in range, so no host-syncing check
             index = get_backend(backend, x).plan(top_k_index, w2.shape[0], validate=False)
         out = moe_experts(x, top_k_index, weights, w1, w2, activation=plan.activation, save=save,
-                          backend=backend, index=index, **kwargs)
+                          backend=backend, index=index, fp8=fp8, **kwargs)
         return out.to(hidden_states.dtype)
 
-    experts_forward.__name__ = experts_forward.__qualname__ = f"moeblaze_experts_forward_{save}_{backend}"
+    name = f"moeblaze_experts_forward_{save}_{backend}" + ("" if fp8 is None else f"_fp8_{fp8.granularity}")
+    experts_forward.__name__ = experts_forward.__qualname__ = name
     return experts_forward
 
 

@@ -13,9 +13,12 @@ result. Three kinds (:data:`EXCHANGES`):
 ``all_to_all``  ``all_to_all_single`` with the exact split sizes, read to the host: one host synchronisation per
                 layer forward (the fallback).
 
-``auto`` takes ``nvshmem`` on CUDA where NVSHMEM is available (and can still be made PyTorch's symmetric-memory
-backend in this process), the group also has a CPU backend (see below) and P is a power of two (the NVSHMEM kernel
-splits each peer's bytes evenly over its CTAs), else ``all_to_all``.
+``auto`` takes ``padded`` on CUDA where the group also has a CPU backend (see below), else ``all_to_all``. Over
+NVLink ``padded`` was the faster sync-free kind: the Qwen3-30B-A3B-shaped EP layer at P 2 in 13.93 ms against
+``nvshmem``'s 17.72 (``torchrun --nproc-per-node 2 benchmarks/bench_ep.py --exchanges padded,nvshmem``), ``moeblaze
+train --preset 1b --ep 4`` at 90,364-105,399 tokens/s per GPU against 74,423 (docs/results-train-multigpu.csv, 4 x
+H200). ``nvshmem`` (P a power of two: its kernel splits each peer's bytes evenly over its CTAs) sends only the real
+rows, which counts where links are slower than NVLink (docs/SCALING.md).
 
 Layouts. A forward (``dispatch``) sends ``send_counts[r]`` rows to rank r; rank r's rows start at
 ``send_offsets[r]`` of the send buffer. ``nvshmem`` and ``all_to_all`` pack them (offsets: exclusive prefix sum of
@@ -88,9 +91,8 @@ def resolve_exchange(kind: str, group: dist.ProcessGroup, device: torch.device) 
         raise ValueError(f"exchange must be one of {EXCHANGES}, got {kind!r}")
     P = dist.get_world_size(group)
     cpu_ok = _has_cpu_backend(group)
-    if kind == "auto":
-        fits = device.type == "cuda" and cpu_ok and P & (P - 1) == 0 and _nvshmem_available()
-        return "nvshmem" if fits and _use_nvshmem(device) is None else "all_to_all"
+    if kind == "auto":  # the measured winner where it runs (module docstring)
+        return "padded" if device.type == "cuda" and cpu_ok else "all_to_all"
     if kind in ("nvshmem", "padded") and not cpu_ok:
         raise ValueError(f"exchange={kind!r} agrees on buffer sizes over the group's CPU backend, but the group runs "
                          f"{dist.get_backend(group)!r} only: initialise with backend 'cpu:gloo,cuda:nccl' "

@@ -119,7 +119,7 @@ class TrainConfig:
     ep: int = _f(1, "expert parallelism: spread each MoE layer's experts over groups of this many ranks (needs --fsdp)")
     ep_exchange: str = _f("auto", "the expert-parallel token exchange: nvshmem (symmetric memory, split sizes on the "
                           "device), padded (all-to-all of fixed blocks, any backend), all_to_all (exact sizes read to "
-                          "the host once per layer); auto: nvshmem where it runs, else all_to_all",
+                          "the host once per layer); auto: padded on GPUs, else all_to_all",
                           choices=("auto", "nvshmem", "padded", "all_to_all"))
     fsdp_reshard: bool = _f(True, "free each block's gathered parameters after its forward (gathered again in "
                             "backward); --no-fsdp-reshard keeps them until the backward: one all-gather per step "
