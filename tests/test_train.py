@@ -83,6 +83,34 @@ def test_saved_tensor_counter_tracks_only_chosen_modules():
 
 # ----------------------------------------------------------------------------- data
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("max_norm", [0.0, 0.5, 1e6])
+def test_clip_grad_norm_matches_torch(dtype, max_norm):
+    """The FSDP2 loop's gradient norm and clipping (foreach ops over the local shards; one process here, so no
+    all-reduce) give torch.nn.utils.clip_grad_norm_'s norm and gradients, mixed shapes and dtypes included."""
+    from moeblaze.parallel.runtime import DistEnv
+    from moeblaze.training.job import Job, clip_grad_norm
+
+    def params():
+        torch.manual_seed(0)
+        ps = [torch.nn.Parameter(torch.randn(*shape, dtype=dtype)) for shape in ((3, 4), (7,), (2, 2, 5))]
+        ps.append(torch.nn.Parameter(torch.randn(6)))  # an fp32 one beside
+        for p in ps:
+            p.grad = torch.randn_like(p)
+        return ps
+
+    ours, ref = params(), params()
+    job = Job(DistEnv(0, 1, 0, torch.device("cpu"), None))
+    norm = clip_grad_norm(ours, max_norm, job)
+    want = (torch.nn.utils.clip_grad_norm_(ref, max_norm) if max_norm > 0
+            else torch.nn.utils.get_total_norm([p.grad for p in ref]))
+    assert norm.dtype == torch.float32 and math.isclose(norm.item(), want.item(), rel_tol=1e-6)
+    for a, b in zip(ours, ref):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-6, atol=0)
+    assert max_norm != 0.5 or math.isclose(torch.nn.utils.get_total_norm([p.grad for p in ours]).item(), 0.5,
+                                           rel_tol=1e-5)
+
+
 def test_unigram_entropy():
     assert unigram_entropy(np.arange(256, dtype=np.uint8)) == pytest.approx(8.0)
     assert unigram_entropy(np.zeros(10, dtype=np.uint8)) == 0.0

@@ -201,12 +201,14 @@ def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float, job: Job) 
     all-reduced sum of the local shards' squares. ``torch.nn.utils.clip_grad_norm_`` cannot do this: the
     expert and the other parameters are DTensors on different meshes. Scaling as it does:
     ``max_norm / (norm + 1e-6)``, capped at 1. Returns the norm (fp32, on the device).
+
+    The norms and the scaling are foreach ops (a few launches for all the shards, not two or three per parameter):
+    the step is bound by the host's launches (docs/benchmarks.md, Multi-GPU).
     """
     local = [(p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad) for p in params]
-    sq = torch.stack([g.float().pow(2).sum() for g in local]).sum()
+    acc = torch.float64 if any(g.dtype == torch.float64 for g in local) else torch.float32  # never narrowed
+    sq = torch.stack(torch._foreach_norm(local, 2.0, dtype=acc)).square().sum()
     norm = job.all_sum(sq.reshape(1)).sqrt().reshape(())
     if max_norm > 0:
-        scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-        for g in local:
-            g.mul_(scale.to(g.dtype))
-    return norm
+        torch._foreach_mul_(local, (max_norm / (norm + 1e-6)).clamp(max=1.0))
+    return norm.float()
