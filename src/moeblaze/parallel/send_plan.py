@@ -30,22 +30,20 @@ class SendPlan:
     def __init__(self, hit: torch.Tensor, send_offsets: torch.Tensor, rows: int, M: int) -> None:
         T, P = hit.shape
         dev = hit.device
-        rank_major = hit.t().reshape(-1).to(torch.int64).cumsum(0).view(P, T)  # inclusive count, rank-major
-        counts = hit.sum(0)
-        start = rank_major[:, -1] - counts if T else counts  # rows of the ranks before r
-        row = send_offsets.view(P, 1) + rank_major - 1 - start.view(P, 1)  # [P, T] row of (t, r) where hit
-        row = torch.where(hit.t(), row, rows)  # a dump row for the pairs (t, r) with no hit
-        ids = torch.arange(T, device=dev).expand(P, T)
-        ranks = torch.arange(P, device=dev).view(P, 1).expand(P, T)
-        self.send_tokens = torch.full((rows + 1,), T, dtype=torch.int64, device=dev).scatter_(
-            0, row.reshape(-1), ids.reshape(-1))[:rows]
-        self.send_rank = hit.new_zeros(rows + 1, dtype=torch.int64).scatter_(0, row.reshape(-1),
-                                                                                ranks.reshape(-1))[:rows]
-        token_major = hit.reshape(-1)  # [T*P]: the j-th set entry of token t is its j-th destination in rank order
-        pos = torch.where(token_major, token_major.to(torch.int64).cumsum(0) - 1, T * M)
-        self.token_rows = hit.new_zeros(T * M + 1, dtype=torch.int64).scatter_(
-            0, pos, row.t().reshape(-1))[:T * M].to(torch.int32)
-        self.row_offsets = torch.cat((hit.new_zeros(1, dtype=torch.int64), hit.sum(1).cumsum(0))).to(torch.int32)
+        # Token-major [T, P] throughout (no transposed copies): ~20 launches, the training step being bound by them.
+        # Row of (t, r): rank r's block start plus t's index among r's tokens (an inclusive count down the tokens).
+        row = hit.cumsum(0, dtype=torch.int64).add_((send_offsets - 1).view(1, P))
+        row = torch.where(hit, row, rows).view(-1)  # a dump row for the pairs (t, r) with no hit
+        ids = torch.arange(T, device=dev).view(T, 1).expand(T, P).reshape(-1)
+        ranks = torch.arange(P, device=dev).expand(T, P).reshape(-1)
+        self.send_tokens = torch.full((rows + 1,), T, dtype=torch.int64, device=dev).scatter_(0, row, ids)[:rows]
+        self.send_rank = hit.new_zeros(rows + 1, dtype=torch.int64).scatter_(0, row, ranks)[:rows]
+        # the j-th set entry of token t (token-major) is its j-th destination in rank order
+        seen = hit.view(-1).cumsum(0, dtype=torch.int64)  # [T*P] inclusive count of set entries
+        pos = torch.where(hit.view(-1), seen - 1, T * M)
+        self.token_rows = hit.new_zeros(T * M + 1, dtype=torch.int32).scatter_(0, pos, row.to(torch.int32))[:T * M]
+        self.row_offsets = hit.new_zeros(T + 1, dtype=torch.int32)
+        self.row_offsets[1:] = seen.view(T, P)[:, -1]  # set entries through token t
         self.M = M
 
     def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
