@@ -361,12 +361,12 @@ def global_load_balancing_loss(probs: torch.Tensor, global_counts: torch.Tensor)
     return probs.shape[1] * (f * p_mean).sum()
 
 
-def _router_probs(moe: MoE, logits: torch.Tensor) -> torch.Tensor:
-    """The routing probabilities of the load-balancing loss, as :class:`moeblaze.Router` defines them."""
+def _router_probs(moe: MoE, routing) -> torch.Tensor:
+    """The routing probabilities of the load-balancing loss, as :class:`moeblaze.Router` defines them, from the
+    router's differentiable scores (softmax: the scores themselves; no second softmax and its backward)."""
     if moe.router.score_func == "softmax":
-        return torch.softmax(logits, dim=-1)
-    scores = torch.sigmoid(logits)
-    return scores / scores.sum(-1, keepdim=True)
+        return routing.scores
+    return routing.scores / routing.scores.sum(-1, keepdim=True)
 
 
 def expert_parallel_forward(moe: MoE, x: torch.Tensor, routing, backend: Backend,
@@ -435,6 +435,6 @@ def expert_parallel_forward(moe: MoE, x: torch.Tensor, routing, backend: Backend
         return out, routing.loss
     aux = routing.z_loss
     if moe.router.aux_loss_coef and moe.training:
-        probs = _router_probs(moe, routing.logits)
+        probs = _router_probs(moe, routing)
         aux = aux + moe.router.aux_loss_coef * global_load_balancing_loss(probs, all_counts[:, :E].sum(0))
     return out, aux
