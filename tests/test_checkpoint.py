@@ -381,6 +381,7 @@ def test_non_finite_loss_stops_without_writing(which, small_text, tmp_path, monk
 
 def test_agree_without_a_process_group_is_the_local_flag():
     assert checkpoint.agree(True) is True and checkpoint.agree(False) is False
+    assert checkpoint.agree_all(True, False) == (True, False)
 
 
 # ----------------------------------------------------------------------------- ranks
@@ -416,8 +417,9 @@ def rank_main(rank):
     checkpoint.load(found, fresh, fresh_opt)
     same = all(torch.equal(a, b) for a, b in zip(model.parameters(), fresh.parameters()))
     stop = checkpoint.agree(rank == 1)
+    both = checkpoint.agree_all(rank == 0, False, rank == 1, timeout=60)
     dist.destroy_process_group()
-    sys.exit(0 if same and stop and found.name == "step-000001" else 3)
+    sys.exit(0 if same and stop and both == (True, False, True) and found.name == "step-000001" else 3)
 
 
 ctx = multiprocessing.get_context("fork")

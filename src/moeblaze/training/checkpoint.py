@@ -81,11 +81,11 @@ from .checkpoint_manifest import (  # re-exported: the folder's names and checks
     step_dir_name,
     verify,
 )
-from .run_control import StopOnSignal, agree, check_writable, rng_state, set_rng_state  # re-exported
+from .run_control import StopOnSignal, agree, agree_all, check_writable, rng_state, set_rng_state  # re-exported
 
-__all__ = ["CheckpointError", "StopOnSignal", "agree", "check_writable", "checkpoint_dirs", "clear", "find_latest",
-           "load", "make_room", "read_state", "resolve", "rng_state", "save", "saved_dtype", "set_rng_state", "tidy",
-           "verify"]
+__all__ = ["CheckpointError", "StopOnSignal", "agree", "agree_all", "check_writable", "checkpoint_dirs", "clear",
+           "find_latest", "load", "make_room", "read_state", "resolve", "rng_state", "save", "saved_dtype",
+           "set_rng_state", "tidy", "verify"]
 
 # ----------------------------------------------------------------------------- file operations
 # Every change the writer makes to the filesystem goes through one of these functions (and the DCP

@@ -19,12 +19,17 @@ import torch.distributed as dist
 
 from .heartbeat import PeerLostError
 
-__all__ = ["StopOnSignal", "agree", "check_writable", "rng_state", "set_rng_state"]
+__all__ = ["StopOnSignal", "agree", "agree_all", "check_writable", "rng_state", "set_rng_state"]
 
 
 def agree(flag: bool, timeout: float | None = None) -> bool:
-    """True on every rank when ``flag`` is true on any rank (an all-reduce of one int; ``flag`` alone in a single
-    process). Call it on all ranks at the same point of the loop.
+    """True on every rank when ``flag`` is true on any rank: :func:`agree_all` of one flag."""
+    return agree_all(flag, timeout=timeout)[0]
+
+
+def agree_all(*flags: bool, timeout: float | None = None) -> tuple[bool, ...]:
+    """Each flag true on every rank when it is true on any rank, all in one all-reduce of ints (the flags alone in
+    a single process). Call it on all ranks at the same point of the loop with the same number of flags.
 
     ``timeout`` (seconds; None: unbounded): how long to wait for the other ranks, e.g. on the path of a SIGTERM,
     when torchrun may have sent it because a peer died. The all-reduce is waited on by polling, so the main thread
@@ -34,11 +39,11 @@ def agree(flag: bool, timeout: float | None = None) -> bool:
         moeblaze.training.heartbeat.PeerLostError: the other ranks did not join within ``timeout``.
     """
     if not (dist.is_available() and dist.is_initialized()):
-        return bool(flag)
-    t = torch.tensor([int(bool(flag))], device="cuda" if dist.get_backend() == "nccl" else "cpu")
+        return tuple(bool(f) for f in flags)
+    t = torch.tensor([int(bool(f)) for f in flags], device="cuda" if dist.get_backend() == "nccl" else "cpu")
     if timeout is None:
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return bool(t.item())
+        return tuple(bool(v) for v in t.tolist())
     work = dist.all_reduce(t, op=dist.ReduceOp.MAX, async_op=True)
     deadline = time.monotonic() + timeout
     while not work.is_completed():
@@ -47,7 +52,7 @@ def agree(flag: bool, timeout: float | None = None) -> bool:
                                 "(--dist-timeout); no checkpoint written")
         time.sleep(0.005)
     work.wait()
-    return bool(t.item())
+    return tuple(bool(v) for v in t.tolist())
 
 
 def check_writable(out_dir: str | os.PathLike) -> str | None:

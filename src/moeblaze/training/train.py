@@ -308,11 +308,12 @@ def _loop(model, opt, corpus, cfg: TrainConfig, mcfg: ModelConfig, device, preci
         pending = (step, outcome, t0)
         last = step + 1 == stop
         # bounded after a signal: torchrun sends SIGTERM when a peer died (moeblaze.training.heartbeat names it)
-        interrupted = checkpoint.agree(signals.signum is not None,
-                                       timeout=cfg.dist_timeout if signals.signum is not None else None)
+        # one all-reduce for both decisions (each aligns the ranks' hosts once)
+        interrupted, timed = checkpoint.agree_all(
+            signals.signum is not None,
+            cfg.checkpoint_minutes > 0 and time.monotonic() - last_save >= 60 * cfg.checkpoint_minutes,
+            timeout=cfg.dist_timeout if signals.signum is not None else None)
         evaluated = not interrupted and ((step + 1) % cfg.eval_interval == 0 or last)
-        timed = checkpoint.agree(cfg.checkpoint_minutes > 0
-                                 and time.monotonic() - last_save >= 60 * cfg.checkpoint_minutes)
         save = ((last and cfg.final_checkpoint) or interrupted or timed
                 or (cfg.checkpoint_interval and (step + 1) % cfg.checkpoint_interval == 0))
         if not (evaluated or save or last):
