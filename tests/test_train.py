@@ -162,6 +162,8 @@ def test_model_is_causal_and_generates():
     torch.testing.assert_close(model(idx2)[:, :10], logits[:, :10])
     out = model.generate(idx[:, :3], 20, temperature=1.0, top_k=5)  # runs past seq_len: context is cropped
     assert out.shape == (2, 23) and torch.equal(out[:, :3], idx[:, :3])
+    # generation, one length after the other, keeps one angle table per block (not one per length)
+    assert all(len(b.attn.rotary._tables) == 1 for b in model.blocks)
     with pytest.raises(ValueError, match="seq_len"):
         model(torch.zeros(1, 17, dtype=torch.long))
 

@@ -114,25 +114,26 @@ class ModelConfig:
 class Rotary(nn.Module):
     """Rotary positions: rotates pairs ``(x[..., i], x[..., i + head_dim/2])`` by ``pos * base^(-2i/head_dim)``.
 
-    The angle tables (``S x head_dim/2`` values) are built in fp32 once per sequence length and device and kept, so
-    casting the model to bf16 never rounds them; the rotation itself runs in fp32. Kept rather than rebuilt because
-    the training step is bound by the host's launches: building them took 14 of a block's launches per forward.
+    The angle tables (``S x head_dim/2`` values) are built in fp32, so casting the model to bf16 never rounds them,
+    and the last ones built are kept per device: training calls with one S every step, so they are built once (they
+    took 14 of a block's launches per forward, and the training step is bound by the host's launches), while
+    generation, one S after the other, keeps one table at a time. The rotation itself runs in fp32.
     """
 
     def __init__(self, head_dim: int, base: float) -> None:
         super().__init__()
         self.head_dim, self.base = head_dim, base
-        self._tables: dict[tuple[int, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._tables: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def tables(self, S: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """``(cos, sin)``, each ``[S, head_dim/2]`` fp32 on ``device``."""
-        key = (S, device)
-        if key not in self._tables:
+        kept = self._tables.get(device)
+        if kept is None or kept[0].shape[0] != S:
             dims = torch.arange(0, self.head_dim, 2, device=device, dtype=torch.float32)
             inv_freq = 1.0 / self.base ** (dims / self.head_dim)
             angles = torch.outer(torch.arange(S, device=device, dtype=torch.float32), inv_freq)
-            self._tables[key] = (angles.cos(), angles.sin())
-        return self._tables[key]
+            kept = self._tables[device] = (angles.cos(), angles.sin())
+        return kept
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Rotate ``x [..., S, head_dim]`` by position; returns the same shape and dtype."""
