@@ -80,7 +80,7 @@ def _results():
             (c7a, _row("conf7-swiglu", "moeblaze", 18.0)), (c7a, _row("conf7-swiglu", "conventional", 20.0)),
             (c7a, _row("conf7-swiglu", "sonicmoe", 16.0)),
             (c7b, _row("conf7-swiglu", "moeblaze", 17.0)), (c7b, _row("conf7-swiglu", "conventional", 20.2)),
-            (c7b, _row("conf7-swiglu", "sonicmoe", 16.2)),
+            (c7b, _row("conf7-swiglu", "sonicmoe", 16.2)), (c7b, _row("conf7-swiglu", "liger", 34.0, 3000)),
             (h100, _row("olmoe-1b-7b", "moeblaze", 30.0, group="models"))]
 
 
@@ -88,7 +88,7 @@ def test_pick_rows_takes_the_latest_run_with_the_most_implementations():
     picked = pick_rows(_results(), ["olmoe-1b-7b", "conf4-swiglu", "conf7-swiglu"])
     assert [(cfg, call.time_utc, sorted(rows)) for cfg, call, rows in picked] == [
         ("conf4-swiglu", "10:58", ["conventional", "moeblaze", "sonicmoe"]),
-        ("conf7-swiglu", "12:16", ["conventional", "moeblaze", "sonicmoe"])]  # olmoe: H100 only
+        ("conf7-swiglu", "12:16", ["conventional", "liger", "moeblaze", "sonicmoe"])]  # olmoe: H100 only
     assert [cfg for cfg, _, _ in pick_rows(_results(), ["olmoe-1b-7b"], device="NVIDIA H100")] == ["olmoe-1b-7b"]
     # a later run on another device that measured moeblaze alone keeps the table on the complete runs' device
     later = _call("2026-11-25", "12:18", "h100 later", device="NVIDIA H100")
@@ -101,8 +101,9 @@ def test_readme_table_has_same_run_ratios_and_its_runs():
     lines = table.splitlines()
     assert lines[0].endswith("| run |")  # the column numbering the runs listed below the table
     assert lines[2].startswith("| paper conf4 (32768, 2048, 8192, 16, 4) | 70.00 ms · 514 TF/s | 87.50 ms")
-    assert "| 0.90x | 1.25x | 8,648 / 15,301 / 12,757 | 1 |" in lines[2]  # 63/70, 87.5/70
-    assert "| 0.95x | 1.19x |" in lines[3] and lines[3].endswith("| 2 |")  # 16.2/17, 20.2/17
+    assert "| 0.90x | 1.25x | — | 8,648 / 15,301 / 12,757 / — | 1 |" in lines[2]  # 63/70, 87.5/70; no Liger row
+    assert "| 34.00 ms · 1059 TF/s | 0.95x | 1.19x | 2.00x | 1,000 / 1,000 / 1,000 / 3,000 |" in lines[3]  # 16.2/17,
+    assert lines[3].endswith("| 2 |")  # 20.2/17, 34/17
     assert "1. 2026-11-23, NVIDIA H200 (torch 2.11.0+cu130, triton 3.6.0; commit abc1234): " \
            "`moeblaze bench --configs conf4-swiglu`" in table
     assert "2. 2026-11-24, NVIDIA H200" in table and "`c7 b`" in table

@@ -10,7 +10,7 @@ triton versions, the exact command) followed by the fields of :class:`moeblaze.b
   :data:`TABLE_START` / :data:`TABLE_END` markers and draws ``docs/plots/*.png`` (:func:`make_report`).
 
 The table shows, per config of :data:`README_CONFIGS`, the rows of one run — the latest run that measured
-the most of moeblaze, the conventional layer and SonicMoE — so every ratio in it is a same-run ratio.
+the most of moeblaze, the conventional layer, SonicMoE and Liger-Kernel — so every ratio in it is a same-run ratio.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ RESULT_COLUMNS = CALL_COLUMNS + Row.field_names()
 # The seven layer configs of DESIGN.md §6 (conf7 added), in the README table's order.
 README_CONFIGS = ("sonicmoe-7b", "olmoe-1b-7b", "qwen3-30b-a3b", "conf3-swiglu", "conf4-swiglu", "conf7-swiglu",
                   "sweep-2m")
-TABLE_IMPLS = ("moeblaze", "conventional", "sonicmoe")
+TABLE_IMPLS = ("moeblaze", "conventional", "sonicmoe", "liger")
 TABLE_START = "<!-- results-table:start (made by `moeblaze bench --report docs/results.csv`; do not edit) -->"
 TABLE_END = "<!-- results-table:end -->"
 _TITLES = {"sonicmoe-7b": "SonicMoE-7B", "olmoe-1b-7b": "OLMoE", "qwen3-30b-a3b": "Qwen3-30B-A3B",
@@ -182,16 +182,17 @@ def readme_table(picked: Sequence[tuple[str, Call, dict[str, Row]]]) -> str:
     """The README's performance table (markdown) of :func:`pick_rows`, with a numbered list of the runs
     (date, device, commit, command) that measured its rows."""
     calls: list[Call] = []
-    lines = ["| config (T, d, h, E, K) | moeblaze | conventional | SonicMoE | speed vs SonicMoE | "
-             "speed vs conventional | peak MiB: moeblaze / conventional / SonicMoE | run |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| config (T, d, h, E, K) | moeblaze | conventional | SonicMoE | Liger | speed vs SonicMoE | "
+             "speed vs conventional | speed vs Liger | peak MiB: moeblaze / conventional / SonicMoE / Liger | run |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for cfg, call, rows in picked:
         if call not in calls:
             calls.append(call)
-        m, c, s = (rows.get(i) for i in TABLE_IMPLS)
+        m, c, s, g = (rows.get(i) for i in TABLE_IMPLS)
         shape = f"{m.T}, {m.d}, {m.h}, {m.E}, {m.K}"
-        lines.append(f"| {_TITLES.get(cfg, cfg)} ({shape}) | {_time(m)} | {_time(c)} | {_time(s)} | {_ratio(m, s)} | "
-                     f"{_ratio(m, c)} | {_peak(m)} / {_peak(c)} / {_peak(s)} | {calls.index(call) + 1} |")
+        lines.append(f"| {_TITLES.get(cfg, cfg)} ({shape}) | {_time(m)} | {_time(c)} | {_time(s)} | {_time(g)} | "
+                     f"{_ratio(m, s)} | {_ratio(m, c)} | {_ratio(m, g)} | "
+                     f"{_peak(m)} / {_peak(c)} / {_peak(s)} / {_peak(g)} | {calls.index(call) + 1} |")
     lines.append("")
     for n, call in enumerate(calls, 1):
         soft = f"torch {call.torch}, triton {call.triton}" if call.torch else "versions not recorded"
