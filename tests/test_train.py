@@ -7,6 +7,7 @@ import subprocess
 import sys
 import sysconfig
 from pathlib import Path
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -16,7 +17,7 @@ from moeblaze.cli import main
 from moeblaze.memory import SavedTensorCounter, saved_bytes
 from moeblaze.training import checkpoint
 from moeblaze.training.data import DataError, eval_windows, get_batch, load_corpus, unigram_entropy
-from moeblaze.training.model import ModelConfig, MoETransformer
+from moeblaze.training.model import ModelConfig, MoETransformer, Rotary
 from moeblaze.training.train import TrainConfig, load_run_config, make_optimizer, sample, train
 
 TINY = ["--seq-len", "32", "--d-model", "32", "--n-layers", "1", "--n-heads", "2", "--d-ff", "32",
@@ -164,6 +165,12 @@ def test_model_is_causal_and_generates():
     assert out.shape == (2, 23) and torch.equal(out[:, :3], idx[:, :3])
     # generation, one length after the other, keeps one angle table per block (not one per length)
     assert all(len(b.attn.rotary._tables) == 1 for b in model.blocks)
+    # inside a compiled graph nothing is kept (a graph's output kept as state is overwritten by CUDA-graph replays)
+    rotary = Rotary(8, 10000.0)
+    with mock.patch.object(torch.compiler, "is_compiling", return_value=True):
+        cos, sin = rotary.tables(5, torch.device("cpu"))
+    assert cos.shape == sin.shape == (5, 4) and not rotary._tables
+    torch.testing.assert_close((cos, sin), rotary.tables(5, torch.device("cpu")), rtol=0, atol=0)
     with pytest.raises(ValueError, match="seq_len"):
         model(torch.zeros(1, 17, dtype=torch.long))
 

@@ -127,13 +127,20 @@ class Rotary(nn.Module):
 
     def tables(self, S: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """``(cos, sin)``, each ``[S, head_dim/2]`` fp32 on ``device``."""
+        if torch.compiler.is_compiling():
+            # In a compiled graph the tables fuse into the rotation's kernel; kept across calls they would be
+            # outputs of one graph fed to the next, which CUDA graphs (mode="reduce-overhead") overwrite on replay.
+            return self._build(S, device)
         kept = self._tables.get(device)
         if kept is None or kept[0].shape[0] != S:
-            dims = torch.arange(0, self.head_dim, 2, device=device, dtype=torch.float32)
-            inv_freq = 1.0 / self.base ** (dims / self.head_dim)
-            angles = torch.outer(torch.arange(S, device=device, dtype=torch.float32), inv_freq)
-            kept = self._tables[device] = (angles.cos(), angles.sin())
+            kept = self._tables[device] = self._build(S, device)
         return kept
+
+    def _build(self, S: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        dims = torch.arange(0, self.head_dim, 2, device=device, dtype=torch.float32)
+        inv_freq = 1.0 / self.base ** (dims / self.head_dim)
+        angles = torch.outer(torch.arange(S, device=device, dtype=torch.float32), inv_freq)
+        return angles.cos(), angles.sin()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Rotate ``x [..., S, head_dim]`` by position; returns the same shape and dtype."""
