@@ -68,6 +68,8 @@ def test_sweep_and_model_configs():
     assert set(SUITES["all"]["layers"]) == set(SUITES["paper"]["layers"] + SUITES["sweep"]["layers"]
                                                + SUITES["models"]["layers"])
     assert SUITES["all"]["dispatch"] and SUITES["all"]["train"] and SUITES["smoke"]["layers"]
+    # the README table's configs: DESIGN.md §6's seven, each one that `--suite all` runs
+    assert len(SUITES["readme"]["layers"]) == 7 and set(SUITES["readme"]["layers"]) <= set(SUITES["all"]["layers"])
 
 
 def test_config_filters_and_tokens():

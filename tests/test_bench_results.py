@@ -68,7 +68,8 @@ def test_append_creates_then_appends_and_reads_back(tmp_path):
 
 
 def _results():
-    """conf4: an older run with all three, a newer one without SonicMoE; conf7: two complete runs;
+    """conf4: an older run with moeblaze, conventional and SonicMoE, a newer one with Liger instead of SonicMoE;
+    conf7: two runs with the three, the later with Liger too;
     an H100 run that must not mix with the H200 rows."""
     old, new, c7a, c7b = (_call("2026-11-23", "10:58"), _call("2026-11-24", "09:00"),
                           _call("2026-11-22", "10:00", "c7 a"), _call("2026-11-24", "12:16", "c7 b"))
@@ -77,6 +78,7 @@ def _results():
                                                                               15301)),
             (old, _row("conf4-swiglu", "sonicmoe", 63.0, 12757)),
             (new, _row("conf4-swiglu", "moeblaze", 66.0)), (new, _row("conf4-swiglu", "conventional", 84.0)),
+            (new, _row("conf4-swiglu", "liger", 150.0)),
             (c7a, _row("conf7-swiglu", "moeblaze", 18.0)), (c7a, _row("conf7-swiglu", "conventional", 20.0)),
             (c7a, _row("conf7-swiglu", "sonicmoe", 16.0)),
             (c7b, _row("conf7-swiglu", "moeblaze", 17.0)), (c7b, _row("conf7-swiglu", "conventional", 20.2)),
@@ -94,6 +96,10 @@ def test_pick_rows_takes_the_latest_run_with_the_most_implementations():
     later = _call("2026-11-25", "12:18", "h100 later", device="NVIDIA H100")
     picked = pick_rows(_results() + [(later, _row("conf4-swiglu", "moeblaze", 60.0))], ["conf4-swiglu"])
     assert [(cfg, call.device, call.time_utc) for cfg, call, _ in picked] == [("conf4-swiglu", "NVIDIA H200", "10:58")]
+    # among runs with the same three, one that measured Liger too wins over a later one without it
+    c7c = _call("2026-11-26", "08:00", "c7 c")
+    later_three = [(c7c, _row("conf7-swiglu", i, 17.0)) for i in ("moeblaze", "conventional", "sonicmoe")]
+    assert [call.command for _, call, _ in pick_rows(_results() + later_three, ["conf7-swiglu"])] == ["c7 b"]
 
 
 def test_readme_table_has_same_run_ratios_and_its_runs():
@@ -104,6 +110,10 @@ def test_readme_table_has_same_run_ratios_and_its_runs():
     assert "| 0.90x | 1.25x | — | 8,648 / 15,301 / 12,757 / — | 1 |" in lines[2]  # 63/70, 87.5/70; no Liger row
     assert "| 34.00 ms · 1059 TF/s | 0.95x | 1.19x | 2.00x | 1,000 / 1,000 / 1,000 / 3,000 |" in lines[3]  # 16.2/17,
     assert lines[3].endswith("| 2 |")  # 20.2/17, 34/17
+    assert lines[0].startswith("| config (T, d, h, E, K) | moeblaze | conventional | SonicMoE | Liger | speed vs "
+                               "SonicMoE | speed vs conventional | speed vs Liger | peak MiB: moeblaze / conventional")
+    without = readme_table(pick_rows(_results(), ["conf4-swiglu"])).splitlines()  # no Liger: no Liger columns
+    assert "Liger" not in without[0] and without[1] == "|---" * 8 + "|" and without[2].count("|") == 9
     assert "1. 2026-11-23, NVIDIA H200 (torch 2.11.0+cu130, triton 3.6.0; commit abc1234): " \
            "`moeblaze bench --configs conf4-swiglu`" in table
     assert "2. 2026-11-24, NVIDIA H200" in table and "`c7 b`" in table

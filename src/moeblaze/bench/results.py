@@ -9,8 +9,9 @@ triton versions, the exact command) followed by the fields of :class:`moeblaze.b
 * ``moeblaze bench --report docs/results.csv`` rewrites the README's performance table between the
   :data:`TABLE_START` / :data:`TABLE_END` markers and draws ``docs/plots/*.png`` (:func:`make_report`).
 
-The table shows, per config of :data:`README_CONFIGS`, the rows of one run — the latest run that measured
-the most of moeblaze, the conventional layer, SonicMoE and Liger-Kernel — so every ratio in it is a same-run ratio.
+The table shows, per config of :data:`README_CONFIGS`, the rows of one run — the latest run that measured the most
+of moeblaze, the conventional layer and SonicMoE (the headline peer), Liger-Kernel breaking ties — so every ratio in it
+is a same-run ratio.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from dataclasses import astuple, dataclass
 from pathlib import Path
 from typing import Any
 
+from .configs import LAYER_SUITES
 from .report import read_csv, write_dicts
 from .runner import Row
 
@@ -31,10 +33,10 @@ __all__ = ["CALL_COLUMNS", "RESULT_COLUMNS", "README_CONFIGS", "TABLE_START", "T
 
 CALL_COLUMNS = ["date", "time_utc", "device", "commit", "torch", "triton", "command"]
 RESULT_COLUMNS = CALL_COLUMNS + Row.field_names()
-# The seven layer configs of DESIGN.md §6 (conf7 added), in the README table's order.
-README_CONFIGS = ("sonicmoe-7b", "olmoe-1b-7b", "qwen3-30b-a3b", "conf3-swiglu", "conf4-swiglu", "conf7-swiglu",
-                  "sweep-2m")
+README_CONFIGS = tuple(LAYER_SUITES["readme"])  # `moeblaze bench --suite readme`
 TABLE_IMPLS = ("moeblaze", "conventional", "sonicmoe", "liger")
+_PICK_IMPLS = TABLE_IMPLS[:3]  # a run without SonicMoE never displaces one with it
+_NAMES = {"moeblaze": "moeblaze", "conventional": "conventional", "sonicmoe": "SonicMoE", "liger": "Liger"}
 TABLE_START = "<!-- results-table:start (made by `moeblaze bench --report docs/results.csv`; do not edit) -->"
 TABLE_END = "<!-- results-table:end -->"
 _TITLES = {"sonicmoe-7b": "SonicMoE-7B", "olmoe-1b-7b": "OLMoE", "qwen3-30b-a3b": "Qwen3-30B-A3B",
@@ -129,14 +131,14 @@ def _ok(row: Row | None) -> bool:
 
 
 def _measured(rows: dict[str, Row]) -> int:
-    """How many of :data:`TABLE_IMPLS` a run measured (status ok) for one config."""
-    return sum(_ok(rows.get(i)) for i in TABLE_IMPLS)
+    """How many of moeblaze, conventional and SonicMoE a run measured (status ok) for one config."""
+    return sum(_ok(rows.get(i)) for i in _PICK_IMPLS)
 
 
 def pick_rows(results: Sequence[tuple[Call, Row]], configs: Sequence[str] = README_CONFIGS,
               device: str | None = None) -> list[tuple[str, Call, dict[str, Row]]]:
-    """Per config, the rows of one run: the run with the most of :data:`TABLE_IMPLS` measured (status ok),
-    the latest of those; configs that no run measured with moeblaze are left out.
+    """Per config, the rows of one run: the run with the most of moeblaze, conventional and SonicMoE measured
+    (status ok), then one with Liger, then the latest; configs that no run measured with moeblaze are left out.
 
     Args:
         results: :func:`read_results`. configs: config names, in table order.
@@ -157,10 +159,10 @@ def pick_rows(results: Sequence[tuple[Call, Row]], configs: Sequence[str] = READ
     by_call = {key: rows for key, rows in by_call.items() if key[1].device == device}
     picked = []
     for cfg in configs:
-        cands = [(_measured(rows), call, rows)
+        cands = [(_measured(rows), _ok(rows.get("liger")), call, rows)
                  for (name, call), rows in by_call.items() if name == cfg and _ok(rows.get("moeblaze"))]
         if cands:
-            _, call, rows = max(cands, key=lambda t: (t[0], t[1]))
+            *_, call, rows = max(cands, key=lambda t: t[:3])
             picked.append((cfg, call, rows))
     return picked
 
@@ -180,19 +182,21 @@ def _ratio(ours: Row, other: Row | None) -> str:
 
 def readme_table(picked: Sequence[tuple[str, Call, dict[str, Row]]]) -> str:
     """The README's performance table (markdown) of :func:`pick_rows`, with a numbered list of the runs
-    (date, device, commit, command) that measured its rows."""
+    (date, device, commit, command) that measured its rows. Liger's columns appear once a picked run has it."""
     calls: list[Call] = []
-    lines = ["| config (T, d, h, E, K) | moeblaze | conventional | SonicMoE | Liger | speed vs SonicMoE | "
-             "speed vs conventional | speed vs Liger | peak MiB: moeblaze / conventional / SonicMoE / Liger | run |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    impls = [i for i in TABLE_IMPLS if i != "liger" or any(_ok(rows.get(i)) for *_, rows in picked)]
+    peers = [impls[2], impls[1], *impls[3:]]  # SonicMoE's ratio first: the headline peer
+    names = [_NAMES[i] for i in impls]
+    lines = [f"| config (T, d, h, E, K) | {' | '.join(names)} | "
+             + " | ".join(f"speed vs {_NAMES[i]}" for i in peers) + f" | peak MiB: {' / '.join(names)} | run |",
+             "|---" * (2 * len(impls) + 2) + "|"]
     for cfg, call, rows in picked:
         if call not in calls:
             calls.append(call)
-        m, c, s, g = (rows.get(i) for i in TABLE_IMPLS)
-        shape = f"{m.T}, {m.d}, {m.h}, {m.E}, {m.K}"
-        lines.append(f"| {_TITLES.get(cfg, cfg)} ({shape}) | {_time(m)} | {_time(c)} | {_time(s)} | {_time(g)} | "
-                     f"{_ratio(m, s)} | {_ratio(m, c)} | {_ratio(m, g)} | "
-                     f"{_peak(m)} / {_peak(c)} / {_peak(s)} / {_peak(g)} | {calls.index(call) + 1} |")
+        m = rows["moeblaze"]
+        cells = [_time(rows.get(i)) for i in impls] + [_ratio(m, rows.get(i)) for i in peers]
+        lines.append(f"| {_TITLES.get(cfg, cfg)} ({m.T}, {m.d}, {m.h}, {m.E}, {m.K}) | {' | '.join(cells)} | "
+                     f"{' / '.join(_peak(rows.get(i)) for i in impls)} | {calls.index(call) + 1} |")
     lines.append("")
     for n, call in enumerate(calls, 1):
         soft = f"torch {call.torch}, triton {call.triton}" if call.torch else "versions not recorded"
