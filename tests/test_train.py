@@ -211,6 +211,34 @@ def test_resume_is_bitwise_identical(text_file, tmp_path, balance):
             assert torch.equal(oa[i][k], ob[i][k]), (i, k)
 
 
+def test_compile_flag_trains_as_eager_with_the_same_checkpoint(text_file, tmp_path, monkeypatch):
+    """``--compile``: the blocks compiled in place train as the eager model does and checkpoint under the same
+    names. Here with backend aot_eager (dynamo and AOT autograd, graph breaks included, no code generation);
+    inductor runs in the GPU tests (tests/train_workers.py)."""
+    compile_blocks = MoETransformer.compile_blocks
+    monkeypatch.setattr(MoETransformer, "compile_blocks", lambda self: compile_blocks(self, backend="aot_eager"))
+    common = ["train", "--data", str(text_file), "--steps", "2", "--eval-interval", "100", *TINY]
+    assert run_cli(*common, "--out-dir", str(tmp_path / "eager")) == 0
+    assert run_cli(*common, "--out-dir", str(tmp_path / "compiled"), "--compile") == 0
+    (eager, _), (compiled, _) = _load_final(tmp_path / "eager"), _load_final(tmp_path / "compiled")
+    assert eager.keys() == compiled.keys()
+    for k in eager:
+        torch.testing.assert_close(compiled[k], eager[k], rtol=1e-5, atol=1e-6, msg=k)
+
+
+def test_compile_blocks_leaves_expert_parallel_layers_eager():
+    """Under expert parallelism only a block's attention is compiled (the exchange's collectives and hooks stay
+    eager); nothing compiles before the first call."""
+    model = MoETransformer(ModelConfig(seq_len=16, d_model=32, n_layers=2, n_heads=2, d_ff=32, num_experts=4,
+                                       top_k=2))
+    model.blocks[1].moe.ep = object()  # stands for an ExpertParallel: only its presence is read
+    model.compile_blocks()
+    plain, ep = model.blocks
+    assert plain._compiled_call_impl is not None and plain.attn._compiled_call_impl is None
+    assert ep._compiled_call_impl is None and ep.attn._compiled_call_impl is not None
+    assert [n for n, _ in model.named_parameters()] == [n for n, _ in MoETransformer(model.cfg).named_parameters()]
+
+
 def _load_final(out_dir: Path) -> tuple[dict, dict]:
     """Weights and AdamW state of the newest checkpoint in ``out_dir``."""
     tcfg, mcfg, _ = load_run_config(str(out_dir))

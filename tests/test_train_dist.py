@@ -138,8 +138,9 @@ def test_checkpoint_of_a_2d_mesh_resumes_in_one_process(text_file, tmp_path):
 @pytest.mark.multigpu
 @pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.device_count() >= 2), reason="needs 2 CUDA GPUs")
 def test_train_two_gpus_matches_one(text_file, tmp_path):
-    """2 GPUs: ``--fsdp`` and ``--fsdp --ep 2`` (NCCL, Triton, bf16) train as one GPU does."""
+    """2 GPUs: ``--fsdp`` and ``--fsdp --ep 2`` (NCCL, Triton, bf16), also with ``--compile``, train as one GPU
+    does."""
     cfg, mcfg = tw._gpu_configs(text_file, str(tmp_path / "plain"))
     plain = train(cfg, mcfg)
     run_ranks(tw.two_gpus_match, 2, text_file, str(tmp_path), plain.losses, plain.val_bpb, backend="nccl",
-              timeout=400)
+              timeout=600)

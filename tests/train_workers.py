@@ -119,22 +119,28 @@ def _bf16_close(a: TrainResult, b: TrainResult, what: str) -> None:
 
 def fsdp_bf16_matches_plain(rank: int, world: int, data: str, tmp: str) -> None:
     """GPU, one NCCL rank: ``--fsdp`` with the Triton kernels in bf16 (``bf16-mixed``: FSDP2's bf16
-    parameters, fp32 reductions) trains as the plain run does (``bf16-mixed``: autocast)."""
+    parameters, fp32 reductions) and ``--compile`` (inductor) train as the plain run does (``bf16-mixed``:
+    autocast)."""
     cfg, mcfg = _gpu_configs(data, str(Path(tmp) / "plain"))
     plain = train(cfg, mcfg)
     fsdp = train(replace(cfg, out_dir=str(Path(tmp) / "fsdp"), fsdp=True), mcfg)
     assert fsdp.world_size == world
     _bf16_close(fsdp, plain, "under FSDP2")
+    _bf16_close(train(replace(cfg, out_dir=str(Path(tmp) / "compiled"), compile=True), mcfg), plain, "compiled")
 
 
 def two_gpus_match(rank: int, world: int, data: str, tmp: str, plain_losses: list, plain_val: float) -> None:
-    """2 GPUs (NCCL, Triton, bf16): --fsdp and --fsdp --ep 2 train as one GPU does on the same global batch
-    (``plain_*``: the test process's one-GPU run); the --ep 2 checkpoint resumes on the 2 GPUs with --ep 1."""
+    """2 GPUs (NCCL, Triton, bf16): --fsdp and --fsdp --ep 2, also with --compile, train as one GPU does on the same
+    global batch (``plain_*``: the test process's one-GPU run); the --ep 2 checkpoint resumes on the 2 GPUs with
+    --ep 1."""
     cfg, mcfg = _gpu_configs(data, str(Path(tmp) / "fsdp"))
     plain = TrainResult(8, plain_val, 0.0, plain_losses[-1], 0.0, 0, plain_losses)
     _bf16_close(train(replace(cfg, fsdp=True), mcfg), plain, "under FSDP2 on 2 GPUs")
     ep_cfg = replace(cfg, out_dir=str(Path(tmp) / "ep"), fsdp=True, ep=2)
     _bf16_close(train(ep_cfg, mcfg), plain, "under FSDP2 + EP on 2 GPUs")
+    for ep in (1, 2):  # --compile: inductor's blocks under FSDP2 (and the eager exchange under EP)
+        compiled = replace(cfg, out_dir=str(Path(tmp) / f"compiled-ep{ep}"), fsdp=True, ep=ep, compile=True)
+        _bf16_close(train(compiled, mcfg), plain, f"compiled under FSDP2, --ep {ep}, on 2 GPUs")
     resumed = train(replace(ep_cfg, steps=10, ep=1, resume=True, overwrite=False), mcfg)
     assert resumed.step == 10 and len(resumed.losses) == 2 and all(map(math.isfinite, resumed.losses))
 

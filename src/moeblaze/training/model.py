@@ -233,6 +233,15 @@ class MoETransformer(nn.Module):
             elif name.endswith("proj.weight"):
                 nn.init.normal_(p, std=0.02 / (2 * self.cfg.n_layers) ** 0.5)
 
+    def compile_blocks(self, **options) -> None:
+        """``torch.compile`` each block in place (``nn.Module.compile``: parameter names and checkpoints unchanged),
+        as torchtitan compiles its blocks; ``options`` go to ``torch.compile``. One graph per block where the layer's
+        kernels are custom ops (the Triton backend; the torch backend's per-expert loop breaks the graph). Under
+        expert parallelism only the attention is compiled: the exchange's collectives and the hooks that hand the
+        layer its local experts run eagerly. Call it after FSDP2 and expert parallelism are applied."""
+        for block in self.blocks:
+            (block.attn if block.moe.ep is not None else block).compile(**options)
+
     def moe_layers(self) -> list[MoE]:
         """The :class:`moeblaze.MoE` module of every block."""
         return [b.moe for b in self.blocks]

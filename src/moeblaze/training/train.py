@@ -75,7 +75,8 @@ def _describe(total: int, mcfg: ModelConfig, cfg: TrainConfig, device, precision
             f"K={mcfg.top_k}, h={mcfg.d_ff}, seq={mcfg.seq_len}; {total / 1e6:.2f}M parameters, "
             f"{mcfg.active_params_per_token() / 1e6:.2f}M active per token\n"
             f"run: {cfg.steps} steps x {cfg.batch_size * mcfg.seq_len} tokens, lr {cfg.lr:g}, "
-            f"device {device}, precision {precision}, {threads} threads{where}; out-dir {cfg.out_dir}")
+            f"device {device}, precision {precision}, {threads} threads{where}"
+            + ("; blocks compiled (torch.compile)" if cfg.compile else "") + f"; out-dir {cfg.out_dir}")
 
 
 def _check_backend(mcfg: ModelConfig, device: torch.device) -> None:
@@ -215,6 +216,8 @@ def _train(cfg: TrainConfig, model_cfg: ModelConfig | None, log, job: Job) -> Tr
     max_tokens = cfg.batch_size // job.world * mcfg.seq_len
     model = job.shard(model, precision, cfg.fsdp_reshard, cfg.fsdp_reduce_dtype, cfg.ep_exchange, cfg.fsdp_prefetch,
                       max_tokens)
+    if cfg.compile:
+        model.compile_blocks()
     opt = make_optimizer(model, cfg)
     start = load_checkpoint(resume_from, model, opt, device, job, log) if resume_from is not None else 0
     if finished:

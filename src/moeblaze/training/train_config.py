@@ -129,6 +129,10 @@ class TrainConfig:
                              "the host reaches it")
     fsdp_reduce_dtype: str = _f("fp32", "dtype of FSDP2's gradient reduce-scatter under bf16-mixed (bf16 halves its "
                                 "bytes)", choices=("fp32", "bf16"))
+    compile: bool = _f(False, "torch.compile each transformer block (torchtitan's per-block compile): attention, norms "
+                       "and router fused into fewer kernels and the expert kernels called without the autograd "
+                       "functions' Python, for steps bound by the host's launches; expert parallelism's exchange "
+                       "stays eager; the first steps compile (a minute or more)")
     profile_steps: int = _f(0, "profile this many steps after the first three (torch.profiler): print how a step "
                                "splits into compute, communication (and the part nothing hides), device idle and host "
                                "syncs, per rank, and append the rows to OUT_DIR/breakdown.csv (0 = off)")
