@@ -113,7 +113,8 @@ def test_1b_preset(tmp_path, capsys):
 
 @pytest.mark.gpu
 def test_fsdp_train_bf16_triton_one_gpu(text_file, tmp_path):
-    """``moeblaze train --fsdp`` on a 1-rank NCCL job, Triton kernels, bf16: trains like the plain run."""
+    """``moeblaze train --fsdp`` on a 1-rank NCCL job, Triton kernels, bf16, and ``--compile``: train like the
+    plain run."""
     run_ranks(tw.fsdp_bf16_matches_plain, 1, text_file, str(tmp_path), backend="nccl", timeout=400)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", "--master-port", str(free_port()),
            "-m", "moeblaze.cli", "train", "--fsdp", "--data", text_file, "--out-dir", str(tmp_path / "cli"),
