@@ -280,6 +280,22 @@ def test_gpu_compile_reduce_overhead_trains_like_eager():
     assert got[-1] < got[0], f"the compiled model does not train: {got}"
 
 
+def test_compiled_blocks_share_one_graph_without_breaks():
+    """``MoETransformer.compile_blocks`` (``moeblaze train --compile``): one graph serves every block, with no
+    graph break (the Triton backend's kernels are custom ops; the backends exist before tracing, so no block
+    compiles twice)."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    model = MoETransformer(ModelConfig(seq_len=16, d_model=32, n_layers=2, n_heads=2, d_ff=32, num_experts=4,
+                                       top_k=2, backend="triton"))
+    model.compile_blocks(backend="eager")
+    model(torch.randint(0, 256, (2, 16))).float().square().mean().backward()
+    assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"], dict(counters["graph_break"])
+    torch._dynamo.reset()
+
+
 @pytest.mark.parametrize("counts", [[5, 9, 0, 8, 11], [0, 0, 3], [8, 16, 8]])
 def test_padded_weight_gradient_matches_per_expert_products(counts):
     """The torch backend's capturable weight gradient (one grouped_mm over groups zero-padded to multiples

@@ -38,7 +38,7 @@ import torch
 from . import ops_torch, settings
 from .dispatch import DispatchIndex, build_dispatch, build_dispatch_pairs, with_schedule
 
-__all__ = ["BACKENDS", "Backend", "TorchBackend", "TritonBackend", "get_backend", "triton_available"]
+__all__ = ["BACKENDS", "Backend", "TorchBackend", "TritonBackend", "create_backends", "get_backend", "triton_available"]
 
 BACKENDS = ("auto", "torch", "triton")
 _TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # the kernels' operand dtypes
@@ -127,6 +127,13 @@ def _instance(name: str) -> Backend:
     if name not in _INSTANCES:  # one object per backend: the autograd Functions keep it in ctx
         _INSTANCES[name] = TorchBackend() if name == "torch" else TritonBackend()
     return _INSTANCES[name]
+
+
+def create_backends() -> None:
+    """Create the backend objects now (the Triton one where it imports): ``torch.compile`` then never traces
+    their first creation, whose guard on this registry would compile every graph a second time."""
+    _instance("torch")
+    triton_available()
 
 
 def triton_available() -> bool:

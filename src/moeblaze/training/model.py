@@ -16,6 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..activations import ACTIVATIONS, is_gated
+from ..backends import create_backends
 from ..balance import AUX_LOSS_TYPES
 from ..experts import BACKENDS, SAVE_MODES
 from ..layer import MoE
@@ -239,6 +240,7 @@ class MoETransformer(nn.Module):
         kernels are custom ops (the Triton backend; the torch backend's per-expert loop breaks the graph). Under
         expert parallelism only the attention is compiled: the exchange's collectives and the hooks that hand the
         layer its local experts run eagerly. Call it after FSDP2 and expert parallelism are applied."""
+        create_backends()
         for block in self.blocks:
             (block.attn if block.moe.ep is not None else block).compile(**options)
 
