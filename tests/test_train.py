@@ -228,7 +228,7 @@ def test_compile_flag_trains_as_eager_with_the_same_checkpoint(text_file, tmp_pa
 
 def test_compile_blocks_leaves_expert_parallel_layers_eager():
     """Under expert parallelism only a block's attention is compiled (the exchange's collectives and hooks stay
-    eager); nothing compiles before the first call."""
+    eager); nothing compiles before the first forward."""
     model = MoETransformer(ModelConfig(seq_len=16, d_model=32, n_layers=2, n_heads=2, d_ff=32, num_experts=4,
                                        top_k=2))
     model.blocks[1].moe.ep = object()  # stands for an ExpertParallel: only its presence is read

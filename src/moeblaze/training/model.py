@@ -129,8 +129,8 @@ class Rotary(nn.Module):
     def tables(self, S: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """``(cos, sin)``, each ``[S, head_dim/2]`` fp32 on ``device``."""
         if torch.compiler.is_compiling():
-            # In a compiled graph the tables fuse into the rotation's kernel; kept across calls they would be
-            # outputs of one graph fed to the next, which CUDA graphs (mode="reduce-overhead") overwrite on replay.
+            # In a compiled graph the tables fuse into the rotation's kernel; kept from one forward to the next, they
+            # would be one graph's outputs fed to the next, which CUDA graphs (mode="reduce-overhead") overwrite.
             return self._build(S, device)
         kept = self._tables.get(device)
         if kept is None or kept[0].shape[0] != S:
