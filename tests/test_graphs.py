@@ -283,16 +283,24 @@ def test_gpu_compile_reduce_overhead_trains_like_eager():
 def test_compiled_blocks_share_one_graph_without_breaks():
     """``MoETransformer.compile_blocks`` (``moeblaze train --compile``): one graph serves every block, with no
     graph break (the Triton backend's kernels are custom ops; the backends exist before tracing, so no block
-    compiles twice)."""
+    compiles twice), and the compiled model (dynamo + AOT autograd, no code generation) computes what the eager
+    one does, forward and backward."""
     from torch._dynamo.utils import counters
 
+    cfg = ModelConfig(seq_len=16, d_model=32, n_layers=2, n_heads=2, d_ff=32, num_experts=4, top_k=2,
+                      backend="triton")
+    torch.manual_seed(0)
+    eager, compiled = MoETransformer(cfg), MoETransformer(cfg)
+    compiled.load_state_dict(eager.state_dict())
     torch._dynamo.reset()
     counters.clear()
-    model = MoETransformer(ModelConfig(seq_len=16, d_model=32, n_layers=2, n_heads=2, d_ff=32, num_experts=4,
-                                       top_k=2, backend="triton"))
-    model.compile_blocks(backend="eager")
-    model(torch.randint(0, 256, (2, 16))).float().square().mean().backward()
+    compiled.compile_blocks(backend="aot_eager")
+    idx = torch.randint(0, 256, (2, 16))
+    for model in (eager, compiled):
+        (model(idx).float().square().mean() + aux_loss(model)).backward()
     assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"], dict(counters["graph_break"])
+    for (name, p), q in zip(eager.named_parameters(), compiled.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-5, atol=1e-7, msg=name)
     torch._dynamo.reset()
 
 

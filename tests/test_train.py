@@ -211,19 +211,15 @@ def test_resume_is_bitwise_identical(text_file, tmp_path, balance):
             assert torch.equal(oa[i][k], ob[i][k]), (i, k)
 
 
-def test_compile_flag_trains_as_eager_with_the_same_checkpoint(text_file, tmp_path, monkeypatch):
-    """``--compile``: the blocks compiled in place train as the eager model does and checkpoint under the same
-    names. Here with backend aot_eager (dynamo and AOT autograd, graph breaks included, no code generation);
-    inductor runs in the GPU tests (tests/train_workers.py)."""
-    compile_blocks = MoETransformer.compile_blocks
-    monkeypatch.setattr(MoETransformer, "compile_blocks", lambda self: compile_blocks(self, backend="aot_eager"))
-    common = ["train", "--data", str(text_file), "--steps", "2", "--eval-interval", "100", *TINY]
-    assert run_cli(*common, "--out-dir", str(tmp_path / "eager")) == 0
+def test_compile_flag_compiles_the_sharded_model(text_file, tmp_path, monkeypatch):
+    """``--compile`` calls :meth:`MoETransformer.compile_blocks` once, on the model the run trains (after FSDP2 would
+    have wrapped it); the compiled blocks' numerics: tests/test_graphs.py (CPU) and the GPU training tests."""
+    seen = []
+    monkeypatch.setattr(MoETransformer, "compile_blocks", lambda self: seen.append(self))
+    common = ["train", "--data", str(text_file), "--steps", "1", "--eval-interval", "100", *TINY]
+    assert run_cli(*common, "--out-dir", str(tmp_path / "eager")) == 0 and not seen
     assert run_cli(*common, "--out-dir", str(tmp_path / "compiled"), "--compile") == 0
-    (eager, _), (compiled, _) = _load_final(tmp_path / "eager"), _load_final(tmp_path / "compiled")
-    assert eager.keys() == compiled.keys()
-    for k in eager:
-        torch.testing.assert_close(compiled[k], eager[k], rtol=1e-5, atol=1e-6, msg=k)
+    assert len(seen) == 1 and isinstance(seen[0], MoETransformer)
 
 
 def test_compile_blocks_leaves_expert_parallel_layers_eager():
