@@ -100,6 +100,12 @@ def test_pick_rows_takes_the_latest_run_with_the_most_implementations():
     c7c = _call("2026-11-26", "08:00", "c7 c")
     later_three = [(c7c, _row("conf7-swiglu", i, 17.0)) for i in ("moeblaze", "conventional", "sonicmoe")]
     assert [call.command for _, call, _ in pick_rows(_results() + later_three, ["conf7-swiglu"])] == ["c7 b"]
+    # a run with SonicMoE (the conventional layer out of memory) wins over a later one of three without it
+    a, b = _call("2026-11-26", "08:00", "a"), _call("2026-11-27", "08:00", "b")
+    rows = [(a, _row("conf3-swiglu", "moeblaze", 37.0)), (a, _row("conf3-swiglu", "sonicmoe", 34.0)),
+            (a, _row("conf3-swiglu", "conventional", 0.0, status="OOM"))]
+    rows += [(b, _row("conf3-swiglu", i, 40.0)) for i in ("moeblaze", "conventional", "liger")]
+    assert [call.command for _, call, _ in pick_rows(rows, ["conf3-swiglu"])] == ["a"]
 
 
 def test_readme_table_has_same_run_ratios_and_its_runs():

@@ -5,16 +5,20 @@ the last group unset); on a Hopper GPU (``-m gpu``) the op itself."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
-from moeblaze.bench.baselines import IMPLS, conventional_experts
+from moeblaze.bench.baselines import IMPLS, ImplOptions, conventional_experts
+from moeblaze.bench.configs import CONFIGS
 from moeblaze.bench.fp8_baseline import ALIGN, conventional_fp8_experts, quantize_rows
 
 
 def _emulated_scaled_grouped_mm(a, b, scale_a, scale_b, offs=None, out_dtype=None, use_fast_accum=False):
     assert a.dtype == b.dtype == torch.float8_e4m3fn and scale_a.dtype == scale_b.dtype == torch.float32
     assert a.stride(-1) == 1 and b.stride(-2) == 1, "a row-major, b column-major"
+    assert a.stride(-2) % 16 == 0 and b.stride(-1) % 16 == 0, "leading strides of 16 bytes"
     assert offs.dtype == torch.int32 and out_dtype == torch.bfloat16
     ends = offs.tolist()
     bounds = list(zip([0, *ends[:-1]], ends))
@@ -76,7 +80,7 @@ def test_fp8_layer_against_float64_with_the_op_emulated(monkeypatch, T, d, h, E,
     _check(T, d, h, E, K, skew, "cpu")
 
 
-def test_rowwise_scales_are_powers_of_two_and_saturate():
+def test_rowwise_scales_are_powers_of_two_with_the_row_max_in_the_top_binade():
     a = torch.tensor([[1.0, -3.0, 0.5], [0.0, 0.0, 0.0], [1e-3, 2e-3, -4e-3]])
     q, s = quantize_rows(a)
     assert q.dtype == torch.float8_e4m3fn and s.dtype == torch.float32 and s.shape == (3,)
@@ -85,19 +89,22 @@ def test_rowwise_scales_are_powers_of_two_and_saturate():
     torch.testing.assert_close(q.float() * s[:, None], a, rtol=2**-3, atol=0)
 
 
-def test_needs_a_hopper_gpu():
-    why = IMPLS["conventional-fp8"].unavailable()
+def test_runs_on_hopper_and_blackwell_only_and_keeps_the_input_dtype(monkeypatch):
+    impl = IMPLS["conventional-fp8"]
+    why = impl.unavailable()
     if not torch.cuda.is_available():
         assert why == "needs CUDA"
-    elif torch.cuda.get_device_capability() < (9, 0):
-        assert why.startswith("needs sm90 or newer")
     else:
-        assert why is None
+        assert (why is None) == (torch.cuda.get_device_capability()[0] in (9, 10)), why
+    assert "multiples of 16" in impl.unsupported(replace(CONFIGS["conf7-swiglu"], d=2040), ImplOptions())
+    monkeypatch.setattr(torch, "_scaled_grouped_mm", _emulated_scaled_grouped_mm)
+    x, ids, weights, w1, w2 = _case(24, 32, 16, 4, 2, False, "cpu")
+    assert conventional_fp8_experts(x, ids, weights, w1.bfloat16(), w2.bfloat16()).dtype == torch.float32
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
-                    reason="needs a Hopper GPU (sm90)")
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] not in (9, 10),
+                    reason="needs a Hopper or Blackwell GPU (sm90, sm100)")
 @pytest.mark.parametrize("T, d, h, E, K, skew", [(512, 256, 128, 8, 2, False), (300, 128, 64, 16, 4, True)])
 def test_gpu_fp8_layer_against_float64(T, d, h, E, K, skew):
     """``torch._scaled_grouped_mm`` itself (cuBLAS / CUTLASS on sm90), as ``moeblaze bench`` runs it."""

@@ -280,13 +280,16 @@ def test_gpu_compile_reduce_overhead_trains_like_eager():
     assert got[-1] < got[0], f"the compiled model does not train: {got}"
 
 
-def test_compiled_blocks_share_one_graph_without_breaks():
+def test_compiled_blocks_share_one_graph_without_breaks(monkeypatch):
     """``MoETransformer.compile_blocks`` (``moeblaze train --compile``): one graph serves every block, with no
-    graph break (the Triton backend's kernels are custom ops; the backends exist before tracing, so no block
-    compiles twice), and the compiled model (dynamo + AOT autograd, no code generation) computes what the eager
-    one does, forward and backward."""
+    graph break (the Triton backend's kernels are custom ops; the backends are created before tracing: created
+    during it, the registry's guard compiles every block twice), and the compiled model (dynamo + AOT autograd, no
+    code generation) computes what the eager one does, forward and backward."""
     from torch._dynamo.utils import counters
 
+    from moeblaze import backends
+
+    monkeypatch.setattr(backends, "_INSTANCES", {})  # as in a fresh process: no backend created yet
     cfg = ModelConfig(seq_len=16, d_model=32, n_layers=2, n_heads=2, d_ff=32, num_experts=4, top_k=2,
                       backend="triton")
     torch.manual_seed(0)
@@ -294,14 +297,16 @@ def test_compiled_blocks_share_one_graph_without_breaks():
     compiled.load_state_dict(eager.state_dict())
     torch._dynamo.reset()
     counters.clear()
-    compiled.compile_blocks(backend="aot_eager")
-    idx = torch.randint(0, 256, (2, 16))
-    for model in (eager, compiled):
-        (model(idx).float().square().mean() + aux_loss(model)).backward()
-    assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"], dict(counters["graph_break"])
+    try:
+        compiled.compile_blocks(backend="aot_eager")
+        idx = torch.randint(0, 256, (2, 16))
+        for model in (compiled, eager):
+            (model(idx).float().square().mean() + aux_loss(model)).backward()
+        assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"], dict(counters["graph_break"])
+    finally:
+        torch._dynamo.reset()
     for (name, p), q in zip(eager.named_parameters(), compiled.parameters()):
         torch.testing.assert_close(q.grad, p.grad, rtol=1e-5, atol=1e-7, msg=name)
-    torch._dynamo.reset()
 
 
 @pytest.mark.parametrize("counts", [[5, 9, 0, 8, 11], [0, 0, 3], [8, 16, 8]])

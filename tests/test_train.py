@@ -211,15 +211,22 @@ def test_resume_is_bitwise_identical(text_file, tmp_path, balance):
             assert torch.equal(oa[i][k], ob[i][k]), (i, k)
 
 
-def test_compile_flag_compiles_the_sharded_model(text_file, tmp_path, monkeypatch):
-    """``--compile`` calls :meth:`MoETransformer.compile_blocks` once, on the model the run trains (after FSDP2 would
-    have wrapped it); the compiled blocks' numerics: tests/test_graphs.py (CPU) and the GPU training tests."""
-    seen = []
-    monkeypatch.setattr(MoETransformer, "compile_blocks", lambda self: seen.append(self))
+def test_compile_flag_compiles_the_sharded_model(text_file, tmp_path, monkeypatch, capsys):
+    """``--compile`` calls :meth:`MoETransformer.compile_blocks` once, after FSDP2 and expert parallelism are
+    applied (``Job.shard``), and leaves the saved bytes unmeasured (compiled blocks save outside the layers' hooks);
+    the compiled blocks' numerics: tests/test_graphs.py (CPU) and the GPU training tests."""
+    from moeblaze.training.job import Job
+
+    order, shard = [], Job.shard
+    monkeypatch.setattr(MoETransformer, "compile_blocks", lambda self: order.append("compile"))
+    monkeypatch.setattr(Job, "shard", lambda self, *a, **k: order.append("shard") or shard(self, *a, **k))
     common = ["train", "--data", str(text_file), "--steps", "1", "--eval-interval", "100", *TINY]
-    assert run_cli(*common, "--out-dir", str(tmp_path / "eager")) == 0 and not seen
+    assert run_cli(*common, "--out-dir", str(tmp_path / "eager")) == 0 and order == ["shard"]
+    assert "MoE layers saved for backward" in capsys.readouterr().out
     assert run_cli(*common, "--out-dir", str(tmp_path / "compiled"), "--compile") == 0
-    assert len(seen) == 1 and isinstance(seen[0], MoETransformer)
+    assert order == ["shard", "shard", "compile"]
+    out = capsys.readouterr().out
+    assert "MoE layers saved" not in out and "MoE saved" not in out and "blocks compiled" in out
 
 
 def test_compile_blocks_leaves_expert_parallel_layers_eager():

@@ -113,9 +113,9 @@ def test_1b_preset(tmp_path, capsys):
 
 @pytest.mark.gpu
 def test_fsdp_train_bf16_triton_one_gpu(text_file, tmp_path):
-    """``moeblaze train --fsdp`` on a 1-rank NCCL job, Triton kernels, bf16, and ``--compile``: train like the
+    """``moeblaze train --fsdp`` on a 1-rank NCCL job, Triton kernels, bf16, also with ``--compile``: train like the
     plain run."""
-    run_ranks(tw.fsdp_bf16_matches_plain, 1, text_file, str(tmp_path), backend="nccl", timeout=400)
+    run_ranks(tw.fsdp_bf16_matches_plain, 1, text_file, str(tmp_path), backend="nccl", timeout=600)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", "--master-port", str(free_port()),
            "-m", "moeblaze.cli", "train", "--fsdp", "--data", text_file, "--out-dir", str(tmp_path / "cli"),
            "--steps", "3", "--batch-size", "4", "--seq-len", "64", "--eval-tokens", "256", "--device", "cuda",
@@ -139,8 +139,7 @@ def test_checkpoint_of_a_2d_mesh_resumes_in_one_process(text_file, tmp_path):
 @pytest.mark.multigpu
 @pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.device_count() >= 2), reason="needs 2 CUDA GPUs")
 def test_train_two_gpus_matches_one(text_file, tmp_path):
-    """2 GPUs: ``--fsdp`` and ``--fsdp --ep 2`` (NCCL, Triton, bf16), also with ``--compile``, train as one GPU
-    does."""
+    """2 GPUs: ``--fsdp``, ``--fsdp --ep 2`` and with ``--compile`` (NCCL, Triton, bf16) train as one GPU does."""
     cfg, mcfg = tw._gpu_configs(text_file, str(tmp_path / "plain"))
     plain = train(cfg, mcfg)
     run_ranks(tw.two_gpus_match, 2, text_file, str(tmp_path), plain.losses, plain.val_bpb, backend="nccl",

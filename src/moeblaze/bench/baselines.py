@@ -5,7 +5,7 @@
   ``torch.nn.functional.grouped_mm`` for both projections (a per-expert matmul where grouped_mm cannot
   run: CPU, fp32, unaligned shapes), the weighted expert outputs combined with ``index_add``, plain autograd.
 * ``conventional-fp8`` — the same with its expert GEMMs in FP8 as torchao's MoE training runs them on Hopper
-  (:mod:`moeblaze.bench.fp8_baseline`; sm90).
+  (:mod:`moeblaze.bench.fp8_baseline`; sm90 and sm100).
 * ``hf-loop`` — the HF transformers v4 per-expert loop (one-hot mask, ``torch.where``, ``index_add_``).
 * ``moeblaze`` / ``moeblaze-input`` / ``moeblaze-torch`` — :class:`moeblaze.MoE` with the Triton backend
   (``save="preact"`` / ``"input"``) and with the PyTorch backend; ``moeblaze-tr``: the Triton layer with token
@@ -199,7 +199,7 @@ class Impl:
         module: a module that must be importable (``None``: always available).
         activations: activations it supports (``None``: all).
         needs_cuda: True when it cannot run on the CPU.
-        min_sm: the oldest GPU architecture it runs on (compute capability as ``10 * major + minor``; 0: any).
+        sm: the GPU architectures it runs on (compute capability majors; empty: any).
         isolate: measure it in a child process killed after ``RunOptions.isolate_timeout_s`` (a first call
             that compiles for minutes cannot be interrupted in-process); see :mod:`moeblaze.bench.worker`.
     """
@@ -210,15 +210,16 @@ class Impl:
     module: str | None = None
     activations: tuple[str, ...] | None = None
     needs_cuda: bool = False
-    min_sm: int = 0
+    sm: tuple[int, ...] = ()
     isolate: bool = False
 
     def unavailable(self) -> str | None:
         """Why it cannot run in this process at all (missing package), or ``None``."""
         if self.needs_cuda and not torch.cuda.is_available():
             return "needs CUDA"
-        if self.min_sm and (sm := _sm()) < self.min_sm:
-            return f"needs sm{self.min_sm} or newer ({torch.cuda.get_device_name()} is sm{sm})"
+        if self.sm and (major := torch.cuda.get_device_capability()[0]) not in self.sm:
+            return (f"runs on {' / '.join(f'sm{m}0' for m in self.sm)} only ({torch.cuda.get_device_name()} is "
+                    f"sm{major}{torch.cuda.get_device_capability()[1]})")
         if self.module is not None and not _importable(self.module):
             hint = PEERS_HINT if not self.module.startswith("moeblaze") else "not in this build of moeblaze"
             return f"{self.module} not importable ({hint})"
@@ -230,12 +231,9 @@ class Impl:
             return f"{self.name} supports {'/'.join(self.activations)} only"
         if self.name == "hf-loop" and opts.hf_max_tokens < cfg.T:
             return f"per-expert loop skipped above T={opts.hf_max_tokens} (--hf-max-tokens)"
+        if self.name == "conventional-fp8" and (cfg.d % 16 or cfg.h % 16):
+            return "the FP8 grouped GEMM needs d and h multiples of 16"
         return None
-
-
-def _sm() -> int:
-    major, minor = torch.cuda.get_device_capability()
-    return 10 * major + minor
 
 
 def _importable(module: str) -> bool:
@@ -333,7 +331,7 @@ IMPLS: dict[str, Impl] = {i.name: i for i in [
     Impl("conventional", "torchtitan / HF v5 style: argsort, gathered x, grouped_mm, index_add, autograd",
          _routed(conventional_experts)),
     Impl("conventional-fp8", "the conventional layer, expert GEMMs in FP8 as torchao's rowwise MoE training "
-         "(torch._scaled_grouped_mm, groups padded to 16)", _conventional_fp8, needs_cuda=True, min_sm=90),
+         "(torch._scaled_grouped_mm, groups padded to 16)", _conventional_fp8, needs_cuda=True, sm=(9, 10)),
     Impl("hf-loop", "HF v4 style per-expert loop", _routed(hf_loop_experts)),
     Impl("liger", "Liger-Kernel LigerFusedMoEFunction (Triton)", _liger, module="liger_kernel",
          activations=("swiglu",), needs_cuda=True),

@@ -15,8 +15,8 @@ reciprocals. Quantization runs as PyTorch ops (torchao up to 0.16; later version
 The 2d-2d GEMM needs every group non-empty and a multiple of 16 rows, so each expert's rows are padded to a
 multiple of 16 (an empty expert to 16) in a buffer of static size ``T K + 16 E`` (no host read), pad rows reading
 an appended zero row, as torchtitan's dispatcher pads them. The router, the activation, the routing weights and
-the combine run as in the conventional layer, in bf16. Hopper (sm90) only: the rowwise FP8 grouped GEMM exists
-there.
+the combine run as in the conventional layer, in bf16. The rowwise FP8 grouped GEMM runs on Hopper (sm90) and
+Blackwell (sm100) only.
 """
 
 from __future__ import annotations
@@ -102,11 +102,11 @@ def conventional_fp8_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weigh
     """The routed experts as :func:`moeblaze.bench.baselines.conventional_experts` computes them, the two expert
     GEMMs in FP8 (:func:`fp8_grouped_linear`) over expert groups padded to multiples of 16 rows.
 
-    Args: as :func:`moeblaze.moe_experts` (``x [T, d]`` bf16, ``topk_ids [T, K]``, ``topk_weights [T, K]``,
-        ``w_gate_up [E, 2h|h, d]``, ``w_down [E, d, h]`` bf16; ``d`` and ``h`` multiples of 16).
+    Args: as :func:`moeblaze.moe_experts` (``x [T, d]``, ``topk_ids [T, K]``, ``topk_weights [T, K]``,
+        ``w_gate_up [E, 2h|h, d]``, ``w_down [E, d, h]``; ``d`` and ``h`` multiples of 16).
 
     Returns:
-        ``[T, d]`` bf16.
+        ``[T, d]`` in ``x.dtype`` (the GEMMs' outputs and the activation in bf16).
     """
     T, K = topk_ids.shape
     E, d = w_down.shape[0], x.shape[1]
@@ -118,11 +118,14 @@ def conventional_fp8_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weigh
     expert = flat[order]
     first = torch.cumsum(counts, 0) - counts  # the expert's first slot
     row = (ends - padded)[expert] + torch.arange(flat.numel(), device=x.device) - first[expert]  # slot -> its row
-    token = torch.full((flat.numel() + ALIGN * E,), T, device=x.device, dtype=torch.long)  # static size
+    # static size, a multiple of 16 rows: the weight gradient's operands are column-major, their leading stride
+    # this many e4m3 bytes, which the GEMM wants 16-byte aligned
+    rows = -(-flat.numel() // ALIGN) * ALIGN + ALIGN * E
+    token = torch.full((rows,), T, device=x.device, dtype=torch.long)
     token[row] = order // K
     xg = torch.cat((x, x.new_zeros(1, d)))[token]  # pad rows read the zero row
     ends = ends.to(torch.int32)
     act = _act(fp8_grouped_linear(xg, w_gate_up, ends), activation)
     y = fp8_grouped_linear(act, w_down, ends)[row]
     y = y * topk_weights.reshape(-1)[order].to(y.dtype)[:, None]
-    return torch.zeros_like(x).index_add(0, order // K, y)
+    return torch.zeros_like(x).index_add(0, order // K, y.to(x.dtype))

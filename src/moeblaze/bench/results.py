@@ -9,9 +9,9 @@ triton versions, the exact command) followed by the fields of :class:`moeblaze.b
 * ``moeblaze bench --report docs/results.csv`` rewrites the README's performance table between the
   :data:`TABLE_START` / :data:`TABLE_END` markers and draws ``docs/plots/*.png`` (:func:`make_report`).
 
-The table shows, per config of :data:`README_CONFIGS`, the rows of one run — the latest run that measured the most
-of moeblaze, the conventional layer and SonicMoE (the headline peer), Liger-Kernel breaking ties — so every ratio in it
-is a same-run ratio.
+The table shows, per config of :data:`README_CONFIGS`, the rows of one run — among the runs that measured SonicMoE
+(the headline peer) if any did, the latest of those that measured the most of moeblaze, the conventional layer,
+SonicMoE and Liger-Kernel — so every ratio in it is a same-run ratio.
 """
 
 from __future__ import annotations
@@ -35,7 +35,6 @@ CALL_COLUMNS = ["date", "time_utc", "device", "commit", "torch", "triton", "comm
 RESULT_COLUMNS = CALL_COLUMNS + Row.field_names()
 README_CONFIGS = tuple(LAYER_SUITES["readme"])  # `moeblaze bench --suite readme`
 TABLE_IMPLS = ("moeblaze", "conventional", "sonicmoe", "liger")
-_PICK_IMPLS = TABLE_IMPLS[:3]  # a run without SonicMoE never displaces one with it
 _NAMES = {"moeblaze": "moeblaze", "conventional": "conventional", "sonicmoe": "SonicMoE", "liger": "Liger"}
 TABLE_START = "<!-- results-table:start (made by `moeblaze bench --report docs/results.csv`; do not edit) -->"
 TABLE_END = "<!-- results-table:end -->"
@@ -131,14 +130,15 @@ def _ok(row: Row | None) -> bool:
 
 
 def _measured(rows: dict[str, Row]) -> int:
-    """How many of moeblaze, conventional and SonicMoE a run measured (status ok) for one config."""
-    return sum(_ok(rows.get(i)) for i in _PICK_IMPLS)
+    """How many of :data:`TABLE_IMPLS` a run measured (status ok) for one config."""
+    return sum(_ok(rows.get(i)) for i in TABLE_IMPLS)
 
 
 def pick_rows(results: Sequence[tuple[Call, Row]], configs: Sequence[str] = README_CONFIGS,
               device: str | None = None) -> list[tuple[str, Call, dict[str, Row]]]:
-    """Per config, the rows of one run: the run with the most of moeblaze, conventional and SonicMoE measured
-    (status ok), then one with Liger, then the latest; configs that no run measured with moeblaze are left out.
+    """Per config, the rows of one run: a run that measured SonicMoE (status ok) before one that did not, then the
+    one with the most of :data:`TABLE_IMPLS` measured, then the latest; configs that no run measured with moeblaze
+    are left out (a later run of fewer implementations leaves the table on the fuller one).
 
     Args:
         results: :func:`read_results`. configs: config names, in table order.
@@ -159,7 +159,7 @@ def pick_rows(results: Sequence[tuple[Call, Row]], configs: Sequence[str] = READ
     by_call = {key: rows for key, rows in by_call.items() if key[1].device == device}
     picked = []
     for cfg in configs:
-        cands = [(_measured(rows), _ok(rows.get("liger")), call, rows)
+        cands = [(_ok(rows.get("sonicmoe")), _measured(rows), call, rows)
                  for (name, call), rows in by_call.items() if name == cfg and _ok(rows.get("moeblaze"))]
         if cands:
             *_, call, rows = max(cands, key=lambda t: t[:3])

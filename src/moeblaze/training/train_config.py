@@ -176,7 +176,7 @@ class TrainResult:
     unigram_bpb: float
     train_loss: float
     tokens_per_s: float
-    moe_saved_bytes: int
+    moe_saved_bytes: int  # 0 where not measured: under FSDP2 and --compile
     losses: list[float]
     mfu: float | None = None
     status: str = "done"
