@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from .baselines import _act
+from ..reference import act_reference
 
 __all__ = ["conventional_fp8_experts", "fp8_grouped_linear"]
 
@@ -125,7 +125,7 @@ def conventional_fp8_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weigh
     token[row] = order // K
     xg = torch.cat((x, x.new_zeros(1, d)))[token]  # pad rows read the zero row
     ends = ends.to(torch.int32)
-    act = _act(fp8_grouped_linear(xg, w_gate_up, ends), activation)
+    act = act_reference(activation, fp8_grouped_linear(xg, w_gate_up, ends))
     y = fp8_grouped_linear(act, w_down, ends)[row]
     y = y * topk_weights.reshape(-1)[order].to(y.dtype)[:, None]
     return torch.zeros_like(x).index_add(0, order // K, y.to(x.dtype))
