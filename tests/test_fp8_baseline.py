@@ -98,8 +98,11 @@ def test_runs_on_hopper_and_blackwell_only_and_keeps_the_input_dtype(monkeypatch
         assert (why is None) == (torch.cuda.get_device_capability()[0] in (9, 10)), why
     assert "multiples of 16" in impl.unsupported(replace(CONFIGS["conf7-swiglu"], d=2040), ImplOptions())
     monkeypatch.setattr(torch, "_scaled_grouped_mm", _emulated_scaled_grouped_mm)
-    x, ids, weights, w1, w2 = _case(24, 32, 16, 4, 2, False, "cpu")
-    assert conventional_fp8_experts(x, ids, weights, w1.bfloat16(), w2.bfloat16()).dtype == torch.float32
+    x, ids, weights, w1, w2 = (t.requires_grad_() if t.is_floating_point() else t
+                               for t in _case(24, 32, 16, 4, 2, False, "cpu"))
+    out = conventional_fp8_experts(x, ids, weights, w1, w2)  # fp32 in: fp32 out and gradients
+    out.sum().backward()
+    assert out.dtype == x.grad.dtype == w1.grad.dtype == torch.float32
 
 
 @pytest.mark.gpu

@@ -87,7 +87,7 @@ class _FP8GroupedLinear(torch.autograd.Function):
         qg_cols, sg_cols = quantize_group_columns(g, group, E)
         qa_cols, sa_cols = quantize_group_columns(a, group, E)
         dw = _gmm(qg_cols.t(), qa_cols, sg_cols, sa_cols, ends)  # [E, N, K]
-        return da, dw, None
+        return da.to(a.dtype), dw.to(w.dtype), None
 
 
 def fp8_grouped_linear(a: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
