@@ -257,7 +257,7 @@ def _report_done(cfg: TrainConfig, mcfg: ModelConfig, stop: int, run, entropy: f
         + f": step {stop}, val {val_bpb:.3f} bits/byte vs unigram {entropy:.3f}; "
         f"{tok_s:,.0f} tokens/s" + (f" ({tok_s / job.world:,.0f} per {_unit(device)}, {job.world} processes)"
                                     if job.distributed else "")
-        + (f"; MoE saved {saved / 2**20:.2f} MiB/step" if job.mesh is None and not cfg.compile else "")
+        + (f"; MoE saved {saved / 2**20:.2f} MiB/step" if _counts_saved(cfg, job) else "")
         + (f"; checkpoint {ckpt}" if ckpt is not None else "; no final checkpoint"))
     if device.type == "cuda":
         peak = gpu_peak_flops(device, cfg, precision)
@@ -290,11 +290,9 @@ def _loop(model, opt, corpus, cfg: TrainConfig, mcfg: ModelConfig, device, preci
         t0 = time.perf_counter()
         x, y = (_to_device(job.local_rows(t), device)
                 for t in get_batch(corpus.train, step, cfg.batch_size, mcfg.seq_len, cfg.seed))
-        # measure once; the hooks pass tensors through, so results do not change (not under FSDP2: its gathered
-        # weights would count as saved tensors; nor under --compile: compiled blocks save outside the layers' hooks,
-        # and the hooks in the first graph's guards would compile every block again)
+        # measure once; the hooks pass tensors through, so results do not change
         counter = (SavedTensorCounter(list(model.parameters())).track(model.moe_layers())
-                   if step == start and job.mesh is None and not cfg.compile else None)
+                   if step == start and _counts_saved(cfg, job) else None)
         outcome = train_step(model, opt, x, y, lr_at(step, cfg), cfg.grad_clip, counter, amp_dtype, job)
         if counter is not None:
             run.saved = counter.bytes
@@ -345,6 +343,13 @@ def _loop(model, opt, corpus, cfg: TrainConfig, mcfg: ModelConfig, device, preci
             + (f", {steady / job.world:,.0f} tokens/s per {_unit(device)} over {job.world} processes"
                if job.distributed else ""))
     return run.results("done")
+
+
+def _counts_saved(cfg: TrainConfig, job: Job) -> bool:
+    """Whether the run measures the MoE layers' saved bytes: not under FSDP2 (its gathered weights would count as
+    saved tensors), nor under --compile (compiled blocks save outside the layers' hooks, and the hooks in the first
+    graph's guards would compile every block again)."""
+    return job.mesh is None and not cfg.compile
 
 
 def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
