@@ -200,6 +200,7 @@ class Impl:
         activations: activations it supports (``None``: all).
         needs_cuda: True when it cannot run on the CPU.
         sm: the GPU architectures it runs on (compute capability majors; empty: any).
+        align: ``d`` and ``h`` must be multiples of this.
         isolate: measure it in a child process killed after ``RunOptions.isolate_timeout_s`` (a first call
             that compiles for minutes cannot be interrupted in-process); see :mod:`moeblaze.bench.worker`.
     """
@@ -211,15 +212,16 @@ class Impl:
     activations: tuple[str, ...] | None = None
     needs_cuda: bool = False
     sm: tuple[int, ...] = ()
+    align: int = 1
     isolate: bool = False
 
     def unavailable(self) -> str | None:
         """Why it cannot run in this process at all (missing package), or ``None``."""
         if self.needs_cuda and not torch.cuda.is_available():
             return "needs CUDA"
-        if self.sm and (major := torch.cuda.get_device_capability()[0]) not in self.sm:
+        if self.sm and (cc := torch.cuda.get_device_capability())[0] not in self.sm:
             return (f"runs on {' / '.join(f'sm{m}0' for m in self.sm)} only ({torch.cuda.get_device_name()} is "
-                    f"sm{major}{torch.cuda.get_device_capability()[1]})")
+                    f"sm{cc[0]}{cc[1]})")
         if self.module is not None and not _importable(self.module):
             hint = PEERS_HINT if not self.module.startswith("moeblaze") else "not in this build of moeblaze"
             return f"{self.module} not importable ({hint})"
@@ -231,8 +233,8 @@ class Impl:
             return f"{self.name} supports {'/'.join(self.activations)} only"
         if self.name == "hf-loop" and opts.hf_max_tokens < cfg.T:
             return f"per-expert loop skipped above T={opts.hf_max_tokens} (--hf-max-tokens)"
-        if self.name == "conventional-fp8" and (cfg.d % 16 or cfg.h % 16):
-            return "the FP8 grouped GEMM needs d and h multiples of 16"
+        if cfg.d % self.align or cfg.h % self.align:
+            return f"{self.name} needs d and h multiples of {self.align}"
         return None
 
 
@@ -331,7 +333,8 @@ IMPLS: dict[str, Impl] = {i.name: i for i in [
     Impl("conventional", "torchtitan / HF v5 style: argsort, gathered x, grouped_mm, index_add, autograd",
          _routed(conventional_experts)),
     Impl("conventional-fp8", "the conventional layer, expert GEMMs in FP8 as torchao's rowwise MoE training "
-         "(torch._scaled_grouped_mm, groups padded to 16)", _conventional_fp8, needs_cuda=True, sm=(9, 10)),
+         "(torch._scaled_grouped_mm, groups padded to 16)", _conventional_fp8, needs_cuda=True, sm=(9, 10),
+         align=16),  # the FP8 grouped GEMM's 16-byte rows
     Impl("hf-loop", "HF v4 style per-expert loop", _routed(hf_loop_experts)),
     Impl("liger", "Liger-Kernel LigerFusedMoEFunction (Triton)", _liger, module="liger_kernel",
          activations=("swiglu",), needs_cuda=True),
