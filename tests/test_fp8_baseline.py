@@ -12,7 +12,7 @@ import torch
 
 from moeblaze.bench.baselines import IMPLS, ImplOptions, conventional_experts
 from moeblaze.bench.configs import CONFIGS
-from moeblaze.bench.fp8_baseline import ALIGN, conventional_fp8_experts, quantize_rows
+from moeblaze.bench.fp8_baseline import ALIGN, conventional_fp8_experts, quantize_group_columns, quantize_rows
 
 
 def _emulated_scaled_grouped_mm(a, b, scale_a, scale_b, offs=None, out_dtype=None, use_fast_accum=False):
@@ -87,6 +87,22 @@ def test_rowwise_scales_are_powers_of_two_with_the_row_max_in_the_top_binade():
     assert torch.equal(torch.log2(s), torch.log2(s).round())  # powers of two
     assert (q.float().abs().amax(dim=1)[[0, 2]] > 224).all() and not q[1].float().any()  # amax lands in (224, 448]
     torch.testing.assert_close(q.float() * s[:, None], a, rtol=2**-3, atol=0)
+
+
+def test_group_column_scales_equal_one_quantization_per_group():
+    """The 16-row block amax path equals quantizing each group's rows on their own (rows in no group last)."""
+    gen = torch.Generator().manual_seed(3)
+    sizes = [32, 16, 48, 16]  # the last: rows past every group
+    a = torch.randn(sum(sizes), 24, generator=gen, dtype=torch.bfloat16) * torch.rand(24, generator=gen) * 100
+    a[32:48] = 0  # a group of zeros: a finite scale, zero values
+    group = torch.repeat_interleave(torch.arange(4), torch.tensor(sizes))
+    q, s = quantize_group_columns(a, group, groups=3)
+    assert q.stride() == (1, a.shape[0]) and s.shape == (3 * 24,)
+    lo = 0
+    for g, n in enumerate(sizes[:3]):
+        qg, sg = quantize_rows(a[lo:lo + n].t())  # a row of a^T is a column of the group
+        assert torch.equal(q[lo:lo + n].float(), qg.t().float()) and torch.equal(s[g * 24:(g + 1) * 24], sg)
+        lo += n
 
 
 def test_runs_on_hopper_and_blackwell_only_and_keeps_the_input_dtype(monkeypatch):
