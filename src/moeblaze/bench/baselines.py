@@ -4,8 +4,8 @@
   the routing to group pairs by expert, a materialised gathered input ``x[token_idx] [N, d]``,
   ``torch.nn.functional.grouped_mm`` for both projections (a per-expert matmul where grouped_mm cannot
   run: CPU, fp32, unaligned shapes), the weighted expert outputs combined with ``index_add``, plain autograd.
-* ``conventional-fp8`` — the same with its expert GEMMs in FP8 as torchao's MoE training runs them on Hopper
-  (:mod:`moeblaze.bench.fp8_baseline`; sm90 and sm100).
+* ``conventional-fp8`` — the same with its expert GEMMs in FP8 through torchao's MoE training op
+  (:mod:`moeblaze.bench.fp8_baseline`; torchao >= 0.18, sm90 and sm100).
 * ``hf-loop`` — the HF transformers v4 per-expert loop (one-hot mask, ``torch.where``, ``index_add_``).
 * ``moeblaze`` / ``moeblaze-input`` / ``moeblaze-torch`` — :class:`moeblaze.MoE` with the Triton backend
   (``save="preact"`` / ``"input"``) and with the PyTorch backend; ``moeblaze-tr``: the Triton layer with token
@@ -201,6 +201,7 @@ class Impl:
         needs_cuda: True when it cannot run on the CPU.
         sm: the GPU architectures it runs on (compute capability majors; empty: any).
         align: ``d`` and ``h`` must be multiples of this.
+        install: how to install ``module`` when it is missing.
         isolate: measure it in a child process killed after ``RunOptions.isolate_timeout_s`` (a first call
             that compiles for minutes cannot be interrupted in-process); see :mod:`moeblaze.bench.worker`.
     """
@@ -213,6 +214,7 @@ class Impl:
     needs_cuda: bool = False
     sm: tuple[int, ...] = ()
     align: int = 1
+    install: str = PEERS_HINT
     isolate: bool = False
 
     def unavailable(self) -> str | None:
@@ -223,7 +225,7 @@ class Impl:
             return (f"runs on {' / '.join(f'sm{m}0' for m in self.sm)} only ({torch.cuda.get_device_name()} is "
                     f"sm{cc[0]}{cc[1]})")
         if self.module is not None and not _importable(self.module):
-            hint = PEERS_HINT if not self.module.startswith("moeblaze") else "not in this build of moeblaze"
+            hint = self.install if not self.module.startswith("moeblaze") else "not in this build of moeblaze"
             return f"{self.module} not importable ({hint})"
         return None
 
@@ -332,9 +334,10 @@ IMPLS: dict[str, Impl] = {i.name: i for i in [
          _moeblaze("triton", "preact", "nr"), module="moeblaze.kernels.experts", needs_cuda=True),
     Impl("conventional", "torchtitan / HF v5 style: argsort, gathered x, grouped_mm, index_add, autograd",
          _routed(conventional_experts)),
-    Impl("conventional-fp8", "the conventional layer, expert GEMMs in FP8 as torchao's rowwise MoE training "
-         "(torch._scaled_grouped_mm, groups padded to 16)", _conventional_fp8, needs_cuda=True, sm=(9, 10),
-         align=16),  # the FP8 grouped GEMM's 16-byte rows
+    Impl("conventional-fp8", "the conventional layer, expert GEMMs in FP8 through torchao's rowwise MoE training "
+         "op (torch._scaled_grouped_mm, groups padded to 16)", _conventional_fp8,
+         module="torchao.prototype.moe_training", install="pip install torchao==0.18.0", needs_cuda=True,
+         sm=(9, 10), align=16),  # the FP8 grouped GEMM's 16-byte rows
     Impl("hf-loop", "HF v4 style per-expert loop", _routed(hf_loop_experts)),
     Impl("liger", "Liger-Kernel LigerFusedMoEFunction (Triton)", _liger, module="liger_kernel",
          activations=("swiglu",), needs_cuda=True),
