@@ -1,4 +1,5 @@
-"""The FP8 forward kernels F1 and F2-F3 (``moeblaze.kernels.fp8_gemm``, blockwise e4m3) against the bf16 ones.
+"""The FP8 forward kernels F1 and F2-F3 (``moeblaze.kernels.fp8_gemm``, e4m3 under the blockwise and the rowwise
+recipe) against the bf16 ones.
 
 Per shape (T, d, h, E, K; uniform top-k routing, SwiGLU, bf16 inputs from ``moeblaze.testing.make_expert_inputs``):
 the largest difference of each FP8 kernel's output from the PyTorch emulation of the same recipe
@@ -7,7 +8,12 @@ rounding of the stored output is what remains), how far FP8's ``pre`` lies from 
 rounding), and the median time of each kernel (``triton.testing.do_bench``; quantization of the operands not timed)
 with its TFLOP/s (F1 4·N·d·h, F2 2·N·d·h, N = T·K). Both kernels run in this process on the same inputs.
 
-Usage (a GPU of sm90 or newer): python3 benchmarks/bench_fp8_kernels.py [--configs small,qwen3-30b-a3b] [--out F.csv]
+Blockwise (this module's kernels) promotes each 128-deep K step's product into the fp32 accumulator with its
+scales; rowwise (the 16-bit path's grouped GEMM on e4m3 operands) accumulates over all of K and scales once:
+which is faster on Hopper decides the recipe of the FP8 backward kernels.
+
+Usage (a GPU of sm90 or newer):
+    python3 benchmarks/bench_fp8_kernels.py [--configs small,qwen3-30b-a3b] [--recipes blockwise,rowwise] [--out F.csv]
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ import triton
 from moeblaze import build_dispatch, ops_fp8
 from moeblaze.bench.results import git_commit
 from moeblaze.dispatch import with_schedule
-from moeblaze.fp8 import Float8Recipe
+from moeblaze.fp8 import GRANULARITIES, Float8Recipe
 from moeblaze.kernels import experts as bf16_kernels
 from moeblaze.kernels import tuning
 from moeblaze.kernels.fp8_gemm import down_forward_fp8, up_forward_fp8
@@ -77,12 +83,16 @@ def measure(name: str, recipe: Float8Recipe) -> dict:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated names [%(default)s]")
+    p.add_argument("--recipes", default="blockwise,rowwise", help="comma-separated granularities [%(default)s]")
     p.add_argument("--out", help="append the rows to this CSV (header written when new)")
     args = p.parse_args(argv)
     names = args.configs.split(",")
     unknown = [n for n in names if n not in CONFIGS]
     if unknown:
         p.error(f"--configs: unknown {unknown}; known: {', '.join(CONFIGS)}")
+    recipes = args.recipes.split(",")
+    if bad := [r for r in recipes if r not in GRANULARITIES]:
+        p.error(f"--recipes: unknown {bad}; known: {', '.join(GRANULARITIES)}")
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0):
         p.error("needs a CUDA GPU of compute capability 9.0 or newer (e4m3 tensor cores)")
     args_given = argv if argv is not None else sys.argv[1:]
@@ -90,8 +100,8 @@ def main(argv: list[str] | None = None) -> int:
             "device": torch.cuda.get_device_name(), "commit": git_commit(), "torch": torch.__version__,
             "triton": triton.__version__,
             "command": " ".join(["python3 benchmarks/bench_fp8_kernels.py", *args_given])}
-    for name in names:
-        row = {**meta, **measure(name, Float8Recipe("blockwise"))}
+    for name, recipe in ((n, r) for n in names for r in recipes):
+        row = {**meta, **measure(name, Float8Recipe(recipe))}
         print(row, flush=True)
         if args.out:
             new = not Path(args.out).exists()

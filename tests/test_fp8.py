@@ -185,7 +185,7 @@ def test_recipe_errors_name_the_argument(kwargs, error, match):
 
 def test_recipe_is_frozen_and_quantize_errors():
     recipe = Float8Recipe()
-    assert (recipe.granularity, recipe.block_size, recipe.pow2_scales) == ("blockwise", 128, False)
+    assert (recipe.granularity, recipe.block_size, recipe.pow2_scales) == ("rowwise", 128, False)
     with pytest.raises(AttributeError):
         recipe.block_size = 64
     with pytest.raises(TypeError, match="floating-point"):
@@ -248,13 +248,13 @@ def rounded_baseline(inputs: dict, dout: torch.Tensor, save: str) -> tuple[torch
     return out, dx, dw1, dw2, dtw
 
 
-def check_emulation(inputs: dict, recipe: Float8Recipe, save: str) -> None:
+def check_emulation(inputs: dict, recipe: Float8Recipe, save: str, backend: str = "torch") -> tuple:
     """Every output and gradient of ``moe_experts(fp8=recipe)`` against the float64 reference: error at most
     2x the rounded baseline's plus a floor of 2 eps of the result's dtype — for ``dtopk_weights`` at least
     e4m3's unit roundoff times the condition of its dot products (T = 1 has K of them: too few for the errors to
-    average out)."""
-    dout = torch.randn(inputs["x"].shape)
-    got = run_and_grad(lambda **kw: moe_experts(**kw, backend="torch", save=save, fp8=recipe), inputs, dout)
+    average out). Returns ``(dout, results)``."""
+    dout = torch.randn(inputs["x"].shape).to(inputs["x"].device)
+    got = run_and_grad(lambda **kw: moe_experts(**kw, backend=backend, save=save, fp8=recipe), inputs, dout)
     ref = reference_outputs(inputs, "swiglu", dout)
     base = rounded_baseline(inputs, dout, save)
     for name, a, r, b in zip(NAMES, got, ref, base):
@@ -265,6 +265,7 @@ def check_emulation(inputs: dict, recipe: Float8Recipe, save: str) -> None:
             floor = max(floor, U * float(magnitude))
         err, base_err = rel_error(a, r), rel_error(b, r)
         assert err <= 2 * base_err + floor, f"{name}: error {err:.3e} > 2 x e4m3 baseline {base_err:.3e} + {floor:.1e}"
+    return dout, got
 
 
 CASES = {  # (T, d, h, E, K, routing); with block_size 32, d = 72 and h = 40 end in short tiles
@@ -281,6 +282,36 @@ CASES = {  # (T, d, h, E, K, routing); with block_size 32, d = 72 and h = 40 end
 def test_emulated_experts_within_the_e4m3_rule(case, granularity, save):
     T, d, h, E, K, routing = CASES[case]
     check_emulation(make_expert_inputs(T, d, h, E, K, routing=routing), Float8Recipe(granularity, 32), save)
+
+
+@pytest.mark.skipif(torch.cuda.is_available() or not moeblaze.backends.triton_available(),
+                    reason="the Triton kernels on CPU tensors need TRITON_INTERPRET=1 (the GPU: test_fp8_kernels)")
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("save", SAVE_MODES)
+def test_triton_rowwise_within_the_e4m3_rule_and_as_the_emulation(case, save):
+    """The Triton backend's rowwise FP8 path (the interpreter, fp32): the §7 rule against float64, and F1-F3, B1,
+    B3 as the emulation computes them (the same e4m3 operands, fp32 sums in another order); B2 and B4 run in 16
+    bits there (more accurate than the recipe, within the rule)."""
+    T, d, h, E, K, routing = CASES[case]
+    inputs = make_expert_inputs(T, d, h, E, K, routing=routing)
+    recipe = Float8Recipe("rowwise")
+    dout, got = check_emulation(inputs, recipe, save, backend="triton")
+    emulated = run_and_grad(lambda **kw: moe_experts(**kw, backend="torch", save=save, fp8=recipe), inputs, dout)
+    for name, a, b in zip(NAMES, got, emulated):
+        if name in ("out", "dx", "dtopk_weights"):
+            assert rel_error(a, b) <= 1e-5, (name, rel_error(a, b))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
+                    reason="needs a Hopper GPU (sm90+)")
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("save", SAVE_MODES)
+def test_gpu_triton_rowwise_bf16_within_the_e4m3_rule(case, save):
+    """The Triton FP8 path on the device in bf16 (e4m3 tensor cores, TMA reads where rows are aligned)."""
+    T, d, h, E, K, routing = CASES[case]
+    inputs = make_expert_inputs(T, d, h, E, K, routing=routing, dtype=torch.bfloat16, device="cuda")
+    check_emulation(inputs, Float8Recipe("rowwise"), save, backend="triton")
 
 
 @pytest.mark.parametrize("case", ["zipf", "short last tiles"])
@@ -444,8 +475,8 @@ def test_api_errors():
                     backend="torch", fp8=Float8Recipe())
     if not moeblaze.backends.triton_available():
         return
-    with pytest.raises(NotImplementedError, match="backend='torch' runs the recipe's PyTorch emulation"):
-        moe_experts(**inputs, backend="triton", fp8=Float8Recipe())  # the interpreter on the CPU (conftest)
+    with pytest.raises(NotImplementedError, match=r"runs Float8Recipe\('rowwise'\); the blockwise recipe's backward"):
+        moe_experts(**inputs, backend="triton", fp8=Float8Recipe("blockwise"))  # the interpreter (conftest)
 
 
 @pytest.mark.parametrize("capability, error", [((8, 0), ValueError), ((8, 9), ValueError),
@@ -454,8 +485,10 @@ def test_triton_backend_names_a_gpu_older_than_hopper(monkeypatch, capability, e
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
     check_fp8_backend("torch", torch.bfloat16, torch.device("cuda", 0))  # the emulation runs anywhere
+    if error is NotImplementedError:  # Hopper and later run the rowwise recipe
+        check_fp8_backend("triton", torch.bfloat16, torch.device("cuda", 0), Float8Recipe("rowwise"))
     with pytest.raises(error) as info:
-        check_fp8_backend("triton", torch.bfloat16, torch.device("cuda", 0))
+        check_fp8_backend("triton", torch.bfloat16, torch.device("cuda", 0), Float8Recipe("blockwise"))
     message = str(info.value)
     assert "\n" not in message and "backend='torch'" in message
     if error is ValueError:
@@ -465,13 +498,13 @@ def test_triton_backend_names_a_gpu_older_than_hopper(monkeypatch, capability, e
 # ----------------------------------------------------------------------------- moeblaze train --precision fp8-mixed
 
 def test_train_fp8_mixed_on_the_cpu(corpus, tmp_path, capsys):  # noqa: F811
-    """fp32 parameters, the model under bf16 autocast, the experts under the blockwise recipe (its emulation on the
+    """fp32 parameters, the model under bf16 autocast, the experts under the rowwise recipe (its emulation on the
     CPU): the flag runs, every MoE layer gets the recipe, and the layers keep less for backward than in bf16-mixed."""
     assert run_cli("train", "--data", str(corpus), "--steps", "2", "--no-progress", "--precision", "fp8-mixed",
                    "--out-dir", str(tmp_path / "cli"), "--no-final-checkpoint", *MICRO) == 0
     assert "precision fp8-mixed" in capsys.readouterr().out
     assert resolve_precision("fp8-mixed", torch.device("cpu")) == ("fp8-mixed", torch.float32, torch.bfloat16)
-    assert fp8_recipe("fp8-mixed") == Float8Recipe("blockwise") and fp8_recipe("bf16-mixed") is None
+    assert fp8_recipe("fp8-mixed") == Float8Recipe("rowwise") and fp8_recipe("bf16-mixed") is None
     mcfg = ModelConfig(seq_len=16, d_model=16, n_layers=1, n_heads=2, d_ff=16, num_experts=4, top_k=2)
     saved = {}
     for precision in ("bf16-mixed", "fp8-mixed"):
@@ -481,7 +514,8 @@ def test_train_fp8_mixed_on_the_cpu(corpus, tmp_path, capsys):  # noqa: F811
         assert all(v == v for v in result.losses)  # no NaN
         saved[precision] = result.moe_saved_bytes
     assert 0 < saved["fp8-mixed"] < saved["bf16-mixed"]
-    # where the experts would run Triton (no FP8 kernels yet), said before anything is built
+    # where the experts would run Triton in the interpreter (its bf16 dot products are wrong), said before anything
+    # is built
     assert run_cli("train", "--data", str(corpus), "--steps", "2", "--no-progress", "--precision", "fp8-mixed",
                    "--backend", "triton", "--out-dir", str(tmp_path / "triton"), *MICRO) == 2
     assert "--precision fp8-mixed with --backend triton" in capsys.readouterr().err

@@ -20,10 +20,14 @@ from moeblaze.dispatch import with_schedule
 from moeblaze.fp8 import E4M3, Float8Recipe
 from moeblaze.kernels import fp8_gemm, tuning
 from moeblaze.kernels.fp8_gemm import down_forward_fp8, fp8_down_slots, fp8_up_forward, up_forward_fp8
+from moeblaze.kernels.grouped_gemm import EPILOGUE_ACT_FWD
+from moeblaze.kernels.launch import grouped_gemm
 from moeblaze.reference import act_reference
 from moeblaze.testing import assert_close_to_reference, make_expert_inputs, rel_error
 
 RECIPE = Float8Recipe("blockwise")
+RECIPES = [RECIPE, Float8Recipe("rowwise")]
+GRANULARITY = pytest.mark.parametrize("recipe", RECIPES, ids=lambda r: r.granularity)
 # Agreement with the emulation: both sum the same fp32 products of exact e4m3 values, in another order.
 FP32_SUM_TOL = 1e-5
 
@@ -59,16 +63,16 @@ def _f1_case(T, d, h, E, K, activation="swiglu", routing="uniform", zero_blocks=
     return inp, x, w1, index
 
 
-def _kernel_f1(x, w1, index, activation, out_dtype=torch.float32, b1=None):
-    xq, wq = RECIPE.quantize_rows(x), RECIPE.quantize_weight(w1, reduce_cols=True)
+def _kernel_f1(x, w1, index, activation, out_dtype=torch.float32, b1=None, recipe=RECIPE):
+    xq, wq = recipe.quantize_rows(x), recipe.quantize_weight(w1, reduce_cols=True)
     return up_forward_fp8(xq, wq, index, activation, out_dtype=out_dtype, b1=b1), xq
 
 
-def _check_f1(x, w1, index, activation, b1=None):
+def _check_f1(x, w1, index, activation, b1=None, recipe=RECIPE):
     """The kernel's (pre, act) against the emulation (fp32 sums) and the float64 reference (§7 rule); returns
     the relative errors (emulation, reference) of pre."""
-    (pre, act), xq = _kernel_f1(x, w1, index, activation, b1=b1)
-    pre_em, act_em = ops_fp8.up_forward(RECIPE, xq, w1, index, activation, b1=b1)
+    (pre, act), xq = _kernel_f1(x, w1, index, activation, b1=b1, recipe=recipe)
+    pre_em, act_em = ops_fp8.up_forward(recipe, xq, w1, index, activation, b1=b1)
     scale = pre_em.abs().max().clamp_min(1e-30)
     assert float((pre - pre_em).abs().max() / scale) <= FP32_SUM_TOL
     assert float((act - act_em).abs().max() / act_em.abs().max().clamp_min(1e-30)) <= FP32_SUM_TOL
@@ -78,7 +82,7 @@ def _check_f1(x, w1, index, activation, b1=None):
     if b1 is not None:
         pre64 += b1.double()[expert]
     # the exact GEMM of the dequantized operands: the kernel differs by its fp32 sums only
-    wq = RECIPE.quantize_weight(w1, reduce_cols=True)
+    wq = recipe.quantize_weight(w1, reduce_cols=True)
     deq64 = torch.einsum("sd,snd->sn", xq.dequantize().double()[tokens], wq.dequantize().double()[expert])
     if b1 is not None:
         deq64 += b1.double()[expert]
@@ -94,8 +98,9 @@ def _check_f1(x, w1, index, activation, b1=None):
     (48, 200, 72, 5, 2, "empty_experts"),  # d, 2h not multiples of 128: short last blocks; empty experts
     (80, 136, 40, 6, 3, "zipf"),           # skewed routing: one expert takes most slots (several M tiles)
 ])
-def test_f1_matches_emulation_and_reference(T, d, h, E, K, routing):
-    _check_f1(*_f1_case(T, d, h, E, K, routing=routing)[1:], "swiglu")
+@GRANULARITY
+def test_f1_matches_emulation_and_reference(T, d, h, E, K, routing, recipe):
+    _check_f1(*_f1_case(T, d, h, E, K, routing=routing)[1:], "swiglu", recipe=recipe)
 
 
 def test_f1_zero_blocks_get_scale_one():
@@ -116,10 +121,11 @@ def test_f1_outliers_and_values_near_448():
     _check_f1(x, w1, index, "swiglu")
 
 
+@GRANULARITY
 @pytest.mark.parametrize("activation", ["gelu", "swiglu_clamped"])
-def test_f1_other_activations_and_bias(activation):
+def test_f1_other_activations_and_bias(activation, recipe):
     inp, x, w1, index = _f1_case(24, 160, 48, 3, 2, activation=activation, bias=True)
-    _check_f1(x, w1, index, activation, b1=inp["b_gate_up"])
+    _check_f1(x, w1, index, activation, b1=inp["b_gate_up"], recipe=recipe)
 
 
 def test_f1_store_flags_and_fp16_output():
@@ -159,8 +165,20 @@ def test_f1_errors_name_the_argument():
         fp8_up_forward(xq.data[:, :64], xq.scale, wq.data, wq.scale, *args, **kw)
     with pytest.raises(TypeError, match="out_dtype"):
         fp8_up_forward(xq.data, xq.scale, wq.data, wq.scale, *args, **{**kw, "out_dtype": torch.float64})
-    with pytest.raises(ValueError, match="blockwise tiles"):
-        up_forward_fp8(xq, Float8Recipe("rowwise").quantize_weight(w1, True), index, "swiglu")
+    wide = Float8Recipe("blockwise", 256).quantize_rows(x)  # a block wider than d: (1, 256), not a row
+    with pytest.raises(ValueError, match=r"\(blockwise\), or each in rows .* got \(1, 256\) and \(1, 128\)"):
+        up_forward_fp8(wide, Float8Recipe("rowwise").quantize_weight(w1, True), index, "swiglu")
+    rq, rw = Float8Recipe("rowwise").quantize_rows(x), Float8Recipe("rowwise").quantize_weight(w1, True)
+    gemm = dict(b_nk=True, n_cols=32, k_dim=128, gather_a=True, up_off=32, epilogue=EPILOGUE_ACT_FWD.value, dual=True,
+                store_pre=True)
+    out = torch.empty(index.num_pairs, 64)
+    with pytest.raises(ValueError, match=r"a_scale fp32 \(8,\)"):
+        grouped_gemm(rq.data, rw.data, out, *args, **gemm, b_scale=rw.scale[..., 0])
+    with pytest.raises(ValueError, match=r"b_scale fp32 \(2, 64\)"):
+        grouped_gemm(rq.data, rw.data, out, *args, **gemm, a_scale=rq.scale[:, 0], b_scale=rw.scale)
+    with pytest.raises(ValueError, match="e4m3 weight stored"):
+        grouped_gemm(rq.data, rw.data.transpose(1, 2), out, *args, **{**gemm, "b_nk": False},
+                     a_scale=rq.scale[:, 0], b_scale=rw.scale[..., 0])
     with pytest.raises(ValueError, match="interleaved"):
         up_forward_fp8(xq, wq, index, "swiglu", act_args=DEFAULT_ACT._replace(interleaved=True))
     assert xq.data.dtype == E4M3 and fp8_gemm.FP8_GEMM_CONFIG["BLOCK_N"] % 16 == 0
@@ -168,15 +186,15 @@ def test_f1_errors_name_the_argument():
 
 # ----------------------------------------------------------------------------- F2-F3
 
-def _check_f2(inp, index, b2=None):
+def _check_f2(inp, index, b2=None, recipe=RECIPE):
     """F2-F3 from the emulation's act (fp32, quantized here): against ops_fp8.down_forward (fp32 sums) and the
     float64 reference of the same act (§7 rule); returns the relative errors (emulation, reference)."""
     x, w2, tw = inp["x"], inp["w_down"], inp["topk_weights"]
-    xq = RECIPE.quantize_rows(x)
-    _, act = ops_fp8.up_forward(RECIPE, xq, inp["w_gate_up"], index, "swiglu")
-    actq, w2q = RECIPE.quantize_rows(act), RECIPE.quantize_weight(w2, reduce_cols=True)
+    xq = recipe.quantize_rows(x)
+    _, act = ops_fp8.up_forward(recipe, xq, inp["w_gate_up"], index, "swiglu")
+    actq, w2q = recipe.quantize_rows(act), recipe.quantize_weight(w2, reduce_cols=True)
     out = down_forward_fp8(actq, w2q, tw, index, b2=b2, out_dtype=torch.float32)
-    out_em = ops_fp8.down_forward(RECIPE, act, w2, tw, index, b2=b2)
+    out_em = ops_fp8.down_forward(recipe, act, w2, tw, index, b2=b2)
     assert float((out - out_em).abs().max() / out_em.abs().max()) <= FP32_SUM_TOL
     expert = torch.repeat_interleave(torch.arange(w2.shape[0]), index.local_offsets.long().diff())
     y64 = torch.einsum("sh,sdh->sd", act.double(), w2.double()[expert])
@@ -194,15 +212,17 @@ def _check_f2(inp, index, b2=None):
     (48, 200, 72, 5, 2, "empty_experts"),  # d, h not multiples of 128 (short blocks), empty experts
     (80, 136, 160, 6, 3, "zipf"),          # skewed routing, h = 128 + 32
 ])
-def test_f2_matches_emulation_and_reference(T, d, h, E, K, routing):
+@GRANULARITY
+def test_f2_matches_emulation_and_reference(T, d, h, E, K, routing, recipe):
     inp = make_expert_inputs(T, d, h, E, K, routing=routing)
-    _check_f2(inp, build_dispatch(inp["topk_ids"], E))
+    _check_f2(inp, build_dispatch(inp["topk_ids"], E), recipe=recipe)
 
 
+@GRANULARITY
 @pytest.mark.parametrize("K", [1, 2])
-def test_f2_bias(K):
+def test_f2_bias(K, recipe):
     inp = make_expert_inputs(24, 160, 48, 3, K, bias=True)
-    _check_f2(inp, build_dispatch(inp["topk_ids"], 3), b2=inp["b_down"])
+    _check_f2(inp, build_dispatch(inp["topk_ids"], 3), b2=inp["b_down"], recipe=recipe)
 
 
 def test_f2_errors_name_the_argument():
@@ -221,7 +241,7 @@ def test_f2_errors_name_the_argument():
         fp8_down_slots(aq.data, aq.scale, wq.data, wq.scale, *args, y[:, :64])
     with pytest.raises(ValueError, match="scale must be fp32"):
         fp8_down_slots(aq.data, aq.scale, wq.data, wq.scale, *args, y, scale=torch.ones(3))
-    with pytest.raises(ValueError, match="blockwise tiles"):
+    with pytest.raises(ValueError, match=r"act in \(1, B\) tiles and w2 in \(B, B\) blocks"):
         down_forward_fp8(aq, Float8Recipe("rowwise").quantize_weight(inp["w_down"], True), inp["topk_weights"], index)
 
 
@@ -234,21 +254,22 @@ def test_f2_errors_name_the_argument():
     (1, 256, 64, 4, 1, "uniform"),         # T = 1, K = 1: F2 scatters into out[token]
     (2048, 512, 384, 16, 4, "zipf"),       # several tiles per expert, skewed
 ])
-def test_gpu_bf16_f1_f2_match_emulation_and_reference(T, d, h, E, K, routing):
+@GRANULARITY
+def test_gpu_bf16_f1_f2_match_emulation_and_reference(T, d, h, E, K, routing, recipe):
     inp = make_expert_inputs(T, d, h, E, K, dtype=torch.bfloat16, device="cuda", routing=routing)
     x, w1, w2, tw = inp["x"], inp["w_gate_up"], inp["w_down"], inp["topk_weights"]
     index = build_dispatch(inp["topk_ids"], E)
-    xq = RECIPE.quantize_rows(x)
-    pre, act = up_forward_fp8(xq, RECIPE.quantize_weight(w1, reduce_cols=True), index, "swiglu")
-    pre_em, act_em = ops_fp8.up_forward(RECIPE, xq, w1, index, "swiglu")
+    xq = recipe.quantize_rows(x)
+    pre, act = up_forward_fp8(xq, recipe.quantize_weight(w1, reduce_cols=True), index, "swiglu")
+    pre_em, act_em = ops_fp8.up_forward(recipe, xq, w1, index, "swiglu")
     assert pre.dtype == act.dtype == torch.bfloat16
     assert rel_error(pre, pre_em) <= BF16_OUT_TOL and rel_error(act, act_em) <= BF16_OUT_TOL
     tokens = index.expert_token_indices.long()
     expert = torch.repeat_interleave(torch.arange(E, device="cuda"), index.local_offsets.long().diff())
     pre64 = torch.einsum("sd,snd->sn", x.double()[tokens], w1.double()[expert])
     assert_close_to_reference("pre", pre, pre64, pre_em)
-    out = down_forward_fp8(RECIPE.quantize_rows(act), RECIPE.quantize_weight(w2, reduce_cols=True), tw, index)
-    out_em = ops_fp8.down_forward(RECIPE, act, w2, tw, index)
+    out = down_forward_fp8(recipe.quantize_rows(act), recipe.quantize_weight(w2, reduce_cols=True), tw, index)
+    out_em = ops_fp8.down_forward(recipe, act, w2, tw, index)
     assert out.dtype == torch.bfloat16 and rel_error(out, out_em) <= BF16_OUT_TOL
     y64 = torch.einsum("sh,sdh->sd", act_reference("swiglu", pre64), w2.double()[expert])
     out64 = (y64[index.token_index_map.long()] * tw.double()[..., None]).sum(1)

@@ -15,6 +15,9 @@ A backend does two things for :func:`moeblaze.moe_experts`:
     -> (dpre, dw2 | None, dtopk_weights | None)``                                           B1-B2
 ``bias_grad(src, index, topk_weights=None) -> [E, cols]``   expert-bias gradients (segment sums)
 
+and, as ``fp8_ops``, the four GEMM ops under an FP8 recipe (:mod:`moeblaze.ops_fp8` gives their signatures: the
+torch backend's PyTorch emulation; the Triton backend's :mod:`moeblaze.kernels.fp8_experts`, rowwise recipe).
+
 Shapes: ``x [T, d]``, ``w1 [E, 2h | h, d]``, ``pre [N, 2h | h]``, ``act [N, h]``, ``w2 [E, d, h]``,
 ``topk_weights [T, K]`` (``[P]`` for a general index), ``out [T, d]``; rows of ``[N, ...]`` tensors are
 *slots* (DESIGN.md §3). ``b1 [E, 2h | h]`` / ``b2 [E, d]`` are the optional expert biases; ``act_args``
@@ -35,7 +38,7 @@ from types import ModuleType
 
 import torch
 
-from . import ops_torch, settings
+from . import ops_fp8, ops_torch, settings
 from .dispatch import DispatchIndex, build_dispatch, build_dispatch_pairs, with_schedule
 
 __all__ = ["BACKENDS", "Backend", "TorchBackend", "TritonBackend", "create_backends", "get_backend", "triton_available"]
@@ -49,11 +52,13 @@ class Backend:
 
     Attributes:
         name: ``"torch"`` or ``"triton"``.
+        fp8_ops: the module of the FP8 ops (see the module docstring).
     """
 
     name = ""
 
-    def __init__(self, ops: ModuleType):
+    def __init__(self, ops: ModuleType, fp8_ops: ModuleType):
+        self.fp8_ops = fp8_ops
         self.up_forward = ops.up_forward
         self.up_backward = ops.up_backward
         self.down_forward = ops.down_forward
@@ -98,7 +103,7 @@ class TorchBackend(Backend):
     name = "torch"
 
     def __init__(self):
-        super().__init__(ops_torch)
+        super().__init__(ops_torch, ops_fp8)
 
 
 class TritonBackend(Backend):
@@ -108,9 +113,9 @@ class TritonBackend(Backend):
     name = "triton"
 
     def __init__(self):
-        from .kernels import experts, tuning
+        from .kernels import experts, fp8_experts, tuning
 
-        super().__init__(experts)
+        super().__init__(experts, fp8_experts)
         self._tuning = tuning  # the module: its block_m is looked up at each call, as the kernels' launchers do
 
     def block_m(self, num_pairs: int | None = None, num_experts: int | None = None) -> int:

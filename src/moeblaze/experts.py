@@ -12,7 +12,7 @@ import math
 
 import torch
 
-from . import ops_fp8, ops_torch
+from . import ops_torch
 from .activations import GATED, SWIGLU_ALPHA, SWIGLU_LIMIT, ActArgs, check_activation, is_gated
 from .amp import autocast_off, autocast_target
 from .backends import BACKENDS, Backend, get_backend
@@ -167,8 +167,9 @@ class _ExpertsRecompute(torch.autograd.Function):
 
 
 class _Float8Experts(torch.autograd.Function):
-    """The expert block under an FP8 recipe (:mod:`moeblaze.fp8`), both save modes, through the recipe's PyTorch
-    emulation (:mod:`moeblaze.ops_fp8`).
+    """The expert block under an FP8 recipe (:mod:`moeblaze.fp8`), both save modes, through the backend's FP8 ops
+    ``ops`` (the recipe's PyTorch emulation :mod:`moeblaze.ops_fp8`, or the Triton kernels'
+    :mod:`moeblaze.kernels.fp8_experts`).
 
     Saves ``x`` in e4m3 with its scales (F1's quantized operand itself: 1 byte per element), and for
     ``save="preact"`` ``pre`` in e4m3 with scales in the same tiles; ``"input"`` runs F1 again in backward on
@@ -179,19 +180,19 @@ class _Float8Experts(torch.autograd.Function):
     @staticmethod
     @carried_to_backward
     @autocast_off
-    def forward(ctx, x, w1, b1, w2, b2, topk_weights, recipe, save, activation, act_args, num_experts, block_m,
+    def forward(ctx, x, w1, b1, w2, b2, topk_weights, recipe, ops, save, activation, act_args, num_experts, block_m,
                 foreign, input_grad, *index_tensors):
         index = _index_from(index_tensors, num_experts, block_m, foreign)
         ctx.input_grad = input_grad.bind(x) if input_grad is not None else None
         # autocast's casts of the master weights (moeblaze.amp), quantized as the same call on 16-bit weights would
         w1c, w2c = w1.to(x.dtype), w2.to(x.dtype)
         xq = recipe.quantize_rows(x)
-        pre, act = ops_fp8.up_forward(recipe, xq, w1c, index, activation, b1=b1, act_args=act_args)
-        out = ops_fp8.down_forward(recipe, act, w2c, topk_weights, index, b2=b2).to(x.dtype)
+        pre, act = ops.up_forward(recipe, xq, w1c, index, activation, b1=b1, act_args=act_args)
+        out = ops.down_forward(recipe, act, w2c, topk_weights, index, b2=b2).to(x.dtype)
         pq = recipe.quantize_rows(pre) if save == "preact" else None
         kept_pre = (pq.data, pq.scale) if pq is not None else (None, None)
         ctx.save_for_backward(xq.data, xq.scale, *kept_pre, w1, b1, w2, b2, topk_weights, *index_tensors)
-        ctx.recipe, ctx.activation, ctx.act_args, ctx.dtype = recipe, activation, act_args, x.dtype
+        ctx.recipe, ctx.ops, ctx.activation, ctx.act_args, ctx.dtype = recipe, ops, activation, act_args, x.dtype
         ctx.blocks = (xq.block, pq.block if pq is not None else None)
         ctx.index_args = (num_experts, block_m, foreign)
         return out
@@ -202,24 +203,25 @@ class _Float8Experts(torch.autograd.Function):
     def backward(ctx, dout):
         x_data, x_scale, pre_data, pre_scale, w1, b1, w2, b2, topk_weights, *index_tensors = ctx.saved_tensors
         index = _index_from(index_tensors, *ctx.index_args)
-        recipe, need, act_args, activation = ctx.recipe, ctx.needs_input_grad, ctx.act_args, ctx.activation
+        recipe, ops, need, act_args = ctx.recipe, ctx.ops, ctx.needs_input_grad, ctx.act_args
+        activation = ctx.activation
         w1c, w2c = w1.to(ctx.dtype), w2.to(ctx.dtype)
         xq = Float8Tensor(x_data, x_scale, ctx.blocks[0])
         if pre_data is None:
-            pre, _ = ops_fp8.up_forward(recipe, xq, w1c, index, activation, store_act=False, b1=b1)
+            pre, _ = ops.up_forward(recipe, xq, w1c, index, activation, store_act=False, b1=b1, act_args=act_args)
         else:
             pre = Float8Tensor(pre_data, pre_scale, ctx.blocks[1]).dequantize()
         dout = dout.contiguous()
         db2 = ops_torch.bias_grad(dout, index, topk_weights) if need[4] else None
-        dpre, dw2, dtw = ops_fp8.down_backward(recipe, dout, pre, w2c, topk_weights, index, activation, need[3],
-                                               need[5], b2=b2, act_args=act_args, dw_dtype=w2.dtype)
+        dpre, dw2, dtw = ops.down_backward(recipe, dout, pre, w2c, topk_weights, index, activation, need[3],
+                                           need[5], b2=b2, act_args=act_args, dw_dtype=w2.dtype)
         del pre
         db1 = ops_torch.bias_grad(dpre, index).to(b1.dtype) if need[2] else None
-        dx, dw1 = ops_fp8.up_backward(recipe, dpre, xq, w1c, index, need[0], need[1], dw_dtype=w1.dtype)
+        dx, dw1 = ops.up_backward(recipe, dpre, xq, w1c, index, need[0], need[1], dw_dtype=w1.dtype)
         dx = dx.to(ctx.dtype) if dx is not None else None
         if ctx.input_grad is not None:
             dx = ctx.input_grad.offer(dx)
-        return (dx, dw1, db1, dw2, db2, dtw) + (None,) * (8 + len(index_tensors))
+        return (dx, dw1, db1, dw2, db2, dtw) + (None,) * (9 + len(index_tensors))
 
 
 def check_weight_dtypes(x, w1, w2, autocast: bool) -> None:
@@ -419,7 +421,8 @@ def moe_experts(
         fp8: a :class:`moeblaze.fp8.Float8Recipe`: every expert GEMM on e4m3 operands scaled along its reduction
             dimension, fp32 sums, results in the dtypes above; ``x`` (and ``pre`` for ``"preact"``) kept for
             backward in e4m3 with fp32 scales (DESIGN.md §8). The ``torch`` backend runs the recipe's PyTorch
-            emulation (:mod:`moeblaze.ops_fp8`); the Triton kernels are not written yet. None: no FP8.
+            emulation (:mod:`moeblaze.ops_fp8`), the Triton backend the rowwise recipe on its kernels
+            (:mod:`moeblaze.kernels.fp8_experts`; sm90+). None: no FP8.
 
     Returns:
         ``[T, d]`` tensor in ``x.dtype`` (under autocast: the autocast dtype).
@@ -430,7 +433,8 @@ def moe_experts(
         TypeError: dtype mismatch between ``x`` and the weights or biases, non-integer ``topk_ids``, fp64 with
             ``backend="triton"``, or an fp64 operand under autocast (autocast never casts fp64); ``fp8`` not a
             recipe, or with fp64 ``x``.
-        NotImplementedError: ``fp8`` on the Triton backend (ValueError there on a CUDA GPU older than sm90).
+        NotImplementedError: ``fp8`` other than rowwise on the Triton backend (ValueError there on a CUDA GPU
+            older than sm90).
     """
     check_fp8_recipe(fp8)
     x, w_gate_up, w_down, b_gate_up, b_down, autocast = autocast_expert_operands(x, w_gate_up, w_down, b_gate_up,
@@ -469,12 +473,13 @@ def run_experts(x: torch.Tensor, weights: torch.Tensor, w_gate_up: torch.Tensor,
             (:func:`moeblaze.fp8.check_fp8_backend`).
     """
     if fp8 is not None:
-        check_fp8_backend(backend.name, x.dtype, x.device)
+        check_fp8_backend(backend.name, x.dtype, x.device, fp8)
     index = backend.scheduled(index)  # the GEMMs' tile schedule, built once for the ops (if not planned with it)
     bm, idx = _index_args(index)
     if fp8 is not None:
-        return _Float8Experts.apply(x, w_gate_up, b_gate_up, w_down, b_down, weights, fp8, save, activation,
-                                    act_args, w_down.shape[0], bm, index.foreign_experts, input_grad, *idx)
+        return _Float8Experts.apply(x, w_gate_up, b_gate_up, w_down, b_down, weights, fp8, backend.fp8_ops, save,
+                                    activation, act_args, w_down.shape[0], bm, index.foreign_experts, input_grad,
+                                    *idx)
     common = (backend, activation, act_args, w_down.shape[0], bm, index.foreign_experts)
     if save == "input":
         return _ExpertsRecompute.apply(x, w_gate_up, b_gate_up, w_down, b_down, weights, *common, input_grad, *idx)

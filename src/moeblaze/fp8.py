@@ -54,9 +54,9 @@ class Float8Recipe:
     """How the expert GEMMs quantize their operands to e4m3 (see the module docstring).
 
     Args:
-        granularity: ``"blockwise"`` (1 x ``block_size`` activation tiles, ``block_size`` x ``block_size``
-            weight blocks; DeepSeek-V3 §3.3.2) or ``"rowwise"`` (one scale per row along the reduction
-            dimension; torchao).
+        granularity: ``"rowwise"`` (one scale per row along the reduction dimension; torchao; the recipe the
+            Triton kernels run) or ``"blockwise"`` (1 x ``block_size`` activation tiles, ``block_size`` x
+            ``block_size`` weight blocks; DeepSeek-V3 §3.3.2; emulated on ``backend="torch"``).
         block_size: B, elements per tile along the reduction dimension (blockwise; and slots per tile of the
             weight-gradient GEMMs). A power of two >= 16; DeepSeek-V3 and DeepGEMM use 128.
         pow2_scales: round every scale up to a power of two (exact rescaling, one bit of range less).
@@ -66,7 +66,7 @@ class Float8Recipe:
         TypeError: ``block_size`` not an int, ``pow2_scales`` not a bool.
     """
 
-    granularity: str = "blockwise"
+    granularity: str = "rowwise"
     block_size: int = 128
     pow2_scales: bool = False
 
@@ -109,19 +109,21 @@ class Float8Recipe:
 def check_fp8_recipe(fp8) -> None:
     """Raise ``TypeError`` unless ``fp8`` (the ``fp8`` argument of the public API) is None or a recipe."""
     if fp8 is not None and not isinstance(fp8, Float8Recipe):
-        raise TypeError(f"fp8 must be None or a moeblaze.fp8.Float8Recipe (e.g. Float8Recipe('blockwise')), "
+        raise TypeError(f"fp8 must be None or a moeblaze.fp8.Float8Recipe (e.g. Float8Recipe('rowwise')), "
                         f"got {type(fp8).__name__}")
 
 
-def check_fp8_backend(backend: str, dtype: torch.dtype, device: torch.device) -> None:
+def check_fp8_backend(backend: str, dtype: torch.dtype, device: torch.device,
+                      recipe: Float8Recipe | None = None) -> None:
     """Whether the experts can run an FP8 recipe on ``backend`` (``"torch"`` or ``"triton"``) for ``x`` of
-    ``dtype`` on ``device``.
+    ``dtype`` on ``device``; with ``recipe``, that recipe (the Triton kernels run the rowwise one).
 
     Raises:
         TypeError: ``dtype`` neither fp32, fp16 nor bf16 (the recipe quantizes what a GPU run would; fp64 is the
             reference's dtype).
         ValueError: the Triton backend on a CUDA device older than Hopper (sm90), naming the device.
-        NotImplementedError: the Triton backend otherwise: its FP8 kernels do not exist yet.
+        NotImplementedError: the Triton backend with a recipe other than rowwise (its backward kernels do not
+            exist; the torch backend emulates it).
     """
     if dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise TypeError(f"fp8 quantizes fp32, fp16 or bf16 x; got {dtype} (run fp64 without fp8)")
@@ -133,8 +135,9 @@ def check_fp8_backend(backend: str, dtype: torch.dtype, device: torch.device) ->
             raise ValueError(f"fp8 on backend='triton' needs a Hopper GPU (sm90+); {device} is "
                              f"{torch.cuda.get_device_name(device)} (sm{major}{minor}): pass fp8=None, or "
                              "backend='torch' for the recipe's PyTorch emulation")
-    raise NotImplementedError("fp8 on backend='triton': the FP8 expert kernels are not written yet; "
-                              "backend='torch' runs the recipe's PyTorch emulation (quantize, dequantize, fp32 GEMMs)")
+    if recipe is not None and recipe.granularity != "rowwise":
+        raise NotImplementedError(f"fp8 on backend='triton' runs Float8Recipe('rowwise'); the {recipe.granularity} "
+                                  "recipe's backward kernels are not written (backend='torch' emulates it)")
 
 
 class Float8Tensor(NamedTuple):

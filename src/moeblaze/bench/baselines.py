@@ -9,7 +9,8 @@
 * ``hf-loop`` — the HF transformers v4 per-expert loop (one-hot mask, ``torch.where``, ``index_add_``).
 * ``moeblaze`` / ``moeblaze-input`` / ``moeblaze-torch`` — :class:`moeblaze.MoE` with the Triton backend
   (``save="preact"`` / ``"input"``) and with the PyTorch backend; ``moeblaze-tr``: the Triton layer with token
-  rounding ``nr`` (``moeblaze bench --impls moeblaze,moeblaze-tr`` times it against top-k).
+  rounding ``nr`` (``moeblaze bench --impls moeblaze,moeblaze-tr`` times it against top-k); ``moeblaze-fp8``: the
+  Triton layer under the rowwise FP8 recipe (Hopper and Blackwell).
 * ``liger`` — Liger-Kernel's ``LigerFusedMoEFunction`` (SwiGLU only), fed by the same router as ``conventional``.
 * ``sonicmoe`` — SonicMoE's ``moe_TC_softmax_topk_layer`` (GLU activations only), its own fused router,
   configured as top-k over softmax without renormalisation (the maths of every other row).
@@ -258,12 +259,14 @@ def _routed(experts: Callable) -> Builder:
     return build
 
 
-def _moeblaze(backend: str, save: str, token_rounding: str | None = None) -> Builder:
+def _moeblaze(backend: str, save: str, token_rounding: str | None = None, fp8: bool = False) -> Builder:
     def build(cfg: BenchConfig, w: LayerWeights, opts: ImplOptions):
+        from ..fp8 import Float8Recipe
         from ..layer import MoE
 
         moe = MoE(cfg.d, cfg.h, cfg.E, cfg.K, activation=cfg.activation, save=save, backend=backend,
-                  aux_loss_coef=0.0, z_loss_coef=0.0, device="meta", dtype=w.w1.dtype, token_rounding=token_rounding)
+                  aux_loss_coef=0.0, z_loss_coef=0.0, device="meta", dtype=w.w1.dtype, token_rounding=token_rounding,
+                  fp8=Float8Recipe("rowwise") if fp8 else None)
         moe.router.weight = w.router
         setattr(moe, "w_gate_up" if cfg.gated else "w_up", w.w1)
         moe.w_down = w.w2
@@ -332,6 +335,8 @@ IMPLS: dict[str, Impl] = {i.name: i for i in [
          _moeblaze("torch", "preact")),
     Impl("moeblaze-tr", "moeblaze.MoE, Triton backend, token rounding 'nr' (SonicMoE §5; router and rounding timed)",
          _moeblaze("triton", "preact", "nr"), module="moeblaze.kernels.experts", needs_cuda=True),
+    Impl("moeblaze-fp8", "moeblaze.MoE, Triton backend, save='preact', FP8 rowwise recipe (e4m3 F1, F2, B1, B3)",
+         _moeblaze("triton", "preact", fp8=True), module="moeblaze.kernels.fp8_experts", needs_cuda=True, sm=(9, 10)),
     Impl("conventional", "torchtitan / HF v5 style: argsort, gathered x, grouped_mm, index_add, autograd",
          _routed(conventional_experts)),
     Impl("conventional-fp8", "the conventional layer, expert GEMMs in FP8 through torchao's rowwise MoE training "

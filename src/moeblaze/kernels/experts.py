@@ -251,17 +251,19 @@ def _slot_buffer(a: Tensor, N: int, d: int, h: int) -> tuple[list[tuple[int, int
 
 
 def _gemm_gather_sum(a, w, b_nk, k_dim, offsets, indices, sched, token_index_map, weights, foreign, pair_offsets,
-                     T, d, h, bias=None):
+                     T, d, h, bias=None, out_dtype=None, **fp8_scales):
     """``out[t] = sum_k (w[t,k] *) (a[s] @ W[e] (+ bias[e]))[map[t,k]]`` over column chunks of d
-    (:func:`column_chunks`): F2-F3 (``a = act``, weights and bias) and B3-B5 (``a = dpre``)."""
+    (:func:`column_chunks`): F2-F3 (``a = act``, weights and bias) and B3-B5 (``a = dpre``). ``out_dtype``: of
+    ``out`` and the slot buffer (default ``a.dtype``; given for e4m3 ``a`` with its ``a_scale`` / ``b_scale``)."""
     N = indices.numel()
-    out = a.new_empty(T, d)
-    chunks, buf = _slot_buffer(a, N, d, h)
+    dtype = out_dtype or a.dtype
+    out = a.new_empty(T, d, dtype=dtype)
+    chunks, buf = _slot_buffer(out, N, d, h)
     for c0, c1 in chunks:
         slots = buf[:, :c1 - c0]
         grouped_gemm(a, w, slots, offsets, indices, sched, b_nk=b_nk, n_cols=c1 - c0, k_dim=k_dim, gather_a=False,
-                     bias=None if bias is None else bias[:, c0:c1], a_tf32=True, n_start=c0)
-        gather_sum(slots, token_index_map, weights, a.dtype, _local_slots(offsets, foreign), pair_offsets,
+                     bias=None if bias is None else bias[:, c0:c1], a_tf32=True, n_start=c0, **fp8_scales)
+        gather_sum(slots, token_index_map, weights, dtype, _local_slots(offsets, foreign), pair_offsets,
                    out=out[:, c0:c1])
     return out  # the buffer is freed on return (B3: before dW1 is allocated, off the backward's peak)
 
@@ -342,9 +344,19 @@ def _down_backward_impl(dout, pre, w2, b2, topk_weights, offsets, indices, tile_
     dout = _rows_contig(dout)
     d, h = w2.shape[1], w2.shape[2]
     N = indices.numel()
-    w_slot = slot_weights(topk_weights, token_index_map, torch.float32)
     dact = pre.new_empty(N, h)
     grouped_gemm(dout, w2, dact, offsets, indices, (tile_expert, tile_row, num_tiles), b_nk=False, n_cols=h, k_dim=d, gather_a=True)
+    return act_bwd_b2(dout, dact, pre, w2, b2, topk_weights, offsets, indices, token_index_map, token_expert_indices,
+                      activation, alpha, limit, interleaved, foreign, need_dw, need_dtw, general, dw_dtype)
+
+
+def act_bwd_b2(dout, dact, pre, w2, b2, topk_weights, offsets, indices, token_index_map, token_expert_indices,
+               activation, alpha, limit, interleaved, foreign, need_dw, need_dtw, general, dw_dtype):
+    """B1's second launch and B2, from B1's GEMM output ``dact' [N, h]`` (:func:`down_backward`'s arguments):
+    ``dpre`` over ``pre``, ``w * act`` over ``dact'``, then ``(dw2 | placeholder, dtw | placeholder)``."""
+    d, h = w2.shape[1], w2.shape[2]
+    N = indices.numel()
+    w_slot = slot_weights(topk_weights, token_index_map, torch.float32)
     dtw_slot = torch.empty(N, dtype=torch.float32, device=pre.device) if need_dtw else None
     local = _local_slots(offsets, foreign)
     act_bwd_rows(dact, pre, pre, w_slot, dtw_slot, h=h, activation=ACTIVATION_CODES[activation],

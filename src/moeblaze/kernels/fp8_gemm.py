@@ -1,4 +1,4 @@
-"""FP8 grouped GEMMs of the forward, F1 and F2, under the blockwise recipe (DESIGN.md §8, issue 59).
+"""FP8 grouped GEMMs of the forward, F1 and F2, under the blockwise and the rowwise recipe (DESIGN.md §8, issue 59).
 
 ``pre[s] = x[token(s)] W1[e(s)]^T`` over the dispatch index's slots and ``act = f(pre)`` in the epilogue, as
 :func:`moeblaze.kernels.grouped_gemm.grouped_gemm_kernel` computes F1 in 16 bits, but from e4m3 operands:
@@ -19,10 +19,17 @@ F2 (:func:`fp8_down_kernel`) is the same main loop on ``act [N, h]`` e4m3 in slo
 ``W2 [E, d, h]``, with the 16-bit kernel's plain epilogue (bias, router weight, scatter to ``out[token]`` when
 K = 1); for K > 1 the fp32 slot rows go through the fp32 combine (:func:`moeblaze.kernels.combine.gather_sum`).
 
+The rowwise recipe (a scale per row of ``x`` / ``act`` and per weight row, each along the reduction) needs no
+kernel of its own: its scales are constant over the whole K sum, so the 16-bit path's grouped GEMM runs it on the
+e4m3 operands (its TMA reads, persistent launch and tuned tiles; ``FP8`` of
+:func:`moeblaze.kernels.grouped_gemm.grouped_gemm_kernel`) and multiplies the accumulator by the two scales
+once after its main loop. Blockwise promotes each K step's product with its own scales, which on Hopper makes
+every step wait for its tensor-core result; ``benchmarks/bench_fp8_kernels.py`` measures both recipes.
+
 Neither is wired into autograd or the layer yet. Not yet here (they need a GPU to test): quantization of
-``act`` / ``pre`` in F1's epilogue (the interpreter's casts to e4m3 are wrong, DESIGN.md §7), TMA reads of the
-weight, autotuned tiles, a persistent launch, interleaved ``w_gate_up``, general routing, column chunks of
-F2's ``[N, d]`` buffer.
+``act`` / ``pre`` in F1's epilogue (the interpreter's casts to e4m3 are wrong, DESIGN.md §7), interleaved
+``w_gate_up``, general routing, column chunks of F2's ``[N, d]`` buffer; for blockwise also TMA reads of the
+weight, autotuned tiles and a persistent launch.
 """
 
 from __future__ import annotations
@@ -39,7 +46,8 @@ from ..shared_ops import slot_weights
 from . import direct, tuning
 from .act_math import ACTIVATION_CODES
 from .combine import gather_sum
-from .grouped_gemm import _epilogue_act_fwd, _epilogue_plain, tile_of
+from .grouped_gemm import EPILOGUE_ACT_FWD, _epilogue_act_fwd, _epilogue_plain, tile_of
+from .launch import grouped_gemm
 from .tuning import cdiv
 
 __all__ = ["fp8_up_forward", "up_forward_fp8", "fp8_down_slots", "down_forward_fp8", "FP8_GEMM_CONFIG"]
@@ -290,29 +298,64 @@ def fp8_up_forward(xq: Tensor, x_scale: Tensor, wq: Tensor, w_scale: Tensor, off
     return pre, act
 
 
+def _rowwise(op: str, names: tuple[str, str], aq: Float8Tensor, wq: Float8Tensor) -> bool:
+    """Whether the quantized operands are the rowwise recipe's (a row of each along the reduction ``k``: the main
+    grouped GEMM runs them) or the blockwise one's (``(1, B)`` tiles and ``(B, B)`` blocks: this module's kernels).
+
+    Raises:
+        ValueError: tiles of neither recipe, naming both operands.
+    """
+    k = aq.data.shape[-1]
+    if aq.block == (1, k) and wq.block == (1, k):
+        return True
+    B = aq.block[1]
+    if aq.block == (1, B) and wq.block == (B, B):
+        return False
+    raise ValueError(f"{op}: {names[0]} in (1, B) tiles and {names[1]} in (B, B) blocks (blockwise), or each in rows "
+                     f"along the reduction (rowwise) expected; got {aq.block} and {wq.block}")
+
+
+def _row_scales(q: Float8Tensor) -> Tensor:
+    """The rowwise scales ``[..., R, 1]`` of ``q`` as ``[..., R]`` (a view)."""
+    return q.scale[..., 0]
+
+
 def up_forward_fp8(xq: Float8Tensor, w1q: Float8Tensor, index: DispatchIndex, activation: str, *,
                    store_pre: bool = True, store_act: bool = True, out_dtype: torch.dtype = torch.bfloat16,
                    b1: Tensor | None = None, act_args: ActArgs = DEFAULT_ACT) -> tuple[Tensor | None, Tensor | None]:
     """F1 of the FP8 path: ``pre = x[token(s)] w1[e]^T (+ b1[e])`` and ``act = f(pre)`` in ``out_dtype`` from the
-    blockwise-quantized ``xq`` (``recipe.quantize_rows(x)``, 1 x B tiles) and ``w1q``
-    (``recipe.quantize_weight(w1, reduce_cols=True)``, B x B blocks) — what :func:`moeblaze.ops_fp8.up_forward`
-    emulates, up to the order of fp32 sums. Returns ``(pre | None, act | None)`` as asked.
+    quantized ``xq`` (``recipe.quantize_rows(x)``) and ``w1q`` (``recipe.quantize_weight(w1, reduce_cols=True)``)
+    — what :func:`moeblaze.ops_fp8.up_forward` emulates, up to the order of fp32 sums. Blockwise runs
+    :func:`fp8_up_kernel`; rowwise the 16-bit path's grouped GEMM (:func:`moeblaze.kernels.launch.grouped_gemm`,
+    its TMA reads and tuned tiles) on the e4m3 operands, scaled once after the main loop. Returns
+    ``(pre | None, act | None)`` as asked.
 
     Raises:
-        ValueError: tiles other than the blockwise recipe's (``xq.block`` ``(1, B)``, ``w1q.block`` ``(B, B)``), an
-            interleaved ``w_gate_up`` (not supported yet), or the launcher's errors (:func:`fp8_up_forward`).
+        ValueError: tiles of neither recipe (:func:`_rowwise`), an interleaved ``w_gate_up`` (not supported yet),
+            or the launcher's errors (:func:`fp8_up_forward`).
     """
-    B = xq.block[1]
-    if xq.block != (1, B) or w1q.block != (B, B):
-        raise ValueError(f"up_forward_fp8: blockwise tiles expected, x in (1, B) and w1 in (B, B); got {xq.block} "
-                         f"and {w1q.block} (the rowwise recipe has no kernel yet)")
+    rowwise = _rowwise("up_forward_fp8", ("x", "w1"), xq, w1q)
     if act_args.interleaved:
         raise ValueError("up_forward_fp8: an interleaved w_gate_up has no FP8 kernel yet")
     sched = with_schedule(index, tuning.block_m(index.num_pairs, index.num_experts)).schedule.tensors()
-    pre, act = fp8_up_forward(xq.data, xq.scale, w1q.data, w1q.scale, index.local_offsets,
-                              index.expert_token_indices, sched, activation=activation, store_pre=store_pre,
-                              store_act=store_act, out_dtype=out_dtype, bias=b1, alpha=act_args.alpha,
-                              limit=act_args.limit, block=B)
+    if not rowwise:
+        pre, act = fp8_up_forward(xq.data, xq.scale, w1q.data, w1q.scale, index.local_offsets,
+                                  index.expert_token_indices, sched, activation=activation, store_pre=store_pre,
+                                  store_act=store_act, out_dtype=out_dtype, bias=b1, alpha=act_args.alpha,
+                                  limit=act_args.limit, block=xq.block[1])
+        return (pre if store_pre else None), (act if store_act else None)
+    check_activation(activation)
+    rows, d = w1q.data.shape[1:]
+    h = rows // 2 if activation in GATED else rows
+    N = index.num_pairs
+    pre = xq.data.new_empty((N, rows) if store_pre else (0,), dtype=out_dtype)
+    act = xq.data.new_empty((N, h) if store_act else (0,), dtype=out_dtype)
+    if store_pre or store_act:
+        grouped_gemm(xq.data, w1q.data, pre if store_pre else act, index.local_offsets, index.expert_token_indices,
+                     sched, b_nk=True, n_cols=h, k_dim=d, gather_a=True, up_off=h, epilogue=EPILOGUE_ACT_FWD.value,
+                     activation=ACTIVATION_CODES[activation], dual=activation in GATED, store_pre=store_pre,
+                     aux=act if store_act else None, store_aux=store_act, bias=b1, alpha=act_args.alpha,
+                     limit=act_args.limit, a_scale=_row_scales(xq), b_scale=_row_scales(w1q))
     return (pre if store_pre else None), (act if store_act else None)
 
 
@@ -353,31 +396,39 @@ def fp8_down_slots(aq: Tensor, a_scale: Tensor, wq: Tensor, w_scale: Tensor, off
 def down_forward_fp8(actq: Float8Tensor, w2q: Float8Tensor, topk_weights: Tensor, index: DispatchIndex, *,
                      b2: Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16) -> Tensor:
     """F2-F3 of the FP8 path: ``out[t] = sum_k topk_weights[t, k] (act W2[e]^T + b2[e])[map[t, k]]`` in
-    ``out_dtype``, from the blockwise-quantized ``actq`` (``recipe.quantize_rows(act)``, ``[N, h]``) and ``w2q``
+    ``out_dtype``, from the quantized ``actq`` (``recipe.quantize_rows(act)``, ``[N, h]``) and ``w2q``
     (``recipe.quantize_weight(w2, reduce_cols=True)``, ``[E, d, h]``) — what :func:`moeblaze.ops_fp8.down_forward`
-    emulates. The slot rows ``y`` are fp32 (the combine sums them in fp32); K = 1 writes ``w * y`` straight into
+    emulates; blockwise :func:`fp8_down_kernel`, rowwise the main grouped GEMM (as :func:`up_forward_fp8`). The
+    slot rows ``y`` are fp32 (the combine sums them in fp32); K = 1 writes ``w * y`` straight into
     ``out[token]``. Top-k indices only (general routing's CSR pairs: not yet).
 
     Raises:
-        ValueError: tiles other than the blockwise recipe's, a general-routing index, or the launcher's errors.
+        ValueError: tiles of neither recipe, a general-routing index, or the launcher's errors.
     """
-    B = actq.block[1]
-    if actq.block != (1, B) or w2q.block != (B, B):
-        raise ValueError(f"down_forward_fp8: blockwise tiles expected, act in (1, B) and w2 in (B, B); got "
-                         f"{actq.block} and {w2q.block} (the rowwise recipe has no kernel yet)")
+    rowwise = _rowwise("down_forward_fp8", ("act", "w2"), actq, w2q)
     if index.pair_offsets is not None:
         raise ValueError("down_forward_fp8: a general-routing index (pair_offsets) has no FP8 kernel yet")
     sched = with_schedule(index, tuning.block_m(index.num_pairs, index.num_experts)).schedule.tensors()
     T, K = index.token_index_map.shape
     d = w2q.data.shape[1]
-    args = (actq.data, actq.scale, w2q.data, w2q.scale, index.local_offsets, index.expert_token_indices, sched)
+    offsets, indices = index.local_offsets, index.expert_token_indices
+
+    def slots(c: Tensor, **kw) -> None:  # y = act W2^T (+ b2) of every slot into c (rows, or tokens: scatter)
+        if rowwise:
+            if index.num_pairs:
+                grouped_gemm(actq.data, w2q.data, c, offsets, indices, sched, b_nk=True, n_cols=d,
+                             k_dim=actq.data.shape[1], gather_a=False, scatter_c=kw.get("scatter", False),
+                             scale=kw.get("scale"), bias=b2, a_scale=_row_scales(actq), b_scale=_row_scales(w2q))
+        else:
+            fp8_down_slots(actq.data, actq.scale, w2q.data, w2q.scale, offsets, indices, sched, c, bias=b2,
+                           block=actq.block[1], **kw)
+
     if K == 1:  # no [N, d] buffer and no combine; tokens of foreign experts are never written: zeros
         new = actq.data.new_zeros if index.foreign_experts else actq.data.new_empty
         out = new(T, d, dtype=out_dtype)
-        w = slot_weights(topk_weights, index.token_index_map, torch.float32)
-        fp8_down_slots(*args, out, scatter=True, scale=w, bias=b2, block=B)
+        slots(out, scatter=True, scale=slot_weights(topk_weights, index.token_index_map, torch.float32))
         return out
     y = actq.data.new_empty(index.num_pairs, d, dtype=torch.float32)
-    fp8_down_slots(*args, y, bias=b2, block=B)
+    slots(y)
     local = index.local_offsets[-1:] if index.foreign_experts else None
     return gather_sum(y, index.token_index_map, topk_weights, out_dtype, local)

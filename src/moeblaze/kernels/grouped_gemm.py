@@ -29,6 +29,10 @@ accumulator first, before any rounding or scaling):
      no rounded copy of it (:mod:`moeblaze.kernels.tf32`).
 B1 uses ``EPILOGUE_PLAIN`` (``dact' = dout[token(s)] W_down[e]``); its activation backward streams the rows
 afterwards (:mod:`moeblaze.kernels.act_bwd`, where the measurement that chose this is given).
+``FP8``: A and B are e4m3 under the rowwise recipe (:mod:`moeblaze.fp8`: one scale per row of A and per weight
+row along n, both along the reduction); the main loop is the same, and the accumulator is multiplied by the two
+scales once after it, before the epilogue (bias included). B is read K-major (``B_DESC_NK`` or its pointers),
+the layout the e4m3 tensor cores take.
 Accumulation is fp32 (``tl.dot``); nothing is atomic, so results are bitwise reproducible.
 """
 
@@ -217,12 +221,12 @@ def _epilogue_act_fwd(pre_ptr, act_ptr, bias_ptr, acc, acc2, e, rows, mask, offs
 
 @triton.jit
 def _gemm_tile(
-    t, tiles, num_n, a_ptr, b_ptr, c_ptr, aux_ptr, scale_ptr, bias_ptr, offsets_ptr, indices_ptr, tile_expert_ptr,
-    tile_row_ptr, a_desc, b_desc, N_COLS, K_DIM, N_EXT, UP_OFF, UP_SHIFT_B, alpha, limit,
-    stride_a_m, stride_a_k, stride_b_e, stride_b_k, stride_b_n, stride_c_m, stride_aux_m, stride_bias_e,
+    t, tiles, num_n, a_ptr, b_ptr, c_ptr, aux_ptr, scale_ptr, bias_ptr, a_scale_ptr, b_scale_ptr, offsets_ptr,
+    indices_ptr, tile_expert_ptr, tile_row_ptr, a_desc, b_desc, N_COLS, K_DIM, N_EXT, UP_OFF, UP_SHIFT_B, alpha, limit,
+    stride_a_m, stride_a_k, stride_b_e, stride_b_k, stride_b_n, stride_c_m, stride_aux_m, stride_bias_e, stride_bs_e,
     GATHER_A: tl.constexpr, SCATTER_C: tl.constexpr, SCALE_C: tl.constexpr, EPILOGUE: tl.constexpr,
     ACTIVATION: tl.constexpr, DUAL: tl.constexpr, STORE_PRE: tl.constexpr, STORE_AUX: tl.constexpr,
-    HAS_BIAS: tl.constexpr, PRE_STEP: tl.constexpr, TF32_ACT: tl.constexpr,
+    HAS_BIAS: tl.constexpr, PRE_STEP: tl.constexpr, TF32_ACT: tl.constexpr, FP8: tl.constexpr,
     A_DESC: tl.constexpr, B_DESC: tl.constexpr, DOT_PREC: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
@@ -251,6 +255,12 @@ def _gemm_tile(
         DUAL=DUAL, A_DESC=A_DESC, B_DESC=B_DESC, EVEN_K=EVEN_K, EVEN_N=EVEN_N, DOT_PREC=DOT_PREC,
         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
     )
+    if FP8:  # rowwise e4m3 operands: the sums of the whole K times A's row scale and the weight row's scale
+        a_scale = tl.load(a_scale_ptr + a_rows)[:, None]
+        b_scales = b_scale_ptr + e.to(tl.int64) * stride_bs_e + offs_n
+        acc = acc * a_scale * tl.load(b_scales, mask=n_mask, other=0.0)[None, :]
+        if DUAL:
+            acc2 = acc2 * a_scale * tl.load(b_scales + UP_OFF, mask=n_mask, other=0.0)[None, :]
     mask = row_mask[:, None] & n_mask[None, :]
     if EPILOGUE == EPILOGUE_PLAIN:
         _epilogue_plain(
@@ -276,6 +286,8 @@ def grouped_gemm_kernel(
     aux_ptr,  # EPILOGUE_ACT_FWD: act [N, h]; else unused
     scale_ptr,  # [N] fp32 router weight of each slot (SCALE_C)
     bias_ptr,  # [E, N_COLS] (EPILOGUE_PLAIN) or [E, 2h|h] (EPILOGUE_ACT_FWD, pre's column order) bias (HAS_BIAS)
+    a_scale_ptr,  # FP8: [rows of A] fp32 dequantization scale of each row of A (token rows when GATHER_A)
+    b_scale_ptr,  # FP8: [E, N_EXT] fp32 dequantization scale of each weight row along n, row e at e * stride_bs_e
     offsets_ptr,  # [E+1] int32 expert_token_offsets
     indices_ptr,  # [N] int32 expert_token_indices (slot -> token)
     tile_expert_ptr,  # [max_tiles] int32 expert of each M-tile (-1 past num_tiles)
@@ -290,10 +302,11 @@ def grouped_gemm_kernel(
     UP_SHIFT_B,  # element offset of the up rows of w_gate_up from the gate rows (DUAL only)
     alpha, limit,  # fp32 parameters of the clamped SwiGLU (EPILOGUE_ACT_FWD)
     stride_a_m, stride_a_k, stride_b_e, stride_b_k, stride_b_n, stride_c_m, stride_aux_m, stride_bias_e,
+    stride_bs_e,
     NUM_EXPERTS,  # E (autotune key; rows of the B_DESC descriptor)
     GATHER_A: tl.constexpr, SCATTER_C: tl.constexpr, SCALE_C: tl.constexpr, EPILOGUE: tl.constexpr,
     ACTIVATION: tl.constexpr, DUAL: tl.constexpr, STORE_PRE: tl.constexpr, STORE_AUX: tl.constexpr,
-    HAS_BIAS: tl.constexpr, PRE_STEP: tl.constexpr, TF32_ACT: tl.constexpr,
+    HAS_BIAS: tl.constexpr, PRE_STEP: tl.constexpr, TF32_ACT: tl.constexpr, FP8: tl.constexpr,
     A_DESC: tl.constexpr, B_DESC: tl.constexpr, DOT_PREC: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
     PERSISTENT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
@@ -313,14 +326,15 @@ def grouped_gemm_kernel(
             _gemm_tile(
                 t=t, tiles=num_tiles, num_n=num_n,
                 a_ptr=a_ptr, b_ptr=b_ptr, c_ptr=c_ptr, aux_ptr=aux_ptr, scale_ptr=scale_ptr, bias_ptr=bias_ptr,
-                offsets_ptr=offsets_ptr, indices_ptr=indices_ptr, tile_expert_ptr=tile_expert_ptr,
+                a_scale_ptr=a_scale_ptr, b_scale_ptr=b_scale_ptr, offsets_ptr=offsets_ptr, indices_ptr=indices_ptr, tile_expert_ptr=tile_expert_ptr,
                 tile_row_ptr=tile_row_ptr, a_desc=a_desc, b_desc=b_desc,
                 N_COLS=N_COLS, K_DIM=K_DIM, N_EXT=N_EXT, UP_OFF=UP_OFF, UP_SHIFT_B=UP_SHIFT_B, alpha=alpha, limit=limit,
                 stride_a_m=stride_a_m, stride_a_k=stride_a_k, stride_b_e=stride_b_e, stride_b_k=stride_b_k,
                 stride_b_n=stride_b_n, stride_c_m=stride_c_m, stride_aux_m=stride_aux_m, stride_bias_e=stride_bias_e,
+                stride_bs_e=stride_bs_e,
                 GATHER_A=GATHER_A, SCATTER_C=SCATTER_C, SCALE_C=SCALE_C, EPILOGUE=EPILOGUE, ACTIVATION=ACTIVATION,
                 DUAL=DUAL, STORE_PRE=STORE_PRE, STORE_AUX=STORE_AUX, HAS_BIAS=HAS_BIAS, PRE_STEP=PRE_STEP,
-                TF32_ACT=TF32_ACT,
+                TF32_ACT=TF32_ACT, FP8=FP8,
                 A_DESC=A_DESC, B_DESC=B_DESC, DOT_PREC=DOT_PREC, EVEN_K=EVEN_K, EVEN_N=EVEN_N,
                 BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, GROUP_M=GROUP_M,
             )
@@ -333,14 +347,15 @@ def grouped_gemm_kernel(
             _gemm_tile(
                 t=pid, tiles=max_tiles, num_n=num_n,
                 a_ptr=a_ptr, b_ptr=b_ptr, c_ptr=c_ptr, aux_ptr=aux_ptr, scale_ptr=scale_ptr, bias_ptr=bias_ptr,
-                offsets_ptr=offsets_ptr, indices_ptr=indices_ptr, tile_expert_ptr=tile_expert_ptr,
+                a_scale_ptr=a_scale_ptr, b_scale_ptr=b_scale_ptr, offsets_ptr=offsets_ptr, indices_ptr=indices_ptr, tile_expert_ptr=tile_expert_ptr,
                 tile_row_ptr=tile_row_ptr, a_desc=a_desc, b_desc=b_desc,
                 N_COLS=N_COLS, K_DIM=K_DIM, N_EXT=N_EXT, UP_OFF=UP_OFF, UP_SHIFT_B=UP_SHIFT_B, alpha=alpha, limit=limit,
                 stride_a_m=stride_a_m, stride_a_k=stride_a_k, stride_b_e=stride_b_e, stride_b_k=stride_b_k,
                 stride_b_n=stride_b_n, stride_c_m=stride_c_m, stride_aux_m=stride_aux_m, stride_bias_e=stride_bias_e,
+                stride_bs_e=stride_bs_e,
                 GATHER_A=GATHER_A, SCATTER_C=SCATTER_C, SCALE_C=SCALE_C, EPILOGUE=EPILOGUE, ACTIVATION=ACTIVATION,
                 DUAL=DUAL, STORE_PRE=STORE_PRE, STORE_AUX=STORE_AUX, HAS_BIAS=HAS_BIAS, PRE_STEP=PRE_STEP,
-                TF32_ACT=TF32_ACT,
+                TF32_ACT=TF32_ACT, FP8=FP8,
                 A_DESC=A_DESC, B_DESC=B_DESC, DOT_PREC=DOT_PREC, EVEN_K=EVEN_K, EVEN_N=EVEN_N,
                 BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, GROUP_M=GROUP_M,
             )

@@ -155,10 +155,22 @@ def _from_column(b, b_nk: bool, b_mode: int, n_ext: int, E: int, n_start: int):
     return b, n_ext, b_rows
 
 
+def _check_fp8(a, b, b_nk: bool, a_scale, b_scale, E: int) -> None:
+    """e4m3 operands of :func:`grouped_gemm`: the weight e4m3 too, stored K-major, with rowwise fp32 scales."""
+    if b.dtype != a.dtype or not b_nk or b.stride(2) != 1:
+        raise ValueError(f"grouped_gemm: an e4m3 a needs an e4m3 weight stored [E, n, k] with unit stride along k "
+                         f"(b_nk), got {b.dtype} strides {b.stride()} b_nk={b_nk}")
+    shapes = (("a_scale", a_scale, (a.shape[0],)), ("b_scale", b_scale, (E, b.shape[1])))
+    for name, t, shape in shapes:
+        if t is None or t.dtype != torch.float32 or tuple(t.shape) != shape or t.stride(-1) != 1:
+            raise ValueError(f"grouped_gemm: e4m3 operands need {name} fp32 {shape} with unit last stride, got "
+                             f"{None if t is None else (t.dtype, tuple(t.shape), t.stride())}")
+
+
 def grouped_gemm(a, b, c, offsets, indices, sched, *, b_nk, n_cols, k_dim, gather_a, up_off=0,
                  scatter_c=False, scale=None, epilogue=EPILOGUE_PLAIN.value, activation=0, dual=False, store_pre=False,
                  aux=None, store_aux=False, bias=None, pre_step=1, up_shift_b=None, alpha=0.0, limit=0.0,
-                 weight_desc=True, b_mode=None, a_tf32=False, n_start=None):
+                 weight_desc=True, b_mode=None, a_tf32=False, n_start=None, a_scale=None, b_scale=None):
     """Launch :func:`grouped_gemm_kernel` (see its module for the epilogues).
 
     ``epilogue``: the ``.value`` of ``EPILOGUE_PLAIN`` or ``EPILOGUE_ACT_FWD`` (:mod:`.grouped_gemm`).
@@ -181,15 +193,21 @@ def grouped_gemm(a, b, c, offsets, indices, sched, *, b_nk, n_cols, k_dim, gathe
     :func:`.tuning.tma_enabled` and its rows are 16-byte aligned), ``b`` a weight ``[E, n, k]`` (``b_nk``) or
     ``[E, k, n]`` read as ``B[e][k, n]``, ``c`` the main output (unit stride along columns).
     ``aux``/``scale``: see the kernel; outputs are written in place.
+    ``a_scale``/``b_scale`` (e4m3 ``a`` and ``b``, the rowwise FP8 recipe): ``[rows of a]`` and ``[E, n]`` fp32
+    dequantization scales, ``b`` stored ``[E, n, k]`` (``b_nk``, K-major as the e4m3 tensor cores read it).
     ``sched``: ``(tile_expert, tile_row_start, num_tiles)`` of a tile schedule for ``block_m(N, E)`` (N slots,
     E local experts: ``indices``, ``offsets``).
 
     Raises:
         ValueError: a tile schedule of another BLOCK_M; ``n_start`` out of the weight's n extent, not a multiple of
-            16, or with another epilogue than the plain one of a single weight.
+            16, or with another epilogue than the plain one of a single weight; e4m3 operands without their scales
+            or with a weight not stored K-major.
     """
     N = indices.numel()
     E = offsets.numel() - 1
+    fp8 = a.dtype == torch.float8_e4m3fn
+    if fp8:
+        _check_fp8(a, b, b_nk, a_scale, b_scale, E)
     if N == 0 or n_cols == 0:
         return
     tf32 = rounds_tf32(a)
@@ -208,7 +226,7 @@ def grouped_gemm(a, b, c, offsets, indices, sched, *, b_nk, n_cols, k_dim, gathe
     max_tiles = sched[0].numel()
     if max_tiles != cdiv(N, bm) + E:
         raise ValueError(f"grouped_gemm: the tile schedule has {max_tiles} entries; expected one for BLOCK_M={bm}")
-    plain = (epilogue == EPILOGUE_PLAIN.value and not (gather_a or scatter_c or dual or tf32) and scale is None
+    plain = (epilogue == EPILOGUE_PLAIN.value and not (gather_a or scatter_c or dual or tf32 or fp8) and scale is None
              and bias is None and aux is None and up_shift_b is None and b_mode is None and weight_desc)
     ws = plain and bm == WS_GEMM_CONFIG["BLOCK_M"] and ws_gemm_ok(a, b, c, b_nk, k_dim)
     if ws and _ws_gemm_pays(max_tiles, n_cols, a.device):
@@ -222,6 +240,10 @@ def grouped_gemm(a, b, c, offsets, indices, sched, *, b_nk, n_cols, k_dim, gathe
     if b_mode is None:
         b_mode = b_desc_mode(b, b_nk, k_dim, paired=dual and 2 * up_off == n_ext) if weight_desc else B_DESC_NONE.value
     b, n_ext, b_rows = _from_column(b, b_nk, b_mode, n_ext, E, n_start or 0)
+    if fp8:
+        b_scale = b_scale[:, n_start or 0:]
+    else:  # dummy pointers while FP8 is off
+        a_scale = b_scale = offsets
     up_shift_b = up_off * b_strides[2] if up_shift_b is None else up_shift_b
     bias_t = bias if bias is not None else offsets  # dummy pointer when HAS_BIAS is off
     a_desc = _slot_rows_desc(a, gather_a)
@@ -229,16 +251,17 @@ def grouped_gemm(a, b, c, offsets, indices, sched, *, b_nk, n_cols, k_dim, gathe
         triton.set_allocator(_scratch)
     grid = _tiles_grid(lambda meta: max_tiles * cdiv(n_cols, meta["BLOCK_N"]), a.device)
     _GEMM.launch(a.dtype, grid,
-        a_ptr=a, b_ptr=b, c_ptr=c, aux_ptr=aux, scale_ptr=scale, bias_ptr=bias_t, offsets_ptr=offsets,
+        a_ptr=a, b_ptr=b, c_ptr=c, aux_ptr=aux, scale_ptr=scale, bias_ptr=bias_t, a_scale_ptr=a_scale,
+        b_scale_ptr=b_scale, offsets_ptr=offsets,
         indices_ptr=indices, tile_expert_ptr=sched[0], tile_row_ptr=sched[1], num_tiles_ptr=sched[2],
         max_tiles=max_tiles, N_COLS=n_cols, K_DIM=k_dim, N_EXT=n_ext, B_ROWS=b_rows, A_ROWS=a.shape[0], UP_OFF=up_off,
         UP_SHIFT_B=up_shift_b, alpha=float(alpha), limit=float(limit),
         stride_a_m=a.stride(0), stride_a_k=a.stride(1), stride_b_e=b_strides[0], stride_b_k=b_strides[1],
         stride_b_n=b_strides[2], stride_c_m=c.stride(0), stride_aux_m=aux.stride(0), stride_bias_e=bias_t.stride(0),
-        NUM_EXPERTS=E,
+        stride_bs_e=b_scale.stride(0), NUM_EXPERTS=E,
         GATHER_A=gather_a, SCATTER_C=scatter_c, SCALE_C=scale is not offsets, EPILOGUE=epilogue,
         ACTIVATION=activation, DUAL=dual, STORE_PRE=store_pre, STORE_AUX=store_aux, HAS_BIAS=bias is not None,
-        PRE_STEP=pre_step, TF32_ACT=tf32 and epilogue != EPILOGUE_PLAIN.value, A_DESC=a_desc, B_DESC=b_mode,
+        PRE_STEP=pre_step, TF32_ACT=tf32 and epilogue != EPILOGUE_PLAIN.value, FP8=fp8, A_DESC=a_desc, B_DESC=b_mode,
         DOT_PREC=dot_precision(a.dtype), BLOCK_M=bm,
     )
 

@@ -165,8 +165,14 @@ def _cfg(num_warps: int, num_stages: int, **kw) -> triton.Config:
     return triton.Config(kw, num_warps=num_warps, num_stages=num_stages)
 
 
+def _bits(dtype: torch.dtype) -> str:
+    """The config lists' name for operands of ``dtype``: ``32`` fp32, ``8`` e4m3, ``16`` fp16 / bf16."""
+    return {torch.float32: "32", torch.float8_e4m3fn: "8"}.get(dtype, "16")
+
+
 def gemm_configs(kind: str, persistent: str = "auto") -> list[triton.Config]:
-    """Grouped-GEMM configs; ``kind`` is ``tuned16``, ``tuned32``, ``fixed16``, ``fixed32`` or ``interpret``,
+    """Grouped-GEMM configs; ``kind`` is ``tuned16``, ``tuned32``, ``tuned8``, ``fixed16``, ``fixed32``, ``fixed8``
+    or ``interpret``,
     ``persistent`` the launch mode of :func:`_gemm_launch` (``PERSISTENT`` of the configs: ``1`` all, ``0`` none,
     ``auto``: the tuned list holds both launch shapes, fixed configs are per tile, the interpreter persistent).
 
@@ -177,7 +183,8 @@ def gemm_configs(kind: str, persistent: str = "auto") -> list[triton.Config]:
     and qwen3-30b (H200, ``python3 benchmarks/profile_kernels.py --configs conf4-swiglu`` prints the
     tuned config of each launch).
 
-    ``tuned32`` / ``fixed32``: fp32 operands, see :func:`fp32_gemm_configs`.
+    ``tuned32`` / ``fixed32``: fp32 operands, see :func:`fp32_gemm_configs`. ``tuned8`` / ``fixed8``: e4m3
+    operands, the 16-bit tiles with BLOCK_K 128 (the same bytes per stage; not tuned on a GPU yet).
     """
     if kind == "tuned32":
         return fp32_gemm_configs(persistent)
@@ -185,14 +192,15 @@ def gemm_configs(kind: str, persistent: str = "auto") -> list[triton.Config]:
         base = [_cfg(1, 1, BLOCK_N=64, BLOCK_K=64, GROUP_M=4)]
     elif kind == "fixed32":  # an IEEE-sized tile (see fp32_gemm_configs), right for TF32 too
         base = [_cfg(8, 2, BLOCK_N=64, BLOCK_K=16, GROUP_M=8)]
-    elif kind == "fixed16":
-        base = [_cfg(8, 3, BLOCK_N=128, BLOCK_K=64, GROUP_M=8)]
+    elif kind in ("fixed16", "fixed8"):
+        base = [_cfg(8, 3, BLOCK_N=128, BLOCK_K=128 if kind == "fixed8" else 64, GROUP_M=8)]
     else:
+        bk = 128 if kind == "tuned8" else 64
         shapes = ((64, 4, 4), (64, 8, 3), (64, 8, 4), (128, 4, 3), (128, 8, 3), (128, 8, 4), (256, 8, 3))
-        per_tile = [_cfg(w, s, BLOCK_N=bn, BLOCK_K=64, GROUP_M=8, PERSISTENT=False) for bn, w, s in shapes]
+        per_tile = [_cfg(w, s, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, PERSISTENT=False) for bn, w, s in shapes]
         # persistent: the large tiles only (one CTA per SM; these won a block-shape sweep of every GEMM,
         # H200, docs/benchmarks.md "Tried and dropped")
-        steady = [_cfg(w, s, BLOCK_N=bn, BLOCK_K=64, GROUP_M=8, PERSISTENT=True) for bn, w, s in shapes[4:]]
+        steady = [_cfg(w, s, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, PERSISTENT=True) for bn, w, s in shapes[4:]]
         return _kept(per_tile + steady, persistent)
     flag = persistent == "1" or (persistent == "auto" and kind == "interpret")
     for c in base:
@@ -378,13 +386,9 @@ class Launchable:
         self._ptr_pos = [(k, i) for i, k in enumerate(names) if k.endswith("_ptr")]
 
     def kind(self, dtype: torch.dtype) -> tuple[str, ...]:
-        """``(base kind, *variant)``: base ``interpret``, ``tuned32``, ``fixed32``, ``tuned16`` or ``fixed16``."""
-        if interpreting():
-            base = "interpret"
-        elif dtype == torch.float32:
-            base = "tuned32" if autotune_enabled() else "fixed32"
-        else:
-            base = "tuned16" if autotune_enabled() else "fixed16"
+        """``(base kind, *variant)``: base ``interpret``, or ``tuned`` / ``fixed`` and the bits of ``dtype`` (32, 16,
+        8 for e4m3)."""
+        base = "interpret" if interpreting() else ("tuned" if autotune_enabled() else "fixed") + _bits(dtype)
         return (base, self.variant()) if self.variant else (base,)
 
     def tuner(self, dtype: torch.dtype, bucket: int | None = None):
@@ -414,7 +418,7 @@ class Launchable:
     def default_config(self, dtype: torch.dtype, args: tuple, kwargs: dict) -> triton.Config:
         """The configuration a launch takes without autotuning: the first of the fixed list (``MOEBLAZE_AUTOTUNE=0``),
         after the pruning of the launch's arguments."""
-        base = "fixed32" if dtype == torch.float32 else "fixed16"
+        base = "fixed" + _bits(dtype)
         return self.pruned((base, self.variant()) if self.variant else (base,), args, kwargs)[0]
 
     def pruned(self, kind: tuple[str, ...], args: tuple, kwargs: dict) -> list[triton.Config]:

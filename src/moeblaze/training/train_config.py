@@ -92,8 +92,8 @@ class TrainConfig:
     precision: str = _f("auto", "Lightning's names: bf16-mixed = fp32 parameters and optimizer, forward under "
                         "torch.autocast(bfloat16); bf16 = bf16 parameters; fp32 = fp32 throughout (TF32 matmuls "
                         "unless torch's float32 matmul precision is 'highest'); fp8-mixed = bf16-mixed with the "
-                        "expert GEMMs in FP8 (moeblaze.fp8's blockwise recipe; its PyTorch emulation on "
-                        "--backend torch, so on the CPU); auto: bf16-mixed on cuda, fp32 on cpu",
+                        "expert GEMMs in FP8 (moeblaze.fp8's rowwise recipe: the Triton kernels on a Hopper GPU, its "
+                        "PyTorch emulation on --backend torch, so on the CPU); auto: bf16-mixed on cuda, fp32 on cpu",
                         choices=PRECISIONS)
     threads: int = _f(0, "CPU threads for torch (0 = all available cores)")
     eval_interval: int = _f(200, "evaluate validation bits-per-byte every this many steps")
@@ -220,9 +220,9 @@ def resolve_precision(name: str, device: torch.device) -> tuple[str, torch.dtype
 
 
 def fp8_recipe(precision: str) -> Float8Recipe | None:
-    """The FP8 recipe of the MoE layers' experts for a resolved ``--precision``: DeepSeek-V3's blockwise one
-    (1 x 128 activation tiles, 128 x 128 weight blocks; :mod:`moeblaze.fp8`) for ``fp8-mixed``, else None."""
-    return Float8Recipe("blockwise") if precision == "fp8-mixed" else None
+    """The FP8 recipe of the MoE layers' experts for a resolved ``--precision``: the rowwise one (a scale per row
+    along each GEMM's reduction; :mod:`moeblaze.fp8`), which the Triton kernels run, for ``fp8-mixed``; else None."""
+    return Float8Recipe("rowwise") if precision == "fp8-mixed" else None
 
 
 def autocast_context(device: torch.device, dtype: torch.dtype | None):

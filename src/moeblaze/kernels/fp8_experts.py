@@ -1,0 +1,114 @@
+"""The expert block's GEMMs under the rowwise FP8 recipe on the Triton kernels: the ops :class:`moeblaze.experts.
+_Float8Experts` calls, with the signatures of their PyTorch emulation (:mod:`moeblaze.ops_fp8`).
+
+F1, F2, B1 and B3 run the 16-bit path's gather-fused grouped GEMM (:func:`moeblaze.kernels.launch.grouped_gemm`)
+on e4m3 operands with one fp32 scale per row of the activation operand and per weight row along the reduction
+(``FP8`` of :func:`moeblaze.kernels.grouped_gemm.grouped_gemm_kernel`): the e4m3 tensor cores read both K-major,
+so B1 and B3 take transposed e4m3 copies of the weights (``w2^T [E, h, d]``, ``w1^T [E, d, 2h|h]``), quantized
+along their rows as :meth:`moeblaze.fp8.Float8Recipe.quantize_weight` does along ``reduce_cols=False``. The
+activation backward, the router-weight gradient and the combine are the 16-bit path's kernels. The
+weight-gradient GEMMs B2 and B4 run in 16 bits on the unquantized operands (``x`` from its kept e4m3 copy):
+no FP8 kernel of theirs yet, so they are more accurate than the recipe's emulation there.
+
+Operands are quantized by :mod:`moeblaze.fp8` (PyTorch ops) where this module needs them; the fused
+quantization of issue 59 (in the producing kernels' epilogues) is not here yet. Outputs are in the 16-bit
+operands' dtype (``x``'s), weight gradients in ``dw_dtype``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ..activations import DEFAULT_ACT, ActArgs
+from ..dispatch import DispatchIndex
+from ..fp8 import Float8Recipe, Float8Tensor
+from . import experts as kx
+from .fp8_gemm import down_forward_fp8, up_forward_fp8
+from .launch import grouped_gemm
+
+__all__ = ["up_forward", "down_forward", "down_backward", "up_backward"]
+
+
+def _check_rowwise(recipe: Float8Recipe) -> None:
+    if recipe.granularity != "rowwise":
+        raise NotImplementedError(f"fp8 on backend='triton' runs the rowwise recipe (Float8Recipe('rowwise')); "
+                                  f"got {recipe.granularity!r}, whose backward kernels are not written "
+                                  "(backend='torch' emulates it)")
+
+
+def _k_major(recipe: Float8Recipe, w: Tensor) -> Float8Tensor:
+    """``w [E, rows, cols]`` transposed to ``[E, cols, rows]`` (contiguous) and quantized along ``rows``: the
+    K-major e4m3 weight of an input-gradient GEMM, one scale per column of ``w``."""
+    return recipe.quantize_weight(w.transpose(1, 2), reduce_cols=True)
+
+
+def _sched(index: DispatchIndex) -> tuple[Tensor, Tensor, Tensor]:
+    return kx._schedule(index)
+
+
+def up_forward(recipe: Float8Recipe, xq: Float8Tensor, w1: Tensor, index: DispatchIndex, activation: str, *,
+               store_act: bool = True, b1: Tensor | None = None,
+               act_args: ActArgs = DEFAULT_ACT) -> tuple[Tensor, Tensor | None]:
+    """F1 (:func:`moeblaze.ops_fp8.up_forward`): ``(pre [N, 2h|h], act [N, h] | None)`` in ``w1``'s dtype."""
+    _check_rowwise(recipe)
+    pre, act = up_forward_fp8(xq, recipe.quantize_weight(w1, reduce_cols=True), index, activation,
+                              store_act=store_act, out_dtype=w1.dtype, b1=b1, act_args=act_args)
+    return pre, act
+
+
+def down_forward(recipe: Float8Recipe, act: Tensor, w2: Tensor, topk_weights: Tensor, index: DispatchIndex, *,
+                 b2: Tensor | None = None) -> Tensor:
+    """F2-F3 (:func:`moeblaze.ops_fp8.down_forward`): ``out [T, d]`` in ``act``'s dtype."""
+    _check_rowwise(recipe)
+    return down_forward_fp8(recipe.quantize_rows(act), recipe.quantize_weight(w2, reduce_cols=True), topk_weights,
+                            index, b2=b2, out_dtype=act.dtype)
+
+
+def down_backward(recipe: Float8Recipe, dout: Tensor, pre: Tensor, w2: Tensor, topk_weights: Tensor,
+                  index: DispatchIndex, activation: str, need_dw: bool, need_dtw: bool, *, b2: Tensor | None = None,
+                  act_args: ActArgs = DEFAULT_ACT,
+                  dw_dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    """B1 in FP8 (``dact' = dout[token(s)] w2[e]``), then the 16-bit path's activation backward, ``dtopk_weights``
+    and B2 (:func:`moeblaze.ops_fp8.down_backward`). ``pre [N, 2h|h]`` (unit column stride) is overwritten with
+    ``dpre`` and returned: ``(dpre, dw2 | None, dtopk_weights | None)``."""
+    _check_rowwise(recipe)
+    dout = dout.contiguous()
+    pre = pre.to(dout.dtype).contiguous()  # kept in e4m3: dequantized to fp32 by the caller
+    d, h = w2.shape[1], w2.shape[2]
+    gq, wq = recipe.quantize_rows(dout), _k_major(recipe, w2)
+    dact = pre.new_empty(index.num_pairs, h)
+    offsets, indices, sched = index.local_offsets, index.expert_token_indices, _sched(index)
+    grouped_gemm(gq.data, wq.data, dact, offsets, indices, sched, b_nk=True, n_cols=h, k_dim=d, gather_a=True,
+                 a_scale=gq.scale[:, 0], b_scale=wq.scale[..., 0])
+    dw2, dtw = kx.act_bwd_b2(dout, dact, pre, w2, b2, topk_weights, offsets, indices, index.token_index_map,
+                             index.token_expert_indices, activation, *act_args, index.foreign_experts, need_dw,
+                             need_dtw, index.is_general, dw_dtype)
+    return pre, (dw2 if need_dw else None), (dtw if need_dtw else None)
+
+
+def up_backward(recipe: Float8Recipe, dpre: Tensor, xq: Float8Tensor, w1: Tensor, index: DispatchIndex,
+                need_dx: bool, need_dw: bool, *,
+                dw_dtype: torch.dtype | None = None) -> tuple[Tensor | None, Tensor | None]:
+    """B3 in FP8 with the B5 combine (``dx [T, d]`` in ``dpre``'s dtype) and B4 in 16 bits from the kept e4m3
+    ``xq`` (:func:`moeblaze.ops_fp8.up_backward`): ``(dx | None, dw1 | None)``."""
+    _check_rowwise(recipe)
+    rows, d = w1.shape[1], w1.shape[2]
+    T = xq.data.shape[0]
+    offsets, indices, sched = index.local_offsets, index.expert_token_indices, _sched(index)
+    dx = dw1 = None
+    if need_dx:
+        gq, wq = recipe.quantize_rows(dpre), _k_major(recipe, w1)
+        scales = dict(a_scale=gq.scale[:, 0], b_scale=wq.scale[..., 0])
+        if index.token_index_map.shape[1] == 1 and index.pair_offsets is None:  # K = 1: dx[token] directly
+            dx = dpre.new_zeros(T, d) if index.foreign_experts else dpre.new_empty(T, d)
+            if index.num_pairs:
+                grouped_gemm(gq.data, wq.data, dx, offsets, indices, sched, b_nk=True, n_cols=d, k_dim=rows,
+                             gather_a=False, scatter_c=True, **scales)
+        else:
+            dx = kx._gemm_gather_sum(gq.data, wq.data, True, rows, offsets, indices, sched, index.token_index_map,
+                                     None, index.foreign_experts, index.pair_offsets, T, d, rows,
+                                     out_dtype=dpre.dtype, **scales)
+    if need_dw:
+        _, dw1 = kx.up_backward(dpre, xq.dequantize(dpre.dtype), w1, index, False, True, dw_dtype=dw_dtype)
+    return dx, dw1
