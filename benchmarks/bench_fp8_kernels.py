@@ -6,7 +6,8 @@ the largest difference of each FP8 kernel's output from the PyTorch emulation of
 (``moeblaze.ops_fp8``: the same e4m3 operands and scales, fp32 sums; relative to the largest output, so the bf16
 rounding of the stored output is what remains), how far FP8's ``pre`` lies from the bf16 kernel's (the recipe's own
 rounding), and the median time of each kernel (``triton.testing.do_bench``; quantization of the operands not timed)
-with its TFLOP/s (F1 4·N·d·h, F2 2·N·d·h, N = T·K). Both kernels run in this process on the same inputs.
+with its TFLOP/s (F1 4·N·d·h, F2 2·N·d·h, N = T·K), and the time to quantize ``x`` with the recipe's PyTorch ops
+and (rowwise) with the one-launch kernel. Both kernels run in this process on the same inputs.
 
 Blockwise (this module's kernels) promotes each 128-deep K step's product into the fp32 accumulator with its
 scales; rowwise (the 16-bit path's grouped GEMM on e4m3 operands) accumulates over all of K and scales once:
@@ -34,6 +35,7 @@ from moeblaze.fp8 import GRANULARITIES, Float8Recipe
 from moeblaze.kernels import experts as bf16_kernels
 from moeblaze.kernels import tuning
 from moeblaze.kernels.fp8_gemm import down_forward_fp8, up_forward_fp8
+from moeblaze.kernels.fp8_quant import quantize_rows_fp8
 from moeblaze.testing import make_expert_inputs
 
 CONFIGS = {  # name: (T, d, h, E, K)
@@ -77,6 +79,10 @@ def measure(name: str, recipe: Float8Recipe) -> dict:
     for k, v in ms.items():
         row[f"{k}_ms"] = f"{v:.4f}"
         row[f"{k}_tflops"] = f"{flop[k[:2]] / v / 1e9:.0f}"
+    # quantizing x: the recipe's PyTorch ops against the rowwise kernel (one launch; blockwise has none)
+    row["quant_x_torch_ms"] = f"{triton.testing.do_bench(lambda: recipe.quantize_rows(x), warmup=50, rep=300):.4f}"
+    row["quant_x_kernel_ms"] = (f"{triton.testing.do_bench(lambda: quantize_rows_fp8(x), warmup=50, rep=300):.4f}"
+                                if recipe.granularity == "rowwise" else "")
     return row
 
 

@@ -186,10 +186,10 @@ class _Float8Experts(torch.autograd.Function):
         ctx.input_grad = input_grad.bind(x) if input_grad is not None else None
         # autocast's casts of the master weights (moeblaze.amp), quantized as the same call on 16-bit weights would
         w1c, w2c = w1.to(x.dtype), w2.to(x.dtype)
-        xq = recipe.quantize_rows(x)
+        xq = ops.quantize_rows(recipe, x)
         pre, act = ops.up_forward(recipe, xq, w1c, index, activation, b1=b1, act_args=act_args)
         out = ops.down_forward(recipe, act, w2c, topk_weights, index, b2=b2).to(x.dtype)
-        pq = recipe.quantize_rows(pre) if save == "preact" else None
+        pq = ops.quantize_rows(recipe, pre) if save == "preact" else None
         kept_pre = (pq.data, pq.scale) if pq is not None else (None, None)
         ctx.save_for_backward(xq.data, xq.scale, *kept_pre, w1, b1, w2, b2, topk_weights, *index_tensors)
         ctx.recipe, ctx.ops, ctx.activation, ctx.act_args, ctx.dtype = recipe, ops, activation, act_args, x.dtype

@@ -10,9 +10,9 @@ activation backward, the router-weight gradient and the combine are the 16-bit p
 weight-gradient GEMMs B2 and B4 run in 16 bits on the unquantized operands (``x`` from its kept e4m3 copy):
 no FP8 kernel of theirs yet, so they are more accurate than the recipe's emulation there.
 
-Operands are quantized by :mod:`moeblaze.fp8` (PyTorch ops) where this module needs them; the fused
-quantization of issue 59 (in the producing kernels' epilogues) is not here yet. Outputs are in the 16-bit
-operands' dtype (``x``'s), weight gradients in ``dw_dtype``.
+Operands are quantized where this module needs them by one launch per tensor (:func:`quantize_rows`:
+:mod:`moeblaze.kernels.fp8_quant`, bitwise the recipe's), not yet in the producing kernels' epilogues. Outputs are
+in the 16-bit operands' dtype (``x``'s), weight gradients in ``dw_dtype``.
 """
 
 from __future__ import annotations
@@ -25,9 +25,10 @@ from ..dispatch import DispatchIndex
 from ..fp8 import Float8Recipe, Float8Tensor
 from . import experts as kx
 from .fp8_gemm import down_forward_fp8, up_forward_fp8
+from .fp8_quant import quantize_rows_fp8
 from .launch import grouped_gemm
 
-__all__ = ["up_forward", "down_forward", "down_backward", "up_backward"]
+__all__ = ["quantize_rows", "up_forward", "down_forward", "down_backward", "up_backward"]
 
 
 def _check_rowwise(recipe: Float8Recipe) -> None:
@@ -37,10 +38,17 @@ def _check_rowwise(recipe: Float8Recipe) -> None:
                                   "(backend='torch' emulates it)")
 
 
+def quantize_rows(recipe: Float8Recipe, t: Tensor) -> Float8Tensor:
+    """``t [..., R, C]`` quantized with one scale per row (:meth:`moeblaze.fp8.Float8Recipe.quantize_rows` of the
+    rowwise recipe): one launch of :func:`moeblaze.kernels.fp8_quant.quantize_rows_fp8` on CUDA, the recipe's
+    PyTorch ops elsewhere (the CPU interpreter's e4m3 casts differ; DESIGN.md §7)."""
+    return quantize_rows_fp8(t, recipe.pow2_scales) if t.is_cuda else recipe.quantize_rows(t)
+
+
 def _k_major(recipe: Float8Recipe, w: Tensor) -> Float8Tensor:
     """``w [E, rows, cols]`` transposed to ``[E, cols, rows]`` (contiguous) and quantized along ``rows``: the
     K-major e4m3 weight of an input-gradient GEMM, one scale per column of ``w``."""
-    return recipe.quantize_weight(w.transpose(1, 2), reduce_cols=True)
+    return quantize_rows(recipe, w.transpose(1, 2))
 
 
 def _sched(index: DispatchIndex) -> tuple[Tensor, Tensor, Tensor]:
@@ -52,7 +60,7 @@ def up_forward(recipe: Float8Recipe, xq: Float8Tensor, w1: Tensor, index: Dispat
                act_args: ActArgs = DEFAULT_ACT) -> tuple[Tensor, Tensor | None]:
     """F1 (:func:`moeblaze.ops_fp8.up_forward`): ``(pre [N, 2h|h], act [N, h] | None)`` in ``w1``'s dtype."""
     _check_rowwise(recipe)
-    pre, act = up_forward_fp8(xq, recipe.quantize_weight(w1, reduce_cols=True), index, activation,
+    pre, act = up_forward_fp8(xq, quantize_rows(recipe, w1), index, activation,
                               store_act=store_act, out_dtype=w1.dtype, b1=b1, act_args=act_args)
     return pre, act
 
@@ -61,8 +69,8 @@ def down_forward(recipe: Float8Recipe, act: Tensor, w2: Tensor, topk_weights: Te
                  b2: Tensor | None = None) -> Tensor:
     """F2-F3 (:func:`moeblaze.ops_fp8.down_forward`): ``out [T, d]`` in ``act``'s dtype."""
     _check_rowwise(recipe)
-    return down_forward_fp8(recipe.quantize_rows(act), recipe.quantize_weight(w2, reduce_cols=True), topk_weights,
-                            index, b2=b2, out_dtype=act.dtype)
+    return down_forward_fp8(quantize_rows(recipe, act), quantize_rows(recipe, w2), topk_weights, index, b2=b2,
+                            out_dtype=act.dtype)
 
 
 def down_backward(recipe: Float8Recipe, dout: Tensor, pre: Tensor, w2: Tensor, topk_weights: Tensor,
@@ -76,7 +84,7 @@ def down_backward(recipe: Float8Recipe, dout: Tensor, pre: Tensor, w2: Tensor, t
     dout = dout.contiguous()
     pre = pre.to(dout.dtype).contiguous()  # kept in e4m3: dequantized to fp32 by the caller
     d, h = w2.shape[1], w2.shape[2]
-    gq, wq = recipe.quantize_rows(dout), _k_major(recipe, w2)
+    gq, wq = quantize_rows(recipe, dout), _k_major(recipe, w2)
     dact = pre.new_empty(index.num_pairs, h)
     offsets, indices, sched = index.local_offsets, index.expert_token_indices, _sched(index)
     grouped_gemm(gq.data, wq.data, dact, offsets, indices, sched, b_nk=True, n_cols=h, k_dim=d, gather_a=True,
@@ -98,7 +106,7 @@ def up_backward(recipe: Float8Recipe, dpre: Tensor, xq: Float8Tensor, w1: Tensor
     offsets, indices, sched = index.local_offsets, index.expert_token_indices, _sched(index)
     dx = dw1 = None
     if need_dx:
-        gq, wq = recipe.quantize_rows(dpre), _k_major(recipe, w1)
+        gq, wq = quantize_rows(recipe, dpre), _k_major(recipe, w1)
         scales = dict(a_scale=gq.scale[:, 0], b_scale=wq.scale[..., 0])
         if index.token_index_map.shape[1] == 1 and index.pair_offsets is None:  # K = 1: dx[token] directly
             dx = dpre.new_zeros(T, d) if index.foreign_experts else dpre.new_empty(T, d)

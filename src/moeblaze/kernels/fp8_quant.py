@@ -1,0 +1,103 @@
+"""Rowwise e4m3 quantization in one launch: what :meth:`moeblaze.fp8.Float8Recipe.quantize_rows` computes for
+the rowwise recipe (:func:`moeblaze.fp8.quantize_fp8` with ``(1, C)`` tiles), bit for bit on a GPU.
+
+Each program takes ``BLOCK_R`` rows: a first sweep over the columns finds each row's largest magnitude (NaN
+propagated), the scale follows the recipe's rule (``amax / 448``; 1 for a row of zeros; at least the smallest
+normal fp32; rounded up to a power of two with ``POW2``, from its bits: a mantissa of zeros is one already), and a
+second sweep (the rows again, from L2) divides by it with correct rounding, saturates at +-448 and stores e4m3.
+PyTorch's version is five passes over the tensor (abs, amax, division, clamp, cast) and an fp32 copy; this is
+one read (two sweeps of the same rows) and one e4m3 write.
+
+The source is read through its strides, so a weight's transposed view ``w.transpose(1, 2)`` is quantized along
+its rows without a transposed copy first (the K-major operand of B1 / B3): rows ``[..., R, C]`` are flattened to
+``[L * R, C]`` by the strides of the last two dimensions and of one leading one.
+
+Triton's CPU interpreter rounds values below e4m3's smallest normal (2^-6 of the scale) differently from the GPU
+and from torch (DESIGN.md §7): there the stored subnormals may differ by one step; scales and normal values
+agree exactly.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from ..fp8 import E4M3, E4M3_MAX, Float8Tensor
+from . import direct, tuning
+
+__all__ = ["quantize_rows_fp8"]
+
+_TINY = torch.finfo(torch.float32).tiny
+
+
+@triton.jit
+def quantize_rows_kernel(
+    src_ptr,  # [L, R, C] fp32 / fp16 / bf16, any strides (a 2-D source is L = 1)
+    q_ptr,  # [L * R, C] e4m3, contiguous
+    scale_ptr,  # [L * R] fp32 dequantization scale of each row
+    R, C, stride_l, stride_r, stride_c,
+    tiny,  # the smallest normal fp32: the floor of a nonzero row's scale
+    QMAX: tl.constexpr,  # e4m3's largest finite value, 448
+    POW2: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    # program (row block, leading index): BLOCK_R rows of one [R, C] slab
+    lead = tl.program_id(1)
+    local = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_ok = local < R
+    base = src_ptr + lead.to(tl.int64) * stride_l + local.to(tl.int64)[:, None] * stride_r
+    cols = tl.arange(0, BLOCK_C)
+    amax = tl.zeros((BLOCK_R,), dtype=tl.float32)
+    nan = tl.zeros((BLOCK_R,), dtype=tl.int32)  # a NaN in the row: its amax is NaN (tl.max may drop NaNs)
+    for c0 in range(0, C, BLOCK_C):
+        ok = row_ok[:, None] & (cols[None, :] < C - c0)
+        v = tl.load(base + (c0 + cols)[None, :] * stride_c, mask=ok, other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.max(tl.abs(v), axis=1))
+        nan = tl.maximum(nan, tl.max((v != v).to(tl.int32), axis=1))
+    amax = tl.where(nan != 0, float("nan"), amax)
+    scale = tl.math.div_rn(amax, QMAX)
+    scale = tl.where(amax == 0.0, 1.0, tl.where(scale < tiny, tiny, scale))  # a NaN stays (maximum would drop it)
+    if POW2:  # round up to a power of two: keep a zero mantissa, else the next exponent (finite scales only)
+        bits = scale.to(tl.int32, bitcast=True)
+        up = tl.where((bits & 0x7FFFFF) == 0, bits, (bits & 0x7F800000) + 0x800000)
+        finite = (bits & 0x7F800000) != 0x7F800000
+        scale = tl.where(finite, up.to(tl.float32, bitcast=True), scale)
+    flat = lead.to(tl.int64) * R + local
+    tl.store(scale_ptr + flat, scale, mask=row_ok)
+    out = q_ptr + flat[:, None] * C
+    for c0 in range(0, C, BLOCK_C):
+        ok = row_ok[:, None] & (cols[None, :] < C - c0)
+        v = tl.load(base + (c0 + cols)[None, :] * stride_c, mask=ok, other=0.0).to(tl.float32)
+        v = tl.math.div_rn(v, scale[:, None])
+        v = tl.where(v != v, v, tl.minimum(tl.maximum(v, -QMAX), QMAX))  # saturate; a NaN stays NaN
+        tl.store(out + (c0 + cols)[None, :], v.to(tl.float8e4nv), mask=ok)
+
+
+def quantize_rows_fp8(t: Tensor, pow2_scales: bool = False) -> Float8Tensor:
+    """``t [..., R, C]`` (2-D or 3-D, any strides) -> :class:`moeblaze.fp8.Float8Tensor` with ``data [..., R, C]``
+    e4m3 (contiguous), ``scale [..., R, 1]`` fp32 and ``block (1, C)``: one scale per row (module docstring).
+
+    Raises:
+        TypeError: ``t`` not fp32, fp16 or bf16. ValueError: ``t`` not 2-D or 3-D, or on a device the kernels
+            cannot run on (a CPU tensor without ``TRITON_INTERPRET=1``).
+    """
+    if t.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise TypeError(f"quantize_rows_fp8: t must be fp32, fp16 or bf16, got {t.dtype}")
+    if t.dim() not in (2, 3):
+        raise ValueError(f"quantize_rows_fp8: t must be [R, C] or [L, R, C], got shape {tuple(t.shape)}")
+    if not t.is_cuda and not tuning.interpreting():
+        raise ValueError(f"quantize_rows_fp8: t is on {t.device}; the kernel needs CUDA or TRITON_INTERPRET=1")
+    src = t if t.dim() == 3 else t.unsqueeze(0)
+    L, R, C = src.shape
+    q = torch.empty(L * R, C, dtype=E4M3, device=t.device)
+    scale = torch.empty(L * R, dtype=torch.float32, device=t.device)
+    if L * R and C:
+        block_c = min(triton.next_power_of_2(C), 256 if tuning.interpreting() else 1024)
+        block_r = max(1, min(16, 4096 // block_c))
+        direct.launch(quantize_rows_kernel, (tuning.cdiv(R, block_r), L),
+                      src_ptr=src, q_ptr=q, scale_ptr=scale, R=R, C=C, stride_l=src.stride(0), stride_r=src.stride(1),
+                      stride_c=src.stride(2), tiny=_TINY, QMAX=E4M3_MAX, POW2=pow2_scales, BLOCK_R=block_r,
+                      BLOCK_C=block_c)
+    return Float8Tensor(q.view(t.shape), scale.view(*t.shape[:-1], 1), (1, C))
+
