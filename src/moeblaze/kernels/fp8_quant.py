@@ -12,6 +12,12 @@ The source is read through its strides, so a weight's transposed view ``w.transp
 its rows without a transposed copy first (the K-major operand of B1 / B3): rows ``[..., R, C]`` are flattened to
 ``[L * R, C]`` by the strides of the last two dimensions and of one leading one.
 
+:func:`quantize_expert_columns_fp8` quantizes the operand of a weight-gradient GEMM (B2, B4), which sums over
+an expert's slots: one scale per (expert, column) over the expert's slot rows (torchao's per-group column scales),
+optionally after multiplying each slot row by a factor of its token (the row scale of the other, rowwise-quantized
+operand, folded in so that its e4m3 values enter the GEMM unscaled). One program per (expert, column block)
+sweeps the expert's rows twice.
+
 Triton's CPU interpreter rounds values below e4m3's smallest normal (2^-6 of the scale) differently from the GPU
 and from torch (DESIGN.md §7): there the stored subnormals may differ by one step; scales and normal values
 agree exactly.
@@ -27,7 +33,7 @@ from torch import Tensor
 from ..fp8 import E4M3, E4M3_MAX, Float8Tensor
 from . import direct, tuning
 
-__all__ = ["quantize_rows_fp8"]
+__all__ = ["quantize_rows_fp8", "quantize_expert_columns_fp8"]
 
 _TINY = torch.finfo(torch.float32).tiny
 
@@ -56,13 +62,7 @@ def quantize_rows_kernel(
         amax = tl.maximum(amax, tl.max(tl.abs(v), axis=1))
         nan = tl.maximum(nan, tl.max((v != v).to(tl.int32), axis=1))
     amax = tl.where(nan != 0, float("nan"), amax)
-    scale = tl.math.div_rn(amax, QMAX)
-    scale = tl.where(amax == 0.0, 1.0, tl.where(scale < tiny, tiny, scale))  # a NaN stays (maximum would drop it)
-    if POW2:  # round up to a power of two: keep a zero mantissa, else the next exponent (finite scales only)
-        bits = scale.to(tl.int32, bitcast=True)
-        up = tl.where((bits & 0x7FFFFF) == 0, bits, (bits & 0x7F800000) + 0x800000)
-        finite = (bits & 0x7F800000) != 0x7F800000
-        scale = tl.where(finite, up.to(tl.float32, bitcast=True), scale)
+    scale = _scale_of(amax, tiny, QMAX, POW2)
     flat = lead.to(tl.int64) * R + local
     tl.store(scale_ptr + flat, scale, mask=row_ok)
     out = q_ptr + flat[:, None] * C
@@ -101,3 +101,96 @@ def quantize_rows_fp8(t: Tensor, pow2_scales: bool = False) -> Float8Tensor:
                       BLOCK_C=block_c)
     return Float8Tensor(q.view(t.shape), scale.view(*t.shape[:-1], 1), (1, C))
 
+
+@triton.jit
+def quantize_expert_columns_kernel(
+    src_ptr,  # [N, Q] fp32 / fp16 / bf16 slot rows, unit column stride
+    factor_ptr,  # [T] fp32 factor of each token (HAS_FACTOR), slot s times factor[token(s)]
+    q_ptr,  # [N, Q] e4m3, contiguous; the rows of local slots written
+    scale_ptr,  # [E, Q] fp32 dequantization scale of each (expert, column)
+    offsets_ptr,  # [E+1] int32 expert_token_offsets
+    indices_ptr,  # [N] int32 expert_token_indices (slot -> token; HAS_FACTOR)
+    Q, stride_src_m,
+    tiny,  # the smallest normal fp32
+    QMAX: tl.constexpr, HAS_FACTOR: tl.constexpr, POW2: tl.constexpr, BLOCK_S: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+):
+    e = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_Q + tl.arange(0, BLOCK_Q)
+    col_ok = cols < Q
+    start = tl.load(offsets_ptr + e)
+    end = tl.load(offsets_ptr + e + 1)
+    offs = tl.arange(0, BLOCK_S)
+    amax = tl.zeros((BLOCK_Q,), dtype=tl.float32)
+    nan = tl.zeros((BLOCK_Q,), dtype=tl.int32)
+    for s0 in range(start, end, BLOCK_S):
+        v = _slot_values(src_ptr, factor_ptr, indices_ptr, s0 + offs, end, cols, col_ok, stride_src_m, HAS_FACTOR)
+        amax = tl.maximum(amax, tl.max(tl.abs(v), axis=0))
+        nan = tl.maximum(nan, tl.max((v != v).to(tl.int32), axis=0))
+    amax = tl.where(nan != 0, float("nan"), amax)
+    scale = _scale_of(amax, tiny, QMAX, POW2)
+    tl.store(scale_ptr + e.to(tl.int64) * Q + cols, scale, mask=col_ok)
+    for s0 in range(start, end, BLOCK_S):
+        s = s0 + offs
+        v = _slot_values(src_ptr, factor_ptr, indices_ptr, s, end, cols, col_ok, stride_src_m, HAS_FACTOR)
+        v = tl.math.div_rn(v, scale[None, :])
+        v = tl.where(v != v, v, tl.minimum(tl.maximum(v, -QMAX), QMAX))
+        tl.store(q_ptr + s.to(tl.int64)[:, None] * Q + cols[None, :], v.to(tl.float8e4nv),
+                 mask=(s < end)[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _slot_values(src_ptr, factor_ptr, indices_ptr, s, end, cols, col_ok, stride_src_m, HAS_FACTOR: tl.constexpr):
+    """``[BLOCK_S, BLOCK_Q]`` fp32 values of slot rows ``s`` (zeros past ``end``), times their token's factor."""
+    ok = s < end
+    v = tl.load(src_ptr + s.to(tl.int64)[:, None] * stride_src_m + cols[None, :], mask=ok[:, None] & col_ok[None, :],
+                other=0.0).to(tl.float32)
+    if HAS_FACTOR:
+        tokens = tl.load(indices_ptr + s, mask=ok, other=0)
+        v = v * tl.load(factor_ptr + tokens, mask=ok, other=0.0)[:, None]
+    return v
+
+
+@triton.jit
+def _scale_of(amax, tiny, QMAX: tl.constexpr, POW2: tl.constexpr):
+    """The recipe's scale of a block of largest magnitude ``amax`` (module docstring)."""
+    scale = tl.math.div_rn(amax, QMAX)
+    scale = tl.where(amax == 0.0, 1.0, tl.where(scale < tiny, tiny, scale))  # a NaN stays (maximum would drop it)
+    if POW2:  # round up to a power of two: keep a zero mantissa, else the next exponent (finite scales only)
+        bits = scale.to(tl.int32, bitcast=True)
+        up = tl.where((bits & 0x7FFFFF) == 0, bits, (bits & 0x7F800000) + 0x800000)
+        finite = (bits & 0x7F800000) != 0x7F800000
+        scale = tl.where(finite, up.to(tl.float32, bitcast=True), scale)
+    return scale
+
+
+def quantize_expert_columns_fp8(t: Tensor, offsets: Tensor, indices: Tensor, factor: Tensor | None = None,
+                                pow2_scales: bool = False) -> tuple[Tensor, Tensor]:
+    """The slot rows ``t [N, Q]`` (times ``factor[token(s)]`` when given) quantized with one scale per (expert,
+    column) over the expert's slots (module docstring): ``(data [N, Q] e4m3, scale [E, Q] fp32)``, the scale rule
+    of :mod:`moeblaze.fp8` (an empty expert's columns: 1). Rows past ``offsets[E]`` (other ranks' slots) are not
+    written. ``offsets [E+1]``, ``indices [N]`` int32 (the dispatch index's), ``factor [T]`` fp32.
+
+    Raises:
+        TypeError: ``t`` not fp32, fp16 or bf16, or ``factor`` not fp32. ValueError: ``t`` not 2-D with unit column
+            stride and ``N`` rows.
+    """
+    if t.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise TypeError(f"quantize_expert_columns_fp8: t must be fp32, fp16 or bf16, got {t.dtype}")
+    if t.dim() != 2 or t.shape[0] != indices.numel() or (t.shape[1] > 1 and t.stride(1) != 1):
+        raise ValueError(f"quantize_expert_columns_fp8: t must be [N={indices.numel()}, Q] with unit column stride, "
+                         f"got shape {tuple(t.shape)} strides {t.stride()}")
+    if factor is not None and factor.dtype != torch.float32:
+        raise TypeError(f"quantize_expert_columns_fp8: factor must be fp32, got {factor.dtype}")
+    N, Q = t.shape
+    E = offsets.numel() - 1
+    q = torch.empty(N, Q, dtype=E4M3, device=t.device)
+    scale = torch.empty(E, Q, dtype=torch.float32, device=t.device)
+    if E and Q:
+        block_q = min(triton.next_power_of_2(Q), 64 if tuning.interpreting() else 128)
+        direct.launch(quantize_expert_columns_kernel, (E, tuning.cdiv(Q, block_q)),
+                      src_ptr=t, factor_ptr=factor if factor is not None else scale, q_ptr=q, scale_ptr=scale,
+                      offsets_ptr=offsets, indices_ptr=indices, Q=Q, stride_src_m=t.stride(0), tiny=_TINY,
+                      QMAX=E4M3_MAX, HAS_FACTOR=factor is not None, POW2=pow2_scales,
+                      BLOCK_S=16 if tuning.interpreting() else 64, BLOCK_Q=block_q)
+    return q, scale
