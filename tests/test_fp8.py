@@ -444,6 +444,27 @@ def test_general_routing_is_the_top_k_result_bitwise(save):
     assert all(torch.equal(a, b) for a, b in zip(topk, pairs))
 
 
+@pytest.mark.skipif(torch.cuda.is_available() or not moeblaze.backends.triton_available(),
+                    reason="the Triton kernels on CPU tensors need TRITON_INTERPRET=1")
+@pytest.mark.parametrize("K", [1, 3])
+def test_triton_general_routing_is_the_top_k_result(K):
+    """General routing's CSR pairs (token rounding's path) through the Triton FP8 kernels: the top-k result, up to
+    the combine's fp32 summation order; K = 1 scatters into out[token] directly."""
+    recipe = Float8Recipe("rowwise")
+    inputs = make_expert_inputs(40, 48, 24, 6, K, routing="zipf")
+    dout = torch.randn(40, 48)
+    topk = run_and_grad(lambda **kw: moe_experts(**kw, backend="triton", fp8=recipe), inputs, dout)
+
+    def general(x, topk_ids, topk_weights, w_gate_up, w_down):
+        token_idx, expert_idx, pair_weights = topk_to_pairs(topk_ids, topk_weights)
+        return moe_experts_general(x, token_idx, expert_idx, pair_weights, w_gate_up, w_down, backend="triton",
+                                   fp8=recipe)
+
+    pairs = run_and_grad(general, inputs, dout)
+    for name, a, b in zip(NAMES, topk, pairs):
+        assert rel_error(a, b) <= 1e-6, (name, rel_error(a, b))
+
+
 def test_moe_layer_runs_its_experts_under_the_recipe():
     torch.manual_seed(0)
     recipe = Float8Recipe("rowwise")

@@ -128,7 +128,7 @@ def up_backward(recipe: Float8Recipe, dpre: Tensor, xq: Float8Tensor, w1: Tensor
     if need_dx:
         gq, wq = quantize_rows(recipe, dpre), _k_major(recipe, w1)
         scales = dict(a_scale=gq.scale[:, 0], b_scale=wq.scale[..., 0])
-        if index.token_index_map.shape[1] == 1 and index.pair_offsets is None:  # K = 1: dx[token] directly
+        if kx._tokens_pairs(index.token_index_map, index.pair_offsets)[1] == 1:  # K = 1: dx[token] directly
             dx = dpre.new_zeros(T, d) if index.foreign_experts else dpre.new_empty(T, d)
             if index.num_pairs:
                 grouped_gemm(gq.data, wq.data, dx, offsets, indices, sched, b_nk=True, n_cols=d, k_dim=rows,

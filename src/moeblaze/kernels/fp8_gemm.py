@@ -44,6 +44,7 @@ from ..dispatch import DispatchIndex, with_schedule
 from ..fp8 import E4M3, Float8Tensor
 from ..shared_ops import slot_weights
 from . import direct, tuning
+from . import experts as kx
 from .act_math import ACTIVATION_CODES
 from .combine import gather_sum
 from .grouped_gemm import EPILOGUE_ACT_FWD, _epilogue_act_fwd, _epilogue_plain, tile_of
@@ -398,37 +399,39 @@ def down_forward_fp8(actq: Float8Tensor, w2q: Float8Tensor, topk_weights: Tensor
     """F2-F3 of the FP8 path: ``out[t] = sum_k topk_weights[t, k] (act W2[e]^T + b2[e])[map[t, k]]`` in
     ``out_dtype``, from the quantized ``actq`` (``recipe.quantize_rows(act)``, ``[N, h]``) and ``w2q``
     (``recipe.quantize_weight(w2, reduce_cols=True)``, ``[E, d, h]``) — what :func:`moeblaze.ops_fp8.down_forward`
-    emulates; blockwise :func:`fp8_down_kernel`, rowwise the main grouped GEMM (as :func:`up_forward_fp8`). The
-    slot rows ``y`` are fp32 (the combine sums them in fp32); K = 1 writes ``w * y`` straight into
-    ``out[token]``. Top-k indices only (general routing's CSR pairs: not yet).
+    emulates. K = 1 writes ``w * y`` straight into ``out[token]``. Rowwise: the 16-bit path's grouped GEMM and its
+    combine over column chunks of an ``[N, d]`` buffer in ``out_dtype`` (:mod:`moeblaze.kernels.experts`; general
+    routing's CSR pairs too). Blockwise: :func:`fp8_down_kernel` into fp32 slot rows ``y`` and the fp32 combine;
+    top-k indices only.
 
     Raises:
-        ValueError: tiles of neither recipe, a general-routing index, or the launcher's errors.
+        ValueError: tiles of neither recipe, a general-routing index under blockwise, or the launcher's errors.
     """
     rowwise = _rowwise("down_forward_fp8", ("act", "w2"), actq, w2q)
-    if index.pair_offsets is not None:
-        raise ValueError("down_forward_fp8: a general-routing index (pair_offsets) has no FP8 kernel yet")
+    if index.pair_offsets is not None and not rowwise:
+        raise ValueError("down_forward_fp8: a general-routing index (pair_offsets) has no blockwise FP8 kernel")
     sched = with_schedule(index, tuning.block_m(index.num_pairs, index.num_experts)).schedule.tensors()
-    T, K = index.token_index_map.shape
-    d = w2q.data.shape[1]
+    T, K = kx._tokens_pairs(index.token_index_map, index.pair_offsets)
+    d, h = w2q.data.shape[1], w2q.data.shape[2]
     offsets, indices = index.local_offsets, index.expert_token_indices
-
-    def slots(c: Tensor, **kw) -> None:  # y = act W2^T (+ b2) of every slot into c (rows, or tokens: scatter)
-        if rowwise:
-            if index.num_pairs:
-                grouped_gemm(actq.data, w2q.data, c, offsets, indices, sched, b_nk=True, n_cols=d,
-                             k_dim=actq.data.shape[1], gather_a=False, scatter_c=kw.get("scatter", False),
-                             scale=kw.get("scale"), bias=b2, a_scale=_row_scales(actq), b_scale=_row_scales(w2q))
-        else:
-            fp8_down_slots(actq.data, actq.scale, w2q.data, w2q.scale, offsets, indices, sched, c, bias=b2,
-                           block=actq.block[1], **kw)
-
     if K == 1:  # no [N, d] buffer and no combine; tokens of foreign experts are never written: zeros
         new = actq.data.new_zeros if index.foreign_experts else actq.data.new_empty
         out = new(T, d, dtype=out_dtype)
-        slots(out, scatter=True, scale=slot_weights(topk_weights, index.token_index_map, torch.float32))
+        w = slot_weights(topk_weights, index.token_index_map, torch.float32)
+        if rowwise and index.num_pairs:
+            grouped_gemm(actq.data, w2q.data, out, offsets, indices, sched, b_nk=True, n_cols=d, k_dim=h,
+                         gather_a=False, scatter_c=True, scale=w, bias=b2, a_scale=_row_scales(actq),
+                         b_scale=_row_scales(w2q))
+        elif not rowwise:
+            fp8_down_slots(actq.data, actq.scale, w2q.data, w2q.scale, offsets, indices, sched, out, scatter=True,
+                           scale=w, bias=b2, block=actq.block[1])
         return out
+    if rowwise:
+        return kx._gemm_gather_sum(actq.data, w2q.data, True, h, offsets, indices, sched, index.token_index_map,
+                                   topk_weights, index.foreign_experts, index.pair_offsets, T, d, h, bias=b2,
+                                   out_dtype=out_dtype, a_scale=_row_scales(actq), b_scale=_row_scales(w2q))
     y = actq.data.new_empty(index.num_pairs, d, dtype=torch.float32)
-    slots(y)
+    fp8_down_slots(actq.data, actq.scale, w2q.data, w2q.scale, offsets, indices, sched, y, bias=b2,
+                   block=actq.block[1])
     local = index.local_offsets[-1:] if index.foreign_experts else None
     return gather_sum(y, index.token_index_map, topk_weights, out_dtype, local)
