@@ -12,7 +12,8 @@ above the resident memory (gradients and activations), the mean loss of the last
 grouped_mm's, and the median joules per step and SM clock.
 
 ``moeblaze-input`` is moeblaze with ``save="input"`` (x and the index saved; the pre-activation
-recomputed in backward).
+recomputed in backward); ``moeblaze-fp8`` moeblaze with its expert GEMMs under the rowwise FP8 recipe
+(``moeblaze.fp8``; Hopper).
 
 Modes: ``bf16`` (bf16 weights, AdamW on them) and ``amp`` (fp32 weights under ``torch.autocast(bf16)``).
 SonicMoE: transformers' own ``"sonicmoe"`` loads its kernel from the hub; here SonicMoE 0.1.2 installed as
@@ -378,6 +379,8 @@ def main(argv=None) -> None:
     ExpertsInterface.register("sonicmoe-local", sonicmoe_local_forward)
     # moeblaze saving only x and the index (the up-projection recomputed in backward): less memory, more compute
     ExpertsInterface.register("moeblaze-input", moeblaze.integrations.transformers.make_experts_forward(save="input"))
+    ExpertsInterface.register("moeblaze-fp8", moeblaze.integrations.transformers.make_experts_forward(
+        fp8=moeblaze.Float8Recipe("rowwise")))
     corpus = load_corpus(args.data, min_bytes=args.seq_len + 2)
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
