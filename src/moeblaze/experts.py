@@ -210,7 +210,7 @@ class _Float8Experts(torch.autograd.Function):
         if pre_data is None:
             pre, _ = ops.up_forward(recipe, xq, w1c, index, activation, store_act=False, b1=b1, act_args=act_args)
         else:
-            pre = Float8Tensor(pre_data, pre_scale, ctx.blocks[1]).dequantize()
+            pre = ops.dequantize(Float8Tensor(pre_data, pre_scale, ctx.blocks[1]), w1c.dtype)
         dout = dout.contiguous()
         db2 = ops_torch.bias_grad(dout, index, topk_weights) if need[4] else None
         dpre, dw2, dtw = ops.down_backward(recipe, dout, pre, w2c, topk_weights, index, activation, need[3],

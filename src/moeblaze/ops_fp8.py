@@ -36,13 +36,18 @@ from .dispatch import DispatchIndex
 from .fp8 import Float8Recipe, Float8Tensor
 from .shared_ops import slot_weights
 
-__all__ = ["quantize_rows", "up_forward", "down_forward", "down_backward", "up_backward"]
+__all__ = ["quantize_rows", "dequantize", "up_forward", "down_forward", "down_backward", "up_backward"]
 
 
 def quantize_rows(recipe: Float8Recipe, t: Tensor) -> Float8Tensor:
     """An activation-like operand (x, ``pre`` kept for backward) in the recipe's tiles:
     :meth:`moeblaze.fp8.Float8Recipe.quantize_rows`."""
     return recipe.quantize_rows(t)
+
+
+def dequantize(q: Float8Tensor, dtype: torch.dtype) -> Tensor:
+    """``q``'s values in fp32 (the emulation computes in fp32; ``dtype`` is the Triton ops' and unused here)."""
+    return q.dequantize()
 
 
 def up_forward(recipe: Float8Recipe, xq: Float8Tensor, w1: Tensor, index: DispatchIndex, activation: str, *,

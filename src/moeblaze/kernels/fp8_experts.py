@@ -30,7 +30,7 @@ from .fp8_gemm import down_forward_fp8, up_forward_fp8
 from .fp8_quant import quantize_expert_columns_fp8, quantize_rows_fp8
 from .launch import grouped_gemm, grouped_wgrad
 
-__all__ = ["quantize_rows", "up_forward", "down_forward", "down_backward", "up_backward"]
+__all__ = ["quantize_rows", "dequantize", "up_forward", "down_forward", "down_backward", "up_backward"]
 
 
 def _check_rowwise(recipe: Float8Recipe) -> None:
@@ -45,6 +45,20 @@ def quantize_rows(recipe: Float8Recipe, t: Tensor) -> Float8Tensor:
     rowwise recipe): one launch of :func:`moeblaze.kernels.fp8_quant.quantize_rows_fp8` on CUDA, the recipe's
     PyTorch ops elsewhere (the CPU interpreter's e4m3 casts differ; DESIGN.md §7)."""
     return quantize_rows_fp8(t, recipe.pow2_scales) if t.is_cuda else recipe.quantize_rows(t)
+
+
+DEQUANTIZE_ELEMENTS = 1 << 24  # fp32 products per block of :func:`dequantize` (64 MiB)
+
+
+def dequantize(q: Float8Tensor, dtype: torch.dtype) -> Tensor:
+    """The rowwise ``q [R, C]`` in ``dtype``: the fp32 products of :meth:`moeblaze.fp8.Float8Tensor.dequantize`,
+    rounded, a block of rows at a time, so the backward's kept ``pre`` never has a whole fp32 copy (twice its
+    16-bit size) at the backward's peak."""
+    out = torch.empty(q.data.shape, dtype=dtype, device=q.data.device)
+    step = max(1, DEQUANTIZE_ELEMENTS // max(1, q.data.shape[-1]))
+    for r0 in range(0, q.data.shape[0], step):
+        out[r0:r0 + step] = (q.data[r0:r0 + step].float() * q.scale[r0:r0 + step]).to(dtype)
+    return out
 
 
 def _expert_columns(recipe: Float8Recipe, slots: Tensor, rows: Float8Tensor, index: DispatchIndex):
