@@ -357,13 +357,20 @@ def act_bwd_b2(dout, dact, pre, w2, b2, topk_weights, offsets, indices, token_in
     dtw = act_bwd_dtw(dout, dact, pre, w2, b2, topk_weights, offsets, indices, token_index_map, token_expert_indices,
                       activation, alpha, limit, interleaved, foreign, need_dw, need_dtw, general)
     dw2 = None if need_dw else _empty(w2)
-    if need_dw:
-        d, h = w2.shape[1], w2.shape[2]
-        flip = _stored_transposed(w2)  # [E, h, d] storage: the transposed products, viewed back as [E, d, h]
-        dw2 = grouped_wgrad(dout, dact, offsets, indices, p=d, q=h, out_dtype=dw_dtype or w2.dtype, transpose=flip,
-                            slot_desc=not foreign, zero_tail=foreign)  # act_bwd_rows zeroed the tail (foreign)
-        dw2 = dw2.transpose(1, 2) if flip else dw2
+    if need_dw:  # act_bwd_rows zeroed the tail (foreign)
+        dw2 = grad_in_storage(w2, dout, dact, offsets, indices, dw_dtype, False, foreign, zero_tail=foreign)
     return dw2, dtw
+
+
+def grad_in_storage(w, a, b, offsets, indices, dw_dtype, products_transposed, foreign, **kw):
+    """``sum_s a[token(s)]^T b[s]`` (:func:`.launch.grouped_wgrad`) as the gradient of the weight ``w [E, p, q]`` in
+    ``w``'s storage order: the products are ``w``'s transpose when ``products_transposed`` (B4's ``x^T dpre``), and a
+    transposed-view ``w`` (GPT-OSS's layouts) gets them stored through swapped strides, viewed back."""
+    flip = _stored_transposed(w)
+    p, q = w.shape[2:0:-1] if products_transposed else w.shape[1:]
+    dw = grouped_wgrad(a, b, offsets, indices, p=p, q=q, out_dtype=dw_dtype or w.dtype,
+                       transpose=flip != products_transposed, slot_desc=not foreign, **kw)
+    return dw.transpose(1, 2) if flip else dw
 
 
 def act_bwd_dtw(dout, dact, pre, w2, b2, topk_weights, offsets, indices, token_index_map, token_expert_indices,
@@ -459,12 +466,8 @@ def _up_backward_impl(dpre, x, w1, offsets, indices, tile_expert, tile_row, num_
         else:
             dx = _gemm_gather_sum(dpre, w1, False, rows, offsets, indices, sched, token_index_map, None, foreign,
                                   pair_offsets, T, d, rows)
-    if need_dw:
-        # as dW1[e]^T = sum_s x[token]^T dpre[s]: the gathered operand on the A side (moeblaze.kernels.wgrad)
-        flip = _stored_transposed(w1)  # [E, d, rows] storage (GPT-OSS): the plain products, viewed back
-        dw1 = grouped_wgrad(x, dpre, offsets, indices, p=d, q=rows, out_dtype=dw_dtype or w1.dtype,
-                            transpose=not flip, slot_desc=not foreign, zero_tail=foreign)
-        dw1 = dw1.transpose(1, 2) if flip else dw1
+    if need_dw:  # as dW1[e]^T = sum_s x[token]^T dpre[s]: the gathered operand on the A side (kernels.wgrad)
+        dw1 = grad_in_storage(w1, x, dpre, offsets, indices, dw_dtype, True, foreign, zero_tail=foreign)
     return dx, dw1
 
 

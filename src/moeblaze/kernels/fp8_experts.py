@@ -13,8 +13,10 @@ other operand (``w act``, ``dpre``), which is quantized per (expert, column) ove
 sum is multiplied by those scales once.
 
 Operands are quantized where this module needs them by one launch per tensor (:func:`quantize_rows`:
-:mod:`moeblaze.kernels.fp8_quant`, bitwise the recipe's), not yet in the producing kernels' epilogues. Outputs are
-in the 16-bit operands' dtype (``x``'s), weight gradients in ``dw_dtype``.
+:mod:`moeblaze.kernels.fp8_quant`, bitwise the recipe's; the recipe's PyTorch ops on the CPU, where the
+interpreter's e4m3 casts differ), not yet in the producing kernels' epilogues. Outputs are in the 16-bit
+operands' dtype (``x``'s), weight gradients in ``dw_dtype``. Each op is a torch custom op (as
+:mod:`moeblaze.kernels.experts`'), so ``torch.compile(fullgraph=True)`` traces the FP8 layer.
 """
 
 from __future__ import annotations
@@ -22,15 +24,18 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..activations import DEFAULT_ACT, ActArgs
+from ..activations import DEFAULT_ACT, GATED, ActArgs
 from ..dispatch import DispatchIndex
-from ..fp8 import Float8Recipe, Float8Tensor
+from ..fp8 import E4M3, Float8Recipe, Float8Tensor, quantize_fp8, quantize_fp8_slots
 from . import experts as kx
-from .fp8_gemm import down_forward_fp8, up_forward_fp8
+from .custom_ops import call_op
+from .fp8_gemm import down_rowwise, up_rowwise
 from .fp8_quant import quantize_expert_columns_fp8, quantize_rows_fp8
-from .launch import grouped_gemm, grouped_wgrad
+from .launch import grouped_gemm
 
 __all__ = ["quantize_rows", "dequantize", "up_forward", "down_forward", "down_backward", "up_backward"]
+
+DEQUANTIZE_ELEMENTS = 1 << 24  # fp32 products per block of :func:`dequantize` (64 MiB)
 
 
 def _check_rowwise(recipe: Float8Recipe) -> None:
@@ -40,14 +45,47 @@ def _check_rowwise(recipe: Float8Recipe) -> None:
                                   "(backend='torch' emulates it)")
 
 
+def _rows(t: Tensor, pow2: bool) -> Float8Tensor:
+    """``t [..., R, C]`` with one scale per row: one launch on CUDA, the recipe's PyTorch ops elsewhere."""
+    return quantize_rows_fp8(t, pow2) if t.is_cuda else quantize_fp8(t, (1, t.shape[-1]), pow2)
+
+
+def _expert_columns(slots: Tensor, factor: Tensor, offsets: Tensor, indices: Tensor, pow2: bool):
+    """The B operand of a weight-gradient GEMM whose A is rowwise e4m3 read as it is: ``slots [N, Q]`` times
+    ``factor[token(s)]`` (A's row scales), quantized per (expert, column): ``(data [N, Q] e4m3, scale [E, Q])``."""
+    if slots.is_cuda:
+        return quantize_expert_columns_fp8(slots, offsets, indices, factor, pow2)
+    q = quantize_fp8_slots(slots * factor.index_select(0, indices.long())[:, None], offsets, None, pow2)
+    return q.data, q.scale[:offsets.numel() - 1]
+
+
+def _index_args(index: DispatchIndex) -> tuple[Tensor, ...]:
+    return (index.local_offsets, index.expert_token_indices, *kx._schedule(index))
+
+
+# ---------------------------------------------------------------- quantization of x and pre (the autograd's)
+
+def _quantize_rows_impl(t: Tensor, pow2: bool) -> tuple[Tensor, Tensor]:
+    q = _rows(t, pow2)
+    return q.data, q.scale
+
+
+_quantize_rows_op = torch.library.custom_op(
+    "moeblaze::fp8_quantize_rows", _quantize_rows_impl, mutates_args=(),
+    schema="(Tensor t, bool pow2) -> (Tensor, Tensor)")
+
+
+@_quantize_rows_op.register_fake
+def _(t, pow2):
+    return t.new_empty(t.shape, dtype=E4M3), t.new_empty((*t.shape[:-1], 1), dtype=torch.float32)
+
+
 def quantize_rows(recipe: Float8Recipe, t: Tensor) -> Float8Tensor:
     """``t [..., R, C]`` quantized with one scale per row (:meth:`moeblaze.fp8.Float8Recipe.quantize_rows` of the
     rowwise recipe): one launch of :func:`moeblaze.kernels.fp8_quant.quantize_rows_fp8` on CUDA, the recipe's
     PyTorch ops elsewhere (the CPU interpreter's e4m3 casts differ; DESIGN.md §7)."""
-    return quantize_rows_fp8(t, recipe.pow2_scales) if t.is_cuda else recipe.quantize_rows(t)
-
-
-DEQUANTIZE_ELEMENTS = 1 << 24  # fp32 products per block of :func:`dequantize` (64 MiB)
+    data, scale = call_op(_quantize_rows_op, _quantize_rows_impl, t, recipe.pow2_scales)
+    return Float8Tensor(data, scale, (1, t.shape[-1]))
 
 
 def dequantize(q: Float8Tensor, dtype: torch.dtype) -> Tensor:
@@ -61,25 +99,26 @@ def dequantize(q: Float8Tensor, dtype: torch.dtype) -> Tensor:
     return out
 
 
-def _expert_columns(recipe: Float8Recipe, slots: Tensor, rows: Float8Tensor, index: DispatchIndex):
-    """The B operand of a weight-gradient GEMM whose A is the rowwise e4m3 ``rows`` read as they are: ``slots [N,
-    Q]`` times the row scale of their token, quantized per (expert, column): ``(data [N, Q] e4m3, scale [E, Q])``.
-    One launch on CUDA (:func:`moeblaze.kernels.fp8_quant.quantize_expert_columns_fp8`), PyTorch ops elsewhere."""
-    offsets, indices, factor = index.local_offsets, index.expert_token_indices, rows.scale[:, 0]
-    if slots.is_cuda:
-        return quantize_expert_columns_fp8(slots, offsets, indices, factor, recipe.pow2_scales)
-    q = recipe.quantize_slots(slots * factor.index_select(0, indices.long())[:, None], offsets)
-    return q.data, q.scale[:offsets.numel() - 1]
+# ---------------------------------------------------------------- F1
+
+def _up_impl(xq, xs, w1, b1, offsets, indices, tile_expert, tile_row, num_tiles, activation, alpha, limit,
+             store_act, pow2):
+    return up_rowwise(Float8Tensor(xq, xs, (1, xq.shape[1])), _rows(w1, pow2), offsets, indices,
+                      (tile_expert, tile_row, num_tiles), activation, True, store_act, w1.dtype, b1, alpha, limit)
 
 
-def _k_major(recipe: Float8Recipe, w: Tensor) -> Float8Tensor:
-    """``w [E, rows, cols]`` transposed to ``[E, cols, rows]`` (contiguous) and quantized along ``rows``: the
-    K-major e4m3 weight of an input-gradient GEMM, one scale per column of ``w``."""
-    return quantize_rows(recipe, w.transpose(1, 2))
+_up_op = torch.library.custom_op(
+    "moeblaze::fp8_up_forward", _up_impl, mutates_args=(),
+    schema="(Tensor xq, Tensor xs, Tensor w1, Tensor? b1, Tensor offsets, Tensor indices, Tensor tile_expert, "
+           "Tensor tile_row, Tensor num_tiles, str activation, float alpha, float limit, bool store_act, "
+           "bool pow2) -> (Tensor, Tensor)")
 
 
-def _sched(index: DispatchIndex) -> tuple[Tensor, Tensor, Tensor]:
-    return kx._schedule(index)
+@_up_op.register_fake
+def _(xq, xs, w1, b1, offsets, indices, tile_expert, tile_row, num_tiles, activation, alpha, limit, store_act, pow2):
+    N, rows = indices.shape[0], w1.shape[1]
+    h = rows // 2 if activation in GATED else rows
+    return w1.new_empty(N, rows), w1.new_empty((N, h) if store_act else (0,))
 
 
 def up_forward(recipe: Float8Recipe, xq: Float8Tensor, w1: Tensor, index: DispatchIndex, activation: str, *,
@@ -87,74 +126,143 @@ def up_forward(recipe: Float8Recipe, xq: Float8Tensor, w1: Tensor, index: Dispat
                act_args: ActArgs = DEFAULT_ACT) -> tuple[Tensor, Tensor | None]:
     """F1 (:func:`moeblaze.ops_fp8.up_forward`): ``(pre [N, 2h|h], act [N, h] | None)`` in ``w1``'s dtype."""
     _check_rowwise(recipe)
-    pre, act = up_forward_fp8(xq, quantize_rows(recipe, w1), index, activation,
-                              store_act=store_act, out_dtype=w1.dtype, b1=b1, act_args=act_args)
-    return pre, act
+    if act_args.interleaved:
+        raise ValueError("fp8 on backend='triton': an interleaved w_gate_up has no FP8 kernel yet")
+    pre, act = call_op(_up_op, _up_impl, xq.data, xq.scale, w1, b1, *_index_args(index), activation,
+                       act_args.alpha, act_args.limit, store_act, recipe.pow2_scales)
+    return pre, (act if store_act else None)
+
+
+# ---------------------------------------------------------------- F2-F3
+
+def _down_impl(act, w2, b2, topk_weights, offsets, indices, tile_expert, tile_row, num_tiles, token_index_map,
+               foreign, pair_offsets, pow2):
+    return down_rowwise(_rows(act, pow2), _rows(w2, pow2), topk_weights, offsets, indices,
+                        (tile_expert, tile_row, num_tiles), token_index_map, foreign, pair_offsets, b2, act.dtype)
+
+
+_down_op = torch.library.custom_op(
+    "moeblaze::fp8_down_forward", _down_impl, mutates_args=(),
+    schema="(Tensor act, Tensor w2, Tensor? b2, Tensor topk_weights, Tensor offsets, Tensor indices, "
+           "Tensor tile_expert, Tensor tile_row, Tensor num_tiles, Tensor token_index_map, bool foreign, "
+           "Tensor? pair_offsets, bool pow2) -> Tensor")
+
+
+@_down_op.register_fake
+def _(act, w2, b2, topk_weights, offsets, indices, tile_expert, tile_row, num_tiles, token_index_map, foreign,
+      pair_offsets, pow2):
+    return act.new_empty(kx._tokens_pairs(token_index_map, pair_offsets)[0], w2.shape[1])
 
 
 def down_forward(recipe: Float8Recipe, act: Tensor, w2: Tensor, topk_weights: Tensor, index: DispatchIndex, *,
                  b2: Tensor | None = None) -> Tensor:
     """F2-F3 (:func:`moeblaze.ops_fp8.down_forward`): ``out [T, d]`` in ``act``'s dtype."""
     _check_rowwise(recipe)
-    return down_forward_fp8(quantize_rows(recipe, act), quantize_rows(recipe, w2), topk_weights, index, b2=b2,
-                            out_dtype=act.dtype)
+    return call_op(_down_op, _down_impl, act, w2, b2, topk_weights, *_index_args(index), index.token_index_map,
+                   index.foreign_experts, index.pair_offsets, recipe.pow2_scales)
+
+
+# ---------------------------------------------------------------- B1-B2
+
+def _down_backward_impl(dout, pre, w2, b2, topk_weights, offsets, indices, tile_expert, tile_row, num_tiles,
+                        token_index_map, token_expert_indices, activation, alpha, limit, interleaved, foreign,
+                        need_dw, need_dtw, general, dw_dtype, pow2):
+    # B1 in FP8, then the 16-bit path's activation backward (dpre over pre, w act over dact') and dtopk_weights;
+    # B2 dW2[e] = sum_s dout[token(s)]^T (w act)[s] on dout's e4m3 rows, their scales folded into w act
+    d, h = w2.shape[1], w2.shape[2]
+    gq, wq = _rows(dout, pow2), _rows(w2.transpose(1, 2), pow2)  # w2^T [E, h, d]: K-major, a scale per column
+    dact = pre.new_empty(indices.numel(), h)
+    sched = (tile_expert, tile_row, num_tiles)
+    grouped_gemm(gq.data, wq.data, dact, offsets, indices, sched, b_nk=True, n_cols=h, k_dim=d, gather_a=True,
+                 a_scale=gq.scale[:, 0], b_scale=wq.scale[..., 0])
+    dtw = kx.act_bwd_dtw(dout, dact, pre, w2, b2, topk_weights, offsets, indices, token_index_map,
+                         token_expert_indices, activation, alpha, limit, interleaved, foreign, need_dw, need_dtw,
+                         general)
+    dw2 = kx._empty(w2)
+    if need_dw:
+        bq, bs = _expert_columns(dact, gq.scale[:, 0], offsets, indices, pow2)
+        dw2 = kx.grad_in_storage(w2, gq.data, bq, offsets, indices, dw_dtype, False, foreign, b_scale=bs)
+    return dw2, dtw
+
+
+_down_backward_op = torch.library.custom_op(
+    "moeblaze::fp8_down_backward", _down_backward_impl, mutates_args=("pre",),
+    schema="(Tensor dout, Tensor(a!) pre, Tensor w2, Tensor? b2, Tensor topk_weights, Tensor offsets, "
+           "Tensor indices, Tensor tile_expert, Tensor tile_row, Tensor num_tiles, Tensor token_index_map, "
+           "Tensor token_expert_indices, str activation, float alpha, float limit, bool interleaved, bool foreign, "
+           "bool need_dw, bool need_dtw, bool general, ScalarType? dw_dtype, bool pow2) -> (Tensor, Tensor)")
+
+
+@_down_backward_op.register_fake
+def _(dout, pre, w2, b2, topk_weights, offsets, indices, tile_expert, tile_row, num_tiles, token_index_map,
+      token_expert_indices, activation, alpha, limit, interleaved, foreign, need_dw, need_dtw, general, dw_dtype,
+      pow2):
+    return (kx._like_weight(w2, dw_dtype) if need_dw else kx._empty(w2),
+            topk_weights.new_empty(token_index_map.shape) if need_dtw else kx._empty(topk_weights))
 
 
 def down_backward(recipe: Float8Recipe, dout: Tensor, pre: Tensor, w2: Tensor, topk_weights: Tensor,
                   index: DispatchIndex, activation: str, need_dw: bool, need_dtw: bool, *, b2: Tensor | None = None,
                   act_args: ActArgs = DEFAULT_ACT,
                   dw_dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor | None, Tensor | None]:
-    """B1 in FP8 (``dact' = dout[token(s)] w2[e]``), then the 16-bit path's activation backward, ``dtopk_weights``
-    and B2 (:func:`moeblaze.ops_fp8.down_backward`). ``pre [N, 2h|h]`` (unit column stride) is overwritten with
-    ``dpre`` and returned: ``(dpre, dw2 | None, dtopk_weights | None)``."""
+    """B1 in FP8 (``dact' = dout[token(s)] w2[e]``), the 16-bit path's activation backward and ``dtopk_weights``,
+    B2 in FP8 (:func:`moeblaze.ops_fp8.down_backward`). ``pre [N, 2h|h]`` (in ``dout``'s dtype, unit column stride:
+    else a copy) is overwritten with ``dpre`` and returned: ``(dpre, dw2 | None, dtopk_weights | None)``."""
     _check_rowwise(recipe)
-    dout = dout.contiguous()
-    pre = pre.to(dout.dtype).contiguous()  # kept in e4m3: dequantized to fp32 by the caller
-    d, h = w2.shape[1], w2.shape[2]
-    gq, wq = quantize_rows(recipe, dout), _k_major(recipe, w2)
-    dact = pre.new_empty(index.num_pairs, h)
-    offsets, indices, sched = index.local_offsets, index.expert_token_indices, _sched(index)
-    grouped_gemm(gq.data, wq.data, dact, offsets, indices, sched, b_nk=True, n_cols=h, k_dim=d, gather_a=True,
-                 a_scale=gq.scale[:, 0], b_scale=wq.scale[..., 0])
-    dtw = kx.act_bwd_dtw(dout, dact, pre, w2, b2, topk_weights, offsets, indices, index.token_index_map,
-                         index.token_expert_indices, activation, *act_args, index.foreign_experts, need_dw, need_dtw,
-                         index.is_general)
-    dw2 = None
-    if need_dw:  # B2 dW2[e] = sum_s dout[token(s)]^T (w act)[s], dact' now holding w act
-        bq, bs = _expert_columns(recipe, dact, gq, index)
-        flip = kx._stored_transposed(w2)  # [E, h, d] storage: the transposed products, viewed back as [E, d, h]
-        dw2 = grouped_wgrad(gq.data, bq, offsets, indices, p=d, q=h, out_dtype=dw_dtype or w2.dtype, transpose=flip,
-                            slot_desc=not index.foreign_experts, b_scale=bs)
-        dw2 = dw2.transpose(1, 2) if flip else dw2
-    return pre, dw2, (dtw if need_dtw else None)
+    dout, pre = dout.contiguous(), pre.to(dout.dtype).contiguous()
+    dw2, dtw = call_op(_down_backward_op, _down_backward_impl, dout, pre, w2, b2, topk_weights, *_index_args(index),
+                       index.token_index_map, index.token_expert_indices, activation, *act_args,
+                       index.foreign_experts, need_dw, need_dtw, index.is_general, dw_dtype, recipe.pow2_scales,
+                       mutated=(pre,))
+    return pre, (dw2 if need_dw else None), (dtw if need_dtw else None)
+
+
+# ---------------------------------------------------------------- B3-B5, B4
+
+def _up_backward_impl(dpre, xq, xs, w1, offsets, indices, tile_expert, tile_row, num_tiles, token_index_map, foreign,
+                      need_dx, need_dw, pair_offsets, dw_dtype, pow2):
+    rows, d = w1.shape[1], w1.shape[2]
+    T = xq.shape[0]
+    sched = (tile_expert, tile_row, num_tiles)
+    dx, dw1 = kx._empty(dpre), kx._empty(w1)
+    if need_dx:  # B3 on dpre's e4m3 rows and w1^T [E, d, 2h|h] (K-major, a scale per column of w1), B5 combine
+        gq, wq = _rows(dpre, pow2), _rows(w1.transpose(1, 2), pow2)
+        scales = dict(a_scale=gq.scale[:, 0], b_scale=wq.scale[..., 0])
+        if kx._tokens_pairs(token_index_map, pair_offsets)[1] == 1:  # K = 1: dx[token] directly
+            dx = dpre.new_zeros(T, d) if foreign else dpre.new_empty(T, d)
+            if indices.numel():
+                grouped_gemm(gq.data, wq.data, dx, offsets, indices, sched, b_nk=True, n_cols=d, k_dim=rows,
+                             gather_a=False, scatter_c=True, **scales)
+        else:
+            dx = kx._gemm_gather_sum(gq.data, wq.data, True, rows, offsets, indices, sched, token_index_map, None,
+                                     foreign, pair_offsets, T, d, rows, out_dtype=dpre.dtype, **scales)
+    if need_dw:  # B4 dW1[e]^T = sum_s x[token(s)]^T dpre[s] on the kept e4m3 x, its scales folded into dpre
+        bq, bs = _expert_columns(dpre, xs[:, 0], offsets, indices, pow2)
+        dw1 = kx.grad_in_storage(w1, xq, bq, offsets, indices, dw_dtype, True, foreign, b_scale=bs)
+    return dx, dw1
+
+
+_up_backward_op = torch.library.custom_op(
+    "moeblaze::fp8_up_backward", _up_backward_impl, mutates_args=(),
+    schema="(Tensor dpre, Tensor xq, Tensor xs, Tensor w1, Tensor offsets, Tensor indices, Tensor tile_expert, "
+           "Tensor tile_row, Tensor num_tiles, Tensor token_index_map, bool foreign, bool need_dx, bool need_dw, "
+           "Tensor? pair_offsets, ScalarType? dw_dtype, bool pow2) -> (Tensor, Tensor)")
+
+
+@_up_backward_op.register_fake
+def _(dpre, xq, xs, w1, offsets, indices, tile_expert, tile_row, num_tiles, token_index_map, foreign, need_dx,
+      need_dw, pair_offsets, dw_dtype, pow2):
+    return (dpre.new_empty(xq.shape) if need_dx else kx._empty(dpre),
+            kx._like_weight(w1, dw_dtype) if need_dw else kx._empty(w1))
 
 
 def up_backward(recipe: Float8Recipe, dpre: Tensor, xq: Float8Tensor, w1: Tensor, index: DispatchIndex,
                 need_dx: bool, need_dw: bool, *,
                 dw_dtype: torch.dtype | None = None) -> tuple[Tensor | None, Tensor | None]:
-    """B3 in FP8 with the B5 combine (``dx [T, d]`` in ``dpre``'s dtype) and B4 in 16 bits from the kept e4m3
-    ``xq`` (:func:`moeblaze.ops_fp8.up_backward`): ``(dx | None, dw1 | None)``."""
+    """B3 in FP8 with the B5 combine (``dx [T, d]`` in ``dpre``'s dtype) and B4 in FP8 from the kept e4m3 ``xq``
+    (:func:`moeblaze.ops_fp8.up_backward`): ``(dx | None, dw1 | None)``."""
     _check_rowwise(recipe)
-    rows, d = w1.shape[1], w1.shape[2]
-    T = xq.data.shape[0]
-    offsets, indices, sched = index.local_offsets, index.expert_token_indices, _sched(index)
-    dx = dw1 = None
-    if need_dx:
-        gq, wq = quantize_rows(recipe, dpre), _k_major(recipe, w1)
-        scales = dict(a_scale=gq.scale[:, 0], b_scale=wq.scale[..., 0])
-        if kx._tokens_pairs(index.token_index_map, index.pair_offsets)[1] == 1:  # K = 1: dx[token] directly
-            dx = dpre.new_zeros(T, d) if index.foreign_experts else dpre.new_empty(T, d)
-            if index.num_pairs:
-                grouped_gemm(gq.data, wq.data, dx, offsets, indices, sched, b_nk=True, n_cols=d, k_dim=rows,
-                             gather_a=False, scatter_c=True, **scales)
-        else:
-            dx = kx._gemm_gather_sum(gq.data, wq.data, True, rows, offsets, indices, sched, index.token_index_map,
-                                     None, index.foreign_experts, index.pair_offsets, T, d, rows,
-                                     out_dtype=dpre.dtype, **scales)
-    if need_dw:  # B4 dW1[e]^T = sum_s x[token(s)]^T dpre[s] from the kept e4m3 x
-        bq, bs = _expert_columns(recipe, dpre, xq, index)
-        flip = kx._stored_transposed(w1)  # [E, d, rows] storage (GPT-OSS): the plain products, viewed back
-        dw1 = grouped_wgrad(xq.data, bq, offsets, indices, p=d, q=rows, out_dtype=dw_dtype or w1.dtype,
-                            transpose=not flip, slot_desc=not index.foreign_experts, b_scale=bs)
-        dw1 = dw1.transpose(1, 2) if flip else dw1
-    return dx, dw1
+    dx, dw1 = call_op(_up_backward_op, _up_backward_impl, dpre.contiguous(), xq.data, xq.scale, w1,
+                      *_index_args(index), index.token_index_map, index.foreign_experts, need_dx, need_dw,
+                      index.pair_offsets, dw_dtype, recipe.pow2_scales)
+    return (dx if need_dx else None), (dw1 if need_dw else None)

@@ -345,19 +345,29 @@ def up_forward_fp8(xq: Float8Tensor, w1q: Float8Tensor, index: DispatchIndex, ac
                                   store_act=store_act, out_dtype=out_dtype, bias=b1, alpha=act_args.alpha,
                                   limit=act_args.limit, block=xq.block[1])
         return (pre if store_pre else None), (act if store_act else None)
+    pre, act = up_rowwise(xq, w1q, index.local_offsets, index.expert_token_indices, sched, activation, store_pre,
+                          store_act, out_dtype, b1, act_args.alpha, act_args.limit)
+    return (pre if store_pre else None), (act if store_act else None)
+
+
+def up_rowwise(xq: Float8Tensor, w1q: Float8Tensor, offsets: Tensor, indices: Tensor,
+               sched: tuple[Tensor, Tensor, Tensor], activation: str, store_pre: bool, store_act: bool,
+               out_dtype: torch.dtype, b1: Tensor | None, alpha: float, limit: float) -> tuple[Tensor, Tensor]:
+    """F1 of the rowwise recipe on the grouped GEMM (:func:`up_forward_fp8`, from the index's tensors): ``(pre,
+    act)`` in ``out_dtype``, an output not asked for an empty tensor."""
     check_activation(activation)
     rows, d = w1q.data.shape[1:]
     h = rows // 2 if activation in GATED else rows
-    N = index.num_pairs
+    N = indices.numel()
     pre = xq.data.new_empty((N, rows) if store_pre else (0,), dtype=out_dtype)
     act = xq.data.new_empty((N, h) if store_act else (0,), dtype=out_dtype)
     if store_pre or store_act:
-        grouped_gemm(xq.data, w1q.data, pre if store_pre else act, index.local_offsets, index.expert_token_indices,
-                     sched, b_nk=True, n_cols=h, k_dim=d, gather_a=True, up_off=h, epilogue=EPILOGUE_ACT_FWD.value,
+        grouped_gemm(xq.data, w1q.data, pre if store_pre else act, offsets, indices, sched, b_nk=True, n_cols=h,
+                     k_dim=d, gather_a=True, up_off=h, epilogue=EPILOGUE_ACT_FWD.value,
                      activation=ACTIVATION_CODES[activation], dual=activation in GATED, store_pre=store_pre,
-                     aux=act if store_act else None, store_aux=store_act, bias=b1, alpha=act_args.alpha,
-                     limit=act_args.limit, a_scale=_row_scales(xq), b_scale=_row_scales(w1q))
-    return (pre if store_pre else None), (act if store_act else None)
+                     aux=act if store_act else None, store_aux=store_act, bias=b1, alpha=alpha, limit=limit,
+                     a_scale=_row_scales(xq), b_scale=_row_scales(w1q))
+    return pre, act
 
 
 def fp8_down_slots(aq: Tensor, a_scale: Tensor, wq: Tensor, w_scale: Tensor, offsets: Tensor, indices: Tensor,
@@ -411,27 +421,40 @@ def down_forward_fp8(actq: Float8Tensor, w2q: Float8Tensor, topk_weights: Tensor
     if index.pair_offsets is not None and not rowwise:
         raise ValueError("down_forward_fp8: a general-routing index (pair_offsets) has no blockwise FP8 kernel")
     sched = with_schedule(index, tuning.block_m(index.num_pairs, index.num_experts)).schedule.tensors()
-    T, K = kx._tokens_pairs(index.token_index_map, index.pair_offsets)
-    d, h = w2q.data.shape[1], w2q.data.shape[2]
     offsets, indices = index.local_offsets, index.expert_token_indices
+    if rowwise:
+        return down_rowwise(actq, w2q, topk_weights, offsets, indices, sched, index.token_index_map,
+                            index.foreign_experts, index.pair_offsets, b2, out_dtype)
+    T, K = index.token_index_map.shape
+    d = w2q.data.shape[1]
     if K == 1:  # no [N, d] buffer and no combine; tokens of foreign experts are never written: zeros
         new = actq.data.new_zeros if index.foreign_experts else actq.data.new_empty
         out = new(T, d, dtype=out_dtype)
         w = slot_weights(topk_weights, index.token_index_map, torch.float32)
-        if rowwise and index.num_pairs:
-            grouped_gemm(actq.data, w2q.data, out, offsets, indices, sched, b_nk=True, n_cols=d, k_dim=h,
-                         gather_a=False, scatter_c=True, scale=w, bias=b2, a_scale=_row_scales(actq),
-                         b_scale=_row_scales(w2q))
-        elif not rowwise:
-            fp8_down_slots(actq.data, actq.scale, w2q.data, w2q.scale, offsets, indices, sched, out, scatter=True,
-                           scale=w, bias=b2, block=actq.block[1])
+        fp8_down_slots(actq.data, actq.scale, w2q.data, w2q.scale, offsets, indices, sched, out, scatter=True,
+                       scale=w, bias=b2, block=actq.block[1])
         return out
-    if rowwise:
-        return kx._gemm_gather_sum(actq.data, w2q.data, True, h, offsets, indices, sched, index.token_index_map,
-                                   topk_weights, index.foreign_experts, index.pair_offsets, T, d, h, bias=b2,
-                                   out_dtype=out_dtype, a_scale=_row_scales(actq), b_scale=_row_scales(w2q))
     y = actq.data.new_empty(index.num_pairs, d, dtype=torch.float32)
     fp8_down_slots(actq.data, actq.scale, w2q.data, w2q.scale, offsets, indices, sched, y, bias=b2,
                    block=actq.block[1])
     local = index.local_offsets[-1:] if index.foreign_experts else None
     return gather_sum(y, index.token_index_map, topk_weights, out_dtype, local)
+
+
+def down_rowwise(actq: Float8Tensor, w2q: Float8Tensor, topk_weights: Tensor, offsets: Tensor, indices: Tensor,
+                 sched: tuple[Tensor, Tensor, Tensor], token_index_map: Tensor, foreign: bool,
+                 pair_offsets: Tensor | None, b2: Tensor | None, out_dtype: torch.dtype) -> Tensor:
+    """F2-F3 of the rowwise recipe (:func:`down_forward_fp8`, from the index's tensors): the grouped GEMM scattering
+    ``w * y`` into ``out[token]`` for K = 1, else over column chunks with the 16-bit path's combine."""
+    T, K = kx._tokens_pairs(token_index_map, pair_offsets)
+    d, h = w2q.data.shape[1], w2q.data.shape[2]
+    scales = dict(a_scale=_row_scales(actq), b_scale=_row_scales(w2q))
+    if K == 1:  # no [N, d] buffer and no combine; tokens of foreign experts are never written: zeros
+        out = (actq.data.new_zeros if foreign else actq.data.new_empty)(T, d, dtype=out_dtype)
+        if indices.numel():
+            grouped_gemm(actq.data, w2q.data, out, offsets, indices, sched, b_nk=True, n_cols=d, k_dim=h,
+                         gather_a=False, scatter_c=True, scale=slot_weights(topk_weights, token_index_map,
+                                                                           torch.float32), bias=b2, **scales)
+        return out
+    return kx._gemm_gather_sum(actq.data, w2q.data, True, h, offsets, indices, sched, token_index_map, topk_weights,
+                               foreign, pair_offsets, T, d, h, bias=b2, out_dtype=out_dtype, **scales)
