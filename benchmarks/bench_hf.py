@@ -31,7 +31,7 @@ scripts/quack_cache.sh does).
 ``--peak run`` (default) resets the allocator's peak statistics before each warm-up step and before the first
 timed step, then never again, as a training loop that does not reset them: a row's ``peak_mib`` is the peak
 since then, and the layers of a step that run away from that peak may use the room below it (moeblaze's
-column chunks, ``moeblaze.kernels.experts.column_chunks``) without raising it. ``--peak step`` resets them
+column chunks, ``moeblaze.kernels.chunks.column_chunks``) without raising it. ``--peak step`` resets them
 before every step (each row's peak is its own step's; moeblaze's forward then has no room and runs F2 in the
 capped chunks). The reported peak, the largest row's, is the same in both for an implementation that never
 exceeds an earlier peak.

@@ -31,7 +31,7 @@ from moeblaze import build_dispatch, settings
 from moeblaze.bench.results import git_commit
 from moeblaze.bench.runner import graph_replay_ms
 from moeblaze.kernels import launch
-from moeblaze.kernels.experts import column_chunks
+from moeblaze.kernels.chunks import column_chunks
 
 SHAPES = "2048:2048:768:128:8,8192:2048:768:128:8,32768:2048:768:128:8,16384:1536:1024:128:2,16384:2048:512:512:10"
 

@@ -1,4 +1,4 @@
-"""F2/F3 and B3/B5 in column chunks of d (setting ``chunk_cols``, ``moeblaze.kernels.experts.column_chunks``).
+"""F2/F3 and B3/B5 in column chunks of d (setting ``chunk_cols``, ``moeblaze.kernels.chunks.column_chunks``).
 
 Each chunk's GEMM reads its columns of the whole weight (``grouped_gemm(..., n_start=)``) into one ``[N, width]``
 buffer whose gather-sum fills those columns of ``out`` / ``dx``. CPU: the interpreter in fp32/fp16 (both TMA
@@ -12,7 +12,7 @@ import torch
 import moeblaze
 from moeblaze import build_dispatch, moe_experts
 from moeblaze.kernels import launch
-from moeblaze.kernels.experts import column_chunks, peak_headroom
+from moeblaze.kernels.chunks import column_chunks, peak_headroom
 from moeblaze.kernels.grouped_gemm import B_DESC_KN, B_DESC_NK, EPILOGUE_ACT_FWD
 from moeblaze.testing import rel_error, run_and_grad
 from test_experts_triton import DEVICE, NAMES, check_against_reference, gpu, inputs, kernels_runnable, needs_cuda
@@ -163,10 +163,10 @@ def test_chunk_rule_headroom():
 def test_slot_buffer_falls_back_to_capped_chunks_on_out_of_memory(monkeypatch):
     """A wide buffer that fits the headroom but not the free memory falls back to the capped chunks; an
     out-of-memory error of the capped buffer itself is not swallowed."""
-    from moeblaze.kernels import experts
+    from moeblaze.kernels import chunks
 
     N, d, h = 65536 * 8, 2048, 768
-    monkeypatch.setattr(experts, "peak_headroom", lambda device: 10**15)
+    monkeypatch.setattr(chunks, "peak_headroom", lambda device: 10**15)
 
     class Fake:  # a tensor stand-in whose allocations over `limit` columns fail as the CUDA allocator would
         def __init__(self, limit):
@@ -180,11 +180,11 @@ def test_slot_buffer_falls_back_to_capped_chunks_on_out_of_memory(monkeypatch):
                 raise torch.OutOfMemoryError("fake: out of memory")
             return (rows, cols)
 
-    assert experts._slot_buffer(Fake(limit=4096), N, d, h) == ([(0, 2048)], (N, 2048))
+    assert chunks._slot_buffer(Fake(limit=4096), N, d, h) == ([(0, 2048)], (N, 2048))
     capped = [(0, 768), (768, 1536), (1536, 2048)]
-    assert experts._slot_buffer(Fake(limit=1000), N, d, h) == (capped, (N, 768))
+    assert chunks._slot_buffer(Fake(limit=1000), N, d, h) == (capped, (N, 768))
     with pytest.raises(torch.OutOfMemoryError):
-        experts._slot_buffer(Fake(limit=100), N, d, h)
+        chunks._slot_buffer(Fake(limit=100), N, d, h)
 
 
 def test_chunk_widths_of_one_layer_share_the_gather_sum_tuning(monkeypatch):
@@ -211,7 +211,7 @@ def test_gpu_chunks_never_raise_the_peak():
     """F2-F3 under the headroom rule (T 65,536 at the Qwen3-30B-A3B shape, bf16, a 2 GiB [N, d] buffer): the capped
     chunks where no earlier peak left room, one chunk (bitwise the same output) where one did, without raising the
     peak by more than launch scratch."""
-    from moeblaze.kernels.experts import _gemm_gather_sum
+    from moeblaze.kernels.chunks import gemm_gather_sum
     T, d, h, E, K = 65536, 2048, 768, 128, 8
     gen = torch.Generator(device="cuda").manual_seed(0)
     ids = torch.rand(T, E, device="cuda", generator=gen).topk(K, dim=1).indices.to(torch.int32)
@@ -222,7 +222,7 @@ def test_gpu_chunks_never_raise_the_peak():
     sched = (idx.schedule.tile_expert, idx.schedule.tile_row_start, idx.schedule.num_tiles)
 
     def run():
-        return _gemm_gather_sum(act, w2, True, h, idx.expert_token_offsets, idx.expert_token_indices, sched,
+        return gemm_gather_sum(act, w2, True, h, idx.expert_token_offsets, idx.expert_token_indices, sched,
                                 idx.token_index_map, weights, False, None, T, d, h)
 
     torch.cuda.synchronize()
@@ -296,11 +296,11 @@ def test_tf32_chunks_copy_only_their_columns(monkeypatch):
 def test_gpu_forward_override_reaches_the_backward(monkeypatch):
     """``override(chunk_cols=64)`` around the forward reaches B3's chunks in the backward, which autograd runs on
     its CUDA device thread (``settings.carried_to_backward``); without it the backward reads the default."""
-    from moeblaze.kernels import experts as kernel_experts
+    from moeblaze.kernels import chunks
 
     seen = []
-    real = kernel_experts.column_chunks
-    monkeypatch.setattr(kernel_experts, "column_chunks",
+    real = chunks.column_chunks
+    monkeypatch.setattr(chunks, "column_chunks",
                         lambda *a, **k: seen.append(moeblaze.settings.get("chunk_cols")) or real(*a, **k))
     monkeypatch.delenv("MOEBLAZE_CHUNK_COLS", raising=False)
     torch.manual_seed(0)

@@ -86,7 +86,7 @@ def gather_sum_kernel(
 
 # Keyed on the output's row stride, not D: F3 and B5 write each column chunk into a slice of the whole [T, d]
 # output, so every chunk width of a layer shares one tuning. Keyed on D, a chunk width first seen mid-run (the
-# allocator's headroom widens F2's chunks from the second step on: kernels.experts.column_chunks) tuned there, and
+# allocator's headroom widens F2's chunks from the second step on: kernels.chunks.column_chunks) tuned there, and
 # its ~2 s of autotuning landed in a timed step: the 8-layer Qwen3-30B-A3B stack at T 16,384 and 32,768 averaged
 # 152.1 and 214.8 ms per eager step against 62.4 and 119.1 replayed (H200, benchmarks/gpu_issue24.sh
 # PART=sweep). One config serves the widths: one token by 1,024 columns was the best on 768- and 2,048-column rows

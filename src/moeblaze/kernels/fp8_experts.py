@@ -28,6 +28,7 @@ from ..activations import DEFAULT_ACT, GATED, ActArgs
 from ..dispatch import DispatchIndex
 from ..fp8 import E4M3, Float8Recipe, Float8Tensor, quantize_fp8, quantize_fp8_slots
 from . import experts as kx
+from .chunks import gemm_gather_sum
 from .custom_ops import call_op
 from .fp8_gemm import down_rowwise, up_rowwise
 from .fp8_quant import quantize_expert_columns_fp8, quantize_rows_fp8
@@ -234,7 +235,7 @@ def _up_backward_impl(dpre, xq, xs, w1, offsets, indices, tile_expert, tile_row,
                 grouped_gemm(gq.data, wq.data, dx, offsets, indices, sched, b_nk=True, n_cols=d, k_dim=rows,
                              gather_a=False, scatter_c=True, **scales)
         else:
-            dx = kx._gemm_gather_sum(gq.data, wq.data, True, rows, offsets, indices, sched, token_index_map, None,
+            dx = gemm_gather_sum(gq.data, wq.data, True, rows, offsets, indices, sched, token_index_map, None,
                                      foreign, pair_offsets, T, d, rows, out_dtype=dpre.dtype, **scales)
     if need_dw:  # B4 dW1[e]^T = sum_s x[token(s)]^T dpre[s] on the kept e4m3 x, its scales folded into dpre
         bq, bs = _expert_columns(dpre, xs[:, 0], offsets, indices, pow2)

@@ -46,6 +46,7 @@ from ..shared_ops import slot_weights
 from . import direct, tuning
 from . import experts as kx
 from .act_math import ACTIVATION_CODES
+from .chunks import gemm_gather_sum
 from .combine import gather_sum
 from .grouped_gemm import EPILOGUE_ACT_FWD, _epilogue_act_fwd, _epilogue_plain, tile_of
 from .launch import grouped_gemm
@@ -456,5 +457,5 @@ def down_rowwise(actq: Float8Tensor, w2q: Float8Tensor, topk_weights: Tensor, of
                          gather_a=False, scatter_c=True, scale=slot_weights(topk_weights, token_index_map,
                                                                            torch.float32), bias=b2, **scales)
         return out
-    return kx._gemm_gather_sum(actq.data, w2q.data, True, h, offsets, indices, sched, token_index_map, topk_weights,
+    return gemm_gather_sum(actq.data, w2q.data, True, h, offsets, indices, sched, token_index_map, topk_weights,
                                foreign, pair_offsets, T, d, h, bias=b2, out_dtype=out_dtype, **scales)
