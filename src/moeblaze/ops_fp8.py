@@ -80,7 +80,8 @@ def down_backward(recipe: Float8Recipe, dout: Tensor, pre: Tensor, w2: Tensor, t
     Args: ``dout [T, d]``, ``pre [N, 2h | h]`` (fp32, as kept), ``w2 [E, d, h]``, ``topk_weights [T, K]``.
     Returns: ``(dpre [N, 2h | h] fp32, dw2 [E, d, h] in dw_dtype | None, dtopk_weights | None)``.
     """
-    g = recipe.quantize_rows(dout).dequantize()
+    gq = recipe.quantize_rows(dout)
+    g = gq.dequantize()
     w = recipe.quantize_weight(w2, reduce_cols=False).dequantize()
     dpre, _, dtw = ops_torch.down_backward(g, pre, w, topk_weights, index, activation, False, need_dtw, b2=b2,
                                            act_args=act_args)
@@ -90,7 +91,6 @@ def down_backward(recipe: Float8Recipe, dout: Tensor, pre: Tensor, w2: Tensor, t
         act = activation_forward(pre, activation, **act_args._asdict())
         w_act = act * slot_weights(topk_weights, index.token_index_map, torch.float32)[:, None]
         if recipe.granularity == "rowwise":  # B1's e4m3 dout rows as they are, their scales folded into w act
-            gq = recipe.quantize_rows(dout)
             a, b = _folded(recipe, gq, w_act, index)
         else:
             a, b = (recipe.quantize_slots(t, offsets).dequantize() for t in (dout.index_select(0, tokens), w_act))

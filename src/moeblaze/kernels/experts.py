@@ -172,19 +172,28 @@ def _local_slots(offsets: Tensor, foreign: bool) -> Tensor | None:
 
 def _down_forward_impl(act, w2, b2, topk_weights, offsets, indices, tile_expert, tile_row, num_tiles,
                        token_index_map, foreign, pair_offsets=None):
-    sched = (tile_expert, tile_row, num_tiles)
-    act = _rows_contig(act)
-    T, K = _tokens_pairs(token_index_map, pair_offsets)
-    d, h = w2.shape[1], w2.shape[2]
     bias = _rows_contig(b2) if b2 is not None else None
-    if K == 1:  # F2 writes w * y straight into out[token]: no [N, d] buffer, no combine
-        out = act.new_zeros(T, d) if foreign else act.new_empty(T, d)  # foreign tokens: never written
-        grouped_gemm(act, w2, out, offsets, indices, sched, b_nk=True, n_cols=d, k_dim=h, gather_a=False,
-                     scatter_c=True, scale=slot_weights(topk_weights, token_index_map, torch.float32), bias=bias,
-                     a_tf32=True)
-        return out
-    return gemm_gather_sum(act, w2, True, h, offsets, indices, sched, token_index_map, topk_weights, foreign,
-                            pair_offsets, T, d, h, bias=bias)
+    return slots_to_tokens(_rows_contig(act), w2, True, offsets, indices, (tile_expert, tile_row, num_tiles),
+                           token_index_map, topk_weights, foreign, pair_offsets, bias=bias)
+
+
+def slots_to_tokens(a, w, b_nk, offsets, indices, sched, token_index_map, weights, foreign, pair_offsets, *,
+                    bias=None, out_dtype=None, **fp8_scales):
+    """``out [T, n] = sum_k (weights[t, k] *) (a[s] @ W[e] (+ bias[e]))[map[t, k]]``, F2-F3 (``a = act``, with the
+    router weights) and B3-B5 (``a = dpre``, ``weights`` None): K = 1 writes each slot's row straight into
+    ``out[token]`` (no ``[N, n]`` buffer, no combine; foreign tokens never written: zeros), else column chunks
+    (:func:`.chunks.gemm_gather_sum`). ``w``: ``[E, n, k]`` (``b_nk``) or ``[E, k, n]``; ``out_dtype`` and
+    ``fp8_scales`` (``a_scale``, ``b_scale``) for e4m3 ``a`` and ``w``."""
+    T, K = _tokens_pairs(token_index_map, pair_offsets)
+    k_dim, n = (w.shape[2], w.shape[1]) if b_nk else (w.shape[1], w.shape[2])
+    if K != 1:
+        return gemm_gather_sum(a, w, b_nk, k_dim, offsets, indices, sched, token_index_map, weights, foreign,
+                               pair_offsets, T, n, k_dim, bias=bias, out_dtype=out_dtype, **fp8_scales)
+    out = (a.new_zeros if foreign else a.new_empty)(T, n, dtype=out_dtype or a.dtype)
+    scale = slot_weights(weights, token_index_map, torch.float32) if weights is not None else None
+    grouped_gemm(a, w, out, offsets, indices, sched, b_nk=b_nk, n_cols=n, k_dim=k_dim, gather_a=False,
+                 scatter_c=True, scale=scale, bias=bias, a_tf32=True, **fp8_scales)
+    return out
 
 
 _down_forward_op = torch.library.custom_op(
@@ -233,14 +242,6 @@ def _down_backward_impl(dout, pre, w2, b2, topk_weights, offsets, indices, tile_
     N = indices.numel()
     dact = pre.new_empty(N, h)
     grouped_gemm(dout, w2, dact, offsets, indices, (tile_expert, tile_row, num_tiles), b_nk=False, n_cols=h, k_dim=d, gather_a=True)
-    return act_bwd_b2(dout, dact, pre, w2, b2, topk_weights, offsets, indices, token_index_map, token_expert_indices,
-                      activation, alpha, limit, interleaved, foreign, need_dw, need_dtw, general, dw_dtype)
-
-
-def act_bwd_b2(dout, dact, pre, w2, b2, topk_weights, offsets, indices, token_index_map, token_expert_indices,
-               activation, alpha, limit, interleaved, foreign, need_dw, need_dtw, general, dw_dtype):
-    """B1's second launch and B2, from B1's GEMM output ``dact' [N, h]`` (:func:`down_backward`'s arguments):
-    ``dpre`` over ``pre``, ``w * act`` over ``dact'``, then ``(dw2 | placeholder, dtw | placeholder)``."""
     dtw = act_bwd_dtw(dout, dact, pre, w2, b2, topk_weights, offsets, indices, token_index_map, token_expert_indices,
                       activation, alpha, limit, interleaved, foreign, need_dw, need_dtw, general)
     dw2 = None if need_dw else _empty(w2)
@@ -339,20 +340,12 @@ def down_backward(dout: Tensor, pre: Tensor, w2: Tensor, topk_weights: Tensor, i
 
 def _up_backward_impl(dpre, x, w1, offsets, indices, tile_expert, tile_row, num_tiles, token_index_map, foreign,
                       need_dx, need_dw, pair_offsets=None, dw_dtype=None):
-    sched = (tile_expert, tile_row, num_tiles)
     dpre, x = _rows_contig(dpre), _rows_contig(x)
-    T, K = _tokens_pairs(token_index_map, pair_offsets)
-    rows, d = w1.shape[1], w1.shape[2]
     dx = None if need_dx else _empty(x)  # placeholders only for outputs not asked for
     dw1 = None if need_dw else _empty(w1)
     if need_dx:
-        if K == 1:  # B3 writes dx[token] directly: no [N, d] buffer, no gather-sum
-            dx = x.new_zeros(T, d) if foreign else x.new_empty(T, d)  # foreign tokens: never written
-            grouped_gemm(dpre, w1, dx, offsets, indices, sched, b_nk=False, n_cols=d, k_dim=rows, gather_a=False,
-                         scatter_c=True, a_tf32=True)
-        else:
-            dx = gemm_gather_sum(dpre, w1, False, rows, offsets, indices, sched, token_index_map, None, foreign,
-                                  pair_offsets, T, d, rows)
+        dx = slots_to_tokens(dpre, w1, False, offsets, indices, (tile_expert, tile_row, num_tiles), token_index_map,
+                             None, foreign, pair_offsets)
     if need_dw:  # as dW1[e]^T = sum_s x[token]^T dpre[s]: the gathered operand on the A side (kernels.wgrad)
         dw1 = grad_in_storage(w1, x, dpre, offsets, indices, dw_dtype, True, foreign, zero_tail=foreign)
     return dx, dw1

@@ -1,5 +1,6 @@
 """The expert block's GEMMs under the rowwise FP8 recipe on the Triton kernels: the ops :class:`moeblaze.experts.
-_Float8Experts` calls, with the signatures of their PyTorch emulation (:mod:`moeblaze.ops_fp8`).
+_Float8Experts` calls, with the signatures of their PyTorch emulation (:mod:`moeblaze.ops_fp8`); the recipe is
+checked before, by :func:`moeblaze.fp8.check_fp8_backend`.
 
 F1, F2, B1 and B3 run the 16-bit path's gather-fused grouped GEMM (:func:`moeblaze.kernels.launch.grouped_gemm`)
 on e4m3 operands with one fp32 scale per row of the activation operand and per weight row along the reduction
@@ -28,7 +29,6 @@ from ..activations import DEFAULT_ACT, GATED, ActArgs
 from ..dispatch import DispatchIndex
 from ..fp8 import E4M3, Float8Recipe, Float8Tensor, quantize_fp8, quantize_fp8_slots
 from . import experts as kx
-from .chunks import gemm_gather_sum
 from .custom_ops import call_op
 from .fp8_gemm import down_rowwise, up_rowwise
 from .fp8_quant import quantize_expert_columns_fp8, quantize_rows_fp8
@@ -37,13 +37,6 @@ from .launch import grouped_gemm
 __all__ = ["quantize_rows", "dequantize", "up_forward", "down_forward", "down_backward", "up_backward"]
 
 DEQUANTIZE_ELEMENTS = 1 << 24  # fp32 products per block of :func:`dequantize` (64 MiB)
-
-
-def _check_rowwise(recipe: Float8Recipe) -> None:
-    if recipe.granularity != "rowwise":
-        raise NotImplementedError(f"fp8 on backend='triton' runs the rowwise recipe (Float8Recipe('rowwise')); "
-                                  f"got {recipe.granularity!r}, whose backward kernels are not written "
-                                  "(backend='torch' emulates it)")
 
 
 def _rows(t: Tensor, pow2: bool) -> Float8Tensor:
@@ -126,7 +119,6 @@ def up_forward(recipe: Float8Recipe, xq: Float8Tensor, w1: Tensor, index: Dispat
                store_act: bool = True, b1: Tensor | None = None,
                act_args: ActArgs = DEFAULT_ACT) -> tuple[Tensor, Tensor | None]:
     """F1 (:func:`moeblaze.ops_fp8.up_forward`): ``(pre [N, 2h|h], act [N, h] | None)`` in ``w1``'s dtype."""
-    _check_rowwise(recipe)
     if act_args.interleaved:
         raise ValueError("fp8 on backend='triton': an interleaved w_gate_up has no FP8 kernel yet")
     pre, act = call_op(_up_op, _up_impl, xq.data, xq.scale, w1, b1, *_index_args(index), activation,
@@ -158,7 +150,6 @@ def _(act, w2, b2, topk_weights, offsets, indices, tile_expert, tile_row, num_ti
 def down_forward(recipe: Float8Recipe, act: Tensor, w2: Tensor, topk_weights: Tensor, index: DispatchIndex, *,
                  b2: Tensor | None = None) -> Tensor:
     """F2-F3 (:func:`moeblaze.ops_fp8.down_forward`): ``out [T, d]`` in ``act``'s dtype."""
-    _check_rowwise(recipe)
     return call_op(_down_op, _down_impl, act, w2, b2, topk_weights, *_index_args(index), index.token_index_map,
                    index.foreign_experts, index.pair_offsets, recipe.pow2_scales)
 
@@ -209,7 +200,6 @@ def down_backward(recipe: Float8Recipe, dout: Tensor, pre: Tensor, w2: Tensor, t
     """B1 in FP8 (``dact' = dout[token(s)] w2[e]``), the 16-bit path's activation backward and ``dtopk_weights``,
     B2 in FP8 (:func:`moeblaze.ops_fp8.down_backward`). ``pre [N, 2h|h]`` (in ``dout``'s dtype, unit column stride:
     else a copy) is overwritten with ``dpre`` and returned: ``(dpre, dw2 | None, dtopk_weights | None)``."""
-    _check_rowwise(recipe)
     dout, pre = dout.contiguous(), pre.to(dout.dtype).contiguous()
     dw2, dtw = call_op(_down_backward_op, _down_backward_impl, dout, pre, w2, b2, topk_weights, *_index_args(index),
                        index.token_index_map, index.token_expert_indices, activation, *act_args,
@@ -222,21 +212,12 @@ def down_backward(recipe: Float8Recipe, dout: Tensor, pre: Tensor, w2: Tensor, t
 
 def _up_backward_impl(dpre, xq, xs, w1, offsets, indices, tile_expert, tile_row, num_tiles, token_index_map, foreign,
                       need_dx, need_dw, pair_offsets, dw_dtype, pow2):
-    rows, d = w1.shape[1], w1.shape[2]
-    T = xq.shape[0]
-    sched = (tile_expert, tile_row, num_tiles)
     dx, dw1 = kx._empty(dpre), kx._empty(w1)
     if need_dx:  # B3 on dpre's e4m3 rows and w1^T [E, d, 2h|h] (K-major, a scale per column of w1), B5 combine
         gq, wq = _rows(dpre, pow2), _rows(w1.transpose(1, 2), pow2)
-        scales = dict(a_scale=gq.scale[:, 0], b_scale=wq.scale[..., 0])
-        if kx._tokens_pairs(token_index_map, pair_offsets)[1] == 1:  # K = 1: dx[token] directly
-            dx = dpre.new_zeros(T, d) if foreign else dpre.new_empty(T, d)
-            if indices.numel():
-                grouped_gemm(gq.data, wq.data, dx, offsets, indices, sched, b_nk=True, n_cols=d, k_dim=rows,
-                             gather_a=False, scatter_c=True, **scales)
-        else:
-            dx = gemm_gather_sum(gq.data, wq.data, True, rows, offsets, indices, sched, token_index_map, None,
-                                     foreign, pair_offsets, T, d, rows, out_dtype=dpre.dtype, **scales)
+        dx = kx.slots_to_tokens(gq.data, wq.data, True, offsets, indices, (tile_expert, tile_row, num_tiles),
+                                token_index_map, None, foreign, pair_offsets, out_dtype=dpre.dtype,
+                                a_scale=gq.scale[:, 0], b_scale=wq.scale[..., 0])
     if need_dw:  # B4 dW1[e]^T = sum_s x[token(s)]^T dpre[s] on the kept e4m3 x, its scales folded into dpre
         bq, bs = _expert_columns(dpre, xs[:, 0], offsets, indices, pow2)
         dw1 = kx.grad_in_storage(w1, xq, bq, offsets, indices, dw_dtype, True, foreign, b_scale=bs)
@@ -262,7 +243,6 @@ def up_backward(recipe: Float8Recipe, dpre: Tensor, xq: Float8Tensor, w1: Tensor
                 dw_dtype: torch.dtype | None = None) -> tuple[Tensor | None, Tensor | None]:
     """B3 in FP8 with the B5 combine (``dx [T, d]`` in ``dpre``'s dtype) and B4 in FP8 from the kept e4m3 ``xq``
     (:func:`moeblaze.ops_fp8.up_backward`): ``(dx | None, dw1 | None)``."""
-    _check_rowwise(recipe)
     dx, dw1 = call_op(_up_backward_op, _up_backward_impl, dpre.contiguous(), xq.data, xq.scale, w1,
                       *_index_args(index), index.token_index_map, index.foreign_experts, need_dx, need_dw,
                       index.pair_offsets, dw_dtype, recipe.pow2_scales)

@@ -26,10 +26,11 @@ e4m3 operands (its TMA reads, persistent launch and tuned tiles; ``FP8`` of
 once after its main loop. Blockwise promotes each K step's product with its own scales, which on Hopper makes
 every step wait for its tensor-core result; ``benchmarks/bench_fp8_kernels.py`` measures both recipes.
 
-Neither is wired into autograd or the layer yet. Not yet here (they need a GPU to test): quantization of
-``act`` / ``pre`` in F1's epilogue (the interpreter's casts to e4m3 are wrong, DESIGN.md §7), interleaved
-``w_gate_up``, general routing, column chunks of F2's ``[N, d]`` buffer; for blockwise also TMA reads of the
-weight, autotuned tiles and a persistent launch.
+The layer's FP8 path (:mod:`moeblaze.kernels.fp8_experts`) runs the rowwise functions here; the blockwise kernels
+serve the comparison of recipes and are not wired into autograd. Not yet here: quantization of ``act`` / ``pre``
+in F1's epilogue (the interpreter's casts to e4m3 are wrong, DESIGN.md §7), an interleaved ``w_gate_up``; for
+blockwise also general routing, column chunks of F2's ``[N, d]`` buffer, TMA reads of the weight, autotuned tiles
+and a persistent launch.
 """
 
 from __future__ import annotations
@@ -46,7 +47,6 @@ from ..shared_ops import slot_weights
 from . import direct, tuning
 from . import experts as kx
 from .act_math import ACTIVATION_CODES
-from .chunks import gemm_gather_sum
 from .combine import gather_sum
 from .grouped_gemm import EPILOGUE_ACT_FWD, _epilogue_act_fwd, _epilogue_plain, tile_of
 from .launch import grouped_gemm
@@ -411,7 +411,7 @@ def down_forward_fp8(actq: Float8Tensor, w2q: Float8Tensor, topk_weights: Tensor
     ``out_dtype``, from the quantized ``actq`` (``recipe.quantize_rows(act)``, ``[N, h]``) and ``w2q``
     (``recipe.quantize_weight(w2, reduce_cols=True)``, ``[E, d, h]``) — what :func:`moeblaze.ops_fp8.down_forward`
     emulates. K = 1 writes ``w * y`` straight into ``out[token]``. Rowwise: the 16-bit path's grouped GEMM and its
-    combine over column chunks of an ``[N, d]`` buffer in ``out_dtype`` (:mod:`moeblaze.kernels.experts`; general
+    combine over column chunks of an ``[N, d]`` buffer in ``out_dtype`` (:mod:`moeblaze.kernels.chunks`; general
     routing's CSR pairs too). Blockwise: :func:`fp8_down_kernel` into fp32 slot rows ``y`` and the fp32 combine;
     top-k indices only.
 
@@ -445,17 +445,8 @@ def down_forward_fp8(actq: Float8Tensor, w2q: Float8Tensor, topk_weights: Tensor
 def down_rowwise(actq: Float8Tensor, w2q: Float8Tensor, topk_weights: Tensor, offsets: Tensor, indices: Tensor,
                  sched: tuple[Tensor, Tensor, Tensor], token_index_map: Tensor, foreign: bool,
                  pair_offsets: Tensor | None, b2: Tensor | None, out_dtype: torch.dtype) -> Tensor:
-    """F2-F3 of the rowwise recipe (:func:`down_forward_fp8`, from the index's tensors): the grouped GEMM scattering
-    ``w * y`` into ``out[token]`` for K = 1, else over column chunks with the 16-bit path's combine."""
-    T, K = kx._tokens_pairs(token_index_map, pair_offsets)
-    d, h = w2q.data.shape[1], w2q.data.shape[2]
-    scales = dict(a_scale=_row_scales(actq), b_scale=_row_scales(w2q))
-    if K == 1:  # no [N, d] buffer and no combine; tokens of foreign experts are never written: zeros
-        out = (actq.data.new_zeros if foreign else actq.data.new_empty)(T, d, dtype=out_dtype)
-        if indices.numel():
-            grouped_gemm(actq.data, w2q.data, out, offsets, indices, sched, b_nk=True, n_cols=d, k_dim=h,
-                         gather_a=False, scatter_c=True, scale=slot_weights(topk_weights, token_index_map,
-                                                                           torch.float32), bias=b2, **scales)
-        return out
-    return gemm_gather_sum(actq.data, w2q.data, True, h, offsets, indices, sched, token_index_map, topk_weights,
-                               foreign, pair_offsets, T, d, h, bias=b2, out_dtype=out_dtype, **scales)
+    """F2-F3 of the rowwise recipe (:func:`down_forward_fp8`, from the index's tensors): the 16-bit path's
+    :func:`moeblaze.kernels.experts.slots_to_tokens` on the e4m3 operands and their row scales."""
+    return kx.slots_to_tokens(actq.data, w2q.data, True, offsets, indices, sched, token_index_map, topk_weights,
+                              foreign, pair_offsets, bias=b2, out_dtype=out_dtype, a_scale=_row_scales(actq),
+                              b_scale=_row_scales(w2q))

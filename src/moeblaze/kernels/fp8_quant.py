@@ -69,9 +69,7 @@ def quantize_rows_kernel(
     for c0 in range(0, C, BLOCK_C):
         ok = row_ok[:, None] & (cols[None, :] < C - c0)
         v = tl.load(base + (c0 + cols)[None, :] * stride_c, mask=ok, other=0.0).to(tl.float32)
-        v = tl.math.div_rn(v, scale[:, None])
-        v = tl.where(v != v, v, tl.minimum(tl.maximum(v, -QMAX), QMAX))  # saturate; a NaN stays NaN
-        tl.store(out + (c0 + cols)[None, :], v.to(tl.float8e4nv), mask=ok)
+        tl.store(out + (c0 + cols)[None, :], _to_e4m3(v, scale[:, None], QMAX), mask=ok)
 
 
 def quantize_rows_fp8(t: Tensor, pow2_scales: bool = False) -> Float8Tensor:
@@ -133,9 +131,7 @@ def quantize_expert_columns_kernel(
     for s0 in range(start, end, BLOCK_S):
         s = s0 + offs
         v = _slot_values(src_ptr, factor_ptr, indices_ptr, s, end, cols, col_ok, stride_src_m, HAS_FACTOR)
-        v = tl.math.div_rn(v, scale[None, :])
-        v = tl.where(v != v, v, tl.minimum(tl.maximum(v, -QMAX), QMAX))
-        tl.store(q_ptr + s.to(tl.int64)[:, None] * Q + cols[None, :], v.to(tl.float8e4nv),
+        tl.store(q_ptr + s.to(tl.int64)[:, None] * Q + cols[None, :], _to_e4m3(v, scale[None, :], QMAX),
                  mask=(s < end)[:, None] & col_ok[None, :])
 
 
@@ -149,6 +145,13 @@ def _slot_values(src_ptr, factor_ptr, indices_ptr, s, end, cols, col_ok, stride_
         tokens = tl.load(indices_ptr + s, mask=ok, other=0)
         v = v * tl.load(factor_ptr + tokens, mask=ok, other=0.0)[:, None]
     return v
+
+
+@triton.jit
+def _to_e4m3(v, scale, QMAX: tl.constexpr):
+    """``v / scale`` correctly rounded, saturated at +-``QMAX`` (a NaN stays NaN), cast to e4m3."""
+    v = tl.math.div_rn(v, scale)
+    return tl.where(v != v, v, tl.minimum(tl.maximum(v, -QMAX), QMAX)).to(tl.float8e4nv)
 
 
 @triton.jit

@@ -88,12 +88,13 @@ def _check_backend(mcfg: ModelConfig, device: torch.device) -> None:
 def _check_fp8(precision: str, mcfg: ModelConfig, device: torch.device) -> None:
     """``fp8-mixed`` only where the experts' backend runs the recipe (a Hopper GPU on the Triton backend, its
     emulation on ``--backend torch``), said before anything is built rather than at the first forward."""
-    if fp8_recipe(precision) is None:
+    recipe = fp8_recipe(precision)
+    if recipe is None:
         return
     try:
         # fp32: the backend the experts' dtype would choose on this device, without the interpreter's bf16 refusal
         backend = get_backend(mcfg.backend, torch.empty(0, device=device)).name
-        check_fp8_backend(backend, torch.bfloat16, device, fp8_recipe(precision))
+        check_fp8_backend(backend, torch.bfloat16, device, recipe)
         get_backend(mcfg.backend, torch.empty(0, dtype=torch.bfloat16, device=device))  # bf16 autocast runs there
     except (ValueError, NotImplementedError) as err:
         raise ConfigError(f"--precision fp8-mixed with --backend {mcfg.backend}: {err}") from None
