@@ -11,14 +11,13 @@ import os
 import pytest
 import torch
 
-from moeblaze import build_dispatch
-from moeblaze.fp8 import E4M3, quantize_fp8, quantize_fp8_slots
+from moeblaze.fp8 import E4M3, quantize_fp8
 
 HAS_CUDA = torch.cuda.is_available()
 pytestmark = pytest.mark.skipif(not HAS_CUDA and os.environ.get("TRITON_INTERPRET") != "1",
                                 reason="Triton kernels need CUDA or TRITON_INTERPRET=1")
 if HAS_CUDA or os.environ.get("TRITON_INTERPRET") == "1":
-    from moeblaze.kernels.fp8_quant import quantize_expert_columns_fp8, quantize_rows_fp8
+    from moeblaze.kernels.fp8_quant import dequantize_rows_fp8, quantize_rows_fp8
 
 
 def _source(shape, dtype, transposed, device):
@@ -41,9 +40,8 @@ def _check(t, pow2, exact):
     _same(t, got.data, got.scale, ref.data, ref.scale, exact)
 
 
-def _same(t, data, scale, ref_data, ref_scale, exact, element_scale=None):
-    """Scales bitwise; e4m3 values bitwise (``exact``) or but the interpreter's known casts (module docstring).
-    ``element_scale``: each element's scale, broadcastable to ``t`` (default: ``scale``, one per row)."""
+def _same(t, data, scale, ref_data, ref_scale, exact):
+    """Scales bitwise; e4m3 values bitwise (``exact``) or but the interpreter's known casts (module docstring)."""
     assert scale.shape == ref_scale.shape and torch.equal(scale.nan_to_num(-1.0), ref_scale.nan_to_num(-1.0))
     g, r = data.float().cpu(), ref_data.float().cpu()
     differ = ~((g == r) | (g.isnan() & r.isnan()))
@@ -51,7 +49,7 @@ def _same(t, data, scale, ref_data, ref_scale, exact, element_scale=None):
         assert not differ.any(), int(differ.sum())
         return
     power_of_two = torch.frexp(r)[0].abs() == 0.5
-    quotient = t.float().cpu() / (scale if element_scale is None else element_scale).cpu()  # what the cast rounds
+    quotient = t.float().cpu() / scale.cpu()  # what the cast rounds
     tie = quotient == (g + r) / 2
     known = (r.abs() <= 2.0**-6) | (power_of_two & (g == r / 2)) | tie | r.isnan()
     assert not (differ & ~known).any(), int((differ & ~known).sum())
@@ -87,52 +85,43 @@ def test_errors_name_the_argument():
         quantize_rows_fp8(torch.ones(4))
 
 
-def _slots_case(T, K, E, Q, device, dtype=torch.float32):
-    """Slot rows of a routing with two empty experts, values over 4 binades, a factor per token."""
-    gen = torch.Generator().manual_seed(T * E + Q)
-    ids = torch.stack([torch.randperm(E - 2, generator=gen)[:K] for _ in range(T)])
-    index = build_dispatch(ids.to(device), E)
-    t = (torch.randn(T * K, Q, generator=gen) * torch.logspace(-2, 2, Q)).to(dtype).to(device)
-    factor = (torch.rand(T, generator=gen) + 0.5).to(device)
-    return t, index, factor
+def _dequantize_case(R, C, device, dtype):
+    """A rowwise-quantized ``[R, C]`` over 8 binades, a row of zeros, and the recipe's ``dequantize().to(dtype)``."""
+    gen = torch.Generator().manual_seed(R * C)
+    t = torch.randn(R, C, generator=gen) * torch.logspace(-4, 4, R)[:, None]
+    t[R // 2] = 0.0
+    q = quantize_fp8(t.to(device), (1, C))
+    return q, q.dequantize().to(dtype)
 
 
-def _check_columns(T, K, E, Q, device, dtype, with_factor, pow2, exact):
-    t, index, factor = _slots_case(T, K, E, Q, device, dtype)
-    f = factor if with_factor else None
-    q, scale = quantize_expert_columns_fp8(t, index.local_offsets, index.expert_token_indices, f, pow2)
-    src = t.float() * (factor[index.expert_token_indices.long()][:, None] if with_factor else 1.0)
-    ref = quantize_fp8_slots(src, index.local_offsets, None, pow2)
-    assert q.dtype == E4M3 and scale.shape == (E, Q)
-    _same(src, q, scale, ref.data, ref.scale[:E], exact, element_scale=ref.scale.index_select(0, ref.tile))
+@pytest.mark.parametrize("R, C", [(37, 200), (1, 5), (300, 16)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_dequantize_bitwise_the_recipe(R, C, dtype):
+    """e4m3 times the row's scale in fp32, rounded once: the recipe's product bit for bit (the interpreter's
+    e4m3 -> fp32 conversion is exact; its known differences are in the other direction)."""
+    if HAS_CUDA:
+        pytest.skip("an interpreter test (CPU tensors); the gpu test runs the kernel on the device")
+    q, ref = _dequantize_case(R, C, "cpu", dtype)
+    got = dequantize_rows_fp8(q, dtype)
+    assert got.dtype == dtype and torch.equal(got, ref)
 
 
-@pytest.mark.skipif(HAS_CUDA, reason="an interpreter test (CPU tensors); the gpu test runs the kernel on the device")
-@pytest.mark.parametrize("with_factor", [False, True])
-@pytest.mark.parametrize("pow2", [False, True])
-def test_expert_columns_as_the_recipes_slot_quantization(with_factor, pow2):
-    """Per (expert, column) over the expert's slots, times a token factor; empty experts get scale 1."""
-    _check_columns(50, 2, 6, 40, "cpu", torch.float32, with_factor, pow2, exact=False)
-
-
-def test_expert_columns_errors_name_the_argument():
-    t, index, factor = _slots_case(8, 2, 4, 16, "cpu")
-    args = (index.local_offsets, index.expert_token_indices)
-    with pytest.raises(TypeError, match="t must be fp32, fp16 or bf16"):
-        quantize_expert_columns_fp8(t.int(), *args)
-    with pytest.raises(ValueError, match=r"t must be \[N=16, Q\]"):
-        quantize_expert_columns_fp8(t[:3], *args)
-    with pytest.raises(TypeError, match="factor must be fp32"):
-        quantize_expert_columns_fp8(t, *args, factor.double())
+def test_dequantize_errors_name_the_argument():
+    q = quantize_fp8(torch.randn(4, 8), (1, 8))
+    with pytest.raises(TypeError, match="dtype must be fp32, fp16 or bf16, got torch.int32"):
+        dequantize_rows_fp8(q, torch.int32)
+    blocked = quantize_fp8(torch.randn(4, 8), (4, 8))
+    with pytest.raises(ValueError, match=r"q must be rowwise \[R, C\] with scale \[R, 1\]"):
+        dequantize_rows_fp8(blocked, torch.float32)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("with_factor", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_gpu_expert_columns_bitwise(with_factor, dtype):
+def test_gpu_dequantize_bitwise(dtype):
     if not HAS_CUDA:
         pytest.skip("needs a CUDA GPU (run with -m gpu on the device)")
-    _check_columns(4096, 8, 64, 768, "cuda", dtype, with_factor, False, exact=True)
+    q, ref = _dequantize_case(4096, 1536, "cuda", dtype)
+    assert torch.equal(dequantize_rows_fp8(q, dtype), ref)
 
 
 @pytest.mark.gpu

@@ -13,9 +13,9 @@ block of partial sums in fp32 (DeepSeek-V3, arXiv 2412.19437 §3.3.2, "fine-grai
   dimension — a whole row of an activation, a row of a weight in the forward GEMM and a column of it in the
   input-gradient GEMM.
 
-The weight-gradient GEMMs (B2, B4) reduce over the slots of one expert: their operands are scaled over runs
-of slots of one expert (``B`` slots blockwise, all of the expert's slots rowwise — torchao's per-group
-column scales), never across two experts (:func:`quantize_fp8_slots`).
+The weight-gradient GEMMs (B2, B4) reduce over the slots of one expert: blockwise scales their operands over
+runs of ``B`` slots of one expert, never across two experts (:func:`quantize_fp8_slots`); rowwise runs them in
+16 bits (:mod:`moeblaze.ops_fp8`, DESIGN.md §8 says why).
 
 A block's scale is ``amax / 448`` (``amax`` its largest magnitude), so that its largest element lands on
 448; the scaled values are clamped to ``[-448, 448]`` (rounding in the division may pass 448 by an ulp)
@@ -181,7 +181,9 @@ def _expand(scale: Tensor, block: tuple[int, int], shape: torch.Size) -> Tensor:
 def _scales(amax: Tensor, pow2: bool) -> Tensor:
     """fp32 scales from the blocks' largest magnitudes: ``amax / 448``, 1 for a zero block, at least the
     smallest normal fp32, rounded up to a power of two with ``pow2`` (NaN and Inf kept)."""
-    scale = torch.where(amax == 0, 1.0, (amax / E4M3_MAX).clamp(min=_TINY))
+    # a 0-dim tensor divisor, not the float: PyTorch's CUDA division by a Python scalar multiplies by its
+    # reciprocal, 1 ulp off the division (and the kernels') for some amax
+    scale = torch.where(amax == 0, 1.0, (amax / amax.new_tensor(E4M3_MAX)).clamp(min=_TINY))
     if pow2:
         # frexp: scale = m 2^e, m in [0.5, 1); the next power of two at or above is 2^(e-1) when m = 0.5, else 2^e
         m, e = torch.frexp(scale)

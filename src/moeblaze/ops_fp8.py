@@ -11,15 +11,16 @@ fp32 sums, and runs the recipe on any device.
 | F1 ``pre = x[token(s)] w1[e]^T`` | x [T, d]: d | w1 [E, 2h, d]: d |
 | F2 ``y = act w2[e]^T`` | act [N, h]: h | w2 [E, d, h]: h |
 | B1 ``dact' = dout[token(s)] w2[e]`` | dout [T, d]: d | w2: d |
-| B2 ``dw2[e] = dout[token(s)]^T (w act)`` | dout gathered [N, d]: the expert's slots | w act [N, h]: slots |
+| B2 ``dw2[e] = dout[token(s)]^T (w act)`` | dout gathered [N, d]: the expert's slots (b) | w act [N, h]: slots (b) |
 | B3 ``dx_slots = dpre w1[e]`` | dpre [N, 2h]: 2h | w1: 2h |
-| B4 ``dw1[e] = dpre^T x[token(s)]`` | dpre: slots | x (its e4m3 copy) gathered: slots |
+| B4 ``dw1[e] = dpre^T x[token(s)]`` | dpre: slots (b) | x (its e4m3 copy) gathered: slots (b) |
+
+(b) blockwise only: the rowwise recipe runs B2 and B4 on the 16-bit operands (x: its kept e4m3 copy dequantized),
+as its Triton kernels do (:mod:`moeblaze.kernels.fp8_experts` says why).
 
 x is quantized once (F1's operand, also what is kept for backward). Blockwise, B4 reads that e4m3 copy,
 dequantized and scaled again along the slots, and B2 quantizes ``dout`` along the slots from its 16-bit values.
-Rowwise, B2 and B4 read the e4m3 rows of ``dout`` (B1's operand) and of the kept x as they are, their row scales
-folded into ``w act`` / ``dpre``, which are quantized per (expert, column) over the slots (:func:`_folded`), as
-the Triton kernels compute them. ``dout`` reaches B1 and the down bias's share of ``dtopk_weights`` in e4m3.
+``dout`` reaches B1 and the down bias's share of ``dtopk_weights`` in e4m3.
 
 Shapes as :mod:`moeblaze.ops_torch`; all results fp32 except the weight gradients, rounded through the
 weight's dtype into ``dw_dtype`` as there. Per-expert loops read the offsets on the host.
@@ -80,8 +81,7 @@ def down_backward(recipe: Float8Recipe, dout: Tensor, pre: Tensor, w2: Tensor, t
     Args: ``dout [T, d]``, ``pre [N, 2h | h]`` (fp32, as kept), ``w2 [E, d, h]``, ``topk_weights [T, K]``.
     Returns: ``(dpre [N, 2h | h] fp32, dw2 [E, d, h] in dw_dtype | None, dtopk_weights | None)``.
     """
-    gq = recipe.quantize_rows(dout)
-    g = gq.dequantize()
+    g = recipe.quantize_rows(dout).dequantize()
     w = recipe.quantize_weight(w2, reduce_cols=False).dequantize()
     dpre, _, dtw = ops_torch.down_backward(g, pre, w, topk_weights, index, activation, False, need_dtw, b2=b2,
                                            act_args=act_args)
@@ -90,10 +90,9 @@ def down_backward(recipe: Float8Recipe, dout: Tensor, pre: Tensor, w2: Tensor, t
         offsets, tokens = index.local_offsets, index.expert_token_indices.long()
         act = activation_forward(pre, activation, **act_args._asdict())
         w_act = act * slot_weights(topk_weights, index.token_index_map, torch.float32)[:, None]
-        if recipe.granularity == "rowwise":  # B1's e4m3 dout rows as they are, their scales folded into w act
-            a, b = _folded(recipe, gq, w_act, index)
-        else:
-            a, b = (recipe.quantize_slots(t, offsets).dequantize() for t in (dout.index_select(0, tokens), w_act))
+        a, b = dout.index_select(0, tokens).float(), w_act
+        if recipe.granularity == "blockwise":
+            a, b = (recipe.quantize_slots(t, offsets).dequantize() for t in (a, b))
         dw2 = ops_torch.grouped_weight_grad(a, b, offsets).to(w2.dtype).to(dw_dtype or w2.dtype)
     return dpre, dw2, dtw
 
@@ -115,22 +114,8 @@ def up_backward(recipe: Float8Recipe, dpre: Tensor, xq: Float8Tensor, w1: Tensor
         dx, _ = ops_torch.up_backward(a, x, w, index, True, False)
     if need_dw:
         offsets = index.local_offsets
-        if recipe.granularity == "rowwise":  # the kept e4m3 x rows as they are, their scales folded into dpre
-            xg, folded = _folded(recipe, xq, dpre, index)
-            a, b = folded, xg
-        else:
-            xg = x.index_select(0, index.expert_token_indices.long())
-            a, b = (recipe.quantize_slots(t, offsets).dequantize() for t in (dpre, xg))
+        a, b = dpre, x.index_select(0, index.expert_token_indices.long())
+        if recipe.granularity == "blockwise":
+            a, b = (recipe.quantize_slots(t, offsets).dequantize() for t in (a, b))
         dw1 = ops_torch.grouped_weight_grad(a, b, offsets).to(w1.dtype).to(dw_dtype or w1.dtype)
     return dx, dw1
-
-
-def _folded(recipe: Float8Recipe, rows: Float8Tensor, slots: Tensor, index: DispatchIndex) -> tuple[Tensor, Tensor]:
-    """The operands of a weight-gradient GEMM under the rowwise recipe: ``rows`` (a rowwise-quantized ``[T, C]``
-    operand) gathered to slot order as its e4m3 values, unscaled, and the slot rows ``slots [N, Q]`` times the
-    row scale of their token, quantized per (expert, column) (:meth:`Float8Recipe.quantize_slots`), dequantized:
-    ``sum_s rows[token(s)] slots[s] = sum_s e4m3(rows)[token(s)] (scale[token(s)] slots[s])``."""
-    tokens = index.expert_token_indices.long()
-    factor = rows.scale[:, 0].index_select(0, tokens)[:, None]
-    b = recipe.quantize_slots(slots * factor, index.local_offsets).dequantize()
-    return rows.data.float().index_select(0, tokens), b

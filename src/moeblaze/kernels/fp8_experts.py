@@ -7,11 +7,12 @@ on e4m3 operands with one fp32 scale per row of the activation operand and per w
 (``FP8`` of :func:`moeblaze.kernels.grouped_gemm.grouped_gemm_kernel`): the e4m3 tensor cores read both K-major,
 so B1 and B3 take transposed e4m3 copies of the weights (``w2^T [E, h, d]``, ``w1^T [E, d, 2h|h]``), quantized
 along their rows as :meth:`moeblaze.fp8.Float8Recipe.quantize_weight` does along ``reduce_cols=False``. The
-activation backward, the router-weight gradient and the combine are the 16-bit path's kernels. The
-weight-gradient GEMMs B2 and B4 (:func:`moeblaze.kernels.wgrad.grouped_wgrad_kernel`, ``FP8``) read the e4m3 rows
-of ``dout`` (B1's operand) and of the kept ``x`` through the index as they are, their row scales folded into the
-other operand (``w act``, ``dpre``), which is quantized per (expert, column) over the expert's slots; the tile's
-sum is multiplied by those scales once.
+activation backward, the router-weight gradient and the combine are the 16-bit path's kernels, and so are the
+weight-gradient GEMMs B2 and B4 (the recipe's, :mod:`moeblaze.ops_fp8`): on ``dout`` and ``w act``, and on the
+kept ``x`` dequantized and ``dpre``. Why not on e4m3: there both operands run along the reduction (the slots), an
+MN-major e4m3 tile the Hopper tensor cores do not read, and the wgrad kernel's FP8 flag on them took 24.3 ms for
+both GEMMs against 3.6 ms in bf16 (H200, Qwen3-30B-A3B shape, T 32,768, ``torch.profiler`` of one layer step);
+an FP8 weight gradient needs slot-contiguous (transposed) e4m3 copies of both operands.
 
 Operands are quantized where this module needs them by one launch per tensor (:func:`quantize_rows`:
 :mod:`moeblaze.kernels.fp8_quant`, bitwise the recipe's; the recipe's PyTorch ops on the CPU, where the
@@ -27,11 +28,11 @@ from torch import Tensor
 
 from ..activations import DEFAULT_ACT, GATED, ActArgs
 from ..dispatch import DispatchIndex
-from ..fp8 import E4M3, Float8Recipe, Float8Tensor, quantize_fp8, quantize_fp8_slots
+from ..fp8 import E4M3, Float8Recipe, Float8Tensor, quantize_fp8
 from . import experts as kx
 from .custom_ops import call_op
 from .fp8_gemm import down_rowwise, up_rowwise
-from .fp8_quant import quantize_expert_columns_fp8, quantize_rows_fp8
+from .fp8_quant import dequantize_rows_fp8, quantize_rows_fp8
 from .launch import grouped_gemm
 
 __all__ = ["quantize_rows", "dequantize", "up_forward", "down_forward", "down_backward", "up_backward"]
@@ -42,15 +43,6 @@ DEQUANTIZE_ELEMENTS = 1 << 24  # fp32 products per block of :func:`dequantize` (
 def _rows(t: Tensor, pow2: bool) -> Float8Tensor:
     """``t [..., R, C]`` with one scale per row: one launch on CUDA, the recipe's PyTorch ops elsewhere."""
     return quantize_rows_fp8(t, pow2) if t.is_cuda else quantize_fp8(t, (1, t.shape[-1]), pow2)
-
-
-def _expert_columns(slots: Tensor, factor: Tensor, offsets: Tensor, indices: Tensor, pow2: bool):
-    """The B operand of a weight-gradient GEMM whose A is rowwise e4m3 read as it is: ``slots [N, Q]`` times
-    ``factor[token(s)]`` (A's row scales), quantized per (expert, column): ``(data [N, Q] e4m3, scale [E, Q])``."""
-    if slots.is_cuda:
-        return quantize_expert_columns_fp8(slots, offsets, indices, factor, pow2)
-    q = quantize_fp8_slots(slots * factor.index_select(0, indices.long())[:, None], offsets, None, pow2)
-    return q.data, q.scale[:offsets.numel() - 1]
 
 
 def _index_args(index: DispatchIndex) -> tuple[Tensor, ...]:
@@ -84,8 +76,10 @@ def quantize_rows(recipe: Float8Recipe, t: Tensor) -> Float8Tensor:
 
 def dequantize(q: Float8Tensor, dtype: torch.dtype) -> Tensor:
     """The rowwise ``q [R, C]`` in ``dtype``: the fp32 products of :meth:`moeblaze.fp8.Float8Tensor.dequantize`,
-    rounded, a block of rows at a time, so the backward's kept ``pre`` never has a whole fp32 copy (twice its
-    16-bit size) at the backward's peak."""
+    rounded; one launch on CUDA (:func:`moeblaze.kernels.fp8_quant.dequantize_rows_fp8`), elsewhere a block of rows
+    at a time, so the backward's kept ``pre`` never has a whole fp32 copy (twice its 16-bit size) at its peak."""
+    if q.data.is_cuda:
+        return dequantize_rows_fp8(q, dtype)
     out = torch.empty(q.data.shape, dtype=dtype, device=q.data.device)
     step = max(1, DEQUANTIZE_ELEMENTS // max(1, q.data.shape[-1]))
     for r0 in range(0, q.data.shape[0], step):
@@ -159,8 +153,8 @@ def down_forward(recipe: Float8Recipe, act: Tensor, w2: Tensor, topk_weights: Te
 def _down_backward_impl(dout, pre, w2, b2, topk_weights, offsets, indices, tile_expert, tile_row, num_tiles,
                         token_index_map, token_expert_indices, activation, alpha, limit, interleaved, foreign,
                         need_dw, need_dtw, general, dw_dtype, pow2):
-    # B1 in FP8, then the 16-bit path's activation backward (dpre over pre, w act over dact') and dtopk_weights;
-    # B2 dW2[e] = sum_s dout[token(s)]^T (w act)[s] on dout's e4m3 rows, their scales folded into w act
+    # B1 in FP8, then the 16-bit path's activation backward (dpre over pre, w act over dact'), dtopk_weights and
+    # B2 dW2[e] = sum_s dout[token(s)]^T (w act)[s]
     d, h = w2.shape[1], w2.shape[2]
     gq, wq = _rows(dout, pow2), _rows(w2.transpose(1, 2), pow2)  # w2^T [E, h, d]: K-major, a scale per column
     dact = pre.new_empty(indices.numel(), h)
@@ -171,9 +165,8 @@ def _down_backward_impl(dout, pre, w2, b2, topk_weights, offsets, indices, tile_
                          token_expert_indices, activation, alpha, limit, interleaved, foreign, need_dw, need_dtw,
                          general)
     dw2 = kx._empty(w2)
-    if need_dw:
-        bq, bs = _expert_columns(dact, gq.scale[:, 0], offsets, indices, pow2)
-        dw2 = kx.grad_in_storage(w2, gq.data, bq, offsets, indices, dw_dtype, False, foreign, b_scale=bs)
+    if need_dw:  # act_bwd_rows zeroed the tail (foreign)
+        dw2 = kx.grad_in_storage(w2, dout, dact, offsets, indices, dw_dtype, False, foreign, zero_tail=foreign)
     return dw2, dtw
 
 
@@ -198,7 +191,7 @@ def down_backward(recipe: Float8Recipe, dout: Tensor, pre: Tensor, w2: Tensor, t
                   act_args: ActArgs = DEFAULT_ACT,
                   dw_dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor | None, Tensor | None]:
     """B1 in FP8 (``dact' = dout[token(s)] w2[e]``), the 16-bit path's activation backward and ``dtopk_weights``,
-    B2 in FP8 (:func:`moeblaze.ops_fp8.down_backward`). ``pre [N, 2h|h]`` (in ``dout``'s dtype, unit column stride:
+    B2 in 16 bits (:func:`moeblaze.ops_fp8.down_backward`). ``pre [N, 2h|h]`` (in ``dout``'s dtype, unit column stride:
     else a copy) is overwritten with ``dpre`` and returned: ``(dpre, dw2 | None, dtopk_weights | None)``."""
     dout, pre = dout.contiguous(), pre.to(dout.dtype).contiguous()
     dw2, dtw = call_op(_down_backward_op, _down_backward_impl, dout, pre, w2, b2, topk_weights, *_index_args(index),
@@ -218,9 +211,9 @@ def _up_backward_impl(dpre, xq, xs, w1, offsets, indices, tile_expert, tile_row,
         dx = kx.slots_to_tokens(gq.data, wq.data, True, offsets, indices, (tile_expert, tile_row, num_tiles),
                                 token_index_map, None, foreign, pair_offsets, out_dtype=dpre.dtype,
                                 a_scale=gq.scale[:, 0], b_scale=wq.scale[..., 0])
-    if need_dw:  # B4 dW1[e]^T = sum_s x[token(s)]^T dpre[s] on the kept e4m3 x, its scales folded into dpre
-        bq, bs = _expert_columns(dpre, xs[:, 0], offsets, indices, pow2)
-        dw1 = kx.grad_in_storage(w1, xq, bq, offsets, indices, dw_dtype, True, foreign, b_scale=bs)
+    if need_dw:  # B4 dW1[e]^T = sum_s x[token(s)]^T dpre[s] in 16 bits, on the kept x dequantized
+        x = dequantize(Float8Tensor(xq, xs, (1, xq.shape[1])), dpre.dtype)
+        dw1 = kx.grad_in_storage(w1, x, dpre, offsets, indices, dw_dtype, True, foreign, zero_tail=foreign)
     return dx, dw1
 
 
@@ -241,7 +234,7 @@ def _(dpre, xq, xs, w1, offsets, indices, tile_expert, tile_row, num_tiles, toke
 def up_backward(recipe: Float8Recipe, dpre: Tensor, xq: Float8Tensor, w1: Tensor, index: DispatchIndex,
                 need_dx: bool, need_dw: bool, *,
                 dw_dtype: torch.dtype | None = None) -> tuple[Tensor | None, Tensor | None]:
-    """B3 in FP8 with the B5 combine (``dx [T, d]`` in ``dpre``'s dtype) and B4 in FP8 from the kept e4m3 ``xq``
+    """B3 in FP8 with the B5 combine (``dx [T, d]`` in ``dpre``'s dtype) and B4 in 16 bits from the kept ``xq``
     (:func:`moeblaze.ops_fp8.up_backward`): ``(dx | None, dw1 | None)``."""
     dx, dw1 = call_op(_up_backward_op, _up_backward_impl, dpre.contiguous(), xq.data, xq.scale, w1,
                       *_index_args(index), index.token_index_map, index.foreign_experts, need_dx, need_dw,

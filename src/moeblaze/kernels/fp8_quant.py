@@ -12,11 +12,10 @@ The source is read through its strides, so a weight's transposed view ``w.transp
 its rows without a transposed copy first (the K-major operand of B1 / B3): rows ``[..., R, C]`` are flattened to
 ``[L * R, C]`` by the strides of the last two dimensions and of one leading one.
 
-:func:`quantize_expert_columns_fp8` quantizes the operand of a weight-gradient GEMM (B2, B4), which sums over
-an expert's slots: one scale per (expert, column) over the expert's slot rows (torchao's per-group column scales),
-optionally after multiplying each slot row by a factor of its token (the row scale of the other, rowwise-quantized
-operand, folded in so that its e4m3 values enter the GEMM unscaled). One program per (expert, column block)
-sweeps the expert's rows twice.
+:func:`dequantize_rows_fp8` is the way back (the backward's kept ``pre``, B4's kept ``x``): each e4m3 value
+times its row's scale in fp32, rounded once to the 16-bit dtype, as :meth:`moeblaze.fp8.Float8Tensor.dequantize`
+then ``.to(dtype)``; one read of 1 byte and one write of 2 per element, where PyTorch writes an fp32 copy and a
+product first.
 
 Triton's CPU interpreter rounds values below e4m3's smallest normal (2^-6 of the scale) differently from the GPU
 and from torch (DESIGN.md §7): there the stored subnormals may differ by one step; scales and normal values
@@ -33,7 +32,7 @@ from torch import Tensor
 from ..fp8 import E4M3, E4M3_MAX, Float8Tensor
 from . import direct, tuning
 
-__all__ = ["quantize_rows_fp8", "quantize_expert_columns_fp8"]
+__all__ = ["quantize_rows_fp8", "dequantize_rows_fp8"]
 
 _TINY = torch.finfo(torch.float32).tiny
 
@@ -91,60 +90,16 @@ def quantize_rows_fp8(t: Tensor, pow2_scales: bool = False) -> Float8Tensor:
     q = torch.empty(L * R, C, dtype=E4M3, device=t.device)
     scale = torch.empty(L * R, dtype=torch.float32, device=t.device)
     if L * R and C:
-        block_c = min(triton.next_power_of_2(C), 256 if tuning.interpreting() else 1024)
-        block_r = max(1, min(16, 4096 // block_c))
+        if src.stride(1) == 1 and C > 1:  # a transposed view: 64 contiguous rows per load (128 bytes of bf16)
+            block_r, block_c = (16, 16) if tuning.interpreting() else (64, 64)
+        else:
+            block_c = min(triton.next_power_of_2(C), 256 if tuning.interpreting() else 1024)
+            block_r = max(1, min(16, 4096 // block_c))
         direct.launch(quantize_rows_kernel, (tuning.cdiv(R, block_r), L),
                       src_ptr=src, q_ptr=q, scale_ptr=scale, R=R, C=C, stride_l=src.stride(0), stride_r=src.stride(1),
                       stride_c=src.stride(2), tiny=_TINY, QMAX=E4M3_MAX, POW2=pow2_scales, BLOCK_R=block_r,
                       BLOCK_C=block_c)
     return Float8Tensor(q.view(t.shape), scale.view(*t.shape[:-1], 1), (1, C))
-
-
-@triton.jit
-def quantize_expert_columns_kernel(
-    src_ptr,  # [N, Q] fp32 / fp16 / bf16 slot rows, unit column stride
-    factor_ptr,  # [T] fp32 factor of each token (HAS_FACTOR), slot s times factor[token(s)]
-    q_ptr,  # [N, Q] e4m3, contiguous; the rows of local slots written
-    scale_ptr,  # [E, Q] fp32 dequantization scale of each (expert, column)
-    offsets_ptr,  # [E+1] int32 expert_token_offsets
-    indices_ptr,  # [N] int32 expert_token_indices (slot -> token; HAS_FACTOR)
-    Q, stride_src_m,
-    tiny,  # the smallest normal fp32
-    QMAX: tl.constexpr, HAS_FACTOR: tl.constexpr, POW2: tl.constexpr, BLOCK_S: tl.constexpr,
-    BLOCK_Q: tl.constexpr,
-):
-    e = tl.program_id(0)
-    cols = tl.program_id(1) * BLOCK_Q + tl.arange(0, BLOCK_Q)
-    col_ok = cols < Q
-    start = tl.load(offsets_ptr + e)
-    end = tl.load(offsets_ptr + e + 1)
-    offs = tl.arange(0, BLOCK_S)
-    amax = tl.zeros((BLOCK_Q,), dtype=tl.float32)
-    nan = tl.zeros((BLOCK_Q,), dtype=tl.int32)
-    for s0 in range(start, end, BLOCK_S):
-        v = _slot_values(src_ptr, factor_ptr, indices_ptr, s0 + offs, end, cols, col_ok, stride_src_m, HAS_FACTOR)
-        amax = tl.maximum(amax, tl.max(tl.abs(v), axis=0))
-        nan = tl.maximum(nan, tl.max((v != v).to(tl.int32), axis=0))
-    amax = tl.where(nan != 0, float("nan"), amax)
-    scale = _scale_of(amax, tiny, QMAX, POW2)
-    tl.store(scale_ptr + e.to(tl.int64) * Q + cols, scale, mask=col_ok)
-    for s0 in range(start, end, BLOCK_S):
-        s = s0 + offs
-        v = _slot_values(src_ptr, factor_ptr, indices_ptr, s, end, cols, col_ok, stride_src_m, HAS_FACTOR)
-        tl.store(q_ptr + s.to(tl.int64)[:, None] * Q + cols[None, :], _to_e4m3(v, scale[None, :], QMAX),
-                 mask=(s < end)[:, None] & col_ok[None, :])
-
-
-@triton.jit
-def _slot_values(src_ptr, factor_ptr, indices_ptr, s, end, cols, col_ok, stride_src_m, HAS_FACTOR: tl.constexpr):
-    """``[BLOCK_S, BLOCK_Q]`` fp32 values of slot rows ``s`` (zeros past ``end``), times their token's factor."""
-    ok = s < end
-    v = tl.load(src_ptr + s.to(tl.int64)[:, None] * stride_src_m + cols[None, :], mask=ok[:, None] & col_ok[None, :],
-                other=0.0).to(tl.float32)
-    if HAS_FACTOR:
-        tokens = tl.load(indices_ptr + s, mask=ok, other=0)
-        v = v * tl.load(factor_ptr + tokens, mask=ok, other=0.0)[:, None]
-    return v
 
 
 @triton.jit
@@ -167,33 +122,45 @@ def _scale_of(amax, tiny, QMAX: tl.constexpr, POW2: tl.constexpr):
     return scale
 
 
-def quantize_expert_columns_fp8(t: Tensor, offsets: Tensor, indices: Tensor, factor: Tensor | None = None,
-                                pow2_scales: bool = False) -> tuple[Tensor, Tensor]:
-    """The slot rows ``t [N, Q]`` (times ``factor[token(s)]`` when given) quantized with one scale per (expert,
-    column) over the expert's slots (module docstring): ``(data [N, Q] e4m3, scale [E, Q] fp32)``, the scale rule
-    of :mod:`moeblaze.fp8` (an empty expert's columns: 1). Rows past ``offsets[E]`` (other ranks' slots) are not
-    written. ``offsets [E+1]``, ``indices [N]`` int32 (the dispatch index's), ``factor [T]`` fp32.
+@triton.jit
+def dequantize_rows_kernel(
+    q_ptr,  # [R, C] e4m3, contiguous
+    scale_ptr,  # [R] fp32 dequantization scale of each row
+    out_ptr,  # [R, C] fp16 / bf16 / fp32, contiguous
+    R, C,
+    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    ok = (rows < R)[:, None] & (cols < C)[None, :]
+    offs = rows.to(tl.int64)[:, None] * C + cols[None, :]
+    scale = tl.load(scale_ptr + rows, mask=rows < R, other=1.0)
+    v = tl.load(q_ptr + offs, mask=ok, other=0.0).to(tl.float32) * scale[:, None]
+    tl.store(out_ptr + offs, v.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def dequantize_rows_fp8(q: Float8Tensor, dtype: torch.dtype) -> Tensor:
+    """The rowwise ``q`` (``data [R, C]`` e4m3 contiguous, ``scale [R, 1]`` fp32, as :func:`quantize_rows_fp8` gives)
+    as ``[R, C]`` ``dtype``: ``e4m3 * scale`` in fp32 rounded once (module docstring), bitwise
+    ``q.dequantize().to(dtype)``.
 
     Raises:
-        TypeError: ``t`` not fp32, fp16 or bf16, or ``factor`` not fp32. ValueError: ``t`` not 2-D with unit column
-            stride and ``N`` rows.
+        ValueError: ``q`` not 2-D rowwise with contiguous data, or on a device the kernel cannot run on.
+        TypeError: ``dtype`` not fp32, fp16 or bf16.
     """
-    if t.dtype not in (torch.float32, torch.float16, torch.bfloat16):
-        raise TypeError(f"quantize_expert_columns_fp8: t must be fp32, fp16 or bf16, got {t.dtype}")
-    if t.dim() != 2 or t.shape[0] != indices.numel() or (t.shape[1] > 1 and t.stride(1) != 1):
-        raise ValueError(f"quantize_expert_columns_fp8: t must be [N={indices.numel()}, Q] with unit column stride, "
-                         f"got shape {tuple(t.shape)} strides {t.stride()}")
-    if factor is not None and factor.dtype != torch.float32:
-        raise TypeError(f"quantize_expert_columns_fp8: factor must be fp32, got {factor.dtype}")
-    N, Q = t.shape
-    E = offsets.numel() - 1
-    q = torch.empty(N, Q, dtype=E4M3, device=t.device)
-    scale = torch.empty(E, Q, dtype=torch.float32, device=t.device)
-    if E and Q:
-        block_q = min(triton.next_power_of_2(Q), 64 if tuning.interpreting() else 128)
-        direct.launch(quantize_expert_columns_kernel, (E, tuning.cdiv(Q, block_q)),
-                      src_ptr=t, factor_ptr=factor if factor is not None else scale, q_ptr=q, scale_ptr=scale,
-                      offsets_ptr=offsets, indices_ptr=indices, Q=Q, stride_src_m=t.stride(0), tiny=_TINY,
-                      QMAX=E4M3_MAX, HAS_FACTOR=factor is not None, POW2=pow2_scales,
-                      BLOCK_S=16 if tuning.interpreting() else 64, BLOCK_Q=block_q)
-    return q, scale
+    data, scale = q.data, q.scale
+    if data.dim() != 2 or not data.is_contiguous() or tuple(scale.shape) != (data.shape[0], 1):
+        raise ValueError(f"dequantize_rows_fp8: q must be rowwise [R, C] with scale [R, 1], got data "
+                         f"{tuple(data.shape)} (contiguous: {data.is_contiguous()}), scale {tuple(scale.shape)}")
+    if dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise TypeError(f"dequantize_rows_fp8: dtype must be fp32, fp16 or bf16, got {dtype}")
+    if not data.is_cuda and not tuning.interpreting():
+        raise ValueError(f"dequantize_rows_fp8: q is on {data.device}; the kernel needs CUDA or TRITON_INTERPRET=1")
+    R, C = data.shape
+    out = torch.empty(R, C, dtype=dtype, device=data.device)
+    if R and C:
+        block_r, block_c = (16, 32) if tuning.interpreting() else (16, 256)
+        direct.launch(dequantize_rows_kernel, (tuning.cdiv(R, block_r), tuning.cdiv(C, block_c)),
+                      q_ptr=data, scale_ptr=scale.contiguous(), out_ptr=out, R=R, C=C, BLOCK_R=block_r,
+                      BLOCK_C=block_c)
+    return out

@@ -267,7 +267,7 @@ def grouped_gemm(a, b, c, offsets, indices, sched, *, b_nk, n_cols, k_dim, gathe
 
 
 def grouped_wgrad(a, b, offsets, indices, *, p, q, out_dtype, transpose=False, slot_desc=True, zero_tail=False,
-                  k_major=None, b_scale=None):
+                  k_major=None):
     """Launch :func:`grouped_wgrad_kernel`: ``dW[e] = sum_s a[token(s)]^T b[s]`` in ``out_dtype``.
 
     ``a [T, p]`` (rows read through ``indices``), ``b [N, q]`` slot rows (through a TMA descriptor where
@@ -279,24 +279,13 @@ def grouped_wgrad(a, b, offsets, indices, *, p, q, out_dtype, transpose=False, s
     which is all the warp-specialized kernel's whole TMA boxes read of them.
     ``k_major`` (default: fp32 operands of a TF32 GEMM on the GPU): read TF32-rounded copies of both operands,
     gathered into per-expert padded slot order with the slots contiguous (``GATHER_A=False`` of the kernel).
-    ``b_scale`` (e4m3 ``a`` and ``b``, the rowwise FP8 recipe): ``[E, q]`` fp32 scales of ``b``'s (expert, column)
-    blocks, ``a``'s row scales folded into ``b`` (:mod:`moeblaze.kernels.fp8_experts`).
-
-    Raises:
-        ValueError: e4m3 operands without ``b_scale`` of ``[E, q]`` fp32, or with ``k_major``.
     """
     E = offsets.numel() - 1
-    fp8 = a.dtype == torch.float8_e4m3fn
-    if fp8 and (b.dtype != a.dtype or k_major or b_scale is None or b_scale.dtype != torch.float32
-                or tuple(b_scale.shape) != (E, q) or not b_scale.is_contiguous()):
-        raise ValueError(f"grouped_wgrad: e4m3 operands need an e4m3 b and b_scale fp32 {(E, q)} contiguous "
-                         f"(k_major off), got b {b.dtype}, b_scale "
-                         f"{None if b_scale is None else (b_scale.dtype, tuple(b_scale.shape))}")
     shape = (E, q, p) if transpose else (E, p, q)
     if indices.numel() == 0 or p == 0 or q == 0:
         return torch.zeros(shape, dtype=out_dtype, device=a.device)
     out = torch.empty(shape, dtype=out_dtype, device=a.device)
-    if not fp8 and k_major is None and (slot_desc or zero_tail) and ws_wgrad_ok(a, b, out_dtype):
+    if k_major is None and (slot_desc or zero_tail) and ws_wgrad_ok(a, b, out_dtype):
         grouped_wgrad_ws(a, b, out, offsets, indices, gather_a=not transpose)
         return out
     stride_c_p, stride_c_q = (out.stride(2), out.stride(1)) if transpose else (out.stride(1), out.stride(2))
@@ -314,12 +303,11 @@ def grouped_wgrad(a, b, offsets, indices, *, p, q, out_dtype, transpose=False, s
         triton.set_allocator(_scratch)
     grid = _tiles_grid(lambda meta: E * cdiv(p, meta["BLOCK_P"]) * cdiv(q, meta["BLOCK_Q"]), a.device)
     _WGRAD.launch(a.dtype, grid,
-        a_ptr=a, b_ptr=b, c_ptr=out, offsets_ptr=offsets, indices_ptr=indices,
-        b_scale_ptr=b_scale if fp8 else offsets, P=p, Q=q, ROWS=indices.numel(),
+        a_ptr=a, b_ptr=b, c_ptr=out, offsets_ptr=offsets, indices_ptr=indices, P=p, Q=q, ROWS=indices.numel(),
         stride_a_m=a_strides[0], stride_a_p=a_strides[1], stride_b_m=b_strides[0], stride_b_q=b_strides[1],
         stride_c_e=out.stride(0), stride_c_p=stride_c_p, stride_c_q=stride_c_q,
         NUM_EXPERTS=E,
-        GATHER_A=gather_a, B_DESC=b_desc, DOT_PREC=dot_precision(a.dtype), FP8=fp8, E_POW2=next_pow2(E),
+        GATHER_A=gather_a, B_DESC=b_desc, DOT_PREC=dot_precision(a.dtype), E_POW2=next_pow2(E),
     )
     return out
 

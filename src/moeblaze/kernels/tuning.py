@@ -268,7 +268,7 @@ def wgrad_configs(kind: str, persistent: str = "auto") -> list[triton.Config]:
         base = [_cfg(1, 1, BLOCK_P=64, BLOCK_Q=64, BLOCK_K=32, GROUP_M=4, PERSISTENT=persistent == "1")]
     elif kind == "fixed32":  # IEEE-sized (see fp32_gemm_configs), right for TF32 too
         return [_cfg(8, 2, BLOCK_P=64, BLOCK_Q=64, BLOCK_K=16, GROUP_M=8, PERSISTENT=False)]
-    elif kind in ("fixed16", "fixed8"):  # e4m3: the 16-bit tiles (not tuned on a GPU yet)
+    elif kind == "fixed16":
         base = [_cfg(8, 3, BLOCK_P=128, BLOCK_Q=128, BLOCK_K=64, GROUP_M=8, PERSISTENT=persistent == "1")]
     elif kind == "tuned32":  # TF32: BLOCK_K 32 slots (the bytes of 64 in 16 bits); IEEE: BLOCK_K 16, small tiles
         return [_cfg(w, s, BLOCK_P=bp, BLOCK_Q=bq, BLOCK_K=bk, GROUP_M=8, PERSISTENT=False)

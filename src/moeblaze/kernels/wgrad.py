@@ -14,11 +14,6 @@ and the transposed B4 at 682-742, against 595-651 for B4 as ``dpre^T x`` with th
 (1.064x slower in a same-run A/B on conf4). The transposed store (``stride_c_p = 1``) costs one layout
 conversion per output tile.
 
-``FP8`` (the rowwise recipe, :mod:`moeblaze.kernels.fp8_experts`): A is e4m3 with its row scales folded into B,
-B e4m3 with one scale per (expert, column) over the expert's slots
-(:func:`moeblaze.kernels.fp8_quant.quantize_expert_columns_fp8`), so the sum of each tile is multiplied by B's
-scales of its columns once, before the store.
-
 Grid: ``E * cdiv(P, BLOCK_P) * cdiv(Q, BLOCK_Q)`` programs (``PERSISTENT``: at most one per SM), expert-major
 (the programs of one expert run together and share its rows in L2), grouped ordering inside an expert. The
 slot loop runs in a fixed order with fp32 accumulation and no atomics; an empty expert stores zeros.
@@ -68,22 +63,20 @@ def grouped_wgrad_kernel(
     c_ptr,  # dW[e][p, q] at e*stride_c_e + p*stride_c_p + q*stride_c_q; the operands' dtype or fp32
     offsets_ptr,  # [E+1] int32 expert_token_offsets (not GATHER_A: of the padded ranges)
     indices_ptr,  # [N] int32 expert_token_indices (slot -> token)
-    b_scale_ptr,  # FP8: [E, Q] fp32 scale of each (expert, column) of B
     P, Q,
     ROWS,  # rows of B (N): extent of its descriptor
     stride_a_m, stride_a_p, stride_b_m, stride_b_q, stride_c_e, stride_c_p, stride_c_q,
     NUM_EXPERTS,  # E: the autotune key's, and the persistent loop's tile count
     GATHER_A: tl.constexpr, B_DESC: tl.constexpr, DOT_PREC: tl.constexpr,
-    FP8: tl.constexpr,  # e4m3 A (unscaled) and B (scaled per expert column): acc times B's scales, stored as is
     E_POW2: tl.constexpr,  # next power of 2 of NUM_EXPERTS (PERSISTENT: the step count over all experts at once)
     PERSISTENT: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     if PERSISTENT:
         tl.static_assert(GATHER_A, "the persistent weight gradient reads A through the index (16-bit operands)")
-        _persistent_tiles(a_ptr, b_ptr, c_ptr, offsets_ptr, indices_ptr, b_scale_ptr, P, Q, ROWS, stride_a_m,
-                          stride_a_p, stride_b_m, stride_b_q, stride_c_e, stride_c_p, stride_c_q, NUM_EXPERTS,
-                          B_DESC, DOT_PREC, FP8, E_POW2, BLOCK_P, BLOCK_Q, BLOCK_K, GROUP_M)
+        _persistent_tiles(a_ptr, b_ptr, c_ptr, offsets_ptr, indices_ptr, P, Q, ROWS, stride_a_m, stride_a_p,
+                          stride_b_m, stride_b_q, stride_c_e, stride_c_p, stride_c_q, NUM_EXPERTS,
+                          B_DESC, DOT_PREC, E_POW2, BLOCK_P, BLOCK_Q, BLOCK_K, GROUP_M)
         return
     num_p = tl.cdiv(P, BLOCK_P)
     num_q = tl.cdiv(Q, BLOCK_Q)
@@ -127,8 +120,7 @@ def grouped_wgrad_kernel(
         else:
             b = _slot_rows(b_ptr, s, end, offs_q, Q, stride_b_m, stride_b_q)
         acc = tl.dot(a, b, acc, input_precision=DOT_PREC)
-    _store_tile(c_ptr, b_scale_ptr, acc, e, offs_p, offs_q, P, Q, stride_c_e, stride_c_p, stride_c_q,
-                b_ptr.dtype.element_ty, FP8)
+    _store_tile(c_ptr, acc, e, offs_p, offs_q, P, Q, stride_c_e, stride_c_p, stride_c_q, b_ptr.dtype.element_ty)
 
 
 @triton.jit
@@ -141,27 +133,20 @@ def _slot_rows(b_ptr, s, end, offs_q, Q, stride_b_m, stride_b_q):
 
 
 @triton.jit
-def _store_tile(c_ptr, b_scale_ptr, acc, e, offs_p, offs_q, P, Q, stride_c_e, stride_c_p, stride_c_q,
-                op_ty: tl.constexpr, FP8: tl.constexpr):
+def _store_tile(c_ptr, acc, e, offs_p, offs_q, P, Q, stride_c_e, stride_c_p, stride_c_q, op_ty: tl.constexpr):
     """Store the summed ``[BLOCK_P, BLOCK_Q]`` tile of expert ``e``. Rounded to the operands' dtype ``op_ty``
     first: an fp32 gradient of 16-bit operands (the master weights of an autocast call) is the 16-bit gradient
-    upcast, stored in one pass instead of a 16-bit store and a cast. ``FP8``: times B's (expert, column)
-    scales, stored in ``c``'s dtype."""
+    upcast, stored in one pass instead of a 16-bit store and a cast."""
     c_ptrs = (c_ptr + e.to(tl.int64) * stride_c_e + offs_p[:, None].to(tl.int64) * stride_c_p
               + offs_q[None, :].to(tl.int64) * stride_c_q)
-    mask = (offs_p < P)[:, None] & (offs_q < Q)[None, :]
-    if FP8:
-        scale = tl.load(b_scale_ptr + e.to(tl.int64) * Q + offs_q, mask=offs_q < Q, other=0.0)
-        tl.store(c_ptrs, (acc * scale[None, :]).to(c_ptr.dtype.element_ty), mask=mask)
-    else:
-        tl.store(c_ptrs, acc.to(op_ty).to(c_ptr.dtype.element_ty), mask=mask)
+    tl.store(c_ptrs, acc.to(op_ty).to(c_ptr.dtype.element_ty), mask=(offs_p < P)[:, None] & (offs_q < Q)[None, :])
 
 
 @triton.jit
-def _persistent_tiles(a_ptr, b_ptr, c_ptr, offsets_ptr, indices_ptr, b_scale_ptr, P, Q, ROWS, stride_a_m, stride_a_p,
+def _persistent_tiles(a_ptr, b_ptr, c_ptr, offsets_ptr, indices_ptr, P, Q, ROWS, stride_a_m, stride_a_p,
                       stride_b_m, stride_b_q, stride_c_e, stride_c_p, stride_c_q, NUM_EXPERTS,
-                      B_DESC: tl.constexpr, DOT_PREC: tl.constexpr, FP8: tl.constexpr, E_POW2: tl.constexpr,
-                      BLOCK_P: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+                      B_DESC: tl.constexpr, DOT_PREC: tl.constexpr, E_POW2: tl.constexpr, BLOCK_P: tl.constexpr,
+                      BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     """``PERSISTENT`` of :func:`grouped_wgrad_kernel`: this program's tiles as one flat loop of slot steps."""
     num_p = tl.cdiv(P, BLOCK_P)
     num_q = tl.cdiv(Q, BLOCK_Q)
@@ -215,6 +200,6 @@ def _persistent_tiles(a_ptr, b_ptr, c_ptr, offsets_ptr, indices_ptr, b_scale_ptr
             b = _slot_rows(b_ptr, s, end, offs_q, Q, stride_b_m, stride_b_q)
         acc = tl.dot(a, b, acc, input_precision=DOT_PREC)
         if k == n_k - 1:  # the tile is summed
-            _store_tile(c_ptr, b_scale_ptr, acc, e, offs_p, offs_q, P, Q, stride_c_e, stride_c_p, stride_c_q,
-                        b_ptr.dtype.element_ty, FP8)
+            _store_tile(c_ptr, acc, e, offs_p, offs_q, P, Q, stride_c_e, stride_c_p, stride_c_q,
+                        b_ptr.dtype.element_ty)
             acc = tl.zeros((BLOCK_P, BLOCK_Q), dtype=tl.float32)
