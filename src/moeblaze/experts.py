@@ -171,10 +171,10 @@ class _Float8Experts(torch.autograd.Function):
     ``ops`` (the recipe's PyTorch emulation :mod:`moeblaze.ops_fp8`, or the Triton kernels'
     :mod:`moeblaze.kernels.fp8_experts`).
 
-    Saves ``x`` in e4m3 with its scales (F1's quantized operand itself: 1 byte per element), and for
-    ``save="preact"`` ``pre`` in e4m3 with scales in the same tiles; ``"input"`` runs F1 again in backward on
-    the kept e4m3 ``x`` (the forward's ``pre`` bitwise). The weights are kept as given (parameters: nothing
-    new) and cast again in backward.
+    Saves ``x`` itself, as the 16-bit path does (the router's weight gradient keeps it anyway; B4 runs in 16 bits
+    on it), and for ``save="preact"`` ``pre`` in e4m3 with the recipe's row scales: half its 16-bit bytes. ``"input"``
+    quantizes ``x`` again in backward and runs F1 on it (the forward's ``pre`` bitwise: the quantization is
+    deterministic). The weights are kept as given (parameters: nothing new) and cast again in backward.
     """
 
     @staticmethod
@@ -191,9 +191,9 @@ class _Float8Experts(torch.autograd.Function):
         out = ops.down_forward(recipe, act, w2c, topk_weights, index, b2=b2).to(x.dtype)
         pq = ops.quantize_rows(recipe, pre) if save == "preact" else None
         kept_pre = (pq.data, pq.scale) if pq is not None else (None, None)
-        ctx.save_for_backward(xq.data, xq.scale, *kept_pre, w1, b1, w2, b2, topk_weights, *index_tensors)
+        ctx.save_for_backward(x, *kept_pre, w1, b1, w2, b2, topk_weights, *index_tensors)
         ctx.recipe, ctx.ops, ctx.activation, ctx.act_args, ctx.dtype = recipe, ops, activation, act_args, x.dtype
-        ctx.blocks = (xq.block, pq.block if pq is not None else None)
+        ctx.pre_block = pq.block if pq is not None else None
         ctx.index_args = (num_experts, block_m, foreign)
         return out
 
@@ -201,23 +201,23 @@ class _Float8Experts(torch.autograd.Function):
     @carried_to_backward
     @autocast_off
     def backward(ctx, dout):
-        x_data, x_scale, pre_data, pre_scale, w1, b1, w2, b2, topk_weights, *index_tensors = ctx.saved_tensors
+        x, pre_data, pre_scale, w1, b1, w2, b2, topk_weights, *index_tensors = ctx.saved_tensors
         index = _index_from(index_tensors, *ctx.index_args)
         recipe, ops, need, act_args = ctx.recipe, ctx.ops, ctx.needs_input_grad, ctx.act_args
         activation = ctx.activation
         w1c, w2c = w1.to(ctx.dtype), w2.to(ctx.dtype)
-        xq = Float8Tensor(x_data, x_scale, ctx.blocks[0])
         if pre_data is None:
-            pre, _ = ops.up_forward(recipe, xq, w1c, index, activation, store_act=False, b1=b1, act_args=act_args)
+            pre, _ = ops.up_forward(recipe, ops.quantize_rows(recipe, x), w1c, index, activation, store_act=False,
+                                    b1=b1, act_args=act_args)
         else:
-            pre = ops.dequantize(Float8Tensor(pre_data, pre_scale, ctx.blocks[1]), w1c.dtype)
+            pre = ops.dequantize(Float8Tensor(pre_data, pre_scale, ctx.pre_block), w1c.dtype)
         dout = dout.contiguous()
         db2 = ops_torch.bias_grad(dout, index, topk_weights) if need[4] else None
         dpre, dw2, dtw = ops.down_backward(recipe, dout, pre, w2c, topk_weights, index, activation, need[3],
                                            need[5], b2=b2, act_args=act_args, dw_dtype=w2.dtype)
         del pre
         db1 = ops_torch.bias_grad(dpre, index).to(b1.dtype) if need[2] else None
-        dx, dw1 = ops.up_backward(recipe, dpre, xq, w1c, index, need[0], need[1], dw_dtype=w1.dtype)
+        dx, dw1 = ops.up_backward(recipe, dpre, x, w1c, index, need[0], need[1], dw_dtype=w1.dtype)
         dx = dx.to(ctx.dtype) if dx is not None else None
         if ctx.input_grad is not None:
             dx = ctx.input_grad.offer(dx)

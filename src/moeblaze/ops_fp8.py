@@ -13,14 +13,14 @@ fp32 sums, and runs the recipe on any device.
 | B1 ``dact' = dout[token(s)] w2[e]`` | dout [T, d]: d | w2: d |
 | B2 ``dw2[e] = dout[token(s)]^T (w act)`` | dout gathered [N, d]: the expert's slots (b) | w act [N, h]: slots (b) |
 | B3 ``dx_slots = dpre w1[e]`` | dpre [N, 2h]: 2h | w1: 2h |
-| B4 ``dw1[e] = dpre^T x[token(s)]`` | dpre: slots (b) | x (its e4m3 copy) gathered: slots (b) |
+| B4 ``dw1[e] = dpre^T x[token(s)]`` | dpre: slots (b) | x gathered: slots (b) |
 
-(b) blockwise only: the rowwise recipe runs B2 and B4 on the 16-bit operands (x: its kept e4m3 copy dequantized),
-as its Triton kernels do (:mod:`moeblaze.kernels.fp8_experts` says why).
+(b) blockwise only: the rowwise recipe runs B2 and B4 on the 16-bit operands, as its Triton kernels do
+(:mod:`moeblaze.kernels.fp8_experts` says why).
 
-x is quantized once (F1's operand, also what is kept for backward). Blockwise, B4 reads that e4m3 copy,
-dequantized and scaled again along the slots, and B2 quantizes ``dout`` along the slots from its 16-bit values.
-``dout`` reaches B1 and the down bias's share of ``dtopk_weights`` in e4m3.
+x is quantized once in forward (F1's operand); backward reads the layer's 16-bit x (``"input"`` quantizes it again
+for F1's recomputation, bitwise the forward's). ``dout`` reaches B1 and the down bias's share of
+``dtopk_weights`` in e4m3.
 
 Shapes as :mod:`moeblaze.ops_torch`; all results fp32 except the weight gradients, rounded through the
 weight's dtype into ``dw_dtype`` as there. Per-expert loops read the offsets on the host.
@@ -97,24 +97,23 @@ def down_backward(recipe: Float8Recipe, dout: Tensor, pre: Tensor, w2: Tensor, t
     return dpre, dw2, dtw
 
 
-def up_backward(recipe: Float8Recipe, dpre: Tensor, xq: Float8Tensor, w1: Tensor, index: DispatchIndex,
+def up_backward(recipe: Float8Recipe, dpre: Tensor, x: Tensor, w1: Tensor, index: DispatchIndex,
                 need_dx: bool, need_dw: bool, *,
                 dw_dtype: torch.dtype | None = None) -> tuple[Tensor | None, Tensor | None]:
     """B3 ``dx_slots = dpre w1[e]`` with B5 ``dx[t] = sum_k dx_slots[map[t,k]]``, and B4
-    ``dw1[e] = dpre^T x[token(s)]`` from the kept e4m3 ``xq``.
+    ``dw1[e] = dpre^T x[token(s)]``.
 
-    Args: ``dpre [N, 2h | h]`` fp32, ``xq`` (``x [T, d]``), ``w1 [E, 2h | h, d]``.
+    Args: ``dpre [N, 2h | h]`` fp32, ``x [T, d]`` (the layer's 16-bit input), ``w1 [E, 2h | h, d]``.
     Returns: ``(dx [T, d] fp32 | None, dw1 [E, 2h | h, d] in dw_dtype | None)``.
     """
-    x = xq.dequantize()
     dx = dw1 = None
     if need_dx:
         a = recipe.quantize_rows(dpre).dequantize()
         w = recipe.quantize_weight(w1, reduce_cols=False).dequantize()
-        dx, _ = ops_torch.up_backward(a, x, w, index, True, False)
+        dx, _ = ops_torch.up_backward(a, x.float(), w, index, True, False)
     if need_dw:
         offsets = index.local_offsets
-        a, b = dpre, x.index_select(0, index.expert_token_indices.long())
+        a, b = dpre, x.float().index_select(0, index.expert_token_indices.long())
         if recipe.granularity == "blockwise":
             a, b = (recipe.quantize_slots(t, offsets).dequantize() for t in (a, b))
         dw1 = ops_torch.grouped_weight_grad(a, b, offsets).to(w1.dtype).to(dw_dtype or w1.dtype)

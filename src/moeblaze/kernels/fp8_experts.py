@@ -155,12 +155,7 @@ def _down_backward_impl(dout, pre, w2, b2, topk_weights, offsets, indices, tile_
                         need_dw, need_dtw, general, dw_dtype, pow2):
     # B1 in FP8, then the 16-bit path's activation backward (dpre over pre, w act over dact'), dtopk_weights and
     # B2 dW2[e] = sum_s dout[token(s)]^T (w act)[s]
-    d, h = w2.shape[1], w2.shape[2]
-    gq, wq = _rows(dout, pow2), _rows(w2.transpose(1, 2), pow2)  # w2^T [E, h, d]: K-major, a scale per column
-    dact = pre.new_empty(indices.numel(), h)
-    sched = (tile_expert, tile_row, num_tiles)
-    grouped_gemm(gq.data, wq.data, dact, offsets, indices, sched, b_nk=True, n_cols=h, k_dim=d, gather_a=True,
-                 a_scale=gq.scale[:, 0], b_scale=wq.scale[..., 0])
+    dact = _b1(dout, w2, offsets, indices, (tile_expert, tile_row, num_tiles), pow2)
     dtw = kx.act_bwd_dtw(dout, dact, pre, w2, b2, topk_weights, offsets, indices, token_index_map,
                          token_expert_indices, activation, alpha, limit, interleaved, foreign, need_dw, need_dtw,
                          general)
@@ -168,6 +163,18 @@ def _down_backward_impl(dout, pre, w2, b2, topk_weights, offsets, indices, tile_
     if need_dw:  # act_bwd_rows zeroed the tail (foreign)
         dw2 = kx.grad_in_storage(w2, dout, dact, offsets, indices, dw_dtype, False, foreign, zero_tail=foreign)
     return dw2, dtw
+
+
+def _b1(dout, w2, offsets, indices, sched, pow2):
+    """B1 ``dact' [N, h] = dout[token(s)] w2[e]`` on e4m3 ``dout`` rows and ``w2^T [E, h, d]`` (K-major, a scale per
+    column of w2), in ``dout``'s dtype. A function of its own so that the e4m3 copies are freed before the
+    activation backward and B2 allocate (the copy of ``w2`` is ``E d h`` bytes)."""
+    d, h = w2.shape[1], w2.shape[2]
+    gq, wq = _rows(dout, pow2), _rows(w2.transpose(1, 2), pow2)
+    dact = dout.new_empty(indices.numel(), h)
+    grouped_gemm(gq.data, wq.data, dact, offsets, indices, sched, b_nk=True, n_cols=h, k_dim=d, gather_a=True,
+                 a_scale=gq.scale[:, 0], b_scale=wq.scale[..., 0])
+    return dact
 
 
 _down_backward_op = torch.library.custom_op(
@@ -203,40 +210,46 @@ def down_backward(recipe: Float8Recipe, dout: Tensor, pre: Tensor, w2: Tensor, t
 
 # ---------------------------------------------------------------- B3-B5, B4
 
-def _up_backward_impl(dpre, xq, xs, w1, offsets, indices, tile_expert, tile_row, num_tiles, token_index_map, foreign,
+def _up_backward_impl(dpre, x, w1, offsets, indices, tile_expert, tile_row, num_tiles, token_index_map, foreign,
                       need_dx, need_dw, pair_offsets, dw_dtype, pow2):
     dx, dw1 = kx._empty(dpre), kx._empty(w1)
-    if need_dx:  # B3 on dpre's e4m3 rows and w1^T [E, d, 2h|h] (K-major, a scale per column of w1), B5 combine
-        gq, wq = _rows(dpre, pow2), _rows(w1.transpose(1, 2), pow2)
-        dx = kx.slots_to_tokens(gq.data, wq.data, True, offsets, indices, (tile_expert, tile_row, num_tiles),
-                                token_index_map, None, foreign, pair_offsets, out_dtype=dpre.dtype,
-                                a_scale=gq.scale[:, 0], b_scale=wq.scale[..., 0])
-    if need_dw:  # B4 dW1[e]^T = sum_s x[token(s)]^T dpre[s] in 16 bits, on the kept x dequantized
-        x = dequantize(Float8Tensor(xq, xs, (1, xq.shape[1])), dpre.dtype)
+    if need_dx:
+        dx = _b3(dpre, w1, offsets, indices, (tile_expert, tile_row, num_tiles), token_index_map, foreign,
+                 pair_offsets, pow2)
+    if need_dw:  # B4 dW1[e]^T = sum_s x[token(s)]^T dpre[s] in 16 bits
         dw1 = kx.grad_in_storage(w1, x, dpre, offsets, indices, dw_dtype, True, foreign, zero_tail=foreign)
     return dx, dw1
 
 
+def _b3(dpre, w1, offsets, indices, sched, token_index_map, foreign, pair_offsets, pow2):
+    """B3 with the B5 combine, ``dx [T, d]`` in ``dpre``'s dtype, on e4m3 ``dpre`` rows and ``w1^T [E, d, 2h|h]``
+    (K-major, a scale per column of w1). A function of its own so that the e4m3 copies (``N 2h`` and ``E 2h d``
+    bytes) are freed before B4 allocates ``dw1``."""
+    gq, wq = _rows(dpre, pow2), _rows(w1.transpose(1, 2), pow2)
+    return kx.slots_to_tokens(gq.data, wq.data, True, offsets, indices, sched, token_index_map, None, foreign,
+                              pair_offsets, out_dtype=dpre.dtype, a_scale=gq.scale[:, 0], b_scale=wq.scale[..., 0])
+
+
 _up_backward_op = torch.library.custom_op(
     "moeblaze::fp8_up_backward", _up_backward_impl, mutates_args=(),
-    schema="(Tensor dpre, Tensor xq, Tensor xs, Tensor w1, Tensor offsets, Tensor indices, Tensor tile_expert, "
+    schema="(Tensor dpre, Tensor x, Tensor w1, Tensor offsets, Tensor indices, Tensor tile_expert, "
            "Tensor tile_row, Tensor num_tiles, Tensor token_index_map, bool foreign, bool need_dx, bool need_dw, "
            "Tensor? pair_offsets, ScalarType? dw_dtype, bool pow2) -> (Tensor, Tensor)")
 
 
 @_up_backward_op.register_fake
-def _(dpre, xq, xs, w1, offsets, indices, tile_expert, tile_row, num_tiles, token_index_map, foreign, need_dx,
+def _(dpre, x, w1, offsets, indices, tile_expert, tile_row, num_tiles, token_index_map, foreign, need_dx,
       need_dw, pair_offsets, dw_dtype, pow2):
-    return (dpre.new_empty(xq.shape) if need_dx else kx._empty(dpre),
+    return (dpre.new_empty(x.shape) if need_dx else kx._empty(dpre),
             kx._like_weight(w1, dw_dtype) if need_dw else kx._empty(w1))
 
 
-def up_backward(recipe: Float8Recipe, dpre: Tensor, xq: Float8Tensor, w1: Tensor, index: DispatchIndex,
+def up_backward(recipe: Float8Recipe, dpre: Tensor, x: Tensor, w1: Tensor, index: DispatchIndex,
                 need_dx: bool, need_dw: bool, *,
                 dw_dtype: torch.dtype | None = None) -> tuple[Tensor | None, Tensor | None]:
-    """B3 in FP8 with the B5 combine (``dx [T, d]`` in ``dpre``'s dtype) and B4 in 16 bits from the kept ``xq``
+    """B3 in FP8 with the B5 combine (``dx [T, d]`` in ``dpre``'s dtype) and B4 in 16 bits on the layer's ``x``
     (:func:`moeblaze.ops_fp8.up_backward`): ``(dx | None, dw1 | None)``."""
-    dx, dw1 = call_op(_up_backward_op, _up_backward_impl, dpre.contiguous(), xq.data, xq.scale, w1,
+    dx, dw1 = call_op(_up_backward_op, _up_backward_impl, dpre.contiguous(), x.to(dpre.dtype).contiguous(), w1,
                       *_index_args(index), index.token_index_map, index.foreign_experts, need_dx, need_dw,
                       index.pair_offsets, dw_dtype, recipe.pow2_scales)
     return (dx if need_dx else None), (dw1 if need_dw else None)
