@@ -20,6 +20,8 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor, Shard
 
 import moeblaze
+from moeblaze.fp8 import E4M3
+from moeblaze.parallel import ep as ep_module
 from moeblaze.parallel import (
     expert_parallel,
     init_distributed,
@@ -74,9 +76,10 @@ def ep_case(rank: int, world: int, tokens: list[int], E: int, K: int, d: int, h:
     ``symmetric``: the padded exchange moves the packed rows of a symmetric-memory exchange (the nvshmem kind's
     data path, which needs CUDA, emulated: one packed byte row per token, rows past what a source sent masked).
     ``options``: more :class:`moeblaze.MoE` arguments (activation, score function, save mode, router
-    options, a shared expert)."""
+    options, a shared expert, an FP8 recipe: then the baseline is one process under the same recipe)."""
     dev = _device()
     kw = {"aux_loss_coef": 0.05, "z_loss_coef": 0.01, **options}
+    fp8 = kw.pop("fp8", None)  # the float64 reference is exact; the same-dtype baseline runs the recipe
     torch.manual_seed(seed)  # the same full weights and tokens on every rank
     ref = moeblaze.MoE(d, h, E, 1 if one_remote_expert else K, backend="torch", dtype=torch.float64, **kw)
     T = sum(tokens)
@@ -88,13 +91,18 @@ def ep_case(rank: int, world: int, tokens: list[int], E: int, K: int, d: int, h:
     low = None
     if dtype != torch.float64:
         ref_low = copy.deepcopy(ref).to(device=dev, dtype=dtype)
-        ref_low.backend = backend
+        ref_low.backend, ref_low.fp8 = backend, fp8
         low = _single_process(ref_low, x_all.to(dev, dtype), dout_all.to(dev))
     r64 = _single_process(ref, x_all, dout_all)
 
-    ep = expert_parallel(moeblaze.MoE(d, h, E, ref.top_k, backend=backend, device=dev, dtype=dtype, **kw),
+    ep = expert_parallel(moeblaze.MoE(d, h, E, ref.top_k, backend=backend, device=dev, dtype=dtype, fp8=fp8, **kw),
                          dist.group.WORLD, exchange, max_tokens)
     ep.ep.exchange.symmetric |= symmetric  # the exchange is shared by later cases: set back below
+    widths: list[int] = []  # FP8: the bytes per row of each forward exchange (the values go in e4m3)
+    if fp8 is not None:
+        rows = ep.ep.exchange.rows
+        ep.ep.exchange.rows = lambda buf, layout, reverse=False: (
+            widths.append(buf.shape[1]) if not reverse else None) or rows(buf, layout, reverse)
     agreed: list[int] = []  # the T of each host agreement on T_cap
     agree = ep.ep.exchange.tokens_cap
     ep.ep.exchange.tokens_cap = lambda t: agreed.append(t) or agree(t)
@@ -114,6 +122,11 @@ def ep_case(rank: int, world: int, tokens: list[int], E: int, K: int, d: int, h:
     aux_w = tokens[rank] / T
     torch.autograd.backward([out, ep.aux_loss], [dout_all[mine].to(dev, dtype), torch.full_like(ep.aux_loss, aux_w)])
     del ep.ep.exchange.tokens_cap  # the exchange is shared by later cases
+    if fp8 is not None:
+        del ep.ep.exchange.rows
+        # the values' exchange: d bytes a row, or the packed row of e4m3 values, pairs and one scale
+        assert widths and widths[0] == (ep_module._Payload(d, ref.top_k, E4M3, torch.float32, 1).width
+                             if ep.ep.exchange.symmetric else d), widths
     ep.ep.exchange.symmetric = ep.ep.exchange.kind == "nvshmem"
     assert len(agreed) == (ep.ep.exchange.sync_free and max_tokens is None), agreed
     aux = (ep.aux_loss.detach().double() * aux_w).reshape(1)

@@ -11,6 +11,7 @@ import torch
 
 import parallel_workers as pw
 from dist_utils import free_port, run_ranks
+from moeblaze.fp8 import Float8Recipe
 
 # (tokens per rank, E, K, d, h) and options; named edge cases of issue 23 and DESIGN.md §7.
 CASES_2 = [
@@ -40,6 +41,14 @@ TRITON_CASES = [  # the fused kernels in the interpreter, with zero tokens / zer
 ]
 
 
+_FP8 = {"dtype": torch.float32, "d": 16, "h": 8, "fp8": Float8Recipe("rowwise")}
+FP8_CASES = [  # the recipe's emulation and the Triton FP8 ops in the interpreter, over local and foreign slots
+    {"tokens": [5, 3], "E": 4, "K": 2, **_FP8},
+    {"tokens": [4, 5], "E": 4, "K": 2, "backend": "triton", **_FP8},
+    {"tokens": [0, 4], "E": 4, "K": 2, "backend": "triton", "save": "input", **_FP8},
+]
+
+
 def _padded(cases: list[dict]) -> list[dict]:
     """The cases again over the sync-free exchange, each with the seed (the data) of its first run; every other one
     with ``max_tokens`` (no agreement on T_cap), two above the largest T (blocks padded past the group's T)."""
@@ -48,12 +57,12 @@ def _padded(cases: list[dict]) -> list[dict]:
 
 
 def test_ep_layer_2_ranks():
-    """EP layer = one process (edge cases, fp64/fp32, the Triton kernels in the interpreter), with the exchange
+    """EP layer = one process (edge cases, fp64/fp32, the Triton kernels in the interpreter, FP8), with the exchange
     that reads the split sizes to the host and with the sync-free one (fixed capacities, rows past what a source
     sent are foreign), and the packed rows of the symmetric-memory exchange; a mismatched configuration or
     E % P != 0 fails on every rank."""
-    symmetric = [{**c, "symmetric": True} for c in _padded(CASES_2[:4] + TRITON_CASES[:2])]
-    cases = CASES_2 + TRITON_CASES + _padded(CASES_2 + TRITON_CASES) + symmetric
+    symmetric = [{**c, "symmetric": True} for c in _padded(CASES_2[:4] + TRITON_CASES[:2] + FP8_CASES[:2])]
+    cases = CASES_2 + TRITON_CASES + FP8_CASES + _padded(CASES_2 + TRITON_CASES + FP8_CASES) + symmetric
     run_ranks(pw.run_all, 2, [("ep_cases", (cases,)), ("bad_config", ())], timeout=360)
 
 

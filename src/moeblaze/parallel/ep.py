@@ -13,7 +13,8 @@ with each token sent once per destination rank rather than once per (token, expe
 3. the send buffer: ``x[send_tokens]`` (rows by destination rank, then token: the only copy of x), each row with
    its token's K pairs as the destination's local expert ids (``E/P`` marks another rank's pair) and weights:
    the rows' own bytes and a small exchange of the pairs, or for symmetric buffers (nvshmem) one packed byte row
-   each (:func:`_exchange`, :mod:`moeblaze.parallel.exchange`).
+   each (:func:`_exchange`, :mod:`moeblaze.parallel.exchange`). An FP8 layer sends the rows in e4m3 with their
+   scales, about half the bytes of bf16 rows (:class:`_Dispatch`); gradients go back in 16 bits.
 4. the received rows are a top-k routing over the local experts with foreign pairs (``moe_experts(...,
    foreign_experts=True)``; rows past what a source sent are all foreign): the fused kernels read the received
    rows through its index, and each row's output is the weighted sum of its local experts, so one row goes back
@@ -42,6 +43,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from ..activations import DEFAULT_ACT
 from ..backends import Backend
 from ..experts import run_experts
+from ..fp8 import E4M3, Float8Tensor
 from ..layer import MoE
 from ..settings import carried_to_backward
 from .exchange import Exchange, Layout, get_exchange, resolve_exchange
@@ -249,21 +251,22 @@ class _DivideGrad(torch.autograd.Function):
 
 
 class _Payload:
-    """The byte layout of a row packed for an exchange: the row's ``[d]`` values, its ``[K]`` weights and ``[K]`` int32
-    local expert ids, each section 16-byte aligned (so that each reads back as its dtype), the row a multiple of 64
-    bytes. ``d = 0``: the pairs alone (the values then travel in their own bytes, :func:`_exchange`). Gradients
-    travel in the same layout (values and weights; the ids section unused)."""
+    """The byte layout of a row packed for an exchange: the row's ``[d]`` values, its ``[K]`` weights, ``[K]`` int32
+    local expert ids and ``[scales]`` fp32 scales of FP8 values, each section 16-byte aligned (so that each reads back
+    as its dtype), the row a multiple of 64 bytes. ``d = 0``: the pairs (and scales) alone (the values then travel in
+    their own bytes, :func:`_exchange`). Gradients travel in a 16-bit layout (values and weights; ids unused)."""
 
-    def __init__(self, d: int, K: int, x_dtype: torch.dtype, w_dtype: torch.dtype) -> None:
+    def __init__(self, d: int, K: int, x_dtype: torch.dtype, w_dtype: torch.dtype, scales: int = 0) -> None:
         def up(n: int, a: int = 16) -> int:
             return -(-n // a) * a
-        self.d, self.K, self.x_dtype, self.w_dtype = d, K, x_dtype, w_dtype
+        self.d, self.K, self.x_dtype, self.w_dtype, self.scales = d, K, x_dtype, w_dtype, scales
         xe, we = torch.empty((), dtype=x_dtype).element_size(), torch.empty((), dtype=w_dtype).element_size()
         self.x_end = d * xe
         self.w_at = up(self.x_end)
         self.w_end = self.w_at + K * we
         self.id_at = up(self.w_end)
-        self.width = up(self.id_at + 4 * K, 64)
+        self.s_at = up(self.id_at + 4 * K)
+        self.width = up(self.s_at + 4 * scales, 64)
 
     def values(self, buf: torch.Tensor) -> torch.Tensor:
         return buf[:, :self.x_end].view(self.x_dtype)
@@ -274,48 +277,66 @@ class _Payload:
     def ids(self, buf: torch.Tensor) -> torch.Tensor:
         return buf[:, self.id_at:self.id_at + 4 * self.K].view(torch.int32)
 
+    def scale(self, buf: torch.Tensor) -> torch.Tensor:
+        return buf[:, self.s_at:self.s_at + 4 * self.scales].view(torch.float32)
+
 
 def _exchange(exchange: Exchange, layout: Layout, payload: _Payload, values: torch.Tensor | None,
-              weights: torch.Tensor | None = None, ids: torch.Tensor | None = None, reverse: bool = False):
+              weights: torch.Tensor | None = None, ids: torch.Tensor | None = None, scales: torch.Tensor | None = None,
+              reverse: bool = False):
     """Rows through one exchange of ``layout`` (``reverse``: receive layout back to send layout): ``values [S, d]``
-    and, with ``weights``, each row's ``[S, K]`` weights and local expert ids (None: zeros). Returns the received
-    ``(values, weights or None, ids or None)``.
+    and, with ``weights``, each row's ``[S, K]`` weights and local expert ids (None: zeros) and its
+    ``[S, payload.scales]`` scales (FP8 values). Returns the received ``(values, weights, ids, scales)``, None for
+    what was not sent.
 
     Symmetric buffers (``nvshmem``; ``payload.d == d``) take one packed byte row per token. The other exchanges
     (``payload.d == 0``) send the values' own bytes, which saves a copy in and a copy out of ``[S, d]`` per exchange,
     and the pairs in a second exchange of ``payload.width`` bytes per row."""
+    sections = [] if weights is None else [(payload.weights, weights), (payload.ids, ids)]
+    sections += [(payload.scale, scales)] if payload.scales else []
     if payload.d:
         rows = layout.recv_rows if reverse else layout.send_rows
         buf = exchange.buffer(rows, payload.width, reverse=reverse)
-        sections = [(payload.values(buf), values)]
-        if weights is not None:
-            sections += [(payload.weights(buf), weights), (payload.ids(buf), ids)]
-        for section, t in sections:
-            section.copy_(t) if t is not None else section.zero_()
+        for section, t in [(payload.values, values), *sections]:
+            section(buf).copy_(t) if t is not None else section(buf).zero_()
         got = exchange.rows(buf, layout, reverse)
-        if weights is None:
-            return payload.values(got).clone(), None, None
-        return payload.values(got).clone(), payload.weights(got).clone(), payload.ids(got).clone()
-    got = exchange.rows(values.contiguous().view(torch.uint8), layout, reverse).view(values.dtype)
-    if weights is None:
-        return got, None, None
-    buf = exchange.buffer(weights.shape[0], payload.width, reverse=reverse)
-    payload.weights(buf).copy_(weights)
-    payload.ids(buf).copy_(ids) if ids is not None else payload.ids(buf).zero_()
-    pairs = exchange.rows(buf, layout, reverse)
-    return got, payload.weights(pairs).contiguous(), payload.ids(pairs).contiguous()
+        values = payload.values(got).clone()
+    else:
+        values = exchange.rows(values.contiguous().view(torch.uint8), layout, reverse).view(values.dtype)
+        if sections:
+            buf = exchange.buffer(weights.shape[0], payload.width, reverse=reverse)
+            for section, t in sections:
+                section(buf).copy_(t) if t is not None else section(buf).zero_()
+            got = exchange.rows(buf, layout, reverse)
+    if not sections:
+        return values, None, None, None
+    return (values, payload.weights(got).contiguous(), payload.ids(got).contiguous(),
+            payload.scale(got).contiguous() if payload.scales else None)
 
 
 class _Dispatch(torch.autograd.Function):
     """``(x_send [S, d], w_send [S, K], ids_send [S, K])`` -> ``(x_recv [R, d], w_recv [R, K], ids_recv [R, K])``
     through the exchange (:func:`_exchange`); backward: the gradients of values and weights back through the
-    reverse exchange."""
+    reverse exchange, in ``grads``'s 16-bit layout.
+
+    ``fp8`` (``(recipe, fp8 ops)`` of an FP8 layer): the rows travel as the recipe's e4m3 F1 operand with their
+    scales (``d + 4`` bytes a row rowwise against ``2d`` in bf16) and arrive dequantized to ``x_send``'s dtype; the
+    experts' quantization of them gives the same e4m3 values (a value on the e4m3 grid times a scale, rounded to
+    16 bits and divided by a scale within 2^-8 of it, rounds back to it), scales within a 16-bit rounding."""
 
     @staticmethod
     @carried_to_backward
-    def forward(ctx, x_send, w_send, ids_send, exchange: Exchange, layout: Layout, payload: _Payload):
-        ctx.exchange, ctx.layout, ctx.payload, ctx.d = exchange, layout, payload, x_send.shape[1]
-        x_recv, w_recv, ids = _exchange(exchange, layout, payload, x_send, w_send, ids_send)
+    def forward(ctx, x_send, w_send, ids_send, exchange: Exchange, layout: Layout, payload: _Payload,
+                grads: _Payload, fp8):
+        ctx.exchange, ctx.layout, ctx.payload, ctx.d = exchange, layout, grads, x_send.shape[1]
+        if fp8 is None:
+            x_recv, w_recv, ids, _ = _exchange(exchange, layout, payload, x_send, w_send, ids_send)
+        else:
+            recipe, ops = fp8
+            q = ops.quantize_rows(recipe, x_send)
+            data, w_recv, ids, scale = _exchange(exchange, layout, payload, q.data, w_send, ids_send,
+                                                 q.scale.reshape(-1, payload.scales))
+            x_recv = ops.dequantize(Float8Tensor(data, scale, q.block), x_send.dtype).to(x_send.dtype)
         ctx.mark_non_differentiable(ids)
         return x_recv, w_recv, ids
 
@@ -328,8 +349,8 @@ class _Dispatch(torch.autograd.Function):
         if grad_w is None:
             grad_w = torch.zeros(ctx.layout.recv_rows, ctx.payload.K, dtype=ctx.payload.w_dtype,
                                  device=ctx.exchange.device)
-        dx, dw, _ = _exchange(ctx.exchange, ctx.layout, ctx.payload, grad_x, grad_w, reverse=True)
-        return dx, dw, None, None, None, None
+        dx, dw, _, _ = _exchange(ctx.exchange, ctx.layout, ctx.payload, grad_x, grad_w, reverse=True)
+        return dx, dw, None, None, None, None, None, None
 
 
 class _Combine(torch.autograd.Function):
@@ -411,10 +432,14 @@ def expert_parallel_forward(moe: MoE, x: torch.Tensor, routing, backend: Backend
     # each send row carries its token's K pairs: the destination's local expert ids (El: another rank's pair)
     local_ids = take(ids, plan.send_tokens, -1) - (plan.send_rank * El).view(-1, 1)  # [rows, K]
     local_ids = torch.where((local_ids >= 0) & (local_ids < El), local_ids, El).to(torch.int32)
-    payload = _Payload(moe.d_model if ep.exchange.symmetric else 0, K, x.dtype, weights.dtype)
+    packed = moe.d_model if ep.exchange.symmetric else 0
+    payload = sent = _Payload(packed, K, x.dtype, weights.dtype)
+    fp8 = None if moe.fp8 is None else (moe.fp8, backend.fp8_ops)
+    if fp8 is not None:  # the rows go in e4m3 with their scales
+        sent = _Payload(packed, K, E4M3, weights.dtype, scales=-(-moe.d_model // moe.fp8.row_block(moe.d_model)[1]))
     x_send = GatherRows.apply(x, *plan.tensors(), M)  # [rows, d]: the only copy of x
     x_recv, w_recv, ids_recv = _Dispatch.apply(x_send, take(weights, plan.send_tokens), local_ids,
-                                               ep.exchange, layout, payload)
+                                               ep.exchange, layout, sent, payload, fp8)
     # Rows past what a source sent: the padded exchange's carry the sender's unused rows (every pair foreign, weight
     # 0: take's fills); a symmetric buffer's hold whatever was there, so they are masked.
     valid = layout.recv_valid() if ep.exchange.symmetric else None
