@@ -42,10 +42,10 @@ TRITON_CASES = [  # the fused kernels in the interpreter, with zero tokens / zer
 
 
 _FP8 = {"dtype": torch.float32, "d": 16, "h": 8, "fp8": Float8Recipe("rowwise")}
-FP8_CASES = [  # the recipe's emulation and the Triton FP8 ops in the interpreter, over local and foreign slots
+FP8_CASES = [  # the recipe's emulation; the Triton FP8 ops in the interpreter over foreign rows and packed rows
     {"tokens": [5, 3], "E": 4, "K": 2, **_FP8},
-    {"tokens": [4, 5], "E": 4, "K": 2, "backend": "triton", **_FP8},
-    {"tokens": [0, 4], "E": 4, "K": 2, "backend": "triton", "save": "input", **_FP8},
+    {"tokens": [0, 4], "E": 4, "K": 2, "backend": "triton", "save": "input", "exchange": "padded", **_FP8},
+    {"tokens": [4, 5], "E": 4, "K": 2, "backend": "triton", "exchange": "padded", "symmetric": True, **_FP8},
 ]
 
 
@@ -61,8 +61,8 @@ def test_ep_layer_2_ranks():
     that reads the split sizes to the host and with the sync-free one (fixed capacities, rows past what a source
     sent are foreign), and the packed rows of the symmetric-memory exchange; a mismatched configuration or
     E % P != 0 fails on every rank."""
-    symmetric = [{**c, "symmetric": True} for c in _padded(CASES_2[:4] + TRITON_CASES[:2] + FP8_CASES[:2])]
-    cases = CASES_2 + TRITON_CASES + FP8_CASES + _padded(CASES_2 + TRITON_CASES + FP8_CASES) + symmetric
+    symmetric = [{**c, "symmetric": True} for c in _padded(CASES_2[:4] + TRITON_CASES[:2])]
+    cases = CASES_2 + TRITON_CASES + _padded(CASES_2 + TRITON_CASES) + symmetric + FP8_CASES
     run_ranks(pw.run_all, 2, [("ep_cases", (cases,)), ("bad_config", ())], timeout=360)
 
 
