@@ -303,6 +303,35 @@ def test_triton_rowwise_within_the_e4m3_rule_and_as_the_emulation(case, save):
         assert off <= 0.05, (name, float(off), rel_error(a, b))
 
 
+@pytest.mark.skipif(torch.cuda.is_available() or not moeblaze.backends.triton_available(),
+                    reason="the Triton kernels on CPU tensors need TRITON_INTERPRET=1")
+def test_triton_b3_writes_its_e4m3_dpre_into_the_kept_pre():
+    """The Triton FP8 backward writes B3's e4m3 dpre into the kept e4m3 pre, dead after the activation backward:
+    the kept tensor holds new values afterwards, and a second backward through the graph raises."""
+    inputs = make_expert_inputs(40, 32, 16, 4, 2)
+    for name in ("x", "w_gate_up", "w_down"):
+        inputs[name].requires_grad_()
+    kept = []
+
+    def pack(t):
+        if t.dtype == E4M3:
+            kept.append((t, t.clone()))
+        return t
+
+    def run():
+        return moe_experts(**inputs, backend="triton", save="preact", fp8=Float8Recipe("rowwise"))
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = run()
+    out.sum().backward()
+    ((pre, before),) = kept
+    assert not torch.equal(pre.float(), before.float())
+    out = run()  # without hooks: autograd checks the saved tensors' versions
+    out.sum().backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="inplace"):
+        out.sum().backward()
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
                     reason="needs a Hopper GPU (sm90+)")

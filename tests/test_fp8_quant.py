@@ -83,6 +83,20 @@ def test_errors_name_the_argument():
         quantize_rows_fp8(torch.ones(2, 2, dtype=torch.int32))
     with pytest.raises(ValueError, match=r"t must be \[R, C\] or \[L, R, C\], got shape \(4,\)"):
         quantize_rows_fp8(torch.ones(4))
+    dev = "cuda" if HAS_CUDA else "cpu"
+    t = torch.randn(6, 8, device=dev)
+    with pytest.raises(ValueError, match=r"out's scale must be torch.float32 \(6, 1\)"):
+        quantize_rows_fp8(t, out=(torch.empty(6, 8, dtype=E4M3, device=dev), torch.empty(6, device=dev)))
+
+
+def test_into_given_storage_as_into_new():
+    """``out``: the same bits written into the given tensors (B3's e4m3 dpre into the kept pre's storage)."""
+    dev = "cuda" if HAS_CUDA else "cpu"
+    t = _source((37, 200), torch.float32, False, dev)
+    data, scale = torch.empty(37, 200, dtype=E4M3, device=dev), torch.empty(37, 1, device=dev)
+    got, new = quantize_rows_fp8(t, out=(data, scale)), quantize_rows_fp8(t)
+    assert got.data.data_ptr() == data.data_ptr() and got.scale.data_ptr() == scale.data_ptr()
+    assert torch.equal(got.data.view(torch.uint8), new.data.view(torch.uint8)) and torch.equal(got.scale, new.scale)
 
 
 def _dequantize_case(R, C, device, dtype):

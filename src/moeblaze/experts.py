@@ -206,18 +206,20 @@ class _Float8Experts(torch.autograd.Function):
         recipe, ops, need, act_args = ctx.recipe, ctx.ops, ctx.needs_input_grad, ctx.act_args
         activation = ctx.activation
         w1c, w2c = w1.to(ctx.dtype), w2.to(ctx.dtype)
-        if pre_data is None:
+        kept = None if pre_data is None else Float8Tensor(pre_data, pre_scale, ctx.pre_block)
+        if kept is None:
             pre, _ = ops.up_forward(recipe, ops.quantize_rows(recipe, x), w1c, index, activation, store_act=False,
                                     b1=b1, act_args=act_args)
         else:
-            pre = ops.dequantize(Float8Tensor(pre_data, pre_scale, ctx.pre_block), w1c.dtype)
+            pre = ops.dequantize(kept, w1c.dtype)
         dout = dout.contiguous()
         db2 = ops_torch.bias_grad(dout, index, topk_weights) if need[4] else None
         dpre, dw2, dtw = ops.down_backward(recipe, dout, pre, w2c, topk_weights, index, activation, need[3],
                                            need[5], b2=b2, act_args=act_args, dw_dtype=w2.dtype)
         del pre
         db1 = ops_torch.bias_grad(dpre, index).to(b1.dtype) if need[2] else None
-        dx, dw1 = ops.up_backward(recipe, dpre, x, w1c, index, need[0], need[1], dw_dtype=w1.dtype)
+        dx, dw1 = ops.up_backward(recipe, dpre, x, w1c, index, need[0], need[1], dw_dtype=w1.dtype,
+                                  reuse=kept if recipe.granularity == "rowwise" else None)  # kept is dead now
         dx = dx.to(ctx.dtype) if dx is not None else None
         if ctx.input_grad is not None:
             dx = ctx.input_grad.offer(dx)

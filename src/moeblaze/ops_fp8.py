@@ -98,10 +98,11 @@ def down_backward(recipe: Float8Recipe, dout: Tensor, pre: Tensor, w2: Tensor, t
 
 
 def up_backward(recipe: Float8Recipe, dpre: Tensor, x: Tensor, w1: Tensor, index: DispatchIndex,
-                need_dx: bool, need_dw: bool, *,
-                dw_dtype: torch.dtype | None = None) -> tuple[Tensor | None, Tensor | None]:
+                need_dx: bool, need_dw: bool, *, dw_dtype: torch.dtype | None = None,
+                reuse: Float8Tensor | None = None) -> tuple[Tensor | None, Tensor | None]:
     """B3 ``dx_slots = dpre w1[e]`` with B5 ``dx[t] = sum_k dx_slots[map[t,k]]``, and B4
-    ``dw1[e] = dpre^T x[token(s)]``.
+    ``dw1[e] = dpre^T x[token(s)]``. ``reuse`` (the kept e4m3 ``pre``, where the Triton ops write B3's e4m3 ``dpre``)
+    is not used here: the emulation's memory is not the kernels'.
 
     Args: ``dpre [N, 2h | h]`` fp32, ``x [T, d]`` (the layer's 16-bit input), ``w1 [E, 2h | h, d]``.
     Returns: ``(dx [T, d] fp32 | None, dw1 [E, 2h | h, d] in dw_dtype | None)``.

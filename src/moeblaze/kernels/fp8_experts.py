@@ -40,9 +40,17 @@ __all__ = ["quantize_rows", "dequantize", "up_forward", "down_forward", "down_ba
 DEQUANTIZE_ELEMENTS = 1 << 24  # fp32 products per block of :func:`dequantize` (64 MiB)
 
 
-def _rows(t: Tensor, pow2: bool) -> Float8Tensor:
-    """``t [..., R, C]`` with one scale per row: one launch on CUDA, the recipe's PyTorch ops elsewhere."""
-    return quantize_rows_fp8(t, pow2) if t.is_cuda else quantize_fp8(t, (1, t.shape[-1]), pow2)
+def _rows(t: Tensor, pow2: bool, out: tuple[Tensor, Tensor] | None = None) -> Float8Tensor:
+    """``t [..., R, C]`` with one scale per row (into ``out``'s ``(data, scale)`` when given): one launch on CUDA,
+    the recipe's PyTorch ops elsewhere."""
+    if t.is_cuda:
+        return quantize_rows_fp8(t, pow2, out)
+    q = quantize_fp8(t, (1, t.shape[-1]), pow2)
+    if out is None:
+        return q
+    out[0].copy_(q.data)
+    out[1].copy_(q.scale)
+    return Float8Tensor(out[0], out[1], q.block)
 
 
 def _index_args(index: DispatchIndex) -> tuple[Tensor, ...]:
@@ -211,45 +219,51 @@ def down_backward(recipe: Float8Recipe, dout: Tensor, pre: Tensor, w2: Tensor, t
 # ---------------------------------------------------------------- B3-B5, B4
 
 def _up_backward_impl(dpre, x, w1, offsets, indices, tile_expert, tile_row, num_tiles, token_index_map, foreign,
-                      need_dx, need_dw, pair_offsets, dw_dtype, pow2):
+                      need_dx, need_dw, pair_offsets, dw_dtype, pow2, reuse_data=None, reuse_scale=None):
     dx, dw1 = kx._empty(dpre), kx._empty(w1)
     if need_dx:
+        reuse = (reuse_data, reuse_scale) if reuse_data is not None else None
         dx = _b3(dpre, w1, offsets, indices, (tile_expert, tile_row, num_tiles), token_index_map, foreign,
-                 pair_offsets, pow2)
+                 pair_offsets, pow2, reuse)
     if need_dw:  # B4 dW1[e]^T = sum_s x[token(s)]^T dpre[s] in 16 bits
         dw1 = kx.grad_in_storage(w1, x, dpre, offsets, indices, dw_dtype, True, foreign, zero_tail=foreign)
     return dx, dw1
 
 
-def _b3(dpre, w1, offsets, indices, sched, token_index_map, foreign, pair_offsets, pow2):
-    """B3 with the B5 combine, ``dx [T, d]`` in ``dpre``'s dtype, on e4m3 ``dpre`` rows and ``w1^T [E, d, 2h|h]``
-    (K-major, a scale per column of w1). A function of its own so that the e4m3 copies (``N 2h`` and ``E 2h d``
-    bytes) are freed before B4 allocates ``dw1``."""
-    gq, wq = _rows(dpre, pow2), _rows(w1.transpose(1, 2), pow2)
+def _b3(dpre, w1, offsets, indices, sched, token_index_map, foreign, pair_offsets, pow2, reuse):
+    """B3 with the B5 combine, ``dx [T, d]`` in ``dpre``'s dtype, on e4m3 ``dpre`` rows (written into ``reuse``,
+    the kept e4m3 ``pre`` of the same shape, dead by now, when given) and ``w1^T [E, d, 2h|h]`` (K-major, a scale
+    per column of w1). A function of its own so that the e4m3 copies are freed before B4 allocates ``dw1``."""
+    gq, wq = _rows(dpre, pow2, reuse), _rows(w1.transpose(1, 2), pow2)
     return kx.slots_to_tokens(gq.data, wq.data, True, offsets, indices, sched, token_index_map, None, foreign,
                               pair_offsets, out_dtype=dpre.dtype, a_scale=gq.scale[:, 0], b_scale=wq.scale[..., 0])
 
 
 _up_backward_op = torch.library.custom_op(
-    "moeblaze::fp8_up_backward", _up_backward_impl, mutates_args=(),
+    "moeblaze::fp8_up_backward", _up_backward_impl, mutates_args=("reuse_data", "reuse_scale"),
     schema="(Tensor dpre, Tensor x, Tensor w1, Tensor offsets, Tensor indices, Tensor tile_expert, "
            "Tensor tile_row, Tensor num_tiles, Tensor token_index_map, bool foreign, bool need_dx, bool need_dw, "
-           "Tensor? pair_offsets, ScalarType? dw_dtype, bool pow2) -> (Tensor, Tensor)")
+           "Tensor? pair_offsets, ScalarType? dw_dtype, bool pow2, Tensor(a!)? reuse_data=None, "
+           "Tensor(b!)? reuse_scale=None) -> (Tensor, Tensor)")
 
 
 @_up_backward_op.register_fake
 def _(dpre, x, w1, offsets, indices, tile_expert, tile_row, num_tiles, token_index_map, foreign, need_dx,
-      need_dw, pair_offsets, dw_dtype, pow2):
+      need_dw, pair_offsets, dw_dtype, pow2, reuse_data=None, reuse_scale=None):
     return (dpre.new_empty(x.shape) if need_dx else kx._empty(dpre),
             kx._like_weight(w1, dw_dtype) if need_dw else kx._empty(w1))
 
 
 def up_backward(recipe: Float8Recipe, dpre: Tensor, x: Tensor, w1: Tensor, index: DispatchIndex,
-                need_dx: bool, need_dw: bool, *,
-                dw_dtype: torch.dtype | None = None) -> tuple[Tensor | None, Tensor | None]:
+                need_dx: bool, need_dw: bool, *, dw_dtype: torch.dtype | None = None,
+                reuse: Float8Tensor | None = None) -> tuple[Tensor | None, Tensor | None]:
     """B3 in FP8 with the B5 combine (``dx [T, d]`` in ``dpre``'s dtype) and B4 in 16 bits on the layer's ``x``
-    (:func:`moeblaze.ops_fp8.up_backward`): ``(dx | None, dw1 | None)``."""
+    (:func:`moeblaze.ops_fp8.up_backward`): ``(dx | None, dw1 | None)``. ``reuse``: the kept e4m3 ``pre`` (rowwise,
+    dpre's shape), dead after the activation backward: B3's e4m3 ``dpre`` is written into it (``N 2h`` bytes less
+    at the backward's peak); autograd sees the change, so a second backward through the graph raises."""
+    kept = (reuse.data, reuse.scale) if reuse is not None and need_dx else (None, None)
     dx, dw1 = call_op(_up_backward_op, _up_backward_impl, dpre.contiguous(), x.to(dpre.dtype).contiguous(), w1,
                       *_index_args(index), index.token_index_map, index.foreign_experts, need_dx, need_dw,
-                      index.pair_offsets, dw_dtype, recipe.pow2_scales)
+                      index.pair_offsets, dw_dtype, recipe.pow2_scales, *kept,
+                      mutated=tuple(t for t in kept if t is not None))
     return (dx if need_dx else None), (dw1 if need_dw else None)

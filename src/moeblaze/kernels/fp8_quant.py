@@ -71,13 +71,15 @@ def quantize_rows_kernel(
         tl.store(out + (c0 + cols)[None, :], _to_e4m3(v, scale[:, None], QMAX), mask=ok)
 
 
-def quantize_rows_fp8(t: Tensor, pow2_scales: bool = False) -> Float8Tensor:
+def quantize_rows_fp8(t: Tensor, pow2_scales: bool = False, out: tuple[Tensor, Tensor] | None = None) -> Float8Tensor:
     """``t [..., R, C]`` (2-D or 3-D, any strides) -> :class:`moeblaze.fp8.Float8Tensor` with ``data [..., R, C]``
     e4m3 (contiguous), ``scale [..., R, 1]`` fp32 and ``block (1, C)``: one scale per row (module docstring).
+    ``out``: ``(data, scale)`` tensors of those shapes and dtypes, contiguous, to write into (a dead tensor's
+    storage) instead of new ones.
 
     Raises:
-        TypeError: ``t`` not fp32, fp16 or bf16. ValueError: ``t`` not 2-D or 3-D, or on a device the kernels
-            cannot run on (a CPU tensor without ``TRITON_INTERPRET=1``).
+        TypeError: ``t`` not fp32, fp16 or bf16. ValueError: ``t`` not 2-D or 3-D, ``out`` not as above, or on a
+            device the kernels cannot run on (a CPU tensor without ``TRITON_INTERPRET=1``).
     """
     if t.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise TypeError(f"quantize_rows_fp8: t must be fp32, fp16 or bf16, got {t.dtype}")
@@ -87,8 +89,12 @@ def quantize_rows_fp8(t: Tensor, pow2_scales: bool = False) -> Float8Tensor:
         raise ValueError(f"quantize_rows_fp8: t is on {t.device}; the kernel needs CUDA or TRITON_INTERPRET=1")
     src = t if t.dim() == 3 else t.unsqueeze(0)
     L, R, C = src.shape
-    q = torch.empty(L * R, C, dtype=E4M3, device=t.device)
-    scale = torch.empty(L * R, dtype=torch.float32, device=t.device)
+    if out is None:
+        q = torch.empty(L * R, C, dtype=E4M3, device=t.device)
+        scale = torch.empty(L * R, dtype=torch.float32, device=t.device)
+    else:
+        _check_out(t, *out)
+        q, scale = out[0].view(L * R, C), out[1].view(L * R)
     if L * R and C:
         if src.stride(1) == 1 and C > 1:  # a transposed view: 64 contiguous rows per load (128 bytes of bf16)
             block_r, block_c = (16, 16) if tuning.interpreting() else (64, 64)
@@ -120,6 +126,14 @@ def _scale_of(amax, tiny, QMAX: tl.constexpr, POW2: tl.constexpr):
         finite = (bits & 0x7F800000) != 0x7F800000
         scale = tl.where(finite, up.to(tl.float32, bitcast=True), scale)
     return scale
+
+
+def _check_out(t: Tensor, data: Tensor, scale: Tensor) -> None:
+    want = ((tuple(t.shape), E4M3), ((*t.shape[:-1], 1), torch.float32))
+    for name, o, (shape, dtype) in zip(("data", "scale"), (data, scale), want):
+        if tuple(o.shape) != shape or o.dtype != dtype or not o.is_contiguous() or o.device != t.device:
+            raise ValueError(f"quantize_rows_fp8: out's {name} must be {dtype} {shape} contiguous on {t.device}, "
+                             f"got {o.dtype} {tuple(o.shape)} (contiguous: {o.is_contiguous()}) on {o.device}")
 
 
 @triton.jit
