@@ -9,7 +9,7 @@ so B1 and B3 take transposed e4m3 copies of the weights (``w2^T [E, h, d]``, ``w
 along their rows as :meth:`moeblaze.fp8.Float8Recipe.quantize_weight` does along ``reduce_cols=False``. The
 activation backward, the router-weight gradient and the combine are the 16-bit path's kernels, and so are the
 weight-gradient GEMMs B2 and B4 (the recipe's, :mod:`moeblaze.ops_fp8`): on ``dout`` and ``w act``, and on the
-kept ``x`` dequantized and ``dpre``. Why not on e4m3: there both operands run along the reduction (the slots), an
+layer's ``x`` and ``dpre``. Why not on e4m3: there both operands run along the reduction (the slots), an
 MN-major e4m3 tile the Hopper tensor cores do not read, and the wgrad kernel's FP8 flag on them took 24.3 ms for
 both GEMMs against 3.6 ms in bf16 (H200, Qwen3-30B-A3B shape, T 32,768, ``torch.profiler`` of one layer step);
 an FP8 weight gradient needs slot-contiguous (transposed) e4m3 copies of both operands.

@@ -12,7 +12,7 @@ The source is read through its strides, so a weight's transposed view ``w.transp
 its rows without a transposed copy first (the K-major operand of B1 / B3): rows ``[..., R, C]`` are flattened to
 ``[L * R, C]`` by the strides of the last two dimensions and of one leading one.
 
-:func:`dequantize_rows_fp8` is the way back (the backward's kept ``pre``, B4's kept ``x``): each e4m3 value
+:func:`dequantize_rows_fp8` is the way back (the backward's kept ``pre``, rows received in e4m3): each e4m3 value
 times its row's scale in fp32, rounded once to the 16-bit dtype, as :meth:`moeblaze.fp8.Float8Tensor.dequantize`
 then ``.to(dtype)``; one read of 1 byte and one write of 2 per element, where PyTorch writes an fp32 copy and a
 product first.
