@@ -119,6 +119,30 @@ def _two_gpus():
     return torch.cuda.is_available() and torch.cuda.device_count() >= 2
 
 
+def _hopper():
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)
+
+
+# FP8 on the GPU: bf16 rows dispatched in e4m3, the Triton FP8 ops over received (and padded, foreign) rows
+_FP8_GPU = {"E": 8, "K": 2, "d": 64, "h": 32, "dtype": torch.bfloat16, "backend": "triton",
+            "fp8": Float8Recipe("rowwise")}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU (sm90+)")
+def test_ep_fp8_one_gpu():
+    cases = [{"tokens": [37], **_FP8_GPU}, {"tokens": [29], "exchange": "padded", "save": "input", **_FP8_GPU}]
+    run_ranks(pw.ep_cases, 1, cases, backend="nccl", timeout=300)
+
+
+@pytest.mark.multigpu
+@pytest.mark.skipif(not (_two_gpus() and _hopper()), reason="needs 2 Hopper GPUs")
+def test_ep_fp8_two_gpus():
+    cases = [{"tokens": [37, 21], **_FP8_GPU}, {"tokens": [0, 19], "exchange": "padded", **_FP8_GPU},
+             {"tokens": [23, 30], "exchange": "padded", "save": "input", **_FP8_GPU}]
+    run_ranks(pw.ep_cases, 2, cases, backend="nccl", timeout=300)
+
+
 @pytest.mark.multigpu
 @pytest.mark.skipif(not _two_gpus(), reason="needs 2 CUDA GPUs")
 def test_ep_bf16_two_gpus():
