@@ -146,3 +146,27 @@ def test_other_ranks_write_nothing(tmp_path):
     log = MetricsLog(tmp_path, None, print, enabled=False)
     log.write(1, 2.0, 1e-3, 0.5, 100.0)
     assert not (tmp_path / "metrics.csv").exists()
+
+
+def test_plot_of_several_runs_is_one_figure_of_their_losses(tmp_path, monkeypatch, capsys):
+    """``moeblaze plot A B``: both runs' curves in one PNG (default name in the working directory, or --out), legend
+    names from --labels; a wrong label count and a folder without metrics.csv are one-line errors."""
+    pytest.importorskip("matplotlib")
+    header = "step,loss,bits_per_byte,lr,step_s,tokens_per_s,val_bpb\n"
+    for name, scale in (("bf16", 1.0), ("fp8", 1.02)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "metrics.csv").write_text(header + "".join(
+            f"{s},{5 * scale / s:.4f},{7 * scale / s:.4f},0.001,0.1,100.0,{'' if s % 2 else 7 * scale / s}\n"
+            for s in range(1, 7)))
+    monkeypatch.chdir(tmp_path)
+    assert run_cli("plot", "bf16", "fp8") == 0
+    assert (tmp_path / "loss-compare.png").stat().st_size > 1000
+    assert not (tmp_path / "bf16" / "loss.png").exists()
+    out = tmp_path / "curves.png"
+    assert run_cli("plot", "bf16", "fp8", "--out", str(out), "--labels", "bf16-mixed,fp8-mixed") == 0
+    assert out.stat().st_size > 1000 and str(out) in capsys.readouterr().out
+    assert run_cli("plot", "bf16", "fp8", "--out", str(out), "--labels", "one") == 2
+    assert "--labels: 1 given for 2 runs" in capsys.readouterr().err
+    (tmp_path / "empty").mkdir()
+    assert run_cli("plot", "bf16", "empty") == 2
+    assert "cannot read" in capsys.readouterr().err

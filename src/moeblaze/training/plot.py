@@ -1,4 +1,6 @@
-"""``moeblaze plot OUT_DIR``: the curves of a ``moeblaze train`` run, from its ``metrics.csv``, as PNG files.
+"""``moeblaze plot OUT_DIR``: the curves of a ``moeblaze train`` run, from its ``metrics.csv``, as PNG files;
+``moeblaze plot RUN RUN ... --out FILE``: the loss curves of several runs in one figure (a precision, recipe or
+config against another: same steps, one color per run).
 
 ``loss.png``: the training loss and the validation loss in bits per byte against the step. ``expert_load.png``
 (where the run logged the expert load, :mod:`moeblaze.metrics_log`): max / mean tokens per expert of the worst
@@ -17,7 +19,7 @@ from pathlib import Path
 from .metrics_log import FILE_NAME, LOAD_COLUMNS
 from .train_config import ConfigError
 
-__all__ = ["draw_load", "draw_loss", "plot_run", "read_metrics"]
+__all__ = ["draw_load", "draw_loss", "plot_compare", "plot_run", "read_metrics"]
 
 
 def read_metrics(out_dir: str | os.PathLike) -> dict[str, list[float | None]]:
@@ -81,15 +83,45 @@ def has_load(metrics: dict) -> bool:
     return any(v is not None for name in LOAD_COLUMNS for v in metrics.get(name, []))
 
 
+def _figure_class():
+    if importlib.util.find_spec("matplotlib") is None:
+        raise ConfigError("moeblaze plot needs matplotlib (pip install matplotlib)")
+    from matplotlib.figure import Figure
+
+    return Figure
+
+
+def plot_compare(out_dirs: list[str | os.PathLike], out_file: str | os.PathLike,
+                 labels: list[str] | None = None) -> Path:
+    """The training and validation bits per byte of each run in ``out_dirs`` (a color each, labelled by ``labels``
+    or the folder names) in one figure, written to ``out_file`` (PNG); returns its path.
+
+    Raises:
+        ConfigError: a folder without a ``metrics.csv`` with rows, ``labels`` not one per run, or matplotlib is not
+            installed.
+    """
+    Figure = _figure_class()
+    runs = [Path(d).expanduser() for d in out_dirs]
+    labels = labels or [r.name for r in runs]
+    if len(labels) != len(runs):
+        raise ConfigError(f"--labels: {len(labels)} given for {len(runs)} runs; give one per run")
+    fig = Figure(figsize=(7, 4.5), layout="constrained")
+    ax = fig.subplots()
+    for i, (run, label) in enumerate(zip(runs, labels)):
+        draw_loss(ax, read_metrics(run), label, color=f"C{i}")
+    ax.set_title("loss — " + " vs ".join(labels))
+    out = Path(out_file).expanduser()
+    fig.savefig(out, dpi=120)
+    return out
+
+
 def plot_run(out_dir: str | os.PathLike) -> list[Path]:
     """Write ``loss.png`` (and ``expert_load.png`` where the load was logged) into ``out_dir``; returns the paths.
 
     Raises:
         ConfigError: no ``metrics.csv`` with rows in ``out_dir``, or matplotlib is not installed.
     """
-    if importlib.util.find_spec("matplotlib") is None:
-        raise ConfigError("moeblaze plot needs matplotlib (pip install matplotlib)")
-    from matplotlib.figure import Figure
+    Figure = _figure_class()
 
     out = Path(out_dir).expanduser()
     metrics = read_metrics(out)
