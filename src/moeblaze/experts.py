@@ -219,7 +219,7 @@ class _Float8Experts(torch.autograd.Function):
         del pre
         db1 = ops_torch.bias_grad(dpre, index).to(b1.dtype) if need[2] else None
         dx, dw1 = ops.up_backward(recipe, dpre, x, w1c, index, need[0], need[1], dw_dtype=w1.dtype,
-                                  reuse=kept if recipe.granularity == "rowwise" else None)  # kept is dead now
+                                  reuse=kept)  # kept is dead now
         dx = dx.to(ctx.dtype) if dx is not None else None
         if ctx.input_grad is not None:
             dx = ctx.input_grad.offer(dx)
@@ -420,11 +420,11 @@ def moe_experts(
         input_grad: ``x``'s gradient shared with a router that reads the same ``x`` (a
             :class:`moeblaze.input_grad.SharedInputGrad` passed to both; :class:`moeblaze.MoE` does this): the two
             gradients are summed in place instead of by autograd's extra ``[T, d]`` addition. None: as usual.
-        fp8: a :class:`moeblaze.fp8.Float8Recipe`: every expert GEMM on e4m3 operands scaled along its reduction
-            dimension, fp32 sums, results in the dtypes above; ``x`` (and ``pre`` for ``"preact"``) kept for
-            backward in e4m3 with fp32 scales (DESIGN.md §8). The ``torch`` backend runs the recipe's PyTorch
-            emulation (:mod:`moeblaze.ops_fp8`), the Triton backend the rowwise recipe on its kernels
-            (:mod:`moeblaze.kernels.fp8_experts`; sm90+). None: no FP8.
+        fp8: a :class:`moeblaze.fp8.Float8Recipe`: the expert GEMMs on e4m3 operands scaled along their reduction
+            dimension (the rowwise recipe's weight gradients in 16 bits), fp32 sums, results in the dtypes above;
+            ``pre`` kept for backward in e4m3 with fp32 scales for ``"preact"``, ``x`` as given (DESIGN.md §8).
+            The ``torch`` backend runs the recipe's PyTorch emulation (:mod:`moeblaze.ops_fp8`), the Triton
+            backend the rowwise recipe on its kernels (:mod:`moeblaze.kernels.fp8_experts`; sm90+). None: no FP8.
 
     Returns:
         ``[T, d]`` tensor in ``x.dtype`` (under autocast: the autocast dtype).

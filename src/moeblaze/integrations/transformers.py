@@ -204,7 +204,7 @@ def make_experts_forward(save: str = "preact", backend: str = "auto",
         save: ``"preact"`` or ``"input"`` (see :func:`moeblaze.moe_experts`).
         backend: ``"auto"``, ``"torch"`` or ``"triton"``.
         fp8: a :class:`moeblaze.fp8.Float8Recipe` for the expert GEMMs (e4m3 operands with DeepSeek-V3's tile
-            scales or rowwise ones, x and ``pre`` saved in FP8), or None for the model's dtype (see
+            scales or rowwise ones, ``pre`` saved in FP8), or None for the model's dtype (see
             :func:`moeblaze.moe_experts`; the ``"torch"`` backend emulates the recipe).
 
     Returns:

@@ -11,7 +11,7 @@ from torch import Tensor
 
 from .. import settings
 from . import tuning
-from .combine import gather_sum
+from .combine import gather_sum, local_slots
 from .launch import grouped_gemm
 
 __all__ = ["column_chunks", "gemm_gather_sum", "peak_headroom"]
@@ -119,6 +119,6 @@ def gemm_gather_sum(a, w, b_nk, k_dim, offsets, indices, sched, token_index_map,
         slots = buf[:, :c1 - c0]
         grouped_gemm(a, w, slots, offsets, indices, sched, b_nk=b_nk, n_cols=c1 - c0, k_dim=k_dim, gather_a=False,
                      bias=None if bias is None else bias[:, c0:c1], a_tf32=True, n_start=c0, **fp8_scales)
-        local = offsets[-1:] if foreign else None  # foreign slots: past the local experts' last offset
-        gather_sum(slots, token_index_map, weights, dtype, local, pair_offsets, out=out[:, c0:c1])
+        gather_sum(slots, token_index_map, weights, dtype, local_slots(offsets, foreign), pair_offsets,
+                   out=out[:, c0:c1])
     return out  # the buffer is freed on return (B3: before dW1 is allocated, off the backward's peak)

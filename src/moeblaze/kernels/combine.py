@@ -94,6 +94,12 @@ def gather_sum_kernel(
 _GATHER_SUM = Launchable(gather_sum_kernel, gather_sum_configs, key=["stride_out_t", "K", "HAS_W", "CSR"])
 
 
+def local_slots(offsets: torch.Tensor, foreign: bool) -> torch.Tensor | None:
+    """``[1]`` int32 count of local slots (the last of the local experts' ``offsets``) for an index with foreign
+    experts, the bound :func:`gather_sum` and the activation backward take; None without foreign experts."""
+    return offsets[-1:] if foreign else None
+
+
 def gather_sum(src: torch.Tensor, token_index_map: torch.Tensor, weights: torch.Tensor | None,
                out_dtype: torch.dtype, local_slots: torch.Tensor | None = None,
                pair_offsets: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -38,6 +38,7 @@ from .act_bwd import act_bwd_rows
 from .act_math import ACTIVATION_CODES
 from .bias_grad import segment_sum
 from .chunks import gemm_gather_sum
+from .combine import local_slots
 from .custom_ops import call_op
 from .grouped_gemm import B_DESC_INTERLEAVED, EPILOGUE_ACT_FWD
 from .launch import grouped_gemm, grouped_wgrad, interleaved_desc_ok, rounds_tf32
@@ -120,11 +121,16 @@ _up_forward_op = torch.library.custom_op(
            "bool store_act) -> (Tensor, Tensor)")
 
 
+def up_widths(w1, activation):
+    """``(rows, h)``: the widths of F1's ``pre`` (``w1``'s rows: 2h gated, h otherwise) and ``act``."""
+    rows = w1.shape[1]
+    return rows, (rows // 2 if activation in GATED else rows)
+
+
 @_up_forward_op.register_fake
 def _(x, w1, b1, offsets, indices, tile_expert, tile_row, num_tiles, activation, alpha, limit, interleaved,
       store_pre, store_act):
-    N, rows = indices.shape[0], w1.shape[1]
-    h = rows // 2 if activation in GATED else rows
+    N, (rows, h) = indices.shape[0], up_widths(w1, activation)
     return (x.new_empty(N, rows) if store_pre else _empty(x)), (x.new_empty(N, h) if store_act else _empty(x))
 
 
@@ -163,11 +169,6 @@ def _tokens_pairs(token_index_map: Tensor, pair_offsets: Tensor | None) -> tuple
     if pair_offsets is not None:
         return pair_offsets.shape[0] - 1, 0
     return token_index_map.shape[0], token_index_map.shape[1]
-
-
-def _local_slots(offsets: Tensor, foreign: bool) -> Tensor | None:
-    """``[1]`` int32 count of local slots (the last local offset) for an index with foreign experts."""
-    return offsets[-1:] if foreign else None
 
 
 def _down_forward_impl(act, w2, b2, topk_weights, offsets, indices, tile_expert, tile_row, num_tiles,
@@ -242,12 +243,8 @@ def _down_backward_impl(dout, pre, w2, b2, topk_weights, offsets, indices, tile_
     N = indices.numel()
     dact = pre.new_empty(N, h)
     grouped_gemm(dout, w2, dact, offsets, indices, (tile_expert, tile_row, num_tiles), b_nk=False, n_cols=h, k_dim=d, gather_a=True)
-    dtw = act_bwd_dtw(dout, dact, pre, w2, b2, topk_weights, offsets, indices, token_index_map, token_expert_indices,
-                      activation, alpha, limit, interleaved, foreign, need_dw, need_dtw, general)
-    dw2 = None if need_dw else _empty(w2)
-    if need_dw:  # act_bwd_rows zeroed the tail (foreign)
-        dw2 = grad_in_storage(w2, dout, dact, offsets, indices, dw_dtype, False, foreign, zero_tail=foreign)
-    return dw2, dtw
+    return act_bwd_b2(dout, dact, pre, w2, b2, topk_weights, offsets, indices, token_index_map, token_expert_indices,
+                      activation, alpha, limit, interleaved, foreign, need_dw, need_dtw, general, dw_dtype)
 
 
 def grad_in_storage(w, a, b, offsets, indices, dw_dtype, products_transposed, foreign, **kw):
@@ -261,17 +258,19 @@ def grad_in_storage(w, a, b, offsets, indices, dw_dtype, products_transposed, fo
     return dw.transpose(1, 2) if flip else dw
 
 
-def act_bwd_dtw(dout, dact, pre, w2, b2, topk_weights, offsets, indices, token_index_map, token_expert_indices,
-                activation, alpha, limit, interleaved, foreign, store_wact, need_dtw, general):
-    """B1's second launch (:mod:`moeblaze.kernels.act_bwd`): ``dpre`` over ``pre`` and, with ``store_wact``,
-    ``w * act`` over ``dact'``; returns ``dtopk_weights`` (or a placeholder)."""
+def act_bwd_b2(dout, dact, pre, w2, b2, topk_weights, offsets, indices, token_index_map, token_expert_indices,
+               activation, alpha, limit, interleaved, foreign, need_dw, need_dtw, general, dw_dtype):
+    """B1's second launch (:mod:`moeblaze.kernels.act_bwd`) and B2, from B1's GEMM output ``dact' [N, h]`` (the
+    16-bit and the FP8 path's): ``dpre`` over ``pre``, with ``need_dw`` ``w * act`` over ``dact'`` and
+    ``dW2[e] = sum_s dout[token(s)]^T (w act)[s]`` on the 16-bit ``dout``; returns ``(dw2, dtopk_weights)``,
+    placeholders for what is not needed."""
     h = w2.shape[2]
     N = indices.numel()
     w_slot = slot_weights(topk_weights, token_index_map, torch.float32)
     dtw_slot = torch.empty(N, dtype=torch.float32, device=pre.device) if need_dtw else None
-    local = _local_slots(offsets, foreign)
+    local = local_slots(offsets, foreign)
     act_bwd_rows(dact, pre, pre, w_slot, dtw_slot, h=h, activation=ACTIVATION_CODES[activation],
-                 store_wact=store_wact, alpha=alpha, limit=limit, interleaved=interleaved, local_slots=local,
+                 store_wact=need_dw, alpha=alpha, limit=limit, interleaved=interleaved, local_slots=local,
                  tf32_dpre=rounds_tf32(pre))
     dtw = None if need_dtw else _empty(topk_weights)  # a placeholder only for an output not asked for
     if need_dtw:
@@ -281,7 +280,10 @@ def act_bwd_dtw(dout, dact, pre, w2, b2, topk_weights, offsets, indices, token_i
             tokens = indices.index_select(0, token_index_map.long()) if general else None
             dtw = dtw + bias_dot(dout, b2, token_expert_indices, tokens)
         dtw = dtw.to(topk_weights.dtype)
-    return dtw
+    dw2 = _empty(w2)  # a placeholder unless asked for
+    if need_dw:  # act_bwd_rows zeroed the tail (foreign)
+        dw2 = grad_in_storage(w2, dout, dact, offsets, indices, dw_dtype, False, foreign, zero_tail=foreign)
+    return dw2, dtw
 
 
 _down_backward_op = torch.library.custom_op(
@@ -292,11 +294,17 @@ _down_backward_op = torch.library.custom_op(
            "bool need_dw, bool need_dtw, bool general, ScalarType? dw_dtype) -> (Tensor, Tensor)")
 
 
+def down_backward_outputs(w2, topk_weights, token_index_map, need_dw, need_dtw, dw_dtype):
+    """The fake outputs of a B1-B2 op (this module's and the FP8 one's): ``(dw2, dtopk_weights)``, placeholders
+    for what is not needed."""
+    return (_like_weight(w2, dw_dtype) if need_dw else _empty(w2),
+            topk_weights.new_empty(token_index_map.shape) if need_dtw else _empty(topk_weights))
+
+
 @_down_backward_op.register_fake
 def _(dout, pre, w2, b2, topk_weights, offsets, indices, tile_expert, tile_row, num_tiles, token_index_map,
       token_expert_indices, activation, alpha, limit, interleaved, foreign, need_dw, need_dtw, general, dw_dtype):
-    return (_like_weight(w2, dw_dtype) if need_dw else _empty(w2),
-            topk_weights.new_empty(token_index_map.shape) if need_dtw else _empty(topk_weights))
+    return down_backward_outputs(w2, topk_weights, token_index_map, need_dw, need_dtw, dw_dtype)
 
 
 def down_backward(dout: Tensor, pre: Tensor, w2: Tensor, topk_weights: Tensor, index: DispatchIndex,
@@ -358,10 +366,16 @@ _up_backward_op = torch.library.custom_op(
            "bool need_dw, Tensor? pair_offsets, ScalarType? dw_dtype) -> (Tensor, Tensor)")
 
 
+def up_backward_outputs(x, w1, need_dx, need_dw, dw_dtype):
+    """The fake outputs of a B3-B5 / B4 op (this module's and the FP8 one's): ``(dx, dw1)``, placeholders for what
+    is not needed."""
+    return (x.new_empty(x.shape) if need_dx else _empty(x)), (_like_weight(w1, dw_dtype) if need_dw else _empty(w1))
+
+
 @_up_backward_op.register_fake
 def _(dpre, x, w1, offsets, indices, tile_expert, tile_row, num_tiles, token_index_map, foreign, need_dx, need_dw,
       pair_offsets, dw_dtype):
-    return (x.new_empty(x.shape) if need_dx else _empty(x)), (_like_weight(w1, dw_dtype) if need_dw else _empty(w1))
+    return up_backward_outputs(x, w1, need_dx, need_dw, dw_dtype)
 
 
 def up_backward(dpre: Tensor, x: Tensor, w1: Tensor, index: DispatchIndex, need_dx: bool, need_dw: bool, *,

@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..activations import DEFAULT_ACT, GATED, ActArgs
+from ..activations import DEFAULT_ACT, ActArgs
 from ..dispatch import DispatchIndex
 from ..fp8 import E4M3, Float8Recipe, Float8Tensor, quantize_fp8
 from . import experts as kx
@@ -112,8 +112,7 @@ _up_op = torch.library.custom_op(
 
 @_up_op.register_fake
 def _(xq, xs, w1, b1, offsets, indices, tile_expert, tile_row, num_tiles, activation, alpha, limit, store_act, pow2):
-    N, rows = indices.shape[0], w1.shape[1]
-    h = rows // 2 if activation in GATED else rows
+    N, (rows, h) = indices.shape[0], kx.up_widths(w1, activation)
     return w1.new_empty(N, rows), w1.new_empty((N, h) if store_act else (0,))
 
 
@@ -164,13 +163,9 @@ def _down_backward_impl(dout, pre, w2, b2, topk_weights, offsets, indices, tile_
     # B1 in FP8, then the 16-bit path's activation backward (dpre over pre, w act over dact'), dtopk_weights and
     # B2 dW2[e] = sum_s dout[token(s)]^T (w act)[s]
     dact = _b1(dout, w2, offsets, indices, (tile_expert, tile_row, num_tiles), pow2)
-    dtw = kx.act_bwd_dtw(dout, dact, pre, w2, b2, topk_weights, offsets, indices, token_index_map,
+    return kx.act_bwd_b2(dout, dact, pre, w2, b2, topk_weights, offsets, indices, token_index_map,
                          token_expert_indices, activation, alpha, limit, interleaved, foreign, need_dw, need_dtw,
-                         general)
-    dw2 = kx._empty(w2)
-    if need_dw:  # act_bwd_rows zeroed the tail (foreign)
-        dw2 = kx.grad_in_storage(w2, dout, dact, offsets, indices, dw_dtype, False, foreign, zero_tail=foreign)
-    return dw2, dtw
+                         general, dw_dtype)
 
 
 def _b1(dout, w2, offsets, indices, sched, pow2):
@@ -197,8 +192,7 @@ _down_backward_op = torch.library.custom_op(
 def _(dout, pre, w2, b2, topk_weights, offsets, indices, tile_expert, tile_row, num_tiles, token_index_map,
       token_expert_indices, activation, alpha, limit, interleaved, foreign, need_dw, need_dtw, general, dw_dtype,
       pow2):
-    return (kx._like_weight(w2, dw_dtype) if need_dw else kx._empty(w2),
-            topk_weights.new_empty(token_index_map.shape) if need_dtw else kx._empty(topk_weights))
+    return kx.down_backward_outputs(w2, topk_weights, token_index_map, need_dw, need_dtw, dw_dtype)
 
 
 def down_backward(recipe: Float8Recipe, dout: Tensor, pre: Tensor, w2: Tensor, topk_weights: Tensor,
@@ -250,8 +244,7 @@ _up_backward_op = torch.library.custom_op(
 @_up_backward_op.register_fake
 def _(dpre, x, w1, offsets, indices, tile_expert, tile_row, num_tiles, token_index_map, foreign, need_dx,
       need_dw, pair_offsets, dw_dtype, pow2, reuse_data=None, reuse_scale=None):
-    return (dpre.new_empty(x.shape) if need_dx else kx._empty(dpre),
-            kx._like_weight(w1, dw_dtype) if need_dw else kx._empty(w1))
+    return kx.up_backward_outputs(x, w1, need_dx, need_dw, dw_dtype)
 
 
 def up_backward(recipe: Float8Recipe, dpre: Tensor, x: Tensor, w1: Tensor, index: DispatchIndex,

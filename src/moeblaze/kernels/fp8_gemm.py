@@ -47,7 +47,7 @@ from ..shared_ops import slot_weights
 from . import direct, tuning
 from . import experts as kx
 from .act_math import ACTIVATION_CODES
-from .combine import gather_sum
+from .combine import gather_sum, local_slots
 from .grouped_gemm import EPILOGUE_ACT_FWD, _epilogue_act_fwd, _epilogue_plain, tile_of
 from .launch import grouped_gemm
 from .tuning import cdiv
@@ -357,14 +357,13 @@ def up_rowwise(xq: Float8Tensor, w1q: Float8Tensor, offsets: Tensor, indices: Te
     """F1 of the rowwise recipe on the grouped GEMM (:func:`up_forward_fp8`, from the index's tensors): ``(pre,
     act)`` in ``out_dtype``, an output not asked for an empty tensor."""
     check_activation(activation)
-    rows, d = w1q.data.shape[1:]
-    h = rows // 2 if activation in GATED else rows
+    rows, h = kx.up_widths(w1q.data, activation)
     N = indices.numel()
     pre = xq.data.new_empty((N, rows) if store_pre else (0,), dtype=out_dtype)
     act = xq.data.new_empty((N, h) if store_act else (0,), dtype=out_dtype)
     if store_pre or store_act:
         grouped_gemm(xq.data, w1q.data, pre if store_pre else act, offsets, indices, sched, b_nk=True, n_cols=h,
-                     k_dim=d, gather_a=True, up_off=h, epilogue=EPILOGUE_ACT_FWD.value,
+                     k_dim=w1q.data.shape[2], gather_a=True, up_off=h, epilogue=EPILOGUE_ACT_FWD.value,
                      activation=ACTIVATION_CODES[activation], dual=activation in GATED, store_pre=store_pre,
                      aux=act if store_act else None, store_aux=store_act, bias=b1, alpha=alpha, limit=limit,
                      a_scale=_row_scales(xq), b_scale=_row_scales(w1q))
@@ -438,8 +437,8 @@ def down_forward_fp8(actq: Float8Tensor, w2q: Float8Tensor, topk_weights: Tensor
     y = actq.data.new_empty(index.num_pairs, d, dtype=torch.float32)
     fp8_down_slots(actq.data, actq.scale, w2q.data, w2q.scale, offsets, indices, sched, y, bias=b2,
                    block=actq.block[1])
-    local = index.local_offsets[-1:] if index.foreign_experts else None
-    return gather_sum(y, index.token_index_map, topk_weights, out_dtype, local)
+    return gather_sum(y, index.token_index_map, topk_weights, out_dtype,
+                      local_slots(index.local_offsets, index.foreign_experts))
 
 
 def down_rowwise(actq: Float8Tensor, w2q: Float8Tensor, topk_weights: Tensor, offsets: Tensor, indices: Tensor,
