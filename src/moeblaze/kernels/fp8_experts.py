@@ -11,8 +11,9 @@ activation backward, the router-weight gradient and the combine are the 16-bit p
 weight-gradient GEMMs B2 and B4 (the recipe's, :mod:`moeblaze.ops_fp8`): on ``dout`` and ``w act``, and on the
 layer's ``x`` and ``dpre``. Why not on e4m3: there both operands run along the reduction (the slots), an
 MN-major e4m3 tile the Hopper tensor cores do not read, and the wgrad kernel's FP8 flag on them took 24.3 ms for
-both GEMMs against 3.6 ms in bf16 (H200, Qwen3-30B-A3B shape, T 32,768, ``torch.profiler`` of one layer step);
-an FP8 weight gradient needs slot-contiguous (transposed) e4m3 copies of both operands.
+both GEMMs against 3.6 ms in bf16 (H200, Qwen3-30B-A3B shape, T 32,768, ``torch.profiler`` of one layer step:
+docs/results-fp8-profile.csv; ``benchmarks/profile_layer.py --impls moeblaze,moeblaze-fp8 --kernels`` prints the
+same table); an FP8 weight gradient needs slot-contiguous (transposed) e4m3 copies of both operands.
 
 Operands are quantized where this module needs them by one launch per tensor (:func:`quantize_rows`:
 :mod:`moeblaze.kernels.fp8_quant`, bitwise the recipe's; the recipe's PyTorch ops on the CPU, where the
