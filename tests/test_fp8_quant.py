@@ -58,7 +58,7 @@ def _same(t, data, scale, ref_data, ref_scale, exact):
 
 @pytest.mark.skipif(HAS_CUDA, reason="an interpreter test (CPU tensors); the gpu test runs the kernel on the device")
 @pytest.mark.parametrize("shape, transposed", [((37, 200), False), ((3, 40, 72), False), ((3, 40, 72), True),
-                                               ((1, 5), False), ((2, 1, 300), False)])
+                                               ((2, 72, 40), True), ((1, 5), False), ((2, 1, 300), False)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("pow2", [False, True])
 def test_scales_bitwise_values_but_the_interpreters_casts(shape, transposed, dtype, pow2):
@@ -140,7 +140,7 @@ def test_gpu_dequantize_bitwise(dtype):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape, transposed", [((16384, 2048), False), ((8, 1536, 2048), True), ((300, 72), False),
-                                               ((3, 40, 72), False)])
+                                               ((3, 40, 72), False), ((40, 9000), False), ((2, 4100, 80), True)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("pow2", [False, True])
 def test_gpu_bitwise_the_recipe(shape, transposed, dtype, pow2):

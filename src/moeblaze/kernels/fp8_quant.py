@@ -1,16 +1,21 @@
 """Rowwise e4m3 quantization in one launch: what :meth:`moeblaze.fp8.Float8Recipe.quantize_rows` computes for
 the rowwise recipe (:func:`moeblaze.fp8.quantize_fp8` with ``(1, C)`` tiles), bit for bit on a GPU.
 
-Each program takes ``BLOCK_R`` rows: a first sweep over the columns finds each row's largest magnitude (NaN
-propagated), the scale follows the recipe's rule (``amax / 448``; 1 for a row of zeros; at least the smallest
-normal fp32; rounded up to a power of two with ``POW2``, from its bits: a mantissa of zeros is one already), and a
-second sweep (the rows again, from L2) divides by it with correct rounding, saturates at +-448 and stores e4m3.
-PyTorch's version is five passes over the tensor (abs, amax, division, clamp, cast) and an fp32 copy; this is
-one read (two sweeps of the same rows) and one e4m3 write.
+Each program takes ``BLOCK_R`` rows. It finds each row's largest magnitude (NaN propagated), the scale follows
+the recipe's rule (``amax / 448``; 1 for a row of zeros; at least the smallest normal fp32; rounded up to a power
+of two with ``POW2``, from its bits: a mantissa of zeros is one already), and the row is divided by it with correct
+rounding, saturated at +-448 and stored in e4m3. Rows of up to ``ONE_SWEEP_COLS`` columns are held whole in
+registers: one read and one e4m3 write per element. Longer rows take two sweeps over their column blocks (the
+second from L2). PyTorch's version is five passes over the tensor (abs, amax, division, clamp, cast) and an fp32
+copy.
 
 The source is read through its strides, so a weight's transposed view ``w.transpose(1, 2)`` is quantized along
 its rows without a transposed copy first (the K-major operand of B1 / B3): rows ``[..., R, C]`` are flattened to
-``[L * R, C]`` by the strides of the last two dimensions and of one leading one.
+``[L * R, C]`` by the strides of the last two dimensions and of one leading one. There 16 rows side by side make
+the loads 32-byte segments of bf16 (a sector), and the whole row in registers keeps the source from being read
+twice: the two-sweep form re-read it from HBM, whose blocks of 64 rows x 1,536 columns do not stay in L2 (w1^T of
+Qwen3-30B-A3B, ``[128, 2048, 1536]`` bf16: 0.949 ms, 1,272 GB/s counted as 3 bytes per element, H200,
+at d7bc0a5; ``benchmarks/bench_fp8_quant.py``, docs/results-fp8-quant.csv).
 
 :func:`dequantize_rows_fp8` is the way back (the backward's kept ``pre``, rows received in e4m3): each e4m3 value
 times its row's scale in fp32, rounded once to the 16-bit dtype, as :meth:`moeblaze.fp8.Float8Tensor.dequantize`
@@ -32,7 +37,7 @@ from torch import Tensor
 from ..fp8 import E4M3, E4M3_MAX, Float8Tensor
 from . import direct, tuning
 
-__all__ = ["quantize_rows_fp8", "dequantize_rows_fp8"]
+__all__ = ["quantize_rows_fp8", "dequantize_rows_fp8", "launch_quantize_rows"]
 
 _TINY = torch.finfo(torch.float32).tiny
 
@@ -45,7 +50,9 @@ def quantize_rows_kernel(
     R, C, stride_l, stride_r, stride_c,
     tiny,  # the smallest normal fp32: the floor of a nonzero row's scale
     QMAX: tl.constexpr,  # e4m3's largest finite value, 448
-    POW2: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+    POW2: tl.constexpr,
+    ONE_SWEEP: tl.constexpr,  # C <= BLOCK_C: the rows are held whole, read once
+    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
     # program (row block, leading index): BLOCK_R rows of one [R, C] slab
     lead = tl.program_id(1)
@@ -53,22 +60,73 @@ def quantize_rows_kernel(
     row_ok = local < R
     base = src_ptr + lead.to(tl.int64) * stride_l + local.to(tl.int64)[:, None] * stride_r
     cols = tl.arange(0, BLOCK_C)
-    amax = tl.zeros((BLOCK_R,), dtype=tl.float32)
-    nan = tl.zeros((BLOCK_R,), dtype=tl.int32)  # a NaN in the row: its amax is NaN (tl.max may drop NaNs)
-    for c0 in range(0, C, BLOCK_C):
-        ok = row_ok[:, None] & (cols[None, :] < C - c0)
-        v = tl.load(base + (c0 + cols)[None, :] * stride_c, mask=ok, other=0.0).to(tl.float32)
-        amax = tl.maximum(amax, tl.max(tl.abs(v), axis=1))
-        nan = tl.maximum(nan, tl.max((v != v).to(tl.int32), axis=1))
-    amax = tl.where(nan != 0, float("nan"), amax)
-    scale = _scale_of(amax, tiny, QMAX, POW2)
     flat = lead.to(tl.int64) * R + local
-    tl.store(scale_ptr + flat, scale, mask=row_ok)
     out = q_ptr + flat[:, None] * C
-    for c0 in range(0, C, BLOCK_C):
-        ok = row_ok[:, None] & (cols[None, :] < C - c0)
-        v = tl.load(base + (c0 + cols)[None, :] * stride_c, mask=ok, other=0.0).to(tl.float32)
-        tl.store(out + (c0 + cols)[None, :], _to_e4m3(v, scale[:, None], QMAX), mask=ok)
+    if ONE_SWEEP:
+        ok = row_ok[:, None] & (cols[None, :] < C)
+        v = tl.load(base + cols[None, :] * stride_c, mask=ok, other=0.0).to(tl.float32)
+        scale = _scale_of(_row_amax(v), tiny, QMAX, POW2)
+        tl.store(scale_ptr + flat, scale, mask=row_ok)
+        tl.store(out + cols[None, :], _to_e4m3(v, scale[:, None], QMAX), mask=ok)
+    else:
+        amax = tl.zeros((BLOCK_R,), dtype=tl.float32)
+        for c0 in range(0, C, BLOCK_C):
+            ok = row_ok[:, None] & (cols[None, :] < C - c0)
+            v = tl.load(base + (c0 + cols)[None, :] * stride_c, mask=ok, other=0.0).to(tl.float32)
+            amax = _nan_max(amax, _row_amax(v))
+        scale = _scale_of(amax, tiny, QMAX, POW2)
+        tl.store(scale_ptr + flat, scale, mask=row_ok)
+        for c0 in range(0, C, BLOCK_C):
+            ok = row_ok[:, None] & (cols[None, :] < C - c0)
+            v = tl.load(base + (c0 + cols)[None, :] * stride_c, mask=ok, other=0.0).to(tl.float32)
+            tl.store(out + (c0 + cols)[None, :], _to_e4m3(v, scale[:, None], QMAX), mask=ok)
+
+
+@triton.jit
+def _row_amax(v):
+    """The largest magnitude of each row of ``v [BLOCK_R, BLOCK_C]``, NaN where the row holds one (``tl.max`` may
+    drop NaNs)."""
+    nan = tl.max((v != v).to(tl.int32), axis=1)
+    return tl.where(nan != 0, float("nan"), tl.max(tl.abs(v), axis=1))
+
+
+@triton.jit
+def _nan_max(a, b):
+    return tl.where((a != a) | (b != b), float("nan"), tl.maximum(a, b))
+
+
+ONE_SWEEP_COLS = 8192  # rows up to this long are held whole in registers (module docstring)
+TRANSPOSED_ONE_SWEEP_COLS = 2048  # 16 rows x 2,048 columns of fp32: 64 registers a thread with 16 warps
+
+
+def _tiles(src: Tensor) -> tuple[int, int, int]:
+    """``(BLOCK_R, BLOCK_C, num_warps)`` of :func:`quantize_rows_kernel` for the ``[L, R, C]`` source ``src``: the
+    whole row in one tile where it fits (module docstring); the interpreter's tiles are small."""
+    C = src.shape[2]
+    cols = triton.next_power_of_2(C)
+    if src.stride(1) == 1 and C > 1:  # a transposed view: 16 rows side by side, 32 bytes of bf16 per load
+        if tuning.interpreting():
+            return (16, cols, 4) if cols <= 64 else (16, 16, 4)
+        if cols <= TRANSPOSED_ONE_SWEEP_COLS:
+            return 16, cols, (16 if cols >= 1024 else 8)
+        return 64, 64, 4
+    if tuning.interpreting():
+        return max(1, min(16, 4096 // min(cols, 256))), min(cols, 256), 4
+    block_c = cols if cols <= ONE_SWEEP_COLS else 1024
+    block_r = max(1, min(64, 8192 // block_c))
+    return block_r, block_c, 8
+
+
+def launch_quantize_rows(src: Tensor, q: Tensor, scale: Tensor, pow2: bool, tiles: tuple[int, int, int]) -> None:
+    """One launch of :func:`quantize_rows_kernel` on ``src [L, R, C]`` into ``q [L * R, C]`` e4m3 and ``scale
+    [L * R]`` fp32 with ``tiles = (BLOCK_R, BLOCK_C, num_warps)`` (:func:`_tiles`' by default; other tiles are for
+    ``benchmarks/quant_bench.py``)."""
+    L, R, C = src.shape
+    block_r, block_c, warps = tiles
+    direct.launch(quantize_rows_kernel, (tuning.cdiv(R, block_r), L),
+                  src_ptr=src, q_ptr=q, scale_ptr=scale, R=R, C=C, stride_l=src.stride(0), stride_r=src.stride(1),
+                  stride_c=src.stride(2), tiny=_TINY, QMAX=E4M3_MAX, POW2=pow2, ONE_SWEEP=block_c >= C,
+                  BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps)
 
 
 def quantize_rows_fp8(t: Tensor, pow2_scales: bool = False, out: tuple[Tensor, Tensor] | None = None) -> Float8Tensor:
@@ -96,15 +154,7 @@ def quantize_rows_fp8(t: Tensor, pow2_scales: bool = False, out: tuple[Tensor, T
         _check_out(t, *out)
         q, scale = out[0].view(L * R, C), out[1].view(L * R)
     if L * R and C:
-        if src.stride(1) == 1 and C > 1:  # a transposed view: 64 contiguous rows per load (128 bytes of bf16)
-            block_r, block_c = (16, 16) if tuning.interpreting() else (64, 64)
-        else:
-            block_c = min(triton.next_power_of_2(C), 256 if tuning.interpreting() else 1024)
-            block_r = max(1, min(16, 4096 // block_c))
-        direct.launch(quantize_rows_kernel, (tuning.cdiv(R, block_r), L),
-                      src_ptr=src, q_ptr=q, scale_ptr=scale, R=R, C=C, stride_l=src.stride(0), stride_r=src.stride(1),
-                      stride_c=src.stride(2), tiny=_TINY, QMAX=E4M3_MAX, POW2=pow2_scales, BLOCK_R=block_r,
-                      BLOCK_C=block_c)
+        launch_quantize_rows(src, q, scale, pow2_scales, _tiles(src))
     return Float8Tensor(q.view(t.shape), scale.view(*t.shape[:-1], 1), (1, C))
 
 
