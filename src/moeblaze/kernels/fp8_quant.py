@@ -4,18 +4,21 @@ the rowwise recipe (:func:`moeblaze.fp8.quantize_fp8` with ``(1, C)`` tiles), bi
 Each program takes ``BLOCK_R`` rows. It finds each row's largest magnitude (NaN propagated), the scale follows
 the recipe's rule (``amax / 448``; 1 for a row of zeros; at least the smallest normal fp32; rounded up to a power
 of two with ``POW2``, from its bits: a mantissa of zeros is one already), and the row is divided by it with correct
-rounding, saturated at +-448 and stored in e4m3. Rows of up to ``ONE_SWEEP_COLS`` columns are held whole in
-registers: one read and one e4m3 write per element. Longer rows take two sweeps over their column blocks (the
-second from L2). PyTorch's version is five passes over the tensor (abs, amax, division, clamp, cast) and an fp32
-copy.
+rounding, saturated at +-448 and stored in e4m3. Rows of up to 8,192 columns are held whole in a tile of 4,096
+elements or more (one read, ``ONE_SWEEP``); longer rows take two sweeps over column blocks (the second from L2).
+PyTorch's version is five passes over the tensor (abs, amax, division, clamp, cast) and an fp32 copy.
 
 The source is read through its strides, so a weight's transposed view ``w.transpose(1, 2)`` is quantized along
 its rows without a transposed copy first (the K-major operand of B1 / B3): rows ``[..., R, C]`` are flattened to
-``[L * R, C]`` by the strides of the last two dimensions and of one leading one. There 16 rows side by side make
-the loads 32-byte segments of bf16 (a sector), and the whole row in registers keeps the source from being read
-twice: the two-sweep form re-read it from HBM, whose blocks of 64 rows x 1,536 columns do not stay in L2 (w1^T of
-Qwen3-30B-A3B, ``[128, 2048, 1536]`` bf16: 0.949 ms, 1,272 GB/s counted as 3 bytes per element, H200,
-at d7bc0a5; ``benchmarks/bench_fp8_quant.py``, docs/results-fp8-quant.csv).
+``[L * R, C]`` by the strides of the last two dimensions and of one leading one; there a tile's rows lie side by
+side in memory, so its loads run along them.
+
+The tiles are the fastest measured (``benchmarks/bench_fp8_quant.py``, H200, Qwen3-30B-A3B operands; rows in
+docs/results-fp8-quant.csv). Holding the row whole saves little: the time follows the row length more than the
+sweeps (1,386 GB/s on rows of 768 columns in one sweep or two, 2,870 on rows of 2,048, counted as 3 bytes per
+element). A transposed view whose rows are a power of two long (``w2^T``, 2,048) is fastest held whole in tiles of
+8 rows (0.385 ms against 0.504 in two sweeps of 64 x 64); one of 1,536 (``w1^T``) in two sweeps of 32 x 64 (0.902
+ms against 1.144 held whole, a quarter of each tile masked off).
 
 :func:`dequantize_rows_fp8` is the way back (the backward's kept ``pre``, rows received in e4m3): each e4m3 value
 times its row's scale in fp32, rounded once to the 16-bit dtype, as :meth:`moeblaze.fp8.Float8Tensor.dequantize`
@@ -95,26 +98,22 @@ def _nan_max(a, b):
     return tl.where((a != a) | (b != b), float("nan"), tl.maximum(a, b))
 
 
-ONE_SWEEP_COLS = 8192  # rows up to this long are held whole in registers (module docstring)
-TRANSPOSED_ONE_SWEEP_COLS = 2048  # 16 rows x 2,048 columns of fp32: 64 registers a thread with 16 warps
+ONE_SWEEP_COLS = 8192  # rows up to this long are held whole (module docstring)
 
 
 def _tiles(src: Tensor) -> tuple[int, int, int]:
     """``(BLOCK_R, BLOCK_C, num_warps)`` of :func:`quantize_rows_kernel` for the ``[L, R, C]`` source ``src``: the
-    whole row in one tile where it fits (module docstring); the interpreter's tiles are small."""
+    fastest measured (module docstring); the interpreter's tiles are small."""
     C = src.shape[2]
     cols = triton.next_power_of_2(C)
-    if src.stride(1) == 1 and C > 1:  # a transposed view: 16 rows side by side, 32 bytes of bf16 per load
+    if src.stride(1) == 1 and C > 1:  # a transposed view
         if tuning.interpreting():
             return (16, cols, 4) if cols <= 64 else (16, 16, 4)
-        if cols <= TRANSPOSED_ONE_SWEEP_COLS:
-            return 16, cols, (16 if cols >= 1024 else 8)
-        return 64, 64, 4
+        return (8, C, 8) if cols == C and C <= 2048 else (32, 64, 4)
     if tuning.interpreting():
         return max(1, min(16, 4096 // min(cols, 256))), min(cols, 256), 4
     block_c = cols if cols <= ONE_SWEEP_COLS else 1024
-    block_r = max(1, min(64, 8192 // block_c))
-    return block_r, block_c, 8
+    return max(1, 4096 // block_c), block_c, 4
 
 
 def launch_quantize_rows(src: Tensor, q: Tensor, scale: Tensor, pow2: bool, tiles: tuple[int, int, int]) -> None:
