@@ -15,10 +15,10 @@ side in memory, so its loads run along them.
 
 The tiles are the fastest measured (``benchmarks/bench_fp8_quant.py``, H200, Qwen3-30B-A3B operands; rows in
 docs/results-fp8-quant.csv). Holding the row whole saves little: the time follows the row length more than the
-sweeps (1,386 GB/s on rows of 768 columns in one sweep or two, 2,870 on rows of 2,048, counted as 3 bytes per
-element). A transposed view whose rows are a power of two long (``w2^T``, 2,048) is fastest held whole in tiles of
-8 rows (0.385 ms against 0.504 in two sweeps of 64 x 64); one of 1,536 (``w1^T``) in two sweeps of 32 x 64 (0.902
-ms against 1.144 held whole, a quarter of each tile masked off).
+sweeps (rows of 768 columns: 1,337 GB/s in two sweeps, 1,387 held whole; rows of 2,048: 2,840-3,140; counted as 3
+bytes per element). A transposed view whose rows are a power of two long (``w2^T``, 2,048) is fastest held whole
+in tiles of 8 rows (0.385 ms against 0.504 in two sweeps of 64 x 64); one of 1,536 (``w1^T``) in two sweeps of
+32 x 64 (0.902 ms against 1.144 held whole, a quarter of each tile masked off).
 
 :func:`dequantize_rows_fp8` is the way back (the backward's kept ``pre``, rows received in e4m3): each e4m3 value
 times its row's scale in fp32, rounded once to the 16-bit dtype, as :meth:`moeblaze.fp8.Float8Tensor.dequantize`
