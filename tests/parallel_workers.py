@@ -9,6 +9,7 @@ the input dtype (routing.py), and the ranks sum those gradients in another order
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
@@ -20,7 +21,8 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor, Shard
 
 import moeblaze
-from moeblaze.fp8 import E4M3
+from moeblaze import fp8
+from moeblaze.fp8 import E4M3, Float8Recipe
 from moeblaze.parallel import ep as ep_module
 from moeblaze.parallel import (
     expert_parallel,
@@ -343,6 +345,41 @@ def fsdp_train(rank: int, world: int, steps: int = 5) -> None:
         if name.endswith(("w_gate_up", "w_down")):
             want = want[rank * full.shape[0]:(rank + 1) * full.shape[0]]
         assert rel_error(full, want) <= 1e-5, f"{name} after {steps} steps differs from one process"
+
+
+def fsdp_fp8_reuse(rank: int, world: int, steps: int = 2, micro: int = 2) -> None:
+    """FSDP2 (1-D mesh) over FP8 layers (the recipe's emulation), ``micro`` micro-batches a step, SGD: inside
+    ``moeblaze.fp8.reuse_weights`` (open over every step, so the optimizer hook drops the copies of each) the
+    parameters end bitwise as without it, and each expert weight is quantized once per layout and step."""
+    dev = _device()
+    mesh = init_device_mesh(dev.type, (world,), mesh_dim_names=("dp_shard",))
+    torch.manual_seed(3)
+    base = MoETransformer(_tiny_config(aux=True)).to(dev)
+    for moe in base.moe_layers():
+        moe.fp8 = Float8Recipe()
+    real, calls, params = Float8Recipe.quantize_weight, [], []
+    Float8Recipe.quantize_weight = lambda self, w, reduce_cols: calls.append(1) or real(self, w, reduce_cols)
+    try:
+        for reuse in (False, True):
+            calls.clear()
+            model = copy.deepcopy(base)
+            parallelize(model, mesh)
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            gen = torch.Generator().manual_seed(11)
+            with fp8.reuse_weights() if reuse else contextlib.nullcontext():
+                for _ in range(steps):
+                    for _ in range(micro):
+                        idx = torch.randint(0, 256, (2 * world, 9), generator=gen).to(dev)
+                        _loss(model, idx[2 * rank:2 * rank + 2]).backward()
+                    opt.step()
+                    opt.zero_grad()
+            per_step = 4 * len(base.moe_layers())  # w1, w2, each along both dimensions
+            assert len(calls) == steps * per_step * (1 if reuse else micro), (reuse, len(calls))
+            params.append([p.full_tensor() for p in model.parameters()])
+    finally:
+        Float8Recipe.quantize_weight = real
+    for a, b in zip(*params):
+        assert torch.equal(a, b)
 
 
 def fsdp_bf16_matches_unwrapped(rank: int, world: int, steps: int = 3) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import subprocess
 import sys
@@ -340,3 +341,68 @@ def test_train_step_skips_a_non_finite_step_on_the_device(monkeypatch):
     monkeypatch.setattr(MoETransformer, "forward", real)
     loss, _ = train_step(model, opt, x, x.roll(-1, 1), 1e-2, 1.0).result()
     assert math.isfinite(loss) and not all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+def _step_params(micro_batches: int, fp8=None, dtype=torch.float64) -> tuple[list[torch.Tensor], float]:
+    """One SGD train_step of a small model (no auxiliary losses: they depend on the batch's routing statistics)."""
+    from moeblaze.training.train import train_step
+
+    torch.manual_seed(0)
+    model = MoETransformer(ModelConfig(seq_len=8, d_model=16, n_layers=2, n_heads=2, d_ff=8, num_experts=4, top_k=2,
+                                       backend="torch", aux_loss_coef=0.0, z_loss_coef=0.0)).to(dtype)
+    for moe in model.moe_layers():
+        moe.fp8 = fp8
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    x = torch.randint(0, 256, (4, 8), generator=torch.Generator().manual_seed(1))
+    loss, _ = train_step(model, opt, x, x.roll(-1, 1), 0.5, 0.0, micro_batches=micro_batches).result()
+    return [p.detach().clone() for p in model.parameters()], loss
+
+
+def test_micro_batches_sum_to_the_batch_step():
+    """--grad-accum: a step over 2 or 4 equal micro-batches is the one-batch step (a float64 model, to fp32
+    rounding: the cross-entropy and the routers' logits run in fp32), the reported loss their mean; a count not
+    dividing the batch is an error."""
+    from moeblaze.training.train import train_step
+
+    want, want_loss = _step_params(1)
+    for parts in (2, 4):
+        got, loss = _step_params(parts)
+        assert abs(loss - want_loss) <= 1e-6 * abs(want_loss)
+        for a, b in zip(got, want):
+            assert torch.allclose(a, b, rtol=1e-6, atol=1e-9)
+    with pytest.raises(ValueError, match="micro_batches 3"):
+        model = MoETransformer(ModelConfig(seq_len=8, d_model=16, n_layers=1, n_heads=2, d_ff=8, num_experts=4,
+                                           top_k=2, backend="torch"))
+        x = torch.randint(0, 256, (4, 8))
+        train_step(model, torch.optim.SGD(model.parameters(), lr=0.1), x, x, 0.1, 0.0, micro_batches=3)
+
+
+def test_micro_batches_quantize_fp8_weights_once(monkeypatch):
+    """FP8 layers under --grad-accum: each expert weight quantized once per layout and step (not once per
+    micro-batch), the step bitwise that of quantizing every micro-batch."""
+    from moeblaze.fp8 import Float8Recipe
+    from moeblaze.training import step
+
+    calls = []
+    real = Float8Recipe.quantize_weight
+    monkeypatch.setattr(Float8Recipe, "quantize_weight", lambda self, w, reduce_cols: calls.append(
+        reduce_cols) or real(self, w, reduce_cols))
+    got, _ = _step_params(2, Float8Recipe(), torch.float32)
+    assert len(calls) == 2 * 4  # two layers, w1 and w2 along both dimensions
+    calls.clear()
+    monkeypatch.setattr(step, "reuse_weights", contextlib.nullcontext)  # every micro-batch quantizes
+    want, _ = _step_params(2, Float8Recipe(), torch.float32)
+    assert len(calls) == 2 * 4 * 2
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+
+
+def test_grad_accum_flag_trains_and_checks_the_batch(text_file, tmp_path, capsys):
+    """moeblaze train --grad-accum: a run trains; a --batch-size it does not divide is a one-line error."""
+    assert run_cli("train", "--data", str(text_file), "--out-dir", str(tmp_path / "a"), "--steps", "2",
+                   "--batch-size", "4", "--grad-accum", "2", "--seq-len", "32", "--d-model", "32", "--n-layers", "1",
+                   "--n-heads", "2", "--d-ff", "16", "--num-experts", "4", "--eval-tokens", "256",
+                   "--no-progress") == 0
+    assert "per micro-batch" in capsys.readouterr().out
+    assert run_cli("train", "--out-dir", str(tmp_path / "b"), "--batch-size", "6", "--grad-accum", "4") == 2
+    assert "--batch-size 6 must be a multiple of --grad-accum 4" in capsys.readouterr().err

@@ -37,12 +37,13 @@ def _same_on_all_ranks(value) -> None:
 
 
 def runs(rank: int, world: int, data: str, tmp: str, results: dict) -> None:
-    """FSDP2 and FSDP2 + EP runs of 20 steps (EP: a checkpoint every 5); the EP run also stopped at step 10,
-    resumed on the same layout and on FSDP2 without EP (another P). Results land in ``results`` (a manager
-    dict) from rank 0."""
+    """FSDP2 (also in 2 micro-batches a step) and FSDP2 + EP runs of 20 steps (EP: a checkpoint every 5); the EP
+    run also stopped at step 10, resumed on the same layout and on FSDP2 without EP (another P). Results land in
+    ``results`` (a manager dict) from rank 0."""
     tmp = Path(tmp)
     fsdp_cfg, mcfg = tiny_configs(data, str(tmp / "fsdp"), fsdp=True)
     fsdp = train(fsdp_cfg, replace(mcfg, aux_loss_coef=0.0))
+    accum = train(replace(fsdp_cfg, out_dir=str(tmp / "accum"), grad_accum=2), replace(mcfg, aux_loss_coef=0.0))
     # checkpoints every 5 steps: training goes on after each save (a save once left global-shape expert moments
     # in the live optimizer, and the next step failed)
     ep_cfg = replace(fsdp_cfg, out_dir=str(tmp / "ep"), ep=world, checkpoint_interval=5)
@@ -66,7 +67,7 @@ def runs(rank: int, world: int, data: str, tmp: str, results: dict) -> None:
     if rank == 0:
         results.update(fsdp=fsdp.losses, fsdp_val=fsdp.val_bpb, ep=ep.losses, ep_val=ep.val_bpb,
                        same=same.losses, same_val=same.val_bpb, other_p=other_p.losses, world=ep.world_size,
-                       padded=padded.losses, padded_val=padded.val_bpb)
+                       padded=padded.losses, padded_val=padded.val_bpb, accum=accum.losses)
 
 
 def faults(rank: int, world: int, data: str, tmp: str) -> None:

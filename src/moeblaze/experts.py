@@ -17,7 +17,7 @@ from .activations import GATED, SWIGLU_ALPHA, SWIGLU_LIMIT, ActArgs, check_activ
 from .amp import autocast_off, autocast_target
 from .backends import BACKENDS, Backend, get_backend
 from .dispatch import DispatchIndex, TileSchedule, check_index_matches
-from .fp8 import Float8Recipe, Float8Tensor, check_fp8_backend, check_fp8_recipe
+from .fp8 import Float8Recipe, Float8Tensor, check_fp8_backend, check_fp8_recipe, weight_copy
 from .input_grad import SharedInputGrad
 from .settings import carried_to_backward
 
@@ -174,7 +174,8 @@ class _Float8Experts(torch.autograd.Function):
     Saves ``x`` itself, as the 16-bit path does (the router's weight gradient keeps it anyway; B4 runs in 16 bits
     on it), and for ``save="preact"`` ``pre`` in e4m3 with the recipe's row scales: half its 16-bit bytes. ``"input"``
     quantizes ``x`` again in backward and runs F1 on it (the forward's ``pre`` bitwise: the quantization is
-    deterministic). The weights are kept as given (parameters: nothing new) and cast again in backward.
+    deterministic). The weights are kept as given (parameters: nothing new) and cast again in backward (inside
+    :func:`moeblaze.fp8.reuse_weights` the cast and the e4m3 copies are made once per parameter version).
     """
 
     @staticmethod
@@ -185,7 +186,7 @@ class _Float8Experts(torch.autograd.Function):
         index = _index_from(index_tensors, num_experts, block_m, foreign)
         ctx.input_grad = input_grad.bind(x) if input_grad is not None else None
         # autocast's casts of the master weights (moeblaze.amp), quantized as the same call on 16-bit weights would
-        w1c, w2c = w1.to(x.dtype), w2.to(x.dtype)
+        w1c, w2c = _cast_weight(w1, x.dtype), _cast_weight(w2, x.dtype)
         xq = ops.quantize_rows(recipe, x)
         pre, act = ops.up_forward(recipe, xq, w1c, index, activation, b1=b1, act_args=act_args)
         out = ops.down_forward(recipe, act, w2c, topk_weights, index, b2=b2).to(x.dtype)
@@ -205,7 +206,7 @@ class _Float8Experts(torch.autograd.Function):
         index = _index_from(index_tensors, *ctx.index_args)
         recipe, ops, need, act_args = ctx.recipe, ctx.ops, ctx.needs_input_grad, ctx.act_args
         activation = ctx.activation
-        w1c, w2c = w1.to(ctx.dtype), w2.to(ctx.dtype)
+        w1c, w2c = _cast_weight(w1, ctx.dtype), _cast_weight(w2, ctx.dtype)
         kept = None if pre_data is None else Float8Tensor(pre_data, pre_scale, ctx.pre_block)
         if kept is None:
             pre, _ = ops.up_forward(recipe, ops.quantize_rows(recipe, x), w1c, index, activation, store_act=False,
@@ -224,6 +225,11 @@ class _Float8Experts(torch.autograd.Function):
         if ctx.input_grad is not None:
             dx = ctx.input_grad.offer(dx)
         return (dx, dw1, db1, dw2, db2, dtw) + (None,) * (9 + len(index_tensors))
+
+
+def _cast_weight(w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``w`` in ``dtype``: kept over micro-batches inside :func:`moeblaze.fp8.reuse_weights` (fp32 masters)."""
+    return w if w.dtype == dtype else weight_copy(w, ("cast", dtype), lambda: w.to(dtype))
 
 
 def check_weight_dtypes(x, w1, w2, autocast: bool) -> None:

@@ -34,14 +34,19 @@ d = 2880 = 22.5 x 128 run without a copy. Scales have ``ceil(size / B)`` entries
 
 from __future__ import annotations
 
+import contextlib
+import weakref
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import NamedTuple, TypeVar
 
 import torch
 from torch import Tensor
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 __all__ = ["E4M3", "E4M3_MAX", "GRANULARITIES", "Float8Recipe", "Float8Slots", "Float8Tensor", "quantize_fp8",
-           "quantize_fp8_slots", "slot_tiles", "check_fp8_backend", "check_fp8_recipe"]
+           "quantize_fp8_slots", "slot_tiles", "check_fp8_backend", "check_fp8_recipe", "reuse_weights",
+           "weight_copy"]
 
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
@@ -284,3 +289,79 @@ def quantize_fp8_slots(t: Tensor, offsets: Tensor, block: int | None, pow2_scale
                                                                   magnitude, "amax")
     scale = _scales(amax, pow2_scales)
     return Float8Slots(_cast(t.float() / scale.index_select(0, tile)), scale, tile)
+
+
+# ---------------------------------------------------------------- weight copies kept over micro-batches
+
+_Copy = TypeVar("_Copy")
+_SCOPES = [0, None]  # open reuse_weights() contexts; the optimizer-step hook's handle while one is open
+_COPIES: dict[tuple, tuple[weakref.ref, int, object]] = {}  # key -> (the weight, its version, the copy)
+_MADE: dict[int, weakref.ref] = {}  # id -> copy that weight_copy made (a 16-bit cast), itself a weight
+
+
+@contextlib.contextmanager
+def reuse_weights() -> Iterator[None]:
+    """Quantize each FP8 layer's expert weights once per parameter update, not once per micro-batch: inside this
+    context the e4m3 copies of a weight (each layout a GEMM reads: rows for F1 / F2, the transposed copy for B1 /
+    B3) and, for fp32 master weights under autocast, the 16-bit cast they are made from, are kept and reused by
+    every forward and backward until the weight changes. For gradient accumulation, as Transformer Engine's
+    first-micro-batch flag and DeepSeek-V3's weights quantized once per step::
+
+        with moeblaze.fp8.reuse_weights():
+            for micro in batches:
+                loss_fn(model(micro)).backward()
+        optimizer.step()
+
+    A copy is reused while its weight (an ``nn.Parameter``, or a view of one) is the same tensor at the same
+    autograd version; an in-place update makes a new one, and any ``torch.optim`` optimizer's ``step()`` inside
+    the context drops every copy (parameters written without a version change, as FSDP2's gathers, included).
+    Not while ``torch.compile`` traces or a CUDA graph is captured (there each call quantizes, so a replay reads
+    the weights of its own time). Contexts nest; the copies are freed when the outermost one exits.
+
+    Memory: the copies of every FP8 layer stay alive inside the context, about as many bytes as the 16-bit
+    weights (e4m3 rows and transposed copy; twice that with fp32 masters, whose bf16 cast is kept too); under
+    FSDP2 they are copies of the gathered, unsharded weights.
+    """
+    if _SCOPES[0] == 0:
+        _SCOPES[1] = register_optimizer_step_post_hook(lambda *_: _clear_copies())
+    _SCOPES[0] += 1
+    try:
+        yield
+    finally:
+        _SCOPES[0] -= 1
+        if _SCOPES[0] == 0:
+            _SCOPES[1].remove()
+            _SCOPES[1] = None
+            _clear_copies()
+
+
+def _clear_copies() -> None:
+    _COPIES.clear()
+    _MADE.clear()
+
+
+def weight_copy(w: Tensor, tag: tuple, make: Callable[[], _Copy]) -> _Copy:
+    """``make()``, a copy of the weight ``w`` (``tag`` names which: layout, dtype, recipe); inside
+    :func:`reuse_weights` the copy made earlier for the same ``w`` and ``tag`` while ``w`` is unchanged. ``w``
+    qualifies when it (or the tensor it views) is an ``nn.Parameter`` or a copy this function made; anything else,
+    and any call outside the context, while compiling or while capturing a CUDA graph, is ``make()``."""
+    if not _SCOPES[0] or torch.compiler.is_compiling() or (
+            torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
+        return make()
+    base = w if w._base is None else w._base
+    made = _MADE.get(id(base))
+    if not isinstance(base, torch.nn.Parameter) and (made is None or made() is not base):
+        return make()
+    key = (id(base), tuple(w.shape), w.stride(), w.storage_offset(), w.dtype, tag)
+    hit = _COPIES.get(key)
+    if hit is not None and hit[0]() is base and hit[1] == base._version:
+        return hit[2]
+    copy = make()
+    _COPIES[key] = (weakref.ref(base), base._version, copy)
+    if isinstance(copy, Tensor):
+        _MADE[id(copy)] = weakref.ref(copy)
+    for k in [k for k, v in _COPIES.items() if v[0]() is None]:  # copies of a replaced cast: dead weights
+        del _COPIES[k]
+    for k in [k for k, v in _MADE.items() if v() is None]:
+        del _MADE[k]
+    return copy

@@ -34,7 +34,7 @@ from torch import Tensor
 from . import ops_torch
 from .activations import DEFAULT_ACT, ActArgs, activation_forward
 from .dispatch import DispatchIndex
-from .fp8 import Float8Recipe, Float8Tensor
+from .fp8 import Float8Recipe, Float8Tensor, weight_copy
 from .shared_ops import slot_weights
 
 __all__ = ["quantize_rows", "dequantize", "up_forward", "down_forward", "down_backward", "up_backward"]
@@ -51,13 +51,20 @@ def dequantize(q: Float8Tensor, dtype: torch.dtype) -> Tensor:
     return q.dequantize()
 
 
+def _weight(recipe: Float8Recipe, w: Tensor, reduce_cols: bool) -> Tensor:
+    """The weight quantized by the recipe, as fp32 (kept over micro-batches inside
+    :func:`moeblaze.fp8.reuse_weights`)."""
+    return weight_copy(w, ("emulation", recipe, reduce_cols),
+                       lambda: recipe.quantize_weight(w, reduce_cols=reduce_cols).dequantize())
+
+
 def up_forward(recipe: Float8Recipe, xq: Float8Tensor, w1: Tensor, index: DispatchIndex, activation: str, *,
                store_act: bool = True, b1: Tensor | None = None,
                act_args: ActArgs = DEFAULT_ACT) -> tuple[Tensor, Tensor | None]:
     """F1: ``pre = x[token(s)] w1[e]^T (+ b1[e])`` from the e4m3 ``xq`` (``x [T, d]`` in rows of the recipe's
     tiles) and ``w1 [E, 2h | h, d]``; ``act = f(pre)`` with ``store_act``. Returns ``(pre [N, 2h | h],
     act [N, h] | None)`` fp32."""
-    w = recipe.quantize_weight(w1, reduce_cols=True).dequantize()
+    w = _weight(recipe, w1, reduce_cols=True)
     return ops_torch.up_forward(xq.dequantize(), w, index, activation, store_pre=True, store_act=store_act, b1=b1,
                                 act_args=act_args)
 
@@ -67,7 +74,7 @@ def down_forward(recipe: Float8Recipe, act: Tensor, w2: Tensor, topk_weights: Te
     """F2 ``y = act w2[e]^T (+ b2[e])`` and the fp32 combine F3: ``act [N, h]``, ``w2 [E, d, h]`` ->
     ``out [T, d]`` fp32."""
     a = recipe.quantize_rows(act).dequantize()
-    w = recipe.quantize_weight(w2, reduce_cols=True).dequantize()
+    w = _weight(recipe, w2, reduce_cols=True)
     return ops_torch.down_forward(a, w, topk_weights, index, b2=b2)
 
 
@@ -82,7 +89,7 @@ def down_backward(recipe: Float8Recipe, dout: Tensor, pre: Tensor, w2: Tensor, t
     Returns: ``(dpre [N, 2h | h] fp32, dw2 [E, d, h] in dw_dtype | None, dtopk_weights | None)``.
     """
     g = recipe.quantize_rows(dout).dequantize()
-    w = recipe.quantize_weight(w2, reduce_cols=False).dequantize()
+    w = _weight(recipe, w2, reduce_cols=False)
     dpre, _, dtw = ops_torch.down_backward(g, pre, w, topk_weights, index, activation, False, need_dtw, b2=b2,
                                            act_args=act_args)
     dw2 = None
@@ -110,7 +117,7 @@ def up_backward(recipe: Float8Recipe, dpre: Tensor, x: Tensor, w1: Tensor, index
     dx = dw1 = None
     if need_dx:
         a = recipe.quantize_rows(dpre).dequantize()
-        w = recipe.quantize_weight(w1, reduce_cols=False).dequantize()
+        w = _weight(recipe, w1, reduce_cols=False)
         dx, _ = ops_torch.up_backward(a, x.float(), w, index, True, False)
     if need_dw:
         offsets = index.local_offsets

@@ -17,7 +17,8 @@ same table); an FP8 weight gradient needs slot-contiguous (transposed) e4m3 copi
 
 Operands are quantized where this module needs them by one launch per tensor (:func:`quantize_rows`:
 :mod:`moeblaze.kernels.fp8_quant`, bitwise the recipe's; the recipe's PyTorch ops on the CPU, where the
-interpreter's e4m3 casts differ), not yet in the producing kernels' epilogues. Outputs are in the 16-bit
+interpreter's e4m3 casts differ), not yet in the producing kernels' epilogues; a weight's copies once per
+parameter version inside :func:`moeblaze.fp8.reuse_weights` (gradient accumulation). Outputs are in the 16-bit
 operands' dtype (``x``'s), weight gradients in ``dw_dtype``. Each op is a torch custom op (as
 :mod:`moeblaze.kernels.experts`'), so ``torch.compile(fullgraph=True)`` traces the FP8 layer.
 """
@@ -29,7 +30,7 @@ from torch import Tensor
 
 from ..activations import DEFAULT_ACT, ActArgs
 from ..dispatch import DispatchIndex
-from ..fp8 import E4M3, Float8Recipe, Float8Tensor, quantize_fp8
+from ..fp8 import E4M3, Float8Recipe, Float8Tensor, quantize_fp8, weight_copy
 from . import experts as kx
 from .custom_ops import call_op
 from .fp8_gemm import down_rowwise, up_rowwise
@@ -52,6 +53,12 @@ def _rows(t: Tensor, pow2: bool, out: tuple[Tensor, Tensor] | None = None) -> Fl
     out[0].copy_(q.data)
     out[1].copy_(q.scale)
     return Float8Tensor(out[0], out[1], q.block)
+
+
+def _weight_rows(w: Tensor, pow2: bool) -> Float8Tensor:
+    """A weight (or its transposed view) with one scale per row, kept over micro-batches inside
+    :func:`moeblaze.fp8.reuse_weights`."""
+    return weight_copy(w, ("rows", pow2), lambda: _rows(w, pow2))
 
 
 def _index_args(index: DispatchIndex) -> tuple[Tensor, ...]:
@@ -100,7 +107,7 @@ def dequantize(q: Float8Tensor, dtype: torch.dtype) -> Tensor:
 
 def _up_impl(xq, xs, w1, b1, offsets, indices, tile_expert, tile_row, num_tiles, activation, alpha, limit,
              store_act, pow2):
-    return up_rowwise(Float8Tensor(xq, xs, (1, xq.shape[1])), _rows(w1, pow2), offsets, indices,
+    return up_rowwise(Float8Tensor(xq, xs, (1, xq.shape[1])), _weight_rows(w1, pow2), offsets, indices,
                       (tile_expert, tile_row, num_tiles), activation, True, store_act, w1.dtype, b1, alpha, limit)
 
 
@@ -132,7 +139,7 @@ def up_forward(recipe: Float8Recipe, xq: Float8Tensor, w1: Tensor, index: Dispat
 
 def _down_impl(act, w2, b2, topk_weights, offsets, indices, tile_expert, tile_row, num_tiles, token_index_map,
                foreign, pair_offsets, pow2):
-    return down_rowwise(_rows(act, pow2), _rows(w2, pow2), topk_weights, offsets, indices,
+    return down_rowwise(_rows(act, pow2), _weight_rows(w2, pow2), topk_weights, offsets, indices,
                         (tile_expert, tile_row, num_tiles), token_index_map, foreign, pair_offsets, b2, act.dtype)
 
 
@@ -174,7 +181,7 @@ def _b1(dout, w2, offsets, indices, sched, pow2):
     column of w2), in ``dout``'s dtype. A function of its own so that the e4m3 copies are freed before the
     activation backward and B2 allocate (the copy of ``w2`` is ``E d h`` bytes)."""
     d, h = w2.shape[1], w2.shape[2]
-    gq, wq = _rows(dout, pow2), _rows(w2.transpose(1, 2), pow2)
+    gq, wq = _rows(dout, pow2), _weight_rows(w2.transpose(1, 2), pow2)
     dact = dout.new_empty(indices.numel(), h)
     grouped_gemm(gq.data, wq.data, dact, offsets, indices, sched, b_nk=True, n_cols=h, k_dim=d, gather_a=True,
                  a_scale=gq.scale[:, 0], b_scale=wq.scale[..., 0])
@@ -229,7 +236,7 @@ def _b3(dpre, w1, offsets, indices, sched, token_index_map, foreign, pair_offset
     """B3 with the B5 combine, ``dx [T, d]`` in ``dpre``'s dtype, on e4m3 ``dpre`` rows (written into ``reuse``,
     the kept e4m3 ``pre`` of the same shape, dead by now, when given) and ``w1^T [E, d, 2h|h]`` (K-major, a scale
     per column of w1). A function of its own so that the e4m3 copies are freed before B4 allocates ``dw1``."""
-    gq, wq = _rows(dpre, pow2, reuse), _rows(w1.transpose(1, 2), pow2)
+    gq, wq = _rows(dpre, pow2, reuse), _weight_rows(w1.transpose(1, 2), pow2)
     return kx.slots_to_tokens(gq.data, wq.data, True, offsets, indices, sched, token_index_map, None, foreign,
                               pair_offsets, out_dtype=dpre.dtype, a_scale=gq.scale[:, 0], b_scale=wq.scale[..., 0])
 

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from ..balance import expert_load, load_summary, update_expert_biases
+from ..fp8 import reuse_weights
 from ..layer import aux_loss
 from ..memory import SavedTensorCounter
 from .job import Job, clip_grad_norm
@@ -63,7 +64,7 @@ class StepOutcome:
 
 def train_step(model: MoETransformer, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor, lr: float,
                grad_clip: float, counter: SavedTensorCounter | None = None,
-               autocast: torch.dtype | None = None, job: Job | None = None) -> StepOutcome:
+               autocast: torch.dtype | None = None, job: Job | None = None, micro_batches: int = 1) -> StepOutcome:
     """One optimizer step on a batch ``x, y [B, seq]`` (int64 bytes), launched without a host synchronisation;
     :meth:`StepOutcome.result` gives the cross-entropy (nats) and the step's expert load
     (:func:`moeblaze.balance.load_summary` as floats: the worst and the mean over the MoE layers of max / mean
@@ -75,6 +76,11 @@ def train_step(model: MoETransformer, opt: torch.optim.Optimizer, x: torch.Tenso
     backward and the optimizer step run outside it, on the fp32 parameters. After ``opt.step()``,
     :func:`moeblaze.update_expert_biases` moves the routers' biases (``expert_bias_rate`` > 0) and resets
     the counts, from the same all-reduced counts as the load (one all-reduce of ``[layers * E]`` int64).
+    With ``micro_batches`` > 1 the batch runs forward and backward in that many equal parts along ``B`` (a
+    :class:`ValueError` when it does not divide ``B``), each loss divided by their number so the gradients sum to
+    the batch's mean; the reported losses are the parts' means, the load their sum, the FP8 layers' weight copies
+    made once (:func:`moeblaze.fp8.reuse_weights`); under FSDP2 the gradients are reduced after the last part only.
+    With ``counter``, the first part's forward runs under it.
     With a ``job`` of several ranks (FSDP2), the losses are means over the ranks and the gradient norm is the
     global one (:func:`moeblaze.training.job.clip_grad_norm`), so every rank decides alike; the load is over
     every rank's tokens.
@@ -87,11 +93,7 @@ def train_step(model: MoETransformer, opt: torch.optim.Optimizer, x: torch.Tenso
     """
     for group in opt.param_groups:
         group["lr"] = lr
-    with counter if counter is not None else contextlib.nullcontext(), autocast_context(x.device, autocast):
-        logits = model(x)
-    ce = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
-    aux = aux_loss(model).to(x.device)
-    (ce + aux).backward()
+    ce, aux = _forward_backward(model, x, y, counter, autocast, micro_batches)
     load = expert_load(model)  # over the world's tokens where distributed (the routers are replicated)
     params = [p for p in model.parameters() if p.grad is not None]
     if job is not None and job.mesh is not None:
@@ -116,3 +118,26 @@ def train_step(model: MoETransformer, opt: torch.optim.Optimizer, x: torch.Tenso
     opt.zero_grad(set_to_none=True)
     update_expert_biases(model, load=load)  # the auxiliary-loss-free step (expert_bias_rate 0: only the reset)
     return outcome
+
+
+def _forward_backward(model: MoETransformer, x: torch.Tensor, y: torch.Tensor, counter: SavedTensorCounter | None,
+                      autocast: torch.dtype | None, parts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Forward and backward of ``x, y [B, seq]`` in ``parts`` equal micro-batches (:func:`train_step`): the mean
+    cross-entropy and auxiliary loss over them, detached."""
+    if x.shape[0] % parts:
+        raise ValueError(f"micro_batches {parts} must divide the batch's {x.shape[0]} sequences")
+    sync = getattr(model, "set_requires_gradient_sync", None) if parts > 1 else None  # FSDP2: reduce once
+    losses = []
+    with reuse_weights() if parts > 1 else contextlib.nullcontext():
+        for i, (xi, yi) in enumerate(zip(x.chunk(parts), y.chunk(parts))):
+            if sync is not None:
+                sync(i == parts - 1)
+            first = counter if counter is not None and i == 0 else contextlib.nullcontext()
+            with first, autocast_context(x.device, autocast):
+                logits = model(xi)
+            ce = F.cross_entropy(logits.float().flatten(0, 1), yi.flatten())
+            aux = aux_loss(model).to(x.device)
+            ((ce + aux) / parts).backward()
+            losses.append(torch.stack([ce.detach(), aux.detach().float()]))
+    ce, aux = torch.stack(losses).mean(0).unbind()
+    return ce, aux

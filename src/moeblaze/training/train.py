@@ -193,6 +193,9 @@ def _train(cfg: TrainConfig, model_cfg: ModelConfig | None, log, job: Job) -> Tr
                 f"{cfg.stop_after}; nothing to do (pass a larger --stop-after, or none, to train on)")
             return TrainResult(saved_step, float("nan"), float("nan"), float("nan"), 0.0, 0, [],
                                status="done", checkpoint=str(resume_from))
+    if cfg.batch_size // job.world % cfg.grad_accum:
+        raise ConfigError(f"--grad-accum {cfg.grad_accum} must divide each rank's {cfg.batch_size // job.world} "
+                          f"sequences (--batch-size {cfg.batch_size} over {job.world} ranks)")
     mcfg = model_cfg or ModelConfig()
     _check_backend(mcfg, device)
     _check_fp8(precision, mcfg, device)
@@ -259,7 +262,8 @@ def _report_done(cfg: TrainConfig, mcfg: ModelConfig, stop: int, run, entropy: f
         + f": step {stop}, val {val_bpb:.3f} bits/byte vs unigram {entropy:.3f}; "
         f"{tok_s:,.0f} tokens/s" + (f" ({tok_s / job.world:,.0f} per {_unit(device)}, {job.world} processes)"
                                     if job.distributed else "")
-        + (f"; MoE saved {saved / 2**20:.2f} MiB/step" if _counts_saved(cfg, job) else "")
+        + (f"; MoE saved {saved / 2**20:.2f} MiB/{'step' if cfg.grad_accum == 1 else 'micro-batch'}"
+           if _counts_saved(cfg, job) else "")
         + (f"; checkpoint {ckpt}" if ckpt is not None else "; no final checkpoint"))
     if device.type == "cuda":
         peak = gpu_peak_flops(device, cfg, precision)
@@ -295,12 +299,14 @@ def _loop(model, opt, corpus, cfg: TrainConfig, mcfg: ModelConfig, device, preci
         # measure once; the hooks pass tensors through, so results do not change
         counter = (SavedTensorCounter(list(model.parameters())).track(model.moe_layers())
                    if step == start and _counts_saved(cfg, job) else None)
-        outcome = train_step(model, opt, x, y, lr_at(step, cfg), cfg.grad_clip, counter, amp_dtype, job)
-        if counter is not None:
+        outcome = train_step(model, opt, x, y, lr_at(step, cfg), cfg.grad_clip, counter, amp_dtype, job,
+                             cfg.grad_accum)
+        if counter is not None:  # one micro-batch's: its backward frees them before the next forward
             run.saved = counter.bytes
-            log(f"MoE layers saved for backward: {run.saved / 2**20:.2f} MiB per step "
-                f"({run.saved / run.tokens_per_step:.0f} bytes/token, save={mcfg.save}; layer inputs included, "
-                "parameters excluded)")
+            log(f"MoE layers saved for backward: {run.saved / 2**20:.2f} MiB per "
+                f"{'step' if cfg.grad_accum == 1 else 'micro-batch'} "
+                f"({run.saved * cfg.grad_accum / run.tokens_per_step:.0f} bytes/token, save={mcfg.save}; layer inputs "
+                "included, parameters excluded)")
         if pending is not None:  # the previous step, read while this one runs
             run.finish(*pending)
         if step == start and job.distributed:  # after the first step, which autotuned: every rank runs rank 0's

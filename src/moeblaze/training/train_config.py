@@ -61,8 +61,8 @@ def _f(default, help: str, **kw):
 # it is allowed, exclusive upper bound or None). The seed feeds numpy's PCG64, which takes no negatives.
 _INT_RANGES = {"steps": (1, None), "batch_size": (1, None), "eval_interval": (1, None), "eval_tokens": (1, None),
                "stop_after": (0, None), "warmup_steps": (0, None), "checkpoint_interval": (0, None),
-               "threads": (0, None), "keep_checkpoints": (1, None), "ep": (1, None), "profile_steps": (0, None),
-               "seed": (0, 2**63 - 1)}
+               "grad_accum": (1, None), "threads": (0, None), "keep_checkpoints": (1, None), "ep": (1, None),
+               "profile_steps": (0, None), "seed": (0, 2**63 - 1)}
 _FLOAT_RANGES = {"lr": (0.0, False, None), "min_lr": (0.0, True, None), "weight_decay": (0.0, True, None),
                  "beta1": (0.0, True, 1.0), "beta2": (0.0, True, 1.0), "grad_clip": (0.0, True, None),
                  "val_fraction": (0.0, False, 1.0), "peak_tflops": (0.0, True, None),
@@ -80,6 +80,9 @@ class TrainConfig:
     stop_after: int = _f(0, "stop (and checkpoint) once the run reaches this step, counted from its start as "
                             "--steps and the checkpoints are (a resumed run too); 0 = run all --steps")
     batch_size: int = _f(16, "sequences per step (tokens per step = batch_size * seq_len)")
+    grad_accum: int = _f(1, "micro-batches per step: each rank's sequences of a step run forward and backward in "
+                         "this many equal parts, gradients summed before the optimizer step (the activation memory of "
+                         "one part); FP8 layers quantize their weights once per step (moeblaze.fp8.reuse_weights)")
     lr: float = _f(3e-3, "peak learning rate")
     min_lr: float = _f(3e-4, "final learning rate of the cosine decay")
     warmup_steps: int = _f(50, "linear warmup steps")
@@ -163,6 +166,9 @@ class TrainConfig:
             raise ConfigError(f"--min-lr must be <= --lr, got min-lr={self.min_lr}, lr={self.lr}")
         if self.resume and self.overwrite:
             raise ConfigError("--resume and --overwrite exclude each other")
+        if self.batch_size % self.grad_accum:
+            raise ConfigError(f"--batch-size {self.batch_size} must be a multiple of --grad-accum {self.grad_accum} "
+                              "(equal micro-batches)")
         if self.ep > 1 and not self.fsdp:
             raise ConfigError(f"--ep {self.ep} needs --fsdp (expert parallelism runs under FSDP2)")
 
