@@ -446,3 +446,29 @@ def test_peak_breakdown_matches_max_memory_allocated():
     assert got.peak_bytes == torch.cuda.max_memory_allocated()
     ours = sum(b for where, b, _ in got.live if where.startswith("test_bench.py:"))
     assert ours >= 8 << 20  # y and z, both live at the peak
+
+
+def test_grad_accum_passes_share_the_fp8_weight_copies(capsys):
+    """``--grad-accum N``: a timed step is N forward+backward passes inside moeblaze.fp8.reuse_weights (gradients
+    accumulated), the row's time is per pass and its note says so; N below 1 is an error."""
+    from moeblaze import fp8
+    from moeblaze.bench import runner
+
+    scopes = []
+    fn = lambda x: scopes.append(fp8._SCOPES[0]) or x.sum() * 1.0  # noqa: E731
+    x = torch.randn(3, 2, requires_grad=True)
+    step, _ = runner._make_step(fn, x, torch.tensor(1.0), [], passes=3)
+    step()
+    assert scopes == [1, 1, 1] and torch.equal(x.grad, torch.full((3, 2), 3.0)) and fp8._SCOPES[0] == 0
+    cfg = BenchConfig("tiny", "t", 48, 16, 24, 4, 2, "swiglu")
+    opts = RunOptions(dtype="fp32", device="cpu", flush_l2=False, min_reps=1, max_reps=2, target_s=0.01,
+                      grad_accum=2)
+    (row,) = run_layers([cfg], ["moeblaze-torch"], opts)
+    assert row.status == "ok" and row.time_ms > 0 and "2 passes a step" in row.note
+    with pytest.raises(ValueError, match="grad_accum"):
+        RunOptions(grad_accum=0)
+    from moeblaze.bench.cli import _options
+
+    with pytest.raises(SystemExit):
+        _options(parser().parse_args(["bench", "--grad-accum", "0"]), None)
+    assert "--grad-accum must be an integer >= 1, got 0" in capsys.readouterr().err

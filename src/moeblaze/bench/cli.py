@@ -79,6 +79,10 @@ def _add_bench(subparsers: Any) -> None:
                    "is left of --budget-s; bounds its first step instead of --cap-s); past it the child is "
                    "killed and the row skipped (default: %(default)s)")
     p.add_argument("--no-flush", action="store_true", help="do not flush L2 before each timed step")
+    p.add_argument("--grad-accum", type=int, default=1,
+                   help="forward+backward passes per timed step, gradients accumulated, as under gradient "
+                   "accumulation (FP8 layers quantize their weights once a step: moeblaze.fp8.reuse_weights); "
+                   "times per pass (default: %(default)s)")
     p.add_argument("--liger-autotune", action="store_true",
                    help="let Liger autotune (> 2 min per shape); default: LIGER_FUSED_MOE_AUTOTUNE=0")
     p.add_argument("--hf-max-tokens", type=int, default=131072, help="skip the HF loop above this T")
@@ -182,12 +186,15 @@ def _options(args: argparse.Namespace, suite: str | None):
     from .baselines import ImplOptions
     from .runner import RunOptions
 
+    if args.grad_accum < 1:
+        args.bench_parser.error(f"--grad-accum must be an integer >= 1, got {args.grad_accum}")
     min_r, max_r, target, budget = _SUITE_DEFAULTS.get(suite or "", _RUN_DEFAULTS)
     pick = lambda v, d: d if v is None else v
     return RunOptions(dtype=args.dtype, device=args.device, min_reps=pick(args.min_reps, min_r),
                       max_reps=pick(args.max_reps, max_r),
                       target_s=pick(args.target_s, target), cap_s=args.cap_s, budget_s=pick(args.budget_s, budget),
                       flush_l2=not args.no_flush, isolate=args.isolate, isolate_timeout_s=args.isolate_timeout_s,
+                      grad_accum=args.grad_accum,
                       impl=ImplOptions(liger_autotune=args.liger_autotune, hf_max_tokens=args.hf_max_tokens))
 
 

@@ -30,6 +30,7 @@ from dataclasses import asdict, dataclass, field, fields
 
 import torch
 
+from ..fp8 import reuse_weights
 from ..memory import SavedTensorCounter
 from .baselines import Impl, ImplOptions, LayerWeights, make_weights, step_params
 from .configs import BenchConfig
@@ -111,9 +112,12 @@ class RunOptions:
             what is left of ``budget_s``); one that runs past it is killed and reported ``skipped``.
         child_log_dir: where each child's output (stdout and stderr, compile logs included) is kept as
             ``<config>-<impl>.log``, whatever its outcome; None keeps none.
+        grad_accum: forward+backward passes per timed step, gradients accumulated, inside
+            :func:`moeblaze.fp8.reuse_weights` (FP8 layers quantize their weights once a step, as under gradient
+            accumulation); times and TFLOP/s are per pass.
 
     Raises:
-        ValueError: an unknown ``isolate`` mode.
+        ValueError: an unknown ``isolate`` mode, ``grad_accum`` below 1.
     """
 
     dtype: str = "bf16"
@@ -129,10 +133,13 @@ class RunOptions:
     isolate: str = "auto"
     isolate_timeout_s: float = 600.0
     child_log_dir: str | None = None
+    grad_accum: int = 1
 
     def __post_init__(self) -> None:
         if self.isolate not in ISOLATE_MODES:
             raise ValueError(f"isolate must be one of {ISOLATE_MODES}, got {self.isolate!r}")
+        if not isinstance(self.grad_accum, int) or self.grad_accum < 1:
+            raise ValueError(f"grad_accum must be an integer >= 1, got {self.grad_accum!r}")
 
     def as_dict(self) -> dict:
         """JSON-ready fields (``impl`` as a nested dict); :meth:`from_dict` reads them back."""
@@ -207,16 +214,22 @@ def graph_replay_ms(fn: Callable[[], object]) -> float:
     return triton.testing.do_bench(graph.replay, warmup=25, rep=100)
 
 
-def _make_step(fn: Callable, x: torch.Tensor, dout: torch.Tensor,
-               params: list[torch.Tensor]) -> tuple[Callable[[], None], Callable[[], None]]:
-    """``(step, zero)``: one forward+backward with fresh gradients, and the gradient reset alone."""
+def _make_step(fn: Callable, x: torch.Tensor, dout: torch.Tensor, params: list[torch.Tensor],
+               passes: int = 1) -> tuple[Callable[[], None], Callable[[], None]]:
+    """``(step, zero)``: one forward+backward with fresh gradients (``passes`` of them accumulated, inside
+    :func:`moeblaze.fp8.reuse_weights`), and the gradient reset alone."""
     def zero() -> None:
         for p in (*params, x):
             p.grad = None
 
     def step() -> None:
         zero()
-        fn(x).backward(dout)
+        if passes == 1:
+            fn(x).backward(dout)
+            return
+        with reuse_weights():
+            for _ in range(passes):
+                fn(x).backward(dout)
 
     return step, zero
 
@@ -257,14 +270,14 @@ def _measure(row: Row, cfg: BenchConfig, impl: Impl, w: LayerWeights, x: torch.T
     t0 = time.perf_counter()
     fn = impl.build(cfg, w, opts.impl)
     params = step_params(fn, w)
-    step, zero = _make_step(fn, x, dout, params)
+    step, zero = _make_step(fn, x, dout, params, opts.grad_accum)
     step()
     _sync()
     row.warmup_s = round(time.perf_counter() - t0, 3)
     if row.warmup_s > opts.cap_s:
         row.status, row.note = "skipped", f"first step took {row.warmup_s:.0f} s > cap {opts.cap_s:.0f} s"
         return
-    est_ms = cuda_time_ms(step, 1, flush)[0]
+    est_ms = cuda_time_ms(step, 1, flush)[0]  # the whole step: the repetitions below are steps
     with SavedTensorCounter(exclude=[*params, x]) as counter:
         out = fn(x)
     del out
@@ -286,7 +299,10 @@ def _measure(row: Row, cfg: BenchConfig, impl: Impl, w: LayerWeights, x: torch.T
         row.note = f"{reps} timed steps (cap {opts.cap_s:.0f} s)"
     times = cuda_time_ms(step, reps, flush)
     row.reps = reps
-    row.time_ms = statistics.median(times)
+    row.time_ms = statistics.median(times) / opts.grad_accum
+    if opts.grad_accum > 1:
+        row.note = "; ".join(filter(None, (row.note, f"{opts.grad_accum} passes a step (weights quantized once), "
+                                           "time per pass")))
     row.tflops = cfg.flops / (row.time_ms * 1e-3) / 1e12
 
 
