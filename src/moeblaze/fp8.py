@@ -345,7 +345,7 @@ def weight_copy(w: Tensor, tag: tuple, make: Callable[[], _Copy]) -> _Copy:
     :func:`reuse_weights` the copy made earlier for the same ``w`` and ``tag`` while ``w`` is unchanged. ``w``
     qualifies when it (or the tensor it views) is an ``nn.Parameter`` or a copy this function made; anything else,
     and any call outside the context, while compiling or while capturing a CUDA graph, is ``make()``."""
-    if not _SCOPES[0] or torch.compiler.is_compiling() or (
+    if torch.compiler.is_compiling() or not _SCOPES[0] or (  # compiling first: the trace reads no module state
             torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
         return make()
     base = w if w._base is None else w._base
