@@ -332,6 +332,33 @@ def test_triton_b3_writes_its_e4m3_dpre_into_the_kept_pre():
         out.sum().backward()
 
 
+@pytest.mark.skipif(torch.cuda.is_available() or not moeblaze.backends.triton_available(),
+                    reason="the Triton kernels on CPU tensors need TRITON_INTERPRET=1")
+@pytest.mark.parametrize("save", SAVE_MODES)
+def test_triton_b1_quantizes_b3s_dpre_where_cuda_would(monkeypatch, save):
+    """The CUDA path (B1's activation backward writes B3's e4m3 dpre into the kept pre) run in the interpreter,
+    every operand quantized by the Triton kernels as on CUDA: the §7 rule against float64, and bitwise the
+    results of quantizing dpre in a launch of its own; save="input" keeps no pre and quantizes in B3."""
+    from moeblaze.kernels import fp8_experts
+    from moeblaze.kernels.fp8_quant import quantize_rows_fp8
+
+    monkeypatch.setattr(fp8_experts, "_rows", lambda t, pow2, out=None: quantize_rows_fp8(t, pow2, out))
+    inputs = make_expert_inputs(*CASES["zipf"][:5], routing="zipf")
+    recipe = Float8Recipe("rowwise")
+    torch.manual_seed(1)
+    dout, alone = check_emulation(inputs, recipe, save, backend="triton")
+    fused = []
+    real = fp8_experts._fuses_dpre
+    monkeypatch.setattr(fp8_experts, "_fuses_dpre", lambda data, t: fused.append(data is not None) or
+                        data is not None)
+    torch.manual_seed(1)
+    dout2, got = check_emulation(inputs, recipe, save, backend="triton")
+    assert torch.equal(dout, dout2) and fused.count(True) == (2 if save == "preact" else 0)
+    for name, a, b in zip(NAMES, got, alone):
+        assert torch.equal(a, b), name
+    assert real(None, dout) is False
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
                     reason="needs a Hopper GPU (sm90+)")
@@ -342,6 +369,23 @@ def test_gpu_triton_rowwise_bf16_within_the_e4m3_rule(case, save):
     T, d, h, E, K, routing = CASES[case]
     inputs = make_expert_inputs(T, d, h, E, K, routing=routing, dtype=torch.bfloat16, device="cuda")
     check_emulation(inputs, Float8Recipe("rowwise"), save, backend="triton")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
+                    reason="needs a Hopper GPU (sm90+)")
+def test_gpu_b1_writing_b3s_dpre_is_bitwise_the_separate_launch(monkeypatch):
+    """On the device, B3's e4m3 dpre written by B1's activation backward: every result bitwise that of quantizing
+    dpre in a launch of its own."""
+    from moeblaze.kernels import fp8_experts
+
+    inputs = make_expert_inputs(*CASES["zipf"][:5], routing="zipf", dtype=torch.bfloat16, device="cuda")
+    dout = torch.randn(inputs["x"].shape, dtype=torch.bfloat16, device="cuda")
+    run = lambda: run_and_grad(lambda **kw: moe_experts(**kw, backend="triton", fp8=Float8Recipe()), inputs, dout)  # noqa: E731
+    fused = run()
+    monkeypatch.setattr(fp8_experts, "_fuses_dpre", lambda data, t: False)
+    for name, a, b in zip(NAMES, fused, run()):
+        assert torch.equal(a, b), name
 
 
 @pytest.mark.parametrize("case", ["zipf", "short last tiles"])

@@ -147,3 +147,54 @@ def test_gpu_bitwise_the_recipe(shape, transposed, dtype, pow2):
     if not HAS_CUDA:
         pytest.skip("needs a CUDA GPU (run with -m gpu on the device)")
     _check(_source(shape, dtype, transposed, "cuda"), pow2, exact=True)
+
+
+def _act_bwd_case(N, h, gated, device, dtype, limit=None):
+    """``act_bwd_rows`` with ``quant`` on random rows (one of them NaN in ``dact``) and the stored ``dpre``, its
+    e4m3 copy and scales."""
+    from moeblaze.kernels.act_bwd import act_bwd_rows
+    from moeblaze.kernels.act_math import ACTIVATION_CODES
+
+    gen = torch.Generator().manual_seed(N + h)
+    width = 2 * h if gated else h
+    dact = (torch.randn(N, h, generator=gen) * torch.logspace(-3, 3, h)).to(dtype).to(device)
+    dact[min(3, N - 1), 0] = float("nan")
+    pre = torch.randn(N, width, generator=gen).to(dtype).to(device)
+    scale = torch.rand(N, generator=gen).to(device)
+    q = torch.full((N, width), 0.5, device=device).to(E4M3)
+    s = torch.full((N,), -1.0, device=device)
+    act_bwd_rows(dact, pre, pre, scale, None, h=h, activation=ACTIVATION_CODES["swiglu" if gated else "gelu"],
+                 store_wact=False, local_slots=limit, quant=(q, s, False))
+    return pre, q, s
+
+
+@pytest.mark.parametrize("gated", [True, False])
+def test_activation_backward_writes_dpre_in_e4m3_as_the_kernel_would(gated):
+    """B1's activation backward with ``quant`` (B3's dpre quantized where it is produced): scales bitwise the
+    recipe's over the stored dpre rows (a NaN row NaN), values but the interpreter's known casts; with
+    ``local_slots`` the foreign rows past the zeroed tail are left unwritten."""
+    if HAS_CUDA:
+        pytest.skip("an interpreter test (CPU tensors); the gpu test runs the kernel on the device")
+    from moeblaze.kernels.act_bwd import ZERO_TAIL
+
+    dpre, q, s = _act_bwd_case(37, 40, gated, "cpu", torch.float16)
+    ref = quantize_fp8(dpre, (1, dpre.shape[1]))
+    _same(dpre, q, s[:, None], ref.data, ref.scale, exact=False)
+    assert s[3].isnan()
+    local, tail = 5, ZERO_TAIL.value
+    N = local + tail + 7
+    dpre, q, s = _act_bwd_case(N, 24, gated, "cpu", torch.float16, torch.tensor([local], dtype=torch.int32))
+    ref = quantize_fp8(dpre[:local + tail], (1, dpre.shape[1]))
+    _same(dpre[:local + tail], q[:local + tail], s[:local + tail, None], ref.data, ref.scale, exact=False)
+    assert (s[local + tail:] == -1.0).all() and (q[local + tail:].float() == 0.5).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("gated", [True, False])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gpu_activation_backward_dpre_bitwise_the_kernel(gated, dtype):
+    if not HAS_CUDA:
+        pytest.skip("needs a CUDA GPU (run with -m gpu on the device)")
+    dpre, q, s = _act_bwd_case(4099, 768, gated, "cuda", dtype)
+    ref = quantize_rows_fp8(dpre)
+    _same(dpre, q, s[:, None], ref.data, ref.scale, exact=True)

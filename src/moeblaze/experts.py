@@ -215,12 +215,14 @@ class _Float8Experts(torch.autograd.Function):
             pre = ops.dequantize(kept, w1c.dtype)
         dout = dout.contiguous()
         db2 = ops_torch.bias_grad(dout, index, topk_weights) if need[4] else None
+        # kept is dead once dequantized: B1's activation backward writes B3's e4m3 dpre into it
+        fuse = kept if need[0] and recipe.granularity == "rowwise" else None
         dpre, dw2, dtw = ops.down_backward(recipe, dout, pre, w2c, topk_weights, index, activation, need[3],
-                                           need[5], b2=b2, act_args=act_args, dw_dtype=w2.dtype)
+                                           need[5], b2=b2, act_args=act_args, dw_dtype=w2.dtype, dpre_q=fuse)
         del pre
         db1 = ops_torch.bias_grad(dpre, index).to(b1.dtype) if need[2] else None
         dx, dw1 = ops.up_backward(recipe, dpre, x, w1c, index, need[0], need[1], dw_dtype=w1.dtype,
-                                  reuse=kept)  # kept is dead now
+                                  reuse=kept, quantized=fuse is not None)
         dx = dx.to(ctx.dtype) if dx is not None else None
         if ctx.input_grad is not None:
             dx = ctx.input_grad.offer(dx)

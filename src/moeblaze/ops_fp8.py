@@ -80,10 +80,11 @@ def down_forward(recipe: Float8Recipe, act: Tensor, w2: Tensor, topk_weights: Te
 
 def down_backward(recipe: Float8Recipe, dout: Tensor, pre: Tensor, w2: Tensor, topk_weights: Tensor,
                   index: DispatchIndex, activation: str, need_dw: bool, need_dtw: bool, *, b2: Tensor | None = None,
-                  act_args: ActArgs = DEFAULT_ACT,
-                  dw_dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor | None, Tensor | None]:
+                  act_args: ActArgs = DEFAULT_ACT, dw_dtype: torch.dtype | None = None,
+                  dpre_q: Float8Tensor | None = None) -> tuple[Tensor, Tensor | None, Tensor | None]:
     """B1 ``dact' = dout[token(s)] w2[e]`` with ``act = f(pre)`` recomputed, ``dtopk_weights`` and ``dpre``;
-    B2 ``dw2[e] = dout[token(s)]^T (w act)``.
+    B2 ``dw2[e] = dout[token(s)]^T (w act)``. ``dpre_q`` (where the Triton ops write B3's e4m3 ``dpre``) is not
+    used here: :func:`up_backward` quantizes ``dpre`` itself, to the same values.
 
     Args: ``dout [T, d]``, ``pre [N, 2h | h]`` (fp32, as kept), ``w2 [E, d, h]``, ``topk_weights [T, K]``.
     Returns: ``(dpre [N, 2h | h] fp32, dw2 [E, d, h] in dw_dtype | None, dtopk_weights | None)``.
@@ -106,10 +107,10 @@ def down_backward(recipe: Float8Recipe, dout: Tensor, pre: Tensor, w2: Tensor, t
 
 def up_backward(recipe: Float8Recipe, dpre: Tensor, x: Tensor, w1: Tensor, index: DispatchIndex,
                 need_dx: bool, need_dw: bool, *, dw_dtype: torch.dtype | None = None,
-                reuse: Float8Tensor | None = None) -> tuple[Tensor | None, Tensor | None]:
+                reuse: Float8Tensor | None = None, quantized: bool = False) -> tuple[Tensor | None, Tensor | None]:
     """B3 ``dx_slots = dpre w1[e]`` with B5 ``dx[t] = sum_k dx_slots[map[t,k]]``, and B4
     ``dw1[e] = dpre^T x[token(s)]``. ``reuse`` (the kept e4m3 ``pre``, where the Triton ops write B3's e4m3 ``dpre``)
-    is not used here: the emulation's memory is not the kernels'.
+    and ``quantized`` are not used here: the emulation's memory is not the kernels'.
 
     Args: ``dpre [N, 2h | h]`` fp32, ``x [T, d]`` (the layer's 16-bit input), ``w1 [E, 2h | h, d]``.
     Returns: ``(dx [T, d] fp32 | None, dw1 [E, 2h | h, d] in dw_dtype | None)``.

@@ -31,6 +31,11 @@ the foreign rows, where uninitialised values (a NaN times the gathered side's ze
 local expert, gathered as it is). ``TF32_DPRE`` (fp32 at TF32 precision): ``dpre`` is stored rounded to TF32, the A operand of
 B3, which then reads it without a rounded copy (:mod:`moeblaze.kernels.tf32`; the expert-bias gradient
 ``db_gate_up``, a sum of ``dpre`` rows, sums the rounded values).
+
+``QUANT`` (the FP8 layer's B3 operand, issue 59's dpre quantized where it is produced): the program also keeps each
+row's largest stored magnitude and, after its rows are written, reads them back (from L2: they were just written)
+and writes them in e4m3 with the rowwise recipe's scale (:mod:`moeblaze.kernels.fp8_quant`'s helpers, so the bytes
+are that kernel's): B3's quantization without a separate pass that reads ``dpre`` from HBM again.
 """
 
 from __future__ import annotations
@@ -39,12 +44,15 @@ import torch
 import triton
 import triton.language as tl
 
+from ..fp8 import E4M3_MAX
 from .act_math import FIRST_NON_GATED, act_backward, act_forward
+from .fp8_quant import nan_max, row_amax, scale_of, to_e4m3
 from .tf32 import round_tf32_values
 from .tuning import Launchable, act_bwd_configs, cdiv
 
 # foreign rows after the last local slot whose w * act and dpre are zeroed (>= the weight gradients' slot step)
 ZERO_TAIL = tl.constexpr(64)
+_TINY = torch.finfo(torch.float32).tiny
 
 
 @triton.jit
@@ -55,10 +63,14 @@ def act_bwd_rows_kernel(
     scale_ptr,  # [N] fp32 router weight of each slot
     dtw_ptr,  # [N] fp32 out: <dact', act> per slot (STORE_PART)
     limit_ptr,  # [1] int32 number of local slots (HAS_LIMIT)
+    dpre_q_ptr,  # [N, 2h|h] e4m3 out (QUANT): dpre as stored, quantized with one scale per row, dpre's layout
+    dpre_s_ptr,  # [N] fp32 out (QUANT): that row's dequantization scale
     N, H, UP_OFF, alpha, limit,
-    stride_dact_m, stride_pre_m, stride_dpre_m,
+    stride_dact_m, stride_pre_m, stride_dpre_m, stride_q_m,
+    tiny,  # the smallest normal fp32 (QUANT: the floor of a nonzero row's scale)
     ACTIVATION: tl.constexpr, STORE_PART: tl.constexpr, STORE_WACT: tl.constexpr, PRE_STEP: tl.constexpr,
-    HAS_LIMIT: tl.constexpr, TF32_DPRE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
+    HAS_LIMIT: tl.constexpr, TF32_DPRE: tl.constexpr, QUANT: tl.constexpr, POW2: tl.constexpr,
+    QMAX: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     row_mask = rows < N
@@ -76,6 +88,7 @@ def act_bwd_rows_kernel(
     rows64 = rows.to(tl.int64)[:, None]
     w = tl.load(scale_ptr + rows, mask=row_mask, other=0.0)[:, None]
     part = tl.zeros([BLOCK_R], tl.float32)
+    amax = tl.zeros([BLOCK_R], tl.float32)  # QUANT: the stored dpre row's largest magnitude
     for h0 in range(0, H, BLOCK_H):
         cols = h0 + tl.arange(0, BLOCK_H)[None, :]
         mask = row_mask[:, None] & (cols < H)
@@ -102,18 +115,49 @@ def act_bwd_rows_kernel(
         tl.store(dpre_ptrs, dgate.to(dpre_ptr.dtype.element_ty), mask=out_mask)
         if ACTIVATION < FIRST_NON_GATED:
             tl.store(dpre_ptrs + UP_OFF, dup.to(dpre_ptr.dtype.element_ty), mask=out_mask)
+        if QUANT:  # the values as stored, the masked lanes' zeros leave the amax as it is
+            stored = dgate.to(dpre_ptr.dtype.element_ty).to(tl.float32)
+            amax = nan_max(amax, row_amax(tl.where(out_mask, stored, 0.0)))
+            if ACTIVATION < FIRST_NON_GATED:
+                stored = dup.to(dpre_ptr.dtype.element_ty).to(tl.float32)
+                amax = nan_max(amax, row_amax(tl.where(out_mask, stored, 0.0)))
     if STORE_PART:  # 0 for the foreign rows (HAS_LIMIT)
         tl.store(dtw_ptr + rows, tl.where(row_mask, part, 0.0), mask=rows < N)
+    if QUANT:
+        _quantize_stored_rows(dpre_ptr, dpre_q_ptr, dpre_s_ptr, rows, store_mask, amax, H, UP_OFF, stride_dpre_m,
+                              stride_q_m, tiny, PRE_STEP, ACTIVATION < FIRST_NON_GATED, POW2, QMAX, BLOCK_H)
 
 
-_ACT_BWD = Launchable(act_bwd_rows_kernel, act_bwd_configs, key=["H", "ACTIVATION", "STORE_WACT"],
+@triton.jit
+def _quantize_stored_rows(dpre_ptr, q_ptr, s_ptr, rows, store_mask, amax, H, UP_OFF, stride_dpre_m, stride_q_m, tiny,
+                          PRE_STEP: tl.constexpr, GATED: tl.constexpr, POW2: tl.constexpr, QMAX: tl.constexpr,
+                          BLOCK_H: tl.constexpr):
+    """The program's ``dpre`` rows, just stored, read back (from L2) and written in e4m3 with the scale of
+    ``amax``: bitwise :func:`moeblaze.kernels.fp8_quant.quantize_rows_fp8` of the stored rows."""
+    scale = scale_of(amax, tiny, QMAX, POW2)
+    tl.store(s_ptr + rows, scale, mask=store_mask)
+    tl.debug_barrier()  # the stores above reach every thread of the program before the read-back
+    rows64 = rows.to(tl.int64)[:, None]
+    for h0 in range(0, H, BLOCK_H):
+        cols = h0 + tl.arange(0, BLOCK_H)[None, :]
+        mask = store_mask[:, None] & (cols < H)
+        src = dpre_ptr + rows64 * stride_dpre_m + cols * PRE_STEP
+        dst = q_ptr + rows64 * stride_q_m + cols * PRE_STEP
+        v = tl.load(src, mask=mask, other=0.0).to(tl.float32)
+        tl.store(dst, to_e4m3(v, scale[:, None], QMAX), mask=mask)
+        if GATED:
+            v = tl.load(src + UP_OFF, mask=mask, other=0.0).to(tl.float32)
+            tl.store(dst + UP_OFF, to_e4m3(v, scale[:, None], QMAX), mask=mask)
+
+
+_ACT_BWD = Launchable(act_bwd_rows_kernel, act_bwd_configs, key=["H", "ACTIVATION", "STORE_WACT", "QUANT"],
                       restore=["dact_ptr", "pre_ptr", "dpre_ptr"])  # in place: each trial starts afresh
 
 
 def act_bwd_rows(dact: torch.Tensor, pre: torch.Tensor, dpre: torch.Tensor, scale: torch.Tensor,
                  dtw: torch.Tensor | None, *, h: int, activation: int, store_wact: bool, alpha: float = 0.0,
                  limit: float = 0.0, interleaved: bool = False, local_slots: torch.Tensor | None = None,
-                 tf32_dpre: bool = False) -> None:
+                 tf32_dpre: bool = False, quant: tuple[torch.Tensor, torch.Tensor, bool] | None = None) -> None:
     """Launch :func:`act_bwd_rows_kernel` (all outputs in place; see the module docstring).
 
     Args:
@@ -124,16 +168,21 @@ def act_bwd_rows(dact: torch.Tensor, pre: torch.Tensor, dpre: torch.Tensor, scal
         local_slots: ``[1]`` int32 on the device, rows at or past it are skipped (foreign slots; the first
             ``ZERO_TAIL`` of them get zeros), or None.
         tf32_dpre: store ``dpre`` rounded to TF32 (fp32 ``dpre`` only).
+        quant: ``(data [N, 2h|h] e4m3 contiguous, scale [N] fp32, pow2)``: also write ``dpre`` quantized with one
+            scale per row (the rowwise FP8 recipe, bitwise :func:`moeblaze.kernels.fp8_quant.quantize_rows_fp8` of
+            the stored rows; module docstring), or None. Rows skipped as foreign are not written.
     """
     N = dact.shape[0]
     if N == 0 or h == 0:
         return
     out = dtw if dtw is not None else scale
     limit_t = local_slots if local_slots is not None else scale  # dummy pointer when HAS_LIMIT is off
+    q_data, q_scale, pow2 = quant if quant is not None else (dpre, scale, False)  # dummies when QUANT is off
     _ACT_BWD.launch(dact.dtype, lambda meta: (cdiv(N, meta["BLOCK_R"]),),
-        dact_ptr=dact, pre_ptr=pre, dpre_ptr=dpre, scale_ptr=scale, dtw_ptr=out, limit_ptr=limit_t, N=N, H=h,
-        UP_OFF=1 if interleaved else h, alpha=float(alpha), limit=float(limit),
-        stride_dact_m=dact.stride(0), stride_pre_m=pre.stride(0), stride_dpre_m=dpre.stride(0),
-        ACTIVATION=activation, STORE_PART=dtw is not None, STORE_WACT=store_wact, PRE_STEP=2 if interleaved else 1,
-        HAS_LIMIT=local_slots is not None, TF32_DPRE=tf32_dpre,
+        dact_ptr=dact, pre_ptr=pre, dpre_ptr=dpre, scale_ptr=scale, dtw_ptr=out, limit_ptr=limit_t,
+        dpre_q_ptr=q_data, dpre_s_ptr=q_scale, N=N, H=h, UP_OFF=1 if interleaved else h, alpha=float(alpha),
+        limit=float(limit), stride_dact_m=dact.stride(0), stride_pre_m=pre.stride(0), stride_dpre_m=dpre.stride(0),
+        stride_q_m=q_data.stride(0), tiny=_TINY, ACTIVATION=activation, STORE_PART=dtw is not None,
+        STORE_WACT=store_wact, PRE_STEP=2 if interleaved else 1, HAS_LIMIT=local_slots is not None,
+        TF32_DPRE=tf32_dpre, QUANT=quant is not None, POW2=pow2, QMAX=E4M3_MAX,
     )

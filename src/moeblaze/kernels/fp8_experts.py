@@ -17,8 +17,9 @@ same table); an FP8 weight gradient needs slot-contiguous (transposed) e4m3 copi
 
 Operands are quantized where this module needs them by one launch per tensor (:func:`quantize_rows`:
 :mod:`moeblaze.kernels.fp8_quant`, bitwise the recipe's; the recipe's PyTorch ops on the CPU, where the
-interpreter's e4m3 casts differ), not yet in the producing kernels' epilogues; a weight's copies once per
-parameter version inside :func:`moeblaze.fp8.reuse_weights` (gradient accumulation). Outputs are in the 16-bit
+interpreter's e4m3 casts differ), except B3's ``dpre``, which B1's activation backward writes in e4m3 as it
+produces it (:mod:`moeblaze.kernels.act_bwd`, ``QUANT``; on CUDA); a weight's copies once per parameter version
+inside :func:`moeblaze.fp8.reuse_weights` (gradient accumulation). Outputs are in the 16-bit
 operands' dtype (``x``'s), weight gradients in ``dw_dtype``. Each op is a torch custom op (as
 :mod:`moeblaze.kernels.experts`'), so ``torch.compile(fullgraph=True)`` traces the FP8 layer.
 """
@@ -167,13 +168,20 @@ def down_forward(recipe: Float8Recipe, act: Tensor, w2: Tensor, topk_weights: Te
 
 def _down_backward_impl(dout, pre, w2, b2, topk_weights, offsets, indices, tile_expert, tile_row, num_tiles,
                         token_index_map, token_expert_indices, activation, alpha, limit, interleaved, foreign,
-                        need_dw, need_dtw, general, dw_dtype, pow2):
-    # B1 in FP8, then the 16-bit path's activation backward (dpre over pre, w act over dact'), dtopk_weights and
-    # B2 dW2[e] = sum_s dout[token(s)]^T (w act)[s]
+                        need_dw, need_dtw, general, dw_dtype, pow2, dpre_data=None, dpre_scale=None):
+    # B1 in FP8, then the 16-bit path's activation backward (dpre over pre, w act over dact'; on CUDA dpre in
+    # e4m3 too, into dpre_data / dpre_scale, for B3), dtopk_weights and B2 dW2[e] = sum_s dout[token(s)]^T (w act)[s]
     dact = _b1(dout, w2, offsets, indices, (tile_expert, tile_row, num_tiles), pow2)
+    quant = (dpre_data, dpre_scale.view(-1), pow2) if _fuses_dpre(dpre_data, dout) else None
     return kx.act_bwd_b2(dout, dact, pre, w2, b2, topk_weights, offsets, indices, token_index_map,
                          token_expert_indices, activation, alpha, limit, interleaved, foreign, need_dw, need_dtw,
-                         general, dw_dtype)
+                         general, dw_dtype, quant)
+
+
+def _fuses_dpre(dpre_data, t) -> bool:
+    """Whether B1's activation backward writes B3's e4m3 ``dpre`` (given a buffer, on CUDA: the interpreter's e4m3
+    casts differ from the recipe's, so on the CPU B3 quantizes with PyTorch's ops as before)."""
+    return dpre_data is not None and t.is_cuda
 
 
 def _b1(dout, w2, offsets, indices, sched, pow2):
@@ -189,54 +197,62 @@ def _b1(dout, w2, offsets, indices, sched, pow2):
 
 
 _down_backward_op = torch.library.custom_op(
-    "moeblaze::fp8_down_backward", _down_backward_impl, mutates_args=("pre",),
+    "moeblaze::fp8_down_backward", _down_backward_impl, mutates_args=("pre", "dpre_data", "dpre_scale"),
     schema="(Tensor dout, Tensor(a!) pre, Tensor w2, Tensor? b2, Tensor topk_weights, Tensor offsets, "
            "Tensor indices, Tensor tile_expert, Tensor tile_row, Tensor num_tiles, Tensor token_index_map, "
            "Tensor token_expert_indices, str activation, float alpha, float limit, bool interleaved, bool foreign, "
-           "bool need_dw, bool need_dtw, bool general, ScalarType? dw_dtype, bool pow2) -> (Tensor, Tensor)")
+           "bool need_dw, bool need_dtw, bool general, ScalarType? dw_dtype, bool pow2, Tensor(b!)? dpre_data=None, "
+           "Tensor(c!)? dpre_scale=None) -> (Tensor, Tensor)")
 
 
 @_down_backward_op.register_fake
 def _(dout, pre, w2, b2, topk_weights, offsets, indices, tile_expert, tile_row, num_tiles, token_index_map,
       token_expert_indices, activation, alpha, limit, interleaved, foreign, need_dw, need_dtw, general, dw_dtype,
-      pow2):
+      pow2, dpre_data=None, dpre_scale=None):
     return kx.down_backward_outputs(w2, topk_weights, token_index_map, need_dw, need_dtw, dw_dtype)
 
 
 def down_backward(recipe: Float8Recipe, dout: Tensor, pre: Tensor, w2: Tensor, topk_weights: Tensor,
                   index: DispatchIndex, activation: str, need_dw: bool, need_dtw: bool, *, b2: Tensor | None = None,
-                  act_args: ActArgs = DEFAULT_ACT,
-                  dw_dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor | None, Tensor | None]:
+                  act_args: ActArgs = DEFAULT_ACT, dw_dtype: torch.dtype | None = None,
+                  dpre_q: Float8Tensor | None = None) -> tuple[Tensor, Tensor | None, Tensor | None]:
     """B1 in FP8 (``dact' = dout[token(s)] w2[e]``), the 16-bit path's activation backward and ``dtopk_weights``,
     B2 in 16 bits (:func:`moeblaze.ops_fp8.down_backward`). ``pre [N, 2h|h]`` (in ``dout``'s dtype, unit column stride:
-    else a copy) is overwritten with ``dpre`` and returned: ``(dpre, dw2 | None, dtopk_weights | None)``."""
+    else a copy) is overwritten with ``dpre`` and returned: ``(dpre, dw2 | None, dtopk_weights | None)``.
+    ``dpre_q``: a rowwise e4m3 buffer of ``dpre``'s shape (the kept ``pre``, dead by now); on CUDA the activation
+    backward writes ``dpre`` quantized into it for B3 (:func:`up_backward` with ``dpre_q``), elsewhere it is left."""
     dout, pre = dout.contiguous(), pre.to(dout.dtype).contiguous()
+    q = (dpre_q.data, dpre_q.scale) if dpre_q is not None else (None, None)
     dw2, dtw = call_op(_down_backward_op, _down_backward_impl, dout, pre, w2, b2, topk_weights, *_index_args(index),
                        index.token_index_map, index.token_expert_indices, activation, *act_args,
-                       index.foreign_experts, need_dw, need_dtw, index.is_general, dw_dtype, recipe.pow2_scales,
-                       mutated=(pre,))
+                       index.foreign_experts, need_dw, need_dtw, index.is_general, dw_dtype, recipe.pow2_scales, *q,
+                       mutated=(pre, *(t for t in q if t is not None)))
     return pre, (dw2 if need_dw else None), (dtw if need_dtw else None)
 
 
 # ---------------------------------------------------------------- B3-B5, B4
 
 def _up_backward_impl(dpre, x, w1, offsets, indices, tile_expert, tile_row, num_tiles, token_index_map, foreign,
-                      need_dx, need_dw, pair_offsets, dw_dtype, pow2, reuse_data=None, reuse_scale=None):
+                      need_dx, need_dw, pair_offsets, dw_dtype, pow2, reuse_data=None, reuse_scale=None,
+                      quantized=False):
     dx, dw1 = kx._empty(dpre), kx._empty(w1)
     if need_dx:
         reuse = (reuse_data, reuse_scale) if reuse_data is not None else None
+        ready = quantized and _fuses_dpre(reuse_data, dpre)  # B1's activation backward wrote it
         dx = _b3(dpre, w1, offsets, indices, (tile_expert, tile_row, num_tiles), token_index_map, foreign,
-                 pair_offsets, pow2, reuse)
+                 pair_offsets, pow2, reuse, ready)
     if need_dw:  # B4 dW1[e]^T = sum_s x[token(s)]^T dpre[s] in 16 bits
         dw1 = kx.grad_in_storage(w1, x, dpre, offsets, indices, dw_dtype, True, foreign, zero_tail=foreign)
     return dx, dw1
 
 
-def _b3(dpre, w1, offsets, indices, sched, token_index_map, foreign, pair_offsets, pow2, reuse):
-    """B3 with the B5 combine, ``dx [T, d]`` in ``dpre``'s dtype, on e4m3 ``dpre`` rows (written into ``reuse``,
-    the kept e4m3 ``pre`` of the same shape, dead by now, when given) and ``w1^T [E, d, 2h|h]`` (K-major, a scale
-    per column of w1). A function of its own so that the e4m3 copies are freed before B4 allocates ``dw1``."""
-    gq, wq = _rows(dpre, pow2, reuse), _weight_rows(w1.transpose(1, 2), pow2)
+def _b3(dpre, w1, offsets, indices, sched, token_index_map, foreign, pair_offsets, pow2, reuse, ready):
+    """B3 with the B5 combine, ``dx [T, d]`` in ``dpre``'s dtype, on e4m3 ``dpre`` rows (``reuse`` as it is when
+    ``ready``; else quantized here, into ``reuse``, the kept e4m3 ``pre`` of the same shape, dead by now, when
+    given) and ``w1^T [E, d, 2h|h]`` (K-major, a scale per column of w1). A function of its own so that the e4m3
+    copies are freed before B4 allocates ``dw1``."""
+    gq = Float8Tensor(*reuse, (1, dpre.shape[1])) if ready else _rows(dpre, pow2, reuse)
+    wq = _weight_rows(w1.transpose(1, 2), pow2)
     return kx.slots_to_tokens(gq.data, wq.data, True, offsets, indices, sched, token_index_map, None, foreign,
                               pair_offsets, out_dtype=dpre.dtype, a_scale=gq.scale[:, 0], b_scale=wq.scale[..., 0])
 
@@ -246,25 +262,27 @@ _up_backward_op = torch.library.custom_op(
     schema="(Tensor dpre, Tensor x, Tensor w1, Tensor offsets, Tensor indices, Tensor tile_expert, "
            "Tensor tile_row, Tensor num_tiles, Tensor token_index_map, bool foreign, bool need_dx, bool need_dw, "
            "Tensor? pair_offsets, ScalarType? dw_dtype, bool pow2, Tensor(a!)? reuse_data=None, "
-           "Tensor(b!)? reuse_scale=None) -> (Tensor, Tensor)")
+           "Tensor(b!)? reuse_scale=None, bool quantized=False) -> (Tensor, Tensor)")
 
 
 @_up_backward_op.register_fake
 def _(dpre, x, w1, offsets, indices, tile_expert, tile_row, num_tiles, token_index_map, foreign, need_dx,
-      need_dw, pair_offsets, dw_dtype, pow2, reuse_data=None, reuse_scale=None):
+      need_dw, pair_offsets, dw_dtype, pow2, reuse_data=None, reuse_scale=None, quantized=False):
     return kx.up_backward_outputs(x, w1, need_dx, need_dw, dw_dtype)
 
 
 def up_backward(recipe: Float8Recipe, dpre: Tensor, x: Tensor, w1: Tensor, index: DispatchIndex,
                 need_dx: bool, need_dw: bool, *, dw_dtype: torch.dtype | None = None,
-                reuse: Float8Tensor | None = None) -> tuple[Tensor | None, Tensor | None]:
+                reuse: Float8Tensor | None = None, quantized: bool = False) -> tuple[Tensor | None, Tensor | None]:
     """B3 in FP8 with the B5 combine (``dx [T, d]`` in ``dpre``'s dtype) and B4 in 16 bits on the layer's ``x``
     (:func:`moeblaze.ops_fp8.up_backward`): ``(dx | None, dw1 | None)``. ``reuse``: the kept e4m3 ``pre`` (rowwise,
     dpre's shape), dead after the activation backward: B3's e4m3 ``dpre`` is written into it (``N 2h`` bytes less
-    at the backward's peak); autograd sees the change, so a second backward through the graph raises."""
+    at the backward's peak); autograd sees the change, so a second backward through the graph raises.
+    ``quantized``: ``reuse`` was :func:`down_backward`'s ``dpre_q``, which on CUDA holds B3's e4m3 ``dpre``
+    already (no quantization here)."""
     kept = (reuse.data, reuse.scale) if reuse is not None and need_dx else (None, None)
     dx, dw1 = call_op(_up_backward_op, _up_backward_impl, dpre.contiguous(), x.to(dpre.dtype).contiguous(), w1,
                       *_index_args(index), index.token_index_map, index.foreign_experts, need_dx, need_dw,
-                      index.pair_offsets, dw_dtype, recipe.pow2_scales, *kept,
+                      index.pair_offsets, dw_dtype, recipe.pow2_scales, *kept, quantized and kept[0] is not None,
                       mutated=tuple(t for t in kept if t is not None))
     return (dx if need_dx else None), (dw1 if need_dw else None)

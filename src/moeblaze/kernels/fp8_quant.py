@@ -68,25 +68,25 @@ def quantize_rows_kernel(
     if ONE_SWEEP:
         ok = row_ok[:, None] & (cols[None, :] < C)
         v = tl.load(base + cols[None, :] * stride_c, mask=ok, other=0.0).to(tl.float32)
-        scale = _scale_of(_row_amax(v), tiny, QMAX, POW2)
+        scale = scale_of(row_amax(v), tiny, QMAX, POW2)
         tl.store(scale_ptr + flat, scale, mask=row_ok)
-        tl.store(out + cols[None, :], _to_e4m3(v, scale[:, None], QMAX), mask=ok)
+        tl.store(out + cols[None, :], to_e4m3(v, scale[:, None], QMAX), mask=ok)
     else:
         amax = tl.zeros((BLOCK_R,), dtype=tl.float32)
         for c0 in range(0, C, BLOCK_C):
             ok = row_ok[:, None] & (cols[None, :] < C - c0)
             v = tl.load(base + (c0 + cols)[None, :] * stride_c, mask=ok, other=0.0).to(tl.float32)
-            amax = _nan_max(amax, _row_amax(v))
-        scale = _scale_of(amax, tiny, QMAX, POW2)
+            amax = nan_max(amax, row_amax(v))
+        scale = scale_of(amax, tiny, QMAX, POW2)
         tl.store(scale_ptr + flat, scale, mask=row_ok)
         for c0 in range(0, C, BLOCK_C):
             ok = row_ok[:, None] & (cols[None, :] < C - c0)
             v = tl.load(base + (c0 + cols)[None, :] * stride_c, mask=ok, other=0.0).to(tl.float32)
-            tl.store(out + (c0 + cols)[None, :], _to_e4m3(v, scale[:, None], QMAX), mask=ok)
+            tl.store(out + (c0 + cols)[None, :], to_e4m3(v, scale[:, None], QMAX), mask=ok)
 
 
 @triton.jit
-def _row_amax(v):
+def row_amax(v):
     """The largest magnitude of each row of ``v [BLOCK_R, BLOCK_C]``, NaN where the row holds one (``tl.max`` may
     drop NaNs)."""
     nan = tl.max((v != v).to(tl.int32), axis=1)
@@ -94,7 +94,7 @@ def _row_amax(v):
 
 
 @triton.jit
-def _nan_max(a, b):
+def nan_max(a, b):
     return tl.where((a != a) | (b != b), float("nan"), tl.maximum(a, b))
 
 
@@ -158,14 +158,14 @@ def quantize_rows_fp8(t: Tensor, pow2_scales: bool = False, out: tuple[Tensor, T
 
 
 @triton.jit
-def _to_e4m3(v, scale, QMAX: tl.constexpr):
+def to_e4m3(v, scale, QMAX: tl.constexpr):
     """``v / scale`` correctly rounded, saturated at +-``QMAX`` (a NaN stays NaN), cast to e4m3."""
     v = tl.math.div_rn(v, scale)
     return tl.where(v != v, v, tl.minimum(tl.maximum(v, -QMAX), QMAX)).to(tl.float8e4nv)
 
 
 @triton.jit
-def _scale_of(amax, tiny, QMAX: tl.constexpr, POW2: tl.constexpr):
+def scale_of(amax, tiny, QMAX: tl.constexpr, POW2: tl.constexpr):
     """The recipe's scale of a block of largest magnitude ``amax`` (module docstring)."""
     scale = tl.math.div_rn(amax, QMAX)
     scale = tl.where(amax == 0.0, 1.0, tl.where(scale < tiny, tiny, scale))  # a NaN stays (maximum would drop it)
