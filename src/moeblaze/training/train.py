@@ -150,6 +150,9 @@ def train(cfg: TrainConfig, model_cfg: ModelConfig | None = None, log=tqdm.write
                                   model_config=asdict(model_cfg) if model_cfg is not None else {})
             except ValueError as err:
                 raise ConfigError(str(err)) from None
+            if cfg.batch_size // job.world % cfg.grad_accum:
+                raise ConfigError(f"--grad-accum {cfg.grad_accum} must divide each rank's {cfg.batch_size // job.world}"
+                                  f" sequences (--batch-size {cfg.batch_size} over {job.world} ranks)")
             result = _train(cfg, model_cfg, log if job.rank0 else (lambda *a, **k: None), job)
             finished = True
             return result
@@ -193,9 +196,6 @@ def _train(cfg: TrainConfig, model_cfg: ModelConfig | None, log, job: Job) -> Tr
                 f"{cfg.stop_after}; nothing to do (pass a larger --stop-after, or none, to train on)")
             return TrainResult(saved_step, float("nan"), float("nan"), float("nan"), 0.0, 0, [],
                                status="done", checkpoint=str(resume_from))
-    if cfg.batch_size // job.world % cfg.grad_accum:
-        raise ConfigError(f"--grad-accum {cfg.grad_accum} must divide each rank's {cfg.batch_size // job.world} "
-                          f"sequences (--batch-size {cfg.batch_size} over {job.world} ranks)")
     mcfg = model_cfg or ModelConfig()
     _check_backend(mcfg, device)
     _check_fp8(precision, mcfg, device)
