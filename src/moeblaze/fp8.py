@@ -314,7 +314,8 @@ def reuse_weights() -> Iterator[None]:
 
     A copy is reused while its weight (an ``nn.Parameter``, or a view of one) is the same tensor at the same
     autograd version; an in-place update makes a new one, and any ``torch.optim`` optimizer's ``step()`` inside
-    the context drops every copy (parameters written without a version change, as FSDP2's gathers, included).
+    the context drops every copy (so parameters written without a version change, as a sharded gather may write
+    them, are never stale).
     Not while ``torch.compile`` traces or a CUDA graph is captured (there each call quantizes, so a replay reads the
     weights of its own time), nor for weights that reach the layer as new tensors each forward (the local expert
     shards of expert parallelism under FSDP2, :mod:`moeblaze.parallel.fsdp`). Contexts nest; the copies are freed
