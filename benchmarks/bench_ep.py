@@ -33,7 +33,6 @@ so in float32 its difference is bf16 rounding), and the code version and command
 from __future__ import annotations
 
 import argparse
-import csv
 import datetime
 import os
 import statistics
@@ -45,6 +44,7 @@ import torch.distributed as dist
 
 import moeblaze
 from moeblaze.bench.ep_baselines import TitanStyleEP, build_torchtitan_ep, torchtitan_available
+from moeblaze.bench.report import append_dicts
 from moeblaze.bench.results import git_commit
 from moeblaze.parallel import EXCHANGES, expert_parallel, init_distributed
 from moeblaze.parallel.breakdown import gather, profile_steps, summary
@@ -272,12 +272,7 @@ def _report(rows: list[dict], out: str | None) -> None:
                  f", peak memory {mine['peak_mib'] / base['peak_mib']:.1%} of {base['impl']}'s "
                  f"(above the resident weights and inputs: {mine['step_peak_mib'] / base['step_peak_mib']:.1%})"))
     if out:
-        new = not os.path.exists(out)
-        with open(out, "a", newline="") as fh:
-            writer = csv.DictWriter(fh, fieldnames=list(rows[0]))
-            if new:
-                writer.writeheader()
-            writer.writerows(rows)
+        append_dicts(out, rows)
 
 
 if __name__ == "__main__":

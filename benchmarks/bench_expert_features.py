@@ -20,7 +20,6 @@ Usage (GPU): python3 benchmarks/bench_expert_features.py [--shape gpt-oss-20b] [
 from __future__ import annotations
 
 import argparse
-import csv
 import datetime
 import sys
 
@@ -28,6 +27,7 @@ import torch
 import triton
 
 from moeblaze import moe_experts
+from moeblaze.bench.report import append_dicts
 
 SHAPES = {"gpt-oss-20b": (2880, 2880, 32, 4), "qwen3-30b": (2048, 768, 128, 8), "olmoe": (2048, 1024, 64, 8)}
 
@@ -91,11 +91,7 @@ def main(argv: list[str] | None = None) -> int:
                      "variant": name, "ms": round(ms, 4), "vs_plain": round(ms / plain_ms, 3)})
         print(f"{name:>11}: {ms:8.3f} ms  {ms / plain_ms:5.2f}x plain", flush=True)
     if args.out:
-        with open(args.out, "a", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-            if f.tell() == 0:
-                writer.writeheader()
-            writer.writerows(rows)
+        append_dicts(args.out, rows)
     return 0
 
 

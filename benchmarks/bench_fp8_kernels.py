@@ -20,15 +20,14 @@ Usage (a GPU of sm90 or newer):
 from __future__ import annotations
 
 import argparse
-import csv
 import datetime
 import sys
-from pathlib import Path
 
 import torch
 import triton
 
 from moeblaze import build_dispatch, ops_fp8
+from moeblaze.bench.report import append_dicts
 from moeblaze.bench.results import git_commit
 from moeblaze.dispatch import with_schedule
 from moeblaze.fp8 import GRANULARITIES, Float8Recipe
@@ -110,12 +109,7 @@ def main(argv: list[str] | None = None) -> int:
         row = {**meta, **measure(name, Float8Recipe(recipe))}
         print(row, flush=True)
         if args.out:
-            new = not Path(args.out).exists()
-            with open(args.out, "a", newline="") as f:
-                writer = csv.DictWriter(f, fieldnames=list(row))
-                if new:
-                    writer.writeheader()
-                writer.writerow(row)
+            append_dicts(args.out, [row])
     return 0
 
 

@@ -15,14 +15,13 @@ Usage (a CUDA GPU):
 from __future__ import annotations
 
 import argparse
-import csv
 import datetime
 import sys
-from pathlib import Path
 
 import torch
 import triton
 
+from moeblaze.bench.report import append_dicts
 from moeblaze.bench.results import git_commit
 from moeblaze.fp8 import E4M3
 from moeblaze.kernels import fp8_quant
@@ -95,12 +94,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{r['operand']:15s} {r['shape']:16s} tiles {r['tiles']:12s} {'*' if r['launcher_tiles'] else ' '} "
               f"{r['ms']} ms {r['gb_s']:>5s} GB/s", flush=True)
     if args.out:
-        new = not Path(args.out).exists()
-        with open(args.out, "a", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-            if new:
-                writer.writeheader()
-            writer.writerows(rows)
+        append_dicts(args.out, rows)
     return 0
 
 

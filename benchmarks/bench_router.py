@@ -14,15 +14,14 @@ each warp count (``moeblaze.kernels.router._topk_warps``). Rows go to a CSV.
 from __future__ import annotations
 
 import argparse
-import csv
 import datetime
 import os
 import sys
-from pathlib import Path
 
 import torch
 
 from moeblaze import Router, settings
+from moeblaze.bench.report import append_dicts
 from moeblaze.bench.runner import kernel_time_ms
 from moeblaze.kernels import router as fused
 
@@ -80,12 +79,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"router T={T} d={d} E={E} K={K} {name}: {gtxt}wall {w:.4f} ms", flush=True)
     fused._topk_warps = default_warps
     if args.out:
-        new = not Path(args.out).exists()
-        with open(args.out, "a", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-            if new:
-                writer.writeheader()
-            writer.writerows(rows)
+        append_dicts(args.out, rows)
     return 0
 
 

@@ -54,6 +54,7 @@ import torch
 
 from moeblaze import MoE, moe_experts, moe_experts_general, round_tokens, settings, tile_multiple, token_rounding
 from moeblaze.backends import get_backend
+from moeblaze.bench.report import append_dicts
 from moeblaze.bench.runner import kernel_time_ms
 from moeblaze.input_grad import SharedInputGrad
 from moeblaze.token_rounding import round_tokens_fused
@@ -315,12 +316,7 @@ def run_select(args) -> int:
 def write_csv(path, rows) -> None:
     if not path or not rows:
         return
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        if f.tell() == 0:
-            writer.writeheader()
-        writer.writerows(rows)
+    append_dicts(path, rows)
 
 
 _EVAL = re.compile(r"step (\d+): train loss ([\d.]+) nats/byte, val ([\d.]+) bits/byte")

@@ -472,3 +472,17 @@ def test_grad_accum_passes_share_the_fp8_weight_copies(capsys):
     with pytest.raises(SystemExit):
         _options(parser().parse_args(["bench", "--grad-accum", "0"]), None)
     assert "--grad-accum must be an integer >= 1, got 0" in capsys.readouterr().err
+
+
+def test_append_dicts_writes_the_header_once(tmp_path):
+    """The benchmark scripts' ``--out``: rows appended, the header only into an absent or empty file."""
+    from moeblaze.bench.report import append_dicts, read_dicts
+
+    path = tmp_path / "sub" / "rows.csv"
+    append_dicts(path, [{"a": 1, "b": "x"}])
+    append_dicts(path, [{"a": 2, "b": "y"}, {"a": 3, "b": ""}])
+    assert read_dicts(path) == [{"a": "1", "b": "x"}, {"a": "2", "b": "y"}, {"a": "3", "b": ""}]
+    empty = tmp_path / "empty.csv"
+    empty.touch()
+    append_dicts(empty, [{"a": 4}])
+    assert read_dicts(empty) == [{"a": "4"}]

@@ -80,6 +80,19 @@ def write_dicts(path: Path, rows: Iterable[dict], fieldnames: list[str]) -> Path
     return path
 
 
+def append_dicts(path: str | Path, rows: Sequence[dict]) -> Path:
+    """Append dict rows (the first row's keys as the columns) to the CSV file ``path``, the header first when the
+    file is absent or empty (the benchmark scripts' ``--out``); returns ``path``."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        if f.tell() == 0:
+            writer.writeheader()
+        writer.writerows(rows)
+    return path
+
+
 def read_dicts(path: Path) -> list[dict[str, str]]:
     """Rows of a CSV file as dicts of strings."""
     with open(path, newline="") as f:
