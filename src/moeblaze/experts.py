@@ -216,7 +216,7 @@ class _Float8Experts(torch.autograd.Function):
         dout = dout.contiguous()
         db2 = ops_torch.bias_grad(dout, index, topk_weights) if need[4] else None
         # kept is dead once dequantized: B1's activation backward writes B3's e4m3 dpre into it
-        fuse = kept if need[0] and recipe.granularity == "rowwise" else None
+        fuse = kept if need[0] else None
         dpre, dw2, dtw = ops.down_backward(recipe, dout, pre, w2c, topk_weights, index, activation, need[3],
                                            need[5], b2=b2, act_args=act_args, dw_dtype=w2.dtype, dpre_q=fuse)
         del pre

@@ -44,14 +44,14 @@ import torch
 from torch import Tensor
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-__all__ = ["E4M3", "E4M3_MAX", "GRANULARITIES", "Float8Recipe", "Float8Slots", "Float8Tensor", "quantize_fp8",
-           "quantize_fp8_slots", "slot_tiles", "check_fp8_backend", "check_fp8_recipe", "reuse_weights",
-           "weight_copy"]
+__all__ = ["E4M3", "E4M3_MAX", "GRANULARITIES", "SCALE_FLOOR", "Float8Recipe", "Float8Slots", "Float8Tensor",
+           "quantize_fp8", "quantize_fp8_slots", "slot_tiles", "check_fp8_backend", "check_fp8_recipe",
+           "reuse_weights", "weight_copy"]
 
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
 GRANULARITIES = ("blockwise", "rowwise")
-_TINY = torch.finfo(torch.float32).tiny  # smallest normal fp32: the floor of a nonzero block's scale
+SCALE_FLOOR = torch.finfo(torch.float32).tiny  # smallest normal fp32: the floor of a nonzero block's scale
 
 
 @dataclass(frozen=True)
@@ -188,7 +188,7 @@ def _scales(amax: Tensor, pow2: bool) -> Tensor:
     smallest normal fp32, rounded up to a power of two with ``pow2`` (NaN and Inf kept)."""
     # a 0-dim tensor divisor, not the float: PyTorch's CUDA division by a Python scalar multiplies by its
     # reciprocal, 1 ulp off the division (and the kernels') for some amax
-    scale = torch.where(amax == 0, 1.0, (amax / amax.new_tensor(E4M3_MAX)).clamp(min=_TINY))
+    scale = torch.where(amax == 0, 1.0, (amax / amax.new_tensor(E4M3_MAX)).clamp(min=SCALE_FLOOR))
     if pow2:
         # frexp: scale = m 2^e, m in [0.5, 1); the next power of two at or above is 2^(e-1) when m = 0.5, else 2^e
         m, e = torch.frexp(scale)

@@ -44,7 +44,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..fp8 import E4M3_MAX
+from ..fp8 import E4M3_MAX, SCALE_FLOOR
 from .act_math import FIRST_NON_GATED, act_backward, act_forward
 from .fp8_quant import nan_max, row_amax, scale_of, to_e4m3
 from .tf32 import round_tf32_values
@@ -52,7 +52,6 @@ from .tuning import Launchable, act_bwd_configs, cdiv
 
 # foreign rows after the last local slot whose w * act and dpre are zeroed (>= the weight gradients' slot step)
 ZERO_TAIL = tl.constexpr(64)
-_TINY = torch.finfo(torch.float32).tiny
 
 
 @triton.jit
@@ -182,7 +181,7 @@ def act_bwd_rows(dact: torch.Tensor, pre: torch.Tensor, dpre: torch.Tensor, scal
         dact_ptr=dact, pre_ptr=pre, dpre_ptr=dpre, scale_ptr=scale, dtw_ptr=out, limit_ptr=limit_t,
         dpre_q_ptr=q_data, dpre_s_ptr=q_scale, N=N, H=h, UP_OFF=1 if interleaved else h, alpha=float(alpha),
         limit=float(limit), stride_dact_m=dact.stride(0), stride_pre_m=pre.stride(0), stride_dpre_m=dpre.stride(0),
-        stride_q_m=q_data.stride(0), tiny=_TINY, ACTIVATION=activation, STORE_PART=dtw is not None,
+        stride_q_m=q_data.stride(0), tiny=SCALE_FLOOR, ACTIVATION=activation, STORE_PART=dtw is not None,
         STORE_WACT=store_wact, PRE_STEP=2 if interleaved else 1, HAS_LIMIT=local_slots is not None,
         TF32_DPRE=tf32_dpre, QUANT=quant is not None, POW2=pow2, QMAX=E4M3_MAX,
     )

@@ -220,7 +220,8 @@ def down_backward(recipe: Float8Recipe, dout: Tensor, pre: Tensor, w2: Tensor, t
     B2 in 16 bits (:func:`moeblaze.ops_fp8.down_backward`). ``pre [N, 2h|h]`` (in ``dout``'s dtype, unit column stride:
     else a copy) is overwritten with ``dpre`` and returned: ``(dpre, dw2 | None, dtopk_weights | None)``.
     ``dpre_q``: a rowwise e4m3 buffer of ``dpre``'s shape (the kept ``pre``, dead by now); on CUDA the activation
-    backward writes ``dpre`` quantized into it for B3 (:func:`up_backward` with ``dpre_q``), elsewhere it is left."""
+    backward writes ``dpre`` quantized into it for B3 (:func:`up_backward` with it as ``reuse`` and ``quantized``),
+    elsewhere it is left."""
     dout, pre = dout.contiguous(), pre.to(dout.dtype).contiguous()
     q = (dpre_q.data, dpre_q.scale) if dpre_q is not None else (None, None)
     dw2, dtw = call_op(_down_backward_op, _down_backward_impl, dout, pre, w2, b2, topk_weights, *_index_args(index),

@@ -37,12 +37,10 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ..fp8 import E4M3, E4M3_MAX, Float8Tensor
+from ..fp8 import E4M3, E4M3_MAX, SCALE_FLOOR, Float8Tensor
 from . import direct, tuning
 
 __all__ = ["quantize_rows_fp8", "dequantize_rows_fp8", "launch_quantize_rows"]
-
-_TINY = torch.finfo(torch.float32).tiny
 
 
 @triton.jit
@@ -124,7 +122,7 @@ def launch_quantize_rows(src: Tensor, q: Tensor, scale: Tensor, pow2: bool, tile
     block_r, block_c, warps = tiles
     direct.launch(quantize_rows_kernel, (tuning.cdiv(R, block_r), L),
                   src_ptr=src, q_ptr=q, scale_ptr=scale, R=R, C=C, stride_l=src.stride(0), stride_r=src.stride(1),
-                  stride_c=src.stride(2), tiny=_TINY, QMAX=E4M3_MAX, POW2=pow2, ONE_SWEEP=block_c >= C,
+                  stride_c=src.stride(2), tiny=SCALE_FLOOR, QMAX=E4M3_MAX, POW2=pow2, ONE_SWEEP=block_c >= C,
                   BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps)
 
 
