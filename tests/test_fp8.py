@@ -371,7 +371,8 @@ def test_gpu_triton_rowwise_bf16_within_the_e4m3_rule(case, save):
                     reason="needs a Hopper GPU (sm90+)")
 def test_gpu_b1_writing_b3s_dpre_is_bitwise_the_separate_launch(monkeypatch):
     """On the device, B3's e4m3 dpre written by B1's activation backward: every result bitwise that of quantizing
-    dpre in a launch of its own."""
+    dpre in a launch of its own, but ``dtopk_weights``, whose row sums the kernel variant with the quantization
+    compiles in another order (a few fp32 ulps)."""
     from moeblaze.kernels import fp8_experts
 
     inputs = make_expert_inputs(*CASES["zipf"][:5], routing="zipf", dtype=torch.bfloat16, device="cuda")
@@ -380,7 +381,10 @@ def test_gpu_b1_writing_b3s_dpre_is_bitwise_the_separate_launch(monkeypatch):
     fused = run()
     monkeypatch.setattr(fp8_experts, "_fuses_dpre", lambda data, t: False)
     for name, a, b in zip(NAMES, fused, run()):
-        assert torch.equal(a, b), name
+        if name == "dtopk_weights":
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * float(b.abs().max()))
+        else:
+            assert torch.equal(a, b), name
 
 
 @pytest.mark.parametrize("case", ["zipf", "short last tiles"])
