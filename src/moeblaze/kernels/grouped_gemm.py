@@ -35,8 +35,9 @@ scales once after it, before the epilogue (bias included). B is read K-major (``
 the layout the e4m3 tensor cores take. The tensor cores' e4m3 sums are promoted into the fp32 accumulator every
 ``BLOCK_K`` products (``max_num_imprecise_acc``; DeepSeek-V3 §3.3.2): Hopper's FP8 MMA keeps fewer accumulator bits,
 and Triton lets it sum the whole K on sm90. Without it ``moeblaze train --preset 1b --precision fp8-mixed`` (1,000
-steps) ended at 1.333 bits/byte against bf16-mixed's 1.277; with it at 1.277, for a layer step 1.12-1.13x longer
-(docs/results-fp8-train.csv, docs/results.csv).
+steps) ended at 1.333 bits/byte against bf16-mixed's 1.277, with it at 1.277 (docs/results-fp8-train.csv); the FP8
+layer step went from 0.94-1.06x bf16's speed to 0.81-0.89x (``moeblaze bench --configs qwen3-30b-a3b,olmoe-1b-7b
+--impls moeblaze,moeblaze-fp8``, docs/results.csv).
 Accumulation is fp32 (``tl.dot``); nothing is atomic, so results are bitwise reproducible.
 """
 
