@@ -458,8 +458,9 @@ def test_autocast_is_the_call_on_bf16_casts(granularity):
 @pytest.mark.parametrize("save", SAVE_MODES)
 @pytest.mark.parametrize("granularity", GRANULARITIES)
 def test_kept_for_backward_in_e4m3(save, granularity):
-    """pre kept as float8_e4m3fn with fp32 scales for "preact" (N 2h + 4 N ceil(2h / B) bytes, one scale per row
-    rowwise), x as it came (the layer's input: nothing new), nothing else of the layer's size in 16 bits."""
+    """pre kept as float8_e4m3fn with fp32 scales for "preact" (N 2h + 8 N ceil(h / B) bytes: 1 x B tiles of each
+    half, both granularities), x as it came (the layer's input: nothing new), nothing else of the layer's size in 16
+    bits."""
     T, d, h, E, K, B = 64, 96, 40, 4, 2, 32
     N, recipe = T * K, Float8Recipe(granularity, B)
     inputs = make_expert_inputs(T, d, h, E, K, dtype=torch.bfloat16)
@@ -474,16 +475,13 @@ def test_kept_for_backward_in_e4m3(save, granularity):
     with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
         out = moe_experts(**inputs, backend="torch", save=save, index=index, fp8=recipe)
     e4m3 = sorted(tuple(t.shape) for t in kept if t.dtype == E4M3)
-    assert e4m3 == ([(N, 2 * h)] if save == "preact" else [])
+    assert e4m3 == ([(N, 2, h)] if save == "preact" else [])
     assert not [t for t in kept if t.dtype == torch.bfloat16 and t.shape[0] == N], "a 16-bit slot tensor is kept"
     assert not [t for t in kept if t.dtype == torch.bfloat16 and t is not inputs["w_gate_up"]
                 and t is not inputs["w_down"] and t is not inputs["x"]], "kept in bf16 beyond x and the weights"
     out.float().sum().backward()  # the kept tensors serve the backward
 
-    def scale_bytes(rows, cols):
-        return 4 * rows * (1 if granularity == "rowwise" else -(-cols // B))
-
-    expect = N * 2 * h + scale_bytes(N, 2 * h) if save == "preact" else 0
+    expect = N * 2 * h + 4 * N * 2 * -(-h // B) if save == "preact" else 0
     got = saved_bytes(lambda: moe_experts(**inputs, backend="torch", save=save, index=index, fp8=recipe),
                       exclude=[*leaves, *index.tensors()])
     assert got == expect
@@ -593,6 +591,8 @@ def test_api_errors():
         return
     with pytest.raises(NotImplementedError, match=r"runs Float8Recipe\('rowwise'\); the blockwise recipe's backward"):
         moe_experts(**inputs, backend="triton", fp8=Float8Recipe("blockwise"))  # the interpreter (conftest)
+    with pytest.raises(NotImplementedError, match=r"keeps pre in 1 x 128 tiles: Float8Recipe\(block_size=64\)"):
+        moe_experts(**inputs, backend="triton", fp8=Float8Recipe(block_size=64))
 
 
 @pytest.mark.parametrize("capability, error", [((8, 0), ValueError), ((8, 9), ValueError),

@@ -198,3 +198,48 @@ def test_gpu_activation_backward_dpre_bitwise_the_kernel(gated, dtype):
     dpre, q, s = _act_bwd_case(4099, 768, gated, "cuda", dtype)
     ref = quantize_rows_fp8(dpre)
     _same(dpre, q, s[:, None], ref.data, ref.scale, exact=True)
+
+
+def _kept_pre_case(N, h, gated, device, dtype, tile):
+    """The activation backward on a kept e4m3 pre (its tiles' scales) and on that pre's fp32 values: ``(dpre, dtw,
+    w act)`` of each."""
+    from moeblaze.fp8 import Float8Recipe
+    from moeblaze.kernels.act_bwd import act_bwd_rows
+    from moeblaze.kernels.act_math import ACTIVATION_CODES
+
+    gen = torch.Generator().manual_seed(N + h)
+    width = 2 * h if gated else h
+    pre = (torch.randn(N, width, generator=gen) * 3).to(dtype)
+    pre[1] = 0.0  # scale 1
+    kept = Float8Recipe("rowwise", tile).quantize_kept(pre, gated)
+    dact = (torch.randn(N, h, generator=gen)).to(dtype).to(device)
+    weights = torch.rand(N, generator=gen).to(device)
+    results = []
+    for source, scale in ((kept.data.to(device).view(N, width), kept.scale.to(device)),
+                          (kept.dequantize().reshape(N, width).to(device), None)):
+        dpre, dtw, wact = torch.empty(N, width, dtype=dtype, device=device), torch.empty(N, device=device), dact.clone()
+        act_bwd_rows(wact, source, dpre, weights, dtw, h=h, activation=ACTIVATION_CODES["swiglu" if gated else "gelu"],
+                     store_wact=True, pre_scale=scale, pre_tile=tile)
+        results.append((dpre, dtw, wact))
+    return results
+
+
+@pytest.mark.parametrize("gated, h, tile", [(True, 200, 64), (False, 40, 128), (True, 64, 32)])
+def test_activation_backward_reads_the_kept_e4m3_pre_as_its_fp32_values(gated, h, tile):
+    """The kept pre read in e4m3 with its tile scales (``pre_scale``): every output bitwise that of the same kernel on
+    the pre's fp32 values (Float8Tensor.dequantize) — short last tiles, a zero row (scale 1), one tile."""
+    if HAS_CUDA:
+        pytest.skip("an interpreter test (CPU tensors); the gpu test runs the kernel on the device")
+    (a, b) = _kept_pre_case(37, h, gated, "cpu", torch.float32, tile)
+    for x, y in zip(a, b):
+        assert torch.equal(x, y)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("gated", [True, False])
+def test_gpu_activation_backward_reads_the_kept_e4m3_pre_as_its_fp32_values(gated):
+    if not HAS_CUDA:
+        pytest.skip("needs a CUDA GPU (run with -m gpu on the device)")
+    (a, b) = _kept_pre_case(4099, 768, gated, "cuda", torch.bfloat16, 128)
+    for x, y in zip(a, b):
+        assert torch.equal(x, y)

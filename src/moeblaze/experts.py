@@ -172,7 +172,8 @@ class _Float8Experts(torch.autograd.Function):
     :mod:`moeblaze.kernels.fp8_experts`).
 
     Saves ``x`` itself, as the 16-bit path does (the router's weight gradient keeps it anyway; B4 runs in 16 bits
-    on it), and for ``save="preact"`` ``pre`` in e4m3 with the recipe's row scales: half its 16-bit bytes. ``"input"``
+    on it), and for ``save="preact"`` ``pre`` in e4m3 tiles (:meth:`moeblaze.fp8.Float8Recipe.quantize_kept`, written
+    so by F1 on the Triton backend): half its 16-bit bytes and a scale per 128 of them. ``"input"``
     quantizes ``x`` again in backward and runs F1 on it (the forward's ``pre`` bitwise: the quantization is
     deterministic). The weights are kept as given (parameters: nothing new) and cast again in backward (inside
     :func:`moeblaze.fp8.reuse_weights` the cast and the e4m3 copies are made once per parameter version).
@@ -188,13 +189,13 @@ class _Float8Experts(torch.autograd.Function):
         # autocast's casts of the master weights (moeblaze.amp), quantized as the same call on 16-bit weights would
         w1c, w2c = _cast_weight(w1, x.dtype), _cast_weight(w2, x.dtype)
         xq = ops.quantize_rows(recipe, x)
-        pre, act = ops.up_forward(recipe, xq, w1c, index, activation, b1=b1, act_args=act_args)
+        keep = save == "preact"  # F1 writes pre in the kept e4m3 tiles (recipe.quantize_kept), not in 16 bits
+        pq, act = ops.up_forward(recipe, xq, w1c, index, activation, b1=b1, act_args=act_args, keep=keep)
         out = ops.down_forward(recipe, act, w2c, topk_weights, index, b2=b2).to(x.dtype)
-        pq = ops.quantize_rows(recipe, pre) if save == "preact" else None
-        kept_pre = (pq.data, pq.scale) if pq is not None else (None, None)
+        kept_pre = (pq.data, pq.scale) if keep else (None, None)
         ctx.save_for_backward(x, *kept_pre, w1, b1, w2, b2, topk_weights, *index_tensors)
         ctx.recipe, ctx.ops, ctx.activation, ctx.act_args, ctx.dtype = recipe, ops, activation, act_args, x.dtype
-        ctx.pre_block = pq.block if pq is not None else None
+        ctx.pre_block = pq.block if keep else None
         ctx.index_args = (num_experts, block_m, foreign)
         return out
 
@@ -204,25 +205,26 @@ class _Float8Experts(torch.autograd.Function):
     def backward(ctx, dout):
         x, pre_data, pre_scale, w1, b1, w2, b2, topk_weights, *index_tensors = ctx.saved_tensors
         index = _index_from(index_tensors, *ctx.index_args)
-        recipe, ops, need, act_args = ctx.recipe, ctx.ops, ctx.needs_input_grad, ctx.act_args
-        activation = ctx.activation
+        recipe, ops, need, act_args, activation = ctx.recipe, ctx.ops, ctx.needs_input_grad, ctx.act_args, \
+            ctx.activation
         w1c, w2c = _cast_weight(w1, ctx.dtype), _cast_weight(w2, ctx.dtype)
-        kept = None if pre_data is None else Float8Tensor(pre_data, pre_scale, ctx.pre_block)
-        if kept is None:
+        if pre_data is None:
             pre, _ = ops.up_forward(recipe, ops.quantize_rows(recipe, x), w1c, index, activation, store_act=False,
                                     b1=b1, act_args=act_args)
         else:
-            pre = ops.dequantize(kept, w1c.dtype)
+            pre = Float8Tensor(pre_data, pre_scale, ctx.pre_block)
         dout = dout.contiguous()
         db2 = ops_torch.bias_grad(dout, index, topk_weights) if need[4] else None
-        # kept is dead once dequantized: B1's activation backward writes B3's e4m3 dpre into it
-        fuse = kept if need[0] else None
+        reuse = None  # the kept e4m3 pre is dead once read: B3's rowwise e4m3 dpre goes into its storage
+        if pre_data is not None and need[0]:
+            rows = pre_data.view(pre_data.shape[0], -1)
+            reuse = Float8Tensor(rows, pre_scale.new_empty(rows.shape[0], 1), (1, rows.shape[1]))
         dpre, dw2, dtw = ops.down_backward(recipe, dout, pre, w2c, topk_weights, index, activation, need[3],
-                                           need[5], b2=b2, act_args=act_args, dw_dtype=w2.dtype, dpre_q=fuse)
+                                           need[5], b2=b2, act_args=act_args, dw_dtype=w2.dtype, dpre_q=reuse)
         del pre
         db1 = ops_torch.bias_grad(dpre, index).to(b1.dtype) if need[2] else None
         dx, dw1 = ops.up_backward(recipe, dpre, x, w1c, index, need[0], need[1], dw_dtype=w1.dtype,
-                                  reuse=kept, quantized=fuse is not None)
+                                  reuse=reuse, quantized=reuse is not None)
         dx = dx.to(ctx.dtype) if dx is not None else None
         if ctx.input_grad is not None:
             dx = ctx.input_grad.offer(dx)

@@ -44,14 +44,17 @@ import torch
 from torch import Tensor
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-__all__ = ["E4M3", "E4M3_MAX", "GRANULARITIES", "SCALE_FLOOR", "Float8Recipe", "Float8Slots", "Float8Tensor",
-           "quantize_fp8", "quantize_fp8_slots", "slot_tiles", "check_fp8_backend", "check_fp8_recipe",
+__all__ = ["E4M3", "E4M3_MAX", "GRANULARITIES", "SCALE_FLOOR", "TRITON_BLOCK_SIZE", "Float8Recipe", "Float8Slots",
+           "Float8Tensor", "quantize_fp8", "quantize_fp8_slots", "slot_tiles", "check_fp8_backend", "check_fp8_recipe",
            "reuse_weights", "weight_copy"]
 
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
 GRANULARITIES = ("blockwise", "rowwise")
 SCALE_FLOOR = torch.finfo(torch.float32).tiny  # smallest normal fp32: the floor of a nonzero block's scale
+# the block_size the Triton backend runs: the width of the kept pre's tiles, which F1's epilogue quantizes one output
+# tile of that many columns at a time
+TRITON_BLOCK_SIZE = 128
 
 
 @dataclass(frozen=True)
@@ -63,7 +66,8 @@ class Float8Recipe:
             Triton kernels run) or ``"blockwise"`` (1 x ``block_size`` activation tiles, ``block_size`` x
             ``block_size`` weight blocks; DeepSeek-V3 §3.3.2; emulated on ``backend="torch"``).
         block_size: B, elements per tile along the reduction dimension (blockwise; and slots per tile of the
-            weight-gradient GEMMs). A power of two >= 16; DeepSeek-V3 and DeepGEMM use 128.
+            weight-gradient GEMMs), and per tile of the ``pre`` kept for backward (both granularities:
+            :meth:`quantize_kept`). A power of two >= 16; DeepSeek-V3 and DeepGEMM use 128.
         pow2_scales: round every scale up to a power of two (exact rescaling, one bit of range less).
 
     Raises:
@@ -92,8 +96,17 @@ class Float8Recipe:
 
     def quantize_rows(self, t: Tensor) -> Float8Tensor:
         """An activation-like operand ``t [rows, cols]`` reduced along ``cols`` (x in F1, act in F2, dout in
-        B1, dpre in B3; also ``pre``, kept for backward): tiles of :meth:`row_block`."""
+        B1, dpre in B3): tiles of :meth:`row_block`."""
         return quantize_fp8(t, self.row_block(t.shape[-1]), self.pow2_scales)
+
+    def quantize_kept(self, pre: Tensor, gated: bool) -> Float8Tensor:
+        """The pre-activation ``pre [N, 2h|h]`` kept for backward (``save="preact"``) in ``1 x B`` tiles along each
+        half, gate and up (``gated``), as DeepSeek-V3 caches the SwiGLU inputs (§3.3.3): ``data [N, 2|1, h]`` (a
+        view of ``[N, 2h|h]``), ``scale [N, 2|1, ceil(h/B)]``. Not a GEMM operand (the activation backward reads
+        it), so its tiles need not span a reduction; the F1 kernel quantizes one tile per output tile of
+        ``B`` columns, where it computes them (:mod:`moeblaze.kernels.fp8_experts`)."""
+        halves = 2 if gated else 1
+        return quantize_fp8(pre.reshape(pre.shape[0], halves, -1), (1, self.block_size), self.pow2_scales)
 
     def quantize_weight(self, w: Tensor, reduce_cols: bool) -> Float8Tensor:
         """A weight ``w [E, rows, cols]``: reduced along ``cols`` (``reduce_cols``, the forward GEMMs: F1 reads
@@ -128,7 +141,7 @@ def check_fp8_backend(backend: str, dtype: torch.dtype, device: torch.device,
             reference's dtype).
         ValueError: the Triton backend on a CUDA device older than Hopper (sm90), naming the device.
         NotImplementedError: the Triton backend with a recipe other than rowwise (its backward kernels do not
-            exist; the torch backend emulates it).
+            exist; the torch backend emulates it) or another ``block_size`` than :data:`TRITON_BLOCK_SIZE`.
     """
     if dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise TypeError(f"fp8 quantizes fp32, fp16 or bf16 x; got {dtype} (run fp64 without fp8)")
@@ -143,6 +156,9 @@ def check_fp8_backend(backend: str, dtype: torch.dtype, device: torch.device,
     if recipe is not None and recipe.granularity != "rowwise":
         raise NotImplementedError(f"fp8 on backend='triton' runs Float8Recipe('rowwise'); the {recipe.granularity} "
                                   "recipe's backward kernels are not written (backend='torch' emulates it)")
+    if recipe is not None and recipe.block_size != TRITON_BLOCK_SIZE:
+        raise NotImplementedError(f"fp8 on backend='triton' keeps pre in 1 x {TRITON_BLOCK_SIZE} tiles: Float8Recipe("
+                                  f"block_size={recipe.block_size}) runs on backend='torch' (its emulation)")
 
 
 class Float8Tensor(NamedTuple):

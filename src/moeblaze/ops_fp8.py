@@ -32,7 +32,7 @@ import torch
 from torch import Tensor
 
 from . import ops_torch
-from .activations import DEFAULT_ACT, ActArgs, activation_forward
+from .activations import DEFAULT_ACT, ActArgs, activation_forward, is_gated
 from .dispatch import DispatchIndex
 from .fp8 import Float8Recipe, Float8Tensor, weight_copy
 from .shared_ops import slot_weights
@@ -41,7 +41,7 @@ __all__ = ["quantize_rows", "dequantize", "up_forward", "down_forward", "down_ba
 
 
 def quantize_rows(recipe: Float8Recipe, t: Tensor) -> Float8Tensor:
-    """An activation-like operand (x, ``pre`` kept for backward) in the recipe's tiles:
+    """An activation-like operand (x; the rows expert parallelism sends) in the recipe's tiles:
     :meth:`moeblaze.fp8.Float8Recipe.quantize_rows`."""
     return recipe.quantize_rows(t)
 
@@ -49,6 +49,13 @@ def quantize_rows(recipe: Float8Recipe, t: Tensor) -> Float8Tensor:
 def dequantize(q: Float8Tensor, dtype: torch.dtype) -> Tensor:
     """``q``'s values in fp32 (the emulation computes in fp32; ``dtype`` is the Triton ops' and unused here)."""
     return q.dequantize()
+
+
+def _kept_values(pre: Tensor | Float8Tensor) -> Tensor:
+    """``pre [N, 2h|h]`` as the activation backward reads it: the kept e4m3 tiles in fp32, or the tensor."""
+    if isinstance(pre, Float8Tensor):
+        return pre.dequantize().reshape(pre.data.shape[0], -1)
+    return pre
 
 
 def _weight(recipe: Float8Recipe, w: Tensor, reduce_cols: bool) -> Tensor:
@@ -59,14 +66,16 @@ def _weight(recipe: Float8Recipe, w: Tensor, reduce_cols: bool) -> Tensor:
 
 
 def up_forward(recipe: Float8Recipe, xq: Float8Tensor, w1: Tensor, index: DispatchIndex, activation: str, *,
-               store_act: bool = True, b1: Tensor | None = None,
-               act_args: ActArgs = DEFAULT_ACT) -> tuple[Tensor, Tensor | None]:
+               store_act: bool = True, b1: Tensor | None = None, act_args: ActArgs = DEFAULT_ACT,
+               keep: bool = False) -> tuple[Tensor | Float8Tensor, Tensor | None]:
     """F1: ``pre = x[token(s)] w1[e]^T (+ b1[e])`` from the e4m3 ``xq`` (``x [T, d]`` in rows of the recipe's
     tiles) and ``w1 [E, 2h | h, d]``; ``act = f(pre)`` with ``store_act``. Returns ``(pre [N, 2h | h],
-    act [N, h] | None)`` fp32."""
+    act [N, h] | None)`` fp32; with ``keep`` ``pre`` as kept for backward
+    (:meth:`moeblaze.fp8.Float8Recipe.quantize_kept`), ``act`` from the unquantized ``pre``."""
     w = _weight(recipe, w1, reduce_cols=True)
-    return ops_torch.up_forward(xq.dequantize(), w, index, activation, store_pre=True, store_act=store_act, b1=b1,
-                                act_args=act_args)
+    pre, act = ops_torch.up_forward(xq.dequantize(), w, index, activation, store_pre=True, store_act=store_act,
+                                    b1=b1, act_args=act_args)
+    return (recipe.quantize_kept(pre, is_gated(activation)) if keep else pre), act
 
 
 def down_forward(recipe: Float8Recipe, act: Tensor, w2: Tensor, topk_weights: Tensor, index: DispatchIndex, *,
@@ -86,9 +95,11 @@ def down_backward(recipe: Float8Recipe, dout: Tensor, pre: Tensor, w2: Tensor, t
     B2 ``dw2[e] = dout[token(s)]^T (w act)``. ``dpre_q`` (where the Triton ops write B3's e4m3 ``dpre``) is not
     used here: :func:`up_backward` quantizes ``dpre`` itself, to the same values.
 
-    Args: ``dout [T, d]``, ``pre [N, 2h | h]`` (fp32, as kept), ``w2 [E, d, h]``, ``topk_weights [T, K]``.
+    Args: ``dout [T, d]``, ``pre [N, 2h | h]`` (fp32, recomputed; or the kept e4m3 tiles of :func:`up_forward`'s
+    ``keep``), ``w2 [E, d, h]``, ``topk_weights [T, K]``.
     Returns: ``(dpre [N, 2h | h] fp32, dw2 [E, d, h] in dw_dtype | None, dtopk_weights | None)``.
     """
+    pre = _kept_values(pre)
     g = recipe.quantize_rows(dout).dequantize()
     w = _weight(recipe, w2, reduce_cols=False)
     dpre, _, dtw = ops_torch.down_backward(g, pre, w, topk_weights, index, activation, False, need_dtw, b2=b2,

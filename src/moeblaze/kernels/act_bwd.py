@@ -35,7 +35,9 @@ B3, which then reads it without a rounded copy (:mod:`moeblaze.kernels.tf32`; th
 ``QUANT`` (the FP8 layer's B3 operand, issue 59's dpre quantized where it is produced): the program also keeps each
 row's largest stored magnitude and, after its rows are written, reads them back (from L2: they were just written)
 and writes them in e4m3 with the rowwise recipe's scale (:mod:`moeblaze.kernels.fp8_quant`'s helpers, so the bytes
-are that kernel's): B3's quantization without a separate pass that reads ``dpre`` from HBM again.
+are that kernel's): B3's quantization without a separate pass that reads ``dpre`` from HBM again. ``PRE_E4M3`` (the
+FP8 layer's kept ``pre``, written in e4m3 by F1's epilogue): ``pre`` is read as e4m3 times its ``1 x PRE_TILE`` tile's
+scale, in fp32 (no 16-bit copy of it is made), and ``dpre`` goes to another tensor.
 """
 
 from __future__ import annotations
@@ -57,8 +59,9 @@ ZERO_TAIL = tl.constexpr(64)
 @triton.jit
 def act_bwd_rows_kernel(
     dact_ptr,  # [N, h] dact' (fp16/bf16/fp32); overwritten with w * act when STORE_WACT
-    pre_ptr,  # [N, 2h|h] pre-activation (gate at n, up at UP_OFF + n)
-    dpre_ptr,  # [N, 2h|h] out: dpre (may be pre itself)
+    pre_ptr,  # [N, 2h|h] pre-activation (gate at n, up at UP_OFF + n); e4m3 if PRE_E4M3
+    pre_s_ptr,  # [N, 2|1, cdiv(h, PRE_TILE)] fp32 scales of pre's 1 x PRE_TILE tiles per half (PRE_E4M3)
+    dpre_ptr,  # [N, 2h|h] out: dpre (may be pre itself, unless PRE_E4M3)
     scale_ptr,  # [N] fp32 router weight of each slot
     dtw_ptr,  # [N] fp32 out: <dact', act> per slot (STORE_PART)
     limit_ptr,  # [1] int32 number of local slots (HAS_LIMIT)
@@ -69,7 +72,7 @@ def act_bwd_rows_kernel(
     tiny,  # the smallest normal fp32 (QUANT: the floor of a nonzero row's scale)
     ACTIVATION: tl.constexpr, STORE_PART: tl.constexpr, STORE_WACT: tl.constexpr, PRE_STEP: tl.constexpr,
     HAS_LIMIT: tl.constexpr, TF32_DPRE: tl.constexpr, QUANT: tl.constexpr, POW2: tl.constexpr,
-    QMAX: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
+    PRE_E4M3: tl.constexpr, PRE_TILE: tl.constexpr, QMAX: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     row_mask = rows < N
@@ -95,8 +98,14 @@ def act_bwd_rows_kernel(
         pre_ptrs = pre_ptr + rows64 * stride_pre_m + cols * PRE_STEP
         dact = tl.load(dact_ptrs, mask=mask, other=0.0).to(tl.float32)
         gate = tl.load(pre_ptrs, mask=mask, other=0.0).to(tl.float32)
+        if PRE_E4M3:  # each e4m3 value times its tile's scale, in fp32 (Float8Tensor.dequantize)
+            tiles = tl.cdiv(H, PRE_TILE)
+            s_ptrs = pre_s_ptr + rows64 * (tiles * (2 if ACTIVATION < FIRST_NON_GATED else 1)) + cols // PRE_TILE
+            gate = gate * tl.load(s_ptrs, mask=mask, other=1.0)
         if ACTIVATION < FIRST_NON_GATED:
             up = tl.load(pre_ptrs + UP_OFF, mask=mask, other=0.0).to(tl.float32)
+            if PRE_E4M3:
+                up = up * tl.load(s_ptrs + tiles, mask=mask, other=1.0)
         else:
             up = gate
         if STORE_PART or STORE_WACT:
@@ -149,19 +158,23 @@ def _quantize_stored_rows(dpre_ptr, q_ptr, s_ptr, rows, store_mask, amax, H, UP_
             tl.store(dst + UP_OFF, to_e4m3(v, scale[:, None], QMAX), mask=mask)
 
 
-_ACT_BWD = Launchable(act_bwd_rows_kernel, act_bwd_configs, key=["H", "ACTIVATION", "STORE_WACT", "QUANT"],
+_ACT_BWD = Launchable(act_bwd_rows_kernel, act_bwd_configs, key=["H", "ACTIVATION", "STORE_WACT", "QUANT", "PRE_E4M3"],
                       restore=["dact_ptr", "pre_ptr", "dpre_ptr"])  # in place: each trial starts afresh
 
 
 def act_bwd_rows(dact: torch.Tensor, pre: torch.Tensor, dpre: torch.Tensor, scale: torch.Tensor,
                  dtw: torch.Tensor | None, *, h: int, activation: int, store_wact: bool, alpha: float = 0.0,
                  limit: float = 0.0, interleaved: bool = False, local_slots: torch.Tensor | None = None,
-                 tf32_dpre: bool = False, quant: tuple[torch.Tensor, torch.Tensor, bool] | None = None) -> None:
+                 tf32_dpre: bool = False, quant: tuple[torch.Tensor, torch.Tensor, bool] | None = None,
+                 pre_scale: torch.Tensor | None = None, pre_tile: int = 1) -> None:
     """Launch :func:`act_bwd_rows_kernel` (all outputs in place; see the module docstring).
 
     Args:
         dact: ``[N, h]`` dact' (overwritten with ``w * act`` if ``store_wact``); pre, dpre: ``[N, 2h|h]``
             (may be one tensor); scale: ``[N]`` fp32 slot weights; dtw: ``[N]`` fp32 or None.
+        pre_scale: ``pre`` is e4m3 in ``1 x pre_tile`` tiles per half (:meth:`moeblaze.fp8.Float8Recipe.
+            quantize_kept`; ``pre_tile`` a power of two), these their ``[N, 2|1, cdiv(h, pre_tile)]`` fp32 scales,
+            contiguous; ``dpre`` is then another tensor (its dtype); or None.
         All with unit column stride (checked by the callers).
         alpha, limit: the clamped SwiGLU's parameters. interleaved: gated ``pre`` alternates gate, up.
         local_slots: ``[1]`` int32 on the device, rows at or past it are skipped (foreign slots; the first
@@ -178,10 +191,12 @@ def act_bwd_rows(dact: torch.Tensor, pre: torch.Tensor, dpre: torch.Tensor, scal
     limit_t = local_slots if local_slots is not None else scale  # dummy pointer when HAS_LIMIT is off
     q_data, q_scale, pow2 = quant if quant is not None else (dpre, scale, False)  # dummies when QUANT is off
     _ACT_BWD.launch(dact.dtype, lambda meta: (cdiv(N, meta["BLOCK_R"]),),
-        dact_ptr=dact, pre_ptr=pre, dpre_ptr=dpre, scale_ptr=scale, dtw_ptr=out, limit_ptr=limit_t,
+        dact_ptr=dact, pre_ptr=pre, pre_s_ptr=pre_scale if pre_scale is not None else scale, dpre_ptr=dpre,
+        scale_ptr=scale, dtw_ptr=out, limit_ptr=limit_t,
         dpre_q_ptr=q_data, dpre_s_ptr=q_scale, N=N, H=h, UP_OFF=1 if interleaved else h, alpha=float(alpha),
         limit=float(limit), stride_dact_m=dact.stride(0), stride_pre_m=pre.stride(0), stride_dpre_m=dpre.stride(0),
         stride_q_m=q_data.stride(0), tiny=SCALE_FLOOR, ACTIVATION=activation, STORE_PART=dtw is not None,
         STORE_WACT=store_wact, PRE_STEP=2 if interleaved else 1, HAS_LIMIT=local_slots is not None,
-        TF32_DPRE=tf32_dpre, QUANT=quant is not None, POW2=pow2, QMAX=E4M3_MAX,
+        TF32_DPRE=tf32_dpre, QUANT=quant is not None, POW2=pow2, PRE_E4M3=pre_scale is not None, PRE_TILE=pre_tile,
+        QMAX=E4M3_MAX,
     )

@@ -259,19 +259,22 @@ def grad_in_storage(w, a, b, offsets, indices, dw_dtype, products_transposed, fo
 
 
 def act_bwd_b2(dout, dact, pre, w2, b2, topk_weights, offsets, indices, token_index_map, token_expert_indices,
-               activation, alpha, limit, interleaved, foreign, need_dw, need_dtw, general, dw_dtype, quant=None):
+               activation, alpha, limit, interleaved, foreign, need_dw, need_dtw, general, dw_dtype, quant=None,
+               dpre=None, pre_scale=None, pre_tile=1):
     """B1's second launch (:mod:`moeblaze.kernels.act_bwd`) and B2, from B1's GEMM output ``dact' [N, h]`` (the
-    16-bit and the FP8 path's): ``dpre`` over ``pre`` (and, with ``quant``, in e4m3 too: ``act_bwd_rows``), with
-    ``need_dw`` ``w * act`` over ``dact'`` and ``dW2[e] = sum_s dout[token(s)]^T (w act)[s]`` on the 16-bit
-    ``dout``; returns ``(dw2, dtopk_weights)``, placeholders for what is not needed."""
+    16-bit and the FP8 path's): ``dpre`` over ``pre``, or into ``dpre`` (given for a ``pre`` in e4m3 tiles with
+    ``pre_scale``, ``pre_tile``), with ``quant`` in e4m3 too (``act_bwd_rows``); with ``need_dw`` ``w * act`` over
+    ``dact'`` and ``dW2[e] = sum_s dout[token(s)]^T (w act)[s]`` on the 16-bit ``dout``; returns ``(dw2,
+    dtopk_weights)``, placeholders for what is not needed."""
     h = w2.shape[2]
     N = indices.numel()
+    dpre = pre if dpre is None else dpre
     w_slot = slot_weights(topk_weights, token_index_map, torch.float32)
     dtw_slot = torch.empty(N, dtype=torch.float32, device=pre.device) if need_dtw else None
     local = local_slots(offsets, foreign)
-    act_bwd_rows(dact, pre, pre, w_slot, dtw_slot, h=h, activation=ACTIVATION_CODES[activation],
+    act_bwd_rows(dact, pre, dpre, w_slot, dtw_slot, h=h, activation=ACTIVATION_CODES[activation],
                  store_wact=need_dw, alpha=alpha, limit=limit, interleaved=interleaved, local_slots=local,
-                 tf32_dpre=rounds_tf32(pre), quant=quant)
+                 tf32_dpre=rounds_tf32(dpre), quant=quant, pre_scale=pre_scale, pre_tile=pre_tile)
     dtw = None if need_dtw else _empty(topk_weights)  # a placeholder only for an output not asked for
     if need_dtw:
         # int32 indices (no int64 copy); foreign pairs read act_bwd_rows' zeros: they get no gradient

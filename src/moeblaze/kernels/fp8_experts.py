@@ -17,8 +17,10 @@ same table); an FP8 weight gradient needs slot-contiguous (transposed) e4m3 copi
 
 Operands are quantized where this module needs them by one launch per tensor (:func:`quantize_rows`:
 :mod:`moeblaze.kernels.fp8_quant`, bitwise the recipe's; the recipe's PyTorch ops on the CPU, where the
-interpreter's e4m3 casts differ), except B3's ``dpre``, which B1's activation backward writes in e4m3 as it
-produces it (:mod:`moeblaze.kernels.act_bwd`, ``QUANT``; on CUDA); a weight's copies once per parameter version
+interpreter's e4m3 casts differ), except where the data is produced (on CUDA): the ``pre`` kept for backward, which
+F1's epilogue writes in e4m3 tiles (``PRE_FP8`` of the grouped GEMM; no 16-bit ``pre`` exists) and the activation
+backward reads as it is, and B3's ``dpre``, which B1's activation backward writes in e4m3 into the kept ``pre``'s
+storage as it produces it (:mod:`moeblaze.kernels.act_bwd`, ``QUANT``); a weight's copies once per parameter version
 inside :func:`moeblaze.fp8.reuse_weights` (gradient accumulation). Outputs are in the 16-bit
 operands' dtype (``x``'s), weight gradients in ``dw_dtype``. Each op is a torch custom op (as
 :mod:`moeblaze.kernels.experts`'), so ``torch.compile(fullgraph=True)`` traces the FP8 layer.
@@ -29,7 +31,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..activations import DEFAULT_ACT, ActArgs
+from ..activations import DEFAULT_ACT, GATED, ActArgs
 from ..dispatch import DispatchIndex
 from ..fp8 import E4M3, Float8Recipe, Float8Tensor, quantize_fp8, weight_copy
 from . import experts as kx
@@ -37,6 +39,7 @@ from .custom_ops import call_op
 from .fp8_gemm import down_rowwise, up_rowwise
 from .fp8_quant import dequantize_rows_fp8, quantize_rows_fp8
 from .launch import grouped_gemm
+from .tuning import PRE_TILE, cdiv
 
 __all__ = ["quantize_rows", "dequantize", "up_forward", "down_forward", "down_backward", "up_backward"]
 
@@ -106,33 +109,54 @@ def dequantize(q: Float8Tensor, dtype: torch.dtype) -> Tensor:
 
 # ---------------------------------------------------------------- F1
 
+def _kept_scale_shape(N: int, w1: Tensor, activation: str) -> tuple[int, int, int]:
+    """``[N, 2|1, tiles]``: the scales of the kept ``pre``'s ``1 x PRE_TILE`` tiles per half."""
+    return N, 2 if activation in GATED else 1, cdiv(kx.up_widths(w1, activation)[1], PRE_TILE)
+
+
 def _up_impl(xq, xs, w1, b1, offsets, indices, tile_expert, tile_row, num_tiles, activation, alpha, limit,
-             store_act, pow2):
-    return up_rowwise(Float8Tensor(xq, xs, (1, xq.shape[1])), _weight_rows(w1, pow2), offsets, indices,
-                      (tile_expert, tile_row, num_tiles), activation, True, store_act, w1.dtype, b1, alpha, limit)
+             store_act, pow2, keep):
+    # on CUDA the epilogue quantizes pre; elsewhere the recipe's PyTorch ops do (the interpreter's e4m3 casts differ)
+    fused = keep and xq.is_cuda
+    scale = xq.new_empty(_kept_scale_shape(indices.numel(), w1, activation) if keep else (0,), dtype=torch.float32)
+    pre, act = up_rowwise(Float8Tensor(xq, xs, (1, xq.shape[1])), _weight_rows(w1, pow2), offsets, indices,
+                          (tile_expert, tile_row, num_tiles), activation, True, store_act, w1.dtype, b1, alpha, limit,
+                          keep=(scale, pow2) if fused else None)
+    if keep and not fused:
+        q = quantize_fp8(pre.view(scale.shape[0], scale.shape[1], -1), (1, PRE_TILE), pow2)
+        pre = q.data.view(pre.shape)
+        scale.copy_(q.scale)
+    return pre, act, scale
 
 
 _up_op = torch.library.custom_op(
     "moeblaze::fp8_up_forward", _up_impl, mutates_args=(),
     schema="(Tensor xq, Tensor xs, Tensor w1, Tensor? b1, Tensor offsets, Tensor indices, Tensor tile_expert, "
            "Tensor tile_row, Tensor num_tiles, str activation, float alpha, float limit, bool store_act, "
-           "bool pow2) -> (Tensor, Tensor)")
+           "bool pow2, bool keep) -> (Tensor, Tensor, Tensor)")
 
 
 @_up_op.register_fake
-def _(xq, xs, w1, b1, offsets, indices, tile_expert, tile_row, num_tiles, activation, alpha, limit, store_act, pow2):
+def _(xq, xs, w1, b1, offsets, indices, tile_expert, tile_row, num_tiles, activation, alpha, limit, store_act, pow2,
+      keep):
     N, (rows, h) = indices.shape[0], kx.up_widths(w1, activation)
-    return w1.new_empty(N, rows), w1.new_empty((N, h) if store_act else (0,))
+    return (w1.new_empty((N, rows), dtype=E4M3 if keep else w1.dtype), w1.new_empty((N, h) if store_act else (0,)),
+            w1.new_empty(_kept_scale_shape(N, w1, activation) if keep else (0,), dtype=torch.float32))
 
 
 def up_forward(recipe: Float8Recipe, xq: Float8Tensor, w1: Tensor, index: DispatchIndex, activation: str, *,
-               store_act: bool = True, b1: Tensor | None = None,
-               act_args: ActArgs = DEFAULT_ACT) -> tuple[Tensor, Tensor | None]:
-    """F1 (:func:`moeblaze.ops_fp8.up_forward`): ``(pre [N, 2h|h], act [N, h] | None)`` in ``w1``'s dtype."""
+               store_act: bool = True, b1: Tensor | None = None, act_args: ActArgs = DEFAULT_ACT,
+               keep: bool = False) -> tuple[Tensor | Float8Tensor, Tensor | None]:
+    """F1 (:func:`moeblaze.ops_fp8.up_forward`): ``(pre [N, 2h|h], act [N, h] | None)`` in ``w1``'s dtype; with
+    ``keep`` ``pre`` as kept for backward, e4m3 in ``1 x PRE_TILE`` tiles per half
+    (:meth:`moeblaze.fp8.Float8Recipe.quantize_kept` of the 16-bit ``pre``; on CUDA written so by F1's epilogue: no
+    16-bit ``pre`` exists), ``act`` from the 16-bit ``pre``."""
     if act_args.interleaved:
         raise ValueError("fp8 on backend='triton': an interleaved w_gate_up has no FP8 kernel yet")
-    pre, act = call_op(_up_op, _up_impl, xq.data, xq.scale, w1, b1, *_index_args(index), activation,
-                       act_args.alpha, act_args.limit, store_act, recipe.pow2_scales)
+    pre, act, scale = call_op(_up_op, _up_impl, xq.data, xq.scale, w1, b1, *_index_args(index), activation,
+                              act_args.alpha, act_args.limit, store_act, recipe.pow2_scales, keep)
+    if keep:
+        pre = Float8Tensor(pre.view(*scale.shape[:2], -1), scale, (1, PRE_TILE))
     return pre, (act if store_act else None)
 
 
@@ -166,22 +190,26 @@ def down_forward(recipe: Float8Recipe, act: Tensor, w2: Tensor, topk_weights: Te
 
 # ---------------------------------------------------------------- B1-B2
 
-def _down_backward_impl(dout, pre, w2, b2, topk_weights, offsets, indices, tile_expert, tile_row, num_tiles,
-                        token_index_map, token_expert_indices, activation, alpha, limit, interleaved, foreign,
-                        need_dw, need_dtw, general, dw_dtype, pow2, dpre_data=None, dpre_scale=None):
-    # B1 in FP8, then the 16-bit path's activation backward (dpre over pre, w act over dact'; on CUDA dpre in
-    # e4m3 too, into dpre_data / dpre_scale, for B3), dtopk_weights and B2 dW2[e] = sum_s dout[token(s)]^T (w act)[s]
+def _down_backward_impl(dout, pre, pre_scale, w2, b2, topk_weights, offsets, indices, tile_expert, tile_row,
+                        num_tiles, token_index_map, token_expert_indices, activation, alpha, limit, interleaved,
+                        foreign, need_dw, need_dtw, general, dw_dtype, pow2, dpre_scale=None):
+    # B1 in FP8, then the 16-bit path's activation backward (dpre over a 16-bit pre, or into a new tensor from the
+    # kept e4m3 pre and its tile scales pre_scale, whose storage then takes dpre in e4m3 for B3 on CUDA: dpre_scale),
+    # dtopk_weights and B2 dW2[e] = sum_s dout[token(s)]^T (w act)
     dact = _b1(dout, w2, offsets, indices, (tile_expert, tile_row, num_tiles), pow2)
-    quant = (dpre_data, dpre_scale.view(-1), pow2) if _fuses_dpre(dpre_data, dout) else None
-    return kx.act_bwd_b2(dout, dact, pre, w2, b2, topk_weights, offsets, indices, token_index_map,
-                         token_expert_indices, activation, alpha, limit, interleaved, foreign, need_dw, need_dtw,
-                         general, dw_dtype, quant)
+    kept = pre_scale is not None
+    dpre = torch.empty(pre.shape, dtype=dout.dtype, device=dout.device) if kept else pre
+    quant = (pre, dpre_scale.view(-1), pow2) if kept and _fuses_dpre(dpre_scale, dout) else None
+    dw2, dtw = kx.act_bwd_b2(dout, dact, pre, w2, b2, topk_weights, offsets, indices, token_index_map,
+                             token_expert_indices, activation, alpha, limit, interleaved, foreign, need_dw, need_dtw,
+                             general, dw_dtype, quant, dpre=dpre, pre_scale=pre_scale, pre_tile=PRE_TILE)
+    return (dpre if kept else kx._empty(dout)), dw2, dtw
 
 
-def _fuses_dpre(dpre_data, t) -> bool:
-    """Whether B1's activation backward writes B3's e4m3 ``dpre`` (given a buffer, on CUDA: the interpreter's e4m3
-    casts differ from the recipe's, so on the CPU B3 quantizes with PyTorch's ops as before)."""
-    return dpre_data is not None and t.is_cuda
+def _fuses_dpre(dpre_scale, t) -> bool:
+    """Whether B1's activation backward writes B3's e4m3 ``dpre`` (given a scale buffer, on CUDA: the interpreter's
+    e4m3 casts differ from the recipe's, so on the CPU B3 quantizes with PyTorch's ops as before)."""
+    return dpre_scale is not None and t.is_cuda
 
 
 def _b1(dout, w2, offsets, indices, sched, pow2):
@@ -197,38 +225,53 @@ def _b1(dout, w2, offsets, indices, sched, pow2):
 
 
 _down_backward_op = torch.library.custom_op(
-    "moeblaze::fp8_down_backward", _down_backward_impl, mutates_args=("pre", "dpre_data", "dpre_scale"),
-    schema="(Tensor dout, Tensor(a!) pre, Tensor w2, Tensor? b2, Tensor topk_weights, Tensor offsets, "
-           "Tensor indices, Tensor tile_expert, Tensor tile_row, Tensor num_tiles, Tensor token_index_map, "
-           "Tensor token_expert_indices, str activation, float alpha, float limit, bool interleaved, bool foreign, "
-           "bool need_dw, bool need_dtw, bool general, ScalarType? dw_dtype, bool pow2, Tensor(b!)? dpre_data=None, "
-           "Tensor(c!)? dpre_scale=None) -> (Tensor, Tensor)")
+    "moeblaze::fp8_down_backward", _down_backward_impl, mutates_args=("pre", "dpre_scale"),
+    schema="(Tensor dout, Tensor(a!) pre, Tensor? pre_scale, Tensor w2, Tensor? b2, Tensor topk_weights, "
+           "Tensor offsets, Tensor indices, Tensor tile_expert, Tensor tile_row, Tensor num_tiles, "
+           "Tensor token_index_map, Tensor token_expert_indices, str activation, float alpha, float limit, "
+           "bool interleaved, bool foreign, bool need_dw, bool need_dtw, bool general, ScalarType? dw_dtype, "
+           "bool pow2, Tensor(b!)? dpre_scale=None) -> (Tensor, Tensor, Tensor)")
 
 
 @_down_backward_op.register_fake
-def _(dout, pre, w2, b2, topk_weights, offsets, indices, tile_expert, tile_row, num_tiles, token_index_map,
-      token_expert_indices, activation, alpha, limit, interleaved, foreign, need_dw, need_dtw, general, dw_dtype,
-      pow2, dpre_data=None, dpre_scale=None):
-    return kx.down_backward_outputs(w2, topk_weights, token_index_map, need_dw, need_dtw, dw_dtype)
+def _(dout, pre, pre_scale, w2, b2, topk_weights, offsets, indices, tile_expert, tile_row, num_tiles,
+      token_index_map, token_expert_indices, activation, alpha, limit, interleaved, foreign, need_dw, need_dtw,
+      general, dw_dtype, pow2, dpre_scale=None):
+    dpre = pre.new_empty(pre.shape, dtype=dout.dtype) if pre_scale is not None else kx._empty(dout)
+    return (dpre, *kx.down_backward_outputs(w2, topk_weights, token_index_map, need_dw, need_dtw, dw_dtype))
 
 
-def down_backward(recipe: Float8Recipe, dout: Tensor, pre: Tensor, w2: Tensor, topk_weights: Tensor,
+def down_backward(recipe: Float8Recipe, dout: Tensor, pre: Tensor | Float8Tensor, w2: Tensor, topk_weights: Tensor,
                   index: DispatchIndex, activation: str, need_dw: bool, need_dtw: bool, *, b2: Tensor | None = None,
                   act_args: ActArgs = DEFAULT_ACT, dw_dtype: torch.dtype | None = None,
                   dpre_q: Float8Tensor | None = None) -> tuple[Tensor, Tensor | None, Tensor | None]:
     """B1 in FP8 (``dact' = dout[token(s)] w2[e]``), the 16-bit path's activation backward and ``dtopk_weights``,
-    B2 in 16 bits (:func:`moeblaze.ops_fp8.down_backward`). ``pre [N, 2h|h]`` (in ``dout``'s dtype, unit column stride:
-    else a copy) is overwritten with ``dpre`` and returned: ``(dpre, dw2 | None, dtopk_weights | None)``.
-    ``dpre_q``: a rowwise e4m3 buffer of ``dpre``'s shape (the kept ``pre``, dead by now); on CUDA the activation
-    backward writes ``dpre`` quantized into it for B3 (:func:`up_backward` with it as ``reuse`` and ``quantized``),
-    elsewhere it is left."""
-    dout, pre = dout.contiguous(), pre.to(dout.dtype).contiguous()
-    q = (dpre_q.data, dpre_q.scale) if dpre_q is not None else (None, None)
-    dw2, dtw = call_op(_down_backward_op, _down_backward_impl, dout, pre, w2, b2, topk_weights, *_index_args(index),
-                       index.token_index_map, index.token_expert_indices, activation, *act_args,
-                       index.foreign_experts, need_dw, need_dtw, index.is_general, dw_dtype, recipe.pow2_scales, *q,
-                       mutated=(pre, *(t for t in q if t is not None)))
-    return pre, (dw2 if need_dw else None), (dtw if need_dtw else None)
+    B2 in 16 bits (:func:`moeblaze.ops_fp8.down_backward`): ``(dpre [N, 2h|h], dw2 | None, dtopk_weights | None)``.
+
+    ``pre``: the kept e4m3 tiles of :func:`up_forward`'s ``keep`` (read as they are: no 16-bit copy; ``dpre`` is a
+    new tensor in ``dout``'s dtype), or ``[N, 2h|h]`` in ``dout``'s dtype recomputed (unit column stride, else a
+    copy), overwritten with ``dpre`` and returned. ``dpre_q``: B3's rowwise e4m3 ``dpre`` in the kept ``pre``'s
+    storage (a view of it, a scale per row); on CUDA the activation backward writes ``dpre`` quantized into
+    it (:func:`up_backward` with it as ``reuse`` and ``quantized``), elsewhere it is left.
+
+    Raises:
+        ValueError: ``dpre_q`` not in the kept ``pre``'s storage.
+    """
+    dout = dout.contiguous()
+    if isinstance(pre, Float8Tensor):
+        data, pre_scale = pre.data.view(pre.data.shape[0], -1), pre.scale
+    else:
+        data, pre_scale = pre.to(dout.dtype).contiguous(), None
+    if dpre_q is not None and (pre_scale is None or (not torch.compiler.is_compiling()  # no data_ptr in a trace
+                                                     and dpre_q.data.data_ptr() != data.data_ptr())):
+        raise ValueError("down_backward: dpre_q must lie in the kept e4m3 pre's storage")
+    q_scale = dpre_q.scale if dpre_q is not None else None
+    dpre, dw2, dtw = call_op(_down_backward_op, _down_backward_impl, dout, data, pre_scale, w2, b2, topk_weights,
+                             *_index_args(index), index.token_index_map, index.token_expert_indices, activation,
+                             *act_args, index.foreign_experts, need_dw, need_dtw, index.is_general, dw_dtype,
+                             recipe.pow2_scales, q_scale,
+                             mutated=(data,) if pre_scale is None else (data, q_scale) if q_scale is not None else ())
+    return (dpre if pre_scale is not None else data), (dw2 if need_dw else None), (dtw if need_dtw else None)
 
 
 # ---------------------------------------------------------------- B3-B5, B4
@@ -239,7 +282,7 @@ def _up_backward_impl(dpre, x, w1, offsets, indices, tile_expert, tile_row, num_
     dx, dw1 = kx._empty(dpre), kx._empty(w1)
     if need_dx:
         reuse = (reuse_data, reuse_scale) if reuse_data is not None else None
-        ready = quantized and _fuses_dpre(reuse_data, dpre)  # B1's activation backward wrote it
+        ready = quantized and _fuses_dpre(reuse_scale, dpre)  # B1's activation backward wrote it
         dx = _b3(dpre, w1, offsets, indices, (tile_expert, tile_row, num_tiles), token_index_map, foreign,
                  pair_offsets, pow2, reuse, ready)
     if need_dw:  # B4 dW1[e]^T = sum_s x[token(s)]^T dpre[s] in 16 bits

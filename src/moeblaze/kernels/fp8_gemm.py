@@ -27,8 +27,9 @@ once after its main loop. Blockwise promotes each K step's product with its own 
 every step wait for its tensor-core result; ``benchmarks/bench_fp8_kernels.py`` measures both recipes.
 
 The layer's FP8 path (:mod:`moeblaze.kernels.fp8_experts`) runs the rowwise functions here; the blockwise kernels
-serve the comparison of recipes and are not wired into autograd. Not yet here: quantization of ``act`` / ``pre``
-in F1's epilogue (the interpreter's casts to e4m3 are wrong, DESIGN.md §7), an interleaved ``w_gate_up``; for
+serve the comparison of recipes and are not wired into autograd. The rowwise F1 writes the kept ``pre`` in e4m3
+tiles from its epilogue (``keep`` of :func:`up_rowwise`). Not yet here: ``act`` quantized in F1's epilogue (F2 reads it
+with one scale per row, which needs the whole row: a tile has ``BLOCK_N`` columns), an interleaved ``w_gate_up``; for
 blockwise also general routing, column chunks of F2's ``[N, d]`` buffer, TMA reads of the weight, autotuned tiles
 and a persistent launch.
 """
@@ -48,7 +49,7 @@ from . import direct, tuning
 from . import experts as kx
 from .act_math import ACTIVATION_CODES
 from .combine import gather_sum, local_slots
-from .grouped_gemm import EPILOGUE_ACT_FWD, _epilogue_act_fwd, _epilogue_plain, tile_of
+from .grouped_gemm import EPILOGUE_ACT_FWD, PRE_16BIT, _epilogue_act_fwd, _epilogue_plain, tile_of
 from .launch import grouped_gemm
 from .tuning import cdiv
 
@@ -151,11 +152,12 @@ def fp8_up_kernel(
         )
         # the 16-bit kernel's epilogue: bias in fp32, pre rounded to its dtype, act from the rounded pre
         _epilogue_act_fwd(
-            pre_ptr=pre_ptr, act_ptr=act_ptr, bias_ptr=bias_ptr, acc=acc, acc2=acc2, e=e, rows=rows,
-            mask=row_mask[:, None] & n_mask[None, :], offs_n=offs_n, n_mask=n_mask, UP_OFF=UP_OFF,
-            alpha=alpha, limit=limit, stride_pre_m=stride_pre_m, stride_act_m=stride_act_m,
-            stride_bias_e=stride_bias_e, ACTIVATION=ACTIVATION, DUAL=DUAL, STORE_PRE=STORE_PRE,
-            STORE_ACT=STORE_ACT, HAS_BIAS=HAS_BIAS, PRE_STEP=1, TF32_ACT=False,
+            pre_ptr=pre_ptr, act_ptr=act_ptr, bias_ptr=bias_ptr, pre_s_ptr=xs_ptr, acc=acc, acc2=acc2, e=e, rows=rows,
+            row_mask=row_mask, mask=row_mask[:, None] & n_mask[None, :], offs_n=offs_n, n_mask=n_mask, pid_n=pid_n,
+            num_n=num_n, UP_OFF=UP_OFF, alpha=alpha, limit=limit, stride_pre_m=stride_pre_m,
+            stride_act_m=stride_act_m, stride_bias_e=stride_bias_e, ACTIVATION=ACTIVATION, DUAL=DUAL,
+            STORE_PRE=STORE_PRE, STORE_ACT=STORE_ACT, HAS_BIAS=HAS_BIAS, PRE_STEP=1, TF32_ACT=False,
+            PRE_FP8=PRE_16BIT,
         )
 
 
@@ -353,20 +355,25 @@ def up_forward_fp8(xq: Float8Tensor, w1q: Float8Tensor, index: DispatchIndex, ac
 
 def up_rowwise(xq: Float8Tensor, w1q: Float8Tensor, offsets: Tensor, indices: Tensor,
                sched: tuple[Tensor, Tensor, Tensor], activation: str, store_pre: bool, store_act: bool,
-               out_dtype: torch.dtype, b1: Tensor | None, alpha: float, limit: float) -> tuple[Tensor, Tensor]:
+               out_dtype: torch.dtype, b1: Tensor | None, alpha: float, limit: float,
+               keep: tuple[Tensor, bool] | None = None) -> tuple[Tensor, Tensor]:
     """F1 of the rowwise recipe on the grouped GEMM (:func:`up_forward_fp8`, from the index's tensors): ``(pre,
-    act)`` in ``out_dtype``, an output not asked for an empty tensor."""
+    act)`` in ``out_dtype``, an output not asked for an empty tensor. ``keep = (scale, pow2)``: ``pre`` comes in e4m3,
+    quantized by the epilogue in ``1 x PRE_TILE`` tiles per half (:meth:`moeblaze.fp8.Float8Recipe.quantize_kept` of
+    the ``out_dtype`` values; ``pow2``: its power-of-two scales), their scales written into ``scale [N, 2|1,
+    cdiv(h, PRE_TILE)]`` fp32."""
     check_activation(activation)
     rows, h = kx.up_widths(w1q.data, activation)
     N = indices.numel()
-    pre = xq.data.new_empty((N, rows) if store_pre else (0,), dtype=out_dtype)
+    pre = xq.data.new_empty((N, rows) if store_pre else (0,), dtype=out_dtype if keep is None else E4M3)
     act = xq.data.new_empty((N, h) if store_act else (0,), dtype=out_dtype)
     if store_pre or store_act:
         grouped_gemm(xq.data, w1q.data, pre if store_pre else act, offsets, indices, sched, b_nk=True, n_cols=h,
                      k_dim=w1q.data.shape[2], gather_a=True, up_off=h, epilogue=EPILOGUE_ACT_FWD.value,
                      activation=ACTIVATION_CODES[activation], dual=activation in GATED, store_pre=store_pre,
                      aux=act if store_act else None, store_aux=store_act, bias=b1, alpha=alpha, limit=limit,
-                     a_scale=_row_scales(xq), b_scale=_row_scales(w1q))
+                     a_scale=_row_scales(xq), b_scale=_row_scales(w1q), pre_scale=None if keep is None else keep[0],
+                     pre_pow2=keep is not None and keep[1])
     return pre, act
 
 

@@ -46,7 +46,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ..fp8 import E4M3_MAX, SCALE_FLOOR
 from .act_math import act_forward
+from .fp8_quant import row_amax, scale_of, to_e4m3
 from .tf32 import round_tf32_values
 
 # EPILOGUE: what the kernel does with the accumulator (module docstring).
@@ -58,6 +60,13 @@ B_DESC_NK = tl.constexpr(1)  # TMA descriptor over B stored [E*n, k] (tile trans
 B_DESC_KN = tl.constexpr(2)  # TMA descriptor over B stored [E*k, n]
 B_DESC_PAIRED = tl.constexpr(3)  # as NK, gated F1: one [2, BLOCK_N, BLOCK_K] box holds the gate and up rows
 B_DESC_INTERLEAVED = tl.constexpr(4)  # gated F1, interleaved w_gate_up stored [E*d, 2h]: alternating columns
+# PRE_FP8: how F1 stores pre (EPILOGUE_ACT_FWD); the e4m3 forms are the FP8 layer's kept pre, one scale per row of
+# each 1 x BLOCK_N tile of each half (moeblaze.fp8.Float8Recipe.quantize_kept), into scale_ptr
+PRE_16BIT = tl.constexpr(0)  # in pre_ptr's dtype
+PRE_E4M3 = tl.constexpr(1)  # in e4m3, amax / 448 scales
+PRE_E4M3_POW2 = tl.constexpr(2)  # in e4m3, scales rounded up to powers of two
+_TINY = tl.constexpr(SCALE_FLOOR)
+_QMAX = tl.constexpr(E4M3_MAX)
 
 
 @triton.jit
@@ -202,25 +211,49 @@ def _epilogue_plain(c_ptr, scale_ptr, bias_ptr, acc, e, rows, tokens, mask, offs
 
 
 @triton.jit
-def _epilogue_act_fwd(pre_ptr, act_ptr, bias_ptr, acc, acc2, e, rows, mask, offs_n, n_mask, UP_OFF, alpha, limit,
-                      stride_pre_m, stride_act_m, stride_bias_e, ACTIVATION: tl.constexpr, DUAL: tl.constexpr,
-                      STORE_PRE: tl.constexpr, STORE_ACT: tl.constexpr, HAS_BIAS: tl.constexpr,
-                      PRE_STEP: tl.constexpr, TF32_ACT: tl.constexpr):
-    """``EPILOGUE_ACT_FWD`` (F1): store ``pre`` (gate at ``n * PRE_STEP``, up ``UP_OFF`` further) and
-    ``act = f(pre)`` (``TF32_ACT``: rounded to TF32, see the module docstring)."""
+def _store_e4m3_rows(q_ptrs, s_ptrs, v, mask, row_mask, POW2: tl.constexpr):
+    """The tile ``v [BLOCK_M, BLOCK_N]`` (fp32) stored in e4m3 with one scale per row (``s_ptrs [BLOCK_M]``):
+    :func:`moeblaze.fp8.quantize_fp8` of the tile's valid elements, bitwise on a GPU (the quantization kernels'
+    helpers); columns and rows outside ``mask`` are neither counted nor stored."""
+    v = tl.where(mask, v, 0.0)
+    scale = scale_of(row_amax(v), _TINY, _QMAX, POW2)
+    tl.store(s_ptrs, scale, mask=row_mask)
+    tl.store(q_ptrs, to_e4m3(v, scale[:, None], _QMAX), mask=mask)
+
+
+@triton.jit
+def _epilogue_act_fwd(pre_ptr, act_ptr, bias_ptr, pre_s_ptr, acc, acc2, e, rows, row_mask, mask, offs_n, n_mask,
+                      pid_n, num_n, UP_OFF, alpha, limit, stride_pre_m, stride_act_m, stride_bias_e,
+                      ACTIVATION: tl.constexpr, DUAL: tl.constexpr, STORE_PRE: tl.constexpr,
+                      STORE_ACT: tl.constexpr, HAS_BIAS: tl.constexpr, PRE_STEP: tl.constexpr,
+                      TF32_ACT: tl.constexpr, PRE_FP8: tl.constexpr):
+    """``EPILOGUE_ACT_FWD`` (F1): store ``pre`` (gate at ``n * PRE_STEP``, up ``UP_OFF`` further; ``PRE_FP8``: in
+    e4m3, the tile's row scales into ``pre_s_ptr [N, 2|1, num_n]``) and ``act = f(pre)`` (``TF32_ACT``: rounded to
+    TF32, see the module docstring), both from ``pre`` rounded to the 16-bit dtype (of ``act`` with ``PRE_FP8``)."""
     cols = offs_n * PRE_STEP
     if HAS_BIAS:  # bias[e] in pre's column order
         b_ptrs = bias_ptr + e * stride_bias_e + cols
         acc += tl.load(b_ptrs, mask=n_mask, other=0.0).to(tl.float32)[None, :]
         if DUAL:
             acc2 += tl.load(b_ptrs + UP_OFF, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    gate = acc.to(pre_ptr.dtype.element_ty)
-    up = acc2.to(pre_ptr.dtype.element_ty)
+    if PRE_FP8 == PRE_16BIT:
+        gate = acc.to(pre_ptr.dtype.element_ty)
+        up = acc2.to(pre_ptr.dtype.element_ty)
+    else:
+        gate = acc.to(act_ptr.dtype.element_ty)
+        up = acc2.to(act_ptr.dtype.element_ty)
     pre_ptrs = pre_ptr + rows[:, None] * stride_pre_m + cols[None, :]
     if STORE_PRE:
-        tl.store(pre_ptrs, gate, mask=mask)
-        if DUAL:
-            tl.store(pre_ptrs + UP_OFF, up, mask=mask)
+        if PRE_FP8 == PRE_16BIT:
+            tl.store(pre_ptrs, gate, mask=mask)
+            if DUAL:
+                tl.store(pre_ptrs + UP_OFF, up, mask=mask)
+        else:
+            s_ptrs = pre_s_ptr + rows * ((2 if DUAL else 1) * num_n) + pid_n
+            _store_e4m3_rows(pre_ptrs, s_ptrs, gate.to(tl.float32), mask, row_mask, PRE_FP8 == PRE_E4M3_POW2)
+            if DUAL:
+                _store_e4m3_rows(pre_ptrs + UP_OFF, s_ptrs + num_n, up.to(tl.float32), mask, row_mask,
+                                 PRE_FP8 == PRE_E4M3_POW2)
     if STORE_ACT:
         act = act_forward(gate.to(tl.float32), up.to(tl.float32), alpha, limit, ACTIVATION)
         if TF32_ACT:
@@ -236,7 +269,7 @@ def _gemm_tile(
     stride_a_m, stride_a_k, stride_b_e, stride_b_k, stride_b_n, stride_c_m, stride_aux_m, stride_bias_e, stride_bs_e,
     GATHER_A: tl.constexpr, SCATTER_C: tl.constexpr, SCALE_C: tl.constexpr, EPILOGUE: tl.constexpr,
     ACTIVATION: tl.constexpr, DUAL: tl.constexpr, STORE_PRE: tl.constexpr, STORE_AUX: tl.constexpr,
-    HAS_BIAS: tl.constexpr, PRE_STEP: tl.constexpr, TF32_ACT: tl.constexpr, FP8: tl.constexpr,
+    HAS_BIAS: tl.constexpr, PRE_STEP: tl.constexpr, TF32_ACT: tl.constexpr, FP8: tl.constexpr, PRE_FP8: tl.constexpr,
     A_DESC: tl.constexpr, B_DESC: tl.constexpr, DOT_PREC: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
@@ -280,11 +313,12 @@ def _gemm_tile(
         )
     else:  # EPILOGUE_ACT_FWD: c is pre, aux is act
         _epilogue_act_fwd(
-            pre_ptr=c_ptr, act_ptr=aux_ptr, bias_ptr=bias_ptr, acc=acc, acc2=acc2, e=e, rows=rows, mask=mask,
-            offs_n=offs_n, n_mask=n_mask, UP_OFF=UP_OFF, alpha=alpha, limit=limit,
+            pre_ptr=c_ptr, act_ptr=aux_ptr, bias_ptr=bias_ptr, pre_s_ptr=scale_ptr, acc=acc, acc2=acc2, e=e,
+            rows=rows, row_mask=row_mask, mask=mask, offs_n=offs_n, n_mask=n_mask, pid_n=pid_n, num_n=num_n,
+            UP_OFF=UP_OFF, alpha=alpha, limit=limit,
             stride_pre_m=stride_c_m, stride_act_m=stride_aux_m, stride_bias_e=stride_bias_e,
             ACTIVATION=ACTIVATION, DUAL=DUAL, STORE_PRE=STORE_PRE, STORE_ACT=STORE_AUX, HAS_BIAS=HAS_BIAS,
-            PRE_STEP=PRE_STEP, TF32_ACT=TF32_ACT,
+            PRE_STEP=PRE_STEP, TF32_ACT=TF32_ACT, PRE_FP8=PRE_FP8,
         )
 
 
@@ -292,9 +326,9 @@ def _gemm_tile(
 def grouped_gemm_kernel(
     a_ptr,  # [T, K_DIM] (GATHER_A: x, dout) or [N, K_DIM] (act, dpre); fp16/bf16/fp32
     b_ptr,  # [E, *, *] weight; B[e][k, n] at e*stride_b_e + k*stride_b_k + n*stride_b_n (B_DESC: TMA)
-    c_ptr,  # EPILOGUE_PLAIN: [N, N_COLS] or [T, N_COLS] (SCATTER_C); EPILOGUE_ACT_FWD: pre [N, 2h|h]
+    c_ptr,  # EPILOGUE_PLAIN: [N, N_COLS] or [T, N_COLS] (SCATTER_C); EPILOGUE_ACT_FWD: pre [N, 2h|h] (e4m3: PRE_FP8)
     aux_ptr,  # EPILOGUE_ACT_FWD: act [N, h]; else unused
-    scale_ptr,  # [N] fp32 router weight of each slot (SCALE_C)
+    scale_ptr,  # [N] fp32 router weight of each slot (SCALE_C); PRE_FP8: out, [N, 2|1, cdiv(h, BLOCK_N)] fp32 scales of pre
     bias_ptr,  # [E, N_COLS] (EPILOGUE_PLAIN) or [E, 2h|h] (EPILOGUE_ACT_FWD, pre's column order) bias (HAS_BIAS)
     a_scale_ptr,  # FP8: [rows of A] fp32 dequantization scale of each row of A (token rows when GATHER_A)
     b_scale_ptr,  # FP8: [E, N_EXT] fp32 dequantization scale of each weight row along n, row e at e * stride_bs_e
@@ -316,7 +350,7 @@ def grouped_gemm_kernel(
     NUM_EXPERTS,  # E (autotune key; rows of the B_DESC descriptor)
     GATHER_A: tl.constexpr, SCATTER_C: tl.constexpr, SCALE_C: tl.constexpr, EPILOGUE: tl.constexpr,
     ACTIVATION: tl.constexpr, DUAL: tl.constexpr, STORE_PRE: tl.constexpr, STORE_AUX: tl.constexpr,
-    HAS_BIAS: tl.constexpr, PRE_STEP: tl.constexpr, TF32_ACT: tl.constexpr, FP8: tl.constexpr,
+    HAS_BIAS: tl.constexpr, PRE_STEP: tl.constexpr, TF32_ACT: tl.constexpr, FP8: tl.constexpr, PRE_FP8: tl.constexpr,
     A_DESC: tl.constexpr, B_DESC: tl.constexpr, DOT_PREC: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
     PERSISTENT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
@@ -344,7 +378,7 @@ def grouped_gemm_kernel(
                 stride_bs_e=stride_bs_e,
                 GATHER_A=GATHER_A, SCATTER_C=SCATTER_C, SCALE_C=SCALE_C, EPILOGUE=EPILOGUE, ACTIVATION=ACTIVATION,
                 DUAL=DUAL, STORE_PRE=STORE_PRE, STORE_AUX=STORE_AUX, HAS_BIAS=HAS_BIAS, PRE_STEP=PRE_STEP,
-                TF32_ACT=TF32_ACT, FP8=FP8,
+                TF32_ACT=TF32_ACT, FP8=FP8, PRE_FP8=PRE_FP8,
                 A_DESC=A_DESC, B_DESC=B_DESC, DOT_PREC=DOT_PREC, EVEN_K=EVEN_K, EVEN_N=EVEN_N,
                 BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, GROUP_M=GROUP_M,
             )
@@ -365,7 +399,7 @@ def grouped_gemm_kernel(
                 stride_bs_e=stride_bs_e,
                 GATHER_A=GATHER_A, SCATTER_C=SCATTER_C, SCALE_C=SCALE_C, EPILOGUE=EPILOGUE, ACTIVATION=ACTIVATION,
                 DUAL=DUAL, STORE_PRE=STORE_PRE, STORE_AUX=STORE_AUX, HAS_BIAS=HAS_BIAS, PRE_STEP=PRE_STEP,
-                TF32_ACT=TF32_ACT, FP8=FP8,
+                TF32_ACT=TF32_ACT, FP8=FP8, PRE_FP8=PRE_FP8,
                 A_DESC=A_DESC, B_DESC=B_DESC, DOT_PREC=DOT_PREC, EVEN_K=EVEN_K, EVEN_N=EVEN_N,
                 BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, GROUP_M=GROUP_M,
             )

@@ -19,11 +19,16 @@ from .grouped_gemm import (
     B_DESC_NK,
     B_DESC_NONE,
     B_DESC_PAIRED,
+    EPILOGUE_ACT_FWD,
     EPILOGUE_PLAIN,
+    PRE_16BIT,
+    PRE_E4M3,
+    PRE_E4M3_POW2,
     grouped_gemm_kernel,
 )
 from .tf32 import padded_slot_rows, round_tf32, tf32_copy
 from .tuning import (
+    PRE_TILE,
     Launchable,
     cdiv,
     gemm_configs,
@@ -38,7 +43,7 @@ from .wgrad import SLOT_PAD, grouped_wgrad_kernel
 
 # DOT_PREC in the keys: fp32 at TF32 and at IEEE precision are tuned apart (different best tiles).
 _GEMM_KEY = ["N_COLS", "K_DIM", "NUM_EXPERTS", "EPILOGUE", "GATHER_A", "SCATTER_C", "DUAL", "A_DESC", "B_DESC",
-             "DOT_PREC", "BLOCK_M"]  # BLOCK_M: the token-count bucket (tuning.block_m)
+             "DOT_PREC", "PRE_FP8", "BLOCK_M"]  # BLOCK_M: the token-count bucket (tuning.block_m)
 _EVEN = {"EVEN_K": lambda a: a["K_DIM"] % a["BLOCK_K"] == 0, "EVEN_N": lambda a: a["N_COLS"] % a["BLOCK_N"] == 0}
 # the token-count bucket of the tuning key: max_tiles = cdiv(N, BLOCK_M) + E bounds N from above by a tile per expert
 _GEMM = Launchable(grouped_gemm_kernel, gemm_configs, key=_GEMM_KEY, heuristics=_EVEN, prune=prune_gemm_configs,
@@ -167,10 +172,25 @@ def _check_fp8(a, b, b_nk: bool, a_scale, b_scale, E: int) -> None:
                              f"{None if t is None else (t.dtype, tuple(t.shape), t.stride())}")
 
 
+def _check_pre_fp8(c, aux, pre_scale, n_cols, dual, pre_step, epilogue, store_pre, store_aux) -> None:
+    """F1 writing ``pre`` in e4m3 tiles: ``c`` e4m3 ``[N, 2h|h]``, ``act`` in 16 bits beside it, ``pre_scale`` as
+    :func:`grouped_gemm` says."""
+    shape = (c.shape[0], 2 if dual else 1, cdiv(n_cols, PRE_TILE))
+    if (epilogue != EPILOGUE_ACT_FWD.value or not (store_pre and store_aux) or pre_step != 1
+            or c.dtype != torch.float8_e4m3fn or aux is None or aux.dtype == c.dtype):
+        raise ValueError("grouped_gemm: pre_scale is F1's e4m3 pre (EPILOGUE_ACT_FWD, pre and act stored, gate and up "
+                         f"in blocks): got epilogue {epilogue}, pre {c.dtype}, act {None if aux is None else aux.dtype}, "
+                         f"pre_step {pre_step}")
+    if pre_scale.dtype != torch.float32 or tuple(pre_scale.shape) != shape or not pre_scale.is_contiguous():
+        raise ValueError(f"grouped_gemm: pre_scale must be fp32 {shape} contiguous, got {pre_scale.dtype} "
+                         f"{tuple(pre_scale.shape)} (contiguous: {pre_scale.is_contiguous()})")
+
+
 def grouped_gemm(a, b, c, offsets, indices, sched, *, b_nk, n_cols, k_dim, gather_a, up_off=0,
                  scatter_c=False, scale=None, epilogue=EPILOGUE_PLAIN.value, activation=0, dual=False, store_pre=False,
                  aux=None, store_aux=False, bias=None, pre_step=1, up_shift_b=None, alpha=0.0, limit=0.0,
-                 weight_desc=True, b_mode=None, a_tf32=False, n_start=None, a_scale=None, b_scale=None):
+                 weight_desc=True, b_mode=None, a_tf32=False, n_start=None, a_scale=None, b_scale=None,
+                 pre_scale=None, pre_pow2=False):
     """Launch :func:`grouped_gemm_kernel` (see its module for the epilogues).
 
     ``epilogue``: the ``.value`` of ``EPILOGUE_PLAIN`` or ``EPILOGUE_ACT_FWD`` (:mod:`.grouped_gemm`).
@@ -195,6 +215,10 @@ def grouped_gemm(a, b, c, offsets, indices, sched, *, b_nk, n_cols, k_dim, gathe
     ``aux``/``scale``: see the kernel; outputs are written in place.
     ``a_scale``/``b_scale`` (e4m3 ``a`` and ``b``, the rowwise FP8 recipe): ``[rows of a]`` and ``[E, n]`` fp32
     dequantization scales, ``b`` stored ``[E, n, k]`` (``b_nk``, K-major as the e4m3 tensor cores read it).
+    ``pre_scale`` (F1 of the FP8 layer: ``c`` is ``pre`` in e4m3, ``aux`` ``act`` in 16 bits): ``[N, 2|1,
+    cdiv(n_cols, PRE_TILE)]`` fp32, contiguous, the scales of ``pre``'s ``1 x PRE_TILE`` tiles per half
+    (:meth:`moeblaze.fp8.Float8Recipe.quantize_kept`), written by the epilogue (``PRE_FP8``; ``pre_pow2``: powers of
+    two).
     ``sched``: ``(tile_expert, tile_row_start, num_tiles)`` of a tile schedule for ``block_m(N, E)`` (N slots,
     E local experts: ``indices``, ``offsets``).
 
@@ -208,6 +232,8 @@ def grouped_gemm(a, b, c, offsets, indices, sched, *, b_nk, n_cols, k_dim, gathe
     fp8 = a.dtype == torch.float8_e4m3fn
     if fp8:
         _check_fp8(a, b, b_nk, a_scale, b_scale, E)
+    if pre_scale is not None:
+        _check_pre_fp8(c, aux, pre_scale, n_cols, dual, pre_step, epilogue, store_pre, store_aux)
     if N == 0 or n_cols == 0:
         return
     tf32 = rounds_tf32(a)
@@ -233,7 +259,8 @@ def grouped_gemm(a, b, c, offsets, indices, sched, *, b_nk, n_cols, k_dim, gathe
         grouped_gemm_ws(a, b, c, offsets, sched, b_nk=b_nk, n_cols=n_cols, k_dim=k_dim, n_start=n_start or 0)
         return
     aux = aux if aux is not None else c
-    scale = scale if scale is not None else offsets
+    scale_c = scale is not None
+    scale = scale if scale is not None else (pre_scale if pre_scale is not None else offsets)
     n_dim, k_dim_b = (1, 2) if b_nk else (2, 1)
     n_ext = b.shape[n_dim]
     b_strides = (b.stride(0), b.stride(k_dim_b), b.stride(n_dim))
@@ -259,9 +286,11 @@ def grouped_gemm(a, b, c, offsets, indices, sched, *, b_nk, n_cols, k_dim, gathe
         stride_a_m=a.stride(0), stride_a_k=a.stride(1), stride_b_e=b_strides[0], stride_b_k=b_strides[1],
         stride_b_n=b_strides[2], stride_c_m=c.stride(0), stride_aux_m=aux.stride(0), stride_bias_e=bias_t.stride(0),
         stride_bs_e=b_scale.stride(0), NUM_EXPERTS=E,
-        GATHER_A=gather_a, SCATTER_C=scatter_c, SCALE_C=scale is not offsets, EPILOGUE=epilogue,
+        GATHER_A=gather_a, SCATTER_C=scatter_c, SCALE_C=scale_c, EPILOGUE=epilogue,
         ACTIVATION=activation, DUAL=dual, STORE_PRE=store_pre, STORE_AUX=store_aux, HAS_BIAS=bias is not None,
-        PRE_STEP=pre_step, TF32_ACT=tf32 and epilogue != EPILOGUE_PLAIN.value, FP8=fp8, A_DESC=a_desc, B_DESC=b_mode,
+        PRE_STEP=pre_step, TF32_ACT=tf32 and epilogue != EPILOGUE_PLAIN.value, FP8=fp8,
+        PRE_FP8=(PRE_16BIT if pre_scale is None else PRE_E4M3_POW2 if pre_pow2 else PRE_E4M3).value,
+        A_DESC=a_desc, B_DESC=b_mode,
         DOT_PREC=dot_precision(a.dtype), BLOCK_M=bm,
     )
 
