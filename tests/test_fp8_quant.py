@@ -67,12 +67,11 @@ def test_scales_bitwise_values_but_the_interpreters_casts(shape, transposed, dty
     _check(_source(shape, dtype, transposed, "cpu"), pow2, exact=False)
 
 
-def test_dequantize_in_row_blocks_is_the_whole_product(monkeypatch):
-    """The Triton ops' dequantization of the kept ``pre``, a block of rows at a time (3 rows here, 10 in all): the
-    fp32 product of the whole tensor, rounded to the target dtype."""
+def test_dequantize_is_the_rounded_product():
+    """The Triton ops' dequantization (the rows expert parallelism receives) off the GPU: the fp32 product of each
+    value and its row's scale, rounded to the target dtype."""
     from moeblaze.kernels import fp8_experts
 
-    monkeypatch.setattr(fp8_experts, "DEQUANTIZE_ELEMENTS", 3 * 24)
     q = quantize_fp8(torch.randn(10, 24) * 7, (1, 24))
     for dtype in (torch.float32, torch.float16):
         assert torch.equal(fp8_experts.dequantize(q, dtype), q.dequantize().to(dtype))

@@ -43,9 +43,6 @@ from .tuning import PRE_TILE, cdiv
 
 __all__ = ["quantize_rows", "dequantize", "up_forward", "down_forward", "down_backward", "up_backward"]
 
-DEQUANTIZE_ELEMENTS = 1 << 24  # fp32 products per block of :func:`dequantize` (64 MiB)
-
-
 def _rows(t: Tensor, pow2: bool, out: tuple[Tensor, Tensor] | None = None) -> Float8Tensor:
     """``t [..., R, C]`` with one scale per row (into ``out``'s ``(data, scale)`` when given): one launch on CUDA,
     the recipe's PyTorch ops elsewhere."""
@@ -95,16 +92,10 @@ def quantize_rows(recipe: Float8Recipe, t: Tensor) -> Float8Tensor:
 
 
 def dequantize(q: Float8Tensor, dtype: torch.dtype) -> Tensor:
-    """The rowwise ``q [R, C]`` in ``dtype``: the fp32 products of :meth:`moeblaze.fp8.Float8Tensor.dequantize`,
-    rounded; one launch on CUDA (:func:`moeblaze.kernels.fp8_quant.dequantize_rows_fp8`), elsewhere a block of rows
-    at a time, so the backward's kept ``pre`` never has a whole fp32 copy (twice its 16-bit size) at its peak."""
-    if q.data.is_cuda:
-        return dequantize_rows_fp8(q, dtype)
-    out = torch.empty(q.data.shape, dtype=dtype, device=q.data.device)
-    step = max(1, DEQUANTIZE_ELEMENTS // max(1, q.data.shape[-1]))
-    for r0 in range(0, q.data.shape[0], step):
-        out[r0:r0 + step] = (q.data[r0:r0 + step].float() * q.scale[r0:r0 + step]).to(dtype)
-    return out
+    """The rowwise ``q [R, C]`` (rows expert parallelism received in e4m3) in ``dtype``: the fp32 products of
+    :meth:`moeblaze.fp8.Float8Tensor.dequantize`, rounded; one launch on CUDA
+    (:func:`moeblaze.kernels.fp8_quant.dequantize_rows_fp8`), the recipe's PyTorch ops elsewhere."""
+    return dequantize_rows_fp8(q, dtype) if q.data.is_cuda else q.dequantize(dtype)
 
 
 # ---------------------------------------------------------------- F1

@@ -20,7 +20,7 @@ bytes per element). A transposed view whose rows are a power of two long (``w2^T
 in tiles of 8 rows (0.385 ms against 0.504 in two sweeps of 64 x 64); one of 1,536 (``w1^T``) in two sweeps of
 32 x 64 (0.902 ms against 1.144 held whole, a quarter of each tile masked off).
 
-:func:`dequantize_rows_fp8` is the way back (the backward's kept ``pre``, rows received in e4m3): each e4m3 value
+:func:`dequantize_rows_fp8` is the way back (the rows expert parallelism receives in e4m3): each e4m3 value
 times its row's scale in fp32, rounded once to the 16-bit dtype, as :meth:`moeblaze.fp8.Float8Tensor.dequantize`
 then ``.to(dtype)``; one read of 1 byte and one write of 2 per element, where PyTorch writes an fp32 copy and a
 product first.
