@@ -29,6 +29,8 @@
 #              balance.txt and both metrics.csv (BALANCE_TIMEOUT per run, default 290 s: both runs within 10 minutes)
 #   fp8        the FP8 kernels: pytest -m gpu tests/test_fp8_kernels.py tests/test_fp8.py, then
 #              benchmarks/bench_fp8_kernels.py $FP8_ARGS -> fp8_kernels.csv (FP8_TIMEOUT, default 420 s)
+#   fp8_train  moeblaze train --preset 1b in bf16-mixed, then fp8-mixed ($FP8_TRAIN_STEPS, default 1000; same seed
+#              and batches; FP8_TRAIN_TIMEOUT per run, default 290 s) -> both metrics.csv and fp8-training.png
 #   hf         benchmarks/bench_hf.py $HF_ARGS (default: the transformers Qwen3-MoE with grouped_mm, SonicMoE and
 #              moeblaze, 150 steps; e.g. HF_ARGS="--impls grouped_mm,moeblaze --batch-size 32 --steps 20" for the
 #              peak memory at 32 x 2048 tokens per step), SonicMoE from .peers/ with its QuACK cache
@@ -171,6 +173,16 @@ for stage in "$@"; do
         --labels "aux-free u=1e-3" "switch 0.01" --out "$LOGS/balance.png" ;;
     trq) run tr_quality timeout "${TRAIN_TIMEOUT:-580}" python3 benchmarks/bench_token_rounding.py quality \
           --out-dir "$LOGS/tr_quality" ;;
+    fp8_train)  # issue 59: the 1b preset in bf16-mixed and fp8-mixed, same seed and batches, and both loss curves
+      for precision in bf16-mixed fp8-mixed; do
+        run "train_$precision" timeout "${FP8_TRAIN_TIMEOUT:-290}" python3 -m moeblaze.cli train --preset 1b \
+          --device cuda --precision "$precision" --steps "${FP8_TRAIN_STEPS:-1000}" --seed 1337 --eval-interval 250 \
+          --checkpoint-interval 0 --checkpoint-minutes 0 --no-final-checkpoint --no-progress --overwrite \
+          --out-dir "/tmp/fp8_train/$precision"
+        cp "/tmp/fp8_train/$precision/metrics.csv" "$LOGS/fp8_train_${precision}_metrics.csv"
+      done
+      run fp8_train_plot python3 -m moeblaze.cli plot /tmp/fp8_train/bf16-mixed /tmp/fp8_train/fp8-mixed \
+        --labels bf16-mixed,fp8-mixed --out "$LOGS/fp8-training.png" ;;
     *) echo "unknown stage $stage"; status=2 ;;
   esac
 done
