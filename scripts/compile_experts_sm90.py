@@ -7,13 +7,15 @@ registers, stack frame and local memory (spills) of the cubin Triton built for s
 Pointers and most integers are marked 16-divisible, as Triton specialises them at launch when d and h are
 multiples of 16. Run without TRITON_INTERPRET:
 
-    env -u TRITON_INTERPRET python scripts/compile_experts_sm90.py [bf16|fp16|fp32] [--tuned] [--tf32]
+    env -u TRITON_INTERPRET python scripts/compile_experts_sm90.py [bf16|fp16|fp32|fp8] [--tuned] [--tf32]
 
 For the figures of the GPU runs' triton (3.6) run it under that version, e.g. ``PYTHONPATH=src
 /tmp/t36/bin/python scripts/compile_experts_sm90.py`` in a venv with ``triton==3.6.0`` and a CPU torch: register
 allocation differs between triton versions (triton 3.9 and 3.6 gave other stack frames).
 
 ``--tf32`` (with fp32): the TF32 variants (``DOT_PREC="tf32"``, F1's ``act`` and B1's ``dpre`` stored rounded).
+``fp8``: the FP8 layer's variants (e4m3 operands, bf16 outputs; F1 writing the kept ``pre`` in e4m3; the activation
+backward reading it and writing B3's e4m3 ``dpre``).
 """
 
 from __future__ import annotations
@@ -87,6 +89,9 @@ def compile_one(fn, ptr_types, consts, num_warps, num_stages, label):
 
 def main() -> None:
     dt = next((a for a in sys.argv[1:] if not a.startswith("--")), "bf16")
+    if dt == "fp8":
+        compile_fp8("--tuned" in sys.argv)
+        return
     tuned = "--tuned" in sys.argv
     T = f"*{dt}"
     kind = "fixed32" if dt == "fp32" else ("tuned16" if tuned else "fixed16")
@@ -98,7 +103,7 @@ def main() -> None:
     base = dict(GATHER_A=False, SCATTER_C=False, SCALE_C=False, EPILOGUE=PLAIN, ACTIVATION=0, DUAL=False,
                 STORE_PRE=False, STORE_AUX=False, DOT_PREC=prec, EVEN_K=True, EVEN_N=True,
                 BLOCK_M=128, stride_a_k=1, stride_b_k=1, A_DESC=False, B_DESC=NONE, HAS_BIAS=False, PRE_STEP=1,
-                TF32_ACT=False)
+                TF32_ACT=False, FP8=False, PRE_FP8=0)
     code = ACTIVATION_CODES
     k_contig_b = dict(stride_b_k=None, stride_b_n=1)
     variants = {
@@ -145,14 +150,14 @@ def main() -> None:
                 continue
             compile_one(grouped_wgrad_kernel, wg_ptrs, {**consts, **cfg.kwargs}, cfg.num_warps,
                         cfg.num_stages, f"wgrad {name} {cfg.kwargs} w{cfg.num_warps} s{cfg.num_stages}")
-    rows_ptrs = dict(dact_ptr=T, pre_ptr=T, dpre_ptr=T, scale_ptr="*fp32", dtw_ptr="*fp32", limit_ptr="*i32",
-                     alpha="fp32", limit="fp32")
+    rows_ptrs = dict(dact_ptr=T, pre_ptr=T, pre_s_ptr="*fp32", dpre_ptr=T, scale_ptr="*fp32", dtw_ptr="*fp32",
+                     limit_ptr="*i32", dpre_q_ptr=T, dpre_s_ptr="*fp32", alpha="fp32", limit="fp32", tiny="fp32")
     for act, step, limited in (("swiglu", 1, False), ("silu", 1, False), ("swiglu_clamped", 2, True),
                                ("gelu_tanh", 1, False), ("relu2", 1, True)):
         for cfg in act_bwd_configs(kind):
             compile_one(act_bwd_rows_kernel, rows_ptrs,
                         dict(ACTIVATION=code[act], STORE_PART=True, STORE_WACT=True, PRE_STEP=step,
-                             HAS_LIMIT=limited, TF32_DPRE=tf32, **cfg.kwargs), cfg.num_warps,
+                             HAS_LIMIT=limited, TF32_DPRE=tf32, **ACT_BWD_16BIT, **cfg.kwargs), cfg.num_warps,
                         cfg.num_stages, f"act_bwd {act} step={step} limit={limited} {cfg.kwargs} w{cfg.num_warps}")
     for limited, csr in ((False, False), (True, False), (False, True)):
         for cfg in gather_sum_configs(kind):
@@ -169,6 +174,47 @@ def main() -> None:
         cfg = triton.Config({"BLOCK_S": 32, "BLOCK_D": 128}, num_warps=4, num_stages=1)
         compile_one(segment_sum_kernel, seg_ptrs, dict(GATHER=gather, SCALE=gather, **cfg.kwargs), cfg.num_warps,
                     cfg.num_stages, f"bias grad gather={gather} {cfg.kwargs} w{cfg.num_warps}")
+
+
+ACT_BWD_16BIT = dict(QUANT=False, POW2=False, PRE_E4M3=False, PRE_TILE=1, QMAX=448.0)  # act_bwd's FP8 flags off
+
+
+def compile_fp8(tuned: bool) -> None:
+    """The FP8 layer's grouped-GEMM variants (moeblaze.kernels.fp8_experts) and its activation backward."""
+    kind, e4, bf = ("tuned8" if tuned else "fixed8"), "*fp8e4nv", "*bf16"
+    ptrs = dict(a_ptr=e4, b_ptr=e4, c_ptr=bf, aux_ptr=bf, scale_ptr="*fp32", a_scale_ptr="*fp32",
+                b_scale_ptr="*fp32", offsets_ptr="*i32", indices_ptr="*i32", tile_expert_ptr="*i32",
+                tile_row_ptr="*i32", num_tiles_ptr="*i32", bias_ptr=bf, alpha="fp32", limit="fp32")
+    base = dict(GATHER_A=False, SCATTER_C=False, SCALE_C=False, EPILOGUE=PLAIN, ACTIVATION=0, DUAL=False,
+                STORE_PRE=False, STORE_AUX=False, DOT_PREC="tf32", EVEN_K=True, EVEN_N=True, BLOCK_M=128,
+                stride_a_k=1, stride_b_k=1, A_DESC=False, B_DESC=NK, HAS_BIAS=False, PRE_STEP=1, TF32_ACT=False,
+                FP8=True, PRE_FP8=0)
+    f1 = dict(GATHER_A=True, EPILOGUE=ACT_FWD, DUAL=True, STORE_PRE=True, STORE_AUX=True, B_DESC=PAIRED)
+    variants = {  # name: (constexprs, pointer types)
+        "F1 kept pre e4m3": ({**f1, "PRE_FP8": 1}, {"c_ptr": e4}),
+        "F1 kept pre e4m3, pow2 scales, gelu, odd": ({**f1, "DUAL": False, "ACTIVATION": ACTIVATION_CODES["gelu"],
+                                                      "B_DESC": NK, "PRE_FP8": 2, "EVEN_N": False}, {"c_ptr": e4}),
+        "F1 pre in bf16 (save=input)": ({**f1, "STORE_AUX": False}, {}),
+        "F2": ({"A_DESC": True}, {}),
+        "F2 K=1 scatter": ({"SCATTER_C": True, "SCALE_C": True, "EVEN_N": False}, {}),
+        "B1": ({"GATHER_A": True}, {}),
+        "B3": ({"A_DESC": True}, {}),
+    }
+    for name, (v, types) in variants.items():
+        consts = {**base, **v}
+        for cfg in prune_gemm_configs(gemm_configs(kind), {}, DUAL=consts["DUAL"], PRE_FP8=consts["PRE_FP8"]):
+            compile_one(grouped_gemm_kernel, {**ptrs, **types}, {**consts, **cfg.kwargs}, cfg.num_warps,
+                        cfg.num_stages, f"gemm fp8 {name} {cfg.kwargs} w{cfg.num_warps} s{cfg.num_stages}")
+    rows_ptrs = dict(dact_ptr=bf, pre_ptr=e4, pre_s_ptr="*fp32", dpre_ptr=bf, scale_ptr="*fp32", dtw_ptr="*fp32",
+                     limit_ptr="*i32", dpre_q_ptr=e4, dpre_s_ptr="*fp32", alpha="fp32", limit="fp32", tiny="fp32")
+    for act in ("swiglu", "gelu"):
+        for quant in (False, True):
+            for cfg in act_bwd_configs("fixed16"):
+                compile_one(act_bwd_rows_kernel, rows_ptrs,
+                            dict(ACTIVATION=ACTIVATION_CODES[act], STORE_PART=True, STORE_WACT=True, PRE_STEP=1,
+                                 HAS_LIMIT=False, TF32_DPRE=False, QUANT=quant, POW2=False, PRE_E4M3=True,
+                                 PRE_TILE=128, QMAX=448.0, **cfg.kwargs), cfg.num_warps, cfg.num_stages,
+                            f"act_bwd fp8 {act} quant={quant} {cfg.kwargs} w{cfg.num_warps}")
 
 
 def compile_router() -> None:
