@@ -13,6 +13,7 @@ from moeblaze.fp8 import (
     E4M3,
     E4M3_MAX,
     GRANULARITIES,
+    KEPT_TILE,
     Float8Recipe,
     check_fp8_backend,
     quantize_fp8,
@@ -458,7 +459,7 @@ def test_autocast_is_the_call_on_bf16_casts(granularity):
 @pytest.mark.parametrize("save", SAVE_MODES)
 @pytest.mark.parametrize("granularity", GRANULARITIES)
 def test_kept_for_backward_in_e4m3(save, granularity):
-    """pre kept as float8_e4m3fn with fp32 scales for "preact" (N 2h + 8 N ceil(h / B) bytes: 1 x B tiles of each
+    """pre kept as float8_e4m3fn with fp32 scales for "preact" (N 2h + 8 N ceil(h / 64) bytes: 1 x 64 tiles of each
     half, both granularities), x as it came (the layer's input: nothing new), nothing else of the layer's size in 16
     bits."""
     T, d, h, E, K, B = 64, 96, 40, 4, 2, 32
@@ -481,7 +482,7 @@ def test_kept_for_backward_in_e4m3(save, granularity):
                 and t is not inputs["w_down"] and t is not inputs["x"]], "kept in bf16 beyond x and the weights"
     out.float().sum().backward()  # the kept tensors serve the backward
 
-    expect = N * 2 * h + 4 * N * 2 * -(-h // B) if save == "preact" else 0
+    expect = N * 2 * h + 4 * N * 2 * -(-h // KEPT_TILE) if save == "preact" else 0
     got = saved_bytes(lambda: moe_experts(**inputs, backend="torch", save=save, index=index, fp8=recipe),
                       exclude=[*leaves, *index.tensors()])
     assert got == expect
@@ -591,8 +592,6 @@ def test_api_errors():
         return
     with pytest.raises(NotImplementedError, match=r"runs Float8Recipe\('rowwise'\); the blockwise recipe's backward"):
         moe_experts(**inputs, backend="triton", fp8=Float8Recipe("blockwise"))  # the interpreter (conftest)
-    with pytest.raises(NotImplementedError, match=r"keeps pre in 1 x 128 tiles: Float8Recipe\(block_size=64\)"):
-        moe_experts(**inputs, backend="triton", fp8=Float8Recipe(block_size=64))
 
 
 @pytest.mark.parametrize("capability, error", [((8, 0), ValueError), ((8, 9), ValueError),

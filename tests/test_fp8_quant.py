@@ -17,7 +17,23 @@ HAS_CUDA = torch.cuda.is_available()
 pytestmark = pytest.mark.skipif(not HAS_CUDA and os.environ.get("TRITON_INTERPRET") != "1",
                                 reason="Triton kernels need CUDA or TRITON_INTERPRET=1")
 if HAS_CUDA or os.environ.get("TRITON_INTERPRET") == "1":
+    import triton
+    import triton.language as tl
+
     from moeblaze.kernels.fp8_quant import dequantize_rows_fp8, quantize_rows_fp8
+    from moeblaze.kernels.grouped_gemm import _store_e4m3_tiles
+
+    @triton.jit
+    def _tiles_kernel(v_ptr, q_ptr, s_ptr, R, C, tiles, BLOCK_N: tl.constexpr, POW2: tl.constexpr):
+        """F1's kept-pre epilogue helper on rows 0-15 of the ``BLOCK_N`` columns of program ``program_id(0)``."""
+        rows = tl.arange(0, 16)
+        cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        row_mask = rows < R
+        mask = row_mask[:, None] & (cols < C)[None, :]
+        v = tl.load(v_ptr + rows[:, None] * C + cols[None, :], mask=mask, other=0.0)
+        first = tl.program_id(0) * (BLOCK_N // 64)
+        _store_e4m3_tiles(q_ptr + rows[:, None] * C + cols[None, :], s_ptr + rows * tiles + first, v, mask, row_mask,
+                          first, tiles, BLOCK_N, POW2)
 
 
 def _source(shape, dtype, transposed, device):
@@ -202,7 +218,6 @@ def test_gpu_activation_backward_dpre_bitwise_the_kernel(gated, dtype):
 def _kept_pre_case(N, h, gated, device, dtype, tile):
     """The activation backward on a kept e4m3 pre (its tiles' scales) and on that pre's fp32 values: ``(dpre, dtw,
     w act)`` of each."""
-    from moeblaze.fp8 import Float8Recipe
     from moeblaze.kernels.act_bwd import act_bwd_rows
     from moeblaze.kernels.act_math import ACTIVATION_CODES
 
@@ -210,7 +225,7 @@ def _kept_pre_case(N, h, gated, device, dtype, tile):
     width = 2 * h if gated else h
     pre = (torch.randn(N, width, generator=gen) * 3).to(dtype)
     pre[1] = 0.0  # scale 1
-    kept = Float8Recipe("rowwise", tile).quantize_kept(pre, gated)
+    kept = quantize_fp8(pre.view(N, 2 if gated else 1, h), (1, tile))  # Float8Recipe.quantize_kept's tiles
     dact = (torch.randn(N, h, generator=gen)).to(dtype).to(device)
     weights = torch.rand(N, generator=gen).to(device)
     results = []
@@ -242,3 +257,27 @@ def test_gpu_activation_backward_reads_the_kept_e4m3_pre_as_its_fp32_values(gate
     (a, b) = _kept_pre_case(4099, 768, gated, "cuda", torch.bfloat16, 128)
     for x, y in zip(a, b):
         assert torch.equal(x, y)
+
+
+@pytest.mark.parametrize("block_n, cols, pow2", [(128, 130, False), (64, 40, True), (256, 300, False)])
+def test_f1_epilogue_quantizes_each_kept_tile_of_its_output_tile(block_n, cols, pow2):
+    """F1's epilogue helper on output tiles of 64-256 columns, each holding several 1 x 64 kept tiles: the recipe's
+    quantization (scales bitwise, values but the interpreter's known casts); tiles past the row (130 columns: three
+    tiles, a second 128-wide program holding the third and a fourth past the end) write no scale; a zero row gets 1."""
+    if HAS_CUDA:
+        pytest.skip("an interpreter test (CPU tensors); test_fp8_kernels' gpu test runs the epilogue on the device")
+    R = 13
+    v = torch.randn(R, cols, generator=torch.Generator().manual_seed(cols)) * torch.logspace(-3, 3, cols)
+    v[2] = 0.0
+    tiles = -(-cols // 64)
+    q = torch.zeros(R, cols, dtype=E4M3)
+    s = torch.full((R, tiles), -1.0)
+    _tiles_kernel[(-(-cols // block_n),)](v, q, s, R, cols, tiles, BLOCK_N=block_n, POW2=pow2)
+    ref = quantize_fp8(v, (1, 64), pow2)
+    assert torch.equal(s, ref.scale)
+
+    def per_element(scale):
+        return scale.repeat_interleave(64, dim=1)[:, :cols]
+
+    _same(v, q, per_element(s), ref.data, per_element(ref.scale), exact=False)
+    assert (s[2] == 1.0).all()

@@ -173,7 +173,7 @@ class _Float8Experts(torch.autograd.Function):
 
     Saves ``x`` itself, as the 16-bit path does (the router's weight gradient keeps it anyway; B4 runs in 16 bits
     on it), and for ``save="preact"`` ``pre`` in e4m3 tiles (:meth:`moeblaze.fp8.Float8Recipe.quantize_kept`, written
-    so by F1 on the Triton backend): half its 16-bit bytes and a scale per 128 of them. ``"input"``
+    so by F1 on the Triton backend): half its 16-bit bytes and a scale per 64 of them. ``"input"``
     quantizes ``x`` again in backward and runs F1 on it (the forward's ``pre`` bitwise: the quantization is
     deterministic). The weights are kept as given (parameters: nothing new) and cast again in backward (inside
     :func:`moeblaze.fp8.reuse_weights` the cast and the e4m3 copies are made once per parameter version).

@@ -44,7 +44,7 @@ import torch
 from torch import Tensor
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-__all__ = ["E4M3", "E4M3_MAX", "GRANULARITIES", "SCALE_FLOOR", "TRITON_BLOCK_SIZE", "Float8Recipe", "Float8Slots",
+__all__ = ["E4M3", "E4M3_MAX", "GRANULARITIES", "SCALE_FLOOR", "KEPT_TILE", "Float8Recipe", "Float8Slots",
            "Float8Tensor", "quantize_fp8", "quantize_fp8_slots", "slot_tiles", "check_fp8_backend", "check_fp8_recipe",
            "reuse_weights", "weight_copy"]
 
@@ -52,9 +52,9 @@ E4M3 = torch.float8_e4m3fn
 E4M3_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
 GRANULARITIES = ("blockwise", "rowwise")
 SCALE_FLOOR = torch.finfo(torch.float32).tiny  # smallest normal fp32: the floor of a nonzero block's scale
-# the block_size the Triton backend runs: the width of the kept pre's tiles, which F1's epilogue quantizes one output
-# tile of that many columns at a time
-TRITON_BLOCK_SIZE = 128
+# columns of a tile of the pre kept for backward (Float8Recipe.quantize_kept): F1's output tiles (64-256 columns) hold
+# whole ones, so its epilogue quantizes them where it computes them
+KEPT_TILE = 64
 
 
 @dataclass(frozen=True)
@@ -66,8 +66,7 @@ class Float8Recipe:
             Triton kernels run) or ``"blockwise"`` (1 x ``block_size`` activation tiles, ``block_size`` x
             ``block_size`` weight blocks; DeepSeek-V3 §3.3.2; emulated on ``backend="torch"``).
         block_size: B, elements per tile along the reduction dimension (blockwise; and slots per tile of the
-            weight-gradient GEMMs), and per tile of the ``pre`` kept for backward (both granularities:
-            :meth:`quantize_kept`). A power of two >= 16; DeepSeek-V3 and DeepGEMM use 128.
+            weight-gradient GEMMs). A power of two >= 16; DeepSeek-V3 and DeepGEMM use 128.
         pow2_scales: round every scale up to a power of two (exact rescaling, one bit of range less).
 
     Raises:
@@ -100,13 +99,14 @@ class Float8Recipe:
         return quantize_fp8(t, self.row_block(t.shape[-1]), self.pow2_scales)
 
     def quantize_kept(self, pre: Tensor, gated: bool) -> Float8Tensor:
-        """The pre-activation ``pre [N, 2h|h]`` kept for backward (``save="preact"``) in ``1 x B`` tiles along each
-        half, gate and up (``gated``), as DeepSeek-V3 caches the SwiGLU inputs (§3.3.3): ``data [N, 2|1, h]`` (a
-        view of ``[N, 2h|h]``), ``scale [N, 2|1, ceil(h/B)]``. Not a GEMM operand (the activation backward reads
-        it), so its tiles need not span a reduction; the F1 kernel quantizes one tile per output tile of
-        ``B`` columns, where it computes them (:mod:`moeblaze.kernels.fp8_experts`)."""
+        """The pre-activation ``pre [N, 2h|h]`` kept for backward (``save="preact"``) in ``1 x KEPT_TILE`` (64)
+        tiles along each half, gate and up (``gated``), as DeepSeek-V3 caches the SwiGLU inputs in FP8 (§3.3.3):
+        ``data [N, 2|1, h]`` (a view of ``[N, 2h|h]``), ``scale [N, 2|1, ceil(h/64)]``. Not a GEMM operand (the
+        activation backward reads it), so its tiles need not follow the granularity; 64 columns divide every
+        output tile of F1, whose epilogue quantizes them where it computes them (:mod:`moeblaze.kernels.
+        fp8_experts`), 4 bytes of scale per 64 of data."""
         halves = 2 if gated else 1
-        return quantize_fp8(pre.reshape(pre.shape[0], halves, -1), (1, self.block_size), self.pow2_scales)
+        return quantize_fp8(pre.reshape(pre.shape[0], halves, -1), (1, KEPT_TILE), self.pow2_scales)
 
     def quantize_weight(self, w: Tensor, reduce_cols: bool) -> Float8Tensor:
         """A weight ``w [E, rows, cols]``: reduced along ``cols`` (``reduce_cols``, the forward GEMMs: F1 reads
@@ -141,7 +141,7 @@ def check_fp8_backend(backend: str, dtype: torch.dtype, device: torch.device,
             reference's dtype).
         ValueError: the Triton backend on a CUDA device older than Hopper (sm90), naming the device.
         NotImplementedError: the Triton backend with a recipe other than rowwise (its backward kernels do not
-            exist; the torch backend emulates it) or another ``block_size`` than :data:`TRITON_BLOCK_SIZE`.
+            exist; the torch backend emulates it).
     """
     if dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise TypeError(f"fp8 quantizes fp32, fp16 or bf16 x; got {dtype} (run fp64 without fp8)")
@@ -156,9 +156,7 @@ def check_fp8_backend(backend: str, dtype: torch.dtype, device: torch.device,
     if recipe is not None and recipe.granularity != "rowwise":
         raise NotImplementedError(f"fp8 on backend='triton' runs Float8Recipe('rowwise'); the {recipe.granularity} "
                                   "recipe's backward kernels are not written (backend='torch' emulates it)")
-    if recipe is not None and recipe.block_size != TRITON_BLOCK_SIZE:
-        raise NotImplementedError(f"fp8 on backend='triton' keeps pre in 1 x {TRITON_BLOCK_SIZE} tiles: Float8Recipe("
-                                  f"block_size={recipe.block_size}) runs on backend='torch' (its emulation)")
+
 
 
 class Float8Tensor(NamedTuple):

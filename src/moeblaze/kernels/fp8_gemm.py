@@ -154,10 +154,10 @@ def fp8_up_kernel(
         _epilogue_act_fwd(
             pre_ptr=pre_ptr, act_ptr=act_ptr, bias_ptr=bias_ptr, pre_s_ptr=xs_ptr, acc=acc, acc2=acc2, e=e, rows=rows,
             row_mask=row_mask, mask=row_mask[:, None] & n_mask[None, :], offs_n=offs_n, n_mask=n_mask, pid_n=pid_n,
-            num_n=num_n, UP_OFF=UP_OFF, alpha=alpha, limit=limit, stride_pre_m=stride_pre_m,
+            N_COLS=N_COLS, UP_OFF=UP_OFF, alpha=alpha, limit=limit, stride_pre_m=stride_pre_m,
             stride_act_m=stride_act_m, stride_bias_e=stride_bias_e, ACTIVATION=ACTIVATION, DUAL=DUAL,
             STORE_PRE=STORE_PRE, STORE_ACT=STORE_ACT, HAS_BIAS=HAS_BIAS, PRE_STEP=1, TF32_ACT=False,
-            PRE_FP8=PRE_16BIT,
+            PRE_FP8=PRE_16BIT, BLOCK_N=BLOCK_N,
         )
 
 

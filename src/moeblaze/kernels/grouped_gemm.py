@@ -46,7 +46,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ..fp8 import E4M3_MAX, SCALE_FLOOR
+from ..fp8 import E4M3_MAX, KEPT_TILE, SCALE_FLOOR
 from .act_math import act_forward
 from .fp8_quant import row_amax, scale_of, to_e4m3
 from .tf32 import round_tf32_values
@@ -61,10 +61,11 @@ B_DESC_KN = tl.constexpr(2)  # TMA descriptor over B stored [E*k, n]
 B_DESC_PAIRED = tl.constexpr(3)  # as NK, gated F1: one [2, BLOCK_N, BLOCK_K] box holds the gate and up rows
 B_DESC_INTERLEAVED = tl.constexpr(4)  # gated F1, interleaved w_gate_up stored [E*d, 2h]: alternating columns
 # PRE_FP8: how F1 stores pre (EPILOGUE_ACT_FWD); the e4m3 forms are the FP8 layer's kept pre, one scale per row of
-# each 1 x BLOCK_N tile of each half (moeblaze.fp8.Float8Recipe.quantize_kept), into scale_ptr
+# each 1 x KEPT_TILE tile of each half (moeblaze.fp8.Float8Recipe.quantize_kept), into scale_ptr
 PRE_16BIT = tl.constexpr(0)  # in pre_ptr's dtype
 PRE_E4M3 = tl.constexpr(1)  # in e4m3, amax / 448 scales
 PRE_E4M3_POW2 = tl.constexpr(2)  # in e4m3, scales rounded up to powers of two
+_PRE_TILE = tl.constexpr(KEPT_TILE)
 _TINY = tl.constexpr(SCALE_FLOOR)
 _QMAX = tl.constexpr(E4M3_MAX)
 
@@ -211,25 +212,34 @@ def _epilogue_plain(c_ptr, scale_ptr, bias_ptr, acc, e, rows, tokens, mask, offs
 
 
 @triton.jit
-def _store_e4m3_rows(q_ptrs, s_ptrs, v, mask, row_mask, POW2: tl.constexpr):
-    """The tile ``v [BLOCK_M, BLOCK_N]`` (fp32) stored in e4m3 with one scale per row (``s_ptrs [BLOCK_M]``):
-    :func:`moeblaze.fp8.quantize_fp8` of the tile's valid elements, bitwise on a GPU (the quantization kernels'
-    helpers); columns and rows outside ``mask`` are neither counted nor stored."""
+def _store_e4m3_tiles(q_ptrs, s_ptrs, v, mask, row_mask, first_tile, tiles, BLOCK_N: tl.constexpr,
+                      POW2: tl.constexpr):
+    """The output tile ``v [BLOCK_M, BLOCK_N]`` (fp32) stored in e4m3 with one scale per row of each ``1 x
+    KEPT_TILE`` tile in it (``s_ptrs [BLOCK_M]``: its first tile's scales, the next ones following; tiles from
+    ``first_tile`` on, of ``tiles`` in a row): :func:`moeblaze.fp8.quantize_fp8` of the valid elements, bitwise on a
+    GPU (the quantization kernels' helpers); columns and rows outside ``mask`` are neither counted nor stored."""
     v = tl.where(mask, v, 0.0)
-    scale = scale_of(row_amax(v), _TINY, _QMAX, POW2)
-    tl.store(s_ptrs, scale, mask=row_mask)
-    tl.store(q_ptrs, to_e4m3(v, scale[:, None], _QMAX), mask=mask)
+    tile_of_col = (tl.arange(0, BLOCK_N) // _PRE_TILE)[None, :]
+    scales = tl.zeros_like(v)  # each element's tile scale
+    tile_rows = row_mask.to(tl.int32) * 0 + first_tile  # per row (a scalar condition in a mask: not in the interpreter)
+    for j in tl.static_range(BLOCK_N // _PRE_TILE):
+        inside = tile_of_col == j
+        scale = scale_of(row_amax(tl.where(inside, v, 0.0)), _TINY, _QMAX, POW2)
+        tl.store(s_ptrs + j, scale, mask=row_mask & (tile_rows + j < tiles))
+        scales = tl.where(inside, scale[:, None], scales)
+    tl.store(q_ptrs, to_e4m3(v, scales, _QMAX), mask=mask)
 
 
 @triton.jit
 def _epilogue_act_fwd(pre_ptr, act_ptr, bias_ptr, pre_s_ptr, acc, acc2, e, rows, row_mask, mask, offs_n, n_mask,
-                      pid_n, num_n, UP_OFF, alpha, limit, stride_pre_m, stride_act_m, stride_bias_e,
+                      pid_n, N_COLS, UP_OFF, alpha, limit, stride_pre_m, stride_act_m, stride_bias_e,
                       ACTIVATION: tl.constexpr, DUAL: tl.constexpr, STORE_PRE: tl.constexpr,
                       STORE_ACT: tl.constexpr, HAS_BIAS: tl.constexpr, PRE_STEP: tl.constexpr,
-                      TF32_ACT: tl.constexpr, PRE_FP8: tl.constexpr):
+                      TF32_ACT: tl.constexpr, PRE_FP8: tl.constexpr, BLOCK_N: tl.constexpr):
     """``EPILOGUE_ACT_FWD`` (F1): store ``pre`` (gate at ``n * PRE_STEP``, up ``UP_OFF`` further; ``PRE_FP8``: in
-    e4m3, the tile's row scales into ``pre_s_ptr [N, 2|1, num_n]``) and ``act = f(pre)`` (``TF32_ACT``: rounded to
-    TF32, see the module docstring), both from ``pre`` rounded to the 16-bit dtype (of ``act`` with ``PRE_FP8``)."""
+    e4m3, the row scales of its ``1 x KEPT_TILE`` tiles into ``pre_s_ptr [N, 2|1, cdiv(N_COLS, KEPT_TILE)]``) and
+    ``act = f(pre)`` (``TF32_ACT``: rounded to TF32, see the module docstring), both from ``pre`` rounded to the
+    16-bit dtype (of ``act`` with ``PRE_FP8``)."""
     cols = offs_n * PRE_STEP
     if HAS_BIAS:  # bias[e] in pre's column order
         b_ptrs = bias_ptr + e * stride_bias_e + cols
@@ -249,11 +259,14 @@ def _epilogue_act_fwd(pre_ptr, act_ptr, bias_ptr, pre_s_ptr, acc, acc2, e, rows,
             if DUAL:
                 tl.store(pre_ptrs + UP_OFF, up, mask=mask)
         else:
-            s_ptrs = pre_s_ptr + rows * ((2 if DUAL else 1) * num_n) + pid_n
-            _store_e4m3_rows(pre_ptrs, s_ptrs, gate.to(tl.float32), mask, row_mask, PRE_FP8 == PRE_E4M3_POW2)
+            tiles = tl.cdiv(N_COLS, _PRE_TILE)
+            first = pid_n * (BLOCK_N // _PRE_TILE)
+            s_ptrs = pre_s_ptr + rows * ((2 if DUAL else 1) * tiles) + first
+            _store_e4m3_tiles(pre_ptrs, s_ptrs, gate.to(tl.float32), mask, row_mask, first, tiles, BLOCK_N,
+                              PRE_FP8 == PRE_E4M3_POW2)
             if DUAL:
-                _store_e4m3_rows(pre_ptrs + UP_OFF, s_ptrs + num_n, up.to(tl.float32), mask, row_mask,
-                                 PRE_FP8 == PRE_E4M3_POW2)
+                _store_e4m3_tiles(pre_ptrs + UP_OFF, s_ptrs + tiles, up.to(tl.float32), mask, row_mask, first, tiles,
+                                  BLOCK_N, PRE_FP8 == PRE_E4M3_POW2)
     if STORE_ACT:
         act = act_forward(gate.to(tl.float32), up.to(tl.float32), alpha, limit, ACTIVATION)
         if TF32_ACT:
@@ -314,11 +327,11 @@ def _gemm_tile(
     else:  # EPILOGUE_ACT_FWD: c is pre, aux is act
         _epilogue_act_fwd(
             pre_ptr=c_ptr, act_ptr=aux_ptr, bias_ptr=bias_ptr, pre_s_ptr=scale_ptr, acc=acc, acc2=acc2, e=e,
-            rows=rows, row_mask=row_mask, mask=mask, offs_n=offs_n, n_mask=n_mask, pid_n=pid_n, num_n=num_n,
+            rows=rows, row_mask=row_mask, mask=mask, offs_n=offs_n, n_mask=n_mask, pid_n=pid_n, N_COLS=N_COLS,
             UP_OFF=UP_OFF, alpha=alpha, limit=limit,
             stride_pre_m=stride_c_m, stride_act_m=stride_aux_m, stride_bias_e=stride_bias_e,
             ACTIVATION=ACTIVATION, DUAL=DUAL, STORE_PRE=STORE_PRE, STORE_ACT=STORE_AUX, HAS_BIAS=HAS_BIAS,
-            PRE_STEP=PRE_STEP, TF32_ACT=TF32_ACT, PRE_FP8=PRE_FP8,
+            PRE_STEP=PRE_STEP, TF32_ACT=TF32_ACT, PRE_FP8=PRE_FP8, BLOCK_N=BLOCK_N,
         )
 
 
@@ -328,7 +341,7 @@ def grouped_gemm_kernel(
     b_ptr,  # [E, *, *] weight; B[e][k, n] at e*stride_b_e + k*stride_b_k + n*stride_b_n (B_DESC: TMA)
     c_ptr,  # EPILOGUE_PLAIN: [N, N_COLS] or [T, N_COLS] (SCATTER_C); EPILOGUE_ACT_FWD: pre [N, 2h|h] (e4m3: PRE_FP8)
     aux_ptr,  # EPILOGUE_ACT_FWD: act [N, h]; else unused
-    scale_ptr,  # [N] fp32 router weight of each slot (SCALE_C); PRE_FP8: out, [N, 2|1, cdiv(h, BLOCK_N)] fp32 scales of pre
+    scale_ptr,  # [N] fp32 router weight of each slot (SCALE_C); PRE_FP8: out, [N, 2|1, cdiv(h, 64)] fp32 scales of pre
     bias_ptr,  # [E, N_COLS] (EPILOGUE_PLAIN) or [E, 2h|h] (EPILOGUE_ACT_FWD, pre's column order) bias (HAS_BIAS)
     a_scale_ptr,  # FP8: [rows of A] fp32 dequantization scale of each row of A (token rows when GATHER_A)
     b_scale_ptr,  # FP8: [E, N_EXT] fp32 dequantization scale of each weight row along n, row e at e * stride_bs_e

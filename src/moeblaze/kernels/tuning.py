@@ -27,7 +27,7 @@ import torch
 import triton
 
 from .. import settings
-from ..fp8 import TRITON_BLOCK_SIZE
+from ..fp8 import KEPT_TILE
 from ..graphs import capturing
 from . import direct
 
@@ -37,9 +37,9 @@ BLOCK_M_GPU = 128
 BLOCK_M_INTERPRET = 32
 
 
-# The columns of a tile of the FP8 layer's kept pre (moeblaze.fp8.Float8Recipe.quantize_kept at the block_size the
-# Triton backend runs): the BLOCK_N of an F1 launch that writes pre in e4m3 (PRE_FP8 of kernels.grouped_gemm).
-PRE_TILE = TRITON_BLOCK_SIZE
+# The columns of a tile of the FP8 layer's kept pre (moeblaze.fp8.Float8Recipe.quantize_kept): every BLOCK_N of the
+# grouped GEMM's lists is a multiple, so F1 quantizes whole tiles in its epilogue (PRE_FP8 of kernels.grouped_gemm).
+PRE_TILE = KEPT_TILE
 
 
 def interpreting() -> bool:
@@ -171,10 +171,6 @@ def _cfg(num_warps: int, num_stages: int, **kw) -> triton.Config:
     return triton.Config(kw, num_warps=num_warps, num_stages=num_stages)
 
 
-# the interpreter's tile for an F1 that writes pre in e4m3 (PRE_FP8), and for no other launch (prune_gemm_configs)
-_INTERPRET_KEPT_TILE = _cfg(1, 1, BLOCK_N=PRE_TILE, BLOCK_K=64, GROUP_M=4)
-
-
 def _bits(dtype: torch.dtype) -> str:
     """The config lists' name for operands of ``dtype``: ``32`` fp32, ``8`` e4m3, ``16`` fp16 / bf16."""
     return {torch.float32: "32", torch.float8_e4m3fn: "8"}.get(dtype, "16")
@@ -194,13 +190,12 @@ def gemm_configs(kind: str, persistent: str = "auto") -> list[triton.Config]:
     tuned config of each launch).
 
     ``tuned32`` / ``fixed32``: fp32 operands, see :func:`fp32_gemm_configs`. ``tuned8`` / ``fixed8``: e4m3
-    operands, the 16-bit tiles with BLOCK_K 128 (the same bytes per stage). The interpreter's list holds a 64-wide
-    tile and the 128-wide one of an F1 that writes ``pre`` in e4m3 tiles (:func:`prune_gemm_configs` keeps one).
+    operands, the 16-bit tiles with BLOCK_K 128 (the same bytes per stage; not tuned on a GPU yet).
     """
     if kind == "tuned32":
         return fp32_gemm_configs(persistent)
     if kind == "interpret":
-        base = [_cfg(1, 1, BLOCK_N=64, BLOCK_K=64, GROUP_M=4), _INTERPRET_KEPT_TILE]
+        base = [_cfg(1, 1, BLOCK_N=64, BLOCK_K=64, GROUP_M=4)]
     elif kind == "fixed32":  # an IEEE-sized tile (see fp32_gemm_configs), right for TF32 too
         base = [_cfg(8, 2, BLOCK_N=64, BLOCK_K=16, GROUP_M=8)]
     elif kind in ("fixed16", "fixed8"):
@@ -251,15 +246,11 @@ def prune_fp32_tiles(configs, named_args, **kwargs):
 def prune_gemm_configs(configs, named_args, **kwargs):
     """Keep the fp32 tiles of the launch's precision (:func:`prune_fp32_tiles`), and drop ``BLOCK_N = 256``
     for the dual-accumulator (gated F1) launch: two 128x256 fp32 accumulators spill and its pipeline
-    buffers exceed shared memory. An F1 that writes ``pre`` in e4m3 (``PRE_FP8``) quantizes each output tile with
-    one scale per row, so its tiles are the kept tiles' width (``PRE_TILE`` columns); the interpreter's list keeps
-    its 64-wide tile for every other launch."""
+    buffers exceed shared memory."""
     configs = prune_fp32_tiles(configs, named_args, **kwargs)
     dual = kwargs.get("DUAL", named_args.get("DUAL", False))
-    kept = [c for c in configs if not (dual and c.kwargs.get("BLOCK_N", 0) > 128)] or configs
-    if kwargs.get("PRE_FP8", named_args.get("PRE_FP8", 0)):
-        return [c for c in kept if c.kwargs.get("BLOCK_N") == PRE_TILE]
-    return [c for c in kept if c is not _INTERPRET_KEPT_TILE]
+    kept = [c for c in configs if not (dual and c.kwargs.get("BLOCK_N", 0) > 128)]
+    return kept or configs
 
 
 def wgrad_configs(kind: str, persistent: str = "auto") -> list[triton.Config]:
