@@ -28,6 +28,7 @@ from gluon_sm90_compile import resource_usage  # this script's folder: sys.path[
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from moeblaze.fp8 import KEPT_TILE
 from moeblaze.kernels.act_bwd import act_bwd_rows_kernel
 from moeblaze.kernels.act_math import ACTIVATION_CODES
 from moeblaze.kernels.bias_grad import segment_sum_kernel
@@ -213,7 +214,7 @@ def compile_fp8(tuned: bool) -> None:
                 compile_one(act_bwd_rows_kernel, rows_ptrs,
                             dict(ACTIVATION=ACTIVATION_CODES[act], STORE_PART=True, STORE_WACT=True, PRE_STEP=1,
                                  HAS_LIMIT=False, TF32_DPRE=False, QUANT=quant, POW2=False, PRE_E4M3=True,
-                                 PRE_TILE=128, QMAX=448.0, **cfg.kwargs), cfg.num_warps, cfg.num_stages,
+                                 PRE_TILE=KEPT_TILE, QMAX=448.0, **cfg.kwargs), cfg.num_warps, cfg.num_stages,
                             f"act_bwd fp8 {act} quant={quant} {cfg.kwargs} w{cfg.num_warps}")
 
 

@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from moeblaze import build_dispatch, ops_fp8
-from moeblaze.activations import DEFAULT_ACT
+from moeblaze.activations import DEFAULT_ACT, GATED
 from moeblaze.dispatch import with_schedule
-from moeblaze.fp8 import E4M3, Float8Recipe, quantize_fp8
+from moeblaze.fp8 import E4M3, KEPT_TILE, Float8Recipe, quantize_kept
 from moeblaze.kernels import fp8_gemm, tuning
 from moeblaze.kernels.fp8_gemm import down_forward_fp8, fp8_down_slots, fp8_up_forward, up_forward_fp8
 from moeblaze.kernels.grouped_gemm import EPILOGUE_ACT_FWD
@@ -288,8 +288,8 @@ def _f1_pre_both_ways(T, d, h, E, K, activation, pow2, device, dtype, bias=False
     recipe = Float8Recipe("rowwise", pow2_scales=pow2)
     xq, wq = recipe.quantize_rows(x), recipe.quantize_weight(w1, reduce_cols=True)
     sched = with_schedule(index, tuning.block_m(index.num_pairs, E)).schedule.tensors()
-    halves = 2 if activation in ("swiglu", "geglu") else 1
-    scale = torch.full((index.num_pairs, halves, -(-h // tuning.PRE_TILE)), -1.0, device=device)
+    halves = 2 if activation in GATED else 1
+    scale = torch.full((index.num_pairs, halves, -(-h // KEPT_TILE)), -1.0, device=device)
     args = (xq, wq, index.local_offsets, index.expert_token_indices, sched, activation, True, True, dtype,
             inp.get("b_gate_up"), 0.0, 0.0)
     kept, act = fp8_gemm.up_rowwise(*args, keep=(scale, pow2))
@@ -298,24 +298,23 @@ def _f1_pre_both_ways(T, d, h, E, K, activation, pow2, device, dtype, bias=False
 
 
 def _kept_reference(pre16, scale, pow2):
-    return quantize_fp8(pre16.view(*scale.shape[:2], -1), (1, tuning.PRE_TILE), pow2)
+    return quantize_kept(pre16, scale.shape[1] == 2, pow2)
 
 
 @pytest.mark.parametrize("h, activation, pow2, bias", [(200, "swiglu", False, True), (40, "gelu", True, False),
                                                        (256, "swiglu", True, False)])
 def test_f1_writes_the_kept_pre_in_e4m3_tiles(h, activation, pow2, bias):
     """The epilogue's e4m3 pre (``PRE_FP8``) against the recipe's quantization of the pre the kernel writes
-    without it: in the interpreter the two launches run other tiles (128 and 64 columns), whose fp32 sums differ in
-    the last bit, so scales agree to that and each value is its tile's quotient cast to e4m3 but for the
-    interpreter's known casts (test_fp8_quant) and quotients at a rounding tie; act as without it. h 200: a short last
-    tile (masked columns not counted); 40: one tile, not gated; x's first row zero: scale 1 without a bias."""
+    without it (the same tiles, so the same fp32 sums): scales and act bitwise, each value its tile's quotient cast to
+    e4m3 but for the interpreter's known casts (test_fp8_quant: values below e4m3's smallest normal, a carry to a
+    power of two dropped, ties rounded away from zero). h 200: a short last tile (masked columns not counted); 40: one
+    tile, not gated; x's first row zero: scale 1 without a bias."""
     kept, scale, act, pre16, act16 = _f1_pre_both_ways(70, 64, h, 4, 2, activation, pow2, "cpu", torch.float32,
                                                        bias)
     ref = _kept_reference(pre16, scale, pow2)
     assert kept.dtype == E4M3 and kept.shape == pre16.shape
-    assert float((act - act16).abs().max() / act16.abs().max()) <= FP32_SUM_TOL
-    assert torch.allclose(scale, ref.scale, rtol=FP32_SUM_TOL, atol=0.0)
-    tiles = scale.repeat_interleave(tuning.PRE_TILE, dim=-1)[..., :h]
+    assert torch.equal(act, act16) and torch.equal(scale, ref.scale)
+    tiles = scale.repeat_interleave(KEPT_TILE, dim=-1)[..., :h]
     quotient = pre16.view(tiles.shape) / tiles
     g, r = kept.view(tiles.shape).float(), quotient.clamp(-448, 448).to(E4M3).float()
     known = ((r.abs() <= 2.0**-6) | ((torch.frexp(r)[0].abs() == 0.5) & (g == r / 2))

@@ -205,8 +205,8 @@ class _Float8Experts(torch.autograd.Function):
     def backward(ctx, dout):
         x, pre_data, pre_scale, w1, b1, w2, b2, topk_weights, *index_tensors = ctx.saved_tensors
         index = _index_from(index_tensors, *ctx.index_args)
-        recipe, ops, need, act_args, activation = ctx.recipe, ctx.ops, ctx.needs_input_grad, ctx.act_args, \
-            ctx.activation
+        recipe, ops, need, act_args = ctx.recipe, ctx.ops, ctx.needs_input_grad, ctx.act_args
+        activation = ctx.activation
         w1c, w2c = _cast_weight(w1, ctx.dtype), _cast_weight(w2, ctx.dtype)
         if pre_data is None:
             pre, _ = ops.up_forward(recipe, ops.quantize_rows(recipe, x), w1c, index, activation, store_act=False,

@@ -45,8 +45,8 @@ from torch import Tensor
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 __all__ = ["E4M3", "E4M3_MAX", "GRANULARITIES", "SCALE_FLOOR", "KEPT_TILE", "Float8Recipe", "Float8Slots",
-           "Float8Tensor", "quantize_fp8", "quantize_fp8_slots", "slot_tiles", "check_fp8_backend", "check_fp8_recipe",
-           "reuse_weights", "weight_copy"]
+           "Float8Tensor", "quantize_fp8", "quantize_kept", "quantize_fp8_slots", "slot_tiles", "check_fp8_backend",
+           "check_fp8_recipe", "reuse_weights", "weight_copy"]
 
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
@@ -105,8 +105,7 @@ class Float8Recipe:
         activation backward reads it), so its tiles need not follow the granularity; 64 columns divide every
         output tile of F1, whose epilogue quantizes them where it computes them (:mod:`moeblaze.kernels.
         fp8_experts`), 4 bytes of scale per 64 of data."""
-        halves = 2 if gated else 1
-        return quantize_fp8(pre.reshape(pre.shape[0], halves, -1), (1, KEPT_TILE), self.pow2_scales)
+        return quantize_kept(pre, gated, self.pow2_scales)
 
     def quantize_weight(self, w: Tensor, reduce_cols: bool) -> Float8Tensor:
         """A weight ``w [E, rows, cols]``: reduced along ``cols`` (``reduce_cols``, the forward GEMMs: F1 reads
@@ -156,7 +155,6 @@ def check_fp8_backend(backend: str, dtype: torch.dtype, device: torch.device,
     if recipe is not None and recipe.granularity != "rowwise":
         raise NotImplementedError(f"fp8 on backend='triton' runs Float8Recipe('rowwise'); the {recipe.granularity} "
                                   "recipe's backward kernels are not written (backend='torch' emulates it)")
-
 
 
 class Float8Tensor(NamedTuple):
@@ -249,6 +247,12 @@ def quantize_fp8(t: Tensor, block: tuple[int, int], pow2_scales: bool = False) -
     data = _cast(tiles / scale[..., :, None, :, None]).view(*lead, nr * block[0], nc * block[1])
     # a copy where tiles were padded: a view would keep the padded storage alive (and saved for backward)
     return Float8Tensor(data[..., :rows, :cols].contiguous(), scale, (block[0], block[1]))
+
+
+def quantize_kept(pre: Tensor, gated: bool, pow2_scales: bool = False) -> Float8Tensor:
+    """:meth:`Float8Recipe.quantize_kept`: ``pre [N, 2h|h]`` in ``1 x KEPT_TILE`` tiles of each half (gate and up when
+    ``gated``): ``data [N, 2|1, h]`` (a view of ``[N, 2h|h]``), ``scale [N, 2|1, ceil(h/KEPT_TILE)]``."""
+    return quantize_fp8(pre.reshape(pre.shape[0], 2 if gated else 1, -1), (1, KEPT_TILE), pow2_scales)
 
 
 def slot_tiles(offsets: Tensor, num_slots: int, block: int | None) -> tuple[Tensor, int]:

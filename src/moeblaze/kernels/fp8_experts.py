@@ -33,13 +33,13 @@ from torch import Tensor
 
 from ..activations import DEFAULT_ACT, GATED, ActArgs
 from ..dispatch import DispatchIndex
-from ..fp8 import E4M3, Float8Recipe, Float8Tensor, quantize_fp8, weight_copy
+from ..fp8 import E4M3, KEPT_TILE, Float8Recipe, Float8Tensor, quantize_fp8, quantize_kept, weight_copy
 from . import experts as kx
 from .custom_ops import call_op
 from .fp8_gemm import down_rowwise, up_rowwise
 from .fp8_quant import dequantize_rows_fp8, quantize_rows_fp8
 from .launch import grouped_gemm
-from .tuning import PRE_TILE, cdiv
+from .tuning import cdiv
 
 __all__ = ["quantize_rows", "dequantize", "up_forward", "down_forward", "down_backward", "up_backward"]
 
@@ -101,8 +101,8 @@ def dequantize(q: Float8Tensor, dtype: torch.dtype) -> Tensor:
 # ---------------------------------------------------------------- F1
 
 def _kept_scale_shape(N: int, w1: Tensor, activation: str) -> tuple[int, int, int]:
-    """``[N, 2|1, tiles]``: the scales of the kept ``pre``'s ``1 x PRE_TILE`` tiles per half."""
-    return N, 2 if activation in GATED else 1, cdiv(kx.up_widths(w1, activation)[1], PRE_TILE)
+    """``[N, 2|1, tiles]``: the scales of the kept ``pre``'s ``1 x KEPT_TILE`` tiles per half."""
+    return N, 2 if activation in GATED else 1, cdiv(kx.up_widths(w1, activation)[1], KEPT_TILE)
 
 
 def _up_impl(xq, xs, w1, b1, offsets, indices, tile_expert, tile_row, num_tiles, activation, alpha, limit,
@@ -114,7 +114,7 @@ def _up_impl(xq, xs, w1, b1, offsets, indices, tile_expert, tile_row, num_tiles,
                           (tile_expert, tile_row, num_tiles), activation, True, store_act, w1.dtype, b1, alpha, limit,
                           keep=(scale, pow2) if fused else None)
     if keep and not fused:
-        q = quantize_fp8(pre.view(scale.shape[0], scale.shape[1], -1), (1, PRE_TILE), pow2)
+        q = quantize_kept(pre, activation in GATED, pow2)
         pre = q.data.view(pre.shape)
         scale.copy_(q.scale)
     return pre, act, scale
@@ -139,7 +139,7 @@ def up_forward(recipe: Float8Recipe, xq: Float8Tensor, w1: Tensor, index: Dispat
                store_act: bool = True, b1: Tensor | None = None, act_args: ActArgs = DEFAULT_ACT,
                keep: bool = False) -> tuple[Tensor | Float8Tensor, Tensor | None]:
     """F1 (:func:`moeblaze.ops_fp8.up_forward`): ``(pre [N, 2h|h], act [N, h] | None)`` in ``w1``'s dtype; with
-    ``keep`` ``pre`` as kept for backward, e4m3 in ``1 x PRE_TILE`` tiles per half
+    ``keep`` ``pre`` as kept for backward, e4m3 in ``1 x KEPT_TILE`` tiles per half
     (:meth:`moeblaze.fp8.Float8Recipe.quantize_kept` of the 16-bit ``pre``; on CUDA written so by F1's epilogue: no
     16-bit ``pre`` exists), ``act`` from the 16-bit ``pre``."""
     if act_args.interleaved:
@@ -147,7 +147,7 @@ def up_forward(recipe: Float8Recipe, xq: Float8Tensor, w1: Tensor, index: Dispat
     pre, act, scale = call_op(_up_op, _up_impl, xq.data, xq.scale, w1, b1, *_index_args(index), activation,
                               act_args.alpha, act_args.limit, store_act, recipe.pow2_scales, keep)
     if keep:
-        pre = Float8Tensor(pre.view(*scale.shape[:2], -1), scale, (1, PRE_TILE))
+        pre = Float8Tensor(pre.view(*scale.shape[:2], -1), scale, (1, KEPT_TILE))
     return pre, (act if store_act else None)
 
 
@@ -193,7 +193,7 @@ def _down_backward_impl(dout, pre, pre_scale, w2, b2, topk_weights, offsets, ind
     quant = (pre, dpre_scale.view(-1), pow2) if kept and _fuses_dpre(dpre_scale, dout) else None
     dw2, dtw = kx.act_bwd_b2(dout, dact, pre, w2, b2, topk_weights, offsets, indices, token_index_map,
                              token_expert_indices, activation, alpha, limit, interleaved, foreign, need_dw, need_dtw,
-                             general, dw_dtype, quant, dpre=dpre, pre_scale=pre_scale, pre_tile=PRE_TILE)
+                             general, dw_dtype, quant, dpre=dpre, pre_scale=pre_scale, pre_tile=KEPT_TILE)
     return (dpre if kept else kx._empty(dout)), dw2, dtw
 
 
@@ -310,9 +310,10 @@ def up_backward(recipe: Float8Recipe, dpre: Tensor, x: Tensor, w1: Tensor, index
                 need_dx: bool, need_dw: bool, *, dw_dtype: torch.dtype | None = None,
                 reuse: Float8Tensor | None = None, quantized: bool = False) -> tuple[Tensor | None, Tensor | None]:
     """B3 in FP8 with the B5 combine (``dx [T, d]`` in ``dpre``'s dtype) and B4 in 16 bits on the layer's ``x``
-    (:func:`moeblaze.ops_fp8.up_backward`): ``(dx | None, dw1 | None)``. ``reuse``: the kept e4m3 ``pre`` (rowwise,
-    dpre's shape), dead after the activation backward: B3's e4m3 ``dpre`` is written into it (``N 2h`` bytes less
-    at the backward's peak); autograd sees the change, so a second backward through the graph raises.
+    (:func:`moeblaze.ops_fp8.up_backward`): ``(dx | None, dw1 | None)``. ``reuse``: ``[N, 2h|h]`` e4m3 in the kept
+    ``pre``'s storage (dead after the activation backward) with a scale per row: B3's e4m3 ``dpre`` is written into
+    it (``N 2h`` bytes less at the backward's peak); autograd sees the change, so a second backward through the
+    graph raises.
     ``quantized``: ``reuse`` was :func:`down_backward`'s ``dpre_q``, which on CUDA holds B3's e4m3 ``dpre``
     already (no quantization here)."""
     kept = (reuse.data, reuse.scale) if reuse is not None and need_dx else (None, None)

@@ -359,9 +359,9 @@ def up_rowwise(xq: Float8Tensor, w1q: Float8Tensor, offsets: Tensor, indices: Te
                keep: tuple[Tensor, bool] | None = None) -> tuple[Tensor, Tensor]:
     """F1 of the rowwise recipe on the grouped GEMM (:func:`up_forward_fp8`, from the index's tensors): ``(pre,
     act)`` in ``out_dtype``, an output not asked for an empty tensor. ``keep = (scale, pow2)``: ``pre`` comes in e4m3,
-    quantized by the epilogue in ``1 x PRE_TILE`` tiles per half (:meth:`moeblaze.fp8.Float8Recipe.quantize_kept` of
+    quantized by the epilogue in ``1 x KEPT_TILE`` tiles per half (:meth:`moeblaze.fp8.Float8Recipe.quantize_kept` of
     the ``out_dtype`` values; ``pow2``: its power-of-two scales), their scales written into ``scale [N, 2|1,
-    cdiv(h, PRE_TILE)]`` fp32."""
+    cdiv(h, KEPT_TILE)]`` fp32."""
     check_activation(activation)
     rows, h = kx.up_widths(w1q.data, activation)
     N = indices.numel()

@@ -246,12 +246,9 @@ def _epilogue_act_fwd(pre_ptr, act_ptr, bias_ptr, pre_s_ptr, acc, acc2, e, rows,
         acc += tl.load(b_ptrs, mask=n_mask, other=0.0).to(tl.float32)[None, :]
         if DUAL:
             acc2 += tl.load(b_ptrs + UP_OFF, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    if PRE_FP8 == PRE_16BIT:
-        gate = acc.to(pre_ptr.dtype.element_ty)
-        up = acc2.to(pre_ptr.dtype.element_ty)
-    else:
-        gate = acc.to(act_ptr.dtype.element_ty)
-        up = acc2.to(act_ptr.dtype.element_ty)
+    # act's dtype: pre's own (act_ptr is pre_ptr when act is not stored), the 16-bit one when pre is e4m3
+    gate = acc.to(act_ptr.dtype.element_ty)
+    up = acc2.to(act_ptr.dtype.element_ty)
     pre_ptrs = pre_ptr + rows[:, None] * stride_pre_m + cols[None, :]
     if STORE_PRE:
         if PRE_FP8 == PRE_16BIT:

@@ -12,6 +12,7 @@ import functools
 import torch
 import triton
 
+from ..fp8 import KEPT_TILE
 from . import direct, tuning
 from .act_bwd import ZERO_TAIL
 from .grouped_gemm import (
@@ -28,7 +29,6 @@ from .grouped_gemm import (
 )
 from .tf32 import padded_slot_rows, round_tf32, tf32_copy
 from .tuning import (
-    PRE_TILE,
     Launchable,
     cdiv,
     gemm_configs,
@@ -175,7 +175,7 @@ def _check_fp8(a, b, b_nk: bool, a_scale, b_scale, E: int) -> None:
 def _check_pre_fp8(c, aux, pre_scale, n_cols, dual, pre_step, epilogue, store_pre, store_aux) -> None:
     """F1 writing ``pre`` in e4m3 tiles: ``c`` e4m3 ``[N, 2h|h]``, ``act`` in 16 bits beside it, ``pre_scale`` as
     :func:`grouped_gemm` says."""
-    shape = (c.shape[0], 2 if dual else 1, cdiv(n_cols, PRE_TILE))
+    shape = (c.shape[0], 2 if dual else 1, cdiv(n_cols, KEPT_TILE))
     if (epilogue != EPILOGUE_ACT_FWD.value or not (store_pre and store_aux) or pre_step != 1
             or c.dtype != torch.float8_e4m3fn or aux is None or aux.dtype == c.dtype):
         raise ValueError("grouped_gemm: pre_scale is F1's e4m3 pre (EPILOGUE_ACT_FWD, pre and act stored, gate and up "
@@ -216,7 +216,7 @@ def grouped_gemm(a, b, c, offsets, indices, sched, *, b_nk, n_cols, k_dim, gathe
     ``a_scale``/``b_scale`` (e4m3 ``a`` and ``b``, the rowwise FP8 recipe): ``[rows of a]`` and ``[E, n]`` fp32
     dequantization scales, ``b`` stored ``[E, n, k]`` (``b_nk``, K-major as the e4m3 tensor cores read it).
     ``pre_scale`` (F1 of the FP8 layer: ``c`` is ``pre`` in e4m3, ``aux`` ``act`` in 16 bits): ``[N, 2|1,
-    cdiv(n_cols, PRE_TILE)]`` fp32, contiguous, the scales of ``pre``'s ``1 x PRE_TILE`` tiles per half
+    cdiv(n_cols, KEPT_TILE)]`` fp32, contiguous, the scales of ``pre``'s ``1 x KEPT_TILE`` tiles per half
     (:meth:`moeblaze.fp8.Float8Recipe.quantize_kept`), written by the epilogue (``PRE_FP8``; ``pre_pow2``: powers of
     two).
     ``sched``: ``(tile_expert, tile_row_start, num_tiles)`` of a tile schedule for ``block_m(N, E)`` (N slots,

@@ -27,7 +27,6 @@ import torch
 import triton
 
 from .. import settings
-from ..fp8 import KEPT_TILE
 from ..graphs import capturing
 from . import direct
 
@@ -35,11 +34,6 @@ from . import direct
 # autotuner; it is part of the GEMM's autotune key, so each bucket tunes its own configs.
 BLOCK_M_GPU = 128
 BLOCK_M_INTERPRET = 32
-
-
-# The columns of a tile of the FP8 layer's kept pre (moeblaze.fp8.Float8Recipe.quantize_kept): every BLOCK_N of the
-# grouped GEMM's lists is a multiple, so F1 quantizes whole tiles in its epilogue (PRE_FP8 of kernels.grouped_gemm).
-PRE_TILE = KEPT_TILE
 
 
 def interpreting() -> bool:
