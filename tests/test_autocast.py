@@ -246,6 +246,30 @@ def test_activation_checkpointing_under_autocast_equals_the_plain_step(backend, 
     assert all(p.grad.dtype == torch.float32 for p in m.parameters())
 
 
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=interpreted)])
+@pytest.mark.parametrize("save", SAVE_MODES)
+def test_fp8_under_activation_checkpointing_equals_the_plain_step(backend, save):
+    """The FP8 layer (rowwise recipe) under ``torch.utils.checkpoint`` (non-reentrant): the recomputed forward keeps
+    ``pre`` in e4m3 again, the backward writes B3's e4m3 ``dpre`` into that recomputed copy, and the output and every
+    gradient are bitwise the plain step's. ``torch`` (the emulation): fp32 weights under bf16 autocast; ``triton``
+    (the interpreter): fp32."""
+    torch.manual_seed(0)
+    m = moeblaze.MoE(32, 16, 4, 2, save=save, backend=backend, fp8=moeblaze.Float8Recipe())
+    x = torch.randn(24, 32)
+    runs = []
+    for ckpt in (False, True):
+        xi = x.clone().requires_grad_(True)
+        m.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=backend == "torch"):
+            out = torch.utils.checkpoint.checkpoint(m, xi, use_reentrant=False) if ckpt else m(xi)
+            loss = out.float().square().sum() + m.aux_loss
+        loss.backward()
+        runs.append([out, xi.grad] + [p.grad for p in m.parameters()])
+    for a, b in zip(*runs):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in m.parameters())
+
+
 @pytest.mark.parametrize("setting,expected", [("highest", "ieee"), ("high", "tf32"), ("medium", "tf32")])
 def test_fp32_dot_precision_follows_torch(setting, expected):
     before = torch.get_float32_matmul_precision()
