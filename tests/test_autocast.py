@@ -231,19 +231,25 @@ def test_activation_checkpointing_under_autocast_equals_the_plain_step(backend, 
     and fp32 gradients."""
     torch.manual_seed(0)
     m = moeblaze.MoE(16, 8, 4, 2, save=save, backend=backend, aux_loss_coef=0.01)
-    x = torch.randn(24, 16)
+    _check_checkpointed_step(m, torch.randn(24, 16), dtype)
+    assert all(p.grad.dtype == torch.float32 for p in m.parameters())
+
+
+def _check_checkpointed_step(m, x, dtype, autocast=True):
+    """One step of ``m`` on ``x`` plain and under ``torch.utils.checkpoint`` (non-reentrant), under
+    ``torch.autocast(dtype)`` when ``autocast``: the output and every gradient bitwise equal (the last step's gradients
+    stay on the parameters)."""
     runs = []
     for ckpt in (False, True):
         xi = x.clone().requires_grad_(True)
         m.zero_grad(set_to_none=True)
-        with torch.autocast("cpu", dtype=dtype):
+        with torch.autocast("cpu", dtype=dtype, enabled=autocast):
             out = torch.utils.checkpoint.checkpoint(m, xi, use_reentrant=False) if ckpt else m(xi)
             loss = out.float().square().sum() + m.aux_loss
         loss.backward()
         runs.append([out, xi.grad] + [p.grad for p in m.parameters()])
     for a, b in zip(*runs):
         assert a.dtype == b.dtype and torch.equal(a, b)
-    assert all(p.grad.dtype == torch.float32 for p in m.parameters())
 
 
 @pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=interpreted)])
@@ -255,18 +261,7 @@ def test_fp8_under_activation_checkpointing_equals_the_plain_step(backend, save)
     (the interpreter): fp32."""
     torch.manual_seed(0)
     m = moeblaze.MoE(32, 16, 4, 2, save=save, backend=backend, fp8=moeblaze.Float8Recipe())
-    x = torch.randn(24, 32)
-    runs = []
-    for ckpt in (False, True):
-        xi = x.clone().requires_grad_(True)
-        m.zero_grad(set_to_none=True)
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=backend == "torch"):
-            out = torch.utils.checkpoint.checkpoint(m, xi, use_reentrant=False) if ckpt else m(xi)
-            loss = out.float().square().sum() + m.aux_loss
-        loss.backward()
-        runs.append([out, xi.grad] + [p.grad for p in m.parameters()])
-    for a, b in zip(*runs):
-        assert a.dtype == b.dtype and torch.equal(a, b)
+    _check_checkpointed_step(m, torch.randn(24, 32), torch.bfloat16, autocast=backend == "torch")
     assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in m.parameters())
 
 
