@@ -39,15 +39,16 @@ DIV16 = [["tt.divisibility", 16]]  # what the JIT specialises a 16-byte aligned 
 
 
 def _desc(dtype: str, block: list[int]) -> str:
-    layout = gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16 if dtype == "bf16" else gl.float16)
+    layout = gl.NVMMASharedLayout.get_default_for(block, {"bf16": gl.bfloat16, "fp16": gl.float16,
+                                                          "fp8e4nv": gl.float8e4nv}[dtype])
     return f"tensordesc<{dtype}[{block[0]}, {block[1]}],{layout!r}>"
 
 
-def _compile(fn, sig: dict, consts: dict, divisible: list[str], max_regs: int):
+def _compile(fn, sig: dict, consts: dict, divisible: list[str], max_regs: int, num_warps: int = 8):
     names = list(sig)
     src = GluonASTSource(fn, sig, {(names.index(k),): v for k, v in consts.items()},
                          {(names.index(n),): DIV16 for n in divisible})
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8, "maxnreg": max_regs})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps, "maxnreg": max_regs})
 
 
 def variants():
@@ -80,6 +81,16 @@ def variants():
                _compile(gm.ws_gemm_kernel, sig, consts, ["c_ptr", "offsets_ptr", "tile_expert_ptr", "tile_row_ptr",
                                                          "num_tiles_ptr", "K_DIM", "N_COLS", "N_EXT", "stride_c_m"],
                         wg.MAX_REGS))
+    f8 = importlib.import_module("mbk.fp8_ws_gemm")
+    cfg = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, NUM_STAGES=4, GROUP_M=8)  # launch.WS_GEMM_FP8_CONFIG
+    sig = {"a_desc": _desc("fp8e4nv", [128, 128]), "w_desc": _desc("fp8e4nv", [128, 128]), "c_ptr": "*bf16",
+           "a_scale_ptr": "*fp32", "w_scale_ptr": "*fp32", "offsets_ptr": "*i32", "tile_expert_ptr": "*i32",
+           "tile_row_ptr": "*i32", "num_tiles_ptr": "*i32", "A_ROWS": "i32", "K_DIM": "i32", "N_COLS": "i32",
+           "N_EXT": "i32", "N_START": "i32", "stride_c_m": "i32", "stride_ws_e": "i32"}
+    sig.update(dict.fromkeys(cfg, "constexpr"))
+    yield ("fp8_ws_gemm", _compile(f8.fp8_ws_gemm_kernel, sig, cfg, [
+        "c_ptr", "a_scale_ptr", "w_scale_ptr", "offsets_ptr", "tile_expert_ptr", "tile_row_ptr", "num_tiles_ptr",
+        "K_DIM", "N_COLS", "N_EXT", "stride_c_m", "stride_ws_e"], f8.MAX_REGS, num_warps=4))
 
 
 def resource_usage(cubin: bytes) -> str:

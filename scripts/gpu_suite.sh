@@ -29,6 +29,8 @@
 #              balance.txt and both metrics.csv (BALANCE_TIMEOUT per run, default 290 s: both runs within 10 minutes)
 #   fp8        the FP8 kernels: pytest -m gpu tests/test_fp8_kernels.py tests/test_fp8.py, then
 #              benchmarks/bench_fp8_kernels.py $FP8_ARGS -> fp8_kernels.csv (FP8_TIMEOUT, default 420 s)
+#   fp8_ws     tests/test_ws_kernels.py -k fp8 (the Gluon FP8 GEMM against the Triton kernel, bitwise), then
+#              benchmarks/bench_ws.py --fp8 --check at $FP8_WS_SHAPES (Qwen3-30B-A3B and OLMoE-1B-7B, T 32,768) -> ws.csv
 #   fp8_train  moeblaze train --preset 1b in bf16-mixed, then fp8-mixed ($FP8_TRAIN_STEPS, default 1000; same seed
 #              and batches; FP8_TRAIN_TIMEOUT per run, default 290 s) -> both metrics.csv and fp8-training.png
 #   hf         benchmarks/bench_hf.py $HF_ARGS (default: the transformers Qwen3-MoE with grouped_mm, SonicMoE and
@@ -152,6 +154,11 @@ for stage in "$@"; do
         tests/test_fp8_kernels.py tests/test_fp8.py tests/test_fp8_quant.py tests/test_fp8_baseline.py
       # shellcheck disable=SC2086
       run bench_fp8 timeout "${FP8_TIMEOUT:-420}" python3 benchmarks/bench_fp8_kernels.py ${FP8_ARGS:-} --out "$LOGS/fp8_kernels.csv" ;;
+    fp8_ws)  # the Gluon FP8 GEMM (F2, B3): its tests, then it against the Triton kernel and the bf16 kernels
+      MOEBLAZE_AUTOTUNE=0 run fp8_ws_tests timeout "${TESTS_TIMEOUT:-420}" python3 -m pytest -m gpu -q -rfEs \
+        -p no:cacheprovider tests/test_ws_kernels.py -k "fp8"
+      run bench_fp8_ws timeout "${FP8_TIMEOUT:-420}" python3 benchmarks/bench_ws.py --fp8 --check \
+        --shapes "${FP8_WS_SHAPES:-32768:2048:768:128:8,32768:2048:1024:64:8}" --out "$LOGS/ws.csv" ;;
     rounding) run bench_rounding python3 benchmarks/bench_token_rounding.py rounding --out "$LOGS/rounding.csv" ;;
     hf)
       sonic_peers

@@ -252,11 +252,12 @@ def grouped_gemm(a, b, c, offsets, indices, sched, *, b_nk, n_cols, k_dim, gathe
     max_tiles = sched[0].numel()
     if max_tiles != cdiv(N, bm) + E:
         raise ValueError(f"grouped_gemm: the tile schedule has {max_tiles} entries; expected one for BLOCK_M={bm}")
-    plain = (epilogue == EPILOGUE_PLAIN.value and not (gather_a or scatter_c or dual or tf32 or fp8) and scale is None
+    plain = (epilogue == EPILOGUE_PLAIN.value and not (gather_a or scatter_c or dual or tf32) and scale is None
              and bias is None and aux is None and up_shift_b is None and b_mode is None and weight_desc)
     ws = plain and bm == WS_GEMM_CONFIG["BLOCK_M"] and ws_gemm_ok(a, b, c, b_nk, k_dim)
-    if ws and _ws_gemm_pays(max_tiles, n_cols, a.device):
-        grouped_gemm_ws(a, b, c, offsets, sched, b_nk=b_nk, n_cols=n_cols, k_dim=k_dim, n_start=n_start or 0)
+    if ws and _ws_gemm_pays(max_tiles, n_cols, a.device, fp8):
+        grouped_gemm_ws(a, b, c, offsets, sched, b_nk=b_nk, n_cols=n_cols, k_dim=k_dim, n_start=n_start or 0,
+                        a_scale=a_scale, b_scale=b_scale)
         return
     aux = aux if aux is not None else c
     scale_c = scale is not None
@@ -361,14 +362,17 @@ def ws_wgrad_ok(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> boo
 
 @functools.cache
 def _nvmma_layout(box: tuple[int, ...], dtype: torch.dtype):
-    """The shared-memory layout ``wgmma`` reads a 16-bit ``box`` in (the same for every launch of a box and dtype)."""
+    """The shared-memory layout ``wgmma`` reads a ``box`` of 16-bit or e4m3 values in (the same for every launch of a
+    box and dtype)."""
     from triton.experimental.gluon import language as gl
 
-    return gl.NVMMASharedLayout.get_default_for(list(box), gl.bfloat16 if dtype == torch.bfloat16 else gl.float16)
+    el = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float8_e4m3fn: gl.float8e4nv}[dtype]
+    return gl.NVMMASharedLayout.get_default_for(list(box), el)
 
 
 def _tma_desc(t: torch.Tensor, box: list[int]):
-    """A host TMA descriptor over the rows of 16-bit ``t`` (aligned: :func:`_rows_aligned`), ``box`` per copy."""
+    """A host TMA descriptor over the rows of 16-bit or e4m3 ``t`` (aligned: :func:`_rows_aligned`), ``box`` per
+    copy."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     return TensorDescriptor.from_tensor(t, box, _nvmma_layout(tuple(box), t.dtype))
@@ -405,9 +409,13 @@ def grouped_wgrad_ws(a, b, out, offsets, indices, *, gather_a: bool, config: dic
 # The warp-specialized GEMM's configuration: the 128 x 256 tile and 64-column steps of the Triton kernels' best
 # configs, 3 stages (3 x 48 KiB) plus the 64 KiB output tile. BLOCK_M: it runs schedules of the large M tile only.
 WS_GEMM_CONFIG = {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "NUM_STAGES": 3, "GROUP_M": 8}
+# Its FP8 form (kernels/fp8_ws_gemm.py): a 128 x 128 tile, two warp groups of 64 rows each holding a 64 x 128 fp32
+# accumulator and its partial sums (128 registers per thread); 128-column steps, the promotion interval of the
+# e4m3 sums (DeepSeek-V3 §3.3.2); 4 stages (4 x 32 KiB) plus the 32 KiB output tile.
+WS_GEMM_FP8_CONFIG = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 128, "NUM_STAGES": 4, "GROUP_M": 8}
 
 
-def _ws_gemm_pays(max_tiles: int, n_cols: int, device: torch.device) -> bool:
+def _ws_gemm_pays(max_tiles: int, n_cols: int, device: torch.device, fp8: bool = False) -> bool:
     """The warp-specialized GEMM gets at least 12 output tiles per SM.
 
     Why: persistent, it needs several tiles per CTA to overlap a tile's store with the next one's MMAs, and each of
@@ -418,14 +426,19 @@ def _ws_gemm_pays(max_tiles: int, n_cols: int, device: torch.device) -> bool:
     SM). At 2k-4k tokens the eager layer step is bound by host time (2.3-3.7 ms per layer step on H200s,
     ``benchmarks/bench_host.py``), where a GPU gain of 1-4% of F2 and B3 is worth less than the launches' host time.
     """
-    return max_tiles * cdiv(n_cols, WS_GEMM_CONFIG["BLOCK_N"]) >= 12 * num_programs(device)
+    block_n = (WS_GEMM_FP8_CONFIG if fp8 else WS_GEMM_CONFIG)["BLOCK_N"]
+    return max_tiles * cdiv(n_cols, block_n) >= 12 * num_programs(device)
 
 
 def ws_gemm_ok(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, b_nk: bool, k_dim: int) -> bool:
     """:func:`grouped_gemm_ws` can serve a plain slot-row GEMM ``c = a @ b[e]``: :func:`.tuning.ws_enabled`,
-    16-bit operands and output of one dtype, a contiguous weight ``[E, n, k]`` (``b_nk``) or ``[E, k, n]``,
-    ``k_dim`` a multiple of 64 (whole TMA boxes along k, never into the next expert's weight) and aligned rows."""
-    if a.dtype not in (torch.float16, torch.bfloat16) or not (b.dtype == c.dtype == a.dtype):
+    16-bit operands and output of one dtype (or e4m3 operands, a weight ``[E, n, k]`` and a 16-bit output), a
+    contiguous weight ``[E, n, k]`` (``b_nk``) or ``[E, k, n]``, ``k_dim`` a multiple of 64 (whole TMA boxes along
+    k, never into the next expert's weight) and aligned rows."""
+    if a.dtype == torch.float8_e4m3fn:
+        if not b_nk or b.dtype != a.dtype or c.dtype not in (torch.float16, torch.bfloat16):
+            return False
+    elif a.dtype not in (torch.float16, torch.bfloat16) or not (b.dtype == c.dtype == a.dtype):
         return False
     if not tuning.ws_enabled(a.device) or k_dim % 64 or a.shape[1] != k_dim or not b.is_contiguous():
         return False
@@ -433,19 +446,33 @@ def ws_gemm_ok(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, b_nk: bool, k_
 
 
 def grouped_gemm_ws(a, b, c, offsets, sched, *, b_nk: bool, n_cols: int, k_dim: int, n_start: int = 0,
-                    config: dict | None = None) -> None:
+                    config: dict | None = None, a_scale=None, b_scale=None) -> None:
     """Launch :func:`moeblaze.kernels.ws_gemm.ws_gemm_kernel` (check :func:`ws_gemm_ok` first): ``c[s, :n_cols] =
-    a[s] @ W[e][:, n_start:n_start + n_cols]`` over the tile schedule ``sched`` of ``BLOCK_M`` (128) rows.
-    ``config``: overrides of :data:`WS_GEMM_CONFIG` (block-size sweeps)."""
-    from .ws_gemm import ws_gemm_kernel
-    from .ws_wgrad import MAX_REGS
-
-    cfg = {**WS_GEMM_CONFIG, **(config or {})}
+    a[s] @ W[e][:, n_start:n_start + n_cols]`` over the tile schedule ``sched`` of ``BLOCK_M`` (128) rows; e4m3
+    ``a`` and ``b`` with their rowwise scales ``a_scale [rows]`` and ``b_scale [E, n]`` (:func:`_check_fp8`) on
+    :func:`moeblaze.kernels.fp8_ws_gemm.fp8_ws_gemm_kernel`. ``config``: overrides of :data:`WS_GEMM_CONFIG` or
+    :data:`WS_GEMM_FP8_CONFIG` (block-size sweeps)."""
+    fp8 = a.dtype == torch.float8_e4m3fn
+    cfg = {**(WS_GEMM_FP8_CONFIG if fp8 else WS_GEMM_CONFIG), **(config or {})}
     E, n_ext = b.shape[0], b.shape[1 if b_nk else 2]
     a_desc = _tma_desc(a, [cfg["BLOCK_M"], cfg["BLOCK_K"]])
     w_box = [cfg["BLOCK_N"], cfg["BLOCK_K"]] if b_nk else [cfg["BLOCK_K"], cfg["BLOCK_N"]]
     w_desc = _tma_desc(b.reshape(E * b.shape[1], b.shape[2]), w_box)
     tiles = sched[0].numel() * cdiv(n_cols, cfg["BLOCK_N"])
+    if fp8:
+        from .fp8_ws_gemm import MAX_REGS as FP8_REGS
+        from .fp8_ws_gemm import fp8_ws_gemm_kernel
+
+        direct.launch(fp8_ws_gemm_kernel, (min(tiles, num_programs(a.device)),),
+            a_desc=a_desc, w_desc=w_desc, c_ptr=c, a_scale_ptr=a_scale, w_scale_ptr=b_scale, offsets_ptr=offsets,
+            tile_expert_ptr=sched[0], tile_row_ptr=sched[1], num_tiles_ptr=sched[2], A_ROWS=a.shape[0], K_DIM=k_dim,
+            N_COLS=n_cols, N_EXT=n_ext, N_START=n_start, stride_c_m=c.stride(0), stride_ws_e=b_scale.stride(0),
+            **cfg, num_warps=4, maxnreg=FP8_REGS,
+        )
+        return
+    from .ws_gemm import ws_gemm_kernel
+    from .ws_wgrad import MAX_REGS
+
     direct.launch(ws_gemm_kernel, (min(tiles, num_programs(a.device)),),
         a_desc=a_desc, w_desc=w_desc, c_ptr=c, offsets_ptr=offsets, tile_expert_ptr=sched[0], tile_row_ptr=sched[1],
         num_tiles_ptr=sched[2], K_DIM=k_dim, N_COLS=n_cols, N_EXT=n_ext, N_START=n_start, stride_c_m=c.stride(0),

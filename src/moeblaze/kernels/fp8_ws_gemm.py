@@ -1,0 +1,135 @@
+"""Warp-specialized FP8 grouped GEMM over slot rows for Hopper (sm90), in Gluon: F2 and B3 of the FP8 layer.
+
+``C[s, n] = a_scale[s] * w_scale[e, n] * sum_k A[s, k] W[e][n, k]`` for the slots ``s`` of an M-tile of expert
+``e``, A and W in e4m3 under the rowwise recipe (:mod:`moeblaze.fp8`; W stored ``[E, n, k]``, K-major as the e4m3
+tensor cores read it: F2's ``w_down``, B3's transposed ``w_gate_up`` copy), C in 16 bits, one column chunk
+``[N_START, N_START + N_COLS)`` of W's n extent at a time. The operands come by TMA; nothing is gathered.
+
+Why a kernel of its own: Hopper's e4m3 MMA adds its products into an accumulator of fewer bits than fp32, so the
+sums are promoted into an fp32 accumulator every 128 products (DeepSeek-V3 §3.3.2; without it the 1B preset
+trained to 1.333 bits/byte against bf16-mixed's 1.277, docs/results-fp8-train.csv). In the Triton kernel
+(:mod:`moeblaze.kernels.grouped_gemm`, ``FP8``) that promotion is an add of the tensor cores' partial sums that
+waits for them, so the tensor cores idle while a k-step's adds run: its four e4m3 GEMMs took 6.83 ms of a Qwen3-
+30B-A3B layer step promoted against 4.59 unpromoted (H200, ``python3 benchmarks/profile_layer.py --configs
+qwen3-30b-a3b --impls moeblaze-fp8 --kernels``, docs/results-fp8-profile.csv). Here the 128-row tile is split
+between two mma partitions of one warp group each (rows 0-63 and 64-127), as DeepGEMM's two math warp groups: each
+waits for its own ``wgmma`` and adds its partial sums while the other's ``wgmma`` keeps the tensor cores busy.
+
+  mma      (4 warps, default; 4 warps, worker)  ``wgmma`` of 64 rows x ``BLOCK_N`` over one stage into fresh
+                               partial sums, waited for, added to the fp32 accumulator; after the last stage the
+                               accumulator times the row and weight-row scales, rounded into its half of
+                               ``c_smem``
+  loader   (2 warps)           the A box ``[BLOCK_M, BLOCK_K]`` and the weight box ``[BLOCK_N, BLOCK_K]`` by TMA,
+                               ``NUM_STAGES`` deep (:func:`moeblaze.kernels.ws_gemm._loader`; a stage is free once
+                               both mma partitions have used it)
+  epilogue (2 warps)           ``c_smem`` to ``C``, rows past the expert's last slot masked
+                               (:func:`moeblaze.kernels.ws_gemm._epilogue`)
+
+The sums are those of the Triton kernel's promoted main loop, in its order (each 128-product partial sum of the
+tensor cores added to the accumulator in k order, then ``acc * a_scale * w_scale``), so the two agree bitwise where
+the tensor cores sum a k-step alike. Conditions (:func:`moeblaze.kernels.launch.ws_gemm_ok`): an sm90 GPU,
+triton 3.6, e4m3 operands with a K-major weight, a 16-bit output, the 128-row tile schedule, 16-byte aligned rows.
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
+
+from .ws_gemm import _epilogue, _loader, _tile
+from .ws_wgrad import EPILOGUE_WARPS, LOADER_WARPS
+
+MMA_WARPS: gl.constexpr = gl.constexpr(4)  # one warp group per half of the 128-row tile
+# 12 warps: 168 registers each at launch (65536 / 384). The loader and the epilogue give theirs down to 88, the
+# worker mma warp group takes 208 and the default one the rest (216): a 64 x 128 fp32 accumulator and its partial
+# sums are 128 registers per thread.
+MAX_REGS = 168
+MMA_REGS: gl.constexpr = gl.constexpr(232)
+IO_REGS: gl.constexpr = gl.constexpr(24)
+
+
+@gluon.jit
+def _mma(scales, sched, smem, bars, dims, HALF: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+         BLOCK_K: gl.constexpr, NUM_STAGES: gl.constexpr, GROUP_M: gl.constexpr):
+    """Rows ``HALF * BLOCK_M / 2 ..`` of each tile: the promoted sum over the stages, scaled, into ``c_smem``."""
+    a_scale_ptr, w_scale_ptr, A_ROWS, stride_ws_e = scales
+    tile_expert_ptr, tile_row_ptr, offsets_ptr, num_tiles_ptr = sched
+    a_bufs, w_bufs, c_smem = smem
+    ready, empty, c_ready, c_empty = bars
+    K_DIM, N_COLS, N_EXT, N_START, stride_c_m = dims
+    ROWS: gl.constexpr = BLOCK_M // 2
+    layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[MMA_WARPS, 1],
+                                                     instr_shape=[16, BLOCK_N, 32])
+    zero = gl.zeros((ROWS, BLOCK_N), dtype=gl.float32, layout=layout)
+    r_in = gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
+    c_in = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
+    num_tiles = gl.load(num_tiles_ptr)
+    num_n = gl.cdiv(N_COLS, BLOCK_N)
+    it = 0  # k-steps consumed so far: stage it % NUM_STAGES, phase (it // NUM_STAGES) & 1
+    for i_tile in range(gl.cdiv(num_tiles * num_n - gl.program_id(0), gl.num_programs(0))):
+        t = gl.program_id(0) + i_tile * gl.num_programs(0)
+        pid_n, e, row0, row_end = _tile(t, num_tiles, num_n, tile_expert_ptr, tile_row_ptr, offsets_ptr, GROUP_M)
+        acc = zero
+        for _k in range(0, K_DIM, BLOCK_K):
+            s = it % NUM_STAGES
+            mbarrier.wait(ready.index(s), (it // NUM_STAGES) & 1)
+            a = a_bufs.index(s).slice(HALF * ROWS, ROWS, dim=0)
+            w = w_bufs.index(s).permute((1, 0))  # [BLOCK_N, BLOCK_K] rows n -> K-major [BLOCK_K, BLOCK_N]
+            part = warpgroup_mma(a, w, zero, use_acc=False, is_async=True)
+            part = warpgroup_mma_wait(0, deps=(part,))
+            mbarrier.arrive(empty.index(s), count=1)  # this half is done with the stage
+            acc = acc + part  # the promotion: fp32 adds while the other half's wgmma runs
+            it += 1
+        rows = row0 + HALF * ROWS + r_in
+        cols = N_START + pid_n * BLOCK_N + c_in
+        a_scale = gl.load(a_scale_ptr + rows, mask=rows < A_ROWS, other=0.0)
+        w_scale = gl.load(w_scale_ptr + e.to(gl.int64) * stride_ws_e + cols, mask=cols < N_START + N_COLS, other=0.0)
+        acc = acc * a_scale[:, None] * w_scale[None, :]
+        mbarrier.wait(c_empty.index(0), (i_tile & 1) ^ 1)
+        c_smem.slice(HALF * ROWS, ROWS, dim=0).store(acc.to(c_smem.dtype))
+        mbarrier.arrive(c_ready.index(0), count=1)
+
+
+@gluon.jit
+def fp8_ws_gemm_kernel(
+    a_desc,  # TMA descriptor over the [A_ROWS, K_DIM] e4m3 slot rows (act for F2, dpre for B3), box [BLOCK_M, BLOCK_K]
+    w_desc,  # TMA descriptor over the e4m3 weight rows [E * N_EXT, K_DIM], box [BLOCK_N, BLOCK_K]
+    c_ptr,  # [A_ROWS, >= N_COLS] 16-bit output slot rows (y for F2, dx_slots for B3), unit column stride
+    a_scale_ptr,  # [A_ROWS] fp32 dequantization scale of each slot row
+    w_scale_ptr,  # [E, N_EXT] fp32 dequantization scale of each weight row, row e at e * stride_ws_e
+    offsets_ptr,  # [E+1] int32 expert_token_offsets
+    tile_expert_ptr,  # [max_tiles] int32 expert of each M-tile
+    tile_row_ptr,  # [max_tiles] int32 first slot of each M-tile
+    num_tiles_ptr,  # [1] int32 valid M-tiles
+    A_ROWS, K_DIM, N_COLS, N_EXT, N_START,  # slot rows; reduction length; output columns; weight rows per expert; first
+    stride_c_m, stride_ws_e,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, NUM_STAGES: gl.constexpr,
+    GROUP_M: gl.constexpr,
+):
+    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [NUM_STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
+    w_bufs = gl.allocate_shared_memory(w_desc.dtype, [NUM_STAGES, BLOCK_N, BLOCK_K], w_desc.layout)
+    c_dtype: gl.constexpr = c_ptr.dtype.element_ty
+    c_smem = gl.allocate_shared_memory(c_dtype, [BLOCK_M, BLOCK_N],
+                                       gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], c_dtype))
+    ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    c_ready = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+    c_empty = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(NUM_STAGES):
+        mbarrier.init(ready.index(i), count=1)  # the loader's expect: one arrival with both boxes' bytes
+        mbarrier.init(empty.index(i), count=2)  # both mma halves
+    mbarrier.init(c_ready.index(0), count=2)
+    mbarrier.init(c_empty.index(0), count=1)
+
+    scales = (a_scale_ptr, w_scale_ptr, A_ROWS, stride_ws_e)
+    sched = (tile_expert_ptr, tile_row_ptr, offsets_ptr, num_tiles_ptr)
+    smem = (a_bufs, w_bufs, c_smem)
+    bars = (ready, empty, c_ready, c_empty)
+    dims = (K_DIM, N_COLS, N_EXT, N_START, stride_c_m)
+    gl.warp_specialize([
+        (_mma, (scales, sched, smem, bars, dims, 0, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, GROUP_M)),
+        (_mma, (scales, sched, smem, bars, dims, 1, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, GROUP_M)),
+        (_loader, ((a_desc, w_desc), sched, smem, bars, dims, True, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, GROUP_M)),
+        (_epilogue, (c_ptr, sched, smem, bars, dims, BLOCK_M, BLOCK_N, GROUP_M)),
+    ], [MMA_WARPS, LOADER_WARPS, EPILOGUE_WARPS], [MMA_REGS, IO_REGS, IO_REGS])
