@@ -6,7 +6,8 @@ gradients) through ``launch.grouped_wgrad``, once as the launchers choose (the G
 triton 3.6) and once with ``launch.ws_gemm_ok`` / ``launch.ws_wgrad_ok`` replaced by False (the Triton kernels,
 autotuned); ``--fp8`` adds F2 and B3 on e4m3 operands under the rowwise recipe (the FP8 layer's: row scales of
 ``act`` / ``dpre`` and of the weight rows; B3 on the transposed ``w_gate_up`` copy, K-major as e4m3 ``wgmma`` reads
-it), whose Gluon kernel is ``kernels/fp8_ws_gemm.py``; their flops are counted as the bf16 steps'. Each is timed as a
+it) and B1 (``dout[token] @ w_down[e]``, its rows gathered, on the transposed ``w_down`` copy), whose Gluon kernel is
+``kernels/fp8_ws_gemm.py``; their flops are counted as the bf16 steps'. Each is timed as a
 CUDA-graph replay (``triton.testing.do_bench``, median), so the host's
 launch time is out of the figure; ``--check`` also compares both with the float64 sums on the first shape. One CSV row
 per kernel and shape.
@@ -82,8 +83,21 @@ def _steps(T, d, h, E, K, gen, fp8=False):
     if fp8:
         (aq, as_), (wq, ws_), (dq, ds), (gq, gs) = (_rows(t) for t in (act, w_down, dpre, w_gate_up.transpose(1, 2)))
         deq = lambda q, s: q.double() * s.double()[..., None]  # noqa: E731
+        (oq, os_), (vq, vs) = _rows(dout), _rows(w_down.transpose(1, 2))  # B1: dout rows gathered, w_down^T [E, h, d]
+
+        def b1():
+            out = torch.empty(N, h, device="cuda", dtype=torch.bfloat16)
+            launch.grouped_gemm(oq, vq, out, off, ind, sched, b_nk=True, n_cols=h, k_dim=d, gather_a=True,
+                                a_scale=os_, b_scale=vs)
+            return out
+
+        def ref_b1():
+            od, vd = deq(oq, os_)[ind.long()], deq(vq, vs)
+            return torch.cat([od[bounds[e]:bounds[e + 1]] @ vd[e].T for e in range(E)])
+
         steps = [("F2-fp8", "ws_gemm_ok", gemm(aq, wq, True, h, (as_, ws_)),
                   lambda: ref_gemm(deq(aq, as_), deq(wq, ws_).transpose(1, 2)), 2 * N * h * d),
+                 ("B1-fp8", "ws_gemm_ok", b1, ref_b1, 2 * N * h * d),
                  ("B3-fp8", "ws_gemm_ok", gemm(dq, gq, True, 2 * h, (ds, gs)),
                   lambda: ref_gemm(deq(dq, ds), deq(gq, gs).transpose(1, 2)), 4 * N * h * d)]
     return steps + [

@@ -83,14 +83,19 @@ def variants():
                         wg.MAX_REGS))
     f8 = importlib.import_module("mbk.fp8_ws_gemm")
     cfg = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, NUM_STAGES=4, GROUP_M=8)  # launch.WS_GEMM_FP8_CONFIG
-    sig = {"a_desc": _desc("fp8e4nv", [128, 128]), "w_desc": _desc("fp8e4nv", [128, 128]), "c_ptr": "*bf16",
-           "a_scale_ptr": "*fp32", "w_scale_ptr": "*fp32", "offsets_ptr": "*i32", "tile_expert_ptr": "*i32",
-           "tile_row_ptr": "*i32", "num_tiles_ptr": "*i32", "A_ROWS": "i32", "K_DIM": "i32", "N_COLS": "i32",
-           "N_EXT": "i32", "N_START": "i32", "stride_c_m": "i32", "stride_ws_e": "i32"}
-    sig.update(dict.fromkeys(cfg, "constexpr"))
-    yield ("fp8_ws_gemm", _compile(f8.fp8_ws_gemm_kernel, sig, cfg, [
-        "c_ptr", "a_scale_ptr", "w_scale_ptr", "offsets_ptr", "tile_expert_ptr", "tile_row_ptr", "num_tiles_ptr",
-        "K_DIM", "N_COLS", "N_EXT", "stride_c_m", "stride_ws_e"], f8.MAX_REGS, num_warps=4))
+    for gather_a in (False, True):
+        sig = {"a_desc": "constexpr" if gather_a else _desc("fp8e4nv", [128, 128]), "a_ptr": "*fp8e4nv",
+               "w_desc": _desc("fp8e4nv", [128, 128]), "c_ptr": "*bf16", "a_scale_ptr": "*fp32", "w_scale_ptr": "*fp32",
+               "offsets_ptr": "*i32", "indices_ptr": "*i32", "tile_expert_ptr": "*i32", "tile_row_ptr": "*i32",
+               "num_tiles_ptr": "*i32", "A_ROWS": "i32", "K_DIM": "i32", "N_COLS": "i32", "N_EXT": "i32",
+               "N_START": "i32", "stride_c_m": "i32", "stride_ws_e": "i32", "stride_a_t": "i32",
+               "GATHER_A": "constexpr"}
+        consts = {**cfg, "GATHER_A": gather_a, **({"a_desc": None} if gather_a else {})}
+        sig.update(dict.fromkeys(cfg, "constexpr"))
+        yield (f"fp8_ws_gemm gather_a={gather_a}", _compile(f8.fp8_ws_gemm_kernel, sig, consts, [
+            "a_ptr", "c_ptr", "a_scale_ptr", "w_scale_ptr", "offsets_ptr", "indices_ptr", "tile_expert_ptr",
+            "tile_row_ptr", "num_tiles_ptr", "K_DIM", "N_COLS", "N_EXT", "stride_c_m", "stride_ws_e", "stride_a_t"],
+            f8.MAX_REGS, num_warps=4))
 
 
 def resource_usage(cubin: bytes) -> str:

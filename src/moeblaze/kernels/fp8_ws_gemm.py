@@ -1,9 +1,11 @@
-"""Warp-specialized FP8 grouped GEMM over slot rows for Hopper (sm90), in Gluon: F2 and B3 of the FP8 layer.
+"""Warp-specialized FP8 grouped GEMM over slot rows for Hopper (sm90), in Gluon: F2, B1 and B3 of the FP8 layer.
 
-``C[s, n] = a_scale[s] * w_scale[e, n] * sum_k A[s, k] W[e][n, k]`` for the slots ``s`` of an M-tile of expert
-``e``, A and W in e4m3 under the rowwise recipe (:mod:`moeblaze.fp8`; W stored ``[E, n, k]``, K-major as the e4m3
-tensor cores read it: F2's ``w_down``, B3's transposed ``w_gate_up`` copy), C in 16 bits, one column chunk
-``[N_START, N_START + N_COLS)`` of W's n extent at a time. The operands come by TMA; nothing is gathered.
+``C[s, n] = a_scale[r] * w_scale[e, n] * sum_k A[r, k] W[e][n, k]`` for the slots ``s`` of an M-tile of expert
+``e``, where ``r`` is the slot itself (F2's ``act``, B3's ``dpre``) or, ``GATHER_A``, its token (B1's ``dout``
+rows, ``r = indices[s]``); A and W in e4m3 under the rowwise recipe (:mod:`moeblaze.fp8`; W stored ``[E, n, k]``,
+K-major as the e4m3 tensor cores read it: F2's ``w_down``, B1's and B3's transposed copies of ``w_down`` and
+``w_gate_up``), C in 16 bits, one column chunk ``[N_START, N_START + N_COLS)`` of W's n extent at a time. W comes by
+TMA, A by TMA or, gathered, by 16-byte cp.async of its token rows (as :mod:`moeblaze.kernels.ws_wgrad` gathers).
 
 Why a kernel of its own: Hopper's e4m3 MMA adds its products into an accumulator of fewer bits than fp32, so the
 sums are promoted into an fp32 accumulator every 128 products (DeepSeek-V3 §3.3.2; without it the 1B preset
@@ -21,7 +23,8 @@ waits for its own ``wgmma`` and adds its partial sums while the other's ``wgmma`
                                ``c_smem``
   loader   (2 warps)           the A box ``[BLOCK_M, BLOCK_K]`` and the weight box ``[BLOCK_N, BLOCK_K]`` by TMA,
                                ``NUM_STAGES`` deep (:func:`moeblaze.kernels.ws_gemm._loader`; a stage is free once
-                               both mma partitions have used it)
+                               both mma partitions have used it); ``GATHER_A``: the A rows of the tile's slots by
+                               cp.async (:func:`_gather_loader`), rows past the expert's last slot zero-filled
   epilogue (2 warps)           ``c_smem`` to ``C``, rows past the expert's last slot masked
                                (:func:`moeblaze.kernels.ws_gemm._epilogue`)
 
@@ -35,25 +38,68 @@ from __future__ import annotations
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import (
+    async_copy,
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
 
 from .ws_gemm import _epilogue, _loader, _tile
 from .ws_wgrad import EPILOGUE_WARPS, LOADER_WARPS
 
 MMA_WARPS: gl.constexpr = gl.constexpr(4)  # one warp group per half of the 128-row tile
-# 12 warps: 168 registers each at launch (65536 / 384). The loader and the epilogue give theirs down to 88, the
-# worker mma warp group takes 208 and the default one the rest (216): a 64 x 128 fp32 accumulator and its partial
-# sums are 128 registers per thread.
+# 12 warps: 168 registers each at launch (65536 / 384). The loader and the epilogue give theirs down to 88 and both
+# mma warp groups get 208 (the default partition the rest): a 64 x 128 fp32 accumulator and its partial sums are 128
+# per thread. Built for sm_90 by scripts/gluon_sm90_compile.py (triton 3.6): no stack frame with these, 16 and 472
+# bytes (the gathering loader) with 232 / 24.
 MAX_REGS = 168
-MMA_REGS: gl.constexpr = gl.constexpr(232)
-IO_REGS: gl.constexpr = gl.constexpr(24)
+MMA_REGS: gl.constexpr = gl.constexpr(208)
+IO_REGS: gl.constexpr = gl.constexpr(88)
 
 
 @gluon.jit
-def _mma(scales, sched, smem, bars, dims, HALF: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-         BLOCK_K: gl.constexpr, NUM_STAGES: gl.constexpr, GROUP_M: gl.constexpr):
+def _gather_loader(gather, w_desc, sched, smem, bars, dims, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                   BLOCK_K: gl.constexpr, NUM_STAGES: gl.constexpr, GROUP_M: gl.constexpr):
+    """Fill stage ``s``: the weight box by TMA, the tile's token rows of A by cp.async; both complete ``ready[s]``."""
+    a_ptr, indices_ptr, A_ROWS, stride_a_t = gather
+    tile_expert_ptr, tile_row_ptr, offsets_ptr, num_tiles_ptr = sched
+    a_bufs, w_bufs, c_smem = smem
+    ready, empty, c_ready, c_empty = bars
+    K_DIM, N_COLS, N_EXT, N_START, stride_c_m = dims
+    # 2 warps, 16 contiguous e4m3 values (one 16-byte cp.async) per thread and row, 8 rows per pass
+    layout: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [LOADER_WARPS, 1], [1, 0])
+    r_in = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
+    ks = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, layout))
+    num_tiles = gl.load(num_tiles_ptr)
+    num_n = gl.cdiv(N_COLS, BLOCK_N)
+    it = 0  # k-steps issued so far: stage it % NUM_STAGES, phase (it // NUM_STAGES) & 1
+    for i_tile in range(gl.cdiv(num_tiles * num_n - gl.program_id(0), gl.num_programs(0))):
+        t = gl.program_id(0) + i_tile * gl.num_programs(0)
+        pid_n, e, row0, row_end = _tile(t, num_tiles, num_n, tile_expert_ptr, tile_row_ptr, offsets_ptr, GROUP_M)
+        slots = row0 + r_in
+        in_expert = slots < row_end
+        tokens = gl.load(indices_ptr + slots, mask=in_expert, other=0)
+        rows = a_ptr + tokens.to(gl.int64)[:, None] * stride_a_t
+        for k in range(0, K_DIM, BLOCK_K):
+            s = it % NUM_STAGES
+            mbarrier.wait(empty.index(s), ((it // NUM_STAGES) & 1) ^ 1)  # passes at once on the first round
+            bar = ready.index(s)
+            mbarrier.expect(bar, w_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(w_desc, [e * N_EXT + N_START + pid_n * BLOCK_N, k], bar, w_bufs.index(s))
+            mask = in_expert[:, None] & ((k + ks) < K_DIM)[None, :]
+            async_copy.async_copy_global_to_shared(a_bufs.index(s), rows + (k + ks)[None, :], mask=mask)
+            async_copy.mbarrier_arrive(bar, increment_count=False)
+            it += 1
+
+
+@gluon.jit
+def _mma(scales, sched, smem, bars, dims, HALF: gl.constexpr, GATHER_A: gl.constexpr, BLOCK_M: gl.constexpr,
+         BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, NUM_STAGES: gl.constexpr, GROUP_M: gl.constexpr):
     """Rows ``HALF * BLOCK_M / 2 ..`` of each tile: the promoted sum over the stages, scaled, into ``c_smem``."""
-    a_scale_ptr, w_scale_ptr, A_ROWS, stride_ws_e = scales
+    a_scale_ptr, w_scale_ptr, indices_ptr, A_ROWS, stride_ws_e = scales
     tile_expert_ptr, tile_row_ptr, offsets_ptr, num_tiles_ptr = sched
     a_bufs, w_bufs, c_smem = smem
     ready, empty, c_ready, c_empty = bars
@@ -74,6 +120,8 @@ def _mma(scales, sched, smem, bars, dims, HALF: gl.constexpr, BLOCK_M: gl.conste
         for _k in range(0, K_DIM, BLOCK_K):
             s = it % NUM_STAGES
             mbarrier.wait(ready.index(s), (it // NUM_STAGES) & 1)
+            if GATHER_A:
+                fence_async_shared()  # the gathered rows came by cp.async (generic proxy); wgmma reads the async one
             a = a_bufs.index(s).slice(HALF * ROWS, ROWS, dim=0)
             w = w_bufs.index(s).permute((1, 0))  # [BLOCK_N, BLOCK_K] rows n -> K-major [BLOCK_K, BLOCK_N]
             part = warpgroup_mma(a, w, zero, use_acc=False, is_async=True)
@@ -83,7 +131,11 @@ def _mma(scales, sched, smem, bars, dims, HALF: gl.constexpr, BLOCK_M: gl.conste
             it += 1
         rows = row0 + HALF * ROWS + r_in
         cols = N_START + pid_n * BLOCK_N + c_in
-        a_scale = gl.load(a_scale_ptr + rows, mask=rows < A_ROWS, other=0.0)
+        if GATHER_A:  # the scale of each slot's token row
+            a_rows = gl.load(indices_ptr + rows, mask=rows < A_ROWS, other=0)
+        else:
+            a_rows = rows
+        a_scale = gl.load(a_scale_ptr + a_rows, mask=rows < A_ROWS, other=0.0)
         w_scale = gl.load(w_scale_ptr + e.to(gl.int64) * stride_ws_e + cols, mask=cols < N_START + N_COLS, other=0.0)
         acc = acc * a_scale[:, None] * w_scale[None, :]
         mbarrier.wait(c_empty.index(0), (i_tile & 1) ^ 1)
@@ -93,22 +145,27 @@ def _mma(scales, sched, smem, bars, dims, HALF: gl.constexpr, BLOCK_M: gl.conste
 
 @gluon.jit
 def fp8_ws_gemm_kernel(
-    a_desc,  # TMA descriptor over the [A_ROWS, K_DIM] e4m3 slot rows (act for F2, dpre for B3), box [BLOCK_M, BLOCK_K]
+    a_desc,  # TMA descriptor over the [A_ROWS, K_DIM] e4m3 slot rows (act for F2, dpre for B3), box [BLOCK_M, BLOCK_K]; None if GATHER_A
+    a_ptr,  # GATHER_A: [T, K_DIM] e4m3 token rows (dout for B1), row t at t * stride_a_t, unit column stride
     w_desc,  # TMA descriptor over the e4m3 weight rows [E * N_EXT, K_DIM], box [BLOCK_N, BLOCK_K]
-    c_ptr,  # [A_ROWS, >= N_COLS] 16-bit output slot rows (y for F2, dx_slots for B3), unit column stride
-    a_scale_ptr,  # [A_ROWS] fp32 dequantization scale of each slot row
+    c_ptr,  # [N, >= N_COLS] 16-bit output slot rows (y for F2, dact for B1, dx_slots for B3), unit column stride
+    a_scale_ptr,  # [rows of A] fp32 dequantization scale of each row of A (token rows if GATHER_A)
     w_scale_ptr,  # [E, N_EXT] fp32 dequantization scale of each weight row, row e at e * stride_ws_e
     offsets_ptr,  # [E+1] int32 expert_token_offsets
+    indices_ptr,  # [N] int32 expert_token_indices (slot -> token; GATHER_A)
     tile_expert_ptr,  # [max_tiles] int32 expert of each M-tile
     tile_row_ptr,  # [max_tiles] int32 first slot of each M-tile
     num_tiles_ptr,  # [1] int32 valid M-tiles
-    A_ROWS, K_DIM, N_COLS, N_EXT, N_START,  # slot rows; reduction length; output columns; weight rows per expert; first
-    stride_c_m, stride_ws_e,
+    A_ROWS, K_DIM, N_COLS, N_EXT, N_START,  # slots N; reduction length; output columns; weight rows per expert; first
+    stride_c_m, stride_ws_e, stride_a_t,
+    GATHER_A: gl.constexpr,  # A's rows are the slots' tokens, gathered by cp.async; else slot rows by TMA
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, NUM_STAGES: gl.constexpr,
     GROUP_M: gl.constexpr,
 ):
-    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [NUM_STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
-    w_bufs = gl.allocate_shared_memory(w_desc.dtype, [NUM_STAGES, BLOCK_N, BLOCK_K], w_desc.layout)
+    dtype: gl.constexpr = w_desc.dtype
+    a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], dtype)
+    a_bufs = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_M, BLOCK_K], a_layout)
+    w_bufs = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, BLOCK_K], w_desc.layout)
     c_dtype: gl.constexpr = c_ptr.dtype.element_ty
     c_smem = gl.allocate_shared_memory(c_dtype, [BLOCK_M, BLOCK_N],
                                        gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], c_dtype))
@@ -117,19 +174,32 @@ def fp8_ws_gemm_kernel(
     c_ready = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
     c_empty = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(NUM_STAGES):
-        mbarrier.init(ready.index(i), count=1)  # the loader's expect: one arrival with both boxes' bytes
+        # the loader's expect (one arrival with the TMA boxes' bytes) and, gathering, each loader thread's cp.async
+        # arrival
+        mbarrier.init(ready.index(i), count=1 + LOADER_WARPS * 32 if GATHER_A else 1)
         mbarrier.init(empty.index(i), count=2)  # both mma halves
     mbarrier.init(c_ready.index(0), count=2)
     mbarrier.init(c_empty.index(0), count=1)
 
-    scales = (a_scale_ptr, w_scale_ptr, A_ROWS, stride_ws_e)
+    scales = (a_scale_ptr, w_scale_ptr, indices_ptr, A_ROWS, stride_ws_e)
     sched = (tile_expert_ptr, tile_row_ptr, offsets_ptr, num_tiles_ptr)
     smem = (a_bufs, w_bufs, c_smem)
     bars = (ready, empty, c_ready, c_empty)
     dims = (K_DIM, N_COLS, N_EXT, N_START, stride_c_m)
-    gl.warp_specialize([
-        (_mma, (scales, sched, smem, bars, dims, 0, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, GROUP_M)),
-        (_mma, (scales, sched, smem, bars, dims, 1, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, GROUP_M)),
-        (_loader, ((a_desc, w_desc), sched, smem, bars, dims, True, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, GROUP_M)),
-        (_epilogue, (c_ptr, sched, smem, bars, dims, BLOCK_M, BLOCK_N, GROUP_M)),
-    ], [MMA_WARPS, LOADER_WARPS, EPILOGUE_WARPS], [MMA_REGS, IO_REGS, IO_REGS])
+    # constexprs go into the partitions' argument lists directly (a tuple variable would hold them as values)
+    if GATHER_A:
+        gl.warp_specialize([
+            (_mma, (scales, sched, smem, bars, dims, 0, True, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, GROUP_M)),
+            (_mma, (scales, sched, smem, bars, dims, 1, True, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, GROUP_M)),
+            (_gather_loader, ((a_ptr, indices_ptr, A_ROWS, stride_a_t), w_desc, sched, smem, bars, dims, BLOCK_M,
+                              BLOCK_N, BLOCK_K, NUM_STAGES, GROUP_M)),
+            (_epilogue, (c_ptr, sched, smem, bars, dims, BLOCK_M, BLOCK_N, GROUP_M)),
+        ], [MMA_WARPS, LOADER_WARPS, EPILOGUE_WARPS], [MMA_REGS, IO_REGS, IO_REGS])
+    else:
+        gl.warp_specialize([
+            (_mma, (scales, sched, smem, bars, dims, 0, False, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, GROUP_M)),
+            (_mma, (scales, sched, smem, bars, dims, 1, False, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, GROUP_M)),
+            (_loader, ((a_desc, w_desc), sched, smem, bars, dims, True, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES,
+                       GROUP_M)),
+            (_epilogue, (c_ptr, sched, smem, bars, dims, BLOCK_M, BLOCK_N, GROUP_M)),
+        ], [MMA_WARPS, LOADER_WARPS, EPILOGUE_WARPS], [MMA_REGS, IO_REGS, IO_REGS])

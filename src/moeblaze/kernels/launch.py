@@ -252,12 +252,12 @@ def grouped_gemm(a, b, c, offsets, indices, sched, *, b_nk, n_cols, k_dim, gathe
     max_tiles = sched[0].numel()
     if max_tiles != cdiv(N, bm) + E:
         raise ValueError(f"grouped_gemm: the tile schedule has {max_tiles} entries; expected one for BLOCK_M={bm}")
-    plain = (epilogue == EPILOGUE_PLAIN.value and not (gather_a or scatter_c or dual or tf32) and scale is None
-             and bias is None and aux is None and up_shift_b is None and b_mode is None and weight_desc)
-    ws = plain and bm == WS_GEMM_CONFIG["BLOCK_M"] and ws_gemm_ok(a, b, c, b_nk, k_dim)
+    plain = (epilogue == EPILOGUE_PLAIN.value and not (scatter_c or dual or tf32) and scale is None and bias is None
+             and aux is None and up_shift_b is None and b_mode is None and weight_desc)
+    ws = plain and bm == WS_GEMM_CONFIG["BLOCK_M"] and ws_gemm_ok(a, b, c, b_nk, k_dim, gather_a)
     if ws and _ws_gemm_pays(max_tiles, n_cols, a.device, fp8):
         grouped_gemm_ws(a, b, c, offsets, sched, b_nk=b_nk, n_cols=n_cols, k_dim=k_dim, n_start=n_start or 0,
-                        a_scale=a_scale, b_scale=b_scale)
+                        a_scale=a_scale, b_scale=b_scale, indices=indices if gather_a else None)
         return
     aux = aux if aux is not None else c
     scale_c = scale is not None
@@ -430,11 +430,15 @@ def _ws_gemm_pays(max_tiles: int, n_cols: int, device: torch.device, fp8: bool =
     return max_tiles * cdiv(n_cols, block_n) >= 12 * num_programs(device)
 
 
-def ws_gemm_ok(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, b_nk: bool, k_dim: int) -> bool:
+def ws_gemm_ok(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, b_nk: bool, k_dim: int,
+               gather_a: bool = False) -> bool:
     """:func:`grouped_gemm_ws` can serve a plain slot-row GEMM ``c = a @ b[e]``: :func:`.tuning.ws_enabled`,
-    16-bit operands and output of one dtype (or e4m3 operands, a weight ``[E, n, k]`` and a 16-bit output), a
-    contiguous weight ``[E, n, k]`` (``b_nk``) or ``[E, k, n]``, ``k_dim`` a multiple of 64 (whole TMA boxes along
-    k, never into the next expert's weight) and aligned rows."""
+    16-bit operands and output of one dtype (or e4m3 operands, a weight ``[E, n, k]`` and a 16-bit output; only
+    these with ``gather_a``, rows of ``a`` gathered by token), a contiguous weight ``[E, n, k]`` (``b_nk``) or
+    ``[E, k, n]``, ``k_dim`` a multiple of 64 (whole TMA boxes along k, never into the next expert's weight) and
+    aligned rows."""
+    if gather_a and a.dtype != torch.float8_e4m3fn:
+        return False
     if a.dtype == torch.float8_e4m3fn:
         if not b_nk or b.dtype != a.dtype or c.dtype not in (torch.float16, torch.bfloat16):
             return False
@@ -446,16 +450,17 @@ def ws_gemm_ok(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, b_nk: bool, k_
 
 
 def grouped_gemm_ws(a, b, c, offsets, sched, *, b_nk: bool, n_cols: int, k_dim: int, n_start: int = 0,
-                    config: dict | None = None, a_scale=None, b_scale=None) -> None:
+                    config: dict | None = None, a_scale=None, b_scale=None, indices=None) -> None:
     """Launch :func:`moeblaze.kernels.ws_gemm.ws_gemm_kernel` (check :func:`ws_gemm_ok` first): ``c[s, :n_cols] =
     a[s] @ W[e][:, n_start:n_start + n_cols]`` over the tile schedule ``sched`` of ``BLOCK_M`` (128) rows; e4m3
     ``a`` and ``b`` with their rowwise scales ``a_scale [rows]`` and ``b_scale [E, n]`` (:func:`_check_fp8`) on
-    :func:`moeblaze.kernels.fp8_ws_gemm.fp8_ws_gemm_kernel`. ``config``: overrides of :data:`WS_GEMM_CONFIG` or
-    :data:`WS_GEMM_FP8_CONFIG` (block-size sweeps)."""
+    :func:`moeblaze.kernels.fp8_ws_gemm.fp8_ws_gemm_kernel`, there with ``indices`` (the slots' tokens) rows
+    ``a[indices[s]]`` gathered. ``config``: overrides of :data:`WS_GEMM_CONFIG` or :data:`WS_GEMM_FP8_CONFIG`
+    (block-size sweeps)."""
     fp8 = a.dtype == torch.float8_e4m3fn
     cfg = {**(WS_GEMM_FP8_CONFIG if fp8 else WS_GEMM_CONFIG), **(config or {})}
     E, n_ext = b.shape[0], b.shape[1 if b_nk else 2]
-    a_desc = _tma_desc(a, [cfg["BLOCK_M"], cfg["BLOCK_K"]])
+    a_desc = None if indices is not None else _tma_desc(a, [cfg["BLOCK_M"], cfg["BLOCK_K"]])
     w_box = [cfg["BLOCK_N"], cfg["BLOCK_K"]] if b_nk else [cfg["BLOCK_K"], cfg["BLOCK_N"]]
     w_desc = _tma_desc(b.reshape(E * b.shape[1], b.shape[2]), w_box)
     tiles = sched[0].numel() * cdiv(n_cols, cfg["BLOCK_N"])
@@ -463,11 +468,14 @@ def grouped_gemm_ws(a, b, c, offsets, sched, *, b_nk: bool, n_cols: int, k_dim: 
         from .fp8_ws_gemm import MAX_REGS as FP8_REGS
         from .fp8_ws_gemm import fp8_ws_gemm_kernel
 
+        gather = indices is not None
         direct.launch(fp8_ws_gemm_kernel, (min(tiles, num_programs(a.device)),),
-            a_desc=a_desc, w_desc=w_desc, c_ptr=c, a_scale_ptr=a_scale, w_scale_ptr=b_scale, offsets_ptr=offsets,
-            tile_expert_ptr=sched[0], tile_row_ptr=sched[1], num_tiles_ptr=sched[2], A_ROWS=a.shape[0], K_DIM=k_dim,
-            N_COLS=n_cols, N_EXT=n_ext, N_START=n_start, stride_c_m=c.stride(0), stride_ws_e=b_scale.stride(0),
-            **cfg, num_warps=4, maxnreg=FP8_REGS,
+            a_desc=a_desc, a_ptr=a, w_desc=w_desc, c_ptr=c, a_scale_ptr=a_scale, w_scale_ptr=b_scale,
+            offsets_ptr=offsets, indices_ptr=indices if gather else offsets, tile_expert_ptr=sched[0],
+            tile_row_ptr=sched[1], num_tiles_ptr=sched[2], A_ROWS=indices.numel() if gather else a.shape[0],
+            K_DIM=k_dim, N_COLS=n_cols, N_EXT=n_ext, N_START=n_start, stride_c_m=c.stride(0),
+            stride_ws_e=b_scale.stride(0), stride_a_t=a.stride(0), GATHER_A=gather, **cfg, num_warps=4,
+            maxnreg=FP8_REGS,
         )
         return
     from .ws_gemm import ws_gemm_kernel
