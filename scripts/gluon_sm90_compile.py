@@ -96,6 +96,23 @@ def variants():
             "a_ptr", "c_ptr", "a_scale_ptr", "w_scale_ptr", "offsets_ptr", "indices_ptr", "tile_expert_ptr",
             "tile_row_ptr", "num_tiles_ptr", "K_DIM", "N_COLS", "N_EXT", "stride_c_m", "stride_ws_e", "stride_a_t"],
             f8.MAX_REGS, num_warps=4))
+    # F1's module imports the recipe's device functions through the package (torch needed: a CPU build does)
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
+    up = importlib.import_module("moeblaze.kernels.fp8_ws_up")
+    act = importlib.import_module("moeblaze.kernels.act_math")
+    cfg = dict(up.CONFIG)
+    for pow2 in (False, True):
+        sig = {"a_ptr": "*fp8e4nv", "w_desc": _desc("fp8e4nv", [64, 128]), "pre_ptr": "*fp8e4nv", "pre_s_ptr": "*fp32",
+               "act_ptr": "*bf16", "a_scale_ptr": "*fp32", "w_scale_ptr": "*fp32", "offsets_ptr": "*i32",
+               "indices_ptr": "*i32", "tile_expert_ptr": "*i32", "tile_row_ptr": "*i32", "num_tiles_ptr": "*i32",
+               **dict.fromkeys(["A_ROWS", "K_DIM", "N_COLS", "N_EXT", "UP_OFF", "stride_a_t", "stride_pre_m",
+                                "stride_act_m", "stride_ws_e"], "i32"), "alpha": "fp32", "limit": "fp32",
+               **dict.fromkeys(["ACTIVATION", "POW2", *cfg], "constexpr")}
+        consts = {**cfg, "ACTIVATION": act.ACTIVATION_CODES["swiglu"], "POW2": pow2}
+        yield (f"fp8_ws_up pow2={pow2}", _compile(up.fp8_ws_up_kernel, sig, consts, [
+            "a_ptr", "pre_ptr", "pre_s_ptr", "act_ptr", "a_scale_ptr", "w_scale_ptr", "offsets_ptr", "indices_ptr",
+            "tile_expert_ptr", "tile_row_ptr", "num_tiles_ptr", "K_DIM", "N_COLS", "N_EXT", "UP_OFF", "stride_a_t",
+            "stride_pre_m", "stride_act_m", "stride_ws_e"], up.MAX_REGS, num_warps=4))
 
 
 def resource_usage(cubin: bytes) -> str:

@@ -29,7 +29,7 @@
 #              balance.txt and both metrics.csv (BALANCE_TIMEOUT per run, default 290 s: both runs within 10 minutes)
 #   fp8        the FP8 kernels: pytest -m gpu tests/test_fp8_kernels.py tests/test_fp8.py, then
 #              benchmarks/bench_fp8_kernels.py $FP8_ARGS -> fp8_kernels.csv (FP8_TIMEOUT, default 420 s)
-#   fp8_ws     tests/test_ws_kernels.py -k fp8 (the Gluon FP8 GEMM against the Triton kernel, bitwise), then
+#   fp8_ws     tests/test_ws_kernels.py -k fp8 (the Gluon FP8 kernels against the Triton ones, bitwise), then
 #              benchmarks/bench_ws.py --fp8 --check at $FP8_WS_SHAPES (Qwen3-30B-A3B and OLMoE-1B-7B, T 32,768) -> ws.csv
 #   fp8_train  moeblaze train --preset 1b in bf16-mixed, then fp8-mixed ($FP8_TRAIN_STEPS, default 1000; same seed
 #              and batches; FP8_TRAIN_TIMEOUT per run, default 290 s) -> both metrics.csv and fp8-training.png

@@ -10,7 +10,7 @@ import torch
 
 import moeblaze
 from moeblaze.dispatch import build_dispatch
-from moeblaze.kernels import launch, tuning
+from moeblaze.kernels import launch, tma, tuning
 from moeblaze.kernels.tuning import ws_enabled
 
 HAS_CUDA = torch.cuda.is_available()
@@ -211,9 +211,9 @@ def test_host_descriptor_layout_is_built_once_per_box_and_dtype():
     layout object per box and dtype across launches."""
     gl = pytest.importorskip("triton.experimental.gluon.language")
     t = torch.zeros(64, 256, dtype=torch.bfloat16)
-    d1, d2 = launch._tma_desc(t, [64, 128]), launch._tma_desc(t.clone(), [64, 128])
+    d1, d2 = tma.tma_desc(t, [64, 128]), tma.tma_desc(t.clone(), [64, 128])
     assert d1.block_shape == [64, 128] and d1.layout == gl.NVMMASharedLayout.get_default_for([64, 128], gl.bfloat16)
-    assert d2.layout is d1.layout and launch._tma_desc(t.half(), [64, 128]).layout is not d1.layout
+    assert d2.layout is d1.layout and tma.tma_desc(t.half(), [64, 128]).layout is not d1.layout
 
 
 def test_ws_fp8_gemm_gating_and_tile_count(monkeypatch):
@@ -232,8 +232,8 @@ def test_ws_fp8_gemm_gating_and_tile_count(monkeypatch):
         a16, w16 = a.to(torch.bfloat16), w.to(torch.bfloat16)
         assert launch.ws_gemm_ok(a16, w16, c, True, 128) and not launch.ws_gemm_ok(a16, w16, c, True, 128, True)
     monkeypatch.setattr(launch, "num_programs", lambda device: 132)
-    assert launch._ws_gemm_pays(396, 512, torch.device("cuda"), fp8=True)  # 396 M-tiles x 4 N-tiles = 12 per SM
-    assert not launch._ws_gemm_pays(395, 512, torch.device("cuda"), fp8=True)
+    assert launch._ws_gemm_pays(396, 512, torch.device("cuda"), 128)  # 396 M-tiles x 4 N-tiles = 12 per SM
+    assert not launch._ws_gemm_pays(395, 512, torch.device("cuda"), 128)
 
 
 def _fp8_rows(t: torch.Tensor):
@@ -286,11 +286,63 @@ def test_gpu_ws_fp8_gemm_is_the_triton_kernels_bitwise(case, gather_a, monkeypat
     assert len(ran) == 3
 
 
+def _spy_ws_up(monkeypatch) -> list[str]:
+    """Record each launch of the Gluon FP8 F1 (looked up in its module at each call), still launching."""
+    from moeblaze.kernels import fp8_ws_up
+
+    calls = []
+    orig = fp8_ws_up.launch_ws_up
+    monkeypatch.setattr(fp8_ws_up, "launch_ws_up", lambda *a, **k: calls.append("up") or orig(*a, **k))
+    return calls
+
+
+@pytest.mark.gpu
+@needs_ws
+@pytest.mark.parametrize("pow2", [False, True])
+@pytest.mark.parametrize("shape", [(2048, 768, 384, 32, 8), (700, 256, 200, 8, 2)])  # h = 200: a short last kept tile
+def test_gpu_ws_fp8_up_is_the_triton_kernels_bitwise(shape, pow2, monkeypatch):
+    """F1 of the FP8 layer on the Gluon kernel (``kernels/fp8_ws_up.py``): the kept e4m3 ``pre``, its tile scales and
+    ``act`` bitwise the Triton kernel's (same sums, scaling, rounding and device functions), zipf routing (empty
+    experts); ``act`` within bf16 rounding of the float64 SwiGLU of the float64 products."""
+    from moeblaze.fp8 import KEPT_TILE, Float8Recipe
+    from moeblaze.kernels.fp8_gemm import up_rowwise
+
+    T, d, h, E, K = shape
+    gen = torch.Generator(device=DEVICE).manual_seed(T + h)
+    index = build_dispatch(_routing(T, E, K, "holes", gen), E, block_m=128)
+    offsets, indices, sc = index.expert_token_offsets, index.expert_token_indices, index.schedule
+    N = indices.numel()
+    recipe = Float8Recipe()
+    xq = recipe.quantize_rows(torch.randn(T, d, device=DEVICE, dtype=torch.bfloat16, generator=gen))
+    w1q = recipe.quantize_weight(torch.randn(E, 2 * h, d, device=DEVICE, dtype=torch.bfloat16, generator=gen) * 0.05,
+                                 True)
+    monkeypatch.setattr(launch, "_ws_gemm_pays", lambda *x: True)
+    ran = _spy_ws_up(monkeypatch)
+    outs = []
+    for ws in (True, False):
+        scale = torch.full((N, 2, -(-h // KEPT_TILE)), -1.0, device=DEVICE)
+        with monkeypatch.context() as m, moeblaze.settings.override(autotune=False):
+            if not ws:
+                m.setattr(tuning, "ws_enabled", lambda device: False)
+            pre, act = up_rowwise(xq, w1q, offsets, indices, (sc.tile_expert, sc.tile_row_start, sc.num_tiles),
+                                  "swiglu", True, True, torch.bfloat16, None, 1.702, 7.0, keep=(scale, pow2))
+        outs.append((pre.view(torch.uint8), scale, act))
+    assert ran == ["up"]
+    for name, a, b in zip(("pre", "scale", "act"), *outs):
+        assert torch.equal(a, b), name
+    x64 = xq.data.double() * xq.scale.double()
+    w64 = w1q.data.double() * w1q.scale.double()
+    bounds = offsets.tolist()
+    pre64 = torch.cat([x64[indices[bounds[e]:bounds[e + 1]].long()] @ w64[e].T for e in range(E)])
+    act64 = torch.nn.functional.silu(pre64[:, :h]) * pre64[:, h:]
+    assert (outs[0][2].double() - act64).abs().max() <= 2 ** -6 * act64.abs().max()
+
+
 @pytest.mark.gpu
 @needs_ws
 def test_gpu_fp8_layer_with_the_ws_gemm_is_the_triton_kernels(monkeypatch):
-    """The FP8 layer (rowwise recipe) with F2, B1 and B3 on the Gluon FP8 GEMM: every output and gradient bitwise that
-    of the same layer on the Triton kernels."""
+    """The FP8 layer (rowwise recipe) with F1, F2, B1 and B3 on the Gluon FP8 kernels: every output and gradient
+    bitwise that of the same layer on the Triton kernels."""
     from moeblaze.fp8 import Float8Recipe
     from moeblaze.testing import make_expert_inputs, run_and_grad
     from test_experts_triton import NAMES
@@ -298,14 +350,17 @@ def test_gpu_fp8_layer_with_the_ws_gemm_is_the_triton_kernels(monkeypatch):
     monkeypatch.setattr(launch, "_ws_gemm_pays", lambda *x: True)
     inputs = make_expert_inputs(1024, 256, 192, 16, 4, routing="zipf", dtype=torch.bfloat16, device="cuda")
     dout = torch.randn(inputs["x"].shape, dtype=torch.bfloat16, device="cuda")
-    runs, ran = [], []
+    runs = []
     for ws in (True, False):
         with monkeypatch.context() as m, moeblaze.settings.override(autotune=False):
-            ran = _spy(m, "grouped_gemm_ws")
-            if not ws:
+            ran, up = _spy(m, "grouped_gemm_ws"), _spy_ws_up(m)
+            if not ws:  # the weight gradients keep their Gluon kernel (not bitwise the Triton one)
+                from moeblaze.kernels import fp8_ws_up
+
                 m.setattr(launch, "ws_gemm_ok", lambda *args: False)
+                m.setattr(fp8_ws_up, "ws_up_ok", lambda *args: False)
             runs.append(run_and_grad(lambda **kw: moeblaze.moe_experts(**kw, backend="triton", fp8=Float8Recipe()),
                                      inputs, dout))
-            assert len(ran) >= 3 if ws else not ran  # F2, B1 and B3 at least once each
+            assert (len(ran) >= 3 and up == ["up"]) if ws else not (ran or up)  # F2, B1, B3; F1 once
     for name, x, y in zip(NAMES, *runs):
         assert torch.equal(x, y), name

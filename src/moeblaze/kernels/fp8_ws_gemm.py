@@ -61,10 +61,11 @@ IO_REGS: gl.constexpr = gl.constexpr(88)
 
 
 @gluon.jit
-def _gather_loader(gather, w_desc, sched, smem, bars, dims, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                   BLOCK_K: gl.constexpr, NUM_STAGES: gl.constexpr, GROUP_M: gl.constexpr):
-    """Fill stage ``s``: the weight box by TMA, the tile's token rows of A by cp.async; both complete ``ready[s]``."""
-    a_ptr, indices_ptr, A_ROWS, stride_a_t = gather
+def _gather_loader(gather, w_desc, sched, smem, bars, dims, DUAL: gl.constexpr, BLOCK_M: gl.constexpr,
+                   BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, NUM_STAGES: gl.constexpr, GROUP_M: gl.constexpr):
+    """Fill stage ``s``: the weight box by TMA (``DUAL``: two, n and ``UP_OFF + n``, one after the other in the
+    stage, F1's gate and up rows), the tile's token rows of A by cp.async; all complete ``ready[s]``."""
+    a_ptr, indices_ptr, A_ROWS, stride_a_t, UP_OFF = gather
     tile_expert_ptr, tile_row_ptr, offsets_ptr, num_tiles_ptr = sched
     a_bufs, w_bufs, c_smem = smem
     ready, empty, c_ready, c_empty = bars
@@ -87,8 +88,16 @@ def _gather_loader(gather, w_desc, sched, smem, bars, dims, BLOCK_M: gl.constexp
             s = it % NUM_STAGES
             mbarrier.wait(empty.index(s), ((it // NUM_STAGES) & 1) ^ 1)  # passes at once on the first round
             bar = ready.index(s)
-            mbarrier.expect(bar, w_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(w_desc, [e * N_EXT + N_START + pid_n * BLOCK_N, k], bar, w_bufs.index(s))
+            w_row = e * N_EXT + N_START + pid_n * BLOCK_N
+            if DUAL:
+                mbarrier.expect(bar, 2 * w_desc.block_type.nbytes)
+                w_stage = w_bufs.index(s)
+                tma.async_copy_global_to_shared(w_desc, [w_row, k], bar, w_stage.slice(0, BLOCK_N, dim=0))
+                tma.async_copy_global_to_shared(w_desc, [w_row + UP_OFF, k], bar,
+                                                w_stage.slice(BLOCK_N, BLOCK_N, dim=0))
+            else:
+                mbarrier.expect(bar, w_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(w_desc, [w_row, k], bar, w_bufs.index(s))
             mask = in_expert[:, None] & ((k + ks) < K_DIM)[None, :]
             async_copy.async_copy_global_to_shared(a_bufs.index(s), rows + (k + ks)[None, :], mask=mask)
             async_copy.mbarrier_arrive(bar, increment_count=False)
@@ -191,8 +200,8 @@ def fp8_ws_gemm_kernel(
         gl.warp_specialize([
             (_mma, (scales, sched, smem, bars, dims, 0, True, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, GROUP_M)),
             (_mma, (scales, sched, smem, bars, dims, 1, True, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, GROUP_M)),
-            (_gather_loader, ((a_ptr, indices_ptr, A_ROWS, stride_a_t), w_desc, sched, smem, bars, dims, BLOCK_M,
-                              BLOCK_N, BLOCK_K, NUM_STAGES, GROUP_M)),
+            (_gather_loader, ((a_ptr, indices_ptr, A_ROWS, stride_a_t, 0), w_desc, sched, smem, bars, dims, False,
+                              BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, GROUP_M)),
             (_epilogue, (c_ptr, sched, smem, bars, dims, BLOCK_M, BLOCK_N, GROUP_M)),
         ], [MMA_WARPS, LOADER_WARPS, EPILOGUE_WARPS], [MMA_REGS, IO_REGS, IO_REGS])
     else:

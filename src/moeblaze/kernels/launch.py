@@ -7,8 +7,6 @@ static length (``cdiv(N, BLOCK_M) + E`` M-tiles; programs past ``num_tiles`` exi
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 
@@ -28,6 +26,7 @@ from .grouped_gemm import (
     grouped_gemm_kernel,
 )
 from .tf32 import padded_slot_rows, round_tf32, tf32_copy
+from .tma import rows_aligned, rows_tma_ok, tma_desc
 from .tuning import (
     Launchable,
     cdiv,
@@ -77,21 +76,10 @@ def _scratch(size: int, alignment: int, stream) -> torch.Tensor:
     return torch.empty(size, dtype=torch.int8, device="cuda")
 
 
-def _rows_tma_ok(t: torch.Tensor, row_stride: int) -> bool:
-    """A 2-D TMA descriptor over rows ``row_stride`` elements apart starting at ``t.data_ptr()`` is legal:
-    the copy engine needs a 16-byte-aligned base and row stride."""
-    return t.data_ptr() % 16 == 0 and row_stride * t.element_size() % 16 == 0
-
-
-def _rows_aligned(t: torch.Tensor) -> bool:
-    """Rows of ``t [rows, cols]`` are contiguous and 16-byte aligned: whole TMA rows, whole 16-byte cp.async."""
-    return t.stride(1) == 1 and _rows_tma_ok(t, t.stride(0))
-
-
 def _slot_rows_desc(t: torch.Tensor, gathered: bool) -> bool:
     """An activation operand ``t [rows, cols]`` is read through a TMA descriptor: not gathered (its rows are
     slots, in order), unit column stride, TMA enabled and aligned rows."""
-    return not gathered and tuning.tma_enabled(t.device) and _rows_aligned(t)
+    return not gathered and tuning.tma_enabled(t.device) and rows_aligned(t)
 
 
 def b_desc_mode(b: torch.Tensor, b_nk: bool, k_dim: int, paired: bool = False) -> int:
@@ -109,7 +97,7 @@ def b_desc_mode(b: torch.Tensor, b_nk: bool, k_dim: int, paired: bool = False) -
         return B_DESC_NONE.value
     for dim in (2, 1):  # the unit-stride dimension is the descriptor's column
         other = 3 - dim
-        if b.stride(dim) == 1 and b.stride(0) == b.shape[other] * b.stride(other) and _rows_tma_ok(b, b.stride(other)):
+        if b.stride(dim) == 1 and b.stride(0) == b.shape[other] * b.stride(other) and rows_tma_ok(b, b.stride(other)):
             rows_are_n = b_nk == (other == 1)  # b[e] is [n, k] when b_nk
             if rows_are_n:
                 return B_DESC_PAIRED.value if paired else B_DESC_NK.value
@@ -122,7 +110,7 @@ def interleaved_desc_ok(w1: torch.Tensor, k_dim: int) -> bool:
     is ``[E, d, 2h]`` packed (GPT-OSS's ``gate_up_proj``), 16-byte aligned, ``d`` a multiple of 64 (k tiles
     never run into the next expert's rows), TMA enabled."""
     return (tuning.tma_enabled(w1.device) and w1.stride(1) == 1 and w1.stride(0) == w1.shape[2] * w1.stride(2)
-            and _rows_tma_ok(w1, w1.stride(2)) and k_dim % _K_QUANTUM == 0)
+            and rows_tma_ok(w1, w1.stride(2)) and k_dim % _K_QUANTUM == 0)
 
 
 def _tiles_grid(tiles, device: torch.device):
@@ -255,9 +243,19 @@ def grouped_gemm(a, b, c, offsets, indices, sched, *, b_nk, n_cols, k_dim, gathe
     plain = (epilogue == EPILOGUE_PLAIN.value and not (scatter_c or dual or tf32) and scale is None and bias is None
              and aux is None and up_shift_b is None and b_mode is None and weight_desc)
     ws = plain and bm == WS_GEMM_CONFIG["BLOCK_M"] and ws_gemm_ok(a, b, c, b_nk, k_dim, gather_a)
-    if ws and _ws_gemm_pays(max_tiles, n_cols, a.device, fp8):
+    if ws and _ws_gemm_pays(max_tiles, n_cols, a.device, (WS_GEMM_FP8_CONFIG if fp8 else WS_GEMM_CONFIG)["BLOCK_N"]):
         grouped_gemm_ws(a, b, c, offsets, sched, b_nk=b_nk, n_cols=n_cols, k_dim=k_dim, n_start=n_start or 0,
                         a_scale=a_scale, b_scale=b_scale, indices=indices if gather_a else None)
+        return
+    up_ws = (pre_scale is not None and bias is None and up_shift_b is None and b_mode is None and weight_desc
+             and 2 * up_off == b.shape[1] and bm == WS_GEMM_CONFIG["BLOCK_M"] and tuning.ws_enabled(a.device))
+    if up_ws:  # the module imports Gluon: only where it can run
+        from .fp8_ws_up import launch_ws_up, ws_up_ok
+
+        up_ws = ws_up_ok(a, b, c, aux)
+    if up_ws and _ws_gemm_pays(max_tiles, n_cols, a.device, KEPT_TILE):  # fp8_ws_up.CONFIG's 64-column tiles
+        launch_ws_up(a, b, c, aux, pre_scale, a_scale, b_scale, offsets, indices, sched, n_cols, k_dim,
+                     activation, alpha, limit, pre_pow2)
         return
     aux = aux if aux is not None else c
     scale_c = scale is not None
@@ -357,25 +355,7 @@ def ws_wgrad_ok(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> boo
     (its masked columns then go as whole 16-byte copies)."""
     if a.dtype not in (torch.float16, torch.bfloat16) or b.dtype != a.dtype or out_dtype not in (a.dtype, torch.float32):
         return False
-    return tuning.ws_enabled(a.device) and a.shape[1] % 16 == 0 and _rows_aligned(a) and _rows_aligned(b)
-
-
-@functools.cache
-def _nvmma_layout(box: tuple[int, ...], dtype: torch.dtype):
-    """The shared-memory layout ``wgmma`` reads a ``box`` of 16-bit or e4m3 values in (the same for every launch of a
-    box and dtype)."""
-    from triton.experimental.gluon import language as gl
-
-    el = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float8_e4m3fn: gl.float8e4nv}[dtype]
-    return gl.NVMMASharedLayout.get_default_for(list(box), el)
-
-
-def _tma_desc(t: torch.Tensor, box: list[int]):
-    """A host TMA descriptor over the rows of 16-bit or e4m3 ``t`` (aligned: :func:`_rows_aligned`), ``box`` per
-    copy."""
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
-    return TensorDescriptor.from_tensor(t, box, _nvmma_layout(tuple(box), t.dtype))
+    return tuning.ws_enabled(a.device) and a.shape[1] % 16 == 0 and rows_aligned(a) and rows_aligned(b)
 
 
 def ws_wgrad_tma_store(out: torch.Tensor, operand_dtype: torch.dtype, block_p: int) -> bool:
@@ -383,7 +363,7 @@ def ws_wgrad_tma_store(out: torch.Tensor, operand_dtype: torch.dtype, block_p: i
     dtype (the tile leaves shared memory as it is), contiguous and 16-byte aligned, ``P % block_p == 0`` (a tile's
     box never reaches the next expert's rows)."""
     E, P, Q = out.shape
-    return out.dtype == operand_dtype and out.is_contiguous() and P % block_p == 0 and _rows_aligned(out.view(E * P, Q))
+    return out.dtype == operand_dtype and out.is_contiguous() and P % block_p == 0 and rows_aligned(out.view(E * P, Q))
 
 
 def grouped_wgrad_ws(a, b, out, offsets, indices, *, gather_a: bool, config: dict | None = None) -> None:
@@ -395,9 +375,9 @@ def grouped_wgrad_ws(a, b, out, offsets, indices, *, gather_a: bool, config: dic
 
     cfg = {**WS_WGRAD_CONFIG, **(config or {})}
     E, P, Q = out.shape
-    desc = _tma_desc(b, [cfg["BLOCK_K"], cfg["BLOCK_Q"] if gather_a else cfg["BLOCK_P"]])
+    desc = tma_desc(b, [cfg["BLOCK_K"], cfg["BLOCK_Q"] if gather_a else cfg["BLOCK_P"]])
     cfg["TMA_STORE"] = cfg["TMA_STORE"] and ws_wgrad_tma_store(out, a.dtype, cfg["BLOCK_P"])
-    c_desc = _tma_desc(out.view(E * P, Q), [cfg["BLOCK_P"], 64]) if cfg["TMA_STORE"] else None
+    c_desc = tma_desc(out.view(E * P, Q), [cfg["BLOCK_P"], 64]) if cfg["TMA_STORE"] else None
     tiles = E * cdiv(P, cfg["BLOCK_P"]) * cdiv(Q, cfg["BLOCK_Q"])
     direct.launch(ws_wgrad_kernel, (min(tiles, num_programs(a.device)),),
         g_ptr=a, r_desc=desc, c_ptr=out, c_desc=c_desc, offsets_ptr=offsets, indices_ptr=indices, P=P, Q=Q,
@@ -415,7 +395,7 @@ WS_GEMM_CONFIG = {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "NUM_STAGES": 3
 WS_GEMM_FP8_CONFIG = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 128, "NUM_STAGES": 4, "GROUP_M": 8}
 
 
-def _ws_gemm_pays(max_tiles: int, n_cols: int, device: torch.device, fp8: bool = False) -> bool:
+def _ws_gemm_pays(max_tiles: int, n_cols: int, device: torch.device, block_n: int = WS_GEMM_CONFIG["BLOCK_N"]) -> bool:
     """The warp-specialized GEMM gets at least 12 output tiles per SM.
 
     Why: persistent, it needs several tiles per CTA to overlap a tile's store with the next one's MMAs, and each of
@@ -426,7 +406,6 @@ def _ws_gemm_pays(max_tiles: int, n_cols: int, device: torch.device, fp8: bool =
     SM). At 2k-4k tokens the eager layer step is bound by host time (2.3-3.7 ms per layer step on H200s,
     ``benchmarks/bench_host.py``), where a GPU gain of 1-4% of F2 and B3 is worth less than the launches' host time.
     """
-    block_n = (WS_GEMM_FP8_CONFIG if fp8 else WS_GEMM_CONFIG)["BLOCK_N"]
     return max_tiles * cdiv(n_cols, block_n) >= 12 * num_programs(device)
 
 
@@ -446,7 +425,7 @@ def ws_gemm_ok(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, b_nk: bool, k_
         return False
     if not tuning.ws_enabled(a.device) or k_dim % 64 or a.shape[1] != k_dim or not b.is_contiguous():
         return False
-    return b.shape[2 if b_nk else 1] == k_dim and _rows_aligned(a) and _rows_aligned(b[0]) and c.stride(1) == 1
+    return b.shape[2 if b_nk else 1] == k_dim and rows_aligned(a) and rows_aligned(b[0]) and c.stride(1) == 1
 
 
 def grouped_gemm_ws(a, b, c, offsets, sched, *, b_nk: bool, n_cols: int, k_dim: int, n_start: int = 0,
@@ -460,9 +439,9 @@ def grouped_gemm_ws(a, b, c, offsets, sched, *, b_nk: bool, n_cols: int, k_dim: 
     fp8 = a.dtype == torch.float8_e4m3fn
     cfg = {**(WS_GEMM_FP8_CONFIG if fp8 else WS_GEMM_CONFIG), **(config or {})}
     E, n_ext = b.shape[0], b.shape[1 if b_nk else 2]
-    a_desc = None if indices is not None else _tma_desc(a, [cfg["BLOCK_M"], cfg["BLOCK_K"]])
+    a_desc = None if indices is not None else tma_desc(a, [cfg["BLOCK_M"], cfg["BLOCK_K"]])
     w_box = [cfg["BLOCK_N"], cfg["BLOCK_K"]] if b_nk else [cfg["BLOCK_K"], cfg["BLOCK_N"]]
-    w_desc = _tma_desc(b.reshape(E * b.shape[1], b.shape[2]), w_box)
+    w_desc = tma_desc(b.reshape(E * b.shape[1], b.shape[2]), w_box)
     tiles = sched[0].numel() * cdiv(n_cols, cfg["BLOCK_N"])
     if fp8:
         from .fp8_ws_gemm import MAX_REGS as FP8_REGS
@@ -486,3 +465,4 @@ def grouped_gemm_ws(a, b, c, offsets, sched, *, b_nk: bool, n_cols: int, k_dim: 
         num_tiles_ptr=sched[2], K_DIM=k_dim, N_COLS=n_cols, N_EXT=n_ext, N_START=n_start, stride_c_m=c.stride(0),
         W_NK=b_nk, **cfg, num_warps=8, maxnreg=MAX_REGS,
     )
+

@@ -1,0 +1,202 @@
+"""Warp-specialized FP8 F1 for Hopper (sm90), in Gluon: the gated up-projection of the FP8 layer with its epilogue.
+
+For the slots ``s`` of an M-tile of expert ``e`` and 64 columns ``n`` of ``h``: ``gate = x_scale[t] w_scale[e, n]
+sum_k x[t, k] W[e][n, k]`` and ``up`` likewise on W's row ``UP_OFF + n`` (``t`` the slot's token, ``x`` and
+``w_gate_up`` in e4m3 under the rowwise recipe, :mod:`moeblaze.fp8`), rounded to 16 bits; then ``pre`` kept for
+backward in e4m3 with one scale per row of each 1 x 64 tile of each half (:meth:`moeblaze.fp8.Float8Recipe.
+quantize_kept`, the tile of the output tile, ``BLOCK_N = KEPT_TILE``) and ``act = f(gate) * up`` in 16 bits.
+
+Why: as :mod:`moeblaze.kernels.fp8_ws_gemm` (F2, B1, B3), the e4m3 sums are promoted into fp32 every 128 products;
+two mma warp groups of 64 rows each add their partial sums while the other's ``wgmma`` keeps the tensor cores busy,
+where the Triton kernel's promotion waits for them at every k-step. The partitions:
+
+  mma      (4 warps, default; 4 warps, worker)  two ``wgmma`` (gate and up, 64 x 64 each) per stage into fresh
+                               partial sums, waited for, added to the fp32 accumulators; after the last stage the
+                               epilogue above from registers, rows past the expert's last slot masked
+  loader   (2 warps)           the tile's token rows of ``x`` by 16-byte cp.async and the gate and up boxes of
+                               ``w_gate_up`` by TMA, ``NUM_STAGES`` deep
+                               (:func:`moeblaze.kernels.fp8_ws_gemm._gather_loader`)
+
+The sums, scaling, rounding and quantization are the Triton kernel's (``grouped_gemm_kernel`` with ``FP8``,
+``EPILOGUE_ACT_FWD``, ``PRE_FP8``), in its order and with its device functions (the recipe's scale and cast,
+``act_forward``), so the two agree bitwise. Conditions (:func:`moeblaze.kernels.launch.ws_up_ok`): an sm90 GPU,
+triton 3.6, a gated activation, ``w_gate_up`` gate rows then up rows (not interleaved), no bias, ``pre`` kept in
+e4m3 and ``act`` stored, 16-byte aligned rows.
+"""
+
+from __future__ import annotations
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+from ..fp8 import KEPT_TILE
+from . import direct, tuning
+from .act_math import act_forward
+from .fp8_quant import row_amax, scale_of, to_e4m3
+from .fp8_ws_gemm import IO_REGS, MMA_WARPS, _gather_loader
+from .grouped_gemm import _QMAX, _TINY
+from .tma import rows_aligned, tma_desc
+from .tuning import cdiv, num_programs
+from .ws_gemm import _tile
+from .ws_wgrad import LOADER_WARPS
+
+# 10 warps: 200 registers each at launch (65536 / 320, rounded down to 8). The loader gives its down to 88 and both
+# mma warp groups get 224 (the default partition the rest): two 64 x 64 fp32 accumulators and their partial sums are
+# 128 per thread, and the epilogue holds gate, up and their scales beside them.
+MAX_REGS = 200
+MMA_REGS: gl.constexpr = gl.constexpr(224)
+# 64 columns of gate and of up, the kept pre's tile (moeblaze.fp8.KEPT_TILE), per output tile; 128-column steps, the
+# promotion interval; 4 stages of 32 KiB (x rows, gate and up boxes).
+CONFIG = {"BLOCK_M": 128, "BLOCK_N": KEPT_TILE, "BLOCK_K": 128, "NUM_STAGES": 4, "GROUP_M": 8}
+
+
+@gluon.jit
+def _store_kept(q_ptrs, s_ptrs, v, mask, row_mask, POW2: gl.constexpr):
+    """``v [rows, KEPT_TILE]`` (fp32, one kept tile) in e4m3 with one scale per row: the recipe's, as
+    ``grouped_gemm._store_e4m3_tiles`` computes it (elements outside ``mask`` neither counted nor stored)."""
+    v = gl.where(mask, v, 0.0)
+    scale = scale_of(row_amax(v), _TINY, _QMAX, POW2)
+    gl.store(s_ptrs, scale, mask=row_mask)
+    gl.store(q_ptrs, to_e4m3(v, scale[:, None], _QMAX), mask=mask)
+
+
+@gluon.jit
+def _mma_up(outs, scales, sched, smem, bars, dims, HALF: gl.constexpr, ACTIVATION: gl.constexpr, POW2: gl.constexpr,
+            BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, NUM_STAGES: gl.constexpr,
+            GROUP_M: gl.constexpr):
+    """Rows ``HALF * BLOCK_M / 2 ..`` of each tile: gate and up summed over the stages, then the epilogue."""
+    pre_ptr, pre_s_ptr, act_ptr, stride_pre_m, stride_act_m, alpha, limit = outs
+    a_scale_ptr, w_scale_ptr, indices_ptr, A_ROWS, stride_ws_e = scales
+    tile_expert_ptr, tile_row_ptr, offsets_ptr, num_tiles_ptr = sched
+    a_bufs, w_bufs = smem
+    ready, empty = bars
+    K_DIM, N_COLS, UP_OFF = dims
+    ROWS: gl.constexpr = BLOCK_M // 2
+    layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[MMA_WARPS, 1],
+                                                     instr_shape=[16, BLOCK_N, 32])
+    zero = gl.zeros((ROWS, BLOCK_N), dtype=gl.float32, layout=layout)
+    r_in = gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
+    c_in = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
+    num_tiles = gl.load(num_tiles_ptr)
+    num_n = gl.cdiv(N_COLS, BLOCK_N)
+    kept = gl.cdiv(N_COLS, BLOCK_N)  # kept tiles per half and row (BLOCK_N is the kept tile)
+    it = 0  # k-steps consumed so far: stage it % NUM_STAGES, phase (it // NUM_STAGES) & 1
+    for i_tile in range(gl.cdiv(num_tiles * num_n - gl.program_id(0), gl.num_programs(0))):
+        t = gl.program_id(0) + i_tile * gl.num_programs(0)
+        pid_n, e, row0, row_end = _tile(t, num_tiles, num_n, tile_expert_ptr, tile_row_ptr, offsets_ptr, GROUP_M)
+        acc_g = zero
+        acc_u = zero
+        for _k in range(0, K_DIM, BLOCK_K):
+            s = it % NUM_STAGES
+            mbarrier.wait(ready.index(s), (it // NUM_STAGES) & 1)
+            fence_async_shared()  # the gathered rows came by cp.async (generic proxy); wgmma reads the async one
+            a = a_bufs.index(s).slice(HALF * ROWS, ROWS, dim=0)
+            w = w_bufs.index(s)  # [2 * BLOCK_N, BLOCK_K]: gate rows, then up rows
+            part_g = warpgroup_mma(a, w.slice(0, BLOCK_N, dim=0).permute((1, 0)), zero, use_acc=False, is_async=True)
+            part_u = warpgroup_mma(a, w.slice(BLOCK_N, BLOCK_N, dim=0).permute((1, 0)), zero, use_acc=False,
+                                   is_async=True)
+            part_g, part_u = warpgroup_mma_wait(0, deps=(part_g, part_u))
+            mbarrier.arrive(empty.index(s), count=1)  # this half is done with the stage
+            acc_g = acc_g + part_g  # the promotion, while the other half's wgmma runs
+            acc_u = acc_u + part_u
+            it += 1
+        rows = row0 + HALF * ROWS + r_in
+        row_mask = rows < row_end
+        n = pid_n * BLOCK_N + c_in
+        n_mask = n < N_COLS
+        tokens = gl.load(indices_ptr + rows, mask=rows < A_ROWS, other=0)
+        a_scale = gl.load(a_scale_ptr + tokens, mask=rows < A_ROWS, other=0.0)[:, None]
+        w_scales = w_scale_ptr + e.to(gl.int64) * stride_ws_e + n
+        gate = acc_g * a_scale * gl.load(w_scales, mask=n_mask, other=0.0)[None, :]
+        up = acc_u * a_scale * gl.load(w_scales + UP_OFF, mask=n_mask, other=0.0)[None, :]
+        gate = gate.to(act_ptr.dtype.element_ty).to(gl.float32)  # pre rounded to 16 bits, as the Triton epilogue
+        up = up.to(act_ptr.dtype.element_ty).to(gl.float32)
+        mask = row_mask[:, None] & n_mask[None, :]
+        pre_ptrs = pre_ptr + rows.to(gl.int64)[:, None] * stride_pre_m + n[None, :]
+        s_ptrs = pre_s_ptr + rows.to(gl.int64) * (2 * kept) + pid_n
+        _store_kept(pre_ptrs, s_ptrs, gate, mask, row_mask, POW2)
+        _store_kept(pre_ptrs + UP_OFF, s_ptrs + kept, up, mask, row_mask, POW2)
+        act = act_forward(gate, up, alpha, limit, ACTIVATION)
+        gl.store(act_ptr + rows.to(gl.int64)[:, None] * stride_act_m + n[None, :], act.to(act_ptr.dtype.element_ty),
+                 mask=mask)
+
+
+@gluon.jit
+def fp8_ws_up_kernel(
+    a_ptr,  # [T, K_DIM] e4m3 token rows (x), row t at t * stride_a_t, unit column stride
+    w_desc,  # TMA descriptor over the e4m3 w_gate_up rows [E * N_EXT, K_DIM] (gate rows, then up rows), box [BLOCK_N, BLOCK_K]
+    pre_ptr,  # [N, 2 * N_COLS] e4m3 out: the kept pre, gate at n, up at UP_OFF + n
+    pre_s_ptr,  # [N, 2, cdiv(N_COLS, BLOCK_N)] fp32 out: the scales of pre's 1 x BLOCK_N tiles per half
+    act_ptr,  # [N, N_COLS] 16-bit out: act
+    a_scale_ptr,  # [T] fp32 dequantization scale of each token row of x
+    w_scale_ptr,  # [E, N_EXT] fp32 dequantization scale of each weight row, row e at e * stride_ws_e
+    offsets_ptr,  # [E+1] int32 expert_token_offsets
+    indices_ptr,  # [N] int32 expert_token_indices (slot -> token)
+    tile_expert_ptr,  # [max_tiles] int32 expert of each M-tile
+    tile_row_ptr,  # [max_tiles] int32 first slot of each M-tile
+    num_tiles_ptr,  # [1] int32 valid M-tiles
+    A_ROWS, K_DIM, N_COLS, N_EXT, UP_OFF,  # slots N; d; h; weight rows per expert (2h); up's offset (h)
+    stride_a_t, stride_pre_m, stride_act_m, stride_ws_e,
+    alpha, limit,  # the clamped SwiGLU's parameters
+    ACTIVATION: gl.constexpr,  # a gated activation code of kernels/act_math.py
+    POW2: gl.constexpr,  # the kept tiles' scales are powers of two
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, NUM_STAGES: gl.constexpr,
+    GROUP_M: gl.constexpr,
+):
+    dtype: gl.constexpr = w_desc.dtype
+    a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], dtype)
+    a_bufs = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_M, BLOCK_K], a_layout)
+    w_bufs = gl.allocate_shared_memory(dtype, [NUM_STAGES, 2 * BLOCK_N, BLOCK_K], w_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(NUM_STAGES):
+        # the loader's expect (one arrival with both weight boxes' bytes) and each loader thread's cp.async arrival
+        mbarrier.init(ready.index(i), count=1 + LOADER_WARPS * 32)
+        mbarrier.init(empty.index(i), count=2)  # both mma halves
+
+    outs = (pre_ptr, pre_s_ptr, act_ptr, stride_pre_m, stride_act_m, alpha, limit)
+    scales = (a_scale_ptr, w_scale_ptr, indices_ptr, A_ROWS, stride_ws_e)
+    sched = (tile_expert_ptr, tile_row_ptr, offsets_ptr, num_tiles_ptr)
+    # constexprs go into the partitions' argument lists directly (a tuple variable would hold them as values)
+    gl.warp_specialize([
+        (_mma_up, (outs, scales, sched, (a_bufs, w_bufs), (ready, empty), (K_DIM, N_COLS, UP_OFF), 0, ACTIVATION,
+                   POW2, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, GROUP_M)),
+        (_mma_up, (outs, scales, sched, (a_bufs, w_bufs), (ready, empty), (K_DIM, N_COLS, UP_OFF), 1, ACTIVATION,
+                   POW2, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, GROUP_M)),
+        (_gather_loader, ((a_ptr, indices_ptr, A_ROWS, stride_a_t, UP_OFF), w_desc, sched, (a_bufs, w_bufs, None),
+                          (ready, empty, None, None), (K_DIM, N_COLS, N_EXT, 0, 0), True, BLOCK_M, BLOCK_N, BLOCK_K,
+                          NUM_STAGES, GROUP_M)),
+    ], [MMA_WARPS, LOADER_WARPS], [MMA_REGS, IO_REGS])
+
+
+def ws_up_ok(x: torch.Tensor, w: torch.Tensor, pre: torch.Tensor, act: torch.Tensor) -> bool:
+    """F1 of the FP8 layer (``pre`` kept in e4m3: ``launch._check_pre_fp8``) can run on :func:`fp8_ws_up_kernel`:
+    :func:`.tuning.ws_enabled`, a contiguous ``w_gate_up``, aligned rows of ``x`` and of the weight, unit column
+    strides of ``pre`` and ``act``."""
+    return (tuning.ws_enabled(x.device) and w.is_contiguous() and rows_aligned(x) and rows_aligned(w[0])
+            and pre.stride(1) == 1 and act.stride(1) == 1)
+
+
+def launch_ws_up(x, w, pre, act, pre_scale, x_scale, w_scale, offsets, indices, sched, h, d, activation, alpha, limit,
+                 pow2) -> None:
+    """Launch :func:`fp8_ws_up_kernel` (check :func:`ws_up_ok` first): F1 with the kept e4m3 ``pre [N, 2h]`` and its
+    tile scales ``pre_scale [N, 2, h / 64]``, and ``act [N, h]``, from e4m3 ``x [T, d]`` rows and ``w [E, 2h, d]``
+    with their rowwise scales ``x_scale [T]``, ``w_scale [E, 2h]``; ``sched`` the 128-row tile schedule."""
+    E = w.shape[0]
+    w_desc = tma_desc(w.reshape(E * w.shape[1], d), [CONFIG["BLOCK_N"], CONFIG["BLOCK_K"]])
+    tiles = sched[0].numel() * cdiv(h, CONFIG["BLOCK_N"])
+    direct.launch(fp8_ws_up_kernel, (min(tiles, num_programs(x.device)),),
+        a_ptr=x, w_desc=w_desc, pre_ptr=pre, pre_s_ptr=pre_scale, act_ptr=act, a_scale_ptr=x_scale, w_scale_ptr=w_scale,
+        offsets_ptr=offsets, indices_ptr=indices, tile_expert_ptr=sched[0], tile_row_ptr=sched[1],
+        num_tiles_ptr=sched[2], A_ROWS=indices.numel(), K_DIM=d, N_COLS=h, N_EXT=w.shape[1], UP_OFF=h,
+        stride_a_t=x.stride(0), stride_pre_m=pre.stride(0), stride_act_m=act.stride(0), stride_ws_e=w_scale.stride(0),
+        alpha=float(alpha), limit=float(limit), ACTIVATION=activation, POW2=pow2, **CONFIG, num_warps=4,
+        maxnreg=MAX_REGS,
+    )
