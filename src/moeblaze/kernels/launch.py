@@ -247,8 +247,9 @@ def grouped_gemm(a, b, c, offsets, indices, sched, *, b_nk, n_cols, k_dim, gathe
         grouped_gemm_ws(a, b, c, offsets, sched, b_nk=b_nk, n_cols=n_cols, k_dim=k_dim, n_start=n_start or 0,
                         a_scale=a_scale, b_scale=b_scale, indices=indices if gather_a else None)
         return
-    up_ws = (pre_scale is not None and bias is None and up_shift_b is None and b_mode is None and weight_desc
-             and 2 * up_off == b.shape[1] and bm == WS_GEMM_CONFIG["BLOCK_M"] and tuning.ws_enabled(a.device))
+    up_ws = (pre_scale is not None and gather_a and dual and n_start is None and bias is None and up_shift_b is None
+             and b_mode is None and weight_desc and 2 * up_off == b.shape[1] and bm == WS_GEMM_CONFIG["BLOCK_M"]
+             and tuning.ws_enabled(a.device))
     if up_ws:  # the module imports Gluon: only where it can run
         from .fp8_ws_up import launch_ws_up, ws_up_ok
 
