@@ -134,7 +134,11 @@ def main() -> None:
     if not triton.__version__.startswith("3.6."):
         sys.exit(f"needs triton 3.6 (the kernels' Gluon API), found {triton.__version__}")
     for name, kernel in variants():
-        print(f"{name}: shared {kernel.metadata.shared} bytes, {resource_usage(kernel.asm['cubin'])}")
+        usage = resource_usage(kernel.asm["cubin"])
+        print(f"{name}: shared {kernel.metadata.shared} bytes, {kernel.metadata.num_warps} warps, {usage}")
+        regs = int(usage.split("REG:")[1].split()[0])
+        if regs * kernel.metadata.num_warps * 32 > 65536:  # the launch fails with OutOfResources("threads")
+            sys.exit(f"{name}: {regs} registers x {kernel.metadata.num_warps * 32} threads exceed the 65,536 of an SM")
         if args.dump:
             os.makedirs(args.dump, exist_ok=True)
             stem = os.path.join(args.dump, name.replace(" ", "_").replace("=", "-"))

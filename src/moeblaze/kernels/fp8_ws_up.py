@@ -47,11 +47,13 @@ from .tuning import cdiv, num_programs
 from .ws_gemm import _tile
 from .ws_wgrad import LOADER_WARPS
 
-# 10 warps: 200 registers each at launch (65536 / 320, rounded down to 8). The loader gives its down to 88 and both
-# mma warp groups get 224 (the default partition the rest): two 64 x 64 fp32 accumulators and their partial sums are
-# 128 per thread, and the epilogue holds gate, up and their scales beside them.
-MAX_REGS = 200
-MMA_REGS: gl.constexpr = gl.constexpr(224)
+# 10 warps, launched as 12 (warp specialization counts whole warp groups): 168 registers each at launch (65536 / 384,
+# rounded down to 8; 200 asked for more than the register file and the launch failed). The loader gives its down to 88
+# and both mma warp groups get 208 (the default partition the rest, 504 - 208 - 88): two 64 x 64 fp32 accumulators
+# and their partial sums are 128 per thread; 224 left the default partition 192 and a 40-byte stack frame
+# (scripts/gluon_sm90_compile.py).
+MAX_REGS = 168
+MMA_REGS: gl.constexpr = gl.constexpr(208)
 # 64 columns of gate and of up, the kept pre's tile (moeblaze.fp8.KEPT_TILE), per output tile; 128-column steps, the
 # promotion interval; 4 stages of 32 KiB (x rows, gate and up boxes).
 CONFIG = {"BLOCK_M": 128, "BLOCK_N": KEPT_TILE, "BLOCK_K": 128, "NUM_STAGES": 4, "GROUP_M": 8}
