@@ -118,7 +118,8 @@ def test_chunk_rule():
     assert column_chunks(4096 * 8, 2048, 768, 2) == [(0, 2048)]  # 128 MiB in bf16 (4k tokens, K 8)
     N = 65536 * 8  # Qwen3-30B-A3B at 64k tokens: a 2 GiB buffer in bf16
     assert column_chunks(N, 2048, 768, 2) == [(0, 768), (768, 1536), (1536, 2048)]
-    assert column_chunks(N, 1536, 256, 2) == [(0, 512), (512, 1024), (1024, 1536)]  # h 256: at least 512 wide
+    assert column_chunks(N, 1536, 256, 2) == [(0, 1536)]  # F2's K h 256: a short K loop, one chunk
+    assert column_chunks(N, 1536, 512, 2) == [(0, 1536)]  # B3's K 2h 512: one chunk
     assert column_chunks(N, 2048, 8192, 2) == [(0, 2048)]  # h >= d: one chunk
     assert column_chunks(N, 2048, 1536, 2) == [(0, 1024), (1024, 2048)]  # B3's cap, dpre's row 2h: two equal chunks
     assert column_chunks(N, 7168, 4096, 2) == [(0, 3584), (3584, 7168)]  # DeepSeek-V3's B3 (h 2048)

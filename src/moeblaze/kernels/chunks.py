@@ -24,6 +24,11 @@ _CHUNK_MIN_BYTES = 256 * 2**20
 # Narrower chunks make the GEMM re-read its A operand (act, dpre) from memory once per chunk: at W columns a
 # 650 TF/s GEMM asks 650e12 / W bytes/s of it, 1.3 TB/s at W = 512, under half the H100's bandwidth.
 _CHUNK_MIN_COLS = 512
+# Below 768 the GEMM's K (F2's h, B3's dpre row) is a short loop: the GEMM's time is its output write and the chunks'
+# A re-reads and launches are a large share of it. sonicmoe-7b (d 1536, h 256, T 24,576, H200, `moeblaze bench
+# --configs sonicmoe-7b --impls moeblaze` with MOEBLAZE_CHUNK_COLS=auto / off): 5.19 / 3.35 ms autotuned, 4.20 / 3.60
+# fixed; at h 768-1024 (Qwen3-30B-A3B, OLMoE-1B-7B) the chunks cost 1-2%.
+_CHUNK_MIN_K = 768
 
 
 def peak_headroom(device: torch.device) -> int | None:
@@ -46,7 +51,7 @@ def column_chunks(num_slots: int, d: int, h: int, elem: int,
     None: unknown).
 
     Setting ``chunk_cols``: ``off`` one chunk; a column count, chunks that wide; ``auto`` (default), once the whole
-    ``[N, d]`` buffer would reach 256 MiB, chunks of equal widths rounded up to 128: the fewest whose buffer fits
+    ``[N, d]`` buffer would reach 256 MiB and ``h`` is at least 768, chunks of equal widths rounded up to 128: the fewest whose buffer fits
     in ``headroom``, and never more than the fewest no wider than ``max(512, h)`` (rounded down to 128) (d 2048
     with no headroom: F2 at h 768 in 768 + 768 + 512 columns, B3 in 2 x 1024).
     Why chunks: for d > h these buffers (``2Nd`` bytes in 16-bit) are the largest transients of the layer: ``y``
@@ -72,7 +77,7 @@ def column_chunks(num_slots: int, d: int, h: int, elem: int,
     if mode == "off":
         return [(0, d)]
     if mode == "auto":
-        if num_slots * d * elem < _CHUNK_MIN_BYTES:
+        if num_slots * d * elem < _CHUNK_MIN_BYTES or h < _CHUNK_MIN_K:
             return [(0, d)]
         most = tuning.cdiv(d, max(_CHUNK_MIN_COLS, h // 128 * 128))  # the capped rule's count
         room = headroom() if headroom is not None else None  # the allocator read (host time) only here
