@@ -13,7 +13,9 @@ Usage (repo root)::
     /tmp/t36/bin/python scripts/gluon_sm90_compile.py [--dump DIR]
 
 Prints one line per compiled variant (shared memory bytes, registers, spill bytes); ``--dump DIR`` writes each
-variant's TTGIR and PTX there (compare two versions' PTX to check that a refactor compiles to the same code).
+variant's TTGIR and PTX there; ``--compare DIR`` says per variant whether its PTX is the one dumped in ``DIR`` (by
+another version of the code), instruction by instruction with debug lines and register numbers left out: how a
+refactor of the kernels is shown to compile to the same code.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -127,9 +130,31 @@ def resource_usage(cubin: bytes) -> str:
                     if w.startswith(("REG:", "STACK:", "LOCAL:")))
 
 
+def instructions(ptx: str) -> list[str]:
+    """``ptx``'s instructions and directives without debug information and comments, registers renamed in order of
+    first use (``%r17`` -> ``%r_3``): two builds of the same code compare equal though their lines and register
+    numbers moved."""
+    names: dict[str, str] = {}
+
+    def rename(m: re.Match) -> str:
+        return names.setdefault(m.group(0), f"%{m.group(1)}_{len(names)}")
+
+    out, debug = [], False
+    for line in ptx.splitlines():
+        t = re.sub(r"\s*//.*$", "", line).strip()
+        debug = debug or (t.startswith(".section") and "debug" in t)
+        if debug:
+            debug = t != "}"
+            continue
+        if t and not t.startswith((".loc", ".file")) and not re.match(r"\$L__(tmp|func_end|info|debug)", t):
+            out.append(re.sub(r"%(r|rd|p|f|fd|rs|h|hh)(\d+)\b", rename, re.sub(r"\s+", " ", t)))
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--dump", help="folder for each variant's TTGIR and PTX")
+    ap.add_argument("--compare", help="a --dump folder of another version: is each variant's PTX the same code?")
     args = ap.parse_args()
     if not triton.__version__.startswith("3.6."):
         sys.exit(f"needs triton 3.6 (the kernels' Gluon API), found {triton.__version__}")
@@ -139,11 +164,15 @@ def main() -> None:
         regs = int(usage.split("REG:")[1].split()[0])
         if regs * kernel.metadata.num_warps * 32 > 65536:  # the launch fails with OutOfResources("threads")
             sys.exit(f"{name}: {regs} registers x {kernel.metadata.num_warps * 32} threads exceed the 65,536 of an SM")
+        stem = name.replace(" ", "_").replace("=", "-")
+        if args.compare:
+            with open(os.path.join(args.compare, f"{stem}.ptx")) as f:
+                same = instructions(f.read()) == instructions(kernel.asm["ptx"])
+            print(f"  PTX {'the same as' if same else 'DIFFERENT from'} {args.compare}'s")
         if args.dump:
             os.makedirs(args.dump, exist_ok=True)
-            stem = os.path.join(args.dump, name.replace(" ", "_").replace("=", "-"))
             for ext in ("ttgir", "ptx"):
-                with open(f"{stem}.{ext}", "w") as f:
+                with open(os.path.join(args.dump, f"{stem}.{ext}"), "w") as f:
                     f.write(kernel.asm[ext])
 
 

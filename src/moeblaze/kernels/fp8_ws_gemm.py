@@ -47,8 +47,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from .ws_gemm import _epilogue, _loader, _tile
-from .ws_wgrad import EPILOGUE_WARPS, LOADER_WARPS
+from .ws_gemm import _epilogue, _loader, _tile, _tiles
+from .ws_wgrad import EPILOGUE_WARPS, LOADER_WARPS, stage_barriers, tile_barriers
 
 MMA_WARPS: gl.constexpr = gl.constexpr(4)  # one warp group per half of the 128-row tile
 # 12 warps: 168 registers each at launch (65536 / 384). The loader and the epilogue give theirs down to 88 and both
@@ -58,6 +58,17 @@ MMA_WARPS: gl.constexpr = gl.constexpr(4)  # one warp group per half of the 128-
 MAX_REGS = 168
 MMA_REGS: gl.constexpr = gl.constexpr(208)
 IO_REGS: gl.constexpr = gl.constexpr(88)
+
+
+@gluon.jit
+def half_tile(ROWS: gl.constexpr, BLOCK_N: gl.constexpr):
+    """An mma warp group's ``[ROWS, BLOCK_N]`` half of the output tile in the e4m3 wgmma's register layout: its fp32
+    zeros (the accumulator's start, the fresh partial sums' input), its row and its column offsets."""
+    layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[MMA_WARPS, 1],
+                                                     instr_shape=[16, BLOCK_N, 32])
+    zero = gl.zeros((ROWS, BLOCK_N), dtype=gl.float32, layout=layout)
+    return zero, gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout)), gl.arange(0, BLOCK_N,
+                                                                               layout=gl.SliceLayout(0, layout))
 
 
 @gluon.jit
@@ -74,12 +85,11 @@ def _gather_loader(gather, w_desc, sched, smem, bars, dims, DUAL: gl.constexpr, 
     layout: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [LOADER_WARPS, 1], [1, 0])
     r_in = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
     ks = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, layout))
-    num_tiles = gl.load(num_tiles_ptr)
-    num_n = gl.cdiv(N_COLS, BLOCK_N)
+    num_tiles, num_n, my_tiles = _tiles(num_tiles_ptr, N_COLS, BLOCK_N)
     it = 0  # k-steps issued so far: stage it % NUM_STAGES, phase (it // NUM_STAGES) & 1
-    for i_tile in range(gl.cdiv(num_tiles * num_n - gl.program_id(0), gl.num_programs(0))):
-        t = gl.program_id(0) + i_tile * gl.num_programs(0)
-        pid_n, e, row0, row_end = _tile(t, num_tiles, num_n, tile_expert_ptr, tile_row_ptr, offsets_ptr, GROUP_M)
+    for i_tile in range(my_tiles):
+        pid_n, e, row0, row_end = _tile(i_tile, num_tiles, num_n, tile_expert_ptr, tile_row_ptr, offsets_ptr,
+                                        GROUP_M)
         slots = row0 + r_in
         in_expert = slots < row_end
         tokens = gl.load(indices_ptr + slots, mask=in_expert, other=0)
@@ -114,17 +124,12 @@ def _mma(scales, sched, smem, bars, dims, HALF: gl.constexpr, GATHER_A: gl.const
     ready, empty, c_ready, c_empty = bars
     K_DIM, N_COLS, N_EXT, N_START, stride_c_m = dims
     ROWS: gl.constexpr = BLOCK_M // 2
-    layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[MMA_WARPS, 1],
-                                                     instr_shape=[16, BLOCK_N, 32])
-    zero = gl.zeros((ROWS, BLOCK_N), dtype=gl.float32, layout=layout)
-    r_in = gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
-    c_in = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
-    num_tiles = gl.load(num_tiles_ptr)
-    num_n = gl.cdiv(N_COLS, BLOCK_N)
+    zero, r_in, c_in = half_tile(ROWS, BLOCK_N)
+    num_tiles, num_n, my_tiles = _tiles(num_tiles_ptr, N_COLS, BLOCK_N)
     it = 0  # k-steps consumed so far: stage it % NUM_STAGES, phase (it // NUM_STAGES) & 1
-    for i_tile in range(gl.cdiv(num_tiles * num_n - gl.program_id(0), gl.num_programs(0))):
-        t = gl.program_id(0) + i_tile * gl.num_programs(0)
-        pid_n, e, row0, row_end = _tile(t, num_tiles, num_n, tile_expert_ptr, tile_row_ptr, offsets_ptr, GROUP_M)
+    for i_tile in range(my_tiles):
+        pid_n, e, row0, row_end = _tile(i_tile, num_tiles, num_n, tile_expert_ptr, tile_row_ptr, offsets_ptr,
+                                        GROUP_M)
         acc = zero
         for _k in range(0, K_DIM, BLOCK_K):
             s = it % NUM_STAGES
@@ -178,17 +183,10 @@ def fp8_ws_gemm_kernel(
     c_dtype: gl.constexpr = c_ptr.dtype.element_ty
     c_smem = gl.allocate_shared_memory(c_dtype, [BLOCK_M, BLOCK_N],
                                        gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], c_dtype))
-    ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    c_ready = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
-    c_empty = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(NUM_STAGES):
-        # the loader's expect (one arrival with the TMA boxes' bytes) and, gathering, each loader thread's cp.async
-        # arrival
-        mbarrier.init(ready.index(i), count=1 + LOADER_WARPS * 32 if GATHER_A else 1)
-        mbarrier.init(empty.index(i), count=2)  # both mma halves
-    mbarrier.init(c_ready.index(0), count=2)
-    mbarrier.init(c_empty.index(0), count=1)
+    # ready: the loader's expect (one arrival with the TMA boxes' bytes) and, gathering, each loader thread's
+    # cp.async arrival; empty and c_ready: both mma halves
+    ready, empty = stage_barriers(NUM_STAGES, 1 + LOADER_WARPS * 32 if GATHER_A else 1, 2)
+    c_ready, c_empty = tile_barriers(2)
 
     scales = (a_scale_ptr, w_scale_ptr, indices_ptr, A_ROWS, stride_ws_e)
     sched = (tile_expert_ptr, tile_row_ptr, offsets_ptr, num_tiles_ptr)

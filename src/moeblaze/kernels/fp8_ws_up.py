@@ -40,12 +40,12 @@ from ..fp8 import KEPT_TILE
 from . import direct, tuning
 from .act_math import act_forward
 from .fp8_quant import row_amax, scale_of, to_e4m3
-from .fp8_ws_gemm import IO_REGS, MMA_WARPS, _gather_loader
+from .fp8_ws_gemm import IO_REGS, MMA_WARPS, _gather_loader, half_tile
 from .grouped_gemm import _QMAX, _TINY
 from .tma import rows_aligned, tma_desc
 from .tuning import cdiv, num_programs
-from .ws_gemm import _tile
-from .ws_wgrad import LOADER_WARPS
+from .ws_gemm import _tile, _tiles
+from .ws_wgrad import LOADER_WARPS, stage_barriers
 
 # 10 warps, launched as 12 (warp specialization counts whole warp groups): 168 registers each at launch (65536 / 384,
 # rounded down to 8; 200 asked for more than the register file and the launch failed). The loader gives its down to 88
@@ -81,18 +81,13 @@ def _mma_up(outs, scales, sched, smem, bars, dims, HALF: gl.constexpr, ACTIVATIO
     ready, empty = bars
     K_DIM, N_COLS, UP_OFF = dims
     ROWS: gl.constexpr = BLOCK_M // 2
-    layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[MMA_WARPS, 1],
-                                                     instr_shape=[16, BLOCK_N, 32])
-    zero = gl.zeros((ROWS, BLOCK_N), dtype=gl.float32, layout=layout)
-    r_in = gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
-    c_in = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
-    num_tiles = gl.load(num_tiles_ptr)
-    num_n = gl.cdiv(N_COLS, BLOCK_N)
+    zero, r_in, c_in = half_tile(ROWS, BLOCK_N)
+    num_tiles, num_n, my_tiles = _tiles(num_tiles_ptr, N_COLS, BLOCK_N)
     kept = gl.cdiv(N_COLS, BLOCK_N)  # kept tiles per half and row (BLOCK_N is the kept tile)
     it = 0  # k-steps consumed so far: stage it % NUM_STAGES, phase (it // NUM_STAGES) & 1
-    for i_tile in range(gl.cdiv(num_tiles * num_n - gl.program_id(0), gl.num_programs(0))):
-        t = gl.program_id(0) + i_tile * gl.num_programs(0)
-        pid_n, e, row0, row_end = _tile(t, num_tiles, num_n, tile_expert_ptr, tile_row_ptr, offsets_ptr, GROUP_M)
+    for i_tile in range(my_tiles):
+        pid_n, e, row0, row_end = _tile(i_tile, num_tiles, num_n, tile_expert_ptr, tile_row_ptr, offsets_ptr,
+                                        GROUP_M)
         acc_g = zero
         acc_u = zero
         for _k in range(0, K_DIM, BLOCK_K):
@@ -156,12 +151,9 @@ def fp8_ws_up_kernel(
     a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], dtype)
     a_bufs = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_M, BLOCK_K], a_layout)
     w_bufs = gl.allocate_shared_memory(dtype, [NUM_STAGES, 2 * BLOCK_N, BLOCK_K], w_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(NUM_STAGES):
-        # the loader's expect (one arrival with both weight boxes' bytes) and each loader thread's cp.async arrival
-        mbarrier.init(ready.index(i), count=1 + LOADER_WARPS * 32)
-        mbarrier.init(empty.index(i), count=2)  # both mma halves
+    # ready: the loader's expect (one arrival with both weight boxes' bytes) and each loader thread's cp.async arrival;
+    # empty: both mma halves
+    ready, empty = stage_barriers(NUM_STAGES, 1 + LOADER_WARPS * 32, 2)
 
     outs = (pre_ptr, pre_s_ptr, act_ptr, stride_pre_m, stride_act_m, alpha, limit)
     scales = (a_scale_ptr, w_scale_ptr, indices_ptr, A_ROWS, stride_ws_e)

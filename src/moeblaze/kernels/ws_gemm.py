@@ -36,12 +36,23 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from .ws_wgrad import EPILOGUE_WARPS, LOADER_WARPS, WORKER_REGS, hand_off
+from .ws_wgrad import EPILOGUE_WARPS, LOADER_WARPS, WORKER_REGS, hand_off, stage_barriers, tile_barriers
 
 
 @gluon.jit
-def _tile(t, num_tiles, num_n, tile_expert_ptr, tile_row_ptr, offsets_ptr, GROUP_M: gl.constexpr):
-    """Output tile ``t`` -> (n-tile, expert, first slot, end slot of the expert); grouped order for L2."""
+def _tiles(num_tiles_ptr, N_COLS, BLOCK_N: gl.constexpr):
+    """A persistent program's share of the output tiles: (M-tiles, n-tiles per M-tile, how many tiles it runs: its
+    ``i_tile``-th is ``program_id + i_tile * num_programs``)."""
+    num_tiles = gl.load(num_tiles_ptr)
+    num_n = gl.cdiv(N_COLS, BLOCK_N)
+    return num_tiles, num_n, gl.cdiv(num_tiles * num_n - gl.program_id(0), gl.num_programs(0))
+
+
+@gluon.jit
+def _tile(i_tile, num_tiles, num_n, tile_expert_ptr, tile_row_ptr, offsets_ptr, GROUP_M: gl.constexpr):
+    """This program's ``i_tile``-th output tile -> (n-tile, expert, first slot, end slot of the expert); grouped
+    order for L2."""
+    t = gl.program_id(0) + i_tile * gl.num_programs(0)
     num_in_group = GROUP_M * num_n
     first_m = (t // num_in_group) * GROUP_M
     group_size = gl.minimum(num_tiles - first_m, GROUP_M)
@@ -60,12 +71,11 @@ def _loader(descs, sched, smem, bars, dims, W_NK: gl.constexpr, BLOCK_M: gl.cons
     a_bufs, w_bufs, c_smem = smem
     ready, empty, c_ready, c_empty = bars
     K_DIM, N_COLS, N_EXT, N_START, stride_c_m = dims
-    num_tiles = gl.load(num_tiles_ptr)
-    num_n = gl.cdiv(N_COLS, BLOCK_N)
+    num_tiles, num_n, my_tiles = _tiles(num_tiles_ptr, N_COLS, BLOCK_N)
     it = 0  # k-steps issued so far: stage it % NUM_STAGES, phase (it // NUM_STAGES) & 1
-    for i_tile in range(gl.cdiv(num_tiles * num_n - gl.program_id(0), gl.num_programs(0))):
-        t = gl.program_id(0) + i_tile * gl.num_programs(0)
-        pid_n, e, row0, row_end = _tile(t, num_tiles, num_n, tile_expert_ptr, tile_row_ptr, offsets_ptr, GROUP_M)
+    for i_tile in range(my_tiles):
+        pid_n, e, row0, row_end = _tile(i_tile, num_tiles, num_n, tile_expert_ptr, tile_row_ptr, offsets_ptr,
+                                        GROUP_M)
         n0 = N_START + pid_n * BLOCK_N
         for k in range(0, K_DIM, BLOCK_K):
             s = it % NUM_STAGES
@@ -90,10 +100,9 @@ def _mma(sched, smem, bars, dims, W_NK: gl.constexpr, BLOCK_M: gl.constexpr, BLO
     K_DIM, N_COLS, N_EXT, N_START, stride_c_m = dims
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                          instr_shape=[16, BLOCK_N, 16])
-    num_tiles = gl.load(num_tiles_ptr)
-    num_n = gl.cdiv(N_COLS, BLOCK_N)
+    _, _, my_tiles = _tiles(num_tiles_ptr, N_COLS, BLOCK_N)
     it = 0  # k-steps consumed so far: stage it % NUM_STAGES, phase (it // NUM_STAGES) & 1
-    for i_tile in range(gl.cdiv(num_tiles * num_n - gl.program_id(0), gl.num_programs(0))):
+    for i_tile in range(my_tiles):
         acc = gl.zeros((BLOCK_M, BLOCK_N), dtype=gl.float32, layout=acc_layout)
         prev = 0
         for k in range(0, K_DIM, BLOCK_K):
@@ -121,13 +130,12 @@ def _epilogue(c_ptr, sched, smem, bars, dims, BLOCK_M: gl.constexpr, BLOCK_N: gl
     layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [EPILOGUE_WARPS, 1], [1, 0])
     ROWS: gl.constexpr = 32  # 32 x 64 pieces over 64 threads: 32 elements per thread
     COLS: gl.constexpr = 64
-    num_tiles = gl.load(num_tiles_ptr)
-    num_n = gl.cdiv(N_COLS, BLOCK_N)
+    num_tiles, num_n, my_tiles = _tiles(num_tiles_ptr, N_COLS, BLOCK_N)
     r_in = gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
     c_in = gl.arange(0, COLS, layout=gl.SliceLayout(0, layout))
-    for i_tile in range(gl.cdiv(num_tiles * num_n - gl.program_id(0), gl.num_programs(0))):
-        t = gl.program_id(0) + i_tile * gl.num_programs(0)
-        pid_n, e, row0, row_end = _tile(t, num_tiles, num_n, tile_expert_ptr, tile_row_ptr, offsets_ptr, GROUP_M)
+    for i_tile in range(my_tiles):
+        pid_n, e, row0, row_end = _tile(i_tile, num_tiles, num_n, tile_expert_ptr, tile_row_ptr, offsets_ptr,
+                                        GROUP_M)
         mbarrier.wait(c_ready.index(0), i_tile & 1)
         for i in gl.static_range(BLOCK_M // ROWS):
             rows = row0 + i * ROWS + r_in
@@ -161,15 +169,8 @@ def ws_gemm_kernel(
     w_bufs = gl.allocate_shared_memory(dtype, [NUM_STAGES] + w_shape, w_desc.layout)
     c_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_N],
                                        gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], dtype))
-    ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    c_ready = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
-    c_empty = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(NUM_STAGES):
-        mbarrier.init(ready.index(i), count=1)  # the loader's expect: one arrival with both boxes' bytes
-        mbarrier.init(empty.index(i), count=1)
-    mbarrier.init(c_ready.index(0), count=1)
-    mbarrier.init(c_empty.index(0), count=1)
+    ready, empty = stage_barriers(NUM_STAGES, 1, 1)  # ready: the loader's expect, one arrival with both boxes' bytes
+    c_ready, c_empty = tile_barriers(1)
 
     descs = (a_desc, w_desc)
     sched = (tile_expert_ptr, tile_row_ptr, offsets_ptr, num_tiles_ptr)

@@ -58,6 +58,28 @@ WORKER_REGS: gl.constexpr = gl.constexpr(128)
 
 
 @gluon.jit
+def stage_barriers(NUM_STAGES: gl.constexpr, READY: gl.constexpr, EMPTY: gl.constexpr):
+    """The ring's mbarriers, one ``ready`` and one ``empty`` per stage, expecting ``READY`` and ``EMPTY`` arrivals."""
+    ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(NUM_STAGES):
+        mbarrier.init(ready.index(i), count=READY)
+        mbarrier.init(empty.index(i), count=EMPTY)
+    return ready, empty
+
+
+@gluon.jit
+def tile_barriers(C_READY: gl.constexpr):
+    """The output tile's hand-off: ``c_ready`` (``C_READY`` arrivals: the mma partitions), ``c_empty`` (the
+    epilogue's one)."""
+    c_ready = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+    c_empty = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(c_ready.index(0), count=C_READY)
+    mbarrier.init(c_empty.index(0), count=1)
+    return c_ready, c_empty
+
+
+@gluon.jit
 def _tile(t, num_p, num_q, GROUP_M: gl.constexpr):
     """Output tile ``t`` -> (expert, p-tile, q-tile): expert-major, grouped ordering inside an expert (the
     programs of one expert run together and share its rows in L2)."""
@@ -252,17 +274,10 @@ def ws_wgrad_kernel(
     g_bufs = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_K, BLOCK_G], g_layout)
     r_bufs = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_K, BLOCK_R], r_layout)
     c_smem = gl.allocate_shared_memory(dtype, [BLOCK_P, BLOCK_Q], c_layout)
-    ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    c_ready = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
-    c_empty = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(NUM_STAGES):
-        # the TMA transaction (one arrival with its byte count) and each loader thread's cp.async arrival; in
-        # triton 3.6 a partition's mbarrier.arrive is one thread's, after a barrier of the partition's warps
-        mbarrier.init(ready.index(i), count=1 + LOADER_WARPS * 32)
-        mbarrier.init(empty.index(i), count=1)
-    mbarrier.init(c_ready.index(0), count=1)
-    mbarrier.init(c_empty.index(0), count=1)
+    # ready: the TMA transaction (one arrival with its byte count) and each loader thread's cp.async arrival; in
+    # triton 3.6 a partition's mbarrier.arrive is one thread's, after a barrier of the partition's warps
+    ready, empty = stage_barriers(NUM_STAGES, 1 + LOADER_WARPS * 32, 1)
+    c_ready, c_empty = tile_barriers(1)
 
     ptrs = (g_ptr, r_desc, c_ptr, c_desc, offsets_ptr, indices_ptr)
     smem = (g_bufs, r_bufs, c_smem)
