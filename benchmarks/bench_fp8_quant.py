@@ -1,7 +1,9 @@
 """The rowwise e4m3 quantization kernel (``moeblaze.kernels.fp8_quant``) on every operand the FP8 layer quantizes
 in one step, at one config: ``x [T, d]``, ``act [N, h]``, ``pre [N, 2h]`` (B3's ``dpre`` has its shape), the
 weights ``w1 [E, 2h, d]`` and ``w2 [E, d, h]`` along their rows (F1, F2) and their transposed views along theirs
-(B3, B1), N = T·K; and the dequantization of the kept ``pre``.
+(B3, B1), N = T·K; and the dequantization of the kept ``pre``. The weights once more from fp32 masters (``moeblaze
+train --precision fp8-mixed``): cast to bf16 then quantized, against quantized from fp32 with the bf16 rounding in
+the kernel (``as_dtype``; checked bitwise), counted as the bytes each moves (4 + 2 + 2 + 1, and 4 + 1).
 
 Per operand: the median time (``triton.testing.do_bench``) with the launcher's tiles and with each of a few
 alternative ``(BLOCK_R, BLOCK_C, num_warps)``, and the bandwidth counted as the bytes the kernel must move (2 read
@@ -66,12 +68,33 @@ def measure(config: str) -> list[dict]:
             rows.append({"config": config, "operand": name, "shape": "x".join(map(str, t.shape)),
                          "tiles": "/".join(map(str, tiles)), "launcher_tiles": tiles == default, "ms": f"{ms:.4f}",
                          "gb_s": f"{t.numel() * 3 / ms / 1e6:.0f}"})
+    rows += _from_masters(config, {k: v for k, v in _operands(*CONFIGS[config]).items() if k.startswith("w")})
     q = fp8_quant.quantize_rows_fp8(torch.randn(CONFIGS[config][0] * CONFIGS[config][4], 2 * CONFIGS[config][2],
                                                 device="cuda", dtype=torch.bfloat16))
     ms = triton.testing.do_bench(lambda: fp8_quant.dequantize_rows_fp8(q, torch.bfloat16), warmup=10, rep=100)
     rows.append({"config": config, "operand": "dequantize pre", "shape": "x".join(map(str, q.data.shape)),
                  "tiles": "16/256/4", "launcher_tiles": True, "ms": f"{ms:.4f}",
                  "gb_s": f"{q.data.numel() * 3 / ms / 1e6:.0f}"})
+    return rows
+
+
+def _from_masters(config: str, weights: dict[str, torch.Tensor]) -> list[dict]:
+    """Per weight: its fp32 master cast to bf16 and quantized, against quantized with the rounding in the kernel."""
+    rows = []
+    for name, w in weights.items():
+        master = w.float()  # the same strides: a transposed view stays one
+        fused = fp8_quant.quantize_rows_fp8(master, as_dtype=torch.bfloat16)
+        ref = fp8_quant.quantize_rows_fp8(master.to(torch.bfloat16))
+        if not (torch.equal(fused.data, ref.data) and torch.equal(fused.scale, ref.scale)):
+            raise AssertionError(f"{name}: quantized from fp32 as bf16 differs from the cast's quantization")
+        for how, run, nbytes in (
+                ("cast + quantize", lambda m=master: fp8_quant.quantize_rows_fp8(m.to(torch.bfloat16)), 9),
+                ("from fp32", lambda m=master: fp8_quant.quantize_rows_fp8(m, as_dtype=torch.bfloat16), 5)):
+            ms = triton.testing.do_bench(run, warmup=10, rep=100)
+            rows.append({"config": config, "operand": f"{name} fp32: {how}", "shape": "x".join(map(str, w.shape)),
+                         "tiles": "/".join(map(str, fp8_quant._tiles(master))), "launcher_tiles": True,
+                         "ms": f"{ms:.4f}", "gb_s": f"{w.numel() * nbytes / ms / 1e6:.0f}"})
+        del master
     return rows
 
 
@@ -91,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
             "command": " ".join(["python3 benchmarks/bench_fp8_quant.py", *given])}
     rows = [{**meta, **r} for r in measure(args.config)]
     for r in rows:
-        print(f"{r['operand']:15s} {r['shape']:16s} tiles {r['tiles']:12s} {'*' if r['launcher_tiles'] else ' '} "
+        print(f"{r['operand']:27s} {r['shape']:16s} tiles {r['tiles']:12s} {'*' if r['launcher_tiles'] else ' '} "
               f"{r['ms']} ms {r['gb_s']:>5s} GB/s", flush=True)
     if args.out:
         append_dicts(args.out, rows)

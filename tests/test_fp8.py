@@ -342,7 +342,8 @@ def test_triton_b1_quantizes_b3s_dpre_where_cuda_would(monkeypatch):
     from moeblaze.kernels import fp8_experts
     from moeblaze.kernels.fp8_quant import quantize_rows_fp8
 
-    monkeypatch.setattr(fp8_experts, "_rows", lambda t, pow2, out=None: quantize_rows_fp8(t, pow2, out))
+    monkeypatch.setattr(fp8_experts, "_rows", lambda t, pow2, out=None, as_dtype=None:
+                        quantize_rows_fp8(t, pow2, out, as_dtype))
     inputs = make_expert_inputs(*CASES["short last tiles"][:5])
     dout = torch.randn(inputs["x"].shape)
     run = lambda: run_and_grad(lambda **kw: moe_experts(**kw, backend="triton", fp8=Float8Recipe()), inputs, dout)  # noqa: E731
@@ -434,22 +435,27 @@ def test_biases_and_other_activations(activation, options):
         assert rel_error(a, r) < (1e-5 if name == "db_down" else 2 * U), name
 
 
-@pytest.mark.parametrize("granularity", GRANULARITIES)
-def test_autocast_is_the_call_on_bf16_casts(granularity):
-    """fp32 master weights under bf16 autocast: a bf16 output, fp32 weight gradients, bitwise the call on bf16 casts
-    outside autocast (the contract of moe_experts), the recipe quantizing the same 16-bit values."""
+@pytest.mark.parametrize("backend, granularity", [("torch", g) for g in GRANULARITIES] + [("triton", "rowwise")])
+def test_autocast_is_the_call_on_16_bit_casts(backend, granularity):
+    """fp32 master weights under bf16 autocast (fp16 for the Triton ops in the interpreter): a 16-bit output, fp32
+    weight gradients, bitwise the call on 16-bit casts outside autocast (the contract of moe_experts), the recipe
+    quantizing the same 16-bit values (the weights quantized from the masters as their 16-bit values: the ops'
+    ``dtype``)."""
+    if backend == "triton" and (torch.cuda.is_available() or not moeblaze.backends.triton_available()):
+        pytest.skip("the Triton FP8 ops on CPU tensors need TRITON_INTERPRET=1")
     recipe = Float8Recipe(granularity, 32)
     inputs = make_expert_inputs(24, 64, 32, 4, 2)
-    dout = torch.randn(24, 64).bfloat16()
+    low = torch.bfloat16 if backend == "torch" else torch.float16
+    dout = torch.randn(24, 64).to(low)
 
     def under_autocast(**kw):
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            return moe_experts(**kw, backend="torch", fp8=recipe)
+        with torch.autocast("cpu", dtype=low):
+            return moe_experts(**kw, backend=backend, fp8=recipe)
 
     got = run_and_grad(under_autocast, inputs, dout)
-    cast = {k: (v.bfloat16() if k in ("x", "w_gate_up", "w_down") else v) for k, v in inputs.items()}
-    want = run_and_grad(lambda **kw: moe_experts(**kw, backend="torch", fp8=recipe), cast, dout)
-    assert got[0].dtype == torch.bfloat16 and all(g.dtype == torch.float32 for g in got[1:])
+    cast = {k: (v.to(low) if k in ("x", "w_gate_up", "w_down") else v) for k, v in inputs.items()}
+    want = run_and_grad(lambda **kw: moe_experts(**kw, backend=backend, fp8=recipe), cast, dout)
+    assert got[0].dtype == low and all(g.dtype == torch.float32 for g in got[1:])
     for name, a, b in zip(NAMES, got, want):
         assert torch.equal(a, b.to(a.dtype)), name
 

@@ -67,7 +67,8 @@ def _same(t, data, scale, ref_data, ref_scale, exact):
     power_of_two = torch.frexp(r)[0].abs() == 0.5
     quotient = t.float().cpu() / scale.cpu()  # what the cast rounds
     tie = quotient == (g + r) / 2
-    known = (r.abs() <= 2.0**-6) | (power_of_two & (g == r / 2)) | tie | r.isnan()
+    nan_row = scale.cpu().isnan().expand_as(r)  # x / NaN: the interpreter's e4m3 bits of a NaN follow its sign
+    known = (r.abs() <= 2.0**-6) | (power_of_two & (g == r / 2)) | tie | r.isnan() | nan_row
     assert not (differ & ~known).any(), int((differ & ~known).sum())
     assert (~differ).float().mean() >= 0.75  # most values agree: the test is not vacuous
 
@@ -102,6 +103,38 @@ def test_errors_name_the_argument():
     t = torch.randn(6, 8, device=dev)
     with pytest.raises(ValueError, match=r"out's scale must be torch.float32 \(6, 1\)"):
         quantize_rows_fp8(t, out=(torch.empty(6, 8, dtype=E4M3, device=dev), torch.empty(6, device=dev)))
+    with pytest.raises(TypeError, match="as_dtype must be t's dtype .torch.bfloat16., or bf16 or fp16 for an fp32 t"):
+        quantize_rows_fp8(t.bfloat16(), as_dtype=torch.float16)
+    with pytest.raises(TypeError, match="as_dtype must be .* got torch.float64"):
+        quantize_rows_fp8(t, as_dtype=torch.float64)
+
+
+def _check_as_cast(shape, transposed, as_dtype, device):
+    t = _source(shape, torch.float32, transposed, device)
+    t[(0,) * (t.dim() - 1) + (1,)] = 7.0e4  # fp16: infinity
+    got, ref = quantize_rows_fp8(t, as_dtype=as_dtype), quantize_rows_fp8(t.to(as_dtype))
+    assert not torch.equal(t.to(as_dtype).float(), t)  # the rounding matters here
+    _same(t, got.data, got.scale, ref.data, ref.scale, exact=device == "cuda")
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="an interpreter test (CPU tensors); the gpu test runs the kernel on the device")
+@pytest.mark.parametrize("shape, transposed", [((37, 200), False), ((3, 40, 72), True), ((2, 1, 300), False)])
+@pytest.mark.parametrize("as_dtype", [torch.bfloat16, torch.float16])
+def test_fp32_quantized_as_its_16_bit_cast(shape, transposed, as_dtype):
+    """``as_dtype``: an fp32 tensor (a master weight under autocast) quantized as its bf16 / fp16 cast, rounded in
+    the kernel: bitwise the kernel on the cast (rows, a transposed view, rows longer than a column block; a value
+    past fp16's range, zeros, NaN, infinity), but the interpreter's e4m3 bits of a NaN row (``_same``)."""
+    _check_as_cast(shape, transposed, as_dtype, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape, transposed", [((8, 1536, 2048), True), ((8, 2048, 768), False), ((3, 40, 72), True),
+                                               ((40, 9000), False)])
+@pytest.mark.parametrize("as_dtype", [torch.bfloat16, torch.float16])
+def test_gpu_fp32_quantized_as_its_16_bit_cast(shape, transposed, as_dtype):
+    if not HAS_CUDA:
+        pytest.skip("needs a CUDA GPU (run with -m gpu on the device)")
+    _check_as_cast(shape, transposed, as_dtype, "cuda")
 
 
 def test_into_given_storage_as_into_new():

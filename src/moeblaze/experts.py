@@ -17,7 +17,7 @@ from .activations import GATED, SWIGLU_ALPHA, SWIGLU_LIMIT, ActArgs, check_activ
 from .amp import autocast_off, autocast_target
 from .backends import BACKENDS, Backend, get_backend
 from .dispatch import DispatchIndex, TileSchedule, check_index_matches
-from .fp8 import Float8Recipe, Float8Tensor, check_fp8_backend, check_fp8_recipe, weight_copy
+from .fp8 import Float8Recipe, Float8Tensor, check_fp8_backend, check_fp8_recipe
 from .input_grad import SharedInputGrad
 from .settings import carried_to_backward
 
@@ -186,12 +186,13 @@ class _Float8Experts(torch.autograd.Function):
                 foreign, input_grad, *index_tensors):
         index = _index_from(index_tensors, num_experts, block_m, foreign)
         ctx.input_grad = input_grad.bind(x) if input_grad is not None else None
-        # autocast's casts of the master weights (moeblaze.amp), quantized as the same call on 16-bit weights would
-        w1c, w2c = _cast_weight(w1, x.dtype), _cast_weight(w2, x.dtype)
+        # fp32 master weights under autocast (moeblaze.amp) are quantized as their casts to x's dtype: the ops round
+        # inside the quantization, as the same call on 16-bit weights would quantize, with no 16-bit copy
         xq = ops.quantize_rows(recipe, x)
         keep = save == "preact"  # F1 writes pre in the kept e4m3 tiles (recipe.quantize_kept), not in 16 bits
-        pq, act = ops.up_forward(recipe, xq, w1c, index, activation, b1=b1, act_args=act_args, keep=keep)
-        out = ops.down_forward(recipe, act, w2c, topk_weights, index, b2=b2).to(x.dtype)
+        pq, act = ops.up_forward(recipe, xq, w1, index, activation, b1=b1, act_args=act_args, keep=keep,
+                                 dtype=x.dtype)
+        out = ops.down_forward(recipe, act, w2, topk_weights, index, b2=b2, dtype=x.dtype).to(x.dtype)
         kept_pre = (pq.data, pq.scale) if keep else (None, None)
         ctx.save_for_backward(x, *kept_pre, w1, b1, w2, b2, topk_weights, *index_tensors)
         ctx.recipe, ctx.ops, ctx.activation, ctx.act_args, ctx.dtype = recipe, ops, activation, act_args, x.dtype
@@ -207,10 +208,10 @@ class _Float8Experts(torch.autograd.Function):
         index = _index_from(index_tensors, *ctx.index_args)
         recipe, ops, need, act_args = ctx.recipe, ctx.ops, ctx.needs_input_grad, ctx.act_args
         activation = ctx.activation
-        w1c, w2c = _cast_weight(w1, ctx.dtype), _cast_weight(w2, ctx.dtype)
+        dtype = ctx.dtype
         if pre_data is None:
-            pre, _ = ops.up_forward(recipe, ops.quantize_rows(recipe, x), w1c, index, activation, store_act=False,
-                                    b1=b1, act_args=act_args)
+            pre, _ = ops.up_forward(recipe, ops.quantize_rows(recipe, x), w1, index, activation, store_act=False,
+                                    b1=b1, act_args=act_args, dtype=dtype)
         else:
             pre = Float8Tensor(pre_data, pre_scale, ctx.pre_block)
         dout = dout.contiguous()
@@ -219,21 +220,17 @@ class _Float8Experts(torch.autograd.Function):
         if pre_data is not None and need[0]:
             rows = pre_data.view(pre_data.shape[0], -1)
             reuse = Float8Tensor(rows, pre_scale.new_empty(rows.shape[0], 1), (1, rows.shape[1]))
-        dpre, dw2, dtw = ops.down_backward(recipe, dout, pre, w2c, topk_weights, index, activation, need[3],
-                                           need[5], b2=b2, act_args=act_args, dw_dtype=w2.dtype, dpre_q=reuse)
+        dpre, dw2, dtw = ops.down_backward(recipe, dout, pre, w2, topk_weights, index, activation, need[3],
+                                           need[5], b2=b2, act_args=act_args, dw_dtype=w2.dtype, dpre_q=reuse,
+                                           dtype=dtype)
         del pre
         db1 = ops_torch.bias_grad(dpre, index).to(b1.dtype) if need[2] else None
-        dx, dw1 = ops.up_backward(recipe, dpre, x, w1c, index, need[0], need[1], dw_dtype=w1.dtype,
-                                  reuse=reuse, quantized=reuse is not None)
+        dx, dw1 = ops.up_backward(recipe, dpre, x, w1, index, need[0], need[1], dw_dtype=w1.dtype,
+                                  reuse=reuse, quantized=reuse is not None, dtype=dtype)
         dx = dx.to(ctx.dtype) if dx is not None else None
         if ctx.input_grad is not None:
             dx = ctx.input_grad.offer(dx)
         return (dx, dw1, db1, dw2, db2, dtw) + (None,) * (9 + len(index_tensors))
-
-
-def _cast_weight(w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``w`` in ``dtype``: kept over micro-batches inside :func:`moeblaze.fp8.reuse_weights` (fp32 masters)."""
-    return w if w.dtype == dtype else weight_copy(w, ("cast", dtype), lambda: w.to(dtype))
 
 
 def check_weight_dtypes(x, w1, w2, autocast: bool) -> None:

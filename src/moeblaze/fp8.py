@@ -314,15 +314,14 @@ def quantize_fp8_slots(t: Tensor, offsets: Tensor, block: int | None, pow2_scale
 _Copy = TypeVar("_Copy")
 _SCOPES = [0, None]  # open reuse_weights() contexts; the optimizer-step hook's handle while one is open
 _COPIES: dict[tuple, tuple[weakref.ref, int, object]] = {}  # key -> (the weight, its version, the copy)
-_MADE: dict[int, weakref.ref] = {}  # id -> copy that weight_copy made (a 16-bit cast), itself a weight
 
 
 @contextlib.contextmanager
 def reuse_weights() -> Iterator[None]:
     """Quantize each FP8 layer's expert weights once per parameter update, not once per micro-batch: inside this
     context the e4m3 copies of a weight (each layout a GEMM reads: rows for F1 / F2, the transposed copy for B1 /
-    B3) and, for fp32 master weights under autocast, the 16-bit cast they are made from, are kept and reused by
-    every forward and backward until the weight changes. For gradient accumulation, as Transformer Engine's
+    B3; of an fp32 master weight under autocast, made from it directly) are kept and reused by every forward and
+    backward until the weight changes. For gradient accumulation, as Transformer Engine's
     first-micro-batch flag and DeepSeek-V3's weights quantized once per step::
 
         with moeblaze.fp8.reuse_weights():
@@ -340,7 +339,7 @@ def reuse_weights() -> Iterator[None]:
     when the outermost one exits.
 
     Memory: the copies of every FP8 layer stay alive inside the context, about as many bytes as the 16-bit
-    weights (e4m3 rows and transposed copy; twice that with fp32 masters, whose bf16 cast is kept too); under
+    weights (e4m3 rows and transposed copy); under
     FSDP2 they are copies of the gathered, unsharded weights.
     """
     if _SCOPES[0] == 0:
@@ -358,20 +357,18 @@ def reuse_weights() -> Iterator[None]:
 
 def _clear_copies() -> None:
     _COPIES.clear()
-    _MADE.clear()
 
 
 def weight_copy(w: Tensor, tag: tuple, make: Callable[[], _Copy]) -> _Copy:
     """``make()``, a copy of the weight ``w`` (``tag`` names which: layout, dtype, recipe); inside
     :func:`reuse_weights` the copy made earlier for the same ``w`` and ``tag`` while ``w`` is unchanged. ``w``
-    qualifies when it (or the tensor it views) is an ``nn.Parameter`` or a copy this function made; anything else,
+    qualifies when it (or the tensor it views) is an ``nn.Parameter``; anything else (its storage may be reused),
     and any call outside the context, while compiling or while capturing a CUDA graph, is ``make()``."""
     if torch.compiler.is_compiling() or not _SCOPES[0] or (  # compiling first: the trace reads no module state
             torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
         return make()
     base = w if w._base is None else w._base
-    made = _MADE.get(id(base))
-    if not isinstance(base, torch.nn.Parameter) and (made is None or made() is not base):
+    if not isinstance(base, torch.nn.Parameter):
         return make()
     key = (id(base), tuple(w.shape), w.stride(), w.storage_offset(), w.dtype, tag)
     hit = _COPIES.get(key)
@@ -379,10 +376,6 @@ def weight_copy(w: Tensor, tag: tuple, make: Callable[[], _Copy]) -> _Copy:
         return hit[2]
     copy = make()
     _COPIES[key] = (weakref.ref(base), base._version, copy)
-    if isinstance(copy, Tensor):
-        _MADE[id(copy)] = weakref.ref(copy)
-    for k in [k for k, v in _COPIES.items() if v[0]() is None]:  # copies of a replaced cast: dead weights
+    for k in [k for k, v in _COPIES.items() if v[0]() is None]:  # copies of a replaced parameter
         del _COPIES[k]
-    for k in [k for k, v in _MADE.items() if v() is None]:
-        del _MADE[k]
     return copy

@@ -23,7 +23,7 @@ for F1's recomputation, bitwise the forward's). ``dout`` reaches B1 and the down
 ``dtopk_weights`` in e4m3.
 
 Shapes as :mod:`moeblaze.ops_torch`; all results fp32 except the weight gradients, rounded through the
-weight's dtype into ``dw_dtype`` as there. Per-expert loops read the offsets on the host.
+weight's compute dtype into ``dw_dtype`` as there. Per-expert loops read the offsets on the host.
 """
 
 from __future__ import annotations
@@ -58,39 +58,42 @@ def _kept_values(pre: Tensor | Float8Tensor) -> Tensor:
     return pre
 
 
-def _weight(recipe: Float8Recipe, w: Tensor, reduce_cols: bool) -> Tensor:
-    """The weight quantized by the recipe, as fp32 (kept over micro-batches inside
-    :func:`moeblaze.fp8.reuse_weights`)."""
-    return weight_copy(w, ("emulation", recipe, reduce_cols),
-                       lambda: recipe.quantize_weight(w, reduce_cols=reduce_cols).dequantize())
+def _weight(recipe: Float8Recipe, w: Tensor, reduce_cols: bool, dtype: torch.dtype | None) -> Tensor:
+    """The weight's cast to the compute ``dtype`` (None: ``w``'s) quantized by the recipe, as fp32 (kept over
+    micro-batches inside :func:`moeblaze.fp8.reuse_weights`)."""
+    return weight_copy(w, ("emulation", recipe, reduce_cols, dtype),
+                       lambda: recipe.quantize_weight(w.to(dtype or w.dtype), reduce_cols=reduce_cols).dequantize())
 
 
 def up_forward(recipe: Float8Recipe, xq: Float8Tensor, w1: Tensor, index: DispatchIndex, activation: str, *,
                store_act: bool = True, b1: Tensor | None = None, act_args: ActArgs = DEFAULT_ACT,
-               keep: bool = False) -> tuple[Tensor | Float8Tensor, Tensor | None]:
+               keep: bool = False, dtype: torch.dtype | None = None) -> tuple[Tensor | Float8Tensor, Tensor | None]:
     """F1: ``pre = x[token(s)] w1[e]^T (+ b1[e])`` from the e4m3 ``xq`` (``x [T, d]`` in rows of the recipe's
     tiles) and ``w1 [E, 2h | h, d]``; ``act = f(pre)`` with ``store_act``. Returns ``(pre [N, 2h | h],
     act [N, h] | None)`` fp32; with ``keep`` ``pre`` as kept for backward
-    (:meth:`moeblaze.fp8.Float8Recipe.quantize_kept`), ``act`` from the unquantized ``pre``."""
-    w = _weight(recipe, w1, reduce_cols=True)
+    (:meth:`moeblaze.fp8.Float8Recipe.quantize_kept`), ``act`` from the unquantized ``pre``.
+    ``dtype`` (every op's): the 16-bit compute dtype of the call, whose cast of a wider (fp32 master) weight the
+    recipe quantizes (default: the weight's dtype)."""
+    w = _weight(recipe, w1, True, dtype)
     pre, act = ops_torch.up_forward(xq.dequantize(), w, index, activation, store_pre=True, store_act=store_act,
                                     b1=b1, act_args=act_args)
     return (recipe.quantize_kept(pre, is_gated(activation)) if keep else pre), act
 
 
 def down_forward(recipe: Float8Recipe, act: Tensor, w2: Tensor, topk_weights: Tensor, index: DispatchIndex, *,
-                 b2: Tensor | None = None) -> Tensor:
+                 b2: Tensor | None = None, dtype: torch.dtype | None = None) -> Tensor:
     """F2 ``y = act w2[e]^T (+ b2[e])`` and the fp32 combine F3: ``act [N, h]``, ``w2 [E, d, h]`` ->
     ``out [T, d]`` fp32."""
     a = recipe.quantize_rows(act).dequantize()
-    w = _weight(recipe, w2, reduce_cols=True)
+    w = _weight(recipe, w2, True, dtype)
     return ops_torch.down_forward(a, w, topk_weights, index, b2=b2)
 
 
 def down_backward(recipe: Float8Recipe, dout: Tensor, pre: Tensor, w2: Tensor, topk_weights: Tensor,
                   index: DispatchIndex, activation: str, need_dw: bool, need_dtw: bool, *, b2: Tensor | None = None,
                   act_args: ActArgs = DEFAULT_ACT, dw_dtype: torch.dtype | None = None,
-                  dpre_q: Float8Tensor | None = None) -> tuple[Tensor, Tensor | None, Tensor | None]:
+                  dpre_q: Float8Tensor | None = None,
+                  dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor | None, Tensor | None]:
     """B1 ``dact' = dout[token(s)] w2[e]`` with ``act = f(pre)`` recomputed, ``dtopk_weights`` and ``dpre``;
     B2 ``dw2[e] = dout[token(s)]^T (w act)``. ``dpre_q`` (where the Triton ops write B3's e4m3 ``dpre``) is not
     used here: :func:`up_backward` quantizes ``dpre`` itself, to the same values.
@@ -101,7 +104,7 @@ def down_backward(recipe: Float8Recipe, dout: Tensor, pre: Tensor, w2: Tensor, t
     """
     pre = _kept_values(pre)
     g = recipe.quantize_rows(dout).dequantize()
-    w = _weight(recipe, w2, reduce_cols=False)
+    w = _weight(recipe, w2, False, dtype)
     dpre, _, dtw = ops_torch.down_backward(g, pre, w, topk_weights, index, activation, False, need_dtw, b2=b2,
                                            act_args=act_args)
     dw2 = None
@@ -112,13 +115,14 @@ def down_backward(recipe: Float8Recipe, dout: Tensor, pre: Tensor, w2: Tensor, t
         a, b = dout.index_select(0, tokens).float(), w_act
         if recipe.granularity == "blockwise":
             a, b = (recipe.quantize_slots(t, offsets).dequantize() for t in (a, b))
-        dw2 = ops_torch.grouped_weight_grad(a, b, offsets).to(w2.dtype).to(dw_dtype or w2.dtype)
+        dw2 = ops_torch.grouped_weight_grad(a, b, offsets).to(dtype or w2.dtype).to(dw_dtype or w2.dtype)
     return dpre, dw2, dtw
 
 
 def up_backward(recipe: Float8Recipe, dpre: Tensor, x: Tensor, w1: Tensor, index: DispatchIndex,
                 need_dx: bool, need_dw: bool, *, dw_dtype: torch.dtype | None = None,
-                reuse: Float8Tensor | None = None, quantized: bool = False) -> tuple[Tensor | None, Tensor | None]:
+                reuse: Float8Tensor | None = None, quantized: bool = False,
+                dtype: torch.dtype | None = None) -> tuple[Tensor | None, Tensor | None]:
     """B3 ``dx_slots = dpre w1[e]`` with B5 ``dx[t] = sum_k dx_slots[map[t,k]]``, and B4
     ``dw1[e] = dpre^T x[token(s)]``. ``reuse`` (the kept e4m3 ``pre``, where the Triton ops write B3's e4m3 ``dpre``)
     and ``quantized`` are not used here: the emulation's memory is not the kernels'.
@@ -129,12 +133,12 @@ def up_backward(recipe: Float8Recipe, dpre: Tensor, x: Tensor, w1: Tensor, index
     dx = dw1 = None
     if need_dx:
         a = recipe.quantize_rows(dpre).dequantize()
-        w = _weight(recipe, w1, reduce_cols=False)
+        w = _weight(recipe, w1, False, dtype)
         dx, _ = ops_torch.up_backward(a, x.float(), w, index, True, False)
     if need_dw:
         offsets = index.local_offsets
         a, b = dpre, x.float().index_select(0, index.expert_token_indices.long())
         if recipe.granularity == "blockwise":
             a, b = (recipe.quantize_slots(t, offsets).dequantize() for t in (a, b))
-        dw1 = ops_torch.grouped_weight_grad(a, b, offsets).to(w1.dtype).to(dw_dtype or w1.dtype)
+        dw1 = ops_torch.grouped_weight_grad(a, b, offsets).to(dtype or w1.dtype).to(dw_dtype or w1.dtype)
     return dx, dw1

@@ -43,12 +43,13 @@ from .tuning import cdiv
 
 __all__ = ["quantize_rows", "dequantize", "up_forward", "down_forward", "down_backward", "up_backward"]
 
-def _rows(t: Tensor, pow2: bool, out: tuple[Tensor, Tensor] | None = None) -> Float8Tensor:
-    """``t [..., R, C]`` with one scale per row (into ``out``'s ``(data, scale)`` when given): one launch on CUDA,
-    the recipe's PyTorch ops elsewhere."""
+def _rows(t: Tensor, pow2: bool, out: tuple[Tensor, Tensor] | None = None,
+          as_dtype: torch.dtype | None = None) -> Float8Tensor:
+    """``t [..., R, C]`` with one scale per row (into ``out``'s ``(data, scale)`` when given; ``as_dtype``: the values
+    of ``t.to(as_dtype)``): one launch on CUDA, the recipe's PyTorch ops elsewhere."""
     if t.is_cuda:
-        return quantize_rows_fp8(t, pow2, out)
-    q = quantize_fp8(t, (1, t.shape[-1]), pow2)
+        return quantize_rows_fp8(t, pow2, out, as_dtype)
+    q = quantize_fp8(t if as_dtype is None else t.to(as_dtype), (1, t.shape[-1]), pow2)
     if out is None:
         return q
     out[0].copy_(q.data)
@@ -56,10 +57,11 @@ def _rows(t: Tensor, pow2: bool, out: tuple[Tensor, Tensor] | None = None) -> Fl
     return Float8Tensor(out[0], out[1], q.block)
 
 
-def _weight_rows(w: Tensor, pow2: bool) -> Float8Tensor:
-    """A weight (or its transposed view) with one scale per row, kept over micro-batches inside
+def _weight_rows(w: Tensor, pow2: bool, dtype: torch.dtype) -> Float8Tensor:
+    """A weight (or its transposed view) with one scale per row, as its cast to the compute ``dtype`` (an fp32
+    master under autocast: the rounding inside the quantization, no 16-bit copy), kept over micro-batches inside
     :func:`moeblaze.fp8.reuse_weights`."""
-    return weight_copy(w, ("rows", pow2), lambda: _rows(w, pow2))
+    return weight_copy(w, ("rows", pow2, dtype), lambda: _rows(w, pow2, as_dtype=dtype))
 
 
 def _index_args(index: DispatchIndex) -> tuple[Tensor, ...]:
@@ -106,12 +108,12 @@ def _kept_scale_shape(N: int, w1: Tensor, activation: str) -> tuple[int, int, in
 
 
 def _up_impl(xq, xs, w1, b1, offsets, indices, tile_expert, tile_row, num_tiles, activation, alpha, limit,
-             store_act, pow2, keep):
+             store_act, pow2, keep, dtype):
     # on CUDA the epilogue quantizes pre; elsewhere the recipe's PyTorch ops do (the interpreter's e4m3 casts differ)
     fused = keep and xq.is_cuda
     scale = xq.new_empty(_kept_scale_shape(indices.numel(), w1, activation) if keep else (0,), dtype=torch.float32)
-    pre, act = up_rowwise(Float8Tensor(xq, xs, (1, xq.shape[1])), _weight_rows(w1, pow2), offsets, indices,
-                          (tile_expert, tile_row, num_tiles), activation, True, store_act, w1.dtype, b1, alpha, limit,
+    pre, act = up_rowwise(Float8Tensor(xq, xs, (1, xq.shape[1])), _weight_rows(w1, pow2, dtype), offsets, indices,
+                          (tile_expert, tile_row, num_tiles), activation, True, store_act, dtype, b1, alpha, limit,
                           keep=(scale, pow2) if fused else None)
     if keep and not fused:
         q = quantize_kept(pre, activation in GATED, pow2)
@@ -124,28 +126,30 @@ _up_op = torch.library.custom_op(
     "moeblaze::fp8_up_forward", _up_impl, mutates_args=(),
     schema="(Tensor xq, Tensor xs, Tensor w1, Tensor? b1, Tensor offsets, Tensor indices, Tensor tile_expert, "
            "Tensor tile_row, Tensor num_tiles, str activation, float alpha, float limit, bool store_act, "
-           "bool pow2, bool keep) -> (Tensor, Tensor, Tensor)")
+           "bool pow2, bool keep, ScalarType dtype) -> (Tensor, Tensor, Tensor)")
 
 
 @_up_op.register_fake
 def _(xq, xs, w1, b1, offsets, indices, tile_expert, tile_row, num_tiles, activation, alpha, limit, store_act, pow2,
-      keep):
+      keep, dtype):
     N, (rows, h) = indices.shape[0], kx.up_widths(w1, activation)
-    return (w1.new_empty((N, rows), dtype=E4M3 if keep else w1.dtype), w1.new_empty((N, h) if store_act else (0,)),
+    return (w1.new_empty((N, rows), dtype=E4M3 if keep else dtype),
+            w1.new_empty((N, h) if store_act else (0,), dtype=dtype),
             w1.new_empty(_kept_scale_shape(N, w1, activation) if keep else (0,), dtype=torch.float32))
 
 
 def up_forward(recipe: Float8Recipe, xq: Float8Tensor, w1: Tensor, index: DispatchIndex, activation: str, *,
                store_act: bool = True, b1: Tensor | None = None, act_args: ActArgs = DEFAULT_ACT,
-               keep: bool = False) -> tuple[Tensor | Float8Tensor, Tensor | None]:
-    """F1 (:func:`moeblaze.ops_fp8.up_forward`): ``(pre [N, 2h|h], act [N, h] | None)`` in ``w1``'s dtype; with
+               keep: bool = False, dtype: torch.dtype | None = None) -> tuple[Tensor | Float8Tensor, Tensor | None]:
+    """F1 (:func:`moeblaze.ops_fp8.up_forward`): ``(pre [N, 2h|h], act [N, h] | None)`` in ``dtype`` (default
+    ``w1``'s; ``w1`` quantized as its cast to it, :func:`_weight_rows`); with
     ``keep`` ``pre`` as kept for backward, e4m3 in ``1 x KEPT_TILE`` tiles per half
     (:meth:`moeblaze.fp8.Float8Recipe.quantize_kept` of the 16-bit ``pre``; on CUDA written so by F1's epilogue: no
     16-bit ``pre`` exists), ``act`` from the 16-bit ``pre``."""
     if act_args.interleaved:
         raise ValueError("fp8 on backend='triton': an interleaved w_gate_up has no FP8 kernel yet")
     pre, act, scale = call_op(_up_op, _up_impl, xq.data, xq.scale, w1, b1, *_index_args(index), activation,
-                              act_args.alpha, act_args.limit, store_act, recipe.pow2_scales, keep)
+                              act_args.alpha, act_args.limit, store_act, recipe.pow2_scales, keep, dtype or w1.dtype)
     if keep:
         pre = Float8Tensor(pre.view(*scale.shape[:2], -1), scale, (1, KEPT_TILE))
     return pre, (act if store_act else None)
@@ -155,7 +159,7 @@ def up_forward(recipe: Float8Recipe, xq: Float8Tensor, w1: Tensor, index: Dispat
 
 def _down_impl(act, w2, b2, topk_weights, offsets, indices, tile_expert, tile_row, num_tiles, token_index_map,
                foreign, pair_offsets, pow2):
-    return down_rowwise(_rows(act, pow2), _weight_rows(w2, pow2), topk_weights, offsets, indices,
+    return down_rowwise(_rows(act, pow2), _weight_rows(w2, pow2, act.dtype), topk_weights, offsets, indices,
                         (tile_expert, tile_row, num_tiles), token_index_map, foreign, pair_offsets, b2, act.dtype)
 
 
@@ -173,8 +177,9 @@ def _(act, w2, b2, topk_weights, offsets, indices, tile_expert, tile_row, num_ti
 
 
 def down_forward(recipe: Float8Recipe, act: Tensor, w2: Tensor, topk_weights: Tensor, index: DispatchIndex, *,
-                 b2: Tensor | None = None) -> Tensor:
-    """F2-F3 (:func:`moeblaze.ops_fp8.down_forward`): ``out [T, d]`` in ``act``'s dtype."""
+                 b2: Tensor | None = None, dtype: torch.dtype | None = None) -> Tensor:
+    """F2-F3 (:func:`moeblaze.ops_fp8.down_forward`): ``out [T, d]`` in ``act``'s dtype, ``w2`` quantized as its cast
+    to it (``dtype``, the emulation's argument, is ``act``'s here)."""
     return call_op(_down_op, _down_impl, act, w2, b2, topk_weights, *_index_args(index), index.token_index_map,
                    index.foreign_experts, index.pair_offsets, recipe.pow2_scales)
 
@@ -208,7 +213,7 @@ def _b1(dout, w2, offsets, indices, sched, pow2):
     column of w2), in ``dout``'s dtype. A function of its own so that the e4m3 copies are freed before the
     activation backward and B2 allocate (the copy of ``w2`` is ``E d h`` bytes)."""
     d, h = w2.shape[1], w2.shape[2]
-    gq, wq = _rows(dout, pow2), _weight_rows(w2.transpose(1, 2), pow2)
+    gq, wq = _rows(dout, pow2), _weight_rows(w2.transpose(1, 2), pow2, dout.dtype)
     dact = dout.new_empty(indices.numel(), h)
     grouped_gemm(gq.data, wq.data, dact, offsets, indices, sched, b_nk=True, n_cols=h, k_dim=d, gather_a=True,
                  a_scale=gq.scale[:, 0], b_scale=wq.scale[..., 0])
@@ -235,8 +240,9 @@ def _(dout, pre, pre_scale, w2, b2, topk_weights, offsets, indices, tile_expert,
 def down_backward(recipe: Float8Recipe, dout: Tensor, pre: Tensor | Float8Tensor, w2: Tensor, topk_weights: Tensor,
                   index: DispatchIndex, activation: str, need_dw: bool, need_dtw: bool, *, b2: Tensor | None = None,
                   act_args: ActArgs = DEFAULT_ACT, dw_dtype: torch.dtype | None = None,
-                  dpre_q: Float8Tensor | None = None) -> tuple[Tensor, Tensor | None, Tensor | None]:
-    """B1 in FP8 (``dact' = dout[token(s)] w2[e]``), the 16-bit path's activation backward and ``dtopk_weights``,
+                  dpre_q: Float8Tensor | None = None,
+                  dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    """B1 in FP8 (``w2`` quantized as its cast to ``dout``'s dtype, which ``dtype`` names in the emulation) (``dact' = dout[token(s)] w2[e]``), the 16-bit path's activation backward and ``dtopk_weights``,
     B2 in 16 bits (:func:`moeblaze.ops_fp8.down_backward`): ``(dpre [N, 2h|h], dw2 | None, dtopk_weights | None)``.
 
     ``pre``: the kept e4m3 tiles of :func:`up_forward`'s ``keep`` (read as they are: no 16-bit copy; ``dpre`` is a
@@ -287,7 +293,7 @@ def _b3(dpre, w1, offsets, indices, sched, token_index_map, foreign, pair_offset
     given) and ``w1^T [E, d, 2h|h]`` (K-major, a scale per column of w1). A function of its own so that the e4m3
     copies are freed before B4 allocates ``dw1``."""
     gq = Float8Tensor(*reuse, (1, dpre.shape[1])) if ready else _rows(dpre, pow2, reuse)
-    wq = _weight_rows(w1.transpose(1, 2), pow2)
+    wq = _weight_rows(w1.transpose(1, 2), pow2, dpre.dtype)
     return kx.slots_to_tokens(gq.data, wq.data, True, offsets, indices, sched, token_index_map, None, foreign,
                               pair_offsets, out_dtype=dpre.dtype, a_scale=gq.scale[:, 0], b_scale=wq.scale[..., 0])
 
@@ -308,8 +314,10 @@ def _(dpre, x, w1, offsets, indices, tile_expert, tile_row, num_tiles, token_ind
 
 def up_backward(recipe: Float8Recipe, dpre: Tensor, x: Tensor, w1: Tensor, index: DispatchIndex,
                 need_dx: bool, need_dw: bool, *, dw_dtype: torch.dtype | None = None,
-                reuse: Float8Tensor | None = None, quantized: bool = False) -> tuple[Tensor | None, Tensor | None]:
-    """B3 in FP8 with the B5 combine (``dx [T, d]`` in ``dpre``'s dtype) and B4 in 16 bits on the layer's ``x``
+                reuse: Float8Tensor | None = None, quantized: bool = False,
+                dtype: torch.dtype | None = None) -> tuple[Tensor | None, Tensor | None]:
+    """B3 in FP8 with the B5 combine (``dx [T, d]`` in ``dpre``'s dtype, ``w1`` quantized as its cast to it, which
+    ``dtype`` names in the emulation) and B4 in 16 bits on the layer's ``x``
     (:func:`moeblaze.ops_fp8.up_backward`): ``(dx | None, dw1 | None)``. ``reuse``: ``[N, 2h|h]`` e4m3 in the kept
     ``pre``'s storage (dead after the activation backward) with a scale per row: B3's e4m3 ``dpre`` is written into
     it (``N 2h`` bytes less at the backward's peak); autograd sees the change, so a second backward through the

@@ -54,6 +54,7 @@ def quantize_rows_kernel(
     POW2: tl.constexpr,
     ONE_SWEEP: tl.constexpr,  # C <= BLOCK_C: the rows are held whole, read once
     BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+    ROUND: tl.constexpr = 0,  # ROUNDS code: an fp32 source read as the values of its 16-bit cast (a master weight)
 ):
     # program (row block, leading index): BLOCK_R rows of one [R, C] slab
     lead = tl.program_id(1)
@@ -65,7 +66,8 @@ def quantize_rows_kernel(
     out = q_ptr + flat[:, None] * C
     if ONE_SWEEP:
         ok = row_ok[:, None] & (cols[None, :] < C)
-        v = tl.load(base + cols[None, :] * stride_c, mask=ok, other=0.0).to(tl.float32)
+        v = tl.load(base + cols[None, :] * stride_c, mask=ok, other=0.0)
+        v = _as_cast(v, ROUND)
         scale = scale_of(row_amax(v), tiny, QMAX, POW2)
         tl.store(scale_ptr + flat, scale, mask=row_ok)
         tl.store(out + cols[None, :], to_e4m3(v, scale[:, None], QMAX), mask=ok)
@@ -73,14 +75,35 @@ def quantize_rows_kernel(
         amax = tl.zeros((BLOCK_R,), dtype=tl.float32)
         for c0 in range(0, C, BLOCK_C):
             ok = row_ok[:, None] & (cols[None, :] < C - c0)
-            v = tl.load(base + (c0 + cols)[None, :] * stride_c, mask=ok, other=0.0).to(tl.float32)
+            v = tl.load(base + (c0 + cols)[None, :] * stride_c, mask=ok, other=0.0)
+            v = _as_cast(v, ROUND)
             amax = nan_max(amax, row_amax(v))
         scale = scale_of(amax, tiny, QMAX, POW2)
         tl.store(scale_ptr + flat, scale, mask=row_ok)
         for c0 in range(0, C, BLOCK_C):
             ok = row_ok[:, None] & (cols[None, :] < C - c0)
-            v = tl.load(base + (c0 + cols)[None, :] * stride_c, mask=ok, other=0.0).to(tl.float32)
+            v = tl.load(base + (c0 + cols)[None, :] * stride_c, mask=ok, other=0.0)
+            v = _as_cast(v, ROUND)
             tl.store(out + (c0 + cols)[None, :], to_e4m3(v, scale[:, None], QMAX), mask=ok)
+
+
+ROUNDS = {None: 0, torch.bfloat16: 1, torch.float16: 2}  # quantize_rows_kernel's ROUND of a cast to that dtype
+
+
+@triton.jit
+def _as_cast(v, ROUND: tl.constexpr):
+    """``v`` in fp32, first rounded to bf16 (``ROUND`` 1) or fp16 (2) to nearest even, as ``Tensor.to`` does: an
+    fp32 master weight quantized as its autocast copy would be, without that copy (written and read again, 6 bytes
+    an element). bf16 on the bits (add half an ulp of bf16, ties to even, drop 16 bits; a NaN the canonical one), as the
+    interpreter's cast truncates; fp16 by the cast."""
+    v = v.to(tl.float32)
+    if ROUND == 1:
+        u = v.to(tl.uint32, bitcast=True)
+        u = (u + 0x7FFF + ((u >> 16) & 1)) >> 16 << 16
+        v = tl.where(v != v, float("nan"), u.to(tl.float32, bitcast=True))  # torch's bf16 NaN: the canonical one
+    elif ROUND == 2:
+        v = v.to(tl.float16).to(tl.float32)
+    return v
 
 
 @triton.jit
@@ -114,30 +137,38 @@ def _tiles(src: Tensor) -> tuple[int, int, int]:
     return max(1, 4096 // block_c), block_c, 4
 
 
-def launch_quantize_rows(src: Tensor, q: Tensor, scale: Tensor, pow2: bool, tiles: tuple[int, int, int]) -> None:
+def launch_quantize_rows(src: Tensor, q: Tensor, scale: Tensor, pow2: bool, tiles: tuple[int, int, int],
+                         round_code: int = 0) -> None:
     """One launch of :func:`quantize_rows_kernel` on ``src [L, R, C]`` into ``q [L * R, C]`` e4m3 and ``scale
     [L * R]`` fp32 with ``tiles = (BLOCK_R, BLOCK_C, num_warps)`` (:func:`_tiles`' by default; other tiles are for
-    ``benchmarks/quant_bench.py``)."""
+    ``benchmarks/bench_fp8_quant.py``) and ``round_code`` (:data:`ROUNDS`)."""
     L, R, C = src.shape
     block_r, block_c, warps = tiles
     direct.launch(quantize_rows_kernel, (tuning.cdiv(R, block_r), L),
                   src_ptr=src, q_ptr=q, scale_ptr=scale, R=R, C=C, stride_l=src.stride(0), stride_r=src.stride(1),
                   stride_c=src.stride(2), tiny=SCALE_FLOOR, QMAX=E4M3_MAX, POW2=pow2, ONE_SWEEP=block_c >= C,
-                  BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps)
+                  BLOCK_R=block_r, BLOCK_C=block_c, ROUND=round_code, num_warps=warps)
 
 
-def quantize_rows_fp8(t: Tensor, pow2_scales: bool = False, out: tuple[Tensor, Tensor] | None = None) -> Float8Tensor:
+def quantize_rows_fp8(t: Tensor, pow2_scales: bool = False, out: tuple[Tensor, Tensor] | None = None,
+                      as_dtype: torch.dtype | None = None) -> Float8Tensor:
     """``t [..., R, C]`` (2-D or 3-D, any strides) -> :class:`moeblaze.fp8.Float8Tensor` with ``data [..., R, C]``
     e4m3 (contiguous), ``scale [..., R, 1]`` fp32 and ``block (1, C)``: one scale per row (module docstring).
     ``out``: ``(data, scale)`` tensors of those shapes and dtypes, contiguous, to write into (a dead tensor's
-    storage) instead of new ones.
+    storage) instead of new ones. ``as_dtype`` (bf16 or fp16, for an fp32 ``t``): quantize ``t.to(as_dtype)``'s
+    values, bitwise, without the copy; ``t``'s own dtype or None: ``t`` as it is.
 
     Raises:
-        TypeError: ``t`` not fp32, fp16 or bf16. ValueError: ``t`` not 2-D or 3-D, ``out`` not as above, or on a
-            device the kernels cannot run on (a CPU tensor without ``TRITON_INTERPRET=1``).
+        TypeError: ``t`` not fp32, fp16 or bf16, or ``as_dtype`` neither ``t``'s dtype nor a 16-bit one below an
+            fp32 ``t``. ValueError: ``t`` not 2-D or 3-D, ``out`` not as above, or on a device the kernels cannot
+            run on (a CPU tensor without ``TRITON_INTERPRET=1``).
     """
     if t.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise TypeError(f"quantize_rows_fp8: t must be fp32, fp16 or bf16, got {t.dtype}")
+    as_dtype = None if as_dtype == t.dtype else as_dtype
+    if as_dtype is not None and (t.dtype != torch.float32 or as_dtype not in ROUNDS):
+        raise TypeError(f"quantize_rows_fp8: as_dtype must be t's dtype ({t.dtype}), or bf16 or fp16 for an fp32 t, "
+                        f"got {as_dtype}")
     if t.dim() not in (2, 3):
         raise ValueError(f"quantize_rows_fp8: t must be [R, C] or [L, R, C], got shape {tuple(t.shape)}")
     if not t.is_cuda and not tuning.interpreting():
@@ -151,7 +182,7 @@ def quantize_rows_fp8(t: Tensor, pow2_scales: bool = False, out: tuple[Tensor, T
         _check_out(t, *out)
         q, scale = out[0].view(L * R, C), out[1].view(L * R)
     if L * R and C:
-        launch_quantize_rows(src, q, scale, pow2_scales, _tiles(src))
+        launch_quantize_rows(src, q, scale, pow2_scales, _tiles(src), ROUNDS[as_dtype])
     return Float8Tensor(q.view(t.shape), scale.view(*t.shape[:-1], 1), (1, C))
 
 
