@@ -175,8 +175,9 @@ class _Float8Experts(torch.autograd.Function):
     on it), and for ``save="preact"`` ``pre`` in e4m3 tiles (:meth:`moeblaze.fp8.Float8Recipe.quantize_kept`, written
     so by F1 on the Triton backend): half its 16-bit bytes and a scale per 64 of them. ``"input"``
     quantizes ``x`` again in backward and runs F1 on it (the forward's ``pre`` bitwise: the quantization is
-    deterministic). The weights are kept as given (parameters: nothing new) and cast again in backward (inside
-    :func:`moeblaze.fp8.reuse_weights` the cast and the e4m3 copies are made once per parameter version).
+    deterministic). The weights are kept as given (parameters: nothing new) and quantized again in backward, fp32
+    masters under autocast as their casts to ``x``'s dtype without a 16-bit copy (inside
+    :func:`moeblaze.fp8.reuse_weights` the e4m3 copies are made once per parameter version).
     """
 
     @staticmethod
