@@ -228,7 +228,7 @@ class _Float8Experts(torch.autograd.Function):
         db1 = ops_torch.bias_grad(dpre, index).to(b1.dtype) if need[2] else None
         dx, dw1 = ops.up_backward(recipe, dpre, x, w1, index, need[0], need[1], dw_dtype=w1.dtype,
                                   reuse=reuse, quantized=reuse is not None, dtype=dtype)
-        dx = dx.to(ctx.dtype) if dx is not None else None
+        dx = dx.to(dtype) if dx is not None else None
         if ctx.input_grad is not None:
             dx = ctx.input_grad.offer(dx)
         return (dx, dw1, db1, dw2, db2, dtw) + (None,) * (9 + len(index_tensors))

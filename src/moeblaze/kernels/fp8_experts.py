@@ -242,8 +242,9 @@ def down_backward(recipe: Float8Recipe, dout: Tensor, pre: Tensor | Float8Tensor
                   act_args: ActArgs = DEFAULT_ACT, dw_dtype: torch.dtype | None = None,
                   dpre_q: Float8Tensor | None = None,
                   dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor | None, Tensor | None]:
-    """B1 in FP8 (``w2`` quantized as its cast to ``dout``'s dtype, which ``dtype`` names in the emulation) (``dact' = dout[token(s)] w2[e]``), the 16-bit path's activation backward and ``dtopk_weights``,
-    B2 in 16 bits (:func:`moeblaze.ops_fp8.down_backward`): ``(dpre [N, 2h|h], dw2 | None, dtopk_weights | None)``.
+    """B1 in FP8 (``dact' = dout[token(s)] w2[e]``, ``w2`` quantized as its cast to ``dout``'s dtype, which ``dtype``
+    names in the emulation), the 16-bit path's activation backward and ``dtopk_weights``, B2 in 16 bits
+    (:func:`moeblaze.ops_fp8.down_backward`): ``(dpre [N, 2h|h], dw2 | None, dtopk_weights | None)``.
 
     ``pre``: the kept e4m3 tiles of :func:`up_forward`'s ``keep`` (read as they are: no 16-bit copy; ``dpre`` is a
     new tensor in ``dout``'s dtype), or ``[N, 2h|h]`` in ``dout``'s dtype recomputed (unit column stride, else a

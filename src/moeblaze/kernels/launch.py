@@ -466,4 +466,3 @@ def grouped_gemm_ws(a, b, c, offsets, sched, *, b_nk: bool, n_cols: int, k_dim: 
         num_tiles_ptr=sched[2], K_DIM=k_dim, N_COLS=n_cols, N_EXT=n_ext, N_START=n_start, stride_c_m=c.stride(0),
         W_NK=b_nk, **cfg, num_warps=8, maxnreg=MAX_REGS,
     )
-
