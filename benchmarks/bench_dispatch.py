@@ -100,7 +100,7 @@ def same(a: DispatchIndex, b: DispatchIndex) -> bool:
 
 
 def graph_ms(fn, reps: int = 10) -> float:
-    """Device time of ``fn`` (ms): ``reps`` calls captured in one CUDA graph, median of 15 replays / reps."""
+    """Device time of ``fn`` (ms): ``reps`` invocations captured in one CUDA graph, median of 15 replays / reps."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):  # warm-up outside the graph (compilation, allocator)

@@ -68,7 +68,7 @@ def _split_sizes(layer: moeblaze.MoE, x: torch.Tensor, per_token: bool) -> tuple
 
 
 def _timed(fn, iters: int, warmup: int, device: torch.device) -> float:
-    """Median milliseconds of ``fn()`` over ``iters`` calls after ``warmup``, the slowest rank's."""
+    """Median milliseconds of ``fn()`` over ``iters`` runs after ``warmup``, the slowest rank's."""
     for _ in range(warmup):
         fn()
     times = []

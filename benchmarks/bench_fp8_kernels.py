@@ -55,7 +55,7 @@ def measure(name: str, recipe: Float8Recipe) -> dict:
     T, d, h, E, K = CONFIGS[name]
     inp = make_expert_inputs(T, d, h, E, K, dtype=torch.bfloat16, device="cuda", seed=0)
     x, w1, w2, tw = inp["x"], inp["w_gate_up"], inp["w_down"], inp["topk_weights"]
-    # the tile schedule built once here, as a layer's plan does: not in the timed calls
+    # the tile schedule built once here, as a layer's plan does: not in the timed runs
     index = with_schedule(build_dispatch(inp["topk_ids"], E), tuning.block_m(T * K, E))
     xq, w1q, w2q = recipe.quantize_rows(x), recipe.quantize_weight(w1, True), recipe.quantize_weight(w2, True)
     pre, act = up_forward_fp8(xq, w1q, index, "swiglu")

@@ -233,9 +233,9 @@ def measure(impl_name: str, cfg, layers: int, device, dtype) -> list[dict]:
 
 
 def parts(cfg, device, dtype) -> list[tuple[str, float]]:
-    """Host µs per call of each part of an eager ``moeblaze.MoE`` step (``--parts``): 100 calls queued back to
+    """Host µs per call of each part of an eager ``moeblaze.MoE`` step (``--parts``): 100 invocations queued back to
     back, then one synchronisation, median of 5 such runs. At a small T the GPU keeps up with every part but the
-    whole step's weight reads, so the figure is the host's: Python, autograd and the launch calls."""
+    whole step's weight reads, so the figure is the host's: Python, autograd and the kernel launches."""
     import triton
     import triton.language as tl
 

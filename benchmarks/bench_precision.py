@@ -62,7 +62,7 @@ def matmul_precision(setting: str):
 
 
 def median_ms(step: Callable[[], None], warmup: int, reps: int) -> float:
-    """Median time of ``step`` (CUDA events; wall clock without CUDA) after ``warmup`` untimed calls."""
+    """Median time of ``step`` (CUDA events; wall clock without CUDA) after ``warmup`` untimed runs."""
     for _ in range(warmup):
         step()
     if torch.cuda.is_available():

@@ -22,7 +22,7 @@ back-to-back steps (NVML, :mod:`moeblaze.bench.power`), ``--cold`` the step time
 the time per step of 30 back-to-back steps, with the SM clock, power draw and clock-limit reasons that
 ``nvidia-smi`` reads during the back-to-back steps (a step slower when sustained than cold is a step the card's
 power limit slows down), ``--peak`` what was allocated at the step's memory peak, by allocating line
-(:mod:`moeblaze.bench.peak`), ``--api N`` the N host-side operations (ATen ops and CUDA runtime / driver calls:
+(:mod:`moeblaze.bench.peak`), ``--api N`` the N host-side operations (ATen ops and CUDA runtime / driver functions:
 launches, copies, synchronisations) with the most CPU time of their own, ``--busy`` the host time of a step queued
 behind 100 ms of GPU work (``torch.cuda._sleep``): a step that only queues work returns in its usual host time, one
 that waits for the GPU anywhere inside (a synchronising call, a pageable copy) takes the 100 ms.
@@ -199,7 +199,7 @@ def main() -> None:
                     help="print the step time after the GPU idled against back-to-back, with clock and power")
     ap.add_argument("--peak", action="store_true", help="print what was allocated at the step's memory peak")
     ap.add_argument("--api", type=int, default=0, metavar="N",
-                    help="print the N host-side ops and CUDA API calls with the most CPU time of their own")
+                    help="print the N host-side ops and CUDA API functions with the most CPU time of their own")
     ap.add_argument("--busy", action="store_true",
                     help="print the host time of a step queued behind 100 ms of GPU work")
     ap.add_argument("--energy", type=int, default=0, metavar="N",

@@ -159,7 +159,7 @@ def train_global(rank: int, world: int, data: str, tmp: str, results: dict) -> N
         results.update(full=full.losses, full_val=full.val_bpb, resumed=resumed.losses, resumed_val=resumed.val_bpb)
 
 
-def run_all(rank: int, world: int, calls: list[str]) -> None:
+def run_all(rank: int, world: int, bodies: list[str]) -> None:
     """Several rank bodies in one spawn, to pay the process start-up once."""
-    for name in calls:
+    for name in bodies:
         globals()[name](rank, world)

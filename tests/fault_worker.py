@@ -32,11 +32,11 @@ def _die(out_dir: str) -> None:
 def _kill_at_step(out_dir: str, step: int) -> None:
     import moeblaze.training.train as train_mod
 
-    real, calls = train_mod.train_step, []
+    real, steps_run = train_mod.train_step, []
 
     def step_then_die(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == step:
+        steps_run.append(1)
+        if len(steps_run) == step:
             _die(out_dir)
         return real(*args, **kwargs)
 

@@ -357,11 +357,11 @@ def fsdp_fp8_reuse(rank: int, world: int, steps: int = 2, micro: int = 2) -> Non
     base = MoETransformer(_tiny_config(aux=True)).to(dev)
     for moe in base.moe_layers():
         moe.fp8 = Float8Recipe()
-    real, calls, params = Float8Recipe.quantize_weight, [], []
-    Float8Recipe.quantize_weight = lambda self, w, reduce_cols: calls.append(1) or real(self, w, reduce_cols)
+    real, quantized, params = Float8Recipe.quantize_weight, [], []
+    Float8Recipe.quantize_weight = lambda self, w, reduce_cols: quantized.append(1) or real(self, w, reduce_cols)
     try:
         for reuse in (False, True):
-            calls.clear()
+            quantized.clear()
             model = copy.deepcopy(base)
             parallelize(model, mesh)
             opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -374,7 +374,7 @@ def fsdp_fp8_reuse(rank: int, world: int, steps: int = 2, micro: int = 2) -> Non
                     opt.step()
                     opt.zero_grad()
             per_step = 4 * len(base.moe_layers())  # w1, w2, each along both dimensions
-            assert len(calls) == steps * per_step * (1 if reuse else micro), (reuse, len(calls))
+            assert len(quantized) == steps * per_step * (1 if reuse else micro), (reuse, len(quantized))
             params.append([p.full_tensor() for p in model.parameters()])
     finally:
         Float8Recipe.quantize_weight = real
@@ -451,9 +451,9 @@ def ep_bias_checkpoint(rank: int, world: int, out_dir: str) -> None:
     checkpoint.save(out_dir, 1, ep, torch.optim.AdamW(ep.parameters()), {"note": "ep biases"}, keep=1)
 
 
-def run_all(rank: int, world: int, calls: list[tuple[str, tuple]]) -> None:
+def run_all(rank: int, world: int, bodies: list[tuple[str, tuple]]) -> None:
     """Several rank bodies in one spawn (``(name, args)`` each), to pay the process start-up once."""
-    for name, args in calls:
+    for name, args in bodies:
         globals()[name](rank, world, *args)
 
 

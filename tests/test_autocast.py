@@ -80,7 +80,7 @@ def test_triton_experts_under_autocast_equal_fp16_copies(activation, save):
 
 
 def test_backward_inside_the_autocast_region_is_the_same():
-    """A loop that calls ``backward`` inside ``torch.autocast`` gets the gradients of one that calls it
+    """A loop that runs ``backward`` inside ``torch.autocast`` gets the gradients of one that runs it
     outside (autocast is off inside the autograd Functions, as ``torch.amp.custom_bwd`` would make it)."""
     inputs = make_expert_inputs(23, 16, 12, 4, 2)
     leaves = [inputs[k].clone().requires_grad_() for k in ("x", "w_gate_up", "w_down", "topk_weights")]
@@ -277,7 +277,7 @@ def test_fp32_dot_precision_follows_torch(setting, expected):
 
 
 def check_compiled_under_autocast(dtype, shape=(2, 9, 32), d_ff=16, experts=4, top_k=2):
-    """``torch.compile(fullgraph=True)`` of a step that enters ``torch.autocast`` itself and calls ``MoE``
+    """``torch.compile(fullgraph=True)`` of a step that enters ``torch.autocast`` itself and invokes ``MoE``
     with fp32 parameters, against the same step in eager mode: output dtype and values, fp32 gradients."""
     torch.manual_seed(0)
     m = moeblaze.MoE(shape[-1], d_ff, experts, top_k, backend="triton", device=DEVICE)
@@ -308,14 +308,14 @@ def test_torch_compile_fullgraph_under_autocast():
 def test_fused_router_under_autocast_checkpointing_and_compile(monkeypatch):
     """The Triton router (the default on CUDA; forced here, in the interpreter) under autocast with fp32
     weights: activation checkpointing bitwise equals the plain step, torch.compile(fullgraph) the eager step."""
-    calls = []
+    fused = []
     apply = moeblaze.routing._FusedTopK.apply
-    monkeypatch.setattr(moeblaze.routing._FusedTopK, "apply", lambda *a: calls.append(1) or apply(*a))
+    monkeypatch.setattr(moeblaze.routing._FusedTopK, "apply", lambda *a: fused.append(1) or apply(*a))
     with moeblaze.settings.override(backend="triton"):
         for save in SAVE_MODES:
             test_activation_checkpointing_under_autocast_equals_the_plain_step("triton", torch.float16, save)
         check_compiled_under_autocast(torch.float16)
-    assert calls  # the fused path ran
+    assert fused  # the fused path ran
 
 
 # ------------------------------------------------------------------------------------------ GPU (bf16, TF32)

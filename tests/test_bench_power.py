@@ -14,7 +14,7 @@ from moeblaze.bench import power
 
 
 def _fake_pynvml(energy_mj: list[int], clock_mhz: int = 1500, limit_mw: int = 700_000, init_error=None):
-    """A module with the five pynvml calls the meter makes; the energy counter returns ``energy_mj`` in turn."""
+    """A module with the five pynvml functions the meter uses; the energy counter returns ``energy_mj`` in turn."""
     fake = types.ModuleType("pynvml")
     counter = iter(energy_mj)
     fake.NVML_CLOCK_SM = 1

@@ -53,11 +53,11 @@ def child(argv, log, kill_after=0, ops_log=None, signum=None):
     if signum is not None:  # the signal arrives from outside while step 3 runs
         import moeblaze.training.train as train_mod
 
-        real_step, calls = train_mod.train_step, []
+        real_step, steps_run = train_mod.train_step, []
 
         def step_with_signal(*args, **kwargs):
-            calls.append(1)
-            if len(calls) == 3:
+            steps_run.append(1)
+            if len(steps_run) == 3:
                 os.kill(os.getpid(), signum)
             return real_step(*args, **kwargs)
 
@@ -355,12 +355,12 @@ def test_non_finite_loss_stops_without_writing(which, small_text, tmp_path, monk
     does not step on it and the step-2 checkpoint stays the newest, with finite weights."""
     import moeblaze.training.step as step_mod  # train_step, where aux_loss is looked up
 
-    calls = {"n": 0}
+    counts = {"n": 0}
     real_aux, real_forward = step_mod.aux_loss, MoETransformer.forward
 
     def poisoned(x):
-        calls["n"] += 1
-        return x * math.nan if calls["n"] == 3 else x
+        counts["n"] += 1
+        return x * math.nan if counts["n"] == 3 else x
 
     if which == "LM loss":
         monkeypatch.setattr(MoETransformer, "forward", lambda self, idx: poisoned(real_forward(self, idx)))

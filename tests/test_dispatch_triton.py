@@ -323,10 +323,10 @@ def test_large_T_gpu(T, K, E):
 @gpu
 @pytest.mark.gpu
 def test_build_dispatch_selects_triton_on_cuda(monkeypatch):
-    calls = []
+    builds = []
     real = kd.build_dispatch_triton
-    monkeypatch.setattr(kd, "build_dispatch_triton", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setattr(kd, "build_dispatch_triton", lambda *a, **k: builds.append(1) or real(*a, **k))
     ids = routing(4097, 8, 64, "zipf")
     got = moeblaze.build_dispatch(ids, 64)
     ref = build_dispatch_torch(ids, 64)
-    assert calls and all(torch.equal(a, b) for a, b in zip(got.tensors(), ref.tensors()))
+    assert builds and all(torch.equal(a, b) for a, b in zip(got.tensors(), ref.tensors()))

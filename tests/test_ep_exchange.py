@@ -138,9 +138,9 @@ def test_ep_exchanges_two_gpus():
     token, all tokens to one remote expert); the sync-free ones bitwise equal to the host-split one, without host
     synchronisation, and a captured layer step replaying bitwise."""
     cases = [dict(c, exchange=e) for e in _EXCHANGES for c in _GPU_CASES]
-    calls = [("ep_cases", (cases,)), ("exchanges_bitwise", ([128, 96], "triton", torch.bfloat16))]
-    calls += [(name, (e,)) for e in ("padded", "nvshmem") for name in ("no_host_sync", "graph_replay")]
-    run_ranks(_run_all, 2, calls, backend="nccl", timeout=500)
+    bodies = [("ep_cases", (cases,)), ("exchanges_bitwise", ([128, 96], "triton", torch.bfloat16))]
+    bodies += [(name, (e,)) for e in ("padded", "nvshmem") for name in ("no_host_sync", "graph_replay")]
+    run_ranks(_run_all, 2, bodies, backend="nccl", timeout=500)
 
 
 @pytest.mark.multigpu
@@ -153,9 +153,9 @@ def test_ep_exchanges_four_gpus():
               backend="nccl", timeout=500)
 
 
-def _run_all(rank: int, world: int, calls: list[tuple[str, tuple]]) -> None:
+def _run_all(rank: int, world: int, bodies: list[tuple[str, tuple]]) -> None:
     """Rank bodies of this file and of parallel_workers in one spawn."""
-    for name, args in calls:
+    for name, args in bodies:
         fn = globals().get(name) or getattr(pw, name)
         try:
             fn(rank, world, *args)

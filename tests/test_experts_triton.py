@@ -334,15 +334,15 @@ def test_layer_builds_the_tile_schedule_once(monkeypatch, save):
     import moeblaze.dispatch as md
     from moeblaze.kernels import dispatch as kd
 
-    calls = []
+    schedules = []
     for mod, name in ((md, "build_tile_schedule_torch"), (kd, "tile_schedule")):
         real = getattr(mod, name)
-        monkeypatch.setattr(mod, name, lambda *a, _real=real, **k: calls.append(1) or _real(*a, **k))
+        monkeypatch.setattr(mod, name, lambda *a, _real=real, **k: schedules.append(1) or _real(*a, **k))
     torch.manual_seed(0)
     moe = moeblaze.MoE(16, 8, 4, 2, save=save, backend="triton", device=DEVICE)
     x = torch.randn(2, 9, 16, device=DEVICE, requires_grad=True)
     moe(x).sum().backward()
-    assert len(calls) == (0 if HAS_CUDA else 1)
+    assert len(schedules) == (0 if HAS_CUDA else 1)
     assert x.grad is not None and moe.w_down.grad is not None
 
 

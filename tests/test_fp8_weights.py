@@ -25,15 +25,15 @@ def _batches(n: int, dtype=torch.float32) -> list[torch.Tensor]:
 
 
 def _count_weight_quantizations(monkeypatch) -> list[bool]:
-    calls: list[bool] = []
+    quantized: list[bool] = []
     real = Float8Recipe.quantize_weight
 
     def counted(self, w, reduce_cols):
-        calls.append(reduce_cols)
+        quantized.append(reduce_cols)
         return real(self, w, reduce_cols)
 
     monkeypatch.setattr(Float8Recipe, "quantize_weight", counted)
-    return calls
+    return quantized
 
 
 def _accumulate(moe: moeblaze.MoE, xs: list[torch.Tensor], autocast: bool = False) -> list[torch.Tensor]:
@@ -51,27 +51,27 @@ def _accumulate(moe: moeblaze.MoE, xs: list[torch.Tensor], autocast: bool = Fals
 @pytest.mark.parametrize("granularity", fp8.GRANULARITIES)
 def test_micro_batches_quantize_each_weight_once_and_match_bitwise(monkeypatch, granularity):
     """Three micro-batches: four weight quantizations (w1 and w2, each along both dimensions) instead of twelve;
-    outputs and accumulated gradients bitwise those of the calls without the context."""
+    outputs and accumulated gradients bitwise those of the runs without the context."""
     recipe = Float8Recipe(granularity, 16)
-    calls = _count_weight_quantizations(monkeypatch)
+    quantized = _count_weight_quantizations(monkeypatch)
     want = _accumulate(_layer(recipe=recipe), _batches(3))
-    assert len(calls) == 12
-    calls.clear()
+    assert len(quantized) == 12
+    quantized.clear()
     with fp8.reuse_weights():
         got = _accumulate(_layer(recipe=recipe), _batches(3))
-    assert sorted(calls) == [False, False, True, True]
+    assert sorted(quantized) == [False, False, True, True]
     for a, b in zip(got, want):
         assert torch.equal(a, b)
 
 
 def test_fp32_master_weights_are_quantized_once_from_the_master(monkeypatch):
     """fp32 masters under bf16 autocast: each e4m3 copy made once, from the fp32 master as its bf16 values (no
-    16-bit copy of the weight is made); bitwise the calls without the context."""
+    16-bit copy of the weight is made); bitwise the runs without the context."""
     want = _accumulate(_layer(), _batches(3), autocast=True)
-    calls = _count_weight_quantizations(monkeypatch)
+    quantized = _count_weight_quantizations(monkeypatch)
     with fp8.reuse_weights():
         got = _accumulate(_layer(), _batches(3), autocast=True)
-    assert len(calls) == 4
+    assert len(quantized) == 4
     for a, b in zip(got, want):
         assert torch.equal(a, b)
 
@@ -165,6 +165,6 @@ def test_compiled_layer_inside_the_context(monkeypatch):
     compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
     with fp8.reuse_weights():
         got = [compiled(x) for x in xs]
-    assert len(layouts) == 2  # w1 and w2 rows, once over both calls
+    assert len(layouts) == 2  # w1 and w2 rows, once over both invocations
     for a, b in zip(got, eager):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)

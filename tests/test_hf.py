@@ -89,17 +89,17 @@ def test_family_matches_eager(family, dtype):
 
 
 def test_from_config_uses_moeblaze(monkeypatch):
-    calls = []
+    seen = []
     real = mhf.moe_experts
-    monkeypatch.setattr(mhf, "moe_experts", lambda *a, **k: calls.append((a, k)) or real(*a, **k))
+    monkeypatch.setattr(mhf, "moe_experts", lambda *a, **k: seen.append((a, k)) or real(*a, **k))
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(tiny_config("qwen3_moe"), experts_implementation="moeblaze")
     assert model.config._experts_implementation == "moeblaze"
     ids = torch.randint(0, 128, (1, 7))
     logits = model(input_ids=ids).logits
-    assert len(calls) == 2  # one per MoE layer
+    assert len(seen) == 2  # one per MoE layer
     experts = model.model.layers[0].mlp.experts
-    (x, topk_ids, topk_w, w1, w2), kw = calls[0]
+    (x, topk_ids, topk_w, w1, w2), kw = seen[0]
     # zero-copy: the kernels get the parameters themselves; the index is prebuilt (no host-syncing check)
     assert w1 is experts.gate_up_proj and w2 is experts.down_proj
     assert kw["activation"] == "swiglu" and kw["index"] is not None and topk_ids.shape == (7, 2)

@@ -25,8 +25,8 @@ _COUNTED = {
 
 
 @pytest.fixture
-def calls(monkeypatch) -> collections.Counter:
-    """Calls of the functions of ``_COUNTED``, under every name a moeblaze module imported them by."""
+def counted(monkeypatch) -> collections.Counter:
+    """Invocations of the functions of ``_COUNTED``, under every name a moeblaze module imported them by."""
     counts = collections.Counter()
 
     def counting(name, fn):
@@ -73,7 +73,7 @@ STEPS = {  # (backend, autocast, token_rounding, bias)
 
 
 @pytest.mark.parametrize("step", list(STEPS))
-def test_one_forward_resolves_checks_and_casts_once(step, calls):
+def test_one_forward_resolves_checks_and_casts_once(step, counted):
     backend, autocast, rounding, bias = STEPS[step]
     torch.manual_seed(0)
     m = MoE(16, 8, 4, 2, backend=backend, token_rounding=rounding, rounding_tile=4, bias=bias).train()
@@ -81,20 +81,20 @@ def test_one_forward_resolves_checks_and_casts_once(step, calls):
     with torch.autocast("cpu", torch.bfloat16, enabled=autocast):
         out = m(x)
     assert out.dtype == (torch.bfloat16 if autocast else torch.float32)
-    assert calls["get_backend"] == 1  # resolved by the layer, passed down as the Backend object
+    assert counted["get_backend"] == 1  # resolved by the layer, passed down as the Backend object
     # the layer's checks of what the router does not guarantee (x floating point, in the weights' dtype) ...
-    assert calls["check_tokens"] == calls["check_weight_dtypes"] == 1
+    assert counted["check_tokens"] == counted["check_weight_dtypes"] == 1
     # ... and none of the public functions' full checks, nor the experts' own autocast step
     for name in ("_check_inputs", "_check_options", "_check_weight_shapes", "check_index_matches",
                  "moe_experts_general", "autocast_expert_operands"):
-        assert calls[name] == 0, name
-    assert calls["check_pairs"] == (rounding is not None)  # the pair index's build checks its shapes, once
-    assert calls["autocast_target"] == 2  # the layer's (x and the expert parameters) and the router's (its weight)
+        assert counted[name] == 0, name
+    assert counted["check_pairs"] == (rounding is not None)  # the pair index's build checks its shapes, once
+    assert counted["autocast_target"] == 2  # the layer's (x and the expert parameters) and the router's (its weight)
     out.float().sum().backward()
     assert x.grad is not None and m.w_down.grad is not None
 
 
-def test_expert_parallel_forward_resolves_and_checks_once(calls):
+def test_expert_parallel_forward_resolves_and_checks_once(counted):
     """An expert-parallel layer (one gloo rank in this process) runs its received rows with the layer's backend:
     one resolution, the layer's checks only, and the biases cast once under autocast."""
     import torch.distributed as dist
@@ -107,12 +107,12 @@ def test_expert_parallel_forward_resolves_and_checks_once(calls):
         torch.manual_seed(0)
         m = expert_parallel(MoE(16, 8, 4, 2, backend="torch", bias=True), dist.group.WORLD, exchange="padded")
         x = torch.randn(24, 16, requires_grad=True)
-        calls.clear()
+        counted.clear()
         with torch.autocast("cpu", torch.bfloat16):
             out = m(x)
-        assert out.dtype == torch.bfloat16 and calls["get_backend"] == 1
-        assert calls["check_tokens"] == calls["check_weight_dtypes"] == 1
-        assert calls["_check_inputs"] == calls["_check_options"] == calls["autocast_expert_operands"] == 0
+        assert out.dtype == torch.bfloat16 and counted["get_backend"] == 1
+        assert counted["check_tokens"] == counted["check_weight_dtypes"] == 1
+        assert counted["_check_inputs"] == counted["_check_options"] == counted["autocast_expert_operands"] == 0
         out.float().sum().backward()
         assert x.grad is not None and m.b_down.grad is not None
     finally:
@@ -131,14 +131,14 @@ def test_autocast_casts_each_operand_once():
     assert casts.counts == dict.fromkeys(named, 1), casts.counts
 
 
-def test_public_functions_still_check_and_resolve_once(calls):
+def test_public_functions_still_check_and_resolve_once(counted):
     inputs = make_expert_inputs(9, 16, 8, 4, 2, seed=0)
     moe_experts(**inputs, backend="torch")
-    assert calls["get_backend"] == 1 and calls["_check_inputs"] == calls["_check_options"] == 1
-    calls.clear()
+    assert counted["get_backend"] == 1 and counted["_check_inputs"] == counted["_check_options"] == 1
+    counted.clear()
     pairs = general_routing.topk_to_pairs(inputs["topk_ids"], inputs["topk_weights"])
     moe_experts_general(inputs["x"], *pairs, inputs["w_gate_up"], inputs["w_down"], backend="torch")
-    assert calls["get_backend"] == 1 and calls["_check_weight_shapes"] == calls["_check_options"] == 1
+    assert counted["get_backend"] == 1 and counted["_check_weight_shapes"] == counted["_check_options"] == 1
 
 
 def test_public_moe_experts_still_raises_clear_errors():

@@ -180,14 +180,14 @@ def test_empty_batch_and_bad_input():
 
 
 def test_routers_the_kernels_do_not_serve_take_the_pytorch_path(monkeypatch):
-    calls = []
-    monkeypatch.setattr(moeblaze.routing._FusedTopK, "apply", lambda *a: calls.append(a))
+    applied = []
+    monkeypatch.setattr(moeblaze.routing._FusedTopK, "apply", lambda *a: applied.append(a))
     for E, K, kw in ((8, 2, dict(score_func="sigmoid")), (8, 2, dict(n_group=2, topk_group=1)),
                      (8, 2, dict(score_correction_bias=True)), (40, 17, {})):
         router = Router(8, E, K, **kw)
         with settings.override(backend="triton"):
             out = router(torch.randn(5, 8))
-        assert out.topk_ids.shape == (5, K) and calls == []
+        assert out.topk_ids.shape == (5, K) and applied == []
 
 
 @pytest.mark.parametrize("selections", ["kernels", "torch"])

@@ -164,15 +164,15 @@ def test_layer_builds_the_small_bucket_schedule_once(monkeypatch):
     import moeblaze.dispatch as md
     from moeblaze.kernels import dispatch as kd
 
-    calls = []
+    sizes = []
     for mod, name, pos in ((md, "build_tile_schedule_torch", 2), (kd, "tile_schedule", 1)):  # block_m's position
         real = getattr(mod, name)
-        monkeypatch.setattr(mod, name, lambda *a, _real=real, _pos=pos, **k: calls.append(a[_pos]) or _real(*a, **k))
+        monkeypatch.setattr(mod, name, lambda *a, _real=real, _pos=pos, **k: sizes.append(a[_pos]) or _real(*a, **k))
     torch.manual_seed(0)
     moe = moeblaze.MoE(16, 8, 8, 2, backend="triton", device=DEVICE)
     x = torch.randn(5, 16, device=DEVICE, requires_grad=True)  # N = 10 < 8 * BLOCK_M / 2
     moe(x).sum().backward()
-    assert calls == ([] if HAS_CUDA else [tuning.block_m() // 2])
+    assert sizes == ([] if HAS_CUDA else [tuning.block_m() // 2])
     assert x.grad is not None and moe.w_down.grad is not None
 
 

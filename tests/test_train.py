@@ -213,7 +213,7 @@ def test_resume_is_bitwise_identical(text_file, tmp_path, balance):
 
 
 def test_compile_flag_compiles_the_sharded_model(text_file, tmp_path, monkeypatch, capsys):
-    """``--compile`` calls :meth:`MoETransformer.compile_blocks` once, after FSDP2 and expert parallelism are
+    """``--compile`` invokes :meth:`MoETransformer.compile_blocks` once, after FSDP2 and expert parallelism are
     applied (``Job.shard``), and leaves the saved bytes unmeasured (compiled blocks save outside the layers' hooks);
     the compiled blocks' numerics: tests/test_graphs.py (CPU) and the GPU training tests."""
     from moeblaze.training.job import Job
@@ -383,16 +383,16 @@ def test_micro_batches_quantize_fp8_weights_once(monkeypatch):
     from moeblaze.fp8 import Float8Recipe
     from moeblaze.training import step
 
-    calls = []
+    quantized = []
     real = Float8Recipe.quantize_weight
-    monkeypatch.setattr(Float8Recipe, "quantize_weight", lambda self, w, reduce_cols: calls.append(
+    monkeypatch.setattr(Float8Recipe, "quantize_weight", lambda self, w, reduce_cols: quantized.append(
         reduce_cols) or real(self, w, reduce_cols))
     got, _ = _step_params(2, Float8Recipe(), torch.float32)
-    assert len(calls) == 2 * 4  # two layers, w1 and w2 along both dimensions
-    calls.clear()
+    assert len(quantized) == 2 * 4  # two layers, w1 and w2 along both dimensions
+    quantized.clear()
     monkeypatch.setattr(step, "reuse_weights", contextlib.nullcontext)  # every micro-batch quantizes
     want, _ = _step_params(2, Float8Recipe(), torch.float32)
-    assert len(calls) == 2 * 4 * 2
+    assert len(quantized) == 2 * 4 * 2
     for a, b in zip(got, want):
         assert torch.equal(a, b)
 

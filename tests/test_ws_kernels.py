@@ -21,11 +21,11 @@ needs_ws = pytest.mark.skipif(not (HAS_CUDA and ws_enabled(torch.device("cuda"))
 
 def _spy(monkeypatch, *names: str) -> list[str]:
     """Record each call of the named launchers of ``moeblaze.kernels.launch`` (by name), still launching."""
-    calls = []
+    launched = []
     for name in names:
         orig = getattr(launch, name)
-        monkeypatch.setattr(launch, name, lambda *a, _o=orig, _n=name, **k: calls.append(_n) or _o(*a, **k))
-    return calls
+        monkeypatch.setattr(launch, name, lambda *a, _o=orig, _n=name, **k: launched.append(_n) or _o(*a, **k))
+    return launched
 
 
 # What switches the Gluon kernels off on a GPU that runs them: no TMA reads (the pointer paths), or a device or
@@ -110,7 +110,7 @@ def test_gpu_ws_wgrad_against_float64(case, dtype, out_dtype, monkeypatch):
         assert (got.double() - triton_out.double()).abs().max() <= 2 ** -7 * scale
         if kind == "holes":
             assert got[0].abs().max() == 0 and got[3].abs().max() == 0
-    assert len(ran) == 4  # two calls of each product went through the Gluon launcher
+    assert len(ran) == 4  # two invocations of each product went through the Gluon launcher
     # whole tiles by TMA where the output is 16-bit and P a multiple of the 128-row tile, else masked stores
     want = [out_dtype == dtype and p % 128 == 0 for p in (d, 2 * h)]
     assert tma_store == [want[0], want[0], want[1], want[1]]
@@ -290,10 +290,10 @@ def _spy_ws_up(monkeypatch) -> list[str]:
     """Record each launch of the Gluon FP8 F1 (looked up in its module at each call), still launching."""
     from moeblaze.kernels import fp8_ws_up
 
-    calls = []
+    launched = []
     orig = fp8_ws_up.launch_ws_up
-    monkeypatch.setattr(fp8_ws_up, "launch_ws_up", lambda *a, **k: calls.append("up") or orig(*a, **k))
-    return calls
+    monkeypatch.setattr(fp8_ws_up, "launch_ws_up", lambda *a, **k: launched.append("up") or orig(*a, **k))
+    return launched
 
 
 @pytest.mark.gpu

@@ -83,11 +83,11 @@ def faults(rank: int, world: int, data: str, tmp: str) -> None:
     with pytest.raises(ConfigError, match="--batch-size 3 .* divisible by the number of processes 2"):
         train(replace(cfg, batch_size=3), mcfg)
 
-    step_fn, calls = train_module.train_step, []
+    step_fn, steps_run = train_module.train_step, []
 
     def signalled_step(*args, **kwargs):
-        calls.append(1)
-        if rank == 1 and len(calls) == 3:
+        steps_run.append(1)
+        if rank == 1 and len(steps_run) == 3:
             os.kill(os.getpid(), signal.SIGTERM)  # handled by the loop: finish the step, checkpoint, stop
         return step_fn(*args, **kwargs)
 

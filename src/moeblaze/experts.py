@@ -2,7 +2,7 @@
 
 ``moe_experts`` runs the experts of a top-k MoE layer over the zero-buffer dispatch index. The
 autograd graph is cut at the activation into two Functions (``save="preact"``) or fused into one
-recompute Function (``save="input"``); each calls the expert ops of a backend object
+recompute Function (``save="input"``); each runs the expert ops of a backend object
 (:mod:`moeblaze.backends`: ``torch`` or ``triton``), which also plans the index's tile schedule.
 """
 

@@ -8,7 +8,7 @@ capture, and two things must be let go first:
 
 * autotuning: Triton's autotuner times its candidates with synchronisations. A kernel key first seen
   inside a capture takes the fixed default configuration (``MOEBLAZE_AUTOTUNE=0``'s) and keeps it for the
-  rest of the process (so later eager calls match the replays). Run one eager step before capturing
+  rest of the process (so later eager runs match the replays). Run one eager step before capturing
   (PyTorch's warm-up; ``make_graphed_callables`` and ``torch.compile`` do it themselves) to capture the
   tuned configurations.
 * the last step's graph: :class:`moeblaze.MoE` keeps its ``aux_loss`` (and so that step's autograd graph)

@@ -169,7 +169,7 @@ class MoE(nn.Module):
         rows = 2 * d_ff if is_gated(activation) else d_ff
         self._w1_name = "w_gate_up" if is_gated(activation) else "w_up"
         self.has_bias = bool(bias)
-        # expert parallelism (moeblaze.parallel.expert_parallel) sets it: the layer then calls ep.forward for its
+        # expert parallelism (moeblaze.parallel.expert_parallel) sets it: the layer then runs ep.forward for its
         # routed experts and holds its rank's slice of the experts
         self.ep = None
         kw = {"device": device, "dtype": dtype}

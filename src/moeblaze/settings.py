@@ -13,7 +13,7 @@ H200's host CPU: ``python3 benchmarks/bench_host.py --parts``).
 | ``check_ids`` | ``MOEBLAZE_CHECK_IDS`` | on, off | ``build_dispatch``'s host-syncing id range check |
 | ``chunk_cols`` | ``MOEBLAZE_CHUNK_COLS`` | ``auto``, ``off``, columns | F2's / B3's ``[N, d]`` in column chunks |
 
-``backend`` picks what ``backend="auto"`` expert calls run and, by the same rule, whether the router, token
+``backend`` picks what ``backend="auto"`` expert invocations run and, by the same rule, whether the router, token
 rounding's selections and the dispatch build run their Triton kernels (:func:`use_triton`): ``torch`` runs
 PyTorch ops everywhere, to compare with or debug the kernels. Kernel variants are no settings: the device and
 the shapes choose them (:mod:`moeblaze.kernels.tuning`: TMA reads on sm90+, the warp-specialized Gluon kernels
@@ -123,7 +123,7 @@ def get(name: str) -> Any:
 
     Under ``torch.compile`` the value is read once, when the graph is traced, and is a constant of that graph
     (dynamo cannot trace ``ContextVar.get``: torch 2.11, ``tests/test_experts_triton.py::
-    test_gpu_torch_compile_fullgraph_bf16``); change a setting before compiling, not between calls.
+    test_gpu_torch_compile_fullgraph_bf16``); change a setting before compiling, not between runs.
 
     Raises:
         ValueError: an unknown name, or the environment variable holds a value the setting does not take.

@@ -471,10 +471,10 @@ def round_tokens_fused(scores: torch.Tensor, topk_ids: torch.Tensor, topk_weight
                        mode: str = "nr", generator: torch.Generator | None = None,
                        scale: float = 1.0, counts: torch.Tensor | None = None) -> TokenRounding:
     """:func:`round_tokens` through ``torch.compile`` (Inductor fuses its small element-wise, gather and
-    scatter launches into a few; the selections stay Triton custom ops or ``topk`` / ``sort`` library calls)
+    scatter launches into a few; the selections stay Triton custom ops or ``topk`` / ``sort`` library functions)
     on CUDA scores, except under ``backend="torch"`` (:mod:`moeblaze.settings`: eager there); the same result
     bitwise (integer selections; the padded weights are one gather and one product). ``"sr"`` (a
-    ``torch.Generator`` argument) and calls already inside ``torch.compile`` run :func:`round_tokens` itself. The
+    ``torch.Generator`` argument) and invocations already inside ``torch.compile`` run :func:`round_tokens` itself. The
     first call per shape compiles (seconds). Arguments, result and errors: :func:`round_tokens`'s.
     """
     if torch.compiler.is_compiling() or mode == "sr":  # settings.get reads a ContextVar: not traceable

@@ -45,7 +45,7 @@ class TitanStyleEP(nn.Module):
     """An expert-parallel layer written the way torchtitan writes it (argsort permute, gathered buffers,
     grouped GEMMs, autograd), on the router and local expert weights of a moeblaze EP layer.
 
-    ``forward(x [T, d]) -> [T, d]`` in x's dtype, on the ranks of ``src``'s EP group (every rank calls it).
+    ``forward(x [T, d]) -> [T, d]`` in x's dtype, on the ranks of ``src``'s EP group (every rank invokes it).
     The router is ``src``'s own module (shared); the expert weights are copies (``w_gate_up [E/P, 2h, d]``,
     ``w_down [E/P, d, h]``), so gradients of the two layers' experts stay apart.
     """
@@ -177,7 +177,7 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 def build_torchtitan_ep(src: MoE, spmd_backend: str = "spmd_types") -> TorchTitanEP:
     """torchtitan 0.3.0's MoE with its expert parallelism, holding the weights of the moeblaze EP layer ``src``.
 
-    Every rank of the default process group calls it (collective: it builds torchtitan's meshes). The router
+    Every rank of the default process group invokes it (collective: it builds torchtitan's meshes). The router
     weight ``[E, d]`` is copied whole; this rank's experts (``src``'s ``w_gate_up [E/P, 2h, d]``, gate rows first,
     and ``w_down [E/P, d, h]``) become torchtitan's local shards ``w1_EFD``, ``w3_EFD [E/P, h, d]`` and
     ``w2_EDF [E/P, d, h]``, in ``src``'s dtype and device. torchtitan's EP ranks are its data-parallel ranks

@@ -183,7 +183,7 @@ def _ratio(ours: Row, other: Row | None) -> str:
 def readme_table(picked: Sequence[tuple[str, Call, dict[str, Row]]]) -> str:
     """The README's performance table (markdown) of :func:`pick_rows`, with a numbered list of the runs
     (date, device, commit, command) that measured its rows. Liger's columns appear once a picked run has it."""
-    calls: list[Call] = []
+    runs: list[Call] = []
     impls = [i for i in TABLE_IMPLS if i != "liger" or any(_ok(rows.get(i)) for *_, rows in picked)]
     peers = [impls[2], impls[1], *impls[3:]]  # SonicMoE's ratio first: the headline peer
     names = [_NAMES[i] for i in impls]
@@ -191,14 +191,14 @@ def readme_table(picked: Sequence[tuple[str, Call, dict[str, Row]]]) -> str:
              + " | ".join(f"speed vs {_NAMES[i]}" for i in peers) + f" | peak MiB: {' / '.join(names)} | run |",
              "|---" * (2 * len(impls) + 2) + "|"]
     for cfg, call, rows in picked:
-        if call not in calls:
-            calls.append(call)
+        if call not in runs:
+            runs.append(call)
         m = rows["moeblaze"]
         cells = [_time(rows.get(i)) for i in impls] + [_ratio(m, rows.get(i)) for i in peers]
         lines.append(f"| {_TITLES.get(cfg, cfg)} ({m.T}, {m.d}, {m.h}, {m.E}, {m.K}) | {' | '.join(cells)} | "
-                     f"{' / '.join(_peak(rows.get(i)) for i in impls)} | {calls.index(call) + 1} |")
+                     f"{' / '.join(_peak(rows.get(i)) for i in impls)} | {runs.index(call) + 1} |")
     lines.append("")
-    for n, call in enumerate(calls, 1):
+    for n, call in enumerate(runs, 1):
         soft = f"torch {call.torch}, triton {call.triton}" if call.torch else "versions not recorded"
         commit = f"commit {call.commit}" if call.commit else "commit not recorded"
         lines.append(f"{n}. {call.date}, {call.device} ({soft}; {commit}): `{call.command}`")
@@ -239,8 +239,8 @@ def draw_plots(results: Sequence[tuple[Call, Row]], picked: Sequence[tuple[str, 
     meta = {"device": f"{device}, {max(c.date for _, c, _ in picked)}" if picked else ""}
     written = [p for name, fn in (("speedup", plot_speedup), ("memory", plot_memory))
                if (p := fn(rows, out_dir / f"{name}.png", meta)) is not None]
-    calls = sorted({c for c, _ in results if c.device == device}, reverse=True)
-    for call in calls:
+    runs = sorted({c for c, _ in results if c.device == device}, reverse=True)
+    for call in runs:
         sweep = [r for c, r in results if c == call and r.status == "ok" and r.group == "sweep"]
         if len({r.T for r in sweep}) >= 2:
             p = plot_tokens(sweep, out_dir / "tokens.png", {"device": f"{call.device}, {call.date}"})

@@ -1,7 +1,7 @@
 """moeblaze as an experts implementation of Hugging Face transformers v5 MoE models (issue 22).
 
 transformers wraps the fused experts module of every MoE family with ``use_experts_implementation``; its
-forward calls ``ExpertsInterface[config._experts_implementation](self, hidden_states [T, d],
+forward invokes ``ExpertsInterface[config._experts_implementation](self, hidden_states [T, d],
 top_k_index [T, K], top_k_weights [T, K])``. Importing this module registers :func:`moeblaze_experts_forward`
 under the name ``"moeblaze"``::
 

@@ -3,7 +3,7 @@
 Every public launcher (dispatch build, the four expert ops) is registered as a custom op with a fake
 implementation so ``torch.compile(fullgraph=True)`` sees one opaque node. In eager mode the op dispatch
 is pure host overhead (~14 µs per call on a 2-core CPU, torch 2.13: comparable to a whole small
-dispatch build), so eager calls go straight to the plain function.
+dispatch build), so eager invocations go straight to the plain function.
 """
 
 from __future__ import annotations

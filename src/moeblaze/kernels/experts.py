@@ -18,7 +18,7 @@ rows as gate and odd rows as up; ``pre``/``dpre`` keep its row order, so B3/B4 r
 an index with foreign experts never schedules their slots and the combines skip them.
 
 Each op is a ``torch.library.custom_op`` (``moeblaze::experts_*``) with a fake (meta) implementation,
-so ``torch.compile(fullgraph=True)`` treats it as one opaque node (eager calls skip the dispatcher:
+so ``torch.compile(fullgraph=True)`` treats it as one opaque node (eager invocations skip the dispatcher:
 :func:`~moeblaze.kernels.custom_ops.call_op`).
 ``down_backward`` writes ``dpre`` over ``pre`` (declared as a mutation). No op reads device data on the host,
 none uses atomics (bitwise reproducible), and row offsets are 64-bit inside the kernels.

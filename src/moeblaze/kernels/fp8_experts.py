@@ -1,5 +1,5 @@
 """The expert block's GEMMs under the rowwise FP8 recipe on the Triton kernels: the ops :class:`moeblaze.experts.
-_Float8Experts` calls, with the signatures of their PyTorch emulation (:mod:`moeblaze.ops_fp8`); the recipe is
+_Float8Experts` runs, with the signatures of their PyTorch emulation (:mod:`moeblaze.ops_fp8`); the recipe is
 checked before, by :func:`moeblaze.fp8.check_fp8_backend`.
 
 F1, F2, B1 and B3 run the 16-bit path's gather-fused grouped GEMM (:func:`moeblaze.kernels.launch.grouped_gemm`)

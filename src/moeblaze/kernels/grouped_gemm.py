@@ -397,7 +397,7 @@ def grouped_gemm_kernel(
         pid_m, _ = tile_of(pid, max_tiles, num_n, GROUP_M)
         if pid_m < num_tiles:
             # The persistent call's arguments but (t, tiles): one call site fed by a variable generates other
-            # code for both launch shapes (their sm90 TTGIR compared), so the two calls stay apart.
+            # code for both launch shapes (their sm90 TTGIR compared), so the two call sites stay apart.
             _gemm_tile(
                 t=pid, tiles=max_tiles, num_n=num_n,
                 a_ptr=a_ptr, b_ptr=b_ptr, c_ptr=c_ptr, aux_ptr=aux_ptr, scale_ptr=scale_ptr, bias_ptr=bias_ptr,

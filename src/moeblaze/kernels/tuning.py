@@ -352,7 +352,7 @@ class Launchable:
 
     ``launch(dtype, grid, *args, **kwargs)`` runs the kernel through ``triton.autotune`` +
     ``triton.heuristics`` (built lazily, once per kind) the first time a key is seen, remembers the
-    chosen config, and from then on calls the jitted kernel itself with that config and the heuristic
+    chosen config, and from then on invokes the jitted kernel itself with that config and the heuristic
     flags computed here. Why: the two wrappers cost host time on every launch (about 40 µs per launch
     under cProfile on an H200's host, 14 launches per layer step: a quarter of the host time of a
     step at 8k tokens, which is bound by host time).

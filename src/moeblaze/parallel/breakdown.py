@@ -8,7 +8,7 @@ Per profiled step, on one rank:
 - ``exposed_comm_ms``: communication time with no compute kernel beside it (``|comm ∪ compute| - |compute|``):
   what overlap could still win;
 - ``idle_ms``: time with no kernel at all, the device waiting for the host (launch gaps, host synchronisation);
-- ``sync_ms``: host time spent blocked in CUDA synchronisation calls (``cudaStreamSynchronize`` and kin, as
+- ``sync_ms``: host time spent blocked in CUDA synchronisation functions (``cudaStreamSynchronize`` and kin, as
   ``.item()`` / ``.tolist()`` cause);
 - ``step_ms``: the profiled window over the steps.
 
@@ -34,7 +34,7 @@ __all__ = ["StepBreakdown", "StepProfiler", "append_rows", "gather", "interval_b
 # Kernel names of the collectives: NCCL's device kernels (ncclDevKernel_*, ncclKernel_*), NVSHMEM's and PyTorch's
 # symmetric-memory exchanges (allToAllV, exchangeSplitAndOffset, nvshmem*).
 _COMM_MARKS = ("nccl", "nvshmem", "alltoall", "exchangesplitandoffset", "all_to_all")
-# Host calls that block until the device catches up.
+# Host API functions that block until the device catches up.
 _SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
 
 
@@ -108,12 +108,12 @@ def _from_profile(prof, steps: int, rank: int, wall_ns: int) -> StepBreakdown:
 
 
 class StepProfiler:
-    """Profile the steps between :meth:`start` and :meth:`stop` (module docstring): every rank of a job calls both
+    """Profile the steps between :meth:`start` and :meth:`stop` (module docstring): every rank of a job invokes both
     at the same steps; the device is synchronised at both ends, so the window holds the steps' own time.
 
-    Only the device's activity is traced (kernels and the CUDA runtime calls, syncs among them): tracing every host
-    op as well slows the host several-fold, which would show a host-bound step where there is none. On the CPU
-    nothing is traced and only ``step_ms`` is measured.
+    Only the device's activity is traced (kernels and the CUDA runtime's API invocations, syncs among them): tracing
+    every host op as well slows the host several-fold, which would show a host-bound step where there is none. On
+    the CPU nothing is traced and only ``step_ms`` is measured.
     """
 
     def __init__(self, device: torch.device) -> None:

@@ -1,7 +1,7 @@
 """Expert parallelism for :class:`moeblaze.MoE`, applied as a wrapper: experts spread over a process group.
 
 ``expert_parallel(model, group)`` turns every MoE layer of ``model`` expert-parallel in place (as ``fully_shard``
-does for FSDP2; :func:`moeblaze.parallel.parallelize` calls it on a 2-D mesh). A group of P ranks shares E experts:
+does for FSDP2; :func:`moeblaze.parallel.parallelize` invokes it on a 2-D mesh). A group of P ranks shares E experts:
 rank r keeps experts ``[r*E/P, (r+1)*E/P)`` as its local ``w_gate_up [E/P, 2h, d]`` and ``w_down [E/P, d, h]``
 (with expert biases also ``b_gate_up [E/P, 2h]``, ``b_down [E/P, d]``); the router is replicated. Each rank routes
 its own tokens ``x [T, d]`` and gets their outputs back. The dataflow is GShard / Megatron-Core expert parallelism
@@ -98,7 +98,7 @@ class EPConfig:
 
 class ExpertParallel:
     """The expert-parallel state of one :class:`moeblaze.MoE` (its ``ep`` attribute): group, slice of the experts,
-    exchange. Made by :func:`expert_parallel`; the layer calls :meth:`forward` for its routed experts.
+    exchange. Made by :func:`expert_parallel`; the layer invokes :meth:`forward` for its routed experts.
 
     Attributes:
         group, size (P), rank (in the group), num_local_experts (E/P), first_expert (rank * E/P).

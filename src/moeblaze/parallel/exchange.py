@@ -1,7 +1,7 @@
 """The token exchange of expert parallelism: rows out to the ranks that hold their experts, and back.
 
 An :class:`Exchange` moves a buffer of rows between the P ranks of an expert-parallel group and hides how (after
-DeepEP's ``Buffer``): the caller packs rows into :meth:`Exchange.buffer`, calls :meth:`Exchange.rows` and reads the
+DeepEP's ``Buffer``): the caller packs rows into :meth:`Exchange.buffer`, invokes :meth:`Exchange.rows` and reads the
 result. Three kinds (:data:`EXCHANGES`):
 
 ``nvshmem``     PyTorch's symmetric memory (``torch.ops.symm_mem.all_to_all_vdev`` on the NVSHMEM backend): the split

@@ -1,7 +1,7 @@
 """What a training loop needs around FSDP2 / expert parallelism: process group and mesh from torchrun's
 environment, the rank's share of a global batch, and output on rank 0 only.
 
-Single-process runs (no ``WORLD_SIZE`` in the environment, no process group) go through the same calls
+Single-process runs (no ``WORLD_SIZE`` in the environment, no process group) go through the same code
 with rank 0 of 1, so a loop written against these helpers runs unchanged with or without torchrun.
 """
 

@@ -27,7 +27,7 @@ checkpoint behind); a folder that does not verify is named with its bad file and
 and skipped, so the previous complete checkpoint is used.
 
 Rank contract (``torch.distributed`` initialised, FSDP2 or expert-parallel models): **every rank**
-calls :func:`save`, :func:`find_latest`/:func:`resolve`, :func:`load`, :func:`tidy`, :func:`clear` and
+invokes :func:`save`, :func:`find_latest`/:func:`resolve`, :func:`load`, :func:`tidy`, :func:`clear` and
 :func:`make_room` with the same arguments, at the same step.
 Rank 0 alone creates and renames the folder, writes ``state.json``/``manifest.json``/``latest`` and
 deletes old checkpoints; every rank writes its own DCP shard file(s) through

@@ -43,7 +43,7 @@ __all__ = ["ATTENTION_BACKENDS", "CUBLAS_WORKSPACE", "NCCL_ENV", "deterministic_
 CUBLAS_WORKSPACE = ":4096:8"
 NCCL_ENV = {"NCCL_ALGO": "Ring", "NCCL_PROTO": "Simple"}
 
-# scaled_dot_product_attention's backends allowed in deterministic mode. cuDNN's is left out: torch calls it
+# scaled_dot_product_attention's backends allowed in deterministic mode. cuDNN's is left out: torch deems it
 # non-deterministic and refuses it under strict deterministic algorithms (sdp_utils.cpp, check_cudnn_deterministic,
 # torch 2.13); listing the others keeps that so whatever torch's priority order becomes. Flash attention (bf16/fp16)
 # comes first: under strict mode torch runs FA2's deterministic backward (dQ summed per key split into its own

@@ -39,7 +39,7 @@ class ModelConfig:
         aux_loss_coef, z_loss_coef: router loss coefficients (per layer).
         aux_loss_type: the load-balancing loss, ``switch``, ``seq`` or ``global`` (:class:`moeblaze.MoE`).
         expert_bias_rate: u of DeepSeek-V3's auxiliary-loss-free balancing (0 = off): the MoE layers'
-            ``expert_bias_update_rate``; ``moeblaze train`` calls :func:`moeblaze.update_expert_biases` after
+            ``expert_bias_update_rate``; ``moeblaze train`` invokes :func:`moeblaze.update_expert_biases` after
             each optimizer step.
         tie_embeddings: share the embedding matrix with the output head.
         rope_base: rotary frequency base.
@@ -116,7 +116,7 @@ class Rotary(nn.Module):
     """Rotary positions: rotates pairs ``(x[..., i], x[..., i + head_dim/2])`` by ``pos * base^(-2i/head_dim)``.
 
     The angle tables (``S x head_dim/2`` values) are built in fp32, so casting the model to bf16 never rounds them,
-    and the last ones built are kept per device: training calls with one S every step, so they are built once (they
+    and the last ones built are kept per device: training passes one S every step, so they are built once (they
     took 14 of a block's launches per forward, and the training step is bound by the host's launches), while
     generation, one S after the other, keeps one table at a time. The rotation itself runs in fp32.
     """

@@ -1,7 +1,7 @@
 """One optimizer step of ``moeblaze train``, launched without a host synchronisation: :func:`train_step` (loss =
 cross-entropy + the routers' auxiliary losses, gradient clipping, the routers' bias update) and its
 :class:`StepOutcome`, the figures the host reads while the next step runs (:class:`NonFiniteLossError` when one is
-NaN or inf). The loop that calls it is :mod:`moeblaze.training.train`.
+NaN or inf). The loop that runs it is :mod:`moeblaze.training.train`.
 """
 
 from __future__ import annotations

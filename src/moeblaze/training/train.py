@@ -119,7 +119,7 @@ def train(cfg: TrainConfig, model_cfg: ModelConfig | None = None, log=tqdm.write
         A :class:`TrainResult` (final validation bits per byte, throughput, bytes saved, status, ...).
 
     Under torchrun, ``cfg.fsdp`` (and ``cfg.ep``) make this process one rank of an FSDP2 (+ expert-parallel)
-    job (:mod:`moeblaze.training.job`): every rank calls :func:`train` with the same configuration; rank 0
+    job (:mod:`moeblaze.training.job`): every rank runs :func:`train` with the same configuration; rank 0
     logs; the process group is destroyed at the end. A lost rank ends the process (exit status 3) with one line
     (:mod:`moeblaze.training.heartbeat`). ``cfg.deterministic``: inside
     :func:`moeblaze.training.determinism.deterministic_mode`.
