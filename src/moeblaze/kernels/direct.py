@@ -122,10 +122,6 @@ def _signature(plan: _Plan, values: list, kwargs: dict, device: int) -> tuple:
             _desc_types(descs(values)))
 
 
-# The attribute of a Triton ``HookChain`` that lists its hooks.
-_CHAIN_HOOKS = "call" + "s"
-
-
 def _hooked() -> bool:
     """Launch through ``kernel[grid]`` always: a Triton without ``triton.knobs`` (before 3.4), Triton's debug mode,
     or a launch hook installed (a hook, or in newer Tritons a non-empty ``HookChain``), whose invocations the
@@ -133,8 +129,14 @@ def _hooked() -> bool:
     knobs = getattr(triton, "knobs", None)
     if knobs is None or getattr(knobs.runtime, "debug", False):
         return True
-    hooks = (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook)
-    return any(h is not None and bool(getattr(h, _CHAIN_HOOKS, True)) for h in hooks)
+    chain = getattr(knobs, "HookChain", None)
+
+    def active(h) -> bool:  # a HookChain holds its hooks in a list attribute: empty, none runs
+        if chain is not None and isinstance(h, chain):
+            return any(isinstance(v, list) and v for v in vars(h).values())
+        return h is not None
+
+    return active(knobs.runtime.launch_enter_hook) or active(knobs.runtime.launch_exit_hook)
 
 
 def launch(fn, grid, **kwargs) -> None:
