@@ -174,6 +174,36 @@ def _check_pre_fp8(c, aux, pre_scale, n_cols, dual, pre_step, epilogue, store_pr
                          f"{tuple(pre_scale.shape)} (contiguous: {pre_scale.is_contiguous()})")
 
 
+def _tf32_operands(a, b, b_nk: bool, n_start: int | None, n_cols: int, a_tf32: bool, b_kept: bool):
+    """The TF32 operands of a launch (kernels/tf32.py): ``a`` rounded (a copy unless ``a_tf32``: its producer
+    rounded it), a weight read along n copied K-major (B1, B3: ``[E, k, n]`` -> ``[E, n, k]``) unless ``b_kept``
+    (paired, shifted or forced layouts), else rounded; a column chunk's weight cut to its columns first, so the
+    copy is of them alone. Returns ``(a, b, b_nk, n_start)`` (``n_start`` None after a cut)."""
+    if n_start is not None:
+        b = b[:, n_start:n_start + n_cols] if b_nk else b[:, :, n_start:n_start + n_cols]
+        n_start = None
+    a = a if a_tf32 else tf32_copy(a)
+    if not b_nk and not b_kept:
+        return a, tf32_copy(b, transpose=True), True, n_start
+    return a, round_tf32(b), b_nk, n_start
+
+
+def _up_ws_launched(a, b, c, aux, pre_scale, a_scale, b_scale, offsets, indices, sched, *, n_cols: int, k_dim: int,
+                    activation: int, alpha: float, limit: float, pre_pow2: bool) -> bool:
+    """Launch F1 of the FP8 layer (a launch of that shape: gathered, paired weight halves, one chunk) on the
+    warp-specialized Gluon kernel (:mod:`.fp8_ws_up`) where it runs and pays; False where it does not."""
+    if not tuning.ws_enabled(a.device):
+        return False
+    from .fp8_ws_up import launch_ws_up, ws_up_ok  # the module imports Gluon: only where it can run
+
+    # fp8_ws_up.CONFIG's 64-column tiles
+    if not ws_up_ok(a, b, c, aux) or not _ws_gemm_pays(sched[0].numel(), n_cols, a.device, KEPT_TILE):
+        return False
+    launch_ws_up(a, b, c, aux, pre_scale, a_scale, b_scale, offsets, indices, sched, n_cols, k_dim,
+                 activation, alpha, limit, pre_pow2)
+    return True
+
+
 def grouped_gemm(a, b, c, offsets, indices, sched, *, b_nk, n_cols, k_dim, gather_a, up_off=0,
                  scatter_c=False, scale=None, epilogue=EPILOGUE_PLAIN.value, activation=0, dual=False, store_pre=False,
                  aux=None, store_aux=False, bias=None, pre_step=1, up_shift_b=None, alpha=0.0, limit=0.0,
@@ -227,15 +257,9 @@ def grouped_gemm(a, b, c, offsets, indices, sched, *, b_nk, n_cols, k_dim, gathe
     tf32 = rounds_tf32(a)
     if n_start is not None:
         _check_chunk(b, b_nk, n_start, n_cols, epilogue, dual or up_shift_b is not None or b_mode is not None)
-        if tf32:  # the TF32 copy below is then of the chunk's columns alone
-            b = b[:, n_start:n_start + n_cols] if b_nk else b[:, :, n_start:n_start + n_cols]
-            n_start = None
-    if tf32:  # TF32 operands, rounded, and a weight read along n copied K-major (kernels/tf32.py)
-        a = a if a_tf32 else tf32_copy(a)
-        if not b_nk and not dual and up_shift_b is None and b_mode is None and weight_desc:
-            b, b_nk = tf32_copy(b, transpose=True), True  # B1, B3: [E, k, n] -> [E, n, k]
-        else:
-            b = round_tf32(b)
+    if tf32:
+        a, b, b_nk, n_start = _tf32_operands(a, b, b_nk, n_start, n_cols, a_tf32, b_kept=dual or up_shift_b is not None
+                                             or b_mode is not None or not weight_desc)
     bm = tuning.block_m(N, E)  # the plan's M tile (the schedule was built for it): checked, not chosen anew
     max_tiles = sched[0].numel()
     if max_tiles != cdiv(N, bm) + E:
@@ -248,15 +272,9 @@ def grouped_gemm(a, b, c, offsets, indices, sched, *, b_nk, n_cols, k_dim, gathe
                         a_scale=a_scale, b_scale=b_scale, indices=indices if gather_a else None)
         return
     up_ws = (pre_scale is not None and gather_a and dual and n_start is None and bias is None and up_shift_b is None
-             and b_mode is None and weight_desc and 2 * up_off == b.shape[1] and bm == WS_GEMM_CONFIG["BLOCK_M"]
-             and tuning.ws_enabled(a.device))
-    if up_ws:  # the module imports Gluon: only where it can run
-        from .fp8_ws_up import launch_ws_up, ws_up_ok
-
-        up_ws = ws_up_ok(a, b, c, aux)
-    if up_ws and _ws_gemm_pays(max_tiles, n_cols, a.device, KEPT_TILE):  # fp8_ws_up.CONFIG's 64-column tiles
-        launch_ws_up(a, b, c, aux, pre_scale, a_scale, b_scale, offsets, indices, sched, n_cols, k_dim,
-                     activation, alpha, limit, pre_pow2)
+             and b_mode is None and weight_desc and 2 * up_off == b.shape[1] and bm == WS_GEMM_CONFIG["BLOCK_M"])
+    if up_ws and _up_ws_launched(a, b, c, aux, pre_scale, a_scale, b_scale, offsets, indices, sched, n_cols=n_cols,
+                                 k_dim=k_dim, activation=activation, alpha=alpha, limit=limit, pre_pow2=pre_pow2):
         return
     aux = aux if aux is not None else c
     scale_c = scale is not None
