@@ -310,8 +310,10 @@ def test_forward_overrides_govern_the_backward_on_another_thread(monkeypatch):
 ROOT = Path(__file__).resolve().parents[1]
 # Issue 60's words, whole words in any case (a phrase may break across a line and a comment's "#"); spelled with
 # a bracket here so that this file does not hold them itself.
-WORK_WORDS = re.compile(r"(?<![\w$])(?:se[s]sions?|le[n]t|device[\s#\"']+machines?)(?!\w)|(?<!\w)\$\{?O[U]T(?!\w)",
-                        re.IGNORECASE)
+WORK_WORDS = re.compile(r"(?<![\w$])(?:se[s]sions?|le[n]t|ca[l]ls|device[\s#\"']+machines?)(?!\w)"
+                        r"|(?<!\w)\$\{?O[U]T(?!\w)", re.IGNORECASE)
+
+
 def _tracked_files() -> list[str]:
     try:
         out = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True, timeout=60).stdout
@@ -324,7 +326,8 @@ def _tracked_files() -> list[str]:
     ("in a new " + "ses" + "sion", True), ("two " + "SES" + "SIONS", True), ("on the " + "le" + "nt H200s", True),
     ("a device\n    # " + "machine's CPU", True), ("writes under $" + "OUT/x", True), ('"${' + 'OUT}"', True),
     ("start_new_" + "ses" + "sion=True", False), ("si" + "le" + "nt", False), ("$" + "OUTPUT", False),
-    ("a device, a machine", False), ("OUT=1", False),
+    ("a device, a machine", False), ("OUT=1", False), ("in two " + "ca" + "lls", True), ("re" + "ca" + "lls", False),
+    ("one call", False),
 ])
 def test_work_words_pattern(text, found):
     assert bool(WORK_WORDS.search(text)) is found
