@@ -8,7 +8,9 @@
 # RUNS names runs: `1` (one GPU under torchrun --fsdp), `fsdpN` (N GPUs, FSDP2), `epP` (P GPUs, FSDP2 + --ep P),
 # `epP-N` (N GPUs, --ep P: a 2-D mesh); they run in the order given, so alternating them (`1 fsdp4 1 fsdp4`) shows
 # the spread. Each writes its log, metrics.csv and breakdown.csv under RESULTS/<run>-<i>/ and one line of
-# RESULTS/train.csv. EXTRA adds flags to every train run. NVLink multicast stays off.
+# RESULTS/train.csv. A run's FSDP2 options follow its name after "+": `nr` --no-fsdp-reshard, `np` --no-fsdp-prefetch,
+# `bf16` --fsdp-reduce-dtype bf16 (`RUNS="fsdp2 fsdp2+nr+bf16"`). EXTRA adds flags to every train run. NVLink
+# multicast stays off.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
@@ -23,19 +25,27 @@ if compgen -G ".whl/*.whl" > /dev/null; then  # the peers' wheels (torchtitan an
 fi
 
 train_run() {  # $1 run name, $2 index
-  local name=$1 i=$2 gpus ep=1
-  case $name in
+  local name=$1 i=$2 gpus ep=1 flags="" opt base=${1%%+*}
+  for opt in $(echo "$name" | tr '+' ' ' | cut -s -d' ' -f2-); do  # name+nr+bf16: FSDP2 options of this run
+    case $opt in
+      nr) flags="$flags --no-fsdp-reshard" ;;
+      np) flags="$flags --no-fsdp-prefetch" ;;
+      bf16) flags="$flags --fsdp-reduce-dtype bf16" ;;
+      *) echo "unknown option $opt of run $name"; return 1 ;;
+    esac
+  done
+  case $base in
     1) gpus=1 ;;
-    fsdp*) gpus=${name#fsdp} ;;
-    ep*-*) ep=${name#ep}; gpus=${ep#*-}; ep=${ep%-*} ;;
-    ep*) ep=${name#ep}; gpus=$ep ;;
+    fsdp*) gpus=${base#fsdp} ;;
+    ep*-*) ep=${base#ep}; gpus=${ep#*-}; ep=${ep%-*} ;;
+    ep*) ep=${base#ep}; gpus=$ep ;;
     *) echo "unknown run $name"; return 1 ;;
   esac
-  local dir="$RESULTS/$name-$i"
+  local dir="$RESULTS/${name//+/_}-$i"
   rm -rf "$dir"
   local cmd="torchrun --nproc-per-node $gpus -m moeblaze.cli train --fsdp --preset 1b --batch-size $((16 * gpus)) --no-final-checkpoint
     --steps $STEPS --warmup-steps 5 --eval-interval 100000 --eval-tokens 16384 --checkpoint-interval 0
-    --checkpoint-minutes 0 --device cuda --no-progress --ep $ep --profile-steps $PROFILE --out-dir $dir $EXTRA"
+    --checkpoint-minutes 0 --device cuda --no-progress --ep $ep --profile-steps $PROFILE --out-dir $dir$flags $EXTRA"
   echo "== $name ($i): $cmd"
   timeout 900 $cmd > "$dir.log" 2>&1
   local rc=$?
