@@ -8,9 +8,10 @@
 # RUNS names runs: `1` (one GPU under torchrun --fsdp), `fsdpN` (N GPUs, FSDP2), `epP` (P GPUs, FSDP2 + --ep P),
 # `epP-N` (N GPUs, --ep P: a 2-D mesh); they run in the order given, so alternating them (`1 fsdp4 1 fsdp4`) shows
 # the spread. Each writes its log, metrics.csv and breakdown.csv under RESULTS/<run>-<i>/ and one line of
-# RESULTS/train.csv. A run's FSDP2 options follow its name after "+": `nr` --no-fsdp-reshard, `np` --no-fsdp-prefetch,
-# `bf16` --fsdp-reduce-dtype bf16 (`RUNS="fsdp2 fsdp2+nr+bf16"`). EXTRA adds flags to every train run. NVLink
-# multicast stays off.
+# RESULTS/train.csv. A run's options follow its name after "+" (the 1b preset keeps the gathered parameters until
+# the backward and reduces in bf16): `uN` --fsdp-blocks-per-unit N, `r` --fsdp-reshard, `fp32` --fsdp-reduce-dtype
+# fp32, `np` --no-fsdp-prefetch, `c` --compile (`RUNS="fsdp2 fsdp2+u2 fsdp2+c"`). EXTRA adds flags to every train run.
+# NVLink multicast stays off.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
@@ -26,11 +27,13 @@ fi
 
 train_run() {  # $1 run name, $2 index
   local name=$1 i=$2 gpus ep=1 flags="" opt base=${1%%+*}
-  for opt in $(echo "$name" | tr '+' ' ' | cut -s -d' ' -f2-); do  # name+nr+bf16: FSDP2 options of this run
+  for opt in $(echo "$name" | tr '+' ' ' | cut -s -d' ' -f2-); do  # name+u2+r: this run's options
     case $opt in
-      nr) flags="$flags --no-fsdp-reshard" ;;
+      u[0-9]*) flags="$flags --fsdp-blocks-per-unit ${opt#u}" ;;
+      r) flags="$flags --fsdp-reshard" ;;
       np) flags="$flags --no-fsdp-prefetch" ;;
-      bf16) flags="$flags --fsdp-reduce-dtype bf16" ;;
+      fp32) flags="$flags --fsdp-reduce-dtype fp32" ;;
+      c) flags="$flags --compile" ;;
       *) echo "unknown option $opt of run $name"; return 1 ;;
     esac
   done

@@ -209,8 +209,8 @@ def bad_config(rank: int, world: int) -> None:
         parallelize(model, init_device_mesh("cpu", (1,), mesh_dim_names=("dp_shard",)))
 
 
-def _tiny_config(aux: bool, backend: str = "torch") -> ModelConfig:
-    return ModelConfig(seq_len=8, d_model=16, n_layers=2, n_heads=2, d_ff=8, num_experts=4, top_k=2,
+def _tiny_config(aux: bool, backend: str = "torch", n_layers: int = 2) -> ModelConfig:
+    return ModelConfig(seq_len=8, d_model=16, n_layers=n_layers, n_heads=2, d_ff=8, num_experts=4, top_k=2,
                        backend=backend, aux_loss_coef=0.05 if aux else 0.0, z_loss_coef=0.01)
 
 
@@ -222,16 +222,16 @@ def _loss(model: torch.nn.Module, idx: torch.Tensor) -> torch.Tensor:
 
 
 def fsdp_equal(rank: int, world: int, shape: tuple[int, ...], names: tuple[str, ...], shared_d_ff: int = 0,
-               seqs_per_rank: int = 2) -> None:
-    """FSDP2 (1-D) or FSDP2 + EP (2-D ``(dp_shard, ep)``) on a small MoE transformer (its MoE layers with a
-    shared expert of ``shared_d_ff`` when > 0): loss and every gradient equal one process on the whole
-    batch (float64)."""
+               seqs_per_rank: int = 2, blocks_per_unit: int = 1, n_layers: int = 2) -> None:
+    """FSDP2 (1-D) or FSDP2 + EP (2-D ``(dp_shard, ep)``) on a small MoE transformer of ``n_layers`` blocks (its
+    MoE layers with a shared expert of ``shared_d_ff`` when > 0), ``blocks_per_unit`` blocks per FSDP2 unit: loss
+    and every gradient equal one process on the whole batch (float64)."""
     dev = _device()
     mesh = init_device_mesh(dev.type, shape, mesh_dim_names=names)
     torch.manual_seed(7)
     # The router's load-balancing loss counts over the EP group (over the rank's own tokens without EP);
     # its mean over ranks is the single-process loss only when that group is the whole world.
-    cfg = _tiny_config(aux="ep" in names and mesh["ep"].size() == world)
+    cfg = _tiny_config(aux="ep" in names and mesh["ep"].size() == world, n_layers=n_layers)
     model = MoETransformer(cfg)
     if shared_d_ff:
         for block in model.blocks:
@@ -242,11 +242,11 @@ def fsdp_equal(rank: int, world: int, shape: tuple[int, ...], names: tuple[str, 
     ref = copy.deepcopy(model)
     idx_all = torch.randint(0, 256, (world * seqs_per_rank, 9), device=dev)
     idx = idx_all[rank * seqs_per_rank:(rank + 1) * seqs_per_rank]
-    parallelize(model, mesh)
-    _check_units(model, mesh)
+    parallelize(model, mesh, blocks_per_unit=blocks_per_unit)
+    _check_units(model, mesh, blocks_per_unit)
     loss = _loss(model, idx)
     loss.backward()
-    _check_units(model, mesh)  # the hooks gave back the parameters they swapped for the forward
+    _check_units(model, mesh, blocks_per_unit)  # the hooks gave back the parameters they swapped for the forward
     loss_ref = _loss(ref, idx_all)
     loss_ref.backward()
     mean_loss = loss.detach().reshape(1).clone()
@@ -263,12 +263,17 @@ def fsdp_equal(rank: int, world: int, shape: tuple[int, ...], names: tuple[str, 
         _check(f"grad {name}", grad, want, None)
 
 
-def _check_units(model: torch.nn.Module, mesh) -> None:
-    """FSDP2's units as ``parallelize`` documents them: one per block with its MoE layer (router and shared expert
-    included); on a 2-D mesh the experts a DTensor ``Shard(0)`` over ``dp_shard``, a unit of their own only where
-    ``dp_shard`` has more than one rank (then the router and shared expert too)."""
+def _check_units(model: torch.nn.Module, mesh, blocks_per_unit: int = 1) -> None:
+    """FSDP2's units as ``parallelize`` documents them: one per ``blocks_per_unit`` consecutive blocks with their
+    MoE layers (router and shared expert included); on a 2-D mesh the experts a DTensor ``Shard(0)`` over
+    ``dp_shard``, a unit of their own only where ``dp_shard`` has more than one rank (then the router and shared
+    expert too)."""
     dp = mesh["dp_shard"]
     separate = mesh.ndim == 2 and dp.size() > 1
+    states = [block._get_fsdp_state() for block in model.blocks]
+    for i, state in enumerate(states):  # blocks of one unit share its state, and no other block does
+        first = i - i % blocks_per_unit
+        assert all((s is state) == (first <= j < first + blocks_per_unit) for j, s in enumerate(states)), i
     for block in model.blocks:
         assert isinstance(block, FSDPModule), "a block is an FSDP2 unit"
         moe = block.moe

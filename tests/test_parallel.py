@@ -67,12 +67,14 @@ def test_ep_layer_2_ranks():
 
 
 def test_fsdp2_2_ranks():
-    """FSDP2 on a 1-D mesh and FSDP2 + EP on a (1, 2) mesh = one process, each block one unit; 5 AdamW steps track
-    one process; the experts outside FSDP2 under a mixed-precision policy;
-    the runtime helpers (process group, meshes, batch split) inside a job; the ranks agree on tuned kernels; FP8
+    """FSDP2 on a 1-D mesh and FSDP2 + EP on a (1, 2) mesh = one process, each block one unit or several blocks in
+    one (``blocks_per_unit``); 5 AdamW steps track one process; the experts outside FSDP2 under a mixed-precision
+    policy; the runtime helpers (process group, meshes, batch split) inside a job; the ranks agree on tuned kernels; FP8
     weight copies reused over micro-batches under FSDP2."""
     run_ranks(pw.run_all, 2, [("fsdp_equal", ((2,), ("dp_shard",))),
-                              ("fsdp_equal", ((1, 2), ("dp_shard", "ep"))), ("fsdp_train", ()),
+                              ("fsdp_equal", ((1, 2), ("dp_shard", "ep"))),
+                              ("fsdp_equal", ((2,), ("dp_shard",), 0, 2, 2, 3)),  # two blocks a unit, then one
+                              ("fsdp_equal", ((1, 2), ("dp_shard", "ep"), 0, 2, 3, 3)), ("fsdp_train", ()),
                               ("fsdp_mixed_precision", ()), ("fsdp_fp8_reuse", ()),
                               ("runtime_checks", ()), ("kernel_agreement", ())])
 

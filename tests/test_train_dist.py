@@ -47,7 +47,8 @@ def test_two_ranks_track_one_process_and_checkpoints_reshard(text_file, tmp_path
     # the step is the one-process step on the global batch (fp32, sums in another order).
     assert _close(r["fsdp"], one_no_aux.losses, 1e-4), (r["fsdp"], one_no_aux.losses)
     assert math.isclose(r["fsdp_val"], one_no_aux.val_bpb, rel_tol=1e-4)
-    # --grad-accum 2 under FSDP2 (gradients reduced after the second micro-batch only): the same steps.
+    # --grad-accum 2 under FSDP2 (gradients reduced after the second micro-batch only), the blocks in one unit
+    # (--fsdp-blocks-per-unit): the same steps.
     assert _close(r["accum"], r["fsdp"], 1e-4), (r["accum"], r["fsdp"])
     # EP over both ranks: the load-balancing loss counts the group's (= all) tokens, as one process does.
     assert _close(r["ep"], one.losses, 1e-4), (r["ep"], one.losses)

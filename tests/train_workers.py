@@ -37,13 +37,15 @@ def _same_on_all_ranks(value) -> None:
 
 
 def runs(rank: int, world: int, data: str, tmp: str, results: dict) -> None:
-    """FSDP2 (also in 2 micro-batches a step) and FSDP2 + EP runs of 20 steps (EP: a checkpoint every 5); the EP
-    run also stopped at step 10, resumed on the same layout and on FSDP2 without EP (another P). Results land in
-    ``results`` (a manager dict) from rank 0."""
+    """FSDP2 (also in 2 micro-batches a step, all blocks one unit) and FSDP2 + EP runs of 20 steps (EP: a checkpoint
+    every 5); the EP run also stopped at step 10, resumed on the same layout and on FSDP2 without EP (another P).
+    Results land in ``results`` (a manager dict) from rank 0."""
     tmp = Path(tmp)
     fsdp_cfg, mcfg = tiny_configs(data, str(tmp / "fsdp"), fsdp=True)
     fsdp = train(fsdp_cfg, replace(mcfg, aux_loss_coef=0.0))
-    accum = train(replace(fsdp_cfg, out_dir=str(tmp / "accum"), grad_accum=2), replace(mcfg, aux_loss_coef=0.0))
+    # two micro-batches a step, and the model's blocks in one FSDP2 unit (--fsdp-blocks-per-unit): the same steps
+    accum = train(replace(fsdp_cfg, out_dir=str(tmp / "accum"), grad_accum=2, fsdp_blocks_per_unit=mcfg.n_layers),
+                  replace(mcfg, aux_loss_coef=0.0))
     # checkpoints every 5 steps: training goes on after each save (a save once left global-shape expert moments
     # in the live optimizer, and the next step failed)
     ep_cfg = replace(fsdp_cfg, out_dir=str(tmp / "ep"), ep=world, checkpoint_interval=5)

@@ -22,6 +22,7 @@ Units (one all-gather / reduce-scatter and four host hooks each per step): a blo
 ``dp_shard`` > 1, its experts. The training step is bound by the host's launches, and fewer units gave 10% (FSDP2) to
 16-23% (``--ep 4`` / ``--ep 2``) more tokens/s per GPU than three units per block on 4 H200s
 (``RUNS="1 ep4 fsdp4" bash benchmarks/multigpu.sh train`` with both layouts; docs/results-train-multigpu.csv).
+``blocks_per_unit`` shards consecutive blocks together (``moeblaze train --fsdp-blocks-per-unit``).
 """
 
 from __future__ import annotations
@@ -69,7 +70,7 @@ def _split_mesh(mesh: DeviceMesh, ep_dim: str) -> tuple[DeviceMesh, DeviceMesh, 
 
 def parallelize(model: nn.Module, mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy | None = None,
                 reshard_after_forward: bool = True, ep_dim: str = "ep", exchange: str = "auto",
-                prefetch: bool = True, max_tokens: int | None = None) -> nn.Module:
+                prefetch: bool = True, max_tokens: int | None = None, blocks_per_unit: int = 1) -> nn.Module:
     """Shard ``model`` with FSDP2 over ``mesh``, expert-parallel over its ``ep_dim`` dimension if it has one.
 
     Units of sharding (each one all-gather / reduce-scatter): every element of every ``nn.ModuleList`` (the
@@ -96,12 +97,19 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, mp_policy: MixedPrecisionPol
         prefetch: each block's units all-gather the next block's parameters in forward (the previous block's in
             backward) as they start, so the gathers run under the current block's compute even when the host
             launches just in time (FSDP2's own prefetch issues a gather only when the host reaches its unit).
+        blocks_per_unit: consecutive blocks of an ``nn.ModuleList`` sharded as one unit (``fully_shard`` of the
+            list of them): one all-gather, one reduce-scatter and one set of FSDP2's host hooks for all of them,
+            for steps bound by the host; larger gathers, and each overlaps less of its neighbours' compute.
 
     Raises:
         TypeError: ``mesh`` is not a ``DeviceMesh``.
         ValueError: a mesh of another shape or size than the world; an expert-parallel layer on a mesh
-            without ``ep_dim`` or over another group than ``mesh[ep_dim]``; as :class:`ExpertParallel`.
+            without ``ep_dim`` or over another group than ``mesh[ep_dim]``; ``blocks_per_unit`` not a positive
+            int; as :class:`ExpertParallel`.
     """
+    if not isinstance(blocks_per_unit, int) or isinstance(blocks_per_unit, bool) or blocks_per_unit < 1:
+        raise ValueError(f"blocks_per_unit must be a positive int (blocks of a ModuleList per FSDP2 unit), "
+                         f"got {blocks_per_unit!r}")
     flat, dp_mesh, ep_mesh = _split_mesh(mesh, ep_dim)
     policy = mp_policy or MixedPrecisionPolicy()
     kept: set[nn.Parameter] = set()  # expert weights left out of FSDP2 (a 1-rank dp_shard)
@@ -131,16 +139,18 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, mp_policy: MixedPrecisionPol
                 fully_shard(replicated, mesh=flat, mp_policy=policy, reshard_after_forward=reshard_after_forward)
         fully_shard(moe, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
     kw = {"mesh": flat, "mp_policy": policy, "ignored_params": kept or None}
-    blocks = []
+    units = []  # each a list of blocks sharded together
     for mlist in [m for m in model.modules() if isinstance(m, nn.ModuleList)]:
-        for i, child in enumerate(mlist):
-            if not isinstance(child, FSDPModule) and any(True for _ in child.parameters()):
-                last = i == len(mlist) - 1
-                fully_shard(child, reshard_after_forward=reshard_after_forward and not last, **kw)
-                blocks.append(child)
+        blocks = [c for c in mlist if not isinstance(c, FSDPModule) and any(True for _ in c.parameters())]
+        for i in range(0, len(blocks), blocks_per_unit):
+            group = blocks[i:i + blocks_per_unit]
+            last = group[-1] is mlist[-1]
+            fully_shard(group if len(group) > 1 else group[0],
+                        reshard_after_forward=reshard_after_forward and not last, **kw)
+            units.append(group)
     fully_shard(model, reshard_after_forward=False, **kw)
     if prefetch:
-        _set_prefetch(blocks)
+        _set_prefetch(units)
     return model
 
 
@@ -170,14 +180,15 @@ def _keep_experts(moe: MoE, dp_mesh: DeviceMesh, param_dtype: torch.dtype | None
     return {getattr(moe, n) for n in names}
 
 
-def _units(block: nn.Module) -> list[FSDPModule]:
-    """The FSDP2 units of a block in forward order: the block itself, then the units nested in it."""
-    return [block, *(m for m in block.modules() if m is not block and isinstance(m, FSDPModule))]
+def _units(group: list[nn.Module]) -> list[FSDPModule]:
+    """The FSDP2 units of a group of blocks sharded together, in forward order: the group's own (its first block
+    stands for it: the blocks share one FSDP2 state), then the units nested in its blocks."""
+    return [group[0], *(m for b in group for m in b.modules() if m is not b and isinstance(m, FSDPModule))]
 
 
-def _set_prefetch(blocks: list[nn.Module]) -> None:
-    """Explicit prefetch between consecutive blocks (``parallelize``'s ``prefetch``)."""
-    for prev, nxt in zip(blocks, blocks[1:]):
-        prev.set_modules_to_forward_prefetch(_units(nxt))
-        # in backward a block's own unit starts first (its outputs' gradients arrive before its MoE layer's)
-        nxt.set_modules_to_backward_prefetch(_units(prev))
+def _set_prefetch(groups: list[list[nn.Module]]) -> None:
+    """Explicit prefetch between consecutive units of blocks (``parallelize``'s ``prefetch``)."""
+    for prev, nxt in zip(groups, groups[1:]):
+        prev[0].set_modules_to_forward_prefetch(_units(nxt))
+        # in backward a unit's own state starts first (its outputs' gradients arrive before its MoE layers')
+        nxt[0].set_modules_to_backward_prefetch(_units(prev))

@@ -75,11 +75,12 @@ class Job:
         return split_batch(batch, self.env) if self.distributed else batch
 
     def shard(self, model: torch.nn.Module, precision: str, reshard: bool = True, reduce_dtype: str = "fp32",
-              exchange: str = "auto", prefetch: bool = True, max_tokens: int | None = None) -> torch.nn.Module:
+              exchange: str = "auto", prefetch: bool = True, max_tokens: int | None = None,
+              blocks_per_unit: int = 1) -> torch.nn.Module:
         """FSDP2 (+ EP) over the mesh; ``bf16-mixed`` and ``fp8-mixed`` -> ``MixedPrecisionPolicy(
         param_dtype=bfloat16, reduce_dtype=float32)`` (``reduce_dtype="bf16"``: bfloat16; the forward then runs
         without autocast), else compute in the parameters' dtype. ``reshard``: FSDP2's ``reshard_after_forward``;
-        ``exchange``: the expert-parallel layers' token exchange; ``prefetch``, ``max_tokens``:
+        ``exchange``: the expert-parallel layers' token exchange; ``prefetch``, ``max_tokens``, ``blocks_per_unit``:
         :func:`parallelize`'s. Returns ``model`` unchanged without ``--fsdp``."""
         if self.mesh is None:
             return model
@@ -90,7 +91,7 @@ class Job:
         # what FSDP2's warning about in-place ops on views asks for.
         warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDPMoE\) returned a view tensor")
         return parallelize(model, self.mesh, mp_policy=policy, reshard_after_forward=reshard, exchange=exchange,
-                           prefetch=prefetch, max_tokens=max_tokens)
+                           prefetch=prefetch, max_tokens=max_tokens, blocks_per_unit=blocks_per_unit)
 
     def all_mean(self, values: torch.Tensor) -> torch.Tensor:
         """The mean over ranks of a float tensor (the tensor itself in one process)."""

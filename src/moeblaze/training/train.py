@@ -220,7 +220,7 @@ def _train(cfg: TrainConfig, model_cfg: ModelConfig | None, log, job: Job) -> Tr
     # every rank's MoE layers see at most its rows of a batch (training and evaluation): the exchanges' bound
     max_tokens = cfg.batch_size // job.world * mcfg.seq_len
     model = job.shard(model, precision, cfg.fsdp_reshard, cfg.fsdp_reduce_dtype, cfg.ep_exchange, cfg.fsdp_prefetch,
-                      max_tokens)
+                      max_tokens, cfg.fsdp_blocks_per_unit)
     if cfg.compile:
         model.compile_blocks()
     opt = make_optimizer(model, cfg)

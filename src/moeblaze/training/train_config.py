@@ -62,7 +62,7 @@ def _f(default, help: str, **kw):
 _INT_RANGES = {"steps": (1, None), "batch_size": (1, None), "eval_interval": (1, None), "eval_tokens": (1, None),
                "stop_after": (0, None), "warmup_steps": (0, None), "checkpoint_interval": (0, None),
                "grad_accum": (1, None), "threads": (0, None), "keep_checkpoints": (1, None), "ep": (1, None),
-               "profile_steps": (0, None), "seed": (0, 2**63 - 1)}
+               "profile_steps": (0, None), "seed": (0, 2**63 - 1), "fsdp_blocks_per_unit": (1, None)}
 _FLOAT_RANGES = {"lr": (0.0, False, None), "min_lr": (0.0, True, None), "weight_decay": (0.0, True, None),
                  "beta1": (0.0, True, 1.0), "beta2": (0.0, True, 1.0), "grad_clip": (0.0, True, None),
                  "val_fraction": (0.0, False, 1.0), "peak_tflops": (0.0, True, None),
@@ -130,6 +130,9 @@ class TrainConfig:
     fsdp_prefetch: bool = _f(True, "each block all-gathers the next block's parameters as it starts (the previous "
                              "block's in backward); --no-fsdp-prefetch leaves it to FSDP2, which gathers a unit when "
                              "the host reaches it")
+    fsdp_blocks_per_unit: int = _f(1, "consecutive transformer blocks sharded as one FSDP2 unit: one all-gather, "
+                                   "one reduce-scatter and one set of FSDP2's host hooks for all of them (steps bound "
+                                   "by the host), larger gathers that overlap less")
     fsdp_reduce_dtype: str = _f("fp32", "dtype of FSDP2's gradient reduce-scatter under bf16-mixed (bf16 halves its "
                                 "bytes)", choices=("fp32", "bf16"))
     compile: bool = _f(False, "torch.compile each transformer block (torchtitan's per-block compile): attention, norms "
