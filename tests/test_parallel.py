@@ -96,9 +96,10 @@ def test_ep_checkpoint_with_expert_biases_loads_in_one_process(tmp_path):
 
 def test_ep_and_2d_mesh_4_ranks():
     """EP over 4 ranks; FSDP2 + EP on a (2, 2) mesh: experts sharded over dp_shard inside each EP group,
-    the router and a shared expert over the whole mesh."""
+    the router and a shared expert over the whole mesh; the same with two blocks in one unit."""
     run_ranks(pw.run_all, 4, [("ep_cases", (CASES_4 + _padded(CASES_4),)),
-                              ("fsdp_equal", ((2, 2), ("dp_shard", "ep"), 12))])
+                              ("fsdp_equal", ((2, 2), ("dp_shard", "ep"), 12)),
+                              ("fsdp_equal", ((2, 2), ("dp_shard", "ep"), 12, 2, 2, 3))])  # units of 2 + 1 blocks
 
 
 def test_ep_needs_initialised_distributed():
