@@ -129,14 +129,21 @@ def _hooked() -> bool:
     knobs = getattr(triton, "knobs", None)
     if knobs is None or getattr(knobs.runtime, "debug", False):
         return True
-    chain = getattr(knobs, "HookChain", None)
+    hooks = (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook)
+    return any(h is not None and bool(getattr(h, _HOOK_LIST, True)) for h in hooks)
 
-    def active(h) -> bool:  # a HookChain holds its hooks in a list attribute: empty, none runs
-        if chain is not None and isinstance(h, chain):
-            return any(isinstance(v, list) and v for v in vars(h).values())
-        return h is not None
 
-    return active(knobs.runtime.launch_enter_hook) or active(knobs.runtime.launch_exit_hook)
+def _hook_list_name() -> str:
+    """The attribute in which Triton's ``HookChain`` keeps its hooks, found on an empty one ("" where there is no
+    such class: every hook then counts). Looked up once: ``_hooked`` runs at every launch."""
+    chain = getattr(getattr(triton, "knobs", None), "HookChain", None)
+    try:
+        return next(k for k, v in vars(chain()).items() if isinstance(v, list))
+    except (TypeError, StopIteration):
+        return ""
+
+
+_HOOK_LIST = _hook_list_name()
 
 
 def launch(fn, grid, **kwargs) -> None:
