@@ -19,7 +19,7 @@ where the Triton kernel's promotion waits for them at every k-step. The partitio
 
 The sums, scaling, rounding and quantization are the Triton kernel's (``grouped_gemm_kernel`` with ``FP8``,
 ``EPILOGUE_ACT_FWD``, ``PRE_FP8``), in its order and with its device functions (the recipe's scale and cast,
-``act_forward``), so the two agree bitwise. Conditions (:func:`moeblaze.kernels.launch.ws_up_ok`): an sm90 GPU,
+``act_forward``), so the two agree bitwise. Conditions (``launch._up_ws_launched``, :func:`ws_up_ok`): an sm90 GPU,
 triton 3.6, a gated activation, ``w_gate_up`` gate rows then up rows (not interleaved), no bias, ``pre`` kept in
 e4m3 and ``act`` stored, 16-byte aligned rows.
 """
@@ -37,7 +37,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from ..fp8 import KEPT_TILE
-from . import direct, tuning
+from . import direct
 from .act_math import act_forward
 from .fp8_quant import row_amax, scale_of, to_e4m3
 from .fp8_ws_gemm import IO_REGS, MMA_WARPS, _gather_loader, half_tile
@@ -171,11 +171,11 @@ def fp8_ws_up_kernel(
 
 
 def ws_up_ok(x: torch.Tensor, w: torch.Tensor, pre: torch.Tensor, act: torch.Tensor) -> bool:
-    """F1 of the FP8 layer (``pre`` kept in e4m3: ``launch._check_pre_fp8``) can run on :func:`fp8_ws_up_kernel`:
-    :func:`.tuning.ws_enabled`, a contiguous ``w_gate_up``, aligned rows of ``x`` and of the weight, unit column
-    strides of ``pre`` and ``act``."""
-    return (tuning.ws_enabled(x.device) and w.is_contiguous() and rows_aligned(x) and rows_aligned(w[0])
-            and pre.stride(1) == 1 and act.stride(1) == 1)
+    """F1 of the FP8 layer (``pre`` kept in e4m3: ``launch._check_pre_fp8``) can run on :func:`fp8_ws_up_kernel`
+    where :func:`.tuning.ws_enabled` (checked by the launcher before it imports this module): a contiguous
+    ``w_gate_up``, aligned rows of ``x`` and of the weight, unit column strides of ``pre`` and ``act``."""
+    return (w.is_contiguous() and rows_aligned(x) and rows_aligned(w[0]) and pre.stride(1) == 1
+            and act.stride(1) == 1)
 
 
 def launch_ws_up(x, w, pre, act, pre_scale, x_scale, w_scale, offsets, indices, sched, h, d, activation, alpha, limit,
