@@ -110,6 +110,15 @@ def test_ep_needs_initialised_distributed():
         expert_parallel(moeblaze.MoE(8, 4, 4, 2), object())
 
 
+@pytest.mark.parametrize("n", [0, -1, 1.5, True])
+def test_parallelize_names_a_bad_blocks_per_unit(n):
+    import moeblaze
+    from moeblaze.parallel import parallelize
+
+    with pytest.raises(ValueError, match=r"blocks_per_unit must be a positive int .*got " + repr(n)):
+        parallelize(moeblaze.MoE(8, 4, 4, 2), object(), blocks_per_unit=n)
+
+
 @pytest.mark.gpu
 def test_fsdp2_bf16_one_gpu_matches_unwrapped():
     """FSDP2 with bf16 mixed precision on a 1-rank NCCL mesh; the EP layer's GPU path (functional

@@ -309,6 +309,7 @@ def test_bad_device_and_nothing_to_resume_are_clear_errors(tmp_path, capsys):
     (["--routing", "foo"], "--routing must be"),
     (["--d-ff", "0"], "--d-ff must be"),
     (["--lr", "-1"], "--lr"),
+    (["--fsdp-blocks-per-unit", "0"], "--fsdp-blocks-per-unit must be an integer >= 1, got 0"),
     (["--stepz", "2"], "moeblaze train: error: unrecognized arguments: --stepz 2"),
 ])
 def test_bad_options_exit_with_a_message(flags, message, tmp_path):
