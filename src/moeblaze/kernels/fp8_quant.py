@@ -4,9 +4,9 @@ the rowwise recipe (:func:`moeblaze.fp8.quantize_fp8` with ``(1, C)`` tiles), bi
 Each program takes ``BLOCK_R`` rows. It finds each row's largest magnitude (NaN propagated), the scale follows
 the recipe's rule (``amax / 448``; 1 for a row of zeros; at least the smallest normal fp32; rounded up to a power
 of two with ``POW2``, from its bits: a mantissa of zeros is one already), and the row is divided by it with correct
-rounding, saturated at +-448 and stored in e4m3. Rows of up to 8,192 columns are held whole in a tile of 4,096
-elements or more (one read, ``ONE_SWEEP``); longer rows take two sweeps over column blocks (the second from L2).
-PyTorch's version is five passes over the tensor (abs, amax, division, clamp, cast) and an fp32 copy.
+rounding, saturated at +-448 and stored in e4m3. Rows of a power of two up to 8,192 columns are held whole in a
+tile of 4,096 elements or more (one read, ``ONE_SWEEP``); other rows take two sweeps over column blocks (the second
+from L2). PyTorch's version is five passes over the tensor (abs, amax, division, clamp, cast) and an fp32 copy.
 
 The source is read through its strides, so a weight's transposed view ``w.transpose(1, 2)`` is quantized along
 its rows without a transposed copy first (the K-major operand of B1 / B3): rows ``[..., R, C]`` are flattened to
@@ -14,9 +14,10 @@ its rows without a transposed copy first (the K-major operand of B1 / B3): rows 
 side in memory, so its loads run along them.
 
 The tiles are the fastest measured (``benchmarks/bench_fp8_quant.py``, H200, Qwen3-30B-A3B operands; rows in
-docs/results-fp8-quant.csv). Holding the row whole saves little: the time follows the row length more than the
-sweeps (rows of 768 columns: 1,337 GB/s in two sweeps, 1,387 held whole; rows of 2,048: 2,840-3,140; counted as 3
-bytes per element). A transposed view whose rows are a power of two long (``w2^T``, 2,048) is fastest held whole
+docs/results-fp8-quant.csv). A row whose length is a power of two is held whole (rows of 2,048: 2,840-3,140 GB/s,
+counted as 3 bytes per element); any other length sweeps 16 rows by 256 columns twice: rows of 768 (``act``,
+``w2``) 0.193 ms, 3,129 GB/s, against 0.435 held whole in a 1,024-column tile whose masked quarter slowed every
+load. A transposed view whose rows are a power of two long (``w2^T``, 2,048) is fastest held whole
 in tiles of 8 rows (0.385 ms against 0.504 in two sweeps of 64 x 64); one of 1,536 (``w1^T``) in two sweeps of
 32 x 64 (0.902 ms against 1.144 held whole, a quarter of each tile masked off).
 
@@ -133,6 +134,8 @@ def _tiles(src: Tensor) -> tuple[int, int, int]:
         return (8, C, 8) if cols == C and C <= 2048 else (32, 64, 4)
     if tuning.interpreting():
         return max(1, min(16, 4096 // min(cols, 256))), min(cols, 256), 4
+    if cols != C and C > 256:  # not a power of two: a masked whole-row tile runs at half the bandwidth
+        return 16, 256, 4
     block_c = cols if cols <= ONE_SWEEP_COLS else 1024
     return max(1, 4096 // block_c), block_c, 4
 
