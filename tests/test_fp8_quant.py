@@ -197,6 +197,19 @@ def test_gpu_bitwise_the_recipe(shape, transposed, dtype, pow2):
     _check(_source(shape, dtype, transposed, "cuda"), pow2, exact=True)
 
 
+def test_launcher_holds_power_of_two_rows_whole_and_sweeps_others(monkeypatch):
+    """The GPU tiles of :func:`quantize_rows_fp8` (the measured ones, module docstring): a row of a power of two held
+    whole, a row of another length over 256 swept in 16 x 256 tiles, rows past 8,192 in 1,024-column sweeps."""
+    from moeblaze.kernels import fp8_quant, tuning
+
+    monkeypatch.setattr(tuning, "interpreting", lambda: False)
+    rows = lambda C: torch.empty(1, 64, C)  # noqa: E731
+    assert fp8_quant._tiles(rows(2048)) == (2, 2048, 4)
+    assert fp8_quant._tiles(rows(768)) == fp8_quant._tiles(rows(1536)) == (16, 256, 4)
+    assert fp8_quant._tiles(rows(200)) == (16, 256, 4)  # one masked sweep
+    assert fp8_quant._tiles(rows(16384)) == (4, 1024, 4)
+
+
 def _act_bwd_case(N, h, gated, device, dtype, limit=None):
     """``act_bwd_rows`` with ``quant`` on random rows (one of them NaN in ``dact``) and the stored ``dpre``, its
     e4m3 copy and scales."""
@@ -271,10 +284,11 @@ def _kept_pre_case(N, h, gated, device, dtype, tile):
     return results
 
 
-@pytest.mark.parametrize("gated, h, tile", [(True, 200, 64), (False, 40, 128), (True, 64, 32)])
+@pytest.mark.parametrize("gated, h, tile", [(True, 200, 64), (False, 40, 128), (True, 64, 32), (True, 40, 16)])
 def test_activation_backward_reads_the_kept_e4m3_pre_as_its_fp32_values(gated, h, tile):
     """The kept pre read in e4m3 with its tile scales (``pre_scale``): every output bitwise that of the same kernel on
-    the pre's fp32 values (Float8Tensor.dequantize) — short last tiles, a zero row (scale 1), one tile."""
+    the pre's fp32 values (Float8Tensor.dequantize) — short last tiles, a zero row (scale 1), one tile, tiles shorter
+    than the kernel's column block (16 against the interpreter's 32: two scales a block)."""
     if HAS_CUDA:
         pytest.skip("an interpreter test (CPU tensors); the gpu test runs the kernel on the device")
     (a, b) = _kept_pre_case(37, h, gated, "cpu", torch.float32, tile)
