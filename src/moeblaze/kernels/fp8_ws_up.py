@@ -12,17 +12,10 @@ where the Triton kernel's promotion waits for them at every k-step. The partitio
 
   mma      (4 warps, default; 4 warps, worker)  two ``wgmma`` (gate and up, 64 x 64 each) per stage into fresh
                                partial sums, waited for, added to the fp32 accumulators; after the last stage the
-                               epilogue's math above from registers (the kept tiles' scales stored), the e4m3
-                               ``pre`` and the 16-bit ``act`` into their halves of ``c_pre`` and ``c_act``
+                               epilogue above from registers, rows past the expert's last slot masked
   loader   (2 warps)           the tile's token rows of ``x`` by 16-byte cp.async and the gate and up boxes of
                                ``w_gate_up`` by TMA, ``NUM_STAGES`` deep
                                (:func:`moeblaze.kernels.fp8_ws_gemm._gather_loader`)
-  epilogue (2 warps)           ``c_pre`` and ``c_act`` to their rows while the mma partitions sum the next tile,
-                               rows past the expert's last slot masked. Why: stored from the mma partitions'
-                               registers, the tiles' rows kept the tensor cores idle (F1 3.32 ms of a Qwen3-30B-A3B
-                               layer step at 1af3f26 against 2.75 for bf16's; ``python3 benchmarks/profile_layer.py
-                               --configs qwen3-30b-a3b --impls moeblaze,moeblaze-fp8 --timeline``,
-                               docs/results-fp8-profile.csv)
 
 The sums, scaling, rounding and quantization are the Triton kernel's (``grouped_gemm_kernel`` with ``FP8``,
 ``EPILOGUE_ACT_FWD``, ``PRE_FP8``), in its order and with its device functions (the recipe's scale and cast,
@@ -52,12 +45,13 @@ from .grouped_gemm import _QMAX, _TINY
 from .tma import rows_aligned, tma_desc
 from .tuning import cdiv, num_programs
 from .ws_gemm import _tile, _tiles
-from .ws_wgrad import EPILOGUE_WARPS, LOADER_WARPS, stage_barriers, tile_barriers
+from .ws_wgrad import LOADER_WARPS, stage_barriers
 
-# 12 warps: 168 registers each at launch (65536 / 384, rounded down to 8; 200 asked for more than the register file and
-# the launch failed). The loader's and the epilogue's warp group gives its down to 88 and both mma warp groups get 208
-# (the default partition the rest, 504 - 208 - 88): two 64 x 64 fp32 accumulators and their partial sums are 128 per
-# thread; 224 left the default partition 192 and a 40-byte stack frame (scripts/gluon_sm90_compile.py).
+# 10 warps, launched as 12 (warp specialization counts whole warp groups): 168 registers each at launch (65536 / 384,
+# rounded down to 8; 200 asked for more than the register file and the launch failed). The loader gives its down to 88
+# and both mma warp groups get 208 (the default partition the rest, 504 - 208 - 88): two 64 x 64 fp32 accumulators
+# and their partial sums are 128 per thread; 224 left the default partition 192 and a 40-byte stack frame
+# (scripts/gluon_sm90_compile.py).
 MAX_REGS = 168
 MMA_REGS: gl.constexpr = gl.constexpr(208)
 # 64 columns of gate and of up, the kept pre's tile (moeblaze.fp8.KEPT_TILE), per output tile; 128-column steps, the
@@ -66,16 +60,25 @@ CONFIG = {"BLOCK_M": 128, "BLOCK_N": KEPT_TILE, "BLOCK_K": 128, "NUM_STAGES": 4,
 
 
 @gluon.jit
+def _store_kept(q_ptrs, s_ptrs, v, mask, row_mask, POW2: gl.constexpr):
+    """``v [rows, KEPT_TILE]`` (fp32, one kept tile) in e4m3 with one scale per row: the recipe's, as
+    ``grouped_gemm._store_e4m3_tiles`` computes it (elements outside ``mask`` neither counted nor stored)."""
+    v = gl.where(mask, v, 0.0)
+    scale = scale_of(row_amax(v), _TINY, _QMAX, POW2)
+    gl.store(s_ptrs, scale, mask=row_mask)
+    gl.store(q_ptrs, to_e4m3(v, scale[:, None], _QMAX), mask=mask)
+
+
+@gluon.jit
 def _mma_up(outs, scales, sched, smem, bars, dims, HALF: gl.constexpr, ACTIVATION: gl.constexpr, POW2: gl.constexpr,
             BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, NUM_STAGES: gl.constexpr,
             GROUP_M: gl.constexpr):
-    """Rows ``HALF * BLOCK_M / 2 ..`` of each tile: gate and up summed over the stages, then the epilogue's math into
-    this half of ``c_pre`` and ``c_act`` (the kept tiles' scales stored here)."""
-    pre_s_ptr, alpha, limit = outs
+    """Rows ``HALF * BLOCK_M / 2 ..`` of each tile: gate and up summed over the stages, then the epilogue."""
+    pre_ptr, pre_s_ptr, act_ptr, stride_pre_m, stride_act_m, alpha, limit = outs
     a_scale_ptr, w_scale_ptr, indices_ptr, A_ROWS, stride_ws_e = scales
     tile_expert_ptr, tile_row_ptr, offsets_ptr, num_tiles_ptr = sched
-    a_bufs, w_bufs, c_pre, c_act = smem
-    ready, empty, c_ready, c_empty = bars
+    a_bufs, w_bufs = smem
+    ready, empty = bars
     K_DIM, N_COLS, UP_OFF = dims
     ROWS: gl.constexpr = BLOCK_M // 2
     zero, r_in, c_in = half_tile(ROWS, BLOCK_N)
@@ -110,58 +113,16 @@ def _mma_up(outs, scales, sched, smem, bars, dims, HALF: gl.constexpr, ACTIVATIO
         w_scales = w_scale_ptr + e.to(gl.int64) * stride_ws_e + n
         gate = acc_g * a_scale * gl.load(w_scales, mask=n_mask, other=0.0)[None, :]
         up = acc_u * a_scale * gl.load(w_scales + UP_OFF, mask=n_mask, other=0.0)[None, :]
-        gate = gate.to(c_act.dtype).to(gl.float32)  # pre rounded to 16 bits, as the Triton epilogue
-        up = up.to(c_act.dtype).to(gl.float32)
+        gate = gate.to(act_ptr.dtype.element_ty).to(gl.float32)  # pre rounded to 16 bits, as the Triton epilogue
+        up = up.to(act_ptr.dtype.element_ty).to(gl.float32)
         mask = row_mask[:, None] & n_mask[None, :]
+        pre_ptrs = pre_ptr + rows.to(gl.int64)[:, None] * stride_pre_m + n[None, :]
         s_ptrs = pre_s_ptr + rows.to(gl.int64) * (2 * kept) + pid_n
-        q_gate = _kept(s_ptrs, gate, mask, row_mask, POW2)
-        q_up = _kept(s_ptrs + kept, up, mask, row_mask, POW2)
+        _store_kept(pre_ptrs, s_ptrs, gate, mask, row_mask, POW2)
+        _store_kept(pre_ptrs + UP_OFF, s_ptrs + kept, up, mask, row_mask, POW2)
         act = act_forward(gate, up, alpha, limit, ACTIVATION)
-        mbarrier.wait(c_empty.index(0), (i_tile & 1) ^ 1)  # the epilogue has stored the previous tile
-        c_pre.index(0).slice(HALF * ROWS, ROWS, dim=0).store(q_gate)
-        c_pre.index(1).slice(HALF * ROWS, ROWS, dim=0).store(q_up)
-        c_act.slice(HALF * ROWS, ROWS, dim=0).store(act.to(c_act.dtype))
-        mbarrier.arrive(c_ready.index(0), count=1)
-
-
-@gluon.jit
-def _kept(s_ptrs, v, mask, row_mask, POW2: gl.constexpr):
-    """``v [rows, KEPT_TILE]`` (fp32, one kept tile) in e4m3 with one scale per row, stored at ``s_ptrs``: the
-    recipe's, as ``grouped_gemm._store_e4m3_tiles`` computes it (elements outside ``mask`` neither counted nor
-    stored)."""
-    v = gl.where(mask, v, 0.0)
-    scale = scale_of(row_amax(v), _TINY, _QMAX, POW2)
-    gl.store(s_ptrs, scale, mask=row_mask)
-    return to_e4m3(v, scale[:, None], _QMAX)
-
-
-@gluon.jit
-def _epilogue_up(outs, sched, c_pre, c_act, c_bars, N_COLS, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                 GROUP_M: gl.constexpr):
-    """Each tile's kept ``pre`` (e4m3 gate and up) and ``act`` from shared memory to their rows, rows past the
-    expert's last slot masked, while the mma partitions sum the next tile."""
-    pre_ptr, act_ptr, stride_pre_m, stride_act_m, UP_OFF = outs
-    tile_expert_ptr, tile_row_ptr, offsets_ptr, num_tiles_ptr = sched
-    c_ready, c_empty = c_bars
-    layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [EPILOGUE_WARPS, 1], [1, 0])
-    ROWS: gl.constexpr = 32  # 32 x 64 pieces over 64 threads: 32 values per thread
-    r_in = gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
-    c_in = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
-    num_tiles, num_n, my_tiles = _tiles(num_tiles_ptr, N_COLS, BLOCK_N)
-    for i_tile in range(my_tiles):
-        pid_n, e, row0, row_end = _tile(i_tile, num_tiles, num_n, tile_expert_ptr, tile_row_ptr, offsets_ptr,
-                                        GROUP_M)
-        n = pid_n * BLOCK_N + c_in
-        mbarrier.wait(c_ready.index(0), i_tile & 1)
-        for i in gl.static_range(BLOCK_M // ROWS):
-            rows = (row0 + i * ROWS + r_in).to(gl.int64)[:, None]
-            mask = (rows < row_end) & (n < N_COLS)[None, :]
-            pre_ptrs = pre_ptr + rows * stride_pre_m + n[None, :]
-            gl.store(pre_ptrs, c_pre.index(0).slice(i * ROWS, ROWS, dim=0).load(layout), mask=mask)
-            gl.store(pre_ptrs + UP_OFF, c_pre.index(1).slice(i * ROWS, ROWS, dim=0).load(layout), mask=mask)
-            gl.store(act_ptr + rows * stride_act_m + n[None, :], c_act.slice(i * ROWS, ROWS, dim=0).load(layout),
-                     mask=mask)
-        mbarrier.arrive(c_empty.index(0), count=1)
+        gl.store(act_ptr + rows.to(gl.int64)[:, None] * stride_act_m + n[None, :], act.to(act_ptr.dtype.element_ty),
+                 mask=mask)
 
 
 @gluon.jit
@@ -190,34 +151,23 @@ def fp8_ws_up_kernel(
     a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], dtype)
     a_bufs = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_M, BLOCK_K], a_layout)
     w_bufs = gl.allocate_shared_memory(dtype, [NUM_STAGES, 2 * BLOCK_N, BLOCK_K], w_desc.layout)
-    # the tile's results for the epilogue partition: e4m3 gate and up, 16-bit act
-    c_pre = gl.allocate_shared_memory(dtype, [2, BLOCK_M, BLOCK_N],
-                                      gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], dtype))
-    act_dtype: gl.constexpr = act_ptr.dtype.element_ty
-    c_act = gl.allocate_shared_memory(act_dtype, [BLOCK_M, BLOCK_N],
-                                      gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], act_dtype))
     # ready: the loader's expect (one arrival with both weight boxes' bytes) and each loader thread's cp.async arrival;
-    # empty and c_ready: both mma halves
+    # empty: both mma halves
     ready, empty = stage_barriers(NUM_STAGES, 1 + LOADER_WARPS * 32, 2)
-    c_ready, c_empty = tile_barriers(2)
 
+    outs = (pre_ptr, pre_s_ptr, act_ptr, stride_pre_m, stride_act_m, alpha, limit)
     scales = (a_scale_ptr, w_scale_ptr, indices_ptr, A_ROWS, stride_ws_e)
     sched = (tile_expert_ptr, tile_row_ptr, offsets_ptr, num_tiles_ptr)
-    smem = (a_bufs, w_bufs, c_pre, c_act)
-    bars = (ready, empty, c_ready, c_empty)
-    dims = (K_DIM, N_COLS, UP_OFF)
     # constexprs go into the partitions' argument lists directly (a tuple variable would hold them as values)
     gl.warp_specialize([
-        (_mma_up, ((pre_s_ptr, alpha, limit), scales, sched, smem, bars, dims, 0, ACTIVATION, POW2, BLOCK_M, BLOCK_N,
-                   BLOCK_K, NUM_STAGES, GROUP_M)),
-        (_mma_up, ((pre_s_ptr, alpha, limit), scales, sched, smem, bars, dims, 1, ACTIVATION, POW2, BLOCK_M, BLOCK_N,
-                   BLOCK_K, NUM_STAGES, GROUP_M)),
+        (_mma_up, (outs, scales, sched, (a_bufs, w_bufs), (ready, empty), (K_DIM, N_COLS, UP_OFF), 0, ACTIVATION,
+                   POW2, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, GROUP_M)),
+        (_mma_up, (outs, scales, sched, (a_bufs, w_bufs), (ready, empty), (K_DIM, N_COLS, UP_OFF), 1, ACTIVATION,
+                   POW2, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, GROUP_M)),
         (_gather_loader, ((a_ptr, indices_ptr, A_ROWS, stride_a_t, UP_OFF), w_desc, sched, (a_bufs, w_bufs, None),
                           (ready, empty, None, None), (K_DIM, N_COLS, N_EXT, 0, 0), True, BLOCK_M, BLOCK_N, BLOCK_K,
                           NUM_STAGES, GROUP_M)),
-        (_epilogue_up, ((pre_ptr, act_ptr, stride_pre_m, stride_act_m, UP_OFF), sched, c_pre, c_act,
-                        (c_ready, c_empty), N_COLS, BLOCK_M, BLOCK_N, GROUP_M)),
-    ], [MMA_WARPS, LOADER_WARPS, EPILOGUE_WARPS], [MMA_REGS, IO_REGS, IO_REGS])
+    ], [MMA_WARPS, LOADER_WARPS], [MMA_REGS, IO_REGS])
 
 
 def ws_up_ok(x: torch.Tensor, w: torch.Tensor, pre: torch.Tensor, act: torch.Tensor) -> bool:
