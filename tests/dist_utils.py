@@ -7,8 +7,10 @@ rank's traceback; a rank that is still running after ``timeout`` seconds fails i
 
 from __future__ import annotations
 
+import gc
 import os
 import socket
+import sys
 import time
 from datetime import timedelta
 
@@ -38,6 +40,15 @@ def _entry(rank: int, world: int, port: int, backend: str, fn, args) -> None:
         dist.barrier()
     finally:
         dist.destroy_process_group()
+    # A rank that passed leaves without the interpreter's finalization: there a gloo worker thread that drops the
+    # last reference to a collective's tensors takes the GIL, Python ends that thread, and the C++ runtime aborts
+    # the process ("terminate called without an active exception", SIGABRT; seen in CI on a loaded 2-core machine,
+    # tests/test_ep_baselines.py::test_ep_baselines_reject_bad_sources). A failing rank still raises above, so
+    # spawn reports its traceback.
+    gc.collect()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run_ranks(fn, world: int, *args, backend: str = "gloo", timeout: float = 120.0) -> None:
