@@ -62,9 +62,14 @@ def test_the_snippets_run_in_order_in_one_namespace(tmp_path, monkeypatch):
 def test_the_expert_parallel_snippet_under_torchrun_on_two_cpu_ranks(tmp_path):
     (snippet,) = [s for s in SNIPPETS if _kind(s) == "torchrun"]
     script = tmp_path / "ep.py"
-    script.write_text(snippet)
+    script.write_text(snippet + 'print("snippet ran", flush=True)\n')
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                            str(script)], cwd=tmp_path, env=env, capture_output=True,
                           text=True, timeout=240)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    # torch's gloo backend can abort a rank after its script ended: a gloo worker thread that drops the last
+    # reference to a collective's tensors takes the GIL while the interpreter finalizes ("terminate called without
+    # an active exception", SIGABRT; seen once in a loaded full-suite run). The snippet has then run on both ranks.
+    torch_teardown = "terminate called without an active exception" in proc.stderr
+    assert proc.stdout.count("snippet ran") == 2 and (proc.returncode == 0 or torch_teardown), \
+        proc.stdout[-3000:] + proc.stderr[-3000:]
