@@ -7,6 +7,7 @@ import math
 import subprocess
 import sys
 import sysconfig
+import time
 from pathlib import Path
 from unittest import mock
 
@@ -191,6 +192,43 @@ def test_training_loss_falls(text_file, tmp_path):
     assert checkpoint.find_latest(tmp_path).name == "step-000060"
 
 
+def test_the_run_line_says_when_warmup_outlasts_the_run():
+    from moeblaze.parallel.runtime import DistEnv
+    from moeblaze.training.job import Job
+    from moeblaze.training.train import _describe
+
+    job = Job(DistEnv(0, 1, 0, torch.device("cpu"), None))
+    short, long = (_describe(1, ModelConfig(), TrainConfig(steps=s, warmup_steps=50), torch.device("cpu"), "fp32", 2,
+                             job) for s in (20, 50))
+    assert "lr 0.003 (--warmup-steps 50 > --steps 20: never reached), device cpu" in short
+    assert "lr 0.003, device cpu" in long
+
+
+def test_each_step_is_timed_with_its_own_work(text_file, tmp_path, monkeypatch):
+    """metrics.csv's step_s holds the step's own work, evaluated steps included: each step here sleeps 50 ms inside
+    train_step (an evaluated step was timed ~0 s and the next one twice, when the CPU read a step a step late)."""
+    import csv
+
+    import moeblaze.training.train as train_mod
+
+    real = train_mod.train_step
+
+    def slow_step(*args, **kwargs):
+        time.sleep(0.05)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(train_mod, "train_step", slow_step)
+    cfg = TrainConfig(data=str(text_file), out_dir=str(tmp_path), steps=6, batch_size=4, warmup_steps=1,
+                      eval_interval=2, eval_tokens=256, progress=False, threads=2)
+    train(cfg, ModelConfig(seq_len=16, d_model=16, n_layers=1, n_heads=2, d_ff=16, num_experts=4, top_k=2),
+          log=lambda *_: None)
+    with open(tmp_path / "metrics.csv", newline="") as fh:
+        rows = list(csv.DictReader(fh))
+    times = [float(r["step_s"]) for r in rows]
+    assert len(times) == 6 and min(times) >= 0.05, times
+    assert sum(bool(r["val_bpb"]) for r in rows) == 3
+
+
 @pytest.mark.parametrize("balance", [[], ["--expert-bias-rate", "1e-2", "--aux-loss-type", "seq"]])
 def test_resume_is_bitwise_identical(text_file, tmp_path, balance):
     """Also with the auxiliary-loss-free expert biases (buffers, saved by DCP with the weights) and the
@@ -300,7 +338,7 @@ def test_bad_device_and_nothing_to_resume_are_clear_errors(tmp_path, capsys):
     assert run_cli("sample", "--checkpoint", str(tmp_path / "empty")) != 0
     assert "no checkpoint" in capsys.readouterr().err
     assert run_cli("train", "--n-heads", "3", "--out-dir", str(tmp_path)) != 0  # d_model=128 not divisible
-    assert "n_heads" in capsys.readouterr().err
+    assert "must be --n-heads 3 times an even head size" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("flags,message", [
@@ -311,6 +349,7 @@ def test_bad_device_and_nothing_to_resume_are_clear_errors(tmp_path, capsys):
     (["--lr", "-1"], "--lr"),
     (["--fsdp-blocks-per-unit", "0"], "--fsdp-blocks-per-unit must be an integer >= 1, got 0"),
     (["--stepz", "2"], "moeblaze train: error: unrecognized arguments: --stepz 2"),
+    (["--num-experts", "4", "--top-k", "5"], "moeblaze train: error: --top-k 5 must be <= --num-experts 4\n"),
 ])
 def test_bad_options_exit_with_a_message(flags, message, tmp_path):
     proc = subprocess.run([sys.executable, "-m", "moeblaze.cli", "train", *flags, "--out-dir", str(tmp_path)],

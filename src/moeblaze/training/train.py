@@ -74,7 +74,9 @@ def _describe(total: int, mcfg: ModelConfig, cfg: TrainConfig, device, precision
     return (f"model: {mcfg.n_layers} layers, d={mcfg.d_model}, heads={mcfg.n_heads}, E={mcfg.num_experts}, "
             f"K={mcfg.top_k}, h={mcfg.d_ff}, seq={mcfg.seq_len}; {total / 1e6:.2f}M parameters, "
             f"{mcfg.active_params_per_token() / 1e6:.2f}M active per token\n"
-            f"run: {cfg.steps} steps x {cfg.batch_size * mcfg.seq_len} tokens, lr {cfg.lr:g}, "
+            f"run: {cfg.steps} steps x {cfg.batch_size * mcfg.seq_len} tokens, lr {cfg.lr:g}"
+            + (f" (--warmup-steps {cfg.warmup_steps} > --steps {cfg.steps}: never reached)"
+               if cfg.warmup_steps > cfg.steps else "") + ", "
             f"device {device}, precision {precision}, {threads} threads{where}"
             + ("; blocks compiled (torch.compile)" if cfg.compile else "") + f"; out-dir {cfg.out_dir}")
 
@@ -278,9 +280,12 @@ def _loop(model, opt, corpus, cfg: TrainConfig, mcfg: ModelConfig, device, preci
     """Steps ``start..stop-1`` with evaluation, a metrics row per step, and checkpoints; returns
     ``(val_bpb, losses, saved bytes, tokens/s, mfu, status, last checkpoint folder)``.
 
-    The host reads a step's figures (:class:`StepOutcome`) after launching the next step, so the device never
-    waits for the host between steps; a step that evaluates, checkpoints or stops is read at once."""
+    On CUDA the host reads a step's figures (:class:`StepOutcome`) after launching the next step, so the device
+    never waits for the host between steps; a step that evaluates, checkpoints or stops is read at once. On the CPU
+    a launch runs the step to its end, so each step is read at once: read a step later, a step's time would hold
+    the next one's work (and an evaluated step none: it was read right after the step before it)."""
     run = _Run(cfg, mcfg, device, precision, job, metrics, log)
+    overlap = device.type == "cuda"
     last_save = time.monotonic()
     # profiled from the fourth step: the first ones autotune, compile and grow the allocator's pools
     prof_from, profiler = (start + 3, None) if cfg.profile_steps else (None, None)
@@ -326,7 +331,7 @@ def _loop(model, opt, corpus, cfg: TrainConfig, mcfg: ModelConfig, device, preci
         evaluated = not interrupted and ((step + 1) % cfg.eval_interval == 0 or last)
         save = ((last and cfg.final_checkpoint) or interrupted or timed
                 or (cfg.checkpoint_interval and (step + 1) % cfg.checkpoint_interval == 0))
-        if not (evaluated or save or last):
+        if overlap and not (evaluated or save or last):
             continue
         # before the checkpoint: a run killed between the two resumes from the previous one, dropping this row
         run.finish(*pending, evaluate_now=evaluated, evaluate=lambda: evaluate(model, corpus.val, cfg, device,
