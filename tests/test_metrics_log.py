@@ -167,6 +167,8 @@ def test_plot_of_several_runs_is_one_figure_of_their_losses(tmp_path, monkeypatc
     assert out.stat().st_size > 1000 and str(out) in capsys.readouterr().out
     assert run_cli("plot", "bf16", "fp8", "--out", str(out), "--labels", "one") == 2
     assert "--labels: 1 given for 2 runs" in capsys.readouterr().err
+    assert run_cli("plot", "bf16", "--labels", "a,b") == 2  # one run: labels go to a comparison, not ignored
+    assert "--labels: 2 given for 1 runs" in capsys.readouterr().err
     (tmp_path / "empty").mkdir()
     assert run_cli("plot", "bf16", "empty") == 2
     assert "cannot read" in capsys.readouterr().err

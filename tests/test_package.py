@@ -169,6 +169,23 @@ def test_settings_bad_environment(monkeypatch):
         settings.get("check_ids")
 
 
+@pytest.mark.parametrize("var, value", [("MOEBLAZE_BACKEND", "foo"), ("MOEBLAZE_AUTOTUNE", "maybe"),
+                                        ("MOEBLAZE_CHUNK_COLS", "17")])
+def test_the_command_line_checks_the_environment_before_it_starts(var, value, monkeypatch, capsys, tmp_path):
+    """A malformed variable is one line and exit 2 before anything runs, not a traceback when (and if) the run
+    first reads it (MOEBLAZE_AUTOTUNE, for one, is never read on the CPU)."""
+    from moeblaze.cli import main
+
+    monkeypatch.setenv(var, value)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exc:
+        main(["train", "--data", str(tmp_path / "missing.txt")])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and err.startswith(f"moeblaze train: error: {var} must be") and err.count("\n") == 1
+    monkeypatch.delenv(var)
+    settings.check_environment()
+
+
 def test_five_settings_and_no_kernel_variant_switches():
     """The switches a user changes; kernel variants are chosen by device and shape, the router's, rounding's and
     dispatch's kernels by ``backend``: their former settings are unknown names."""

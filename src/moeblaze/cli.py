@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import re
 import signal
 import sys
 from dataclasses import MISSING, fields, replace
@@ -124,11 +125,17 @@ def _configs(args: argparse.Namespace) -> tuple[TrainConfig, ModelConfig]:
 
 
 def _as_flag(message: str) -> str:
-    """A configuration error as the command line names it: ``routing must be ...`` -> ``--routing must be ...``."""
-    name = message.split(" ", 1)[0]
-    if name in {f.name for f in fields(TrainConfig) + fields(ModelConfig)}:
-        return "--" + name.replace("_", "-") + message[len(name):]
-    return message
+    """A configuration error as the command line names it: ``routing must be ...`` -> ``--routing must be ...``,
+    ``top_k=8 must be <= num_experts=4`` -> ``--top-k 8 must be <= --num-experts 4`` (a field's name leading the
+    message or followed by ``=``; elsewhere it may be a plain word)."""
+    names = {f.name for f in fields(TrainConfig) + fields(ModelConfig)}
+
+    def flag(m: re.Match) -> str:
+        if m.group(1) not in names or (m.start() > 0 and m.group(2) is None):
+            return m.group(0)
+        return "--" + m.group(1).replace("_", "-") + (f" {m.group(2)}" if m.group(2) is not None else "")
+
+    return re.sub(r"\b([a-z][a-z0-9_]*)(?:=(\S+))?", flag, message)
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
@@ -169,7 +176,7 @@ def _cmd_plot(args: argparse.Namespace) -> int:
     from .training.plot import plot_compare, plot_run
 
     runs = [resolve_run(d, holds_metrics) for d in args.out_dir or [ROOT]]
-    if len(runs) > 1 or args.out is not None:
+    if len(runs) > 1 or args.out is not None or args.labels:  # labels name the curves of a comparison
         labels = args.labels.split(",") if args.labels else None
         print(f"wrote {plot_compare(runs, args.out or 'loss-compare.png', labels)}")
         return 0
@@ -228,7 +235,8 @@ def build_parser() -> argparse.ArgumentParser:
     p_sample.add_argument("--prompt", default="def ", help="text to continue [%(default)r]")
     p_sample.add_argument("--max-new-tokens", type=int, default=256, help="bytes to generate [%(default)s]")
     p_sample.add_argument("--temperature", type=float, default=0.8, help="<= 0 for greedy [%(default)s]")
-    p_sample.add_argument("--top-k", type=int, default=0, help="sample from the k likeliest bytes; 0 = all")
+    p_sample.add_argument("--top-k", type=int, default=0,
+                          help="sample from the k likeliest bytes; 0 = all [%(default)s]")
     p_sample.add_argument("--seed", type=int, default=0, help="sampler seed [%(default)s]")
     p_sample.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N [%(default)s]")
     p_sample.set_defaults(func=_cmd_sample)
@@ -276,6 +284,11 @@ def main(argv: list[str] | None = None) -> None:
     if unknown:  # named by the subcommand's parser, whose usage lists the flags it takes
         commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
         commands.choices[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
+    try:
+        settings.check_environment()
+    except ValueError as err:
+        print(f"moeblaze {args.command}: error: {err}", file=sys.stderr)
+        sys.exit(2)
     try:
         status = args.func(args)
     except (ConfigError, DataError, CheckpointError) as err:

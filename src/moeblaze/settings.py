@@ -39,8 +39,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["SETTINGS", "carried_to_backward", "configure", "configured", "get", "interpreting", "launcher_env",
-           "library_env_defaults", "override", "reset", "use_triton"]
+__all__ = ["SETTINGS", "carried_to_backward", "check_environment", "configure", "configured", "get", "interpreting",
+           "launcher_env", "library_env_defaults", "override", "reset", "use_triton"]
 
 
 def _bool(name: str, raw: str) -> bool:
@@ -99,6 +99,19 @@ def _getenv(name: str) -> str | None:
         return os.environ.get(name)
     raw = data.get(name.encode())
     return None if raw is None else os.fsdecode(raw)
+
+
+def check_environment() -> None:
+    """Parse every moeblaze variable set in the environment now: a look-up reads one only when its setting is used,
+    which can be far into a run (a command line checks them before it starts).
+
+    Raises:
+        ValueError: the first malformed variable, named with the values it takes.
+    """
+    for env, parse, _ in SETTINGS.values():
+        raw = _getenv(env)
+        if raw is not None:
+            parse(env, raw)
 
 
 _configured: dict[str, Any] = {}
