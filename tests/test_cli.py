@@ -82,7 +82,12 @@ def test_resume_sample_export_and_plot_take_the_newest_run(corpus, tmp_path, mon
     assert [p.name for p in checkpoint.checkpoint_dirs(root / "run_1")][-1] == "step-000004"
     assert [p.name for p in checkpoint.checkpoint_dirs(root / "run_0")] == ["step-000002"]
     (root / "run_2").mkdir()  # a newer run that never wrote anything is passed over
-    assert run_cli("export", "--out", str(tmp_path / "model.safetensors")) == 0
+    old_mask = os.umask(0o027)
+    try:
+        assert run_cli("export", "--out", str(tmp_path / "model.safetensors")) == 0
+    finally:
+        os.umask(old_mask)
+    assert (tmp_path / "model.safetensors").stat().st_mode & 0o777 == 0o640  # as the umask leaves a new file
     assert "(step 4)" in _export_step(tmp_path / "model.safetensors")
     assert run_cli("sample", "--max-new-tokens", "4", "--prompt", "def ") == 0
     assert capsys.readouterr().out.splitlines()[-1].startswith("def ")

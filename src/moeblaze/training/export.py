@@ -25,6 +25,7 @@ the shards carry ``{"format": "pt"}``). Read with ``safetensors`` alone::
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import asdict, fields
 from pathlib import Path
 
@@ -92,9 +93,15 @@ def export(checkpoint_path: str | Path, out: str | Path,
     except ValueError as err:  # a malformed max_shard_size
         raise CheckpointError(f"--max-shard-size {max_shard_size!r}: {err}") from None
     index = path.parent / (path.name + _INDEX)
+    files = [path]
     if index.is_file():
-        return [index, *sorted(path.parent / f for f in set(json.loads(index.read_text())["weight_map"].values()))]
-    return [path]
+        files = [index, *sorted(path.parent / f for f in set(json.loads(index.read_text())["weight_map"].values()))]
+    # the files as the umask leaves a new file (huggingface_hub writes through a private temporary file: 0600)
+    mask = os.umask(0)
+    os.umask(mask)
+    for f in files:
+        os.chmod(f, 0o666 & ~mask)
+    return files
 
 
 def _safetensors_files(path: Path) -> tuple[list[Path], dict]:
