@@ -93,7 +93,7 @@ class StopOnSignal:
         self.signum = signum
         self._restore()
         sys.stderr.write(f"moeblaze train: {signal.Signals(signum).name} received: finishing this step, then "
-                         "writing a checkpoint (Ctrl-C again to exit at once, without one)\n")
+                         "writing a checkpoint (a second Ctrl-C or SIGTERM exits at once, without one)\n")
         sys.stderr.flush()
 
     def _restore(self) -> None:
