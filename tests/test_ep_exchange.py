@@ -119,6 +119,26 @@ def test_sync_free_exchange_bitwise_equals_host_split_on_cpu():
     run_ranks(exchanges_bitwise, 3, [4, 0, 3], "torch", torch.float32, timeout=120)
 
 
+def exchange_table(rank: int, world: int) -> None:
+    import gc
+    import weakref
+
+    a, b = (expert_parallel(moeblaze.MoE(16, 8, 4, 2), dist.group.WORLD) for _ in range(2))
+    assert a.ep.exchange is b.ep.exchange  # layers on one group share its exchange (and buffers)
+    group = dist.new_group(list(range(world)))
+    c = expert_parallel(moeblaze.MoE(16, 8, 4, 2), group)
+    assert c.ep.exchange is not a.ep.exchange and c.ep.exchange.group is group
+    held = weakref.ref(c.ep.exchange)
+    del c
+    gc.collect()
+    assert held() is None, "the exchange table kept an exchange its layers no longer use (and its group)"
+    assert expert_parallel(moeblaze.MoE(16, 8, 4, 2), dist.group.WORLD).ep.exchange is a.ep.exchange
+
+
+def test_layers_share_an_exchange_that_the_table_does_not_keep():
+    run_ranks(exchange_table, 2, timeout=120)
+
+
 def _gpus(n: int) -> bool:
     return torch.cuda.is_available() and torch.cuda.device_count() >= n
 

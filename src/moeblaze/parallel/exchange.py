@@ -40,6 +40,7 @@ per layer forward waiting in it (``torch.profiler`` host trace of ``moeblaze tra
 from __future__ import annotations
 
 import functools
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -269,12 +270,19 @@ class _SymmWorkspace:
         return out, got
 
 
-_EXCHANGES: dict[tuple, Exchange] = {}
+# Held weakly: the layers that use an exchange keep it (and its group and buffers) alive, this table only finds it.
+# A strong table kept every group it had seen, and its gloo threads, to the interpreter's exit, where a thread that
+# still held a collective's tensors aborted the process; keyed by group name, it handed a group made after a
+# destroy_process_group the exchange of the destroyed one. The key's id cannot be reused while the exchange lives:
+# the exchange holds its group.
+_EXCHANGES: weakref.WeakValueDictionary[tuple, Exchange] = weakref.WeakValueDictionary()
 
 
 def get_exchange(group: dist.ProcessGroup, kind: str, device: torch.device) -> Exchange:
-    """The shared :class:`Exchange` of ``group`` for a resolved ``kind`` on ``device`` (made on first use)."""
-    key = (group.group_name, kind, str(device))
-    if key not in _EXCHANGES:
-        _EXCHANGES[key] = Exchange(group, kind, device)
-    return _EXCHANGES[key]
+    """The shared :class:`Exchange` of ``group`` for a resolved ``kind`` on ``device``: the one the group's live
+    layers use, else a new one."""
+    key = (id(group), kind, str(device))
+    exchange = _EXCHANGES.get(key)
+    if exchange is None:
+        exchange = _EXCHANGES[key] = Exchange(group, kind, device)
+    return exchange
