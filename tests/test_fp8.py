@@ -582,6 +582,30 @@ def test_moe_layer_runs_its_experts_under_the_recipe():
     assert torch.isfinite(out).all() and torch.isfinite(rounded.w_down.grad).all()
 
 
+_BACKENDS_HERE = ["torch"] + (["triton"] if not torch.cuda.is_available() and moeblaze.backends.triton_available()
+                               else [])
+
+
+@pytest.mark.parametrize("backend", _BACKENDS_HERE)
+@pytest.mark.parametrize("save", SAVE_MODES)
+@pytest.mark.parametrize("activation", ["swiglu", "gelu"])
+def test_no_tokens_under_the_recipe(backend, save, activation):
+    """T = 0 (a rank or micro-batch without tokens): empty outputs and input gradients, zero weight gradients, as
+    without the recipe (the kept pre's [0, 2, h] view was inferred from 0 elements and failed)."""
+    layer = MoE(16, 8, 4, 2, activation=activation, save=save, backend=backend, fp8=Float8Recipe())
+    x = torch.zeros(0, 16, requires_grad=True)
+    out = layer(x)
+    (out.sum() + layer.aux_loss).backward()
+    assert out.shape == (0, 16) and x.grad.shape == (0, 16)
+    assert all(p.grad is None or not p.grad.any() for p in (layer.w1, layer.w_down))
+    ids, weights = torch.zeros(0, 2, dtype=torch.int32), torch.zeros(0, 2)
+    assert moe_experts(x, ids, weights, layer.w1, layer.w_down, activation=activation, save=save, backend=backend,
+                       fp8=Float8Recipe()).shape == (0, 16)
+    none = torch.zeros(0, dtype=torch.int32)
+    assert moe_experts_general(x, none, none, torch.zeros(0), layer.w1, layer.w_down, activation=activation,
+                               save=save, backend=backend, fp8=Float8Recipe()).shape == (0, 16)
+
+
 def test_api_errors():
     inputs = make_expert_inputs(8, 16, 8, 4, 2)
     with pytest.raises(TypeError, match="fp8 must be None or a moeblaze.fp8.Float8Recipe"):

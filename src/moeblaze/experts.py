@@ -219,7 +219,7 @@ class _Float8Experts(torch.autograd.Function):
         db2 = ops_torch.bias_grad(dout, index, topk_weights) if need[4] else None
         reuse = None  # the kept e4m3 pre is dead once read: B3's rowwise e4m3 dpre goes into its storage
         if pre_data is not None and need[0]:
-            rows = pre_data.view(pre_data.shape[0], -1)
+            rows = pre_data.flatten(1)
             reuse = Float8Tensor(rows, pre_scale.new_empty(rows.shape[0], 1), (1, rows.shape[1]))
         dpre, dw2, dtw = ops.down_backward(recipe, dout, pre, w2, topk_weights, index, activation, need[3],
                                            need[5], b2=b2, act_args=act_args, dw_dtype=w2.dtype, dpre_q=reuse,

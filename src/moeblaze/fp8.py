@@ -252,7 +252,8 @@ def quantize_fp8(t: Tensor, block: tuple[int, int], pow2_scales: bool = False) -
 def quantize_kept(pre: Tensor, gated: bool, pow2_scales: bool = False) -> Float8Tensor:
     """:meth:`Float8Recipe.quantize_kept`: ``pre [N, 2h|h]`` in ``1 x KEPT_TILE`` tiles of each half (gate and up when
     ``gated``): ``data [N, 2|1, h]`` (a view of ``[N, 2h|h]``), ``scale [N, 2|1, ceil(h/KEPT_TILE)]``."""
-    return quantize_fp8(pre.reshape(pre.shape[0], 2 if gated else 1, -1), (1, KEPT_TILE), pow2_scales)
+    halves = 2 if gated else 1  # the width by name: a -1 is ambiguous for N = 0
+    return quantize_fp8(pre.reshape(pre.shape[0], halves, pre.shape[1] // halves), (1, KEPT_TILE), pow2_scales)
 
 
 def slot_tiles(offsets: Tensor, num_slots: int, block: int | None) -> tuple[Tensor, int]:

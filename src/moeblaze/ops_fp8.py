@@ -54,7 +54,7 @@ def dequantize(q: Float8Tensor, dtype: torch.dtype) -> Tensor:
 def _kept_values(pre: Tensor | Float8Tensor) -> Tensor:
     """``pre [N, 2h|h]`` as the activation backward reads it: the kept e4m3 tiles in fp32, or the tensor."""
     if isinstance(pre, Float8Tensor):
-        return pre.dequantize().reshape(pre.data.shape[0], -1)
+        return pre.dequantize().flatten(1)
     return pre
 
 

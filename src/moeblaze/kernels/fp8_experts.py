@@ -151,7 +151,7 @@ def up_forward(recipe: Float8Recipe, xq: Float8Tensor, w1: Tensor, index: Dispat
     pre, act, scale = call_op(_up_op, _up_impl, xq.data, xq.scale, w1, b1, *_index_args(index), activation,
                               act_args.alpha, act_args.limit, store_act, recipe.pow2_scales, keep, dtype or w1.dtype)
     if keep:
-        pre = Float8Tensor(pre.view(*scale.shape[:2], -1), scale, (1, KEPT_TILE))
+        pre = Float8Tensor(pre.unflatten(1, scale.shape[1:2] + (-1,)), scale, (1, KEPT_TILE))
     return pre, (act if store_act else None)
 
 
@@ -257,7 +257,7 @@ def down_backward(recipe: Float8Recipe, dout: Tensor, pre: Tensor | Float8Tensor
     """
     dout = dout.contiguous()
     if isinstance(pre, Float8Tensor):
-        data, pre_scale = pre.data.view(pre.data.shape[0], -1), pre.scale
+        data, pre_scale = pre.data.flatten(1), pre.scale
     else:
         data, pre_scale = pre.to(dout.dtype).contiguous(), None
     if dpre_q is not None and (pre_scale is None or (not torch.compiler.is_compiling()  # no data_ptr in a trace
