@@ -46,6 +46,25 @@ def test_aux_loss_gradient_reaches_router_and_sum_over_model():
     assert model[0].router.weight.grad.abs().sum() > 0
 
 
+def test_a_trained_layer_copies_and_pickles_with_its_aux_loss_detached():
+    """After a training forward the layer keeps aux_loss inside the step's graph; copy.deepcopy (an EMA or
+    reference copy) raised on it ("Only Tensors created explicitly by the user ... deepcopy")."""
+    import copy
+    import io
+
+    layer = MoE(16, 8, 4, 2)
+    (layer(torch.randn(5, 16)).sum() + layer.aux_loss).backward()
+    assert layer.aux_loss.grad_fn is not None
+    copied = copy.deepcopy(layer)
+    buf = io.BytesIO()
+    torch.save(layer, buf)
+    buf.seek(0)
+    for other in (copied, torch.load(buf, weights_only=False)):
+        assert other.aux_loss.grad_fn is None and torch.equal(other.aux_loss, layer.aux_loss.detach())
+        assert all(torch.equal(a, b) for a, b in zip(other.state_dict().values(), layer.state_dict().values()))
+    assert layer.aux_loss.grad_fn is not None  # the layer itself keeps its graph
+
+
 def test_module_trains_on_a_tiny_regression():
     torch.manual_seed(0)
     m = MoE(8, 16, 4, 2)

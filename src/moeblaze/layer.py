@@ -326,6 +326,14 @@ class MoE(nn.Module):
                                    foreign_experts=True, pair_offsets=r.pair_offsets)
         return index, r.pair_weights
 
+    def __getstate__(self) -> dict:
+        # a copy (copy.deepcopy: an EMA or reference model) or pickle holds the last aux_loss detached: a tensor
+        # inside an autograd graph cannot be deep-copied, and the copy has no part in the layer's graph
+        state = super().__getstate__()
+        if isinstance(state.get("aux_loss"), torch.Tensor):
+            state["aux_loss"] = state["aux_loss"].detach()
+        return state
+
     def extra_repr(self) -> str:
         return (f"d_model={self.d_model}, d_ff={self.d_ff}, num_experts={self.num_experts}, "
                 f"top_k={self.top_k}, activation={self.activation}, save={self.save}, backend={self.backend}"
