@@ -213,6 +213,12 @@ ISSUE_58 = {  # (call, error type, how the message starts: the argument it names
                                                         enumerate(_experts_inputs())], backend="torch"),
                                   TypeError, "x must be a torch.Tensor"),
     "x as a list (MoE)": (lambda: MoE(8, 6, 4, 2)([[0.0] * 8] * 3), TypeError, "MoE input x must be a torch.Tensor"),
+    "topk_ids as a list": (lambda: moe_experts(*[a.tolist() if i == 1 else a for i, a in
+                                                 enumerate(_experts_inputs())], backend="torch"),
+                           TypeError, "topk_ids must be a torch.Tensor, got list"),
+    "topk_weights as a list": (lambda: moe_experts(*[a.tolist() if i == 2 else a for i, a in
+                                                     enumerate(_experts_inputs())], backend="torch"),
+                               TypeError, "topk_weights must be a torch.Tensor, got list"),
     "index of another type": (_index_of_another_type, TypeError, "index must be a DispatchIndex"),
     "renormalize='no'": (lambda: MoE(8, 6, 4, 2, renormalize="no"), TypeError, "renormalize must be None, True or"),
     "dtype=torch.int32": (lambda: MoE(8, 6, 4, 2, dtype=torch.int32), TypeError, "dtype must be None or a floating"),

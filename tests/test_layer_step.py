@@ -162,8 +162,8 @@ def test_layer_errors_name_the_input():
     m = MoE(16, 8, 4, 2)
     with pytest.raises(TypeError, match="x has dtype torch.float64; expected the weights' dtype torch.float32"):
         m(torch.randn(3, 16, dtype=torch.float64))
-    with pytest.raises(ValueError, match="x must be a floating-point tensor of shape"):
-        m(torch.ones(3, 16, dtype=torch.long))
+    with pytest.raises(TypeError, match="MoE input x must be a floating-point tensor, got torch.int64"):
+        m(torch.ones(3, 16, dtype=torch.long))  # before the router reads it
     m.fp8 = "blockwise"  # an attribute: checked at each forward
     with pytest.raises(TypeError, match="fp8 must be None or a moeblaze.fp8.Float8Recipe"):
         m(torch.randn(3, 16))

@@ -268,6 +268,9 @@ def check_tokens(x: torch.Tensor) -> None:
 
 
 def _check_inputs(x, topk_ids, topk_weights, w1, w2, activation, save, autocast, index=None) -> None:
+    for name, t in (("topk_ids", topk_ids), ("topk_weights", topk_weights)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     check_activation(activation)
     if save not in SAVE_MODES:
         raise ValueError(f"save must be one of {SAVE_MODES}, got {save!r}")

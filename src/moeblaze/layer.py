@@ -218,10 +218,12 @@ class MoE(nn.Module):
         ``torch.autocast``); sets ``self.aux_loss``.
 
         Raises:
-            ValueError: the last dimension of ``x`` is not d.
+            TypeError: ``x`` is not a floating-point tensor. ValueError: the last dimension of ``x`` is not d.
         """
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"MoE input x must be a torch.Tensor [..., d_model={self.d_model}], got {type(x).__name__}")
+        if not x.is_floating_point():  # before the router reads it
+            raise TypeError(f"MoE input x must be a floating-point tensor, got {x.dtype}")
         if x.dim() == 0 or x.shape[-1] != self.d_model:
             raise ValueError(f"MoE input must have last dimension d_model={self.d_model}, got {tuple(x.shape)}")
         shape = x.shape
