@@ -228,8 +228,11 @@ def test_override_routes_the_backend(monkeypatch):
     w = torch.ones(4, 1)
     w1, w2 = torch.randn(2, 16, 8), torch.randn(2, 8, 8)
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    with settings.override(backend="triton"), pytest.raises(ValueError, match="backend='triton' needs CUDA"):
+    with settings.override(backend="triton"), pytest.raises(
+            ValueError, match=r"the backend setting 'triton' \(moeblaze.settings, MOEBLAZE_BACKEND\) needs CUDA"):
         moeblaze.moe_experts(x, ids, w, w1, w2)
+    with pytest.raises(ValueError, match="backend='triton' needs CUDA"):  # the argument: named as such
+        moeblaze.moe_experts(x, ids, w, w1, w2, backend="triton")
     with settings.override(backend="torch"):
         assert moeblaze.moe_experts(x, ids, w, w1, w2).shape == (4, 8)
 

@@ -166,20 +166,22 @@ def get_backend(name: str, x: torch.Tensor) -> Backend:
     """
     if name not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {name!r}")
+    asked = "backend='triton'"
     if name == "auto":
         chosen = settings.get("backend")
         kernels_fit = x.is_cuda and x.dtype in _TRITON_DTYPES and triton_available()
         name = chosen if chosen != "auto" else ("triton" if kernels_fit else "torch")
+        asked = "the backend setting 'triton' (moeblaze.settings, MOEBLAZE_BACKEND)"
     if name == "torch":
         return _instance("torch")
     if x.dtype not in _TRITON_DTYPES:
-        raise TypeError(f"backend='triton' runs the dtypes fp16, bf16 and fp32; x has dtype {x.dtype} "
+        raise TypeError(f"{asked} runs the dtypes fp16, bf16 and fp32; x has dtype {x.dtype} "
                         "(use backend='torch')")
     if not x.is_cuda and not settings.interpreting():
-        raise ValueError(f"backend='triton' needs CUDA tensors (x is on {x.device}); use backend='torch' "
+        raise ValueError(f"{asked} needs CUDA tensors (x is on {x.device}); use backend='torch' "
                          "or set TRITON_INTERPRET=1 to run the kernels in Triton's CPU interpreter")
     if x.dtype == torch.bfloat16 and settings.interpreting():
         # Triton's CPU interpreter computes bf16 tl.dot wrongly (outputs near 5e9 instead of O(1)).
-        raise ValueError("backend='triton' under TRITON_INTERPRET=1 cannot run bfloat16 x (Triton's interpreter "
+        raise ValueError(f"{asked} under TRITON_INTERPRET=1 cannot run bfloat16 x (Triton's interpreter "
                          "computes bf16 dot products wrongly); use float16/float32, or backend='torch'")
     return _instance("triton")
