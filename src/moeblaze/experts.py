@@ -414,7 +414,9 @@ def moe_experts(
             bytes in bf16); ``"input"`` keeps ``x`` and the index only (2Td + O(N)) and recomputes the
             up-projection in backward (+4Ndh FLOPs).
         backend: ``"auto"`` (Triton on CUDA for fp16/bf16/fp32, else PyTorch; env
-            ``MOEBLAZE_BACKEND=torch|triton`` overrides), ``"torch"`` or ``"triton"``.
+            ``MOEBLAZE_BACKEND=torch|triton`` overrides), ``"torch"`` or ``"triton"``. ``torch.compile(
+            fullgraph=True)`` traces the Triton backend (its kernels are custom ops); the PyTorch backend loops over
+            the experts with their slot counts read on the host, a graph break (``fullgraph=False`` compiles it).
         index: a prebuilt :class:`DispatchIndex` of ``topk_ids`` (built here when ``None``). One from
             :func:`build_dispatch` is checked to come from these ``topk_ids`` (free for the same, unmodified
             tensor; see ``DispatchIndex.built_from``).

@@ -82,7 +82,8 @@ class MoE(nn.Module):
             after ``optimizer.step()``.
         track_expert_load: count those pairs without a bias update (for :func:`moeblaze.expert_load`).
         aux_loss_group: the data-parallel ``ProcessGroup`` of ``aux_loss_type="global"`` (None: the world).
-        backend: ``"auto"``, ``"torch"`` or ``"triton"``.
+        backend: ``"auto"``, ``"torch"`` or ``"triton"`` (as :func:`moeblaze.moe_experts`'s, which says which one
+            ``torch.compile(fullgraph=True)`` traces).
         n_group, topk_group, score_correction_bias, routed_scaling_factor, logits_dtype: the router's
             DeepSeek-V3 / GLM-4-MoE selection and its logits dtype (see :class:`moeblaze.Router`).
         shared_d_ff: intermediate size of a :class:`SharedExpert` added to the output (0: none);
