@@ -148,6 +148,9 @@ def test_settings_precedence(monkeypatch):
     assert settings.get("autotune") is True
     monkeypatch.setenv("MOEBLAZE_CHUNK_COLS", "512")
     assert settings.get("chunk_cols") == 512
+    monkeypatch.setenv("MOEBLAZE_BACKEND", "Torch")  # any case, as the boolean and column settings
+    assert settings.get("backend") == "torch"
+    monkeypatch.delenv("MOEBLAZE_BACKEND")
     monkeypatch.delenv("MOEBLAZE_CHUNK_COLS")
     assert settings.get("chunk_cols") == "auto"
 

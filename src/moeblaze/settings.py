@@ -54,9 +54,10 @@ def _bool(name: str, raw: str) -> bool:
 
 def _choice(*choices: str) -> Callable[[str, str], str]:
     def parse(name: str, raw: str) -> str:
-        if raw not in choices:
+        low = raw.strip().lower()  # as the boolean and column-count settings read theirs
+        if low not in choices:
             raise ValueError(f"{name} must be one of {choices}, got {raw!r}")
-        return raw
+        return low
     return parse
 
 
