@@ -268,6 +268,15 @@ def test_cli_list_and_errors(capsys):
         args.func(args)
 
 
+def test_the_command_line_ends_a_usage_error_with_exit_2(capsys):
+    from moeblaze.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["memory", "--config", "nope"])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and err == "moeblaze memory: unknown config 'nope'; see `moeblaze bench --list`\n"
+
+
 @pytest.mark.skipif(HAS_CUDA, reason="checks the message given without a GPU")
 @pytest.mark.parametrize("argv", [["bench"], ["bench", "--suite", "all", "--out", "x"], ["bench", "--suite", "train"],
                                   ["memory", "--device", "cuda"]])

@@ -303,6 +303,11 @@ def main(argv: list[str] | None = None) -> None:
     except KeyboardInterrupt:
         print(f"moeblaze {args.command}: interrupted", file=sys.stderr)
         sys.exit(130)
+    except SystemExit as err:
+        if isinstance(err.code, str):  # a command's one-line usage error (bench, memory): exit 2, as argparse's
+            print(err.code, file=sys.stderr)
+            sys.exit(2)
+        raise
     sys.exit(status or 0)
 
 
