@@ -150,7 +150,7 @@ LAYER_SUITES: dict[str, list[str]] = {
     "models": [c.name for c in _models()],
     "paper": [c.name for c in _paper()],
     "sweep": [c.name for c in _sweep()],
-    # The seven layer configs of DESIGN.md §6 (conf7 added), in the README table's order.
+    # The six layer configs of DESIGN.md §6 and its paper conf7, in the README table's order.
     "readme": ["sonicmoe-7b", "olmoe-1b-7b", "qwen3-30b-a3b", "conf3-swiglu", "conf4-swiglu", "conf7-swiglu",
                "sweep-2m"],
 }

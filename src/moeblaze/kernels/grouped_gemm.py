@@ -2,7 +2,7 @@
 
 One launch covers every expert. Program ``pid`` maps (grouped ordering, ``GROUP_M`` M-tiles per group
 for L2 reuse of the weight tile) to an M-tile ``pid_m`` of the schedule of
-:func:`moeblaze.kernels.experts.tile_schedule` — up to ``BLOCK_M`` consecutive slots of ONE expert
+:func:`moeblaze.kernels.dispatch.tile_schedule` — up to ``BLOCK_M`` consecutive slots of ONE expert
 ``e`` — and an N-tile ``pid_n``. It computes ``C[s, n] = sum_k A[row(s), k] * B[e][k, n]`` with
 ``row(s) = expert_token_indices[s]`` when ``GATHER_A`` (rows of the unpermuted input are read in the
 loads: no gathered copy exists) and ``row(s) = s`` otherwise. ``B[e][k, n]`` is read through strides,

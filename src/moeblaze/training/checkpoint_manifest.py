@@ -1,6 +1,6 @@
 """The manifest of a moeblaze checkpoint folder: its names, its format, its check (:func:`verify`), and what DCP's
 metadata says of a tensor (:func:`saved_dtype`). Part of
-:mod:`moeblaze.checkpoint`, which re-exports it (the layout and the protocol are described there)."""
+:mod:`moeblaze.training.checkpoint`, which re-exports it (the layout and the protocol are described there)."""
 
 from __future__ import annotations
 

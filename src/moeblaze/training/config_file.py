@@ -1,11 +1,12 @@
 """``moeblaze train --config FILE.toml`` and ``--print-config``: a run's configuration as one flat TOML table.
 
-The keys are the field names of :class:`moeblaze.train_config.TrainConfig` and :class:`moeblaze.model.ModelConfig`
-(``steps = 100``, ``d_model = 256``, ``routing = "token-rounding:up"``); flags given on the command line override
-the file. The file is read with the standard library's ``tomllib`` (``tomli`` before Python 3.11); ``tomllib``
-cannot write, so :func:`dump_config` writes the table itself: it holds only ints, floats, bools and strings, whose
-TOML forms are Python's ``repr`` (floats: the shortest text that reads back to the same double), ``true`` /
-``false``, and basic strings with ``\\``, ``"`` and control characters escaped (TOML 1.0 "Basic strings").
+The keys are the field names of :class:`moeblaze.training.train_config.TrainConfig` and
+:class:`moeblaze.training.model.ModelConfig` (``steps = 100``, ``d_model = 256``, ``routing = "token-rounding:up"``);
+flags given on the command line override the file. The file is read with the standard library's ``tomllib`` (``tomli``
+before Python 3.11); ``tomllib`` cannot write, so :func:`dump_config` writes the table itself: it holds only ints,
+floats, bools and strings, whose TOML forms are Python's ``repr`` (floats: the shortest text that reads back to the same
+double), ``true`` / ``false``, and basic strings with ``\\``, ``"`` and control characters escaped (TOML 1.0 "Basic
+strings").
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Weights out of a run: ``moeblaze export`` writes a checkpoint's weights as safetensors, and :func:`load_model`
-reads them back (or a checkpoint itself) as a :class:`moeblaze.model.MoETransformer`.
+reads them back (or a checkpoint itself) as a :class:`moeblaze.training.model.MoETransformer`.
 
-A checkpoint (:mod:`moeblaze.checkpoint`) holds DCP shards, one file per rank, expert weights under their global
-``[E, ...]`` shape (:mod:`moeblaze.parallel.state_dict`). :func:`export` loads it into a plain model in this one
+A checkpoint (:mod:`moeblaze.training.checkpoint`) holds DCP shards, one file per rank, expert weights under their
+global ``[E, ...]`` shape (:mod:`moeblaze.parallel.state_dict`). :func:`export` loads it into a plain model in this one
 process — DCP reads any layout into full tensors without a process group, whatever the world size and ``--ep`` of
 the run — and writes the model's parameters under their own names (``blocks.0.moe.w_gate_up [E, 2h, d]``, ...)
 in the dtype they were trained in, through ``huggingface_hub.save_torch_state_dict``, which writes what
@@ -12,7 +12,7 @@ transformers' ``save_pretrained`` writes: ``model.safetensors``, or above ``max_
 stored once, as transformers stores tied weights.
 
 The model configuration travels with the weights: the metadata key ``moeblaze_model_config`` holds
-:class:`moeblaze.model.ModelConfig` as JSON (and ``moeblaze_step`` the step) — in the safetensors header of a
+:class:`moeblaze.training.model.ModelConfig` as JSON (and ``moeblaze_step`` the step) — in the safetensors header of a
 single file, in the index's ``"metadata"`` of a sharded export (where huggingface_hub puts a caller's metadata;
 the shards carry ``{"format": "pt"}``). Read with ``safetensors`` alone::
 

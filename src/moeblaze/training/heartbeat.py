@@ -28,7 +28,7 @@ Design (:class:`PeerMonitor`, one per rank, started by :func:`moeblaze.training.
 
 On a verdict the thread writes one line to stderr naming the lost rank and ends the process with
 ``os._exit(EXIT_PEER_LOST)``: the main thread may be inside a collective that never returns, and the process
-group's destructors would wait on the dead peer too. Checkpoints are atomic (:mod:`moeblaze.checkpoint`), so
+group's destructors would wait on the dead peer too. Checkpoints are atomic (:mod:`moeblaze.training.checkpoint`), so
 ``--resume`` continues from the newest complete one.
 """
 

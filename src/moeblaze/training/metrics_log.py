@@ -7,7 +7,7 @@ otherwise), and the step's expert load over every rank's tokens: ``load_ratio_ma
 the largest and the mean over the MoE layers of (max tokens per expert) / (mean tokens per expert), 1.0 when
 balanced, and ``zero_load_experts``, the experts that received no token, summed over the layers (three
 columns whatever the depth; empty where the model counts nothing). ``moeblaze plot OUT_DIR`` draws them
-(:mod:`moeblaze.plot`); any CSV reader works too, e.g. ``pandas.read_csv("moeblaze-out/metrics.csv")``.
+(:mod:`moeblaze.training.plot`); any CSV reader works too, e.g. ``pandas.read_csv("moeblaze-out/metrics.csv")``.
 
 Faults: a resumed run first rewrites the file (a temporary file, then ``os.replace``) keeping the complete
 rows up to its checkpoint's step, so a kill between a checkpoint and the next one, or in the middle of a

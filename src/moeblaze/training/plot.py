@@ -3,7 +3,7 @@
 config against another: same steps, one color per run).
 
 ``loss.png``: the training loss and the validation loss in bits per byte against the step. ``expert_load.png``
-(where the run logged the expert load, :mod:`moeblaze.metrics_log`): max / mean tokens per expert of the worst
+(where the run logged the expert load, :mod:`moeblaze.training.metrics_log`): max / mean tokens per expert of the worst
 MoE layer and the mean over the layers, and the experts that received no token. matplotlib draws them without a
 display (``matplotlib.figure.Figure``, no pyplot state); ``benchmarks/bench_balance.py`` puts two runs side by
 side with the same functions.

@@ -23,14 +23,15 @@ __all__ = ["already_finished", "layout_words", "load_checkpoint", "load_run_conf
 
 def save_checkpoint(out_dir: str, model: MoETransformer, opt: torch.optim.Optimizer, step: int,
                     cfg: TrainConfig, layout: dict | None = None, log=print) -> Path:
-    """Write the checkpoint of ``step`` atomically (:func:`moeblaze.checkpoint.save`): weights and AdamW state through
-    DCP, and ``state.json`` with the step, RNG state and both configurations; keeps the newest
+    """Write the checkpoint of ``step`` atomically (:func:`moeblaze.training.checkpoint.save`): weights and AdamW state
+    through DCP, and ``state.json`` with the step, RNG state and both configurations; keeps the newest
     ``cfg.keep_checkpoints``; returns its folder. A write that finds the disk full deletes the checkpoints older than
-    the newest complete one (:func:`moeblaze.checkpoint.make_room`, said through ``log``) and writes once more.
+    the newest complete one (:func:`moeblaze.training.checkpoint.make_room`, said through ``log``) and writes once more.
 
     Raises:
-        moeblaze.checkpoint.CheckpointError: the filesystem refused a write (disk full, ...; the message names the
-            folder, the error and the space); the earlier checkpoints are untouched. Raised on every rank alike.
+        moeblaze.training.checkpoint.CheckpointError: the filesystem refused a write (disk full, ...; the message
+            names the folder, the error and the space); the earlier checkpoints are untouched. Raised on every rank
+            alike.
     """
     state = {"model_config": asdict(model.cfg), "train_config": asdict(cfg), "rng": checkpoint.rng_state(),
              "layout": layout or {"world_size": 1, "fsdp": False, "ep": 1}}
@@ -52,7 +53,7 @@ def load_run_config(out_dir: str) -> tuple[TrainConfig, ModelConfig, int]:
     ``out_dir``).
 
     Raises:
-        moeblaze.checkpoint.CheckpointError: no checkpoint, or none that verifies (naming the file).
+        moeblaze.training.checkpoint.CheckpointError: no checkpoint, or none that verifies (naming the file).
         ConfigError: its ``state.json`` lacks a configuration field.
     """
     state = checkpoint.read_state(checkpoint.resolve(out_dir), check=False)  # resolve() verified it
@@ -66,12 +67,13 @@ def load_run_config(out_dir: str) -> tuple[TrainConfig, ModelConfig, int]:
 
 def load_checkpoint(path: str | Path, model: MoETransformer, opt: torch.optim.Optimizer | None,
                     device: torch.device, job: Job | None = None, log=None) -> int:
-    """Restore weights, optimizer state and RNG from a checkpoint folder that :func:`moeblaze.checkpoint.verify`
-    accepted (as :func:`moeblaze.checkpoint.find_latest` returns it); returns the step to continue from.
+    """Restore weights, optimizer state and RNG from a checkpoint folder that
+    :func:`moeblaze.training.checkpoint.verify` accepted (as :func:`moeblaze.training.checkpoint.find_latest` returns
+    it); returns the step to continue from.
 
     Raises:
         ConfigError: the checkpoint's model configuration differs from ``model.cfg``.
-        moeblaze.checkpoint.CheckpointError: the folder cannot be loaded or holds non-finite weights.
+        moeblaze.training.checkpoint.CheckpointError: the folder cannot be loaded or holds non-finite weights.
     """
     state = checkpoint.read_state(path, check=False)
     # a field added since the checkpoint was written takes its default (the behaviour of the older version)

@@ -1,7 +1,7 @@
 """What stops a training run cleanly and lets it continue: SIGTERM/Ctrl-C (:class:`StopOnSignal`), one decision
 taken by every rank (:func:`agree`, bounded in time when a peer may be gone), an output folder proven writable
 before the run starts (:func:`check_writable`), the RNG state a checkpoint keeps (:func:`rng_state`).
-Re-exported by :mod:`moeblaze.checkpoint`."""
+Re-exported by :mod:`moeblaze.training.checkpoint`."""
 
 from __future__ import annotations
 

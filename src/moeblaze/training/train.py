@@ -107,7 +107,7 @@ def train(cfg: TrainConfig, model_cfg: ModelConfig | None = None, log=tqdm.write
 
     Before anything is built, the device, backend and ``--out-dir`` are checked (created, written to, and
     refused when it holds an earlier run's checkpoint unless ``cfg.resume`` or ``cfg.overwrite``).
-    Checkpoints (:mod:`moeblaze.checkpoint`) are written every ``checkpoint_interval`` steps, every
+    Checkpoints (:mod:`moeblaze.training.checkpoint`) are written every ``checkpoint_interval`` steps, every
     ``checkpoint_minutes``, at the end, and after the step during which SIGINT/SIGTERM arrived (then the
     run stops with ``result.status`` "SIGINT"/"SIGTERM").
 
@@ -131,8 +131,9 @@ def train(cfg: TrainConfig, model_cfg: ModelConfig | None = None, log=tqdm.write
             ``--logger`` whose package is missing;
             ``--fsdp`` outside torchrun, several processes without it, ``--ep`` not dividing the world size, a
             batch not divisible by it, ranks started with different configurations (raised on every rank).
-        moeblaze.data.DataError: missing or unusable data.
-        moeblaze.checkpoint.CheckpointError: the checkpoint to resume cannot be loaded, or one cannot be written.
+        moeblaze.training.data.DataError: missing or unusable data.
+        moeblaze.training.checkpoint.CheckpointError: the checkpoint to resume cannot be loaded, or one cannot be
+            written.
         NonFiniteLossError: a non-finite loss; nothing is written, the last checkpoint stays as it was.
     """
     device = resolve_device(cfg.device)

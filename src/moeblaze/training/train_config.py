@@ -31,7 +31,7 @@ FP32_PEAK_TFLOPS = [("H100 PCIe", 51.0), ("H100 NVL", 60.0), ("H100", 67.0), ("H
 
 PRECISIONS = ("auto", "bf16-mixed", "bf16", "fp32", "fp8-mixed")
 MIXED = ("bf16-mixed", "fp8-mixed")  # fp32 parameters and optimizer, the forward under bf16 autocast
-LOGGERS = ("none", "tensorboard", "wandb")  # --logger (moeblaze.metrics_log)
+LOGGERS = ("none", "tensorboard", "wandb")  # --logger (moeblaze.training.metrics_log)
 
 
 def peak_tflops(device_name: str, precision: str = "bf16") -> float | None:
@@ -71,11 +71,11 @@ _FLOAT_RANGES = {"lr": (0.0, False, None), "min_lr": (0.0, True, None), "weight_
 
 @dataclass
 class TrainConfig:
-    """Everything about a run except the model's sizes (see :class:`moeblaze.model.ModelConfig`)."""
+    """Everything about a run except the model's sizes (see :class:`moeblaze.training.model.ModelConfig`)."""
 
     data: str | None = _f(None, "text file or directory to train on (default: the Python standard library)")
     out_dir: str = _f("moeblaze-out", "the run's folder (checkpoints, metrics.csv); not given: moeblaze train writes a "
-                      "new numbered moeblaze-out/run_N and --resume continues the newest (moeblaze.run_dirs)")
+                      "new numbered moeblaze-out/run_N and --resume continues the newest (moeblaze.training.run_dirs)")
     steps: int = _f(800, "total optimizer steps (the learning-rate schedule spans them)")
     stop_after: int = _f(0, "stop (and checkpoint) once the run reaches this step, counted from its start as "
                             "--steps and the checkpoints are (a resumed run too); 0 = run all --steps")
