@@ -171,7 +171,10 @@ def shard_experts(moe: MoE, group: dist.ProcessGroup | DeviceMesh, exchange: str
             None, the ranks agree on the group's largest T in every forward (an all-reduce of a host integer over
             the group's CPU backend, which holds each host at the slowest one's). The ``padded`` exchange sends
             every block at this size, so give the real bound (the training loop gives its rows per rank times
-            the sequence length). A forward with more tokens raises ``ValueError`` on that rank.
+            the sequence length). A forward with more tokens raises ``ValueError`` on that rank, before any
+            collective (checking it with the others would be the synchronisation ``max_tokens`` saves): let that
+            rank end, as an uncaught error does under torchrun; one that catches it and goes on leaves the others
+            waiting in the exchange until the group's timeout.
 
     Raises:
         TypeError: ``moe`` is not a :class:`moeblaze.MoE`; a bad ``group`` (see :func:`resolve_group`).
