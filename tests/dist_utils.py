@@ -7,7 +7,6 @@ rank's traceback; a rank that is still running after ``timeout`` seconds fails i
 
 from __future__ import annotations
 
-import gc
 import os
 import socket
 import sys
@@ -45,7 +44,6 @@ def _entry(rank: int, world: int, port: int, backend: str, fn, args) -> None:
     # the process ("terminate called without an active exception", SIGABRT; seen in CI on a loaded 2-core machine,
     # tests/test_ep_baselines.py::test_ep_baselines_reject_bad_sources). A failing rank still raises above, so
     # spawn reports its traceback.
-    gc.collect()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)

@@ -34,6 +34,9 @@ from moeblaze.training.train import TrainConfig, train
 from moeblaze.training.train_config import fp8_recipe, resolve_precision
 from test_cli import MICRO, corpus, run_cli  # noqa: F401  (corpus: the fixture)
 
+# the Triton FP8 ops on CPU tensors: through the interpreter (conftest sets TRITON_INTERPRET=1); on a GPU machine
+# test_fp8_kernels runs them
+TRITON_ON_CPU = not torch.cuda.is_available() and moeblaze.backends.triton_available()
 U = 2.0**-4  # unit roundoff of e4m3 (3 mantissa bits): the largest relative error of one rounding
 SUBNORMAL_HALF_STEP = 2.0**-10  # half the spacing of e4m3's subnormals (2^-9), in units of the scale
 
@@ -286,7 +289,7 @@ def test_emulated_experts_within_the_e4m3_rule(case, granularity, save):
     check_emulation(make_expert_inputs(T, d, h, E, K, routing=routing), Float8Recipe(granularity, 32), save)
 
 
-@pytest.mark.skipif(torch.cuda.is_available() or not moeblaze.backends.triton_available(),
+@pytest.mark.skipif(not TRITON_ON_CPU,
                     reason="the Triton kernels on CPU tensors need TRITON_INTERPRET=1 (the GPU: test_fp8_kernels)")
 @pytest.mark.parametrize("case, save", [(case, SAVE_MODES[i % 2]) for i, case in enumerate(CASES)])  # each mode twice
 def test_triton_rowwise_within_the_e4m3_rule_and_as_the_emulation(case, save):
@@ -304,7 +307,7 @@ def test_triton_rowwise_within_the_e4m3_rule_and_as_the_emulation(case, save):
         assert off <= 0.05, (name, float(off), rel_error(a, b))
 
 
-@pytest.mark.skipif(torch.cuda.is_available() or not moeblaze.backends.triton_available(),
+@pytest.mark.skipif(not TRITON_ON_CPU,
                     reason="the Triton kernels on CPU tensors need TRITON_INTERPRET=1")
 def test_triton_b3_writes_its_e4m3_dpre_into_the_kept_pre():
     """The Triton FP8 backward writes B3's e4m3 dpre into the kept e4m3 pre, dead after the activation backward:
@@ -333,7 +336,7 @@ def test_triton_b3_writes_its_e4m3_dpre_into_the_kept_pre():
         out.sum().backward()
 
 
-@pytest.mark.skipif(torch.cuda.is_available() or not moeblaze.backends.triton_available(),
+@pytest.mark.skipif(not TRITON_ON_CPU,
                     reason="the Triton kernels on CPU tensors need TRITON_INTERPRET=1")
 def test_triton_b1_quantizes_b3s_dpre_where_cuda_would(monkeypatch):
     """The CUDA path (B1's activation backward writes B3's e4m3 dpre into the kept pre) run in the interpreter,
@@ -441,7 +444,7 @@ def test_autocast_is_the_call_on_16_bit_casts(backend, granularity):
     weight gradients, bitwise the call on 16-bit casts outside autocast (the contract of moe_experts), the recipe
     quantizing the same 16-bit values (the weights quantized from the masters as their 16-bit values: the ops'
     ``dtype``)."""
-    if backend == "triton" and (torch.cuda.is_available() or not moeblaze.backends.triton_available()):
+    if backend == "triton" and not TRITON_ON_CPU:
         pytest.skip("the Triton FP8 ops on CPU tensors need TRITON_INTERPRET=1")
     recipe = Float8Recipe(granularity, 32)
     inputs = make_expert_inputs(24, 64, 32, 4, 2)
@@ -521,7 +524,7 @@ def test_general_routing_is_the_top_k_result_bitwise(save):
     assert all(torch.equal(a, b) for a, b in zip(topk, pairs))
 
 
-@pytest.mark.skipif(torch.cuda.is_available() or not moeblaze.backends.triton_available(),
+@pytest.mark.skipif(not TRITON_ON_CPU,
                     reason="the Triton kernels on CPU tensors need TRITON_INTERPRET=1")
 @pytest.mark.parametrize("K", [1, 3])
 def test_triton_general_routing_is_the_top_k_result(K):
@@ -542,7 +545,7 @@ def test_triton_general_routing_is_the_top_k_result(K):
         assert rel_error(a, b) <= 1e-6, (name, rel_error(a, b))
 
 
-@pytest.mark.skipif(torch.cuda.is_available() or not moeblaze.backends.triton_available(),
+@pytest.mark.skipif(not TRITON_ON_CPU,
                     reason="the Triton kernels on CPU tensors need TRITON_INTERPRET=1")
 @pytest.mark.parametrize("save", SAVE_MODES)
 def test_triton_fp8_layer_compiles_fullgraph(save):
@@ -582,11 +585,7 @@ def test_moe_layer_runs_its_experts_under_the_recipe():
     assert torch.isfinite(out).all() and torch.isfinite(rounded.w_down.grad).all()
 
 
-_BACKENDS_HERE = ["torch"] + (["triton"] if not torch.cuda.is_available() and moeblaze.backends.triton_available()
-                               else [])
-
-
-@pytest.mark.parametrize("backend", _BACKENDS_HERE)
+@pytest.mark.parametrize("backend", ["torch", "triton"] if TRITON_ON_CPU else ["torch"])
 @pytest.mark.parametrize("save", SAVE_MODES)
 @pytest.mark.parametrize("activation", ["swiglu", "gelu"])
 def test_no_tokens_under_the_recipe(backend, save, activation):

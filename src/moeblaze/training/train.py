@@ -71,12 +71,12 @@ def _unit(device: torch.device) -> str:
 def _describe(total: int, mcfg: ModelConfig, cfg: TrainConfig, device, precision, threads, job: Job) -> str:
     where = (f"; {job.world} processes, FSDP2" + (f" + expert parallelism over {job.ep}" if job.ep > 1 else "")
              + f", {cfg.batch_size // job.world} sequences per rank") if job.distributed else ""
+    warmup = (f" (--warmup-steps {cfg.warmup_steps} > --steps {cfg.steps}: never reached)"
+              if cfg.warmup_steps > cfg.steps else "")
     return (f"model: {mcfg.n_layers} layers, d={mcfg.d_model}, heads={mcfg.n_heads}, E={mcfg.num_experts}, "
             f"K={mcfg.top_k}, h={mcfg.d_ff}, seq={mcfg.seq_len}; {total / 1e6:.2f}M parameters, "
             f"{mcfg.active_params_per_token() / 1e6:.2f}M active per token\n"
-            f"run: {cfg.steps} steps x {cfg.batch_size * mcfg.seq_len} tokens, lr {cfg.lr:g}"
-            + (f" (--warmup-steps {cfg.warmup_steps} > --steps {cfg.steps}: never reached)"
-               if cfg.warmup_steps > cfg.steps else "") + ", "
+            f"run: {cfg.steps} steps x {cfg.batch_size * mcfg.seq_len} tokens, lr {cfg.lr:g}{warmup}, "
             f"device {device}, precision {precision}, {threads} threads{where}"
             + ("; blocks compiled (torch.compile)" if cfg.compile else "") + f"; out-dir {cfg.out_dir}")
 
