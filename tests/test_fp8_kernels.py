@@ -333,3 +333,54 @@ def test_gpu_f1_kept_pre_is_bitwise_the_recipes(h, activation, pow2):
     ref = _kept_reference(pre16, scale, pow2)
     assert torch.equal(act, act16) and torch.equal(scale, ref.scale)
     assert torch.equal(kept.view(ref.data.shape).view(torch.uint8), ref.data.view(torch.uint8))
+
+
+def _b4_case(T, w, E, K, routing, dtype, device):
+    """B4 on the FP8 layer's e4m3 ``dpre``: ``grouped_wgrad(x, dpre_q, b_scale=its row scales)`` (``[E, w, d]``,
+    the products stored transposed) against the float64 reference on the e4m3 values times their scales, and plain
+    PyTorch on those values in ``dtype`` (the baseline of DESIGN.md §7's rule); a zero row (scale 1) and rows near
+    e4m3's largest value."""
+    from moeblaze.fp8 import quantize_fp8
+    from moeblaze.kernels import launch
+
+    inp = make_expert_inputs(T, 64, w, E, K, routing=routing)
+    x = inp["x"].to(dtype).to(device)
+    index = build_dispatch(inp["topk_ids"].to(device), E)
+    offsets, indices = index.expert_token_offsets, index.expert_token_indices
+    N = indices.numel()
+    dpre = torch.randn(N, w) * torch.logspace(-2, 2, w)
+    dpre[0] = 0.0
+    dpre[-1, :3] = 448.0
+    q = quantize_fp8(dpre, (1, w))
+    out = launch.grouped_wgrad(x, q.data.to(device), offsets, indices, p=x.shape[1], q=w, out_dtype=dtype,
+                               transpose=True, b_scale=q.scale.view(-1).to(device))
+    values = q.dequantize().to(device)
+    ref, base = torch.zeros(E, w, x.shape[1], dtype=torch.float64), torch.zeros(E, w, x.shape[1], dtype=dtype)
+    for e in range(E):
+        s, t = int(offsets[e]), int(offsets[e + 1])
+        rows = x[indices[s:t].long()]
+        ref[e] = (values[s:t].double().T @ rows.double()).cpu()
+        base[e] = (values[s:t].to(dtype).T @ rows).cpu()
+    return out.cpu(), ref, base
+
+
+@pytest.mark.parametrize("T, E, K, routing", [(1, 4, 2, "uniform"), (96, 8, 2, "zipf"), (64, 6, 1, "empty_experts")])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_b4_reads_the_e4m3_dpre_with_its_row_scales(T, E, K, routing, dtype):
+    """B4 (``dW_gate_up``) on the e4m3 ``dpre`` rows times their scales (``b_scale``): within the rule of the float64
+    reference, at T = 1, Zipf skew and empty experts (zeros)."""
+    out, ref, base = _b4_case(T, 48, E, K, routing, dtype, "cpu")
+    assert_close_to_reference("dW_gate_up", out, ref, base)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("warp_specialized", [True, False])
+def test_gpu_b4_reads_the_e4m3_dpre_with_its_row_scales(monkeypatch, warp_specialized):
+    """The same in bf16 on the device, through the Gluon kernel (A through registers) and the Triton one."""
+    from moeblaze.kernels import launch
+
+    if not warp_specialized:
+        monkeypatch.setattr(launch, "ws_wgrad_ok", lambda *a: False)
+    for T, E, K, routing in ((4096, 16, 4, "zipf"), (2048, 8, 2, "empty_experts"), (1, 4, 2, "uniform")):
+        out, ref, base = _b4_case(T, 256, E, K, routing, torch.bfloat16, "cuda")
+        assert_close_to_reference("dW_gate_up", out, ref, base)

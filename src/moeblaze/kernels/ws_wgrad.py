@@ -165,14 +165,19 @@ def hand_off(acc, prev, i_tile, empty, c_smem, c_ready, c_empty, TMA_STORE: gl.c
 
 
 @gluon.jit
-def _mma(offsets_ptr, smem, bars, P, Q, NUM_EXPERTS, GATHER_A: gl.constexpr, BLOCK_P: gl.constexpr,
-         BLOCK_Q: gl.constexpr, BLOCK_K: gl.constexpr, NUM_STAGES: gl.constexpr, TMA_STORE: gl.constexpr,
-         num_warps: gl.constexpr):
-    """``acc = sum_k A_k^T B_k`` over the stages (one wgmma in flight), then the tile into ``c_smem``."""
+def _mma(offsets_ptr, r_scale_ptr, smem, bars, P, Q, NUM_EXPERTS, R_ROWS, GATHER_A: gl.constexpr,
+         R_SCALED: gl.constexpr, BLOCK_P: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_K: gl.constexpr,
+         NUM_STAGES: gl.constexpr, TMA_STORE: gl.constexpr, num_warps: gl.constexpr):
+    """``acc = sum_k A_k^T B_k`` over the stages (one wgmma in flight), then the tile into ``c_smem``.
+    ``R_SCALED``: A (the e4m3 slot rows) goes through registers, each value times its row's scale, as 16 bits."""
     g_bufs, r_bufs, c_smem = smem
     ready, empty, c_ready, c_empty = bars
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                          instr_shape=[16, BLOCK_Q, 16])
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    ks = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, a_layout))
+    # the registers of the A in flight: a wgmma reads them until the next step's wait retires it
+    a_prev = gl.zeros((BLOCK_P, BLOCK_K), c_smem.dtype, layout=a_layout)
     num_p = gl.cdiv(P, BLOCK_P)
     num_q = gl.cdiv(Q, BLOCK_Q)
     programs = gl.num_programs(0)
@@ -189,19 +194,32 @@ def _mma(offsets_ptr, smem, bars, P, Q, NUM_EXPERTS, GATHER_A: gl.constexpr, BLO
             # pred is always true: it makes the carried range a value of the loop's body; used only by the inner
             # loop's bound, triton 3.6 dropped it from the carried values and every tile took the first tile's step
             # count (a hang on an H200, with two or more tiles per program)
+            if R_SCALED:  # issued before the wait: the load's latency runs under it
+                rows = start + kk * BLOCK_K + ks
+                scale = gl.load(r_scale_ptr + rows, mask=rows < R_ROWS, other=0.0)
             mbarrier.wait(ready.index(s), (it // NUM_STAGES) & 1, pred=start <= end)
             fence_async_shared()  # the gathered rows came by cp.async (generic proxy); wgmma reads the async one
             if GATHER_A:
                 a = g_bufs.index(s).permute((1, 0))  # [BLOCK_P, BLOCK_K], slots as the reduction
                 b = r_bufs.index(s)
+            elif R_SCALED:
+                a = r_bufs.index(s).permute((1, 0)).load(a_layout)
+                a = (a.to(gl.float32) * scale[None, :]).to(c_smem.dtype)
+                b = g_bufs.index(s)
             else:
                 a = r_bufs.index(s).permute((1, 0))
                 b = g_bufs.index(s)
             acc = warpgroup_mma(a, b, acc, is_async=True)
-            acc = warpgroup_mma_wait(1, deps=(acc,))
+            if R_SCALED:
+                acc, a_prev = warpgroup_mma_wait(1, deps=(acc, a_prev))
+                a_prev = a
+            else:
+                acc = warpgroup_mma_wait(1, deps=(acc,))
             mbarrier.arrive(empty.index(prev), count=1, pred=kk > 0)  # the previous stage's wgmma retired
             prev = s
             it += 1
+        if R_SCALED:
+            acc, a_prev = warpgroup_mma_wait(0, deps=(acc, a_prev))
         hand_off(acc, prev, i_tile, empty, c_smem, c_ready, c_empty, TMA_STORE)
         start = start_n
         end = end_n
@@ -252,27 +270,33 @@ def _epilogue(ptrs, smem, bars, dims, GATHER_A: gl.constexpr, BLOCK_P: gl.conste
 @gluon.jit
 def ws_wgrad_kernel(
     g_ptr,  # [T, G] 16-bit, unit column stride: the gathered operand (dout for B2, x for B4), rows via indices_ptr
-    r_desc,  # TMA descriptor over the [N, R] slot rows (w act for B2, dpre for B4), box [BLOCK_K, BLOCK_R]
-    c_ptr,  # [E, P, Q] dW (unit stride along Q): the operands' dtype or fp32
+    r_desc,  # TMA descriptor over the [N, R] slot rows (w act for B2, dpre for B4), box [BLOCK_K, BLOCK_R]; e4m3
+             # if R_SCALED
+    c_ptr,  # [E, P, Q] dW (unit stride along Q): the gathered operand's dtype or fp32
     c_desc,  # TMA descriptor over C as [E*P, Q], box [BLOCK_P, 64] (TMA_STORE), else None
     offsets_ptr,  # [E+1] int32 expert_token_offsets
     indices_ptr,  # [N] int32 expert_token_indices (slot -> token)
+    r_scale_ptr,  # [N] fp32 dequantization scale of each slot row (R_SCALED), else None
     P, Q, NUM_EXPERTS,
+    R_ROWS,  # N: the slot rows (R_SCALED: scales past it are not read)
     stride_g_t, stride_c_e, stride_c_p,
     GATHER_A: gl.constexpr,  # A (the P side) is the gathered operand; else B (the Q side) is
+    R_SCALED: gl.constexpr,  # the slot rows are e4m3 with a scale per row (B4 on the FP8 layer's dpre; not GATHER_A)
     BLOCK_P: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_K: gl.constexpr, NUM_STAGES: gl.constexpr,
     GROUP_M: gl.constexpr,
     TMA_STORE: gl.constexpr,  # whole tiles leave by TMA (launch.ws_wgrad_tma_store)
     num_warps: gl.constexpr,
 ):
-    dtype: gl.constexpr = r_desc.dtype
+    gl.static_assert(not (GATHER_A and R_SCALED), "e4m3 slot rows are the A side (their P is the output's rows)")
+    dtype: gl.constexpr = g_ptr.dtype.element_ty
+    r_dtype: gl.constexpr = r_desc.dtype
     BLOCK_G: gl.constexpr = BLOCK_P if GATHER_A else BLOCK_Q
     BLOCK_R: gl.constexpr = BLOCK_Q if GATHER_A else BLOCK_P
     g_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_K, BLOCK_G], dtype)
-    r_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_K, BLOCK_R], dtype)
+    r_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_K, BLOCK_R], r_dtype)
     c_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_P, BLOCK_Q], dtype)
     g_bufs = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_K, BLOCK_G], g_layout)
-    r_bufs = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_K, BLOCK_R], r_layout)
+    r_bufs = gl.allocate_shared_memory(r_dtype, [NUM_STAGES, BLOCK_K, BLOCK_R], r_layout)
     c_smem = gl.allocate_shared_memory(dtype, [BLOCK_P, BLOCK_Q], c_layout)
     # ready: the TMA transaction (one arrival with its byte count) and each loader thread's cp.async arrival; in
     # triton 3.6 a partition's mbarrier.arrive is one thread's, after a barrier of the partition's warps
@@ -285,8 +309,8 @@ def ws_wgrad_kernel(
     dims = (P, Q, NUM_EXPERTS, stride_g_t, stride_c_e, stride_c_p)
     # constexprs go into the partitions' argument lists directly (a tuple variable would hold them as values)
     gl.warp_specialize([
-        (_mma, (offsets_ptr, smem, bars, P, Q, NUM_EXPERTS, GATHER_A, BLOCK_P, BLOCK_Q, BLOCK_K, NUM_STAGES,
-                TMA_STORE, num_warps)),
+        (_mma, (offsets_ptr, r_scale_ptr, smem, bars, P, Q, NUM_EXPERTS, R_ROWS, GATHER_A, R_SCALED, BLOCK_P,
+                BLOCK_Q, BLOCK_K, NUM_STAGES, TMA_STORE, num_warps)),
         (_loader, (ptrs, smem, bars, dims, GATHER_A, BLOCK_P, BLOCK_Q, BLOCK_K, NUM_STAGES, GROUP_M)),
         (_epilogue, (ptrs, smem, bars, dims, GATHER_A, BLOCK_P, BLOCK_Q, GROUP_M, TMA_STORE)),
     ], [LOADER_WARPS, EPILOGUE_WARPS], [WORKER_REGS, WORKER_REGS])
