@@ -104,7 +104,7 @@ def _loader(ptrs, smem, bars, dims, GATHER_A: gl.constexpr, BLOCK_P: gl.constexp
             BLOCK_K: gl.constexpr, NUM_STAGES: gl.constexpr, GROUP_M: gl.constexpr):
     """Fill stage ``s``: gathered rows by cp.async, slot rows by TMA; both complete on ``ready[s]``."""
     g_ptr, r_desc, c_ptr, c_desc, offsets_ptr, indices_ptr = ptrs
-    g_bufs, r_bufs, c_smem = smem
+    g_bufs, r_bufs, c_smem, _ = smem
     ready, empty, c_ready, c_empty = bars
     P, Q, NUM_EXPERTS, stride_g_t, stride_c_e, stride_c_p = dims
     BLOCK_G: gl.constexpr = BLOCK_P if GATHER_A else BLOCK_Q
@@ -169,15 +169,14 @@ def _mma(offsets_ptr, r_scale_ptr, smem, bars, P, Q, NUM_EXPERTS, R_ROWS, GATHER
          R_SCALED: gl.constexpr, BLOCK_P: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_K: gl.constexpr,
          NUM_STAGES: gl.constexpr, TMA_STORE: gl.constexpr, num_warps: gl.constexpr):
     """``acc = sum_k A_k^T B_k`` over the stages (one wgmma in flight), then the tile into ``c_smem``.
-    ``R_SCALED``: A (the e4m3 slot rows) goes through registers, each value times its row's scale, as 16 bits."""
-    g_bufs, r_bufs, c_smem = smem
+    ``R_SCALED``: the e4m3 slot rows, each value times its row's scale, go into ``a_bufs`` (two) in 16 bits first."""
+    g_bufs, r_bufs, c_smem, a_bufs = smem
     ready, empty, c_ready, c_empty = bars
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                          instr_shape=[16, BLOCK_Q, 16])
-    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
-    ks = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, a_layout))
-    # the registers of the A in flight: a wgmma reads them until the next step's wait retires it
-    a_prev = gl.zeros((BLOCK_P, BLOCK_K), c_smem.dtype, layout=a_layout)
+    # 16 e4m3 (16 bytes) per thread along the slot row: [BLOCK_K, BLOCK_P] in 32-element pieces a thread
+    cvt_layout: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [num_warps, 1], [1, 0])
+    ks = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(1, cvt_layout))
     num_p = gl.cdiv(P, BLOCK_P)
     num_q = gl.cdiv(Q, BLOCK_Q)
     programs = gl.num_programs(0)
@@ -203,23 +202,23 @@ def _mma(offsets_ptr, r_scale_ptr, smem, bars, P, Q, NUM_EXPERTS, R_ROWS, GATHER
                 a = g_bufs.index(s).permute((1, 0))  # [BLOCK_P, BLOCK_K], slots as the reduction
                 b = r_bufs.index(s)
             elif R_SCALED:
-                a = r_bufs.index(s).permute((1, 0)).load(a_layout)
-                a = (a.to(gl.float32) * scale[None, :]).to(c_smem.dtype)
+                a = a_bufs.index(it % 2)
+                v = r_bufs.index(s).load(cvt_layout).to(gl.float32) * scale[:, None]
+                a.store(v.to(a.dtype))
+                fence_async_shared()  # generic-proxy stores, read by wgmma through the async proxy
+                gl.thread_barrier()  # both warp groups' halves of the tile stored
+                a = a.permute((1, 0))
                 b = g_bufs.index(s)
             else:
                 a = r_bufs.index(s).permute((1, 0))
                 b = g_bufs.index(s)
             acc = warpgroup_mma(a, b, acc, is_async=True)
-            if R_SCALED:
-                acc, a_prev = warpgroup_mma_wait(1, deps=(acc, a_prev))
-                a_prev = a
-            else:
-                acc = warpgroup_mma_wait(1, deps=(acc,))
+            acc = warpgroup_mma_wait(1, deps=(acc,))
+            if R_SCALED:  # the other warp group's wgmma on the buffer the next step overwrites retired too
+                gl.thread_barrier()
             mbarrier.arrive(empty.index(prev), count=1, pred=kk > 0)  # the previous stage's wgmma retired
             prev = s
             it += 1
-        if R_SCALED:
-            acc, a_prev = warpgroup_mma_wait(0, deps=(acc, a_prev))
         hand_off(acc, prev, i_tile, empty, c_smem, c_ready, c_empty, TMA_STORE)
         start = start_n
         end = end_n
@@ -232,7 +231,7 @@ def _epilogue(ptrs, smem, bars, dims, GATHER_A: gl.constexpr, BLOCK_P: gl.conste
     ``P % BLOCK_P == 0``: a box never reaches the next expert's rows; columns past Q are clipped by the
     descriptor); else masked stores in ``C``'s dtype, rows past P and columns past Q masked."""
     g_ptr, r_desc, c_ptr, c_desc, offsets_ptr, indices_ptr = ptrs
-    g_bufs, r_bufs, c_smem = smem
+    g_bufs, r_bufs, c_smem, _ = smem
     ready, empty, c_ready, c_empty = bars
     P, Q, NUM_EXPERTS, stride_g_t, stride_c_e, stride_c_p = dims
     layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [EPILOGUE_WARPS, 1], [1, 0])
@@ -298,13 +297,17 @@ def ws_wgrad_kernel(
     g_bufs = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_K, BLOCK_G], g_layout)
     r_bufs = gl.allocate_shared_memory(r_dtype, [NUM_STAGES, BLOCK_K, BLOCK_R], r_layout)
     c_smem = gl.allocate_shared_memory(dtype, [BLOCK_P, BLOCK_Q], c_layout)
+    a_bufs = c_smem  # a placeholder, unused
+    if R_SCALED:  # the e4m3 slot rows scaled into 16 bits, double-buffered (the wgmma in flight reads the other)
+        a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_K, BLOCK_P], dtype)
+        a_bufs = gl.allocate_shared_memory(dtype, [2, BLOCK_K, BLOCK_P], a_layout)
     # ready: the TMA transaction (one arrival with its byte count) and each loader thread's cp.async arrival; in
     # triton 3.6 a partition's mbarrier.arrive is one thread's, after a barrier of the partition's warps
     ready, empty = stage_barriers(NUM_STAGES, 1 + LOADER_WARPS * 32, 1)
     c_ready, c_empty = tile_barriers(1)
 
     ptrs = (g_ptr, r_desc, c_ptr, c_desc, offsets_ptr, indices_ptr)
-    smem = (g_bufs, r_bufs, c_smem)
+    smem = (g_bufs, r_bufs, c_smem, a_bufs)
     bars = (ready, empty, c_ready, c_empty)
     dims = (P, Q, NUM_EXPERTS, stride_g_t, stride_c_e, stride_c_p)
     # constexprs go into the partitions' argument lists directly (a tuple variable would hold them as values)
