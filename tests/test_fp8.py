@@ -380,22 +380,27 @@ def test_gpu_triton_rowwise_bf16_within_the_e4m3_rule(case, save):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
                     reason="needs a Hopper GPU (sm90+)")
-def test_gpu_b1_writing_b3s_dpre_is_bitwise_the_separate_launch(monkeypatch):
-    """On the device, B3's e4m3 dpre written by B1's activation backward: every result bitwise that of quantizing
-    dpre in a launch of its own, but ``dtopk_weights``, whose row sums the kernel variant with the quantization
-    compiles in another order (a few fp32 ulps)."""
+def test_gpu_b1_writing_dpre_in_e4m3_is_bitwise_the_separate_launch(monkeypatch):
+    """On the device, the e4m3 dpre written by B1's activation backward (no 16-bit dpre): every result bitwise that of
+    storing dpre in fp32 and quantizing it in a launch of its own, for both save modes, but ``dtopk_weights``, whose
+    row sums the kernel variant with the quantization compiles in another order (a few fp32 ulps)."""
     from moeblaze.kernels import fp8_experts
 
     inputs = make_expert_inputs(*CASES["zipf"][:5], routing="zipf", dtype=torch.bfloat16, device="cuda")
     dout = torch.randn(inputs["x"].shape, dtype=torch.bfloat16, device="cuda")
-    run = lambda: run_and_grad(lambda **kw: moe_experts(**kw, backend="triton", fp8=Float8Recipe()), inputs, dout)  # noqa: E731
-    fused = run()
-    monkeypatch.setattr(fp8_experts, "_fuses_dpre", lambda data, t: False)
-    for name, a, b in zip(NAMES, fused, run()):
-        if name == "dtopk_weights":
-            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * float(b.abs().max()))
-        else:
-            assert torch.equal(a, b), name
+    for save in SAVE_MODES:
+        def run(save=save):
+            return run_and_grad(lambda **kw: moe_experts(**kw, backend="triton", save=save, fp8=Float8Recipe()),
+                                inputs, dout)
+
+        fused = run()
+        with monkeypatch.context() as m:
+            m.setattr(fp8_experts, "_act_bwd_quantizes", lambda t: False)
+            for name, a, b in zip(NAMES, fused, run()):
+                if name == "dtopk_weights":
+                    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * float(b.abs().max()))
+                else:
+                    assert torch.equal(a, b), (save, name)
 
 
 @pytest.mark.parametrize("case", ["zipf", "short last tiles"])
