@@ -7,10 +7,10 @@ triton 3.6) and once with ``launch.ws_gemm_ok`` / ``launch.ws_wgrad_ok`` replace
 autotuned); ``--fp8`` adds F2 and B3 on e4m3 operands under the rowwise recipe (the FP8 layer's: row scales of
 ``act`` / ``dpre`` and of the weight rows; B3 on the transposed ``w_gate_up`` copy, K-major as e4m3 ``wgmma`` reads
 it) and B1 (``dout[token] @ w_down[e]``, its rows gathered, on the transposed ``w_down`` copy), whose Gluon kernel is
-``kernels/fp8_ws_gemm.py``, and B4 on the e4m3 ``dpre`` rows times their scales (16-bit products; ``R_SCALED`` of
-``kernels/ws_wgrad.py``, ``B_SCALED`` of ``kernels/wgrad.py``); their flops are counted as the bf16 steps'. Each is
-timed as a CUDA-graph replay (``triton.testing.do_bench``, median), so the host's launch time is out of the figure;
-``--check`` also compares both with the float64 sums on the first shape. One CSV row per kernel and shape.
+``kernels/fp8_ws_gemm.py``; their flops are counted as the bf16 steps'. Each is timed as a
+CUDA-graph replay (``triton.testing.do_bench``, median), so the host's
+launch time is out of the figure; ``--check`` also compares both with the float64 sums on the first shape. One CSV row
+per kernel and shape.
 
 Usage (GPU): ``python3 benchmarks/bench_ws.py --out ws.csv [--fp8]`` (the shapes of issues 24 and 25 by default);
 ``--masked-store`` times the weight gradients with masked tile stores instead of TMA stores (an A/B: run both on
@@ -65,9 +65,8 @@ def _steps(T, d, h, E, K, gen, fp8=False):
             return buf[:, :chunks[-1][1] - chunks[-1][0]]  # the last chunk's columns
         return run
 
-    def wgrad(a, b, q, transpose, b_scale=None):
-        return lambda: launch.grouped_wgrad(a, b, off, ind, p=d, q=q, out_dtype=torch.bfloat16, transpose=transpose,
-                                            b_scale=b_scale)
+    def wgrad(a, b, q, transpose):
+        return lambda: launch.grouped_wgrad(a, b, off, ind, p=d, q=q, out_dtype=torch.bfloat16, transpose=transpose)
 
     bounds = off.tolist()
 
@@ -100,9 +99,7 @@ def _steps(T, d, h, E, K, gen, fp8=False):
                   lambda: ref_gemm(deq(aq, as_), deq(wq, ws_).transpose(1, 2)), 2 * N * h * d),
                  ("B1-fp8", "ws_gemm_ok", b1, ref_b1, 2 * N * h * d),
                  ("B3-fp8", "ws_gemm_ok", gemm(dq, gq, True, 2 * h, (ds, gs)),
-                  lambda: ref_gemm(deq(dq, ds), deq(gq, gs).transpose(1, 2)), 4 * N * h * d),
-                 ("B4-fp8", "ws_wgrad_ok", wgrad(x, dq, 2 * h, True, ds),
-                  lambda: ref_wgrad(x, deq(dq, ds), True), 4 * N * h * d)]
+                  lambda: ref_gemm(deq(dq, ds), deq(gq, gs).transpose(1, 2)), 4 * N * h * d)]
     return steps + [
         ("F2", "ws_gemm_ok", gemm(act, w_down, True, h), lambda: ref_gemm(act, w_down.transpose(1, 2)), 2 * N * h * d),
         ("B3", "ws_gemm_ok", gemm(dpre, w_gate_up, False, 2 * h), lambda: ref_gemm(dpre, w_gate_up), 4 * N * h * d),
@@ -125,7 +122,7 @@ def main() -> None:
     ap.add_argument("--commit", help="code version the rows record (default: git's HEAD here, +dirty)")
     ap.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
                     help="a moeblaze setting for the whole run, e.g. autotune=off (repeatable; in the rows' command)")
-    ap.add_argument("--fp8", action="store_true", help="also F2, B1, B3 and B4 on e4m3 operands (the FP8 layer's)")
+    ap.add_argument("--fp8", action="store_true", help="also F2 and B3 on e4m3 operands (the FP8 layer's)")
     ap.add_argument("--masked-store", action="store_true",
                     help="the Gluon weight gradients store their tiles masked, not by TMA (in the rows' command)")
     args = ap.parse_args()

@@ -138,8 +138,8 @@ def main() -> None:
         for cfg in prune_gemm_configs(gemm_configs(kind), {}, DUAL=c0["DUAL"]):
             compile_one(grouped_gemm_kernel, gemm_ptrs, {**c0, **cfg.kwargs}, cfg.num_warps, cfg.num_stages,
                         f"gemm {name} {cfg.kwargs} w{cfg.num_warps} s{cfg.num_stages}")
-    wg_ptrs = dict(a_ptr=T, b_ptr=T, c_ptr=T, offsets_ptr="*i32", indices_ptr="*i32", b_scale_ptr="*fp32")
-    wbase = dict(DOT_PREC=prec, GATHER_A=True, stride_a_p=1, stride_b_q=1, E_POW2=128, B_SCALED=False)
+    wg_ptrs = dict(a_ptr=T, b_ptr=T, c_ptr=T, offsets_ptr="*i32", indices_ptr="*i32")
+    wbase = dict(DOT_PREC=prec, GATHER_A=True, stride_a_p=1, stride_b_q=1, E_POW2=128)
     slots_contiguous = dict(GATHER_A=False, B_DESC=False, stride_a_m=1, stride_b_m=1, stride_a_p=None,
                             stride_b_q=None)  # the padded TF32 copies
     for name, v in {"B4 (transposed store)": dict(B_DESC=True, stride_c_p=1), "B2": dict(B_DESC=True, stride_c_q=1),
@@ -152,7 +152,7 @@ def main() -> None:
             compile_one(grouped_wgrad_kernel, wg_ptrs, {**consts, **cfg.kwargs}, cfg.num_warps,
                         cfg.num_stages, f"wgrad {name} {cfg.kwargs} w{cfg.num_warps} s{cfg.num_stages}")
     rows_ptrs = dict(dact_ptr=T, pre_ptr=T, pre_s_ptr="*fp32", dpre_ptr=T, scale_ptr="*fp32", dtw_ptr="*fp32",
-                     limit_ptr="*i32", dpre_s_ptr="*fp32", alpha="fp32", limit="fp32", tiny="fp32")
+                     limit_ptr="*i32", dpre_q_ptr=T, dpre_s_ptr="*fp32", alpha="fp32", limit="fp32", tiny="fp32")
     for act, step, limited in (("swiglu", 1, False), ("silu", 1, False), ("swiglu_clamped", 2, True),
                                ("gelu_tanh", 1, False), ("relu2", 1, True)):
         for cfg in act_bwd_configs(kind):
@@ -206,23 +206,16 @@ def compile_fp8(tuned: bool) -> None:
         for cfg in prune_gemm_configs(gemm_configs(kind), {}, DUAL=consts["DUAL"], PRE_FP8=consts["PRE_FP8"]):
             compile_one(grouped_gemm_kernel, {**ptrs, **types}, {**consts, **cfg.kwargs}, cfg.num_warps,
                         cfg.num_stages, f"gemm fp8 {name} {cfg.kwargs} w{cfg.num_warps} s{cfg.num_stages}")
-    rows_ptrs = dict(dact_ptr=bf, pre_ptr=e4, pre_s_ptr="*fp32", dpre_ptr=e4, scale_ptr="*fp32", dtw_ptr="*fp32",
-                     limit_ptr="*i32", dpre_s_ptr="*fp32", alpha="fp32", limit="fp32", tiny="fp32")
+    rows_ptrs = dict(dact_ptr=bf, pre_ptr=e4, pre_s_ptr="*fp32", dpre_ptr=bf, scale_ptr="*fp32", dtw_ptr="*fp32",
+                     limit_ptr="*i32", dpre_q_ptr=e4, dpre_s_ptr="*fp32", alpha="fp32", limit="fp32", tiny="fp32")
     for act in ("swiglu", "gelu"):
-        for kept, limited in ((True, False), (False, True)):  # dpre over the kept e4m3 pre; from a 16-bit pre
-            for cfg in act_bwd_configs(kind.replace("8", "16")):
-                compile_one(act_bwd_rows_kernel, {**rows_ptrs, "pre_ptr": e4 if kept else bf},
+        for quant in (False, True):
+            for cfg in act_bwd_configs("fixed16"):
+                compile_one(act_bwd_rows_kernel, rows_ptrs,
                             dict(ACTIVATION=ACTIVATION_CODES[act], STORE_PART=True, STORE_WACT=True, PRE_STEP=1,
-                                 HAS_LIMIT=limited, TF32_DPRE=False, QUANT=True, POW2=False, PRE_E4M3=kept,
+                                 HAS_LIMIT=False, TF32_DPRE=False, QUANT=quant, POW2=False, PRE_E4M3=True,
                                  PRE_TILE=KEPT_TILE, QMAX=448.0, **cfg.kwargs), cfg.num_warps, cfg.num_stages,
-                            f"act_bwd fp8 {act} kept={kept} limit={limited} {cfg.kwargs} w{cfg.num_warps}")
-    wg_ptrs = dict(a_ptr=bf, b_ptr=e4, c_ptr=bf, offsets_ptr="*i32", indices_ptr="*i32", b_scale_ptr="*fp32")
-    for b_desc in (True, False):  # B4 on the e4m3 dpre (transposed store); pointers: an index with foreign experts
-        for cfg in wgrad_configs(kind.replace("8", "16")):
-            consts = dict(DOT_PREC="tf32", GATHER_A=True, stride_a_p=1, stride_b_q=1, E_POW2=128, B_SCALED=True,
-                          B_DESC=b_desc, stride_c_p=1, **cfg.kwargs)
-            compile_one(grouped_wgrad_kernel, wg_ptrs, consts, cfg.num_warps, cfg.num_stages,
-                        f"wgrad fp8 B4 e4m3 dpre b_desc={b_desc} {cfg.kwargs} w{cfg.num_warps} s{cfg.num_stages}")
+                            f"act_bwd fp8 {act} quant={quant} {cfg.kwargs} w{cfg.num_warps}")
 
 
 def compile_router() -> None:

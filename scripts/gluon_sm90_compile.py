@@ -58,26 +58,21 @@ def variants():
     """(name, compiled kernel) of the configurations the launchers use, bf16 operands."""
     wg = importlib.import_module("mbk.ws_wgrad")
     gm = importlib.import_module("mbk.ws_gemm")
-    for gather_a, r_scaled in ((True, False), (False, False), (False, True)):  # B2, B4, B4 on the FP8 layer's dpre
+    for gather_a in (True, False):
         for out in ("bf16", "bf16-tma", "fp32"):
             tma_store = out.endswith("-tma")  # whole tiles by TMA: the 16-bit output's default
-            r_type = "fp8e4nv" if r_scaled else "bf16"
-            sig = {"g_ptr": "*bf16", "r_desc": _desc(r_type, [64, 256 if gather_a else 128]),
+            sig = {"g_ptr": "*bf16", "r_desc": _desc("bf16", [64, 256 if gather_a else 128]),
                    "c_ptr": f"*{out[:4]}", "c_desc": _desc("bf16", [128, 64]) if tma_store else "constexpr",
-                   "offsets_ptr": "*i32", "indices_ptr": "*i32", "r_scale_ptr": "*fp32" if r_scaled else "constexpr",
-                   "P": "i32", "Q": "i32", "NUM_EXPERTS": "i32", "R_ROWS": "i32", "stride_g_t": "i32",
-                   "stride_c_e": "i32", "stride_c_p": "i32"}
-            consts = dict(GATHER_A=gather_a, R_SCALED=r_scaled, BLOCK_P=128, BLOCK_Q=256, BLOCK_K=64, NUM_STAGES=3,
-                          GROUP_M=8, TMA_STORE=tma_store, num_warps=8)
+                   "offsets_ptr": "*i32", "indices_ptr": "*i32", "P": "i32", "Q": "i32", "NUM_EXPERTS": "i32",
+                   "stride_g_t": "i32", "stride_c_e": "i32", "stride_c_p": "i32"}
+            consts = dict(GATHER_A=gather_a, BLOCK_P=128, BLOCK_Q=256, BLOCK_K=64, NUM_STAGES=3, GROUP_M=8,
+                          TMA_STORE=tma_store, num_warps=8)
             sig.update(dict.fromkeys(consts, "constexpr"))
             if not tma_store:
                 consts["c_desc"] = None
-            if not r_scaled:
-                consts["r_scale_ptr"] = None
-            divisible = ["g_ptr", "c_ptr", "offsets_ptr", "indices_ptr", "P", "Q", "stride_g_t", "stride_c_e",
-                         "stride_c_p"] + (["r_scale_ptr"] if r_scaled else [])
-            yield (f"ws_wgrad gather_a={gather_a} r_scaled={r_scaled} out={out}",
-                   _compile(wg.ws_wgrad_kernel, sig, consts, divisible, wg.MAX_REGS))
+            yield (f"ws_wgrad gather_a={gather_a} out={out}",
+                   _compile(wg.ws_wgrad_kernel, sig, consts, ["g_ptr", "c_ptr", "offsets_ptr", "indices_ptr", "P", "Q",
+                                                              "stride_g_t", "stride_c_e", "stride_c_p"], wg.MAX_REGS))
     for w_nk in (True, False):
         sig = {"a_desc": _desc("bf16", [128, 64]), "w_desc": _desc("bf16", [256, 64] if w_nk else [64, 256]),
                "c_ptr": "*bf16", "offsets_ptr": "*i32", "tile_expert_ptr": "*i32", "tile_row_ptr": "*i32",

@@ -228,8 +228,7 @@ def rounded_baseline(inputs: dict, dout: torch.Tensor, save: str, granularity: s
     """DESIGN.md §7's baseline for the recipe: plain PyTorch doing the same computation in the same precision.
     ``(out, dx, dw_gate_up, dw_down, dtopk_weights)`` one expert at a time in float64, written out by hand
     (no moeblaze.fp8), every GEMM operand rounded to 4 significant bits where the recipe quantizes it
-    (moeblaze.ops_fp8's table: B2 and B4 blockwise; rowwise B2 in 16 bits and B4 on the rounded dpre, B3's operand),
-    ``pre`` rounded as kept for ``"preact"``."""
+    (moeblaze.ops_fp8's table: B2 and B4 only blockwise), ``pre`` rounded as kept for ``"preact"``."""
     R = e4m3_round
     Rw = R if granularity == "blockwise" else (lambda t: t)  # the weight gradients' operands
     x, w1, w2, tw = (inputs[k].detach().double() for k in ("x", "w_gate_up", "w_down", "topk_weights"))
@@ -250,7 +249,7 @@ def rounded_baseline(inputs: dict, dout: torch.Tensor, save: str, granularity: s
         (dpre,) = torch.autograd.grad(act, kept, dact * w)
         dw2[e] = Rw(g[tok]).T @ Rw(w * act.detach())  # B2
         dx.index_add_(0, tok, R(dpre) @ R(w1[e]))  # B3, B5
-        dw1[e] = R(dpre).T @ Rw(x[tok])  # B4
+        dw1[e] = Rw(dpre).T @ Rw(x[tok])  # B4
     return out, dx, dw1, dw2, dtw
 
 
@@ -339,11 +338,10 @@ def test_triton_b3_writes_its_e4m3_dpre_into_the_kept_pre():
 
 @pytest.mark.skipif(not TRITON_ON_CPU,
                     reason="the Triton kernels on CPU tensors need TRITON_INTERPRET=1")
-def test_triton_b1_quantizes_dpre_where_cuda_would(monkeypatch):
-    """The CUDA path (B1's activation backward writes the e4m3 dpre of B3 and B4 into the kept pre, no 16-bit dpre)
-    run in the interpreter, every operand quantized by the Triton kernels as on CUDA: bitwise the results of storing
-    dpre in fp32 and quantizing it in a launch of its own, for both save modes (the kept e4m3 pre; a 16-bit one
-    recomputed)."""
+def test_triton_b1_quantizes_b3s_dpre_where_cuda_would(monkeypatch):
+    """The CUDA path (B1's activation backward writes B3's e4m3 dpre into the kept pre) run in the interpreter,
+    every operand quantized by the Triton kernels as on CUDA: bitwise the results of quantizing dpre in a launch
+    of its own."""
     from moeblaze.kernels import fp8_experts
     from moeblaze.kernels.fp8_quant import quantize_rows_fp8
 
@@ -351,18 +349,14 @@ def test_triton_b1_quantizes_dpre_where_cuda_would(monkeypatch):
                         quantize_rows_fp8(t, pow2, out, as_dtype))
     inputs = make_expert_inputs(*CASES["short last tiles"][:5])
     dout = torch.randn(inputs["x"].shape)
-    def run(save):
-        return run_and_grad(lambda **kw: moe_experts(**kw, backend="triton", save=save, fp8=Float8Recipe()), inputs,
-                            dout)
-
-    for save in SAVE_MODES:
-        alone = run(save)
-        fused = []
-        with monkeypatch.context() as m:
-            m.setattr(fp8_experts, "_act_bwd_quantizes", lambda t, fused=fused: fused.append(True) or True)
-            for name, a, b in zip(NAMES, run(save), alone):
-                assert torch.equal(a, b), (save, name)
-        assert fused == [True], save
+    run = lambda: run_and_grad(lambda **kw: moe_experts(**kw, backend="triton", fp8=Float8Recipe()), inputs, dout)  # noqa: E731
+    alone = run()
+    fused = []
+    monkeypatch.setattr(fp8_experts, "_fuses_dpre", lambda data, t: fused.append(data is not None) or
+                        data is not None)
+    for name, a, b in zip(NAMES, run(), alone):
+        assert torch.equal(a, b), name
+    assert fused == [True, True]  # B1 wrote it, B3 took it
 
 
 @pytest.mark.gpu
@@ -380,27 +374,22 @@ def test_gpu_triton_rowwise_bf16_within_the_e4m3_rule(case, save):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
                     reason="needs a Hopper GPU (sm90+)")
-def test_gpu_b1_writing_dpre_in_e4m3_is_bitwise_the_separate_launch(monkeypatch):
-    """On the device, the e4m3 dpre written by B1's activation backward (no 16-bit dpre): every result bitwise that of
-    storing dpre in fp32 and quantizing it in a launch of its own, for both save modes, but ``dtopk_weights``, whose
-    row sums the kernel variant with the quantization compiles in another order (a few fp32 ulps)."""
+def test_gpu_b1_writing_b3s_dpre_is_bitwise_the_separate_launch(monkeypatch):
+    """On the device, B3's e4m3 dpre written by B1's activation backward: every result bitwise that of quantizing
+    dpre in a launch of its own, but ``dtopk_weights``, whose row sums the kernel variant with the quantization
+    compiles in another order (a few fp32 ulps)."""
     from moeblaze.kernels import fp8_experts
 
     inputs = make_expert_inputs(*CASES["zipf"][:5], routing="zipf", dtype=torch.bfloat16, device="cuda")
     dout = torch.randn(inputs["x"].shape, dtype=torch.bfloat16, device="cuda")
-    for save in SAVE_MODES:
-        def run(save=save):
-            return run_and_grad(lambda **kw: moe_experts(**kw, backend="triton", save=save, fp8=Float8Recipe()),
-                                inputs, dout)
-
-        fused = run()
-        with monkeypatch.context() as m:
-            m.setattr(fp8_experts, "_act_bwd_quantizes", lambda t: False)
-            for name, a, b in zip(NAMES, fused, run()):
-                if name == "dtopk_weights":
-                    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * float(b.abs().max()))
-                else:
-                    assert torch.equal(a, b), (save, name)
+    run = lambda: run_and_grad(lambda **kw: moe_experts(**kw, backend="triton", fp8=Float8Recipe()), inputs, dout)  # noqa: E731
+    fused = run()
+    monkeypatch.setattr(fp8_experts, "_fuses_dpre", lambda data, t: False)
+    for name, a, b in zip(NAMES, fused, run()):
+        if name == "dtopk_weights":
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * float(b.abs().max()))
+        else:
+            assert torch.equal(a, b), name
 
 
 @pytest.mark.parametrize("case", ["zipf", "short last tiles"])

@@ -211,9 +211,8 @@ def test_launcher_holds_power_of_two_rows_whole_and_sweeps_others(monkeypatch):
 
 
 def _act_bwd_case(N, h, gated, device, dtype, limit=None):
-    """``act_bwd_rows`` on random rows (one of them NaN in ``dact``) twice: with ``quant`` (``dpre`` straight to e4m3
-    with a scale per row) and without, ``dpre`` stored in fp32: ``(fp32 dpre, e4m3 dpre, its scales)``; rows left
-    unwritten hold NaN, 0.5 and -1."""
+    """``act_bwd_rows`` with ``quant`` on random rows (one of them NaN in ``dact``) and the stored ``dpre``, its
+    e4m3 copy and scales."""
     from moeblaze.kernels.act_bwd import act_bwd_rows
     from moeblaze.kernels.act_math import ACTIVATION_CODES
 
@@ -223,21 +222,18 @@ def _act_bwd_case(N, h, gated, device, dtype, limit=None):
     dact[min(3, N - 1), 0] = float("nan")
     pre = torch.randn(N, width, generator=gen).to(dtype).to(device)
     scale = torch.rand(N, generator=gen).to(device)
-    kw = dict(h=h, activation=ACTIVATION_CODES["swiglu" if gated else "gelu"], store_wact=False, local_slots=limit)
-    dpre = torch.full((N, width), float("nan"), device=device)
-    act_bwd_rows(dact, pre, dpre, scale, None, **kw)
     q = torch.full((N, width), 0.5, device=device).to(E4M3)
     s = torch.full((N,), -1.0, device=device)
-    act_bwd_rows(dact, pre, q, scale, None, quant=(s, False), **kw)
-    return dpre, q, s
+    act_bwd_rows(dact, pre, pre, scale, None, h=h, activation=ACTIVATION_CODES["swiglu" if gated else "gelu"],
+                 store_wact=False, local_slots=limit, quant=(q, s, False))
+    return pre, q, s
 
 
 @pytest.mark.parametrize("gated", [True, False])
 def test_activation_backward_writes_dpre_in_e4m3_as_the_kernel_would(gated):
-    """B1's activation backward with ``quant`` (B3's and B4's dpre quantized where it is produced, no 16-bit dpre):
-    the recipe's quantization of the fp32 rows the kernel computes without it, scales bitwise (a NaN row NaN), values
-    but the interpreter's known casts; with ``local_slots`` the zeroed tail gets zeros with scale 1 and the foreign
-    rows past it are left unwritten."""
+    """B1's activation backward with ``quant`` (B3's dpre quantized where it is produced): scales bitwise the
+    recipe's over the stored dpre rows (a NaN row NaN), values but the interpreter's known casts; with
+    ``local_slots`` the foreign rows past the zeroed tail are left unwritten."""
     if HAS_CUDA:
         pytest.skip("an interpreter test (CPU tensors); the gpu test runs the kernel on the device")
     from moeblaze.kernels.act_bwd import ZERO_TAIL
@@ -251,7 +247,6 @@ def test_activation_backward_writes_dpre_in_e4m3_as_the_kernel_would(gated):
     dpre, q, s = _act_bwd_case(N, 24, gated, "cpu", torch.float16, torch.tensor([local], dtype=torch.int32))
     ref = quantize_fp8(dpre[:local + tail], (1, dpre.shape[1]))
     _same(dpre[:local + tail], q[:local + tail], s[:local + tail, None], ref.data, ref.scale, exact=False)
-    assert (s[local:local + tail] == 1.0).all() and (q[local:local + tail].float() == 0).all()
     assert (s[local + tail:] == -1.0).all() and (q[local + tail:].float() == 0.5).all()
 
 
@@ -287,46 +282,6 @@ def _kept_pre_case(N, h, gated, device, dtype, tile):
                      store_wact=True, pre_scale=scale, pre_tile=tile)
         results.append((dpre, dtw, wact))
     return results
-
-
-def _in_place_case(N, h, device, dtype):
-    """The FP8 layer's activation backward (``quant`` on a kept e4m3 ``pre``, 1 x 64 tiles) into a new e4m3 tensor and
-    over the kept ``pre`` itself: ``((dpre, scales, dtw, w act) of each)``."""
-    from moeblaze.kernels.act_bwd import act_bwd_rows
-    from moeblaze.kernels.act_math import ACTIVATION_CODES
-
-    gen = torch.Generator().manual_seed(N + h)
-    kept = quantize_fp8((torch.randn(N, 2, h, generator=gen) * 3).to(dtype), (1, 64))
-    dact = torch.randn(N, h, generator=gen).to(dtype).to(device)
-    weights = torch.rand(N, generator=gen).to(device)
-    results = []
-    for in_place in (False, True):
-        source = kept.data.to(device).view(N, 2 * h)
-        dpre = source if in_place else torch.zeros(N, 2 * h, device=device).to(E4M3)
-        s, dtw, wact = torch.empty(N, device=device), torch.empty(N, device=device), dact.clone()
-        act_bwd_rows(wact, source, dpre, weights, dtw, h=h, activation=ACTIVATION_CODES["swiglu"], store_wact=True,
-                     quant=(s, False), pre_scale=kept.scale.to(device), pre_tile=64)
-        results.append((dpre.float(), s, dtw, wact))
-    return results
-
-
-def test_activation_backward_writes_e4m3_dpre_over_the_kept_pre():
-    """``dpre`` in e4m3 written over the kept e4m3 ``pre`` it reads (the FP8 layer's backward, dpre in pre's storage):
-    every output bitwise that of the same call into a new tensor, over several column blocks of a row."""
-    if HAS_CUDA:
-        pytest.skip("an interpreter test (CPU tensors); the gpu test runs the kernel on the device")
-    a, b = _in_place_case(37, 200, "cpu", torch.float32)
-    for x, y in zip(a, b):
-        assert torch.equal(x, y)
-
-
-@pytest.mark.gpu
-def test_gpu_activation_backward_writes_e4m3_dpre_over_the_kept_pre():
-    if not HAS_CUDA:
-        pytest.skip("needs a CUDA GPU (run with -m gpu on the device)")
-    a, b = _in_place_case(4099, 768, "cuda", torch.bfloat16)
-    for x, y in zip(a, b):
-        assert torch.equal(x, y)
 
 
 @pytest.mark.parametrize("gated, h, tile", [(True, 200, 64), (False, 40, 128), (True, 64, 32), (True, 40, 16)])

@@ -217,21 +217,17 @@ class _Float8Experts(torch.autograd.Function):
             pre = Float8Tensor(pre_data, pre_scale, ctx.pre_block)
         dout = dout.contiguous()
         db2 = ops_torch.bias_grad(dout, index, topk_weights) if need[4] else None
-        reuse = None  # the kept e4m3 pre is dead once read: the rowwise e4m3 dpre goes into its storage
-        if pre_data is not None:
+        reuse = None  # the kept e4m3 pre is dead once read: B3's rowwise e4m3 dpre goes into its storage
+        if pre_data is not None and need[0]:
             rows = pre_data.flatten(1)
             reuse = Float8Tensor(rows, pre_scale.new_empty(rows.shape[0], 1), (1, rows.shape[1]))
         dpre, dw2, dtw = ops.down_backward(recipe, dout, pre, w2, topk_weights, index, activation, need[3],
                                            need[5], b2=b2, act_args=act_args, dw_dtype=w2.dtype, dpre_q=reuse,
                                            dtype=dtype)
-        del pre, reuse
-        if need[2]:  # the rows B3 and B4 read: rowwise, the e4m3 dpre's values
-            values = ops.dequantize(dpre, dtype) if isinstance(dpre, Float8Tensor) else dpre
-            db1 = ops_torch.bias_grad(values, index).to(b1.dtype)
-            del values
-        else:
-            db1 = None
-        dx, dw1 = ops.up_backward(recipe, dpre, x, w1, index, need[0], need[1], dw_dtype=w1.dtype, dtype=dtype)
+        del pre
+        db1 = ops_torch.bias_grad(dpre, index).to(b1.dtype) if need[2] else None
+        dx, dw1 = ops.up_backward(recipe, dpre, x, w1, index, need[0], need[1], dw_dtype=w1.dtype,
+                                  reuse=reuse, quantized=reuse is not None, dtype=dtype)
         dx = dx.to(dtype) if dx is not None else None
         if ctx.input_grad is not None:
             dx = ctx.input_grad.offer(dx)

@@ -13,11 +13,10 @@ fp32 sums, and runs the recipe on any device.
 | B1 ``dact' = dout[token(s)] w2[e]`` | dout [T, d]: d | w2: d |
 | B2 ``dw2[e] = dout[token(s)]^T (w act)`` | dout gathered [N, d]: the expert's slots (b) | w act [N, h]: slots (b) |
 | B3 ``dx_slots = dpre w1[e]`` | dpre [N, 2h]: 2h | w1: 2h |
-| B4 ``dw1[e] = dpre^T x[token(s)]`` | dpre: slots (b); 2h (r) | x gathered: slots (b) |
+| B4 ``dw1[e] = dpre^T x[token(s)]`` | dpre: slots (b) | x gathered: slots (b) |
 
-(b) blockwise only: the rowwise recipe runs B2 and B4 in 16 bits, as its Triton kernels do
-(:mod:`moeblaze.kernels.fp8_experts` says why), B2 on the 16-bit operands, B4 on x and (r) the values of B3's e4m3
-``dpre``: ``dpre`` is quantized once, rowwise, and B3, B4 and the expert-bias gradient read it.
+(b) blockwise only: the rowwise recipe runs B2 and B4 on the 16-bit operands, as its Triton kernels do
+(:mod:`moeblaze.kernels.fp8_experts` says why).
 
 x is quantized once in forward (F1's operand); backward reads the layer's 16-bit x (``"input"`` quantizes it again
 for F1's recomputation, bitwise the forward's). ``dout`` reaches B1 and the down bias's share of
@@ -94,16 +93,14 @@ def down_backward(recipe: Float8Recipe, dout: Tensor, pre: Tensor, w2: Tensor, t
                   index: DispatchIndex, activation: str, need_dw: bool, need_dtw: bool, *, b2: Tensor | None = None,
                   act_args: ActArgs = DEFAULT_ACT, dw_dtype: torch.dtype | None = None,
                   dpre_q: Float8Tensor | None = None,
-                  dtype: torch.dtype | None = None) -> tuple[Tensor | Float8Tensor, Tensor | None, Tensor | None]:
+                  dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor | None, Tensor | None]:
     """B1 ``dact' = dout[token(s)] w2[e]`` with ``act = f(pre)`` recomputed, ``dtopk_weights`` and ``dpre``;
-    B2 ``dw2[e] = dout[token(s)]^T (w act)``. ``dpre_q`` (where the Triton ops write the e4m3 ``dpre``) is not
-    used: the emulation's memory is not the kernels'.
+    B2 ``dw2[e] = dout[token(s)]^T (w act)``. ``dpre_q`` (where the Triton ops write B3's e4m3 ``dpre``) is not
+    used here: :func:`up_backward` quantizes ``dpre`` itself, to the same values.
 
     Args: ``dout [T, d]``, ``pre [N, 2h | h]`` (fp32, recomputed; or the kept e4m3 tiles of :func:`up_forward`'s
     ``keep``), ``w2 [E, d, h]``, ``topk_weights [T, K]``.
-    Returns: ``(dpre, dw2 [E, d, h] in dw_dtype | None, dtopk_weights | None)``; ``dpre [N, 2h | h]`` rowwise in e4m3
-    (:meth:`Float8Recipe.quantize_rows`: B3 and B4 read it so), blockwise in fp32 (B3 and B4 quantize it in tiles of
-    their own).
+    Returns: ``(dpre [N, 2h | h] fp32, dw2 [E, d, h] in dw_dtype | None, dtopk_weights | None)``.
     """
     pre = _kept_values(pre)
     g = recipe.quantize_rows(dout).dequantize()
@@ -119,32 +116,29 @@ def down_backward(recipe: Float8Recipe, dout: Tensor, pre: Tensor, w2: Tensor, t
         if recipe.granularity == "blockwise":
             a, b = (recipe.quantize_slots(t, offsets).dequantize() for t in (a, b))
         dw2 = ops_torch.grouped_weight_grad(a, b, offsets).to(dtype or w2.dtype).to(dw_dtype or w2.dtype)
-    return (recipe.quantize_rows(dpre) if recipe.granularity == "rowwise" else dpre), dw2, dtw
+    return dpre, dw2, dtw
 
 
-def up_backward(recipe: Float8Recipe, dpre: Tensor | Float8Tensor, x: Tensor, w1: Tensor, index: DispatchIndex,
+def up_backward(recipe: Float8Recipe, dpre: Tensor, x: Tensor, w1: Tensor, index: DispatchIndex,
                 need_dx: bool, need_dw: bool, *, dw_dtype: torch.dtype | None = None,
+                reuse: Float8Tensor | None = None, quantized: bool = False,
                 dtype: torch.dtype | None = None) -> tuple[Tensor | None, Tensor | None]:
     """B3 ``dx_slots = dpre w1[e]`` with B5 ``dx[t] = sum_k dx_slots[map[t,k]]``, and B4
-    ``dw1[e] = dpre^T x[token(s)]``: rowwise both on :func:`down_backward`'s e4m3 ``dpre`` (B4 on its values and
-    ``x`` in 16 bits), blockwise B3 on ``dpre`` in ``1 x B`` tiles and B4 on both operands in runs of B slots.
+    ``dw1[e] = dpre^T x[token(s)]``. ``reuse`` (the kept e4m3 ``pre``, where the Triton ops write B3's e4m3 ``dpre``)
+    and ``quantized`` are not used here: the emulation's memory is not the kernels'.
 
-    Args: ``dpre [N, 2h | h]`` (:func:`down_backward`'s), ``x [T, d]`` (the layer's 16-bit input),
-    ``w1 [E, 2h | h, d]``.
+    Args: ``dpre [N, 2h | h]`` fp32, ``x [T, d]`` (the layer's 16-bit input), ``w1 [E, 2h | h, d]``.
     Returns: ``(dx [T, d] fp32 | None, dw1 [E, 2h | h, d] in dw_dtype | None)``.
     """
     dx = dw1 = None
-    quantized = isinstance(dpre, Float8Tensor)
     if need_dx:
-        a = dpre.dequantize() if quantized else recipe.quantize_rows(dpre).dequantize()
+        a = recipe.quantize_rows(dpre).dequantize()
         w = _weight(recipe, w1, False, dtype)
         dx, _ = ops_torch.up_backward(a, x.float(), w, index, True, False)
     if need_dw:
         offsets = index.local_offsets
         a, b = dpre, x.float().index_select(0, index.expert_token_indices.long())
-        if quantized:
-            a = dpre.dequantize()
-        else:
+        if recipe.granularity == "blockwise":
             a, b = (recipe.quantize_slots(t, offsets).dequantize() for t in (a, b))
         dw1 = ops_torch.grouped_weight_grad(a, b, offsets).to(dtype or w1.dtype).to(dw_dtype or w1.dtype)
     return dx, dw1

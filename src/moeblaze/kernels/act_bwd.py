@@ -32,14 +32,12 @@ local expert, gathered as it is). ``TF32_DPRE`` (fp32 at TF32 precision): ``dpre
 B3, which then reads it without a rounded copy (:mod:`moeblaze.kernels.tf32`; the expert-bias gradient
 ``db_gate_up``, a sum of ``dpre`` rows, sums the rounded values).
 
-``QUANT`` (the FP8 layer's ``dpre``, which B3 and B4 read in e4m3: issue 59's dpre quantized where it is produced):
-``dpre`` is written in e4m3 only, one scale per row (the rowwise recipe's, :mod:`moeblaze.kernels.fp8_quant`'s
-helpers, of the fp32 values), in two sweeps over the program's rows: the first finds each row's largest magnitude,
-the second computes the rows again (from L2) and stores them quantized. No 16-bit ``dpre`` exists: ``4N h`` bytes
-less at the FP8 backward's peak than a 16-bit ``dpre`` beside the e4m3 one, whose store and read-back this replaces.
-``PRE_E4M3`` (the FP8 layer's kept
-``pre``, written in e4m3 by F1's epilogue): ``pre`` is read as e4m3 times its ``1 x PRE_TILE`` tile's scale, in fp32
-(no 16-bit copy of it is made); with ``QUANT`` the e4m3 ``dpre`` is written over it (same shape and layout).
+``QUANT`` (the FP8 layer's B3 operand, issue 59's dpre quantized where it is produced): the program also keeps each
+row's largest stored magnitude and, after its rows are written, reads them back (from L2: they were just written)
+and writes them in e4m3 with the rowwise recipe's scale (:mod:`moeblaze.kernels.fp8_quant`'s helpers, so the bytes
+are that kernel's): B3's quantization without a separate pass that reads ``dpre`` from HBM again. ``PRE_E4M3`` (the
+FP8 layer's kept ``pre``, written in e4m3 by F1's epilogue): ``pre`` is read as e4m3 times its ``1 x PRE_TILE`` tile's
+scale, in fp32 (no 16-bit copy of it is made), and ``dpre`` goes to another tensor.
 """
 
 from __future__ import annotations
@@ -63,13 +61,14 @@ def act_bwd_rows_kernel(
     dact_ptr,  # [N, h] dact' (fp16/bf16/fp32); overwritten with w * act when STORE_WACT
     pre_ptr,  # [N, 2h|h] pre-activation (gate at n, up at UP_OFF + n); e4m3 if PRE_E4M3
     pre_s_ptr,  # [N, 2|1, cdiv(h, PRE_TILE)] fp32 scales of pre's 1 x PRE_TILE tiles per half (PRE_E4M3)
-    dpre_ptr,  # [N, 2h|h] out: dpre (may be pre itself); e4m3 if QUANT
+    dpre_ptr,  # [N, 2h|h] out: dpre (may be pre itself, unless PRE_E4M3)
     scale_ptr,  # [N] fp32 router weight of each slot
     dtw_ptr,  # [N] fp32 out: <dact', act> per slot (STORE_PART)
     limit_ptr,  # [1] int32 number of local slots (HAS_LIMIT)
-    dpre_s_ptr,  # [N] fp32 out (QUANT): each dpre row's dequantization scale
+    dpre_q_ptr,  # [N, 2h|h] e4m3 out (QUANT): dpre as stored, quantized with one scale per row, dpre's layout
+    dpre_s_ptr,  # [N] fp32 out (QUANT): that row's dequantization scale
     N, H, UP_OFF, alpha, limit,
-    stride_dact_m, stride_pre_m, stride_dpre_m,
+    stride_dact_m, stride_pre_m, stride_dpre_m, stride_q_m,
     tiny,  # the smallest normal fp32 (QUANT: the floor of a nonzero row's scale)
     ACTIVATION: tl.constexpr, STORE_PART: tl.constexpr, STORE_WACT: tl.constexpr, PRE_STEP: tl.constexpr,
     HAS_LIMIT: tl.constexpr, TF32_DPRE: tl.constexpr, QUANT: tl.constexpr, POW2: tl.constexpr,
@@ -91,79 +90,50 @@ def act_bwd_rows_kernel(
     rows64 = rows.to(tl.int64)[:, None]
     w = tl.load(scale_ptr + rows, mask=row_mask, other=0.0)[:, None]
     part = tl.zeros([BLOCK_R], tl.float32)
-    GATED: tl.constexpr = ACTIVATION < FIRST_NON_GATED
-    src = (dact_ptr, pre_ptr, pre_s_ptr, rows64, row_mask, store_mask, w, H, UP_OFF, alpha, limit, stride_dact_m,
-           stride_pre_m)
-    if QUANT:
-        # sweep 1: each dpre row's largest magnitude (nothing stored); sweep 2 computes the rows again and stores
-        # them in e4m3 with that row's scale: no 16-bit dpre is written or read back
-        amax = tl.zeros([BLOCK_R], tl.float32)
-        for h0 in range(0, H, BLOCK_H):
-            dgate, dup, p, mask = _column_block(src, h0, False, STORE_PART, ACTIVATION, PRE_STEP, PRE_E4M3, PRE_TILE,
-                                                BLOCK_R, BLOCK_H)
-            part += p
-            amax = nan_max(amax, row_amax(tl.where(mask, dgate, 0.0)))
-            if GATED:
-                amax = nan_max(amax, row_amax(tl.where(mask, dup, 0.0)))
-        scale = scale_of(amax, tiny, QMAX, POW2)
-        tl.store(dpre_s_ptr + rows, scale, mask=store_mask)
-        for h0 in range(0, H, BLOCK_H):
-            dgate, dup, _, mask = _column_block(src, h0, STORE_WACT, False, ACTIVATION, PRE_STEP, PRE_E4M3, PRE_TILE,
-                                                BLOCK_R, BLOCK_H)
-            dpre_ptrs = dpre_ptr + rows64 * stride_dpre_m + (h0 + tl.arange(0, BLOCK_H))[None, :] * PRE_STEP
-            tl.store(dpre_ptrs, to_e4m3(dgate, scale[:, None], QMAX), mask=mask)
-            if GATED:
-                tl.store(dpre_ptrs + UP_OFF, to_e4m3(dup, scale[:, None], QMAX), mask=mask)
-    else:
-        for h0 in range(0, H, BLOCK_H):
-            dgate, dup, p, mask = _column_block(src, h0, STORE_WACT, STORE_PART, ACTIVATION, PRE_STEP, PRE_E4M3,
-                                                PRE_TILE, BLOCK_R, BLOCK_H)
-            part += p
-            if TF32_DPRE:  # dpre is B3's A operand, read as it is (no rounded copy)
-                dgate, dup = round_tf32_values(dgate), round_tf32_values(dup)
-            dpre_ptrs = dpre_ptr + rows64 * stride_dpre_m + (h0 + tl.arange(0, BLOCK_H))[None, :] * PRE_STEP
-            tl.store(dpre_ptrs, dgate.to(dpre_ptr.dtype.element_ty), mask=mask)
-            if GATED:
-                tl.store(dpre_ptrs + UP_OFF, dup.to(dpre_ptr.dtype.element_ty), mask=mask)
-    if STORE_PART:  # 0 for the foreign rows (HAS_LIMIT)
-        tl.store(dtw_ptr + rows, tl.where(row_mask, part, 0.0), mask=rows < N)
-
-
-@triton.jit
-def _column_block(src, h0, STORE_WACT: tl.constexpr, STORE_PART: tl.constexpr, ACTIVATION: tl.constexpr,
-                  PRE_STEP: tl.constexpr, PRE_E4M3: tl.constexpr, PRE_TILE: tl.constexpr, BLOCK_R: tl.constexpr,
-                  BLOCK_H: tl.constexpr):
-    """Columns ``h0 ..`` of the program's rows: ``(dgate, dup, <dact', act> of these columns, store mask)`` in fp32,
-    ``w * act`` stored over ``dact'`` with ``STORE_WACT`` (its loads come first: in place is safe)."""
-    (dact_ptr, pre_ptr, pre_s_ptr, rows64, row_mask, store_mask, w, H, UP_OFF, alpha, limit, stride_dact_m,
-     stride_pre_m) = src
-    cols = h0 + tl.arange(0, BLOCK_H)[None, :]
-    mask = row_mask[:, None] & (cols < H)
-    dact_ptrs = dact_ptr + rows64 * stride_dact_m + cols
-    pre_ptrs = pre_ptr + rows64 * stride_pre_m + cols * PRE_STEP
-    dact = tl.load(dact_ptrs, mask=mask, other=0.0).to(tl.float32)
-    gate = tl.load(pre_ptrs, mask=mask, other=0.0).to(tl.float32)
-    if PRE_E4M3:  # each e4m3 value times its tile's scale, in fp32 (Float8Tensor.dequantize)
-        tiles = tl.cdiv(H, PRE_TILE)
-        s_ptrs = pre_s_ptr + rows64 * (tiles * (2 if ACTIVATION < FIRST_NON_GATED else 1))
-        gate = _times_tile_scales(gate, s_ptrs, h0, row_mask, tiles, PRE_TILE, BLOCK_R, BLOCK_H)
-    if ACTIVATION < FIRST_NON_GATED:
-        up = tl.load(pre_ptrs + UP_OFF, mask=mask, other=0.0).to(tl.float32)
-        if PRE_E4M3:
-            up = _times_tile_scales(up, s_ptrs + tiles, h0, row_mask, tiles, PRE_TILE, BLOCK_R, BLOCK_H)
-    else:
-        up = gate
-    part = tl.zeros([BLOCK_R], tl.float32)
-    out_mask = store_mask[:, None] & (cols < H)
-    if STORE_PART or STORE_WACT:
-        act = act_forward(gate, up, alpha, limit, ACTIVATION)
+    amax = tl.zeros([BLOCK_R], tl.float32)  # QUANT: the stored dpre row's largest magnitude
+    for h0 in range(0, H, BLOCK_H):
+        cols = h0 + tl.arange(0, BLOCK_H)[None, :]
+        mask = row_mask[:, None] & (cols < H)
+        dact_ptrs = dact_ptr + rows64 * stride_dact_m + cols
+        pre_ptrs = pre_ptr + rows64 * stride_pre_m + cols * PRE_STEP
+        dact = tl.load(dact_ptrs, mask=mask, other=0.0).to(tl.float32)
+        gate = tl.load(pre_ptrs, mask=mask, other=0.0).to(tl.float32)
+        if PRE_E4M3:  # each e4m3 value times its tile's scale, in fp32 (Float8Tensor.dequantize)
+            tiles = tl.cdiv(H, PRE_TILE)
+            s_ptrs = pre_s_ptr + rows64 * (tiles * (2 if ACTIVATION < FIRST_NON_GATED else 1))
+            gate = _times_tile_scales(gate, s_ptrs, h0, row_mask, tiles, PRE_TILE, BLOCK_R, BLOCK_H)
+        if ACTIVATION < FIRST_NON_GATED:
+            up = tl.load(pre_ptrs + UP_OFF, mask=mask, other=0.0).to(tl.float32)
+            if PRE_E4M3:
+                up = _times_tile_scales(up, s_ptrs + tiles, h0, row_mask, tiles, PRE_TILE, BLOCK_R, BLOCK_H)
+        else:
+            up = gate
+        if STORE_PART or STORE_WACT:
+            act = act_forward(gate, up, alpha, limit, ACTIVATION)
         if STORE_PART:
-            part = tl.sum(dact * act, axis=1)
+            part += tl.sum(dact * act, axis=1)
         if STORE_WACT:  # rounded like the torch backend: (w * act.to(dtype)).to(dtype)
             wact = act.to(dact_ptr.dtype.element_ty).to(tl.float32) * w
-            tl.store(dact_ptrs, wact.to(dact_ptr.dtype.element_ty), mask=out_mask)
-    dgate, dup = act_backward(dact * w, gate, up, alpha, limit, ACTIVATION)
-    return dgate, dup, part, out_mask
+            tl.store(dact_ptrs, wact.to(dact_ptr.dtype.element_ty), mask=store_mask[:, None] & (cols < H))
+        dgate, dup = act_backward(dact * w, gate, up, alpha, limit, ACTIVATION)
+        if TF32_DPRE:  # dpre is B3's A operand, read as it is (no rounded copy)
+            dgate, dup = round_tf32_values(dgate), round_tf32_values(dup)
+        dpre_ptrs = dpre_ptr + rows64 * stride_dpre_m + cols * PRE_STEP
+        out_mask = store_mask[:, None] & (cols < H)
+        tl.store(dpre_ptrs, dgate.to(dpre_ptr.dtype.element_ty), mask=out_mask)
+        if ACTIVATION < FIRST_NON_GATED:
+            tl.store(dpre_ptrs + UP_OFF, dup.to(dpre_ptr.dtype.element_ty), mask=out_mask)
+        if QUANT:  # the values as stored, the masked lanes' zeros leave the amax as it is
+            stored = dgate.to(dpre_ptr.dtype.element_ty).to(tl.float32)
+            amax = nan_max(amax, row_amax(tl.where(out_mask, stored, 0.0)))
+            if ACTIVATION < FIRST_NON_GATED:
+                stored = dup.to(dpre_ptr.dtype.element_ty).to(tl.float32)
+                amax = nan_max(amax, row_amax(tl.where(out_mask, stored, 0.0)))
+    if STORE_PART:  # 0 for the foreign rows (HAS_LIMIT)
+        tl.store(dtw_ptr + rows, tl.where(row_mask, part, 0.0), mask=rows < N)
+    if QUANT:
+        _quantize_stored_rows(dpre_ptr, dpre_q_ptr, dpre_s_ptr, rows, store_mask, amax, H, UP_OFF, stride_dpre_m,
+                              stride_q_m, tiny, PRE_STEP, ACTIVATION < FIRST_NON_GATED, POW2, QMAX, BLOCK_H)
 
 
 @triton.jit
@@ -181,6 +151,28 @@ def _times_tile_scales(v, s_ptrs, h0, row_mask, tiles, PRE_TILE: tl.constexpr, B
     return tl.reshape(tl.reshape(v, [BLOCK_R, GROUPS, SUB]) * s[:, :, None], [BLOCK_R, BLOCK_H])
 
 
+@triton.jit
+def _quantize_stored_rows(dpre_ptr, q_ptr, s_ptr, rows, store_mask, amax, H, UP_OFF, stride_dpre_m, stride_q_m, tiny,
+                          PRE_STEP: tl.constexpr, GATED: tl.constexpr, POW2: tl.constexpr, QMAX: tl.constexpr,
+                          BLOCK_H: tl.constexpr):
+    """The program's ``dpre`` rows, just stored, read back (from L2) and written in e4m3 with the scale of
+    ``amax``: bitwise :func:`moeblaze.kernels.fp8_quant.quantize_rows_fp8` of the stored rows."""
+    scale = scale_of(amax, tiny, QMAX, POW2)
+    tl.store(s_ptr + rows, scale, mask=store_mask)
+    tl.debug_barrier()  # the stores above reach every thread of the program before the read-back
+    rows64 = rows.to(tl.int64)[:, None]
+    for h0 in range(0, H, BLOCK_H):
+        cols = h0 + tl.arange(0, BLOCK_H)[None, :]
+        mask = store_mask[:, None] & (cols < H)
+        src = dpre_ptr + rows64 * stride_dpre_m + cols * PRE_STEP
+        dst = q_ptr + rows64 * stride_q_m + cols * PRE_STEP
+        v = tl.load(src, mask=mask, other=0.0).to(tl.float32)
+        tl.store(dst, to_e4m3(v, scale[:, None], QMAX), mask=mask)
+        if GATED:
+            v = tl.load(src + UP_OFF, mask=mask, other=0.0).to(tl.float32)
+            tl.store(dst + UP_OFF, to_e4m3(v, scale[:, None], QMAX), mask=mask)
+
+
 _ACT_BWD = Launchable(act_bwd_rows_kernel, act_bwd_configs, key=["H", "ACTIVATION", "STORE_WACT", "QUANT", "PRE_E4M3"],
                       restore=["dact_ptr", "pre_ptr", "dpre_ptr"])  # in place: each trial starts afresh
 
@@ -188,38 +180,38 @@ _ACT_BWD = Launchable(act_bwd_rows_kernel, act_bwd_configs, key=["H", "ACTIVATIO
 def act_bwd_rows(dact: torch.Tensor, pre: torch.Tensor, dpre: torch.Tensor, scale: torch.Tensor,
                  dtw: torch.Tensor | None, *, h: int, activation: int, store_wact: bool, alpha: float = 0.0,
                  limit: float = 0.0, interleaved: bool = False, local_slots: torch.Tensor | None = None,
-                 tf32_dpre: bool = False, quant: tuple[torch.Tensor, bool] | None = None,
+                 tf32_dpre: bool = False, quant: tuple[torch.Tensor, torch.Tensor, bool] | None = None,
                  pre_scale: torch.Tensor | None = None, pre_tile: int = 1) -> None:
     """Launch :func:`act_bwd_rows_kernel` (all outputs in place; see the module docstring).
 
     Args:
         dact: ``[N, h]`` dact' (overwritten with ``w * act`` if ``store_wact``); pre, dpre: ``[N, 2h|h]``
-            (may be one tensor, also an e4m3 ``pre`` and ``dpre``); scale: ``[N]`` fp32 slot weights; dtw: ``[N]``
-            fp32 or None.
+            (may be one tensor); scale: ``[N]`` fp32 slot weights; dtw: ``[N]`` fp32 or None.
         pre_scale: ``pre`` is e4m3 in ``1 x pre_tile`` tiles per half (:meth:`moeblaze.fp8.Float8Recipe.
             quantize_kept`; ``pre_tile`` a power of two), these their ``[N, 2|1, cdiv(h, pre_tile)]`` fp32 scales,
-            contiguous; or None.
+            contiguous; ``dpre`` is then another tensor (its dtype); or None.
         All with unit column stride (checked by the callers).
         alpha, limit: the clamped SwiGLU's parameters. interleaved: gated ``pre`` alternates gate, up.
         local_slots: ``[1]`` int32 on the device, rows at or past it are skipped (foreign slots; the first
             ``ZERO_TAIL`` of them get zeros), or None.
         tf32_dpre: store ``dpre`` rounded to TF32 (fp32 ``dpre`` only).
-        quant: ``(scale [N] fp32, pow2)``: ``dpre`` is e4m3, written with one scale per row (the rowwise FP8 recipe,
-            :meth:`moeblaze.fp8.Float8Recipe.quantize_rows` of the fp32 rows) and their scales into ``scale``; or
-            None. Rows skipped as foreign are not written.
+        quant: ``(data [N, 2h|h] e4m3 contiguous, scale [N] fp32, pow2)``: also write ``dpre`` quantized with one
+            scale per row (the rowwise FP8 recipe, bitwise :func:`moeblaze.kernels.fp8_quant.quantize_rows_fp8` of
+            the stored rows; module docstring), or None. Rows skipped as foreign are not written.
     """
     N = dact.shape[0]
     if N == 0 or h == 0:
         return
     out = dtw if dtw is not None else scale
     limit_t = local_slots if local_slots is not None else scale  # dummy pointer when HAS_LIMIT is off
-    q_scale, pow2 = quant if quant is not None else (scale, False)  # a dummy when QUANT is off
+    q_data, q_scale, pow2 = quant if quant is not None else (dpre, scale, False)  # dummies when QUANT is off
     _ACT_BWD.launch(dact.dtype, lambda meta: (cdiv(N, meta["BLOCK_R"]),),
         dact_ptr=dact, pre_ptr=pre, pre_s_ptr=pre_scale if pre_scale is not None else scale, dpre_ptr=dpre,
-        scale_ptr=scale, dtw_ptr=out, limit_ptr=limit_t, dpre_s_ptr=q_scale, N=N, H=h,
-        UP_OFF=1 if interleaved else h, alpha=float(alpha), limit=float(limit), stride_dact_m=dact.stride(0),
-        stride_pre_m=pre.stride(0), stride_dpre_m=dpre.stride(0), tiny=SCALE_FLOOR, ACTIVATION=activation,
-        STORE_PART=dtw is not None, STORE_WACT=store_wact, PRE_STEP=2 if interleaved else 1,
-        HAS_LIMIT=local_slots is not None, TF32_DPRE=tf32_dpre, QUANT=quant is not None, POW2=pow2,
-        PRE_E4M3=pre_scale is not None, PRE_TILE=pre_tile, QMAX=E4M3_MAX,
+        scale_ptr=scale, dtw_ptr=out, limit_ptr=limit_t,
+        dpre_q_ptr=q_data, dpre_s_ptr=q_scale, N=N, H=h, UP_OFF=1 if interleaved else h, alpha=float(alpha),
+        limit=float(limit), stride_dact_m=dact.stride(0), stride_pre_m=pre.stride(0), stride_dpre_m=dpre.stride(0),
+        stride_q_m=q_data.stride(0), tiny=SCALE_FLOOR, ACTIVATION=activation, STORE_PART=dtw is not None,
+        STORE_WACT=store_wact, PRE_STEP=2 if interleaved else 1, HAS_LIMIT=local_slots is not None,
+        TF32_DPRE=tf32_dpre, QUANT=quant is not None, POW2=pow2, PRE_E4M3=pre_scale is not None, PRE_TILE=pre_tile,
+        QMAX=E4M3_MAX,
     )

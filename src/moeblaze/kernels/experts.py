@@ -262,8 +262,8 @@ def act_bwd_b2(dout, dact, pre, w2, b2, topk_weights, offsets, indices, token_in
                activation, alpha, limit, interleaved, foreign, need_dw, need_dtw, general, dw_dtype, quant=None,
                dpre=None, pre_scale=None, pre_tile=1):
     """B1's second launch (:mod:`moeblaze.kernels.act_bwd`) and B2, from B1's GEMM output ``dact' [N, h]`` (the
-    16-bit and the FP8 path's): ``dpre`` over ``pre``, or into ``dpre`` (for a ``pre`` in e4m3 tiles with
-    ``pre_scale``, ``pre_tile``), in e4m3 with ``quant`` (``act_bwd_rows``'s); with ``need_dw`` ``w * act`` over
+    16-bit and the FP8 path's): ``dpre`` over ``pre``, or into ``dpre`` (given for a ``pre`` in e4m3 tiles with
+    ``pre_scale``, ``pre_tile``), with ``quant`` in e4m3 too (``act_bwd_rows``); with ``need_dw`` ``w * act`` over
     ``dact'`` and ``dW2[e] = sum_s dout[token(s)]^T (w act)[s]`` on the 16-bit ``dout``; returns ``(dw2,
     dtopk_weights)``, placeholders for what is not needed."""
     h = w2.shape[2]

@@ -188,29 +188,24 @@ def down_forward(recipe: Float8Recipe, act: Tensor, w2: Tensor, topk_weights: Te
 
 def _down_backward_impl(dout, pre, pre_scale, w2, b2, topk_weights, offsets, indices, tile_expert, tile_row,
                         num_tiles, token_index_map, token_expert_indices, activation, alpha, limit, interleaved,
-                        foreign, need_dw, need_dtw, general, dw_dtype, pow2, dpre_scale, dpre_data=None):
-    # B1 in FP8, the activation backward writing dpre in rowwise e4m3 (into dpre_data, or over the kept e4m3 pre
-    # when there is none) and its row scales into dpre_scale, dtopk_weights, and B2 dW2[e] = sum_s dout[token(s)]^T
-    # (w act) in 16 bits
+                        foreign, need_dw, need_dtw, general, dw_dtype, pow2, dpre_scale=None):
+    # B1 in FP8, then the 16-bit path's activation backward (dpre over a 16-bit pre, or into a new tensor from the
+    # kept e4m3 pre and its tile scales pre_scale, whose storage then takes dpre in e4m3 for B3 on CUDA: dpre_scale),
+    # dtopk_weights and B2 dW2[e] = sum_s dout[token(s)]^T (w act)
     dact = _b1(dout, w2, offsets, indices, (tile_expert, tile_row, num_tiles), pow2)
-    dq = pre if dpre_data is None else dpre_data
-    args = (dout, dact, pre, w2, b2, topk_weights, offsets, indices, token_index_map, token_expert_indices,
-            activation, alpha, limit, interleaved, foreign, need_dw, need_dtw, general, dw_dtype)
-    if _act_bwd_quantizes(dout):  # straight to e4m3: no 16-bit dpre exists
-        dw2, dtw = kx.act_bwd_b2(*args, quant=(dpre_scale.view(-1), pow2), dpre=dq, pre_scale=pre_scale,
-                                 pre_tile=KEPT_TILE)
-    else:  # the same fp32 rows stored, then quantized
-        dpre = torch.empty(pre.shape, dtype=torch.float32, device=dout.device)
-        dw2, dtw = kx.act_bwd_b2(*args, dpre=dpre, pre_scale=pre_scale, pre_tile=KEPT_TILE)
-        _rows(dpre, pow2, (dq, dpre_scale))
-    return dw2, dtw
+    kept = pre_scale is not None
+    dpre = torch.empty(pre.shape, dtype=dout.dtype, device=dout.device) if kept else pre
+    quant = (pre, dpre_scale.view(-1), pow2) if kept and _fuses_dpre(dpre_scale, dout) else None
+    dw2, dtw = kx.act_bwd_b2(dout, dact, pre, w2, b2, topk_weights, offsets, indices, token_index_map,
+                             token_expert_indices, activation, alpha, limit, interleaved, foreign, need_dw, need_dtw,
+                             general, dw_dtype, quant, dpre=dpre, pre_scale=pre_scale, pre_tile=KEPT_TILE)
+    return (dpre if kept else kx._empty(dout)), dw2, dtw
 
 
-def _act_bwd_quantizes(t: Tensor) -> bool:
-    """Whether the activation backward writes ``dpre`` in e4m3 itself: on CUDA. The interpreter's e4m3 casts differ
-    from the recipe's (DESIGN.md §7), so on the CPU ``dpre`` is stored in fp32 and quantized by the recipe's PyTorch
-    ops after it (the same values)."""
-    return t.is_cuda
+def _fuses_dpre(dpre_scale, t) -> bool:
+    """Whether B1's activation backward writes B3's e4m3 ``dpre`` (given a scale buffer, on CUDA: the interpreter's
+    e4m3 casts differ from the recipe's, so on the CPU B3 quantizes with PyTorch's ops as before)."""
+    return dpre_scale is not None and t.is_cuda
 
 
 def _b1(dout, w2, offsets, indices, sched, pow2):
@@ -226,39 +221,39 @@ def _b1(dout, w2, offsets, indices, sched, pow2):
 
 
 _down_backward_op = torch.library.custom_op(
-    "moeblaze::fp8_down_backward", _down_backward_impl, mutates_args=("pre", "dpre_scale", "dpre_data"),
+    "moeblaze::fp8_down_backward", _down_backward_impl, mutates_args=("pre", "dpre_scale"),
     schema="(Tensor dout, Tensor(a!) pre, Tensor? pre_scale, Tensor w2, Tensor? b2, Tensor topk_weights, "
            "Tensor offsets, Tensor indices, Tensor tile_expert, Tensor tile_row, Tensor num_tiles, "
            "Tensor token_index_map, Tensor token_expert_indices, str activation, float alpha, float limit, "
            "bool interleaved, bool foreign, bool need_dw, bool need_dtw, bool general, ScalarType? dw_dtype, "
-           "bool pow2, Tensor(b!) dpre_scale, Tensor(c!)? dpre_data=None) -> (Tensor, Tensor)")
+           "bool pow2, Tensor(b!)? dpre_scale=None) -> (Tensor, Tensor, Tensor)")
 
 
 @_down_backward_op.register_fake
 def _(dout, pre, pre_scale, w2, b2, topk_weights, offsets, indices, tile_expert, tile_row, num_tiles,
       token_index_map, token_expert_indices, activation, alpha, limit, interleaved, foreign, need_dw, need_dtw,
-      general, dw_dtype, pow2, dpre_scale, dpre_data=None):
-    return kx.down_backward_outputs(w2, topk_weights, token_index_map, need_dw, need_dtw, dw_dtype)
+      general, dw_dtype, pow2, dpre_scale=None):
+    dpre = pre.new_empty(pre.shape, dtype=dout.dtype) if pre_scale is not None else kx._empty(dout)
+    return (dpre, *kx.down_backward_outputs(w2, topk_weights, token_index_map, need_dw, need_dtw, dw_dtype))
 
 
 def down_backward(recipe: Float8Recipe, dout: Tensor, pre: Tensor | Float8Tensor, w2: Tensor, topk_weights: Tensor,
                   index: DispatchIndex, activation: str, need_dw: bool, need_dtw: bool, *, b2: Tensor | None = None,
                   act_args: ActArgs = DEFAULT_ACT, dw_dtype: torch.dtype | None = None,
                   dpre_q: Float8Tensor | None = None,
-                  dtype: torch.dtype | None = None) -> tuple[Float8Tensor, Tensor | None, Tensor | None]:
+                  dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor | None, Tensor | None]:
     """B1 in FP8 (``dact' = dout[token(s)] w2[e]``, ``w2`` quantized as its cast to ``dout``'s dtype, which ``dtype``
-    names in the emulation), the activation backward and ``dtopk_weights``, B2 in 16 bits
-    (:func:`moeblaze.ops_fp8.down_backward`): ``(dpre, dw2 | None, dtopk_weights | None)``, ``dpre`` rowwise e4m3
-    ``[N, 2h|h]`` with its ``[N, 1]`` scales (what B3 and B4 read), written by the activation backward on CUDA (no
-    16-bit ``dpre`` exists), quantized by the recipe's PyTorch ops after it elsewhere.
+    names in the emulation), the 16-bit path's activation backward and ``dtopk_weights``, B2 in 16 bits
+    (:func:`moeblaze.ops_fp8.down_backward`): ``(dpre [N, 2h|h], dw2 | None, dtopk_weights | None)``.
 
-    ``pre``: the kept e4m3 tiles of :func:`up_forward`'s ``keep``, read as they are, or ``[N, 2h|h]`` in ``dout``'s
-    dtype recomputed (unit column stride, else a copy; overwritten). ``dpre_q``: where ``dpre`` goes, a view of the
-    kept ``pre``'s storage (dead once read: ``N 2h`` bytes less at the backward's peak; autograd sees the change, so
-    a second backward through the graph raises), or None: a new tensor.
+    ``pre``: the kept e4m3 tiles of :func:`up_forward`'s ``keep`` (read as they are: no 16-bit copy; ``dpre`` is a
+    new tensor in ``dout``'s dtype), or ``[N, 2h|h]`` in ``dout``'s dtype recomputed (unit column stride, else a
+    copy), overwritten with ``dpre`` and returned. ``dpre_q``: B3's rowwise e4m3 ``dpre`` in the kept ``pre``'s
+    storage (a view of it, a scale per row); on CUDA the activation backward writes ``dpre`` quantized into
+    it (:func:`up_backward` with it as ``reuse`` and ``quantized``), elsewhere it is left.
 
     Raises:
-        ValueError: ``dpre_q`` not in the kept e4m3 ``pre``'s storage.
+        ValueError: ``dpre_q`` not in the kept ``pre``'s storage.
     """
     dout = dout.contiguous()
     if isinstance(pre, Float8Tensor):
@@ -268,63 +263,71 @@ def down_backward(recipe: Float8Recipe, dout: Tensor, pre: Tensor | Float8Tensor
     if dpre_q is not None and (pre_scale is None or (not torch.compiler.is_compiling()  # no data_ptr in a trace
                                                      and dpre_q.data.data_ptr() != data.data_ptr())):
         raise ValueError("down_backward: dpre_q must lie in the kept e4m3 pre's storage")
-    if dpre_q is None:
-        N, cols = data.shape
-        dpre_q = Float8Tensor(data.new_empty(N, cols, dtype=E4M3), data.new_empty(N, 1, dtype=torch.float32),
-                              (1, cols))
-    own = dpre_q.data if pre_scale is None else None  # else the kernels write into pre's storage itself
-    dw2, dtw = call_op(_down_backward_op, _down_backward_impl, dout, data, pre_scale, w2, b2, topk_weights,
-                       *_index_args(index), index.token_index_map, index.token_expert_indices, activation,
-                       *act_args, index.foreign_experts, need_dw, need_dtw, index.is_general, dw_dtype,
-                       recipe.pow2_scales, dpre_q.scale, own,
-                       mutated=(data, dpre_q.scale) + ((own,) if own is not None else ()))
-    return dpre_q, (dw2 if need_dw else None), (dtw if need_dtw else None)
+    q_scale = dpre_q.scale if dpre_q is not None else None
+    dpre, dw2, dtw = call_op(_down_backward_op, _down_backward_impl, dout, data, pre_scale, w2, b2, topk_weights,
+                             *_index_args(index), index.token_index_map, index.token_expert_indices, activation,
+                             *act_args, index.foreign_experts, need_dw, need_dtw, index.is_general, dw_dtype,
+                             recipe.pow2_scales, q_scale,
+                             mutated=(data,) if pre_scale is None else (data, q_scale) if q_scale is not None else ())
+    return (dpre if pre_scale is not None else data), (dw2 if need_dw else None), (dtw if need_dtw else None)
 
 
 # ---------------------------------------------------------------- B3-B5, B4
 
-def _up_backward_impl(dq, ds, x, w1, offsets, indices, tile_expert, tile_row, num_tiles, token_index_map, foreign,
-                      need_dx, need_dw, pair_offsets, dw_dtype, pow2):
-    dx, dw1 = kx._empty(x), kx._empty(w1)
+def _up_backward_impl(dpre, x, w1, offsets, indices, tile_expert, tile_row, num_tiles, token_index_map, foreign,
+                      need_dx, need_dw, pair_offsets, dw_dtype, pow2, reuse_data=None, reuse_scale=None,
+                      quantized=False):
+    dx, dw1 = kx._empty(dpre), kx._empty(w1)
     if need_dx:
-        dx = _b3(dq, ds, w1, x.dtype, offsets, indices, (tile_expert, tile_row, num_tiles), token_index_map, foreign,
-                 pair_offsets, pow2)
-    if need_dw:  # B4 dW1[e]^T = sum_s x[token(s)]^T dpre[s], dpre's e4m3 rows times their scales in 16 bits
-        dw1 = kx.grad_in_storage(w1, x, dq, offsets, indices, dw_dtype, True, foreign, zero_tail=foreign,
-                                 b_scale=ds.view(-1))
+        reuse = (reuse_data, reuse_scale) if reuse_data is not None else None
+        ready = quantized and _fuses_dpre(reuse_scale, dpre)  # B1's activation backward wrote it
+        dx = _b3(dpre, w1, offsets, indices, (tile_expert, tile_row, num_tiles), token_index_map, foreign,
+                 pair_offsets, pow2, reuse, ready)
+    if need_dw:  # B4 dW1[e]^T = sum_s x[token(s)]^T dpre[s] in 16 bits
+        dw1 = kx.grad_in_storage(w1, x, dpre, offsets, indices, dw_dtype, True, foreign, zero_tail=foreign)
     return dx, dw1
 
 
-def _b3(dq, ds, w1, dtype, offsets, indices, sched, token_index_map, foreign, pair_offsets, pow2):
-    """B3 with the B5 combine, ``dx [T, d]`` in ``dtype``, on the e4m3 ``dpre`` rows and ``w1^T [E, d, 2h|h]``
-    (K-major, a scale per column of w1). A function of its own so that the e4m3 copy of ``w1`` is freed before B4
-    allocates ``dw1``."""
-    wq = _weight_rows(w1.transpose(1, 2), pow2, dtype)
-    return kx.slots_to_tokens(dq, wq.data, True, offsets, indices, sched, token_index_map, None, foreign,
-                              pair_offsets, out_dtype=dtype, a_scale=ds[:, 0], b_scale=wq.scale[..., 0])
+def _b3(dpre, w1, offsets, indices, sched, token_index_map, foreign, pair_offsets, pow2, reuse, ready):
+    """B3 with the B5 combine, ``dx [T, d]`` in ``dpre``'s dtype, on e4m3 ``dpre`` rows (``reuse`` as it is when
+    ``ready``; else quantized here, into ``reuse``, the kept e4m3 ``pre`` of the same shape, dead by now, when
+    given) and ``w1^T [E, d, 2h|h]`` (K-major, a scale per column of w1). A function of its own so that the e4m3
+    copies are freed before B4 allocates ``dw1``."""
+    gq = Float8Tensor(*reuse, (1, dpre.shape[1])) if ready else _rows(dpre, pow2, reuse)
+    wq = _weight_rows(w1.transpose(1, 2), pow2, dpre.dtype)
+    return kx.slots_to_tokens(gq.data, wq.data, True, offsets, indices, sched, token_index_map, None, foreign,
+                              pair_offsets, out_dtype=dpre.dtype, a_scale=gq.scale[:, 0], b_scale=wq.scale[..., 0])
 
 
 _up_backward_op = torch.library.custom_op(
-    "moeblaze::fp8_up_backward", _up_backward_impl, mutates_args=(),
-    schema="(Tensor dq, Tensor ds, Tensor x, Tensor w1, Tensor offsets, Tensor indices, Tensor tile_expert, "
+    "moeblaze::fp8_up_backward", _up_backward_impl, mutates_args=("reuse_data", "reuse_scale"),
+    schema="(Tensor dpre, Tensor x, Tensor w1, Tensor offsets, Tensor indices, Tensor tile_expert, "
            "Tensor tile_row, Tensor num_tiles, Tensor token_index_map, bool foreign, bool need_dx, bool need_dw, "
-           "Tensor? pair_offsets, ScalarType? dw_dtype, bool pow2) -> (Tensor, Tensor)")
+           "Tensor? pair_offsets, ScalarType? dw_dtype, bool pow2, Tensor(a!)? reuse_data=None, "
+           "Tensor(b!)? reuse_scale=None, bool quantized=False) -> (Tensor, Tensor)")
 
 
 @_up_backward_op.register_fake
-def _(dq, ds, x, w1, offsets, indices, tile_expert, tile_row, num_tiles, token_index_map, foreign, need_dx,
-      need_dw, pair_offsets, dw_dtype, pow2):
+def _(dpre, x, w1, offsets, indices, tile_expert, tile_row, num_tiles, token_index_map, foreign, need_dx,
+      need_dw, pair_offsets, dw_dtype, pow2, reuse_data=None, reuse_scale=None, quantized=False):
     return kx.up_backward_outputs(x, w1, need_dx, need_dw, dw_dtype)
 
 
-def up_backward(recipe: Float8Recipe, dpre: Float8Tensor, x: Tensor, w1: Tensor, index: DispatchIndex,
+def up_backward(recipe: Float8Recipe, dpre: Tensor, x: Tensor, w1: Tensor, index: DispatchIndex,
                 need_dx: bool, need_dw: bool, *, dw_dtype: torch.dtype | None = None,
+                reuse: Float8Tensor | None = None, quantized: bool = False,
                 dtype: torch.dtype | None = None) -> tuple[Tensor | None, Tensor | None]:
-    """B3 in FP8 with the B5 combine (``dx [T, d]`` in ``x``'s dtype, ``w1`` quantized as its cast to it, which
-    ``dtype`` names in the emulation) and B4 (``dw1``) in 16 bits on the layer's ``x`` and ``dpre``'s e4m3 rows
-    times their scales (:func:`moeblaze.ops_fp8.up_backward`): ``(dx | None, dw1 | None)``. ``dpre``: rowwise e4m3
-    ``[N, 2h|h]`` (:func:`down_backward`'s)."""
-    dx, dw1 = call_op(_up_backward_op, _up_backward_impl, dpre.data, dpre.scale, x.contiguous(), w1,
+    """B3 in FP8 with the B5 combine (``dx [T, d]`` in ``dpre``'s dtype, ``w1`` quantized as its cast to it, which
+    ``dtype`` names in the emulation) and B4 in 16 bits on the layer's ``x``
+    (:func:`moeblaze.ops_fp8.up_backward`): ``(dx | None, dw1 | None)``. ``reuse``: ``[N, 2h|h]`` e4m3 in the kept
+    ``pre``'s storage (dead after the activation backward) with a scale per row: B3's e4m3 ``dpre`` is written into
+    it (``N 2h`` bytes less at the backward's peak); autograd sees the change, so a second backward through the
+    graph raises.
+    ``quantized``: ``reuse`` was :func:`down_backward`'s ``dpre_q``, which on CUDA holds B3's e4m3 ``dpre``
+    already (no quantization here)."""
+    kept = (reuse.data, reuse.scale) if reuse is not None and need_dx else (None, None)
+    dx, dw1 = call_op(_up_backward_op, _up_backward_impl, dpre.contiguous(), x.to(dpre.dtype).contiguous(), w1,
                       *_index_args(index), index.token_index_map, index.foreign_experts, need_dx, need_dw,
-                      index.pair_offsets, dw_dtype, recipe.pow2_scales)
+                      index.pair_offsets, dw_dtype, recipe.pow2_scales, *kept, quantized and kept[0] is not None,
+                      mutated=tuple(t for t in kept if t is not None))
     return (dx if need_dx else None), (dw1 if need_dw else None)

@@ -49,7 +49,7 @@ _GEMM = Launchable(grouped_gemm_kernel, gemm_configs, key=_GEMM_KEY, heuristics=
                    variant=lambda: tuning._gemm_launch(),
                    bucket=lambda a: tokens_bucket((a["max_tiles"] - a["NUM_EXPERTS"]) * a["BLOCK_M"], a["NUM_EXPERTS"]))
 _WGRAD = Launchable(grouped_wgrad_kernel, wgrad_configs, prune=prune_fp32_tiles,
-                    key=["P", "Q", "NUM_EXPERTS", "stride_c_p", "GATHER_A", "B_DESC", "DOT_PREC", "B_SCALED"],
+                    key=["P", "Q", "NUM_EXPERTS", "stride_c_p", "GATHER_A", "B_DESC", "DOT_PREC"],
                     variant=lambda: tuning._wgrad_launch(), bucket=lambda a: tokens_bucket(a["ROWS"], a["NUM_EXPERTS"]))
 # Every BLOCK_K of gemm_configs divides this: a K_DIM multiple of it never reads past an expert (B_DESC_KN).
 _K_QUANTUM = 64
@@ -314,14 +314,12 @@ def grouped_gemm(a, b, c, offsets, indices, sched, *, b_nk, n_cols, k_dim, gathe
 
 
 def grouped_wgrad(a, b, offsets, indices, *, p, q, out_dtype, transpose=False, slot_desc=True, zero_tail=False,
-                  k_major=None, b_scale=None):
+                  k_major=None):
     """Launch :func:`grouped_wgrad_kernel`: ``dW[e] = sum_s a[token(s)]^T b[s]`` in ``out_dtype``.
 
     ``a [T, p]`` (rows read through ``indices``), ``b [N, q]`` slot rows (through a TMA descriptor where
     :func:`.tuning.tma_enabled` and its rows are 16-byte aligned), both with unit column stride. Returns
     ``[E, p, q]``, or ``[E, q, p]`` (the transposed products, stored through swapped strides) if ``transpose``.
-    ``b_scale`` (``[N]`` fp32): ``b`` is e4m3, each row times its scale, rounded to ``a``'s 16-bit dtype before the
-    products (the FP8 layer's B4 on its rowwise e4m3 ``dpre``, :mod:`moeblaze.kernels.fp8_experts`).
     ``slot_desc=False`` reads ``b`` through clamped pointers: its rows past the last expert are never read
     (they hold foreign slots, never computed, whose garbage times A's zeros could be NaN). ``zero_tail``: those
     rows are foreign but the first ``act_bwd.ZERO_TAIL`` of them hold zeros (the activation backward wrote them),
@@ -334,10 +332,8 @@ def grouped_wgrad(a, b, offsets, indices, *, p, q, out_dtype, transpose=False, s
     if indices.numel() == 0 or p == 0 or q == 0:
         return torch.zeros(shape, dtype=out_dtype, device=a.device)
     out = torch.empty(shape, dtype=out_dtype, device=a.device)
-    if b_scale is not None and (rounds_tf32(a) if k_major is None else k_major):  # TF32's copies: of fp32 rows
-        b, b_scale = b.float() * b_scale[:, None], None
-    if k_major is None and (slot_desc or zero_tail) and ws_wgrad_ok(a, b, out_dtype, b_scale, not transpose):
-        grouped_wgrad_ws(a, b, out, offsets, indices, gather_a=not transpose, b_scale=b_scale)
+    if k_major is None and (slot_desc or zero_tail) and ws_wgrad_ok(a, b, out_dtype):
+        grouped_wgrad_ws(a, b, out, offsets, indices, gather_a=not transpose)
         return out
     stride_c_p, stride_c_q = (out.stride(2), out.stride(1)) if transpose else (out.stride(1), out.stride(2))
     gather_a = not (rounds_tf32(a) if k_major is None else k_major)
@@ -357,9 +353,8 @@ def grouped_wgrad(a, b, offsets, indices, *, p, q, out_dtype, transpose=False, s
         a_ptr=a, b_ptr=b, c_ptr=out, offsets_ptr=offsets, indices_ptr=indices, P=p, Q=q, ROWS=indices.numel(),
         stride_a_m=a_strides[0], stride_a_p=a_strides[1], stride_b_m=b_strides[0], stride_b_q=b_strides[1],
         stride_c_e=out.stride(0), stride_c_p=stride_c_p, stride_c_q=stride_c_q,
-        NUM_EXPERTS=E, b_scale_ptr=b_scale if b_scale is not None else offsets,  # a dummy when not B_SCALED
-        GATHER_A=gather_a, B_DESC=b_desc, DOT_PREC=dot_precision(a.dtype), B_SCALED=b_scale is not None,
-        E_POW2=next_pow2(E),
+        NUM_EXPERTS=E,
+        GATHER_A=gather_a, B_DESC=b_desc, DOT_PREC=dot_precision(a.dtype), E_POW2=next_pow2(E),
     )
     return out
 
@@ -373,15 +368,11 @@ WS_WGRAD_CONFIG = {"BLOCK_P": 128, "BLOCK_Q": 256, "BLOCK_K": 64, "NUM_STAGES": 
 assert WS_WGRAD_CONFIG["BLOCK_K"] <= ZERO_TAIL.value  # a box reads at most BLOCK_K - 1 rows past its expert
 
 
-def ws_wgrad_ok(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype, b_scale: torch.Tensor | None = None,
-                gather_a: bool = True) -> bool:
+def ws_wgrad_ok(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> bool:
     """:func:`grouped_wgrad_ws` can serve ``grouped_wgrad(a, b, ...)``: :func:`.tuning.ws_enabled`, 16-bit operands of
-    one dtype (or an e4m3 ``b`` with ``b_scale``, not ``gather_a``: its rows are the A side), an output in ``a``'s
-    dtype or fp32, aligned contiguous rows and ``a``'s width a multiple of 16 (its masked columns then go as whole
-    16-byte copies)."""
-    if a.dtype not in (torch.float16, torch.bfloat16) or out_dtype not in (a.dtype, torch.float32):
-        return False
-    if (b.dtype != a.dtype) if b_scale is None else (b.dtype != torch.float8_e4m3fn or gather_a):
+    one dtype, an output in that dtype or fp32, aligned contiguous rows and ``a``'s width a multiple of 16
+    (its masked columns then go as whole 16-byte copies)."""
+    if a.dtype not in (torch.float16, torch.bfloat16) or b.dtype != a.dtype or out_dtype not in (a.dtype, torch.float32):
         return False
     return tuning.ws_enabled(a.device) and a.shape[1] % 16 == 0 and rows_aligned(a) and rows_aligned(b)
 
@@ -394,13 +385,11 @@ def ws_wgrad_tma_store(out: torch.Tensor, operand_dtype: torch.dtype, block_p: i
     return out.dtype == operand_dtype and out.is_contiguous() and P % block_p == 0 and rows_aligned(out.view(E * P, Q))
 
 
-def grouped_wgrad_ws(a, b, out, offsets, indices, *, gather_a: bool, config: dict | None = None,
-                     b_scale: torch.Tensor | None = None) -> None:
+def grouped_wgrad_ws(a, b, out, offsets, indices, *, gather_a: bool, config: dict | None = None) -> None:
     """Launch :func:`moeblaze.kernels.ws_wgrad.ws_wgrad_kernel` into ``out`` (check :func:`ws_wgrad_ok` first):
     ``out[e] = sum_s a[token(s)]^T b[s]`` (``[E, p, q]``, ``gather_a``) or its transpose ``sum_s b[s]^T a[token(s)]``
-    (``[E, q, p]``), contiguous; ``b_scale``: ``b`` e4m3 with these row scales (:func:`grouped_wgrad`'s).
-    ``config``: overrides of :data:`WS_WGRAD_CONFIG` (block-size sweeps; ``TMA_STORE=False``: masked stores). Whole
-    tiles leave by TMA where :func:`ws_wgrad_tma_store` allows."""
+    (``[E, q, p]``), contiguous. ``config``: overrides of :data:`WS_WGRAD_CONFIG` (block-size sweeps;
+    ``TMA_STORE=False``: masked stores). Whole tiles leave by TMA where :func:`ws_wgrad_tma_store` allows."""
     from .ws_wgrad import MAX_REGS, ws_wgrad_kernel
 
     cfg = {**WS_WGRAD_CONFIG, **(config or {})}
@@ -410,10 +399,9 @@ def grouped_wgrad_ws(a, b, out, offsets, indices, *, gather_a: bool, config: dic
     c_desc = tma_desc(out.view(E * P, Q), [cfg["BLOCK_P"], 64]) if cfg["TMA_STORE"] else None
     tiles = E * cdiv(P, cfg["BLOCK_P"]) * cdiv(Q, cfg["BLOCK_Q"])
     direct.launch(ws_wgrad_kernel, (min(tiles, num_programs(a.device)),),
-        g_ptr=a, r_desc=desc, c_ptr=out, c_desc=c_desc, offsets_ptr=offsets, indices_ptr=indices,
-        r_scale_ptr=b_scale, P=P, Q=Q, NUM_EXPERTS=E, R_ROWS=b.shape[0], stride_g_t=a.stride(0),
-        stride_c_e=out.stride(0), stride_c_p=out.stride(1), GATHER_A=gather_a, R_SCALED=b_scale is not None, **cfg,
-        num_warps=8, maxnreg=MAX_REGS,
+        g_ptr=a, r_desc=desc, c_ptr=out, c_desc=c_desc, offsets_ptr=offsets, indices_ptr=indices, P=P, Q=Q,
+        NUM_EXPERTS=E, stride_g_t=a.stride(0), stride_c_e=out.stride(0), stride_c_p=out.stride(1),
+        GATHER_A=gather_a, **cfg, num_warps=8, maxnreg=MAX_REGS,
     )
 
 

@@ -59,27 +59,24 @@ SLOT_PAD = tl.constexpr(32)
 @triton.jit
 def grouped_wgrad_kernel(
     a_ptr,  # [T, P] gathered operand (dout, x); fp16/bf16/fp32; padded slot rows (stride_a_m 1) if not GATHER_A
-    b_ptr,  # [N, Q] slot rows (w act, dpre); e4m3 if B_SCALED
+    b_ptr,  # [N, Q] slot rows (w act, dpre)
     c_ptr,  # dW[e][p, q] at e*stride_c_e + p*stride_c_p + q*stride_c_q; the operands' dtype or fp32
     offsets_ptr,  # [E+1] int32 expert_token_offsets (not GATHER_A: of the padded ranges)
     indices_ptr,  # [N] int32 expert_token_indices (slot -> token)
-    b_scale_ptr,  # [N] fp32 dequantization scale of each row of b (B_SCALED)
     P, Q,
     ROWS,  # rows of B (N): extent of its descriptor
     stride_a_m, stride_a_p, stride_b_m, stride_b_q, stride_c_e, stride_c_p, stride_c_q,
     NUM_EXPERTS,  # E: the autotune key's, and the persistent loop's tile count
     GATHER_A: tl.constexpr, B_DESC: tl.constexpr, DOT_PREC: tl.constexpr,
-    B_SCALED: tl.constexpr,  # b is e4m3 with a scale per row: each value times it, rounded to A's dtype
     E_POW2: tl.constexpr,  # next power of 2 of NUM_EXPERTS (PERSISTENT: the step count over all experts at once)
     PERSISTENT: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
-    tl.static_assert(GATHER_A or not B_SCALED, "e4m3 slot rows come with 16-bit operands, read through the index")
     if PERSISTENT:
         tl.static_assert(GATHER_A, "the persistent weight gradient reads A through the index (16-bit operands)")
-        _persistent_tiles(a_ptr, b_ptr, c_ptr, offsets_ptr, indices_ptr, b_scale_ptr, P, Q, ROWS, stride_a_m,
-                          stride_a_p, stride_b_m, stride_b_q, stride_c_e, stride_c_p, stride_c_q, NUM_EXPERTS,
-                          B_DESC, DOT_PREC, B_SCALED, E_POW2, BLOCK_P, BLOCK_Q, BLOCK_K, GROUP_M)
+        _persistent_tiles(a_ptr, b_ptr, c_ptr, offsets_ptr, indices_ptr, P, Q, ROWS, stride_a_m, stride_a_p,
+                          stride_b_m, stride_b_q, stride_c_e, stride_c_p, stride_c_q, NUM_EXPERTS,
+                          B_DESC, DOT_PREC, E_POW2, BLOCK_P, BLOCK_Q, BLOCK_K, GROUP_M)
         return
     num_p = tl.cdiv(P, BLOCK_P)
     num_q = tl.cdiv(Q, BLOCK_Q)
@@ -122,10 +119,8 @@ def grouped_wgrad_kernel(
             b = b_desc.load([s0, pid_q * BLOCK_Q])
         else:
             b = _slot_rows(b_ptr, s, end, offs_q, Q, stride_b_m, stride_b_q)
-        if B_SCALED:
-            b = _times_row_scales(b, b_scale_ptr, s, end, ROWS, B_DESC, a_ptr.dtype.element_ty)
         acc = tl.dot(a, b, acc, input_precision=DOT_PREC)
-    _store_tile(c_ptr, acc, e, offs_p, offs_q, P, Q, stride_c_e, stride_c_p, stride_c_q, a_ptr.dtype.element_ty)
+    _store_tile(c_ptr, acc, e, offs_p, offs_q, P, Q, stride_c_e, stride_c_p, stride_c_q, b_ptr.dtype.element_ty)
 
 
 @triton.jit
@@ -135,17 +130,6 @@ def _slot_rows(b_ptr, s, end, offs_q, Q, stride_b_m, stride_b_q):
     rows = tl.maximum(tl.minimum(s, end - 1), 0).to(tl.int64)
     return tl.load(b_ptr + rows[:, None] * stride_b_m + offs_q[None, :] * stride_b_q, mask=(offs_q < Q)[None, :],
                    other=0.0)
-
-
-@triton.jit
-def _times_row_scales(b, b_scale_ptr, s, end, ROWS, B_DESC: tl.constexpr, dtype: tl.constexpr):
-    """The e4m3 slot rows ``b [BLOCK_K, BLOCK_Q]`` times their rows' scales in fp32, rounded to ``dtype`` (A's): the
-    rows the load read (TMA: ``s`` itself, zeros past ``ROWS``; pointers: clamped into the expert's range)."""
-    if B_DESC:
-        scale = tl.load(b_scale_ptr + s, mask=s < ROWS, other=0.0)
-    else:
-        scale = tl.load(b_scale_ptr + tl.maximum(tl.minimum(s, end - 1), 0))
-    return (b.to(tl.float32) * scale[:, None]).to(dtype)
 
 
 @triton.jit
@@ -159,10 +143,10 @@ def _store_tile(c_ptr, acc, e, offs_p, offs_q, P, Q, stride_c_e, stride_c_p, str
 
 
 @triton.jit
-def _persistent_tiles(a_ptr, b_ptr, c_ptr, offsets_ptr, indices_ptr, b_scale_ptr, P, Q, ROWS, stride_a_m, stride_a_p,
+def _persistent_tiles(a_ptr, b_ptr, c_ptr, offsets_ptr, indices_ptr, P, Q, ROWS, stride_a_m, stride_a_p,
                       stride_b_m, stride_b_q, stride_c_e, stride_c_p, stride_c_q, NUM_EXPERTS,
-                      B_DESC: tl.constexpr, DOT_PREC: tl.constexpr, B_SCALED: tl.constexpr, E_POW2: tl.constexpr,
-                      BLOCK_P: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+                      B_DESC: tl.constexpr, DOT_PREC: tl.constexpr, E_POW2: tl.constexpr, BLOCK_P: tl.constexpr,
+                      BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     """``PERSISTENT`` of :func:`grouped_wgrad_kernel`: this program's tiles as one flat loop of slot steps."""
     num_p = tl.cdiv(P, BLOCK_P)
     num_q = tl.cdiv(Q, BLOCK_Q)
@@ -214,10 +198,8 @@ def _persistent_tiles(a_ptr, b_ptr, c_ptr, offsets_ptr, indices_ptr, b_scale_ptr
             b = b_desc.load([s0, pid_q * BLOCK_Q])
         else:
             b = _slot_rows(b_ptr, s, end, offs_q, Q, stride_b_m, stride_b_q)
-        if B_SCALED:
-            b = _times_row_scales(b, b_scale_ptr, s, end, ROWS, B_DESC, a_ptr.dtype.element_ty)
         acc = tl.dot(a, b, acc, input_precision=DOT_PREC)
         if k == n_k - 1:  # the tile is summed
             _store_tile(c_ptr, acc, e, offs_p, offs_q, P, Q, stride_c_e, stride_c_p, stride_c_q,
-                        a_ptr.dtype.element_ty)
+                        b_ptr.dtype.element_ty)
             acc = tl.zeros((BLOCK_P, BLOCK_Q), dtype=tl.float32)

@@ -104,7 +104,7 @@ def _loader(ptrs, smem, bars, dims, GATHER_A: gl.constexpr, BLOCK_P: gl.constexp
             BLOCK_K: gl.constexpr, NUM_STAGES: gl.constexpr, GROUP_M: gl.constexpr):
     """Fill stage ``s``: gathered rows by cp.async, slot rows by TMA; both complete on ``ready[s]``."""
     g_ptr, r_desc, c_ptr, c_desc, offsets_ptr, indices_ptr = ptrs
-    g_bufs, r_bufs, c_smem, _ = smem
+    g_bufs, r_bufs, c_smem = smem
     ready, empty, c_ready, c_empty = bars
     P, Q, NUM_EXPERTS, stride_g_t, stride_c_e, stride_c_p = dims
     BLOCK_G: gl.constexpr = BLOCK_P if GATHER_A else BLOCK_Q
@@ -165,18 +165,14 @@ def hand_off(acc, prev, i_tile, empty, c_smem, c_ready, c_empty, TMA_STORE: gl.c
 
 
 @gluon.jit
-def _mma(offsets_ptr, r_scale_ptr, smem, bars, P, Q, NUM_EXPERTS, R_ROWS, GATHER_A: gl.constexpr,
-         R_SCALED: gl.constexpr, BLOCK_P: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_K: gl.constexpr,
-         NUM_STAGES: gl.constexpr, TMA_STORE: gl.constexpr, num_warps: gl.constexpr):
-    """``acc = sum_k A_k^T B_k`` over the stages (one wgmma in flight), then the tile into ``c_smem``.
-    ``R_SCALED``: the e4m3 slot rows, each value times its row's scale, go into ``a_bufs`` (two) in 16 bits first."""
-    g_bufs, r_bufs, c_smem, a_bufs = smem
+def _mma(offsets_ptr, smem, bars, P, Q, NUM_EXPERTS, GATHER_A: gl.constexpr, BLOCK_P: gl.constexpr,
+         BLOCK_Q: gl.constexpr, BLOCK_K: gl.constexpr, NUM_STAGES: gl.constexpr, TMA_STORE: gl.constexpr,
+         num_warps: gl.constexpr):
+    """``acc = sum_k A_k^T B_k`` over the stages (one wgmma in flight), then the tile into ``c_smem``."""
+    g_bufs, r_bufs, c_smem = smem
     ready, empty, c_ready, c_empty = bars
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                          instr_shape=[16, BLOCK_Q, 16])
-    # 16 e4m3 (16 bytes) per thread along the slot row: [BLOCK_K, BLOCK_P] in 32-element pieces a thread
-    cvt_layout: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [num_warps, 1], [1, 0])
-    ks = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(1, cvt_layout))
     num_p = gl.cdiv(P, BLOCK_P)
     num_q = gl.cdiv(Q, BLOCK_Q)
     programs = gl.num_programs(0)
@@ -193,29 +189,16 @@ def _mma(offsets_ptr, r_scale_ptr, smem, bars, P, Q, NUM_EXPERTS, R_ROWS, GATHER
             # pred is always true: it makes the carried range a value of the loop's body; used only by the inner
             # loop's bound, triton 3.6 dropped it from the carried values and every tile took the first tile's step
             # count (a hang on an H200, with two or more tiles per program)
-            if R_SCALED:  # issued before the wait: the load's latency runs under it
-                rows = start + kk * BLOCK_K + ks
-                scale = gl.load(r_scale_ptr + rows, mask=rows < R_ROWS, other=0.0)
             mbarrier.wait(ready.index(s), (it // NUM_STAGES) & 1, pred=start <= end)
             fence_async_shared()  # the gathered rows came by cp.async (generic proxy); wgmma reads the async one
             if GATHER_A:
                 a = g_bufs.index(s).permute((1, 0))  # [BLOCK_P, BLOCK_K], slots as the reduction
                 b = r_bufs.index(s)
-            elif R_SCALED:
-                a = a_bufs.index(it % 2)
-                v = r_bufs.index(s).load(cvt_layout).to(gl.float32) * scale[:, None]
-                a.store(v.to(a.dtype))
-                fence_async_shared()  # generic-proxy stores, read by wgmma through the async proxy
-                gl.thread_barrier()  # both warp groups' halves of the tile stored
-                a = a.permute((1, 0))
-                b = g_bufs.index(s)
             else:
                 a = r_bufs.index(s).permute((1, 0))
                 b = g_bufs.index(s)
             acc = warpgroup_mma(a, b, acc, is_async=True)
             acc = warpgroup_mma_wait(1, deps=(acc,))
-            if R_SCALED:  # the other warp group's wgmma on the buffer the next step overwrites retired too
-                gl.thread_barrier()
             mbarrier.arrive(empty.index(prev), count=1, pred=kk > 0)  # the previous stage's wgmma retired
             prev = s
             it += 1
@@ -231,7 +214,7 @@ def _epilogue(ptrs, smem, bars, dims, GATHER_A: gl.constexpr, BLOCK_P: gl.conste
     ``P % BLOCK_P == 0``: a box never reaches the next expert's rows; columns past Q are clipped by the
     descriptor); else masked stores in ``C``'s dtype, rows past P and columns past Q masked."""
     g_ptr, r_desc, c_ptr, c_desc, offsets_ptr, indices_ptr = ptrs
-    g_bufs, r_bufs, c_smem, _ = smem
+    g_bufs, r_bufs, c_smem = smem
     ready, empty, c_ready, c_empty = bars
     P, Q, NUM_EXPERTS, stride_g_t, stride_c_e, stride_c_p = dims
     layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [EPILOGUE_WARPS, 1], [1, 0])
@@ -269,51 +252,41 @@ def _epilogue(ptrs, smem, bars, dims, GATHER_A: gl.constexpr, BLOCK_P: gl.conste
 @gluon.jit
 def ws_wgrad_kernel(
     g_ptr,  # [T, G] 16-bit, unit column stride: the gathered operand (dout for B2, x for B4), rows via indices_ptr
-    r_desc,  # TMA descriptor over the [N, R] slot rows (w act for B2, dpre for B4), box [BLOCK_K, BLOCK_R]; e4m3
-             # if R_SCALED
-    c_ptr,  # [E, P, Q] dW (unit stride along Q): the gathered operand's dtype or fp32
+    r_desc,  # TMA descriptor over the [N, R] slot rows (w act for B2, dpre for B4), box [BLOCK_K, BLOCK_R]
+    c_ptr,  # [E, P, Q] dW (unit stride along Q): the operands' dtype or fp32
     c_desc,  # TMA descriptor over C as [E*P, Q], box [BLOCK_P, 64] (TMA_STORE), else None
     offsets_ptr,  # [E+1] int32 expert_token_offsets
     indices_ptr,  # [N] int32 expert_token_indices (slot -> token)
-    r_scale_ptr,  # [N] fp32 dequantization scale of each slot row (R_SCALED), else None
     P, Q, NUM_EXPERTS,
-    R_ROWS,  # N: the slot rows (R_SCALED: scales past it are not read)
     stride_g_t, stride_c_e, stride_c_p,
     GATHER_A: gl.constexpr,  # A (the P side) is the gathered operand; else B (the Q side) is
-    R_SCALED: gl.constexpr,  # the slot rows are e4m3 with a scale per row (B4 on the FP8 layer's dpre; not GATHER_A)
     BLOCK_P: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_K: gl.constexpr, NUM_STAGES: gl.constexpr,
     GROUP_M: gl.constexpr,
     TMA_STORE: gl.constexpr,  # whole tiles leave by TMA (launch.ws_wgrad_tma_store)
     num_warps: gl.constexpr,
 ):
-    gl.static_assert(not (GATHER_A and R_SCALED), "e4m3 slot rows are the A side (their P is the output's rows)")
-    dtype: gl.constexpr = g_ptr.dtype.element_ty
-    r_dtype: gl.constexpr = r_desc.dtype
+    dtype: gl.constexpr = r_desc.dtype
     BLOCK_G: gl.constexpr = BLOCK_P if GATHER_A else BLOCK_Q
     BLOCK_R: gl.constexpr = BLOCK_Q if GATHER_A else BLOCK_P
     g_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_K, BLOCK_G], dtype)
-    r_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_K, BLOCK_R], r_dtype)
+    r_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_K, BLOCK_R], dtype)
     c_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_P, BLOCK_Q], dtype)
     g_bufs = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_K, BLOCK_G], g_layout)
-    r_bufs = gl.allocate_shared_memory(r_dtype, [NUM_STAGES, BLOCK_K, BLOCK_R], r_layout)
+    r_bufs = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_K, BLOCK_R], r_layout)
     c_smem = gl.allocate_shared_memory(dtype, [BLOCK_P, BLOCK_Q], c_layout)
-    a_bufs = c_smem  # a placeholder, unused
-    if R_SCALED:  # the e4m3 slot rows scaled into 16 bits, double-buffered (the wgmma in flight reads the other)
-        a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_K, BLOCK_P], dtype)
-        a_bufs = gl.allocate_shared_memory(dtype, [2, BLOCK_K, BLOCK_P], a_layout)
     # ready: the TMA transaction (one arrival with its byte count) and each loader thread's cp.async arrival; in
     # triton 3.6 a partition's mbarrier.arrive is one thread's, after a barrier of the partition's warps
     ready, empty = stage_barriers(NUM_STAGES, 1 + LOADER_WARPS * 32, 1)
     c_ready, c_empty = tile_barriers(1)
 
     ptrs = (g_ptr, r_desc, c_ptr, c_desc, offsets_ptr, indices_ptr)
-    smem = (g_bufs, r_bufs, c_smem, a_bufs)
+    smem = (g_bufs, r_bufs, c_smem)
     bars = (ready, empty, c_ready, c_empty)
     dims = (P, Q, NUM_EXPERTS, stride_g_t, stride_c_e, stride_c_p)
     # constexprs go into the partitions' argument lists directly (a tuple variable would hold them as values)
     gl.warp_specialize([
-        (_mma, (offsets_ptr, r_scale_ptr, smem, bars, P, Q, NUM_EXPERTS, R_ROWS, GATHER_A, R_SCALED, BLOCK_P,
-                BLOCK_Q, BLOCK_K, NUM_STAGES, TMA_STORE, num_warps)),
+        (_mma, (offsets_ptr, smem, bars, P, Q, NUM_EXPERTS, GATHER_A, BLOCK_P, BLOCK_Q, BLOCK_K, NUM_STAGES,
+                TMA_STORE, num_warps)),
         (_loader, (ptrs, smem, bars, dims, GATHER_A, BLOCK_P, BLOCK_Q, BLOCK_K, NUM_STAGES, GROUP_M)),
         (_epilogue, (ptrs, smem, bars, dims, GATHER_A, BLOCK_P, BLOCK_Q, GROUP_M, TMA_STORE)),
     ], [LOADER_WARPS, EPILOGUE_WARPS], [WORKER_REGS, WORKER_REGS])
