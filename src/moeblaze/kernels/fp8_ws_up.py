@@ -1,18 +1,17 @@
 """Warp-specialized FP8 F1 for Hopper (sm90), in Gluon: the gated up-projection of the FP8 layer with its epilogue.
 
-For the slots ``s`` of an M-tile of expert ``e`` and 128 columns ``n`` of ``h``: ``gate = x_scale[t] w_scale[e, n]
+For the slots ``s`` of an M-tile of expert ``e`` and 64 columns ``n`` of ``h``: ``gate = x_scale[t] w_scale[e, n]
 sum_k x[t, k] W[e][n, k]`` and ``up`` likewise on W's row ``UP_OFF + n`` (``t`` the slot's token, ``x`` and
 ``w_gate_up`` in e4m3 under the rowwise recipe, :mod:`moeblaze.fp8`), rounded to 16 bits; then ``pre`` kept for
 backward in e4m3 with one scale per row of each 1 x 64 tile of each half (:meth:`moeblaze.fp8.Float8Recipe.
-quantize_kept`, two tiles of the output tile) and ``act = f(gate) * up`` in 16 bits.
+quantize_kept`, the tile of the output tile, ``BLOCK_N = KEPT_TILE``) and ``act = f(gate) * up`` in 16 bits.
 
-The sums run over the whole K in the tensor cores (F1 only; F2, B1 and B3 promote them every 128 products,
-:mod:`moeblaze.kernels.fp8_ws_gemm`): two fp32 accumulators of 64 x 128 per warp group (128 registers a thread) where
-promotion's partial sums held the tile to 64 columns, each gathered ``x`` row read 6 times instead of 12 at h 768.
-Two mma warp groups of 64 rows each keep one k-step's ``wgmma`` in flight. The partitions:
+Why: as :mod:`moeblaze.kernels.fp8_ws_gemm` (F2, B1, B3), the e4m3 sums are promoted into fp32 every 128 products;
+two mma warp groups of 64 rows each add their partial sums while the other's ``wgmma`` keeps the tensor cores busy,
+where the Triton kernel's promotion waits for them at every k-step. The partitions:
 
-  mma      (4 warps, default; 4 warps, worker)  two ``wgmma`` (gate and up, 64 x 128 each) per stage into the fp32
-                               accumulators, the previous stage's retired and released; after the last stage the
+  mma      (4 warps, default; 4 warps, worker)  two ``wgmma`` (gate and up, 64 x 64 each) per stage into fresh
+                               partial sums, waited for, added to the fp32 accumulators; after the last stage the
                                epilogue above from registers, rows past the expert's last slot masked
   loader   (2 warps)           the tile's token rows of ``x`` by 16-byte cp.async and the gate and up boxes of
                                ``w_gate_up`` by TMA, ``NUM_STAGES`` deep
@@ -50,14 +49,14 @@ from .ws_wgrad import LOADER_WARPS, stage_barriers
 
 # 10 warps, launched as 12 (warp specialization counts whole warp groups): 168 registers each at launch (65536 / 384,
 # rounded down to 8; 200 asked for more than the register file and the launch failed). The loader gives its down to 88
-# and both mma warp groups get 208 (the default partition the rest, 504 - 208 - 88): two 64 x 128 fp32 accumulators
-# are 128 per thread (scripts/gluon_sm90_compile.py: no spills).
+# and both mma warp groups get 208 (the default partition the rest, 504 - 208 - 88): two 64 x 64 fp32 accumulators
+# and their partial sums are 128 per thread; 224 left the default partition 192 and a 40-byte stack frame
+# (scripts/gluon_sm90_compile.py).
 MAX_REGS = 168
 MMA_REGS: gl.constexpr = gl.constexpr(208)
-# 128 columns of gate and of up (two of the kept pre's 1 x 64 tiles, moeblaze.fp8.KEPT_TILE) per output tile;
-# 128-column steps; 4 stages of 48 KiB (x rows, gate and up boxes).
-CONFIG = {"BLOCK_M": 128, "BLOCK_N": 2 * KEPT_TILE, "BLOCK_K": 128, "NUM_STAGES": 4, "GROUP_M": 8}
-_KEPT: gl.constexpr = gl.constexpr(KEPT_TILE)
+# 64 columns of gate and of up, the kept pre's tile (moeblaze.fp8.KEPT_TILE), per output tile; 128-column steps, the
+# promotion interval; 4 stages of 32 KiB (x rows, gate and up boxes).
+CONFIG = {"BLOCK_M": 128, "BLOCK_N": KEPT_TILE, "BLOCK_K": 128, "NUM_STAGES": 4, "GROUP_M": 8}
 
 
 @gluon.jit
@@ -68,36 +67,6 @@ def _store_kept(q_ptrs, s_ptrs, v, mask, row_mask, POW2: gl.constexpr):
     scale = scale_of(row_amax(v), _TINY, _QMAX, POW2)
     gl.store(s_ptrs, scale, mask=row_mask)
     gl.store(q_ptrs, to_e4m3(v, scale[:, None], _QMAX), mask=mask)
-
-
-@gluon.jit
-def _epilogue(acc_g, acc_u, j, e, pid_n, first_row, row_end, outs, scales, N_COLS, UP_OFF, kept,
-              ACTIVATION: gl.constexpr, POW2: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr):
-    """Columns ``j * KEPT_TILE ..`` of the output tile, rows ``first_row ..`` (``acc_g``, ``acc_u``: that kept
-    tile's sums): gate and up scaled and rounded to 16 bits, ``pre`` in e4m3 with one scale per row, and ``act``."""
-    pre_ptr, pre_s_ptr, act_ptr, stride_pre_m, stride_act_m, alpha, limit = outs
-    a_scale_ptr, w_scale_ptr, indices_ptr, A_ROWS, stride_ws_e = scales
-    layout: gl.constexpr = acc_g.type.layout
-    rows = first_row + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
-    row_mask = rows < row_end
-    tile = pid_n * (BLOCK_N // _KEPT) + j  # the kept tile of these columns
-    n = tile * _KEPT + gl.arange(0, _KEPT, layout=gl.SliceLayout(0, layout))
-    n_mask = n < N_COLS
-    tokens = gl.load(indices_ptr + rows, mask=rows < A_ROWS, other=0)
-    a_scale = gl.load(a_scale_ptr + tokens, mask=rows < A_ROWS, other=0.0)[:, None]
-    w_scales = w_scale_ptr + e.to(gl.int64) * stride_ws_e + n
-    gate = acc_g * a_scale * gl.load(w_scales, mask=n_mask, other=0.0)[None, :]
-    up = acc_u * a_scale * gl.load(w_scales + UP_OFF, mask=n_mask, other=0.0)[None, :]
-    gate = gate.to(act_ptr.dtype.element_ty).to(gl.float32)  # pre rounded to 16 bits, as the Triton epilogue
-    up = up.to(act_ptr.dtype.element_ty).to(gl.float32)
-    mask = row_mask[:, None] & n_mask[None, :]
-    pre_ptrs = pre_ptr + rows.to(gl.int64)[:, None] * stride_pre_m + n[None, :]
-    s_ptrs = pre_s_ptr + rows.to(gl.int64) * (2 * kept) + tile
-    _store_kept(pre_ptrs, s_ptrs, gate, mask, row_mask & (tile < kept), POW2)
-    _store_kept(pre_ptrs + UP_OFF, s_ptrs + kept, up, mask, row_mask & (tile < kept), POW2)
-    act = act_forward(gate, up, alpha, limit, ACTIVATION)
-    gl.store(act_ptr + rows.to(gl.int64)[:, None] * stride_act_m + n[None, :], act.to(act_ptr.dtype.element_ty),
-             mask=mask)
 
 
 @gluon.jit
@@ -112,38 +81,48 @@ def _mma_up(outs, scales, sched, smem, bars, dims, HALF: gl.constexpr, ACTIVATIO
     ready, empty = bars
     K_DIM, N_COLS, UP_OFF = dims
     ROWS: gl.constexpr = BLOCK_M // 2
-    zero, _, _ = half_tile(ROWS, BLOCK_N)
+    zero, r_in, c_in = half_tile(ROWS, BLOCK_N)
     num_tiles, num_n, my_tiles = _tiles(num_tiles_ptr, N_COLS, BLOCK_N)
-    kept = gl.cdiv(N_COLS, _KEPT)  # kept tiles per half and row
+    kept = gl.cdiv(N_COLS, BLOCK_N)  # kept tiles per half and row (BLOCK_N is the kept tile)
     it = 0  # k-steps consumed so far: stage it % NUM_STAGES, phase (it // NUM_STAGES) & 1
     for i_tile in range(my_tiles):
         pid_n, e, row0, row_end = _tile(i_tile, num_tiles, num_n, tile_expert_ptr, tile_row_ptr, offsets_ptr,
                                         GROUP_M)
         acc_g = zero
         acc_u = zero
-        prev = 0
-        for k in range(0, K_DIM, BLOCK_K):
+        for _k in range(0, K_DIM, BLOCK_K):
             s = it % NUM_STAGES
             mbarrier.wait(ready.index(s), (it // NUM_STAGES) & 1)
             fence_async_shared()  # the gathered rows came by cp.async (generic proxy); wgmma reads the async one
             a = a_bufs.index(s).slice(HALF * ROWS, ROWS, dim=0)
             w = w_bufs.index(s)  # [2 * BLOCK_N, BLOCK_K]: gate rows, then up rows
-            acc_g = warpgroup_mma(a, w.slice(0, BLOCK_N, dim=0).permute((1, 0)), acc_g, is_async=True)
-            acc_u = warpgroup_mma(a, w.slice(BLOCK_N, BLOCK_N, dim=0).permute((1, 0)), acc_u, is_async=True)
-            acc_g, acc_u = warpgroup_mma_wait(2, deps=(acc_g, acc_u))  # the previous stage's two retired
-            mbarrier.arrive(empty.index(prev), count=1, pred=k > 0)  # this half is done with that stage
-            prev = s
+            part_g = warpgroup_mma(a, w.slice(0, BLOCK_N, dim=0).permute((1, 0)), zero, use_acc=False, is_async=True)
+            part_u = warpgroup_mma(a, w.slice(BLOCK_N, BLOCK_N, dim=0).permute((1, 0)), zero, use_acc=False,
+                                   is_async=True)
+            part_g, part_u = warpgroup_mma_wait(0, deps=(part_g, part_u))
+            mbarrier.arrive(empty.index(s), count=1)  # this half is done with the stage
+            acc_g = acc_g + part_g  # the promotion, while the other half's wgmma runs
+            acc_u = acc_u + part_u
             it += 1
-        acc_g, acc_u = warpgroup_mma_wait(0, deps=(acc_g, acc_u))
-        mbarrier.arrive(empty.index(prev), count=1)
-        # each kept tile's columns are registers of their own in the wgmma layout: the halves split without moves
-        g0, g1 = acc_g.reshape([ROWS, 2, _KEPT]).permute((0, 2, 1)).split()
-        u0, u1 = acc_u.reshape([ROWS, 2, _KEPT]).permute((0, 2, 1)).split()
-        first_row = row0 + HALF * ROWS
-        _epilogue(g0, u0, 0, e, pid_n, first_row, row_end, outs, scales, N_COLS, UP_OFF, kept, ACTIVATION, POW2, ROWS,
-                  BLOCK_N)
-        _epilogue(g1, u1, 1, e, pid_n, first_row, row_end, outs, scales, N_COLS, UP_OFF, kept, ACTIVATION, POW2, ROWS,
-                  BLOCK_N)
+        rows = row0 + HALF * ROWS + r_in
+        row_mask = rows < row_end
+        n = pid_n * BLOCK_N + c_in
+        n_mask = n < N_COLS
+        tokens = gl.load(indices_ptr + rows, mask=rows < A_ROWS, other=0)
+        a_scale = gl.load(a_scale_ptr + tokens, mask=rows < A_ROWS, other=0.0)[:, None]
+        w_scales = w_scale_ptr + e.to(gl.int64) * stride_ws_e + n
+        gate = acc_g * a_scale * gl.load(w_scales, mask=n_mask, other=0.0)[None, :]
+        up = acc_u * a_scale * gl.load(w_scales + UP_OFF, mask=n_mask, other=0.0)[None, :]
+        gate = gate.to(act_ptr.dtype.element_ty).to(gl.float32)  # pre rounded to 16 bits, as the Triton epilogue
+        up = up.to(act_ptr.dtype.element_ty).to(gl.float32)
+        mask = row_mask[:, None] & n_mask[None, :]
+        pre_ptrs = pre_ptr + rows.to(gl.int64)[:, None] * stride_pre_m + n[None, :]
+        s_ptrs = pre_s_ptr + rows.to(gl.int64) * (2 * kept) + pid_n
+        _store_kept(pre_ptrs, s_ptrs, gate, mask, row_mask, POW2)
+        _store_kept(pre_ptrs + UP_OFF, s_ptrs + kept, up, mask, row_mask, POW2)
+        act = act_forward(gate, up, alpha, limit, ACTIVATION)
+        gl.store(act_ptr + rows.to(gl.int64)[:, None] * stride_act_m + n[None, :], act.to(act_ptr.dtype.element_ty),
+                 mask=mask)
 
 
 @gluon.jit
@@ -151,7 +130,7 @@ def fp8_ws_up_kernel(
     a_ptr,  # [T, K_DIM] e4m3 token rows (x), row t at t * stride_a_t, unit column stride
     w_desc,  # TMA descriptor over the e4m3 w_gate_up rows [E * N_EXT, K_DIM] (gate rows, then up rows), box [BLOCK_N, BLOCK_K]
     pre_ptr,  # [N, 2 * N_COLS] e4m3 out: the kept pre, gate at n, up at UP_OFF + n
-    pre_s_ptr,  # [N, 2, cdiv(N_COLS, KEPT_TILE)] fp32 out: the scales of pre's 1 x KEPT_TILE tiles per half
+    pre_s_ptr,  # [N, 2, cdiv(N_COLS, BLOCK_N)] fp32 out: the scales of pre's 1 x BLOCK_N tiles per half
     act_ptr,  # [N, N_COLS] 16-bit out: act
     a_scale_ptr,  # [T] fp32 dequantization scale of each token row of x
     w_scale_ptr,  # [E, N_EXT] fp32 dequantization scale of each weight row, row e at e * stride_ws_e

@@ -32,11 +32,12 @@ afterwards (:mod:`moeblaze.kernels.act_bwd`, where the measurement that chose th
 ``FP8``: A and B are e4m3 under the rowwise recipe (:mod:`moeblaze.fp8`: one scale per row of A and per weight
 row along n, both along the reduction); the main loop is the same, and the accumulator is multiplied by the two
 scales once after it, before the epilogue (bias included). B is read K-major (``B_DESC_NK`` or its pointers),
-the layout the e4m3 tensor cores take. In F2, B1 and B3 (``EPILOGUE_PLAIN``) the tensor cores' e4m3 sums are
-promoted into the fp32 accumulator every ``BLOCK_K`` products (``max_num_imprecise_acc``; DeepSeek-V3 §3.3.2):
-Hopper's FP8 MMA keeps fewer accumulator bits, and Triton lets it sum the whole K on sm90. F1 (``EPILOGUE_ACT_FWD``)
-sums the whole K in the tensor cores, as torchao's forward (``use_fast_accum``): its promotion's registers held the
-Gluon F1 (:mod:`.fp8_ws_up`) to 64-column tiles; DESIGN.md §8 gives the training runs.
+the layout the e4m3 tensor cores take. The tensor cores' e4m3 sums are promoted into the fp32 accumulator every
+``BLOCK_K`` products (``max_num_imprecise_acc``; DeepSeek-V3 §3.3.2): Hopper's FP8 MMA keeps fewer accumulator bits,
+and Triton lets it sum the whole K on sm90. Without it ``moeblaze train --preset 1b --precision fp8-mixed`` (1,000
+steps) ended at 1.333 bits/byte against bf16-mixed's 1.277, with it at 1.277 (docs/results-fp8-train.csv); the FP8
+layer step went from 0.94-1.06x bf16's speed to 0.81-0.89x (``moeblaze bench --configs qwen3-30b-a3b,olmoe-1b-7b
+--impls moeblaze,moeblaze-fp8``, docs/results.csv).
 Accumulation is fp32 (``tl.dot``); nothing is atomic, so results are bitwise reproducible.
 """
 
@@ -112,7 +113,7 @@ def _mainloop(a_ptr, b_ptr, a_desc, b_desc, a_rows, a_row0, e, pid_n, N_COLS, K_
               stride_a_m, stride_a_k, stride_b_e, stride_b_k, stride_b_n,
               DUAL: tl.constexpr, A_DESC: tl.constexpr, B_DESC: tl.constexpr, EVEN_K: tl.constexpr,
               EVEN_N: tl.constexpr, DOT_PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-              BLOCK_K: tl.constexpr, FP8: tl.constexpr, PROMOTE: tl.constexpr):
+              BLOCK_K: tl.constexpr, FP8: tl.constexpr):
     """``acc[m, n] = sum_k A[a_rows[m], k] B[e][k, n]`` (and ``acc2`` with B's columns shifted by ``UP_OFF``;
     ``up_shift`` is that shift in elements). ``N_EXT``: the weight's extent along n (``2h`` for gated F1).
 
@@ -178,14 +179,10 @@ def _mainloop(a_ptr, b_ptr, a_desc, b_desc, a_rows, a_row0, e, pid_n, N_COLS, K_
             b = tl.load(b_ptrs, mask=b_mask, other=0.0)
             if DUAL:
                 b2 = tl.load(b_ptrs + up_shift, mask=b_mask, other=0.0)
-        if FP8 and PROMOTE:  # the tensor cores' sums promoted to fp32 every BLOCK_K products (module docstring)
+        if FP8:  # the tensor cores' sums promoted to the fp32 accumulator every BLOCK_K products (module docstring)
             acc = tl.dot(a, b, acc, max_num_imprecise_acc=BLOCK_K)
             if DUAL and not WIDE:
                 acc2 = tl.dot(a, b2, acc2, max_num_imprecise_acc=BLOCK_K)
-        elif FP8:  # F1: summed in the tensor cores over the whole K
-            acc = tl.dot(a, b, acc)
-            if DUAL and not WIDE:
-                acc2 = tl.dot(a, b2, acc2)
         else:
             acc = tl.dot(a, b, acc, input_precision=DOT_PREC)
             if DUAL and not WIDE:
@@ -309,7 +306,7 @@ def _gemm_tile(
         stride_a_m=stride_a_m, stride_a_k=stride_a_k, stride_b_e=stride_b_e, stride_b_k=stride_b_k,
         stride_b_n=stride_b_n,
         DUAL=DUAL, A_DESC=A_DESC, B_DESC=B_DESC, EVEN_K=EVEN_K, EVEN_N=EVEN_N, DOT_PREC=DOT_PREC,
-        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, FP8=FP8, PROMOTE=EPILOGUE == EPILOGUE_PLAIN,
+        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, FP8=FP8,
     )
     if FP8:  # rowwise e4m3 operands: the sums of the whole K times A's row scale and the weight row's scale
         a_scale = tl.load(a_scale_ptr + a_rows)[:, None]

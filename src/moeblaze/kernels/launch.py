@@ -194,10 +194,10 @@ def _up_ws_launched(a, b, c, aux, pre_scale, a_scale, b_scale, offsets, indices,
     warp-specialized Gluon kernel (:mod:`.fp8_ws_up`) where it runs and pays; False where it does not."""
     if not tuning.ws_enabled(a.device):
         return False
-    from .fp8_ws_up import CONFIG as UP_CONFIG  # the module imports Gluon: only where it can run
-    from .fp8_ws_up import launch_ws_up, ws_up_ok
+    from .fp8_ws_up import launch_ws_up, ws_up_ok  # the module imports Gluon: only where it can run
 
-    if not ws_up_ok(a, b, c, aux) or not _ws_gemm_pays(sched[0].numel(), n_cols, a.device, UP_CONFIG["BLOCK_N"]):
+    # fp8_ws_up.CONFIG's 64-column tiles
+    if not ws_up_ok(a, b, c, aux) or not _ws_gemm_pays(sched[0].numel(), n_cols, a.device, KEPT_TILE):
         return False
     launch_ws_up(a, b, c, aux, pre_scale, a_scale, b_scale, offsets, indices, sched, n_cols, k_dim,
                  activation, alpha, limit, pre_pow2)
