@@ -33,7 +33,9 @@
 #   fp8_ws     tests/test_ws_kernels.py -k fp8 (the Gluon FP8 kernels against the Triton ones, bitwise), then
 #              benchmarks/bench_ws.py --fp8 --check at $FP8_WS_SHAPES (Qwen3-30B-A3B and OLMoE-1B-7B, T 32,768) -> ws.csv
 #   fp8_train  moeblaze train --preset 1b in bf16-mixed, then fp8-mixed ($FP8_TRAIN_STEPS, default 1000; same seed
-#              and batches; FP8_TRAIN_TIMEOUT per run, default 290 s) -> both metrics.csv and fp8-training.png
+#              and batches; FP8_TRAIN_TIMEOUT per run, default 290 s), for each seed of $FP8_TRAIN_SEEDS (default 1337:
+#              one run of a seed ends 2-3% from another, so a 1% comparison takes several) -> each metrics.csv,
+#              fp8-training.png and fp8_train_plot.txt (moeblaze plot's table: mean and range per precision)
 #   hf         benchmarks/bench_hf.py $HF_ARGS (default: the transformers Qwen3-MoE with grouped_mm, SonicMoE and
 #              moeblaze, 150 steps; e.g. HF_ARGS="--impls grouped_mm,moeblaze --batch-size 32 --steps 20" for the
 #              peak memory at 32 x 2048 tokens per step), SonicMoE from .peers/ with its QuACK cache
@@ -182,16 +184,20 @@ for stage in "$@"; do
         --labels "aux-free u=1e-3" "switch 0.01" --out "$LOGS/balance.png" ;;
     trq) run tr_quality timeout "${TRAIN_TIMEOUT:-580}" python3 benchmarks/bench_token_rounding.py quality \
           --out-dir "$LOGS/tr_quality" ;;
-    fp8_train)  # issue 59: the 1b preset in bf16-mixed and fp8-mixed, same seed and batches, and both loss curves
-      for precision in bf16-mixed fp8-mixed; do
-        run "train_$precision" timeout "${FP8_TRAIN_TIMEOUT:-290}" python3 -m moeblaze.cli train --preset 1b \
-          --device cuda --precision "$precision" --steps "${FP8_TRAIN_STEPS:-1000}" --seed 1337 --eval-interval 250 \
-          --checkpoint-interval 0 --checkpoint-minutes 0 --no-final-checkpoint --no-progress --overwrite \
-          --out-dir "/tmp/fp8_train/$precision"
-        cp "/tmp/fp8_train/$precision/metrics.csv" "$LOGS/fp8_train_${precision}_metrics.csv"
+    fp8_train)  # issue 59: the 1b preset in bf16-mixed and fp8-mixed, same seeds and batches, and the loss curves
+      runs=() labels=()
+      for seed in ${FP8_TRAIN_SEEDS:-1337}; do
+        for precision in bf16-mixed fp8-mixed; do
+          run "train_${precision}_$seed" timeout "${FP8_TRAIN_TIMEOUT:-290}" python3 -m moeblaze.cli train --preset 1b \
+            --device cuda --precision "$precision" --steps "${FP8_TRAIN_STEPS:-1000}" --seed "$seed" \
+            --eval-interval 250 --checkpoint-interval 0 --checkpoint-minutes 0 --no-final-checkpoint --no-progress \
+            --overwrite --out-dir "/tmp/fp8_train/$precision-$seed"
+          cp "/tmp/fp8_train/$precision-$seed/metrics.csv" "$LOGS/fp8_train_${precision}_${seed}_metrics.csv"
+          runs+=("/tmp/fp8_train/$precision-$seed") labels+=("$precision")
+        done
       done
-      run fp8_train_plot python3 -m moeblaze.cli plot /tmp/fp8_train/bf16-mixed /tmp/fp8_train/fp8-mixed \
-        --labels bf16-mixed,fp8-mixed --out "$LOGS/fp8-training.png" ;;
+      run fp8_train_plot python3 -m moeblaze.cli plot "${runs[@]}" --labels "$(IFS=,; echo "${labels[*]}")" \
+        --out "$LOGS/fp8-training.png" ;;
     *) echo "unknown stage $stage"; status=2 ;;
   esac
 done

@@ -172,3 +172,28 @@ def test_plot_of_several_runs_is_one_figure_of_their_losses(tmp_path, monkeypatc
     (tmp_path / "empty").mkdir()
     assert run_cli("plot", "bf16", "empty") == 2
     assert "cannot read" in capsys.readouterr().err
+
+
+def test_plot_of_groups_of_runs_tables_their_final_losses(tmp_path, monkeypatch, capsys):
+    """``moeblaze plot A1 A2 B --labels a,a,b``: one curve color per label and a table of the groups: runs, the mean
+    of each run's last 10 training losses with their range, the last validation's mean and range, and each group's
+    mean over the first group's."""
+    pytest.importorskip("matplotlib")
+    from moeblaze.training.plot import compare_table, final_metrics, read_metrics
+
+    header = "step,loss,bits_per_byte,lr,step_s,tokens_per_s,val_bpb\n"
+    finals = {"a1": 1.0, "a2": 1.2, "b": 1.21}
+    for name, last in finals.items():
+        (tmp_path / name).mkdir()
+        rows = [f"{s},{9.0 if s <= 5 else last},1.0,0.001,0.1,100.0,{last + 0.5 if s == 15 else ''}\n"
+                for s in range(1, 16)]
+        (tmp_path / name / "metrics.csv").write_text(header + "".join(rows))
+    assert final_metrics(read_metrics(tmp_path / "a1")) == (1.0, 1.5)  # steps 6-15: the last 10 losses
+    table = compare_table([tmp_path / n for n in finals], ["a", "a", "b"]).splitlines()
+    assert len(table) == 3 and table[0].split()[:2] == ["label", "runs"]
+    assert table[1].split() == ["a", "2", "1.1000", "(1.0000-1.2000)", "1.6000", "(1.5000-1.7000)", "1.0000"]
+    assert table[2].split() == ["b", "1", "1.2100", "1.7100", "1.1000"]
+    monkeypatch.chdir(tmp_path)
+    assert run_cli("plot", "a1", "a2", "b", "--labels", "a,a,b") == 0
+    out = capsys.readouterr().out
+    assert (tmp_path / "loss-compare.png").stat().st_size > 1000 and "(1.0000-1.2000)" in out

@@ -173,12 +173,13 @@ def _cmd_sample(args: argparse.Namespace) -> int:
 
 
 def _cmd_plot(args: argparse.Namespace) -> int:
-    from .training.plot import plot_compare, plot_run
+    from .training.plot import compare_table, plot_compare, plot_run
 
     runs = [resolve_run(d, holds_metrics) for d in args.out_dir or [ROOT]]
     if len(runs) > 1 or args.out is not None or args.labels:  # labels name the curves of a comparison
         labels = args.labels.split(",") if args.labels else None
         print(f"wrote {plot_compare(runs, args.out or 'loss-compare.png', labels)}")
+        print(compare_table(runs, labels))
         return 0
     paths = plot_run(runs[0])
     print(f"wrote {', '.join(p.name for p in paths)} in {paths[0].parent}")
@@ -244,14 +245,17 @@ def build_parser() -> argparse.ArgumentParser:
     p_plot = subparsers.add_parser("plot", help="draw a run's loss and expert-load curves (metrics.csv) as PNG files",
                                    description="Read OUT_DIR/metrics.csv of a moeblaze train run and write "
                                                "loss.png and expert_load.png into OUT_DIR; with several OUT_DIRs "
-                                               "(or --out), their loss curves in one figure (needs matplotlib).")
+                                               "(or --out), their loss curves in one figure and a table of their "
+                                               "final losses, runs of one label summarised by mean and range "
+                                               "(needs matplotlib).")
     p_plot.add_argument("out_dir", metavar="OUT_DIR", nargs="*",
                         help=f"the --out-dir of a moeblaze train run; a folder of numbered runs: its newest run with "
                              f"a metrics.csv [{ROOT}]")
     p_plot.add_argument("--out", default=None, metavar="FILE",
                         help="the PNG of the runs' loss curves together [loss-compare.png with several runs]")
     p_plot.add_argument("--labels", default=None, metavar="A,B,...",
-                        help="comma-separated legend names, one per run [the folder names]")
+                        help="comma-separated legend names, one per run; runs given one name are one group "
+                             "(seeds of one setting) [the folder names]")
     p_plot.set_defaults(func=_cmd_plot)
 
     p_export = subparsers.add_parser(

@@ -1,6 +1,8 @@
 """``moeblaze plot OUT_DIR``: the curves of a ``moeblaze train`` run, from its ``metrics.csv``, as PNG files;
 ``moeblaze plot RUN RUN ... --out FILE``: the loss curves of several runs in one figure (a precision, recipe or
-config against another: same steps, one color per run).
+config against another: same steps, one color per label) and a table of their final losses; runs given one label are
+one group (seeds of one setting), summarised by mean and range: two runs of one seed already end 2-3% apart on a GPU
+(docs/benchmarks.md, FP8 training), so a comparison at 1% needs several runs a side.
 
 ``loss.png``: the training loss and the validation loss in bits per byte against the step. ``expert_load.png``
 (where the run logged the expert load, :mod:`moeblaze.training.metrics_log`): max / mean tokens per expert of the worst
@@ -19,7 +21,10 @@ from pathlib import Path
 from .metrics_log import FILE_NAME, LOAD_COLUMNS
 from .train_config import ConfigError
 
-__all__ = ["draw_load", "draw_loss", "plot_compare", "plot_run", "read_metrics"]
+__all__ = ["FINAL_STEPS", "compare_table", "draw_load", "draw_loss", "final_metrics", "plot_compare", "plot_run",
+           "read_metrics"]
+
+FINAL_STEPS = 10  # a run's final loss: the mean of its last 10 logged training losses (docs/results-fp8-train.csv)
 
 
 def read_metrics(out_dir: str | os.PathLike) -> dict[str, list[float | None]]:
@@ -53,13 +58,15 @@ def _series(metrics: dict, name: str) -> tuple[list[float], list[float]]:
     return [p[0] for p in pairs], [p[1] for p in pairs]
 
 
-def draw_loss(ax, metrics: dict, label: str = "", color=None) -> None:
-    """Training (line) and validation (markers) bits per byte against the step on ``ax``."""
+def draw_loss(ax, metrics: dict, label: str | None = "", color=None) -> None:
+    """Training (line) and validation (markers) bits per byte against the step on ``ax``; ``label`` None: no legend
+    entries (another run of a group already has them)."""
     prefix = f"{label}: " if label else ""
-    ax.plot(*_series(metrics, "bits_per_byte"), lw=0.8, color=color, label=f"{prefix}train")
+    names = ("_nolegend_",) * 2 if label is None else (f"{prefix}train", f"{prefix}validation")
+    ax.plot(*_series(metrics, "bits_per_byte"), lw=0.8, color=color, label=names[0])
     steps, val = _series(metrics, "val_bpb")
     if steps:
-        ax.plot(steps, val, "o--", ms=4, color=color, label=f"{prefix}validation")
+        ax.plot(steps, val, "o--", ms=4, color=color, label=names[1])
     ax.set_xlabel("step")
     ax.set_ylabel("bits per byte")
     ax.grid(alpha=0.3)
@@ -91,28 +98,78 @@ def _figure_class():
     return Figure
 
 
+def _runs(out_dirs: list[str | os.PathLike], labels: list[str] | None) -> tuple[list[Path], list[str]]:
+    runs = [Path(d).expanduser() for d in out_dirs]
+    labels = labels or [r.name for r in runs]
+    if len(labels) != len(runs):
+        raise ConfigError(f"--labels: {len(labels)} given for {len(runs)} runs; give one per run")
+    return runs, labels
+
+
 def plot_compare(out_dirs: list[str | os.PathLike], out_file: str | os.PathLike,
                  labels: list[str] | None = None) -> Path:
-    """The training and validation bits per byte of each run in ``out_dirs`` (a color each, labelled by ``labels``
-    or the folder names) in one figure, written to ``out_file`` (PNG); returns its path.
+    """The training and validation bits per byte of each run in ``out_dirs`` (labelled by ``labels`` or the folder
+    names; a color per label, runs of one label a group) in one figure, written to ``out_file`` (PNG); returns its
+    path.
 
     Raises:
         ConfigError: a folder without a ``metrics.csv`` with rows, ``labels`` not one per run, or matplotlib is not
             installed.
     """
+    runs, labels = _runs(out_dirs, labels)
     Figure = _figure_class()
-    runs = [Path(d).expanduser() for d in out_dirs]
-    labels = labels or [r.name for r in runs]
-    if len(labels) != len(runs):
-        raise ConfigError(f"--labels: {len(labels)} given for {len(runs)} runs; give one per run")
+    groups = list(dict.fromkeys(labels))
     fig = Figure(figsize=(7, 4.5), layout="constrained")
     ax = fig.subplots()
     for i, (run, label) in enumerate(zip(runs, labels)):
-        draw_loss(ax, read_metrics(run), label, color=f"C{i}")
-    ax.set_title("loss — " + " vs ".join(labels))
+        first = labels.index(label) == i
+        draw_loss(ax, read_metrics(run), label if first else None, color=f"C{groups.index(label)}")
+    ax.set_title("loss — " + " vs ".join(groups))
     out = Path(out_file).expanduser()
     fig.savefig(out, dpi=120)
     return out
+
+
+def final_metrics(metrics: dict) -> tuple[float | None, float | None]:
+    """``(final loss, last validation)`` of a run's metrics: the mean of its last :data:`FINAL_STEPS` training losses
+    (nats per byte) and its last validation bits per byte; None where it logged none."""
+    losses = _series(metrics, "loss")[1][-FINAL_STEPS:]
+    val = _series(metrics, "val_bpb")[1]
+    return (sum(losses) / len(losses) if losses else None), (val[-1] if val else None)
+
+
+def compare_table(out_dirs: list[str | os.PathLike], labels: list[str] | None = None) -> str:
+    """A text table of the runs in ``out_dirs`` by label (runs sharing one are a group, e.g. seeds of one precision):
+    the number of runs, the mean final loss (:func:`final_metrics`) with its range, the mean last validation bits per
+    byte with its range, and the group's mean final loss over the first group's.
+
+    Raises:
+        ConfigError: a folder without a ``metrics.csv`` with rows, or ``labels`` not one per run.
+    """
+    runs, labels = _runs(out_dirs, labels)
+    finals: dict[str, list[tuple[float | None, float | None]]] = {}
+    for run, label in zip(runs, labels):
+        finals.setdefault(label, []).append(final_metrics(read_metrics(run)))
+
+    def spread(values: list[float | None], fmt: str) -> tuple[str, float | None]:
+        known = [v for v in values if v is not None]
+        if not known:
+            return "—", None
+        mean = sum(known) / len(known)
+        text = format(mean, fmt) + (f" ({min(known):{fmt}}-{max(known):{fmt}})" if len(known) > 1 else "")
+        return text, mean
+
+    rows = [("label", "runs", f"final loss, nats/byte (last {FINAL_STEPS} steps)", "validation, bits/byte",
+             f"loss / {next(iter(finals))}'s")]
+    base = None
+    for label, pairs in finals.items():
+        loss, mean = spread([p[0] for p in pairs], ".4f")
+        val, _ = spread([p[1] for p in pairs], ".4f")
+        base = mean if base is None else base
+        ratio = f"{mean / base:.4f}" if mean is not None and base else "—"
+        rows.append((label, str(len(pairs)), loss, val, ratio))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
 
 
 def plot_run(out_dir: str | os.PathLike) -> list[Path]:
