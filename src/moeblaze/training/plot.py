@@ -122,8 +122,9 @@ def plot_compare(out_dirs: list[str | os.PathLike], out_file: str | os.PathLike,
     fig = Figure(figsize=(7, 4.5), layout="constrained")
     ax = fig.subplots()
     for i, (run, label) in enumerate(zip(runs, labels)):
-        first = labels.index(label) == i
-        draw_loss(ax, read_metrics(run), label if first else None, color=f"C{groups.index(label)}")
+        n = labels.count(label)
+        name = f"{label} ({n} runs)" if n > 1 else label
+        draw_loss(ax, read_metrics(run), name if labels.index(label) == i else None, color=f"C{groups.index(label)}")
     ax.set_title("loss — " + " vs ".join(groups))
     out = Path(out_file).expanduser()
     fig.savefig(out, dpi=120)
