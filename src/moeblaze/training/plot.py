@@ -152,20 +152,19 @@ def compare_table(out_dirs: list[str | os.PathLike], labels: list[str] | None = 
     for run, label in zip(runs, labels):
         finals.setdefault(label, []).append(final_metrics(read_metrics(run)))
 
-    def spread(values: list[float | None], fmt: str) -> tuple[str, float | None]:
+    def spread(values: list[float | None]) -> tuple[str, float | None]:
         known = [v for v in values if v is not None]
         if not known:
             return "—", None
         mean = sum(known) / len(known)
-        text = format(mean, fmt) + (f" ({min(known):{fmt}}-{max(known):{fmt}})" if len(known) > 1 else "")
-        return text, mean
+        return f"{mean:.4f}" + (f" ({min(known):.4f}-{max(known):.4f})" if len(known) > 1 else ""), mean
 
     rows = [("label", "runs", f"final loss, nats/byte (last {FINAL_STEPS} steps)", "validation, bits/byte",
              f"loss / {next(iter(finals))}'s")]
     base = None
     for label, pairs in finals.items():
-        loss, mean = spread([p[0] for p in pairs], ".4f")
-        val, _ = spread([p[1] for p in pairs], ".4f")
+        loss, mean = spread([p[0] for p in pairs])
+        val, _ = spread([p[1] for p in pairs])
         base = mean if base is None else base
         ratio = f"{mean / base:.4f}" if mean is not None and base else "—"
         rows.append((label, str(len(pairs)), loss, val, ratio))
