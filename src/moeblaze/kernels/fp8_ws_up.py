@@ -81,6 +81,7 @@ def _mma_up(outs, scales, sched, smem, bars, dims, HALF: gl.constexpr, ACTIVATIO
     ready, empty = bars
     K_DIM, N_COLS, UP_OFF = dims
     ROWS: gl.constexpr = BLOCK_M // 2
+    zero2, _, _ = half_tile(ROWS, 2 * BLOCK_N)  # gate | up, as the stage holds their weight rows
     zero, r_in, c_in = half_tile(ROWS, BLOCK_N)
     num_tiles, num_n, my_tiles = _tiles(num_tiles_ptr, N_COLS, BLOCK_N)
     kept = gl.cdiv(N_COLS, BLOCK_N)  # kept tiles per half and row (BLOCK_N is the kept tile)
@@ -88,22 +89,23 @@ def _mma_up(outs, scales, sched, smem, bars, dims, HALF: gl.constexpr, ACTIVATIO
     for i_tile in range(my_tiles):
         pid_n, e, row0, row_end = _tile(i_tile, num_tiles, num_n, tile_expert_ptr, tile_row_ptr, offsets_ptr,
                                         GROUP_M)
-        acc_g = zero
-        acc_u = zero
+        acc = zero2
         for _k in range(0, K_DIM, BLOCK_K):
             s = it % NUM_STAGES
             mbarrier.wait(ready.index(s), (it // NUM_STAGES) & 1)
             fence_async_shared()  # the gathered rows came by cp.async (generic proxy); wgmma reads the async one
             a = a_bufs.index(s).slice(HALF * ROWS, ROWS, dim=0)
-            w = w_bufs.index(s)  # [2 * BLOCK_N, BLOCK_K]: gate rows, then up rows
-            part_g = warpgroup_mma(a, w.slice(0, BLOCK_N, dim=0).permute((1, 0)), zero, use_acc=False, is_async=True)
-            part_u = warpgroup_mma(a, w.slice(BLOCK_N, BLOCK_N, dim=0).permute((1, 0)), zero, use_acc=False,
-                                   is_async=True)
-            part_g, part_u = warpgroup_mma_wait(0, deps=(part_g, part_u))
+            # one wgmma over the stage's [2 * BLOCK_N, BLOCK_K] gate and up rows: the A rows are read from shared
+            # memory once for both halves
+            part = warpgroup_mma(a, w_bufs.index(s).permute((1, 0)), zero2, use_acc=False, is_async=True)
+            part = warpgroup_mma_wait(0, deps=(part,))
             mbarrier.arrive(empty.index(s), count=1)  # this half is done with the stage
-            acc_g = acc_g + part_g  # the promotion, while the other half's wgmma runs
-            acc_u = acc_u + part_u
+            acc = acc + part  # the promotion, while the other half's wgmma runs
             it += 1
+        # columns j * BLOCK_N + n: j (gate 0, up 1) lies in each thread's registers, so the split moves no data
+        acc_g, acc_u = acc.reshape([ROWS, 2, BLOCK_N]).permute((0, 2, 1)).split()
+        acc_g = gl.convert_layout(acc_g, zero.type.layout)
+        acc_u = gl.convert_layout(acc_u, zero.type.layout)
         rows = row0 + HALF * ROWS + r_in
         row_mask = rows < row_end
         n = pid_n * BLOCK_N + c_in
