@@ -7,14 +7,17 @@ the largest difference of each FP8 kernel's output from the PyTorch emulation of
 rounding of the stored output is what remains), how far FP8's ``pre`` lies from the bf16 kernel's (the recipe's own
 rounding), and the median time of each kernel (``triton.testing.do_bench``; quantization of the operands not timed)
 with its TFLOP/s (F1 4·N·d·h, F2 2·N·d·h, N = T·K), and the time to quantize ``x`` with the recipe's PyTorch ops
-and (rowwise) with the one-launch kernel. Both kernels run in this process on the same inputs.
+and (rowwise) with the one-launch kernel. Both kernels run in this process on the same inputs. Rowwise also times
+the FP8 layer's F1 (``f1_layer``: ``pre`` kept in e4m3 tiles by the epilogue, on the warp-specialized Gluon kernel
+where it runs, ``moeblaze.kernels.fp8_ws_up``; weights quantized once, as a layer under ``fp8.reuse_weights()``).
 
 Blockwise (this module's kernels) promotes each 128-deep K step's product into the fp32 accumulator with its
 scales; rowwise (the 16-bit path's grouped GEMM on e4m3 operands) accumulates over all of K and scales once:
 which is faster on Hopper decides the recipe of the FP8 backward kernels.
 
 Usage (a GPU of sm90 or newer):
-    python3 benchmarks/bench_fp8_kernels.py [--configs small,qwen3-30b-a3b] [--recipes blockwise,rowwise] [--out F.csv]
+    python3 benchmarks/bench_fp8_kernels.py [--configs small,qwen3-30b-a3b] [--recipes blockwise,rowwise]
+        [--tokens T] [--note TEXT] [--out F.csv]
 """
 
 from __future__ import annotations
@@ -26,13 +29,13 @@ import sys
 import torch
 import triton
 
-from moeblaze import build_dispatch, ops_fp8
+from moeblaze import build_dispatch, fp8, ops_fp8
 from moeblaze.bench.report import append_dicts
 from moeblaze.bench.results import git_commit
 from moeblaze.dispatch import with_schedule
 from moeblaze.fp8 import GRANULARITIES, Float8Recipe
 from moeblaze.kernels import experts as bf16_kernels
-from moeblaze.kernels import tuning
+from moeblaze.kernels import fp8_experts, tuning
 from moeblaze.kernels.fp8_gemm import down_forward_fp8, up_forward_fp8
 from moeblaze.kernels.fp8_quant import quantize_rows_fp8
 from moeblaze.testing import make_expert_inputs
@@ -50,9 +53,10 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30))
 
 
-def measure(name: str, recipe: Float8Recipe) -> dict:
-    """One shape's row (see the module docstring)."""
+def measure(name: str, recipe: Float8Recipe, tokens: int | None = None) -> dict:
+    """One shape's row (see the module docstring); ``tokens``: T instead of the config's."""
     T, d, h, E, K = CONFIGS[name]
+    T = tokens or T
     inp = make_expert_inputs(T, d, h, E, K, dtype=torch.bfloat16, device="cuda", seed=0)
     x, w1, w2, tw = inp["x"], inp["w_gate_up"], inp["w_down"], inp["topk_weights"]
     # the tile schedule built once here, as a layer's plan does: not in the timed runs
@@ -70,7 +74,10 @@ def measure(name: str, recipe: Float8Recipe) -> dict:
         "f2_fp8": lambda: down_forward_fp8(actq, w2q, tw, index),
         "f2_bf16": lambda: bf16_kernels.down_forward(act16, w2, tw, index),
     }
-    ms = {k: triton.testing.do_bench(fn, warmup=50, rep=300) for k, fn in times.items()}
+    if recipe.granularity == "rowwise":
+        times["f1_layer"] = lambda: fp8_experts.up_forward(recipe, xq, w1, index, "swiglu", keep=True)
+    with fp8.reuse_weights():  # f1_layer quantizes w1 once; the other kernels take quantized weights
+        ms = {k: triton.testing.do_bench(fn, warmup=50, rep=300) for k, fn in times.items()}
     flop = {"f1": 4 * T * K * d * h, "f2": 2 * T * K * d * h}
     row = {"config": name, "T": T, "d": d, "h": h, "E": E, "K": K, "recipe": recipe.granularity,
            "f1_rel_err_vs_emulation": f"{_rel(pre, pre_em):.2e}", "f2_rel_err_vs_emulation": f"{_rel(out, out_em):.2e}",
@@ -78,6 +85,8 @@ def measure(name: str, recipe: Float8Recipe) -> dict:
     for k, v in ms.items():
         row[f"{k}_ms"] = f"{v:.4f}"
         row[f"{k}_tflops"] = f"{flop[k[:2]] / v / 1e9:.0f}"
+    row.setdefault("f1_layer_ms", "")
+    row.setdefault("f1_layer_tflops", "")
     # quantizing x: the recipe's PyTorch ops against the rowwise kernel (one launch; blockwise has none)
     row["quant_x_torch_ms"] = f"{triton.testing.do_bench(lambda: recipe.quantize_rows(x), warmup=50, rep=300):.4f}"
     row["quant_x_kernel_ms"] = (f"{triton.testing.do_bench(lambda: quantize_rows_fp8(x), warmup=50, rep=300):.4f}"
@@ -89,6 +98,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated names [%(default)s]")
     p.add_argument("--recipes", default="blockwise,rowwise", help="comma-separated granularities [%(default)s]")
+    p.add_argument("--tokens", type=int, help="T for every config instead of its own")
+    p.add_argument("--note", default="", help="text for the rows' note column (e.g. which code ran)")
     p.add_argument("--out", help="append the rows to this CSV (header written when new)")
     args = p.parse_args(argv)
     names = args.configs.split(",")
@@ -106,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
             "triton": triton.__version__,
             "command": " ".join(["python3 benchmarks/bench_fp8_kernels.py", *args_given])}
     for name, recipe in ((n, r) for n in names for r in recipes):
-        row = {**meta, **measure(name, Float8Recipe(recipe))}
+        row = {**meta, **measure(name, Float8Recipe(recipe), args.tokens), "note": args.note}
         print(row, flush=True)
         if args.out:
             append_dicts(args.out, [row])

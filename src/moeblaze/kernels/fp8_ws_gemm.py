@@ -73,16 +73,18 @@ def half_tile(ROWS: gl.constexpr, BLOCK_N: gl.constexpr):
 
 @gluon.jit
 def _gather_loader(gather, w_desc, sched, smem, bars, dims, DUAL: gl.constexpr, BLOCK_M: gl.constexpr,
-                   BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, NUM_STAGES: gl.constexpr, GROUP_M: gl.constexpr):
+                   BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, NUM_STAGES: gl.constexpr, GROUP_M: gl.constexpr,
+                   WARPS: gl.constexpr):
     """Fill stage ``s``: the weight box by TMA (``DUAL``: two, n and ``UP_OFF + n``, one after the other in the
-    stage, F1's gate and up rows), the tile's token rows of A by cp.async; all complete ``ready[s]``."""
+    stage, F1's gate and up rows), the tile's token rows of A by cp.async from each of the partition's ``WARPS``
+    warps; all complete ``ready[s]``."""
     a_ptr, indices_ptr, A_ROWS, stride_a_t, UP_OFF = gather
     tile_expert_ptr, tile_row_ptr, offsets_ptr, num_tiles_ptr = sched
     a_bufs, w_bufs, c_smem = smem
     ready, empty, c_ready, c_empty = bars
     K_DIM, N_COLS, N_EXT, N_START, stride_c_m = dims
-    # 2 warps, 16 contiguous e4m3 values (one 16-byte cp.async) per thread and row, 8 rows per pass
-    layout: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [LOADER_WARPS, 1], [1, 0])
+    # 16 contiguous e4m3 values (one 16-byte cp.async) per thread and row, 4 rows per warp and pass
+    layout: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [WARPS, 1], [1, 0])
     r_in = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
     ks = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, layout))
     num_tiles, num_n, my_tiles = _tiles(num_tiles_ptr, N_COLS, BLOCK_N)
@@ -199,7 +201,7 @@ def fp8_ws_gemm_kernel(
             (_mma, (scales, sched, smem, bars, dims, 0, True, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, GROUP_M)),
             (_mma, (scales, sched, smem, bars, dims, 1, True, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, GROUP_M)),
             (_gather_loader, ((a_ptr, indices_ptr, A_ROWS, stride_a_t, 0), w_desc, sched, smem, bars, dims, False,
-                              BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, GROUP_M)),
+                              BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, GROUP_M, LOADER_WARPS)),
             (_epilogue, (c_ptr, sched, smem, bars, dims, BLOCK_M, BLOCK_N, GROUP_M)),
         ], [MMA_WARPS, LOADER_WARPS, EPILOGUE_WARPS], [MMA_REGS, IO_REGS, IO_REGS])
     else:

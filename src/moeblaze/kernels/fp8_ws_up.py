@@ -10,12 +10,17 @@ Why: as :mod:`moeblaze.kernels.fp8_ws_gemm` (F2, B1, B3), the e4m3 sums are prom
 two mma warp groups of 64 rows each add their partial sums while the other's ``wgmma`` keeps the tensor cores busy,
 where the Triton kernel's promotion waits for them at every k-step. The partitions:
 
-  mma      (4 warps, default; 4 warps, worker)  two ``wgmma`` (gate and up, 64 x 64 each) per stage into fresh
-                               partial sums, waited for, added to the fp32 accumulators; after the last stage the
-                               epilogue above from registers, rows past the expert's last slot masked
-  loader   (2 warps)           the tile's token rows of ``x`` by 16-byte cp.async and the gate and up boxes of
+  mma      (4 warps, default; 4 warps, worker)  one ``wgmma`` of 64 rows x 128 columns (gate, then up: the
+                               stage's weight rows) per stage into fresh partial sums, waited for, added to the fp32
+                               accumulator; after the last stage the epilogue above from registers, rows past the
+                               expert's last slot masked
+  loader   (4 warps)           the tile's token rows of ``x`` by 16-byte cp.async and the gate and up boxes of
                                ``w_gate_up`` by TMA, ``NUM_STAGES`` deep
                                (:func:`moeblaze.kernels.fp8_ws_gemm._gather_loader`)
+
+The loader issues the gathered rows: with 2 warps (16 cp.async a thread per k-step) it held F1 back, 4 take 0.94x
+the time (Qwen3-30B-A3B 3.34 against 3.56 ms, OLMoE-1B-7B 4.03 against 4.25, T 32,768, H200; one ``wgmma`` over
+gate and up against two of 64 columns: 0.99x; 5 or 6 stages against 4: 0.99-1.05x; docs/results-fp8-kernels.csv).
 
 The sums, scaling, rounding and quantization are the Triton kernel's (``grouped_gemm_kernel`` with ``FP8``,
 ``EPILOGUE_ACT_FWD``, ``PRE_FP8``), in its order and with its device functions (the recipe's scale and cast,
@@ -45,15 +50,16 @@ from .grouped_gemm import _QMAX, _TINY
 from .tma import rows_aligned, tma_desc
 from .tuning import cdiv, num_programs
 from .ws_gemm import _tile, _tiles
-from .ws_wgrad import LOADER_WARPS, stage_barriers
+from .ws_wgrad import stage_barriers
 
-# 10 warps, launched as 12 (warp specialization counts whole warp groups): 168 registers each at launch (65536 / 384,
-# rounded down to 8; 200 asked for more than the register file and the launch failed). The loader gives its down to 88
-# and both mma warp groups get 208 (the default partition the rest, 504 - 208 - 88): two 64 x 64 fp32 accumulators
-# and their partial sums are 128 per thread; 224 left the default partition 192 and a 40-byte stack frame
-# (scripts/gluon_sm90_compile.py).
+# 12 warps, three warp groups: 168 registers each at launch (65536 / 384, rounded down to 8; 200 asked for more than
+# the register file and the launch failed). The loader gives its down to 88 and both mma warp groups get 208 (the
+# default partition the rest, 504 - 208 - 88): a 64 x 128 fp32 accumulator and its partial sums are 128 per thread;
+# 224 left the default partition 192 and a 40-byte stack frame (scripts/gluon_sm90_compile.py).
 MAX_REGS = 168
 MMA_REGS: gl.constexpr = gl.constexpr(208)
+# the loader a whole warp group: 8 cp.async a thread per k-step (module docstring)
+UP_LOADER_WARPS: gl.constexpr = gl.constexpr(4)
 # 64 columns of gate and of up, the kept pre's tile (moeblaze.fp8.KEPT_TILE), per output tile; 128-column steps, the
 # promotion interval; 4 stages of 32 KiB (x rows, gate and up boxes).
 CONFIG = {"BLOCK_M": 128, "BLOCK_N": KEPT_TILE, "BLOCK_K": 128, "NUM_STAGES": 4, "GROUP_M": 8}
@@ -155,7 +161,7 @@ def fp8_ws_up_kernel(
     w_bufs = gl.allocate_shared_memory(dtype, [NUM_STAGES, 2 * BLOCK_N, BLOCK_K], w_desc.layout)
     # ready: the loader's expect (one arrival with both weight boxes' bytes) and each loader thread's cp.async arrival;
     # empty: both mma halves
-    ready, empty = stage_barriers(NUM_STAGES, 1 + LOADER_WARPS * 32, 2)
+    ready, empty = stage_barriers(NUM_STAGES, 1 + UP_LOADER_WARPS * 32, 2)
 
     outs = (pre_ptr, pre_s_ptr, act_ptr, stride_pre_m, stride_act_m, alpha, limit)
     scales = (a_scale_ptr, w_scale_ptr, indices_ptr, A_ROWS, stride_ws_e)
@@ -168,8 +174,8 @@ def fp8_ws_up_kernel(
                    POW2, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, GROUP_M)),
         (_gather_loader, ((a_ptr, indices_ptr, A_ROWS, stride_a_t, UP_OFF), w_desc, sched, (a_bufs, w_bufs, None),
                           (ready, empty, None, None), (K_DIM, N_COLS, N_EXT, 0, 0), True, BLOCK_M, BLOCK_N, BLOCK_K,
-                          NUM_STAGES, GROUP_M)),
-    ], [MMA_WARPS, LOADER_WARPS], [MMA_REGS, IO_REGS])
+                          NUM_STAGES, GROUP_M, UP_LOADER_WARPS)),
+    ], [MMA_WARPS, UP_LOADER_WARPS], [MMA_REGS, IO_REGS])
 
 
 def ws_up_ok(x: torch.Tensor, w: torch.Tensor, pre: torch.Tensor, act: torch.Tensor) -> bool:
