@@ -18,9 +18,10 @@ where the Triton kernel's promotion waits for them at every k-step. The partitio
                                ``w_gate_up`` by TMA, ``NUM_STAGES`` deep
                                (:func:`moeblaze.kernels.fp8_ws_gemm._gather_loader`)
 
-The loader issues the gathered rows: with 2 warps (16 cp.async a thread per k-step) it held F1 back, 4 take 0.94x
-the time (Qwen3-30B-A3B 3.34 against 3.56 ms, OLMoE-1B-7B 4.03 against 4.25, T 32,768, H200; one ``wgmma`` over
-gate and up against two of 64 columns: 0.99x; 5 or 6 stages against 4: 0.99-1.05x; docs/results-fp8-kernels.csv).
+The loader issues the gathered rows: with 2 warps (16 cp.async a thread per k-step) it held F1 back; with 4 F1 took
+0.95x the time (Qwen3-30B-A3B 3.40 against 3.59 ms, OLMoE-1B-7B 4.12 against 4.32, T 32,768, H200; one ``wgmma``
+over gate and up against two of 64 columns: 0.99x / 1.00x; ``python3 benchmarks/bench_fp8_kernels.py --recipes
+rowwise --tokens 32768``, docs/results-fp8-kernels.csv).
 
 The sums, scaling, rounding and quantization are the Triton kernel's (``grouped_gemm_kernel`` with ``FP8``,
 ``EPILOGUE_ACT_FWD``, ``PRE_FP8``), in its order and with its device functions (the recipe's scale and cast,
