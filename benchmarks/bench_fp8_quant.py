@@ -31,7 +31,7 @@ from moeblaze.kernels import fp8_quant
 CONFIGS = {"qwen3-30b-a3b": (32768, 2048, 768, 128, 8), "olmoe-1b-7b": (32768, 2048, 1024, 64, 8)}  # T, d, h, E, K
 ALTERNATIVES = {  # operand kind: tiles tried beside the launcher's
     # the last four sweep rows of 768 columns (act, w2) twice in 256- and 512-column blocks, where the launcher
-    # masks a quarter of a 1,024-column block (1,381 GB/s against 3,091 for rows of 2,048, docs/results-fp8-quant.csv)
+    # masks a quarter of a 1,024-column block
     "rows": [(4, 1024, 4), (2, 2048, 4), (1, 2048, 4), (4, 2048, 8), (8, 1024, 8), (16, 256, 4), (32, 256, 8),
              (8, 512, 4), (16, 512, 8)],
     "transposed": [(32, 64, 4), (64, 64, 4), (8, 2048, 8), (16, 2048, 16), (4, 2048, 4), (64, 128, 8), (32, 128, 4),

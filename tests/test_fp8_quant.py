@@ -199,15 +199,17 @@ def test_gpu_bitwise_the_recipe(shape, transposed, dtype, pow2):
 
 def test_launcher_holds_power_of_two_rows_whole_and_sweeps_others(monkeypatch):
     """The GPU tiles of :func:`quantize_rows_fp8` (the measured ones, module docstring): a row of a power of two held
-    whole, a row of another length over 256 swept in 16 x 256 tiles, rows past 8,192 in 1,024-column sweeps."""
+    whole, a row of another length over 256 in 4 x 1,024 tiles (whole up to 1,024), rows past 8,192 in 1,024-column
+    sweeps, a transposed view in 32 x 128 sweeps."""
     from moeblaze.kernels import fp8_quant, tuning
 
     monkeypatch.setattr(tuning, "interpreting", lambda: False)
     rows = lambda C: torch.empty(1, 64, C)  # noqa: E731
     assert fp8_quant._tiles(rows(2048)) == (2, 2048, 4)
-    assert fp8_quant._tiles(rows(768)) == fp8_quant._tiles(rows(1536)) == (16, 256, 4)
+    assert fp8_quant._tiles(rows(768)) == fp8_quant._tiles(rows(1536)) == (4, 1024, 4)
     assert fp8_quant._tiles(rows(200)) == (16, 256, 4)  # one masked sweep
     assert fp8_quant._tiles(rows(16384)) == (4, 1024, 4)
+    assert fp8_quant._tiles(rows(2048).transpose(1, 2)) == fp8_quant._tiles(rows(768).transpose(1, 2)) == (32, 128, 4)
 
 
 def _act_bwd_case(N, h, gated, device, dtype, limit=None):

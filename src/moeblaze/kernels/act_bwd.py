@@ -48,7 +48,7 @@ import triton.language as tl
 
 from ..fp8 import E4M3_MAX, SCALE_FLOOR
 from .act_math import FIRST_NON_GATED, act_backward, act_forward
-from .fp8_quant import nan_max, row_amax, scale_of, to_e4m3
+from .fp8_quant import inverse, nan_max, row_amax, scale_of, to_e4m3
 from .tf32 import round_tf32_values
 from .tuning import Launchable, act_bwd_configs, cdiv
 
@@ -159,6 +159,7 @@ def _quantize_stored_rows(dpre_ptr, q_ptr, s_ptr, rows, store_mask, amax, H, UP_
     ``amax``: bitwise :func:`moeblaze.kernels.fp8_quant.quantize_rows_fp8` of the stored rows."""
     scale = scale_of(amax, tiny, QMAX, POW2)
     tl.store(s_ptr + rows, scale, mask=store_mask)
+    inv = inverse(scale)[:, None]
     tl.debug_barrier()  # the stores above reach every thread of the program before the read-back
     rows64 = rows.to(tl.int64)[:, None]
     for h0 in range(0, H, BLOCK_H):
@@ -167,10 +168,10 @@ def _quantize_stored_rows(dpre_ptr, q_ptr, s_ptr, rows, store_mask, amax, H, UP_
         src = dpre_ptr + rows64 * stride_dpre_m + cols * PRE_STEP
         dst = q_ptr + rows64 * stride_q_m + cols * PRE_STEP
         v = tl.load(src, mask=mask, other=0.0).to(tl.float32)
-        tl.store(dst, to_e4m3(v, scale[:, None], QMAX), mask=mask)
+        tl.store(dst, to_e4m3(v, scale[:, None], inv), mask=mask)
         if GATED:
             v = tl.load(src + UP_OFF, mask=mask, other=0.0).to(tl.float32)
-            tl.store(dst + UP_OFF, to_e4m3(v, scale[:, None], QMAX), mask=mask)
+            tl.store(dst + UP_OFF, to_e4m3(v, scale[:, None], inv), mask=mask)
 
 
 _ACT_BWD = Launchable(act_bwd_rows_kernel, act_bwd_configs, key=["H", "ACTIVATION", "STORE_WACT", "QUANT", "PRE_E4M3"],

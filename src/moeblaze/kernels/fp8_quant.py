@@ -14,12 +14,13 @@ its rows without a transposed copy first (the K-major operand of B1 / B3): rows 
 side in memory, so its loads run along them.
 
 The tiles are the fastest measured (``benchmarks/bench_fp8_quant.py``, H200, Qwen3-30B-A3B operands; rows in
-docs/results-fp8-quant.csv). A row whose length is a power of two is held whole (rows of 2,048: 2,840-3,140 GB/s,
-counted as 3 bytes per element); any other length over 256 sweeps 16 rows by 256 columns twice: rows of 768 (``act``,
-``w2``) 0.193 ms, 3,129 GB/s, against 0.435 held whole in a 1,024-column tile whose masked quarter slowed every
-load. A transposed view whose rows are a power of two long (``w2^T``, 2,048) is fastest held whole
-in tiles of 8 rows (0.385 ms against 0.504 in two sweeps of 64 x 64); one of 1,536 (``w1^T``) in two sweeps of
-32 x 64 (0.902 ms against 1.144 held whole, a quarter of each tile masked off).
+docs/results-fp8-quant.csv), counted as 3 bytes per element. A row whose length is a power of two is held whole (rows
+of 2,048, ``x`` and ``w1``: 3,540-3,980 GB/s); any other length over 256 in 1,024-column tiles of 4 rows (rows of
+768, ``act`` and ``w2``, held whole with a quarter of the tile masked: 0.180 ms against 0.207 in 16 x 256 sweeps;
+rows of 1,536, ``pre``'s shape, in two sweeps: 0.344 against 0.475). A transposed view in two sweeps of 32 x 128
+(``w1^T`` 0.662 ms against 0.813 in 32 x 64 and 0.951 held whole; ``w2^T`` 0.343 against 0.408 held whole). Before
+:func:`to_e4m3` took the quotient without a division the kernel was instruction-bound and these tiles lost (the
+masked quarter of the 768-column tile cost 2.3x; ``w1^T`` took 0.902 ms at best).
 
 :func:`dequantize_rows_fp8` is the way back (the rows expert parallelism receives in e4m3): each e4m3 value
 times its row's scale in fp32, rounded once to the 16-bit dtype, as :meth:`moeblaze.fp8.Float8Tensor.dequantize`
@@ -71,7 +72,7 @@ def quantize_rows_kernel(
         v = _as_cast(v, ROUND)
         scale = scale_of(row_amax(v), tiny, QMAX, POW2)
         tl.store(scale_ptr + flat, scale, mask=row_ok)
-        tl.store(out + cols[None, :], to_e4m3(v, scale[:, None], QMAX), mask=ok)
+        tl.store(out + cols[None, :], to_e4m3(v, scale[:, None], inverse(scale)[:, None]), mask=ok)
     else:
         amax = tl.zeros((BLOCK_R,), dtype=tl.float32)
         for c0 in range(0, C, BLOCK_C):
@@ -81,11 +82,12 @@ def quantize_rows_kernel(
             amax = nan_max(amax, row_amax(v))
         scale = scale_of(amax, tiny, QMAX, POW2)
         tl.store(scale_ptr + flat, scale, mask=row_ok)
+        inv = inverse(scale)[:, None]
         for c0 in range(0, C, BLOCK_C):
             ok = row_ok[:, None] & (cols[None, :] < C - c0)
             v = tl.load(base + (c0 + cols)[None, :] * stride_c, mask=ok, other=0.0)
             v = _as_cast(v, ROUND)
-            tl.store(out + (c0 + cols)[None, :], to_e4m3(v, scale[:, None], QMAX), mask=ok)
+            tl.store(out + (c0 + cols)[None, :], to_e4m3(v, scale[:, None], inv), mask=ok)
 
 
 ROUNDS = {None: 0, torch.bfloat16: 1, torch.float16: 2}  # quantize_rows_kernel's ROUND of a cast to that dtype
@@ -109,15 +111,14 @@ def _as_cast(v, ROUND: tl.constexpr):
 
 @triton.jit
 def row_amax(v):
-    """The largest magnitude of each row of ``v [BLOCK_R, BLOCK_C]``, NaN where the row holds one (``tl.max`` may
-    drop NaNs)."""
-    nan = tl.max((v != v).to(tl.int32), axis=1)
-    return tl.where(nan != 0, float("nan"), tl.max(tl.abs(v), axis=1))
+    """The largest magnitude of each row of ``v [BLOCK_R, BLOCK_C]``, NaN where the row holds one: one
+    NaN-propagating ``max`` an element (``tl.max`` drops NaNs; counting them apart cost three more)."""
+    return tl.reduce(tl.abs(v), 1, nan_max)
 
 
 @triton.jit
 def nan_max(a, b):
-    return tl.where((a != a) | (b != b), float("nan"), tl.maximum(a, b))
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
 
 
 ONE_SWEEP_COLS = 8192  # rows up to this long are held whole (module docstring)
@@ -131,12 +132,11 @@ def _tiles(src: Tensor) -> tuple[int, int, int]:
     if src.stride(1) == 1 and C > 1:  # a transposed view
         if tuning.interpreting():
             return (16, cols, 4) if cols <= 64 else (16, 16, 4)
-        return (8, C, 8) if cols == C and C <= 2048 else (32, 64, 4)
+        return 32, 128, 4
     if tuning.interpreting():
         return max(1, min(16, 4096 // min(cols, 256))), min(cols, 256), 4
-    if cols != C and C > 256:  # a masked whole-row tile: 1,387 GB/s at 768 columns against 3,129 swept
-        # (benchmarks/bench_fp8_quant.py, H200)
-        return 16, 256, 4
+    if cols != C and C > 256:
+        return 4, 1024, 4
     block_c = cols if cols <= ONE_SWEEP_COLS else 1024
     return max(1, 4096 // block_c), block_c, 4
 
@@ -191,10 +191,38 @@ def quantize_rows_fp8(t: Tensor, pow2_scales: bool = False, out: tuple[Tensor, T
 
 
 @triton.jit
-def to_e4m3(v, scale, QMAX: tl.constexpr):
-    """``v / scale`` correctly rounded, saturated at +-``QMAX`` (a NaN stays NaN), cast to e4m3."""
-    v = tl.math.div_rn(v, scale)
-    return tl.where(v != v, v, tl.minimum(tl.maximum(v, -QMAX), QMAX)).to(tl.float8e4nv)
+def inverse(scale):
+    """``1 / scale`` correctly rounded, of a row's (or tile's) scale: the factor :func:`to_e4m3` multiplies by,
+    computed once a row."""
+    return tl.math.div_rn(1.0, scale)
+
+
+# scales below this are taken 2^64 up, with the row, in to_e4m3's remainder, which then never underflows
+_TINY_SCALE = tl.constexpr(2.0**-60)
+_UP = tl.constexpr(2.0**64)
+_DOWN = tl.constexpr(2.0**-64)
+
+
+@triton.jit
+def to_e4m3(v, scale, inv):
+    """``v / scale`` correctly rounded, cast to e4m3, from ``inv = inverse(scale)`` (broadcast as ``scale``).
+
+    ``q = v * inv`` lies within an ulp of the quotient; the remainder ``v - q * scale`` is then exact (an fma), and
+    ``q + remainder * inv`` is the correctly rounded quotient (Markstein's theorem: J.-M. Muller et al., *Handbook
+    of Floating-Point Arithmetic*, 2nd ed., §4.9): four instructions an element where ``div_rn`` takes about ten
+    and a branch, in epilogues that are instruction-bound (F1 of the FP8 layer 0.85x the time:
+    ``benchmarks/bench_fp8_kernels.py``, docs/results-fp8-kernels.csv). The theorem needs a remainder that does not
+    underflow: under a scale of 2^-60 (a row of magnitudes under 2^-51) the remainder is taken on ``v`` and the
+    scale times 2^64, exact powers of two; every quotient then matches ``div_rn`` bit for bit (every scale
+    mantissa, random exponents and values on an H200). An Inf scale (a block holding Inf) is taken as 0 in the
+    remainder, so the result is ``v * 0`` as the division gives (0, NaN for Inf); a NaN scale gives NaN. The scale
+    is the block's own (``amax / 448`` or above), so ``|v / scale|`` rounds to at most 448 and the cast needs no
+    clamp (it saturates besides, ``cvt.rn.satfinite``); a NaN stays NaN."""
+    up = tl.where(scale < _TINY_SCALE, _UP, 1.0)
+    down = tl.where(scale < _TINY_SCALE, _DOWN, 1.0)
+    s = tl.where(scale < float("inf"), scale * up, 0.0)
+    q = v * inv
+    return tl.fma(tl.fma(-q, s, v * up), inv * down, q).to(tl.float8e4nv)
 
 
 @triton.jit

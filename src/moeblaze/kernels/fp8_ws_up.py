@@ -45,7 +45,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from ..fp8 import KEPT_TILE
 from . import direct
 from .act_math import act_forward
-from .fp8_quant import row_amax, scale_of, to_e4m3
+from .fp8_quant import inverse, row_amax, scale_of, to_e4m3
 from .fp8_ws_gemm import IO_REGS, MMA_WARPS, _gather_loader, half_tile
 from .grouped_gemm import _QMAX, _TINY
 from .tma import rows_aligned, tma_desc
@@ -73,7 +73,7 @@ def _store_kept(q_ptrs, s_ptrs, v, mask, row_mask, POW2: gl.constexpr):
     v = gl.where(mask, v, 0.0)
     scale = scale_of(row_amax(v), _TINY, _QMAX, POW2)
     gl.store(s_ptrs, scale, mask=row_mask)
-    gl.store(q_ptrs, to_e4m3(v, scale[:, None], _QMAX), mask=mask)
+    gl.store(q_ptrs, to_e4m3(v, scale[:, None], inverse(scale)[:, None]), mask=mask)
 
 
 @gluon.jit

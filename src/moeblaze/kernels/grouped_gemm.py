@@ -48,7 +48,7 @@ import triton.language as tl
 
 from ..fp8 import E4M3_MAX, KEPT_TILE, SCALE_FLOOR
 from .act_math import act_forward
-from .fp8_quant import row_amax, scale_of, to_e4m3
+from .fp8_quant import inverse, row_amax, scale_of, to_e4m3
 from .tf32 import round_tf32_values
 
 # EPILOGUE: what the kernel does with the accumulator (module docstring).
@@ -220,14 +220,16 @@ def _store_e4m3_tiles(q_ptrs, s_ptrs, v, mask, row_mask, first_tile, tiles, BLOC
     GPU (the quantization kernels' helpers); columns and rows outside ``mask`` are neither counted nor stored."""
     v = tl.where(mask, v, 0.0)
     tile_of_col = (tl.arange(0, BLOCK_N) // _PRE_TILE)[None, :]
-    scales = tl.zeros_like(v)  # each element's tile scale
+    scales = tl.zeros_like(v)  # each element's tile scale, and its inverse
+    invs = tl.zeros_like(v)
     tile_rows = row_mask.to(tl.int32) * 0 + first_tile  # per row (a scalar condition in a mask: not in the interpreter)
     for j in tl.static_range(BLOCK_N // _PRE_TILE):
         inside = tile_of_col == j
         scale = scale_of(row_amax(tl.where(inside, v, 0.0)), _TINY, _QMAX, POW2)
         tl.store(s_ptrs + j, scale, mask=row_mask & (tile_rows + j < tiles))
         scales = tl.where(inside, scale[:, None], scales)
-    tl.store(q_ptrs, to_e4m3(v, scales, _QMAX), mask=mask)
+        invs = tl.where(inside, inverse(scale)[:, None], invs)
+    tl.store(q_ptrs, to_e4m3(v, scales, invs), mask=mask)
 
 
 @triton.jit
