@@ -197,33 +197,41 @@ def inverse(scale):
     return tl.math.div_rn(1.0, scale)
 
 
-# scales below this are taken 2^64 up, with the row, in to_e4m3's remainder, which then never underflows
+# scales below this are taken 2^64 up, with the values, in quotient's remainder, which then never underflows
 _TINY_SCALE = tl.constexpr(2.0**-60)
 _UP = tl.constexpr(2.0**64)
 _DOWN = tl.constexpr(2.0**-64)
 
 
 @triton.jit
-def to_e4m3(v, scale, inv):
-    """``v / scale`` correctly rounded, cast to e4m3, from ``inv = inverse(scale)`` (broadcast as ``scale``).
+def quotient(v, scale, inv):
+    """``v / scale`` correctly rounded (fp32), from ``inv = inverse(scale)`` (broadcast as ``scale``), without a
+    division.
 
     ``q = v * inv`` lies within an ulp of the quotient; the remainder ``v - q * scale`` is then exact (an fma), and
     ``q + remainder * inv`` is the correctly rounded quotient (Markstein's theorem: J.-M. Muller et al., *Handbook
     of Floating-Point Arithmetic*, 2nd ed., §4.9): four instructions an element where ``div_rn`` takes about ten
     and a branch, in epilogues that are instruction-bound (F1 of the FP8 layer 2.86 against 3.36 ms at Qwen3-30B-A3B,
     T 32,768, one H200 run before the rescale below; ``benchmarks/bench_fp8_kernels.py``,
-    docs/results-fp8-kernels.csv). The theorem needs a remainder that does not
-    underflow: under a scale of 2^-60 (a row of magnitudes under 2^-51) the remainder is taken on ``v`` and the
-    scale times 2^64, exact powers of two; every quotient then matches ``div_rn`` bit for bit (every scale
-    mantissa, random exponents and values on an H200). An Inf scale (a block holding Inf) is taken as 0 in the
-    remainder, so the result is ``v * 0`` as the division gives (0, NaN for Inf); a NaN scale gives NaN. The scale
-    is the block's own (``amax / 448`` or above), so ``|v / scale|`` rounds to at most 448 and the cast needs no
-    clamp (it saturates besides, ``cvt.rn.satfinite``); a NaN stays NaN."""
+    docs/results-fp8-kernels.csv). The theorem needs a remainder that does not underflow: under a scale of 2^-60
+    (a row of magnitudes under 2^-51) the remainder is taken on ``v`` and the scale times 2^64, exact powers of two;
+    every quotient then matches ``div_rn`` bit for bit (every scale mantissa, random exponents and values on an
+    H200; ``tests/test_fp8_quant.py``). An Inf scale (a block holding Inf) is taken as 0 in the remainder, so the
+    result is ``v * 0`` as the division gives (0, NaN for Inf); a NaN scale gives NaN. Valid where ``|v / scale|``
+    does not overflow (a block's values over its own scale: at most 448)."""
     up = tl.where(scale < _TINY_SCALE, _UP, 1.0)
     down = tl.where(scale < _TINY_SCALE, _DOWN, 1.0)
     s = tl.where(scale < float("inf"), scale * up, 0.0)
     q = v * inv
-    return tl.fma(tl.fma(-q, s, v * up), inv * down, q).to(tl.float8e4nv)
+    return tl.fma(tl.fma(-q, s, v * up), inv * down, q)
+
+
+@triton.jit
+def to_e4m3(v, scale, inv):
+    """``v / scale`` correctly rounded (:func:`quotient`), cast to e4m3. The scale is the block's own (``amax /
+    448`` or above), so the quotient rounds to at most 448 and the cast needs no clamp (it saturates besides,
+    ``cvt.rn.satfinite``); a NaN stays NaN."""
+    return quotient(v, scale, inv).to(tl.float8e4nv)
 
 
 @triton.jit
