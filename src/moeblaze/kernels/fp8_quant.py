@@ -215,8 +215,8 @@ def quotient(v, scale, inv):
     T 32,768, one H200 run before the rescale below; ``benchmarks/bench_fp8_kernels.py``,
     docs/results-fp8-kernels.csv). The theorem needs a remainder that does not underflow: under a scale of 2^-60
     (a row of magnitudes under 2^-51) the remainder is taken on ``v`` and the scale times 2^64, exact powers of two;
-    every quotient then matches ``div_rn`` bit for bit (every scale mantissa, random exponents and values on an
-    H200; ``tests/test_fp8_quant.py``). An Inf scale (a block holding Inf) is taken as 0 in the remainder, so the
+    the quotients then equal IEEE division's bit for bit (``tests/test_fp8_quant.py``: scales from the fp32 floor
+    up, values up to 448 times theirs, in the interpreter and on the GPU). An Inf scale (a block holding Inf) is taken as 0 in the remainder, so the
     result is ``v * 0`` as the division gives (0, NaN for Inf); a NaN scale gives NaN. Valid where ``|v / scale|``
     does not overflow (a block's values over its own scale: at most 448)."""
     up = tl.where(scale < _TINY_SCALE, _UP, 1.0)
