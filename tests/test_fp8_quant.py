@@ -47,8 +47,7 @@ def _quotient_case(n, device):
     """``fp8_quant.quotient`` of values over scales as the recipe makes them, against IEEE fp32 division (torch's
     on the CPU): scales from the smallest normal fp32 (the recipe's floor) up to 2^100, values up to 448 times
     theirs (the extremes exactly; some subnormal), many scales near the floor, an Inf scale with Inf values and a
-    NaN scale. Returns the
-    bitwise differences, NaN equal to NaN."""
+    NaN scale. Returns the bitwise differences, NaN equal to NaN."""
     gen = torch.Generator().manual_seed(n)
     scale = (1 + torch.rand(n, generator=gen)) * torch.exp2(torch.randint(-126, 100, (n,), generator=gen).float())
     # scales near the floor, where the remainder would underflow unscaled, and the floor itself

@@ -192,7 +192,7 @@ def quantize_rows_fp8(t: Tensor, pow2_scales: bool = False, out: tuple[Tensor, T
 
 @triton.jit
 def inverse(scale):
-    """``1 / scale`` correctly rounded, of a row's (or tile's) scale: the factor :func:`to_e4m3` multiplies by,
+    """``1 / scale`` correctly rounded, of a row's (or tile's) scale: the factor :func:`quotient` multiplies by,
     computed once a row."""
     return tl.math.div_rn(1.0, scale)
 
@@ -216,9 +216,9 @@ def quotient(v, scale, inv):
     docs/results-fp8-kernels.csv). The theorem needs a remainder that does not underflow: under a scale of 2^-60
     (a row of magnitudes under 2^-51) the remainder is taken on ``v`` and the scale times 2^64, exact powers of two;
     the quotients then equal IEEE division's bit for bit (``tests/test_fp8_quant.py``: scales from the fp32 floor
-    up, values up to 448 times theirs, in the interpreter and on the GPU). An Inf scale (a block holding Inf) is taken as 0 in the remainder, so the
-    result is ``v * 0`` as the division gives (0, NaN for Inf); a NaN scale gives NaN. Valid where ``|v / scale|``
-    does not overflow (a block's values over its own scale: at most 448)."""
+    up, values up to 448 times theirs, in the interpreter and on the GPU). An Inf scale (a block holding Inf) is
+    taken as 0 in the remainder, so the result is ``v * 0`` as the division gives (0, NaN for Inf); a NaN scale
+    gives NaN. Valid where ``|v / scale|`` does not overflow (a block's values over its own scale: at most 448)."""
     up = tl.where(scale < _TINY_SCALE, _UP, 1.0)
     down = tl.where(scale < _TINY_SCALE, _DOWN, 1.0)
     s = tl.where(scale < float("inf"), scale * up, 0.0)
