@@ -152,7 +152,7 @@ def _build(names: list[str], mb: moeblaze.MoE) -> dict[str, torch.nn.Module]:
     return layers
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tokens", type=int, default=16384, help="tokens per rank (T)")
     p.add_argument("--d-model", type=int, default=2048, help="d")
@@ -173,18 +173,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--breakdown", type=int, default=0, metavar="STEPS",
                    help="also profile this many steps of each layer and print where its time goes "
                         "(moeblaze.parallel.breakdown)")
-    args = p.parse_args(argv)
+    return p
 
-    cuda = torch.cuda.is_available()
-    if cuda:
-        os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-        os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
-    env = init_distributed()
-    if env.backend is None:
-        p.error("launch with torchrun (e.g. torchrun --nproc-per-node 2 benchmarks/bench_ep.py)")
-    names = _parse_impls(p, args.impls, env.backend)
-    device, rank, world = env.device, env.rank, env.world_size
-    dtype = DTYPES[args.dtype]
+
+def _layers(p: argparse.ArgumentParser, args: argparse.Namespace, backend: str, device: torch.device,
+            dtype: torch.dtype) -> dict[str, torch.nn.Module]:
+    """The moeblaze layer of each ``--exchanges`` kind (the first named ``moeblaze``), then the baselines."""
+    names = _parse_impls(p, args.impls, backend)
     exchanges = [e.strip() for e in args.exchanges.split(",") if e.strip()]
     if not exchanges or any(e not in EXCHANGES for e in exchanges):
         p.error(f"--exchanges takes a comma-separated list of {', '.join(EXCHANGES)}; got {args.exchanges!r}")
@@ -194,12 +189,67 @@ def main(argv: list[str] | None = None) -> int:
         ep_layers["moeblaze" if i == 0 else f"moeblaze:{kind}"] = expert_parallel(
             moeblaze.MoE(args.d_model, args.d_ff, args.experts, args.top_k, aux_loss_coef=0.0, device=device,
                          dtype=dtype), dist.group.WORLD, kind, max_tokens=args.tokens)  # T known to every rank
-    mb = ep_layers["moeblaze"]
-    layers = {**ep_layers, **{k: v for k, v in _build(names, mb).items() if k != "moeblaze"}}
-    params = [q for q in {id(q): q for m in (mb, *layers.values()) for q in m.parameters()}.values()]
+    return {**ep_layers, **{k: v for k, v in _build(names, ep_layers["moeblaze"]).items() if k != "moeblaze"}}
+
+
+def _measure(name: str, layer: torch.nn.Module, x: torch.Tensor, dout: torch.Tensor, params: list, splits,
+             args: argparse.Namespace, device: torch.device) -> dict:
+    """One layer's forward+backward time, its peaks (CUDA) and its all-to-alls replayed alone: the row's figures."""
+    ours = name.startswith("moeblaze")
+
+    def step():
+        for q in (x, *params):  # no gradient of another layer held
+            q.grad = None
+        layer(x).backward(dout)
+    peak = step_peak = None
+    cuda = device.type == "cuda"
+    if cuda:
+        step()  # autotuning and first-call allocations outside the measured peak
+        for q in (x, *params):
+            q.grad = None
+        torch.cuda.empty_cache()
+        resident = torch.cuda.memory_allocated(device)  # all the layers' weights, x and dout
+        torch.cuda.reset_peak_memory_stats(device)
+    ms = _timed(step, args.iters, args.warmup, device)
+    if cuda:
+        top = torch.cuda.max_memory_allocated(device)
+        peak, step_peak = (_max_over_ranks(v / 2**20, device) for v in (top, top - resident))
+    if args.breakdown:
+        if ours:
+            layer.ep.recv_rows = None  # rows received per step, counted over the profiled steps
+        row = profile_steps(step, args.breakdown, device)
+        if ours:
+            row.recv_rows = int(layer.ep.recv_rows) // args.breakdown
+        split = gather(row)
+        if dist.get_rank() == 0:
+            print(f"{name}: {summary(split)}")
+    comm = 0.0 if name == "one-gpu" else _timed(_comm_replay(x.detach(), args.top_k, *splits, ours),
+                                                args.iters, args.warmup, device)
+    return {"impl": name, "exchange": layer.ep.exchange.kind if ours else "", "fwd_bwd_ms": round(ms, 4),
+            "peak_mib": None if peak is None else round(peak, 1),
+            "step_peak_mib": None if step_peak is None else round(step_peak, 1),
+            "sent_rows": 0 if name == "one-gpu" else sum(splits[0]), "comm_ms": round(comm, 4),
+            "comm_share": round(comm / ms, 4)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = _parser()
+    args = p.parse_args(argv)
+    cuda = torch.cuda.is_available()
+    if cuda:
+        os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+        os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+    env = init_distributed()
+    if env.backend is None:
+        p.error("launch with torchrun (e.g. torchrun --nproc-per-node 2 benchmarks/bench_ep.py)")
+    device, rank, world = env.device, env.rank, env.world_size
+    layers = _layers(p, args, env.backend, device, DTYPES[args.dtype])
+    mb = layers["moeblaze"]
+    params = [q for q in {id(q): q for m in layers.values() for q in m.parameters()}.values()]
     gen = torch.Generator(device=device).manual_seed(1 + rank)
-    x = torch.randn(args.tokens, args.d_model, device=device, dtype=dtype, generator=gen).requires_grad_()
-    dout = torch.randn(args.tokens, args.d_model, device=device, dtype=dtype, generator=gen)
+    x = torch.randn(args.tokens, args.d_model, device=device, dtype=DTYPES[args.dtype], generator=gen)
+    x.requires_grad_()
+    dout = torch.randn(args.tokens, args.d_model, device=device, dtype=DTYPES[args.dtype], generator=gen)
     pair_splits = _split_sizes(mb, x, per_token=False)  # the baselines send a row per (token, expert) pair
     with torch.no_grad():
         ref = mb(x).float()
@@ -211,44 +261,12 @@ def main(argv: list[str] | None = None) -> int:
                         f"torchrun --nproc-per-node {world}", *sys.argv])
     rows = []
     for name, layer in layers.items():
-        ours = name.startswith("moeblaze")
-        splits = _split_sizes(mb, x, per_token=True) if ours else pair_splits
-
-        def step(layer=layer):
-            for q in (x, *params):  # no gradient of another layer held
-                q.grad = None
-            layer(x).backward(dout)
-        peak = step_peak = None
-        if cuda:
-            step()  # autotuning and first-call allocations outside the measured peak
-            for q in (x, *params):
-                q.grad = None
-            torch.cuda.empty_cache()
-            resident = torch.cuda.memory_allocated(device)  # all the layers' weights, x and dout
-            torch.cuda.reset_peak_memory_stats(device)
-        ms = _timed(step, args.iters, args.warmup, device)
-        if cuda:
-            top = torch.cuda.max_memory_allocated(device)
-            peak, step_peak = (_max_over_ranks(v / 2**20, device) for v in (top, top - resident))
-        if args.breakdown:
-            if ours:
-                layer.ep.recv_rows = None  # rows received per step, counted over the profiled steps
-            row = profile_steps(step, args.breakdown, device)
-            if ours:
-                row.recv_rows = int(layer.ep.recv_rows) // args.breakdown
-            split = gather(row)
-            if rank == 0:
-                print(f"{name}: {summary(split)}")
-        comm = 0.0 if name == "one-gpu" else _timed(_comm_replay(x.detach(), args.top_k, *splits, ours),
-                                                    args.iters, args.warmup, device)
-        rows.append({"impl": name, "exchange": layer.ep.exchange.kind if ours else "", "world": world,
+        splits = _split_sizes(mb, x, per_token=True) if name.startswith("moeblaze") else pair_splits
+        figures = _measure(name, layer, x, dout, params, splits, args, device)
+        rows.append({"impl": name, "exchange": figures.pop("exchange"), "world": world,
                      "device": torch.cuda.get_device_name(device) if cuda else "cpu",
                      "dtype": args.dtype, "tokens_per_rank": args.tokens, "d": args.d_model, "h": args.d_ff,
-                     "E": args.experts, "K": args.top_k, "fwd_bwd_ms": round(ms, 4),
-                     "peak_mib": None if peak is None else round(peak, 1),
-                     "step_peak_mib": None if step_peak is None else round(step_peak, 1),
-                     "sent_rows": 0 if name == "one-gpu" else sum(splits[0]), "comm_ms": round(comm, 4),
-                     "comm_share": round(comm / ms, 4),
+                     "E": args.experts, "K": args.top_k, **{k: v for k, v in figures.items() if k != "impl"},
                      "out_rel_diff": diffs[name],
                      "date": datetime.date.today().isoformat(), "torch": torch.__version__,
                      "commit": args.commit or git_commit(os.path.dirname(os.path.abspath(__file__))),

@@ -309,17 +309,22 @@ def parts(cfg, device, dtype) -> list[tuple[str, float]]:
         except (RuntimeError, NotImplementedError) as exc:  # e.g. out_dtype= on the CPU
             out.append((f"{name}: {type(exc).__name__}", float("nan")))
             continue
-        _sync(device)
-        runs = []
-        for _ in range(5):
-            t0 = time.perf_counter()
-            for _ in range(100):
-                fn()
-            _sync(device)
-            runs.append((time.perf_counter() - t0) * 1e4)  # µs per call: 1e6 / 100
-        out.append((name, statistics.median(runs)))
+        out.append((name, _host_us(fn, device)))
         x.grad = None
     return out
+
+
+def _host_us(fn, device) -> float:
+    """µs per call of ``fn``: 100 calls queued back to back, then one synchronisation, median of 5 such runs."""
+    _sync(device)
+    runs = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        for _ in range(100):
+            fn()
+        _sync(device)
+        runs.append((time.perf_counter() - t0) * 1e4)  # µs per call: 1e6 / 100
+    return statistics.median(runs)
 
 
 def environment(device) -> dict:
