@@ -10,9 +10,10 @@ Why: as :mod:`moeblaze.kernels.fp8_ws_gemm` (F2, B1, B3), the e4m3 sums are prom
 two mma warp groups of 64 rows each add their partial sums while the other's ``wgmma`` keeps the tensor cores busy,
 where the Triton kernel's promotion waits for them at every k-step. The epilogue (a kept tile's row maxima, its
 quotients, ``act``) runs in a partition of its own, on the previous tile while the mma warp groups sum the next: run
-by the mma warp groups themselves, both stopped the tensor cores for it at every tile, and F1 took 1.23x / 1.20x the
-time (Qwen3-30B-A3B 2.94 against 2.39 ms, OLMoE-1B-7B 3.55 against 2.95, T 32,768, H200; ``python3
-benchmarks/bench_fp8_kernels.py --recipes rowwise --tokens 32768``, docs/results-fp8-kernels.csv). The partitions:
+by the mma warp groups themselves, both stopped the tensor cores for it at every tile, and F1 took 1.20x / 1.16x the
+time (Qwen3-30B-A3B 2.93-2.95 against 2.46-2.47 ms, OLMoE-1B-7B 3.55 against 3.04-3.05, T 32,768, H200, one run;
+``python3 benchmarks/bench_fp8_kernels.py --recipes rowwise --tokens 32768``, docs/results-fp8-kernels.csv). The
+partitions:
 
   mma      (4 warps, default; 4 warps, worker)  one ``wgmma`` of 64 rows x 128 columns (gate, then up: the
                                stage's weight rows) per stage into fresh partial sums, waited for, added to the fp32
