@@ -315,7 +315,8 @@ def parts(cfg, device, dtype) -> list[tuple[str, float]]:
 
 
 def _host_us(fn, device) -> float:
-    """µs per call of ``fn``: 100 calls queued back to back, then one synchronisation, median of 5 such runs."""
+    """µs per invocation of ``fn``: 100 invocations queued back to back, then one synchronisation, median of 5 such
+    runs."""
     _sync(device)
     runs = []
     for _ in range(5):
