@@ -194,7 +194,8 @@ def _layers(p: argparse.ArgumentParser, args: argparse.Namespace, backend: str, 
 
 def _measure(name: str, layer: torch.nn.Module, x: torch.Tensor, dout: torch.Tensor, params: list, splits,
              args: argparse.Namespace, device: torch.device) -> dict:
-    """One layer's forward+backward time, its peaks (CUDA) and its all-to-alls replayed alone: the row's figures."""
+    """One layer's forward+backward time, its peaks (CUDA) and its all-to-alls replayed alone: the row's figures, its
+    exchange first."""
     ours = name.startswith("moeblaze")
 
     def step():
@@ -225,7 +226,7 @@ def _measure(name: str, layer: torch.nn.Module, x: torch.Tensor, dout: torch.Ten
             print(f"{name}: {summary(split)}")
     comm = 0.0 if name == "one-gpu" else _timed(_comm_replay(x.detach(), args.top_k, *splits, ours),
                                                 args.iters, args.warmup, device)
-    return {"impl": name, "exchange": layer.ep.exchange.kind if ours else "", "fwd_bwd_ms": round(ms, 4),
+    return {"exchange": layer.ep.exchange.kind if ours else "", "fwd_bwd_ms": round(ms, 4),
             "peak_mib": None if peak is None else round(peak, 1),
             "step_peak_mib": None if step_peak is None else round(step_peak, 1),
             "sent_rows": 0 if name == "one-gpu" else sum(splits[0]), "comm_ms": round(comm, 4),
@@ -243,13 +244,13 @@ def main(argv: list[str] | None = None) -> int:
     if env.backend is None:
         p.error("launch with torchrun (e.g. torchrun --nproc-per-node 2 benchmarks/bench_ep.py)")
     device, rank, world = env.device, env.rank, env.world_size
-    layers = _layers(p, args, env.backend, device, DTYPES[args.dtype])
+    dtype = DTYPES[args.dtype]
+    layers = _layers(p, args, env.backend, device, dtype)
     mb = layers["moeblaze"]
     params = [q for q in {id(q): q for m in layers.values() for q in m.parameters()}.values()]
     gen = torch.Generator(device=device).manual_seed(1 + rank)
-    x = torch.randn(args.tokens, args.d_model, device=device, dtype=DTYPES[args.dtype], generator=gen)
-    x.requires_grad_()
-    dout = torch.randn(args.tokens, args.d_model, device=device, dtype=DTYPES[args.dtype], generator=gen)
+    x = torch.randn(args.tokens, args.d_model, device=device, dtype=dtype, generator=gen).requires_grad_()
+    dout = torch.randn(args.tokens, args.d_model, device=device, dtype=dtype, generator=gen)
     pair_splits = _split_sizes(mb, x, per_token=False)  # the baselines send a row per (token, expert) pair
     with torch.no_grad():
         ref = mb(x).float()
@@ -266,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
         rows.append({"impl": name, "exchange": figures.pop("exchange"), "world": world,
                      "device": torch.cuda.get_device_name(device) if cuda else "cpu",
                      "dtype": args.dtype, "tokens_per_rank": args.tokens, "d": args.d_model, "h": args.d_ff,
-                     "E": args.experts, "K": args.top_k, **{k: v for k, v in figures.items() if k != "impl"},
+                     "E": args.experts, "K": args.top_k, **figures,
                      "out_rel_diff": diffs[name],
                      "date": datetime.date.today().isoformat(), "torch": torch.__version__,
                      "commit": args.commit or git_commit(os.path.dirname(os.path.abspath(__file__))),
