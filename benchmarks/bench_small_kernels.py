@@ -1,6 +1,10 @@
 """Launch shapes of the two small kernels of a layer step: the fused router's top-k (forward) and backward kernels
 over tokens per program and warps, and the gather-sum (F3 combine / B5 ``dx``) over its block shapes; and
-(``--kernels pair_grads``) the router's backward from token rounding's pair gradients, dense or read in place.
+(``--kernels pair_grads``) the router's backward from token rounding's pair gradients, dense or read in place;
+(``--kernels act_bwd``) B1's activation backward over its tuned configs, as the bf16 layer launches it (``pre`` in
+16 bits, ``dpre`` over it) and as the FP8 layer does (the kept e4m3 ``pre`` and its tile scales, ``dpre`` in 16 bits
+and in e4m3 with a scale per row); each config's outputs checked bitwise against the first's but ``dtopk_weights``
+(summed in the config's column blocks).
 
 Each kernel is timed alone as a CUDA-graph replay (``triton.testing.do_bench`` median; the same method as
 ``bench_ws.py``), so host time stays out of the figures. The router rows time ``router_topk`` (top-k and loss
@@ -29,6 +33,7 @@ from moeblaze.bench.results import git_commit
 from moeblaze.bench.runner import graph_replay_ms
 from moeblaze.kernels import router as fused
 from moeblaze.kernels.combine import gather_sum_kernel
+from moeblaze.kernels.tuning import act_bwd_configs
 
 ROUTER_SHAPES = [(32768, 128, 8), (4096, 128, 8), (16384, 256, 4), (16384, 512, 10)]  # T, E, K
 # T, D, K, N: F3/B5 over Qwen3-30B-A3B's 768-column chunks and whole rows at 32k tokens, 4k tokens, and the first
@@ -137,10 +142,68 @@ def pair_grad_rows(gen: torch.Generator):
                        ms=round(graph_replay_ms(fn), 5))
 
 
+ACT_SHAPES = [(262144, 768), (262144, 1024)]  # N, h: Qwen3-30B-A3B and OLMoE-1B-7B at T 32,768, K 8
+
+
+def _act_bwd_case(N: int, h: int, fp8: bool, gen: torch.Generator) -> tuple[dict, tuple]:
+    """The keyword arguments of one launch (the FP8 layer's or the bf16 layer's) and the tensors it writes."""
+    from moeblaze.fp8 import E4M3, E4M3_MAX, KEPT_TILE, SCALE_FLOOR, quantize_kept
+    from moeblaze.kernels.act_math import ACTIVATION_CODES
+
+    dact = torch.randn(N, h, device="cuda", dtype=torch.bfloat16, generator=gen)
+    pre = torch.randn(N, 2 * h, device="cuda", dtype=torch.bfloat16, generator=gen) * 3
+    w, dtw = torch.rand(N, device="cuda", generator=gen), torch.empty(N, device="cuda")
+    if fp8:
+        kept = quantize_kept(pre, True)
+        pre, pre_s = kept.data.view(N, 2 * h), kept.scale
+        dpre = torch.empty(N, 2 * h, device="cuda", dtype=torch.bfloat16)
+        q, q_s = torch.empty(N, 2 * h, device="cuda", dtype=E4M3), torch.empty(N, device="cuda")
+    else:
+        pre_s, dpre, q, q_s = w, pre, pre, w
+    args = dict(dact_ptr=dact, pre_ptr=pre, pre_s_ptr=pre_s, dpre_ptr=dpre, scale_ptr=w, dtw_ptr=dtw, limit_ptr=w,
+                dpre_q_ptr=q, dpre_s_ptr=q_s, N=N, H=h, UP_OFF=h, alpha=0.0, limit=0.0, stride_dact_m=dact.stride(0),
+                stride_pre_m=pre.stride(0), stride_dpre_m=dpre.stride(0), stride_q_m=q.stride(0), tiny=SCALE_FLOOR,
+                ACTIVATION=ACTIVATION_CODES["swiglu"], STORE_PART=True, STORE_WACT=True, PRE_STEP=1,
+                HAS_LIMIT=False, TF32_DPRE=False, QUANT=fp8, POW2=False, PRE_E4M3=fp8, PRE_TILE=KEPT_TILE,
+                QMAX=E4M3_MAX)
+    return args, ((dact, dpre, q, q_s) if fp8 else (dact, dpre))
+
+
+def act_bwd_rows():
+    """Rows of B1's activation backward for each tuned config (module docstring), each on the same inputs. Each
+    replay writes its outputs over its inputs in the bf16 launch (as the layer does): the check compares the first
+    launch's."""
+    from moeblaze.kernels.act_bwd import act_bwd_rows_kernel
+
+    for (N, h), fp8 in itertools.product(ACT_SHAPES, (False, True)):
+        first = None
+        for cfg in act_bwd_configs("tuned16"):
+            r, bh, warps = cfg.kwargs["BLOCK_R"], cfg.kwargs["BLOCK_H"], cfg.num_warps
+            args, outs = _act_bwd_case(N, h, fp8, torch.Generator(device="cuda").manual_seed(N + h))
+
+            grid, whole = (triton.cdiv(N, r),), h <= bh
+
+            def run(args=args, grid=grid, r=r, bh=bh, warps=warps, whole=whole):
+                act_bwd_rows_kernel[grid](**args, BLOCK_R=r, BLOCK_H=bh, ROW_WHOLE=whole, num_warps=warps,
+                                          num_stages=1)
+
+            run()
+            got = [t.view(torch.uint8) if t.element_size() == 1 else t for t in outs]
+            first = [t.clone() for t in got] if first is None else first
+            if not all(torch.equal(a, b) for a, b in zip(got, first)):
+                raise AssertionError(f"act_bwd config {cfg} differs from the first config's outputs")
+            ms = graph_replay_ms(run)
+            # bytes an element of h: bf16 reads dact' 2 and pre 4, writes w act 2 and dpre 4; FP8 reads pre in 2
+            # (and its tile scales), writes dpre in 4 and 2
+            moved = N * h * 12
+            yield dict(T=N, D=h, kernel=f"act_bwd_{'fp8' if fp8 else 'bf16'}", block_t=r, block_d=bh, warps=warps,
+                       ms=round(ms, 4), gbs=round(moved / ms / 1e6))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="small_kernels.csv", help="CSV to append rows to")
-    ap.add_argument("--kernels", default="router,gather_sum", help="any of router, gather_sum, pair_grads")
+    ap.add_argument("--kernels", default="router,gather_sum", help="any of router, gather_sum, pair_grads, act_bwd")
     args = ap.parse_args()
     commit, command = git_commit(Path(__file__).parent), " ".join(["python3", *sys.argv])
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -154,7 +217,8 @@ def main() -> None:
         kinds = args.kernels.split(",")
         rows = itertools.chain(router_rows(gen) if "router" in kinds else (),
                                gather_rows(gen) if "gather_sum" in kinds else (),
-                               pair_grad_rows(gen) if "pair_grads" in kinds else ())
+                               pair_grad_rows(gen) if "pair_grads" in kinds else (),
+                               act_bwd_rows() if "act_bwd" in kinds else ())
         for row in rows:
             row.update(date=datetime.date.today().isoformat(), device=torch.cuda.get_device_name(), commit=commit,
                        command=command)

@@ -299,10 +299,12 @@ def test_activation_backward_writes_dpre_in_e4m3_as_the_kernel_would(gated):
 @pytest.mark.gpu
 @pytest.mark.parametrize("gated", [True, False])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_gpu_activation_backward_dpre_bitwise_the_kernel(gated, dtype):
+@pytest.mark.parametrize("h", [768, 1500])
+def test_gpu_activation_backward_dpre_bitwise_the_kernel(gated, dtype, h):
+    """Rows held whole (h 768: the e4m3 dpre from the registers) and in column blocks (h 1,500: read back)."""
     if not HAS_CUDA:
         pytest.skip("needs a CUDA GPU (run with -m gpu on the device)")
-    dpre, q, s = _act_bwd_case(4099, 768, gated, "cuda", dtype)
+    dpre, q, s = _act_bwd_case(4099, h, gated, "cuda", dtype)
     ref = quantize_rows_fp8(dpre)
     _same(dpre, q, s[:, None], ref.data, ref.scale, exact=True)
 
@@ -330,11 +332,12 @@ def _kept_pre_case(N, h, gated, device, dtype, tile):
     return results
 
 
-@pytest.mark.parametrize("gated, h, tile", [(True, 200, 64), (False, 40, 128), (True, 64, 32), (True, 40, 16)])
+@pytest.mark.parametrize("gated, h, tile", [(True, 200, 64), (False, 40, 128), (True, 64, 32), (True, 40, 16),
+                                            (True, 32, 16)])
 def test_activation_backward_reads_the_kept_e4m3_pre_as_its_fp32_values(gated, h, tile):
     """The kept pre read in e4m3 with its tile scales (``pre_scale``): every output bitwise that of the same kernel on
     the pre's fp32 values (Float8Tensor.dequantize) — short last tiles, a zero row (scale 1), one tile, tiles shorter
-    than the kernel's column block (16 against the interpreter's 32: two scales a block)."""
+    than the kernel's column block (16 against the interpreter's 32: two scales a block), rows held whole (h 32)."""
     if HAS_CUDA:
         pytest.skip("an interpreter test (CPU tensors); the gpu test runs the kernel on the device")
     (a, b) = _kept_pre_case(37, h, gated, "cpu", torch.float32, tile)

@@ -33,9 +33,13 @@ B3, which then reads it without a rounded copy (:mod:`moeblaze.kernels.tf32`; th
 ``db_gate_up``, a sum of ``dpre`` rows, sums the rounded values).
 
 ``QUANT`` (the FP8 layer's B3 operand, issue 59's dpre quantized where it is produced): the program also keeps each
-row's largest stored magnitude and, after its rows are written, reads them back (from L2: they were just written)
-and writes them in e4m3 with the rowwise recipe's scale (:mod:`moeblaze.kernels.fp8_quant`'s helpers, so the bytes
-are that kernel's): B3's quantization without a separate pass that reads ``dpre`` from HBM again. ``PRE_E4M3`` (the
+row's largest stored magnitude and writes the rows in e4m3 with the rowwise recipe's scale
+(:mod:`moeblaze.kernels.fp8_quant`'s helpers, so the bytes are that kernel's): B3's quantization without a separate
+pass that reads ``dpre`` from HBM again. ``ROW_WHOLE`` (h <= BLOCK_H, the tuned list's 1,024-column configs): the
+rows' values are still in registers when their maxima are known, so they are written from there; else, after the
+rows are written, they are read back (from L2: they were just written). Held whole, the FP8 layer's launch took
+0.721 ms against 0.836 for the best column-block config at h 768, 0.817 against 1.086 at h 1,024 (H200, N 262,144;
+``python3 benchmarks/bench_small_kernels.py --kernels act_bwd``, docs/results-small-kernels.csv). ``PRE_E4M3`` (the
 FP8 layer's kept ``pre``, written in e4m3 by F1's epilogue): ``pre`` is read as e4m3 times its ``1 x PRE_TILE`` tile's
 scale, in fp32 (no 16-bit copy of it is made), and ``dpre`` goes to another tensor.
 """
@@ -73,6 +77,7 @@ def act_bwd_rows_kernel(
     ACTIVATION: tl.constexpr, STORE_PART: tl.constexpr, STORE_WACT: tl.constexpr, PRE_STEP: tl.constexpr,
     HAS_LIMIT: tl.constexpr, TF32_DPRE: tl.constexpr, QUANT: tl.constexpr, POW2: tl.constexpr,
     PRE_E4M3: tl.constexpr, PRE_TILE: tl.constexpr, QMAX: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
+    ROW_WHOLE: tl.constexpr,  # H <= BLOCK_H: one block holds the rows (a heuristic of the launch)
 ):
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     row_mask = rows < N
@@ -89,51 +94,90 @@ def act_bwd_rows_kernel(
         row_mask &= rows < local  # the tail's loads are masked to zeros, so every value stored there is 0
     rows64 = rows.to(tl.int64)[:, None]
     w = tl.load(scale_ptr + rows, mask=row_mask, other=0.0)[:, None]
-    part = tl.zeros([BLOCK_R], tl.float32)
-    amax = tl.zeros([BLOCK_R], tl.float32)  # QUANT: the stored dpre row's largest magnitude
-    for h0 in range(0, H, BLOCK_H):
-        cols = h0 + tl.arange(0, BLOCK_H)[None, :]
-        mask = row_mask[:, None] & (cols < H)
-        dact_ptrs = dact_ptr + rows64 * stride_dact_m + cols
-        pre_ptrs = pre_ptr + rows64 * stride_pre_m + cols * PRE_STEP
-        dact = tl.load(dact_ptrs, mask=mask, other=0.0).to(tl.float32)
-        gate = tl.load(pre_ptrs, mask=mask, other=0.0).to(tl.float32)
-        if PRE_E4M3:  # each e4m3 value times its tile's scale, in fp32 (Float8Tensor.dequantize)
-            tiles = tl.cdiv(H, PRE_TILE)
-            s_ptrs = pre_s_ptr + rows64 * (tiles * (2 if ACTIVATION < FIRST_NON_GATED else 1))
-            gate = _times_tile_scales(gate, s_ptrs, h0, row_mask, tiles, PRE_TILE, BLOCK_R, BLOCK_H)
-        if ACTIVATION < FIRST_NON_GATED:
-            up = tl.load(pre_ptrs + UP_OFF, mask=mask, other=0.0).to(tl.float32)
-            if PRE_E4M3:
-                up = _times_tile_scales(up, s_ptrs + tiles, h0, row_mask, tiles, PRE_TILE, BLOCK_R, BLOCK_H)
-        else:
-            up = gate
-        if STORE_PART or STORE_WACT:
-            act = act_forward(gate, up, alpha, limit, ACTIVATION)
-        if STORE_PART:
-            part += tl.sum(dact * act, axis=1)
-        if STORE_WACT:  # rounded like the torch backend: (w * act.to(dtype)).to(dtype)
-            wact = act.to(dact_ptr.dtype.element_ty).to(tl.float32) * w
-            tl.store(dact_ptrs, wact.to(dact_ptr.dtype.element_ty), mask=store_mask[:, None] & (cols < H))
-        dgate, dup = act_backward(dact * w, gate, up, alpha, limit, ACTIVATION)
-        if TF32_DPRE:  # dpre is B3's A operand, read as it is (no rounded copy)
-            dgate, dup = round_tf32_values(dgate), round_tf32_values(dup)
-        dpre_ptrs = dpre_ptr + rows64 * stride_dpre_m + cols * PRE_STEP
-        out_mask = store_mask[:, None] & (cols < H)
-        tl.store(dpre_ptrs, dgate.to(dpre_ptr.dtype.element_ty), mask=out_mask)
-        if ACTIVATION < FIRST_NON_GATED:
-            tl.store(dpre_ptrs + UP_OFF, dup.to(dpre_ptr.dtype.element_ty), mask=out_mask)
-        if QUANT:  # the values as stored, the masked lanes' zeros leave the amax as it is
-            stored = dgate.to(dpre_ptr.dtype.element_ty).to(tl.float32)
-            amax = nan_max(amax, row_amax(tl.where(out_mask, stored, 0.0)))
-            if ACTIVATION < FIRST_NON_GATED:
-                stored = dup.to(dpre_ptr.dtype.element_ty).to(tl.float32)
-                amax = nan_max(amax, row_amax(tl.where(out_mask, stored, 0.0)))
+    GATED: tl.constexpr = ACTIVATION < FIRST_NON_GATED
+    ptrs = (dact_ptr, pre_ptr, pre_s_ptr, dpre_ptr)
+    strides = (stride_dact_m, stride_pre_m, stride_dpre_m)
+    if ROW_WHOLE:  # one block holds the rows: B3's e4m3 dpre from the registers, no read-back
+        part, dgate, dup = _chunk(ptrs, rows64, row_mask, store_mask, w, 0, H, UP_OFF, alpha, limit, strides,
+                                  ACTIVATION, STORE_PART, STORE_WACT, PRE_STEP, TF32_DPRE, PRE_E4M3, PRE_TILE,
+                                  BLOCK_R, BLOCK_H)
+        if QUANT:
+            amax = row_amax(dgate)
+            if GATED:
+                amax = nan_max(amax, row_amax(dup))
+            scale = scale_of(amax, tiny, QMAX, POW2)
+            tl.store(dpre_s_ptr + rows, scale, mask=store_mask)
+            inv = inverse(scale)[:, None]
+            cols = tl.arange(0, BLOCK_H)[None, :]
+            dst = dpre_q_ptr + rows64 * stride_q_m + cols * PRE_STEP
+            mask = store_mask[:, None] & (cols < H)
+            tl.store(dst, to_e4m3(dgate, scale[:, None], inv), mask=mask)
+            if GATED:
+                tl.store(dst + UP_OFF, to_e4m3(dup, scale[:, None], inv), mask=mask)
+    else:
+        part = tl.zeros([BLOCK_R], tl.float32)
+        amax = tl.zeros([BLOCK_R], tl.float32)  # QUANT: the stored dpre row's largest magnitude
+        for h0 in range(0, H, BLOCK_H):
+            p, dgate, dup = _chunk(ptrs, rows64, row_mask, store_mask, w, h0, H, UP_OFF, alpha, limit, strides,
+                                   ACTIVATION, STORE_PART, STORE_WACT, PRE_STEP, TF32_DPRE, PRE_E4M3, PRE_TILE,
+                                   BLOCK_R, BLOCK_H)
+            part += p
+            if QUANT:
+                amax = nan_max(amax, row_amax(dgate))
+                if GATED:
+                    amax = nan_max(amax, row_amax(dup))
+        if QUANT:
+            _quantize_stored_rows(dpre_ptr, dpre_q_ptr, dpre_s_ptr, rows, store_mask, amax, H, UP_OFF,
+                                  stride_dpre_m, stride_q_m, tiny, PRE_STEP, GATED, POW2, QMAX, BLOCK_H)
     if STORE_PART:  # 0 for the foreign rows (HAS_LIMIT)
         tl.store(dtw_ptr + rows, tl.where(row_mask, part, 0.0), mask=rows < N)
-    if QUANT:
-        _quantize_stored_rows(dpre_ptr, dpre_q_ptr, dpre_s_ptr, rows, store_mask, amax, H, UP_OFF, stride_dpre_m,
-                              stride_q_m, tiny, PRE_STEP, ACTIVATION < FIRST_NON_GATED, POW2, QMAX, BLOCK_H)
+
+
+@triton.jit
+def _chunk(ptrs, rows64, row_mask, store_mask, w, h0, H, UP_OFF, alpha, limit, strides, ACTIVATION: tl.constexpr,
+           STORE_PART: tl.constexpr, STORE_WACT: tl.constexpr, PRE_STEP: tl.constexpr, TF32_DPRE: tl.constexpr,
+           PRE_E4M3: tl.constexpr, PRE_TILE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr):
+    """Columns ``h0 .. h0 + BLOCK_H`` of the rows: ``w * act`` and ``dpre`` stored; returns this block's part of
+    ``dtw`` and ``dpre``'s gate and up halves as stored, in fp32, zeros where masked (up: gate's, ungated)."""
+    dact_ptr, pre_ptr, pre_s_ptr, dpre_ptr = ptrs
+    stride_dact_m, stride_pre_m, stride_dpre_m = strides
+    cols = h0 + tl.arange(0, BLOCK_H)[None, :]
+    mask = row_mask[:, None] & (cols < H)
+    dact_ptrs = dact_ptr + rows64 * stride_dact_m + cols
+    pre_ptrs = pre_ptr + rows64 * stride_pre_m + cols * PRE_STEP
+    dact = tl.load(dact_ptrs, mask=mask, other=0.0).to(tl.float32)
+    gate = tl.load(pre_ptrs, mask=mask, other=0.0).to(tl.float32)
+    if PRE_E4M3:  # each e4m3 value times its tile's scale, in fp32 (Float8Tensor.dequantize)
+        tiles = tl.cdiv(H, PRE_TILE)
+        s_ptrs = pre_s_ptr + rows64 * (tiles * (2 if ACTIVATION < FIRST_NON_GATED else 1))
+        gate = _times_tile_scales(gate, s_ptrs, h0, row_mask, tiles, PRE_TILE, BLOCK_R, BLOCK_H)
+    if ACTIVATION < FIRST_NON_GATED:
+        up = tl.load(pre_ptrs + UP_OFF, mask=mask, other=0.0).to(tl.float32)
+        if PRE_E4M3:
+            up = _times_tile_scales(up, s_ptrs + tiles, h0, row_mask, tiles, PRE_TILE, BLOCK_R, BLOCK_H)
+    else:
+        up = gate
+    part = tl.zeros([BLOCK_R], tl.float32)
+    if STORE_PART or STORE_WACT:
+        act = act_forward(gate, up, alpha, limit, ACTIVATION)
+    if STORE_PART:
+        part = tl.sum(dact * act, axis=1)
+    out_mask = store_mask[:, None] & (cols < H)
+    if STORE_WACT:  # rounded like the torch backend: (w * act.to(dtype)).to(dtype)
+        wact = act.to(dact_ptr.dtype.element_ty).to(tl.float32) * w
+        tl.store(dact_ptrs, wact.to(dact_ptr.dtype.element_ty), mask=out_mask)
+    dgate, dup = act_backward(dact * w, gate, up, alpha, limit, ACTIVATION)
+    if TF32_DPRE:  # dpre is B3's A operand, read as it is (no rounded copy)
+        dgate, dup = round_tf32_values(dgate), round_tf32_values(dup)
+    dgate, dup = dgate.to(dpre_ptr.dtype.element_ty), dup.to(dpre_ptr.dtype.element_ty)
+    dpre_ptrs = dpre_ptr + rows64 * stride_dpre_m + cols * PRE_STEP
+    tl.store(dpre_ptrs, dgate, mask=out_mask)
+    if ACTIVATION < FIRST_NON_GATED:
+        tl.store(dpre_ptrs + UP_OFF, dup, mask=out_mask)
+    else:
+        dup = dgate
+    # the values as stored (the masked lanes' zeros leave a row's amax as it is)
+    return part, tl.where(out_mask, dgate.to(tl.float32), 0.0), tl.where(out_mask, dup.to(tl.float32), 0.0)
 
 
 @triton.jit
@@ -175,6 +219,7 @@ def _quantize_stored_rows(dpre_ptr, q_ptr, s_ptr, rows, store_mask, amax, H, UP_
 
 
 _ACT_BWD = Launchable(act_bwd_rows_kernel, act_bwd_configs, key=["H", "ACTIVATION", "STORE_WACT", "QUANT", "PRE_E4M3"],
+                      heuristics={"ROW_WHOLE": lambda a: a["H"] <= a["BLOCK_H"]},
                       restore=["dact_ptr", "pre_ptr", "dpre_ptr"])  # in place: each trial starts afresh
 
 
