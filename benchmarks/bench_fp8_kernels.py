@@ -63,10 +63,10 @@ def measure(name: str, recipe: Float8Recipe, tokens: int | None = None) -> dict:
     index = with_schedule(build_dispatch(inp["topk_ids"], E), tuning.block_m(T * K, E))
     xq, w1q, w2q = recipe.quantize_rows(x), recipe.quantize_weight(w1, True), recipe.quantize_weight(w2, True)
     pre, act = up_forward_fp8(xq, w1q, index, "swiglu")
-    pre_em, _ = ops_fp8.up_forward(recipe, xq, w1, index, "swiglu")
+    pre_em, _, _ = ops_fp8.up_forward(recipe, xq, w1, index, "swiglu")
     actq = recipe.quantize_rows(act)
     out = down_forward_fp8(actq, w2q, tw, index)
-    out_em = ops_fp8.down_forward(recipe, act, w2, tw, index)
+    out_em, _ = ops_fp8.down_forward(recipe, act, w2, tw, index)
     pre16, act16 = bf16_kernels.up_forward(x, w1, index, "swiglu", True, True)
     times = {
         "f1_fp8": lambda: up_forward_fp8(xq, w1q, index, "swiglu"),

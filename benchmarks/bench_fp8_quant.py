@@ -3,7 +3,11 @@ in one step, at one config: ``x [T, d]``, ``act [N, h]``, ``pre [N, 2h]`` (B3's 
 weights ``w1 [E, 2h, d]`` and ``w2 [E, d, h]`` along their rows (F1, F2) and their transposed views along theirs
 (B3, B1), N = T·K; and the dequantization of the kept ``pre``. The weights once more from fp32 masters (``moeblaze
 train --precision fp8-mixed``): cast to bf16 then quantized, against quantized from fp32 with the bf16 rounding in
-the kernel (``as_dtype``; checked bitwise), counted as the bytes each moves (4 + 2 + 2 + 1, and 4 + 1).
+the kernel (``as_dtype``; checked bitwise), counted as the bytes each moves (4 + 2 + 2 + 1, and 4 + 1). And each
+weight's pair of copies (rows for the forward, the transposed view's rows for the backward) as the FP8 layer makes
+them: the transposed copy reading the weight twice (its rows' maxima, then the values), against reading it once
+with the column maxima the rowwise pass took (``quantize_rows_col_amax``; checked bitwise), each part and the pair,
+counted as 6 bytes an element for the pair.
 
 Per operand: the median time (``triton.testing.do_bench``) with the launcher's tiles and with each of a few
 alternative ``(BLOCK_R, BLOCK_C, num_warps)``, and the bandwidth counted as the bytes the kernel must move (2 read
@@ -72,7 +76,9 @@ def measure(config: str) -> list[dict]:
             rows.append({"config": config, "operand": name, "shape": "x".join(map(str, t.shape)),
                          "tiles": "/".join(map(str, tiles)), "launcher_tiles": tiles == default, "ms": f"{ms:.4f}",
                          "gb_s": f"{t.numel() * 3 / ms / 1e6:.0f}"})
+    weights = {k: v for k, v in _operands(*CONFIGS[config]).items() if k in ("w1", "w2")}
     rows += _from_masters(config, {k: v for k, v in _operands(*CONFIGS[config]).items() if k.startswith("w")})
+    rows += _weight_pairs(config, weights)
     q = fp8_quant.quantize_rows_fp8(torch.randn(CONFIGS[config][0] * CONFIGS[config][4], 2 * CONFIGS[config][2],
                                                 device="cuda", dtype=torch.bfloat16))
     ms = triton.testing.do_bench(lambda: fp8_quant.dequantize_rows_fp8(q, torch.bfloat16), warmup=10, rep=100)
@@ -99,6 +105,34 @@ def _from_masters(config: str, weights: dict[str, torch.Tensor]) -> list[dict]:
                          "tiles": "/".join(map(str, fp8_quant._tiles(master))), "launcher_tiles": True,
                          "ms": f"{ms:.4f}", "gb_s": f"{w.numel() * nbytes / ms / 1e6:.0f}"})
         del master
+    return rows
+
+
+def _weight_pairs(config: str, weights: dict[str, torch.Tensor]) -> list[dict]:
+    """Per weight: its two copies with two reads of the transposed view against one (module docstring)."""
+    return [row for name, w in weights.items() for row in _pair_rows(config, name, w)]
+
+
+def _pair_rows(config: str, name: str, w: torch.Tensor) -> list[dict]:
+    wt = w.transpose(1, 2)
+    ref, ref_t = fp8_quant.quantize_rows_fp8(w), fp8_quant.quantize_rows_fp8(wt)
+    q, amax = fp8_quant.quantize_rows_col_amax(w)
+    q_t = fp8_quant.quantize_rows_fp8(wt, amax=amax)
+    for a, b in ((q, ref), (q_t, ref_t)):
+        if not (torch.equal(a.data, b.data) and torch.equal(a.scale, b.scale)):
+            raise AssertionError(f"{name}: the copies from the column maxima differ from the two-read ones")
+    runs = (("pair: two reads of the transposed view",
+             lambda: (fp8_quant.quantize_rows_fp8(w), fp8_quant.quantize_rows_fp8(wt)), 6),
+            ("pair: column maxima, one read",
+             lambda: fp8_quant.quantize_rows_fp8(wt, amax=fp8_quant.quantize_rows_col_amax(w)[1]), 6),
+            ("rows with column maxima", lambda: fp8_quant.quantize_rows_col_amax(w), 3),
+            ("transposed from the maxima", lambda: fp8_quant.quantize_rows_fp8(wt, amax=amax), 3))
+    rows = []
+    for how, run, nbytes in runs:
+        ms = triton.testing.do_bench(run, warmup=10, rep=100)
+        rows.append({"config": config, "operand": f"{name} {how}", "shape": "x".join(map(str, w.shape)),
+                     "tiles": "/".join(map(str, fp8_quant._tiles(w))), "launcher_tiles": True,
+                     "ms": f"{ms:.4f}", "gb_s": f"{w.numel() * nbytes / ms / 1e6:.0f}"})
     return rows
 
 

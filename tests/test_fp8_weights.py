@@ -168,3 +168,106 @@ def test_compiled_layer_inside_the_context(monkeypatch):
     assert len(layouts) == 2  # w1 and w2 rows, once over both invocations
     for a, b in zip(got, eager):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+def _weight(shape, dtype):
+    """A weight ``[E, n, k]`` over 6 binades along k, a NaN and an infinity (when n > 3)."""
+    gen = torch.Generator().manual_seed(sum(shape))
+    w = torch.randn(*shape, generator=gen) * torch.logspace(-3, 3, shape[-1])
+    if shape[1] > 3:
+        w[-1, 3, 1], w[0, 2, 0] = float("nan"), float("inf")
+    return w.to(dtype)
+
+
+def _check_column_maxima(w, as_dtype, exact):
+    """The rows of ``w`` with their column maxima, and the transposed copy from those maxima: bitwise the copies
+    made without them (the transposed one read twice); in the interpreter but a NaN row's e4m3 bits, which follow
+    the sign of its NaN scale (tests/test_fp8_quant.py)."""
+    from moeblaze.kernels.fp8_quant import quantize_rows_col_amax, quantize_rows_fp8
+
+    q, amax = quantize_rows_col_amax(w, as_dtype=as_dtype)
+    ref = quantize_rows_fp8(w, as_dtype=as_dtype)
+    assert torch.equal(q.data.view(torch.uint8), ref.data.view(torch.uint8)) and torch.equal(
+        q.scale.nan_to_num(-1.0), ref.scale.nan_to_num(-1.0))
+    values = w.to(as_dtype or w.dtype).float()
+    want = values.abs().amax(-2) if w.shape[-2] else values.new_zeros(w.shape[0], w.shape[-1])
+    assert amax.dtype == torch.float32 and torch.equal(amax.nan_to_num(-1.0), want.nan_to_num(-1.0))
+    got = quantize_rows_fp8(w.transpose(1, 2), as_dtype=as_dtype, amax=amax)
+    ref = quantize_rows_fp8(w.transpose(1, 2), as_dtype=as_dtype)
+    assert torch.equal(got.scale.nan_to_num(-1.0), ref.scale.nan_to_num(-1.0))
+    rows = torch.ones_like(ref.scale, dtype=torch.bool) if exact else ~ref.scale.isnan()
+    same = got.data.view(torch.uint8) == ref.data.view(torch.uint8)
+    assert same[rows.expand_as(same)].all()
+    if w[:, :, 1:].isnan().any():
+        assert ref.scale.isnan().any()  # the NaN column's row is there and was compared by its scale
+
+
+@pytest.mark.skipif(not TRITON_ON_CPU, reason="the quantization kernel on CPU tensors needs TRITON_INTERPRET=1")
+@pytest.mark.parametrize("shape", [(3, 130, 40), (2, 80, 24), (1, 5, 7), (2, 0, 8)])
+@pytest.mark.parametrize("dtype, as_dtype", [(torch.float16, None), (torch.float32, torch.bfloat16),
+                                             (torch.float32, None)])
+def test_transposed_copy_from_the_rows_column_maxima(shape, dtype, as_dtype):
+    """The copies for B1 / B3 with one read of the weight (the column maxima of the forward's rowwise pass): the
+    bytes of the two-read copy; rows of programs that span several row blocks (130 rows), a transposed view whose
+    rows are read in several column blocks (the maxima given), short rows, no rows; an fp32 master as its bf16
+    cast."""
+    _check_column_maxima(_weight(shape, dtype), as_dtype, exact=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(8, 1536, 2048), (8, 2048, 768), (3, 130, 40), (2, 40, 9000)])
+@pytest.mark.parametrize("dtype, as_dtype", [(torch.bfloat16, None), (torch.float32, torch.bfloat16)])
+def test_gpu_transposed_copy_from_the_rows_column_maxima(shape, dtype, as_dtype):
+    """As the interpreter test, bitwise; rows over 8,192 columns (not held whole) give no maxima: the copy reads
+    twice."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU (run with -m gpu on the device)")
+    from moeblaze.kernels.fp8_quant import quantize_rows_col_amax
+
+    w = _weight(shape, dtype).cuda()
+    if shape[-1] > 8192:
+        assert quantize_rows_col_amax(w)[1].numel() == 0
+        return
+    _check_column_maxima(w, as_dtype, exact=True)
+
+
+def test_column_maxima_errors_name_the_argument():
+    from moeblaze.kernels.fp8_quant import quantize_rows_col_amax, quantize_rows_fp8
+
+    if not (torch.cuda.is_available() or TRITON_ON_CPU):
+        pytest.skip("the quantization kernel needs CUDA or TRITON_INTERPRET=1")
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    w = torch.randn(2, 6, 8, device=dev)
+    with pytest.raises(ValueError, match=r"amax must be fp32 \(2, 8\) contiguous"):
+        quantize_rows_fp8(w.transpose(1, 2), amax=torch.ones(2, 6, device=dev))
+    with pytest.raises(ValueError, match="t's rows must be contiguous"):
+        quantize_rows_col_amax(w.transpose(1, 2))
+
+
+@pytest.mark.gpu
+def test_gpu_layer_backward_bitwise_with_the_forwards_column_maxima(monkeypatch):
+    """The FP8 layer's gradients with the weights' transposed copies made from the forward's column maxima: bitwise
+    those with copies that read the weights twice."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU (run with -m gpu on the device)")
+    from moeblaze.kernels import fp8_experts
+
+    torch.manual_seed(0)
+    layer = moeblaze.MoE(256, 128, 8, 2, backend="triton", fp8=Float8Recipe()).cuda().bfloat16()
+    x = torch.randn(300, 256, device="cuda", dtype=torch.bfloat16)
+
+    def grads():
+        layer.zero_grad()
+        xi = x.clone().requires_grad_()
+        layer(xi).float().square().sum().backward()
+        return [xi.grad] + [p.grad.clone() for p in layer.parameters()]
+
+    used = []
+    real = fp8_experts._weight_cols
+    monkeypatch.setattr(fp8_experts, "_weight_cols", lambda w, pow2, dtype, amax: (
+        used.append(amax is not None and amax.numel() > 0)) or real(w, pow2, dtype, amax))
+    with_maxima = grads()
+    monkeypatch.setattr(fp8_experts, "_weight_cols", lambda w, pow2, dtype, amax: real(w, pow2, dtype, None))
+    for a, b in zip(with_maxima, grads()):
+        assert torch.equal(a, b)
+    assert used == [True, True]

@@ -191,28 +191,30 @@ class _Float8Experts(torch.autograd.Function):
         # inside the quantization, as the same call on 16-bit weights would quantize, with no 16-bit copy
         xq = ops.quantize_rows(recipe, x)
         keep = save == "preact"  # F1 writes pre in the kept e4m3 tiles (recipe.quantize_kept), not in 16 bits
-        pq, act = ops.up_forward(recipe, xq, w1, index, activation, b1=b1, act_args=act_args, keep=keep,
-                                 dtype=x.dtype)
-        out = ops.down_forward(recipe, act, w2, topk_weights, index, b2=b2, dtype=x.dtype).to(x.dtype)
+        # w1_amax, w2_amax: the weights' column maxima ([E, d], [E, h] fp32 on CUDA, else None) from the forward's
+        # quantization, so that the backward's transposed copies read each weight once
+        pq, act, w1_amax = ops.up_forward(recipe, xq, w1, index, activation, b1=b1, act_args=act_args, keep=keep,
+                                          dtype=x.dtype)
+        out, w2_amax = ops.down_forward(recipe, act, w2, topk_weights, index, b2=b2, dtype=x.dtype)
         kept_pre = (pq.data, pq.scale) if keep else (None, None)
-        ctx.save_for_backward(x, *kept_pre, w1, b1, w2, b2, topk_weights, *index_tensors)
+        ctx.save_for_backward(x, *kept_pre, w1, b1, w2, b2, topk_weights, w1_amax, w2_amax, *index_tensors)
         ctx.recipe, ctx.ops, ctx.activation, ctx.act_args, ctx.dtype = recipe, ops, activation, act_args, x.dtype
         ctx.pre_block = pq.block if keep else None
         ctx.index_args = (num_experts, block_m, foreign)
-        return out
+        return out.to(x.dtype)
 
     @staticmethod
     @carried_to_backward
     @autocast_off
     def backward(ctx, dout):
-        x, pre_data, pre_scale, w1, b1, w2, b2, topk_weights, *index_tensors = ctx.saved_tensors
+        x, pre_data, pre_scale, w1, b1, w2, b2, topk_weights, w1_amax, w2_amax, *index_tensors = ctx.saved_tensors
         index = _index_from(index_tensors, *ctx.index_args)
         recipe, ops, need, act_args = ctx.recipe, ctx.ops, ctx.needs_input_grad, ctx.act_args
         activation = ctx.activation
         dtype = ctx.dtype
         if pre_data is None:
-            pre, _ = ops.up_forward(recipe, ops.quantize_rows(recipe, x), w1, index, activation, store_act=False,
-                                    b1=b1, act_args=act_args, dtype=dtype)
+            pre, _, _ = ops.up_forward(recipe, ops.quantize_rows(recipe, x), w1, index, activation, store_act=False,
+                                       b1=b1, act_args=act_args, dtype=dtype)
         else:
             pre = Float8Tensor(pre_data, pre_scale, ctx.pre_block)
         dout = dout.contiguous()
@@ -223,11 +225,11 @@ class _Float8Experts(torch.autograd.Function):
             reuse = Float8Tensor(rows, pre_scale.new_empty(rows.shape[0], 1), (1, rows.shape[1]))
         dpre, dw2, dtw = ops.down_backward(recipe, dout, pre, w2, topk_weights, index, activation, need[3],
                                            need[5], b2=b2, act_args=act_args, dw_dtype=w2.dtype, dpre_q=reuse,
-                                           dtype=dtype)
+                                           dtype=dtype, w_amax=w2_amax)
         del pre
         db1 = ops_torch.bias_grad(dpre, index).to(b1.dtype) if need[2] else None
         dx, dw1 = ops.up_backward(recipe, dpre, x, w1, index, need[0], need[1], dw_dtype=w1.dtype,
-                                  reuse=reuse, quantized=reuse is not None, dtype=dtype)
+                                  reuse=reuse, quantized=reuse is not None, dtype=dtype, w_amax=w1_amax)
         dx = dx.to(dtype) if dx is not None else None
         if ctx.input_grad is not None:
             dx = ctx.input_grad.offer(dx)

@@ -67,36 +67,39 @@ def _weight(recipe: Float8Recipe, w: Tensor, reduce_cols: bool, dtype: torch.dty
 
 def up_forward(recipe: Float8Recipe, xq: Float8Tensor, w1: Tensor, index: DispatchIndex, activation: str, *,
                store_act: bool = True, b1: Tensor | None = None, act_args: ActArgs = DEFAULT_ACT,
-               keep: bool = False, dtype: torch.dtype | None = None) -> tuple[Tensor | Float8Tensor, Tensor | None]:
+               keep: bool = False,
+               dtype: torch.dtype | None = None) -> tuple[Tensor | Float8Tensor, Tensor | None, None]:
     """F1: ``pre = x[token(s)] w1[e]^T (+ b1[e])`` from the e4m3 ``xq`` (``x [T, d]`` in rows of the recipe's
     tiles) and ``w1 [E, 2h | h, d]``; ``act = f(pre)`` with ``store_act``. Returns ``(pre [N, 2h | h],
-    act [N, h] | None)`` fp32; with ``keep`` ``pre`` as kept for backward
-    (:meth:`moeblaze.fp8.Float8Recipe.quantize_kept`), ``act`` from the unquantized ``pre``.
+    act [N, h] | None, None)`` fp32; with ``keep`` ``pre`` as kept for backward
+    (:meth:`moeblaze.fp8.Float8Recipe.quantize_kept`), ``act`` from the unquantized ``pre``. (The Triton ops
+    return the weight's column maxima third, for B3's copy of it; here the backward quantizes the weight anew.)
     ``dtype`` (every op's): the 16-bit compute dtype of the call, whose cast of a wider (fp32 master) weight the
     recipe quantizes (default: the weight's dtype)."""
     w = _weight(recipe, w1, True, dtype)
     pre, act = ops_torch.up_forward(xq.dequantize(), w, index, activation, store_pre=True, store_act=store_act,
                                     b1=b1, act_args=act_args)
-    return (recipe.quantize_kept(pre, is_gated(activation)) if keep else pre), act
+    return (recipe.quantize_kept(pre, is_gated(activation)) if keep else pre), act, None
 
 
 def down_forward(recipe: Float8Recipe, act: Tensor, w2: Tensor, topk_weights: Tensor, index: DispatchIndex, *,
-                 b2: Tensor | None = None, dtype: torch.dtype | None = None) -> Tensor:
+                 b2: Tensor | None = None, dtype: torch.dtype | None = None) -> tuple[Tensor, None]:
     """F2 ``y = act w2[e]^T (+ b2[e])`` and the fp32 combine F3: ``act [N, h]``, ``w2 [E, d, h]`` ->
-    ``out [T, d]`` fp32."""
+    ``(out [T, d] fp32, None)`` (None: as :func:`up_forward`'s third)."""
     a = recipe.quantize_rows(act).dequantize()
     w = _weight(recipe, w2, True, dtype)
-    return ops_torch.down_forward(a, w, topk_weights, index, b2=b2)
+    return ops_torch.down_forward(a, w, topk_weights, index, b2=b2), None
 
 
 def down_backward(recipe: Float8Recipe, dout: Tensor, pre: Tensor, w2: Tensor, topk_weights: Tensor,
                   index: DispatchIndex, activation: str, need_dw: bool, need_dtw: bool, *, b2: Tensor | None = None,
                   act_args: ActArgs = DEFAULT_ACT, dw_dtype: torch.dtype | None = None,
-                  dpre_q: Float8Tensor | None = None,
-                  dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor | None, Tensor | None]:
+                  dpre_q: Float8Tensor | None = None, dtype: torch.dtype | None = None,
+                  w_amax: Tensor | None = None) -> tuple[Tensor, Tensor | None, Tensor | None]:
     """B1 ``dact' = dout[token(s)] w2[e]`` with ``act = f(pre)`` recomputed, ``dtopk_weights`` and ``dpre``;
     B2 ``dw2[e] = dout[token(s)]^T (w act)``. ``dpre_q`` (where the Triton ops write B3's e4m3 ``dpre``) is not
-    used here: :func:`up_backward` quantizes ``dpre`` itself, to the same values.
+    used here: :func:`up_backward` quantizes ``dpre`` itself, to the same values; nor ``w_amax`` (the Triton ops'
+    column maxima of ``w2`` from the forward).
 
     Args: ``dout [T, d]``, ``pre [N, 2h | h]`` (fp32, recomputed; or the kept e4m3 tiles of :func:`up_forward`'s
     ``keep``), ``w2 [E, d, h]``, ``topk_weights [T, K]``.
@@ -121,11 +124,11 @@ def down_backward(recipe: Float8Recipe, dout: Tensor, pre: Tensor, w2: Tensor, t
 
 def up_backward(recipe: Float8Recipe, dpre: Tensor, x: Tensor, w1: Tensor, index: DispatchIndex,
                 need_dx: bool, need_dw: bool, *, dw_dtype: torch.dtype | None = None,
-                reuse: Float8Tensor | None = None, quantized: bool = False,
-                dtype: torch.dtype | None = None) -> tuple[Tensor | None, Tensor | None]:
+                reuse: Float8Tensor | None = None, quantized: bool = False, dtype: torch.dtype | None = None,
+                w_amax: Tensor | None = None) -> tuple[Tensor | None, Tensor | None]:
     """B3 ``dx_slots = dpre w1[e]`` with B5 ``dx[t] = sum_k dx_slots[map[t,k]]``, and B4
-    ``dw1[e] = dpre^T x[token(s)]``. ``reuse`` (the kept e4m3 ``pre``, where the Triton ops write B3's e4m3 ``dpre``)
-    and ``quantized`` are not used here: the emulation's memory is not the kernels'.
+    ``dw1[e] = dpre^T x[token(s)]``. ``reuse`` (the kept e4m3 ``pre``, where the Triton ops write B3's e4m3 ``dpre``),
+    ``quantized`` and ``w_amax`` are not used here: the emulation's memory is not the kernels'.
 
     Args: ``dpre [N, 2h | h]`` fp32, ``x [T, d]`` (the layer's 16-bit input), ``w1 [E, 2h | h, d]``.
     Returns: ``(dx [T, d] fp32 | None, dw1 [E, 2h | h, d] in dw_dtype | None)``.

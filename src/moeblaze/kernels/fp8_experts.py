@@ -37,7 +37,7 @@ from ..fp8 import E4M3, KEPT_TILE, Float8Recipe, Float8Tensor, quantize_fp8, qua
 from . import experts as kx
 from .custom_ops import call_op
 from .fp8_gemm import down_rowwise, up_rowwise
-from .fp8_quant import dequantize_rows_fp8, quantize_rows_fp8
+from .fp8_quant import ONE_SWEEP_COLS, dequantize_rows_fp8, quantize_rows_col_amax, quantize_rows_fp8
 from .launch import grouped_gemm
 from .tuning import cdiv
 
@@ -57,11 +57,34 @@ def _rows(t: Tensor, pow2: bool, out: tuple[Tensor, Tensor] | None = None,
     return Float8Tensor(out[0], out[1], q.block)
 
 
-def _weight_rows(w: Tensor, pow2: bool, dtype: torch.dtype) -> Float8Tensor:
-    """A weight (or its transposed view) with one scale per row, as its cast to the compute ``dtype`` (an fp32
-    master under autocast: the rounding inside the quantization, no 16-bit copy), kept over micro-batches inside
-    :func:`moeblaze.fp8.reuse_weights`."""
-    return weight_copy(w, ("rows", pow2, dtype), lambda: _rows(w, pow2, as_dtype=dtype))
+def _weight_rows(w: Tensor, pow2: bool, dtype: torch.dtype) -> tuple[Float8Tensor, Tensor]:
+    """A weight ``[E, n, k]`` with one scale per row, as its cast to the compute ``dtype`` (an fp32 master under
+    autocast: the rounding inside the quantization, no 16-bit copy), kept over micro-batches inside
+    :func:`moeblaze.fp8.reuse_weights`; and ``[E, k]`` fp32, the cast's column maxima (empty off CUDA, for rows
+    over 8,192 or not contiguous), which :func:`_weight_cols` takes in backward so it reads the weight once."""
+    if not w.is_cuda or w.stride(-1) != 1:
+        return weight_copy(w, ("rows", pow2, dtype), lambda: _rows(w, pow2, as_dtype=dtype)), _no_amax(w)
+    return weight_copy(w, ("rows+amax", pow2, dtype), lambda: quantize_rows_col_amax(w, pow2, dtype))
+
+
+def _weight_cols(w: Tensor, pow2: bool, dtype: torch.dtype, amax: Tensor | None) -> Float8Tensor:
+    """The transposed view ``w^T [E, k, n]`` of a weight with one scale per row (K-major for B1 / B3), as
+    :func:`_weight_rows`; ``amax`` its column maxima from the forward (empty or None: found here, a second read)."""
+    if amax is None or not amax.numel():
+        make = lambda: _rows(w.transpose(1, 2), pow2, as_dtype=dtype)  # noqa: E731
+    else:
+        make = lambda: quantize_rows_fp8(w.transpose(1, 2), pow2, as_dtype=dtype, amax=amax)  # noqa: E731
+    return weight_copy(w.transpose(1, 2), ("rows", pow2, dtype), make)
+
+
+def _amax_shape(w: Tensor) -> tuple[int, ...]:
+    """The shape of :func:`_weight_rows`' column maxima of ``w [E, n, k]``: ``[E, k]``, or ``[0]`` (none)."""
+    held = w.is_cuda and w.stride(-1) == 1 and w.shape[-1] <= ONE_SWEEP_COLS
+    return (w.shape[0], w.shape[-1]) if held else (0,)
+
+
+def _no_amax(w: Tensor) -> Tensor:
+    return w.new_empty(0, dtype=torch.float32)
 
 
 def _index_args(index: DispatchIndex) -> tuple[Tensor, ...]:
@@ -112,21 +135,22 @@ def _up_impl(xq, xs, w1, b1, offsets, indices, tile_expert, tile_row, num_tiles,
     # on CUDA the epilogue quantizes pre; elsewhere the recipe's PyTorch ops do (the interpreter's e4m3 casts differ)
     fused = keep and xq.is_cuda
     scale = xq.new_empty(_kept_scale_shape(indices.numel(), w1, activation) if keep else (0,), dtype=torch.float32)
-    pre, act = up_rowwise(Float8Tensor(xq, xs, (1, xq.shape[1])), _weight_rows(w1, pow2, dtype), offsets, indices,
+    wq, amax = _weight_rows(w1, pow2, dtype)
+    pre, act = up_rowwise(Float8Tensor(xq, xs, (1, xq.shape[1])), wq, offsets, indices,
                           (tile_expert, tile_row, num_tiles), activation, True, store_act, dtype, b1, alpha, limit,
                           keep=(scale, pow2) if fused else None)
     if keep and not fused:
         q = quantize_kept(pre, activation in GATED, pow2)
         pre = q.data.view(pre.shape)
         scale.copy_(q.scale)
-    return pre, act, scale
+    return pre, act, scale, amax
 
 
 _up_op = torch.library.custom_op(
     "moeblaze::fp8_up_forward", _up_impl, mutates_args=(),
     schema="(Tensor xq, Tensor xs, Tensor w1, Tensor? b1, Tensor offsets, Tensor indices, Tensor tile_expert, "
            "Tensor tile_row, Tensor num_tiles, str activation, float alpha, float limit, bool store_act, "
-           "bool pow2, bool keep, ScalarType dtype) -> (Tensor, Tensor, Tensor)")
+           "bool pow2, bool keep, ScalarType dtype) -> (Tensor, Tensor, Tensor, Tensor)")
 
 
 @_up_op.register_fake
@@ -135,51 +159,58 @@ def _(xq, xs, w1, b1, offsets, indices, tile_expert, tile_row, num_tiles, activa
     N, (rows, h) = indices.shape[0], kx.up_widths(w1, activation)
     return (w1.new_empty((N, rows), dtype=E4M3 if keep else dtype),
             w1.new_empty((N, h) if store_act else (0,), dtype=dtype),
-            w1.new_empty(_kept_scale_shape(N, w1, activation) if keep else (0,), dtype=torch.float32))
+            w1.new_empty(_kept_scale_shape(N, w1, activation) if keep else (0,), dtype=torch.float32),
+            w1.new_empty(_amax_shape(w1), dtype=torch.float32))
 
 
 def up_forward(recipe: Float8Recipe, xq: Float8Tensor, w1: Tensor, index: DispatchIndex, activation: str, *,
                store_act: bool = True, b1: Tensor | None = None, act_args: ActArgs = DEFAULT_ACT,
-               keep: bool = False, dtype: torch.dtype | None = None) -> tuple[Tensor | Float8Tensor, Tensor | None]:
-    """F1 (:func:`moeblaze.ops_fp8.up_forward`): ``(pre [N, 2h|h], act [N, h] | None)`` in ``dtype`` (default
-    ``w1``'s; ``w1`` quantized as its cast to it, :func:`_weight_rows`); with
+               keep: bool = False,
+               dtype: torch.dtype | None = None) -> tuple[Tensor | Float8Tensor, Tensor | None, Tensor]:
+    """F1 (:func:`moeblaze.ops_fp8.up_forward`): ``(pre [N, 2h|h], act [N, h] | None, w1_amax)`` in ``dtype``
+    (default ``w1``'s; ``w1`` quantized as its cast to it, :func:`_weight_rows`, whose column maxima ``w1_amax``
+    are, for :func:`up_backward`'s ``w_amax``); with
     ``keep`` ``pre`` as kept for backward, e4m3 in ``1 x KEPT_TILE`` tiles per half
     (:meth:`moeblaze.fp8.Float8Recipe.quantize_kept` of the 16-bit ``pre``; on CUDA written so by F1's epilogue: no
     16-bit ``pre`` exists), ``act`` from the 16-bit ``pre``."""
     if act_args.interleaved:
         raise ValueError("fp8 on backend='triton': an interleaved w_gate_up has no FP8 kernel yet")
-    pre, act, scale = call_op(_up_op, _up_impl, xq.data, xq.scale, w1, b1, *_index_args(index), activation,
-                              act_args.alpha, act_args.limit, store_act, recipe.pow2_scales, keep, dtype or w1.dtype)
+    pre, act, scale, amax = call_op(_up_op, _up_impl, xq.data, xq.scale, w1, b1, *_index_args(index), activation,
+                                    act_args.alpha, act_args.limit, store_act, recipe.pow2_scales, keep,
+                                    dtype or w1.dtype)
     if keep:
         pre = Float8Tensor(pre.unflatten(1, scale.shape[1:2] + (-1,)), scale, (1, KEPT_TILE))
-    return pre, (act if store_act else None)
+    return pre, (act if store_act else None), amax
 
 
 # ---------------------------------------------------------------- F2-F3
 
 def _down_impl(act, w2, b2, topk_weights, offsets, indices, tile_expert, tile_row, num_tiles, token_index_map,
                foreign, pair_offsets, pow2):
-    return down_rowwise(_rows(act, pow2), _weight_rows(w2, pow2, act.dtype), topk_weights, offsets, indices,
-                        (tile_expert, tile_row, num_tiles), token_index_map, foreign, pair_offsets, b2, act.dtype)
+    wq, amax = _weight_rows(w2, pow2, act.dtype)
+    return down_rowwise(_rows(act, pow2), wq, topk_weights, offsets, indices, (tile_expert, tile_row, num_tiles),
+                        token_index_map, foreign, pair_offsets, b2, act.dtype), amax
 
 
 _down_op = torch.library.custom_op(
     "moeblaze::fp8_down_forward", _down_impl, mutates_args=(),
     schema="(Tensor act, Tensor w2, Tensor? b2, Tensor topk_weights, Tensor offsets, Tensor indices, "
            "Tensor tile_expert, Tensor tile_row, Tensor num_tiles, Tensor token_index_map, bool foreign, "
-           "Tensor? pair_offsets, bool pow2) -> Tensor")
+           "Tensor? pair_offsets, bool pow2) -> (Tensor, Tensor)")
 
 
 @_down_op.register_fake
 def _(act, w2, b2, topk_weights, offsets, indices, tile_expert, tile_row, num_tiles, token_index_map, foreign,
       pair_offsets, pow2):
-    return act.new_empty(kx._tokens_pairs(token_index_map, pair_offsets)[0], w2.shape[1])
+    return (act.new_empty(kx._tokens_pairs(token_index_map, pair_offsets)[0], w2.shape[1]),
+            w2.new_empty(_amax_shape(w2), dtype=torch.float32))
 
 
 def down_forward(recipe: Float8Recipe, act: Tensor, w2: Tensor, topk_weights: Tensor, index: DispatchIndex, *,
-                 b2: Tensor | None = None, dtype: torch.dtype | None = None) -> Tensor:
-    """F2-F3 (:func:`moeblaze.ops_fp8.down_forward`): ``out [T, d]`` in ``act``'s dtype, ``w2`` quantized as its cast
-    to it (``dtype``, the emulation's argument, is ``act``'s here)."""
+                 b2: Tensor | None = None, dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor]:
+    """F2-F3 (:func:`moeblaze.ops_fp8.down_forward`): ``(out [T, d], w2_amax)``, ``out`` in ``act``'s dtype, ``w2``
+    quantized as its cast to it (``dtype``, the emulation's argument, is ``act``'s here), ``w2_amax`` that cast's
+    column maxima for :func:`down_backward`'s ``w_amax`` (:func:`_weight_rows`)."""
     return call_op(_down_op, _down_impl, act, w2, b2, topk_weights, *_index_args(index), index.token_index_map,
                    index.foreign_experts, index.pair_offsets, recipe.pow2_scales)
 
@@ -188,11 +219,11 @@ def down_forward(recipe: Float8Recipe, act: Tensor, w2: Tensor, topk_weights: Te
 
 def _down_backward_impl(dout, pre, pre_scale, w2, b2, topk_weights, offsets, indices, tile_expert, tile_row,
                         num_tiles, token_index_map, token_expert_indices, activation, alpha, limit, interleaved,
-                        foreign, need_dw, need_dtw, general, dw_dtype, pow2, dpre_scale=None):
+                        foreign, need_dw, need_dtw, general, dw_dtype, pow2, dpre_scale=None, w_amax=None):
     # B1 in FP8, then the 16-bit path's activation backward (dpre over a 16-bit pre, or into a new tensor from the
     # kept e4m3 pre and its tile scales pre_scale, whose storage then takes dpre in e4m3 for B3 on CUDA: dpre_scale),
     # dtopk_weights and B2 dW2[e] = sum_s dout[token(s)]^T (w act)
-    dact = _b1(dout, w2, offsets, indices, (tile_expert, tile_row, num_tiles), pow2)
+    dact = _b1(dout, w2, offsets, indices, (tile_expert, tile_row, num_tiles), pow2, w_amax)
     kept = pre_scale is not None
     dpre = torch.empty(pre.shape, dtype=dout.dtype, device=dout.device) if kept else pre
     quant = (pre, dpre_scale.view(-1), pow2) if kept and _fuses_dpre(dpre_scale, dout) else None
@@ -208,12 +239,12 @@ def _fuses_dpre(dpre_scale, t) -> bool:
     return dpre_scale is not None and t.is_cuda
 
 
-def _b1(dout, w2, offsets, indices, sched, pow2):
+def _b1(dout, w2, offsets, indices, sched, pow2, w_amax):
     """B1 ``dact' [N, h] = dout[token(s)] w2[e]`` on e4m3 ``dout`` rows and ``w2^T [E, h, d]`` (K-major, a scale per
     column of w2), in ``dout``'s dtype. A function of its own so that the e4m3 copies are freed before the
     activation backward and B2 allocate (the copy of ``w2`` is ``E d h`` bytes)."""
     d, h = w2.shape[1], w2.shape[2]
-    gq, wq = _rows(dout, pow2), _weight_rows(w2.transpose(1, 2), pow2, dout.dtype)
+    gq, wq = _rows(dout, pow2), _weight_cols(w2, pow2, dout.dtype, w_amax)
     dact = dout.new_empty(indices.numel(), h)
     grouped_gemm(gq.data, wq.data, dact, offsets, indices, sched, b_nk=True, n_cols=h, k_dim=d, gather_a=True,
                  a_scale=gq.scale[:, 0], b_scale=wq.scale[..., 0])
@@ -226,13 +257,13 @@ _down_backward_op = torch.library.custom_op(
            "Tensor offsets, Tensor indices, Tensor tile_expert, Tensor tile_row, Tensor num_tiles, "
            "Tensor token_index_map, Tensor token_expert_indices, str activation, float alpha, float limit, "
            "bool interleaved, bool foreign, bool need_dw, bool need_dtw, bool general, ScalarType? dw_dtype, "
-           "bool pow2, Tensor(b!)? dpre_scale=None) -> (Tensor, Tensor, Tensor)")
+           "bool pow2, Tensor(b!)? dpre_scale=None, Tensor? w_amax=None) -> (Tensor, Tensor, Tensor)")
 
 
 @_down_backward_op.register_fake
 def _(dout, pre, pre_scale, w2, b2, topk_weights, offsets, indices, tile_expert, tile_row, num_tiles,
       token_index_map, token_expert_indices, activation, alpha, limit, interleaved, foreign, need_dw, need_dtw,
-      general, dw_dtype, pow2, dpre_scale=None):
+      general, dw_dtype, pow2, dpre_scale=None, w_amax=None):
     dpre = pre.new_empty(pre.shape, dtype=dout.dtype) if pre_scale is not None else kx._empty(dout)
     return (dpre, *kx.down_backward_outputs(w2, topk_weights, token_index_map, need_dw, need_dtw, dw_dtype))
 
@@ -240,8 +271,8 @@ def _(dout, pre, pre_scale, w2, b2, topk_weights, offsets, indices, tile_expert,
 def down_backward(recipe: Float8Recipe, dout: Tensor, pre: Tensor | Float8Tensor, w2: Tensor, topk_weights: Tensor,
                   index: DispatchIndex, activation: str, need_dw: bool, need_dtw: bool, *, b2: Tensor | None = None,
                   act_args: ActArgs = DEFAULT_ACT, dw_dtype: torch.dtype | None = None,
-                  dpre_q: Float8Tensor | None = None,
-                  dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor | None, Tensor | None]:
+                  dpre_q: Float8Tensor | None = None, dtype: torch.dtype | None = None,
+                  w_amax: Tensor | None = None) -> tuple[Tensor, Tensor | None, Tensor | None]:
     """B1 in FP8 (``dact' = dout[token(s)] w2[e]``, ``w2`` quantized as its cast to ``dout``'s dtype, which ``dtype``
     names in the emulation), the 16-bit path's activation backward and ``dtopk_weights``, B2 in 16 bits
     (:func:`moeblaze.ops_fp8.down_backward`): ``(dpre [N, 2h|h], dw2 | None, dtopk_weights | None)``.
@@ -250,7 +281,8 @@ def down_backward(recipe: Float8Recipe, dout: Tensor, pre: Tensor | Float8Tensor
     new tensor in ``dout``'s dtype), or ``[N, 2h|h]`` in ``dout``'s dtype recomputed (unit column stride, else a
     copy), overwritten with ``dpre`` and returned. ``dpre_q``: B3's rowwise e4m3 ``dpre`` in the kept ``pre``'s
     storage (a view of it, a scale per row); on CUDA the activation backward writes ``dpre`` quantized into
-    it (:func:`up_backward` with it as ``reuse`` and ``quantized``), elsewhere it is left.
+    it (:func:`up_backward` with it as ``reuse`` and ``quantized``), elsewhere it is left. ``w_amax``:
+    :func:`down_forward`'s ``w2_amax`` (the copy of ``w2^T`` then reads ``w2`` once), or None.
 
     Raises:
         ValueError: ``dpre_q`` not in the kept ``pre``'s storage.
@@ -267,7 +299,7 @@ def down_backward(recipe: Float8Recipe, dout: Tensor, pre: Tensor | Float8Tensor
     dpre, dw2, dtw = call_op(_down_backward_op, _down_backward_impl, dout, data, pre_scale, w2, b2, topk_weights,
                              *_index_args(index), index.token_index_map, index.token_expert_indices, activation,
                              *act_args, index.foreign_experts, need_dw, need_dtw, index.is_general, dw_dtype,
-                             recipe.pow2_scales, q_scale,
+                             recipe.pow2_scales, q_scale, w_amax,
                              mutated=(data,) if pre_scale is None else (data, q_scale) if q_scale is not None else ())
     return (dpre if pre_scale is not None else data), (dw2 if need_dw else None), (dtw if need_dtw else None)
 
@@ -276,25 +308,25 @@ def down_backward(recipe: Float8Recipe, dout: Tensor, pre: Tensor | Float8Tensor
 
 def _up_backward_impl(dpre, x, w1, offsets, indices, tile_expert, tile_row, num_tiles, token_index_map, foreign,
                       need_dx, need_dw, pair_offsets, dw_dtype, pow2, reuse_data=None, reuse_scale=None,
-                      quantized=False):
+                      quantized=False, w_amax=None):
     dx, dw1 = kx._empty(dpre), kx._empty(w1)
     if need_dx:
         reuse = (reuse_data, reuse_scale) if reuse_data is not None else None
         ready = quantized and _fuses_dpre(reuse_scale, dpre)  # B1's activation backward wrote it
         dx = _b3(dpre, w1, offsets, indices, (tile_expert, tile_row, num_tiles), token_index_map, foreign,
-                 pair_offsets, pow2, reuse, ready)
+                 pair_offsets, pow2, reuse, ready, w_amax)
     if need_dw:  # B4 dW1[e]^T = sum_s x[token(s)]^T dpre[s] in 16 bits
         dw1 = kx.grad_in_storage(w1, x, dpre, offsets, indices, dw_dtype, True, foreign, zero_tail=foreign)
     return dx, dw1
 
 
-def _b3(dpre, w1, offsets, indices, sched, token_index_map, foreign, pair_offsets, pow2, reuse, ready):
+def _b3(dpre, w1, offsets, indices, sched, token_index_map, foreign, pair_offsets, pow2, reuse, ready, w_amax):
     """B3 with the B5 combine, ``dx [T, d]`` in ``dpre``'s dtype, on e4m3 ``dpre`` rows (``reuse`` as it is when
     ``ready``; else quantized here, into ``reuse``, the kept e4m3 ``pre`` of the same shape, dead by now, when
     given) and ``w1^T [E, d, 2h|h]`` (K-major, a scale per column of w1). A function of its own so that the e4m3
     copies are freed before B4 allocates ``dw1``."""
     gq = Float8Tensor(*reuse, (1, dpre.shape[1])) if ready else _rows(dpre, pow2, reuse)
-    wq = _weight_rows(w1.transpose(1, 2), pow2, dpre.dtype)
+    wq = _weight_cols(w1, pow2, dpre.dtype, w_amax)
     return kx.slots_to_tokens(gq.data, wq.data, True, offsets, indices, sched, token_index_map, None, foreign,
                               pair_offsets, out_dtype=dpre.dtype, a_scale=gq.scale[:, 0], b_scale=wq.scale[..., 0])
 
@@ -304,19 +336,19 @@ _up_backward_op = torch.library.custom_op(
     schema="(Tensor dpre, Tensor x, Tensor w1, Tensor offsets, Tensor indices, Tensor tile_expert, "
            "Tensor tile_row, Tensor num_tiles, Tensor token_index_map, bool foreign, bool need_dx, bool need_dw, "
            "Tensor? pair_offsets, ScalarType? dw_dtype, bool pow2, Tensor(a!)? reuse_data=None, "
-           "Tensor(b!)? reuse_scale=None, bool quantized=False) -> (Tensor, Tensor)")
+           "Tensor(b!)? reuse_scale=None, bool quantized=False, Tensor? w_amax=None) -> (Tensor, Tensor)")
 
 
 @_up_backward_op.register_fake
 def _(dpre, x, w1, offsets, indices, tile_expert, tile_row, num_tiles, token_index_map, foreign, need_dx,
-      need_dw, pair_offsets, dw_dtype, pow2, reuse_data=None, reuse_scale=None, quantized=False):
+      need_dw, pair_offsets, dw_dtype, pow2, reuse_data=None, reuse_scale=None, quantized=False, w_amax=None):
     return kx.up_backward_outputs(x, w1, need_dx, need_dw, dw_dtype)
 
 
 def up_backward(recipe: Float8Recipe, dpre: Tensor, x: Tensor, w1: Tensor, index: DispatchIndex,
                 need_dx: bool, need_dw: bool, *, dw_dtype: torch.dtype | None = None,
-                reuse: Float8Tensor | None = None, quantized: bool = False,
-                dtype: torch.dtype | None = None) -> tuple[Tensor | None, Tensor | None]:
+                reuse: Float8Tensor | None = None, quantized: bool = False, dtype: torch.dtype | None = None,
+                w_amax: Tensor | None = None) -> tuple[Tensor | None, Tensor | None]:
     """B3 in FP8 with the B5 combine (``dx [T, d]`` in ``dpre``'s dtype, ``w1`` quantized as its cast to it, which
     ``dtype`` names in the emulation) and B4 in 16 bits on the layer's ``x``
     (:func:`moeblaze.ops_fp8.up_backward`): ``(dx | None, dw1 | None)``. ``reuse``: ``[N, 2h|h]`` e4m3 in the kept
@@ -324,10 +356,11 @@ def up_backward(recipe: Float8Recipe, dpre: Tensor, x: Tensor, w1: Tensor, index
     it (``N 2h`` bytes less at the backward's peak); autograd sees the change, so a second backward through the
     graph raises.
     ``quantized``: ``reuse`` was :func:`down_backward`'s ``dpre_q``, which on CUDA holds B3's e4m3 ``dpre``
-    already (no quantization here)."""
+    already (no quantization here). ``w_amax``: :func:`up_forward`'s ``w1_amax`` (the copy of ``w1^T`` then reads
+    ``w1`` once), or None."""
     kept = (reuse.data, reuse.scale) if reuse is not None and need_dx else (None, None)
     dx, dw1 = call_op(_up_backward_op, _up_backward_impl, dpre.contiguous(), x.to(dpre.dtype).contiguous(), w1,
                       *_index_args(index), index.token_index_map, index.foreign_experts, need_dx, need_dw,
                       index.pair_offsets, dw_dtype, recipe.pow2_scales, *kept, quantized and kept[0] is not None,
-                      mutated=tuple(t for t in kept if t is not None))
+                      w_amax, mutated=tuple(t for t in kept if t is not None))
     return (dx if need_dx else None), (dw1 if need_dw else None)

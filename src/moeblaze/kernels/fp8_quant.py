@@ -22,6 +22,13 @@ rows of 1,536, ``pre``'s shape, in two sweeps: 0.344 against 0.475). A transpose
 :func:`to_e4m3` took the quotient without a division the kernel was instruction-bound and these tiles lost (the
 masked quarter of the 768-column tile cost 2.3x; ``w1^T`` took 0.902 ms at best).
 
+A weight's two copies (its rows for F1 / F2, its transposed view's rows for B1 / B3) read it three times that way:
+the transposed view's rows (the weight's columns) are not held whole, so their maxima take a sweep of their own.
+:func:`quantize_rows_col_amax` also keeps each column's largest magnitude while the rowwise pass holds the rows
+(``COL_AMAX``: per program over ``COL_GROUP`` rows, the partials reduced by ``torch.amax``), and the transposed view
+given them (``amax``, ``AMAX_GIVEN``) is read once: the same bytes, a third less read for the pair (figures:
+docs/results-fp8-quant.csv, ``benchmarks/bench_fp8_quant.py``).
+
 :func:`dequantize_rows_fp8` is the way back (the rows expert parallelism receives in e4m3): each e4m3 value
 times its row's scale in fp32, rounded once to the 16-bit dtype, as :meth:`moeblaze.fp8.Float8Tensor.dequantize`
 then ``.to(dtype)``; one read of 1 byte and one write of 2 per element, where PyTorch writes an fp32 copy and a
@@ -42,7 +49,7 @@ from torch import Tensor
 from ..fp8 import E4M3, E4M3_MAX, SCALE_FLOOR, Float8Tensor
 from . import direct, tuning
 
-__all__ = ["quantize_rows_fp8", "dequantize_rows_fp8", "launch_quantize_rows"]
+__all__ = ["quantize_rows_fp8", "quantize_rows_col_amax", "dequantize_rows_fp8", "launch_quantize_rows"]
 
 
 @triton.jit
@@ -50,6 +57,8 @@ def quantize_rows_kernel(
     src_ptr,  # [L, R, C] fp32 / fp16 / bf16, any strides (a 2-D source is L = 1)
     q_ptr,  # [L * R, C] e4m3, contiguous
     scale_ptr,  # [L * R] fp32 dequantization scale of each row
+    amax_ptr,  # [L * R] fp32 (AMAX_GIVEN): each row's largest magnitude, found by an earlier pass
+    col_ptr,  # [L, cdiv(R, GROUP), C] fp32 out (COL_AMAX): each program's column maxima over its GROUP rows
     R, C, stride_l, stride_r, stride_c,
     tiny,  # the smallest normal fp32: the floor of a nonzero row's scale
     QMAX: tl.constexpr,  # e4m3's largest finite value, 448
@@ -57,29 +66,48 @@ def quantize_rows_kernel(
     ONE_SWEEP: tl.constexpr,  # C <= BLOCK_C: the rows are held whole, read once
     BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
     ROUND: tl.constexpr = 0,  # ROUNDS code: an fp32 source read as the values of its 16-bit cast (a master weight)
+    GROUP: tl.constexpr = 0,  # rows per program, a multiple of BLOCK_R (0: BLOCK_R)
+    COL_AMAX: tl.constexpr = False,  # ONE_SWEEP only: also each column's largest magnitude over the program's rows
+    AMAX_GIVEN: tl.constexpr = False,  # two sweeps only: the rows' maxima read from amax_ptr, one sweep left
 ):
-    # program (row block, leading index): BLOCK_R rows of one [R, C] slab
+    # program (row group, leading index): GROUP rows of one [R, C] slab, BLOCK_R at a time
+    ROWS: tl.constexpr = GROUP if GROUP > 0 else BLOCK_R
     lead = tl.program_id(1)
-    local = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    row_ok = local < R
-    base = src_ptr + lead.to(tl.int64) * stride_l + local.to(tl.int64)[:, None] * stride_r
     cols = tl.arange(0, BLOCK_C)
-    flat = lead.to(tl.int64) * R + local
-    out = q_ptr + flat[:, None] * C
     if ONE_SWEEP:
-        ok = row_ok[:, None] & (cols[None, :] < C)
-        v = tl.load(base + cols[None, :] * stride_c, mask=ok, other=0.0)
-        v = _as_cast(v, ROUND)
-        scale = scale_of(row_amax(v), tiny, QMAX, POW2)
-        tl.store(scale_ptr + flat, scale, mask=row_ok)
-        tl.store(out + cols[None, :], to_e4m3(v, scale[:, None], inverse(scale)[:, None]), mask=ok)
-    else:
-        amax = tl.zeros((BLOCK_R,), dtype=tl.float32)
-        for c0 in range(0, C, BLOCK_C):
-            ok = row_ok[:, None] & (cols[None, :] < C - c0)
-            v = tl.load(base + (c0 + cols)[None, :] * stride_c, mask=ok, other=0.0)
+        col_max = tl.zeros((BLOCK_R, BLOCK_C), dtype=tl.float32)  # COL_AMAX: elementwise, reduced over rows once
+        for r0 in range(0, ROWS, BLOCK_R):
+            local = tl.program_id(0) * ROWS + r0 + tl.arange(0, BLOCK_R)
+            row_ok = local < R
+            flat = lead.to(tl.int64) * R + local
+            ok = row_ok[:, None] & (cols[None, :] < C)
+            v = tl.load(src_ptr + lead.to(tl.int64) * stride_l + local.to(tl.int64)[:, None] * stride_r
+                        + cols[None, :] * stride_c, mask=ok, other=0.0)
             v = _as_cast(v, ROUND)
-            amax = nan_max(amax, row_amax(v))
+            scale = scale_of(row_amax(v), tiny, QMAX, POW2)
+            tl.store(scale_ptr + flat, scale, mask=row_ok)
+            tl.store(q_ptr + flat[:, None] * C + cols[None, :], to_e4m3(v, scale[:, None], inverse(scale)[:, None]),
+                     mask=ok)
+            if COL_AMAX:  # masked lanes hold zeros: they leave a column's maximum as it is
+                col_max = nan_max(col_max, tl.abs(v))
+        if COL_AMAX:
+            group = lead.to(tl.int64) * tl.num_programs(0) + tl.program_id(0)
+            tl.store(col_ptr + group * C + cols, tl.reduce(col_max, 0, nan_max), mask=cols < C)
+    else:
+        local = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+        row_ok = local < R
+        base = src_ptr + lead.to(tl.int64) * stride_l + local.to(tl.int64)[:, None] * stride_r
+        flat = lead.to(tl.int64) * R + local
+        out = q_ptr + flat[:, None] * C
+        if AMAX_GIVEN:
+            amax = tl.load(amax_ptr + flat, mask=row_ok, other=0.0)
+        else:
+            amax = tl.zeros((BLOCK_R,), dtype=tl.float32)
+            for c0 in range(0, C, BLOCK_C):
+                ok = row_ok[:, None] & (cols[None, :] < C - c0)
+                v = tl.load(base + (c0 + cols)[None, :] * stride_c, mask=ok, other=0.0)
+                v = _as_cast(v, ROUND)
+                amax = nan_max(amax, row_amax(v))
         scale = scale_of(amax, tiny, QMAX, POW2)
         tl.store(scale_ptr + flat, scale, mask=row_ok)
         inv = inverse(scale)[:, None]
@@ -142,43 +170,46 @@ def _tiles(src: Tensor) -> tuple[int, int, int]:
 
 
 def launch_quantize_rows(src: Tensor, q: Tensor, scale: Tensor, pow2: bool, tiles: tuple[int, int, int],
-                         round_code: int = 0) -> None:
+                         round_code: int = 0, amax: Tensor | None = None,
+                         col_amax: tuple[Tensor, int] | None = None) -> None:
     """One launch of :func:`quantize_rows_kernel` on ``src [L, R, C]`` into ``q [L * R, C]`` e4m3 and ``scale
     [L * R]`` fp32 with ``tiles = (BLOCK_R, BLOCK_C, num_warps)`` (:func:`_tiles`' by default; other tiles are for
-    ``benchmarks/bench_fp8_quant.py``) and ``round_code`` (:data:`ROUNDS`)."""
+    ``benchmarks/bench_fp8_quant.py``) and ``round_code`` (:data:`ROUNDS`). ``amax``: ``[L * R]`` fp32, the rows'
+    maxima (``AMAX_GIVEN``). ``col_amax``: ``(partials [L, cdiv(R, group), C] fp32, group)`` written with the
+    column maxima of each ``group`` rows (``COL_AMAX``; rows held whole)."""
     L, R, C = src.shape
     block_r, block_c, warps = tiles
-    direct.launch(quantize_rows_kernel, (tuning.cdiv(R, block_r), L),
-                  src_ptr=src, q_ptr=q, scale_ptr=scale, R=R, C=C, stride_l=src.stride(0), stride_r=src.stride(1),
-                  stride_c=src.stride(2), tiny=SCALE_FLOOR, QMAX=E4M3_MAX, POW2=pow2, ONE_SWEEP=block_c >= C,
-                  BLOCK_R=block_r, BLOCK_C=block_c, ROUND=round_code, num_warps=warps)
+    group = col_amax[1] if col_amax is not None else block_r
+    direct.launch(quantize_rows_kernel, (tuning.cdiv(R, group), L),
+                  src_ptr=src, q_ptr=q, scale_ptr=scale, amax_ptr=amax if amax is not None else scale,
+                  col_ptr=col_amax[0] if col_amax is not None else scale, R=R, C=C, stride_l=src.stride(0),
+                  stride_r=src.stride(1), stride_c=src.stride(2), tiny=SCALE_FLOOR, QMAX=E4M3_MAX, POW2=pow2,
+                  ONE_SWEEP=block_c >= C, BLOCK_R=block_r, BLOCK_C=block_c, ROUND=round_code, GROUP=group,
+                  COL_AMAX=col_amax is not None, AMAX_GIVEN=amax is not None and block_c < C, num_warps=warps)
 
 
 def quantize_rows_fp8(t: Tensor, pow2_scales: bool = False, out: tuple[Tensor, Tensor] | None = None,
-                      as_dtype: torch.dtype | None = None) -> Float8Tensor:
+                      as_dtype: torch.dtype | None = None, *, amax: Tensor | None = None) -> Float8Tensor:
     """``t [..., R, C]`` (2-D or 3-D, any strides) -> :class:`moeblaze.fp8.Float8Tensor` with ``data [..., R, C]``
     e4m3 (contiguous), ``scale [..., R, 1]`` fp32 and ``block (1, C)``: one scale per row (module docstring).
     ``out``: ``(data, scale)`` tensors of those shapes and dtypes, contiguous, to write into (a dead tensor's
     storage) instead of new ones. ``as_dtype`` (bf16 or fp16, for an fp32 ``t``): quantize ``t.to(as_dtype)``'s
-    values, bitwise, without the copy; ``t``'s own dtype or None: ``t`` as it is.
+    values, bitwise, without the copy; ``t``'s own dtype or None: ``t`` as it is. ``amax``: ``[..., R]`` fp32
+    contiguous, each row's largest magnitude (of those values, NaN where the row holds one) as an earlier pass
+    found it (:func:`quantize_rows_col_amax` of the tensor ``t`` transposes): rows not held whole are then read
+    once, not twice; the result is the same bytes.
 
     Raises:
         TypeError: ``t`` not fp32, fp16 or bf16, or ``as_dtype`` neither ``t``'s dtype nor a 16-bit one below an
-            fp32 ``t``. ValueError: ``t`` not 2-D or 3-D, ``out`` not as above, or on a device the kernels cannot
-            run on (a CPU tensor without ``TRITON_INTERPRET=1``).
+            fp32 ``t``. ValueError: ``t`` not 2-D or 3-D, ``out`` or ``amax`` not as above, or on a device the
+            kernels cannot run on (a CPU tensor without ``TRITON_INTERPRET=1``).
     """
-    if t.dtype not in (torch.float32, torch.float16, torch.bfloat16):
-        raise TypeError(f"quantize_rows_fp8: t must be fp32, fp16 or bf16, got {t.dtype}")
-    as_dtype = None if as_dtype == t.dtype else as_dtype
-    if as_dtype is not None and (t.dtype != torch.float32 or as_dtype not in ROUNDS):
-        raise TypeError(f"quantize_rows_fp8: as_dtype must be t's dtype ({t.dtype}), or bf16 or fp16 for an fp32 t, "
-                        f"got {as_dtype}")
-    if t.dim() not in (2, 3):
-        raise ValueError(f"quantize_rows_fp8: t must be [R, C] or [L, R, C], got shape {tuple(t.shape)}")
-    if not t.is_cuda and not tuning.interpreting():
-        raise ValueError(f"quantize_rows_fp8: t is on {t.device}; the kernel needs CUDA or TRITON_INTERPRET=1")
-    src = t if t.dim() == 3 else t.unsqueeze(0)
+    src, round_code = _source(t, as_dtype, "quantize_rows_fp8")
     L, R, C = src.shape
+    if amax is not None and (tuple(amax.shape) != tuple(t.shape[:-1]) or amax.dtype != torch.float32
+                             or not amax.is_contiguous() or amax.device != t.device):
+        raise ValueError(f"quantize_rows_fp8: amax must be fp32 {tuple(t.shape[:-1])} contiguous on {t.device}, got "
+                         f"{amax.dtype} {tuple(amax.shape)} (contiguous: {amax.is_contiguous()}) on {amax.device}")
     if out is None:
         q = torch.empty(L * R, C, dtype=E4M3, device=t.device)
         scale = torch.empty(L * R, dtype=torch.float32, device=t.device)
@@ -186,8 +217,60 @@ def quantize_rows_fp8(t: Tensor, pow2_scales: bool = False, out: tuple[Tensor, T
         _check_out(t, *out)
         q, scale = out[0].view(L * R, C), out[1].view(L * R)
     if L * R and C:
-        launch_quantize_rows(src, q, scale, pow2_scales, _tiles(src), ROUNDS[as_dtype])
+        launch_quantize_rows(src, q, scale, pow2_scales, _tiles(src), round_code,
+                             amax.view(-1) if amax is not None else None)
+    elif L * R:  # rows of no values: the scale of a zero row
+        scale.fill_(1.0)
     return Float8Tensor(q.view(t.shape), scale.view(*t.shape[:-1], 1), (1, C))
+
+
+COL_GROUP = 64  # rows per program whose column maxima quantize_rows_col_amax writes as one partial
+
+
+def quantize_rows_col_amax(t: Tensor, pow2_scales: bool = False,
+                           as_dtype: torch.dtype | None = None) -> tuple[Float8Tensor, Tensor]:
+    """:func:`quantize_rows_fp8` of ``t [..., R, C]`` (rows contiguous) and ``[..., C]`` fp32: each column's largest
+    magnitude (of the values quantized, NaN where the column holds one), taken from the values the one read holds;
+    the ``amax`` that quantizes ``t``'s transposed view along its rows without a first read
+    (``quantize_rows_fp8(t.transpose(-1, -2), amax=...)``: a weight's copy for B1 / B3, DESIGN.md §8). Empty
+    (``[0]``) where the rows are too long to be held whole (over 8,192 columns): then the transposed copy reads
+    twice. Why: the second read of each weight was a third of the FP8 layer step's weight quantization (module
+    docstring).
+
+    Raises: as :func:`quantize_rows_fp8`; ValueError: ``t``'s columns not contiguous.
+    """
+    src, round_code = _source(t, as_dtype, "quantize_rows_col_amax")
+    if src.stride(2) != 1:
+        raise ValueError(f"quantize_rows_col_amax: t's rows must be contiguous, got strides {tuple(t.stride())}")
+    L, R, C = src.shape
+    tiles = _tiles(src)
+    if tiles[1] < C:
+        return quantize_rows_fp8(t, pow2_scales, as_dtype=as_dtype), t.new_empty(0, dtype=torch.float32)
+    q = torch.empty(L * R, C, dtype=E4M3, device=t.device)
+    scale = torch.empty(L * R, dtype=torch.float32, device=t.device)
+    group = max(COL_GROUP // tiles[0], 1) * tiles[0]
+    part = torch.empty(L, tuning.cdiv(R, group), C, dtype=torch.float32, device=t.device)
+    if L * R and C:
+        launch_quantize_rows(src, q, scale, pow2_scales, tiles, round_code, col_amax=(part, group))
+    # the partials' maxima (torch's amax keeps a NaN); no rows: zeros, the amax of nothing
+    col = part.amax(dim=1) if R else torch.zeros(L, C, dtype=torch.float32, device=t.device)
+    return (Float8Tensor(q.view(t.shape), scale.view(*t.shape[:-1], 1), (1, C)),
+            col.view(*t.shape[:-2], C))
+
+
+def _source(t: Tensor, as_dtype: torch.dtype | None, name: str) -> tuple[Tensor, int]:
+    """``t`` as ``[L, R, C]`` and the ROUND code of ``as_dtype``, both checked (:func:`quantize_rows_fp8`)."""
+    if t.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise TypeError(f"{name}: t must be fp32, fp16 or bf16, got {t.dtype}")
+    as_dtype = None if as_dtype == t.dtype else as_dtype
+    if as_dtype is not None and (t.dtype != torch.float32 or as_dtype not in ROUNDS):
+        raise TypeError(f"{name}: as_dtype must be t's dtype ({t.dtype}), or bf16 or fp16 for an fp32 t, "
+                        f"got {as_dtype}")
+    if t.dim() not in (2, 3):
+        raise ValueError(f"{name}: t must be [R, C] or [L, R, C], got shape {tuple(t.shape)}")
+    if not t.is_cuda and not tuning.interpreting():
+        raise ValueError(f"{name}: t is on {t.device}; the kernel needs CUDA or TRITON_INTERPRET=1")
+    return (t if t.dim() == 3 else t.unsqueeze(0)), ROUNDS[as_dtype]
 
 
 @triton.jit
