@@ -204,8 +204,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="small_kernels.csv", help="CSV to append rows to")
     ap.add_argument("--kernels", default="router,gather_sum", help="any of router, gather_sum, pair_grads, act_bwd")
+    ap.add_argument("--commit", default=None, help="the commit to record (default: git's HEAD)")
     args = ap.parse_args()
-    commit, command = git_commit(Path(__file__).parent), " ".join(["python3", *sys.argv])
+    commit, command = args.commit or git_commit(Path(__file__).parent), " ".join(["python3", *sys.argv])
     gen = torch.Generator(device="cuda").manual_seed(0)
     fields = ["date", "device", "commit", "command", "kernel", "T", "E", "D", "K", "block_t", "block_d", "warps",
               "default", "ms", "bwd_ms", "gbs"]

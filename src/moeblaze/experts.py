@@ -173,7 +173,9 @@ class _Float8Experts(torch.autograd.Function):
 
     Saves ``x`` itself, as the 16-bit path does (the router's weight gradient keeps it anyway; B4 runs in 16 bits
     on it), and for ``save="preact"`` ``pre`` in e4m3 tiles (:meth:`moeblaze.fp8.Float8Recipe.quantize_kept`, written
-    so by F1 on the Triton backend): half its 16-bit bytes and a scale per 64 of them. ``"input"``
+    so by F1 on the Triton backend): half its 16-bit bytes and a scale per 64 of them; on the GPU also the weights'
+    column maxima (``[E, d]`` and ``[E, h]`` fp32), from which the backward's transposed weight copies are made in
+    one read of each weight. ``"input"``
     quantizes ``x`` again in backward and runs F1 on it (the forward's ``pre`` bitwise: the quantization is
     deterministic). The weights are kept as given (parameters: nothing new) and quantized again in backward, fp32
     masters under autocast as their casts to ``x``'s dtype without a 16-bit copy (inside
