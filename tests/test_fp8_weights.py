@@ -215,17 +215,20 @@ def test_transposed_copy_from_the_rows_column_maxima(shape, dtype, as_dtype):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("shape", [(8, 1536, 2048), (8, 2048, 768), (3, 130, 40), (2, 40, 9000)])
+@pytest.mark.parametrize("shape, held", [((8, 1536, 2048), True), ((8, 2048, 768), True), ((3, 130, 40), True),
+                                         ((2, 40, 9000), False), ((4, 64, 1536), False)])
 @pytest.mark.parametrize("dtype, as_dtype", [(torch.bfloat16, None), (torch.float32, torch.bfloat16)])
-def test_gpu_transposed_copy_from_the_rows_column_maxima(shape, dtype, as_dtype):
-    """As the interpreter test, bitwise; rows over 8,192 columns (not held whole) give no maxima: the copy reads
-    twice."""
+def test_gpu_transposed_copy_from_the_rows_column_maxima(shape, held, dtype, as_dtype):
+    """As the interpreter test, bitwise; rows a tile does not hold whole (over 8,192 columns; 1,536, swept in
+    1,024-column blocks) give no maxima, as the layer's custom ops declare: the copy reads twice."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU (run with -m gpu on the device)")
+    from moeblaze.kernels import fp8_experts
     from moeblaze.kernels.fp8_quant import quantize_rows_col_amax
 
     w = _weight(shape, dtype).cuda()
-    if shape[-1] > 8192:
+    assert fp8_experts._amax_shape(w) == ((shape[0], shape[2]) if held else (0,))
+    if not held:
         assert quantize_rows_col_amax(w)[1].numel() == 0
         return
     _check_column_maxima(w, as_dtype, exact=True)
@@ -271,3 +274,26 @@ def test_gpu_layer_backward_bitwise_with_the_forwards_column_maxima(monkeypatch)
     for a, b in zip(with_maxima, grads()):
         assert torch.equal(a, b)
     assert used == [True, True]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d, h", [(256, 128), (256, 1536)])
+def test_gpu_compiled_layer_declares_the_column_maxima_it_returns(d, h):
+    """``torch.compile(fullgraph=True, backend="aot_eager")`` over the FP8 layer on the GPU: the custom ops' fake
+    outputs (the weights' column maxima, or none for rows of 1,536 that no tile holds whole) are the shapes the
+    kernels return; the eager layer's output and gradients."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU (run with -m gpu on the device)")
+    torch.manual_seed(0)
+    layer = moeblaze.MoE(d, h, 4, 2, backend="triton", fp8=Float8Recipe()).cuda().bfloat16()
+    x = torch.randn(2, 40, d, device="cuda", dtype=torch.bfloat16)
+
+    def run(fn):
+        xi = x.clone().requires_grad_()
+        out = fn(xi)
+        return out, *torch.autograd.grad(out.float().square().sum(), (xi, layer.w1, layer.w_down))
+
+    eager = run(layer)
+    compiled = run(torch.compile(layer, fullgraph=True, backend="aot_eager"))
+    for a, b in zip(compiled, eager):
+        torch.testing.assert_close(a, b, rtol=1e-2, atol=1e-2 * b.abs().max().item())

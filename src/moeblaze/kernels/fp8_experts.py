@@ -37,7 +37,7 @@ from ..fp8 import E4M3, KEPT_TILE, Float8Recipe, Float8Tensor, quantize_fp8, qua
 from . import experts as kx
 from .custom_ops import call_op
 from .fp8_gemm import down_rowwise, up_rowwise
-from .fp8_quant import ONE_SWEEP_COLS, dequantize_rows_fp8, quantize_rows_col_amax, quantize_rows_fp8
+from .fp8_quant import dequantize_rows_fp8, gives_col_amax, quantize_rows_col_amax, quantize_rows_fp8
 from .launch import grouped_gemm
 from .tuning import cdiv
 
@@ -60,9 +60,10 @@ def _rows(t: Tensor, pow2: bool, out: tuple[Tensor, Tensor] | None = None,
 def _weight_rows(w: Tensor, pow2: bool, dtype: torch.dtype) -> tuple[Float8Tensor, Tensor]:
     """A weight ``[E, n, k]`` with one scale per row, as its cast to the compute ``dtype`` (an fp32 master under
     autocast: the rounding inside the quantization, no 16-bit copy), kept over micro-batches inside
-    :func:`moeblaze.fp8.reuse_weights`; and ``[E, k]`` fp32, the cast's column maxima (empty off CUDA, for rows
-    over 8,192 or not contiguous), which :func:`_weight_cols` takes in backward so it reads the weight once."""
-    if not w.is_cuda or w.stride(-1) != 1:
+    :func:`moeblaze.fp8.reuse_weights`; and ``[E, k]`` fp32, the cast's column maxima (empty off CUDA and where
+    the quantization does not hold the rows whole, :func:`moeblaze.kernels.fp8_quant.gives_col_amax`), which
+    :func:`_weight_cols` takes in backward so it reads the weight once."""
+    if _amax_shape(w) == (0,):
         return weight_copy(w, ("rows", pow2, dtype), lambda: _rows(w, pow2, as_dtype=dtype)), _no_amax(w)
     return weight_copy(w, ("rows+amax", pow2, dtype), lambda: quantize_rows_col_amax(w, pow2, dtype))
 
@@ -79,8 +80,7 @@ def _weight_cols(w: Tensor, pow2: bool, dtype: torch.dtype, amax: Tensor | None)
 
 def _amax_shape(w: Tensor) -> tuple[int, ...]:
     """The shape of :func:`_weight_rows`' column maxima of ``w [E, n, k]``: ``[E, k]``, or ``[0]`` (none)."""
-    held = w.is_cuda and w.stride(-1) == 1 and w.shape[-1] <= ONE_SWEEP_COLS
-    return (w.shape[0], w.shape[-1]) if held else (0,)
+    return (w.shape[0], w.shape[-1]) if w.is_cuda and gives_col_amax(w) else (0,)
 
 
 def _no_amax(w: Tensor) -> Tensor:

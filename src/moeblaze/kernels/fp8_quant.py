@@ -49,7 +49,8 @@ from torch import Tensor
 from ..fp8 import E4M3, E4M3_MAX, SCALE_FLOOR, Float8Tensor
 from . import direct, tuning
 
-__all__ = ["quantize_rows_fp8", "quantize_rows_col_amax", "dequantize_rows_fp8", "launch_quantize_rows"]
+__all__ = ["quantize_rows_fp8", "quantize_rows_col_amax", "gives_col_amax", "dequantize_rows_fp8",
+           "launch_quantize_rows"]
 
 
 @triton.jit
@@ -236,7 +237,7 @@ def quantize_rows_col_amax(t: Tensor, pow2_scales: bool = False,
     magnitude (of the values quantized, NaN where the column holds one), taken from the values the one read holds;
     the ``amax`` that quantizes ``t``'s transposed view along its rows without a first read
     (``quantize_rows_fp8(t.transpose(-1, -2), amax=...)``: a weight's copy for B1 / B3, DESIGN.md §8). Empty
-    (``[0]``) where the rows are too long to be held whole (over 8,192 columns): then the transposed copy reads
+    (``[0]``) where one tile does not hold the rows whole (:func:`gives_col_amax`): then the transposed copy reads
     twice. Why: the second read of each weight was a third of the FP8 layer step's weight quantization (module
     docstring).
 
@@ -245,10 +246,10 @@ def quantize_rows_col_amax(t: Tensor, pow2_scales: bool = False,
     src, round_code = _source(t, as_dtype, "quantize_rows_col_amax")
     if src.stride(2) != 1:
         raise ValueError(f"quantize_rows_col_amax: t's rows must be contiguous, got strides {tuple(t.stride())}")
+    if not gives_col_amax(t):
+        return quantize_rows_fp8(t, pow2_scales, as_dtype=as_dtype), t.new_empty(0, dtype=torch.float32)
     L, R, C = src.shape
     tiles = _tiles(src)
-    if tiles[1] < C:
-        return quantize_rows_fp8(t, pow2_scales, as_dtype=as_dtype), t.new_empty(0, dtype=torch.float32)
     q = torch.empty(L * R, C, dtype=E4M3, device=t.device)
     scale = torch.empty(L * R, dtype=torch.float32, device=t.device)
     group = max(COL_GROUP // tiles[0], 1) * tiles[0]
@@ -259,6 +260,13 @@ def quantize_rows_col_amax(t: Tensor, pow2_scales: bool = False,
     col = part.amax(dim=1) if R else torch.zeros(L, C, dtype=torch.float32, device=t.device)
     return (Float8Tensor(q.view(t.shape), scale.view(*t.shape[:-1], 1), (1, C)),
             col.view(*t.shape[:-2], C))
+
+
+def gives_col_amax(t: Tensor) -> bool:
+    """Whether :func:`quantize_rows_col_amax` gives the column maxima of ``t [..., R, C]``: its rows are contiguous
+    and one tile holds them whole (a power of two up to 8,192 columns, or up to 1,024)."""
+    src = t if t.dim() == 3 else t.unsqueeze(0)
+    return src.stride(2) == 1 and _tiles(src)[1] >= src.shape[2]
 
 
 def _source(t: Tensor, as_dtype: torch.dtype | None, name: str) -> tuple[Tensor, int]:
