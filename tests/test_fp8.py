@@ -545,28 +545,6 @@ def test_triton_general_routing_is_the_top_k_result(K):
         assert rel_error(a, b) <= 1e-6, (name, rel_error(a, b))
 
 
-@pytest.mark.skipif(not TRITON_ON_CPU,
-                    reason="the Triton kernels on CPU tensors need TRITON_INTERPRET=1")
-@pytest.mark.parametrize("save", SAVE_MODES)
-def test_triton_fp8_layer_compiles_fullgraph(save):
-    """``torch.compile(fullgraph=True)`` over ``MoE(fp8=...)`` on the Triton backend (the FP8 ops are custom ops):
-    the eager layer's output and gradients."""
-    torch.manual_seed(0)
-    layer = MoE(32, 16, 4, 2, backend="triton", save=save, fp8=Float8Recipe("rowwise"))
-    x = torch.randn(2, 9, 32)
-
-    def run(fn):
-        xi = x.clone().requires_grad_()
-        out = fn(xi)
-        grads = torch.autograd.grad(out.square().sum(), (xi, layer.w1, layer.w_down))
-        return out, *grads
-
-    eager = run(layer)
-    compiled = run(torch.compile(layer, fullgraph=True, backend="aot_eager"))
-    for a, b in zip(compiled, eager):
-        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
-
-
 def test_moe_layer_runs_its_experts_under_the_recipe():
     torch.manual_seed(0)
     recipe = Float8Recipe("rowwise")
