@@ -28,6 +28,7 @@ from moeblaze.testing import (
     rel_error,
     router_weight_grad_magnitude,
     run_and_grad,
+    triton_on_cpu,
 )
 from moeblaze.training.model import ModelConfig
 from moeblaze.training.train import TrainConfig, train
@@ -36,7 +37,7 @@ from test_cli import MICRO, corpus, run_cli  # noqa: F401  (corpus: the fixture)
 
 # the Triton FP8 ops on CPU tensors: through the interpreter (conftest sets TRITON_INTERPRET=1); on a GPU machine
 # test_fp8_kernels runs them
-TRITON_ON_CPU = not torch.cuda.is_available() and moeblaze.backends.triton_available()
+TRITON_ON_CPU = triton_on_cpu()
 U = 2.0**-4  # unit roundoff of e4m3 (3 mantissa bits): the largest relative error of one rounding
 SUBNORMAL_HALF_STEP = 2.0**-10  # half the spacing of e4m3's subnormals (2^-9), in units of the scale
 

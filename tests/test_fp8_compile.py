@@ -8,13 +8,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-import moeblaze
 from moeblaze import MoE, experts
 from moeblaze.experts import SAVE_MODES
 from moeblaze.fp8 import Float8Recipe
+from moeblaze.testing import triton_on_cpu
 
 HAS_CUDA = torch.cuda.is_available()
-TRITON_ON_CPU = not HAS_CUDA and moeblaze.backends.triton_available()
+TRITON_ON_CPU = triton_on_cpu()
 REFUSED = "FP8 expert block's backward on a GPU"
 
 

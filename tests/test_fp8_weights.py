@@ -10,8 +10,9 @@ import torch
 import moeblaze
 from moeblaze import fp8
 from moeblaze.fp8 import Float8Recipe
+from moeblaze.testing import triton_on_cpu
 
-TRITON_ON_CPU = not torch.cuda.is_available() and moeblaze.backends.triton_available()
+TRITON_ON_CPU = triton_on_cpu()
 
 
 def _layer(backend: str = "torch", recipe: Float8Recipe | None = None) -> moeblaze.MoE:

@@ -12,7 +12,15 @@ from collections.abc import Callable, Sequence
 import torch
 
 from .activations import is_gated
+from .backends import triton_available
 from .reference import act_reference, moe_experts_reference
+
+
+def triton_on_cpu() -> bool:
+    """Whether the Triton kernels are tested on CPU tensors here: no CUDA GPU and the Triton backend imports (the
+    test suite runs them in Triton's interpreter, ``TRITON_INTERPRET=1``)."""
+    return not torch.cuda.is_available() and triton_available()
+
 
 ROUTINGS = ("uniform", "zipf", "one_expert", "empty_experts")
 
