@@ -246,6 +246,8 @@ def test_column_maxima_errors_name_the_argument():
         quantize_rows_fp8(w.transpose(1, 2), amax=torch.ones(2, 6, device=dev))
     with pytest.raises(ValueError, match="t's rows must be contiguous"):
         quantize_rows_col_amax(w.transpose(1, 2))
+    q, amax = quantize_rows_col_amax(torch.randn(2, 5, 0, device=dev))  # no columns: no maxima, rows of scale 1
+    assert amax.numel() == 0 and torch.equal(q.scale, torch.ones(2, 5, 1, device=dev))
 
 
 @pytest.mark.gpu

@@ -263,10 +263,10 @@ def quantize_rows_col_amax(t: Tensor, pow2_scales: bool = False,
 
 
 def gives_col_amax(t: Tensor) -> bool:
-    """Whether :func:`quantize_rows_col_amax` gives the column maxima of ``t [..., R, C]``: its rows are contiguous
-    and one tile holds them whole (a power of two up to 8,192 columns, or up to 1,024)."""
+    """Whether :func:`quantize_rows_col_amax` gives the column maxima of ``t [..., R, C]``: it has columns, its rows
+    are contiguous and one tile holds them whole (a power of two up to 8,192 columns, or up to 1,024)."""
     src = t if t.dim() == 3 else t.unsqueeze(0)
-    return src.stride(2) == 1 and _tiles(src)[1] >= src.shape[2]
+    return src.shape[2] > 0 and src.stride(2) == 1 and _tiles(src)[1] >= src.shape[2]
 
 
 def _source(t: Tensor, as_dtype: torch.dtype | None, name: str) -> tuple[Tensor, int]:
