@@ -193,8 +193,8 @@ class _Float8Experts(torch.autograd.Function):
         # inside the quantization, as the same call on 16-bit weights would quantize, with no 16-bit copy
         xq = ops.quantize_rows(recipe, x)
         keep = save == "preact"  # F1 writes pre in the kept e4m3 tiles (recipe.quantize_kept), not in 16 bits
-        # w1_amax, w2_amax: the weights' column maxima ([E, d], [E, h] fp32 on CUDA, else None) from the forward's
-        # quantization, so that the backward's transposed copies read each weight once
+        # w1_amax, w2_amax: the weights' column maxima ([E, d], [E, h] fp32 on CUDA; empty or None where the ops take
+        # none) from the forward's quantization, so that the backward's transposed copies read each weight once
         pq, act, w1_amax = ops.up_forward(recipe, xq, w1, index, activation, b1=b1, act_args=act_args, keep=keep,
                                           dtype=x.dtype)
         out, w2_amax = ops.down_forward(recipe, act, w2, topk_weights, index, b2=b2, dtype=x.dtype)
@@ -245,7 +245,7 @@ class _Float8Experts(torch.autograd.Function):
 
 def compiled_backward_unsupported(dout: torch.Tensor) -> bool:
     """Whether a traced backward of :class:`_Float8Experts` is refused: on CUDA, where the compiled FP8 backward's
-    gradients differ from the eager ones (``tests/test_fp8_weights.py``, ``-m gpu``; the CPU's kernels compile
+    gradients differ from the eager ones (``tests/test_fp8_compile.py``, ``-m gpu``; the CPU's kernels compile
     right)."""
     return dout.is_cuda
 

@@ -38,7 +38,7 @@ row's largest stored magnitude and writes the rows in e4m3 with the rowwise reci
 pass that reads ``dpre`` from HBM again. ``ROW_WHOLE`` (h <= BLOCK_H, the tuned list's 1,024-column configs): the
 rows' values are still in registers when their maxima are known, so they are written from there; else, after the
 rows are written, they are read back (from L2: they were just written). Held whole, the FP8 layer's launch took
-0.721 ms against 0.836 for the best column-block config at h 768, 0.817 against 1.086 at h 1,024 (H200, N 262,144;
+0.728 ms against 0.828 for the best column-block config at h 768, 0.817 against 1.075 at h 1,024 (H200, N 262,144;
 ``python3 benchmarks/bench_small_kernels.py --kernels act_bwd``, docs/results-small-kernels.csv). ``PRE_E4M3`` (the
 FP8 layer's kept ``pre``, written in e4m3 by F1's epilogue): ``pre`` is read as e4m3 times its ``1 x PRE_TILE`` tile's
 scale, in fp32 (no 16-bit copy of it is made), and ``dpre`` goes to another tensor.

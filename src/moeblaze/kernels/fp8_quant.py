@@ -225,9 +225,9 @@ def quantize_rows_fp8(t: Tensor, pow2_scales: bool = False, out: tuple[Tensor, T
     return Float8Tensor(q.view(t.shape), scale.view(*t.shape[:-1], 1), (1, C))
 
 
-# rows per program whose column maxima quantize_rows_col_amax writes as one partial: of 8-128 the fastest for the
-# Qwen3-30B-A3B weights (H200: w1 / w2 with maxima 0.378 / 0.269 ms at 128, 0.384 / 0.298 at 64, 0.414 / 0.486 at
-# 16; fewer partials for the torch.amax after it)
+# rows per program whose column maxima quantize_rows_col_amax writes as one partial: fewer partials for the
+# torch.amax after it (H200, Qwen3-30B-A3B weights, w1 / w2 with maxima: 0.375 / 0.266 ms at 128 against 0.380 /
+# 0.296 at 64; python3 benchmarks/bench_fp8_quant.py, docs/results-fp8-quant.csv)
 COL_GROUP = 128
 
 

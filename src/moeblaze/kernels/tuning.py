@@ -293,8 +293,9 @@ def act_bwd_configs(kind: str) -> list[triton.Config]:
         return [_cfg(8, 1, BLOCK_R=32, BLOCK_H=256)]
     # more bytes in flight per SM than the fixed config (3.0 TB/s on an H200, olmoe shape); the last two hold rows
     # of h <= 1,024 whole (ROW_WHOLE), so the FP8 layer's e4m3 dpre comes from the registers: at N 262,144 (H200,
-    # FP8 layer's launch) h 768 0.721 ms against 0.836 for the best of the first five, h 1,024 0.817 against 1.086;
-    # the bf16 launch 0.585 / 0.772 against 0.604 / 0.807 (docs/results-fp8-quant.csv)
+    # FP8 layer's launch) h 768 0.728 ms against 0.828 for the best of the first five, h 1,024 0.817 against 1.075;
+    # the bf16 launch 0.582 / 0.767 against 0.603 / 0.809 (python3 benchmarks/bench_small_kernels.py --kernels
+    # act_bwd, docs/results-small-kernels.csv)
     return [_cfg(w, 1, BLOCK_R=r, BLOCK_H=bh)
             for r, bh, w in ((32, 256, 8), (16, 256, 4), (8, 512, 4), (64, 128, 8), (16, 128, 4), (2, 1024, 4),
                              (1, 1024, 4))]
