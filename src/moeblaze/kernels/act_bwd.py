@@ -102,18 +102,10 @@ def act_bwd_rows_kernel(
                                   ACTIVATION, STORE_PART, STORE_WACT, PRE_STEP, TF32_DPRE, PRE_E4M3, PRE_TILE,
                                   BLOCK_R, BLOCK_H)
         if QUANT:
-            amax = row_amax(dgate)
-            if GATED:
-                amax = nan_max(amax, row_amax(dup))
-            scale = scale_of(amax, tiny, QMAX, POW2)
-            tl.store(dpre_s_ptr + rows, scale, mask=store_mask)
-            inv = inverse(scale)[:, None]
+            scale, inv = _row_scales(_pair_amax(dgate, dup, GATED), dpre_s_ptr, rows, store_mask, tiny, QMAX, POW2)
             cols = tl.arange(0, BLOCK_H)[None, :]
-            dst = dpre_q_ptr + rows64 * stride_q_m + cols * PRE_STEP
-            mask = store_mask[:, None] & (cols < H)
-            tl.store(dst, to_e4m3(dgate, scale[:, None], inv), mask=mask)
-            if GATED:
-                tl.store(dst + UP_OFF, to_e4m3(dup, scale[:, None], inv), mask=mask)
+            _store_e4m3(dpre_q_ptr + rows64 * stride_q_m + cols * PRE_STEP, store_mask[:, None] & (cols < H), dgate,
+                        dup, scale, inv, UP_OFF, GATED)
     else:
         part = tl.zeros([BLOCK_R], tl.float32)
         amax = tl.zeros([BLOCK_R], tl.float32)  # QUANT: the stored dpre row's largest magnitude
@@ -123,9 +115,7 @@ def act_bwd_rows_kernel(
                                    BLOCK_R, BLOCK_H)
             part += p
             if QUANT:
-                amax = nan_max(amax, row_amax(dgate))
-                if GATED:
-                    amax = nan_max(amax, row_amax(dup))
+                amax = nan_max(amax, _pair_amax(dgate, dup, GATED))
         if QUANT:
             _quantize_stored_rows(dpre_ptr, dpre_q_ptr, dpre_s_ptr, rows, store_mask, amax, H, UP_OFF,
                                   stride_dpre_m, stride_q_m, tiny, PRE_STEP, GATED, POW2, QMAX, BLOCK_H)
@@ -196,26 +186,50 @@ def _times_tile_scales(v, s_ptrs, h0, row_mask, tiles, PRE_TILE: tl.constexpr, B
 
 
 @triton.jit
+def _pair_amax(dgate, dup, GATED: tl.constexpr):
+    """The rows' largest magnitude over ``dpre``'s halves, NaN-propagating (``[BLOCK_R]`` fp32)."""
+    amax = row_amax(dgate)
+    if GATED:
+        amax = nan_max(amax, row_amax(dup))
+    return amax
+
+
+@triton.jit
+def _row_scales(amax, s_ptr, rows, store_mask, tiny, QMAX: tl.constexpr, POW2: tl.constexpr):
+    """The rowwise recipe's scales of ``amax [BLOCK_R]``, stored at ``s_ptr + rows``; ``(scale, 1 / scale)`` as
+    ``[BLOCK_R, 1]`` for :func:`_store_e4m3`."""
+    scale = scale_of(amax, tiny, QMAX, POW2)
+    tl.store(s_ptr + rows, scale, mask=store_mask)
+    return scale[:, None], inverse(scale)[:, None]
+
+
+@triton.jit
+def _store_e4m3(dst, mask, gate, up, scale, inv, UP_OFF, GATED: tl.constexpr):
+    """``gate`` (and ``up`` at ``UP_OFF`` further, gated) ``[BLOCK_R, BLOCK_H]`` fp32 written at ``dst`` in e4m3 with
+    their row's ``scale`` and ``inv``."""
+    tl.store(dst, to_e4m3(gate, scale, inv), mask=mask)
+    if GATED:
+        tl.store(dst + UP_OFF, to_e4m3(up, scale, inv), mask=mask)
+
+
+@triton.jit
 def _quantize_stored_rows(dpre_ptr, q_ptr, s_ptr, rows, store_mask, amax, H, UP_OFF, stride_dpre_m, stride_q_m, tiny,
                           PRE_STEP: tl.constexpr, GATED: tl.constexpr, POW2: tl.constexpr, QMAX: tl.constexpr,
                           BLOCK_H: tl.constexpr):
     """The program's ``dpre`` rows, just stored, read back (from L2) and written in e4m3 with the scale of
     ``amax``: bitwise :func:`moeblaze.kernels.fp8_quant.quantize_rows_fp8` of the stored rows."""
-    scale = scale_of(amax, tiny, QMAX, POW2)
-    tl.store(s_ptr + rows, scale, mask=store_mask)
-    inv = inverse(scale)[:, None]
+    scale, inv = _row_scales(amax, s_ptr, rows, store_mask, tiny, QMAX, POW2)
     tl.debug_barrier()  # the stores above reach every thread of the program before the read-back
     rows64 = rows.to(tl.int64)[:, None]
     for h0 in range(0, H, BLOCK_H):
         cols = h0 + tl.arange(0, BLOCK_H)[None, :]
         mask = store_mask[:, None] & (cols < H)
         src = dpre_ptr + rows64 * stride_dpre_m + cols * PRE_STEP
-        dst = q_ptr + rows64 * stride_q_m + cols * PRE_STEP
-        v = tl.load(src, mask=mask, other=0.0).to(tl.float32)
-        tl.store(dst, to_e4m3(v, scale[:, None], inv), mask=mask)
+        gate = tl.load(src, mask=mask, other=0.0).to(tl.float32)
+        up = gate
         if GATED:
-            v = tl.load(src + UP_OFF, mask=mask, other=0.0).to(tl.float32)
-            tl.store(dst + UP_OFF, to_e4m3(v, scale[:, None], inv), mask=mask)
+            up = tl.load(src + UP_OFF, mask=mask, other=0.0).to(tl.float32)
+        _store_e4m3(q_ptr + rows64 * stride_q_m + cols * PRE_STEP, mask, gate, up, scale, inv, UP_OFF, GATED)
 
 
 _ACT_BWD = Launchable(act_bwd_rows_kernel, act_bwd_configs, key=["H", "ACTIVATION", "STORE_WACT", "QUANT", "PRE_E4M3"],

@@ -103,7 +103,8 @@ def _mma_up(scales, sched, smem, bars, dims, HALF: gl.constexpr, BLOCK_M: gl.con
     zero2, r_in, c_in = half_tile(ROWS, 2 * BLOCK_N)  # gate | up, as the stage holds their weight rows
     num_tiles, num_n, my_tiles = _tiles(num_tiles_ptr, N_COLS, BLOCK_N)
     # column c of the sum is gate (c < BLOCK_N) or up (c >= BLOCK_N) of n = c % BLOCK_N: its weight row's offset
-    w_off = (c_in % BLOCK_N) + (c_in // BLOCK_N) * UP_OFF
+    col = c_in % BLOCK_N
+    w_off = col + (c_in // BLOCK_N) * UP_OFF
     it = 0  # k-steps consumed so far: stage it % NUM_STAGES, phase (it // NUM_STAGES) & 1
     for i_tile in range(my_tiles):
         pid_n, e, row0, row_end = _tile(i_tile, num_tiles, num_n, tile_expert_ptr, tile_row_ptr, offsets_ptr,
@@ -124,7 +125,7 @@ def _mma_up(scales, sched, smem, bars, dims, HALF: gl.constexpr, BLOCK_M: gl.con
         rows = row0 + HALF * ROWS + r_in
         tokens = gl.load(indices_ptr + rows, mask=rows < A_ROWS, other=0)
         a_scale = gl.load(a_scale_ptr + tokens, mask=rows < A_ROWS, other=0.0)
-        n = pid_n * BLOCK_N + (c_in % BLOCK_N)
+        n = pid_n * BLOCK_N + col
         w_scale = gl.load(w_scale_ptr + e.to(gl.int64) * stride_ws_e + pid_n * BLOCK_N + w_off, mask=n < N_COLS,
                           other=0.0)
         acc = acc * a_scale[:, None] * w_scale[None, :]
