@@ -179,7 +179,7 @@ def test_plot_of_groups_of_runs_tables_their_final_losses(tmp_path, monkeypatch,
     of each run's last 10 training losses with their range, the last validation's mean and range, and each group's
     mean over the first group's."""
     pytest.importorskip("matplotlib")
-    from moeblaze.training.plot import compare_table, final_metrics, read_metrics
+    from moeblaze.training.plot import compare_table, final_metrics, read_metrics, read_runs
 
     header = "step,loss,bits_per_byte,lr,step_s,tokens_per_s,val_bpb\n"
     finals = {"a1": 1.0, "a2": 1.2, "b": 1.21}
@@ -189,7 +189,7 @@ def test_plot_of_groups_of_runs_tables_their_final_losses(tmp_path, monkeypatch,
                 for s in range(1, 16)]
         (tmp_path / name / "metrics.csv").write_text(header + "".join(rows))
     assert final_metrics(read_metrics(tmp_path / "a1")) == (1.0, 1.5)  # steps 6-15: the last 10 losses
-    table = compare_table([tmp_path / n for n in finals], ["a", "a", "b"]).splitlines()
+    table = compare_table(read_runs([tmp_path / n for n in finals], ["a", "a", "b"])).splitlines()
     assert len(table) == 3 and table[0].split()[:2] == ["label", "runs"]
     assert table[1].split() == ["a", "2", "1.1000", "(1.0000-1.2000)", "1.6000", "(1.5000-1.7000)", "1.0000"]
     assert table[2].split() == ["b", "1", "1.2100", "1.7100", "1.1000"]

@@ -173,13 +173,13 @@ def _cmd_sample(args: argparse.Namespace) -> int:
 
 
 def _cmd_plot(args: argparse.Namespace) -> int:
-    from .training.plot import compare_table, plot_compare, plot_run
+    from .training.plot import compare_table, plot_compare, plot_run, read_runs
 
     runs = [resolve_run(d, holds_metrics) for d in args.out_dir or [ROOT]]
     if len(runs) > 1 or args.out is not None or args.labels:  # labels name the curves of a comparison
-        labels = args.labels.split(",") if args.labels else None
-        print(f"wrote {plot_compare(runs, args.out or 'loss-compare.png', labels)}")
-        print(compare_table(runs, labels))
+        read = read_runs(runs, args.labels.split(",") if args.labels else None)
+        print(f"wrote {plot_compare(read, args.out or 'loss-compare.png')}")
+        print(compare_table(read))
         return 0
     paths = plot_run(runs[0])
     print(f"wrote {', '.join(p.name for p in paths)} in {paths[0].parent}")

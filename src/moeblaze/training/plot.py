@@ -22,7 +22,7 @@ from .metrics_log import FILE_NAME, LOAD_COLUMNS
 from .train_config import ConfigError
 
 __all__ = ["FINAL_STEPS", "compare_table", "draw_load", "draw_loss", "final_metrics", "plot_compare", "plot_run",
-           "read_metrics"]
+           "read_metrics", "read_runs"]
 
 FINAL_STEPS = 10  # a run's final loss: the mean of its last 10 logged training losses (docs/results-fp8-train.csv)
 
@@ -98,33 +98,36 @@ def _figure_class():
     return Figure
 
 
-def _runs(out_dirs: list[str | os.PathLike], labels: list[str] | None) -> tuple[list[Path], list[str]]:
+def read_runs(out_dirs: list[str | os.PathLike], labels: list[str] | None = None) -> list[tuple[str, dict]]:
+    """``(label, metrics)`` of each run in ``out_dirs``, each ``metrics.csv`` read once (:func:`read_metrics`), labelled
+    by ``labels`` or the folder names: what :func:`plot_compare` and :func:`compare_table` take.
+
+    Raises:
+        ConfigError: a folder without a ``metrics.csv`` with rows, or ``labels`` not one per run.
+    """
     runs = [Path(d).expanduser() for d in out_dirs]
     labels = labels or [r.name for r in runs]
     if len(labels) != len(runs):
         raise ConfigError(f"--labels: {len(labels)} given for {len(runs)} runs; give one per run")
-    return runs, labels
+    return [(label, read_metrics(run)) for run, label in zip(runs, labels)]
 
 
-def plot_compare(out_dirs: list[str | os.PathLike], out_file: str | os.PathLike,
-                 labels: list[str] | None = None) -> Path:
-    """The training and validation bits per byte of each run in ``out_dirs`` (labelled by ``labels`` or the folder
-    names; a color per label, runs of one label a group) in one figure, written to ``out_file`` (PNG); returns its
-    path.
+def plot_compare(runs: list[tuple[str, dict]], out_file: str | os.PathLike) -> Path:
+    """The training and validation bits per byte of each run of ``runs`` (:func:`read_runs`; a color per label, runs
+    of one label a group) in one figure, written to ``out_file`` (PNG); returns its path.
 
     Raises:
-        ConfigError: a folder without a ``metrics.csv`` with rows, ``labels`` not one per run, or matplotlib is not
-            installed.
+        ConfigError: matplotlib is not installed.
     """
-    runs, labels = _runs(out_dirs, labels)
+    labels = [label for label, _ in runs]
     Figure = _figure_class()
     groups = list(dict.fromkeys(labels))
     fig = Figure(figsize=(7, 4.5), layout="constrained")
     ax = fig.subplots()
-    for i, (run, label) in enumerate(zip(runs, labels)):
+    for i, (label, metrics) in enumerate(runs):
         n = labels.count(label)
         name = f"{label} ({n} runs)" if n > 1 else label
-        draw_loss(ax, read_metrics(run), name if labels.index(label) == i else None, color=f"C{groups.index(label)}")
+        draw_loss(ax, metrics, name if labels.index(label) == i else None, color=f"C{groups.index(label)}")
     ax.set_title("loss — " + " vs ".join(groups))
     out = Path(out_file).expanduser()
     fig.savefig(out, dpi=120)
@@ -139,18 +142,13 @@ def final_metrics(metrics: dict) -> tuple[float | None, float | None]:
     return (sum(losses) / len(losses) if losses else None), (val[-1] if val else None)
 
 
-def compare_table(out_dirs: list[str | os.PathLike], labels: list[str] | None = None) -> str:
-    """A text table of the runs in ``out_dirs`` by label (runs sharing one are a group, e.g. seeds of one precision):
-    the number of runs, the mean final loss (:func:`final_metrics`) with its range, the mean last validation bits per
-    byte with its range, and the group's mean final loss over the first group's.
-
-    Raises:
-        ConfigError: a folder without a ``metrics.csv`` with rows, or ``labels`` not one per run.
-    """
-    runs, labels = _runs(out_dirs, labels)
+def compare_table(runs: list[tuple[str, dict]]) -> str:
+    """A text table of ``runs`` (:func:`read_runs`) by label (runs sharing one are a group, e.g. seeds of one
+    precision): the number of runs, the mean final loss (:func:`final_metrics`) with its range, the mean last
+    validation bits per byte with its range, and the group's mean final loss over the first group's."""
     finals: dict[str, list[tuple[float | None, float | None]]] = {}
-    for run, label in zip(runs, labels):
-        finals.setdefault(label, []).append(final_metrics(read_metrics(run)))
+    for label, metrics in runs:
+        finals.setdefault(label, []).append(final_metrics(metrics))
 
     def spread(values: list[float | None]) -> tuple[str, float | None]:
         known = [v for v in values if v is not None]
