@@ -24,15 +24,8 @@ import torch
 from .activations import SWIGLU_ALPHA, SWIGLU_LIMIT, ActArgs, check_activation
 from .backends import get_backend
 from .dispatch import DispatchIndex, build_dispatch_pairs, check_pairs
-from .experts import (
-    SAVE_MODES,
-    _check_options,
-    _check_weight_shapes,
-    autocast_expert_operands,
-    check_devices,
-    check_weight_dtypes,
-    run_experts,
-)
+from .expert_checks import SAVE_MODES, check_devices, check_options, check_weight_dtypes, check_weight_shapes
+from .experts import autocast_expert_operands, run_experts
 from .fp8 import Float8Recipe, check_fp8_recipe
 from .input_grad import SharedInputGrad
 
@@ -100,8 +93,8 @@ def moe_experts_general(
         raise ValueError(f"x must be a floating-point tensor of shape [T, d], got {getattr(x, 'shape', x)}")
     if w_gate_up.dim() != 3 or w_down.dim() != 3:
         raise ValueError(f"w_gate_up and w_down must be rank 3, got {tuple(w_gate_up.shape)} and {tuple(w_down.shape)}")
-    _check_weight_shapes(x, w_gate_up, w_down, activation)
-    _check_options(x, w_down, activation, b_gate_up, b_down, gate_up_interleaved, swiglu_alpha, swiglu_limit,
+    check_weight_shapes(x, w_gate_up, w_down, activation)
+    check_options(x, w_down, activation, b_gate_up, b_down, gate_up_interleaved, swiglu_alpha, swiglu_limit,
                    foreign_experts, index)
     check_weight_dtypes(x, w_gate_up, w_down, autocast)
     check_devices(x, ("token_idx", token_idx), ("expert_idx", expert_idx), ("pair_weights", pair_weights),

@@ -12,7 +12,8 @@ from .activations import DEFAULT_ACT, check_activation, is_gated
 from .amp import autocast_target
 from .backends import BACKENDS, Backend, get_backend
 from .dispatch import DispatchIndex
-from .experts import SAVE_MODES, check_devices, check_placement, check_tokens, check_weight_dtypes, run_experts
+from .expert_checks import SAVE_MODES, check_devices, check_placement, check_tokens, check_weight_dtypes
+from .experts import run_experts
 from .fp8 import Float8Recipe, check_fp8_recipe
 from .input_grad import SharedInputGrad
 from .routing import Router
