@@ -10,14 +10,24 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import moeblaze
-from moeblaze import MoE, amp, backends, dispatch, experts, general_routing, moe_experts, moe_experts_general
+from moeblaze import (
+    MoE,
+    amp,
+    backends,
+    dispatch,
+    expert_checks,
+    experts,
+    general_routing,
+    moe_experts,
+    moe_experts_general,
+)
 from moeblaze.testing import make_expert_inputs
 
 # What a layer step could repeat: backend resolution, the experts' input checks, the autocast casts
 _COUNTED = {
     backends: ("get_backend",),
-    experts: ("_check_inputs", "_check_options", "_check_weight_shapes", "check_tokens", "check_weight_dtypes",
-              "autocast_expert_operands"),
+    expert_checks: ("check_inputs", "check_options", "check_weight_shapes", "check_tokens", "check_weight_dtypes"),
+    experts: ("autocast_expert_operands",),
     dispatch: ("check_pairs", "check_index_matches"),
     general_routing: ("moe_experts_general",),
     amp: ("autocast_target",),
@@ -85,7 +95,7 @@ def test_one_forward_resolves_checks_and_casts_once(step, counted):
     # the layer's checks of what the router does not guarantee (x floating point, in the weights' dtype) ...
     assert counted["check_tokens"] == counted["check_weight_dtypes"] == 1
     # ... and none of the public functions' full checks, nor the experts' own autocast step
-    for name in ("_check_inputs", "_check_options", "_check_weight_shapes", "check_index_matches",
+    for name in ("check_inputs", "check_options", "check_weight_shapes", "check_index_matches",
                  "moe_experts_general", "autocast_expert_operands"):
         assert counted[name] == 0, name
     assert counted["check_pairs"] == (rounding is not None)  # the pair index's build checks its shapes, once
@@ -112,7 +122,7 @@ def test_expert_parallel_forward_resolves_and_checks_once(counted):
             out = m(x)
         assert out.dtype == torch.bfloat16 and counted["get_backend"] == 1
         assert counted["check_tokens"] == counted["check_weight_dtypes"] == 1
-        assert counted["_check_inputs"] == counted["_check_options"] == counted["autocast_expert_operands"] == 0
+        assert counted["check_inputs"] == counted["check_options"] == counted["autocast_expert_operands"] == 0
         out.float().sum().backward()
         assert x.grad is not None and m.b_down.grad is not None
     finally:
@@ -134,11 +144,11 @@ def test_autocast_casts_each_operand_once():
 def test_public_functions_still_check_and_resolve_once(counted):
     inputs = make_expert_inputs(9, 16, 8, 4, 2, seed=0)
     moe_experts(**inputs, backend="torch")
-    assert counted["get_backend"] == 1 and counted["_check_inputs"] == counted["_check_options"] == 1
+    assert counted["get_backend"] == 1 and counted["check_inputs"] == counted["check_options"] == 1
     counted.clear()
     pairs = general_routing.topk_to_pairs(inputs["topk_ids"], inputs["topk_weights"])
     moe_experts_general(inputs["x"], *pairs, inputs["w_gate_up"], inputs["w_down"], backend="torch")
-    assert counted["get_backend"] == 1 and counted["_check_weight_shapes"] == counted["_check_options"] == 1
+    assert counted["get_backend"] == 1 and counted["check_weight_shapes"] == counted["check_options"] == 1
 
 
 def test_public_moe_experts_still_raises_clear_errors():
