@@ -27,6 +27,7 @@ if _INTERP or _CUDA:
     from triton.runtime.interpreter import InterpretedFunction
 
     from moeblaze.kernels import dispatch as kd
+    from moeblaze.kernels import schedule as ks
 
     if DEVICE == "cpu" and not isinstance(kd._count_kernel, InterpretedFunction):
         pytest.skip("TRITON_INTERPRET=1 was set after moeblaze.kernels.dispatch was imported",
@@ -187,7 +188,7 @@ def test_tile_schedule_small(counts, block_m):
     off = _offsets(counts)
     exp_e, exp_r, exp_n = schedule_reference(off.tolist(), block_m)
     for num_pairs in (int(off[-1]), None):
-        te, tr, nt = kd.tile_schedule(off, block_m, num_pairs)
+        te, tr, nt = ks.tile_schedule(off, block_m, num_pairs)
         assert te.dtype == tr.dtype == nt.dtype == torch.int32 and nt.shape == (1,)
         assert te.tolist() == exp_e and tr.tolist() == exp_r and int(nt) == exp_n
 
@@ -195,7 +196,7 @@ def test_tile_schedule_small(counts, block_m):
 @pytest.mark.parametrize("E,block_m,kind", [(8, 64, "zipf"), (200, 16, "empty_experts"), (1024, 128, "uniform")])
 def test_tile_schedule_from_routing(E, block_m, kind):
     off = build_dispatch_torch(routing(3000, min(4, E), E, kind), E).expert_token_offsets
-    te, tr, nt = kd.tile_schedule(off, block_m, 3000 * min(4, E))
+    te, tr, nt = ks.tile_schedule(off, block_m, 3000 * min(4, E))
     exp_e, exp_r, exp_n = schedule_reference(off.tolist(), block_m)
     assert te.tolist() == exp_e and tr.tolist() == exp_r and int(nt) == exp_n
 
@@ -255,8 +256,9 @@ class _NoLaunch:
 
 @pytest.fixture
 def no_launch(monkeypatch):
-    for name in ("_count_kernel", "_scan_kernel", "_write_kernel", "_schedule_kernel"):
+    for name in ("_count_kernel", "_scan_kernel", "_write_kernel"):
         monkeypatch.setattr(kd, name, _NoLaunch())
+    monkeypatch.setattr(ks, "_schedule_kernel", _NoLaunch())
 
 
 @pytest.mark.parametrize("make,E,err,match", [
@@ -291,9 +293,9 @@ def test_bad_input_to_launchers(no_launch):
     with pytest.raises(ValueError, match="block_m"):
         kd.build_dispatch_triton(ids, 4, block_m=0)
     with pytest.raises(TypeError, match="int32"):
-        kd.tile_schedule(torch.zeros(5, dtype=torch.int64, device=DEVICE), 64, 0)
+        ks.tile_schedule(torch.zeros(5, dtype=torch.int64, device=DEVICE), 64, 0)
     with pytest.raises(ValueError, match="block_m"):
-        kd.tile_schedule(torch.zeros(5, dtype=torch.int32, device=DEVICE), 0, 0)
+        ks.tile_schedule(torch.zeros(5, dtype=torch.int32, device=DEVICE), 0, 0)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -332,10 +332,10 @@ def test_layer_builds_the_tile_schedule_once(monkeypatch, save):
     """MoE's dispatch build carries the grouped-GEMM schedule: on CUDA the write launch emits it (no
     schedule launch at all), on the CPU it is built once; the four ops never rebuild it."""
     import moeblaze.dispatch as md
-    from moeblaze.kernels import dispatch as kd
+    from moeblaze.kernels import schedule as ks
 
     schedules = []
-    for mod, name in ((md, "build_tile_schedule_torch"), (kd, "tile_schedule")):
+    for mod, name in ((md, "build_tile_schedule_torch"), (ks, "tile_schedule")):
         real = getattr(mod, name)
         monkeypatch.setattr(mod, name, lambda *a, _real=real, **k: schedules.append(1) or _real(*a, **k))
     torch.manual_seed(0)

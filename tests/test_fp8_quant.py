@@ -24,14 +24,20 @@ if HAS_CUDA or os.environ.get("TRITON_INTERPRET") == "1":
     from moeblaze.kernels.grouped_gemm import _store_e4m3_tiles
 
     @triton.jit
-    def _quotient_kernel(v_ptr, s_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    def _quotient_kernel(v_ptr,  # [n] fp32 values
+                         s_ptr,  # [n] fp32 scales
+                         out_ptr,  # [n] fp32 out: v / s by fp8_quant.quotient
+                         n, BLOCK: tl.constexpr):
         offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         ok = offs < n
         s = tl.load(s_ptr + offs, mask=ok, other=1.0)
         tl.store(out_ptr + offs, quotient(tl.load(v_ptr + offs, mask=ok, other=0.0), s, inverse(s)), mask=ok)
 
     @triton.jit
-    def _tiles_kernel(v_ptr, q_ptr, s_ptr, R, C, tiles, BLOCK_N: tl.constexpr, POW2: tl.constexpr):
+    def _tiles_kernel(v_ptr,  # [R, C] fp32 values, contiguous
+                      q_ptr,  # [R, C] e4m3 out: v quantized in 1 x 64 tiles
+                      s_ptr,  # [R, tiles] fp32 out: each row's scale of each 1 x 64 tile
+                      R, C, tiles, BLOCK_N: tl.constexpr, POW2: tl.constexpr):
         """F1's kept-pre epilogue helper on rows 0-15 of the ``BLOCK_N`` columns of program ``program_id(0)``."""
         rows = tl.arange(0, 16)
         cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)

@@ -162,10 +162,10 @@ def test_wgrad_launch_modes_pick_the_launches():
 def test_layer_builds_the_small_bucket_schedule_once(monkeypatch):
     """The layer asks the dispatch build for the bucket's schedule; the ops never rebuild it."""
     import moeblaze.dispatch as md
-    from moeblaze.kernels import dispatch as kd
+    from moeblaze.kernels import schedule as ks
 
     sizes = []
-    for mod, name, pos in ((md, "build_tile_schedule_torch", 2), (kd, "tile_schedule", 1)):  # block_m's position
+    for mod, name, pos in ((md, "build_tile_schedule_torch", 2), (ks, "tile_schedule", 1)):  # block_m's position
         real = getattr(mod, name)
         monkeypatch.setattr(mod, name, lambda *a, _real=real, _pos=pos, **k: sizes.append(a[_pos]) or _real(*a, **k))
     torch.manual_seed(0)

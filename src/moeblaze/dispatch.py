@@ -194,7 +194,7 @@ def with_schedule(index: DispatchIndex, block_m: int) -> DispatchIndex:
         return index
     off, N = index.local_offsets, index.num_pairs  # no tiles for the foreign bucket
     if _triton_dispatch(off):
-        from .kernels.dispatch import tile_schedule
+        from .kernels.schedule import tile_schedule
 
         sched = TileSchedule(block_m, *tile_schedule(off, block_m, N))
     else:

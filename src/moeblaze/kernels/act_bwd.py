@@ -124,13 +124,19 @@ def act_bwd_rows_kernel(
 
 
 @triton.jit
-def _chunk(ptrs, rows64, row_mask, store_mask, w, h0, H, UP_OFF, alpha, limit, strides, ACTIVATION: tl.constexpr,
+def _chunk(ptrs,  # tuple of pointers:
+                 #   dact_ptr: [N, h] dact' (fp16/bf16/fp32); overwritten with w * act when STORE_WACT
+                 #   pre_ptr: [N, 2h|h] pre-activation (gate at n, up at UP_OFF + n); e4m3 if PRE_E4M3
+                 #   pre_s_ptr: [N, 2|1, cdiv(h, PRE_TILE)] fp32 scales of pre's 1 x PRE_TILE tiles (PRE_E4M3)
+                 #   dpre_ptr: [N, 2h|h] out: dpre (may be pre itself, unless PRE_E4M3)
+           rows64, row_mask, store_mask, w, h0, H, UP_OFF, alpha, limit, strides, ACTIVATION: tl.constexpr,
            STORE_PART: tl.constexpr, STORE_WACT: tl.constexpr, PRE_STEP: tl.constexpr, TF32_DPRE: tl.constexpr,
            PRE_E4M3: tl.constexpr, PRE_TILE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr):
     """Columns ``h0 .. h0 + BLOCK_H`` of the rows: ``w * act`` and ``dpre`` stored; returns this block's part of
     ``dtw`` and ``dpre``'s gate and up halves as stored, in fp32, zeros where masked (up: gate's, ungated)."""
     dact_ptr, pre_ptr, pre_s_ptr, dpre_ptr = ptrs
     stride_dact_m, stride_pre_m, stride_dpre_m = strides
+    GATED: tl.constexpr = ACTIVATION < FIRST_NON_GATED
     cols = h0 + tl.arange(0, BLOCK_H)[None, :]
     mask = row_mask[:, None] & (cols < H)
     dact_ptrs = dact_ptr + rows64 * stride_dact_m + cols
@@ -139,9 +145,9 @@ def _chunk(ptrs, rows64, row_mask, store_mask, w, h0, H, UP_OFF, alpha, limit, s
     gate = tl.load(pre_ptrs, mask=mask, other=0.0).to(tl.float32)
     if PRE_E4M3:  # each e4m3 value times its tile's scale, in fp32 (Float8Tensor.dequantize)
         tiles = tl.cdiv(H, PRE_TILE)
-        s_ptrs = pre_s_ptr + rows64 * (tiles * (2 if ACTIVATION < FIRST_NON_GATED else 1))
+        s_ptrs = pre_s_ptr + rows64 * (tiles * (2 if GATED else 1))
         gate = _times_tile_scales(gate, s_ptrs, h0, row_mask, tiles, PRE_TILE, BLOCK_R, BLOCK_H)
-    if ACTIVATION < FIRST_NON_GATED:
+    if GATED:
         up = tl.load(pre_ptrs + UP_OFF, mask=mask, other=0.0).to(tl.float32)
         if PRE_E4M3:
             up = _times_tile_scales(up, s_ptrs + tiles, h0, row_mask, tiles, PRE_TILE, BLOCK_R, BLOCK_H)
@@ -162,7 +168,7 @@ def _chunk(ptrs, rows64, row_mask, store_mask, w, h0, H, UP_OFF, alpha, limit, s
     dgate, dup = dgate.to(dpre_ptr.dtype.element_ty), dup.to(dpre_ptr.dtype.element_ty)
     dpre_ptrs = dpre_ptr + rows64 * stride_dpre_m + cols * PRE_STEP
     tl.store(dpre_ptrs, dgate, mask=out_mask)
-    if ACTIVATION < FIRST_NON_GATED:
+    if GATED:
         tl.store(dpre_ptrs + UP_OFF, dup, mask=out_mask)
     else:
         dup = dgate
@@ -171,7 +177,9 @@ def _chunk(ptrs, rows64, row_mask, store_mask, w, h0, H, UP_OFF, alpha, limit, s
 
 
 @triton.jit
-def _times_tile_scales(v, s_ptrs, h0, row_mask, tiles, PRE_TILE: tl.constexpr, BLOCK_R: tl.constexpr,
+def _times_tile_scales(v,
+                       s_ptrs,  # [BLOCK_R, 1] pointer block: each row's first tile scale of this half in pre_s (fp32)
+                       h0, row_mask, tiles, PRE_TILE: tl.constexpr, BLOCK_R: tl.constexpr,
                        BLOCK_H: tl.constexpr):
     """``v [BLOCK_R, BLOCK_H]`` (columns ``h0 ..``) times the scale of each value's ``1 x PRE_TILE`` tile, the row's
     scales at ``s_ptrs [BLOCK_R, 1]``: one load per tile, broadcast over its values. Why: a load per value (the same
@@ -195,7 +203,9 @@ def _pair_amax(dgate, dup, GATED: tl.constexpr):
 
 
 @triton.jit
-def _row_scales(amax, s_ptr, rows, store_mask, tiny, QMAX: tl.constexpr, POW2: tl.constexpr):
+def _row_scales(amax,
+                s_ptr,  # [N] fp32 out: each dpre row's dequantization scale (dpre_s)
+                rows, store_mask, tiny, QMAX: tl.constexpr, POW2: tl.constexpr):
     """The rowwise recipe's scales of ``amax [BLOCK_R]``, stored at ``s_ptr + rows``; ``(scale, 1 / scale)`` as
     ``[BLOCK_R, 1]`` for :func:`_store_e4m3`."""
     scale = scale_of(amax, tiny, QMAX, POW2)
@@ -204,7 +214,8 @@ def _row_scales(amax, s_ptr, rows, store_mask, tiny, QMAX: tl.constexpr, POW2: t
 
 
 @triton.jit
-def _store_e4m3(dst, mask, gate, up, scale, inv, UP_OFF, GATED: tl.constexpr):
+def _store_e4m3(dst,  # [BLOCK_R, BLOCK_H] pointer block into e4m3 dpre's gate columns (up at UP_OFF further)
+                mask, gate, up, scale, inv, UP_OFF, GATED: tl.constexpr):
     """``gate`` (and ``up`` at ``UP_OFF`` further, gated) ``[BLOCK_R, BLOCK_H]`` fp32 written at ``dst`` in e4m3 with
     their row's ``scale`` and ``inv``."""
     tl.store(dst, to_e4m3(gate, scale, inv), mask=mask)
@@ -213,7 +224,10 @@ def _store_e4m3(dst, mask, gate, up, scale, inv, UP_OFF, GATED: tl.constexpr):
 
 
 @triton.jit
-def _quantize_stored_rows(dpre_ptr, q_ptr, s_ptr, rows, store_mask, amax, H, UP_OFF, stride_dpre_m, stride_q_m, tiny,
+def _quantize_stored_rows(dpre_ptr,  # [N, 2h|h] dpre as stored (fp16/bf16/fp32), read back
+                          q_ptr,  # [N, 2h|h] e4m3 out: dpre quantized with one scale per row, dpre's layout
+                          s_ptr,  # [N] fp32 out: each row's dequantization scale
+                          rows, store_mask, amax, H, UP_OFF, stride_dpre_m, stride_q_m, tiny,
                           PRE_STEP: tl.constexpr, GATED: tl.constexpr, POW2: tl.constexpr, QMAX: tl.constexpr,
                           BLOCK_H: tl.constexpr):
     """The program's ``dpre`` rows, just stored, read back (from L2) and written in e4m3 with the scale of

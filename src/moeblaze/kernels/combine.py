@@ -17,7 +17,11 @@ from .tuning import Launchable, cdiv, gather_sum_configs
 
 
 @triton.jit
-def _add_pair(acc, k, src_ptr, w_ptr, map_ptr, pair_row, local, t_mask, mask, offs_d, count,
+def _add_pair(acc, k,
+              src_ptr,  # [N, D] slot rows (y or dx_slots)
+              w_ptr,  # [T, K] router weights (HAS_W), any float dtype; CSR: [P]
+              map_ptr,  # [T, K] int32 token_index_map (pair -> slot); CSR: [P]
+              pair_row, local, t_mask, mask, offs_d, count,
               stride_src_m, stride_w_t, stride_w_k, stride_map_t, stride_map_k,
               HAS_W: tl.constexpr, HAS_LIMIT: tl.constexpr, CSR: tl.constexpr):
     """``acc + (w[t, k] *) src[map[t, k]]`` for the tile's tokens (pair k of each; CSR: only where k < count)."""

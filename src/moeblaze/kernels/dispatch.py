@@ -21,11 +21,11 @@ Pair order equals token order inside an expert because a row's ids are distinct.
 3. ``_write_kernel``   per chunk: offsets = exclusive scan of totals; tile base = offset + chunk base +
    in-chunk prefix; then the tiles are walked again and every pair writes ``token_index_map[p]`` and
    ``expert_token_indices[slot]`` at its final place. Asked for a grouped-GEMM tile schedule
-   (``block_m``), the chunks also write it, blocks of ``_BLOCK_I`` entries strided over the chunks, from
+   (``block_m``), the chunks also write it, blocks of ``BLOCK_I`` entries strided over the chunks, from
    the per-expert totals every chunk already holds: no fourth launch (each launch from Python costs
    ~60-80 µs of host time (H200), more than this whole build's device time at 8k tokens).
 
-``tile_schedule`` builds the same schedule in one small launch from ``expert_token_offsets`` alone
+``schedule.tile_schedule`` builds the same schedule in one small launch from ``expert_token_offsets`` alone
 (for an index that was built without one).
 Interpreter: with ``TRITON_INTERPRET=1`` everything also runs on CPU tensors (tests).
 """
@@ -36,13 +36,13 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import settings
 from ..index import DispatchIndex, TileSchedule
 from .custom_ops import call_op
 from .direct import launch
+from .schedule import BLOCK_I, check_device, schedule_entries, schedule_length
 from .tuning import cdiv, next_pow2, sm_count
 
-__all__ = ["build_dispatch_triton", "tile_schedule", "dispatch_plan", "MAX_EXPERTS", "MAX_TOP_K"]
+__all__ = ["build_dispatch_triton", "dispatch_plan", "MAX_EXPERTS", "MAX_TOP_K"]
 
 MAX_EXPERTS = 1024
 MAX_TOP_K = 16
@@ -51,7 +51,6 @@ _WARPS = 4  # G, tiles per chunk = warps per program
 _BLOCK_E = 64  # experts per block in dense row work
 _SCAN_BE = 8  # experts per scan program
 _SCAN_ELEMS = 4096  # elements per scan block
-_BLOCK_I = 128  # schedule entries per program
 _MAX_TILE = 1 << 20  # P bound: pair indices stay below N + G*P < 2^31
 _ONEHOT_MAX_E = 16  # one-hot counters / running slots in registers up to this E (cheaper than the table)
 _ID_DTYPES = (torch.int32, torch.int64, torch.int16, torch.uint8)
@@ -76,7 +75,8 @@ def _step_ranks(ids, S: tl.constexpr):
 
 
 @triton.jit
-def _load_ids(ids_ptr, p, n, stride_ids_t, stride_ids_k, K: tl.constexpr):
+def _load_ids(ids_ptr,  # [T, K] integer expert ids (any of int32/int64/int16/uint8, any strides)
+              p, n, stride_ids_t, stride_ids_k, K: tl.constexpr):
     """Ids of pairs p [G, S] (p < n) from a strided [T, K] tensor; 64-bit addressing."""
     t = p // K
     off = t.to(tl.int64) * stride_ids_t + (p - t * K).to(tl.int64) * stride_ids_k
@@ -201,7 +201,7 @@ def _write_kernel(
     tl.store(offsets_ptr + E + one, carry + one * 0, mask=one * 0 + c == 0)
     if SCHED_M > 0:  # schedule blocks c, c + C, ... from the totals row (the same in every chunk)
         for i0 in range(c * BLOCK_I, max_tiles, C * BLOCK_I):
-            num = _schedule_entries(chunk_ptr + C.to(tl.int64) * E, tile_expert_ptr, tile_row_ptr,
+            num = schedule_entries(chunk_ptr + C.to(tl.int64) * E, tile_expert_ptr, tile_row_ptr,
                                     i0 + tl.arange(0, BLOCK_I), SCHED_E, max_tiles, False, SCHED_M, BLOCK_E)
             tl.store(num_tiles_ptr + one, num + one * 0, mask=one * 0 + i0 == 0)
     tl.debug_barrier()
@@ -232,71 +232,9 @@ def _write_kernel(
         p += S
 
 
-@triton.jit
-def _schedule_entries(
-    counts_ptr,  # FROM_OFFSETS: [E + 1] int32 expert_token_offsets; else [E] int32 per-expert counts
-    tile_expert_ptr,  # [max_tiles] int32 out: expert of each M-tile, -1 past the last tile
-    tile_row_ptr,  # [max_tiles] int32 out: first slot of each M-tile, N past the last tile
-    i,  # [BLOCK_I] int32 schedule entries to write
-    E, max_tiles,
-    FROM_OFFSETS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr,
-):
-    """Entries ``i`` of the tile schedule (contract: moeblaze.dispatch); returns the number of tiles."""
-    n_before = tl.zeros(i.shape, tl.int32)  # experts whose tiles all end at or before tile i
-    tiles_before = tl.zeros(i.shape, tl.int32)
-    rows_before = tl.zeros(i.shape, tl.int32)
-    carry = tl.sum(tl.zeros([BLOCK_E], tl.int32), axis=0)  # tiles so far
-    rows = carry  # slots so far
-    for e0 in range(0, E, BLOCK_E):
-        e = e0 + tl.arange(0, BLOCK_E)
-        em = e < E
-        if FROM_OFFSETS:
-            cnt = tl.load(counts_ptr + e + 1, mask=em, other=0) - tl.load(counts_ptr + e, mask=em, other=0)
-        else:
-            cnt = tl.load(counts_ptr + e, mask=em, other=0)
-        ntl = (cnt + BLOCK_M - 1) // BLOCK_M
-        end = tl.cumsum(ntl, axis=0) + carry
-        before = (end[None, :] <= i[:, None]) & em[None, :]  # [BLOCK_I, BLOCK_E]
-        n_before += tl.sum(before.to(tl.int32), axis=1)
-        tiles_before += tl.sum(tl.where(before, ntl[None, :], 0), axis=1)
-        rows_before += tl.sum(tl.where(before, cnt[None, :], 0), axis=1)
-        carry += tl.sum(ntl, axis=0)
-        rows += tl.sum(cnt, axis=0)
-    live = i < carry
-    im = i < max_tiles
-    tl.store(tile_expert_ptr + i, tl.where(live, n_before, -1), mask=im)
-    tl.store(tile_row_ptr + i, tl.where(live, rows_before + (i - tiles_before) * BLOCK_M, rows), mask=im)
-    return carry
-
-
-@triton.jit(do_not_specialize=["E", "max_tiles"])
-def _schedule_kernel(
-    offsets_ptr,  # [E + 1] int32 expert_token_offsets
-    tile_expert_ptr,  # [max_tiles] int32 out
-    tile_row_ptr,  # [max_tiles] int32 out
-    num_tiles_ptr,  # [1] int32 out
-    E, max_tiles,
-    BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_E: tl.constexpr,
-):
-    pid = tl.program_id(0)
-    i = pid * BLOCK_I + tl.arange(0, BLOCK_I)
-    num = _schedule_entries(offsets_ptr, tile_expert_ptr, tile_row_ptr, i, E, max_tiles, True, BLOCK_M, BLOCK_E)
-    one = tl.arange(0, 1)
-    tl.store(num_tiles_ptr + one, num + one * 0, mask=one * 0 + pid == 0)
-
-
 # ----------------------------------------------------------------------------------------------------
 # launchers
 # ----------------------------------------------------------------------------------------------------
-
-
-def _interpreting() -> bool:
-    return settings.interpreting()
-
-
-def _check_device(t: torch.Tensor, name: str) -> None:
-    if not (t.is_cuda or _interpreting()):
-        raise ValueError(f"{name} must be a CUDA tensor (or set TRITON_INTERPRET=1 to run on CPU), got {t.device}")
 
 
 def _programs_per_sm(num_pairs: int, num_experts: int) -> int:
@@ -318,6 +256,9 @@ def dispatch_plan(
     ``max(N/8, min(N, 2^20), 2^18)`` entries (half a byte per pair at large N; at small N a table that
     stays in L2, and short tiles) and at most ``_programs_per_sm(N, E) * num_sms`` chunks (more would
     only add per-program overhead). ``tile_pairs`` forces P.
+
+    Raises:
+        ValueError: ``tile_pairs`` not a multiple of 32 in ``[32, 2^20]``.
     """
     if tile_pairs is not None:
         P = int(tile_pairs)
@@ -368,7 +309,7 @@ def build_dispatch_triton(topk_ids: torch.Tensor, num_experts: int, *, tile_pair
         raise TypeError(f"topk_ids must be an int32/int64/int16/uint8 tensor, got {got}")
     if topk_ids.dim() != 2:
         raise ValueError(f"topk_ids must have shape [T, K], got {tuple(topk_ids.shape)}")
-    _check_device(topk_ids, "topk_ids")
+    check_device(topk_ids, "topk_ids")
     T, K = topk_ids.shape
     E = int(num_experts)
     if not 1 <= E <= MAX_EXPERTS:
@@ -396,11 +337,6 @@ def build_dispatch_triton(topk_ids: torch.Tensor, num_experts: int, *, tile_pair
     return DispatchIndex(offsets, indices, ids32.view(T, K), index_map, E, schedule)
 
 
-def _max_tiles(num_pairs: int, num_experts: int, block_m: int) -> int:
-    """Length of a tile schedule (0 when none is asked for: ``block_m == 0``)."""
-    return cdiv(num_pairs, block_m) + num_experts if block_m else 0
-
-
 def _ids_as_is(topk_ids: torch.Tensor, foreign: bool) -> bool:
     """The write pass reads the caller's ids themselves: contiguous int32 without foreign ids. With foreign ids (the
     last bucket's, ``schedule_experts < num_experts``) the count pass writes them clamped into that bucket, where a
@@ -423,7 +359,7 @@ def _build_dispatch_impl(topk_ids: torch.Tensor, num_experts: int, tile_pairs: i
     new = lambda *shape: torch.empty(shape, dtype=torch.int32, device=dev)  # noqa: E731
     # separate buffers: a custom op's outputs may not alias each other or its input
     offsets, indices, index_map, ids32 = new(E + 1), new(N), new(T, K), new(0 if as_is else N)
-    max_tiles = _max_tiles(N, sched_e, block_m)
+    max_tiles = schedule_length(N, sched_e, block_m)
     sched = (new(max_tiles), new(max_tiles), new(1 if block_m else 0))
     if N == 0:
         sched[0].fill_(-1)
@@ -444,7 +380,7 @@ def _build_dispatch_impl(topk_ids: torch.Tensor, num_experts: int, tile_pairs: i
         ids32_ptr=ids_in, tile_ptr=tile_tab, chunk_ptr=chunk_tab, offsets_ptr=offsets, indices_ptr=indices,
         map_ptr=index_map, tile_expert_ptr=sched[0], tile_row_ptr=sched[1], num_tiles_ptr=sched[2],
         tok_ptr=ids_in if pair_tokens is None else pair_tokens, N=N, E=E, C=chunks, P=P, max_tiles=max_tiles,
-        SCHED_E=sched_e, SCHED_M=block_m, BLOCK_I=_BLOCK_I, TOKEN_MAP=pair_tokens is not None, **common)
+        SCHED_E=sched_e, SCHED_M=block_m, BLOCK_I=BLOCK_I, TOKEN_MAP=pair_tokens is not None, **common)
     return offsets, indices, index_map, ids32, *sched
 
 
@@ -461,52 +397,6 @@ def _(topk_ids, num_experts, tile_pairs, block_m, pair_tokens, sched_experts):
     T, K = topk_ids.shape
     new = lambda *shape: topk_ids.new_empty(shape, dtype=torch.int32)
     as_is = _ids_as_is(topk_ids, 0 < sched_experts < num_experts)
-    max_tiles = _max_tiles(T * K, sched_experts or num_experts, block_m)
+    max_tiles = schedule_length(T * K, sched_experts or num_experts, block_m)
     return (new(num_experts + 1), new(T * K), new(T, K), new(0 if as_is else T * K),
             new(max_tiles), new(max_tiles), new(1 if block_m else 0))
-
-
-def tile_schedule(
-    expert_token_offsets: torch.Tensor, block_m: int, num_pairs: int | None = None
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Grouped-GEMM schedule over the slots: M-tiles of ``block_m`` slots that never straddle experts.
-
-    Expert e owns ``cdiv(count_e, block_m)`` consecutive tiles (none when empty), in expert order; a
-    tile covers slots ``[tile_row_start, min(tile_row_start + block_m, offsets[e+1]))``. One launch,
-    no host sync when ``num_pairs`` is given (MoEBlaze §4.2, DESIGN.md §3).
-
-    Args:
-        expert_token_offsets: ``[E+1]`` int32 (CUDA, or CPU under ``TRITON_INTERPRET=1``).
-        block_m: rows per M-tile, >= 1.
-        num_pairs: N (``= offsets[E]``, e.g. ``DispatchIndex.num_pairs``); it only sizes the output.
-            When None it is read from the device (one host synchronisation).
-
-    Returns:
-        ``(tile_expert [max_tiles] int32, tile_row_start [max_tiles] int32, num_tiles [1] int32)`` with
-        ``max_tiles = cdiv(N, block_m) + E``, a static upper bound; entries at and past ``num_tiles``
-        hold ``tile_expert = -1`` and ``tile_row_start = offsets[E]`` (= N).
-
-    Raises:
-        TypeError: offsets not int32.  ValueError: wrong rank/device, ``block_m < 1``, ``num_pairs < 0``.
-    """
-    off = expert_token_offsets
-    if not isinstance(off, torch.Tensor) or off.dtype != torch.int32:
-        raise TypeError(f"expert_token_offsets must be an int32 tensor, got {getattr(off, 'dtype', off)}")
-    if off.dim() != 1 or off.numel() < 2:
-        raise ValueError(f"expert_token_offsets must have shape [E+1] with E >= 1, got {tuple(off.shape)}")
-    _check_device(off, "expert_token_offsets")
-    if int(block_m) < 1:
-        raise ValueError(f"block_m must be >= 1, got {block_m}")
-    N = int(off[-1]) if num_pairs is None else int(num_pairs)
-    if N < 0:
-        raise ValueError(f"num_pairs must be >= 0, got {N}")
-    E = off.numel() - 1
-    max_tiles = cdiv(N, int(block_m)) + E
-    off = off.contiguous()
-    tile_expert = torch.empty(max_tiles, dtype=torch.int32, device=off.device)
-    tile_row = torch.empty(max_tiles, dtype=torch.int32, device=off.device)
-    num_tiles = torch.empty(1, dtype=torch.int32, device=off.device)
-    launch(_schedule_kernel, (cdiv(max_tiles, _BLOCK_I),),
-        offsets_ptr=off, tile_expert_ptr=tile_expert, tile_row_ptr=tile_row, num_tiles_ptr=num_tiles, E=E,
-        max_tiles=max_tiles, BLOCK_M=int(block_m), BLOCK_I=_BLOCK_I, BLOCK_E=_BLOCK_E, num_warps=4)
-    return tile_expert, tile_row, num_tiles

@@ -62,7 +62,11 @@ FP8_GEMM_CONFIG_INTERPRET = {"BLOCK_N": 32, "GROUP_M": 4, "num_warps": 4, "num_s
 
 
 @triton.jit
-def _fp8_mainloop(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, a_rows, e, offs_n, n_mask, UP_OFF, K_DIM,
+def _fp8_mainloop(a_ptr,  # [T, K_DIM] e4m3 x (rows gathered) or [N, K_DIM] e4m3 act (slot rows), unit column stride
+                  a_scale_ptr,  # [rows of A, cdiv(K_DIM, BLOCK_K)] fp32 scales of A's 1 x BLOCK_K tiles
+                  b_ptr,  # [E, n, K_DIM] e4m3 weight (w_gate_up [E, 2h|h, d] or w_down [E, d, h]), unit stride on K_DIM
+                  b_scale_ptr,  # [E, cdiv(n, BLOCK_K), cdiv(K_DIM, BLOCK_K)] fp32 scales of B's BLOCK_K^2 blocks
+                  a_rows, e, offs_n, n_mask, UP_OFF, K_DIM,
                   stride_a_m, stride_a_scale_m, stride_b_e, stride_b_n, stride_b_scale_e, stride_b_scale_n,
                   DUAL: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   BLOCK_K: tl.constexpr):
@@ -104,7 +108,11 @@ def _fp8_mainloop(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, a_rows, e, offs_n, n_m
 
 
 @triton.jit
-def _tile_rows(pid_m, tile_expert_ptr, tile_row_ptr, offsets_ptr, BLOCK_M: tl.constexpr):
+def _tile_rows(pid_m,
+               tile_expert_ptr,  # [max_tiles] int32 expert of each M-tile
+               tile_row_ptr,  # [max_tiles] int32 first slot of each M-tile
+               offsets_ptr,  # [E+1] int32 expert_token_offsets
+               BLOCK_M: tl.constexpr):
     """The M-tile ``pid_m`` of the schedule: its expert ``e``, ``row_mask`` [BLOCK_M] (slots inside the expert)
     and ``rows`` [BLOCK_M] int64, clamped to the expert's last slot so the main loop's loads need no row mask."""
     e = tl.load(tile_expert_ptr + pid_m)

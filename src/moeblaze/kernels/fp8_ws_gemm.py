@@ -72,7 +72,17 @@ def half_tile(ROWS: gl.constexpr, BLOCK_N: gl.constexpr):
 
 
 @gluon.jit
-def _gather_loader(gather, w_desc, sched, smem, bars, dims, DUAL: gl.constexpr, BLOCK_M: gl.constexpr,
+def _gather_loader(gather,  # tuple (a_ptr, indices_ptr, A_ROWS, stride_a_t, UP_OFF):
+                            #   a_ptr: [T, K_DIM] e4m3 token rows (x for F1, dout for B1), row t at t * stride_a_t,
+                            #          unit column stride
+                            #   indices_ptr: [N] int32 expert_token_indices (slot -> token)
+                   w_desc,  # TMA descriptor over the e4m3 weight rows [E * N_EXT, K_DIM], box [BLOCK_N, BLOCK_K]
+                   sched,  # tuple of the tile schedule:
+                           #   tile_expert_ptr: [max_tiles] int32 expert of each M-tile
+                           #   tile_row_ptr: [max_tiles] int32 first slot of each M-tile
+                           #   offsets_ptr: [E+1] int32 expert_token_offsets
+                           #   num_tiles_ptr: [1] int32 valid M-tiles
+                   smem, bars, dims, DUAL: gl.constexpr, BLOCK_M: gl.constexpr,
                    BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, NUM_STAGES: gl.constexpr, GROUP_M: gl.constexpr,
                    WARPS: gl.constexpr):
     """Fill stage ``s``: the weight box by TMA (``DUAL``: two, n and ``UP_OFF + n``, one after the other in the
@@ -117,7 +127,17 @@ def _gather_loader(gather, w_desc, sched, smem, bars, dims, DUAL: gl.constexpr, 
 
 
 @gluon.jit
-def _mma(scales, sched, smem, bars, dims, HALF: gl.constexpr, GATHER_A: gl.constexpr, BLOCK_M: gl.constexpr,
+def _mma(scales,  # tuple of the dequantization scales:
+                  #   a_scale_ptr: [A_ROWS] fp32 scale of each A row (a token's, gathered; else a slot's)
+                  #   w_scale_ptr: [E, N_EXT] fp32 scale of each weight row, row e at e * stride_ws_e
+                  #   indices_ptr: [N] int32 expert_token_indices (slot -> token), for the gathered A rows' scales
+                  #   A_ROWS, stride_ws_e: A's rows, the weight scales' expert stride
+         sched,  # tuple of the tile schedule:
+                 #   tile_expert_ptr: [max_tiles] int32 expert of each M-tile
+                 #   tile_row_ptr: [max_tiles] int32 first slot of each M-tile
+                 #   offsets_ptr: [E+1] int32 expert_token_offsets
+                 #   num_tiles_ptr: [1] int32 valid M-tiles
+         smem, bars, dims, HALF: gl.constexpr, GATHER_A: gl.constexpr, BLOCK_M: gl.constexpr,
          BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, NUM_STAGES: gl.constexpr, GROUP_M: gl.constexpr):
     """Rows ``HALF * BLOCK_M / 2 ..`` of each tile: the promoted sum over the stages, scaled, into ``c_smem``."""
     a_scale_ptr, w_scale_ptr, indices_ptr, A_ROWS, stride_ws_e = scales

@@ -80,7 +80,9 @@ CONFIG = {"BLOCK_M": 128, "BLOCK_N": KEPT_TILE, "BLOCK_K": 128, "NUM_STAGES": 4,
 
 
 @gluon.jit
-def _store_kept(q_ptrs, s_ptrs, v, mask, row_mask, POW2: gl.constexpr):
+def _store_kept(q_ptrs,  # [ROWS, KEPT_TILE] pointer block into the kept e4m3 pre [N, 2h] (one gate or up tile)
+                s_ptrs,  # [ROWS] pointer block into pre's fp32 tile scales [N, 2, cdiv(h, KEPT_TILE)] (this tile's)
+                v, mask, row_mask, POW2: gl.constexpr):
     """``v [rows, KEPT_TILE]`` (fp32, one kept tile) in e4m3 with one scale per row: the recipe's, as
     ``grouped_gemm._store_e4m3_tiles`` computes it (elements outside ``mask`` neither counted nor stored)."""
     v = gl.where(mask, v, 0.0)
@@ -90,7 +92,17 @@ def _store_kept(q_ptrs, s_ptrs, v, mask, row_mask, POW2: gl.constexpr):
 
 
 @gluon.jit
-def _mma_up(scales, sched, smem, bars, dims, HALF: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+def _mma_up(scales,  # tuple of the dequantization scales:
+                     #   a_scale_ptr: [A_ROWS] fp32 scale of each A row (a token's, gathered; else a slot's)
+                     #   w_scale_ptr: [E, N_EXT] fp32 scale of each weight row, row e at e * stride_ws_e
+                     #   indices_ptr: [N] int32 expert_token_indices (slot -> token), for the gathered A rows' scales
+                     #   A_ROWS, stride_ws_e: A's rows, the weight scales' expert stride
+            sched,  # tuple of the tile schedule:
+                    #   tile_expert_ptr: [max_tiles] int32 expert of each M-tile
+                    #   tile_row_ptr: [max_tiles] int32 first slot of each M-tile
+                    #   offsets_ptr: [E+1] int32 expert_token_offsets
+                    #   num_tiles_ptr: [1] int32 valid M-tiles
+            smem, bars, dims, HALF: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
             BLOCK_K: gl.constexpr, NUM_STAGES: gl.constexpr, GROUP_M: gl.constexpr):
     """Rows ``HALF * BLOCK_M / 2 ..`` of each tile: gate and up summed over the stages, scaled and rounded to 16 bits
     into their half of the tile's ``c_smem`` buffer."""
@@ -136,7 +148,17 @@ def _mma_up(scales, sched, smem, bars, dims, HALF: gl.constexpr, BLOCK_M: gl.con
 
 
 @gluon.jit
-def _epilogue_up(outs, sched, smem, bars, dims, ACTIVATION: gl.constexpr, POW2: gl.constexpr, BLOCK_M: gl.constexpr,
+def _epilogue_up(outs,  # tuple of the outputs:
+                 #   pre_ptr: [N, 2 * N_COLS] e4m3 the kept pre, gate at n, up at UP_OFF + n
+                 #   pre_s_ptr: [N, 2, cdiv(N_COLS, BLOCK_N)] fp32 the scales of pre's 1 x BLOCK_N tiles per half
+                 #   act_ptr: [N, N_COLS] 16-bit act
+                 #   stride_pre_m, stride_act_m, alpha, limit: the row strides, the activation's parameters
+                 sched,  # tuple of the tile schedule:
+                         #   tile_expert_ptr: [max_tiles] int32 expert of each M-tile
+                         #   tile_row_ptr: [max_tiles] int32 first slot of each M-tile
+                         #   offsets_ptr: [E+1] int32 expert_token_offsets
+                         #   num_tiles_ptr: [1] int32 valid M-tiles
+                 smem, bars, dims, ACTIVATION: gl.constexpr, POW2: gl.constexpr, BLOCK_M: gl.constexpr,
                  BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr):
     """A tile's 16-bit gate and up from ``c_smem`` to the kept ``pre`` (e4m3 tiles and their scales) and ``act``, in
     pieces of ``ROWS`` rows; rows past the expert's last slot masked."""

@@ -2,7 +2,7 @@
 
 One launch covers every expert. Program ``pid`` maps (grouped ordering, ``GROUP_M`` M-tiles per group
 for L2 reuse of the weight tile) to an M-tile ``pid_m`` of the schedule of
-:func:`moeblaze.kernels.dispatch.tile_schedule` — up to ``BLOCK_M`` consecutive slots of ONE expert
+:func:`moeblaze.kernels.schedule.tile_schedule` — up to ``BLOCK_M`` consecutive slots of ONE expert
 ``e`` — and an N-tile ``pid_n``. It computes ``C[s, n] = sum_k A[row(s), k] * B[e][k, n]`` with
 ``row(s) = expert_token_indices[s]`` when ``GATHER_A`` (rows of the unpermuted input are read in the
 loads: no gathered copy exists) and ``row(s) = s`` otherwise. ``B[e][k, n]`` is read through strides,
@@ -82,7 +82,9 @@ def tile_of(pid, max_tiles, num_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
-def _descriptors(a_ptr, b_ptr, A_ROWS, K_DIM, N_EXT, B_ROWS, NUM_EXPERTS, stride_a_m, stride_b_k, stride_b_n,
+def _descriptors(a_ptr,  # [A_ROWS, K_DIM] A: x, dout [T, K_DIM] or act, dpre [N, K_DIM]; fp16/bf16/fp32 (FP8: e4m3)
+                 b_ptr,  # [E, *, *] weight B, seen as NK [E*N_EXT, K_DIM], PAIRED [2E, h, d], KN [E*K_DIM, N_EXT]
+                 A_ROWS, K_DIM, N_EXT, B_ROWS, NUM_EXPERTS, stride_a_m, stride_b_k, stride_b_n,
                  A_DESC: tl.constexpr, B_DESC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_K: tl.constexpr):
     """The TMA descriptors of A and B (each built once per program: building one writes 128 bytes of
@@ -109,7 +111,11 @@ def _descriptors(a_ptr, b_ptr, A_ROWS, K_DIM, N_EXT, B_ROWS, NUM_EXPERTS, stride
 
 
 @triton.jit
-def _mainloop(a_ptr, b_ptr, a_desc, b_desc, a_rows, a_row0, e, pid_n, N_COLS, K_DIM, N_EXT, UP_OFF, up_shift,
+def _mainloop(a_ptr,  # [T, K_DIM] (gathered: x, dout) or [N, K_DIM] (act, dpre); fp16/bf16/fp32 (FP8: e4m3)
+              b_ptr,  # [E, *, *] weight; B[e][k, n] at e*stride_b_e + k*stride_b_k + n*stride_b_n
+              a_desc,  # A_DESC: TMA descriptor over A [A_ROWS, K_DIM], box [BLOCK_M, BLOCK_K]; else a_ptr
+              b_desc,  # B_DESC: TMA descriptor over B (_descriptors: NK / KN / PAIRED / INTERLEAVED box); else b_ptr
+              a_rows, a_row0, e, pid_n, N_COLS, K_DIM, N_EXT, UP_OFF, up_shift,
               stride_a_m, stride_a_k, stride_b_e, stride_b_k, stride_b_n,
               DUAL: tl.constexpr, A_DESC: tl.constexpr, B_DESC: tl.constexpr, EVEN_K: tl.constexpr,
               EVEN_N: tl.constexpr, DOT_PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -197,7 +203,10 @@ def _mainloop(a_ptr, b_ptr, a_desc, b_desc, a_rows, a_row0, e, pid_n, N_COLS, K_
 
 
 @triton.jit
-def _epilogue_plain(c_ptr, scale_ptr, bias_ptr, acc, e, rows, tokens, mask, offs_n, n_mask, stride_c_m,
+def _epilogue_plain(c_ptr,  # [N, N_COLS] or [T, N_COLS] (SCATTER_C) output C: y, dact', dx_slots (or out, dx)
+                    scale_ptr,  # [N] fp32 router weight of each slot (SCALE_C)
+                    bias_ptr,  # [E, N_COLS] expert bias (HAS_BIAS)
+                    acc, e, rows, tokens, mask, offs_n, n_mask, stride_c_m,
                     stride_bias_e, SCATTER_C: tl.constexpr, SCALE_C: tl.constexpr, HAS_BIAS: tl.constexpr):
     """``EPILOGUE_PLAIN``: ``C[row] = (acc + bias[e])`` (``* w_slot``), row = token(s) if ``SCATTER_C`` else s."""
     if HAS_BIAS:
@@ -212,7 +221,9 @@ def _epilogue_plain(c_ptr, scale_ptr, bias_ptr, acc, e, rows, tokens, mask, offs
 
 
 @triton.jit
-def _store_e4m3_tiles(q_ptrs, s_ptrs, v, mask, row_mask, first_tile, tiles, BLOCK_N: tl.constexpr,
+def _store_e4m3_tiles(q_ptrs,  # [BLOCK_M, BLOCK_N] pointer block into e4m3 pre [N, 2h|h] (gate or up columns)
+                      s_ptrs,  # [BLOCK_M] pointer block into fp32 pre scales [N, 2|1, cdiv(h, 64)]: each row's 1st tile
+                      v, mask, row_mask, first_tile, tiles, BLOCK_N: tl.constexpr,
                       POW2: tl.constexpr):
     """The output tile ``v [BLOCK_M, BLOCK_N]`` (fp32) stored in e4m3 with one scale per row of each ``1 x
     KEPT_TILE`` tile in it (``s_ptrs [BLOCK_M]``: its first tile's scales, the next ones following; tiles from
@@ -233,7 +244,11 @@ def _store_e4m3_tiles(q_ptrs, s_ptrs, v, mask, row_mask, first_tile, tiles, BLOC
 
 
 @triton.jit
-def _epilogue_act_fwd(pre_ptr, act_ptr, bias_ptr, pre_s_ptr, acc, acc2, e, rows, row_mask, mask, offs_n, n_mask,
+def _epilogue_act_fwd(pre_ptr,  # [N, 2h|h] pre, fp16/bf16/fp32 or e4m3 (PRE_FP8)
+                      act_ptr,  # [N, h] act, fp16/bf16/fp32 (pre_ptr when act is not stored)
+                      bias_ptr,  # [E, 2h|h] expert bias in pre's column order (HAS_BIAS)
+                      pre_s_ptr,  # PRE_FP8: out, [N, 2|1, cdiv(h, 64)] fp32 scales of pre's 1 x 64 tiles
+                      acc, acc2, e, rows, row_mask, mask, offs_n, n_mask,
                       pid_n, N_COLS, UP_OFF, alpha, limit, stride_pre_m, stride_act_m, stride_bias_e,
                       ACTIVATION: tl.constexpr, DUAL: tl.constexpr, STORE_PRE: tl.constexpr,
                       STORE_ACT: tl.constexpr, HAS_BIAS: tl.constexpr, PRE_STEP: tl.constexpr,
@@ -276,8 +291,22 @@ def _epilogue_act_fwd(pre_ptr, act_ptr, bias_ptr, pre_s_ptr, acc, acc2, e, rows,
 
 @triton.jit
 def _gemm_tile(
-    t, tiles, num_n, a_ptr, b_ptr, c_ptr, aux_ptr, scale_ptr, bias_ptr, a_scale_ptr, b_scale_ptr, offsets_ptr,
-    indices_ptr, tile_expert_ptr, tile_row_ptr, a_desc, b_desc, N_COLS, K_DIM, N_EXT, UP_OFF, UP_SHIFT_B, alpha, limit,
+    t, tiles, num_n,
+    a_ptr,  # [T, K_DIM] (GATHER_A: x, dout) or [N, K_DIM] (act, dpre); fp16/bf16/fp32 (FP8: e4m3)
+    b_ptr,  # [E, *, *] weight; B[e][k, n] at e*stride_b_e + k*stride_b_k + n*stride_b_n
+    c_ptr,  # EPILOGUE_PLAIN: [N, N_COLS] or [T, N_COLS] (SCATTER_C); EPILOGUE_ACT_FWD: pre [N, 2h|h] (e4m3: PRE_FP8)
+    aux_ptr,  # EPILOGUE_ACT_FWD: act [N, h]; else unused
+    scale_ptr,  # [N] fp32 router weight of each slot (SCALE_C); PRE_FP8: out, [N, 2|1, cdiv(h, 64)] fp32 scales of pre
+    bias_ptr,  # [E, N_COLS] (EPILOGUE_PLAIN) or [E, 2h|h] (EPILOGUE_ACT_FWD, pre's column order) bias (HAS_BIAS)
+    a_scale_ptr,  # FP8: [rows of A] fp32 dequantization scale of each row of A (token rows when GATHER_A)
+    b_scale_ptr,  # FP8: [E, N_EXT] fp32 dequantization scale of each weight row along n, row e at e * stride_bs_e
+    offsets_ptr,  # [E+1] int32 expert_token_offsets
+    indices_ptr,  # [N] int32 expert_token_indices (slot -> token)
+    tile_expert_ptr,  # [max_tiles] int32 expert of each M-tile
+    tile_row_ptr,  # [max_tiles] int32 first slot of each M-tile
+    a_desc,  # A_DESC: TMA descriptor over A [A_ROWS, K_DIM]; else a_ptr
+    b_desc,  # B_DESC: TMA descriptor over the weight B (see _descriptors); else b_ptr
+    N_COLS, K_DIM, N_EXT, UP_OFF, UP_SHIFT_B, alpha, limit,
     stride_a_m, stride_a_k, stride_b_e, stride_b_k, stride_b_n, stride_c_m, stride_aux_m, stride_bias_e, stride_bs_e,
     GATHER_A: tl.constexpr, SCATTER_C: tl.constexpr, SCALE_C: tl.constexpr, EPILOGUE: tl.constexpr,
     ACTIVATION: tl.constexpr, DUAL: tl.constexpr, STORE_PRE: tl.constexpr, STORE_AUX: tl.constexpr,

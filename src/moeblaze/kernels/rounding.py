@@ -115,7 +115,9 @@ def _nth_largest_above(key, n, lo):
 
 
 @triton.jit
-def _counts(counts_ptr, rand_ptr, e, emask, T, tile, MODE: tl.constexpr):
+def _counts(counts_ptr,  # [E] int32 or fp32 (exact integers) top-k token counts f_e
+            rand_ptr,  # [E] fp32 uniform draws of the stochastic mode (MODE == SR), else unused
+            e, emask, T, tile, MODE: tl.constexpr):
     """``(f_e, r_e)`` int32 of the experts ``e``: the top-k count and its rounded target, as
     :func:`moeblaze.token_rounding.round_counts` computes it: one launch fewer than its Inductor kernel, 0.8-0.9 µs
     per step at T 16384, E 128, K 2 (H200, ``python3 benchmarks/bench_token_rounding.py speed --shapes 0
@@ -179,7 +181,11 @@ def rounding_keys_kernel(
 
 
 @triton.jit
-def _candidate_keys(toks, valid, e, dropping, scores_ptr, ids_ptr, weights_ptr, stride_s_t, stride_ids_t,
+def _candidate_keys(toks, valid, e, dropping,
+                    scores_ptr,  # [T, E] float router scores
+                    ids_ptr,  # [T, K] int top-k expert ids
+                    weights_ptr,  # [T, K] float top-k weights
+                    stride_s_t, stride_ids_t,
                     stride_w_t, K: tl.constexpr):
     """Expert e's keys of the tokens ``toks`` (as :func:`rounding_keys_kernel`'s) and, of a top-k token, the k
     of its pair (``(key, kk)``, both int32, ``toks``' shape)."""
@@ -201,8 +207,14 @@ def _candidate_keys(toks, valid, e, dropping, scores_ptr, ids_ptr, weights_ptr, 
 
 
 @triton.jit
-def _select_candidates(e, n, lo, dropping, ncb, T, E, cand_ptr, scores_ptr, ids_ptr, weights_ptr, kept_ptr,
-                       pad_mask_ptr, pad_tok_ptr,
+def _select_candidates(e, n, lo, dropping, ncb, T, E,
+                       cand_ptr,  # [E, CAND] int32 each expert's candidate groups, ascending
+                       scores_ptr,  # [T, E] float router scores
+                       ids_ptr,  # [T, K] int top-k expert ids
+                       weights_ptr,  # [T, K] float top-k weights
+                       kept_ptr,  # [T, K] int32 in/out: the top-k ids; dropped pairs set to E
+                       pad_mask_ptr,  # [T, E] uint8 in/out (zeros in): 1 where expert e pads token t
+                       pad_tok_ptr,  # [J, E] int32 out: the tokens expert e pads, ascending
                        stride_s_t, stride_ids_t, stride_w_t, K: tl.constexpr, GROUP: tl.constexpr,
                        CAND: tl.constexpr, BLOCKS: tl.constexpr):
     """The selection among the tokens of expert e's first ``ncb <= BLOCKS`` candidate groups (ascending in

@@ -162,7 +162,10 @@ def router_loss_kernel(
 
 
 @triton.jit
-def _pad_grad(j, off, pads, rmask, dw_ptr, expert_idx_ptr, scale, K: tl.constexpr):
+def _pad_grad(j, off, pads, rmask,
+              dw_ptr,  # [P] fp32 or 16-bit gradient of token rounding's pair weights
+              expert_idx_ptr,  # [P] int32 each pair's expert
+              scale, K: tl.constexpr):
     """The j-th padded pair of each token, ``[BLOCK_T, 1]`` each (``off``, ``pads``, ``rmask`` in that shape):
     ``(has, e, v)``, its expert (-1 where the token has none) and its gradient times ``scale`` (0 there)."""
     has = rmask & (j < pads)
@@ -250,8 +253,15 @@ def router_topk_bwd_kernel(
 
 
 @triton.jit
-def _store_pad_column(j, off, pads, rows, rmask1, gp, zc, dw_ptr, expert_idx_ptr, probs_ptr, dprobs_ptr, counts_ptr,
-                      daux_ptr, dlogits_ptr, E, scale, aux_c, K: tl.constexpr, HAS_DPROBS: tl.constexpr,
+def _store_pad_column(j, off, pads, rows, rmask1, gp, zc,
+                      dw_ptr,  # [P] fp32 or 16-bit gradient of token rounding's pair weights
+                      expert_idx_ptr,  # [P] int32 each pair's expert
+                      probs_ptr,  # [T, E] fp32 softmax probabilities
+                      dprobs_ptr,  # [T, E] fp32 gradient of the probabilities (HAS_DPROBS)
+                      counts_ptr,  # [E] fp32 pairs per expert
+                      daux_ptr,  # [] fp32 gradient of the aux loss (HAS_DAUX)
+                      dlogits_ptr,  # [T, E] fp32 out
+                      E, scale, aux_c, K: tl.constexpr, HAS_DPROBS: tl.constexpr,
                       HAS_DAUX: tl.constexpr):
     """``dlogits[t, e]`` of each token's j-th padded pair, its g summed as the tile's is (the top-k adds nothing
     there: a padded expert is outside the token's top-k)."""

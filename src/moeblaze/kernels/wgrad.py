@@ -124,7 +124,8 @@ def grouped_wgrad_kernel(
 
 
 @triton.jit
-def _slot_rows(b_ptr, s, end, offs_q, Q, stride_b_m, stride_b_q):
+def _slot_rows(b_ptr,  # [N, Q] slot rows (w act, dpre); fp16/bf16/fp32
+               s, end, offs_q, Q, stride_b_m, stride_b_q):
     """B's ``[BLOCK_K, BLOCK_Q]`` slot rows ``s`` through pointers, clamped into the expert's range: A's mask
     zeroes the slots past ``end`` (an empty expert's step: all of them), so the rows read there add nothing."""
     rows = tl.maximum(tl.minimum(s, end - 1), 0).to(tl.int64)
@@ -133,7 +134,8 @@ def _slot_rows(b_ptr, s, end, offs_q, Q, stride_b_m, stride_b_q):
 
 
 @triton.jit
-def _store_tile(c_ptr, acc, e, offs_p, offs_q, P, Q, stride_c_e, stride_c_p, stride_c_q, op_ty: tl.constexpr):
+def _store_tile(c_ptr,  # dW [E, P, Q] at e*stride_c_e + p*stride_c_p + q*stride_c_q; the operands' dtype or fp32
+                acc, e, offs_p, offs_q, P, Q, stride_c_e, stride_c_p, stride_c_q, op_ty: tl.constexpr):
     """Store the summed ``[BLOCK_P, BLOCK_Q]`` tile of expert ``e``. Rounded to the operands' dtype ``op_ty``
     first: an fp32 gradient of 16-bit operands (the master weights of an autocast call) is the 16-bit gradient
     upcast, stored in one pass instead of a 16-bit store and a cast."""
@@ -143,7 +145,12 @@ def _store_tile(c_ptr, acc, e, offs_p, offs_q, P, Q, stride_c_e, stride_c_p, str
 
 
 @triton.jit
-def _persistent_tiles(a_ptr, b_ptr, c_ptr, offsets_ptr, indices_ptr, P, Q, ROWS, stride_a_m, stride_a_p,
+def _persistent_tiles(a_ptr,  # [T, P] gathered operand (dout, x); fp16/bf16
+                      b_ptr,  # [N, Q] slot rows (w act, dpre); fp16/bf16
+                      c_ptr,  # dW[e][p, q] at e*stride_c_e + p*stride_c_p + q*stride_c_q; the operands' dtype or fp32
+                      offsets_ptr,  # [E+1] int32 expert_token_offsets
+                      indices_ptr,  # [N] int32 expert_token_indices (slot -> token)
+                      P, Q, ROWS, stride_a_m, stride_a_p,
                       stride_b_m, stride_b_q, stride_c_e, stride_c_p, stride_c_q, NUM_EXPERTS,
                       B_DESC: tl.constexpr, DOT_PREC: tl.constexpr, E_POW2: tl.constexpr, BLOCK_P: tl.constexpr,
                       BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):

@@ -40,7 +40,8 @@ from .ws_wgrad import EPILOGUE_WARPS, LOADER_WARPS, WORKER_REGS, hand_off, stage
 
 
 @gluon.jit
-def _tiles(num_tiles_ptr, N_COLS, BLOCK_N: gl.constexpr):
+def _tiles(num_tiles_ptr,  # [1] int32 valid M-tiles
+           N_COLS, BLOCK_N: gl.constexpr):
     """A persistent program's share of the output tiles: (M-tiles, n-tiles per M-tile, how many tiles it runs: its
     ``i_tile``-th is ``program_id + i_tile * num_programs``)."""
     num_tiles = gl.load(num_tiles_ptr)
@@ -49,7 +50,11 @@ def _tiles(num_tiles_ptr, N_COLS, BLOCK_N: gl.constexpr):
 
 
 @gluon.jit
-def _tile(i_tile, num_tiles, num_n, tile_expert_ptr, tile_row_ptr, offsets_ptr, GROUP_M: gl.constexpr):
+def _tile(i_tile, num_tiles, num_n,
+          tile_expert_ptr,  # [max_tiles] int32 expert of each M-tile
+          tile_row_ptr,  # [max_tiles] int32 first slot of each M-tile
+          offsets_ptr,  # [E+1] int32 expert_token_offsets
+          GROUP_M: gl.constexpr):
     """This program's ``i_tile``-th output tile -> (n-tile, expert, first slot, end slot of the expert); grouped
     order for L2."""
     t = gl.program_id(0) + i_tile * gl.num_programs(0)
@@ -63,7 +68,16 @@ def _tile(i_tile, num_tiles, num_n, tile_expert_ptr, tile_row_ptr, offsets_ptr, 
 
 
 @gluon.jit
-def _loader(descs, sched, smem, bars, dims, W_NK: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+def _loader(descs,  # tuple of TMA descriptors:
+                    #   a_desc: over the [N, K_DIM] 16-bit slot rows (act for F2, dpre for B3), box [BLOCK_M, BLOCK_K]
+                    #   w_desc: over the weight rows, W_NK [E*N_EXT, K_DIM] box [BLOCK_N, BLOCK_K];
+                    #           else [E*K_DIM, n] box [BLOCK_K, BLOCK_N]
+            sched,  # tuple of the tile schedule:
+                    #   tile_expert_ptr: [max_tiles] int32 expert of each M-tile
+                    #   tile_row_ptr: [max_tiles] int32 first slot of each M-tile
+                    #   offsets_ptr: [E+1] int32 expert_token_offsets
+                    #   num_tiles_ptr: [1] int32 valid M-tiles
+            smem, bars, dims, W_NK: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
             BLOCK_K: gl.constexpr, NUM_STAGES: gl.constexpr, GROUP_M: gl.constexpr):
     """Fill stage ``s``: the A box and the weight box by TMA, both completing ``ready[s]``."""
     a_desc, w_desc = descs
@@ -91,7 +105,12 @@ def _loader(descs, sched, smem, bars, dims, W_NK: gl.constexpr, BLOCK_M: gl.cons
 
 
 @gluon.jit
-def _mma(sched, smem, bars, dims, W_NK: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+def _mma(sched,  # tuple of the tile schedule:
+                 #   tile_expert_ptr: [max_tiles] int32 expert of each M-tile
+                 #   tile_row_ptr: [max_tiles] int32 first slot of each M-tile
+                 #   offsets_ptr: [E+1] int32 expert_token_offsets
+                 #   num_tiles_ptr: [1] int32 valid M-tiles
+         smem, bars, dims, W_NK: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
          BLOCK_K: gl.constexpr, NUM_STAGES: gl.constexpr, num_warps: gl.constexpr):
     """``acc = sum_k A_k W_k`` over the stages (one wgmma in flight), then the tile into ``c_smem``."""
     tile_expert_ptr, tile_row_ptr, offsets_ptr, num_tiles_ptr = sched
@@ -121,7 +140,13 @@ def _mma(sched, smem, bars, dims, W_NK: gl.constexpr, BLOCK_M: gl.constexpr, BLO
 
 
 @gluon.jit
-def _epilogue(c_ptr, sched, smem, bars, dims, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr):
+def _epilogue(c_ptr,  # [N, >= N_COLS] 16-bit output slot rows (y for F2, dx_slots for B3), unit column stride
+              sched,  # tuple of the tile schedule:
+                      #   tile_expert_ptr: [max_tiles] int32 expert of each M-tile
+                      #   tile_row_ptr: [max_tiles] int32 first slot of each M-tile
+                      #   offsets_ptr: [E+1] int32 expert_token_offsets
+                      #   num_tiles_ptr: [1] int32 valid M-tiles
+              smem, bars, dims, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr):
     """``c_smem`` -> ``C``: rows past the expert's last slot and columns past ``N_COLS`` masked."""
     tile_expert_ptr, tile_row_ptr, offsets_ptr, num_tiles_ptr = sched
     a_bufs, w_bufs, c_smem = smem

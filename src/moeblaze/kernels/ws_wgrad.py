@@ -93,14 +93,22 @@ def _tile(t, num_p, num_q, GROUP_M: gl.constexpr):
 
 
 @gluon.jit
-def _range(offsets_ptr, t, num_p, num_q, NUM_EXPERTS):
+def _range(offsets_ptr,  # [E+1] int32 expert_token_offsets
+           t, num_p, num_q, NUM_EXPERTS):
     """Slot range ``[start, end)`` of tile ``t``'s expert (past the last tile: the last expert's, never used)."""
     e = gl.minimum(t // (num_p * num_q), NUM_EXPERTS - 1)
     return gl.load(offsets_ptr + e), gl.load(offsets_ptr + e + 1)
 
 
 @gluon.jit
-def _loader(ptrs, smem, bars, dims, GATHER_A: gl.constexpr, BLOCK_P: gl.constexpr, BLOCK_Q: gl.constexpr,
+def _loader(ptrs,  # tuple of pointers and TMA descriptors:
+                   #   g_ptr: [T, G] 16-bit gathered operand (dout for B2, x for B4), unit column stride
+                   #   r_desc: TMA descriptor over the [N, R] slot rows (w act, dpre), box [BLOCK_K, BLOCK_R]
+                   #   c_ptr: [E, P, Q] dW (unit stride along Q), the operands' dtype or fp32
+                   #   c_desc: TMA descriptor over C as [E*P, Q], box [BLOCK_P, 64] (TMA_STORE), else None
+                   #   offsets_ptr: [E+1] int32 expert_token_offsets
+                   #   indices_ptr: [N] int32 expert_token_indices (slot -> token)
+            smem, bars, dims, GATHER_A: gl.constexpr, BLOCK_P: gl.constexpr, BLOCK_Q: gl.constexpr,
             BLOCK_K: gl.constexpr, NUM_STAGES: gl.constexpr, GROUP_M: gl.constexpr):
     """Fill stage ``s``: gathered rows by cp.async, slot rows by TMA; both complete on ``ready[s]``."""
     g_ptr, r_desc, c_ptr, c_desc, offsets_ptr, indices_ptr = ptrs
@@ -165,7 +173,8 @@ def hand_off(acc, prev, i_tile, empty, c_smem, c_ready, c_empty, TMA_STORE: gl.c
 
 
 @gluon.jit
-def _mma(offsets_ptr, smem, bars, P, Q, NUM_EXPERTS, GATHER_A: gl.constexpr, BLOCK_P: gl.constexpr,
+def _mma(offsets_ptr,  # [E+1] int32 expert_token_offsets
+         smem, bars, P, Q, NUM_EXPERTS, GATHER_A: gl.constexpr, BLOCK_P: gl.constexpr,
          BLOCK_Q: gl.constexpr, BLOCK_K: gl.constexpr, NUM_STAGES: gl.constexpr, TMA_STORE: gl.constexpr,
          num_warps: gl.constexpr):
     """``acc = sum_k A_k^T B_k`` over the stages (one wgmma in flight), then the tile into ``c_smem``."""
@@ -208,7 +217,14 @@ def _mma(offsets_ptr, smem, bars, P, Q, NUM_EXPERTS, GATHER_A: gl.constexpr, BLO
 
 
 @gluon.jit
-def _epilogue(ptrs, smem, bars, dims, GATHER_A: gl.constexpr, BLOCK_P: gl.constexpr, BLOCK_Q: gl.constexpr,
+def _epilogue(ptrs,  # tuple of pointers and TMA descriptors:
+                     #   g_ptr: [T, G] 16-bit gathered operand (dout for B2, x for B4), unit column stride
+                     #   r_desc: TMA descriptor over the [N, R] slot rows (w act, dpre), box [BLOCK_K, BLOCK_R]
+                     #   c_ptr: [E, P, Q] dW (unit stride along Q), the operands' dtype or fp32
+                     #   c_desc: TMA descriptor over C as [E*P, Q], box [BLOCK_P, 64] (TMA_STORE), else None
+                     #   offsets_ptr: [E+1] int32 expert_token_offsets
+                     #   indices_ptr: [N] int32 expert_token_indices (slot -> token)
+              smem, bars, dims, GATHER_A: gl.constexpr, BLOCK_P: gl.constexpr, BLOCK_Q: gl.constexpr,
               GROUP_M: gl.constexpr, TMA_STORE: gl.constexpr):
     """``c_smem`` -> ``C[e]``: ``TMA_STORE``, whole ``[BLOCK_P, 64]`` boxes by TMA (``C`` in the operands' dtype,
     ``P % BLOCK_P == 0``: a box never reaches the next expert's rows; columns past Q are clipped by the
