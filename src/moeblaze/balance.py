@@ -185,11 +185,14 @@ def update_expert_biases(model: nn.Module, group: dist.ProcessGroup | None = Non
     Args:
         model: as :func:`expert_load`.
         group: where the counts are summed (default: the world where torch.distributed is initialised).
-        load: this step's global counts as :func:`expert_load` returned them (without ``reset``); given, no
-            collective runs here.
+        load: this step's global counts as :func:`expert_load` returned them (without ``reset``): one ``[E]``
+            int64 tensor per counting router, in :func:`expert_load`'s order; given, no collective runs here.
 
     Returns:
         The global counts the update used (as :func:`expert_load`).
+
+    Raises:
+        ValueError: ``load`` does not hold one tensor per counting router.
     """
     routers = _counting_routers(model)
     if load is None:

@@ -19,7 +19,8 @@ SAVE_MODES = ("preact", "input")
 
 def check_weight_dtypes(x, w1, w2, autocast: bool) -> None:
     """The weights share ``x``'s dtype; under autocast (``x`` already cast) they are the master weights the
-    Functions cast (any dtype :func:`moeblaze.amp.autocast_target` accepted). Weights that agree name ``x``."""
+    Functions cast (any dtype :func:`moeblaze.amp.autocast_target` accepted). Weights that agree name ``x``.
+    Raises TypeError naming the tensor of the wrong dtype."""
     if not autocast and w1.dtype == w2.dtype != x.dtype:
         raise TypeError(f"x has dtype {x.dtype}; expected the weights' dtype {w1.dtype} (w_gate_up and w_down): "
                         f"cast x, or the weights (a MoE layer: .to({x.dtype}))")
@@ -29,7 +30,8 @@ def check_weight_dtypes(x, w1, w2, autocast: bool) -> None:
 
 
 def check_devices(x: torch.Tensor, *named: tuple[str, object]) -> None:
-    """Each tensor of the ``(name, value)`` pairs ``named`` is on ``x``'s device (other values are not looked at)."""
+    """Each tensor of the ``(name, value)`` pairs ``named`` is on ``x``'s device (other values are not looked at).
+    Raises ValueError naming the first tensor elsewhere."""
     for name, t in named:
         if isinstance(t, torch.Tensor) and t.device != x.device:
             raise ValueError(f"{name} is on {t.device}; expected x's device {x.device}")
@@ -37,7 +39,8 @@ def check_devices(x: torch.Tensor, *named: tuple[str, object]) -> None:
 
 def check_placement(x: torch.Tensor, autocast: bool, *named: tuple[str, torch.Tensor | None]) -> None:
     """Each ``(name, tensor)`` of ``named`` (None: absent) is on ``x``'s device and, outside autocast, in its dtype
-    (under autocast the Functions cast them: :func:`moeblaze.amp.autocast_target` checked what they may be)."""
+    (under autocast the Functions cast them: :func:`moeblaze.amp.autocast_target` checked what they may be).
+    Raises TypeError (dtype) or ValueError (device) naming the tensor."""
     for name, t in named:
         if t is not None and t.dtype != x.dtype and not autocast:
             raise TypeError(f"{name} has dtype {t.dtype}; expected x's dtype {x.dtype}")
@@ -45,14 +48,15 @@ def check_placement(x: torch.Tensor, autocast: bool, *named: tuple[str, torch.Te
 
 
 def check_tokens(x: torch.Tensor) -> None:
-    """``x`` is a floating-point ``[T, d]`` tensor (the experts' tokens)."""
+    """``x`` is a floating-point ``[T, d]`` tensor (the experts' tokens); else ValueError."""
     if not x.is_floating_point() or x.dim() != 2:
         raise ValueError(f"x must be a floating-point tensor of shape [T, d], got {x.dtype} {tuple(x.shape)}")
 
 
 def check_inputs(x, topk_ids, topk_weights, w1, w2, activation, save, autocast, index=None) -> None:
     """The tensors of :func:`moeblaze.moe_experts`: types, shapes, dtypes (``autocast``: see
-    :func:`check_weight_dtypes`), devices; ``activation`` and ``save`` known."""
+    :func:`check_weight_dtypes`), devices; ``activation`` and ``save`` known. Raises TypeError (a non-tensor, a
+    dtype) or ValueError (a shape, a device, an unknown ``save`` or ``activation``) naming the argument."""
     for name, t in (("topk_ids", topk_ids), ("topk_weights", topk_weights)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -75,7 +79,8 @@ def check_inputs(x, topk_ids, topk_weights, w1, w2, activation, save, autocast, 
 
 def check_weight_shapes(x, w1, w2, activation, num_experts: int | None = None) -> None:
     """Name the tensor that is actually wrong: x when both weights agree on another d, else the weight (for E:
-    w_down, unless ``num_experts``, the E of a given index, sides with it)."""
+    w_down, unless ``num_experts``, the E of a given index, sides with it). Raises ValueError with the expected
+    ``[E, 2h, d]`` / ``[E, d, h]`` shape."""
     d = x.shape[1]
     w1_name = "w_gate_up [E, 2h, d]" if is_gated(activation) else "w_up [E, h, d]"
     if w1.shape[2] != d and w2.shape[1] != d and w1.shape[2] == w2.shape[1]:
@@ -104,7 +109,8 @@ def check_weight_shapes(x, w1, w2, activation, num_experts: int | None = None) -
 
 def check_options(x, w2, activation, b_gate_up, b_down, gate_up_interleaved, swiglu_alpha, swiglu_limit,
                    foreign_experts, index) -> None:
-    """The keyword-only options of :func:`moeblaze.moe_experts` (biases, layout, activation parameters, foreign ids)."""
+    """The keyword-only options of :func:`moeblaze.moe_experts` (biases, layout, activation parameters, foreign ids).
+    Raises ValueError naming the option (TypeError for an ``index`` that is not a DispatchIndex)."""
     E, d, h = w2.shape
     rows = 2 * h if is_gated(activation) else h
     for name, b, shape in (("b_gate_up", b_gate_up, (E, rows)), ("b_down", b_down, (E, d))):

@@ -32,6 +32,9 @@ class BenchConfig:
         group: ``paper``, ``sweep``, ``models`` or ``smoke`` (plots are drawn per group).
         T: tokens; d: model dim; h: expert intermediate dim; E: experts; K: experts per token.
         activation: ``swiglu``, ``silu``, ... (see :mod:`moeblaze.activations`).
+
+    Raises:
+        ValueError: a size below 1, ``K > E``, or an unknown activation.
     """
 
     name: str

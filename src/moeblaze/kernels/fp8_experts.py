@@ -169,10 +169,13 @@ def up_forward(recipe: Float8Recipe, xq: Float8Tensor, w1: Tensor, index: Dispat
                dtype: torch.dtype | None = None) -> tuple[Tensor | Float8Tensor, Tensor | None, Tensor]:
     """F1 (:func:`moeblaze.ops_fp8.up_forward`): ``(pre [N, 2h|h], act [N, h] | None, w1_amax)`` in ``dtype``
     (default ``w1``'s; ``w1`` quantized as its cast to it, :func:`_weight_rows`, whose column maxima ``w1_amax``
-    are, for :func:`up_backward`'s ``w_amax``); with
-    ``keep`` ``pre`` as kept for backward, e4m3 in ``1 x KEPT_TILE`` tiles per half
-    (:meth:`moeblaze.fp8.Float8Recipe.quantize_kept` of the 16-bit ``pre``; on CUDA written so by F1's epilogue: no
-    16-bit ``pre`` exists), ``act`` from the 16-bit ``pre``."""
+    are, for :func:`up_backward`'s ``w_amax``); with ``keep`` ``pre`` as kept for backward, e4m3 in
+    ``1 x KEPT_TILE`` tiles per half (:meth:`moeblaze.fp8.Float8Recipe.quantize_kept` of the 16-bit ``pre``; on CUDA
+    written so by F1's epilogue: no 16-bit ``pre`` exists), ``act`` from the 16-bit ``pre``.
+
+    Raises:
+        ValueError: ``act_args.interleaved`` (an interleaved ``w_gate_up`` has no FP8 kernel).
+    """
     if act_args.interleaved:
         raise ValueError("fp8 on backend='triton': an interleaved w_gate_up has no FP8 kernel yet")
     pre, act, scale, amax = call_op(_up_op, _up_impl, xq.data, xq.scale, w1, b1, *_index_args(index), activation,

@@ -179,6 +179,7 @@ def save(out_dir: str | os.PathLike, step: int, model: torch.nn.Module, optimize
             deleted after this one is current.
 
     Raises:
+        ValueError: ``keep < 1``.
         CheckpointError: a write failed on some rank (a full disk, a quota, a read-only folder): raised on every rank
             with one message naming the folder, the first failure and the space left (each phase ends with the
             ranks agreeing on its outcome, so no rank waits on one that failed); the partial folder is removed,

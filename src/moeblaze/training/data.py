@@ -163,6 +163,9 @@ def get_batch(data: np.ndarray, step: int, batch_size: int, seq_len: int,
 
     Returns:
         ``(x, y)``, both ``[batch_size, seq_len]`` int64 on CPU, with ``y`` = ``x`` shifted by one byte.
+
+    Raises:
+        DataError: ``data`` holds fewer than ``seq_len + 2`` bytes.
     """
     if len(data) < seq_len + 2:
         raise DataError(f"data has {len(data)} bytes, fewer than seq_len + 2 = {seq_len + 2}")

@@ -47,6 +47,11 @@ class ModelConfig:
             the MoE layers' ``token_rounding`` in training (:mod:`moeblaze.token_rounding`).
         rounding_tile: the multiple token rounding rounds each expert's count to (0: the backend's M tile,
             :func:`moeblaze.tile_multiple`; a smaller one keeps more pairs at few tokens per expert).
+
+    Raises:
+        ValueError: a size not a positive int, ``vocab_size < 256``, a coefficient negative or not finite,
+            ``d_model`` not ``n_heads`` times an even head size, ``top_k > num_experts``, or an option outside
+            its choices (the message names the field).
     """
 
     vocab_size: int = 256

@@ -91,6 +91,7 @@ def load_checkpoint(path: str | Path, model: MoETransformer, opt: torch.optim.Op
 
 
 def layout_words(layout: dict) -> str:
+    """The process layout a checkpoint was written with (``state["layout"]``), in words for log lines and errors."""
     return (f"{layout.get('world_size')} process(es)" + (", FSDP2" if layout.get("fsdp") else "")
             + (f", expert parallelism over {layout.get('ep')}" if layout.get("ep", 1) > 1 else ""))
 
