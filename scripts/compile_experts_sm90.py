@@ -98,6 +98,18 @@ def main() -> None:
     kind = "fixed32" if dt == "fp32" else ("tuned16" if tuned else "fixed16")
     tf32 = dt == "fp32" and "--tf32" in sys.argv
     prec = "ieee" if dt == "fp32" and not tf32 else "tf32"
+    compile_gemms(T, kind, prec, tf32)
+    compile_wgrads(T, kind, prec)
+    compile_act_bwd(T, kind, tf32)
+    compile_combine(T, kind)
+    compile_router()
+    compile_rounding()
+    compile_bias_grads(T)
+
+
+def compile_gemms(T: str, kind: str, prec: str, tf32: bool) -> None:
+    """F1, F2, B1 and B3 on ``grouped_gemm_kernel``: each launcher variant over its configs."""
+    code = ACTIVATION_CODES
     gemm_ptrs = {n: T for n in ("a_ptr", "b_ptr", "c_ptr", "aux_ptr")}
     gemm_ptrs.update(scale_ptr="*fp32", offsets_ptr="*i32", indices_ptr="*i32", tile_expert_ptr="*i32",
                      tile_row_ptr="*i32", num_tiles_ptr="*i32", bias_ptr=T, alpha="fp32", limit="fp32")
@@ -105,7 +117,6 @@ def main() -> None:
                 STORE_PRE=False, STORE_AUX=False, DOT_PREC=prec, EVEN_K=True, EVEN_N=True,
                 BLOCK_M=128, stride_a_k=1, stride_b_k=1, A_DESC=False, B_DESC=NONE, HAS_BIAS=False, PRE_STEP=1,
                 TF32_ACT=False, FP8=False, PRE_FP8=0)
-    code = ACTIVATION_CODES
     k_contig_b = dict(stride_b_k=None, stride_b_n=1)
     variants = {
         "F1 swiglu": dict(GATHER_A=True, EPILOGUE=ACT_FWD, DUAL=True, STORE_PRE=True, STORE_AUX=True, B_DESC=PAIRED),
@@ -138,6 +149,10 @@ def main() -> None:
         for cfg in prune_gemm_configs(gemm_configs(kind), {}, DUAL=c0["DUAL"]):
             compile_one(grouped_gemm_kernel, gemm_ptrs, {**c0, **cfg.kwargs}, cfg.num_warps, cfg.num_stages,
                         f"gemm {name} {cfg.kwargs} w{cfg.num_warps} s{cfg.num_stages}")
+
+
+def compile_wgrads(T: str, kind: str, prec: str) -> None:
+    """B2 and B4 on ``grouped_wgrad_kernel``."""
     wg_ptrs = dict(a_ptr=T, b_ptr=T, c_ptr=T, offsets_ptr="*i32", indices_ptr="*i32")
     wbase = dict(DOT_PREC=prec, GATHER_A=True, stride_a_p=1, stride_b_q=1, E_POW2=128)
     slots_contiguous = dict(GATHER_A=False, B_DESC=False, stride_a_m=1, stride_b_m=1, stride_a_p=None,
@@ -151,6 +166,11 @@ def main() -> None:
                 continue
             compile_one(grouped_wgrad_kernel, wg_ptrs, {**consts, **cfg.kwargs}, cfg.num_warps,
                         cfg.num_stages, f"wgrad {name} {cfg.kwargs} w{cfg.num_warps} s{cfg.num_stages}")
+
+
+def compile_act_bwd(T: str, kind: str, tf32: bool) -> None:
+    """The 16-bit activation backward, per activation."""
+    code = ACTIVATION_CODES
     rows_ptrs = dict(dact_ptr=T, pre_ptr=T, pre_s_ptr="*fp32", dpre_ptr=T, scale_ptr="*fp32", dtw_ptr="*fp32",
                      limit_ptr="*i32", dpre_q_ptr=T, dpre_s_ptr="*fp32", alpha="fp32", limit="fp32", tiny="fp32")
     for act, step, limited in (("swiglu", 1, False), ("silu", 1, False), ("swiglu_clamped", 2, True),
@@ -160,6 +180,10 @@ def main() -> None:
                         dict(ACTIVATION=code[act], STORE_PART=True, STORE_WACT=True, PRE_STEP=step,
                              HAS_LIMIT=limited, TF32_DPRE=tf32, **ACT_BWD_16BIT, **cfg.kwargs), cfg.num_warps,
                         cfg.num_stages, f"act_bwd {act} step={step} limit={limited} {cfg.kwargs} w{cfg.num_warps}")
+
+
+def compile_combine(T: str, kind: str) -> None:
+    """The combine (gather-sum over a token's K slots)."""
     for limited, csr in ((False, False), (True, False), (False, True)):
         for cfg in gather_sum_configs(kind):
             compile_one(gather_sum_kernel, dict(src_ptr=T, w_ptr="*fp32", map_ptr="*i32", out_ptr=T,
@@ -168,8 +192,10 @@ def main() -> None:
                              **cfg.kwargs),
                         cfg.num_warps, cfg.num_stages,
                         f"combine K=8 limit={limited} csr={csr} {cfg.kwargs} w{cfg.num_warps}")
-    compile_router()
-    compile_rounding()
+
+
+def compile_bias_grads(T: str) -> None:
+    """The bias gradients' segment sums."""
     seg_ptrs = dict(src_ptr=T, scale_ptr="*fp32", offsets_ptr="*i32", indices_ptr="*i32", out_ptr=T)
     for gather in (False, True):
         cfg = triton.Config({"BLOCK_S": 32, "BLOCK_D": 128}, num_warps=4, num_stages=1)
