@@ -11,7 +11,8 @@ Parts (rows of one CSV, ``part`` column):
             same run (target: at least as fast), at ``--ieee-tokens`` (default 8192, the issue's fp32 figure:
             IEEE fp32 runs without tensor cores, and autotuning tries each config several times).
 ``train``   the ``moeblaze train`` default preset (model and batch of ``TrainConfig``/``ModelConfig``), one
-            optimizer step per ``--precision`` (fp32 at both matmul precisions): what the CUDA default should be.
+            optimizer step per ``--precision`` (fp32 at both matmul precisions; ``fp8-mixed`` on a Hopper GPU): what
+            the CUDA default should be.
 
 Layer shape: Qwen3-30B-A3B experts (d 2048, h 768, E 128, K 8, SwiGLU), T = 32768 tokens, router included.
 TF/s = 18*N*d*h / time (DESIGN.md §5). Timing: CUDA events around each step, after warm-up steps past the
@@ -41,7 +42,7 @@ from moeblaze.bench.configs import layer_flops
 from moeblaze.bench.runner import cuda_time_ms
 from moeblaze.training.model import ModelConfig, MoETransformer
 from moeblaze.training.train import train_step
-from moeblaze.training.train_config import TrainConfig, make_optimizer, resolve_precision
+from moeblaze.training.train_config import TrainConfig, fp8_recipe, make_optimizer, resolve_precision
 
 PARTS = ("amp", "fp32", "train")
 QWEN3_30B = {"T": 32768, "d": 2048, "h": 768, "E": 128, "K": 8}
@@ -151,10 +152,15 @@ def train_rows(device: str, args) -> list[dict]:
     batch = 2 if args.smoke else tcfg.batch_size
     tokens = batch * mcfg.seq_len
     rows = []
-    for precision, setting in (("bf16-mixed", "highest"), ("bf16", "highest"), ("fp32", "highest"), ("fp32", "high")):
+    precisions = [("bf16-mixed", "highest"), ("bf16", "highest"), ("fp32", "highest"), ("fp32", "high")]
+    if device == "cuda" and torch.cuda.get_device_capability() == (9, 0):  # the FP8 kernels' GPUs (Hopper)
+        precisions.append(("fp8-mixed", "highest"))
+    for precision, setting in precisions:
         _, params, amp = resolve_precision(precision, torch.device(device))
         torch.manual_seed(tcfg.seed)
         model = MoETransformer(mcfg).to(device=device, dtype=params)
+        for moe in model.moe_layers():
+            moe.fp8 = fp8_recipe(precision)
         opt = make_optimizer(model, tcfg)
         gen = torch.Generator(device=device).manual_seed(0)
         data = torch.randint(0, 256, (batch, mcfg.seq_len + 1), device=device, generator=gen)

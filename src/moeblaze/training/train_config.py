@@ -71,7 +71,9 @@ _FLOAT_RANGES = {"lr": (0.0, False, None), "min_lr": (0.0, True, None), "weight_
 
 @dataclass
 class TrainConfig:
-    """Everything about a run except the model's sizes (see :class:`moeblaze.training.model.ModelConfig`)."""
+    """Everything about a run except the model's sizes (see :class:`moeblaze.training.model.ModelConfig`).
+
+    Raises ConfigError naming the flag (``--steps``, ...) of a value out of range or outside its choices."""
 
     data: str | None = _f(None, "text file or directory to train on (default: the Python standard library)")
     out_dir: str = _f("moeblaze-out", "the run's folder (checkpoints, metrics.csv); not given: moeblaze train writes a "
@@ -216,9 +218,12 @@ def resolve_device(name: str) -> torch.device:
 def resolve_precision(name: str, device: torch.device) -> tuple[str, torch.dtype, torch.dtype | None]:
     """``--precision`` -> ``(precision, parameter dtype, autocast dtype or None)``.
 
-    ``auto`` is ``bf16-mixed`` on CUDA (not yet measured against ``bf16`` for the default preset:
-    ``benchmarks/bench_precision.py --parts train`` compares them) and ``fp32`` on CPU. ``fp8-mixed`` is
-    ``bf16-mixed`` here; its expert recipe is :func:`fp8_recipe`'s.
+    ``auto`` is ``bf16-mixed`` on CUDA (fp32 master weights; the default model's step takes 1.06x ``bf16``'s on an
+    H200: ``benchmarks/bench_precision.py --parts train``, docs/benchmarks.md#precision) and ``fp32`` on CPU.
+    ``fp8-mixed`` is ``bf16-mixed`` here; its expert recipe is :func:`fp8_recipe`'s.
+
+    Raises:
+        ConfigError: an unknown ``name``.
     """
     if name == "auto":
         name = "bf16-mixed" if device.type == "cuda" else "fp32"
