@@ -1,4 +1,4 @@
-"""Train (or fine-tune) a Hugging Face transformers MoE model with moeblaze's experts (issue 22 item 4).
+"""Train (or fine-tune) a Hugging Face transformers MoE model with moeblaze's experts.
 
     python examples/finetune_transformers.py                          # a small Qwen3-MoE from its config
     python examples/finetune_transformers.py --model-type olmoe --set hidden_size=256 --set num_experts=16

@@ -226,10 +226,13 @@ def build_parser() -> argparse.ArgumentParser:
     _add_dataclass_flags(p_train, TrainConfig)
     _add_dataclass_flags(p_train, ModelConfig, _MODEL_HELP)
     p_train.add_argument("--dtype", action=_Replaced, default=argparse.SUPPRESS, dest="replaced_dtype",
-                         replacement="--precision {bf16-mixed,bf16,fp32} (--dtype bfloat16 is --precision bf16)")
+                         replacement="--precision {bf16-mixed,bf16,fp32,fp8-mixed} "
+                                     "(--dtype bfloat16 is --precision bf16)")
     p_train.set_defaults(func=_cmd_train)
 
-    p_sample = subparsers.add_parser("sample", help="generate text from a checkpoint")
+    p_sample = subparsers.add_parser("sample", help="generate text from a checkpoint",
+                                     description="Continue --prompt with bytes sampled from a trained model (a run, a "
+                                                 "checkpoint or an exported .safetensors file).")
     p_sample.add_argument("--checkpoint", default=ROOT,
                           help="a run's --out-dir, a step-* folder, or exported .safetensors; a folder of numbered "
                                "runs: its newest run with a checkpoint [%(default)s]")

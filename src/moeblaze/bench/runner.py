@@ -52,7 +52,8 @@ def require_cuda(what: str = "moeblaze bench") -> None:
     if not torch.cuda.is_available():
         raise NoCudaError(f"{what} needs a CUDA GPU for timing and peak memory, and torch.cuda.is_available() "
                           f"is False here (torch {torch.__version__}). Run it on a GPU machine; "
-                          "`moeblaze bench --list` and `moeblaze bench --plot results.csv` work anywhere.")
+                          "`moeblaze bench --list`, `--plot FILE.csv` and `--report FILE.csv` (e.g. docs/results.csv "
+                          "of a source checkout) work anywhere.")
 
 
 @dataclass
