@@ -446,3 +446,17 @@ def test_grad_accum_flag_trains_and_checks_the_batch(text_file, tmp_path, capsys
     assert "per micro-batch" in capsys.readouterr().out
     assert run_cli("train", "--out-dir", str(tmp_path / "b"), "--batch-size", "6", "--grad-accum", "4") == 2
     assert "--batch-size 6 must be a multiple of --grad-accum 4" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("steps, said", [(4, "--profile-steps 2: not profiled, the run takes 4 more steps and the "
+                                              "profile needs 5"), (5, "profiled 2 steps: step ")])
+def test_profile_steps_profiles_or_says_why_not(text_file, tmp_path, steps, said):
+    """``--profile-steps N`` profiles steps 4 .. 3 + N; a run too short for them says so instead of nothing."""
+    lines = []
+    cfg = TrainConfig(data=str(text_file), out_dir=str(tmp_path), steps=steps, batch_size=4, warmup_steps=1,
+                      eval_interval=1000, eval_tokens=256, progress=False, threads=2, profile_steps=2)
+    train(cfg, ModelConfig(seq_len=16, d_model=16, n_layers=1, n_heads=2, d_ff=16, num_experts=4, top_k=2),
+          log=lines.append)
+    assert sum(line.startswith(said) for line in lines) == 1, lines
+    assert (tmp_path / "breakdown.csv").exists() == (steps == 5)
+    assert steps == 4 or "traced on CUDA only" in next(line for line in lines if line.startswith(said))

@@ -288,8 +288,7 @@ def _loop(model, opt, corpus, cfg: TrainConfig, mcfg: ModelConfig, device, preci
     run = _Run(cfg, mcfg, device, precision, job, metrics, log)
     overlap = device.type == "cuda"
     last_save = time.monotonic()
-    # profiled from the fourth step: the first ones autotune, compile and grow the allocator's pools
-    prof_from, profiler = (start + 3, None) if cfg.profile_steps else (None, None)
+    prof_from, profiler = _profile_from(cfg, start, stop, log), None
     bar = tqdm(range(start, stop), initial=start, total=stop, unit="step",
                disable=None if cfg.progress is None else not cfg.progress,  # None: tqdm's, a bar on a terminal only
                dynamic_ncols=True, desc="train")
@@ -432,11 +431,27 @@ class _Run:
                 str(self.ckpt) if self.ckpt is not None else None)
 
 
+def _profile_from(cfg: TrainConfig, start: int, stop: int, log) -> int | None:
+    """The first profiled step of ``--profile-steps`` (None: off, or too few steps left, which is said). Profiled from
+    the fourth step: the first ones autotune, compile and grow the allocator's pools."""
+    if not cfg.profile_steps:
+        return None
+    if stop - start < 3 + cfg.profile_steps:
+        log(f"--profile-steps {cfg.profile_steps}: not profiled, the run takes {stop - start} more steps and the "
+            f"profile needs {3 + cfg.profile_steps} (3 first steps, then {cfg.profile_steps})")
+        return None
+    return start + 3
+
+
 def _report_breakdown(row: StepBreakdown, cfg: TrainConfig, device: torch.device, job: Job, log) -> None:
     """Gather every rank's step breakdown (:mod:`moeblaze.parallel.breakdown`), log its summary, append the rows to
     ``OUT_DIR/breakdown.csv`` (rank 0)."""
     rows = gather(row)
-    log(f"profiled {cfg.profile_steps} steps: {summary(rows)}")
+    if device.type == "cuda":
+        log(f"profiled {cfg.profile_steps} steps: {summary(rows)}")
+    else:  # the profiler traces the device's activity only (StepProfiler)
+        log(f"profiled {cfg.profile_steps} steps: step {max(r.step_ms for r in rows):.2f} ms (max over {len(rows)} "
+            "ranks); compute, communication, idle and syncs are traced on CUDA only")
     if job.rank0:
         name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
         append_rows(Path(cfg.out_dir) / "breakdown.csv", rows, device=f"{job.world}x {name}",
