@@ -489,3 +489,41 @@ def test_kept_for_backward_in_e4m3(save, granularity):
     got = saved_bytes(lambda: moe_experts(**inputs, backend="torch", save=save, index=index, fp8=recipe),
                       exclude=[*leaves, *index.tensors()])
     assert got == expect
+
+
+HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
+
+
+@pytest.mark.parametrize("device", [
+    pytest.param("cpu", marks=pytest.mark.skipif(not TRITON_ON_CPU, reason="the Triton kernels on CPU tensors need "
+                                                                           "TRITON_INTERPRET=1")),
+    pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU (sm90+)")])])
+@pytest.mark.parametrize("save", SAVE_MODES)
+def test_triton_interleaved_gate_up_is_the_blocks_layout_regrouped(device, save):
+    """GPT-OSS's alternating gate and up rows on the Triton FP8 ops (which read a gate block and an up block): every
+    result bitwise the call on the regrouped weights and bias, the gradients of w_gate_up and b_gate_up regrouped
+    back; within 2 e4m3 unit roundoffs of float64 (the interpreter in fp32, the GPU in bf16: 4 then), as the emulation
+    is (test_biases_and_other_activations)."""
+    act, recipe = "swiglu_clamped", Float8Recipe("rowwise")
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    inputs = make_expert_inputs(40, 64, 32, 4, 2, activation=act, bias=True, dtype=dtype, device=device)
+    dout = torch.randn(40, 64).to(device=device, dtype=dtype)
+
+    def run(interleaved, **over):
+        return run_and_grad(lambda **kw: moe_experts(**kw, activation=act, backend="triton", save=save, fp8=recipe,
+                                                     gate_up_interleaved=interleaved), {**inputs, **over}, dout)
+
+    def blocks(t):  # [E, 2h, ...]: rows 0, 2, 4, ... (gate) then 1, 3, 5, ... (up)
+        return torch.cat([t[:, 0::2], t[:, 1::2]], 1)
+
+    got = run(True)
+    regrouped = run(False, **{k: blocks(inputs[k]).detach() for k in ("w_gate_up", "b_gate_up")})
+    names = (*NAMES, "db_gate_up", "db_down")
+    for name, a, b in zip(names, got, regrouped):
+        if name in ("dw_gate_up", "db_gate_up"):
+            a = blocks(a)
+        assert torch.equal(a, b), name
+    ref = reference_outputs(inputs, act, dout, gate_up_interleaved=True)
+    for name, a, r in zip(names, got, ref):
+        bound = 1e-5 if name == "db_down" and dtype == torch.float32 else (2 if dtype == torch.float32 else 4) * U
+        assert rel_error(a, r) < bound, (name, rel_error(a, r))

@@ -17,7 +17,8 @@ A backend does two things for :func:`moeblaze.moe_experts`:
 
 and, as ``fp8_ops``, ``quantize_rows``, ``dequantize`` and the four GEMM ops under an FP8 recipe
 (:mod:`moeblaze.ops_fp8` gives their signatures: the torch backend's PyTorch emulation; the Triton backend's
-:mod:`moeblaze.kernels.fp8_experts`, rowwise recipe).
+:mod:`moeblaze.kernels.fp8_experts`, rowwise recipe), and ``INTERLEAVED_GATE_UP``: whether they read alternating
+gate and up rows (else the experts' Function regroups them).
 
 Shapes: ``x [T, d]``, ``w1 [E, 2h | h, d]``, ``pre [N, 2h | h]``, ``act [N, h]``, ``w2 [E, d, h]``,
 ``topk_weights [T, K]`` (``[P]`` for a general index), ``out [T, d]``; rows of ``[N, ...]`` tensors are

@@ -16,7 +16,7 @@ from .amp import autocast_off, autocast_target
 from .backends import BACKENDS, Backend, get_backend
 from .dispatch import DispatchIndex, TileSchedule, check_index_matches
 from .expert_checks import SAVE_MODES, check_inputs, check_options
-from .fp8 import Float8Recipe, Float8Tensor, check_fp8_backend, check_fp8_recipe
+from .fp8 import Float8Recipe, Float8Tensor, check_fp8_backend, check_fp8_recipe, weight_copy
 from .input_grad import SharedInputGrad
 from .settings import carried_to_backward
 
@@ -177,7 +177,10 @@ class _Float8Experts(torch.autograd.Function):
     quantizes ``x`` again in backward and runs F1 on it (the forward's ``pre`` bitwise: the quantization is
     deterministic). The weights are kept as given (parameters: nothing new) and quantized again in backward, fp32
     masters under autocast as their casts to ``x``'s dtype without a 16-bit copy (inside
-    :func:`moeblaze.fp8.reuse_weights` the e4m3 copies are made once per parameter version).
+    :func:`moeblaze.fp8.reuse_weights` the e4m3 copies are made once per parameter version). Ops that read
+    ``w_gate_up`` as a gate block and an up block only (``ops.INTERLEAVED_GATE_UP`` False: the Triton kernels) get
+    GPT-OSS's alternating rows regrouped (:func:`_as_gate_up_blocks`), and the gradients of ``w_gate_up`` and
+    ``b_gate_up`` are regrouped back.
     """
 
     @staticmethod
@@ -191,10 +194,12 @@ class _Float8Experts(torch.autograd.Function):
         # inside the quantization, as the same call on 16-bit weights would quantize, with no 16-bit copy
         xq = ops.quantize_rows(recipe, x)
         keep = save == "preact"  # F1 writes pre in the kept e4m3 tiles (recipe.quantize_kept), not in 16 bits
+        ctx.regroup = act_args.interleaved and not ops.INTERLEAVED_GATE_UP
+        w1_ops, b1_ops, act_ops = _as_gate_up_blocks(w1, b1, act_args) if ctx.regroup else (w1, b1, act_args)
         # w1_amax, w2_amax: the weights' column maxima ([E, d], [E, h] fp32 on CUDA; empty or None where the ops take
         # none) from the forward's quantization, so that the backward's transposed copies read each weight once
-        pq, act, w1_amax = ops.up_forward(recipe, xq, w1, index, activation, b1=b1, act_args=act_args, keep=keep,
-                                          dtype=x.dtype)
+        pq, act, w1_amax = ops.up_forward(recipe, xq, w1_ops, index, activation, b1=b1_ops, act_args=act_ops,
+                                          keep=keep, dtype=x.dtype)
         out, w2_amax = ops.down_forward(recipe, act, w2, topk_weights, index, b2=b2, dtype=x.dtype)
         kept_pre = (pq.data, pq.scale) if keep else (None, None)
         ctx.save_for_backward(x, *kept_pre, w1, b1, w2, b2, topk_weights, w1_amax, w2_amax, *index_tensors)
@@ -211,12 +216,11 @@ class _Float8Experts(torch.autograd.Function):
     def backward(ctx, dout):
         x, pre_data, pre_scale, w1, b1, w2, b2, topk_weights, w1_amax, w2_amax, *index_tensors = ctx.saved_tensors
         index = _index_from(index_tensors, *ctx.index_args)
-        recipe, ops, need, act_args = ctx.recipe, ctx.ops, ctx.needs_input_grad, ctx.act_args
-        activation = ctx.activation
-        dtype = ctx.dtype
+        recipe, ops, need, activation, dtype = ctx.recipe, ctx.ops, ctx.needs_input_grad, ctx.activation, ctx.dtype
+        w1_ops, b1_ops, act_args = _as_gate_up_blocks(w1, b1, ctx.act_args) if ctx.regroup else (w1, b1, ctx.act_args)
         if pre_data is None:
-            pre, _, _ = ops.up_forward(recipe, ops.quantize_rows(recipe, x), w1, index, activation, store_act=False,
-                                       b1=b1, act_args=act_args, dtype=dtype)
+            pre, _, _ = ops.up_forward(recipe, ops.quantize_rows(recipe, x), w1_ops, index, activation,
+                                       store_act=False, b1=b1_ops, act_args=act_args, dtype=dtype)
         else:
             pre = Float8Tensor(pre_data, pre_scale, ctx.pre_block)
         dout = dout.contiguous()
@@ -230,12 +234,34 @@ class _Float8Experts(torch.autograd.Function):
                                            dtype=dtype, w_amax=w2_amax)
         del pre
         db1 = ops_torch.bias_grad(dpre, index).to(b1.dtype) if need[2] else None
-        dx, dw1 = ops.up_backward(recipe, dpre, x, w1, index, need[0], need[1], dw_dtype=w1.dtype,
+        dx, dw1 = ops.up_backward(recipe, dpre, x, w1_ops, index, need[0], need[1], dw_dtype=w1.dtype,
                                   reuse=reuse, quantized=reuse is not None, dtype=dtype, w_amax=w1_amax)
+        if ctx.regroup:  # the gate and up blocks back to the parameters' alternating rows
+            dw1, db1 = (None if g is None else _gate_up_alternating(g) for g in (dw1, db1))
         dx = dx.to(dtype) if dx is not None else None
         if ctx.input_grad is not None:
             dx = ctx.input_grad.offer(dx)
         return (dx, dw1, db1, dw2, db2, dtw) + (None,) * (9 + len(index_tensors))
+
+
+def _as_gate_up_blocks(w1: torch.Tensor, b1: torch.Tensor | None,
+                       act_args: ActArgs) -> tuple[torch.Tensor, torch.Tensor | None, ActArgs]:
+    """``(w_gate_up [E, 2h, d], b_gate_up [E, 2h] | None, act_args)`` with GPT-OSS's alternating gate and up rows
+    regrouped into a gate block then an up block (copies; ``w_gate_up``'s once per parameter version inside
+    :func:`moeblaze.fp8.reuse_weights`), ``act_args`` saying so: the layout the Triton FP8 kernels read, and the one
+    of the ``pre`` and ``dpre`` they write."""
+    w1_blocks = weight_copy(w1, ("gate_up_blocks",), lambda: _gate_up_blocks(w1))
+    return w1_blocks, (None if b1 is None else _gate_up_blocks(b1)), act_args._replace(interleaved=False)
+
+
+def _gate_up_blocks(t: torch.Tensor) -> torch.Tensor:
+    """``t [E, 2h, ...]`` with alternating gate and up rows as its gate rows then its up rows (a copy)."""
+    return t.unflatten(1, (-1, 2)).transpose(1, 2).reshape(t.shape)
+
+
+def _gate_up_alternating(t: torch.Tensor) -> torch.Tensor:
+    """The inverse of :func:`_gate_up_blocks`: ``t [E, 2h, ...]``'s gate block and up block as alternating rows."""
+    return t.unflatten(1, (2, -1)).transpose(1, 2).reshape(t.shape)
 
 
 def autocast_expert_operands(x, w_gate_up, w_down, b_gate_up, b_down):

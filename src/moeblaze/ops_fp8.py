@@ -37,6 +37,8 @@ from .dispatch import DispatchIndex
 from .fp8 import Float8Recipe, Float8Tensor, weight_copy
 from .shared_ops import slot_weights
 
+INTERLEAVED_GATE_UP = True  # reads w_gate_up's alternating gate and up rows (GPT-OSS) as they are
+
 __all__ = ["quantize_rows", "dequantize", "up_forward", "down_forward", "down_backward", "up_backward"]
 
 

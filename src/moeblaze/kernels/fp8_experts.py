@@ -41,6 +41,10 @@ from .fp8_quant import dequantize_rows_fp8, gives_col_amax, quantize_rows_col_am
 from .launch import grouped_gemm
 from .tuning import cdiv
 
+# The kernels read w_gate_up as a gate block then an up block: moeblaze.experts._Float8Experts regroups GPT-OSS's
+# alternating rows for them (a copy of the weight; the kernels' pointer arithmetic on e4m3 tiles stays one layout).
+INTERLEAVED_GATE_UP = False
+
 __all__ = ["quantize_rows", "dequantize", "up_forward", "down_forward", "down_backward", "up_backward"]
 
 def _rows(t: Tensor, pow2: bool, out: tuple[Tensor, Tensor] | None = None,
@@ -174,10 +178,11 @@ def up_forward(recipe: Float8Recipe, xq: Float8Tensor, w1: Tensor, index: Dispat
     written so by F1's epilogue: no 16-bit ``pre`` exists), ``act`` from the 16-bit ``pre``.
 
     Raises:
-        ValueError: ``act_args.interleaved`` (an interleaved ``w_gate_up`` has no FP8 kernel).
+        ValueError: ``act_args.interleaved`` (:data:`INTERLEAVED_GATE_UP`).
     """
     if act_args.interleaved:
-        raise ValueError("fp8 on backend='triton': an interleaved w_gate_up has no FP8 kernel yet")
+        raise ValueError("the Triton FP8 ops read w_gate_up as a gate block and an up block; regroup interleaved "
+                         "rows first (moeblaze.moe_experts does)")
     pre, act, scale, amax = call_op(_up_op, _up_impl, xq.data, xq.scale, w1, b1, *_index_args(index), activation,
                                     act_args.alpha, act_args.limit, store_act, recipe.pow2_scales, keep,
                                     dtype or w1.dtype)
