@@ -154,7 +154,7 @@ for stage in "$@"; do
       done ;;
     fp8)
       MOEBLAZE_AUTOTUNE=0 run fp8_tests timeout "${TESTS_TIMEOUT:-420}" python3 -m pytest -m gpu -q -rfEs -p no:cacheprovider \
-        tests/test_fp8_kernels.py tests/test_fp8.py tests/test_fp8_quant.py tests/test_fp8_baseline.py
+        tests/test_fp8_kernels.py tests/test_fp8.py tests/test_fp8_api.py tests/test_fp8_quant.py tests/test_fp8_baseline.py
       # shellcheck disable=SC2086
       run bench_fp8 timeout "${FP8_TIMEOUT:-420}" python3 benchmarks/bench_fp8_kernels.py ${FP8_ARGS:-} --out "$LOGS/fp8_kernels.csv"
       run bench_fp8_quant timeout "${FP8_TIMEOUT:-420}" python3 benchmarks/bench_fp8_quant.py --out "$LOGS/fp8_quant.csv" ;;

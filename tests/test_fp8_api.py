@@ -1,5 +1,6 @@
 """The FP8 API (``fp8=`` of ``moeblaze.MoE``, ``moe_experts`` and ``moe_experts_general``): the path without it,
-general routing, the layer, no tokens, the errors, and ``moeblaze train --precision fp8-mixed`` on the CPU."""
+general routing, the layer, no tokens, the errors, ``moeblaze train --precision fp8-mixed`` on the CPU, and GPT-OSS's
+interleaved ``w_gate_up`` on the Triton FP8 ops."""
 
 from __future__ import annotations
 
@@ -11,12 +12,12 @@ from moeblaze import MoE, moe_experts, moe_experts_general
 from moeblaze.experts import SAVE_MODES
 from moeblaze.fp8 import Float8Recipe, check_fp8_backend
 from moeblaze.general_routing import topk_to_pairs
-from moeblaze.testing import make_expert_inputs, rel_error, run_and_grad, triton_on_cpu
+from moeblaze.testing import make_expert_inputs, reference_outputs, rel_error, run_and_grad, triton_on_cpu
 from moeblaze.training.model import ModelConfig
 from moeblaze.training.train import TrainConfig, train
 from moeblaze.training.train_config import fp8_recipe, resolve_precision
 from test_cli import MICRO, corpus, run_cli  # noqa: F401  (corpus: the fixture)
-from test_fp8 import NAMES, one_thread  # noqa: F401  (one_thread: the autouse fixture)
+from test_fp8 import NAMES, U, one_thread  # noqa: F401  (one_thread: the autouse fixture)
 
 TRITON_ON_CPU = triton_on_cpu()  # the Triton FP8 ops on CPU tensors, through the interpreter
 
@@ -163,3 +164,41 @@ def test_train_fp8_mixed_on_the_cpu(corpus, tmp_path, capsys):  # noqa: F811
     assert run_cli("train", "--data", str(corpus), "--steps", "2", "--no-progress", "--precision", "fp8-mixed",
                    "--backend", "triton", "--out-dir", str(tmp_path / "triton"), *MICRO) == 2
     assert "--precision fp8-mixed with --backend triton" in capsys.readouterr().err
+
+
+HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
+
+
+@pytest.mark.parametrize("device", [
+    pytest.param("cpu", marks=pytest.mark.skipif(not TRITON_ON_CPU, reason="the Triton kernels on CPU tensors need "
+                                                                           "TRITON_INTERPRET=1")),
+    pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU (sm90+)")])])
+@pytest.mark.parametrize("save", SAVE_MODES)
+def test_triton_interleaved_gate_up_is_the_blocks_layout_regrouped(device, save):
+    """GPT-OSS's alternating gate and up rows on the Triton FP8 ops (which read a gate block and an up block): every
+    result bitwise the call on the regrouped weights and bias, the gradients of w_gate_up and b_gate_up regrouped
+    back; within 2 e4m3 unit roundoffs of float64 (the interpreter in fp32, the GPU in bf16: 4 then), as the emulation
+    is (test_biases_and_other_activations)."""
+    act, recipe = "swiglu_clamped", Float8Recipe("rowwise")
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    inputs = make_expert_inputs(40, 64, 32, 4, 2, activation=act, bias=True, dtype=dtype, device=device)
+    dout = torch.randn(40, 64).to(device=device, dtype=dtype)
+
+    def run(interleaved, **over):
+        return run_and_grad(lambda **kw: moe_experts(**kw, activation=act, backend="triton", save=save, fp8=recipe,
+                                                     gate_up_interleaved=interleaved), {**inputs, **over}, dout)
+
+    def blocks(t):  # [E, 2h, ...]: rows 0, 2, 4, ... (gate) then 1, 3, 5, ... (up)
+        return torch.cat([t[:, 0::2], t[:, 1::2]], 1)
+
+    got = run(True)
+    regrouped = run(False, **{k: blocks(inputs[k]).detach() for k in ("w_gate_up", "b_gate_up")})
+    names = (*NAMES, "db_gate_up", "db_down")
+    for name, a, b in zip(names, got, regrouped):
+        if name in ("dw_gate_up", "db_gate_up"):
+            a = blocks(a)
+        assert torch.equal(a, b), name
+    ref = reference_outputs(inputs, act, dout, gate_up_interleaved=True)
+    for name, a, r in zip(names, got, ref):
+        bound = 1e-5 if name == "db_down" and dtype == torch.float32 else (2 if dtype == torch.float32 else 4) * U
+        assert rel_error(a, r) < bound, (name, rel_error(a, r))
