@@ -1,8 +1,8 @@
 """The grouped-GEMM tile schedule: M-tiles of ``block_m`` slots that never straddle experts.
 
 MoEBlaze §4.2 (arXiv 2601.05296), DESIGN.md §3; the arrays' contract is at the top of :mod:`moeblaze.dispatch`.
-:func:`schedule_entries` writes a block of entries from per-expert counts. The dispatch build's write pass calls it
-with the totals every chunk already holds (no launch of its own); :func:`tile_schedule` calls it from
+:func:`schedule_entries` writes a block of entries from per-expert counts: inside the dispatch build's write pass,
+from the totals every chunk already holds (no launch of its own), and in :func:`tile_schedule`'s one launch, from
 ``expert_token_offsets`` alone, for an index that was built without a schedule.
 """
 
