@@ -290,23 +290,9 @@ def _epilogue_act_fwd(pre_ptr,  # [N, 2h|h] pre, fp16/bf16/fp32 or e4m3 (PRE_FP8
 
 
 @triton.jit
-def _gemm_tile(
-    t, tiles, num_n,
-    a_ptr,  # [T, K_DIM] (GATHER_A: x, dout) or [N, K_DIM] (act, dpre); fp16/bf16/fp32 (FP8: e4m3)
-    b_ptr,  # [E, *, *] weight; B[e][k, n] at e*stride_b_e + k*stride_b_k + n*stride_b_n
-    c_ptr,  # EPILOGUE_PLAIN: [N, N_COLS] or [T, N_COLS] (SCATTER_C); EPILOGUE_ACT_FWD: pre [N, 2h|h] (e4m3: PRE_FP8)
-    aux_ptr,  # EPILOGUE_ACT_FWD: act [N, h]; else unused
-    scale_ptr,  # [N] fp32 router weight of each slot (SCALE_C); PRE_FP8: out, [N, 2|1, cdiv(h, 64)] fp32 scales of pre
-    bias_ptr,  # [E, N_COLS] (EPILOGUE_PLAIN) or [E, 2h|h] (EPILOGUE_ACT_FWD, pre's column order) bias (HAS_BIAS)
-    a_scale_ptr,  # FP8: [rows of A] fp32 dequantization scale of each row of A (token rows when GATHER_A)
-    b_scale_ptr,  # FP8: [E, N_EXT] fp32 dequantization scale of each weight row along n, row e at e * stride_bs_e
-    offsets_ptr,  # [E+1] int32 expert_token_offsets
-    indices_ptr,  # [N] int32 expert_token_indices (slot -> token)
-    tile_expert_ptr,  # [max_tiles] int32 expert of each M-tile
-    tile_row_ptr,  # [max_tiles] int32 first slot of each M-tile
-    a_desc,  # A_DESC: TMA descriptor over A [A_ROWS, K_DIM]; else a_ptr
-    b_desc,  # B_DESC: TMA descriptor over the weight B (see _descriptors); else b_ptr
-    N_COLS, K_DIM, N_EXT, UP_OFF, UP_SHIFT_B, alpha, limit,
+def _gemm_tile(  # grouped_gemm_kernel's pointers, descriptors and strides (shapes commented there)
+    t, tiles, num_n, a_ptr, b_ptr, c_ptr, aux_ptr, scale_ptr, bias_ptr, a_scale_ptr, b_scale_ptr, offsets_ptr,
+    indices_ptr, tile_expert_ptr, tile_row_ptr, a_desc, b_desc, N_COLS, K_DIM, N_EXT, UP_OFF, UP_SHIFT_B, alpha, limit,
     stride_a_m, stride_a_k, stride_b_e, stride_b_k, stride_b_n, stride_c_m, stride_aux_m, stride_bias_e, stride_bs_e,
     GATHER_A: tl.constexpr, SCATTER_C: tl.constexpr, SCALE_C: tl.constexpr, EPILOGUE: tl.constexpr,
     ACTIVATION: tl.constexpr, DUAL: tl.constexpr, STORE_PRE: tl.constexpr, STORE_AUX: tl.constexpr,
