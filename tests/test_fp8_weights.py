@@ -277,3 +277,44 @@ def test_gpu_layer_backward_bitwise_with_the_forwards_column_maxima(monkeypatch)
     for a, b in zip(with_maxima, grads()):
         assert torch.equal(a, b)
     assert used == [True, True]
+
+
+@pytest.mark.skipif(not TRITON_ON_CPU, reason="the Triton FP8 ops on CPU tensors need TRITON_INTERPRET=1")
+def test_triton_interleaved_gate_up_is_regrouped_and_quantized_once(monkeypatch):
+    """GPT-OSS's alternating gate and up rows on the Triton ops, three micro-batches: one regrouped copy of w_gate_up
+    (forward and backward each regroup it without the context) and one quantization per weight layout, as for a
+    gate block and an up block; results bitwise those without the context."""
+    from moeblaze import experts
+    from moeblaze.kernels import fp8_experts
+
+    layouts, regrouped = [], []
+    real_rows, real_blocks = fp8_experts._rows, experts._gate_up_blocks
+    monkeypatch.setattr(fp8_experts, "_rows", lambda t, pow2, out=None, as_dtype=None: (
+        layouts.append(t.stride()) if t.dim() == 3 else None) or real_rows(t, pow2, out, as_dtype))
+    monkeypatch.setattr(experts, "_gate_up_blocks", lambda t: (
+        regrouped.append(t.dim()) if t.dim() == 3 else None) or real_blocks(t))
+    gen = torch.Generator().manual_seed(2)
+    w1 = torch.nn.Parameter(torch.randn(4, 32, 32, generator=gen) / 32**0.5)  # E 4, 2h 32 (alternating), d 32
+    w2 = torch.nn.Parameter(torch.randn(4, 32, 16, generator=gen) / 4)
+    routes = [torch.stack([torch.randperm(4, generator=gen)[:2] for _ in range(7)]) for _ in range(3)]
+
+    def accumulate():
+        w1.grad = w2.grad = None
+        outs = []
+        for x, ids in zip(_batches(3), routes):
+            x = x.clone().requires_grad_()
+            out = moeblaze.moe_experts(x, ids, torch.full((7, 2), 0.5), w1, w2, activation="swiglu_clamped",
+                                       gate_up_interleaved=True, backend="triton", fp8=Float8Recipe())
+            out.square().sum().backward()
+            outs += [out.detach(), x.grad]
+        return outs + [w1.grad.clone(), w2.grad.clone()]
+
+    want = accumulate()
+    assert len(layouts) == 12 and len(regrouped) == 6
+    layouts.clear()
+    regrouped.clear()
+    with fp8.reuse_weights():
+        got = accumulate()
+    assert len(layouts) == 4 and len(set(layouts)) == 4 and len(regrouped) == 1
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)

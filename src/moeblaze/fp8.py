@@ -363,13 +363,15 @@ def _clear_copies() -> None:
 def weight_copy(w: Tensor, tag: tuple, make: Callable[[], _Copy]) -> _Copy:
     """``make()``, a copy of the weight ``w`` (``tag`` names which: layout, dtype, recipe); inside
     :func:`reuse_weights` the copy made earlier for the same ``w`` and ``tag`` while ``w`` is unchanged. ``w``
-    qualifies when it (or the tensor it views) is an ``nn.Parameter``; anything else (its storage may be reused),
-    and any call outside the context, while compiling or while capturing a CUDA graph, is ``make()``."""
+    qualifies when it (or the tensor it views) is an ``nn.Parameter`` or a copy kept here (a weight regrouped for
+    the kernels, :func:`moeblaze.experts._as_gate_up_blocks`: kept while its parameter is unchanged); anything else
+    (its storage may be reused), and any call outside the context, while compiling or while capturing a CUDA graph,
+    is ``make()``."""
     if torch.compiler.is_compiling() or not _SCOPES[0] or (  # compiling first: the trace reads no module state
             torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
         return make()
     base = w if w._base is None else w._base
-    if not isinstance(base, torch.nn.Parameter):
+    if not isinstance(base, torch.nn.Parameter) and not any(v[2] is base for v in _COPIES.values()):
         return make()
     key = (id(base), tuple(w.shape), w.stride(), w.storage_offset(), w.dtype, tag)
     hit = _COPIES.get(key)
