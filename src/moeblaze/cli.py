@@ -86,7 +86,8 @@ def _add_dataclass_flags(parser: argparse.ArgumentParser, cls, helps: dict[str, 
         if isinstance(default, bool) or str(f.type).startswith("bool"):  # `bool | None`: --x, --no-x or neither
             group.add_argument(flag, action=argparse.BooleanOptionalAction, **kw)
         else:
-            group.add_argument(flag, type=type(default) if default is not None else str, metavar=f.name.upper(), **kw)
+            metavar = "{" + ",".join(kw["choices"]) + "}" if "choices" in kw else f.name.upper()
+            group.add_argument(flag, type=type(default) if default is not None else str, metavar=metavar, **kw)
 
 
 def _split(args: argparse.Namespace, cls) -> dict:
