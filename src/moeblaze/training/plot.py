@@ -194,7 +194,8 @@ def plot_run(out_dir: str | os.PathLike) -> list[Path]:
         zeros.plot(*_series(metrics, "zero_load_experts"), lw=0.8)
         zeros.set_xlabel("step")
         zeros.set_ylabel("experts without a token (sum over layers)")
-        zeros.set_ylim(bottom=0, top=max([1.0, *_series(metrics, "zero_load_experts")[1]]) * 1.05)
+        top = max([1.0, *_series(metrics, "zero_load_experts")[1]]) * 1.05
+        zeros.set_ylim(bottom=-0.05 * top, top=top)  # below 0: a run that never starves an expert shows its line
         zeros.yaxis.get_major_locator().set_params(integer=True)
         zeros.grid(alpha=0.3)
         written.append(out / "expert_load.png")
