@@ -23,7 +23,6 @@ from .settings import carried_to_backward
 __all__ = ["moe_experts", "SAVE_MODES", "BACKENDS"]
 
 
-
 def _index_from(tensors, num_experts: int, block_m: int, foreign: bool) -> DispatchIndex:
     """The index from the Function arguments: its four arrays, its tile schedule's three when ``block_m``,
     then ``pair_offsets`` for an index of general routing inputs."""

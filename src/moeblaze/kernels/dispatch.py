@@ -202,7 +202,7 @@ def _write_kernel(
     if SCHED_M > 0:  # schedule blocks c, c + C, ... from the totals row (the same in every chunk)
         for i0 in range(c * BLOCK_I, max_tiles, C * BLOCK_I):
             num = schedule_entries(chunk_ptr + C.to(tl.int64) * E, tile_expert_ptr, tile_row_ptr,
-                                    i0 + tl.arange(0, BLOCK_I), SCHED_E, max_tiles, False, SCHED_M, BLOCK_E)
+                                   i0 + tl.arange(0, BLOCK_I), SCHED_E, max_tiles, False, SCHED_M, BLOCK_E)
             tl.store(num_tiles_ptr + one, num + one * 0, mask=one * 0 + i0 == 0)
     tl.debug_barrier()
     if ONEHOT_E > 0:  # running slots in registers [ONEHOT_E, G, 1]: no table round trip, no barrier

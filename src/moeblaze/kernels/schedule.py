@@ -121,7 +121,7 @@ def tile_schedule(
     if N < 0:
         raise ValueError(f"num_pairs must be >= 0, got {N}")
     E = off.numel() - 1
-    max_tiles = cdiv(N, int(block_m)) + E
+    max_tiles = schedule_length(N, E, int(block_m))
     off = off.contiguous()
     tile_expert = torch.empty(max_tiles, dtype=torch.int32, device=off.device)
     tile_row = torch.empty(max_tiles, dtype=torch.int32, device=off.device)
