@@ -180,8 +180,9 @@ def append_rows(path: str | os.PathLike, rows: list[StepBreakdown], **context: o
                              **{k: (round(v, 4) if isinstance(v, float) else v) for k, v in asdict(r).items()}})
 
 
-def summary(rows: list[StepBreakdown]) -> str:
-    """One line over ranks: each figure's maximum (the slowest rank sets the step), received rows min-max."""
+def summary(rows: list[StepBreakdown], traced: bool = True) -> str:
+    """One line over ranks: each figure's maximum (the slowest rank sets the step), received rows min-max.
+    ``traced`` False (a CPU run: :class:`StepProfiler` traces CUDA activity only): the step time alone, and why."""
     def top(name: str) -> float:
         return max(getattr(r, name) for r in rows)
 
@@ -190,6 +191,9 @@ def summary(rows: list[StepBreakdown]) -> str:
     if recv:
         imbalance = max(recv) * len(recv) / max(1, sum(recv))
         spread = f"; rows received per rank {min(recv):,}-{max(recv):,} (max/mean {imbalance:.3f})"
+    if not traced:
+        return (f"step {top('step_ms'):.2f} ms (max over {len(rows)} ranks); compute, communication, idle and syncs "
+                f"are traced on CUDA only{spread}")
     return (f"step {top('step_ms'):.2f} ms: compute {top('compute_ms'):.2f}, communication {top('comm_ms'):.2f} "
             f"(exposed {top('exposed_comm_ms'):.2f}), device idle {top('idle_ms'):.2f}, host blocked in syncs "
             f"{top('sync_ms'):.2f} (max over {len(rows)} ranks){spread}")

@@ -447,11 +447,7 @@ def _report_breakdown(row: StepBreakdown, cfg: TrainConfig, device: torch.device
     """Gather every rank's step breakdown (:mod:`moeblaze.parallel.breakdown`), log its summary, append the rows to
     ``OUT_DIR/breakdown.csv`` (rank 0)."""
     rows = gather(row)
-    if device.type == "cuda":
-        log(f"profiled {cfg.profile_steps} steps: {summary(rows)}")
-    else:  # the profiler traces the device's activity only (StepProfiler)
-        log(f"profiled {cfg.profile_steps} steps: step {max(r.step_ms for r in rows):.2f} ms (max over {len(rows)} "
-            "ranks); compute, communication, idle and syncs are traced on CUDA only")
+    log(f"profiled {cfg.profile_steps} steps: {summary(rows, traced=device.type == 'cuda')}")
     if job.rank0:
         name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
         append_rows(Path(cfg.out_dir) / "breakdown.csv", rows, device=f"{job.world}x {name}",
