@@ -40,6 +40,7 @@ import moeblaze
 from moeblaze.bench.baselines import conventional_experts, torch_router
 from moeblaze.bench.configs import layer_flops
 from moeblaze.bench.runner import cuda_time_ms
+from moeblaze.fp8 import check_fp8_backend
 from moeblaze.training.model import ModelConfig, MoETransformer
 from moeblaze.training.train import train_step
 from moeblaze.training.train_config import TrainConfig, fp8_recipe, make_optimizer, resolve_precision
@@ -153,8 +154,10 @@ def train_rows(device: str, args) -> list[dict]:
     tokens = batch * mcfg.seq_len
     rows = []
     precisions = [("bf16-mixed", "highest"), ("bf16", "highest"), ("fp32", "highest"), ("fp32", "high")]
-    if device == "cuda" and torch.cuda.get_device_capability() == (9, 0):  # the FP8 kernels' GPUs (Hopper)
-        precisions.append(("fp8-mixed", "highest"))
+    if device == "cuda":  # fp8-mixed where the FP8 kernels run (Hopper and newer)
+        with contextlib.suppress(ValueError):
+            check_fp8_backend("triton", torch.bfloat16, torch.device(device), fp8_recipe("fp8-mixed"))
+            precisions.append(("fp8-mixed", "highest"))
     for precision, setting in precisions:
         _, params, amp = resolve_precision(precision, torch.device(device))
         torch.manual_seed(tcfg.seed)
