@@ -315,6 +315,7 @@ def quantize_fp8_slots(t: Tensor, offsets: Tensor, block: int | None, pow2_scale
 _Copy = TypeVar("_Copy")
 _SCOPES = [0, None]  # open reuse_weights() contexts; the optimizer-step hook's handle while one is open
 _COPIES: dict[tuple, tuple[weakref.ref, int, object]] = {}  # key -> (the weight, its version, the copy)
+_KEPT: dict[int, weakref.ref] = {}  # id -> the tensor copies in _COPIES: weights themselves (one lookup, no scan)
 
 
 @contextlib.contextmanager
@@ -358,6 +359,7 @@ def reuse_weights() -> Iterator[None]:
 
 def _clear_copies() -> None:
     _COPIES.clear()
+    _KEPT.clear()
 
 
 def weight_copy(w: Tensor, tag: tuple, make: Callable[[], _Copy]) -> _Copy:
@@ -371,7 +373,8 @@ def weight_copy(w: Tensor, tag: tuple, make: Callable[[], _Copy]) -> _Copy:
             torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
         return make()
     base = w if w._base is None else w._base
-    if not isinstance(base, torch.nn.Parameter) and not any(v[2] is base for v in _COPIES.values()):
+    kept = _KEPT.get(id(base))
+    if not isinstance(base, torch.nn.Parameter) and (kept is None or kept() is not base):
         return make()
     key = (id(base), tuple(w.shape), w.stride(), w.storage_offset(), w.dtype, tag)
     hit = _COPIES.get(key)
@@ -379,6 +382,10 @@ def weight_copy(w: Tensor, tag: tuple, make: Callable[[], _Copy]) -> _Copy:
         return hit[2]
     copy = make()
     _COPIES[key] = (weakref.ref(base), base._version, copy)
+    if isinstance(copy, Tensor):
+        _KEPT[id(copy)] = weakref.ref(copy)
     for k in [k for k, v in _COPIES.items() if v[0]() is None]:  # copies of a replaced parameter
         del _COPIES[k]
+    for k in [k for k, r in _KEPT.items() if r() is None]:
+        del _KEPT[k]
     return copy
