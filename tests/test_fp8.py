@@ -304,8 +304,8 @@ def test_triton_rowwise_within_the_e4m3_rule_and_as_the_emulation(case, save):
 @pytest.mark.skipif(not TRITON_ON_CPU,
                     reason="the Triton kernels on CPU tensors need TRITON_INTERPRET=1")
 def test_triton_b3_writes_its_e4m3_dpre_into_the_kept_pre():
-    """The Triton FP8 backward writes B3's e4m3 dpre into the kept e4m3 pre, dead after the activation backward:
-    the kept tensor holds new values afterwards, and a second backward through the graph raises."""
+    """The Triton FP8 backward writes B3's e4m3 dpre into the kept e4m3 pre, dead after the activation backward,
+    and gives that storage back before B4 allocates dW_gate_up; a second backward through the graph raises."""
     inputs = make_expert_inputs(40, 32, 16, 4, 2)
     for name in ("x", "w_gate_up", "w_down"):
         inputs[name].requires_grad_()
@@ -313,21 +313,27 @@ def test_triton_b3_writes_its_e4m3_dpre_into_the_kept_pre():
 
     def pack(t):
         if t.dtype == E4M3:
-            kept.append((t, t.clone()))
+            kept.append((t, t.untyped_storage().nbytes()))
         return t
 
-    def run():
-        return moe_experts(**inputs, backend="triton", save="preact", fp8=Float8Recipe("rowwise"))
+    def run(backend):
+        return moe_experts(**inputs, backend=backend, save="preact", fp8=Float8Recipe("rowwise"))
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = run()
+        out = run("triton")
     out.sum().backward()
-    ((pre, before),) = kept
-    assert not torch.equal(pre.float(), before.float())
-    out = run()  # without hooks: autograd checks the saved tensors' versions
+    ((pre, nbytes),) = kept
+    assert nbytes == pre.numel() and pre.untyped_storage().nbytes() == 0
+    out = run("triton")  # without hooks: autograd checks the saved tensors' versions
     out.sum().backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="inplace"):
         out.sum().backward()
+    kept.clear()  # the emulation writes nothing into the kept pre: it is left, and a second backward runs
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = run("torch")
+    grads = torch.autograd.grad(out.sum(), inputs["x"], retain_graph=True)[0]
+    assert kept[0][0].untyped_storage().nbytes() == kept[0][1]
+    torch.testing.assert_close(torch.autograd.grad(out.sum(), inputs["x"])[0], grads, rtol=0, atol=0)
 
 
 @pytest.mark.skipif(not TRITON_ON_CPU,

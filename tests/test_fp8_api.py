@@ -202,3 +202,30 @@ def test_triton_interleaved_gate_up_is_the_blocks_layout_regrouped(device, save)
     for name, a, r in zip(names, got, ref):
         bound = 1e-5 if name == "db_down" and dtype == torch.float32 else (2 if dtype == torch.float32 else 4) * U
         assert rel_error(a, r) < bound, (name, rel_error(a, r))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU (sm90+)")
+@pytest.mark.parametrize("d, h, E", [(1024, 384, 32), (1024, 512, 16)])  # Qwen3-30B-A3B's and OLMoE's d/h, halved
+def test_gpu_fp8_step_peaks_below_the_bf16_step(d, h, E):
+    """The FP8 layer's step (forward and backward, ``save="preact"``) holds less at its peak than the bf16 layer's:
+    the kept e4m3 ``pre`` (B3's e4m3 ``dpre`` by then) is given back before B4 allocates ``dW_gate_up``."""
+    def step_peak(fp8):
+        torch.manual_seed(0)
+        layer = MoE(d, h, E, 8, backend="triton", save="preact", fp8=fp8).to("cuda", torch.bfloat16)
+        x = torch.randn(8192, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        dout = torch.randn_like(x)
+        peaks = []
+        for _ in range(2):  # the first step compiles and autotunes
+            layer.zero_grad(set_to_none=True)
+            x.grad = None
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            layer(x).backward(dout)
+            torch.cuda.synchronize()
+            peaks.append(torch.cuda.max_memory_allocated() - base)
+        return peaks[-1]
+    bf16, fp8 = step_peak(None), step_peak(Float8Recipe())
+    print(f"step peak MiB: bf16 {bf16 / 2**20:.1f}, FP8 {fp8 / 2**20:.1f} ({fp8 / bf16:.1%})")
+    assert fp8 < bf16

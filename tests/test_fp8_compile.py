@@ -7,10 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moeblaze import MoE
+from moeblaze import MoE, moe_experts
+from moeblaze.backends import get_backend
 from moeblaze.experts import SAVE_MODES
 from moeblaze.fp8 import Float8Recipe
-from moeblaze.testing import triton_on_cpu
+from moeblaze.testing import make_expert_inputs, run_and_grad, triton_on_cpu
 
 HAS_CUDA = torch.cuda.is_available()
 TRITON_ON_CPU = triton_on_cpu()
@@ -59,6 +60,28 @@ def test_gpu_compiled_fp8_layer_matches_eager(save, d, h):
             assert torch.equal(a, b)
     with torch.no_grad():
         assert torch.equal(compiled(x), eager[0])
+
+
+@pytest.mark.parametrize("device", [
+    pytest.param("cpu", marks=pytest.mark.skipif(not TRITON_ON_CPU, reason="the Triton kernels on CPU tensors need "
+                                                                           "TRITON_INTERPRET=1")),
+    pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")])])
+def test_fp8_interleaved_gate_up_compiles_fullgraph(device):
+    """GPT-OSS's alternating gate and up rows (regrouped for the Triton FP8 kernels, the gradients regrouped back)
+    under ``fullgraph=True``: the eager output and gradients bitwise, biases included (the index planned outside:
+    the range check of ``topk_ids`` reads the host)."""
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    inputs = make_expert_inputs(40, 64, 32, 4, 2, activation="swiglu_clamped", bias=True, dtype=dtype, device=device)
+    dout = torch.randn(40, 64).to(device=device, dtype=dtype)
+    index = get_backend("triton", inputs["x"]).plan(inputs["topk_ids"], 4)
+
+    def experts(**kw):
+        return moe_experts(**kw, activation="swiglu_clamped", backend="triton", fp8=Float8Recipe("rowwise"),
+                           gate_up_interleaved=True, index=index)
+    eager = run_and_grad(experts, inputs, dout)
+    compiled = run_and_grad(torch.compile(experts, fullgraph=True, backend="aot_eager"), inputs, dout)
+    for a, b in zip(compiled, eager):
+        assert torch.equal(a, b)
 
 
 @pytest.mark.gpu

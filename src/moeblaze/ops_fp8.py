@@ -39,7 +39,9 @@ from .shared_ops import slot_weights
 
 INTERLEAVED_GATE_UP = True  # reads w_gate_up's alternating gate and up rows (GPT-OSS) as they are
 
-__all__ = ["quantize_rows", "dequantize", "up_forward", "down_forward", "down_backward", "up_backward"]
+__all__ = ["quantize_rows", "dequantize", "up_forward", "down_forward", "down_backward", "up_backward", "bias_grad"]
+
+bias_grad = ops_torch.bias_grad  # sums of the 16-bit dpre and dout rows, as the 16-bit path's
 
 
 def quantize_rows(recipe: Float8Recipe, t: Tensor) -> Float8Tensor:

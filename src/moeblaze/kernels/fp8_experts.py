@@ -45,7 +45,10 @@ from .tuning import cdiv
 # alternating rows for them (a copy of the weight; the kernels' pointer arithmetic on e4m3 tiles stays one layout).
 INTERLEAVED_GATE_UP = False
 
-__all__ = ["quantize_rows", "dequantize", "up_forward", "down_forward", "down_backward", "up_backward"]
+__all__ = ["quantize_rows", "dequantize", "up_forward", "down_forward", "down_backward", "up_backward", "bias_grad"]
+
+# The expert-bias gradients are sums of 16-bit dpre and dout rows: the 16-bit path's segment sums (a custom op)
+bias_grad = kx.bias_grad
 
 def _rows(t: Tensor, pow2: bool, out: tuple[Tensor, Tensor] | None = None,
           as_dtype: torch.dtype | None = None) -> Float8Tensor:
