@@ -82,6 +82,16 @@ def test_chunks_bitwise_equal_one_chunk_both_descriptor_layouts(save, monkeypatc
         check_against_reference(inputs(33, 48, 32, 4, 2, dtype=torch.float16), "swiglu", save)
 
 
+@pytest.mark.parametrize("save", ["preact", "input"])
+def test_fp8_chunks_equal_one_chunk(save):
+    """The FP8 layer's B3 in chunks, each on its own e4m3 copy of the rows of ``w1^T`` it reads (the whole copy is
+    never live): one chunk's results (bitwise on the GPU, in bf16 there)."""
+    from moeblaze.fp8 import Float8Recipe
+
+    dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
+    chunked_vs_whole(inputs(45, 48, 32, 5, 3, routing="zipf", dtype=dtype), save=save, fp8=Float8Recipe())
+
+
 def test_chunks_with_biases_transposed_weights_foreign_experts_and_pairs(monkeypatch):
     """Biases and GPT-OSS's transposed, interleaved weights (B3 through the NK descriptor), foreign slots (counted
     as zero), general routing's CSR pair lists (a token without pairs: zero output and gradient)."""
@@ -124,6 +134,10 @@ def test_chunk_rule():
     assert column_chunks(N, 2048, 1536, 2) == [(0, 1024), (1024, 2048)]  # B3's cap, dpre's row 2h: two equal chunks
     assert column_chunks(N, 7168, 4096, 2) == [(0, 3584), (3584, 7168)]  # DeepSeek-V3's B3 (h 2048)
     assert column_chunks(N, 2000, 1536, 2) == [(0, 1024), (1024, 2000)]  # d off the 128 grid: the last one narrower
+    # FP8 B3: e4m3 dpre under a bf16 buffer, chunks of no more bytes than its rows (2h 1,536: 768 columns)
+    assert column_chunks(N, 2048, 1536, 2, a_elem=1) == [(0, 768), (768, 1536), (1536, 2048)]
+    assert column_chunks(N, 2048, 2048, 2, a_elem=1) == [(0, 1024), (1024, 2048)]  # OLMoE-1B-7B (2h 2,048)
+    assert column_chunks(N, 2048, 768, 2, a_elem=1) == [(0, 512), (512, 1024), (1024, 1536), (1536, 2048)]
     with moeblaze.settings.override(chunk_cols="off"):
         assert column_chunks(N, 2048, 768, 2) == [(0, 2048)]
     with moeblaze.settings.override(chunk_cols=" 32 "):

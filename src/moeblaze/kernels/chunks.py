@@ -41,14 +41,16 @@ def peak_headroom(device: torch.device) -> int | None:
 
 
 def column_chunks(num_slots: int, d: int, h: int, elem: int,
-                  headroom: Callable[[], int | None] | None = None) -> list[tuple[int, int]]:
+                  headroom: Callable[[], int | None] | None = None, a_elem: int | None = None) -> list[tuple[int, int]]:
     """Column ranges ``[(c0, c1), ...]`` of ``d`` in which F2 computes ``y`` (and F3 combines it) and B3 computes
     ``dx_slots`` (and B5 sums it), through one ``[N, width]`` buffer instead of ``[N, d]``.
 
     ``h`` is the width the chunks may reach: F2 passes the expert dimension h (``act``'s row), B3 ``dpre``'s row
     (2h for gated activations, h otherwise). ``headroom``: called, only where ``auto`` chunks, for the bytes that
     may be allocated without raising the step's memory peak (e.g. :func:`peak_headroom`; None, or it returning
-    None: unknown).
+    None: unknown). ``a_elem``: bytes of an A element where they are not the buffer's ``elem`` (FP8 B3: e4m3 ``dpre``
+    under a 16-bit buffer): the capped rule's chunks then hold no more bytes than A's rows (``h a_elem / elem``
+    columns; d 2048, 2h 1,536: 3 chunks of at most 768 against 2 of 1,024).
 
     Setting ``chunk_cols``: ``off`` one chunk; a column count, chunks that wide; ``auto`` (default), once the whole
     ``[N, d]`` buffer would reach 256 MiB and ``h`` is at least 768, chunks of equal widths rounded up to 128: the
@@ -79,7 +81,8 @@ def column_chunks(num_slots: int, d: int, h: int, elem: int,
     if mode == "auto":
         if num_slots * d * elem < _CHUNK_MIN_BYTES or h < _CHUNK_MIN_K:
             return [(0, d)]
-        most = tuning.cdiv(d, max(_CHUNK_MIN_COLS, h // 128 * 128))  # the capped rule's count
+        reach = h * (a_elem or elem) // elem  # the columns of a buffer of A's bytes
+        most = tuning.cdiv(d, max(_CHUNK_MIN_COLS, reach // 128 * 128))  # the capped rule's count
         room = headroom() if headroom is not None else None  # the allocator read (host time) only here
         n = 1
         while n < most and (room is None or num_slots * _equal_width(d, n) * elem > room):
@@ -95,35 +98,41 @@ def _equal_width(d: int, n: int) -> int:
     return tuning.cdiv(tuning.cdiv(d, n), 128) * 128
 
 
-def _slot_buffer(a: Tensor, N: int, d: int, h: int) -> tuple[list[tuple[int, int]], Tensor]:
+def _slot_buffer(a: Tensor, N: int, d: int, h: int, a_elem: int | None = None) -> tuple[list[tuple[int, int]], Tensor]:
     """The column chunks of :func:`column_chunks` for an ``[N, d]`` slot buffer in ``a``'s dtype, and that buffer.
 
     A buffer that fits the headroom but finds no free block (fragmented memory) falls back to the capped chunks, so
     the headroom never costs an out-of-memory error that the capped chunks would have avoided."""
     elem = a.element_size()
-    chunks = column_chunks(N, d, h, elem, lambda: peak_headroom(a.device))
+    chunks = column_chunks(N, d, h, elem, lambda: peak_headroom(a.device), a_elem)
     try:
         return chunks, a.new_empty(N, max(c1 - c0 for c0, c1 in chunks))
     except torch.OutOfMemoryError:
-        capped = column_chunks(N, d, h, elem)
+        capped = column_chunks(N, d, h, elem, a_elem=a_elem)
         if capped == chunks:
             raise
         return capped, a.new_empty(N, max(c1 - c0 for c0, c1 in capped))
 
 
 def gemm_gather_sum(a, w, b_nk, k_dim, offsets, indices, sched, token_index_map, weights, foreign, pair_offsets,
-                     T, d, h, bias=None, out_dtype=None, **fp8_scales):
+                     T, d, h, bias=None, out_dtype=None, weight_rows=None, **fp8_scales):
     """``out[t] = sum_k (w[t,k] *) (a[s] @ W[e] (+ bias[e]))[map[t,k]]`` over column chunks of d
     (:func:`column_chunks`): F2-F3 (``a = act``, weights and bias) and B3-B5 (``a = dpre``). ``out_dtype``: of
-    ``out`` and the slot buffer (default ``a.dtype``; given for e4m3 ``a`` with its ``a_scale`` / ``b_scale``)."""
+    ``out`` and the slot buffer (default ``a.dtype``; given for e4m3 ``a`` with its ``a_scale`` / ``b_scale``).
+    ``weight_rows(c0, c1)``: ``(W [E, c1 - c0, k], b_scale [E, c1 - c0])``, the e4m3 rows of a ``b_nk`` weight that
+    a chunk reads, made for it in place of ``w`` (FP8 B3: one chunk's copy of ``w1^T`` is live, not the whole)."""
     N = indices.numel()
     dtype = out_dtype or a.dtype
     out = a.new_empty(T, d, dtype=dtype)
-    chunks, buf = _slot_buffer(out, N, d, h)
+    chunks, buf = _slot_buffer(out, N, d, h, a.element_size())
     for c0, c1 in chunks:
-        slots = buf[:, :c1 - c0]
-        grouped_gemm(a, w, slots, offsets, indices, sched, b_nk=b_nk, n_cols=c1 - c0, k_dim=k_dim, gather_a=False,
-                     bias=None if bias is None else bias[:, c0:c1], a_tf32=True, n_start=c0, **fp8_scales)
+        slots, w_c, start, scales = buf[:, :c1 - c0], w, c0, fp8_scales
+        if weight_rows is not None:
+            w_c, b_scale = weight_rows(c0, c1)
+            start, scales = None, {**fp8_scales, "b_scale": b_scale}
+        grouped_gemm(a, w_c, slots, offsets, indices, sched, b_nk=b_nk, n_cols=c1 - c0, k_dim=k_dim, gather_a=False,
+                     bias=None if bias is None else bias[:, c0:c1], a_tf32=True, n_start=start, **scales)
+        del w_c  # before the next chunk's copy is made
         gather_sum(slots, token_index_map, weights, dtype, local_slots(offsets, foreign), pair_offsets,
                    out=out[:, c0:c1])
     return out  # the buffer is freed on return (B3: before dW1 is allocated, off the backward's peak)

@@ -317,43 +317,38 @@ def down_backward(recipe: Float8Recipe, dout: Tensor, pre: Tensor | Float8Tensor
 
 # ---------------------------------------------------------------- B3-B5, B4
 
-def _up_backward_impl(dpre, x, w1, offsets, indices, tile_expert, tile_row, num_tiles, token_index_map, foreign,
-                      need_dx, need_dw, pair_offsets, dw_dtype, pow2, reuse_data=None, reuse_scale=None,
-                      quantized=False, w_amax=None):
-    dx, dw1 = kx._empty(dpre), kx._empty(w1)
-    if need_dx:
-        reuse = (reuse_data, reuse_scale) if reuse_data is not None else None
-        ready = quantized and _fuses_dpre(reuse_scale, dpre)  # B1's activation backward wrote it
-        dx = _b3(dpre, w1, offsets, indices, (tile_expert, tile_row, num_tiles), token_index_map, foreign,
-                 pair_offsets, pow2, reuse, ready, w_amax)
-    if need_dw:  # B4 dW1[e]^T = sum_s x[token(s)]^T dpre[s] in 16 bits
-        dw1 = kx.grad_in_storage(w1, x, dpre, offsets, indices, dw_dtype, True, foreign, zero_tail=foreign)
-    return dx, dw1
-
-
-def _b3(dpre, w1, offsets, indices, sched, token_index_map, foreign, pair_offsets, pow2, reuse, ready, w_amax):
+def _b3_impl(dpre, w1, offsets, indices, tile_expert, tile_row, num_tiles, token_index_map, foreign, pair_offsets,
+             pow2, reuse_data=None, reuse_scale=None, quantized=False, w_amax=None):
     """B3 with the B5 combine, ``dx [T, d]`` in ``dpre``'s dtype, on e4m3 ``dpre`` rows (``reuse`` as it is when
-    ``ready``; else quantized here, into ``reuse``, the kept e4m3 ``pre`` of the same shape, dead by now, when
-    given) and ``w1^T [E, d, 2h|h]`` (K-major, a scale per column of w1). A function of its own so that the e4m3
-    copies are freed before B4 allocates ``dw1``."""
+    B1's activation backward wrote it; else quantized here, into ``reuse``, the kept e4m3 ``pre`` of the same shape,
+    dead by now, when given) and ``w1^T [E, d, 2h|h]`` (K-major, a scale per column of w1), a copy of the rows each
+    column chunk of ``dx`` reads made for that chunk."""
+    reuse = (reuse_data, reuse_scale) if reuse_data is not None else None
+    ready = quantized and _fuses_dpre(reuse_scale, dpre)
     gq = Float8Tensor(*reuse, (1, dpre.shape[1])) if ready else _rows(dpre, pow2, reuse)
-    wq = _weight_cols(w1, pow2, dpre.dtype, w_amax)
-    return kx.slots_to_tokens(gq.data, wq.data, True, offsets, indices, sched, token_index_map, None, foreign,
-                              pair_offsets, out_dtype=dpre.dtype, a_scale=gq.scale[:, 0], b_scale=wq.scale[..., 0])
+    has_amax = w_amax is not None and w_amax.numel() > 0
+
+    def weight_rows(c0, c1):
+        amax = w_amax[:, c0:c1].contiguous() if has_amax else None
+        wq = _weight_cols(w1[:, :, c0:c1], pow2, dpre.dtype, amax)
+        return wq.data, wq.scale[..., 0]
+    return kx.slots_to_tokens(gq.data, w1.transpose(1, 2), True, offsets, indices,
+                              (tile_expert, tile_row, num_tiles), token_index_map, None, foreign, pair_offsets,
+                              out_dtype=dpre.dtype, weight_rows=weight_rows, a_scale=gq.scale[:, 0])
 
 
-_up_backward_op = torch.library.custom_op(
-    "moeblaze::fp8_up_backward", _up_backward_impl, mutates_args=("reuse_data", "reuse_scale"),
-    schema="(Tensor dpre, Tensor x, Tensor w1, Tensor offsets, Tensor indices, Tensor tile_expert, "
-           "Tensor tile_row, Tensor num_tiles, Tensor token_index_map, bool foreign, bool need_dx, bool need_dw, "
-           "Tensor? pair_offsets, ScalarType? dw_dtype, bool pow2, Tensor(a!)? reuse_data=None, "
-           "Tensor(b!)? reuse_scale=None, bool quantized=False, Tensor? w_amax=None) -> (Tensor, Tensor)")
+_b3_op = torch.library.custom_op(
+    "moeblaze::fp8_up_backward", _b3_impl, mutates_args=("reuse_data", "reuse_scale"),
+    schema="(Tensor dpre, Tensor w1, Tensor offsets, Tensor indices, Tensor tile_expert, Tensor tile_row, "
+           "Tensor num_tiles, Tensor token_index_map, bool foreign, Tensor? pair_offsets, bool pow2, "
+           "Tensor(a!)? reuse_data=None, Tensor(b!)? reuse_scale=None, bool quantized=False, "
+           "Tensor? w_amax=None) -> Tensor")
 
 
-@_up_backward_op.register_fake
-def _(dpre, x, w1, offsets, indices, tile_expert, tile_row, num_tiles, token_index_map, foreign, need_dx,
-      need_dw, pair_offsets, dw_dtype, pow2, reuse_data=None, reuse_scale=None, quantized=False, w_amax=None):
-    return kx.up_backward_outputs(x, w1, need_dx, need_dw, dw_dtype)
+@_b3_op.register_fake
+def _(dpre, w1, offsets, indices, tile_expert, tile_row, num_tiles, token_index_map, foreign, pair_offsets, pow2,
+      reuse_data=None, reuse_scale=None, quantized=False, w_amax=None):
+    return dpre.new_empty(kx._tokens_pairs(token_index_map, pair_offsets)[0], w1.shape[2])
 
 
 def up_backward(recipe: Float8Recipe, dpre: Tensor, x: Tensor, w1: Tensor, index: DispatchIndex,
@@ -369,9 +364,13 @@ def up_backward(recipe: Float8Recipe, dpre: Tensor, x: Tensor, w1: Tensor, index
     ``quantized``: ``reuse`` was :func:`down_backward`'s ``dpre_q``, which on CUDA holds B3's e4m3 ``dpre``
     already (no quantization here). ``w_amax``: :func:`up_forward`'s ``w1_amax`` (the copy of ``w1^T`` then reads
     ``w1`` once), or None."""
-    kept = (reuse.data, reuse.scale) if reuse is not None and need_dx else (None, None)
-    dx, dw1 = call_op(_up_backward_op, _up_backward_impl, dpre.contiguous(), x.to(dpre.dtype).contiguous(), w1,
-                      *_index_args(index), index.token_index_map, index.foreign_experts, need_dx, need_dw,
-                      index.pair_offsets, dw_dtype, recipe.pow2_scales, *kept, quantized and kept[0] is not None,
-                      w_amax, mutated=tuple(t for t in kept if t is not None))
-    return (dx if need_dx else None), (dw1 if need_dw else None)
+    dx = dw1 = None
+    if need_dx:
+        kept = (reuse.data, reuse.scale) if reuse is not None else (None, None)
+        dx = call_op(_b3_op, _b3_impl, dpre.contiguous(), w1, *_index_args(index), index.token_index_map,
+                     index.foreign_experts, index.pair_offsets, recipe.pow2_scales, *kept,
+                     quantized and reuse is not None, w_amax, mutated=tuple(t for t in kept if t is not None))
+    if need_dw:  # B4 dW1[e]^T = sum_s x[token(s)]^T dpre[s] in 16 bits: the 16-bit path's op
+        _, dw1 = call_op(kx._up_backward_op, kx._up_backward_impl, dpre, x.to(dpre.dtype), w1, *_index_args(index),
+                         index.token_index_map, index.foreign_experts, False, True, index.pair_offsets, dw_dtype)
+    return dx, dw1
