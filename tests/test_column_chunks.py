@@ -167,6 +167,10 @@ def test_chunk_rule_headroom():
     assert column_chunks(N, 2048, 768, 2, headroom=room(N * 2048 * 2 - 1)) == [(0, 1024), (1024, 2048)]
     assert column_chunks(N, 2048, 768, 2, headroom=room(N * 1024 * 2 - 1)) == capped  # 3 chunks of 768 is the most
     assert column_chunks(N, 2048, 1536, 2, headroom=room(10**15)) == [(0, 2048)]
+    copy = 128 * (1536 + 4)  # FP8 B3: each chunk column's e4m3 row of w1^T and its scale, E 128, 2h 1,536
+    fits = (N * 2 + copy) * 2048
+    assert column_chunks(N, 2048, 1536, 2, room(fits), 1, copy) == [(0, 2048)]
+    assert column_chunks(N, 2048, 1536, 2, room(fits - 1), 1, copy) == [(0, 1024), (1024, 2048)]
     assert column_chunks(4096 * 8, 2048, 768, 2, headroom=unread) == [(0, 2048)]  # under 256 MiB: one chunk
     with moeblaze.settings.override(chunk_cols="512"):
         assert column_chunks(N, 2048, 768, 2, headroom=unread) == [(0, 512), (512, 1024), (1024, 1536), (1536, 2048)]

@@ -41,7 +41,8 @@ def peak_headroom(device: torch.device) -> int | None:
 
 
 def column_chunks(num_slots: int, d: int, h: int, elem: int,
-                  headroom: Callable[[], int | None] | None = None, a_elem: int | None = None) -> list[tuple[int, int]]:
+                  headroom: Callable[[], int | None] | None = None, a_elem: int | None = None,
+                  col_extra: int = 0) -> list[tuple[int, int]]:
     """Column ranges ``[(c0, c1), ...]`` of ``d`` in which F2 computes ``y`` (and F3 combines it) and B3 computes
     ``dx_slots`` (and B5 sums it), through one ``[N, width]`` buffer instead of ``[N, d]``.
 
@@ -50,7 +51,9 @@ def column_chunks(num_slots: int, d: int, h: int, elem: int,
     may be allocated without raising the step's memory peak (e.g. :func:`peak_headroom`; None, or it returning
     None: unknown). ``a_elem``: bytes of an A element where they are not the buffer's ``elem`` (FP8 B3: e4m3 ``dpre``
     under a 16-bit buffer): the capped rule's chunks then hold no more bytes than A's rows (``h a_elem / elem``
-    columns; d 2048, 2h 1,536: 3 chunks of at most 768 against 2 of 1,024).
+    columns; d 2048, 2h 1,536: 3 chunks of at most 768 against 2 of 1,024). ``col_extra``: bytes allocated beside
+    the buffer for each column of a chunk (FP8 B3: the chunk's e4m3 copy of ``w1^T``'s rows), fitted into the
+    headroom with it.
 
     Setting ``chunk_cols``: ``off`` one chunk; a column count, chunks that wide; ``auto`` (default), once the whole
     ``[N, d]`` buffer would reach 256 MiB and ``h`` is at least 768, chunks of equal widths rounded up to 128: the
@@ -85,7 +88,7 @@ def column_chunks(num_slots: int, d: int, h: int, elem: int,
         most = tuning.cdiv(d, max(_CHUNK_MIN_COLS, reach // 128 * 128))  # the capped rule's count
         room = headroom() if headroom is not None else None  # the allocator read (host time) only here
         n = 1
-        while n < most and (room is None or num_slots * _equal_width(d, n) * elem > room):
+        while n < most and (room is None or (num_slots * elem + col_extra) * _equal_width(d, n) > room):
             n += 1
         width = _equal_width(d, n)
     else:
@@ -98,13 +101,14 @@ def _equal_width(d: int, n: int) -> int:
     return tuning.cdiv(tuning.cdiv(d, n), 128) * 128
 
 
-def _slot_buffer(a: Tensor, N: int, d: int, h: int, a_elem: int | None = None) -> tuple[list[tuple[int, int]], Tensor]:
+def _slot_buffer(a: Tensor, N: int, d: int, h: int, a_elem: int | None = None,
+                 col_extra: int = 0) -> tuple[list[tuple[int, int]], Tensor]:
     """The column chunks of :func:`column_chunks` for an ``[N, d]`` slot buffer in ``a``'s dtype, and that buffer.
 
     A buffer that fits the headroom but finds no free block (fragmented memory) falls back to the capped chunks, so
     the headroom never costs an out-of-memory error that the capped chunks would have avoided."""
     elem = a.element_size()
-    chunks = column_chunks(N, d, h, elem, lambda: peak_headroom(a.device), a_elem)
+    chunks = column_chunks(N, d, h, elem, lambda: peak_headroom(a.device), a_elem, col_extra)
     try:
         return chunks, a.new_empty(N, max(c1 - c0 for c0, c1 in chunks))
     except torch.OutOfMemoryError:
@@ -124,7 +128,9 @@ def gemm_gather_sum(a, w, b_nk, k_dim, offsets, indices, sched, token_index_map,
     N = indices.numel()
     dtype = out_dtype or a.dtype
     out = a.new_empty(T, d, dtype=dtype)
-    chunks, buf = _slot_buffer(out, N, d, h, a.element_size())
+    E = offsets.numel() - 1  # a chunk's e4m3 weight rows and their fp32 scales: E (k + 4) bytes a column
+    col_extra = E * (k_dim + 4) if weight_rows is not None else 0
+    chunks, buf = _slot_buffer(out, N, d, h, a.element_size(), col_extra)
     for c0, c1 in chunks:
         slots, w_c, start, scales = buf[:, :c1 - c0], w, c0, fp8_scales
         if weight_rows is not None:
