@@ -50,6 +50,7 @@ __all__ = ["quantize_rows", "dequantize", "up_forward", "down_forward", "down_ba
 # The expert-bias gradients are sums of 16-bit dpre and dout rows: the 16-bit path's segment sums (a custom op)
 bias_grad = kx.bias_grad
 
+
 def _rows(t: Tensor, pow2: bool, out: tuple[Tensor, Tensor] | None = None,
           as_dtype: torch.dtype | None = None) -> Float8Tensor:
     """``t [..., R, C]`` with one scale per row (into ``out``'s ``(data, scale)`` when given; ``as_dtype``: the values
