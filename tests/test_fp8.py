@@ -3,6 +3,8 @@ float64 reference (DESIGN.md §7, §8), what autograd keeps (the API: test_fp8_a
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -324,10 +326,12 @@ def test_triton_b3_writes_its_e4m3_dpre_into_the_kept_pre():
     out.sum().backward()
     ((pre, nbytes),) = kept
     assert nbytes == pre.numel() and pre.untyped_storage().nbytes() == 0
-    out = run("triton")  # without hooks: autograd checks the saved tensors' versions
-    out.sum().backward(retain_graph=True)
-    with pytest.raises(RuntimeError, match="inplace"):
-        out.sum().backward()
+    for hooks in (torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t), contextlib.nullcontext()):
+        with hooks:  # a second backward is refused, under hooks too (autograd checks no hooked tensor's version)
+            out = run("triton")
+        out.sum().backward(retain_graph=True)
+        with pytest.raises(RuntimeError, match="second backward"):
+            out.sum().backward()
     kept.clear()  # the emulation writes nothing into the kept pre: it is left, and a second backward runs
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = run("torch")

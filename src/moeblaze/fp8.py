@@ -362,6 +362,13 @@ def _clear_copies() -> None:
     _KEPT.clear()
 
 
+def copies_kept() -> bool:
+    """Whether :func:`weight_copy` keeps copies now: inside :func:`reuse_weights`, neither compiling nor capturing
+    a CUDA graph (the compiling test first: the trace reads no module state)."""
+    return not torch.compiler.is_compiling() and bool(_SCOPES[0]) and not (
+        torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
+
+
 def weight_copy(w: Tensor, tag: tuple, make: Callable[[], _Copy]) -> _Copy:
     """``make()``, a copy of the weight ``w`` (``tag`` names which: layout, dtype, recipe); inside
     :func:`reuse_weights` the copy made earlier for the same ``w`` and ``tag`` while ``w`` is unchanged. ``w``
@@ -369,8 +376,7 @@ def weight_copy(w: Tensor, tag: tuple, make: Callable[[], _Copy]) -> _Copy:
     the kernels, :func:`moeblaze.experts._as_gate_up_blocks`: kept while its parameter is unchanged); anything else
     (its storage may be reused), and any call outside the context, while compiling or while capturing a CUDA graph,
     is ``make()``."""
-    if torch.compiler.is_compiling() or not _SCOPES[0] or (  # compiling first: the trace reads no module state
-            torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
+    if not copies_kept():
         return make()
     base = w if w._base is None else w._base
     kept = _KEPT.get(id(base))

@@ -57,8 +57,8 @@ def column_chunks(num_slots: int, d: int, h: int, elem: int,
 
     Setting ``chunk_cols``: ``off`` one chunk; a column count, chunks that wide; ``auto`` (default), once the whole
     ``[N, d]`` buffer would reach 256 MiB and ``h`` is at least 768, chunks of equal widths rounded up to 128: the
-    fewest whose buffer fits in ``headroom``, and never more than the fewest no wider than ``max(512, h)`` (rounded
-    down to 128) (d 2048 with no headroom: F2 at h 768 in 768 + 768 + 512 columns, B3 in 2 x 1024).
+    fewest whose buffer fits in ``headroom``, and never more than the fewest no wider than ``max(512, h)`` (``h``
+    scaled by ``a_elem / elem``; rounded down to 128) (d 2048 with no headroom: F2 at h 768 in 768 + 768 + 512 columns, B3 in 2 x 1024).
     Why chunks: for d > h these buffers (``2Nd`` bytes in 16-bit) are the largest transients of the layer: ``y``
     sits beside ``act [N, h]`` and ``pre [N, 2h]`` in the forward, where a model's last layer holds every earlier
     layer's activations (the peak of a 4-layer transformers Qwen3-MoE, d 2048, h 768); a chunk no wider than the
@@ -119,18 +119,17 @@ def _slot_buffer(a: Tensor, N: int, d: int, h: int, a_elem: int | None = None,
 
 
 def gemm_gather_sum(a, w, b_nk, k_dim, offsets, indices, sched, token_index_map, weights, foreign, pair_offsets,
-                     T, d, h, bias=None, out_dtype=None, weight_rows=None, **fp8_scales):
+                     T, d, h, bias=None, out_dtype=None, weight_rows=None, a_elem=None, col_extra=0, **fp8_scales):
     """``out[t] = sum_k (w[t,k] *) (a[s] @ W[e] (+ bias[e]))[map[t,k]]`` over column chunks of d
     (:func:`column_chunks`): F2-F3 (``a = act``, weights and bias) and B3-B5 (``a = dpre``). ``out_dtype``: of
     ``out`` and the slot buffer (default ``a.dtype``; given for e4m3 ``a`` with its ``a_scale`` / ``b_scale``).
     ``weight_rows(c0, c1)``: ``(W [E, c1 - c0, k], b_scale [E, c1 - c0])``, the e4m3 rows of a ``b_nk`` weight that
-    a chunk reads, made for it in place of ``w`` (FP8 B3: one chunk's copy of ``w1^T`` is live, not the whole)."""
+    a chunk reads, made for it in place of ``w`` (FP8 B3: one chunk's copy of ``w1^T`` is live, not the whole).
+    ``a_elem``, ``col_extra``: :func:`column_chunks`' (FP8 B3: 1, and the bytes of a chunk column's copy)."""
     N = indices.numel()
     dtype = out_dtype or a.dtype
     out = a.new_empty(T, d, dtype=dtype)
-    E = offsets.numel() - 1  # a chunk's e4m3 weight rows and their fp32 scales: E (k + 4) bytes a column
-    col_extra = E * (k_dim + 4) if weight_rows is not None else 0
-    chunks, buf = _slot_buffer(out, N, d, h, a.element_size(), col_extra)
+    chunks, buf = _slot_buffer(out, N, d, h, a_elem, col_extra)
     for c0, c1 in chunks:
         slots, w_c, start, scales = buf[:, :c1 - c0], w, c0, fp8_scales
         if weight_rows is not None:

@@ -179,19 +179,20 @@ def _down_forward_impl(act, w2, b2, topk_weights, offsets, indices, tile_expert,
 
 
 def slots_to_tokens(a, w, b_nk, offsets, indices, sched, token_index_map, weights, foreign, pair_offsets, *,
-                    bias=None, out_dtype=None, weight_rows=None, **fp8_scales):
+                    bias=None, out_dtype=None, weight_rows=None, a_elem=None, col_extra=0, **fp8_scales):
     """``out [T, n] = sum_k (weights[t, k] *) (a[s] @ W[e] (+ bias[e]))[map[t, k]]``, F2-F3 (``a = act``, with the
     router weights) and B3-B5 (``a = dpre``, ``weights`` None): K = 1 writes each slot's row straight into
     ``out[token]`` (no ``[N, n]`` buffer, no combine; foreign tokens never written: zeros), else column chunks
     (:func:`.chunks.gemm_gather_sum`). ``w``: ``[E, n, k]`` (``b_nk``) or ``[E, k, n]``; ``out_dtype`` and
     ``fp8_scales`` (``a_scale``, ``b_scale``) for e4m3 ``a`` and ``w``; ``weight_rows``: the e4m3 rows of ``w``
-    (``b_nk``; then only its shape is read) made per chunk (:func:`.chunks.gemm_gather_sum`)."""
+    (``b_nk``; then only its shape is read) made per chunk, ``a_elem`` and ``col_extra``: the chunk rule's
+    (:func:`.chunks.gemm_gather_sum`)."""
     T, K = _tokens_pairs(token_index_map, pair_offsets)
     k_dim, n = (w.shape[2], w.shape[1]) if b_nk else (w.shape[1], w.shape[2])
     if K != 1:
         return gemm_gather_sum(a, w, b_nk, k_dim, offsets, indices, sched, token_index_map, weights, foreign,
                                pair_offsets, T, n, k_dim, bias=bias, out_dtype=out_dtype, weight_rows=weight_rows,
-                               **fp8_scales)
+                               a_elem=a_elem, col_extra=col_extra, **fp8_scales)
     if weight_rows is not None:
         w, fp8_scales["b_scale"] = weight_rows(0, n)
     out = (a.new_zeros if foreign else a.new_empty)(T, n, dtype=out_dtype or a.dtype)
@@ -374,8 +375,7 @@ _up_backward_op = torch.library.custom_op(
 
 
 def up_backward_outputs(x, w1, need_dx, need_dw, dw_dtype):
-    """The fake outputs of a B3-B5 / B4 op (this module's and the FP8 one's): ``(dx, dw1)``, placeholders for what
-    is not needed."""
+    """The fake outputs of a B3-B5 / B4 op: ``(dx, dw1)``, placeholders for what is not needed."""
     return (x.new_empty(x.shape) if need_dx else _empty(x)), (_like_weight(w1, dw_dtype) if need_dw else _empty(w1))
 
 

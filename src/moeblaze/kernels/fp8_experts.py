@@ -6,7 +6,8 @@ F1, F2, B1 and B3 run the 16-bit path's gather-fused grouped GEMM (:func:`moebla
 on e4m3 operands with one fp32 scale per row of the activation operand and per weight row along the reduction
 (``FP8`` of :func:`moeblaze.kernels.grouped_gemm.grouped_gemm_kernel`): the e4m3 tensor cores read both K-major,
 so B1 and B3 take transposed e4m3 copies of the weights (``w2^T [E, h, d]``, ``w1^T [E, d, 2h|h]``), quantized
-along their rows as :meth:`moeblaze.fp8.Float8Recipe.quantize_weight` does along ``reduce_cols=False``. The
+along their rows as :meth:`moeblaze.fp8.Float8Recipe.quantize_weight` does along ``reduce_cols=False`` (B3's a
+column chunk of ``dx`` at a time: the rows of ``w1^T`` that chunk reads, unless the copies are kept). The
 activation backward, the router-weight gradient and the combine are the 16-bit path's kernels, and so are the
 weight-gradient GEMMs B2 and B4 (the recipe's, :mod:`moeblaze.ops_fp8`): on ``dout`` and ``w act``, and on the
 layer's ``x`` and ``dpre``. Why not on e4m3: there both operands run along the reduction (the slots), an
@@ -33,7 +34,7 @@ from torch import Tensor
 
 from ..activations import DEFAULT_ACT, GATED, ActArgs
 from ..dispatch import DispatchIndex
-from ..fp8 import E4M3, KEPT_TILE, Float8Recipe, Float8Tensor, quantize_fp8, quantize_kept, weight_copy
+from ..fp8 import E4M3, KEPT_TILE, Float8Recipe, Float8Tensor, copies_kept, quantize_fp8, quantize_kept, weight_copy
 from . import experts as kx
 from .custom_ops import call_op
 from .fp8_gemm import down_rowwise, up_rowwise
@@ -327,15 +328,20 @@ def _b3_impl(dpre, w1, offsets, indices, tile_expert, tile_row, num_tiles, token
     reuse = (reuse_data, reuse_scale) if reuse_data is not None else None
     ready = quantized and _fuses_dpre(reuse_scale, dpre)
     gq = Float8Tensor(*reuse, (1, dpre.shape[1])) if ready else _rows(dpre, pow2, reuse)
+    args = (offsets, indices, (tile_expert, tile_row, num_tiles), token_index_map, None, foreign, pair_offsets)
+    if copies_kept():  # the whole copy is kept for the next micro-batch anyway: every chunk reads it in place
+        wq = _weight_cols(w1, pow2, dpre.dtype, w_amax)
+        return kx.slots_to_tokens(gq.data, wq.data, True, *args, out_dtype=dpre.dtype, a_elem=1,
+                                  a_scale=gq.scale[:, 0], b_scale=wq.scale[..., 0])
     has_amax = w_amax is not None and w_amax.numel() > 0
 
     def weight_rows(c0, c1):
         amax = w_amax[:, c0:c1].contiguous() if has_amax else None
         wq = _weight_cols(w1[:, :, c0:c1], pow2, dpre.dtype, amax)
         return wq.data, wq.scale[..., 0]
-    return kx.slots_to_tokens(gq.data, w1.transpose(1, 2), True, offsets, indices,
-                              (tile_expert, tile_row, num_tiles), token_index_map, None, foreign, pair_offsets,
-                              out_dtype=dpre.dtype, weight_rows=weight_rows, a_scale=gq.scale[:, 0])
+    E, k = w1.shape[0], w1.shape[1]  # a chunk column's e4m3 row of w1^T and its fp32 scale: E (k + 4) bytes
+    return kx.slots_to_tokens(gq.data, w1.transpose(1, 2), True, *args, out_dtype=dpre.dtype, weight_rows=weight_rows,
+                              a_elem=1, col_extra=E * (k + 4), a_scale=gq.scale[:, 0])
 
 
 _b3_op = torch.library.custom_op(
