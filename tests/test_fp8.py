@@ -305,13 +305,17 @@ def test_triton_rowwise_within_the_e4m3_rule_and_as_the_emulation(case, save):
 
 @pytest.mark.skipif(not TRITON_ON_CPU,
                     reason="the Triton kernels on CPU tensors need TRITON_INTERPRET=1")
-def test_triton_b3_writes_its_e4m3_dpre_into_the_kept_pre():
+def test_triton_b3_writes_its_e4m3_dpre_into_the_kept_pre(monkeypatch):
     """The Triton FP8 backward writes B3's e4m3 dpre into the kept e4m3 pre, dead after the activation backward,
     and gives that storage back before B4 allocates dW_gate_up; a second backward through the graph raises."""
+    from moeblaze.kernels import fp8_experts
+
     inputs = make_expert_inputs(40, 32, 16, 4, 2)
     for name in ("x", "w_gate_up", "w_down"):
         inputs[name].requires_grad_()
-    kept = []
+    kept, calls, real = [], [], fp8_experts.up_backward
+    monkeypatch.setattr(fp8_experts, "up_backward", lambda *a, **kw: calls.append(
+        (a[5], a[6], kept[0][0].untyped_storage().nbytes())) or real(*a, **kw))  # need_dx, need_dw, kept bytes
 
     def pack(t):
         if t.dtype == E4M3:
@@ -324,8 +328,8 @@ def test_triton_b3_writes_its_e4m3_dpre_into_the_kept_pre():
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = run("triton")
     out.sum().backward()
-    ((pre, nbytes),) = kept
-    assert nbytes == pre.numel() and pre.untyped_storage().nbytes() == 0
+    ((numel, nbytes),) = [(t.numel(), n) for t, n in kept]  # ints only: a freed tensor's repr reads its storage
+    assert nbytes == numel and calls == [(True, False, nbytes), (False, True, 0)]  # B3, then B4 on it freed
     for hooks in (torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t), contextlib.nullcontext()):
         with hooks:  # a second backward is refused, under hooks too (autograd checks no hooked tensor's version)
             out = run("triton")

@@ -265,7 +265,7 @@ def _release(*tensors: torch.Tensor) -> None:
     """Give the storage of saved tensors that backward has finished reading back to the allocator now, not when
     the graph lets go of them after backward. At Qwen3-30B-A3B (T 32,768) the kept e4m3 ``pre`` is 408 MiB beside
     B4's 768 MiB ``dW_gate_up`` (``benchmarks/profile_layer.py --peak``). Only a storage the tensor fills alone (a
-    saved-tensor hook may return a view into a buffer of its own)."""
+    saved-tensor hook may return a view into a buffer of its own); a reference a hook kept holds no values after."""
     for t in tensors:
         storage = t.untyped_storage()
         if t.storage_offset() == 0 and storage.nbytes() == t.numel() * t.element_size():
