@@ -313,8 +313,8 @@ def test_triton_b3_writes_its_e4m3_dpre_into_the_kept_pre(monkeypatch):
     inputs = make_expert_inputs(40, 32, 16, 4, 2)
     for name in ("x", "w_gate_up", "w_down"):
         inputs[name].requires_grad_()
-    kept, calls, real = [], [], fp8_experts.up_backward
-    monkeypatch.setattr(fp8_experts, "up_backward", lambda *a, **kw: calls.append(
+    kept, seen, real = [], [], fp8_experts.up_backward
+    monkeypatch.setattr(fp8_experts, "up_backward", lambda *a, **kw: seen.append(
         (a[5], a[6], kept[0][0].untyped_storage().nbytes())) or real(*a, **kw))  # need_dx, need_dw, kept bytes
 
     def pack(t):
@@ -329,7 +329,7 @@ def test_triton_b3_writes_its_e4m3_dpre_into_the_kept_pre(monkeypatch):
         out = run("triton")
     out.sum().backward()
     ((numel, nbytes),) = [(t.numel(), n) for t, n in kept]  # ints only: a freed tensor's repr reads its storage
-    assert nbytes == numel and calls == [(True, False, nbytes), (False, True, 0)]  # B3, then B4 on it freed
+    assert nbytes == numel and seen == [(True, False, nbytes), (False, True, 0)]  # B3, then B4 on it freed
     for hooks in (torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t), contextlib.nullcontext()):
         with hooks:  # a second backward is refused, under hooks too (autograd checks no hooked tensor's version)
             out = run("triton")
