@@ -58,7 +58,8 @@ def column_chunks(num_slots: int, d: int, h: int, elem: int,
     Setting ``chunk_cols``: ``off`` one chunk; a column count, chunks that wide; ``auto`` (default), once the whole
     ``[N, d]`` buffer would reach 256 MiB and ``h`` is at least 768, chunks of equal widths rounded up to 128: the
     fewest whose buffer fits in ``headroom``, and never more than the fewest no wider than ``max(512, h)`` (``h``
-    scaled by ``a_elem / elem``; rounded down to 128) (d 2048 with no headroom: F2 at h 768 in 768 + 768 + 512 columns, B3 in 2 x 1024).
+    scaled by ``a_elem / elem``; rounded down to 128) (d 2048 with no headroom: F2 at h 768 in 768 + 768 + 512
+    columns, B3 in 2 x 1024).
     Why chunks: for d > h these buffers (``2Nd`` bytes in 16-bit) are the largest transients of the layer: ``y``
     sits beside ``act [N, h]`` and ``pre [N, 2h]`` in the forward, where a model's last layer holds every earlier
     layer's activations (the peak of a 4-layer transformers Qwen3-MoE, d 2048, h 768); a chunk no wider than the
