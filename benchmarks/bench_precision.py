@@ -162,8 +162,7 @@ def train_rows(device: str, args) -> list[dict]:
         _, params, amp = resolve_precision(precision, torch.device(device))
         torch.manual_seed(tcfg.seed)
         model = MoETransformer(mcfg).to(device=device, dtype=params)
-        for moe in model.moe_layers():
-            moe.fp8 = fp8_recipe(precision)
+        model.set_fp8(fp8_recipe(precision))
         opt = make_optimizer(model, tcfg)
         gen = torch.Generator(device=device).manual_seed(0)
         data = torch.randint(0, 256, (batch, mcfg.seq_len + 1), device=device, generator=gen)

@@ -360,8 +360,7 @@ def fsdp_fp8_reuse(rank: int, world: int, steps: int = 2, micro: int = 2) -> Non
     mesh = init_device_mesh(dev.type, (world,), mesh_dim_names=("dp_shard",))
     torch.manual_seed(3)
     base = MoETransformer(_tiny_config(aux=True)).to(dev)
-    for moe in base.moe_layers():
-        moe.fp8 = Float8Recipe()
+    base.set_fp8(Float8Recipe())
     real, quantized, params = Float8Recipe.quantize_weight, [], []
     Float8Recipe.quantize_weight = lambda self, w, reduce_cols: quantized.append(1) or real(self, w, reduce_cols)
     try:

@@ -180,8 +180,8 @@ def test_chunk_rule_headroom():
 
 
 def test_slot_buffer_falls_back_to_capped_chunks_on_out_of_memory(monkeypatch):
-    """A wide buffer that fits the headroom but not the free memory falls back to the capped chunks; an
-    out-of-memory error of the capped buffer itself is not swallowed."""
+    """A wide buffer, or the first chunk's weight copy beside it (FP8 B3), that fits the headroom but not the free
+    memory falls back to the capped chunks; an out-of-memory error of the capped chunks' own is not swallowed."""
     from moeblaze.kernels import chunks
 
     N, d, h = 65536 * 8, 2048, 768
@@ -199,11 +199,26 @@ def test_slot_buffer_falls_back_to_capped_chunks_on_out_of_memory(monkeypatch):
                 raise torch.OutOfMemoryError("fake: out of memory")
             return (rows, cols)
 
-    assert chunks._slot_buffer(Fake(limit=4096), N, d, h) == ([(0, 2048)], (N, 2048))
+    assert chunks._slot_buffer(Fake(limit=4096), N, d, h) == ([(0, 2048)], (N, 2048), None)
     capped = [(0, 768), (768, 1536), (1536, 2048)]
-    assert chunks._slot_buffer(Fake(limit=1000), N, d, h) == (capped, (N, 768))
+    assert chunks._slot_buffer(Fake(limit=1000), N, d, h) == (capped, (N, 768), None)
     with pytest.raises(torch.OutOfMemoryError):
         chunks._slot_buffer(Fake(limit=100), N, d, h)
+
+    # FP8 B3: the buffer fits, the first chunk's weight copy does not: the capped chunks, and their first copy
+    def weight_rows(limit):
+        def rows(c0, c1):
+            if c1 - c0 > limit:
+                raise torch.OutOfMemoryError("fake: out of memory")
+            return (c0, c1), "scale"
+        return rows
+
+    assert chunks._slot_buffer(Fake(limit=4096), N, d, h, 1, 8, weight_rows(4096)) == (
+        [(0, 2048)], (N, 2048), ((0, 2048), "scale"))
+    assert chunks._slot_buffer(Fake(limit=4096), N, d, 1536, 1, 8, weight_rows(1000)) == (
+        capped, (N, 768), ((0, 768), "scale"))
+    with pytest.raises(torch.OutOfMemoryError):
+        chunks._slot_buffer(Fake(limit=4096), N, d, 1536, 1, 8, weight_rows(100))
 
 
 def test_chunk_widths_of_one_layer_share_the_gather_sum_tuning(monkeypatch):

@@ -383,6 +383,20 @@ def test_train_step_skips_a_non_finite_step_on_the_device(monkeypatch):
     assert math.isfinite(loss) and not all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
 
 
+def test_set_fp8_sets_every_moe_layer_and_rejects_other_values():
+    from moeblaze.fp8 import Float8Recipe
+
+    model = MoETransformer(ModelConfig(seq_len=8, d_model=16, n_layers=2, n_heads=2, d_ff=8, num_experts=4, top_k=2))
+    recipe = Float8Recipe("blockwise")
+    model.set_fp8(recipe)
+    assert [moe.fp8 for moe in model.moe_layers()] == [recipe, recipe]
+    with pytest.raises(TypeError, match="fp8 must be None or a moeblaze.fp8.Float8Recipe"):
+        model.set_fp8("rowwise")
+    assert [moe.fp8 for moe in model.moe_layers()] == [recipe, recipe]  # unchanged by the refused value
+    model.set_fp8(None)
+    assert [moe.fp8 for moe in model.moe_layers()] == [None, None]
+
+
 def _step_params(micro_batches: int, fp8=None, dtype=torch.float64) -> tuple[list[torch.Tensor], float]:
     """One SGD train_step of a small model (no auxiliary losses: they depend on the batch's routing statistics)."""
     from moeblaze.training.train import train_step
@@ -390,8 +404,7 @@ def _step_params(micro_batches: int, fp8=None, dtype=torch.float64) -> tuple[lis
     torch.manual_seed(0)
     model = MoETransformer(ModelConfig(seq_len=8, d_model=16, n_layers=2, n_heads=2, d_ff=8, num_experts=4, top_k=2,
                                        backend="torch", aux_loss_coef=0.0, z_loss_coef=0.0)).to(dtype)
-    for moe in model.moe_layers():
-        moe.fp8 = fp8
+    model.set_fp8(fp8)
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     x = torch.randint(0, 256, (4, 8), generator=torch.Generator().manual_seed(1))
     loss, _ = train_step(model, opt, x, x.roll(-1, 1), 0.5, 0.0, micro_batches=micro_batches).result()

@@ -102,21 +102,29 @@ def _equal_width(d: int, n: int) -> int:
     return tuning.cdiv(tuning.cdiv(d, n), 128) * 128
 
 
-def _slot_buffer(a: Tensor, N: int, d: int, h: int, a_elem: int | None = None,
-                 col_extra: int = 0) -> tuple[list[tuple[int, int]], Tensor]:
-    """The column chunks of :func:`column_chunks` for an ``[N, d]`` slot buffer in ``a``'s dtype, and that buffer.
+def _slot_buffer(a: Tensor, N: int, d: int, h: int, a_elem: int | None = None, col_extra: int = 0,
+                 weight_rows: Callable[[int, int], tuple[Tensor, Tensor]] | None = None,
+                 ) -> tuple[list[tuple[int, int]], Tensor, tuple[Tensor, Tensor] | None]:
+    """The column chunks of :func:`column_chunks` for an ``[N, d]`` slot buffer in ``a``'s dtype, that buffer, and
+    ``weight_rows`` of the first chunk (None without it): the allocations the headroom was asked for.
 
-    A buffer that fits the headroom but finds no free block (fragmented memory) falls back to the capped chunks, so
-    the headroom never costs an out-of-memory error that the capped chunks would have avoided."""
+    Chunks that fit the headroom but find no free block (fragmented memory) for the buffer or for the first chunk's
+    weight copy fall back to the capped chunks, so the headroom never costs an out-of-memory error that the capped
+    chunks would have avoided. The later chunks' copies are no wider than the first's and are made after the one
+    before is freed."""
     elem = a.element_size()
     chunks = column_chunks(N, d, h, elem, lambda: peak_headroom(a.device), a_elem, col_extra)
+    buf = None
     try:
-        return chunks, a.new_empty(N, max(c1 - c0 for c0, c1 in chunks))
+        buf = a.new_empty(N, max(c1 - c0 for c0, c1 in chunks))
+        return chunks, buf, (weight_rows(*chunks[0]) if weight_rows is not None else None)
     except torch.OutOfMemoryError:
         capped = column_chunks(N, d, h, elem, a_elem=a_elem)
         if capped == chunks:
             raise
-        return capped, a.new_empty(N, max(c1 - c0 for c0, c1 in capped))
+        buf = None  # the wide buffer goes back before the capped one is asked for
+        buf = a.new_empty(N, max(c1 - c0 for c0, c1 in capped))
+        return capped, buf, (weight_rows(*capped[0]) if weight_rows is not None else None)
 
 
 def gemm_gather_sum(a, w, b_nk, k_dim, offsets, indices, sched, token_index_map, weights, foreign, pair_offsets,
@@ -130,11 +138,12 @@ def gemm_gather_sum(a, w, b_nk, k_dim, offsets, indices, sched, token_index_map,
     N = indices.numel()
     dtype = out_dtype or a.dtype
     out = a.new_empty(T, d, dtype=dtype)
-    chunks, buf = _slot_buffer(out, N, d, h, a_elem, col_extra)
-    for c0, c1 in chunks:
+    chunks, buf, first = _slot_buffer(out, N, d, h, a_elem, col_extra, weight_rows)
+    for i, (c0, c1) in enumerate(chunks):
         slots, w_c, start, scales = buf[:, :c1 - c0], w, c0, fp8_scales
         if weight_rows is not None:
-            w_c, b_scale = weight_rows(c0, c1)
+            w_c, b_scale = first if i == 0 else weight_rows(c0, c1)
+            first = None
             start, scales = None, {**fp8_scales, "b_scale": b_scale}
         grouped_gemm(a, w_c, slots, offsets, indices, sched, b_nk=b_nk, n_cols=c1 - c0, k_dim=k_dim, gather_a=False,
                      bias=None if bias is None else bias[:, c0:c1], a_tf32=True, n_start=start, **scales)

@@ -19,6 +19,7 @@ from ..activations import ACTIVATIONS, is_gated
 from ..backends import create_backends
 from ..balance import AUX_LOSS_TYPES
 from ..experts import BACKENDS, SAVE_MODES
+from ..fp8 import Float8Recipe, check_fp8_recipe
 from ..layer import MoE
 from ..routing import SCORE_FUNCS
 from ..token_rounding import ROUNDING_MODES
@@ -252,6 +253,16 @@ class MoETransformer(nn.Module):
     def moe_layers(self) -> list[MoE]:
         """The :class:`moeblaze.MoE` module of every block."""
         return [b.moe for b in self.blocks]
+
+    def set_fp8(self, fp8: Float8Recipe | None) -> None:
+        """Run every MoE layer's expert GEMMs under the recipe ``fp8`` (:class:`moeblaze.fp8.Float8Recipe`, DESIGN.md
+        §8), or in 16 bits with None, as ``moeblaze train --precision fp8-mixed`` does.
+
+        Raises:
+            TypeError: ``fp8`` neither None nor a recipe."""
+        check_fp8_recipe(fp8)
+        for moe in self.moe_layers():
+            moe.fp8 = fp8
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         if idx.dim() != 2 or idx.shape[1] > self.cfg.seq_len:

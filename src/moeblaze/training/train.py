@@ -217,8 +217,7 @@ def _train(cfg: TrainConfig, model_cfg: ModelConfig | None, log, job: Job) -> Tr
     torch.manual_seed(cfg.seed)  # every rank builds the same full model; sharding keeps each rank's part
     with torch.device(device):  # drawn where it trains: on CUDA the host does not draw every rank's copy first
         model = MoETransformer(mcfg).to(dtype=dtype)
-    for moe in model.moe_layers():
-        moe.fp8 = fp8_recipe(precision)
+    model.set_fp8(fp8_recipe(precision))
     total_params = sum(p.numel() for p in model.parameters())
     # every rank's MoE layers see at most its rows of a batch (training and evaluation): the exchanges' bound
     max_tokens = cfg.batch_size // job.world * mcfg.seq_len
