@@ -85,10 +85,11 @@ def variants():
                                                          "num_tiles_ptr", "K_DIM", "N_COLS", "N_EXT", "stride_c_m"],
                         wg.MAX_REGS))
     f8 = importlib.import_module("mbk.fp8_ws_gemm")
-    cfg = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, NUM_STAGES=4, GROUP_M=8)  # launch.WS_GEMM_FP8_CONFIG
+    cfg = dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=128, NUM_STAGES=3, GROUP_M=8)  # launch.WS_GEMM_FP8_CONFIG
     for gather_a in (False, True):
         sig = {"a_desc": "constexpr" if gather_a else _desc("fp8e4nv", [128, 128]), "a_ptr": "*fp8e4nv",
-               "w_desc": _desc("fp8e4nv", [128, 128]), "c_ptr": "*bf16", "a_scale_ptr": "*fp32", "w_scale_ptr": "*fp32",
+               "w_desc": _desc("fp8e4nv", [256, 128]), "c_ptr": "*bf16", "a_scale_ptr": "*fp32",
+               "w_scale_ptr": "*fp32",
                "offsets_ptr": "*i32", "indices_ptr": "*i32", "tile_expert_ptr": "*i32", "tile_row_ptr": "*i32",
                "num_tiles_ptr": "*i32", "A_ROWS": "i32", "K_DIM": "i32", "N_COLS": "i32", "N_EXT": "i32",
                "N_START": "i32", "stride_c_m": "i32", "stride_ws_e": "i32", "stride_a_t": "i32",

@@ -218,7 +218,7 @@ def test_host_descriptor_layout_is_built_once_per_box_and_dtype():
 
 def test_ws_fp8_gemm_gating_and_tile_count(monkeypatch):
     """The FP8 form (``kernels/fp8_ws_gemm.py``): e4m3 operands with a weight ``[E, n, k]`` and a 16-bit output, never
-    on the CPU; gathered rows of A only in e4m3; its >= 12 tiles per SM counted in its 128-column tiles."""
+    on the CPU; gathered rows of A only in e4m3; its >= 12 tiles per SM counted in its 256-column tiles."""
     a, w = torch.zeros(8, 128, dtype=torch.float8_e4m3fn), torch.zeros(2, 32, 128, dtype=torch.float8_e4m3fn)
     c = torch.zeros(8, 32, dtype=torch.bfloat16)
     assert not launch.ws_gemm_ok(a, w, c, True, 128)
@@ -232,8 +232,10 @@ def test_ws_fp8_gemm_gating_and_tile_count(monkeypatch):
         a16, w16 = a.to(torch.bfloat16), w.to(torch.bfloat16)
         assert launch.ws_gemm_ok(a16, w16, c, True, 128) and not launch.ws_gemm_ok(a16, w16, c, True, 128, True)
     monkeypatch.setattr(launch, "num_programs", lambda device: 132)
-    assert launch._ws_gemm_pays(396, 512, torch.device("cuda"), 128)  # 396 M-tiles x 4 N-tiles = 12 per SM
-    assert not launch._ws_gemm_pays(395, 512, torch.device("cuda"), 128)
+    block_n = launch.WS_GEMM_FP8_CONFIG["BLOCK_N"]
+    assert block_n == 256
+    assert launch._ws_gemm_pays(792, 512, torch.device("cuda"), block_n)  # 792 M-tiles x 2 N-tiles = 12 per SM
+    assert not launch._ws_gemm_pays(791, 512, torch.device("cuda"), block_n)
 
 
 def _fp8_rows(t: torch.Tensor):

@@ -17,10 +17,19 @@ qwen3-30b-a3b --impls moeblaze-fp8 --kernels``, docs/results-fp8-profile.csv). H
 between two mma partitions of one warp group each (rows 0-63 and 64-127), as DeepGEMM's two math warp groups: each
 waits for its own ``wgmma`` and adds its partial sums while the other's ``wgmma`` keeps the tensor cores busy.
 
-  mma      (4 warps, default; 4 warps, worker)  ``wgmma`` of 64 rows x ``BLOCK_N`` over one stage into fresh
-                               partial sums, waited for, added to the fp32 accumulator; after the last stage the
-                               accumulator times the row and weight-row scales, rounded into its half of
-                               ``c_smem``
+Why 256 columns: each k-step brings its A box and its weight box from L2 into shared memory, 32 KiB for the 4.2
+MFLOP of a 128 x 128 tile (at the 750-900 TFLOP/s it reached, over 6 TB/s of L2 reads), 48 KiB for the 8.4 MFLOP
+of a 128 x 256 one. A warp group's promoted sums are then two 64 x 128 accumulators and one partial sum at a time:
+the tile's halves take a ``wgmma`` each, promoted in turn. Measured (H200, T 32,768, CUDA-graph replay, three
+alternating rounds, bitwise alike; ``.../bench_ws.py --fp8``'s operands): F2 0.98-0.99 against 1.08-1.10 ms, B1
+0.82-0.84 against 0.97-0.99, B3 1.63-1.67 against 1.83-2.19 at Qwen3-30B-A3B; 1.19-1.26 / 1.11-1.13 / 2.05-2.11
+against 1.33-1.36 / 1.29-1.37 / 2.29-2.30 at OLMoE-1B-7B; the FP8 layer step 12.55 against 13.06-13.11 ms and
+14.92-14.99 against 15.24-15.49 (``moeblaze bench``, alternating; rows in docs/results-ws.csv and docs/results.csv).
+
+  mma      (4 warps, default; 4 warps, worker)  two ``wgmma`` of 64 rows x ``WGMMA_N`` over one stage into fresh
+                               partial sums, each waited for and added to its fp32 accumulator; after the last
+                               stage the accumulators times the row and weight-row scales, rounded into the warp
+                               group's half of ``c_smem``
   loader   (2 warps)           the A box ``[BLOCK_M, BLOCK_K]`` and the weight box ``[BLOCK_N, BLOCK_K]`` by TMA,
                                ``NUM_STAGES`` deep (:func:`moeblaze.kernels.ws_gemm._loader`; a stage is free once
                                both mma partitions have used it); ``GATHER_A``: the A rows of the tile's slots by
@@ -51,13 +60,15 @@ from .ws_gemm import _epilogue, _loader, _tile, _tiles
 from .ws_wgrad import EPILOGUE_WARPS, LOADER_WARPS, stage_barriers, tile_barriers
 
 MMA_WARPS: gl.constexpr = gl.constexpr(4)  # one warp group per half of the 128-row tile
-# 12 warps: 168 registers each at launch (65536 / 384). The loader and the epilogue give theirs down to 88 and both
-# mma warp groups get 208 (the default partition the rest): a 64 x 128 fp32 accumulator and its partial sums are 128
-# per thread. Built for sm_90 by scripts/gluon_sm90_compile.py (triton 3.6): no stack frame with these, 16 and 472
-# bytes (the gathering loader) with 232 / 24.
+# columns of one wgmma: a warp group's 64 x 128 fp32 sums are 64 registers a thread; a tile holds two of them
+WGMMA_N: gl.constexpr = gl.constexpr(128)
+# 12 warps: 168 registers each at launch (65536 / 384). The loader and the epilogue give theirs down to 80 and both
+# mma warp groups get 216 (the default partition the rest): two 64 x 128 fp32 accumulators and one partial sum are
+# 192 per thread. Built for sm_90 by scripts/gluon_sm90_compile.py (triton 3.6): stack frames of 8 and 0 bytes (the
+# TMA and the gathering loader's kernel) with these; 32 / 120 with 232 / 48, 32 / 16 with 208 / 96.
 MAX_REGS = 168
-MMA_REGS: gl.constexpr = gl.constexpr(208)
-IO_REGS: gl.constexpr = gl.constexpr(88)
+MMA_REGS: gl.constexpr = gl.constexpr(216)
+IO_REGS: gl.constexpr = gl.constexpr(80)
 
 
 @gluon.jit
@@ -139,31 +150,38 @@ def _mma(scales,  # tuple of the dequantization scales:
                  #   num_tiles_ptr: [1] int32 valid M-tiles
          smem, bars, dims, HALF: gl.constexpr, GATHER_A: gl.constexpr, BLOCK_M: gl.constexpr,
          BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, NUM_STAGES: gl.constexpr, GROUP_M: gl.constexpr):
-    """Rows ``HALF * BLOCK_M / 2 ..`` of each tile: the promoted sum over the stages, scaled, into ``c_smem``."""
+    """Rows ``HALF * BLOCK_M / 2 ..`` of each tile: the promoted sums over the stages, scaled, into ``c_smem``; the
+    tile's two ``WGMMA_N``-column halves each summed by a wgmma of their own into an accumulator of their own."""
     a_scale_ptr, w_scale_ptr, indices_ptr, A_ROWS, stride_ws_e = scales
     tile_expert_ptr, tile_row_ptr, offsets_ptr, num_tiles_ptr = sched
     a_bufs, w_bufs, c_smem = smem
     ready, empty, c_ready, c_empty = bars
     K_DIM, N_COLS, N_EXT, N_START, stride_c_m = dims
+    gl.static_assert(BLOCK_N == 2 * WGMMA_N, "the tile is two wgmma widths")
     ROWS: gl.constexpr = BLOCK_M // 2
-    zero, r_in, c_in = half_tile(ROWS, BLOCK_N)
+    zero, r_in, c_in = half_tile(ROWS, WGMMA_N)
     num_tiles, num_n, my_tiles = _tiles(num_tiles_ptr, N_COLS, BLOCK_N)
     it = 0  # k-steps consumed so far: stage it % NUM_STAGES, phase (it // NUM_STAGES) & 1
     for i_tile in range(my_tiles):
         pid_n, e, row0, row_end = _tile(i_tile, num_tiles, num_n, tile_expert_ptr, tile_row_ptr, offsets_ptr,
                                         GROUP_M)
-        acc = zero
+        acc_lo = zero
+        acc_hi = zero
         for _k in range(0, K_DIM, BLOCK_K):
             s = it % NUM_STAGES
             mbarrier.wait(ready.index(s), (it // NUM_STAGES) & 1)
             if GATHER_A:
                 fence_async_shared()  # the gathered rows came by cp.async (generic proxy); wgmma reads the async one
             a = a_bufs.index(s).slice(HALF * ROWS, ROWS, dim=0)
-            w = w_bufs.index(s).permute((1, 0))  # [BLOCK_N, BLOCK_K] rows n -> K-major [BLOCK_K, BLOCK_N]
-            part = warpgroup_mma(a, w, zero, use_acc=False, is_async=True)
+            w = w_bufs.index(s)  # [BLOCK_N, BLOCK_K] rows n; each half permuted: K-major [BLOCK_K, WGMMA_N]
+            part = warpgroup_mma(a, w.slice(0, WGMMA_N, dim=0).permute((1, 0)), zero, use_acc=False, is_async=True)
+            part = warpgroup_mma_wait(0, deps=(part,))
+            acc_lo = acc_lo + part  # the promotion: fp32 adds while the other half's wgmma runs
+            part = warpgroup_mma(a, w.slice(WGMMA_N, WGMMA_N, dim=0).permute((1, 0)), zero, use_acc=False,
+                                 is_async=True)
             part = warpgroup_mma_wait(0, deps=(part,))
             mbarrier.arrive(empty.index(s), count=1)  # this half is done with the stage
-            acc = acc + part  # the promotion: fp32 adds while the other half's wgmma runs
+            acc_hi = acc_hi + part
             it += 1
         rows = row0 + HALF * ROWS + r_in
         cols = N_START + pid_n * BLOCK_N + c_in
@@ -171,11 +189,16 @@ def _mma(scales,  # tuple of the dequantization scales:
             a_rows = gl.load(indices_ptr + rows, mask=rows < A_ROWS, other=0)
         else:
             a_rows = rows
-        a_scale = gl.load(a_scale_ptr + a_rows, mask=rows < A_ROWS, other=0.0)
-        w_scale = gl.load(w_scale_ptr + e.to(gl.int64) * stride_ws_e + cols, mask=cols < N_START + N_COLS, other=0.0)
-        acc = acc * a_scale[:, None] * w_scale[None, :]
+        a_scale = gl.load(a_scale_ptr + a_rows, mask=rows < A_ROWS, other=0.0)[:, None]
+        w_scales = w_scale_ptr + e.to(gl.int64) * stride_ws_e
+        w_lo = gl.load(w_scales + cols, mask=cols < N_START + N_COLS, other=0.0)
+        w_hi = gl.load(w_scales + WGMMA_N + cols, mask=WGMMA_N + cols < N_START + N_COLS, other=0.0)
+        acc_lo = acc_lo * a_scale * w_lo[None, :]
+        acc_hi = acc_hi * a_scale * w_hi[None, :]
         mbarrier.wait(c_empty.index(0), (i_tile & 1) ^ 1)
-        c_smem.slice(HALF * ROWS, ROWS, dim=0).store(acc.to(c_smem.dtype))
+        out = c_smem.slice(HALF * ROWS, ROWS, dim=0)
+        out.slice(0, WGMMA_N, dim=1).store(acc_lo.to(c_smem.dtype))
+        out.slice(WGMMA_N, WGMMA_N, dim=1).store(acc_hi.to(c_smem.dtype))
         mbarrier.arrive(c_ready.index(0), count=1)
 
 

@@ -408,10 +408,10 @@ def grouped_wgrad_ws(a, b, out, offsets, indices, *, gather_a: bool, config: dic
 # The warp-specialized GEMM's configuration: the 128 x 256 tile and 64-column steps of the Triton kernels' best
 # configs, 3 stages (3 x 48 KiB) plus the 64 KiB output tile. BLOCK_M: it runs schedules of the large M tile only.
 WS_GEMM_CONFIG = {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "NUM_STAGES": 3, "GROUP_M": 8}
-# Its FP8 form (kernels/fp8_ws_gemm.py): a 128 x 128 tile, two warp groups of 64 rows each holding a 64 x 128 fp32
-# accumulator and its partial sums (128 registers per thread); 128-column steps, the promotion interval of the
-# e4m3 sums (DeepSeek-V3 §3.3.2); 4 stages (4 x 32 KiB) plus the 32 KiB output tile.
-WS_GEMM_FP8_CONFIG = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 128, "NUM_STAGES": 4, "GROUP_M": 8}
+# Its FP8 form (kernels/fp8_ws_gemm.py): a 128 x 256 tile, two warp groups of 64 rows each holding two 64 x 128 fp32
+# accumulators and one partial sum (192 registers per thread); 128-column steps, the promotion interval of the
+# e4m3 sums (DeepSeek-V3 §3.3.2); 3 stages (3 x 48 KiB) plus the 64 KiB output tile.
+WS_GEMM_FP8_CONFIG = {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 128, "NUM_STAGES": 3, "GROUP_M": 8}
 
 
 def _ws_gemm_pays(max_tiles: int, n_cols: int, device: torch.device, block_n: int = WS_GEMM_CONFIG["BLOCK_N"]) -> bool:
