@@ -27,9 +27,10 @@
 #   balance    issue 61: moeblaze train --preset 1b, $BALANCE_STEPS (1000) steps, auxiliary-loss-free (--expert-bias-rate
 #              1e-3 --aux-loss-coef 0) and with the Switch loss (0.01), then benchmarks/bench_balance.py -> balance.png,
 #              balance.txt and both metrics.csv (BALANCE_TIMEOUT per run, default 290 s: both runs within 10 minutes)
-#   fp8        the FP8 kernels: pytest -m gpu tests/test_fp8_kernels.py tests/test_fp8.py tests/test_fp8_backward.py tests/test_fp8_api.py tests/test_fp8_quant.py
-#              tests/test_fp8_baseline.py, then benchmarks/bench_fp8_kernels.py $FP8_ARGS -> fp8_kernels.csv and
-#              benchmarks/bench_fp8_quant.py -> fp8_quant.csv (FP8_TIMEOUT each, default 420 s)
+#   fp8        the FP8 kernels: pytest -m gpu tests/test_fp8_kernels.py tests/test_fp8.py tests/test_fp8_backward.py
+#              tests/test_fp8_api.py tests/test_fp8_quant.py tests/test_fp8_baseline.py, then
+#              benchmarks/bench_fp8_kernels.py $FP8_ARGS -> fp8_kernels.csv and benchmarks/bench_fp8_quant.py ->
+#              fp8_quant.csv (FP8_TIMEOUT each, default 420 s)
 #   fp8_ws     tests/test_ws_kernels.py -k fp8 (the Gluon FP8 kernels against the Triton ones, bitwise), then
 #              benchmarks/bench_ws.py --fp8 --check at $FP8_WS_SHAPES (Qwen3-30B-A3B and OLMoE-1B-7B, T 32,768) -> ws.csv
 #   fp8_train  moeblaze train --preset 1b in bf16-mixed, then fp8-mixed ($FP8_TRAIN_STEPS, default 1000; same seed
@@ -154,7 +155,8 @@ for stage in "$@"; do
       done ;;
     fp8)
       MOEBLAZE_AUTOTUNE=0 run fp8_tests timeout "${TESTS_TIMEOUT:-420}" python3 -m pytest -m gpu -q -rfEs -p no:cacheprovider \
-        tests/test_fp8_kernels.py tests/test_fp8.py tests/test_fp8_backward.py tests/test_fp8_api.py tests/test_fp8_quant.py tests/test_fp8_baseline.py
+        tests/test_fp8_kernels.py tests/test_fp8.py tests/test_fp8_backward.py tests/test_fp8_api.py tests/test_fp8_quant.py \
+        tests/test_fp8_baseline.py
       # shellcheck disable=SC2086
       run bench_fp8 timeout "${FP8_TIMEOUT:-420}" python3 benchmarks/bench_fp8_kernels.py ${FP8_ARGS:-} --out "$LOGS/fp8_kernels.csv"
       run bench_fp8_quant timeout "${FP8_TIMEOUT:-420}" python3 benchmarks/bench_fp8_quant.py --out "$LOGS/fp8_quant.csv" ;;

@@ -12,18 +12,9 @@ import torch
 from moeblaze import moe_experts
 from moeblaze.fp8 import E4M3, Float8Recipe
 from moeblaze.testing import make_expert_inputs, run_and_grad, triton_on_cpu
-from test_fp8 import CASES, NAMES
+from test_fp8 import CASES, NAMES, one_thread  # noqa: F401  (one_thread: the autouse fixture)
 
 TRITON_ON_CPU = triton_on_cpu()
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny matmuls and per-expert loops: threads only contend (several times slower on a loaded 2-core machine)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.mark.skipif(not TRITON_ON_CPU,

@@ -122,9 +122,10 @@ def _slot_buffer(a: Tensor, N: int, d: int, h: int, a_elem: int | None = None, c
         capped = column_chunks(N, d, h, elem, a_elem=a_elem)
         if capped == chunks:
             raise
-        buf = None  # the wide buffer goes back before the capped one is asked for
-        buf = a.new_empty(N, max(c1 - c0 for c0, c1 in capped))
-        return capped, buf, (weight_rows(*capped[0]) if weight_rows is not None else None)
+    # out of the handler: its traceback held the failed call's frames and what they had allocated
+    buf = None  # the wide buffer goes back before the capped one is asked for
+    buf = a.new_empty(N, max(c1 - c0 for c0, c1 in capped))
+    return capped, buf, (weight_rows(*capped[0]) if weight_rows is not None else None)
 
 
 def gemm_gather_sum(a, w, b_nk, k_dim, offsets, indices, sched, token_index_map, weights, foreign, pair_offsets,

@@ -62,10 +62,10 @@ from .ws_wgrad import EPILOGUE_WARPS, LOADER_WARPS, stage_barriers, tile_barrier
 MMA_WARPS: gl.constexpr = gl.constexpr(4)  # one warp group per half of the 128-row tile
 # columns of one wgmma: a warp group's 64 x 128 fp32 sums are 64 registers a thread; a tile holds two of them
 WGMMA_N: gl.constexpr = gl.constexpr(128)
-# 12 warps: 168 registers each at launch (65536 / 384). The loader and the epilogue give theirs down to 80 and both
-# mma warp groups get 216 (the default partition the rest): two 64 x 128 fp32 accumulators and one partial sum are
-# 192 per thread. Built for sm_90 by scripts/gluon_sm90_compile.py (triton 3.6): stack frames of 8 and 0 bytes (the
-# TMA and the gathering loader's kernel) with these; 32 / 120 with 232 / 48, 32 / 16 with 208 / 96.
+# 12 warps: 168 registers each at launch (65536 / 384, 64,512 in all). The loader and the epilogue give theirs down
+# to 80, the worker mma warp group takes 216 and the default one the rest, 208: two 64 x 128 fp32 accumulators and
+# one partial sum are 192 per thread. Built for sm_90 by scripts/gluon_sm90_compile.py (triton 3.6): stack frames of
+# 8 and 0 bytes (the TMA and the gathering loader's kernel) with these; 32 / 120 with 232 / 48, 32 / 16 with 208 / 96.
 MAX_REGS = 168
 MMA_REGS: gl.constexpr = gl.constexpr(216)
 IO_REGS: gl.constexpr = gl.constexpr(80)
@@ -176,11 +176,11 @@ def _mma(scales,  # tuple of the dequantization scales:
             w = w_bufs.index(s)  # [BLOCK_N, BLOCK_K] rows n; each half permuted: K-major [BLOCK_K, WGMMA_N]
             part = warpgroup_mma(a, w.slice(0, WGMMA_N, dim=0).permute((1, 0)), zero, use_acc=False, is_async=True)
             part = warpgroup_mma_wait(0, deps=(part,))
-            acc_lo = acc_lo + part  # the promotion: fp32 adds while the other half's wgmma runs
+            acc_lo = acc_lo + part  # the promotion: fp32 adds while the other warp group's wgmma runs
             part = warpgroup_mma(a, w.slice(WGMMA_N, WGMMA_N, dim=0).permute((1, 0)), zero, use_acc=False,
                                  is_async=True)
             part = warpgroup_mma_wait(0, deps=(part,))
-            mbarrier.arrive(empty.index(s), count=1)  # this half is done with the stage
+            mbarrier.arrive(empty.index(s), count=1)  # this warp group is done with the stage
             acc_hi = acc_hi + part
             it += 1
         rows = row0 + HALF * ROWS + r_in

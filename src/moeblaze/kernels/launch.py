@@ -454,7 +454,7 @@ def grouped_gemm_ws(a, b, c, offsets, sched, *, b_nk: bool, n_cols: int, k_dim: 
     ``a`` and ``b`` with their rowwise scales ``a_scale [rows]`` and ``b_scale [E, n]`` (:func:`_check_fp8`) on
     :func:`moeblaze.kernels.fp8_ws_gemm.fp8_ws_gemm_kernel`, there with ``indices`` (the slots' tokens) rows
     ``a[indices[s]]`` gathered. ``config``: overrides of :data:`WS_GEMM_CONFIG` or :data:`WS_GEMM_FP8_CONFIG`
-    (block-size sweeps)."""
+    (block-size sweeps; the FP8 kernel's tile is 256 columns wide, two wgmma widths)."""
     fp8 = a.dtype == torch.float8_e4m3fn
     cfg = {**(WS_GEMM_FP8_CONFIG if fp8 else WS_GEMM_CONFIG), **(config or {})}
     E, n_ext = b.shape[0], b.shape[1 if b_nk else 2]
