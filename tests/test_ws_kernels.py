@@ -218,7 +218,7 @@ def test_host_descriptor_layout_is_built_once_per_box_and_dtype():
 
 def test_ws_fp8_gemm_gating_and_tile_count(monkeypatch):
     """The FP8 form (``kernels/fp8_ws_gemm.py``): e4m3 operands with a weight ``[E, n, k]`` and a 16-bit output, never
-    on the CPU; gathered rows of A only in e4m3; its >= 12 tiles per SM counted in its 256-column tiles."""
+    on the CPU; gathered rows of A only in e4m3; at any tile count (the 16-bit kernel from 12 tiles per SM)."""
     a, w = torch.zeros(8, 128, dtype=torch.float8_e4m3fn), torch.zeros(2, 32, 128, dtype=torch.float8_e4m3fn)
     c = torch.zeros(8, 32, dtype=torch.bfloat16)
     assert not launch.ws_gemm_ok(a, w, c, True, 128)
@@ -232,10 +232,32 @@ def test_ws_fp8_gemm_gating_and_tile_count(monkeypatch):
         a16, w16 = a.to(torch.bfloat16), w.to(torch.bfloat16)
         assert launch.ws_gemm_ok(a16, w16, c, True, 128) and not launch.ws_gemm_ok(a16, w16, c, True, 128, True)
     monkeypatch.setattr(launch, "num_programs", lambda device: 132)
-    block_n = launch.WS_GEMM_FP8_CONFIG["BLOCK_N"]
-    assert block_n == 256
-    assert launch._ws_gemm_pays(792, 512, torch.device("cuda"), block_n)  # 792 M-tiles x 2 N-tiles = 12 per SM
-    assert not launch._ws_gemm_pays(791, 512, torch.device("cuda"), block_n)
+    assert launch.WS_GEMM_FP8_CONFIG["BLOCK_N"] == launch.WS_GEMM_CONFIG["BLOCK_N"] == 256
+    assert launch._ws_gemm_pays(792, 512, torch.device("cuda"))  # 16-bit: 792 M-tiles x 2 N-tiles = 12 per SM
+    assert not launch._ws_gemm_pays(791, 512, torch.device("cuda"))
+
+
+def test_fp8_gemm_takes_the_ws_kernel_at_any_tile_count(monkeypatch):
+    """Where the Gluon kernels run, an FP8 slot-row GEMM takes its warp-specialized kernel whatever its tile count
+    (1.27-1.40x faster than the Triton FP8 kernel down to 1 tile per SM: ``launch._ws_gemm_pays``); a 16-bit one
+    only where ``_ws_gemm_pays`` says so."""
+    ids = torch.rand(16, 4, generator=torch.Generator().manual_seed(0)).topk(2, dim=1).indices.to(torch.int32)
+    bm = tuning.block_m(32, 4)  # the interpreter's M tile
+    index = build_dispatch(ids, 4, block_m=bm)
+    sc, N = index.schedule, index.expert_token_indices.numel()
+    sched = (sc.tile_expert, sc.tile_row_start, sc.num_tiles)
+    ran = []
+    monkeypatch.setattr(launch, "ws_gemm_ok", lambda *a: True)
+    monkeypatch.setattr(launch, "_ws_gemm_pays", lambda *a: False)
+    monkeypatch.setattr(launch, "grouped_gemm_ws", lambda a, *rest, **kw: ran.append(a.dtype))
+    monkeypatch.setitem(launch.WS_GEMM_CONFIG, "BLOCK_M", bm)
+    for dtype in (torch.float8_e4m3fn, torch.float16):
+        a, w = torch.randn(N, 32).to(dtype), torch.randn(4, 16, 32).to(dtype)
+        scales = {"a_scale": torch.ones(N), "b_scale": torch.ones(4, 16)} if dtype != torch.float16 else {}
+        launch.grouped_gemm(a, w, torch.zeros(N, 16, dtype=torch.float16), index.expert_token_offsets,
+                            index.expert_token_indices, sched, b_nk=True, n_cols=16, k_dim=32, gather_a=False,
+                            **scales)
+    assert ran == [torch.float8_e4m3fn]
 
 
 def _fp8_rows(t: torch.Tensor):
