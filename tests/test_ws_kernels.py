@@ -239,7 +239,7 @@ def test_ws_fp8_gemm_gating_and_tile_count(monkeypatch):
 
 def test_fp8_gemm_takes_the_ws_kernel_at_any_tile_count(monkeypatch):
     """Where the Gluon kernels run, an FP8 slot-row GEMM takes its warp-specialized kernel whatever its tile count
-    (1.27-1.40x faster than the Triton FP8 kernel down to 1 tile per SM: ``launch._ws_gemm_pays``); a 16-bit one
+    (1.25-1.38x faster than the Triton FP8 kernel down to 1 tile per SM: ``launch._ws_gemm_pays``); a 16-bit one
     only where ``_ws_gemm_pays`` says so."""
     ids = torch.rand(16, 4, generator=torch.Generator().manual_seed(0)).topk(2, dim=1).indices.to(torch.int32)
     bm = tuning.block_m(32, 4)  # the interpreter's M tile

@@ -416,8 +416,9 @@ WS_GEMM_FP8_CONFIG = {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 128, "NUM_STAGE
 
 def _ws_gemm_pays(max_tiles: int, n_cols: int, device: torch.device, block_n: int = WS_GEMM_CONFIG["BLOCK_N"]) -> bool:
     """The 16-bit warp-specialized GEMM gets at least 12 output tiles per SM (the FP8 one runs at any count: against
-    the Triton FP8 kernel it took 0.71-0.79x the time at 2k-8k tokens of Qwen3-30B-A3B and OLMoE-1B-7B, 1-5 of its
-    tiles per SM; H200, F2, B1 and B3 by CUDA-graph replay, ``bench_ws._steps(..., fp8=True)`` forced either way).
+    the Triton FP8 kernel its F2, B1 and B3 took 0.73-0.80x the time at 2k-8k tokens of Qwen3-30B-A3B and
+    OLMoE-1B-7B, 1-5 of its tiles per SM; H200, ``python3 benchmarks/bench_ws.py --fp8 --shapes
+    2048:2048:768:128:8,...``, rows in docs/results-ws.csv).
 
     Why: persistent, it needs several tiles per CTA to overlap a tile's store with the next one's MMAs, and each of
     its launches builds two host TMA descriptors (more host time than a Triton launch). Against the Triton kernel
