@@ -1,5 +1,5 @@
 """Expert-parallel MoE layer: moeblaze against torchtitan 0.3.0's own EP MoE and a torchtitan-style EP layer on the
-same ranks (issues 23, 57).
+same ranks (issues 23, 57), and the FP8 layer beside the bf16 one (issue 59).
 
 Launch with torchrun, one process per GPU (NCCL; gloo on the CPU with tiny shapes, for testing):
 
@@ -20,6 +20,8 @@ only); ``torchtitan-dtensor``: the same layer under its ``partial_dtensor`` back
 docstring_parser, spmd_types==0.2.3). ``torchtitan-style``: the same steps written in this repository (argsort
 of the routing, gathered copy of x with a row per (token, expert) pair, the all-to-alls, received rows
 regrouped by local expert, ``grouped_mm`` for both projections, autograd through plain PyTorch ops).
+``moeblaze-fp8``: the moeblaze layer with ``fp8=Float8Recipe()`` (the rowwise recipe), the same weights and exchange;
+its rows go out in e4m3 with their scales (gradients back in 16 bits).
 
 Per layer, rank 0 writes one CSV row: forward+backward time (median over ``--iters`` steps, the slowest
 rank; CUDA events on GPU), peak memory (``torch.cuda.max_memory_allocated``, the largest rank; empty on
@@ -46,6 +48,7 @@ import moeblaze
 from moeblaze.bench.ep_baselines import TitanStyleEP, build_torchtitan_ep, torchtitan_available
 from moeblaze.bench.report import append_dicts
 from moeblaze.bench.results import git_commit
+from moeblaze.fp8 import Float8Recipe
 from moeblaze.parallel import EXCHANGES, expert_parallel, init_distributed
 from moeblaze.parallel.breakdown import gather, profile_steps, summary
 
@@ -90,18 +93,24 @@ def _timed(fn, iters: int, warmup: int, device: torch.device) -> float:
     return float(ms)
 
 
-def _comm_replay(x: torch.Tensor, K: int, send: list[int], recv: list[int], pair_data: bool):
+def _comm_replay(x: torch.Tensor, K: int, send: list[int], recv: list[int], pair_data: bool, fp8: bool = False):
     """The step's all-to-alls alone: rows of d out and back in forward, the same two in backward; with
     ``pair_data`` (moeblaze) also each row's K weights (fp32) and K local expert ids (int32) out in forward,
-    and the weights' gradient back in backward."""
+    and the weights' gradient back in backward; with ``fp8`` the forward's rows out as e4m3 bytes and an fp32
+    scale (the rowwise recipe's), the other three in ``x``'s dtype."""
     rows = x.new_empty(sum(send), x.shape[1])
     back = x.new_empty(sum(recv), x.shape[1])
     w, wb = rows.new_empty(rows.shape[0], K, dtype=torch.float32), back.new_empty(back.shape[0], K, dtype=torch.float32)
     ids, idb = w.to(torch.int32), wb.to(torch.int32)
+    rows8 = rows.new_empty(rows.shape[0], x.shape[1] + 4, dtype=torch.uint8)  # e4m3 row and its fp32 scale
+    back8 = back.new_empty(back.shape[0], x.shape[1] + 4, dtype=torch.uint8)
 
     def run():
-        for _ in range(2):
-            dist.all_to_all_single(back, rows, recv, send)
+        for i in range(2):
+            if fp8 and i == 0:
+                dist.all_to_all_single(back8, rows8, recv, send)
+            else:
+                dist.all_to_all_single(back, rows, recv, send)
             dist.all_to_all_single(rows, back, send, recv)
         if pair_data:
             dist.all_to_all_single(wb, w, recv, send)
@@ -116,7 +125,7 @@ def _max_over_ranks(value: float, device: torch.device) -> float:
     return float(t)
 
 
-IMPLS = ("moeblaze", "torchtitan", "torchtitan-dtensor", "torchtitan-style", "one-gpu")
+IMPLS = ("moeblaze", "moeblaze-fp8", "torchtitan", "torchtitan-dtensor", "torchtitan-style", "one-gpu")
 TITAN_BACKENDS = {"torchtitan": "spmd_types", "torchtitan-dtensor": "partial_dtensor"}
 
 
@@ -136,12 +145,10 @@ def _parse_impls(p: argparse.ArgumentParser, text: str | None, backend: str) -> 
 
 
 def _build(names: list[str], mb: moeblaze.MoE) -> dict[str, torch.nn.Module]:
-    """The layers of ``names`` on ``mb``'s router and expert weights (``mb`` itself for ``moeblaze``)."""
+    """The baseline layers of ``names`` on ``mb``'s router and expert weights."""
     layers = {}
     for name in names:
-        if name == "moeblaze":
-            layers[name] = mb
-        elif name == "torchtitan-style":
+        if name == "torchtitan-style":
             layers[name] = TitanStyleEP(mb)
         elif name == "one-gpu":  # all E experts on this rank's own tokens, no exchange: the floor of the EP layer
             torch.manual_seed(0)  # mb's draw: the same router and (all) experts
@@ -183,13 +190,17 @@ def _layers(p: argparse.ArgumentParser, args: argparse.Namespace, backend: str, 
     exchanges = [e.strip() for e in args.exchanges.split(",") if e.strip()]
     if not exchanges or any(e not in EXCHANGES for e in exchanges):
         p.error(f"--exchanges takes a comma-separated list of {', '.join(EXCHANGES)}; got {args.exchanges!r}")
+    ours = [("moeblaze" if i == 0 else f"moeblaze:{kind}", kind, None) for i, kind in enumerate(exchanges)]
+    if "moeblaze-fp8" in names:
+        ours.append(("moeblaze-fp8", exchanges[0], Float8Recipe()))
     ep_layers = {}
-    for i, kind in enumerate(exchanges):
+    for name, kind, fp8 in ours:
         torch.manual_seed(0)  # the same router and experts on every rank and in every layer
-        ep_layers["moeblaze" if i == 0 else f"moeblaze:{kind}"] = expert_parallel(
+        ep_layers[name] = expert_parallel(
             moeblaze.MoE(args.d_model, args.d_ff, args.experts, args.top_k, aux_loss_coef=0.0, device=device,
-                         dtype=dtype), dist.group.WORLD, kind, max_tokens=args.tokens)  # T known to every rank
-    return {**ep_layers, **{k: v for k, v in _build(names, ep_layers["moeblaze"]).items() if k != "moeblaze"}}
+                         dtype=dtype, fp8=fp8), dist.group.WORLD, kind, max_tokens=args.tokens)  # T known to every rank
+    baselines = [n for n in names if not n.startswith("moeblaze")]
+    return {**ep_layers, **_build(baselines, ep_layers["moeblaze"])}
 
 
 def _measure(name: str, layer: torch.nn.Module, x: torch.Tensor, dout: torch.Tensor, params: list, splits,
@@ -224,7 +235,8 @@ def _measure(name: str, layer: torch.nn.Module, x: torch.Tensor, dout: torch.Ten
         split = gather(row)
         if dist.get_rank() == 0:
             print(f"{name}: {summary(split)}")
-    comm = 0.0 if name == "one-gpu" else _timed(_comm_replay(x.detach(), args.top_k, *splits, ours),
+    comm = 0.0 if name == "one-gpu" else _timed(_comm_replay(x.detach(), args.top_k, *splits, ours,
+                                                             fp8=name == "moeblaze-fp8"),
                                                 args.iters, args.warmup, device)
     return {"exchange": layer.ep.exchange.kind if ours else "", "fwd_bwd_ms": round(ms, 4),
             "peak_mib": None if peak is None else round(peak, 1),

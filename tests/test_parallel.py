@@ -198,6 +198,29 @@ def test_bench_ep_runs_on_cpu(tmp_path):
     assert "torchrun --nproc-per-node 2 benchmarks/bench_ep.py --tokens 24" in rows[0]["command"]
 
 
+def test_bench_ep_times_the_fp8_layer_on_cpu(tmp_path):
+    """``--impls moeblaze,moeblaze-fp8``: the FP8 layer (the recipe's emulation on gloo) on the bf16 layer's weights
+    and exchange, a row each; its output differs from the bf16 layer's by the recipe's rounding, not more."""
+    import csv
+    import os
+    import subprocess
+    import sys
+
+    out = tmp_path / "ep.csv"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+           str(free_port()), "benchmarks/bench_ep.py", "--tokens", "24", "--d-model", "32", "--d-ff", "16",
+           "--experts", "4", "--top-k", "2", "--dtype", "float32", "--iters", "1", "--warmup", "1",
+           "--impls", "moeblaze,moeblaze-fp8", "--out", str(out)]
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = {r["impl"]: r for r in csv.DictReader(out.open())}
+    assert list(rows) == ["moeblaze", "moeblaze-fp8"]
+    assert 1e-3 < float(rows["moeblaze-fp8"]["out_rel_diff"]) < 0.1  # e4m3 rounding: ~2^-4 relative per operand
+    assert rows["moeblaze-fp8"]["sent_rows"] == rows["moeblaze"]["sent_rows"]
+    assert float(rows["moeblaze-fp8"]["fwd_bwd_ms"]) > 0 and float(rows["moeblaze-fp8"]["comm_ms"]) > 0
+
+
 def test_runtime_keeps_the_callers_gpu_in_a_group_it_did_not_start(monkeypatch):
     """A default group initialised by the caller (no torchrun, no LOCAL_RANK) keeps the CUDA device the caller
     set; with LOCAL_RANK that GPU is taken. (Two spawned NCCL ranks both took GPU 0 before: "Duplicate GPU".)"""
