@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import moeblaze
 from moeblaze import MoE, build_dispatch, moe_experts
 from moeblaze.cli import main
 from moeblaze.training.data import DataError, load_corpus
@@ -53,6 +54,7 @@ BAD_FLAGS = [
     (["--aux-loss-coef", "-0.01"], "--aux-loss-coef"),
     (["--z-loss-coef", "inf"], "--z-loss-coef"),
     (["--resume", "--overwrite"], "--overwrite"),
+    (["--ep-exchange", "padded"], "--ep-exchange padded"),
 ]
 
 
@@ -78,6 +80,33 @@ def test_backend_triton_on_cpu_is_a_clear_error(tmp_path, capsys, monkeypatch):
     assert run_cli("train", "--backend", "triton", "--device", "cpu", "--out-dir", str(tmp_path)) == 2
     captured = capsys.readouterr()
     assert captured.err.count("\n") == 1 and "--backend triton" in captured.err and captured.out == ""
+
+
+def test_nvshmem_exchange_off_cuda_is_a_clear_error(tmp_path, capsys, monkeypatch):
+    """Checked before the run starts (under torchrun every rank says it in one line, not a traceback)."""
+    from moeblaze.training.train import _check_exchange
+    from moeblaze.training.train_config import ConfigError, TrainConfig
+
+    with pytest.raises(ConfigError, match="--ep-exchange nvshmem moves rows through CUDA symmetric memory") as exc:
+        _check_exchange(TrainConfig(fsdp=True, ep=2, ep_exchange="nvshmem"), torch.device("cpu"))
+    assert "\n" not in str(exc.value)
+    _check_exchange(TrainConfig(fsdp=True, ep=2, ep_exchange="padded"), torch.device("cpu"))
+
+
+def test_backend_triton_without_triton_says_to_install_it(tmp_path, capsys, monkeypatch):
+    """A CPU install has no triton: the hint is to install it, not TRITON_INTERPRET (which needs it too)."""
+    import moeblaze.backends
+    import moeblaze.training.train
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(moeblaze.training.train, "triton_available", lambda: False)
+    assert run_cli("train", "--backend", "triton", "--device", "cpu", "--out-dir", str(tmp_path)) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "needs the triton package" in err, err
+    monkeypatch.setattr(moeblaze.backends, "triton_available", lambda: False)
+    with pytest.raises(ValueError, match="backend='triton' needs the triton package") as exc:
+        MoE(8, 6, 4, 2, backend="triton")(torch.randn(5, 8))
+    assert "\n" not in str(exc.value)
 
 
 @pytest.mark.parametrize("kind", ["a file", "under a file", "read-only filesystem"])
@@ -152,6 +181,12 @@ def _wrong_w_down(shape):
     return moe_experts(x, ids, w, w1, torch.randn(*shape), backend="torch")
 
 
+def _reference(**change):
+    x, ids, w, w1, w2 = _experts_inputs()
+    args = {"x": x, "topk_ids": ids, "topk_weights": w, "w_gate_up": w1, "w_down": w2, **change}
+    return moeblaze.moe_experts_reference(**args)
+
+
 API_CASES = {
     "index from other ids": (_other_ids, "index was built from other topk_ids"),
     "ids modified after the index": (_modified_in_place, "topk_ids was modified in place"),
@@ -166,6 +201,13 @@ API_CASES = {
     "aux_loss_coef negative": (lambda: MoE(8, 6, 4, 2, aux_loss_coef=-0.1), "aux_loss_coef"),
     "z_loss_coef nan": (lambda: MoE(8, 6, 4, 2, z_loss_coef=math.nan), "z_loss_coef"),
     "0-d input": (lambda: MoE(8, 6, 4, 2)(torch.tensor(1.0)), "MoE input"),
+    "reference float ids": (lambda: _reference(topk_ids=torch.zeros(12, 2)), "topk_ids must be an integer"),
+    "reference negative id": (lambda: _reference(topk_ids=torch.full((12, 2), -1)), "expert ids >= 0"),
+    "reference weights shape": (lambda: _reference(topk_weights=torch.rand(12, 3)), "topk_weights must have"),
+    "reference w_down d": (lambda: _reference(w_down=torch.randn(4, 9, 6)), "w_gate_up must be [E, 2h|h, d]"),
+    "reference activation": (lambda: _reference(activation="swish"), "activation must be one of"),
+    "expert biases of no counting router": (lambda: moeblaze.update_expert_biases(MoE(8, 6, 4, 2)),
+                                            "expert_bias_update_rate > 0"),
 }
 
 

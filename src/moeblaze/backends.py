@@ -178,6 +178,9 @@ def get_backend(name: str, x: torch.Tensor) -> Backend:
     if x.dtype not in _TRITON_DTYPES:
         raise TypeError(f"{asked} runs the dtypes fp16, bf16 and fp32; x has dtype {x.dtype} "
                         "(use backend='torch')")
+    if not triton_available():
+        raise ValueError(f"{asked} needs the triton package, which does not import here (pip install "
+                         "'moeblaze[gpu]'; CUDA builds of torch bring it); use backend='torch'")
     if not x.is_cuda and not settings.interpreting():
         raise ValueError(f"{asked} needs CUDA tensors (x is on {x.device}); use backend='torch' "
                          "or set TRITON_INTERPRET=1 to run the kernels in Triton's CPU interpreter")

@@ -192,9 +192,13 @@ def update_expert_biases(model: nn.Module, group: dist.ProcessGroup | None = Non
         The global counts the update used (as :func:`expert_load`).
 
     Raises:
-        ValueError: ``load`` does not hold one tensor per counting router.
+        ValueError: ``model`` holds no counting router, or ``load`` does not hold one tensor per counting router.
     """
     routers = _counting_routers(model)
+    if not routers:
+        raise ValueError("update_expert_biases: no router of model counts its tokens; build its MoE layers with "
+                         "expert_bias_update_rate > 0 (MoE(..., expert_bias_update_rate=1e-3)) or "
+                         "track_expert_load=True")
     if load is None:
         load = expert_load(model, group)
     if len(load) != len(routers):

@@ -23,6 +23,8 @@ def act_reference(name: str, pre: torch.Tensor, alpha: float = 1.702, limit: flo
         "relu2": lambda z: torch.relu(z) ** 2,
     }
     gated = {"swiglu": "silu", "geglu": "gelu", "geglu_tanh": "gelu_tanh"}
+    if name not in (*f, *gated, "swiglu_clamped"):
+        raise ValueError(f"activation must be one of {sorted((*f, *gated, 'swiglu_clamped'))}, got {name!r}")
     if name not in gated and name != "swiglu_clamped":
         return f[name](pre)
     gate, up = (pre[..., 0::2], pre[..., 1::2]) if interleaved else pre.chunk(2, dim=-1)
@@ -52,7 +54,12 @@ def moe_experts_reference(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights:
 
     Returns:
         ``[T, d]`` in the dtype of ``x`` (computation in that dtype: pass float64 for a reference).
+
+    Raises:
+        TypeError: ``topk_ids`` not an integer tensor. ValueError: shapes not as above, a negative id, an unknown
+            ``activation``.
     """
+    _check_reference_args(x, topk_ids, topk_weights, w_gate_up, w_down)
     out = torch.zeros_like(x)
     for e in range(w_down.shape[0]):
         tok, slot = torch.nonzero(topk_ids == e, as_tuple=True)
@@ -66,3 +73,22 @@ def moe_experts_reference(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights:
             y = y + b_down[e]
         out = out.index_add(0, tok, y * topk_weights[tok, slot].to(x.dtype)[:, None])
     return out
+
+
+def _check_reference_args(x, topk_ids, topk_weights, w_gate_up, w_down) -> None:
+    """The argument checks of :func:`moe_experts_reference` (its docstring's Raises)."""
+    if topk_ids.dtype.is_floating_point or topk_ids.dtype.is_complex or topk_ids.dtype == torch.bool:
+        raise TypeError(f"topk_ids must be an integer tensor of expert ids, got {topk_ids.dtype}")
+    if x.dim() != 2 or topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0]:
+        raise ValueError(f"x must be [T, d] and topk_ids [T, K], got {tuple(x.shape)} and {tuple(topk_ids.shape)}")
+    if topk_weights.shape != topk_ids.shape:
+        raise ValueError(f"topk_weights must have topk_ids' shape {tuple(topk_ids.shape)}, "
+                         f"got {tuple(topk_weights.shape)}")
+    E, d = w_down.shape[0], x.shape[1]
+    if w_gate_up.dim() != 3 or w_down.dim() != 3 or w_gate_up.shape[0] != E or w_gate_up.shape[2] != d \
+            or w_down.shape[1] != d:
+        raise ValueError(f"w_gate_up must be [E, 2h|h, d] and w_down [E, d, h] with d = {d}, got "
+                         f"{tuple(w_gate_up.shape)} and {tuple(w_down.shape)}")
+    if topk_ids.numel() and int(topk_ids.min()) < 0:
+        raise ValueError(f"topk_ids must hold expert ids >= 0 (ids >= E = {E}, other ranks' experts, add nothing), "
+                         f"got {int(topk_ids.min())}")

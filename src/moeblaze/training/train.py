@@ -30,7 +30,7 @@ import torch
 from tqdm import tqdm
 
 from .. import settings
-from ..backends import get_backend
+from ..backends import get_backend, triton_available
 from ..fp8 import check_fp8_backend
 from ..memory import SavedTensorCounter
 from ..parallel.breakdown import StepBreakdown, StepProfiler, append_rows, gather, summary
@@ -82,9 +82,18 @@ def _describe(total: int, mcfg: ModelConfig, cfg: TrainConfig, device, precision
 
 
 def _check_backend(mcfg: ModelConfig, device: torch.device) -> None:
+    if mcfg.backend == "triton" and not triton_available():
+        raise ConfigError("--backend triton needs the triton package, which does not import here (pip install "
+                          "'moeblaze[gpu]'; CUDA builds of torch bring it); use --backend torch or auto")
     if mcfg.backend == "triton" and device.type != "cuda" and not settings.interpreting():
         raise ConfigError(f"--backend triton needs a CUDA device (--device is {device}); use --backend torch "
                           "or auto, or set TRITON_INTERPRET=1 to run the kernels in Triton's (slow) CPU interpreter")
+
+
+def _check_exchange(cfg: TrainConfig, device: torch.device) -> None:
+    if cfg.ep_exchange == "nvshmem" and device.type != "cuda":
+        raise ConfigError(f"--ep-exchange nvshmem moves rows through CUDA symmetric memory (--device is {device}); "
+                          "use padded or all_to_all")
 
 
 def _check_fp8(precision: str, mcfg: ModelConfig, device: torch.device) -> None:
@@ -180,6 +189,7 @@ def _train(cfg: TrainConfig, model_cfg: ModelConfig | None, log, job: Job) -> Tr
     if job.mesh is not None and precision in MIXED:
         amp_dtype = None  # FSDP2's MixedPrecisionPolicy casts the parameters to bf16 instead of autocast
     cfg = replace(cfg, progress=cfg.progress if job.rank0 else False)  # progress None: a bar on a terminal only
+    _check_exchange(cfg, device)
     if model_cfg is not None:
         _check_backend(model_cfg, device)
         _check_fp8(precision, model_cfg, device)

@@ -176,6 +176,9 @@ class TrainConfig:
                               "(equal micro-batches)")
         if self.ep > 1 and not self.fsdp:
             raise ConfigError(f"--ep {self.ep} needs --fsdp (expert parallelism runs under FSDP2)")
+        if self.ep_exchange != "auto" and self.ep == 1:
+            raise ConfigError(f"--ep-exchange {self.ep_exchange} is expert parallelism's exchange; pass --ep P "
+                              "(P > 1, with --fsdp) with it")
 
 
 @dataclass
