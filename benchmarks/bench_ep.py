@@ -96,14 +96,15 @@ def _timed(fn, iters: int, warmup: int, device: torch.device) -> float:
 def _comm_replay(x: torch.Tensor, K: int, send: list[int], recv: list[int], pair_data: bool, fp8: bool = False):
     """The step's all-to-alls alone: rows of d out and back in forward, the same two in backward; with
     ``pair_data`` (moeblaze) also each row's K weights (fp32) and K local expert ids (int32) out in forward,
-    and the weights' gradient back in backward; with ``fp8`` the forward's rows out as e4m3 bytes and an fp32
-    scale (the rowwise recipe's), the other three in ``x``'s dtype."""
+    and the weights' gradient back in backward; with ``fp8`` the forward's rows out as d e4m3 bytes and each row's
+    fp32 scale beside its pairs (as :mod:`moeblaze.parallel.ep` sends them), the other three in ``x``'s dtype."""
     rows = x.new_empty(sum(send), x.shape[1])
     back = x.new_empty(sum(recv), x.shape[1])
-    w, wb = rows.new_empty(rows.shape[0], K, dtype=torch.float32), back.new_empty(back.shape[0], K, dtype=torch.float32)
-    ids, idb = w.to(torch.int32), wb.to(torch.int32)
-    rows8 = rows.new_empty(rows.shape[0], x.shape[1] + 4, dtype=torch.uint8)  # e4m3 row and its fp32 scale
-    back8 = back.new_empty(back.shape[0], x.shape[1] + 4, dtype=torch.uint8)
+    extra = 1 if fp8 else 0  # the scale travels with the pairs
+    w, wb = (t.new_empty(t.shape[0], K + extra, dtype=torch.float32) for t in (rows, back))
+    ids, idb = w[:, :K].to(torch.int32).contiguous(), wb[:, :K].to(torch.int32).contiguous()
+    grad_w, grad_wb = w[:, :K].contiguous(), wb[:, :K].contiguous()
+    rows8, back8 = (t.new_empty(t.shape, dtype=torch.uint8) for t in (rows, back))  # e4m3 rows: a byte a value
 
     def run():
         for i in range(2):
@@ -115,7 +116,7 @@ def _comm_replay(x: torch.Tensor, K: int, send: list[int], recv: list[int], pair
         if pair_data:
             dist.all_to_all_single(wb, w, recv, send)
             dist.all_to_all_single(idb, ids, recv, send)
-            dist.all_to_all_single(w, wb, send, recv)
+            dist.all_to_all_single(grad_w, grad_wb, send, recv)
     return run
 
 
@@ -185,7 +186,8 @@ def _parser() -> argparse.ArgumentParser:
 
 def _layers(p: argparse.ArgumentParser, args: argparse.Namespace, backend: str, device: torch.device,
             dtype: torch.dtype) -> dict[str, torch.nn.Module]:
-    """The moeblaze layer of each ``--exchanges`` kind (the first named ``moeblaze``), then the baselines."""
+    """The moeblaze layer of each ``--exchanges`` kind (the first named ``moeblaze``), the FP8 layer on the first
+    (``moeblaze-fp8``, when named), then the baselines."""
     names = _parse_impls(p, args.impls, backend)
     exchanges = [e.strip() for e in args.exchanges.split(",") if e.strip()]
     if not exchanges or any(e not in EXCHANGES for e in exchanges):
@@ -297,6 +299,9 @@ def _report(rows: list[dict], out: str | None) -> None:
     mine = next((r for r in rows if r["impl"] == "moeblaze"), None)
     for base in rows if mine is not None else []:
         if base is mine:
+            continue
+        if base["impl"].startswith("moeblaze"):  # a variant (another exchange, FP8), not a baseline
+            print(f"{base['impl']}: {mine['fwd_bwd_ms'] / base['fwd_bwd_ms']:.3f}x the moeblaze layer's speed")
             continue
         print(f"moeblaze speed-up over {base['impl']} {base['fwd_bwd_ms'] / mine['fwd_bwd_ms']:.3f}x"
               + ("" if mine["peak_mib"] is None else
