@@ -184,6 +184,22 @@ def test_version_is_the_installed_package_version(capsys):
 
 # ----------------------------------------------------------------------------- --config and --print-config
 
+def test_an_expert_parallel_run_resumes_without_ep(tmp_path, monkeypatch, capsys):
+    """Saved with ``--ep 2 --ep-exchange padded``, resumed with ``--ep 1``: the saved exchange is dropped (it belongs
+    to expert parallelism), not an error; named again with ``--ep 1`` it is one."""
+    import moeblaze.cli
+
+    saved = TrainConfig(fsdp=True, ep=2, ep_exchange="padded", out_dir=str(tmp_path))
+    monkeypatch.setattr(moeblaze.cli, "load_run_config", lambda out_dir: (saved, ModelConfig(), 5))
+    assert run_cli("train", "--resume", "--out-dir", str(tmp_path), "--ep", "1", "--print-config") == 0
+    text = capsys.readouterr().out
+    assert 'ep_exchange = "auto"' in text and "ep = 1" in text, text
+    assert run_cli("train", "--resume", "--out-dir", str(tmp_path), "--print-config") == 0
+    assert 'ep_exchange = "padded"' in capsys.readouterr().out
+    assert run_cli("train", "--resume", "--out-dir", str(tmp_path), "--ep", "1", "--ep-exchange", "padded") == 2
+    assert "--ep-exchange padded is expert parallelism's exchange" in capsys.readouterr().err
+
+
 def test_print_config_reads_back_equal_through_config(tmp_path, capsys):
     flags = ("--steps", "7", "--lr", "0.002", "--d-model", "64", "--routing", "token-rounding:up", "--no-fsdp-reshard",
              "--data", 'a "quoted"\\path\tx', "--logger", "tensorboard", "--rope-base", "500000")

@@ -321,7 +321,9 @@ def test_power_of_two_scales_are_e4m3_rounding_at_every_operand(case, granularit
     is the rounded baseline itself, up to e4m3 subnormals and fp32 sums, which may move a value across a rounding
     tie: one e4m3 step (12.5%) in that element and whatever reads it (usually 2e-4 of a tensor's norm; rarely more
     than 2e-3 in a small tensor). So the check counts the elements more than 0.1% off: every operand quantized
-    where ops_fp8's table says, none missed (that moves 99% of the elements of every result)."""
+    where ops_fp8's table says, none missed (that moves 99% of the elements of every result). One tie moved in an
+    intermediate row moves a whole token's row of ``out`` and ``dx``, 1/T of them (2.5% at T 40: seed 837483897 of
+    the "short last tiles" case, rowwise, save "input": 2 seeds of 300), so the bound is 2% plus one row."""
     T, d, h, E, K, routing = CASES[case]
     inputs = make_expert_inputs(T, d, h, E, K, routing=routing)
     dout = torch.randn(T, d)
@@ -329,7 +331,7 @@ def test_power_of_two_scales_are_e4m3_rounding_at_every_operand(case, granularit
     got = run_and_grad(lambda **kw: moe_experts(**kw, backend="torch", save=save, fp8=recipe), inputs, dout)
     for name, a, b in zip(NAMES, got, rounded_baseline(inputs, dout, save, granularity)):
         off = ((a - b).abs() > 1e-3 * b.abs() + 1e-6 * b.abs().max()).float().mean()
-        assert off < 0.02 and rel_error(a, b) < 2e-2, f"{name}: {off:.1%} of the elements off, " \
+        assert off < 0.02 + 1 / T and rel_error(a, b) < 2e-2, f"{name}: {off:.1%} of the elements off, " \
             f"{rel_error(a, b):.2e} from the e4m3-rounded baseline"
 
 

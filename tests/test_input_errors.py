@@ -82,7 +82,7 @@ def test_backend_triton_on_cpu_is_a_clear_error(tmp_path, capsys, monkeypatch):
     assert captured.err.count("\n") == 1 and "--backend triton" in captured.err and captured.out == ""
 
 
-def test_nvshmem_exchange_off_cuda_is_a_clear_error(tmp_path, capsys, monkeypatch):
+def test_nvshmem_exchange_off_cuda_is_a_clear_error():
     """Checked before the run starts (under torchrun every rank says it in one line, not a traceback)."""
     from moeblaze.training.train import _check_exchange
     from moeblaze.training.train_config import ConfigError, TrainConfig
@@ -102,9 +102,15 @@ def test_backend_triton_without_triton_says_to_install_it(tmp_path, capsys, monk
     monkeypatch.setattr(moeblaze.training.train, "triton_available", lambda: False)
     assert run_cli("train", "--backend", "triton", "--device", "cpu", "--out-dir", str(tmp_path)) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "needs the triton package" in err, err
-    monkeypatch.setattr(moeblaze.backends, "triton_available", lambda: False)
-    with pytest.raises(ValueError, match="backend='triton' needs the triton package") as exc:
+    assert err.count("\n") == 1 and "needs triton, and its kernels do not import here" in err, err
+    instance = moeblaze.backends._instance
+
+    def no_triton(name):
+        if name == "triton":
+            raise ImportError("No module named 'triton'")
+        return instance(name)
+    monkeypatch.setattr(moeblaze.backends, "_instance", no_triton)
+    with pytest.raises(ValueError, match="backend='triton' needs triton, .*No module named 'triton'") as exc:
         MoE(8, 6, 4, 2, backend="triton")(torch.randn(5, 8))
     assert "\n" not in str(exc.value)
 
@@ -205,7 +211,10 @@ API_CASES = {
     "reference negative id": (lambda: _reference(topk_ids=torch.full((12, 2), -1)), "expert ids >= 0"),
     "reference weights shape": (lambda: _reference(topk_weights=torch.rand(12, 3)), "topk_weights must have"),
     "reference w_down d": (lambda: _reference(w_down=torch.randn(4, 9, 6)), "w_gate_up must be [E, 2h|h, d]"),
-    "reference activation": (lambda: _reference(activation="swish"), "activation must be one of"),
+    "reference w_gate_up h": (lambda: _reference(w_gate_up=torch.randn(4, 7, 8)), "w_gate_up must be [E, 2h|h, d]"),
+    "reference activation, no tokens": (lambda: _reference(x=torch.randn(0, 8), topk_ids=torch.zeros(0, 2).long(),
+                                                            topk_weights=torch.rand(0, 2), activation="swish"),
+                                        "activation must be one of"),
     "expert biases of no counting router": (lambda: moeblaze.update_expert_biases(MoE(8, 6, 4, 2)),
                                             "expert_bias_update_rate > 0"),
 }

@@ -161,8 +161,9 @@ def get_backend(name: str, x: torch.Tensor) -> Backend:
         x: ``[T, d]`` tokens (their device and dtype decide ``"auto"`` and are checked for ``"triton"``).
 
     Raises:
-        ValueError: an unknown name; ``"triton"`` for a CPU tensor without ``TRITON_INTERPRET=1``, or for
-            bfloat16 under the interpreter (its bf16 dot products are wrong).
+        ValueError: an unknown name; ``"triton"`` where its kernels do not import (no triton installed), for a CPU
+            tensor without ``TRITON_INTERPRET=1``, or for bfloat16 under the interpreter (its bf16 dot products are
+            wrong).
         TypeError: ``"triton"`` for a dtype other than fp16/bf16/fp32.
     """
     if name not in BACKENDS:
@@ -178,9 +179,11 @@ def get_backend(name: str, x: torch.Tensor) -> Backend:
     if x.dtype not in _TRITON_DTYPES:
         raise TypeError(f"{asked} runs the dtypes fp16, bf16 and fp32; x has dtype {x.dtype} "
                         "(use backend='torch')")
-    if not triton_available():
-        raise ValueError(f"{asked} needs the triton package, which does not import here (pip install "
-                         "'moeblaze[gpu]'; CUDA builds of torch bring it); use backend='torch'")
+    try:
+        _instance("triton")
+    except ImportError as err:  # no triton, or the kernels need another version: say which
+        raise ValueError(f"{asked} needs triton, and its kernels do not import here ({err}); pip install "
+                         "'moeblaze[gpu]' (CUDA builds of torch bring triton), or use backend='torch'") from None
     if not x.is_cuda and not settings.interpreting():
         raise ValueError(f"{asked} needs CUDA tensors (x is on {x.device}); use backend='torch' "
                          "or set TRITON_INTERPRET=1 to run the kernels in Triton's CPU interpreter")

@@ -197,8 +197,7 @@ def update_expert_biases(model: nn.Module, group: dist.ProcessGroup | None = Non
     routers = _counting_routers(model)
     if not routers:
         raise ValueError("update_expert_biases: no router of model counts its tokens; build its MoE layers with "
-                         "expert_bias_update_rate > 0 (MoE(..., expert_bias_update_rate=1e-3)) or "
-                         "track_expert_load=True")
+                         "expert_bias_update_rate > 0 (MoE(..., expert_bias_update_rate=1e-3))")
     if load is None:
         load = expert_load(model, group)
     if len(load) != len(routers):

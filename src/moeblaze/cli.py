@@ -114,8 +114,11 @@ def _configs(args: argparse.Namespace) -> tuple[TrainConfig, ModelConfig]:
             out_dir = given_t["out_dir"] if "out_dir" in given_t else str(newest_run(ROOT))
             saved_t, saved_m, _ = load_run_config(out_dir)
             # Continue the stored run; per-invocation options start from their defaults.
-            base = replace(saved_t, stop_after=0, progress=TrainConfig.progress, overwrite=False, out_dir=out_dir,
-                           profile_steps=0)
+            per_run = {"stop_after": 0, "progress": TrainConfig.progress, "overwrite": False, "out_dir": out_dir,
+                       "profile_steps": 0}
+            if given_t.get("ep", saved_t.ep) == 1 and "ep_exchange" not in given_t:
+                per_run["ep_exchange"] = "auto"  # an expert-parallel run resumed without EP: no exchange to pick
+            base = replace(saved_t, **per_run)
             return replace(base, **given_t), replace(saved_m, **given_m)
         return (TrainConfig(**{**_split(argparse.Namespace(**preset), TrainConfig), **given_t}),
                 ModelConfig(**{**_split(argparse.Namespace(**preset), ModelConfig), **given_m}))

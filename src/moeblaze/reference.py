@@ -11,6 +11,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+# the activations act_reference writes out
+REFERENCE_ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu", "relu2", "swiglu", "geglu", "geglu_tanh",
+                         "swiglu_clamped")
+
 
 def act_reference(name: str, pre: torch.Tensor, alpha: float = 1.702, limit: float = 7.0,
                   interleaved: bool = False) -> torch.Tensor:
@@ -24,7 +28,7 @@ def act_reference(name: str, pre: torch.Tensor, alpha: float = 1.702, limit: flo
     }
     gated = {"swiglu": "silu", "geglu": "gelu", "geglu_tanh": "gelu_tanh"}
     if name not in (*f, *gated, "swiglu_clamped"):
-        raise ValueError(f"activation must be one of {sorted((*f, *gated, 'swiglu_clamped'))}, got {name!r}")
+        raise ValueError(f"activation must be one of {sorted(REFERENCE_ACTIVATIONS)}, got {name!r}")
     if name not in gated and name != "swiglu_clamped":
         return f[name](pre)
     gate, up = (pre[..., 0::2], pre[..., 1::2]) if interleaved else pre.chunk(2, dim=-1)
@@ -59,7 +63,7 @@ def moe_experts_reference(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights:
         TypeError: ``topk_ids`` not an integer tensor. ValueError: shapes not as above, a negative id, an unknown
             ``activation``.
     """
-    _check_reference_args(x, topk_ids, topk_weights, w_gate_up, w_down)
+    _check_reference_args(x, topk_ids, topk_weights, w_gate_up, w_down, activation)
     out = torch.zeros_like(x)
     for e in range(w_down.shape[0]):
         tok, slot = torch.nonzero(topk_ids == e, as_tuple=True)
@@ -75,8 +79,10 @@ def moe_experts_reference(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights:
     return out
 
 
-def _check_reference_args(x, topk_ids, topk_weights, w_gate_up, w_down) -> None:
+def _check_reference_args(x, topk_ids, topk_weights, w_gate_up, w_down, activation: str) -> None:
     """The argument checks of :func:`moe_experts_reference` (its docstring's Raises)."""
+    if activation not in REFERENCE_ACTIVATIONS:
+        raise ValueError(f"activation must be one of {sorted(REFERENCE_ACTIVATIONS)}, got {activation!r}")
     if topk_ids.dtype.is_floating_point or topk_ids.dtype.is_complex or topk_ids.dtype == torch.bool:
         raise TypeError(f"topk_ids must be an integer tensor of expert ids, got {topk_ids.dtype}")
     if x.dim() != 2 or topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0]:
@@ -86,7 +92,7 @@ def _check_reference_args(x, topk_ids, topk_weights, w_gate_up, w_down) -> None:
                          f"got {tuple(topk_weights.shape)}")
     E, d = w_down.shape[0], x.shape[1]
     if w_gate_up.dim() != 3 or w_down.dim() != 3 or w_gate_up.shape[0] != E or w_gate_up.shape[2] != d \
-            or w_down.shape[1] != d:
+            or w_down.shape[1] != d or w_gate_up.shape[1] not in (w_down.shape[2], 2 * w_down.shape[2]):
         raise ValueError(f"w_gate_up must be [E, 2h|h, d] and w_down [E, d, h] with d = {d}, got "
                          f"{tuple(w_gate_up.shape)} and {tuple(w_down.shape)}")
     if topk_ids.numel() and int(topk_ids.min()) < 0:

@@ -81,13 +81,15 @@ def _describe(total: int, mcfg: ModelConfig, cfg: TrainConfig, device, precision
             + ("; blocks compiled (torch.compile)" if cfg.compile else "") + f"; out-dir {cfg.out_dir}")
 
 
-def _check_backend(mcfg: ModelConfig, device: torch.device) -> None:
+def _check_backend(mcfg: ModelConfig, device: torch.device, precision: str) -> None:
+    """The experts' backend runs on ``device``, and the FP8 recipe of ``precision`` on it (:func:`_check_fp8`)."""
     if mcfg.backend == "triton" and not triton_available():
-        raise ConfigError("--backend triton needs the triton package, which does not import here (pip install "
-                          "'moeblaze[gpu]'; CUDA builds of torch bring it); use --backend torch or auto")
+        raise ConfigError("--backend triton needs triton, and its kernels do not import here (pip install "
+                          "'moeblaze[gpu]'; CUDA builds of torch bring triton); use --backend torch or auto")
     if mcfg.backend == "triton" and device.type != "cuda" and not settings.interpreting():
         raise ConfigError(f"--backend triton needs a CUDA device (--device is {device}); use --backend torch "
                           "or auto, or set TRITON_INTERPRET=1 to run the kernels in Triton's (slow) CPU interpreter")
+    _check_fp8(precision, mcfg, device)
 
 
 def _check_exchange(cfg: TrainConfig, device: torch.device) -> None:
@@ -191,8 +193,7 @@ def _train(cfg: TrainConfig, model_cfg: ModelConfig | None, log, job: Job) -> Tr
     cfg = replace(cfg, progress=cfg.progress if job.rank0 else False)  # progress None: a bar on a terminal only
     _check_exchange(cfg, device)
     if model_cfg is not None:
-        _check_backend(model_cfg, device)
-        _check_fp8(precision, model_cfg, device)
+        _check_backend(model_cfg, device, precision)
     check_logger(cfg.logger)  # on every rank: a missing package fails them all before anything is built
     resume_from, finished = prepare_out_dir(cfg, log), False
     if resume_from is not None:
@@ -210,8 +211,7 @@ def _train(cfg: TrainConfig, model_cfg: ModelConfig | None, log, job: Job) -> Tr
             return TrainResult(saved_step, float("nan"), float("nan"), float("nan"), 0.0, 0, [],
                                status="done", checkpoint=str(resume_from))
     mcfg = model_cfg or ModelConfig()
-    _check_backend(mcfg, device)
-    _check_fp8(precision, mcfg, device)
+    _check_backend(mcfg, device, precision)
     threads = set_threads(cfg, device)
     if job.distributed and device.type == "cpu" and not cfg.threads:  # the node's cores shared by its ranks
         threads = max(1, threads // int(settings.launcher_env().get("LOCAL_WORLD_SIZE", job.world)))
