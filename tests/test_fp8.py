@@ -251,7 +251,9 @@ def check_emulation(inputs: dict, recipe: Float8Recipe, save: str, backend: str 
     """Every output and gradient of ``moe_experts(fp8=recipe)`` against the float64 reference: error at most
     2x the rounded baseline's plus a floor of 2 eps of the result's dtype — for ``dtopk_weights`` at least
     e4m3's unit roundoff times the condition of its dot products (T = 1 has K of them: too few for the errors to
-    average out). Returns ``(dout, results)``."""
+    average out), and at T = 1 for the weight gradients at least e4m3's unit roundoff: each element is then one
+    product of two rounded values, no sum, so the two errors compared are two draws of a few roundings each (their
+    ratio passed 2 in 10 of 6,000 draws; ``dw_down`` 0.126 against 0.041, seed 1730). Returns ``(dout, results)``."""
     dout = torch.randn(inputs["x"].shape).to(inputs["x"].device)
     got = run_and_grad(lambda **kw: moe_experts(**kw, backend=backend, save=save, fp8=recipe), inputs, dout)
     ref = reference_outputs(inputs, "swiglu", dout)
@@ -262,6 +264,8 @@ def check_emulation(inputs: dict, recipe: Float8Recipe, save: str, backend: str 
         if name == "dtopk_weights":
             magnitude = router_weight_grad_magnitude(inputs, "swiglu", dout).norm() / r.norm()
             floor = max(floor, U * float(magnitude))
+        if name in ("dw_gate_up", "dw_down") and inputs["x"].shape[0] == 1:
+            floor = max(floor, U)
         err, base_err = rel_error(a, r), rel_error(b, r)
         assert err <= 2 * base_err + floor, f"{name}: error {err:.3e} > 2 x e4m3 baseline {base_err:.3e} + {floor:.1e}"
     return dout, got
@@ -290,15 +294,22 @@ def test_triton_rowwise_within_the_e4m3_rule_and_as_the_emulation(case, save):
     """The Triton backend's rowwise FP8 path (the interpreter, fp32): the §7 rule against float64, and every result
     as the emulation computes it: the same e4m3 operands, fp32 sums in another order. That order may move an
     intermediate value (act, dpre, w act) across an e4m3 rounding tie, one step (12.5%) in that element and in what
-    reads it; so the check counts the elements more than 1e-4 of the largest off: at most 5% of any result."""
+    reads it; so the check counts the elements more than 1e-4 of the largest off: at most 5% of the weight gradients'
+    and ``dtopk_weights``' elements, and of ``out``'s and ``dx``'s token rows at most 5% or one (a moved ``dpre``
+    element moves its token's whole ``dx`` row, all of ``dx`` at T = 1: 92% of it off at seed 3145, 3.2e-3 apart);
+    and no result further from the emulation than one e4m3 unit roundoff."""
     T, d, h, E, K, routing = CASES[case]
     inputs = make_expert_inputs(T, d, h, E, K, routing=routing)
     recipe = Float8Recipe("rowwise")
     dout, got = check_emulation(inputs, recipe, save, backend="triton")
     emulated = run_and_grad(lambda **kw: moe_experts(**kw, backend="torch", save=save, fp8=recipe), inputs, dout)
     for name, a, b in zip(NAMES, got, emulated):
-        off = ((a - b).abs() > 1e-4 * b.abs().max()).float().mean()
-        assert off <= 0.05, (name, float(off), rel_error(a, b))
+        off = (a - b).abs() > 1e-4 * b.abs().max()
+        if name in ("out", "dx"):  # token rows
+            assert int(off.any(dim=1).sum()) <= max(1, 0.05 * T), (name, int(off.any(dim=1).sum()), rel_error(a, b))
+        else:
+            assert float(off.float().mean()) <= 0.05, (name, float(off.float().mean()), rel_error(a, b))
+        assert rel_error(a, b) < U, (name, rel_error(a, b))
 
 
 @pytest.mark.gpu
@@ -323,7 +334,8 @@ def test_power_of_two_scales_are_e4m3_rounding_at_every_operand(case, granularit
     than 2e-3 in a small tensor). So the check counts the elements more than 0.1% off: every operand quantized
     where ops_fp8's table says, none missed (that moves 99% of the elements of every result). One tie moved in an
     intermediate row moves a whole token's row of ``out`` and ``dx``, 1/T of them (2.5% at T 40: seed 837483897 of
-    the "short last tiles" case, rowwise, save "input": 2 seeds of 300), so the bound is 2% plus one row."""
+    the "short last tiles" case, rowwise, save "input"; two rows, 1.6%, at seed 304 of "zipf"), so the bound is 10%
+    of the elements, four rows at T 40, far below what a missed quantization moves."""
     T, d, h, E, K, routing = CASES[case]
     inputs = make_expert_inputs(T, d, h, E, K, routing=routing)
     dout = torch.randn(T, d)
@@ -331,7 +343,7 @@ def test_power_of_two_scales_are_e4m3_rounding_at_every_operand(case, granularit
     got = run_and_grad(lambda **kw: moe_experts(**kw, backend="torch", save=save, fp8=recipe), inputs, dout)
     for name, a, b in zip(NAMES, got, rounded_baseline(inputs, dout, save, granularity)):
         off = ((a - b).abs() > 1e-3 * b.abs() + 1e-6 * b.abs().max()).float().mean()
-        assert off < 0.02 + 1 / T and rel_error(a, b) < 2e-2, f"{name}: {off:.1%} of the elements off, " \
+        assert off < 0.1 and rel_error(a, b) < 2e-2, f"{name}: {off:.1%} of the elements off, " \
             f"{rel_error(a, b):.2e} from the e4m3-rounded baseline"
 
 
