@@ -11,9 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-# the activations act_reference writes out
-REFERENCE_ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu", "relu2", "swiglu", "geglu", "geglu_tanh",
-                         "swiglu_clamped")
+from .activations import ACTIVATIONS
 
 
 def act_reference(name: str, pre: torch.Tensor, alpha: float = 1.702, limit: float = 7.0,
@@ -27,8 +25,8 @@ def act_reference(name: str, pre: torch.Tensor, alpha: float = 1.702, limit: flo
         "relu2": lambda z: torch.relu(z) ** 2,
     }
     gated = {"swiglu": "silu", "geglu": "gelu", "geglu_tanh": "gelu_tanh"}
-    if name not in (*f, *gated, "swiglu_clamped"):
-        raise ValueError(f"activation must be one of {sorted(REFERENCE_ACTIVATIONS)}, got {name!r}")
+    if name not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {sorted(ACTIVATIONS)}, got {name!r}")
     if name not in gated and name != "swiglu_clamped":
         return f[name](pre)
     gate, up = (pre[..., 0::2], pre[..., 1::2]) if interleaved else pre.chunk(2, dim=-1)
@@ -81,8 +79,8 @@ def moe_experts_reference(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights:
 
 def _check_reference_args(x, topk_ids, topk_weights, w_gate_up, w_down, activation: str) -> None:
     """The argument checks of :func:`moe_experts_reference` (its docstring's Raises)."""
-    if activation not in REFERENCE_ACTIVATIONS:
-        raise ValueError(f"activation must be one of {sorted(REFERENCE_ACTIVATIONS)}, got {activation!r}")
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {sorted(ACTIVATIONS)}, got {activation!r}")
     if topk_ids.dtype.is_floating_point or topk_ids.dtype.is_complex or topk_ids.dtype == torch.bool:
         raise TypeError(f"topk_ids must be an integer tensor of expert ids, got {topk_ids.dtype}")
     if x.dim() != 2 or topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0]:
