@@ -114,7 +114,6 @@ def _slot_buffer(a: Tensor, N: int, d: int, h: int, a_elem: int | None = None, c
     before is freed."""
     elem = a.element_size()
     chunks = column_chunks(N, d, h, elem, lambda: peak_headroom(a.device), a_elem, col_extra)
-    buf = None
     try:
         buf = a.new_empty(N, max(c1 - c0 for c0, c1 in chunks))
         return chunks, buf, (weight_rows(*chunks[0]) if weight_rows is not None else None)
